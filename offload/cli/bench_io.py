@@ -1,0 +1,226 @@
+"""`offload bench io`: the engines against the disk's own reference, interleaved.
+
+Each round writes then reads `size` bytes once with every configuration
+(engine x block size x queue depth) and once with each reference tool (`dd`
+with O_DIRECT, and `fio` with libaio when installed), in that interleaved
+order (A B A B), so drift of the disk hits every row alike. Rows report the
+median over rounds and the ratio to the best reference.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+
+from ..config import parse_bytes
+from ..io import AioEngine, BufferPool, ThreadEngine, libaio_status, probe_direct
+
+MiB = 1 << 20
+
+
+@dataclass
+class Row:
+    engine: str
+    block_size: int
+    queue_depth: int
+    write_s: list[float] = field(default_factory=list)
+    read_s: list[float] = field(default_factory=list)
+
+
+def _gbps(size: int, times: list[float]) -> float:
+    return size / statistics.median(times) / 1e9 if times else float("nan")
+
+
+def _dd(path: str, size: int, bs: int) -> tuple[float, float]:
+    count = size // bs
+    t = time.perf_counter()
+    subprocess.run(["dd", "if=/dev/zero", f"of={path}", f"bs={bs}", f"count={count}",
+                    "oflag=direct", "conv=notrunc,fdatasync"], check=True,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    w = time.perf_counter() - t
+    t = time.perf_counter()
+    subprocess.run(["dd", f"if={path}", "of=/dev/null", f"bs={bs}", f"count={count}",
+                    "iflag=direct"], check=True, stdout=subprocess.DEVNULL,
+                   stderr=subprocess.DEVNULL)
+    return w, time.perf_counter() - t
+
+
+def _fio_timed(path: str, size: int, bs: int, qd: int) -> tuple[float, float]:
+    res = []
+    for rw in ("write", "read"):
+        args = ["fio", "--name=ref", f"--filename={path}", f"--rw={rw}", f"--bs={bs}",
+                f"--size={size}", "--ioengine=libaio", "--direct=1", f"--iodepth={qd}",
+                "--output-format=json"]
+        if rw == "write":
+            args.append("--end_fsync=1")
+        t = time.perf_counter()
+        out = subprocess.run(args, check=True, capture_output=True, text=True).stdout
+        wall = time.perf_counter() - t
+        job = json.loads(out[out.index("{"):])["jobs"][0]
+        # fio's own runtime (ms) leaves out its start-up; add the end fsync back by
+        # taking the wall clock less the start-up measured from fio's own numbers.
+        runtime = job[rw]["runtime"] / 1e3
+        res.append(runtime if rw == "read" else max(runtime, wall - _FIO_STARTUP[0]))
+    return res[0], res[1]
+
+
+_FIO_STARTUP = [0.0]
+
+
+def run_io_bench(path: str, size: int = 2 << 30, *, engines: tuple[str, ...] = ("aio", "threads"),
+                 block_sizes: tuple[int, ...] = (256 << 10, MiB, 4 * MiB),
+                 queue_depths: tuple[int, ...] = (8, 32), repeat: int = 3,
+                 progress=None) -> dict:
+    """Runs the benchmark under directory `path`; returns the JSON-ready result."""
+    os.makedirs(path, exist_ok=True)
+    ok, why = probe_direct(path)
+    if not ok:
+        raise SystemExit(f"offload bench io: {why}; give --path on a disk-backed file system")
+    free = shutil.disk_usage(path).free
+    if free < 2 * size + (256 << 20):
+        raise SystemExit(f"offload bench io: {path} has {free / 2**30:.1f} GiB free, the "
+                         f"benchmark needs {2 * size / 2**30:.1f} GiB; pass a smaller --size")
+    aio_ok, aio_why = libaio_status()
+    if "aio" in engines and not aio_ok:
+        print(f"note: skipping the aio engine: {aio_why}", file=sys.stderr)
+        engines = tuple(e for e in engines if e != "aio")
+    size = size // (4 * MiB) * (4 * MiB)
+    rows = [Row(e, bs, qd) for e in engines for bs in block_sizes for qd in queue_depths]
+    refs = {"dd bs=1M": [], "dd bs=4M": []}
+    if shutil.which("fio"):
+        refs["fio libaio bs=1M qd=32"] = []
+    ref_times: dict[str, tuple[list[float], list[float]]] = {k: ([], []) for k in refs}
+    ours = os.path.join(path, "offload-bench.dat")
+    theirs = os.path.join(path, "offload-bench-ref.dat")
+    pool = BufferPool(size, pin=None)
+    buf = pool.alloc(size, tag="bench")
+    buf.numpy()[:] = 0x5A
+    try:
+        for f in (ours, theirs):
+            fd = os.open(f, os.O_RDWR | os.O_CREAT, 0o600)
+            os.posix_fallocate(fd, 0, size)
+            os.close(fd)
+        fd = os.open(ours, os.O_RDWR | os.O_DIRECT)
+        for r in range(repeat):
+            for name in refs:
+                if name.startswith("dd"):
+                    w, rd = _dd(theirs, size, 4 * MiB if "4M" in name else MiB)
+                else:
+                    w, rd = _fio_timed(theirs, size, MiB, 32)
+                ref_times[name][0].append(w)
+                ref_times[name][1].append(rd)
+                if progress:
+                    progress(f"round {r + 1}/{repeat}: {name}  write {size / w / 1e9:.2f} GB/s"
+                             f"  read {size / rd / 1e9:.2f} GB/s")
+            for row in rows:
+                cls = AioEngine if row.engine == "aio" else ThreadEngine
+                kw = {} if row.engine == "aio" else {"threads": min(row.queue_depth, 16)}
+                with cls(block_size=row.block_size, queue_depth=row.queue_depth,
+                         sync_writes=True, direct=True, **kw) as eng:
+                    t = time.perf_counter()
+                    eng.write(fd, ours, 0, buf.address, size, keepalive=buf).wait()
+                    row.write_s.append(time.perf_counter() - t)
+                    t = time.perf_counter()
+                    eng.read(fd, ours, 0, buf.address, size, keepalive=buf).wait()
+                    row.read_s.append(time.perf_counter() - t)
+                if progress:
+                    progress(f"round {r + 1}/{repeat}: {row.engine} bs={row.block_size >> 10}K "
+                             f"qd={row.queue_depth}  write {size / row.write_s[-1] / 1e9:.2f} GB/s"
+                             f"  read {size / row.read_s[-1] / 1e9:.2f} GB/s")
+        os.close(fd)
+    finally:
+        buf.release()
+        pool.close()
+        for f in (ours, theirs):
+            if os.path.exists(f):
+                os.unlink(f)
+    references = [{"tool": k, "write_GBps": _gbps(size, w), "read_GBps": _gbps(size, rd)}
+                  for k, (w, rd) in ref_times.items()]
+    best = {"tool": "best of " + ", ".join(refs),
+            "write_GBps": max(x["write_GBps"] for x in references),
+            "read_GBps": max(x["read_GBps"] for x in references)}
+    results = []
+    for row in rows:
+        w, rd = _gbps(size, row.write_s), _gbps(size, row.read_s)
+        results.append({"engine": row.engine, "block_size": row.block_size,
+                        "queue_depth": row.queue_depth, "write_GBps": w, "read_GBps": rd,
+                        "write_ratio": w / best["write_GBps"], "read_ratio": rd / best["read_GBps"]})
+    return {"benchmark": "io", "path": os.path.abspath(path), "size": size, "repeat": repeat,
+            "sync_writes": True, "results": results, "reference": best, "references": references}
+
+
+def render(result: dict) -> None:
+    """Prints the result as a rich table."""
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console()
+    t = Table(title=f"offload bench io: {result['size'] / 2**30:.2f} GiB, O_DIRECT, "
+                    f"median of {result['repeat']} interleaved rounds, writes include fdatasync")
+    for col in ("engine", "block", "qd", "write GB/s", "x ref", "read GB/s", "x ref"):
+        t.add_column(col, justify="right" if col != "engine" else "left")
+    for ref in result["references"]:
+        t.add_row(ref["tool"], "", "", f"{ref['write_GBps']:.2f}", "", f"{ref['read_GBps']:.2f}",
+                  "", style="dim")
+    for r in result["results"]:
+        t.add_row(r["engine"], f"{r['block_size'] >> 10}K", str(r["queue_depth"]),
+                  f"{r['write_GBps']:.2f}", f"{r['write_ratio']:.2f}", f"{r['read_GBps']:.2f}",
+                  f"{r['read_ratio']:.2f}")
+    con.print(t)
+    for engine in sorted({r["engine"] for r in result["results"]}):
+        mine = [r for r in result["results"] if r["engine"] == engine]
+        bw = max(mine, key=lambda r: r["write_GBps"])
+        br = max(mine, key=lambda r: r["read_GBps"])
+        con.print(f"{engine}: best write {bw['write_GBps']:.2f} GB/s ({bw['write_ratio']:.2f}x "
+                  f"reference), best read {br['read_GBps']:.2f} GB/s ({br['read_ratio']:.2f}x)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="offload bench io", description=__doc__.split("\n\n")[0])
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--path", default=None, help="directory on the disk to measure "
+                   "(default: a temporary directory under the current one)")
+    p.add_argument("--size", default="2GiB", help="bytes written and read per run (default 2GiB)")
+    p.add_argument("--repeat", type=int, default=3, help="interleaved rounds (default 3)")
+    p.add_argument("--engines", default="aio,threads", help="comma list of aio, threads")
+    p.add_argument("--block-sizes", default="256KiB,1MiB,4MiB")
+    p.add_argument("--queue-depths", default="8,32")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+
+
+def run(args) -> int:
+    path = args.path
+    tmp = None
+    if path is None:
+        tmp = path = tempfile.mkdtemp(prefix=".offload-bench-", dir=os.getcwd())
+    try:
+        quiet = args.json
+        progress = None if quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
+        result = run_io_bench(
+            path, parse_bytes(args.size, "--size"),
+            engines=tuple(args.engines.split(",")),
+            block_sizes=tuple(parse_bytes(b, "--block-sizes") for b in args.block_sizes.split(",")),
+            queue_depths=tuple(int(q) for q in args.queue_depths.split(",")),
+            repeat=args.repeat, progress=progress)
+    finally:
+        if tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
+    if args.json:
+        print(json.dumps(result, indent=1))
+    else:
+        render(result)
+    return 0

@@ -1,0 +1,63 @@
+"""`offload`: command-line entry point. Reads like a table of contents; the
+work lives in the sub-command modules and the layers below them."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from . import bench_io, demo
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="offload", description="Train models whose training "
+                                "state is far larger than accelerator memory.")
+    p.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    d = sub.add_parser("demo", help="run the main job on an embedded default")
+    demo.add_arguments(d)
+    d.set_defaults(func=demo.run)
+
+    bench = sub.add_parser("bench", help="benchmarks against the disk or a peer, interleaved")
+    bsub = bench.add_subparsers(dest="bench", required=True)
+    bio = bsub.add_parser("io", help="engines vs dd/fio with O_DIRECT: GB/s and ratio")
+    bench_io.add_arguments(bio)
+    bio.set_defaults(func=bench_io.run)
+
+    cfg = sub.add_parser("config", help="print every configuration key with its default")
+    cfg.set_defaults(func=_print_config)
+    return p
+
+
+def _print_config(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from ..config import config_reference
+
+    t = Table(title="offload configuration keys")
+    for col in ("key", "default", "meaning"):
+        t.add_column(col)
+    for key, default, doc in config_reference():
+        t.add_row(key, default, doc)
+    Console().print(t)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from rich.logging import RichHandler
+
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(message)s", handlers=[RichHandler(show_path=False)])
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

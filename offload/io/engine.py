@@ -1,0 +1,322 @@
+"""Block I/O engines: Linux AIO (`AioEngine`) and a thread pool (`ThreadEngine`).
+
+Both take a request as a list of `Segment`s (a file range and a host address),
+split it into blocks of `block_size` bytes, keep up to `queue_depth` blocks in
+flight, and complete the request's `IoHandle` when its last block finishes
+(after fdatasync for writes when `sync_writes` is on). Results are checked
+block by block; a negative result, an errno or a short transfer becomes an
+`IoError` naming the file, offset and length.
+
+[Note: buffer lifetime]
+The engine addresses memory by raw address. The caller passes the object that
+owns the memory as `keepalive`; the handle holds it until the request is done,
+and the caller must not reuse the buffer before `wait_released()` returns.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import logging
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import NamedTuple, Sequence
+
+from ..trace import NULL_RECORDER, TraceRecorder
+from .errors import IoError
+from .handle import IoHandle
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Segment", "IoEngine", "AioEngine", "ThreadEngine", "libaio_status", "DIRECT_ALIGN"]
+
+DIRECT_ALIGN = 4096  # O_DIRECT needs offset, address and length aligned to the logical block
+
+
+class Segment(NamedTuple):
+    """One contiguous transfer between a file range and host memory."""
+
+    fd: int
+    path: str
+    offset: int   # bytes into the file
+    address: int  # host address of the first byte
+    length: int   # bytes
+
+
+class _Block(NamedTuple):
+    handle: IoHandle
+    seg: Segment
+    sync_fds: tuple[int, ...]  # files to fdatasync once the handle's last block is written
+
+
+class _Sync(NamedTuple):
+    handle: IoHandle
+    fd: int
+
+
+def libaio_status() -> tuple[bool, str]:
+    """(usable, why): whether the libaio package and the system's libaio.so.1 load."""
+    try:
+        import libaio  # noqa: F401  (loads libaio.so.1 through ctypes)
+    except ImportError as e:
+        return False, f"the libaio Python package is not installed ({e})"
+    except OSError as e:
+        return False, (f"libaio.so.1 could not be loaded ({e}); install it with "
+                       "'apt-get install libaio1' (Debian/Ubuntu)")
+    return True, "libaio loaded"
+
+
+class IoEngine:
+    """Common request splitting, checking and completion; subclasses move blocks."""
+
+    name = "base"
+
+    def __init__(self, *, block_size: int = 1 << 20, queue_depth: int = 16,
+                 sync_writes: bool = True, direct: bool = True,
+                 recorder: TraceRecorder = NULL_RECORDER) -> None:
+        if block_size <= 0 or block_size % DIRECT_ALIGN:
+            raise ValueError(f"block_size {block_size} must be a positive multiple of {DIRECT_ALIGN}")
+        if queue_depth < 1:
+            raise ValueError(f"queue_depth {queue_depth} must be >= 1")
+        self.block_size = block_size
+        self.queue_depth = queue_depth
+        self.sync_writes = sync_writes
+        self.direct = direct
+        self.recorder = recorder
+        self._closed = False
+
+    # -- public ----------------------------------------------------------------
+    def submit(self, op: str, segments: Sequence[Segment], *, keepalive: object = None,
+               sync: bool | None = None) -> IoHandle:
+        """Starts a read or write of all `segments`; returns its handle at once."""
+        if op not in ("read", "write"):
+            raise ValueError(f"op must be 'read' or 'write', got {op!r}")
+        if self._closed:
+            raise RuntimeError(f"{self.name} engine is closed")
+        total = sum(s.length for s in segments)
+        first = segments[0] if segments else None
+        describe = f"{op} {total} B" + (f" at {first.path}:{first.offset}" if first else "")
+        handle = IoHandle(op, total, describe, keepalive)
+        sync = self.sync_writes if sync is None else sync
+        fds = tuple(sorted({s.fd for s in segments})) if op == "write" and sync else ()
+        blocks = []
+        for seg in segments:
+            if self.direct and (seg.offset | seg.address | seg.length) % DIRECT_ALIGN:
+                raise ValueError(f"{describe}: O_DIRECT needs offset ({seg.offset}), address "
+                                 f"({seg.address:#x}) and length ({seg.length}) aligned to "
+                                 f"{DIRECT_ALIGN}; use buffers from BufferPool")
+            for off in range(0, seg.length, self.block_size):
+                n = min(self.block_size, seg.length - off)
+                blocks.append(_Block(handle, Segment(seg.fd, seg.path, seg.offset + off,
+                                                     seg.address + off, n), fds))
+        handle._add_blocks(len(blocks))
+        token = self.recorder.async_begin(op, "io", f"io:{self.name}", {"bytes": total})
+        handle.add_done_callback(lambda h: self.recorder.async_end(
+            token, {"error": str(h.error)} if h.error else None))
+        if not blocks:
+            handle._finish()
+            return handle
+        self._start(blocks)
+        return handle
+
+    def read(self, fd: int, path: str, offset: int, address: int, length: int, *,
+             keepalive: object = None) -> IoHandle:
+        return self.submit("read", [Segment(fd, path, offset, address, length)], keepalive=keepalive)
+
+    def write(self, fd: int, path: str, offset: int, address: int, length: int, *,
+              keepalive: object = None, sync: bool | None = None) -> IoHandle:
+        return self.submit("write", [Segment(fd, path, offset, address, length)],
+                           keepalive=keepalive, sync=sync)
+
+    def close(self) -> None:
+        self._closed = True
+
+    def __enter__(self) -> "IoEngine":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- completion --------------------------------------------------------------
+    def _check(self, block: _Block, res: int) -> IoError | None:
+        seg = block.seg
+        op = block.handle.op
+        if res < 0:
+            return IoError(op, seg.path, seg.offset, seg.length, -res)
+        if res != seg.length:
+            return IoError(op, seg.path, seg.offset, seg.length, None,
+                           f"{res} of {seg.length} bytes transferred"
+                           + ("; the file ends before this range" if op == "read" else ""))
+        return None
+
+    def _block_finished(self, block: _Block, error: BaseException | None) -> None:
+        handle = block.handle
+        if not handle._block_done(error):
+            return
+        if handle.error is None and block.sync_fds:
+            handle._mark_released()  # data left the buffer; durability follows
+            self._sync(handle, block.sync_fds)  # finishes the handle after fdatasync
+        else:
+            handle._finish()
+
+    def _sync(self, handle: IoHandle, fds: tuple[int, ...]) -> None:
+        raise NotImplementedError  # each engine syncs its own way
+
+    def _start(self, blocks: list[_Block]) -> None:
+        raise NotImplementedError  # each engine moves blocks its own way
+
+
+class ThreadEngine(IoEngine):
+    """`os.preadv`/`os.pwritev` in a thread pool (the syscalls release the GIL)."""
+
+    name = "threads"
+
+    def __init__(self, *, threads: int = 4, **kw: object) -> None:
+        super().__init__(**kw)
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="offload-io")
+
+    def _start(self, blocks: list[_Block]) -> None:
+        for b in blocks:
+            self._pool.submit(self._run_block, b)
+
+    def _run_block(self, block: _Block) -> None:
+        seg = block.seg
+        mv = memoryview((ctypes.c_char * seg.length).from_address(seg.address)).cast("B")
+        done = 0
+        error = None
+        try:
+            while done < seg.length:  # regular files only return short at EOF or on error
+                fn = os.preadv if block.handle.op == "read" else os.pwritev
+                n = fn(seg.fd, [mv[done:]], seg.offset + done)
+                if n <= 0:
+                    break
+                done += n
+        except OSError as e:
+            error = IoError(block.handle.op, seg.path, seg.offset, seg.length, e.errno)
+        self._block_finished(block, error or self._check(block, done))
+
+    def _sync(self, handle: IoHandle, fds: tuple[int, ...]) -> None:
+        def run() -> None:
+            err = None
+            for fd in fds:
+                try:
+                    os.fdatasync(fd)
+                except OSError as e:
+                    err = err or IoError("fdatasync", handle.describe, 0, handle.nbytes, e.errno)
+            handle._finish(err)
+        self._pool.submit(run)
+
+    def close(self) -> None:
+        super().close()
+        self._pool.shutdown(wait=True)
+
+
+class AioEngine(IoEngine):
+    """Linux AIO through the `libaio` package: io_submit / io_getevents.
+
+    One reaper thread blocks in io_getevents (a ctypes call, so the GIL is
+    released while it waits), reaps completions, and refills the queue from
+    the pending list so `queue_depth` blocks stay in flight.
+    """
+
+    name = "aio"
+
+    def __init__(self, **kw: object) -> None:
+        super().__init__(**kw)
+        ok, why = libaio_status()
+        if not ok:
+            raise RuntimeError(f"AioEngine unavailable: {why}; or set io.engine = 'threads'")
+        import libaio
+        self._aio = libaio
+        self._ctx = libaio.AIOContext(self.queue_depth)
+        self._cv = threading.Condition()
+        self._pending: collections.deque[tuple[object, _Block | _Sync]] = collections.deque()
+        self._tags: dict[int, tuple[object, _Block | _Sync]] = {}  # id(AIOBlock) -> in flight
+        self._inflight = 0
+        self._reaper = threading.Thread(target=self._reap, name="offload-aio-reaper", daemon=True)
+        self._reaper.start()
+
+    def _make(self, block: _Block) -> object:
+        seg = block.seg
+        mode = self._aio.AIOBLOCK_MODE_READ if block.handle.op == "read" else \
+            self._aio.AIOBLOCK_MODE_WRITE
+        buf = (ctypes.c_char * seg.length).from_address(seg.address)
+        return self._aio.AIOBlock(mode, target_file=seg.fd, buffer_list=[buf], offset=seg.offset)
+
+    def _start(self, blocks: list[_Block]) -> None:
+        with self._cv:
+            self._pending.extend((self._make(b), b) for b in blocks)
+            failed = self._pump()
+        self._complete(failed)
+
+    def _sync(self, handle: IoHandle, fds: tuple[int, ...]) -> None:
+        handle._add_blocks(len(fds))
+        with self._cv:
+            for fd in fds:
+                aio = self._aio.AIOBlock(self._aio.AIOBLOCK_MODE_FDSYNC, target_file=fd)
+                self._pending.append((aio, _Sync(handle, fd)))
+            failed = self._pump()
+        self._complete(failed)
+
+    def _pump(self) -> list[tuple[_Block | _Sync, int]]:
+        """Submits pending blocks while there is room; returns the refused ones
+        as (tag, -errno) for the caller to complete once it dropped the lock."""
+        refused = []
+        while self._pending and self._inflight < self.queue_depth:
+            room = self.queue_depth - self._inflight
+            batch = [self._pending.popleft() for _ in range(min(len(self._pending), room))]
+            for aio, tag in batch:
+                self._tags[id(aio)] = (aio, tag)
+            try:
+                n = self._ctx.submit([aio for aio, _ in batch])
+            except OSError as e:  # io_submit refused the first block: fail it, go on
+                self._tags.pop(id(batch[0][0]))
+                refused.append((batch[0][1], -(e.errno or 5)))
+                batch, n = batch[1:], 0
+                self._pending.extendleft(reversed(batch))
+                continue
+            for aio, _ in batch[n:]:
+                self._tags.pop(id(aio))
+            self._inflight += n
+            self._pending.extendleft(reversed(batch[n:]))
+            if n < len(batch):
+                break  # kernel queue full (EAGAIN): the reaper refills after completions
+        if self._inflight:
+            self._cv.notify()
+        return refused
+
+    def _reap(self) -> None:
+        while True:
+            with self._cv:
+                while self._inflight == 0 and not self._closed:
+                    self._cv.wait()
+                if self._inflight == 0 and self._closed:
+                    return
+            # Blocks in io_getevents with the GIL released; the timeout only
+            # bounds how late a close() is noticed, it is not a poll interval.
+            events = self._ctx.getEvents(min_nr=1, nr=self.queue_depth, timeout=1.0)
+            with self._cv:
+                self._inflight -= len(events)
+                done = [(self._tags.pop(id(aio))[1], res) for aio, res, _ in events]
+                done += self._pump()
+            self._complete(done)
+
+    def _complete(self, done: list[tuple[_Block | _Sync, int]]) -> None:
+        for tag, res in done:
+            if isinstance(tag, _Sync):
+                err = IoError("fdatasync", tag.handle.describe, 0, tag.handle.nbytes, -res) \
+                    if res < 0 else None
+                if tag.handle._block_done(err):
+                    tag.handle._finish()
+            else:
+                self._block_finished(tag, self._check(tag, res))
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        self._reaper.join()
+        self._ctx.close()

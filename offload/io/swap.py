@@ -1,0 +1,374 @@
+"""Swap space: the NVMe tier's files for one rank and one partition kind.
+
+One file per configured directory, named `offload-<name>.swap`, opened with
+O_DIRECT, preallocated with fallocate in `grow_step` units and locked against
+a second process. Several directories are striped RAID-0 style: logical byte
+`o` lives in file `(o // S) % n` at `(o // S // n) * S + o % S` for stripe
+size S, so one large extent is read from every disk at once.
+
+[Note: no data lost]
+Space is reserved (fallocate) before an extent is handed out, so running out
+of disk raises `SwapFullError` from `alloc()`, before any write, and no
+existing extent is touched. A write that fails marks only its own extent as
+unreadable; the caller keeps its previous valid copy (the store rewrites to a
+fresh extent and frees the old one only after the new write is durable).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno as _errno
+import fcntl
+import logging
+import os
+import shutil
+import threading
+from dataclasses import dataclass
+from typing import Callable
+
+import xxhash
+
+from .engine import DIRECT_ALIGN, IoEngine, Segment
+from .errors import CorruptionError, IoError, SwapFullError, SwapLockedError
+from .extents import Extent, ExtentAllocator
+from .handle import IoHandle
+
+log = logging.getLogger(__name__)
+
+__all__ = ["SwapExtent", "SwapSpace", "ReadHandle", "probe_direct"]
+
+
+def _round_up(n: int, m: int) -> int:
+    return (n + m - 1) // m * m
+
+
+def probe_direct(directory: str) -> tuple[bool, str]:
+    """(ok, why): whether files under `directory` accept O_DIRECT (tmpfs does not)."""
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, f".offload-direct-probe-{os.getpid()}-{threading.get_ident()}")
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
+    except OSError as e:
+        return False, f"{directory} refuses O_DIRECT ({e.strerror})"
+    try:
+        import mmap
+        buf = mmap.mmap(-1, DIRECT_ALIGN)
+        try:
+            os.pwrite(fd, buf, 0)
+        except OSError as e:
+            return False, f"{directory} refuses O_DIRECT writes ({e.strerror})"
+        finally:
+            buf.close()
+    finally:
+        os.close(fd)
+        os.unlink(path)
+    return True, f"{directory} accepts O_DIRECT"
+
+
+@dataclass(frozen=True)
+class SwapExtent:
+    """A reserved range of the logical swap address space (bytes)."""
+
+    offset: int
+    length: int  # reserved bytes, a multiple of 4 KiB
+
+
+class _SwapFile:
+    def __init__(self, path: str, direct: bool) -> None:
+        self.path = path
+        self.lock_path = path + ".lock"
+        self.lock_fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(self.lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            owner = os.pread(self.lock_fd, 64, 0).decode(errors="replace").strip() or "unknown"
+            os.close(self.lock_fd)
+            raise SwapLockedError(
+                f"swap file {path} is in use by another live process (pid {owner}); give this "
+                "job its own io.paths directory, or stop the other job") from None
+        # The flock dies with its holder, so a lock left by a killed run is
+        # free again: we hold it now and take the file over.
+        os.ftruncate(self.lock_fd, 0)
+        os.pwrite(self.lock_fd, f"{os.getpid()}\n".encode(), 0)
+        flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0)
+        try:
+            self.fd = os.open(path, flags, 0o600)
+        except OSError:
+            self._unlock(remove=True)
+            raise
+        self.size = 0
+
+    def _unlock(self, remove: bool) -> None:
+        if remove:
+            try:
+                os.unlink(self.lock_path)
+            except FileNotFoundError:
+                pass
+        os.close(self.lock_fd)
+
+    def close(self, remove: bool) -> None:
+        os.close(self.fd)
+        if remove:
+            os.unlink(self.path)
+        self._unlock(remove)
+
+
+class ReadHandle:
+    """A swap read whose bytes are checked against the write's checksum on `wait()`.
+
+    The bytes in the buffer must not be used before `wait()` returns: until
+    then they are unverified.
+    """
+
+    def __init__(self, inner: IoHandle, verify: Callable[[], None] | None) -> None:
+        self._inner = inner
+        self._verify = verify
+        self._lock = threading.Lock()
+        self._verified = verify is None
+
+    def done(self) -> bool:
+        return self._inner.done()
+
+    released = done
+
+    def wait(self, timeout: float | None = None) -> int:
+        n = self._inner.wait(timeout)
+        if not self._verified:
+            with self._lock:
+                if not self._verified:
+                    self._verify()  # raises CorruptionError; stays unverified then
+                    self._verified = True
+        return n
+
+    wait_released = wait
+
+    def add_done_callback(self, fn: Callable[[IoHandle], None]) -> None:
+        self._inner.add_done_callback(fn)
+
+    @property
+    def nbytes(self) -> int:
+        return self._inner.nbytes
+
+
+def _address(buffer: object) -> int:
+    """Host address of a HostBuffer, a CPU torch tensor or a numpy array."""
+    if hasattr(buffer, "address"):
+        return int(buffer.address)
+    if hasattr(buffer, "data_ptr"):
+        return int(buffer.data_ptr())
+    if hasattr(buffer, "ctypes"):
+        return int(buffer.ctypes.data)
+    raise TypeError(f"cannot take the address of {type(buffer).__name__}; pass a HostBuffer")
+
+
+def _capacity(buffer: object) -> int:
+    """Bytes addressable from `_address(buffer)`."""
+    if hasattr(buffer, "capacity"):
+        return int(buffer.capacity)
+    if hasattr(buffer, "untyped_storage"):
+        return buffer.numel() * buffer.element_size()
+    return int(buffer.nbytes)
+
+
+def _view(buffer: object, nbytes: int) -> memoryview:
+    """The first `nbytes` of `buffer` as a memoryview (no copy)."""
+    return memoryview((ctypes.c_char * nbytes).from_address(_address(buffer))).cast("B")
+
+
+class SwapSpace:
+    """Striped, locked, preallocated swap files with an extent allocator.
+
+    `alloc`/`free` reserve byte ranges; `write`/`read` move bytes between an
+    extent and a 4 KiB-aligned host buffer (HostBuffer from BufferPool) and
+    return handles. Files are removed by `close()` unless `keep=True`.
+    """
+
+    def __init__(self, paths: list[str], name: str, engine: IoEngine, *,
+                 stripe_size: int = 1 << 20, grow_step: int = 256 << 20, max_size: int = 0,
+                 checksum: bool = True) -> None:
+        if not paths:
+            raise ValueError("SwapSpace needs at least one directory (io.paths)")
+        if stripe_size % DIRECT_ALIGN or grow_step % stripe_size:
+            raise ValueError(f"stripe_size {stripe_size} must be a multiple of {DIRECT_ALIGN} "
+                             f"and grow_step {grow_step} a multiple of stripe_size")
+        self.name = name
+        self.engine = engine
+        self.stripe = stripe_size
+        self.grow_step = grow_step
+        self.max_size = max_size
+        self.checksum = checksum
+        self._lock = threading.Lock()
+        self._alloc = ExtentAllocator(0, DIRECT_ALIGN)
+        self._sums: dict[int, tuple[int, int] | None] = {}  # extent offset -> (nbytes, xxh3)
+        self._files: list[_SwapFile] = []
+        try:
+            for d in paths:
+                if os.path.exists(d) and not os.path.isdir(d):
+                    raise NotADirectoryError(f"io.paths: {d} exists and is not a directory")
+                os.makedirs(d, exist_ok=True)
+                self._files.append(_SwapFile(os.path.join(d, f"offload-{name}.swap"),
+                                             engine.direct))
+        except BaseException:
+            for f in self._files:
+                f.close(remove=True)
+            raise
+
+    @property
+    def paths(self) -> list[str]:
+        return [f.path for f in self._files]
+
+    @property
+    def capacity(self) -> int:
+        """Logical bytes reserved on disk (all files together)."""
+        return self._alloc.capacity
+
+    @property
+    def used_bytes(self) -> int:
+        return self._alloc.used_bytes
+
+    # -- space ---------------------------------------------------------------
+    def alloc(self, nbytes: int) -> SwapExtent:
+        """Reserves an extent for `nbytes`; grows the files first if needed.
+
+        Raises `SwapFullError` (and changes nothing) when the disk, the file-size
+        limit or `io.max_swap_size` cannot hold it.
+        """
+        if nbytes <= 0:
+            raise ValueError(f"swap extent size must be positive, got {nbytes}")
+        with self._lock:
+            ext = self._alloc.alloc(nbytes)
+            if ext is None:
+                self._grow(nbytes)
+                ext = self._alloc.alloc(nbytes)
+                if ext is None:
+                    raise RuntimeError(f"swap {self.name}: grew to {self.capacity} B but "
+                                       f"{nbytes} B still do not fit ({self._alloc})")
+            self._sums[ext.offset] = None
+            return SwapExtent(ext.offset, ext.length)
+
+    def free(self, extent: SwapExtent) -> None:
+        """Returns an extent; the caller guarantees no transfer on it is in flight."""
+        with self._lock:
+            self._alloc.free(Extent(extent.offset, extent.length))
+            self._sums.pop(extent.offset, None)
+
+    def _grow(self, need: int) -> None:
+        n = len(self._files)
+        unit = self.stripe * n
+        new_cap = _round_up(max(self._alloc.required_capacity(need),
+                                self.capacity + self.grow_step), unit)
+        if self.max_size and new_cap > self.max_size:
+            raise SwapFullError("alloc", self._files[0].path, self.capacity, need, _errno.ENOSPC,
+                                f"io.max_swap_size={self.max_size} bytes would be exceeded "
+                                f"({self.used_bytes} in use); raise it or keep less on NVMe")
+        per_file = new_cap // n
+        done: list[_SwapFile] = []
+        for f in self._files:
+            try:
+                os.posix_fallocate(f.fd, f.size, per_file - f.size)
+            except OSError as e:
+                for g in done + [f]:  # give back what this attempt reserved
+                    os.ftruncate(g.fd, g.size)
+                free = shutil.disk_usage(os.path.dirname(f.path)).free
+                raise SwapFullError(
+                    "alloc", f.path, f.size, per_file - f.size, e.errno,
+                    f"cannot reserve swap space: {free} bytes free in {os.path.dirname(f.path)}; "
+                    "free disk space, add a directory to io.paths, or raise the file-size limit "
+                    "(ulimit -f)") from None
+            done.append(f)
+        for f in self._files:
+            f.size = per_file
+        self._alloc.grow(new_cap)
+
+    # -- data ----------------------------------------------------------------
+    def _segments(self, offset: int, length: int, address: int) -> list[Segment]:
+        n = len(self._files)
+        if n == 1:
+            f = self._files[0]
+            return [Segment(f.fd, f.path, offset, address, length)]
+        segs = []
+        pos = offset
+        end = offset + length
+        while pos < end:
+            k, within = divmod(pos, self.stripe)
+            take = min(self.stripe - within, end - pos)
+            f = self._files[k % n]
+            segs.append(Segment(f.fd, f.path, (k // n) * self.stripe + within,
+                                address + (pos - offset), take))
+            pos += take
+        return segs
+
+    def _check_range(self, extent: SwapExtent, nbytes: int, buffer: object) -> int:
+        if not 0 < nbytes <= extent.length:
+            raise ValueError(f"{nbytes} bytes do not fit extent {extent}")
+        span = _round_up(nbytes, DIRECT_ALIGN)
+        cap = _capacity(buffer)
+        if cap < span:
+            raise ValueError(f"buffer of {cap} bytes cannot take {span} bytes "
+                             f"({nbytes} rounded to {DIRECT_ALIGN}); allocate it from BufferPool")
+        return span
+
+    def write(self, extent: SwapExtent, buffer: object, nbytes: int) -> IoHandle:
+        """Writes the first `nbytes` of `buffer` to `extent`; returns the handle.
+
+        The buffer must stay unchanged until `handle.wait_released()`.
+        """
+        span = self._check_range(extent, nbytes, buffer)
+        with self._lock:
+            if extent.offset not in self._sums:
+                raise ValueError(f"extent {extent} is not allocated in swap {self.name}")
+            self._sums[extent.offset] = None  # unreadable until this write succeeds
+        handle = self.engine.submit("write", self._segments(extent.offset, span,
+                                                            _address(buffer)), keepalive=buffer)
+        digest = xxhash.xxh3_64_intdigest(_view(buffer, nbytes)) if self.checksum else 0
+        handle.add_done_callback(lambda h: self._record(extent, nbytes, digest, h))
+        return handle
+
+    def _record(self, extent: SwapExtent, nbytes: int, digest: int, h: IoHandle) -> None:
+        with self._lock:
+            if extent.offset in self._sums and h.error is None:
+                self._sums[extent.offset] = (nbytes, digest)
+
+    def read(self, extent: SwapExtent, buffer: object, nbytes: int | None = None) -> ReadHandle:
+        """Reads what was last written to `extent` into `buffer`; returns the handle.
+
+        `wait()` raises `CorruptionError` if the bytes differ from what was
+        written, and `IoError` if the extent's last write failed.
+        """
+        with self._lock:
+            if extent.offset not in self._sums:
+                raise ValueError(f"extent {extent} is not allocated in swap {self.name}")
+            rec = self._sums[extent.offset]
+        if rec is None:
+            raise IoError("read", self._files[0].path, extent.offset, extent.length, _errno.EIO,
+                          "this extent holds no completed write (never written, still being "
+                          "written, or its last write failed)")
+        written, digest = rec
+        nbytes = written if nbytes is None else nbytes
+        if nbytes != written:
+            raise ValueError(f"extent {extent} holds {written} bytes, asked to read {nbytes}")
+        span = self._check_range(extent, nbytes, buffer)
+        inner = self.engine.submit("read", self._segments(extent.offset, span, _address(buffer)),
+                                   keepalive=buffer)
+        if not self.checksum:
+            return ReadHandle(inner, None)
+
+        def verify() -> None:
+            actual = xxhash.xxh3_64_intdigest(_view(buffer, nbytes))
+            if actual != digest:
+                seg = self._segments(extent.offset, span, 0)[0]
+                raise CorruptionError(seg.path, seg.offset, nbytes, digest, actual)
+        return ReadHandle(inner, verify)
+
+    def close(self, keep: bool = False) -> None:
+        """Closes (and unless `keep`, removes) the swap files. Transfers must be done."""
+        with self._lock:
+            files, self._files = self._files, []
+        for f in files:
+            f.close(remove=not keep)
+
+    def __enter__(self) -> "SwapSpace":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,328 @@
+"""Readers of recorded events: Chrome Trace Event Format JSON (opens in Perfetto), summaries.
+
+The file is one JSON object ``{"traceEvents": [...], "displayTimeUnit": "ms",
+"metadata": {...}}``. Each recorder (one per rank) is one process, pid = rank;
+each track is one thread of it, named by ``thread_name`` metadata and ordered
+by ``thread_sort_index``. Timestamps are microseconds (floats) of
+``time.perf_counter_ns()``, kept absolute so that files written by different
+ranks of one host can be merged by concatenation (:func:`merge_chrome_traces`).
+"""
+
+from __future__ import annotations
+
+import enum
+import gzip
+import json
+import math
+import numbers
+import os
+import tempfile
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from offload.trace.recorder import (ASYNC_BEGIN, ASYNC_END, COMPLETE, COUNTER, INSTANT,
+                                    TraceEvent, TraceRecorder, TraceSnapshot, as_snapshot)
+
+__all__ = ["load_chrome_trace", "merge_chrome_traces", "summarize", "to_chrome_trace",
+           "write_chrome_trace", "write_trace_dict"]
+
+FORMAT_VERSION = 1
+_CLOCK = "time.perf_counter_ns (CLOCK_MONOTONIC on Linux), exported as microseconds"
+_RESERVED_METADATA = frozenset((
+    "generator", "format_version", "clock", "ranks", "dropped_events", "dropped_events_by_rank",
+    "unmatched_async_begins", "orphan_async_ends_dropped", "clock_anchors"))
+
+Source = TraceRecorder | TraceSnapshot | Iterable[Iterable[Any]]
+
+
+def to_chrome_trace(source: Source, *more: Source,
+                    metadata: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Build the Chrome-trace dict of one or more recorders (or snapshots, or raw events).
+
+    Recorders with the same rank share one process and its tracks. Async ids
+    are renumbered so they are unique across the whole file. An async end
+    whose begin is missing is dropped; a begin without an end is kept (it
+    shows what was in flight) and counted in ``metadata["unmatched_async_begins"]``.
+    ``metadata`` adds keys to the file's metadata; reserved keys raise ValueError.
+    """
+    snapshots = [as_snapshot(s) for s in (source, *more)]
+    user_meta = dict(metadata or {})
+    clash = _RESERVED_METADATA.intersection(user_meta)
+    if clash:
+        raise ValueError(f"metadata keys {sorted(clash)} are written by the exporter; "
+                         "rename them")
+    events: list[tuple[tuple[int, int], dict[str, Any]]] = []
+    meta_events: list[dict[str, Any]] = []
+    tids: dict[int, dict[str, int]] = {}  # rank -> track -> tid
+    process_names: dict[int, str] = {}
+    next_async = 1
+    unmatched = orphans = 0
+    for snap in snapshots:
+        rank_tids = tids.setdefault(snap.rank, {})
+        process_names.setdefault(snap.rank, snap.process_name)
+        for track in snap.tracks:
+            rank_tids.setdefault(track, len(rank_tids) + 1)
+        async_ids: dict[int, str] = {}
+        ended: set[int] = set()
+        for ev in snap.events:
+            if ev.phase == ASYNC_END:
+                ended.add(ev.async_id)
+        for ev in snap.events:
+            tid = rank_tids.setdefault(ev.track, len(rank_tids) + 1)
+            if ev.phase == ASYNC_BEGIN:
+                async_ids[ev.async_id] = f"0x{next_async:x}"
+                next_async += 1
+                unmatched += ev.async_id not in ended
+            elif ev.phase == ASYNC_END and ev.async_id not in async_ids:
+                orphans += 1
+                continue
+            out = _event_dict(ev, snap.rank, tid, async_ids)
+            # Parents before children when spans start together: Chrome's legacy
+            # viewer nests "X" events in file order.
+            events.append(((ev.ts_ns, -ev.dur_ns), out))
+    for rank, rank_tids in sorted(tids.items()):
+        meta_events.extend(_process_metadata(rank, process_names[rank], rank_tids))
+    events.sort(key=lambda pair: pair[0])
+    dropped_by_rank: dict[str, int] = {}
+    anchors: dict[str, dict[str, int]] = {}
+    for snap in snapshots:
+        key = str(snap.rank)
+        dropped_by_rank[key] = dropped_by_rank.get(key, 0) + snap.dropped
+        anchors.setdefault(key, {"perf_counter_ns": snap.clock_anchor_ns[0],
+                                 "time_ns": snap.clock_anchor_ns[1]})
+    meta = {
+        "generator": "offload.trace",
+        "format_version": FORMAT_VERSION,
+        "clock": _CLOCK,
+        "ranks": sorted(tids),
+        "dropped_events": sum(dropped_by_rank.values()),
+        "dropped_events_by_rank": dropped_by_rank,
+        "unmatched_async_begins": unmatched,
+        "orphan_async_ends_dropped": orphans,
+        "clock_anchors": anchors,
+    }
+    meta.update(_jsonable(user_meta))
+    return {"traceEvents": meta_events + [e for _, e in events], "displayTimeUnit": "ms",
+            "metadata": meta}
+
+
+def _event_dict(ev: TraceEvent, pid: int, tid: int, async_ids: dict[int, str]) -> dict[str, Any]:
+    out: dict[str, Any] = {"name": ev.name, "cat": ev.cat, "ph": ev.phase,
+                           "ts": ev.ts_ns / 1000.0, "pid": pid, "tid": tid}
+    if ev.phase == COMPLETE:
+        out["dur"] = ev.dur_ns / 1000.0
+    elif ev.phase in (ASYNC_BEGIN, ASYNC_END):
+        out["id"] = async_ids[ev.async_id]
+    elif ev.phase == INSTANT:
+        out["s"] = "t"
+    if ev.phase == COUNTER:
+        # Counter args must be numbers; JSON has no NaN/inf, so such samples are left out.
+        out["args"] = {k: v for k, v in (ev.args or {}).items()
+                       if isinstance(v, (int, float)) and math.isfinite(v)}
+    elif ev.args:
+        out["args"] = _jsonable(ev.args)
+    return out
+
+
+def _process_metadata(rank: int, process_name: str,
+                      rank_tids: Mapping[str, int]) -> list[dict[str, Any]]:
+    meta = [
+        {"name": "process_name", "ph": "M", "pid": rank, "tid": 0,
+         "args": {"name": process_name}},
+        {"name": "process_sort_index", "ph": "M", "pid": rank, "tid": 0,
+         "args": {"sort_index": rank}},
+    ]
+    for track, tid in rank_tids.items():
+        meta.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": tid,
+                     "args": {"name": track}})
+        meta.append({"name": "thread_sort_index", "ph": "M", "pid": rank, "tid": tid,
+                     "args": {"sort_index": tid}})
+    return meta
+
+
+def _jsonable(value: Any) -> Any:
+    """``value`` as strict JSON: non-finite floats, enums and objects become strings."""
+    if value is None or isinstance(value, (str, bool)):
+        return value
+    if isinstance(value, enum.Enum):
+        return value.name
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        f = float(value)
+        return f if math.isfinite(f) else repr(f)
+    if isinstance(value, Mapping):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return [_jsonable(v) for v in value]
+    return str(value)
+
+
+def write_chrome_trace(path: str | os.PathLike[str], *sources: Source,
+                       metadata: Mapping[str, Any] | None = None) -> Path:
+    """Export ``sources`` (see :func:`to_chrome_trace`) to ``path`` atomically; return the path.
+
+    Written to a temporary file in the same directory, fsynced, then renamed
+    over ``path``, so readers see the old file or the whole new one. A path
+    ending in ``.gz`` is gzip-compressed (Perfetto opens it directly).
+    """
+    if not sources:
+        raise ValueError(f"write_chrome_trace({str(path)!r}) got no recorders to export")
+    return write_trace_dict(path, to_chrome_trace(*sources, metadata=metadata))
+
+
+def write_trace_dict(path: str | os.PathLike[str], trace: Mapping[str, Any]) -> Path:
+    """Write an already-built trace dict to ``path`` atomically (see :func:`write_chrome_trace`)."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    try:
+        with os.fdopen(fd, "wb") as raw:
+            if target.name.endswith(".gz"):
+                with gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as gz:
+                    gz.write(_encode(trace))
+            else:
+                raw.write(_encode(trace))
+            raw.flush()
+            os.fsync(raw.fileno())
+        os.replace(tmp_name, target)
+    except BaseException:
+        try:
+            os.unlink(tmp_name)
+        except FileNotFoundError:
+            pass
+        raise
+    _fsync_dir(target.parent)
+    return target
+
+
+def _encode(trace: Mapping[str, Any]) -> bytes:
+    return json.dumps(trace, separators=(",", ":"), allow_nan=False).encode("utf-8")
+
+
+def _fsync_dir(directory: Path) -> None:
+    # Makes the rename durable; some filesystems refuse to open a directory, which is fine.
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def load_chrome_trace(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read a trace file written by :func:`write_chrome_trace` (plain or ``.gz``)."""
+    target = Path(path)
+    opener = gzip.open if target.name.endswith(".gz") else open
+    with opener(target, "rt", encoding="utf-8") as f:
+        trace = json.load(f)
+    if not isinstance(trace, dict) or not isinstance(trace.get("traceEvents"), list):
+        raise ValueError(f"{target} is not a Chrome trace object: expected a JSON object "
+                         "with a 'traceEvents' list")
+    return trace
+
+
+def merge_chrome_traces(paths: Iterable[str | os.PathLike[str]]) -> dict[str, Any]:
+    """Merge per-rank trace files into one trace dict (e.g. to write with ``write_trace_dict``).
+
+    Async ids are renumbered per file so that they stay unique; events of
+    the same pid from different files share that pid. Metadata counts are
+    summed and ``ranks`` merged; other metadata keys come from the first file.
+    """
+    merged_meta: dict[str, Any] = {}
+    meta_events: list[dict[str, Any]] = []
+    events: list[dict[str, Any]] = []
+    seen_meta: set[tuple[Any, ...]] = set()
+    next_async = 1
+    for path in paths:
+        trace = load_chrome_trace(path)
+        remap: dict[tuple[str, Any], str] = {}
+        for ev in trace["traceEvents"]:
+            if ev.get("ph") == "M":
+                key = (ev.get("name"), ev.get("pid"), ev.get("tid"))
+                if key not in seen_meta:
+                    seen_meta.add(key)
+                    meta_events.append(ev)
+                continue
+            if ev.get("ph") in (ASYNC_BEGIN, ASYNC_END) and "id" in ev:
+                key = (ev.get("cat", ""), ev["id"])
+                if key not in remap:
+                    remap[key] = f"0x{next_async:x}"
+                    next_async += 1
+                ev = {**ev, "id": remap[key]}
+            events.append(ev)
+        _merge_metadata(merged_meta, trace.get("metadata") or {})
+    events.sort(key=lambda e: (e.get("ts", 0.0), -e.get("dur", 0.0)))
+    return {"traceEvents": meta_events + events, "displayTimeUnit": "ms",
+            "metadata": merged_meta}
+
+
+def _merge_metadata(into: dict[str, Any], meta: Mapping[str, Any]) -> None:
+    for key, value in meta.items():
+        if key in ("dropped_events", "unmatched_async_begins", "orphan_async_ends_dropped"):
+            into[key] = into.get(key, 0) + int(value)
+        elif key == "ranks":
+            into[key] = sorted(set(into.get(key, [])) | set(value))
+        elif key in ("dropped_events_by_rank", "clock_anchors") and isinstance(value, Mapping):
+            into.setdefault(key, {}).update(value)
+        else:
+            into.setdefault(key, value)
+
+
+def summarize(source: Source) -> dict[str, Any]:
+    """Totals for tables: time per category, time and bytes per async name.
+
+    Returns ``{"categories": {cat: {"count", "total_ns"}}, "async": {name:
+    {"count", "in_flight", "total_ns", "total_bytes"}}, "instants": {name:
+    count}, "counters": {name: {series: last value}}, "events": n,
+    "dropped": n}``. Category totals sum complete spans (nested spans count in
+    full in each category). Async ``count`` is completed pairs, ``total_ns``
+    their summed duration, ``total_bytes`` the sum of ``args["bytes"]`` taken
+    from the end event or else the begin event; ``in_flight`` counts begins
+    without an end.
+    """
+    snap = as_snapshot(source)
+    categories: dict[str, dict[str, int]] = {}
+    async_stats: dict[str, dict[str, int]] = {}
+    instants: dict[str, int] = {}
+    counters: dict[str, dict[str, float]] = {}
+    open_begins: dict[int, TraceEvent] = {}
+    for ev in sorted(snap.events, key=lambda e: e.ts_ns):
+        if ev.phase == COMPLETE:
+            cat = categories.setdefault(ev.cat, {"count": 0, "total_ns": 0})
+            cat["count"] += 1
+            cat["total_ns"] += ev.dur_ns
+        elif ev.phase == ASYNC_BEGIN:
+            open_begins[ev.async_id] = ev
+        elif ev.phase == ASYNC_END:
+            begin = open_begins.pop(ev.async_id, None)
+            if begin is None:
+                continue
+            stats = async_stats.setdefault(ev.name, _new_async_stats())
+            stats["count"] += 1
+            stats["total_ns"] += ev.ts_ns - begin.ts_ns
+            stats["total_bytes"] += _bytes_of(ev.args, begin.args)
+        elif ev.phase == INSTANT:
+            instants[ev.name] = instants.get(ev.name, 0) + 1
+        elif ev.phase == COUNTER:
+            counters.setdefault(ev.name, {}).update(ev.args or {})
+    for begin in open_begins.values():
+        async_stats.setdefault(begin.name, _new_async_stats())["in_flight"] += 1
+    return {"categories": categories, "async": async_stats, "instants": instants,
+            "counters": counters, "events": len(snap.events), "dropped": snap.dropped}
+
+
+def _new_async_stats() -> dict[str, int]:
+    return {"count": 0, "in_flight": 0, "total_ns": 0, "total_bytes": 0}
+
+
+def _bytes_of(end_args: dict[str, Any] | None, begin_args: dict[str, Any] | None) -> int:
+    for args in (end_args, begin_args):
+        if args and "bytes" in args:
+            return int(args["bytes"])
+    return 0
