@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-__all__ = ["ConfigError", "IoConfig", "OffloadConfig", "load_config", "parse_bytes", "format_bytes"]
+__all__ = ["ConfigError", "IoConfig", "OffloadConfig", "StoreConfig", "load_config", "parse_bytes",
+           "format_bytes"]
 
 PAGE = 4096
 
@@ -78,8 +79,8 @@ class IoConfig:
     engine: Literal["auto", "aio", "threads"] = _doc(
         "auto", "aio: Linux AIO through libaio; threads: os.preadv/pwritev in a thread pool; "
         "auto: aio where libaio loads and the file system takes O_DIRECT, else threads")
-    block_size: int = _bytes_field("1MiB", "bytes per I/O request submitted to the kernel")
-    queue_depth: int = _doc(16, "I/O requests kept in flight per engine")
+    block_size: int = _bytes_field("4MiB", "bytes per I/O request submitted to the kernel")
+    queue_depth: int = _doc(32, "I/O requests kept in flight per engine")
     threads: int = _doc(4, "worker threads of the thread engine")
     direct: bool = _doc(True, "open swap files with O_DIRECT (bypass the page cache)")
     sync_writes: bool = _doc(True, "a write completes only after fdatasync, i.e. when the data "
@@ -115,11 +116,108 @@ class IoConfig:
                               f"(io.block_size={self.block_size}); raise it, e.g. to '256MiB'")
 
 
+_KINDS = ["param", "grad", "master", "exp_avg", "exp_avg_sq"]
+
+
+@dataclass(kw_only=True)
+class StoreConfig:
+    """The tiered tensor store (`offload.store`): tier budgets, compute device, eviction."""
+
+    device: str = _doc("auto", "compute device of the DEVICE tier: auto (cuda if available, "
+                       "else cpu), cpu (the CPU acts as the device under its own budget), cuda "
+                       "or cuda:N")
+    device_budget: int = _bytes_field("4GiB", "bytes of partitions the DEVICE tier may hold")
+    host_budget: int = _bytes_field("16GiB", "bytes of page-aligned (pinned with CUDA) host "
+                                    "memory the HOST tier may hold; the store's own pool, apart "
+                                    "from io.buffer_budget")
+    nvme_budget: int = _bytes_field(0, "bytes of swap extents the NVME tier may hold; 0: bounded "
+                                    "only by io.max_swap_size (per kind) and the disk")
+    policy: Literal["lru"] = _doc("lru", "eviction policy when a tier is full: lru evicts the "
+                                  "least recently used unpinned partition first")
+    wait_timeout: float = _doc(300.0, "seconds a move may wait for other transfers to free "
+                               "budget before it fails")
+    keep_swap_files: bool = _doc(False, "keep the swap files when the store closes "
+                                 "(default: remove them)")
+    swap_kinds: list[str] = _doc(_KINDS, "partition kinds whose swap files are opened and locked "
+                                 "when the store starts; other kinds open on first use")
+
+    def __post_init__(self) -> None:
+        if not re.fullmatch(r"auto|cpu|cuda(:[0-9]+)?", self.device):
+            raise ConfigError(f"store.device: {self.device!r} is not a device; use 'auto', "
+                              "'cpu', 'cuda' or 'cuda:N'")
+        for key in ("device_budget", "host_budget"):
+            v = getattr(self, key)
+            if v < PAGE:
+                raise ConfigError(f"store.{key}: {v} bytes is below one page ({PAGE}); "
+                                  "use e.g. '1GiB'")
+        if self.nvme_budget < 0:
+            raise ConfigError("store.nvme_budget: negative; use 0 for no limit of its own")
+        if not self.wait_timeout > 0:
+            raise ConfigError(f"store.wait_timeout: {self.wait_timeout} s must be positive; "
+                              "use e.g. 300")
+        for i, kind in enumerate(self.swap_kinds):
+            if not re.fullmatch(r"[A-Za-z0-9_.-]+", kind):
+                raise ConfigError(f"store.swap_kinds[{i}]: {kind!r} cannot be part of a file "
+                                  "name; use letters, digits, '_', '.' or '-'")
+
+
+@dataclass(kw_only=True)
+class OptimConfig:
+    """The CPU optimizer (`offload.optim`): Adam/AdamW hyper-parameters (defaults of every
+    parameter group) and the pipeline that streams NVMe-resident state through host buffers."""
+
+    name: Literal["adamw", "adam"] = _doc(
+        "adamw", "adamw: decoupled weight decay (torch.optim.AdamW); adam: weight decay added "
+        "to the gradient (torch.optim.Adam)")
+    lr: float = _doc(1e-3, "learning rate, before the schedule's multiplier")
+    betas: list[float] = _doc([0.9, 0.999], "Adam's (beta1, beta2): decay of the first and "
+                              "second moment")
+    eps: float = _doc(1e-8, "added to the denominator sqrt(v_hat) for stability")
+    weight_decay: float = _doc(0.01, "weight decay coefficient (per step, times lr for adamw)")
+    max_grad_norm: float = _doc(0.0, "clip the global gradient 2-norm to this (as "
+                                "torch.nn.utils.clip_grad_norm_); 0: no clipping")
+    kernel: Literal["auto", "fused", "foreach"] = _doc(
+        "auto", "fused: torch._fused_adamw_ (one pass over memory); foreach: torch._foreach_* "
+        "math (several passes per cache block); auto: fused where torch has a CPU kernel")
+    chunk_elems: int = _doc(0, "fp32 elements per chunk streamed from NVMe (each chunk moves "
+                            "12 bytes per element each way); 0: derived from io.buffer_budget, "
+                            "buffers and buffer_share")
+    buffers: int = _doc(3, "chunk buffers of the swap pipeline: 1 no overlap, 2 reads ahead, "
+                        "3 reads ahead while the previous chunk is written")
+    buffer_share: float = _doc(0.5, "fraction of io.buffer_budget the pipeline's buffers may "
+                               "take when chunk_elems = 0")
+    block_elems: int = _doc(262144, "elements per update-kernel call; one block of the four "
+                            "fp32 arrays stays in cache for the compute-dtype copy")
+
+    def __post_init__(self) -> None:
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ConfigError(f"optim.betas: {self.betas} must be two numbers in [0, 1), "
+                              "e.g. [0.9, 0.999]")
+        for key in ("lr", "weight_decay", "max_grad_norm"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"optim.{key}: {getattr(self, key)} is negative; use >= 0")
+        if not self.eps > 0:
+            raise ConfigError(f"optim.eps: {self.eps} must be positive, e.g. 1e-8")
+        if self.chunk_elems < 0 or self.chunk_elems % 1024:
+            raise ConfigError(f"optim.chunk_elems: {self.chunk_elems} is not 0 or a positive "
+                              "multiple of 1024 (4 KiB of fp32); use e.g. 4194304")
+        if not 1 <= self.buffers <= 16:
+            raise ConfigError(f"optim.buffers: {self.buffers} is out of range; use 1..16 (3 "
+                              "overlaps reads, update and writes)")
+        if not 0.0 < self.buffer_share <= 1.0:
+            raise ConfigError(f"optim.buffer_share: {self.buffer_share} must be in (0, 1]")
+        if self.block_elems < 1024:
+            raise ConfigError(f"optim.block_elems: {self.block_elems} is below 1024; use e.g. "
+                              "262144")
+
+
 @dataclass(kw_only=True)
 class OffloadConfig:
     """Root configuration: one section per layer."""
 
     io: IoConfig = field(default_factory=IoConfig)
+    store: StoreConfig = field(default_factory=StoreConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
 
 
 def _check_type(key: str, value: Any, tp: Any) -> Any:

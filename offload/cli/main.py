@@ -27,6 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     bio.set_defaults(func=bench_io.run)
 
     cfg = sub.add_parser("config", help="print every configuration key with its default")
+    cfg.add_argument("--markdown", action="store_true", help="as the table in docs/configuration.md")
     cfg.set_defaults(func=_print_config)
     return p
 
@@ -37,6 +38,11 @@ def _print_config(args: argparse.Namespace) -> int:
 
     from ..config import config_reference
 
+    if args.markdown:
+        print("| key | default | meaning |\n| --- | --- | --- |")
+        for key, default, doc in config_reference():
+            print(f"| `{key}` | `{default}` | {doc} |")
+        return 0
     t = Table(title="offload configuration keys")
     for col in ("key", "default", "meaning"):
         t.add_column(col)

@@ -15,6 +15,7 @@ and the caller must not reuse the buffer before `wait_released()` returns.
 
 from __future__ import annotations
 
+import abc
 import collections
 import ctypes
 import logging
@@ -67,7 +68,7 @@ def libaio_status() -> tuple[bool, str]:
     return True, "libaio loaded"
 
 
-class IoEngine:
+class IoEngine(abc.ABC):
     """Common request splitting, checking and completion; subclasses move blocks."""
 
     name = "base"
@@ -160,11 +161,13 @@ class IoEngine:
         else:
             handle._finish()
 
+    @abc.abstractmethod
     def _sync(self, handle: IoHandle, fds: tuple[int, ...]) -> None:
-        raise NotImplementedError  # each engine syncs its own way
+        """Makes `fds` durable, then finishes `handle`."""
 
+    @abc.abstractmethod
     def _start(self, blocks: list[_Block]) -> None:
-        raise NotImplementedError  # each engine moves blocks its own way
+        """Moves `blocks`; calls `_block_finished` for each as it completes."""
 
 
 class ThreadEngine(IoEngine):
@@ -245,8 +248,9 @@ class AioEngine(IoEngine):
         return self._aio.AIOBlock(mode, target_file=seg.fd, buffer_list=[buf], offset=seg.offset)
 
     def _start(self, blocks: list[_Block]) -> None:
+        made = [(self._make(b), b) for b in blocks]  # outside the lock: the reaper refills
         with self._cv:
-            self._pending.extend((self._make(b), b) for b in blocks)
+            self._pending.extend(made)
             failed = self._pump()
         self._complete(failed)
 
@@ -295,7 +299,10 @@ class AioEngine(IoEngine):
                     return
             # Blocks in io_getevents with the GIL released; the timeout only
             # bounds how late a close() is noticed, it is not a poll interval.
-            events = self._ctx.getEvents(min_nr=1, nr=self.queue_depth, timeout=1.0)
+            try:
+                events = self._ctx.getEvents(min_nr=1, nr=self.queue_depth, timeout=1.0)
+            except InterruptedError:
+                continue
             with self._cv:
                 self._inflight -= len(events)
                 done = [(self._tags.pop(id(aio))[1], res) for aio, res, _ in events]

@@ -1,0 +1,47 @@
+"""The `offload` command as a user runs it (real processes, real files)."""
+
+import json
+import os
+import subprocess
+import sys
+
+OFFLOAD = [sys.executable, "-m", "offload.cli.main"]
+
+
+def test_bench_io_json_schema(tmp_path):
+    out = subprocess.run(OFFLOAD + ["bench", "io", "--path", str(tmp_path), "--size", "8MiB",
+                                    "--repeat", "1", "--block-sizes", "1MiB",
+                                    "--queue-depths", "4", "--json"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    res = json.loads(out.stdout)
+    assert {r["engine"] for r in res["results"]} <= {"aio", "threads"}
+    for r in res["results"]:
+        assert set(r) >= {"engine", "block_size", "queue_depth", "write_GBps", "read_GBps"}
+        assert r["write_GBps"] > 0 and r["read_GBps"] > 0
+    assert res["reference"]["write_GBps"] > 0 and res["reference"]["read_GBps"] > 0
+    assert os.listdir(tmp_path) == []  # its files are gone
+
+
+def test_bench_io_table(tmp_path):
+    out = subprocess.run(OFFLOAD + ["bench", "io", "--path", str(tmp_path), "--size", "8MiB",
+                                    "--repeat", "1", "--engines", "threads",
+                                    "--block-sizes", "1MiB", "--queue-depths", "4"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "GB/s" in out.stdout and "threads: best write" in out.stdout
+
+
+def test_config_command_lists_keys():
+    out = subprocess.run(OFFLOAD + ["config"], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "COLUMNS": "200"})
+    assert out.returncode == 0 and "io.block_size" in out.stdout
+
+
+def test_bad_bench_path_is_clear(tmp_path):
+    f = tmp_path / "file"
+    f.write_text("x")
+    out = subprocess.run(OFFLOAD + ["bench", "io", "--path", str(f), "--size", "8MiB"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and f"--path {f} is not a directory" in out.stderr
+    assert "Traceback" not in out.stderr

@@ -1,0 +1,229 @@
+"""SwapSpace on real files: striping, locking, checksums, running out of space."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from offload.io import (CorruptionError, IoError, SwapFullError, SwapLockedError, SwapSpace)
+
+from .conftest import ENGINES, build_engine
+
+
+@pytest.fixture(params=ENGINES)
+def engine(request):
+    eng = build_engine(request.param, block_size=64 << 10)
+    yield eng
+    eng.close()
+
+
+def _fill(buf, n, seed):
+    buf.numpy()[:n] = np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+
+
+@pytest.mark.parametrize("nbytes", [1, 4095, 4097, 65536, 200_000, 3 << 20])
+def test_round_trip_any_size(engine, pool, tmp_path, nbytes):
+    with SwapSpace([str(tmp_path)], "t", engine, grow_step=1 << 20) as sw:
+        src, dst = pool.alloc(nbytes), pool.alloc(nbytes)
+        _fill(src, nbytes, nbytes)
+        ext = sw.alloc(nbytes)
+        assert ext.length % 4096 == 0 and ext.offset % 4096 == 0
+        sw.write(ext, src, nbytes).wait()
+        sw.read(ext, dst).wait()
+        np.testing.assert_array_equal(dst.numpy()[:nbytes], src.numpy()[:nbytes])
+
+
+def test_striping_over_two_directories(engine, pool, tmp_path):
+    dirs = [str(tmp_path / "d0"), str(tmp_path / "d1")]
+    sw = SwapSpace(dirs, "rank0-param", engine, stripe_size=64 << 10, grow_step=1 << 20)
+    n = (1 << 20) + 12345
+    src, dst = pool.alloc(n), pool.alloc(n)
+    _fill(src, n, 1)
+    exts = [sw.alloc(n) for _ in range(3)]
+    for e in exts:
+        sw.write(e, src, n).wait()
+    # Both files hold stripes, each is preallocated to the same size.
+    sizes = [os.path.getsize(p) for p in sw.paths]
+    assert sizes[0] == sizes[1] > 0
+    assert [os.path.basename(p) for p in sw.paths] == ["offload-rank0-param.swap"] * 2
+    raw = [open(p, "rb").read(64 << 10) for p in sw.paths]
+    assert raw[0] == bytes(src.numpy()[: 64 << 10])          # stripe 0 -> file 0
+    assert raw[1] == bytes(src.numpy()[64 << 10: 128 << 10])  # stripe 1 -> file 1
+    for e in exts:
+        dst.numpy()[:] = 0
+        sw.read(e, dst).wait()
+        np.testing.assert_array_equal(dst.numpy()[:n], src.numpy()[:n])
+    sw.close()
+    assert not any(os.path.exists(p) for p in sw.paths + [p + ".lock" for p in dirs])
+
+
+def test_corrupted_byte_is_reported_not_returned(engine, pool, tmp_path):
+    sw = SwapSpace([str(tmp_path)], "c", engine, grow_step=1 << 20)
+    n = 100_000
+    src, dst = pool.alloc(n), pool.alloc(n)
+    _fill(src, n, 2)
+    ext = sw.alloc(n)
+    sw.write(ext, src, n).wait()
+    with open(sw.paths[0], "r+b") as f:  # flip one byte behind the engine's back
+        f.seek(ext.offset + 777)
+        b = f.read(1)
+        f.seek(ext.offset + 777)
+        f.write(bytes([b[0] ^ 0xFF]))
+        f.flush()
+        os.fsync(f.fileno())
+    h = sw.read(ext, dst)
+    with pytest.raises(CorruptionError) as e:
+        h.wait()
+    assert sw.paths[0] in str(e.value) and "checksum mismatch" in str(e.value)
+    with pytest.raises(CorruptionError):
+        h.wait()  # still refused on a second wait
+    sw.close()
+
+
+def test_checksum_can_be_switched_off(engine, pool, tmp_path):
+    sw = SwapSpace([str(tmp_path)], "nc", engine, grow_step=1 << 20, checksum=False)
+    buf = pool.alloc(8192)
+    ext = sw.alloc(8192)
+    sw.write(ext, buf, 8192).wait()
+    sw.read(ext, buf).wait()
+    sw.close()
+
+
+def test_failed_write_leaves_extent_unreadable_and_others_intact(pool, tmp_path):
+    eng = build_engine("threads")
+    sw = SwapSpace([str(tmp_path)], "f", eng, grow_step=1 << 20)
+    good, bad = sw.alloc(8192), sw.alloc(8192)
+    src = pool.alloc(8192)
+    _fill(src, 8192, 3)
+    sw.write(good, src, 8192).wait()
+    # Make the next write fail for real: swap the fd for a read-only one.
+    f = sw._files[0]
+    rw_fd = f.fd
+    f.fd = os.open(f.path, os.O_RDONLY | os.O_DIRECT)
+    with pytest.raises(IoError, match="Bad file descriptor"):
+        sw.write(bad, src, 8192).wait()
+    os.close(f.fd)
+    f.fd = rw_fd
+    with pytest.raises(IoError, match="no completed write"):
+        sw.read(bad, src)
+    dst = pool.alloc(8192)
+    sw.read(good, dst).wait()
+    np.testing.assert_array_equal(dst.numpy(), src.numpy())
+    sw.close()
+    eng.close()
+
+
+def test_alloc_free_reuse_and_bad_extents(engine, pool, tmp_path):
+    sw = SwapSpace([str(tmp_path)], "a", engine, grow_step=1 << 20)
+    a = sw.alloc(1 << 20)
+    cap = sw.capacity
+    sw.free(a)
+    b = sw.alloc(1 << 20)
+    assert b.offset == a.offset and sw.capacity == cap  # reused, not grown
+    with pytest.raises(ValueError):
+        sw.free(a.__class__(b.offset + 4096, 4096))
+    with pytest.raises(ValueError, match="not allocated"):
+        sw.read(a.__class__(cap * 4, 4096), pool.alloc(4096))
+    with pytest.raises(ValueError, match="buffer of"):
+        sw.write(b, pool.alloc(4096), 8192)
+    sw.close()
+
+
+def test_max_swap_size_refuses_before_touching_extents(engine, pool, tmp_path):
+    sw = SwapSpace([str(tmp_path)], "m", engine, grow_step=1 << 20, max_size=2 << 20)
+    src = pool.alloc(1 << 20)
+    _fill(src, 1 << 20, 4)
+    e = sw.alloc(1 << 20)
+    sw.write(e, src, 1 << 20).wait()
+    sw.alloc(1 << 20)
+    with pytest.raises(SwapFullError, match="io.max_swap_size"):
+        sw.alloc(1 << 20)
+    dst = pool.alloc(1 << 20)
+    sw.read(e, dst).wait()
+    np.testing.assert_array_equal(dst.numpy(), src.numpy())
+    sw.close()
+
+
+_SUBPROCESS = textwrap.dedent("""
+    import json, os, resource, sys
+    import numpy as np
+    from offload.io import BufferPool, SwapSpace, SwapFullError, ThreadEngine, AioEngine
+    eng = (AioEngine if sys.argv[2] == "aio" else ThreadEngine)(block_size=1 << 16)
+    sw = SwapSpace([sys.argv[1]], "full", eng, grow_step=1 << 20)
+    pool = BufferPool(8 << 20)
+    src = pool.alloc(1 << 20)
+    src.numpy()[:] = np.arange(1 << 20, dtype=np.uint32).astype(np.uint8)
+    first = sw.alloc(1 << 20)
+    sw.write(first, src, 1 << 20).wait()
+    resource.setrlimit(resource.RLIMIT_FSIZE, (2 << 20, resource.RLIM_INFINITY))
+    out = {}
+    try:
+        sw.alloc(4 << 20)
+    except SwapFullError as e:
+        out["error"] = str(e)
+    dst = pool.alloc(1 << 20)
+    sw.read(first, dst).wait()
+    out["intact"] = bool((dst.numpy() == src.numpy()).all())
+    out["size"] = os.path.getsize(sw.paths[0])
+    sw.close(); eng.close()
+    print(json.dumps(out))
+""")
+
+
+@pytest.mark.parametrize("name", ENGINES)
+def test_out_of_space_is_clear_and_loses_nothing(name, tmp_path):
+    """A file-size limit (as a full disk would) stops growth with a clear error;
+    the extent written before stays readable and the file is not left grown."""
+    out = subprocess.run([sys.executable, "-c", _SUBPROCESS, str(tmp_path), name],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    res = json.loads(out.stdout)
+    assert "cannot reserve swap space" in res["error"] and "io.paths" in res["error"]
+    assert "File too large" in res["error"]
+    assert res["intact"] and res["size"] == 1 << 20
+
+
+_HOLDER = textwrap.dedent("""
+    import sys, time
+    from offload.io import SwapSpace, ThreadEngine
+    sw = SwapSpace([sys.argv[1]], "locked", ThreadEngine())
+    print("ready", flush=True)
+    time.sleep(60)
+""")
+
+
+def test_second_process_is_refused_then_stale_lock_reclaimed(engine, tmp_path):
+    p = subprocess.Popen([sys.executable, "-c", _HOLDER, str(tmp_path)],
+                         stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "ready"
+        with pytest.raises(SwapLockedError, match=rf"in use by another live process \(pid {p.pid}\)"):
+            SwapSpace([str(tmp_path)], "locked", engine)
+        # Another name in the same directory is independent.
+        SwapSpace([str(tmp_path)], "other", engine).close()
+    finally:
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+    # The killed holder left its files; its lock died with it, so this run takes over.
+    assert os.path.exists(tmp_path / "offload-locked.swap.lock")
+    sw = SwapSpace([str(tmp_path)], "locked", engine)
+    sw.close()
+
+
+def test_same_process_second_open_is_refused(engine, tmp_path):
+    sw = SwapSpace([str(tmp_path)], "dup", engine)
+    with pytest.raises(SwapLockedError):
+        SwapSpace([str(tmp_path)], "dup", engine)
+    sw.close()
+
+
+def test_close_keep_leaves_files(engine, tmp_path):
+    sw = SwapSpace([str(tmp_path)], "k", engine)
+    sw.alloc(4096)
+    sw.close(keep=True)
+    assert os.path.exists(tmp_path / "offload-k.swap")
