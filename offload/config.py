@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-__all__ = ["ConfigError", "IoConfig", "OffloadConfig", "StoreConfig", "load_config", "parse_bytes",
+__all__ = ["ConfigError", "EngineConfig", "IoConfig", "OffloadConfig", "OptimConfig", "StoreConfig", "load_config", "parse_bytes",
            "format_bytes"]
 
 PAGE = 4096
@@ -186,7 +186,7 @@ class OptimConfig:
                         "3 reads ahead while the previous chunk is written")
     buffer_share: float = _doc(0.5, "fraction of io.buffer_budget the pipeline's buffers may "
                                "take when chunk_elems = 0")
-    block_elems: int = _doc(262144, "elements per update-kernel call; one block of the four "
+    block_elems: int = _doc(1048576, "elements per update-kernel call; one block of the four "
                             "fp32 arrays stays in cache for the compute-dtype copy")
 
     def __post_init__(self) -> None:
@@ -212,12 +212,52 @@ class OptimConfig:
 
 
 @dataclass(kw_only=True)
+class EngineConfig:
+    """The ZeRO-3 engine (`offload.engine`): precision, placement, grouping, prefetch."""
+
+    dtype: Literal["fp32", "bf16", "fp16"] = _doc(
+        "fp32", "compute dtype of the gathered parameters; master weights and gradients "
+        "stay fp32")
+    params: Literal["device", "host", "nvme"] = _doc(
+        "device", "home tier of the compute-dtype parameter partitions")
+    grads: Literal["device", "host", "nvme"] = _doc(
+        "host", "home tier of the fp32 gradient partitions between backward and step")
+    optimizer: Literal["host", "nvme"] = _doc(
+        "host", "where fp32 master weights and Adam moments live (nvme: streamed in chunks)")
+    group_size: int = _doc(1 << 22, "parameters per group: a module whose subtree holds at "
+                           "most this many parameters is gathered as one unit")
+    grad_accum_steps: int = _doc(1, "micro-steps (backward calls) per optimizer step")
+    prefetch_depth: int = _doc(2, "groups fetched ahead of use once an access trace exists")
+    loss_scale: float = _doc(0.0, "fp16 only: a fixed loss scale, or 0 for dynamic scaling")
+    initial_loss_scale: float = _doc(65536.0, "fp16 dynamic scaling: the first scale")
+    loss_scale_window: int = _doc(1000, "fp16 dynamic scaling: steps without overflow "
+                                  "before the scale doubles")
+    min_loss_scale: float = _doc(1.0, "fp16 dynamic scaling: the scale never drops below this")
+    seed: int = _doc(0, "seed of the per-group RNG used to initialise a meta-device model, the "
+                     "same on every rank")
+
+    def __post_init__(self) -> None:
+        if self.group_size < 1:
+            raise ConfigError(f"engine.group_size: {self.group_size} must be >= 1")
+        if self.grad_accum_steps < 1:
+            raise ConfigError(f"engine.grad_accum_steps: {self.grad_accum_steps} must be >= 1")
+        if self.prefetch_depth < 0:
+            raise ConfigError(f"engine.prefetch_depth: {self.prefetch_depth} must be >= 0")
+        if self.loss_scale < 0 or self.initial_loss_scale <= 0 or self.min_loss_scale <= 0:
+            raise ConfigError("engine.loss_scale must be >= 0 and engine.initial_loss_scale, "
+                              "engine.min_loss_scale > 0")
+        if self.loss_scale_window < 1:
+            raise ConfigError(f"engine.loss_scale_window: {self.loss_scale_window} must be >= 1")
+
+
+@dataclass(kw_only=True)
 class OffloadConfig:
     """Root configuration: one section per layer."""
 
     io: IoConfig = field(default_factory=IoConfig)
     store: StoreConfig = field(default_factory=StoreConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
 
 
 def _check_type(key: str, value: Any, tp: Any) -> Any:

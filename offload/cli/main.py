@@ -7,7 +7,7 @@ import argparse
 import logging
 import sys
 
-from . import bench_io, demo
+from . import bench_adam, bench_io, demo
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -25,6 +25,9 @@ def build_parser() -> argparse.ArgumentParser:
     bio = bsub.add_parser("io", help="engines vs dd/fio with O_DIRECT: GB/s and ratio")
     bench_io.add_arguments(bio)
     bio.set_defaults(func=bench_io.run)
+    badam = bsub.add_parser("adam", help="CPU Adam update vs torch and the memory-bandwidth bound")
+    bench_adam.add_arguments(badam)
+    badam.set_defaults(func=bench_adam.run)
 
     cfg = sub.add_parser("config", help="print every configuration key with its default")
     cfg.add_argument("--markdown", action="store_true", help="as the table in docs/configuration.md")

@@ -102,7 +102,7 @@ class IoHandle:
         """Blocks until the buffer may be reused; raises the `IoError` if it failed."""
         if not self._released.wait(timeout):
             raise TimeoutError(f"{self.describe}: buffer still in flight after {timeout} s")
-        if self._error is not None and self._done.is_set():
+        if self._error is not None:  # recorded under the lock before release is signalled
             raise self._error
 
     def add_done_callback(self, fn: Callable[[IoHandle], None]) -> None:

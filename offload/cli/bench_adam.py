@@ -1,0 +1,305 @@
+"""`offload bench adam`: the CPU Adam update against torch, DeepSpeed and the memory bound.
+
+Every implementation updates the same fp32 arrays of `--elements` elements
+(offload's own moments aside), once per round, in interleaved order (A B A B)
+so drift of the machine hits every row alike; rows report the median.
+
+The bound is a streaming in-place kernel over the same arrays (p += a*g,
+m += a*v, v *= 1: 32 bytes per element, no write-allocate since every line
+written was just read): its bytes per second divided by the 28 bytes per
+element an fp32 Adam step moves (reads p, g, m, v; writes p, m, v). The bound
+takes the fastest round (the best the memory gave), the rows the median.
+
+`--nvme PATH` also runs the step with the state on NVMe under PATH and
+compares its time with max(bytes moved / disk bandwidth, in-memory update
+time), the disk bandwidth measured in the same run with the io engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from typing import Callable
+
+import torch
+
+from ..config import IoConfig, OptimConfig, parse_bytes
+from ..io import BufferPool, make_engine, open_swap
+from ..optim import CpuAdam, fused_status
+
+ADAM_BYTES = 28     # fp32 bytes an Adam step moves per element (16 read, 12 written)
+STREAM_BYTES = 32   # bytes per element of the bound's streaming kernel
+LR, BETAS, EPS, WD = 1e-3, (0.9, 0.999), 1e-8, 0.01
+
+
+def _count(text: str) -> int:
+    """'100M', '2e7', '20000000' -> elements."""
+    t = text.strip().upper()
+    mult = {"K": 10 ** 3, "M": 10 ** 6, "G": 10 ** 9}.get(t[-1:], 1)
+    return int(float(t[:-1] if mult > 1 else t) * mult)
+
+
+def _torch_opt(p: torch.nn.Parameter, m: torch.Tensor, v: torch.Tensor, **kw) -> Callable:
+    opt = torch.optim.AdamW([p], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, **kw)
+    # Share the moments: no extra memory, the same bytes touched as everyone else.
+    opt.state[p] = {"step": torch.tensor(0.0), "exp_avg": m, "exp_avg_sq": v}
+    return opt.step
+
+
+def _impls(n: int, args: argparse.Namespace, notes: list[str]) -> dict[str, Callable]:
+    g = torch.randn(n)
+    p = torch.nn.Parameter(torch.randn(n))
+    p.grad = g
+    m, v = torch.zeros(n), torch.rand(n)
+    ours = CpuAdam(OptimConfig(lr=LR, betas=list(BETAS), eps=EPS, weight_decay=WD,
+                               block_elems=args.block_elems))
+    ours.add_partition("x", p.data, exp_avg=m, exp_avg_sq=v)
+    out = torch.empty(n, dtype=torch.bfloat16)
+    step_t = torch.tensor(0.0)
+
+    def fused_direct() -> None:
+        step_t.add_(1)
+        torch._fused_adamw_([p.data], [g], [m], [v], [], [step_t], lr=LR, beta1=BETAS[0],
+                            beta2=BETAS[1], weight_decay=WD, eps=EPS, amsgrad=False,
+                            maximize=False)
+
+    def stream() -> None:
+        p.data.add_(g, alpha=1e-30)
+        m.add_(v, alpha=1e-30)
+        v.mul_(1.0)
+
+    impls = {"offload": lambda: ours.step({"x": g}),
+             "offload+bf16": lambda: ours.step({"x": g}, params_out={"x": out}),
+             "torch AdamW fused": _torch_opt(p, m, v, fused=True),
+             "torch AdamW foreach": _torch_opt(p, m, v, foreach=True),
+             "torch._fused_adamw_": fused_direct,
+             "bound": stream}
+    ok, why = fused_status()
+    if not ok:
+        notes.append(f"offload runs torch._foreach_* math: {why}")
+        del impls["torch AdamW fused"], impls["torch._fused_adamw_"]
+    try:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+        ds = DeepSpeedCPUAdam([p], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
+                              adamw_mode=True)
+        impls["DeepSpeedCPUAdam"] = ds.step
+    except Exception as e:  # ImportError, or its C++ extension failing to build
+        notes.append(f"DeepSpeedCPUAdam skipped: {type(e).__name__}: {e}")
+    return impls
+
+
+def _interleaved(impls: dict[str, Callable], rounds: int, progress) -> dict[str, list[float]]:
+    for fn in impls.values():  # warm-up: page faults, lazy state, thread pools
+        fn()
+    times: dict[str, list[float]] = {k: [] for k in impls}
+    for r in range(rounds):
+        for name, fn in impls.items():
+            t = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t)
+            if progress:
+                progress(f"round {r + 1}/{rounds}: {name} {times[name][-1] * 1e3:.1f} ms")
+    return times
+
+
+class _Disk:
+    """Times, through the io engine with O_DIRECT, a write of `nbytes`, a read of
+    `nbytes`, and both at once (what a pipelined step asks of the device)."""
+
+    def __init__(self, engine, path: str, nbytes: int, pool: BufferPool) -> None:
+        self.engine, self.n = engine, max(4096, nbytes // 4096 * 4096)
+        self.buf = pool.alloc(2 * self.n, tag="bench-disk")
+        self.buf.tensor[:] = torch.randint(0, 256, (self.buf.capacity,), dtype=torch.uint8)
+        self.path = os.path.join(path, "offload-bench-adam-disk.dat")
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT
+                          | (os.O_DIRECT if engine.direct else 0), 0o600)
+        os.posix_fallocate(self.fd, 0, 2 * self.n)
+        self._write(self.n).wait()  # the region the reads come from holds data
+
+    def _write(self, at: int):
+        return self.engine.write(self.fd, self.path, at, self.buf.address, self.n,
+                                 keepalive=self.buf)
+
+    def _read(self):
+        return self.engine.read(self.fd, self.path, self.n, self.buf.address + self.n, self.n,
+                                keepalive=self.buf)
+
+    def measure(self) -> tuple[float, float, float]:
+        """(write, read, both at once) seconds."""
+        out = []
+        for start in (lambda: [self._write(0)], lambda: [self._read()],
+                      lambda: [self._write(0), self._read()]):
+            t = time.perf_counter()
+            for h in start():
+                h.wait()
+            out.append(time.perf_counter() - t)
+        return out[0], out[1], out[2]
+
+    def close(self) -> None:
+        os.close(self.fd)
+        os.unlink(self.path)
+        self.buf.release()
+
+
+def _nvme_bounds(state_bytes: int, t_mem: float, step: float, wbw: float, rbw: float,
+                 mbw: float) -> dict:
+    """The NVMe step against its bounds; `state_bytes` each way, bandwidths in bytes/s."""
+    # Bytes moved / measured bandwidth, with the disk's read and write times added
+    # (a device shared by both directions). Two other views: the same bytes at the
+    # rate the device gave reads and writes issued together (as the pipeline does),
+    # and the slower stream alone (a device that does both at full speed at once).
+    io_serial = state_bytes / rbw + state_bytes / wbw
+    io_mixed = 2 * state_bytes / mbw
+    io_overlap = max(state_bytes / rbw, state_bytes / wbw)
+    bound = max(io_serial, t_mem)
+    return {"disk_write_GBps": wbw / 1e9, "disk_read_GBps": rbw / 1e9,
+            "disk_mixed_GBps": mbw / 1e9, "bytes_read": state_bytes,
+            "bytes_written": state_bytes, "io_bound_s": io_serial, "io_mixed_s": io_mixed,
+            "io_overlapped_s": io_overlap, "memory_update_s": t_mem, "step_s": step,
+            "bound_s": bound, "step_over_bound": step / bound,
+            "step_over_mixed_bound": step / max(io_mixed, t_mem),
+            "step_over_overlapped_bound": step / max(io_overlap, t_mem)}
+
+
+def _nvme(path: str, n: int, args: argparse.Namespace, t_mem: float, progress) -> dict:
+    """State on NVMe: step time against the disk, measured in the same rounds (A B A B)."""
+    os.makedirs(path, exist_ok=True)
+    work = tempfile.mkdtemp(prefix=".offload-bench-adam-", dir=path)
+    io_cfg = IoConfig(paths=[work], buffer_budget=parse_bytes(args.buffer_budget))
+    engine = make_engine(io_cfg)
+    pool = BufferPool(io_cfg.buffer_budget)
+    swap = open_swap(io_cfg, "bench-optim", engine)
+    disk = None
+    try:
+        cfg = OptimConfig(lr=LR, betas=list(BETAS), eps=EPS, weight_decay=WD,
+                          chunk_elems=args.chunk_elems, buffers=args.buffers,
+                          block_elems=args.block_elems)
+        opt = CpuAdam(cfg, swap=swap, pool=pool)
+        g = torch.randn(n)
+        opt.add_partition("x", torch.randn(n), tier="nvme")
+        opt.step({"x": g})  # warm-up: maps and faults in the pipeline's buffers
+        state_bytes = 12 * n
+        free = io_cfg.buffer_budget - pool.stats().held_bytes - 8192
+        disk = _Disk(engine, work, min(state_bytes, free // 2), pool)
+        steps, writes, reads, mixed = [], [], [], []
+        for r in range(args.rounds):
+            w, rd, both = disk.measure()
+            writes.append(disk.n / w)
+            reads.append(disk.n / rd)
+            mixed.append(2 * disk.n / both)
+            steps.append(opt.step({"x": g}).seconds)
+            if progress:
+                progress(f"nvme round {r + 1}/{args.rounds}: step {steps[-1]:.3f} s, disk write "
+                         f"{writes[-1] / 1e9:.2f} GB/s, read {reads[-1] / 1e9:.2f} GB/s, both "
+                         f"at once {mixed[-1] / 1e9:.2f} GB/s")
+        opt.close()
+        wbw, rbw, mbw, step = (statistics.median(x) for x in (writes, reads, mixed, steps))
+        return {"path": os.path.abspath(path), "engine": engine.name,
+                "chunk_elems": opt.chunk_elems, "buffers": cfg.buffers,
+                **_nvme_bounds(state_bytes, t_mem, step, wbw, rbw, mbw)}
+    finally:
+        if disk is not None:
+            disk.close()
+        swap.close()
+        pool.close(force=True)
+        engine.close()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def run_adam_bench(args: argparse.Namespace, progress=None) -> dict:
+    """Runs the benchmark; returns the JSON-ready result."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    n = _count(args.elements)
+    if n < 1 or args.rounds < 1:
+        raise SystemExit("offload bench adam: --elements and --rounds must be positive")
+    notes: list[str] = []
+    times = _interleaved(_impls(n, args, notes), args.rounds, progress)
+    med = {k: statistics.median(t) for k, t in times.items()}
+    med["bound"] = min(times["bound"])  # a bound: the best the memory gave, not the typical
+    bound = STREAM_BYTES * n / med["bound"] / ADAM_BYTES / 1e9
+    results = []
+    for name, s in med.items():
+        if name == "bound":
+            continue
+        rate = n / s / 1e9
+        results.append({"impl": name, "Gelem_per_s": rate, "seconds": s,
+                        "fraction_of_bound": rate / bound})
+    results.append({"impl": "memory-bandwidth bound", "Gelem_per_s": bound,
+                    "seconds": ADAM_BYTES * n / (STREAM_BYTES * n / med["bound"]),
+                    "fraction_of_bound": 1.0})
+    out = {"benchmark": "adam", "elements": n, "rounds": args.rounds,
+           "threads": torch.get_num_threads(), "torch": torch.__version__,
+           "stream_GBps": STREAM_BYTES * n / med["bound"] / 1e9, "adam_bytes_per_elem": ADAM_BYTES,
+           "results": results, "notes": notes}
+    if args.nvme:
+        out["nvme"] = _nvme(args.nvme, n, args, med["offload"], progress)
+    return out
+
+
+def render(result: dict) -> None:
+    """Prints the result as a rich table."""
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console()
+    t = Table(title=f"offload bench adam: {result['elements'] / 1e6:.0f}M fp32 elements, "
+                    f"{result['threads']} threads, median of {result['rounds']} interleaved rounds")
+    for col in ("implementation", "Gelem/s", "ms/step", "x bound"):
+        t.add_column(col, justify="left" if col == "implementation" else "right")
+    for r in result["results"]:
+        t.add_row(r["impl"], f"{r['Gelem_per_s']:.3f}", f"{r['seconds'] * 1e3:.1f}",
+                  f"{r['fraction_of_bound']:.2f}")
+    con.print(t)
+    con.print(f"streaming kernel: {result['stream_GBps']:.1f} GB/s; Adam moves "
+              f"{result['adam_bytes_per_elem']} B/element")
+    nv = result.get("nvme")
+    if nv:
+        con.print(f"NVMe ({nv['engine']}, chunk {nv['chunk_elems']} elements x {nv['buffers']} "
+                  f"buffers): step {nv['step_s']:.3f} s; disk write {nv['disk_write_GBps']:.2f} "
+                  f"GB/s, read {nv['disk_read_GBps']:.2f} GB/s -> I/O bound {nv['io_bound_s']:.3f}"
+                  f" s; in-memory update {nv['memory_update_s']:.3f} s; step / max(I/O, "
+                  f"memory) = {nv['step_over_bound']:.2f}. Reads and writes issued together ran "
+                  f"at {nv['disk_mixed_GBps']:.2f} GB/s ({nv['io_mixed_s']:.3f} s, step / that "
+                  f"= {nv['step_over_mixed_bound']:.2f}); fully overlapped they would take "
+                  f"{nv['io_overlapped_s']:.3f} s")
+    for note in result["notes"]:
+        con.print(f"note: {note}")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--elements", default="100M", help="fp32 elements of the partition "
+                   "(default 100M; e.g. 20M for a quick run)")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
+    p.add_argument("--nvme", metavar="PATH", default=None, help="also run with the state on "
+                   "NVMe under directory PATH, against the disk bandwidth measured there")
+    p.add_argument("--chunk-elems", type=int, default=0, help="elements per NVMe chunk "
+                   "(default 0: derived from --buffer-budget)")
+    p.add_argument("--buffers", type=int, default=3, help="pipeline buffers (default 3)")
+    p.add_argument("--buffer-budget", default="1GiB", help="host staging budget (default 1GiB)")
+    p.add_argument("--block-elems", type=int, default=OptimConfig().block_elems,
+                   help="elements per update-kernel call")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+
+
+def run(args: argparse.Namespace) -> int:
+    progress = None if args.json else (lambda msg: print(msg, file=sys.stderr, flush=True))
+    result = run_adam_bench(args, progress)
+    if args.json:
+        print(json.dumps(result, indent=1))
+    else:
+        render(result)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="offload bench adam", description=__doc__.split("\n\n")[0])
+    add_arguments(p)
+    return run(p.parse_args(argv))

@@ -1,0 +1,502 @@
+"""`CpuAdam`: Adam / AdamW over flat fp32 partitions whose state lives on the host or NVMe.
+
+Typical use (the engine's view)::
+
+    opt = CpuAdam(cfg.optim, swap=swap, pool=pool)
+    opt.add_partition("g0", master_g0)                     # host state, updated in place
+    opt.add_partition("g1", master_g1, tier="nvme")        # state streamed from NVMe
+    ...                                                    # backward produced g1's grad:
+    opt.prefetch("g1")                                     # its first chunks start reading
+    res = opt.step({"g0": grad0, "g1": grad1}, params_out={"g0": bf16_0, "g1": bf16_1},
+                   loss_scale=scaler_scale)
+
+[Note: early reads and early updates]
+`prefetch(pid)` may be called as soon as backward produced a partition's
+final gradient: it only starts reading the partition's first chunks into idle
+pipeline buffers, which never changes a result. An *update* may run before the
+whole backward is done (`update({pid: grad})` during backward, then `step()`
+for the rest) only where its result is exactly that of the sequential step,
+i.e. where nothing it depends on is still unknown:
+  * no gradient clipping (optim.max_grad_norm = 0): the clip coefficient needs
+    the global norm over every gradient; with clipping, an early update needs
+    `grad_norm` passed in, which the engine knows only after backward;
+  * no fp16 loss scaling (loss_scale = 1, i.e. bf16 or fp32 gradients): with it
+    an overflow anywhere skips the whole step, so an early update needs
+    `found_inf` passed in, known only after backward.
+So bf16/fp32 training without clipping may update early; `early_update_allowed`
+answers it, and `update` refuses the other cases unless given the values.
+
+[Note: learning-rate schedule]
+Each group's `lr_lambda(k)` (a callable step -> multiplier, as in
+torch.optim.lr_scheduler.LambdaLR) is evaluated at the partition's own count of
+completed updates k (0 for the first), so a partition's k-th update uses
+lr * lr_lambda(k): the same as LambdaLR stepped after each optimizer step. A
+scheduler of any other kind may instead write `param_groups[i]["lr"]`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Hashable, Iterable, Mapping, Sequence
+
+import torch
+
+from ..config import OptimConfig
+from ..io import BufferPool, SwapSpace
+from ..trace import NULL_RECORDER, TraceRecorder
+from .adam import AdamHyper, AdamKernel, resolve_scaling
+from .pipeline import OptimStepError, SwapPipeline
+from .state import BYTES_PER_ELEM, ChunkLayout, PartitionState, Tier
+
+log = logging.getLogger(__name__)
+
+__all__ = ["CpuAdam", "StepResult", "resolve_chunk_elems"]
+
+_HYPER_KEYS = ("lr", "betas", "eps", "weight_decay")
+_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+MAX_AUTO_CHUNK = 1 << 23  # elements: 96 MiB per buffer; larger only lengthens fill and drain
+
+
+def resolve_chunk_elems(cfg: OptimConfig, budget_bytes: int | None) -> int:
+    """Elements per NVMe chunk: `cfg.chunk_elems`, or (when 0) the largest power of two
+    such that `cfg.buffers` chunk buffers (12 bytes/element) take at most
+    `cfg.buffer_share` of `budget_bytes`, within [4096, 2**23] elements.
+
+    Raises ValueError when an explicit size cannot fit the budget.
+    """
+    if budget_bytes is None:
+        return cfg.chunk_elems or MAX_AUTO_CHUNK
+    if cfg.chunk_elems:
+        need = cfg.buffers * BYTES_PER_ELEM * cfg.chunk_elems
+        if need > budget_bytes:
+            raise ValueError(f"optim.chunk_elems={cfg.chunk_elems} x optim.buffers={cfg.buffers} "
+                             f"needs {need} bytes of buffers, the pool holds {budget_bytes}; "
+                             "lower them or raise io.buffer_budget")
+        return cfg.chunk_elems
+    per = int(budget_bytes * cfg.buffer_share) // (cfg.buffers * BYTES_PER_ELEM)
+    if per < 4096:
+        raise ValueError(f"io.buffer_budget={budget_bytes} bytes x optim.buffer_share="
+                         f"{cfg.buffer_share} leaves under 4096 elements per chunk for "
+                         f"{cfg.buffers} buffers; raise the budget or set optim.chunk_elems")
+    return min(MAX_AUTO_CHUNK, 1 << (per.bit_length() - 1))
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one `step` / `update` did.
+
+    `grad_norm`: global 2-norm of the unscaled gradients, when computed or given.
+    `grad_scale`: the divisor applied to every gradient (loss scale / clip coefficient).
+    `bytes_read` / `bytes_written`: NVMe bytes this call used and wrote (reads
+    started early by `prefetch` count here). `seconds`: wall time.
+    """
+
+    skipped: bool
+    updated: tuple[Hashable, ...]
+    grad_norm: float | None
+    clip_coef: float
+    grad_scale: float
+    seconds: float
+    bytes_read: int = 0
+    bytes_written: int = 0
+
+
+def _flat(t: torch.Tensor, what: str, numel: int, dtypes: tuple[torch.dtype, ...]) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{what}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.device.type != "cpu" or t.dtype not in dtypes or not t.is_contiguous():
+        raise ValueError(f"{what}: a contiguous CPU tensor of {'/'.join(map(str, dtypes))} is "
+                         f"needed, got {t.dtype} on {t.device} (contiguous={t.is_contiguous()})")
+    if t.numel() != numel:
+        raise ValueError(f"{what}: {t.numel()} elements, the partition has {numel}")
+    return t.view(-1)
+
+
+class CpuAdam:
+    """Adam or AdamW (`config.name`) over flat fp32 partitions; see the module notes.
+
+    Args:
+        config: hyper-parameter defaults, kernel and pipeline sizes.
+        param_groups: one dict per group overriding `lr`, `betas`, `eps`,
+            `weight_decay`, `lr_lambda`; default one group of the config's values.
+        swap, pool: needed for partitions with tier="nvme": the swap space that
+            holds their chunks and the pool lending the pipeline's buffers.
+        lr_lambda: default schedule of every group, step -> lr multiplier.
+    Thread safe: calls serialise; `prefetch` (e.g. from the autograd thread) never waits.
+    """
+
+    def __init__(self, config: OptimConfig | None = None, *,
+                 param_groups: Sequence[Mapping[str, Any]] | None = None,
+                 swap: SwapSpace | None = None, pool: BufferPool | None = None,
+                 lr_lambda: Callable[[int], float] | None = None,
+                 recorder: TraceRecorder = NULL_RECORDER) -> None:
+        cfg = config or OptimConfig()
+        self.config = cfg
+        self.decoupled = cfg.name == "adamw"
+        self.max_grad_norm = cfg.max_grad_norm
+        defaults = {"lr": cfg.lr, "betas": tuple(cfg.betas), "eps": cfg.eps,
+                    "weight_decay": cfg.weight_decay, "lr_lambda": lr_lambda}
+        self.param_groups: list[dict[str, Any]] = []
+        for k, g in enumerate(param_groups or [{}]):
+            unknown = set(g) - set(defaults)
+            if unknown:
+                raise ValueError(f"param_groups[{k}]: unknown keys {sorted(unknown)}; known: "
+                                 f"{sorted(defaults)} (partitions join with add_partition)")
+            self.param_groups.append({**defaults, **g, "params": []})
+        self.kernel = AdamKernel(cfg.kernel, cfg.block_elems)
+        if (swap is None) != (pool is None):
+            raise ValueError("pass both swap and pool (NVMe state) or neither (host state only)")
+        self.swap = swap
+        self.chunk_elems = resolve_chunk_elems(cfg, pool.budget if pool is not None else None)
+        self._pipeline = None if swap is None else SwapPipeline(
+            swap, pool, chunk_elems=self.chunk_elems, buffers=cfg.buffers, recorder=recorder)
+        self.recorder = recorder
+        self._parts: dict[Hashable, PartitionState] = {}
+        self._round: set[Hashable] = set()  # updated since the last completed step()
+        self._lock = threading.RLock()
+
+    # -- partitions ------------------------------------------------------------
+    @property
+    def partitions(self) -> list[Hashable]:
+        """Partition ids in the order they were added."""
+        return list(self._parts)
+
+    def partition(self, pid: Hashable) -> PartitionState:
+        """The record of partition `pid` (read it; do not modify it)."""
+        try:
+            return self._parts[pid]
+        except KeyError:
+            raise KeyError(f"unknown partition {pid!r}; known: {list(self._parts)[:8]}") from None
+
+    def add_partition(self, pid: Hashable, master: torch.Tensor, *, group: int = 0,
+                      tier: str | Tier = "host", exp_avg: torch.Tensor | None = None,
+                      exp_avg_sq: torch.Tensor | None = None) -> None:
+        """Registers a partition at step 0, with zero moments unless given.
+
+        `master` (and the moments): fp32, contiguous CPU, one element per
+        partition element. tier="host": kept (not copied) and updated in place.
+        tier="nvme": written to fresh swap extents chunk by chunk; not kept.
+        """
+        with self._lock:
+            tier = Tier(tier)
+            if pid in self._parts:
+                raise ValueError(f"partition {pid!r} is already registered")
+            if not 0 <= group < len(self.param_groups):
+                raise ValueError(f"group {group} out of range 0..{len(self.param_groups) - 1}")
+            if not isinstance(master, torch.Tensor):
+                raise TypeError(f"partition {pid!r}: master must be a torch.Tensor, got "
+                                f"{type(master).__name__}")
+            master = _flat(master, f"partition {pid!r} master", master.numel(), (torch.float32,))
+            if master.numel() == 0:
+                raise ValueError(f"partition {pid!r} is empty")
+            layout = ChunkLayout(master.numel(), self.chunk_elems)
+            moments = [None if t is None else _flat(t, f"partition {pid!r} {k}", master.numel(),
+                                                    (torch.float32,))
+                       for k, t in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq))]
+            if tier is Tier.HOST:
+                a, s = (torch.zeros_like(master) if t is None else t for t in moments)
+                state = (master, a, s)
+                part = PartitionState(pid, master.numel(), group, tier, layout, host=state)
+            else:
+                part = PartitionState(pid, master.numel(), group, tier, layout)
+                part.commit(self._need_pipeline(pid).swap,
+                            self._write_new(part, master, *moments), step=0)
+            self._parts[pid] = part
+            self.param_groups[group]["params"].append(pid)
+
+    def _need_pipeline(self, pid: Hashable) -> SwapPipeline:
+        if self._pipeline is None:
+            raise ValueError(f"partition {pid!r} has tier 'nvme' but the optimizer has no swap "
+                             "space; construct CpuAdam with swap= and pool=")
+        return self._pipeline
+
+    def _write_new(self, part: PartitionState, master: torch.Tensor | None,
+                   exp_avg: torch.Tensor | None, exp_avg_sq: torch.Tensor | None) -> list:
+        """Writes a whole NVMe state to fresh extents; kinds given as None are zeros,
+        or kept from the current extents when the partition has some."""
+        keep = part.extents is not None
+
+        def fill(_p, _i, lo, n, m_buf, a_buf, s_buf) -> None:
+            for src, dst in ((master, m_buf), (exp_avg, a_buf), (exp_avg_sq, s_buf)):
+                if src is not None:
+                    dst.copy_(src[lo:lo + n])
+                elif not keep:
+                    dst.zero_()
+        return self._need_pipeline(part.pid).write_state(part, fill, keep_old=keep)
+
+    # -- step ------------------------------------------------------------------
+    def early_update_allowed(self, loss_scale: float = 1.0) -> bool:
+        """True when `update` may run for a partition before backward has finished
+        with the others, results unchanged: no clipping and no loss scaling
+        ([Note: early reads and early updates])."""
+        return self.max_grad_norm == 0 and loss_scale == 1.0
+
+    def prefetch(self, pid: Hashable) -> int:
+        """Starts reading the first chunks of NVMe partition `pid` into idle pipeline
+        buffers; returns the chunks in flight for it. Never waits: 0 for host
+        partitions, when no buffer is idle, or while another call (a step) runs.
+        Safe at any time and from any thread: reads change no result."""
+        if not self._lock.acquire(blocking=False):
+            return 0  # a step (or another call) is running: never stall the caller
+        try:
+            part = self.partition(pid)
+            if part.tier is Tier.HOST:
+                return 0
+            return self._pipeline.prefetch(part, max(1, self._pipeline.nbuf - 1))
+        finally:
+            self._lock.release()
+
+    def step(self, grads: Mapping[Hashable, torch.Tensor], *,
+             params_out: Mapping[Hashable, torch.Tensor] | None = None, loss_scale: float = 1.0,
+             grad_norm: float | None = None, found_inf: bool | None = None,
+             skip: Iterable[Hashable] = ()) -> StepResult:
+        """Updates every partition not already updated by `update` since the last step.
+
+        Args:
+            grads: partition id -> its fp32 gradient (loss-scaled); read, never written.
+            params_out: partition id -> bf16/fp16/fp32 tensor that receives the new
+                weights (master rounded to its dtype), written in the same pass.
+            loss_scale: the gradients' scale; they are divided by it (with the clip
+                coefficient) inside the update.
+            grad_norm: the global (all ranks) 2-norm of the unscaled gradients; computed
+                from `grads` when clipping needs it and it is not given.
+            found_inf: a non-finite gradient was seen; skips the step. When None and
+                loss_scale != 1 it is derived from the gradients' norm (one read pass).
+        Raises:
+            OptimStepError: a failure part way (e.g. a failed NVMe write); every
+                partition is at one whole version, see its `updated` / `unchanged`.
+        """
+        with self._lock:
+            skip = set(skip)
+            missing = [p for p in self._parts
+                       if p not in self._round and p not in grads and p not in skip]
+            if missing:
+                raise ValueError(f"step: no gradient for partition(s) {missing[:8]}; every "
+                                 "partition not updated early needs one, or list it in skip "
+                                 "(as torch skips parameters whose grad is None)")
+            res = self.update(grads, params_out=params_out, loss_scale=loss_scale,
+                              grad_norm=grad_norm, found_inf=found_inf)
+            self._round.clear()
+            return res
+
+    def update(self, grads: Mapping[Hashable, torch.Tensor], *,
+               params_out: Mapping[Hashable, torch.Tensor] | None = None,
+               loss_scale: float = 1.0, grad_norm: float | None = None,
+               found_inf: bool | None = None) -> StepResult:
+        """Updates exactly the partitions in `grads` now (arguments as in `step`); the
+        rest of the round follows with `step`. A call that does not cover the whole
+        round needs `grad_norm` when clipping and `found_inf` when loss-scaling."""
+        with self._lock:
+            t0 = time.perf_counter()
+            parts, g, out = self._check_inputs(grads, params_out or {})
+            if not parts:  # e.g. step() after every partition was updated early
+                return StepResult(False, (), grad_norm, 1.0, loss_scale, 0.0)
+            whole = not self._round and len(parts) == len(self._parts)
+            if not whole and self.max_grad_norm > 0 and grad_norm is None:
+                raise ValueError("update of part of a step with clipping on needs grad_norm "
+                                 "(the global norm); see early_update_allowed()")
+            if not whole and loss_scale != 1.0 and found_inf is None:
+                raise ValueError("update of part of a step with loss scaling needs found_inf; "
+                                 "see early_update_allowed()")
+            sc = resolve_scaling((g[p.pid] for p in parts), loss_scale=loss_scale,
+                                 max_grad_norm=self.max_grad_norm, grad_norm=grad_norm,
+                                 found_inf=found_inf)
+            if sc.found_inf:
+                log.info("optimizer step skipped: non-finite gradients (loss scale %g)", loss_scale)
+                return StepResult(True, (), sc.grad_norm, sc.clip_coef, sc.grad_scale,
+                                  time.perf_counter() - t0)
+            r0, w0 = self._io_counters()
+            try:
+                updated = self._run(parts, g, out, sc.grad_scale)
+            except OptimStepError as e:
+                e.grad_norm = sc.grad_norm
+                raise
+            r1, w1 = self._io_counters()
+            return StepResult(False, tuple(updated), sc.grad_norm, sc.clip_coef, sc.grad_scale,
+                              time.perf_counter() - t0, r1 - r0, w1 - w0)
+
+    def _io_counters(self) -> tuple[int, int]:
+        p = self._pipeline
+        return (p.bytes_read, p.bytes_written) if p is not None else (0, 0)
+
+    def _check_inputs(self, grads: Mapping, params_out: Mapping) -> tuple[list, dict, dict]:
+        unknown = [p for p in list(grads) + list(params_out) if p not in self._parts]
+        if unknown:
+            raise KeyError(f"unknown partition(s) {unknown[:8]}")
+        again = [p for p in grads if p in self._round]
+        if again:
+            raise ValueError(f"partition(s) {again[:8]} were already updated in this step")
+        parts = [self._parts[p] for p in self._parts if p in grads]
+        g = {p.pid: _flat(grads[p.pid], f"grad of {p.pid!r}", p.numel, (torch.float32,))
+             for p in parts}
+        out = {pid: _flat(t, f"params_out of {pid!r}", self._parts[pid].numel, _OUT_DTYPES)
+               for pid, t in params_out.items() if pid in grads}
+        return parts, g, out
+
+    def _hyper(self, part: PartitionState) -> AdamHyper:
+        grp = self.param_groups[part.group]
+        lr = float(grp["lr"])
+        if grp["lr_lambda"] is not None:
+            lr *= float(grp["lr_lambda"](part.step))
+        b1, b2 = grp["betas"]
+        return AdamHyper(lr, float(b1), float(b2), float(grp["eps"]),
+                         float(grp["weight_decay"]), self.decoupled)
+
+    def _run(self, parts: list[PartitionState], g: dict, out: dict, grad_scale: float) -> list:
+        """Host partitions in place, then NVMe partitions through the pipeline (its
+        first reads start before the host work, so they overlap it)."""
+        host = [p for p in parts if p.tier is Tier.HOST]
+        nvme = [p for p in parts if p.tier is Tier.NVME]
+        if nvme:
+            first = {pid: k for k, pid in enumerate(self._pipeline.prefetched())}
+            nvme.sort(key=lambda p: first.get(p.pid, len(first)))  # stable: then added order
+            self._pipeline.prefetch(nvme[0], max(1, self._pipeline.nbuf - 1))
+        done = []
+        for p in host:
+            m, a, s = p.host
+            o = out.get(p.pid)
+            with self.recorder.span("optim:update", cat="compute", track="optim",
+                                    partition=str(p.pid), elems=p.numel):
+                self.kernel.update(m, g[p.pid], a, s, step=p.step + 1, hyper=self._hyper(p),
+                                   grad_scale=grad_scale, param_out=o)
+            p.step += 1
+            done.append(p.pid)
+            self._round.add(p.pid)
+        if not nvme:
+            return done
+        hypers = {p.pid: self._hyper(p) for p in nvme}
+
+        def compute(p, _i, lo, n, m, a, s) -> None:
+            o = out.get(p.pid)
+            self.kernel.update(m, g[p.pid][lo:lo + n], a, s, step=p.step + 1,
+                               hyper=hypers[p.pid], grad_scale=grad_scale,
+                               param_out=None if o is None else o[lo:lo + n])
+        try:
+            done += self._pipeline.run(nvme, compute)
+        except OptimStepError as e:
+            e.updated = done + e.updated
+            self._round.update(e.updated)
+            raise
+        self._round.update(p.pid for p in nvme)
+        return done
+
+    # -- reading and checkpoints -----------------------------------------------
+    def read_master(self, pid: Hashable, out: torch.Tensor) -> torch.Tensor:
+        """Copies partition `pid`'s fp32 master into `out` (any float dtype, same numel,
+        rounded to nearest even); e.g. to rebuild a compute-dtype copy. Returns `out`."""
+        with self._lock:
+            part = self.partition(pid)
+            flat = _flat(out, f"read_master out of {pid!r}", part.numel, _OUT_DTYPES)
+            if part.tier is Tier.HOST:
+                flat.copy_(part.host[0])
+            else:
+                self._pipeline.read_state(part, lambda _p, _i, lo, n, m, _a, _s:
+                                          flat[lo:lo + n].copy_(m))
+            return out
+
+    def partition_state(self, pid: Hashable) -> dict[str, torch.Tensor]:
+        """{"step", "exp_avg", "exp_avg_sq", "master"} of one partition, 1-D fp32
+        (step: a 0-d fp32 tensor, as torch). Host state: the live tensors (no copy);
+        NVMe state: fresh tensors read chunk by chunk."""
+        with self._lock:
+            part = self.partition(pid)
+            step = torch.tensor(float(part.step))
+            if part.tier is Tier.HOST:
+                m, a, s = part.host
+                return {"step": step, "exp_avg": a, "exp_avg_sq": s, "master": m}
+            m, a, s = (torch.empty(part.numel, dtype=torch.float32) for _ in range(3))
+
+            def consume(_p, _i, lo, n, mb, ab, sb) -> None:
+                for src, dst in ((mb, m), (ab, a), (sb, s)):
+                    dst[lo:lo + n].copy_(src)
+            self._pipeline.read_state(part, consume)
+            return {"step": step, "exp_avg": a, "exp_avg_sq": s, "master": m}
+
+    def load_partition_state(self, pid: Hashable, state: Mapping[str, Any]) -> None:
+        """Loads one partition's state (keys as `partition_state`; "master" optional:
+        absent keeps the current master). NVMe: written to fresh extents, then
+        switched, so a failure leaves the previous state whole."""
+        with self._lock:
+            part = self.partition(pid)
+            step, tensors = self._checked_state(part, state)
+            if part.tier is Tier.HOST:
+                for k, dst in zip(("master", "exp_avg", "exp_avg_sq"), part.host):
+                    if tensors[k] is not None:
+                        dst.copy_(tensors[k])
+                part.step = step
+                return
+            self._pipeline.discard(pid)
+            new = self._write_new(part, tensors["master"], tensors["exp_avg"],
+                                  tensors["exp_avg_sq"])
+            part.commit(self._pipeline.swap, new, step)
+
+    @staticmethod
+    def _checked_state(part: PartitionState, state: Mapping[str, Any]) -> tuple[int, dict]:
+        missing = {"step", "exp_avg", "exp_avg_sq"} - set(state)
+        if missing:
+            raise ValueError(f"state of partition {part.pid!r} lacks {sorted(missing)}")
+        step = int(state["step"].item() if isinstance(state["step"], torch.Tensor)
+                   else state["step"])
+        if step < 0:
+            raise ValueError(f"state of partition {part.pid!r}: step {step} is negative")
+        tensors = {}
+        for k in ("master", "exp_avg", "exp_avg_sq"):
+            t = state.get(k)
+            tensors[k] = None if t is None else _flat(
+                t.detach().to(torch.float32).contiguous(), f"state[{part.pid!r}][{k!r}]",
+                part.numel, (torch.float32,))
+        return step, tensors
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch-style: {"state": {pid: partition_state(pid)}, "param_groups": [{"lr",
+        "betas", "eps", "weight_decay", "params": [pids]}]}. `lr_lambda` is not saved
+        (as LambdaLR does not save its lambdas)."""
+        with self._lock:
+            groups = [{**{k: g[k] for k in _HYPER_KEYS}, "params": list(g["params"])}
+                      for g in self.param_groups]
+            return {"state": {pid: self.partition_state(pid) for pid in self._parts},
+                    "param_groups": groups}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Loads `state_dict()` output: hyper-parameters per group, then each
+        partition's state. Everything is checked before anything changes."""
+        with self._lock:
+            groups = state_dict.get("param_groups")
+            states = state_dict.get("state", {})
+            if groups is None or len(groups) != len(self.param_groups):
+                raise ValueError(f"state_dict has {0 if groups is None else len(groups)} "
+                                 f"param groups, the optimizer {len(self.param_groups)}")
+            for k, (mine, theirs) in enumerate(zip(self.param_groups, groups)):
+                if set(theirs.get("params", ())) != set(mine["params"]):
+                    raise ValueError(f"param_groups[{k}] holds partitions "
+                                     f"{list(theirs.get('params', ()))[:8]}, this optimizer "
+                                     f"{mine['params'][:8]}")
+            for pid, st in states.items():
+                self._checked_state(self.partition(pid), st)
+            for mine, theirs in zip(self.param_groups, groups):
+                mine.update({k: theirs[k] for k in _HYPER_KEYS if k in theirs})
+                mine["betas"] = tuple(mine["betas"])
+            for pid, st in states.items():
+                self.load_partition_state(pid, st)
+            self._round.clear()
+
+    def close(self) -> None:
+        """Waits for transfers, returns the pipeline's buffers and frees every NVMe
+        partition's extents. The optimizer is unusable afterwards."""
+        with self._lock:
+            if self._pipeline is not None:
+                self._pipeline.close()
+                for part in self._parts.values():
+                    for ext in part.extents or ():
+                        self._pipeline.swap.free(ext)
+                    part.extents = None
+            self._parts.clear()
+
+    def __enter__(self) -> "CpuAdam":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

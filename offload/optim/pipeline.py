@@ -1,0 +1,366 @@
+"""Streams NVMe-resident optimizer state through a fixed ring of host buffers.
+
+The step reads plainly, FlexGen style: `load(j+1); compute(j); store(j); ...`
+over the chunks of all NVMe partitions of the step, in order, crossing
+partition boundaries without a bubble. Each of `buffers` slots is one
+BufferPool buffer holding a chunk's `[master | exp_avg | exp_avg_sq]`
+([Note: NVMe layout] in state.py); slots are allocated once, on first use,
+and kept until `close()`: nothing is allocated per chunk.
+
+[Note: slot reuse]
+A slot is idle when it holds no read and its last write is *released* (the
+bytes left the buffer; durability may follow). Before the read of chunk j+1
+takes a slot, the oldest write is waited for only if no slot is idle:
+  * 1 buffer: read j, update j, write j, wait, read j+1 (no overlap);
+  * 2 buffers: the read of j+1 overlaps the update of j; the write of j-1
+    must have left its buffer first;
+  * 3 buffers: read j+1, update j and write j-1 all overlap;
+  * more: reads run further ahead while idle slots exist.
+Partitions commit one by one, when all of their writes are *done*
+([Note: commit after the writes] in state.py).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass, field
+from typing import Callable, Hashable, Iterable
+
+import torch
+
+from ..io import BufferPool, IoHandle, SwapExtent, SwapSpace
+from ..trace import NULL_RECORDER, TraceRecorder
+from .state import BYTES_PER_ELEM, PartitionState, Tier, chunk_views
+
+log = logging.getLogger(__name__)
+
+__all__ = ["OptimStepError", "SwapPipeline"]
+
+Key = tuple[Hashable, int]  # (partition id, chunk index)
+ChunkFn = Callable[[PartitionState, int, int, int, torch.Tensor, torch.Tensor, torch.Tensor],
+                   None]  # (partition, chunk, first element, elements, master, exp_avg, exp_avg_sq)
+
+
+class OptimStepError(RuntimeError):
+    """A step failed part way; every partition is whole at one version.
+
+    `updated`: partitions whose new state was committed in this call (their
+    `step` advanced). `unchanged`: partitions left at their previous state
+    and step; a `params_out` tensor given for them may hold a mix of new and
+    old values and should be rebuilt from the master (`CpuAdam.read_master`).
+    The cause (e.g. the `IoError` of the failed write) is `__cause__`. To finish
+    the step, update `unchanged` passing `grad_norm=err.grad_norm` and
+    `found_inf=False`: the values this step used.
+    """
+
+    def __init__(self, message: str, updated: list[Hashable], unchanged: list[Hashable],
+                 grad_norm: float | None = None) -> None:
+        super().__init__(message)
+        self.updated = updated
+        self.unchanged = unchanged
+        self.grad_norm = grad_norm
+
+
+class _Slot:
+    __slots__ = ("buffer", "key", "read", "nbytes", "write", "write_seq", "busy")
+
+    def __init__(self, buffer: object) -> None:
+        self.buffer = buffer
+        self.key: Key | None = None        # chunk whose read is in flight or waiting here
+        self.read: IoHandle | None = None
+        self.nbytes = 0                     # bytes of that read
+        self.write: IoHandle | None = None  # last write from this slot, until reaped
+        self.write_seq = 0
+        self.busy = False                   # being updated or filled by the caller
+
+    def idle(self) -> bool:
+        return self.key is None and not self.busy and (self.write is None
+                                                        or self.write.released())
+
+
+@dataclass(eq=False)
+class _Rewrite:
+    """A partition being rewritten to fresh extents within one `run`."""
+
+    part: PartitionState
+    new: list[SwapExtent] = field(default_factory=list)
+    writes: list[IoHandle] = field(default_factory=list)
+    computed: int = 0
+    committed: bool = False
+
+
+class SwapPipeline:
+    """The load / compute / store loop over NVMe partitions' chunks.
+
+    Args:
+        swap: where NVME partitions' extents live.
+        pool: lends the `buffers` slot buffers of 12 * chunk_elems bytes each.
+        chunk_elems: elements per chunk (a multiple of 1024 keeps slots 4 KiB-sized).
+        buffers: slots in the ring, >= 1 ([Note: slot reuse]).
+    """
+
+    def __init__(self, swap: SwapSpace, pool: BufferPool, *, chunk_elems: int, buffers: int,
+                 recorder: TraceRecorder = NULL_RECORDER) -> None:
+        if buffers < 1 or chunk_elems < 1:
+            raise ValueError(f"pipeline needs buffers ({buffers}) and chunk_elems "
+                             f"({chunk_elems}) >= 1")
+        self.swap = swap
+        self.pool = pool
+        self.chunk_elems = chunk_elems
+        self.nbuf = buffers
+        self.recorder = recorder
+        self._slots: list[_Slot] = []
+        self._reads: dict[Key, _Slot] = {}  # issued reads, oldest first
+        self._seq = itertools.count(1)
+        self.bytes_read = 0
+        self.bytes_written = 0
+
+    # -- slots ---------------------------------------------------------------------
+    def _ensure_slots(self) -> None:
+        if self._slots:
+            return
+        nbytes = BYTES_PER_ELEM * self.chunk_elems
+        try:
+            for k in range(self.nbuf):
+                self._slots.append(_Slot(self.pool.alloc(nbytes, tag=f"optim-chunk{k}")))
+        except BaseException:
+            self.close()
+            raise
+
+    def _reap(self, slot: _Slot) -> _Slot:
+        if slot.write is not None:
+            with self.recorder.span("optim:wait_write", cat="wait", track="optim"):
+                slot.write.wait_released()  # raises the IoError of a failed write
+            slot.write = None
+        return slot
+
+    def _take_slot(self, protect: set[Key] | frozenset, mode: str) -> _Slot | None:
+        """A slot for a new read or fill, by `mode`:
+        "try": an idle one or None, never waiting;
+        "wait": else the one with the oldest write (waiting for it to leave the
+        buffer), else one whose read is not in `protect` (a prefetch the current
+        work does not need, dropped), else None;
+        "must": else the one holding the newest read (dropped: it is read again
+        when its turn comes; only prefetches can fill every buffer this way)."""
+        self._ensure_slots()
+        for s in self._slots:
+            if s.idle():
+                return self._reap(s)
+        if mode == "try":
+            return None
+        writing = [s for s in self._slots if s.key is None and not s.busy]
+        if writing:
+            return self._reap(min(writing, key=lambda s: s.write_seq))
+        for key in list(self._reads):
+            if key not in protect:
+                return self._drop(key)
+        if mode == "must" and self._reads:
+            return self._drop(next(reversed(self._reads)))
+        if mode == "must":
+            raise RuntimeError(f"optim pipeline: all {self.nbuf} buffers are busy; "
+                               "this is a bug")
+        return None
+
+    def _drop(self, key: Key) -> _Slot:
+        slot = self._reads.pop(key)
+        try:
+            slot.read.wait()
+        except Exception as e:  # nobody needs these bytes; a later read reports it again
+            log.debug("dropped prefetch %s failed: %s", key, e)
+        slot.key = slot.read = None
+        return slot
+
+    def _issue_read(self, part: PartitionState, i: int, protect: set[Key] | frozenset,
+                    mode: str) -> bool:
+        """Starts reading chunk `i` of `part` unless it is already; False when no slot
+        was available (`mode` as in `_take_slot`)."""
+        key = (part.pid, i)
+        if key in self._reads:
+            return True
+        slot = self._take_slot(protect, mode)
+        if slot is None:
+            return False
+        nbytes = part.layout.chunk_bytes(i)
+        slot.read = self.swap.read(part.extents[i], slot.buffer, nbytes)
+        slot.key, slot.nbytes = key, nbytes
+        self._reads[key] = slot
+        return True
+
+    def _take_read(self, key: Key) -> _Slot:
+        slot = self._reads.pop(key)
+        slot.busy = True
+        with self.recorder.span("optim:wait_read", cat="wait", track="optim"):
+            slot.read.wait()  # verifies the checksum
+        slot.key = slot.read = None
+        self.bytes_read += slot.nbytes  # counted when used, so prefetches count in their step
+        return slot
+
+    def _store(self, slot: _Slot, rw: _Rewrite, i: int) -> None:
+        nbytes = rw.part.layout.chunk_bytes(i)
+        ext = self.swap.alloc(nbytes)
+        rw.new.append(ext)
+        h = self.swap.write(ext, slot.buffer, nbytes)
+        rw.writes.append(h)
+        slot.write, slot.write_seq, slot.busy = h, next(self._seq), False
+        self.bytes_written += nbytes
+
+    def _drain(self) -> None:
+        """Waits for every transfer on the slots (ignoring errors) and empties them."""
+        for s in self._slots:
+            for h in (s.read, s.write):
+                if h is not None:
+                    try:
+                        h.wait()
+                    except Exception:  # the failure being handled, or one of its kind
+                        pass
+            s.key = s.read = s.write = None
+            s.busy = False
+        self._reads.clear()
+
+    # -- public --------------------------------------------------------------------
+    def prefetch(self, part: PartitionState, max_chunks: int) -> int:
+        """Starts reads of up to `max_chunks` first chunks of `part` into idle slots,
+        never waiting; returns how many are (now) in flight or ready."""
+        part.check_tier(Tier.NVME)
+        n = 0
+        for i in range(min(max_chunks, part.layout.n_chunks)):
+            if not self._issue_read(part, i, frozenset(), "try"):
+                break
+            n += 1
+        return n
+
+    def prefetched(self) -> list[Hashable]:
+        """Partition ids with reads in flight or ready, in the order they were issued."""
+        return list(dict.fromkeys(pid for pid, _ in self._reads))
+
+    def discard(self, pid: Hashable | None = None) -> None:
+        """Drops prefetched reads of partition `pid` (all partitions: None)."""
+        for key in [k for k in self._reads if pid is None or k[0] == pid]:
+            self._drop(key)
+
+    def run(self, parts: list[PartitionState], compute: ChunkFn) -> list[Hashable]:
+        """Updates `parts` chunk by chunk: `compute` rewrites each chunk's three views
+        in place; the result goes to fresh extents and each partition commits at
+        `step + 1` when its writes are done. Returns the partition ids, all committed.
+
+        Raises:
+            OptimStepError: something failed; see its `updated` / `unchanged`.
+        """
+        work = [(p, i) for p in parts for i in range(p.layout.n_chunks)]
+        rewrites = {p.pid: _Rewrite(p) for p in parts}
+        protect = {(p.pid, i) for p, i in work}
+        try:
+            for j, (p, i) in enumerate(work):
+                self._issue_read(p, i, protect, "must")
+                for k in range(j + 1, min(len(work), j + max(2, self.nbuf - 1))):
+                    mode = "wait" if k == j + 1 else "try"  # load(j+1); further only if idle
+                    if self.nbuf < 2 or not self._issue_read(*work[k], protect, mode):
+                        break
+                slot = self._take_read((p.pid, i))
+                lo, n = p.layout.chunk(i)
+                with self.recorder.span("optim:update", cat="compute", track="optim",
+                                        partition=str(p.pid), chunk=i, elems=n):
+                    compute(p, i, lo, n, *chunk_views(slot.buffer, n))
+                self._store(slot, rewrites[p.pid], i)
+                rewrites[p.pid].computed += 1
+                self._commit_finished(rewrites.values(), block=False)
+            self._commit_finished(rewrites.values(), block=True)
+        except BaseException as e:
+            self._drain()
+            updated, unchanged = self._resolve(rewrites.values())
+            raise OptimStepError(f"optimizer step failed ({type(e).__name__}: {e}); "
+                                 f"{len(updated)} partition(s) committed, {len(unchanged)} "
+                                 "left at their previous version", updated, unchanged) from e
+        return [p.pid for p in parts]
+
+    def _commit_finished(self, rewrites: Iterable[_Rewrite], block: bool) -> None:
+        for rw in rewrites:
+            if rw.committed or rw.computed < rw.part.layout.n_chunks:
+                continue
+            if not block and not all(h.done() for h in rw.writes):
+                continue
+            with self.recorder.span("optim:wait_durable", cat="wait", track="optim"):
+                for h in rw.writes:
+                    h.wait()  # raises the IoError of a failed write
+            rw.part.commit(self.swap, rw.new, rw.part.step + 1)
+            rw.committed = True
+
+    def _resolve(self, rewrites: Iterable[_Rewrite]) -> tuple[list[Hashable], list[Hashable]]:
+        """After a failure: commits partitions whose writes all succeeded, frees the
+        fresh extents of the others. Returns (updated, unchanged) partition ids."""
+        updated, unchanged = [], []
+        for rw in rewrites:
+            ok = rw.committed or rw.computed == rw.part.layout.n_chunks
+            for h in rw.writes:
+                try:
+                    h.wait()
+                except Exception:
+                    ok = False
+            if ok and not rw.committed:
+                rw.part.commit(self.swap, rw.new, rw.part.step + 1)
+                rw.committed = True
+            if rw.committed:
+                updated.append(rw.part.pid)
+                continue
+            for ext in rw.new:
+                self.swap.free(ext)
+            unchanged.append(rw.part.pid)
+        return updated, unchanged
+
+    def write_state(self, part: PartitionState, fill: ChunkFn, *, keep_old: bool = False
+                    ) -> list[SwapExtent]:
+        """Writes a whole partition state to fresh extents; returns them (uncommitted).
+
+        `fill` writes each chunk's three views (with `keep_old`, they first hold
+        the partition's current chunk, read from its extents). On failure the
+        fresh extents are freed and the error raised; `part` is untouched.
+        """
+        rw = _Rewrite(part)
+        try:
+            for i in range(part.layout.n_chunks):
+                slot = self._take_slot(frozenset(), "must")
+                slot.busy = True
+                if keep_old:
+                    self.swap.read(part.extents[i], slot.buffer, part.layout.chunk_bytes(i)).wait()
+                lo, n = part.layout.chunk(i)
+                fill(part, i, lo, n, *chunk_views(slot.buffer, n))
+                self._store(slot, rw, i)
+            for h in rw.writes:
+                h.wait()
+        except BaseException:
+            self._drain()
+            for h in rw.writes:
+                try:
+                    h.wait()
+                except Exception:
+                    pass
+            for ext in rw.new:
+                self.swap.free(ext)
+            raise
+        return rw.new
+
+    def read_state(self, part: PartitionState, consume: ChunkFn) -> None:
+        """Reads a partition's chunks in order, reads ahead, and hands each to `consume`."""
+        part.check_tier(Tier.NVME)
+        keys = {(part.pid, i) for i in range(part.layout.n_chunks)}
+        try:
+            for i in range(part.layout.n_chunks):
+                self._issue_read(part, i, keys, "must")
+                for k in range(i + 1, min(part.layout.n_chunks, i + self.nbuf)):
+                    if not self._issue_read(part, k, keys, "try"):
+                        break
+                slot = self._take_read((part.pid, i))
+                lo, n = part.layout.chunk(i)
+                consume(part, i, lo, n, *chunk_views(slot.buffer, n))
+                slot.busy = False
+        except BaseException:
+            self._drain()
+            raise
+
+    def close(self) -> None:
+        """Waits for every transfer and gives the slot buffers back to the pool."""
+        self._drain()
+        slots, self._slots = self._slots, []
+        for s in slots:
+            s.buffer.release()

@@ -1,0 +1,130 @@
+"""One partition's optimizer state, on the host or on NVMe, and its chunk layout.
+
+[Note: NVMe layout]
+A partition of `numel` fp32 elements is cut into chunks of `chunk_elems`
+elements (the last one shorter). Chunk i of the three kinds is stored as ONE
+swap extent holding `[master | exp_avg | exp_avg_sq]` back to back, 12 bytes
+per element, rounded up to 4 KiB. Why one extent per chunk rather than one
+extent per kind with chunk offsets:
+  * a chunk is one read and one write request (12 bytes/element, large and
+    sequential) instead of three, and one checksum;
+  * `SwapSpace` checksums and addresses whole extents, and the failure rule
+    (see [Note: commit after the writes]) needs a fresh extent per chunk write
+    anyway: one extent per kind would need a second whole-partition extent per
+    kind during the step;
+  * an extent table (a list of extents, one per chunk) swaps atomically: the
+    partition's version is whichever table it holds.
+
+[Note: commit after the writes]
+A step writes every updated chunk to a fresh extent. Only when all of a
+partition's writes are done (durable, after fdatasync with io.sync_writes)
+does `commit` install the new table, free the old extents and advance `step`.
+A failure (a failed write or read, a full disk) before that frees the new
+extents and keeps the old table and step: the partition stays at the previous
+version, whole. The swap space therefore holds, during a step, the state plus
+the chunks written but not yet committed (about one partition).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Hashable
+
+import torch
+
+from ..io import SwapExtent, SwapSpace
+
+__all__ = ["ChunkLayout", "PartitionState", "Tier", "BYTES_PER_ELEM"]
+
+BYTES_PER_ELEM = 12  # fp32 master + exp_avg + exp_avg_sq, as stored per chunk
+
+
+class Tier(enum.Enum):
+    """Home of a partition's optimizer state. Fixed when the partition is added."""
+
+    HOST = "host"  # host tensors, updated in place
+    NVME = "nvme"  # per-chunk swap extents, streamed through the pipeline's buffers
+
+
+@dataclass(frozen=True)
+class ChunkLayout:
+    """How `numel` elements split into chunks of at most `chunk_elems` elements."""
+
+    numel: int
+    chunk_elems: int
+
+    def __post_init__(self) -> None:
+        if self.numel < 1 or self.chunk_elems < 1:
+            raise ValueError(f"chunk layout needs numel ({self.numel}) and chunk_elems "
+                             f"({self.chunk_elems}) >= 1")
+
+    @property
+    def n_chunks(self) -> int:
+        return -(-self.numel // self.chunk_elems)
+
+    def chunk(self, i: int) -> tuple[int, int]:
+        """(first element, elements) of chunk `i`."""
+        if not 0 <= i < self.n_chunks:
+            raise IndexError(f"chunk {i} out of range 0..{self.n_chunks - 1}")
+        lo = i * self.chunk_elems
+        return lo, min(self.chunk_elems, self.numel - lo)
+
+    def chunk_bytes(self, i: int) -> int:
+        """Bytes of chunk `i` on NVMe (three fp32 kinds back to back, before 4 KiB rounding)."""
+        return BYTES_PER_ELEM * self.chunk(i)[1]
+
+
+@dataclass(eq=False)
+class PartitionState:
+    """The optimizer's record of one partition.
+
+    HOST: `host` holds (master, exp_avg, exp_avg_sq), 1-D fp32; master is the
+    caller's tensor, updated in place. NVME: `extents[i]` holds chunk i (see
+    [Note: NVMe layout]); `host` is None. `step` counts committed updates.
+    """
+
+    pid: Hashable
+    numel: int
+    group: int
+    tier: Tier
+    layout: ChunkLayout
+    step: int = 0
+    host: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    extents: list[SwapExtent] | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if (self.tier is Tier.HOST) != (self.host is not None):
+            raise ValueError(f"partition {self.pid!r}: tier {self.tier.value} with "
+                             f"host={'set' if self.host is not None else 'None'}")
+
+    def check_tier(self, tier: Tier) -> None:
+        if self.tier is not tier:
+            raise RuntimeError(f"partition {self.pid!r} lives on {self.tier.value}, "
+                               f"expected {tier.value}")
+
+    def commit(self, swap: SwapSpace, new_extents: list[SwapExtent], step: int) -> None:
+        """Installs a fully written extent table at version `step` and frees the old table.
+
+        The caller guarantees every write to `new_extents` is done and that no
+        transfer on the old extents is in flight ([Note: commit after the writes]).
+        """
+        self.check_tier(Tier.NVME)
+        if len(new_extents) != self.layout.n_chunks:
+            raise RuntimeError(f"partition {self.pid!r}: commit of {len(new_extents)} extents, "
+                               f"the layout has {self.layout.n_chunks} chunks")
+        old, self.extents = self.extents, new_extents
+        self.step = step
+        for ext in old or ():
+            swap.free(ext)
+
+    @property
+    def nvme_bytes(self) -> int:
+        """Bytes this partition's state occupies in the swap space (4 KiB-rounded)."""
+        return sum(e.length for e in self.extents or ())
+
+
+def chunk_views(buffer: object, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(master, exp_avg, exp_avg_sq) views of a chunk of `n` elements in a slot buffer."""
+    flat = buffer.as_tensor(torch.float32, 3 * n)
+    return flat[:n], flat[n:2 * n], flat[2 * n:]

@@ -1,0 +1,278 @@
+"""State on NVMe: the pipelined step against host state, failures, prefetch, checkpoints."""
+
+import os
+import threading
+
+import pytest
+import torch
+
+from offload.config import OptimConfig
+from offload.io import IoError, SwapFullError, SwapSpace
+from offload.optim import CpuAdam, OptimStepError, resolve_chunk_elems
+
+from .conftest import grads_for, make_opt, random_numels
+
+CHUNK = 4096
+
+
+def _cfg(buffers: int = 3, **kw) -> OptimConfig:
+    return OptimConfig(chunk_elems=CHUNK, buffers=buffers, block_elems=1024, lr=1e-2,
+                       weight_decay=0.1, **kw)
+
+
+def _masters(seed: int, count: int = 4) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {f"p{k}": torch.randn(n, generator=g)
+            for k, n in enumerate(random_numels(seed, count, CHUNK))}
+
+
+def _assert_same_state(a: CpuAdam, b: CpuAdam, pids) -> None:
+    for pid in pids:
+        sa, sb = a.partition_state(pid), b.partition_state(pid)
+        for k in ("master", "exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(sa[k], sb[k]), (pid, k)
+
+
+@pytest.mark.parametrize("buffers", [1, 2, 3, 5])
+def test_nvme_state_is_bit_identical_to_host_state(swap, pool, buffers):
+    masters = _masters(buffers)
+    numels = {pid: m.numel() for pid, m in masters.items()}
+    cfg = _cfg(buffers, max_grad_norm=5.0)
+    host = make_opt(cfg, masters)
+    nvme = make_opt(cfg, masters, "nvme", swap, pool)
+    assert swap.used_bytes >= 12 * sum(numels.values())
+    for step in range(3):
+        grads = grads_for(numels, step, scale=128.0)
+        out_h = {p: torch.empty(n, dtype=torch.bfloat16) for p, n in numels.items()}
+        out_n = {p: torch.empty(n, dtype=torch.bfloat16) for p, n in numels.items()}
+        rh = host.step(grads, params_out=out_h, loss_scale=128.0)
+        rn = nvme.step(grads, params_out=out_n, loss_scale=128.0)
+        assert rh.grad_norm == rn.grad_norm and rn.bytes_read == rn.bytes_written == \
+            12 * sum(numels.values())
+        for p in numels:
+            assert torch.equal(out_h[p], out_n[p])
+    _assert_same_state(host, nvme, numels)
+    used = swap.used_bytes
+    nvme.step(grads_for(numels, 9))
+    assert swap.used_bytes == used  # old extents freed at each commit
+    assert pool.stats().held_bytes <= buffers * (12 * CHUNK + 4096)  # a fixed set of buffers
+    nvme.close()
+    assert swap.used_bytes == 0
+
+
+def test_prefetch_reads_early_and_changes_nothing(swap, pool):
+    masters = _masters(11, count=3)
+    numels = {pid: m.numel() for pid, m in masters.items()}
+    host = make_opt(_cfg(), masters)
+    nvme = make_opt(_cfg(), masters, "nvme", swap, pool)
+    for step in range(2):
+        grads = grads_for(numels, step)
+        last = list(numels)[-1]
+        assert nvme.prefetch(last) == 2  # buffers - 1 chunks, into idle slots
+        assert nvme.prefetch("p0") == 1  # the one idle slot left
+        assert nvme.prefetch("p1") == 0  # none left: nothing waits
+        host.step(grads)
+        res = nvme.step(grads)
+        assert res.updated[0] == last and res.bytes_read == 12 * sum(numels.values())
+    _assert_same_state(host, nvme, numels)
+    h = CpuAdam(_cfg())
+    h.add_partition("x", torch.randn(10))
+    assert h.prefetch("x") == 0
+    # While a step runs (here: another thread holds the optimizer), prefetch never waits.
+    held, release = threading.Event(), threading.Event()
+
+    def hold():
+        with nvme._lock:
+            held.set()
+            release.wait(10)
+    t = threading.Thread(target=hold)
+    t.start()
+    held.wait(10)
+    try:
+        assert nvme.prefetch("p0") == 0
+    finally:
+        release.set()
+        t.join()
+    assert nvme.prefetch("p0") >= 1
+
+
+def _fail_writes_after(opt: CpuAdam, swap: SwapSpace, n_updates: int):
+    """After `n_updates` chunk updates, every further write fails for real (EBADF):
+    the swap file's fd is swapped for a read-only one, as tests/io/test_swap.py does."""
+    f = swap._files[0]
+    state = {"calls": 0, "rw_fd": f.fd}
+    inner = opt.kernel.update
+
+    def update(*a, **kw):
+        inner(*a, **kw)
+        state["calls"] += 1
+        if state["calls"] == n_updates:
+            f.fd = os.open(f.path, os.O_RDONLY | os.O_DIRECT)
+    opt.kernel.update = update
+
+    def restore():
+        if f.fd != state["rw_fd"]:
+            os.close(f.fd)
+            f.fd = state["rw_fd"]
+        opt.kernel.update = inner
+    return restore
+
+
+@pytest.mark.parametrize("buffers", [1, 2, 3])
+@pytest.mark.parametrize("fail_after", [1, 6])
+def test_failed_write_mid_step_leaves_whole_versions(swap, pool, buffers, fail_after):
+    masters = _masters(20 + buffers, count=3)
+    numels = {pid: m.numel() for pid, m in masters.items()}
+    cfg = _cfg(buffers, max_grad_norm=1.0)
+    old = make_opt(cfg, masters)                           # the previous version
+    new = make_opt(cfg, masters)                           # this step's version
+    nvme = make_opt(cfg, masters, "nvme", swap, pool)
+    grads = grads_for(numels, 0)
+    new.step(grads)
+    restore = _fail_writes_after(nvme, swap, fail_after)
+    try:
+        with pytest.raises(OptimStepError) as err:
+            nvme.step(grads, params_out={p: torch.empty(n) for p, n in numels.items()})
+    finally:
+        restore()
+    e = err.value
+    if fail_after > 1:
+        assert e.updated  # a failure in the middle: some partitions made it
+    assert isinstance(e.__cause__, IoError)
+    assert sorted(e.updated + e.unchanged) == sorted(numels) and e.unchanged
+    for pid in e.updated:
+        _assert_same_state(nvme, new, [pid])
+    for pid in e.unchanged:
+        _assert_same_state(nvme, old, [pid])
+        assert nvme.partition(pid).step == 0
+    assert swap.used_bytes == sum(nvme.partition(p).nvme_bytes for p in numels)  # no leak
+    # The disk works again: finishing the step updates exactly the rest.
+    nvme.step({p: grads[p] for p in e.unchanged}, grad_norm=e.grad_norm)
+    _assert_same_state(nvme, new, numels)
+
+
+def test_full_swap_mid_step_leaves_whole_versions(engine, pool, tmp_path):
+    masters = {"a": torch.randn(3 * CHUNK), "b": torch.randn(3 * CHUNK)}
+    numels = {p: m.numel() for p, m in masters.items()}
+    state_bytes = 12 * sum(numels.values())
+    # Room for the state and one partition's rewrite, not for both partitions in flight.
+    with SwapSpace([str(tmp_path)], "full", engine, stripe_size=64 << 10, grow_step=64 << 10,
+                   max_size=state_bytes + 12 * CHUNK * 4) as sw:
+        nvme = make_opt(_cfg(2), masters, "nvme", sw, pool)
+        new = make_opt(_cfg(2), masters)
+        grads = grads_for(numels, 1)
+        new.step(grads)
+        with pytest.raises(OptimStepError) as err:
+            nvme.step(grads)
+        e = err.value
+        assert isinstance(e.__cause__, SwapFullError)
+        assert e.updated == ["a"] and e.unchanged == ["b"]  # a's commit freed room, not enough
+        _assert_same_state(nvme, new, ["a"])
+        assert nvme.partition("b").step == 0
+        sw.max_size = 0  # room again
+        nvme.step({"b": grads["b"]})
+        _assert_same_state(nvme, new, numels)
+        nvme.close()
+
+
+def test_state_dict_round_trip(swap, pool):
+    masters = _masters(30, count=3)
+    numels = {pid: m.numel() for pid, m in masters.items()}
+    src = make_opt(_cfg(), masters, "nvme", swap, pool)
+    for step in range(2):
+        src.step(grads_for(numels, step))
+    sd = src.state_dict()
+    assert sd["param_groups"][0]["params"] == list(numels)
+    assert all(float(s["step"]) == 2 for s in sd["state"].values())
+    fresh = {pid: torch.zeros(n) for pid, n in numels.items()}
+    dst_host = make_opt(_cfg(), fresh)
+    dst_nvme = make_opt(_cfg(), fresh, "nvme", swap, pool)
+    dst_host.load_state_dict(sd)
+    dst_nvme.load_state_dict(sd)
+    for opt in (src, dst_host, dst_nvme):
+        opt.step(grads_for(numels, 5))
+    _assert_same_state(src, dst_host, numels)
+    _assert_same_state(src, dst_nvme, numels)
+    out = torch.empty(numels["p0"], dtype=torch.bfloat16)
+    assert torch.equal(dst_nvme.read_master("p0", out),
+                       src.partition_state("p0")["master"].to(torch.bfloat16))
+    # Without "master" (a torch optimizer's state), the current master stays.
+    before = dst_nvme.partition_state("p1")["master"]
+    st = {k: v for k, v in sd["state"]["p1"].items() if k != "master"}
+    dst_nvme.load_partition_state("p1", st)
+    assert torch.equal(dst_nvme.partition_state("p1")["master"], before)
+    assert torch.equal(dst_nvme.partition_state("p1")["exp_avg"], sd["state"]["p1"]["exp_avg"])
+    with pytest.raises(ValueError, match="param groups"):
+        dst_nvme.load_state_dict({"state": {}, "param_groups": []})
+    with pytest.raises(ValueError, match="elements"):
+        dst_nvme.load_partition_state("p0", {"step": 1, "exp_avg": torch.zeros(3),
+                                             "exp_avg_sq": torch.zeros(3)})
+
+
+def test_chunk_size_follows_the_host_budget():
+    cfg = OptimConfig()
+    assert resolve_chunk_elems(cfg, 1 << 30) == 1 << 23  # capped
+    assert resolve_chunk_elems(cfg, 64 << 20) == 1 << 19  # 32 MiB / 3 / 12 B, to a power of 2
+    with pytest.raises(ValueError, match="buffer_budget"):
+        resolve_chunk_elems(cfg, 1 << 16)
+    with pytest.raises(ValueError, match="chunk_elems"):
+        resolve_chunk_elems(OptimConfig(chunk_elems=1 << 20), 1 << 20)
+
+
+def test_mixed_tiers_in_one_optimizer(swap, pool):
+    masters = _masters(40, count=3)
+    numels = {pid: m.numel() for pid, m in masters.items()}
+    host = make_opt(_cfg(), masters)
+    mixed = CpuAdam(_cfg(), swap=swap, pool=pool)
+    kept = {}
+    for k, (pid, m) in enumerate(masters.items()):
+        kept[pid] = m.clone()
+        mixed.add_partition(pid, kept[pid], tier="host" if k % 2 else "nvme")
+    ptr = {pid: t.data_ptr() for pid, t in kept.items()}
+    for step in range(2):
+        grads = grads_for(numels, step)
+        host.step(grads, loss_scale=4.0)
+        mixed.step(grads, loss_scale=4.0)
+    _assert_same_state(host, mixed, numels)
+    for k, pid in enumerate(numels):
+        if k % 2:  # host state: the caller's tensor, updated in place, no copy
+            assert kept[pid].data_ptr() == ptr[pid]
+            assert torch.equal(kept[pid], host.partition_state(pid)["master"])
+
+
+def test_corrupt_chunk_mid_step_leaves_whole_versions(swap, pool):
+    masters = {"a": torch.randn(2 * CHUNK), "b": torch.randn(2 * CHUNK + 5)}
+    numels = {p: m.numel() for p, m in masters.items()}
+    nvme = make_opt(_cfg(1), masters, "nvme", swap, pool)
+    ext = nvme.partition("b").extents[1]
+    with open(swap.paths[0], "r+b") as f:  # flip a byte of b's last chunk behind our back
+        f.seek(ext.offset + 100)
+        byte = f.read(1)
+        f.seek(ext.offset + 100)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with pytest.raises(OptimStepError) as err:
+        nvme.step(grads_for(numels, 0))
+    assert type(err.value.__cause__).__name__ == "CorruptionError"
+    assert err.value.updated == ["a"] and err.value.unchanged == ["b"]
+    assert nvme.partition("b").step == 0 and nvme.partition("a").step == 1
+    assert swap.used_bytes == sum(nvme.partition(p).nvme_bytes for p in numels)
+
+
+@pytest.mark.parametrize("buffers", [1, 2, 3])
+def test_prefetches_filling_every_buffer_do_not_stall_the_step(swap, pool, buffers):
+    masters = {k: torch.randn(2 * CHUNK + 7) for k in "abcd"}
+    numels = {p: m.numel() for p, m in masters.items()}
+    host = make_opt(_cfg(buffers), masters)
+    nvme = make_opt(_cfg(buffers), masters, "nvme", swap, pool)
+    for step in range(2):
+        for pid in "dcba":  # backward order: every buffer ends up holding a prefetch
+            nvme.prefetch(pid)
+        grads = grads_for(numels, step)
+        host.step(grads)
+        if step == 0:
+            res = nvme.step(grads)
+        else:  # prefetched partitions outside an update keep or give up their buffers
+            nvme.update({"a": grads["a"], "b": grads["b"]})
+            res = nvme.step({"c": grads["c"], "d": grads["d"]})
+        assert res.bytes_read == res.bytes_written
+    _assert_same_state(host, nvme, numels)
