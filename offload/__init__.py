@@ -1,9 +1,15 @@
 """offload: train models whose training state is far larger than accelerator
 memory, by keeping every ZeRO-3 partition in GPU memory, host memory or NVMe
-and moving it there before it is needed."""
+and moving it there before it is needed.
 
-from .config import ConfigError, IoConfig, OffloadConfig, load_config
+    engine = offload.initialize(model, config)
+    loss = engine(batch); engine.backward(loss); engine.step()
+"""
+
+from .config import ConfigError, OffloadConfig, load_config
+from .engine import OffloadEngine, initialize
 
 __version__ = "0.1.0"
 
-__all__ = ["ConfigError", "IoConfig", "OffloadConfig", "load_config", "__version__"]
+__all__ = ["ConfigError", "OffloadConfig", "OffloadEngine", "initialize", "load_config",
+           "__version__"]

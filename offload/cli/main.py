@@ -7,7 +7,7 @@ import argparse
 import logging
 import sys
 
-from . import bench_adam, bench_io, demo
+from . import bench_adam, bench_io, bench_store, demo
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -25,6 +25,9 @@ def build_parser() -> argparse.ArgumentParser:
     bio = bsub.add_parser("io", help="engines vs dd/fio with O_DIRECT: GB/s and ratio")
     bench_io.add_arguments(bio)
     bio.set_defaults(func=bench_io.run)
+    bstore = bsub.add_parser("store", help="host -> NVMe -> host through the store vs the raw engine")
+    bench_store.add_arguments(bstore)
+    bstore.set_defaults(func=bench_store.run)
     badam = bsub.add_parser("adam", help="CPU Adam update vs torch and the memory-bandwidth bound")
     bench_adam.add_arguments(badam)
     badam.set_defaults(func=bench_adam.run)

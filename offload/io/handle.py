@@ -65,15 +65,14 @@ class IoHandle:
         self._released.set()
 
     def _finish(self, error: BaseException | None = None) -> None:
-        with self._lock:
+        with self._lock:  # done is set under the lock add_done_callback checks it under
             if error is not None and self._error is None:
                 self._error = error
             callbacks, self._callbacks = self._callbacks, []
-        self.t_done = time.perf_counter()
-        self._keepalive = None
-        if not self._released.is_set():
-            self._mark_released()
-        self._done.set()
+            self.t_done = time.perf_counter()
+            self._keepalive = None
+            self._released.set()
+            self._done.set()
         for cb in callbacks:
             cb(self)
 

@@ -1,0 +1,115 @@
+"""`offload.initialize`: wraps a model for ZeRO-3 training with tiered partitions."""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+import torch
+from torch import nn
+
+from ..comm import Collectives
+from ..config import OffloadConfig, load_config
+from ..store import Tier, TieredStore
+from ..trace import NULL_RECORDER, TraceRecorder
+from .engine import _DTYPES, _TIERS, OffloadEngine
+from .units import Group, build_units
+
+log = logging.getLogger(__name__)
+
+__all__ = ["OffloadEngine", "initialize"]
+
+
+def initialize(model: nn.Module | Callable[[], nn.Module],
+               config: OffloadConfig | dict | str | None = None, *,
+               recorder: TraceRecorder = NULL_RECORDER) -> OffloadEngine:
+    """Partitions `model` into groups, places each rank's partitions in their home
+    tiers and returns the engine to train it with.
+
+    `model` may live on the CPU, on the `meta` device, or be a function that
+    builds it (called under `torch.device("meta")`); meta parameters are
+    materialised one group at a time by their module's `reset_parameters` (or
+    a transformers model's `_init_weights`), seeded by `engine.seed` and the
+    group, so every rank makes the same weights and no process holds them all.
+    Under torch.distributed (torchrun), each rank keeps 1/world of every group.
+    """
+    cfg = load_config(config)
+    if not isinstance(model, nn.Module):
+        with torch.device("meta"):
+            model = model()
+    meta_buffers = [n for n, b in model.named_buffers() if b.is_meta]
+    if meta_buffers:
+        raise ValueError(f"buffers {meta_buffers[:4]} are on the meta device; build buffers on "
+                         "the CPU (only parameters may be meta)")
+    comm = Collectives()
+    units, groups = build_units(model, cfg.engine.group_size, comm.world)
+    store = TieredStore(cfg, rank=comm.rank, recorder=recorder)
+    try:
+        engine = OffloadEngine(model, cfg, units, groups, store, comm, recorder)
+        masters = {}
+        dtype = _DTYPES[cfg.engine.dtype]
+        for g in groups:
+            full = _materialise(model, g, cfg.engine.seed)
+            shard = full[comm.rank * g.shard:(comm.rank + 1) * g.shard]
+            store.put(("p", g.gid), shard.to(dtype), kind="param",
+                      tier=_TIERS[cfg.engine.params])
+            if g.requires_grad:
+                masters[g.gid] = shard.clone()
+            del full, shard
+            _drop_params(g, dtype, store.device)
+        store.wait_all()
+        engine._attach_optimizer(masters)
+        for m in model.modules():
+            for name, b in m._buffers.items():
+                if b is not None and b.device != store.device:
+                    m._buffers[name] = b.to(store.device)
+    except BaseException:
+        store.close()
+        raise
+    total = sum(g.numel for g in groups)
+    log.info("offload: %d parameters in %d groups over %d units, world %d, %s compute, "
+             "params on %s, grads on %s, optimizer state on %s", total, len(groups), len(units),
+             comm.world, cfg.engine.dtype, cfg.engine.params, cfg.engine.grads,
+             cfg.engine.optimizer)
+    return engine
+
+
+def _materialise(model: nn.Module, g: Group, seed: int) -> torch.Tensor:
+    """The group's full fp32 flat buffer (padded), initialising meta parameters."""
+    if any(s.param.is_meta for s in g.slots):
+        owners: list[nn.Module] = []
+        for s in g.slots:
+            mod = s.uses[0][0]
+            if not any(mod is o for o in owners):
+                owners.append(mod)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed * 1_000_003 + g.gid)
+            for mod in owners:
+                mod.to_empty(device="cpu", recurse=False)
+                if hasattr(mod, "reset_parameters"):
+                    mod.reset_parameters()
+                elif hasattr(model, "_init_weights"):
+                    model._init_weights(mod)
+                else:
+                    raise ValueError(f"cannot initialise meta parameters of {type(mod).__name__}: "
+                                     "it has no reset_parameters(); build the model on the CPU")
+    full = torch.zeros(g.padded, dtype=torch.float32)
+    for s in g.slots:
+        mod, name = s.uses[0]
+        p = mod._parameters[name]
+        if tuple(p.shape) != tuple(s.shape):
+            raise ValueError(f"parameter {s.fqn} changed shape from {tuple(s.shape)} to "
+                             f"{tuple(p.shape)} during initialisation")
+        full[s.offset:s.offset + s.numel].copy_(p.detach().reshape(-1))
+    return full
+
+
+def _drop_params(g: Group, dtype: torch.dtype, device: torch.device) -> None:
+    """Removes the group's parameters from their modules; until the first gather each
+    attribute is an empty tensor of the compute dtype (so dtype queries still work)."""
+    placeholder = torch.empty(0, dtype=dtype, device=device)
+    for s in g.slots:
+        for mod, name in s.uses:
+            mod._parameters.pop(name, None)
+            setattr(mod, name, placeholder)
+        s.param = None

@@ -1,0 +1,386 @@
+"""`OffloadEngine`: ZeRO-3 training with partitions tiered over DEVICE, HOST and NVME.
+
+[Note: gathered weights and autograd]
+Each group has one persistent flat leaf tensor (`flat`, compute dtype,
+requires_grad) whose storage is allocated only while the group is gathered:
+`_gather` resizes the storage and all-gathers the shards into it, and the
+module attributes are bound to fresh views of it before each use, so autograd
+routes every use's gradient into `flat.grad` through one AccumulateGrad. After
+a unit's forward its groups' storage is resized to 0 (autograd's saved views
+keep the tensor, not the bytes); a hook on the unit's outputs re-gathers
+before the unit's backward runs; `flat`'s post-accumulate-grad hook fires once
+per backward, after the last use, and reduce-scatters the gradient into the
+rank's fp32 grad partition and frees the storage again. During backward
+(activation-checkpoint recomputation) a unit's forward does not free: the
+post-accumulate hook does.
+
+[Note: what lives where]
+The compute-dtype parameter partition (`("p", gid)`) and the fp32 gradient
+partition (`("g", gid)`) are records in the `TieredStore`, homed by
+`engine.params` / `engine.grads`. fp32 master weights and Adam moments belong
+to `CpuAdam`, on the host or streamed from NVMe (`engine.optimizer`): the
+optimizer's pipeline owns their chunked layout.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any, Callable, Iterable
+
+import torch
+from torch import nn
+
+from ..comm import Collectives, Pending
+from ..config import OffloadConfig
+from ..io import BufferPool, make_engine, open_swap
+from ..optim import CpuAdam
+from ..planner import AccessTrace
+from ..store import Tier, TieredStore
+from ..trace import NULL_RECORDER, TraceRecorder
+from .units import Group, Unit
+
+log = logging.getLogger(__name__)
+
+__all__ = ["OffloadEngine"]
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_TIERS = {"device": Tier.DEVICE, "host": Tier.HOST, "nvme": Tier.NVME}
+
+
+def _tensors(obj: Any) -> Iterable[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _tensors(v)
+    elif hasattr(obj, "to_tuple"):  # transformers' ModelOutput
+        yield from _tensors(obj.to_tuple())
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+class _GroupState:
+    __slots__ = ("group", "flat", "gathered", "active", "pending", "bound")
+
+    def __init__(self, group: Group, dtype: torch.dtype, device: torch.device) -> None:
+        self.group = group
+        self.flat = torch.empty(group.padded, dtype=dtype, device=device)
+        self.flat.untyped_storage().resize_(0)
+        self.flat.requires_grad_(group.requires_grad)
+        self.gathered = False
+        self.active = 0
+        self.pending: Pending | None = None
+        self.bound = False
+
+
+class OffloadEngine(nn.Module):
+    """The wrapped model; built by `offload.initialize`. Call it like the model."""
+
+    def __init__(self, model: nn.Module, cfg: OffloadConfig, units: list[Unit],
+                 groups: list[Group], store: TieredStore, comm: Collectives,
+                 recorder: TraceRecorder = NULL_RECORDER) -> None:
+        super().__init__()
+        self.module = model
+        self.cfg = cfg
+        self.units = units
+        self.groups = groups
+        self.store = store
+        self.comm = comm
+        self.recorder = recorder
+        self.dtype = _DTYPES[cfg.engine.dtype]
+        self.device = store.device
+        self.trace = AccessTrace()
+        self.micro_step = 0
+        self.global_step = 0
+        self.loss_scale = self._initial_scale()
+        self._good_steps = 0
+        self._grad_tier = _TIERS[cfg.engine.grads]
+        self._param_tier = _TIERS[cfg.engine.params]
+        self._states = [_GroupState(g, self.dtype, self.device) for g in groups]
+        self._reductions: list[Pending] = []
+        self._has_grad: set[int] = set()
+        self._hooks: list[Any] = []
+        self._opt: CpuAdam | None = None
+        self._opt_io: tuple | None = None
+        for st in self._states:
+            if st.group.requires_grad:
+                self._hooks.append(st.flat.register_post_accumulate_grad_hook(
+                    self._make_grad_hook(st)))
+        for unit in units:
+            self._hooks.append(unit.module.register_forward_pre_hook(self._make_pre(unit)))
+            self._hooks.append(unit.module.register_forward_hook(self._make_post(unit)))
+
+    def _initial_scale(self) -> float:
+        e = self.cfg.engine
+        if e.dtype != "fp16":
+            return 1.0
+        return e.loss_scale or e.initial_loss_scale
+
+    # -- the optimizer ----------------------------------------------------------------
+    def _attach_optimizer(self, masters: dict[int, torch.Tensor]) -> None:
+        tier = self.cfg.engine.optimizer
+        swap = pool = None
+        if tier == "nvme":
+            eng = make_engine(self.cfg.io, self.recorder)
+            swap = open_swap(self.cfg.io, f"r{self.comm.rank}-optim", eng)
+            pool = BufferPool(self.cfg.io.buffer_budget)
+            self._opt_io = (eng, swap, pool)
+        self._opt = CpuAdam(self.cfg.optim, swap=swap, pool=pool, recorder=self.recorder)
+        for gid, master in masters.items():
+            self._opt.add_partition(gid, master, tier=tier)
+
+    @property
+    def optimizer(self) -> CpuAdam:
+        if self._opt is None:
+            raise RuntimeError("the engine has no optimizer yet")
+        return self._opt
+
+    # -- gathering --------------------------------------------------------------------
+    def _gather(self, st: _GroupState) -> None:
+        """Makes the group's full weights valid in `flat` (waits for them)."""
+        if st.pending is not None:
+            st.pending.wait()
+            st.pending = None
+        if st.gathered:
+            return
+        key = ("p", st.group.gid)
+        shard = self.store.fetch(key, to=Tier.DEVICE, pin=True).wait()
+        try:
+            st.flat.untyped_storage().resize_(st.group.padded * st.flat.element_size())
+            # `.data` has its own version counter: refilling the storage must not look
+            # like an in-place change to the views autograd saved (they see the same bytes)
+            self.comm.all_gather(st.flat.data, shard)
+        finally:
+            self.store.unpin(key)
+        st.gathered = True
+        st.bound = False
+
+    def _free(self, st: _GroupState) -> None:
+        if st.gathered:
+            st.flat.untyped_storage().resize_(0)
+            st.gathered = False
+
+    def _bind(self, st: _GroupState) -> None:
+        """Points every module attribute of the group's parameters at fresh views of `flat`."""
+        flat = st.flat
+        for slot in st.group.slots:
+            view = flat[slot.offset:slot.offset + slot.numel].view(slot.shape)
+            for module, name in slot.uses:
+                setattr(module, name, view)
+
+    def _prefetch(self) -> None:
+        for gid in self.trace.upcoming(self.cfg.engine.prefetch_depth):
+            st = self._states[gid]
+            if st.gathered or st.pending is not None:
+                continue
+            try:
+                self.store.fetch(("p", gid), to=Tier.DEVICE)
+            except Exception as e:  # no room now: the use fetches on demand
+                log.debug("prefetch of group %d skipped: %s", gid, e)
+                return
+
+    def _make_pre(self, unit: Unit) -> Callable:
+        def pre(module: nn.Module, args: Any) -> None:
+            for gid in unit.needs:
+                st = self._states[gid]
+                self.trace.record(gid)
+                self._gather(st)
+                self._bind(st)
+                st.active += 1
+            self._prefetch()
+        return pre
+
+    def _make_post(self, unit: Unit) -> Callable:
+        def post(module: nn.Module, args: Any, out: Any) -> Any:
+            backward = _in_backward()
+            for gid in unit.needs:
+                st = self._states[gid]
+                st.active -= 1
+                if st.active == 0 and not backward:
+                    self._free(st)
+            if torch.is_grad_enabled() and not backward:
+                for t in _tensors(out):
+                    if t.requires_grad:
+                        t.register_hook(self._make_pre_backward(unit))
+            return out
+        return post
+
+    def _make_pre_backward(self, unit: Unit) -> Callable:
+        def hook(grad: torch.Tensor) -> None:
+            for gid in unit.needs:
+                st = self._states[gid]
+                if not st.gathered:
+                    self.trace.record(gid)
+                    self._gather(st)
+                    self._bind(st)
+            self._prefetch()
+        return hook
+
+    def _make_grad_hook(self, st: _GroupState) -> Callable:
+        def hook(flat: torch.Tensor) -> None:
+            grad = flat.grad
+            flat.grad = None
+            full = grad if grad.dtype == torch.float32 else grad.float()
+            del grad
+            out = torch.empty(st.group.shard, dtype=torch.float32, device=full.device)
+            gid = st.group.gid
+            pending = self.comm.reduce_scatter_mean(full, out, async_op=True)
+            inner = pending.finish
+
+            def finish() -> None:
+                if inner is not None:
+                    inner()
+                self._accumulate(gid, out)
+            pending.finish = finish
+            self._reductions.append(pending)
+            if st.active == 0:
+                self._free(st)
+        return hook
+
+    def _accumulate(self, gid: int, shard_grad: torch.Tensor) -> None:
+        key = ("g", gid)
+        self._has_grad.add(gid)
+        if key not in self.store:
+            self.store.put(key, shard_grad.cpu(), kind="grad", tier=self._grad_tier)
+            return
+        where = Tier.HOST if self._grad_tier is Tier.NVME else self._grad_tier
+        self.store.fetch(key, to=where).wait()
+        with self.store.modify(key, where) as g:
+            g.add_(shard_grad.to(g.device))
+        if self._grad_tier is Tier.NVME:
+            self.store.evict(key)
+
+    # -- the user's loop ----------------------------------------------------------------
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of `loss` (scaled for fp16); gradients land in the grad partitions."""
+        if self.loss_scale != 1.0:
+            loss = loss * self.loss_scale
+        loss.backward()
+        for p in self._reductions:
+            p.wait()
+        self._reductions.clear()
+        for st in self._states:  # a group used without a grad (e.g. frozen) is freed here
+            if st.active == 0:
+                self._free(st)
+        self.micro_step += 1
+
+    def step(self) -> bool:
+        """The optimizer step over every partition; returns False if it was skipped
+        (fp16 overflow) or if this is not the last micro-step of `grad_accum_steps`."""
+        if self.micro_step % self.cfg.engine.grad_accum_steps:
+            return False
+        self.trace.finish()
+        opt = self.optimizer
+        gids = sorted(self._has_grad)
+        scale = self.loss_scale * self.cfg.engine.grad_accum_steps
+        norm, found_inf = self._grad_norm(gids, scale)
+        if found_inf:
+            self._after_overflow()
+            self._drop_grads(gids)
+            return False
+        out_tier = Tier.HOST if self.device.type != "cpu" or self._param_tier is Tier.NVME \
+            else self._param_tier
+        trainable = [g.gid for g in self.groups if g.requires_grad]
+        for gid in gids:
+            gkey, pkey = ("g", gid), ("p", gid)
+            where = Tier.HOST if self._grad_tier is Tier.NVME else self._grad_tier
+            grad = self.store.fetch(gkey, to=where).wait()
+            self.store.fetch(pkey, to=out_tier).wait()
+            with self.store.modify(pkey, out_tier) as p:
+                opt.update({gid: grad.cpu()}, params_out={gid: p}, loss_scale=scale,
+                           grad_norm=norm, found_inf=False)
+            self.store.free(gkey)
+            if self._param_tier is not out_tier:
+                self.store.evict(pkey)
+        opt.step({}, skip=[g for g in trainable if g not in self._has_grad])
+        self._has_grad.clear()
+        self._after_good_step()
+        self.global_step += 1
+        return True
+
+    def _grad_norm(self, gids: list[int], scale: float) -> tuple[float | None, bool]:
+        need = self.cfg.optim.max_grad_norm > 0 or self.cfg.engine.dtype == "fp16"
+        if not need:
+            return None, False
+        where = Tier.HOST if self._grad_tier is Tier.NVME else self._grad_tier
+        local = 0.0
+        for gid in gids:
+            g = self.store.fetch(("g", gid), to=where).wait()
+            local += float(g.double().pow(2).sum())
+            if self._grad_tier is Tier.NVME:
+                self.store.evict(("g", gid))
+        (total,) = self.comm.sum_scalars([local])
+        norm = math.sqrt(total) / scale if math.isfinite(total) else float("inf")
+        return norm, not math.isfinite(norm)
+
+    def _drop_grads(self, gids: list[int]) -> None:
+        for gid in gids:
+            self.store.free(("g", gid))
+        self._has_grad.clear()
+
+    def _after_overflow(self) -> None:
+        e = self.cfg.engine
+        if e.dtype == "fp16" and not e.loss_scale:
+            self.loss_scale = max(e.min_loss_scale, self.loss_scale / 2)
+            log.info("fp16 overflow: step skipped, loss scale now %g", self.loss_scale)
+        self._good_steps = 0
+
+    def _after_good_step(self) -> None:
+        e = self.cfg.engine
+        if e.dtype == "fp16" and not e.loss_scale:
+            self._good_steps += 1
+            if self._good_steps % e.loss_scale_window == 0:
+                self.loss_scale *= 2
+
+    def zero_grad(self) -> None:
+        """Drops accumulated gradients (step() does this itself)."""
+        self._drop_grads(sorted(self._has_grad))
+
+    # -- weights out --------------------------------------------------------------------
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:  # type: ignore[override]
+        """Full fp32 weights by parameter name (every rank gets them), one group at a time."""
+        out: dict[str, torch.Tensor] = {}
+        opt = self.optimizer
+        for g in self.groups:
+            shard = torch.empty(g.shard, dtype=torch.float32)
+            if g.requires_grad:
+                opt.read_master(g.gid, shard)
+            else:
+                shard.copy_(self.store.fetch(("p", g.gid), to=Tier.HOST).wait().float().cpu())
+            full = torch.empty(g.padded, dtype=torch.float32)
+            self.comm.all_gather(full, shard)
+            for slot in g.slots:
+                value = full[slot.offset:slot.offset + slot.numel].view(slot.shape).clone()
+                for name in slot.names:  # tied weights appear under each name, as in torch
+                    out[name] = value
+        return out
+
+    def close(self) -> None:
+        """Removes the hooks, closes the optimizer and the store (and their swap files)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        if self._opt is not None:
+            self._opt.close()
+        if self._opt_io is not None:
+            eng, swap, pool = self._opt_io
+            swap.close()
+            pool.close(force=True)
+            eng.close()
+            self._opt_io = None
+        self.store.close()
+
+    def __enter__(self) -> "OffloadEngine":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,125 @@
+"""Partitioning a model into units and groups.
+
+A **unit** is the module whose hooks gather a group: a module whose subtree
+holds at most `group_size` parameters is one unit with all of them; a bigger
+module recurses into its children and keeps only its own direct parameters
+(size-based wrapping, as FSDP's auto-wrap policy). Each unit's trainable and
+frozen parameters form one **group** each: a flat buffer padded so every
+rank's partition is a multiple of `SHARD_ALIGN` elements (4 KiB of bf16).
+
+A parameter shared by several modules (tied weights) belongs to the first
+group that meets it; every unit whose modules use it lists that group in its
+`needs`, so it is gathered wherever it is used.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+__all__ = ["Slot", "Group", "Unit", "build_units", "SHARD_ALIGN"]
+
+SHARD_ALIGN = 2048  # elements: 4 KiB of a 2-byte dtype, 8 KiB of fp32
+
+
+@dataclass
+class Slot:
+    """One original parameter inside a group's flat buffer."""
+
+    fqn: str
+    shape: torch.Size
+    offset: int  # elements into the flat buffer
+    param: nn.Parameter | None  # the original, until it is materialised and dropped
+    uses: list[tuple[nn.Module, str]] = field(default_factory=list)
+    names: list[str] = field(default_factory=list)  # fqn of every use (tied weights)
+
+    @property
+    def numel(self) -> int:
+        return self.shape.numel()
+
+
+@dataclass
+class Group:
+    gid: int
+    slots: list[Slot]
+    numel: int          # elements before padding
+    shard: int          # elements per rank
+    world: int
+    requires_grad: bool
+
+    @property
+    def padded(self) -> int:
+        return self.shard * self.world
+
+
+@dataclass
+class Unit:
+    module: nn.Module
+    name: str
+    needs: list[int]  # gids gathered before this unit runs
+
+
+def _round_up(n: int, m: int) -> int:
+    return (n + m - 1) // m * m
+
+
+def _subtree_params(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def _choose(module: nn.Module, name: str, group_size: int,
+            out: list[tuple[nn.Module, str, bool]]) -> None:
+    if _subtree_params(module) <= group_size:
+        if any(True for _ in module.parameters()):
+            out.append((module, name, True))
+        return
+    if any(p is not None for p in module._parameters.values()):
+        out.append((module, name, False))
+    for child_name, child in module.named_children():
+        _choose(child, f"{name}.{child_name}" if name else child_name, group_size, out)
+
+
+def build_units(model: nn.Module, group_size: int, world: int) -> tuple[list[Unit], list[Group]]:
+    """Splits `model` into units and their groups; changes nothing in the model."""
+    chosen: list[tuple[nn.Module, str, bool]] = []
+    _choose(model, "", group_size, chosen)
+    names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
+    # every (module, attribute) that holds each parameter, for tied weights
+    uses: dict[int, list[tuple[nn.Module, str]]] = {}
+    for mod in model.modules():
+        for pname, p in mod._parameters.items():
+            if p is not None:
+                uses.setdefault(id(p), []).append((mod, pname))
+    owner: dict[int, int] = {}  # id(param) -> gid
+    groups: list[Group] = []
+    units: list[Unit] = []
+    for module, name, whole in chosen:
+        scope = list(module.modules()) if whole else [module]
+        fresh: dict[bool, list[Slot]] = {True: [], False: []}
+        for mod in scope:
+            for pname, p in mod._parameters.items():
+                if p is None or id(p) in owner or any(id(p) == id(s.param)
+                                                      for lst in fresh.values() for s in lst):
+                    continue
+                fqn = f"{names.get(id(mod), '')}.{pname}".lstrip(".")
+                aliases = [f"{names.get(id(m), '')}.{n}".lstrip(".") for m, n in uses[id(p)]]
+                fresh[p.requires_grad].append(Slot(fqn, p.shape, 0, p, uses[id(p)], aliases))
+        for trainable in (True, False):
+            slots = fresh[trainable]
+            if not slots:
+                continue
+            off = 0
+            for s in slots:
+                s.offset = off
+                off += s.numel
+            shard = _round_up(max(1, -(-off // world)), SHARD_ALIGN)
+            g = Group(len(groups), slots, off, shard, world, trainable)
+            groups.append(g)
+            for s in slots:
+                owner[id(s.param)] = g.gid
+        needs = sorted({owner[id(p)] for mod in scope for p in mod._parameters.values()
+                        if p is not None})
+        units.append(Unit(module, name or "<root>", needs))
+    return units, groups

@@ -1,0 +1,68 @@
+"""The access trace of one step and the first look-ahead policy.
+
+The engine reports every use of a group (`record(gid)`) in order. The first
+step records; at `finish()` the recorded order becomes the plan for the next
+step. While following a plan, `record` checks each use against it: a use that
+differs (dynamic control flow) marks the plan broken for this step, so the
+engine falls back to fetching on demand, and the new order is recorded for
+the next step. Nothing here touches tensors, files or processes.
+"""
+
+from __future__ import annotations
+
+__all__ = ["AccessTrace", "lookahead"]
+
+
+def lookahead(order: list[int], position: int, depth: int) -> list[int]:
+    """The next `depth` distinct groups used after `position` in `order`,
+    skipping the group at `position` itself (pure function)."""
+    if depth <= 0:
+        return []
+    current = order[position] if 0 <= position < len(order) else None
+    out: list[int] = []
+    for gid in order[position + 1:]:
+        if gid != current and gid not in out:
+            out.append(gid)
+            if len(out) == depth:
+                break
+    return out
+
+
+class AccessTrace:
+    """Records the order of group uses in a step and follows it the next step."""
+
+    def __init__(self) -> None:
+        self.plan: list[int] | None = None   # the previous step's order, if any
+        self._current: list[int] = []
+        self.broken = False
+        self.rerecords = 0
+
+    @property
+    def following(self) -> bool:
+        """True while this step matches the plan so far (prefetch may use it)."""
+        return self.plan is not None and not self.broken
+
+    @property
+    def position(self) -> int:
+        return len(self._current) - 1
+
+    def record(self, gid: int) -> None:
+        i = len(self._current)
+        self._current.append(gid)
+        if self.plan is not None and not self.broken:
+            if i >= len(self.plan) or self.plan[i] != gid:
+                self.broken = True
+
+    def upcoming(self, depth: int) -> list[int]:
+        """Groups the plan says come next (empty when there is no plan or it broke)."""
+        if not self.following:
+            return []
+        return lookahead(self.plan, self.position, depth)
+
+    def finish(self) -> list[int]:
+        """Ends the step: its order becomes the next step's plan; returns it."""
+        order, self._current = self._current, []
+        if self.plan is not None and (self.broken or order != self.plan):
+            self.rerecords += 1
+        self.plan, self.broken = order, False
+        return order

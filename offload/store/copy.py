@@ -1,0 +1,122 @@
+"""The DEVICE tier's memory and the copies between HOST and DEVICE.
+
+[Note: CPU device tier]
+On a host without a GPU the CPU acts as the compute device, and DEVICE and
+HOST are the same memory. The DEVICE tier keeps its own budget (so the same
+limits and evictions are exercised as on a GPU), but a move between HOST and
+DEVICE *hands the buffer over* instead of copying it: the record's HostBuffer
+changes tier, HOST's accounting gives its bytes to DEVICE's, and no byte is
+copied. A copy would spend memory bandwidth and, for a moment, both budgets on
+two identical copies of bytes that live in one RAM, and it would buy nothing:
+on CPU there is no faster memory to copy into. The price is that the HOST copy
+stops being valid (a later eviction hands it back, again without a copy). The
+accounting shows it: such moves count their `bytes` but 0 `copied_bytes` in
+`StoreStats.moves["HOST->DEVICE"]` and `["DEVICE->HOST"]`. Since DEVICE
+buffers then come from the store's BufferPool, that pool's budget is the HOST
+and DEVICE budgets together.
+
+[Note: copy streams]
+On CUDA, HOST->DEVICE copies run on one dedicated stream and DEVICE->HOST
+copies on another, so a prefetch, a write-back and the compute stream overlap
+each other. A copy first waits for the stream the caller computes on (the
+current stream of the thread that issues the copy), so it sees the caller's
+writes to the source and the allocation of its destination; it then records an
+event, and the store's completion thread waits for that event before it marks
+the destination valid or frees the source. A device buffer travels with the
+event of the stream it was allocated on (`DeviceBuffer`), so a copy started
+later from another thread still waits for that allocation. Device buffers are
+allocated on the caller's current stream: compute that uses a DEVICE view
+should run on that stream (or order itself after it).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from ..io import BufferPool, HostBuffer
+from .record import footprint
+
+__all__ = ["DeviceBuffer", "DeviceTier", "resolve_device"]
+
+
+def resolve_device(name: str) -> torch.device:
+    """`store.device` as a torch.device: auto is cuda when available, else cpu."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(name)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"store.device = {name!r} but CUDA is not available "
+                               "(torch.cuda.is_available() is False); use 'auto' or 'cpu'")
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+    elif dev.type != "cpu":
+        raise ValueError(f"store.device {name!r}: only cpu and cuda are supported")
+    return dev
+
+
+class DeviceBuffer(NamedTuple):
+    """CUDA memory of one DEVICE copy and the event after its allocation on `stream`."""
+
+    tensor: torch.Tensor   # uint8, footprint bytes
+    ready: torch.cuda.Event
+
+
+class DeviceTier:
+    """Allocates DEVICE memory, gives views of any tier's memory, and moves bytes
+    between HOST and DEVICE (copies on CUDA, hand-over on CPU)."""
+
+    def __init__(self, device: torch.device, pool: BufferPool) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.hand_over = not self.cuda  # see [Note: CPU device tier]
+        self._pool = pool
+        if self.cuda:
+            # See [Note: copy streams]: one stream per direction.
+            self._h2d = torch.cuda.Stream(device)
+            self._d2h = torch.cuda.Stream(device)
+
+    def alloc(self, nbytes: int, tag: str) -> HostBuffer | DeviceBuffer:
+        """Memory for one DEVICE copy of `nbytes` bytes (the budget is charged by the caller)."""
+        if not self.cuda:
+            return self._pool.alloc(nbytes, tag=tag)
+        tensor = torch.empty(footprint(nbytes), dtype=torch.uint8, device=self.device)
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(self.device))
+        return DeviceBuffer(tensor, ready)
+
+    @staticmethod
+    def view(memory: HostBuffer | DeviceBuffer, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        """A 1-D `dtype` tensor of `numel` elements over `memory` (no copy)."""
+        if isinstance(memory, DeviceBuffer):
+            return memory.tensor[:numel * dtype.itemsize].view(dtype)
+        return memory.as_tensor(dtype, numel)
+
+    @staticmethod
+    def release(memory: HostBuffer | DeviceBuffer) -> None:
+        """Gives DEVICE or HOST memory back (its transfers must be complete)."""
+        if isinstance(memory, HostBuffer):
+            memory.release()
+        # A DeviceBuffer goes back to the caching allocator when its last reference dies.
+
+    def copy_h2d(self, src: HostBuffer, dst: DeviceBuffer, nbytes: int) -> torch.cuda.Event:
+        """Starts the copy of `nbytes` host bytes to `dst` on the H2D stream; returns its event."""
+        return self._copy(self._h2d, dst.tensor, src.tensor, nbytes, dst.ready)
+
+    def copy_d2h(self, src: DeviceBuffer, dst: HostBuffer, nbytes: int) -> torch.cuda.Event:
+        """Starts the copy of `nbytes` device bytes to `dst` on the D2H stream; returns its
+        event."""
+        return self._copy(self._d2h, dst.tensor, src.tensor, nbytes, src.ready)
+
+    def _copy(self, stream: torch.cuda.Stream, dst: torch.Tensor, src: torch.Tensor,
+              nbytes: int, ready: torch.cuda.Event) -> torch.cuda.Event:
+        n = footprint(nbytes)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        stream.wait_event(ready)
+        with torch.cuda.stream(stream):
+            dst[:n].copy_(src[:n], non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(stream)
+        return done

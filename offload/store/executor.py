@@ -1,0 +1,516 @@
+"""The store's machinery: claims, reservations under budgets, evictions, and move execution.
+
+`MoveExecutor` owns the shared state of a store (records, accounting, the
+lock, the completion thread) and runs moves step by step; `TieredStore`
+(store.py) is the public API over it. Everything here runs under `_cond`
+(the store's one lock) unless it says otherwise. See [Note: progress],
+[Note: making room] and [Note: no data lost] in store.py.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from typing import Hashable
+
+import torch
+
+from ..config import IoConfig, StoreConfig
+from ..io import BufferPool, IoEngine, IoHandle, ReadHandle, SwapSpace, open_swap
+from ..trace import TraceRecorder
+from .budget import Accounting, BudgetExceededError
+from .copy import DeviceTier
+from .moves import MoveHandle, Step, needs_of, plan_evict
+from .policy import Candidate, EvictionPolicy
+from .record import PartitionRecord, Tier
+
+log = logging.getLogger(__name__)
+
+__all__ = ["MoveExecutor", "UserClaim"]
+
+_MEMORY_STEPS = frozenset({Step.READ, Step.WRITE, Step.H2D, Step.D2H})
+
+
+class UserClaim:
+    """The claim of a `modify` block or a `free`: holds a record away from moves."""
+
+    __slots__ = ("what", "thread")
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self.thread = threading.current_thread()
+
+    def __repr__(self) -> str:
+        return f"{self.what} in thread {self.thread.name}"
+
+
+def _note(error: BaseException, text: str) -> None:
+    if hasattr(error, "add_note"):  # Python >= 3.11
+        error.add_note(text)
+
+
+class MoveExecutor:
+    """Shared state and move execution of one store; see the module docstring."""
+
+    def __init__(self, cfg: StoreConfig, iocfg: IoConfig, *, rank: int, dev: DeviceTier,
+                 engine: IoEngine, pool: BufferPool, policy: EvictionPolicy,
+                 recorder: TraceRecorder) -> None:
+        self._cfg = cfg
+        self._iocfg = iocfg
+        self.rank = rank
+        self._dev = dev
+        self._engine = engine
+        self._pool = pool
+        self._policy = policy
+        self._rec = recorder
+        self._acct = Accounting({Tier.DEVICE: cfg.device_budget, Tier.HOST: cfg.host_budget,
+                                 Tier.NVME: cfg.nvme_budget})
+        self._cond = threading.Condition(threading.Lock())
+        self._records: dict[Hashable, PartitionRecord] = {}
+        self._moves: set[MoveHandle] = set()  # moves holding reserved memory
+        self._active = 0                       # moves started and not finished
+        self._planning = 0                     # threads inside _reserve
+        self._closing = False
+        self._swaps: dict[str, SwapSpace] = {}
+        self._kinds_seen: dict[Tier, set[str]] = {t: set() for t in Tier}
+        self._queue: queue.SimpleQueue[tuple | None] = queue.SimpleQueue()
+        self._in_io: dict[MoveHandle, tuple[int, object]] = {}  # moves waiting on an I/O handle
+        self._worker = threading.Thread(target=self._completion_loop, daemon=True,
+                                        name=f"offload-store-r{rank}")
+
+    # -- claims, waits, views ---------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closing:
+            raise RuntimeError("the tiered store is closed")
+
+    def _record(self, key: Hashable) -> PartitionRecord:
+        rec = self._records.get(key)
+        if rec is None:
+            raise KeyError(f"partition {key!r} is not stored")
+        return rec
+
+    def _claim(self, key: Hashable, claim: object, what: str) -> PartitionRecord:
+        """Waits until no move or user block holds `key`, then holds it for `claim`."""
+        deadline = time.monotonic() + self._cfg.wait_timeout
+        while True:
+            self._check_open()
+            rec = self._record(key)
+            if rec.claim is None:
+                rec.claim = claim
+                return rec
+            held = rec.claim
+            if isinstance(held, UserClaim) and held.thread is threading.current_thread():
+                raise RuntimeError(f"{what} of partition {key!r}: this thread holds it in a "
+                                   f"{held.what} block; leave the block first")
+            self._wait(deadline, "busy", f"{what} of {key!r} behind {held!r}")
+
+    def _unclaim(self, rec: PartitionRecord, claim: object) -> None:
+        if rec.claim is claim:
+            rec.claim = None
+        self._cond.notify_all()
+
+    def _wait(self, deadline: float, why: str, what: str) -> None:
+        """One wait on the store's condition, timed, traced and counted as waiting."""
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"{what}: still waiting after store.wait_timeout "
+                               f"({self._cfg.wait_timeout} s)")
+        t0 = time.perf_counter_ns()
+        self._cond.wait(left)
+        t1 = time.perf_counter_ns()
+        self._acct.waited((t1 - t0) / 1e9)
+        self._rec.complete(f"wait:{why}", t0, t1, cat="wait", args={"what": what})
+
+    def _on_wait(self, move: MoveHandle, t0: float, t1: float) -> None:
+        """Called (without the lock) by `MoveHandle.wait` after it blocked."""
+        with self._cond:
+            self._acct.waited(t1 - t0)
+        self._rec.complete(f"wait:{move.op}", int(t0 * 1e9), int(t1 * 1e9), cat="wait",
+                           args={"key": str(move.key), "bytes": move.nbytes})
+
+    def _view(self, rec: PartitionRecord, tier: Tier) -> torch.Tensor:
+        return self._dev.view(rec.copies[tier], rec.dtype, rec.numel)
+
+    def _swap(self, kind: str) -> SwapSpace:
+        swap = self._swaps.get(kind)
+        if swap is None:
+            swap = self._swaps[kind] = open_swap(self._iocfg, f"r{self.rank}-{kind}",
+                                                 self._engine)
+        return swap
+
+    # -- memory and accounting --------------------------------------------------------
+    def _charge(self, tier: Tier, kind: str, nbytes: int) -> None:
+        self._acct.charge(tier, kind, nbytes)
+        self._emit_tier(tier)
+
+    def _release(self, tier: Tier, rec: PartitionRecord, memory: object) -> None:
+        """Gives back `memory` (None: bytes only) of one copy of `rec` in `tier`."""
+        if memory is not None:
+            if tier is Tier.NVME:
+                self._swap(rec.kind).free(memory)
+            else:
+                self._dev.release(memory)
+        self._acct.refund(tier, rec.kind, rec.footprint)
+        self._emit_tier(tier)
+
+    def _alloc_memory(self, tier: Tier, rec: PartitionRecord) -> object:
+        tag = f"{rec.kind}:{rec.key}"
+        if tier is Tier.HOST:
+            return self._pool.alloc(rec.nbytes, tag=tag)
+        if tier is Tier.DEVICE:
+            return self._dev.alloc(rec.nbytes, tag)
+        return self._swap(rec.kind).alloc(rec.nbytes)
+
+    def _allocate(self, move: MoveHandle, rec: PartitionRecord, needs: dict[Tier, int],
+                  memory: set[Tier]) -> None:
+        """Charges `needs` (which must fit) and allocates the tiers in `memory` for `move`."""
+        charged = []
+        try:
+            for t, n in needs.items():
+                self._charge(t, rec.kind, n)
+                charged.append(t)
+                move.reserved[t] = self._alloc_memory(t, rec) if t in memory else None
+        except BaseException:
+            for t in charged:
+                self._release(t, rec, move.reserved.pop(t, None))
+            raise
+        self._moves.add(move)
+
+    def _emit_tier(self, tier: Tier) -> None:
+        if not self._rec.enabled:
+            return
+        held = self._acct.by_kind(tier)
+        seen = self._kinds_seen[tier]
+        seen.update(held)
+        self._rec.counter(f"tier:{tier.name}", {k: held.get(k, 0) for k in sorted(seen)}
+                          or {"bytes": 0}, track=f"tier:{tier.name}")
+
+    # -- making room (see [Note: making room]) -----------------------------------------
+    def _reserve(self, needs: dict[Tier, int], exclude: set[Hashable], what: str) -> None:
+        """Returns once `needs` fit (the lock still held, nothing charged yet); evicts and
+        waits as needed. Raises `BudgetExceededError` when no room can be made."""
+        for t, n in needs.items():
+            budget = self._acct.budget(t)
+            if budget and n > budget:
+                raise BudgetExceededError(
+                    f"{what} needs {n} bytes in {t}, more than its whole budget of {budget} "
+                    f"bytes; raise store.{t.name.lower()}_budget")
+        deadline = time.monotonic() + self._cfg.wait_timeout
+        victims: list[MoveHandle] = []
+        idle = 0
+        self._planning += 1
+        try:
+            while not self._acct.fits(needs):
+                self._check_open()
+                failed = next((v for v in victims if v.error is not None), None)
+                if failed is not None:
+                    raise BudgetExceededError(f"cannot make room for {what}: evicting partition "
+                                              f"{failed.key!r} failed: {failed.error}") \
+                        from failed.error
+                if self._make_room(needs, exclude, victims):
+                    continue
+                if self._active:  # moves in flight finish on their own: wait for them
+                    self._wait(deadline, "budget", what)
+                    idle = 0
+                elif self._planning > 1 and idle < 40:  # another thread may start a move
+                    idle += 1
+                    self._wait(min(deadline, time.monotonic() + 0.025), "budget", what)
+                else:
+                    raise BudgetExceededError(self._no_room_message(needs, what))
+        except TimeoutError as e:
+            raise BudgetExceededError(f"{self._no_room_message(needs, what)} ({e})") from e
+        finally:
+            self._planning -= 1
+
+    def _make_room(self, needs: dict[Tier, int], exclude: set[Hashable],
+                   victims: list[MoveHandle]) -> bool:
+        """Evicts what the policy chooses where `needs` lack room; True if bytes were freed
+        or an eviction started."""
+        progressed = False
+        for tier, n in needs.items():
+            short = n - self._acct.room(tier) - self._acct.releasing(tier)
+            if tier is Tier.NVME or short <= 0:
+                continue  # nothing is below NVMe; the rest is on its way back
+            cands = self._candidates(tier, exclude)
+            if not cands:
+                continue
+            for key in self._policy.choose(tier, short, list(cands.values())):
+                if key not in cands:
+                    raise RuntimeError(f"eviction policy {type(self._policy).__name__} chose "
+                                       f"{key!r}, not a candidate in {tier} (candidates: "
+                                       f"{list(cands)[:10]})")
+                rec = self._records[key]
+                if rec.claim is not None or rec.pins or tier not in rec.valid:
+                    continue  # taken by an eviction made just before
+                progressed = self._evict_victim(rec, tier, exclude, victims) > 0 or progressed
+        return progressed
+
+    def _candidates(self, tier: Tier, exclude: set[Hashable]) -> dict[Hashable, Candidate]:
+        return {k: Candidate(k, r.kind, r.footprint, len(r.valid) > 1)
+                for k, r in self._records.items()
+                if r.claim is None and not r.pins and tier in r.valid and k not in exclude}
+
+    def _evict_victim(self, rec: PartitionRecord, tier: Tier, exclude: set[Hashable],
+                      victims: list[MoveHandle]) -> int:
+        """Drops `rec`'s clean copy in `tier`, or starts writing its dirty one down without
+        waiting; returns the bytes freed or on their way (0: no room below yet)."""
+        args = {"key": str(rec.key), "tier": tier.name, "bytes": rec.footprint}
+        if len(rec.valid) > 1:
+            self._release(tier, rec, rec.drop(tier))
+            self._acct.evictions += 1
+            self._acct.drops += 1
+            self._rec.instant("evict clean", "store", "store:policy", args)
+            return rec.footprint
+        lower = tier.lower
+        steps = plan_evict(rec.valid, lower, self._dev.hand_over)
+        needs = needs_of(steps, rec.footprint)
+        if not self._acct.fits(needs):
+            self._make_room(needs, exclude | {rec.key}, victims)
+            if not self._acct.fits(needs):
+                return 0
+        move = self._new_move("evict", rec.key, lower)
+        self._bind(move, rec)
+        move.steps = steps
+        rec.claim = move
+        try:
+            self._allocate(move, rec, needs, {s.dst for s in steps if s in _MEMORY_STEPS})
+        except BaseException:
+            rec.claim = None
+            raise
+        move.releasing = tier
+        self._acct.add_releasing(tier, rec.footprint)
+        self._acct.evictions += 1
+        self._rec.instant("evict dirty", "store", "store:policy", args)
+        victims.append(move)
+        self._start(move, rec)
+        return rec.footprint
+
+    def _no_room_message(self, needs: dict[Tier, int], what: str) -> str:
+        parts = []
+        for t, n in needs.items():
+            if n <= self._acct.room(t):
+                continue
+            residents = [r for r in self._records.values() if t in r.copies]
+            shown = "; ".join(
+                f"{r.key!r} ({r.kind}, {r.footprint} B, {r.state}"
+                + (f", pinned x{r.pins}" if r.pins else "") + (", busy" if r.claim else "") + ")"
+                for r in residents[:16])
+            more = f"; and {len(residents) - 16} more" if len(residents) > 16 else ""
+            parts.append(f"{t} holds {self._acct.used(t)} of {self._acct.budget(t)} bytes "
+                         f"({self._acct.releasing(t)} being released), needs {n} more; "
+                         f"resident: {shown or 'nothing'}{more}")
+        return (f"cannot make room for {what}: " + " | ".join(parts) + ". Unpin or free "
+                "partitions, or raise the budget (store.device_budget, store.host_budget, "
+                "store.nvme_budget)")
+
+    # -- running moves (see [Note: progress]) ------------------------------------------
+    def _new_move(self, op: str, key: Hashable, dst: Tier) -> MoveHandle:
+        return MoveHandle(op, key, dst, 0, self._on_wait)
+
+    @staticmethod
+    def _bind(move: MoveHandle, rec: PartitionRecord) -> None:
+        move.rec = rec
+        move.key = rec.key
+        move.kind = rec.kind
+        move.nbytes = rec.nbytes
+
+    def _plan(self, move: MoveHandle, rec: PartitionRecord, steps: list[Step]) -> None:
+        """Sets `move`'s steps and reserves their memory (may evict and wait)."""
+        move.steps = steps
+        if steps:
+            needs = needs_of(steps, rec.footprint)
+            self._reserve(needs, {rec.key}, f"{move.op} of {rec.key!r} to {move.dst}")
+            self._allocate(move, rec, needs, {s.dst for s in steps if s in _MEMORY_STEPS})
+
+    def _start(self, move: MoveHandle, rec: PartitionRecord) -> None:
+        move.active = True
+        self._active += 1
+        self._advance(move, rec)
+
+    def _advance(self, move: MoveHandle, rec: PartitionRecord) -> None:
+        """Runs synchronous steps; starts the next asynchronous one, or finishes the move."""
+        while (step := move.step) is not None:
+            if step.is_async:
+                self._begin_async(move, rec, step)
+                return
+            try:
+                self._do_sync(move, rec, step)
+            except BaseException as e:  # an invariant broke: fail the move, keep the store
+                log.exception("%s of partition %r failed at %s", move.op, rec.key, step)
+                self._finish_move(move, rec, e)
+                return
+            move.index += 1
+        self._finish_move(move, rec, None)
+
+    def _do_sync(self, move: MoveHandle, rec: PartitionRecord, step: Step) -> None:
+        if step in (Step.HAND_H2D, Step.HAND_D2H):  # see [Note: CPU device tier]
+            src, dst = step.src, step.dst
+            rec.hand_over(dst)
+            move.reserved.pop(dst)  # the bytes reserved in `dst` now hold the handed-over copy
+            self._release(src, rec, None)
+            self._acct.moved(src, dst, rec.nbytes, 0, 0.0)
+            args = {"key": str(rec.key), "bytes": rec.nbytes, "copied": 0}
+            self._rec.async_end(self._rec.async_begin(f"{src}->{dst}", "store",
+                                                      f"store:{src}->{dst}", args), args)
+        else:
+            self._release(step.src, rec, rec.drop(step.src))
+            self._acct.drops += 1
+
+    def _begin_async(self, move: MoveHandle, rec: PartitionRecord, step: Step) -> None:
+        memory = move.reserved.pop(step.dst)
+        move.step_t0, move.step_t1 = time.perf_counter(), 0.0
+        move.token = self._rec.async_begin(f"{step.src}->{step.dst}", "store",
+                                           f"store:{step.src}->{step.dst}",
+                                           {"key": str(rec.key), "kind": rec.kind,
+                                            "bytes": rec.nbytes})
+        began = False
+        try:
+            if step is Step.READ:
+                rec.begin_read(memory)
+                began = True
+                waitable = self._swap(rec.kind).read(rec.copies[Tier.NVME], memory, rec.nbytes)
+            elif step is Step.WRITE:
+                rec.begin_write(memory)
+                began = True
+                waitable = self._swap(rec.kind).write(memory, rec.copies[Tier.HOST], rec.nbytes)
+            elif step is Step.H2D:
+                rec.begin_copy(Tier.DEVICE, memory)
+                began = True
+                waitable = self._dev.copy_h2d(rec.copies[Tier.HOST], memory, rec.nbytes)
+            else:
+                rec.begin_copy(Tier.HOST, memory)
+                began = True
+                waitable = self._dev.copy_d2h(rec.copies[Tier.DEVICE], memory, rec.nbytes)
+        except BaseException as e:
+            if began:
+                memory = self._abort(rec, step)
+            self._release(step.dst, rec, memory)
+            self._step_failed(move, rec, step, e)
+            return
+        move.waitable = waitable
+        if isinstance(waitable, (IoHandle, ReadHandle)):
+            self._in_io[move] = (move.index, waitable)  # see [Note: lost callbacks]
+            waitable.add_done_callback(
+                lambda _h, m=move, i=move.index, w=waitable: self._io_done(m, i, w))
+        else:  # a CUDA event: the completion thread synchronizes it
+            self._queue.put((move, move.index, waitable))
+
+    @staticmethod
+    def _abort(rec: PartitionRecord, step: Step) -> object:
+        if step is Step.READ:
+            return rec.abort_read()
+        if step is Step.WRITE:
+            return rec.abort_write()
+        return rec.abort_copy()
+
+    def _io_done(self, move: MoveHandle, index: int, waitable: object) -> None:
+        """On an I/O engine thread, without the lock: hand the step to the completion thread."""
+        move.step_t1 = time.perf_counter()
+        self._queue.put((move, index, waitable))
+
+    # [Note: lost callbacks]
+    # `IoHandle.add_done_callback` can drop a callback registered while the engine
+    # is finishing the handle (offload/io/handle.py: `_finish` swaps the callback
+    # list, releases its lock, and only then sets `_done`; a callback added in
+    # between lands in the new list and is never called). So the completion
+    # thread does not rely on callbacks alone: while I/O is in flight it wakes
+    # every 50 ms and sweeps `_in_io` for handles that are done. A step reached
+    # both ways is finished once (`_complete_one` skips the second).
+
+    def _completion_loop(self) -> None:
+        """The completion thread: waits for each finished step off the lock (a read's
+        checksum is verified here), then finishes it and starts the next under the lock."""
+        while True:
+            try:
+                item = self._queue.get(timeout=0.05)
+            except queue.Empty:
+                if not self._in_io:
+                    continue
+                with self._cond:
+                    items = [(m, i, w) for m, (i, w) in self._in_io.items() if w.done()]
+            else:
+                if item is None:
+                    return
+                items = [item]
+            for move, index, waitable in items:
+                self._complete_one(move, index, waitable)
+
+    def _complete_one(self, move: MoveHandle, index: int, waitable: object) -> None:
+        error = None
+        try:
+            if isinstance(waitable, (IoHandle, ReadHandle)):
+                waitable.wait()
+            else:
+                waitable.synchronize()
+                move.step_t1 = time.perf_counter()
+        except BaseException as e:
+            error = e
+        with self._cond:
+            if move.done() or move.index != index or move.waitable is not waitable:
+                return  # reached by a callback and by the sweep: finished already
+            self._in_io.pop(move, None)
+            try:
+                self._complete_step(move, move.rec, error)
+            except BaseException as e:
+                log.exception("completing %r failed", move)
+                if not move.done():
+                    self._finish_move(move, move.rec, e)
+
+    def _complete_step(self, move: MoveHandle, rec: PartitionRecord,
+                       error: BaseException | None) -> None:
+        step = move.step
+        if error is not None:
+            self._release(step.dst, rec, self._abort(rec, step))
+            self._step_failed(move, rec, step, error)
+            return
+        if step is Step.READ:
+            rec.finish_read()
+        elif step is Step.WRITE:
+            rec.finish_write()
+            self._acct.writes += 1
+        else:
+            rec.finish_copy()
+        t1 = move.step_t1 or time.perf_counter()
+        self._acct.moved(step.src, step.dst, rec.nbytes, rec.nbytes, t1 - move.step_t0)
+        self._rec.async_end(move.token, {"bytes": rec.nbytes}, ts_ns=int(t1 * 1e9))
+        move.index += 1
+        self._advance(move, rec)
+
+    def _step_failed(self, move: MoveHandle, rec: PartitionRecord, step: Step,
+                     error: BaseException) -> None:
+        self._acct.moved(step.src, step.dst, rec.nbytes, 0, 0.0, failed=True)
+        self._rec.async_end(move.token, {"error": f"{type(error).__name__}: {error}"})
+        where = f"{rec.state} with valid copies in {sorted(t.name for t in rec.valid)}"
+        _note(error, f"{move.op} of partition {rec.key!r} failed at {step.src}->{step.dst}; "
+                     f"the partition stays {where}")
+        log.warning("%s of partition %r failed at %s->%s (%s); it stays %s", move.op, rec.key,
+                    step.src, step.dst, error, where)
+        self._finish_move(move, rec, error)
+
+    def _finish_move(self, move: MoveHandle, rec: PartitionRecord, error: BaseException | None,
+                     unregister: bool = False) -> None:
+        for t, memory in list(move.reserved.items()):
+            self._release(t, rec, memory)
+        move.reserved.clear()
+        self._moves.discard(move)
+        self._in_io.pop(move, None)
+        if move.releasing is not None:
+            self._acct.add_releasing(move.releasing, -rec.footprint)
+            move.releasing = None
+        if move.active:
+            move.active = False
+            self._active -= 1
+        if rec.claim is move:
+            rec.claim = None
+        if unregister:  # a put that never placed its first copy
+            self._records.pop(rec.key, None)
+        result = None
+        if error is None and move.op == "fetch":
+            if move.pin:
+                rec.pins += 1
+            self._policy.touched(rec.key, move.dst)
+            result = self._view(rec, move.dst)
+        move._finish(result, error)
+        self._cond.notify_all()

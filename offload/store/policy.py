@@ -1,0 +1,77 @@
+"""Eviction policies: which copies leave a full tier. The store executes, the policy decides.
+
+When a tier lacks room, the store calls `policy.choose(tier, need_bytes,
+candidates)` with every copy it may move out of that tier now (resting, not
+pinned, not claimed by another move) and evicts the keys returned, in order:
+a clean copy is dropped, a dirty one is written to the next tier down first.
+A policy that returns too little leaves the store waiting for in-flight
+transfers or failing with `BudgetExceededError`; one that returns a key not
+among the candidates is an error. The planner supplies its own policy object
+(e.g. "evict what is used furthest in the future"); `LruPolicy` is the default.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from dataclasses import dataclass
+from typing import Hashable, Protocol, Sequence, runtime_checkable
+
+from .record import Tier
+
+__all__ = ["Candidate", "EvictionPolicy", "LruPolicy"]
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A copy the store can evict from `tier` now."""
+
+    key: Hashable
+    kind: str
+    nbytes: int      # bytes the eviction frees in the tier (the copy's footprint)
+    clean: bool      # True: another tier holds the value, eviction drops without writing
+
+
+@runtime_checkable
+class EvictionPolicy(Protocol):
+    """Decides evictions; told about uses. Called under the store's lock: keep it quick,
+    and never call back into the store."""
+
+    def touched(self, key: Hashable, tier: Tier) -> None:
+        """`key` was used (put, fetched, read or modified) in `tier`."""
+
+    def forgotten(self, key: Hashable) -> None:
+        """`key` was freed."""
+
+    def choose(self, tier: Tier, need_bytes: int,
+               candidates: Sequence[Candidate]) -> Sequence[Hashable]:
+        """Keys to evict from `tier`, in order, to free at least `need_bytes` bytes."""
+
+
+class LruPolicy:
+    """Least recently used first; among copies used equally long ago, clean ones first."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # policies may be shared by several stores
+        self._clock = itertools.count()
+        self._last: dict[Hashable, int] = {}
+
+    def touched(self, key: Hashable, tier: Tier) -> None:
+        with self._lock:
+            self._last[key] = next(self._clock)
+
+    def forgotten(self, key: Hashable) -> None:
+        with self._lock:
+            self._last.pop(key, None)
+
+    def choose(self, tier: Tier, need_bytes: int,
+               candidates: Sequence[Candidate]) -> list[Hashable]:
+        with self._lock:
+            order = sorted(candidates, key=lambda c: (self._last.get(c.key, -1), not c.clean))
+        chosen, freed = [], 0
+        for c in order:
+            if freed >= need_bytes:
+                break
+            chosen.append(c.key)
+            freed += c.nbytes
+        return chosen

@@ -1,0 +1,441 @@
+"""`TieredStore`: partitions kept in DEVICE, HOST or NVME under hard budgets, moved asynchronously.
+
+[Note: progress]
+Every move reserves all the memory its steps need before its first step
+starts (moves.py), so once started it needs nothing from any caller: each
+asynchronous step (an NVMe read or write, a CUDA copy) signals the store's
+completion thread, which waits for it off the lock - a read's checksum is
+verified there - then, under the lock, finishes the record's transition and
+starts the next step. A move therefore finishes whether or not anyone waits
+on its handle, and a caller may always wait for moves in flight.
+
+[Note: making room]
+A reservation that does not fit asks the policy for victims among the copies
+that may move now (resting, unpinned, unclaimed) and evicts them: a clean
+copy is dropped at once, a dirty one is written one tier down by an eviction
+move of its own (whose reservation is made without waiting, so no thread
+waits while holding a claim on a victim). It then waits for moves in flight
+to give bytes back. If nothing is in flight and nothing can be evicted, the
+budget is exhausted for real and it raises `BudgetExceededError` listing what
+is resident. Charges are all-or-nothing per move, so no thread waits while
+holding part of a reservation.
+
+[Note: no data lost]
+A dirty copy is written to a new swap extent, and the HOST copy stays valid,
+its buffer held, until that write is durable (`IoHandle.wait()`, after
+fdatasync with io.sync_writes). A failed write frees only the new extent and
+leaves the record at its HOST copy. An extent that stops holding the current
+value (the partition is modified) is freed at once: it is not a copy of the
+partition any more, and the write that replaces it goes to a new extent
+anyway. A failed read or checksum mismatch releases the destination buffer
+and leaves the record at NVME, the bytes never handed out.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+import time
+from typing import Hashable, Iterator
+
+import torch
+
+from ..config import OffloadConfig, load_config
+from ..io import BufferPool, IoEngine, SwapSpace, make_engine
+from ..trace import NULL_RECORDER, TraceRecorder
+from .budget import StoreStats
+from .copy import DeviceTier, resolve_device
+from .executor import MoveExecutor, UserClaim
+from .moves import MoveHandle, Step, plan_evict, plan_fetch
+from .policy import EvictionPolicy, LruPolicy
+from .record import IN_FLIGHT, PartitionRecord, RecordInfo, Residency, Tier
+
+log = logging.getLogger(__name__)
+
+__all__ = ["TieredStore"]
+
+_DEST = {Residency.READING: Tier.HOST, Residency.WRITING: Tier.NVME,
+         Residency.COPYING_H2D: Tier.DEVICE, Residency.COPYING_D2H: Tier.HOST}
+
+
+def _tier(value: Tier | str | int) -> Tier:
+    if isinstance(value, str):
+        try:
+            return Tier[value.upper()]
+        except KeyError:
+            raise ValueError(f"unknown tier {value!r}; use DEVICE, HOST or NVME") from None
+    return Tier(value)
+
+
+class TieredStore(MoveExecutor):
+    """Partitions in three tiers under hard budgets; every move returns a handle.
+
+    Args:
+        config: an `OffloadConfig` (or what `load_config` takes); uses its
+            `store` and `io` sections.
+        rank: names this process's swap files (`offload-r<rank>-<kind>.swap`).
+        policy: decides evictions (default `LruPolicy`); see policy.py.
+        recorder: receives moves (async events with bytes), waits (spans) and
+            per-tier occupancy (counters). Off by default.
+        engine, pool: an I/O engine and a host buffer pool to use instead of
+            making (and owning) new ones. A given pool must hold `host_budget`
+            bytes, plus `device_budget` on a CPU device (see copy.py).
+
+    Thread safe. A tensor view from `get`, `fetch(...).wait()` or `modify` is
+    valid until the partition leaves that tier; `pin` it to keep it there.
+    """
+
+    def __init__(self, config: OffloadConfig | dict | str | None = None, *, rank: int = 0,
+                 policy: EvictionPolicy | None = None, recorder: TraceRecorder = NULL_RECORDER,
+                 engine: IoEngine | None = None, pool: BufferPool | None = None) -> None:
+        cfg = load_config(config)
+        device = resolve_device(cfg.store.device)
+        owns_engine, owns_pool = engine is None, pool is None
+        if engine is None:
+            engine = make_engine(cfg.io, recorder)
+        if pool is None:
+            extra = cfg.store.device_budget if device.type == "cpu" else 0
+            pool = BufferPool(cfg.store.host_budget + extra, pin=None)
+        super().__init__(cfg.store, cfg.io, rank=rank, dev=DeviceTier(device, pool),
+                         engine=engine, pool=pool,
+                         policy=policy if policy is not None else LruPolicy(), recorder=recorder)
+        self._owns_engine, self._owns_pool = owns_engine, owns_pool
+        try:
+            for kind in self._cfg.swap_kinds:
+                self._swap(kind)  # open and lock now: a second job on these paths fails here
+        except BaseException:
+            self._close_io(keep=False)
+            raise
+        self._worker.start()
+        for t in Tier:
+            recorder.declare_track(f"tier:{t.name}")
+        log.info("tiered store on %s: DEVICE %d B, HOST %d B, NVME %s; swap under %s",
+                 device, self._cfg.device_budget, self._cfg.host_budget,
+                 f"{self._cfg.nvme_budget} B" if self._cfg.nvme_budget else "unlimited",
+                 ", ".join(self._iocfg.paths))
+
+    # -- public: placing and moving ---------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        """The compute device of the DEVICE tier (cpu on a host without a GPU)."""
+        return self._dev.device
+
+    def put(self, key: Hashable, tensor: torch.Tensor, *, kind: str = "param",
+            tier: Tier | str = Tier.HOST) -> MoveHandle:
+        """Stores a copy of `tensor` (flattened) as partition `key`, home `tier`.
+
+        HOST and DEVICE puts are done on return; an NVME put returns while its
+        write is in flight (the HOST staging copy stays valid until it is durable).
+        Raises KeyError if `key` is stored, `BudgetExceededError` if no room.
+        """
+        tier = _tier(tier)
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"put({key!r}) needs a torch.Tensor, got {type(tensor).__name__}")
+        if not re.fullmatch(r"[A-Za-z0-9_.-]+", kind):
+            raise ValueError(f"kind {kind!r} names swap files: use letters, digits, '_', '.', '-'")
+        rec = PartitionRecord(key, kind, tensor.dtype, tensor.numel(), tier)
+        first = Tier.HOST if tier is Tier.NVME else tier
+        move = self._new_move("put", key, tier)
+        self._bind(move, rec)
+        with self._cond:
+            self._check_open()
+            if key in self._records:
+                raise KeyError(f"partition {key!r} is already stored; free it first, or "
+                               "modify it in place")
+            rec.claim = move
+            self._records[key] = rec
+            try:
+                needs = {first: rec.footprint}
+                if tier is Tier.NVME:
+                    needs[Tier.NVME] = rec.footprint
+                self._reserve(needs, {key}, f"put of {key!r}")
+                self._allocate(move, rec, needs, set(needs))
+            except BaseException:
+                del self._records[key]
+                self._cond.notify_all()
+                raise
+        try:  # off the lock: the record is claimed, nobody else touches its memory
+            self._dev.view(move.reserved[first], rec.dtype, rec.numel).copy_(
+                tensor.detach().reshape(-1))
+        except BaseException as e:
+            with self._cond:
+                self._finish_move(move, rec, e, unregister=True)
+            raise
+        with self._cond:
+            rec.place(first, move.reserved.pop(first))
+            self._policy.touched(key, first)
+            move.steps = [Step.WRITE, Step.DROP_HOST] if tier is Tier.NVME else []
+            self._start(move, rec)
+        return move
+
+    def fetch(self, key: Hashable, to: Tier | str = Tier.DEVICE, *,
+              pin: bool = False) -> MoveHandle:
+        """Starts making a valid copy of `key` in `to` (HOST or DEVICE); returns its handle.
+
+        `handle.wait()` returns the view in `to`. With `pin`, the partition is
+        pinned once the fetch succeeds (`unpin` it when done). Waits first for a
+        move of `key` in flight. Raises `BudgetExceededError` when no room can
+        be made; the record is then unchanged.
+        """
+        to = _tier(to)
+        with self._cond:
+            self._check_open()
+            move = self._new_move("fetch", key, to)
+            rec = self._claim(key, move, "fetch")
+            try:
+                self._bind(move, rec)
+                move.pin = pin
+                self._plan(move, rec, plan_fetch(rec.valid, to, self._dev.hand_over))
+            except BaseException:
+                self._unclaim(rec, move)
+                raise
+            self._start(move, rec)
+        return move
+
+    def evict(self, key: Hashable, to: Tier | str | None = None) -> MoveHandle:
+        """Starts moving `key` down to `to` (default: its home tier); returns its handle.
+
+        Copies above `to` are dropped; if none below holds the value, it is
+        written to `to` first. A partition already below `to` is left alone.
+        Raises RuntimeError if `key` is pinned.
+        """
+        with self._cond:
+            self._check_open()
+            move = self._new_move("evict", key, Tier.NVME)
+            rec = self._claim(key, move, "evict")
+            try:
+                self._bind(move, rec)
+                move.dst = rec.home if to is None else _tier(to)
+                if rec.pins:
+                    raise RuntimeError(f"partition {key!r} is pinned {rec.pins} time(s); unpin "
+                                       "it before evicting")
+                self._plan(move, rec, plan_evict(rec.valid, move.dst, self._dev.hand_over))
+            except BaseException:
+                self._unclaim(rec, move)
+                raise
+            self._start(move, rec)
+        return move
+
+    def get(self, key: Hashable, tier: Tier | str = Tier.DEVICE) -> torch.Tensor:
+        """The view of `key` in `tier`; raises unless that copy is valid (fetch and wait first)."""
+        tier = _tier(tier)
+        with self._cond:
+            self._check_open()
+            rec = self._record(key)
+            if tier not in rec.valid:
+                raise RuntimeError(f"partition {key!r} is {rec.state}; its {tier} copy is not "
+                                   f"valid (valid: {sorted(t.name for t in rec.valid)}); fetch "
+                                   "it there and wait first")
+            self._policy.touched(key, tier)
+            return self._view(rec, tier)
+
+    @contextlib.contextmanager
+    def modify(self, key: Hashable, tier: Tier | str = Tier.DEVICE) -> Iterator[torch.Tensor]:
+        """`with store.modify(key, tier) as t:` yields the writable view in `tier`.
+
+        That copy becomes the only valid one (the others are released now, see
+        [Note: no data lost]); the partition is held away from moves until the
+        block ends. Its copy in `tier` must be valid: fetch it there first.
+        """
+        tier = _tier(tier)
+        if tier is Tier.NVME:
+            raise ValueError("modify needs a copy in DEVICE or HOST; fetch it there first")
+        claim = UserClaim("modify")
+        with self._cond:
+            self._check_open()
+            rec = self._claim(key, claim, "modify")
+            try:
+                for t, memory in rec.modify(tier).items():
+                    self._release(t, rec, memory)
+                view = self._view(rec, tier)
+                self._policy.touched(key, tier)
+            except BaseException:
+                self._unclaim(rec, claim)
+                raise
+        try:
+            yield view
+        finally:
+            with self._cond:
+                self._unclaim(rec, claim)
+
+    def pin(self, key: Hashable) -> None:
+        """Holds `key` where it is: never chosen for eviction, `evict` and `free` refuse it."""
+        with self._cond:
+            self._record(key).pins += 1
+
+    def unpin(self, key: Hashable) -> None:
+        with self._cond:
+            rec = self._record(key)
+            if rec.pins <= 0:
+                raise RuntimeError(f"partition {key!r} is not pinned")
+            rec.pins -= 1
+            self._cond.notify_all()
+
+    def free(self, key: Hashable) -> None:
+        """Forgets `key` and releases its memory in every tier (waits for its move in flight)."""
+        claim = UserClaim("free")
+        with self._cond:
+            self._check_open()
+            rec = self._claim(key, claim, "free")
+            if rec.pins:
+                self._unclaim(rec, claim)
+                raise RuntimeError(f"partition {key!r} is pinned {rec.pins} time(s); unpin it "
+                                   "before freeing")
+            for t, memory in rec.release_all().items():
+                self._release(t, rec, memory)
+            del self._records[key]
+            self._policy.forgotten(key)
+            self._cond.notify_all()
+
+    def wait_all(self, timeout: float | None = None) -> None:
+        """Blocks until no move is in flight (errors stay with their handles)."""
+        deadline = time.monotonic() + (self._cfg.wait_timeout if timeout is None else timeout)
+        with self._cond:
+            while self._active:
+                self._wait(deadline, "idle", "wait_all")
+
+    # -- public: reading the state ----------------------------------------------------
+    def __contains__(self, key: Hashable) -> bool:
+        with self._cond:
+            return key in self._records
+
+    def __len__(self) -> int:
+        with self._cond:
+            return len(self._records)
+
+    def keys(self) -> list[Hashable]:
+        with self._cond:
+            return list(self._records)
+
+    def info(self, key: Hashable) -> RecordInfo:
+        """A consistent copy of `key`'s record."""
+        with self._cond:
+            return self._record(key).info()
+
+    def swap_paths(self, kind: str) -> list[str]:
+        """The swap files that hold NVME copies of `kind` (striped over io.paths)."""
+        with self._cond:
+            return self._swap(kind).paths
+
+    def swap_space(self, kind: str) -> SwapSpace:
+        """The `SwapSpace` of `kind` (opened on first use), for tools and benchmarks.
+
+        Extents allocated there directly are outside the store's records and
+        NVME budget: free them before the store needs the room.
+        """
+        with self._cond:
+            self._check_open()
+            return self._swap(kind)
+
+    def stats(self) -> StoreStats:
+        """A snapshot of the accounting: bytes per tier and kind, moves, waits."""
+        with self._cond:
+            by_state: dict[str, int] = {}
+            for rec in self._records.values():
+                by_state[str(rec.state)] = by_state.get(str(rec.state), 0) + 1
+            return self._acct.snapshot(len(self._records), by_state)
+
+    def log_stats(self, level: int = logging.INFO) -> StoreStats:
+        stats = self.stats()
+        log.log(level, "store r%d: %s", self.rank, stats.summary())
+        return stats
+
+    def audit(self) -> None:
+        """Cross-checks every record against the accounting; raises RuntimeError with the values."""
+        with self._cond:
+            expected: dict[Tier, dict[str, int]] = {t: {} for t in Tier}
+            for rec in self._records.values():
+                self._audit_record(rec)
+                for t in rec.copies:
+                    expected[t][rec.kind] = expected[t].get(rec.kind, 0) + rec.footprint
+            for move in self._moves:
+                for t in move.reserved:
+                    expected[t][move.kind] = expected[t].get(move.kind, 0) + move.rec.footprint
+            for t in Tier:
+                held = self._acct.by_kind(t)
+                if held != expected[t]:
+                    raise RuntimeError(f"{t}: accounting holds {held} bytes by kind, records "
+                                       f"and reservations hold {expected[t]}")
+                budget = self._acct.budget(t)
+                if budget and self._acct.used(t) > budget:
+                    raise RuntimeError(f"{t}: {self._acct.used(t)} bytes held, over the budget "
+                                       f"of {budget}")
+                if not self._active and self._acct.releasing(t):
+                    raise RuntimeError(f"{t}: {self._acct.releasing(t)} bytes releasing with "
+                                       "no move in flight")
+
+    @staticmethod
+    def _audit_record(rec: PartitionRecord) -> None:
+        if rec.state is Residency.FREED:
+            if rec.copies or not (isinstance(rec.claim, MoveHandle) and rec.claim.op == "put"):
+                raise RuntimeError(f"{rec!r}: FREED but stored, and not being put")
+            return  # a put copying its first bytes in: its memory is its move's reservation
+        if not rec.valid or not rec.valid <= set(rec.copies):
+            raise RuntimeError(f"{rec!r}: valid tiers must be a non-empty subset of held "
+                               f"tiers {sorted(t.name for t in rec.copies)}")
+        extra = set(rec.copies) - rec.valid
+        want = {_DEST[rec.state]} if rec.state in IN_FLIGHT else set()
+        if extra != want:
+            raise RuntimeError(f"{rec!r}: holds memory in {sorted(t.name for t in extra)} "
+                               f"beyond its valid copies, expected {sorted(t.name for t in want)}")
+        if rec.state not in IN_FLIGHT and rec.state.value != rec.top.name:
+            raise RuntimeError(f"{rec!r}: resting state must be its top valid tier {rec.top}")
+        if rec.in_flight and rec.claim is None:
+            raise RuntimeError(f"{rec!r}: in flight without a move")
+        if rec.pins < 0:
+            raise RuntimeError(f"{rec!r}: negative pin count")
+
+    # -- closing ----------------------------------------------------------------------
+    def close(self, keep_files: bool | None = None) -> None:
+        """Waits for moves in flight, releases all memory, removes the swap files
+        (unless `keep_files`, default store.keep_swap_files). Idempotent."""
+        keep = self._cfg.keep_swap_files if keep_files is None else keep_files
+        with self._cond:
+            if self._closing:
+                return
+            self._closing = True
+            self._cond.notify_all()
+            deadline = time.monotonic() + self._cfg.wait_timeout
+            while self._active and time.monotonic() < deadline:
+                self._cond.wait(max(0.0, deadline - time.monotonic()))
+            stuck = self._active
+        if stuck:
+            raise RuntimeError(f"store close: {stuck} move(s) still in flight after "
+                               f"{self._cfg.wait_timeout} s; their buffers are not released")
+        self._queue.put(None)
+        self._worker.join()
+        with self._cond:
+            for rec in self._records.values():
+                for t, memory in rec.copies.items():
+                    self._release(t, rec, memory)
+                rec.copies.clear()
+                rec.valid.clear()
+                rec.state = Residency.FREED
+            self._records.clear()
+        self.log_stats()
+        self._close_io(keep)
+
+    def _close_io(self, keep: bool) -> None:
+        errors = []
+        for swap in list(self._swaps.values()):
+            try:
+                swap.close(keep=keep)
+            except OSError as e:
+                errors.append(e)
+        self._swaps.clear()
+        if self._owns_engine:
+            self._engine.close()
+        if self._owns_pool:
+            self._pool.close(force=True)
+        if errors:
+            raise errors[0]
+
+    def __enter__(self) -> TieredStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"TieredStore(device={self.device}, partitions={len(self._records)})"

@@ -1,0 +1,302 @@
+"""TieredStore on real swap files: moves, budgets, policy, pins, accounting, lifecycle."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+import torch
+
+from offload.io import IoHandle, SwapLockedError
+from offload.store import (BudgetExceededError, LruPolicy, Residency, Tier, TieredStore,
+                           footprint)
+
+from .conftest import ENGINES, PAGE, page_tensor, store_config
+
+D, H, N = Tier.DEVICE, Tier.HOST, Tier.NVME
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("dtype,pages", [(torch.float32, 1), (torch.bfloat16, 2.5),
+                                         (torch.int64, 0.3)])
+def test_roundtrip_through_every_tier(make_store, engine, dtype, pages):
+    s = make_store(engine=engine, device_pages=8, host_pages=8)
+    ref = page_tensor(7, pages, dtype)
+    s.put("a", ref.view(2, -1) if ref.numel() % 2 == 0 else ref, tier="NVME").wait()
+    assert s.info("a").state is Residency.NVME and s.info("a").valid == {N}
+    out = s.fetch("a", D).wait()
+    assert out.dtype == dtype and out.shape == (ref.numel(),) and torch.equal(out, ref)
+    assert torch.equal(s.get("a", D), ref)
+    s.evict("a", H).wait()
+    assert torch.equal(s.get("a", H), ref) and D not in s.info("a").valid
+    s.evict("a").wait()  # home: NVME
+    assert s.info("a").valid == {N}
+    assert torch.equal(s.fetch("a", H).wait(), ref)
+    s.audit()
+
+
+def test_dirty_copy_is_written_back_clean_copy_dropped(make_store):
+    s = make_store()
+    ref = page_tensor(1)
+    s.put("a", ref, tier="HOST")
+    assert s.info("a").dirty
+    s.evict("a", N).wait()
+    st = s.stats()
+    assert st.writes == 1 and st.moves["HOST->NVME"].moves == 1
+    s.fetch("a", H).wait()
+    assert not s.info("a").dirty
+    s.evict("a", N).wait()  # clean: the NVMe copy is still the value
+    st = s.stats()
+    assert st.writes == 1 and st.moves["HOST->NVME"].moves == 1 and st.drops >= 1
+    assert torch.equal(s.fetch("a", H).wait(), ref)
+
+
+def test_budget_is_hard_and_error_lists_residents(make_store):
+    s = make_store(device_pages=2, host_pages=4)
+    for k in ("a", "b"):
+        s.put(k, page_tensor(ord(k)), tier="DEVICE")
+        s.pin(k)
+    s.put("c", page_tensor(3), tier="HOST")
+    with pytest.raises(BudgetExceededError) as e:
+        s.fetch("c", D)
+    msg = str(e.value)
+    assert "DEVICE holds 8192 of 8192 bytes" in msg and "'a'" in msg and "pinned x1" in msg
+    assert s.info("c").state is Residency.HOST and s.info("c").valid == {H}
+    assert s.stats().tiers["DEVICE"].used == 2 * PAGE
+    with pytest.raises(BudgetExceededError, match="more than its whole budget"):
+        s.put("huge", page_tensor(0, 3), tier="DEVICE")
+    assert "huge" not in s
+    s.unpin("a")
+    assert torch.equal(s.fetch("c", D).wait(), page_tensor(3))  # evicts a
+    assert s.info("a").state is Residency.HOST
+    s.audit()
+
+
+def test_lru_evicts_least_recently_used_and_writes_it_down(make_store):
+    s = make_store(host_pages=2)
+    s.put("a", page_tensor(1), tier="HOST")
+    s.put("b", page_tensor(2), tier="HOST")
+    s.get("a", H)  # a is now more recent than b
+    s.put("c", page_tensor(3), tier="HOST")
+    s.wait_all()
+    assert s.info("b").state is Residency.NVME and s.info("a").state is Residency.HOST
+    assert s.stats().evictions == 1 and s.stats().writes == 1
+    for k, seed in (("a", 1), ("b", 2), ("c", 3)):
+        assert torch.equal(s.fetch(k, H).wait(), page_tensor(seed))
+    s.audit()
+
+
+class _BiggestKeyFirst(LruPolicy):
+    def choose(self, tier, need_bytes, candidates):
+        return sorted((c.key for c in candidates), reverse=True)[:1]
+
+
+def test_policy_is_pluggable(make_store):
+    s = make_store(host_pages=2, policy=_BiggestKeyFirst())
+    s.put("a", page_tensor(1), tier="HOST")
+    s.put("b", page_tensor(2), tier="HOST")
+    s.get("b", H)
+    s.put("c", page_tensor(3), tier="HOST")
+    s.wait_all()
+    assert s.info("b").state is Residency.NVME and s.info("a").state is Residency.HOST
+
+
+class _Liar(LruPolicy):
+    def choose(self, tier, need_bytes, candidates):
+        return ["nope"]
+
+
+def test_policy_choosing_a_non_candidate_is_an_error(make_store):
+    s = make_store(host_pages=1, policy=_Liar())
+    s.put("a", page_tensor(1), tier="HOST")
+    with pytest.raises(RuntimeError, match="chose 'nope', not a candidate in HOST"):
+        s.put("b", page_tensor(2), tier="HOST")
+    assert "b" not in s and s.stats().tiers["HOST"].used == PAGE
+
+
+def test_cpu_device_hand_over_moves_accounting_not_bytes(make_store):
+    s = make_store(device_pages=2, host_pages=2)
+    s.put("a", page_tensor(1), tier="HOST")
+    addr = s.get("a", H).data_ptr()
+    view = s.fetch("a", D).wait()
+    assert view.data_ptr() == addr  # the same buffer, handed over
+    st = s.stats()
+    assert st.tiers["HOST"].used == 0 and st.tiers["DEVICE"].used == PAGE
+    assert st.tiers["DEVICE"].by_kind == {"param": PAGE}
+    m = st.moves["HOST->DEVICE"]
+    assert (m.moves, m.bytes, m.copied_bytes) == (1, page_tensor(1).numel() * 4, 0)
+    assert s.info("a").valid == {D}
+    s.evict("a", H).wait()
+    assert s.get("a", H).data_ptr() == addr and s.stats().moves["DEVICE->HOST"].copied_bytes == 0
+
+
+def test_pin_blocks_eviction_evict_and_free(make_store):
+    s = make_store(host_pages=1)
+    s.put("a", page_tensor(1), tier="HOST")
+    s.pin("a")
+    with pytest.raises(RuntimeError, match="pinned 1 time"):
+        s.evict("a", N)
+    with pytest.raises(RuntimeError, match="pinned 1 time"):
+        s.free("a")
+    with pytest.raises(BudgetExceededError, match="pinned x1"):
+        s.put("b", page_tensor(2), tier="HOST")
+    s.unpin("a")
+    with pytest.raises(RuntimeError, match="not pinned"):
+        s.unpin("a")
+    s.put("b", page_tensor(2), tier="HOST")
+    s.wait_all()
+    assert s.info("a").state is Residency.NVME
+
+
+def test_fetch_with_pin_pins_on_success(make_store):
+    s = make_store(host_pages=1)
+    s.put("a", page_tensor(1), tier="NVME").wait()
+    view = s.fetch("a", H, pin=True).wait()
+    assert s.info("a").pins == 1 and torch.equal(view, page_tensor(1))
+    with pytest.raises(BudgetExceededError):
+        s.put("b", page_tensor(2), tier="HOST")
+    s.unpin("a")
+
+
+def test_modify_makes_one_valid_copy_and_frees_stale_extent(make_store):
+    s = make_store()
+    ref = page_tensor(1)
+    s.put("a", ref, tier="NVME").wait()
+    s.fetch("a", H).wait()
+    assert s.stats().tiers["NVME"].used == PAGE
+    with s.modify("a", H) as t:
+        with pytest.raises(RuntimeError, match="this thread holds it in a modify block"):
+            s.evict("a")
+        t += 1
+    info = s.info("a")
+    assert info.valid == {H} and info.dirty and info.extent is None
+    assert s.stats().tiers["NVME"].used == 0
+    s.evict("a").wait()
+    assert torch.equal(s.fetch("a", D).wait(), ref + 1)
+    with pytest.raises(RuntimeError, match="no valid copy in HOST; fetch it there first"):
+        with s.modify("a", H):
+            pass
+    assert not s.info("a").busy
+
+
+def test_get_needs_a_valid_copy(make_store):
+    s = make_store()
+    s.put("a", page_tensor(1), tier="NVME").wait()
+    with pytest.raises(RuntimeError, match=r"partition 'a' is NVME; its HOST copy is not valid"):
+        s.get("a", H)
+    with pytest.raises(KeyError, match="not stored"):
+        s.get("zz", H)
+
+
+def test_put_twice_and_free(make_store):
+    s = make_store()
+    s.put("a", page_tensor(1), tier="HOST")
+    with pytest.raises(KeyError, match="already stored"):
+        s.put("a", page_tensor(1))
+    s.evict("a", N).wait()
+    s.fetch("a", D).wait()
+    s.free("a")
+    assert "a" not in s and len(s) == 0
+    st = s.stats()
+    assert all(t.used == 0 for t in st.tiers.values())
+    s.audit()
+
+
+def test_dirty_device_victim_goes_down_through_full_host(make_store):
+    """DEVICE and HOST full of dirty copies; fetching a third partition to DEVICE must
+    write a HOST copy to NVMe, hand the DEVICE copy down, then read the new one."""
+    s = make_store(device_pages=1, host_pages=1)
+    s.put("a", page_tensor(1), tier="DEVICE")
+    s.put("b", page_tensor(2), tier="HOST")
+    s.put("c", page_tensor(3), tier="NVME").wait()
+    assert torch.equal(s.fetch("c", D).wait(), page_tensor(3))
+    s.wait_all()
+    s.audit()
+    for k, seed in (("a", 1), ("b", 2), ("c", 3)):
+        assert torch.equal(s.fetch(k, D).wait(), page_tensor(seed)), k
+    s.audit()
+
+
+def test_evict_waits_for_fetch_in_flight(make_store):
+    s = make_store(host_pages=8)
+    refs = {i: page_tensor(i, 4) for i in range(2)}
+    for i, r in refs.items():
+        s.put(i, r, tier="NVME")
+    s.wait_all()
+    handles = [s.fetch(i, H) for i in refs]
+    evicts = [s.evict(i, N) for i in refs]  # each waits for its fetch, then drops clean
+    for h, e in zip(handles, evicts):
+        assert h.done() and e.wait() is None
+    assert all(s.info(i).valid == {N} for i in refs)
+    assert s.stats().writes == 2  # the puts only
+    s.audit()
+
+
+def test_swap_files_locked_named_and_removed(tmp_path):
+    cfg = store_config(tmp_path / "swap")
+    s = TieredStore(cfg, rank=3)
+    path = s.swap_paths("param")[0]
+    assert os.path.basename(path) == "offload-r3-param.swap" and os.path.exists(path)
+    with pytest.raises(SwapLockedError, match="in use by another live process"):
+        TieredStore(cfg, rank=3)
+    s.put("x", page_tensor(1), kind="grad", tier="NVME").wait()
+    grad = s.swap_paths("grad")[0]
+    assert os.path.basename(grad) == "offload-r3-grad.swap"
+    s.close()
+    assert not os.listdir(tmp_path / "swap")
+    s.close()  # idempotent
+    with pytest.raises(RuntimeError, match="closed"):
+        s.put("y", page_tensor(1))
+    k = TieredStore(cfg, rank=3)
+    k.put("x", page_tensor(1), tier="NVME").wait()
+    k.close(keep_files=True)
+    assert os.path.getsize(os.path.join(tmp_path / "swap", "offload-r3-param.swap")) > 0
+
+
+def test_stats_snapshot_and_log(make_store, caplog):
+    s = make_store(host_pages=2)
+    s.put("p", page_tensor(1), kind="param", tier="HOST")
+    s.put("g", page_tensor(2), kind="grad", tier="HOST")
+    st = s.stats()
+    assert st.tiers["HOST"].by_kind == {"param": PAGE, "grad": PAGE}
+    assert st.partitions == 2 and st.by_state == {"HOST": 2}
+    s.evict("g", N).wait()
+    with caplog.at_level(logging.INFO, logger="offload.store"):
+        s.log_stats()
+    assert "2 partitions" in caplog.text and "HOST->NVME 1 x" in caplog.text
+    assert s.stats().wait_seconds >= 0 and footprint(1) == PAGE
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_close_waits_for_moves_in_flight_and_releases_all(tmp_path, engine):
+    s = TieredStore(store_config(tmp_path / "swap", engine=engine, host_pages=64,
+                                 device_pages=8))
+    for i in range(8):
+        s.put(i, page_tensor(i, 8), tier="HOST")
+    handles = [s.evict(i, N) for i in range(8)] + [s.fetch(0, D)]
+    s.close()
+    assert all(h.done() and h.error is None for h in handles)
+    assert not os.listdir(tmp_path / "swap")
+    st = s.stats()
+    assert st.partitions == 0 and all(t.used == 0 for t in st.tiers.values())
+    assert st.moves["HOST->NVME"].moves == 8
+
+
+def test_moves_finish_even_if_an_io_callback_is_lost(make_store, monkeypatch):
+    """IoHandle can drop a callback added while it finishes (see [Note: lost callbacks]);
+    here every callback of the store is dropped: the completion thread's sweep must
+    still finish each move."""
+    original = IoHandle.add_done_callback
+
+    def drop_store_callbacks(self, fn):
+        if "MoveExecutor" not in getattr(fn, "__qualname__", ""):
+            original(self, fn)
+
+    monkeypatch.setattr(IoHandle, "add_done_callback", drop_store_callbacks)
+    s = make_store(host_pages=8)
+    for i in range(4):
+        s.put(i, page_tensor(i), tier="NVME")
+    for i in range(4):
+        assert torch.equal(s.fetch(i, D if i % 2 else H).wait(timeout=10), page_tensor(i))
+    s.audit()
