@@ -18,6 +18,7 @@ time), the disk bandwidth measured in the same run with the io engine.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -85,9 +86,11 @@ def _impls(n: int, args: argparse.Namespace, notes: list[str]) -> dict[str, Call
         notes.append(f"offload runs torch._foreach_* math: {why}")
         del impls["torch AdamW fused"], impls["torch._fused_adamw_"]
     try:
-        from deepspeed.ops.adam import DeepSpeedCPUAdam
-        ds = DeepSpeedCPUAdam([p], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
-                              adamw_mode=True)
+        # DeepSpeed logs to stdout while it loads and builds; keep stdout for --json
+        with contextlib.redirect_stdout(sys.stderr):
+            from deepspeed.ops.adam import DeepSpeedCPUAdam
+            ds = DeepSpeedCPUAdam([p], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
+                                  adamw_mode=True)
         impls["DeepSpeedCPUAdam"] = ds.step
     except Exception as e:  # ImportError, or its C++ extension failing to build
         notes.append(f"DeepSpeedCPUAdam skipped: {type(e).__name__}: {e}")

@@ -36,7 +36,7 @@ from ..config import OffloadConfig
 from ..io import BufferPool, make_engine, open_swap
 from ..optim import CpuAdam
 from ..planner import AccessTrace
-from ..store import Tier, TieredStore
+from ..store import BudgetExceededError, Tier, TieredStore
 from ..trace import NULL_RECORDER, TraceRecorder
 from .units import Group, Unit
 
@@ -66,7 +66,7 @@ def _in_backward() -> bool:
 
 
 class _GroupState:
-    __slots__ = ("group", "flat", "gathered", "active", "pending", "bound")
+    __slots__ = ("group", "flat", "gathered", "active", "pending")
 
     def __init__(self, group: Group, dtype: torch.dtype, device: torch.device) -> None:
         self.group = group
@@ -75,8 +75,7 @@ class _GroupState:
         self.flat.requires_grad_(group.requires_grad)
         self.gathered = False
         self.active = 0
-        self.pending: Pending | None = None
-        self.bound = False
+        self.pending: Pending | None = None  # an all-gather in flight into `flat`
 
 
 class OffloadEngine(nn.Module):
@@ -144,22 +143,35 @@ class OffloadEngine(nn.Module):
     # -- gathering --------------------------------------------------------------------
     def _gather(self, st: _GroupState) -> None:
         """Makes the group's full weights valid in `flat` (waits for them)."""
+        if st.pending is None and not st.gathered:
+            self._start_gather(st, async_op=False)
         if st.pending is not None:
-            st.pending.wait()
-            st.pending = None
-        if st.gathered:
-            return
+            pending, st.pending = st.pending, None
+            pending.wait()
+
+    def _start_gather(self, st: _GroupState, async_op: bool) -> None:
+        """Fetches the shard to DEVICE and starts the all-gather into `flat`.
+
+        [Note: gather order] Every rank must issue all-gathers in the same
+        order, so they are issued only from the module hooks' thread, in use
+        order or in the plan's order, never from I/O completion callbacks.
+        """
         key = ("p", st.group.gid)
         shard = self.store.fetch(key, to=Tier.DEVICE, pin=True).wait()
         try:
             st.flat.untyped_storage().resize_(st.group.padded * st.flat.element_size())
             # `.data` has its own version counter: refilling the storage must not look
             # like an in-place change to the views autograd saved (they see the same bytes)
-            self.comm.all_gather(st.flat.data, shard)
-        finally:
+            pending = self.comm.all_gather(st.flat.data, shard, async_op=async_op)
+        except BaseException:
             self.store.unpin(key)
-        st.gathered = True
-        st.bound = False
+            raise
+
+        def finish() -> None:
+            self.store.unpin(key)
+            st.gathered = True
+        pending.finish = finish
+        st.pending = pending
 
     def _free(self, st: _GroupState) -> None:
         if st.gathered:
@@ -169,19 +181,28 @@ class OffloadEngine(nn.Module):
     def _bind(self, st: _GroupState) -> None:
         """Points every module attribute of the group's parameters at fresh views of `flat`."""
         flat = st.flat
-        for slot in st.group.slots:
-            view = flat[slot.offset:slot.offset + slot.numel].view(slot.shape)
-            for module, name in slot.uses:
-                setattr(module, name, view)
+        # Views made while autograd is off (a backward hook, no_grad) would cut the
+        # weights out of the graph of an activation-checkpoint recomputation.
+        with torch.set_grad_enabled(torch.is_grad_enabled() or _in_backward()):
+            for slot in st.group.slots:
+                view = flat[slot.offset:slot.offset + slot.numel].view(slot.shape)
+                for module, name in slot.uses:
+                    setattr(module, name, view)
 
     def _prefetch(self) -> None:
-        for gid in self.trace.upcoming(self.cfg.engine.prefetch_depth):
+        """Follows the plan: the next group's all-gather starts now (it runs behind this
+        unit's compute), the groups after it start moving towards DEVICE."""
+        upcoming = self.trace.upcoming(self.cfg.engine.prefetch_depth)
+        for i, gid in enumerate(upcoming):
             st = self._states[gid]
             if st.gathered or st.pending is not None:
                 continue
             try:
-                self.store.fetch(("p", gid), to=Tier.DEVICE)
-            except Exception as e:  # no room now: the use fetches on demand
+                if i == 0 and self.comm.world > 1:
+                    self._start_gather(st, async_op=True)
+                else:
+                    self.store.fetch(("p", gid), to=Tier.DEVICE)
+            except BudgetExceededError as e:  # no room now: the use fetches on demand
                 log.debug("prefetch of group %d skipped: %s", gid, e)
                 return
 
@@ -215,10 +236,9 @@ class OffloadEngine(nn.Module):
         def hook(grad: torch.Tensor) -> None:
             for gid in unit.needs:
                 st = self._states[gid]
-                if not st.gathered:
-                    self.trace.record(gid)
+                if not st.gathered:  # the saved views see the refilled storage; a
+                    self.trace.record(gid)  # recomputation re-binds in its forward hook
                     self._gather(st)
-                    self._bind(st)
             self._prefetch()
         return hook
 
@@ -268,9 +288,13 @@ class OffloadEngine(nn.Module):
         for p in self._reductions:
             p.wait()
         self._reductions.clear()
-        for st in self._states:  # a group used without a grad (e.g. frozen) is freed here
-            if st.active == 0:
-                self._free(st)
+        # No forward runs now: free what is still gathered (frozen groups; groups of a
+        # checkpoint recomputation that torch stopped early, skipping its post-hooks).
+        for st in self._states:
+            if st.pending is not None:
+                self._gather(st)
+            st.active = 0
+            self._free(st)
         self.micro_step += 1
 
     def step(self) -> bool:
