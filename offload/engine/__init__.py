@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from typing import Callable
 
 import torch
@@ -12,6 +13,7 @@ from ..comm import Collectives
 from ..config import OffloadConfig, load_config
 from ..store import Tier, TieredStore
 from ..trace import NULL_RECORDER, TraceRecorder
+from .checkpoint import SafetensorsCheckpoint
 from .engine import _DTYPES, _TIERS, OffloadEngine
 from .units import Group, build_units
 
@@ -22,6 +24,8 @@ __all__ = ["OffloadEngine", "initialize"]
 
 def initialize(model: nn.Module | Callable[[], nn.Module],
                config: OffloadConfig | dict | str | None = None, *,
+               checkpoint: str | os.PathLike | None = None,
+               lr_lambda: Callable[[int], float] | None = None,
                recorder: TraceRecorder = NULL_RECORDER) -> OffloadEngine:
     """Partitions `model` into groups, places each rank's partitions in their home
     tiers and returns the engine to train it with.
@@ -31,6 +35,9 @@ def initialize(model: nn.Module | Callable[[], nn.Module],
     materialised one group at a time by their module's `reset_parameters` (or
     a transformers model's `_init_weights`), seeded by `engine.seed` and the
     group, so every rank makes the same weights and no process holds them all.
+    With `checkpoint` (a .safetensors file or a directory of them), every
+    parameter is read from it instead, one tensor at a time.
+    `lr_lambda(step) -> multiplier` schedules the learning rate (as LambdaLR).
     Under torch.distributed (torchrun), each rank keeps 1/world of every group.
     """
     cfg = load_config(config)
@@ -41,30 +48,42 @@ def initialize(model: nn.Module | Callable[[], nn.Module],
     if meta_buffers:
         raise ValueError(f"buffers {meta_buffers[:4]} are on the meta device; build buffers on "
                          "the CPU (only parameters may be meta)")
+    ckpt = SafetensorsCheckpoint(checkpoint) if checkpoint is not None else None
     comm = Collectives()
     units, groups = build_units(model, cfg.engine.group_size, comm.world)
     store = TieredStore(cfg, rank=comm.rank, recorder=recorder)
+    engine = None
     try:
         engine = OffloadEngine(model, cfg, units, groups, store, comm, recorder)
         masters = {}
         dtype = _DTYPES[cfg.engine.dtype]
+        deferred = []  # the user's real tensors stay in the model until nothing can fail
         for g in groups:
-            full = _materialise(model, g, cfg.engine.seed)
+            was_meta = any(sl.param.is_meta for sl in g.slots)
+            full = _materialise(model, g, cfg.engine.seed, ckpt)
             shard = full[comm.rank * g.shard:(comm.rank + 1) * g.shard]
             store.put(("p", g.gid), shard.to(dtype), kind="param",
                       tier=_TIERS[cfg.engine.params])
             if g.requires_grad:
                 masters[g.gid] = shard.clone()
             del full, shard
-            _drop_params(g, dtype, store.device)
+            if was_meta:  # a materialised meta group is freed at once: no process holds all
+                _drop_params(g, dtype, store.device)
+            else:
+                deferred.append(g)
         store.wait_all()
-        engine._attach_optimizer(masters)
+        engine._attach_optimizer(masters, lr_lambda)
+        for g in deferred:
+            _drop_params(g, dtype, store.device)
         for m in model.modules():
             for name, b in m._buffers.items():
                 if b is not None and b.device != store.device:
                     m._buffers[name] = b.to(store.device)
     except BaseException:
-        store.close()
+        if engine is not None:
+            engine.close()  # removes its hooks and closes the store
+        else:
+            store.close()
         raise
     total = sum(g.numel for g in groups)
     log.info("offload: %d parameters in %d groups over %d units, world %d, %s compute, "
@@ -74,8 +93,18 @@ def initialize(model: nn.Module | Callable[[], nn.Module],
     return engine
 
 
-def _materialise(model: nn.Module, g: Group, seed: int) -> torch.Tensor:
+def _materialise(model: nn.Module, g: Group, seed: int,
+                 ckpt: SafetensorsCheckpoint | None) -> torch.Tensor:
     """The group's full fp32 flat buffer (padded), initialising meta parameters."""
+    full = torch.zeros(g.padded, dtype=torch.float32)
+    if ckpt is not None:
+        for s in g.slots:
+            t = ckpt.get(s.names)
+            if tuple(t.shape) != tuple(s.shape):
+                raise ValueError(f"checkpoint tensor for {s.fqn} has shape {tuple(t.shape)}, "
+                                 f"the model expects {tuple(s.shape)}")
+            full[s.offset:s.offset + s.numel].copy_(t.reshape(-1))
+        return full
     if any(s.param.is_meta for s in g.slots):
         owners: list[nn.Module] = []
         for s in g.slots:
@@ -93,7 +122,6 @@ def _materialise(model: nn.Module, g: Group, seed: int) -> torch.Tensor:
                 else:
                     raise ValueError(f"cannot initialise meta parameters of {type(mod).__name__}: "
                                      "it has no reset_parameters(); build the model on the CPU")
-    full = torch.zeros(g.padded, dtype=torch.float32)
     for s in g.slots:
         mod, name = s.uses[0]
         p = mod._parameters[name]

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -122,7 +122,8 @@ class OffloadEngine(nn.Module):
         return e.loss_scale or e.initial_loss_scale
 
     # -- the optimizer ----------------------------------------------------------------
-    def _attach_optimizer(self, masters: dict[int, torch.Tensor]) -> None:
+    def _attach_optimizer(self, masters: dict[int, torch.Tensor],
+                          lr_lambda: Callable[[int], float] | None = None) -> None:
         tier = self.cfg.engine.optimizer
         swap = pool = None
         if tier == "nvme":
@@ -130,7 +131,8 @@ class OffloadEngine(nn.Module):
             swap = open_swap(self.cfg.io, f"r{self.comm.rank}-optim", eng)
             pool = BufferPool(self.cfg.io.buffer_budget)
             self._opt_io = (eng, swap, pool)
-        self._opt = CpuAdam(self.cfg.optim, swap=swap, pool=pool, recorder=self.recorder)
+        self._opt = CpuAdam(self.cfg.optim, swap=swap, pool=pool, lr_lambda=lr_lambda,
+                            recorder=self.recorder)
         for gid, master in masters.items():
             self._opt.add_partition(gid, master, tier=tier)
 
@@ -370,9 +372,9 @@ class OffloadEngine(nn.Module):
         self._drop_grads(sorted(self._has_grad))
 
     # -- weights out --------------------------------------------------------------------
-    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:  # type: ignore[override]
-        """Full fp32 weights by parameter name (every rank gets them), one group at a time."""
-        out: dict[str, torch.Tensor] = {}
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Streams (name, full fp32 tensor) group by group: one group's weights are in
+        memory at a time. Every rank takes part (the shards are all-gathered)."""
         opt = self.optimizer
         for g in self.groups:
             shard = torch.empty(g.shard, dtype=torch.float32)
@@ -385,8 +387,11 @@ class OffloadEngine(nn.Module):
             for slot in g.slots:
                 value = full[slot.offset:slot.offset + slot.numel].view(slot.shape).clone()
                 for name in slot.names:  # tied weights appear under each name, as in torch
-                    out[name] = value
-        return out
+                    yield name, value
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:  # type: ignore[override]
+        """Full fp32 weights by parameter name (every rank gets them); see `named_weights`."""
+        return dict(self.named_weights())
 
     def close(self) -> None:
         """Removes the hooks, closes the optimizer and the store (and their swap files)."""

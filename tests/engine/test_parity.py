@@ -169,3 +169,66 @@ def test_fp16_dynamic_loss_scale_skips_overflow(engine_cfg):
         assert engine.global_step == 1 and engine.loss_scale < 2.0 ** 29
     finally:
         engine.close()
+
+
+def test_meta_model_from_safetensors_checkpoint(engine_cfg, tmp_path):
+    """Weights read lazily from a checkpoint: training continues exactly as from them."""
+    safetensors = pytest.importorskip("safetensors.torch")
+    torch.manual_seed(4)
+    ref = TiedTwice()
+    sd = {k: v for k, v in ref.state_dict().items() if k != "head.weight"}  # tied: stored once
+    safetensors.save_file(sd, str(tmp_path / "model.safetensors"))
+    engine = offload.initialize(lambda: TiedTwice(), engine_cfg("nvme"),
+                                checkpoint=tmp_path / "model.safetensors")
+    try:
+        _compare(engine, ref, atol=0)
+        batches = lm_batches(3, seed=9)
+        assert _train(engine, batches, 3) == pytest.approx(_reference(ref, batches, 3), abs=1e-5)
+        _compare(engine, ref, atol=2e-6)
+    finally:
+        engine.close()
+
+
+def test_lr_schedule_hook(engine_cfg):
+    torch.manual_seed(5)
+    ref = TiedTwice()
+    model = copy.deepcopy(ref)
+    sched = lambda k: 1.0 / (1 + k)  # noqa: E731
+    engine = offload.initialize(model, engine_cfg("host"), lr_lambda=sched)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    lr_sched = torch.optim.lr_scheduler.LambdaLR(opt, sched)
+    try:
+        for x, y in lm_batches(4, seed=6):
+            engine.backward(lm_loss(engine(x), y))
+            engine.step()
+            opt.zero_grad()
+            lm_loss(ref(x), y).backward()
+            opt.step()
+            lr_sched.step()
+        _compare(engine, ref, atol=2e-6)
+    finally:
+        engine.close()
+
+
+def test_missing_checkpoint_tensor_is_named(engine_cfg, tmp_path):
+    safetensors = pytest.importorskip("safetensors.torch")
+    safetensors.save_file({"emb.weight": torch.zeros(64, 32)}, str(tmp_path / "m.safetensors"))
+    with pytest.raises(KeyError, match="no tensor for parameter"):
+        offload.initialize(lambda: TiedTwice(), engine_cfg("host"),
+                           checkpoint=tmp_path / "m.safetensors")
+    assert not list((tmp_path / "swap").glob("*.swap"))  # nothing left behind
+
+
+def test_failed_initialize_leaves_the_model_whole(engine_cfg, tmp_path):
+    torch.manual_seed(6)
+    model = TiedTwice()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    cfg = engine_cfg("host")
+    cfg["store"]["host_budget"] = "4KiB"  # far too small: the puts fail
+    cfg["store"]["device_budget"] = "4KiB"
+    with pytest.raises(Exception, match="budget|BudgetExceeded|room|resident"):
+        offload.initialize(model, cfg)
+    after = model.state_dict()
+    assert set(after) == set(before) and all(torch.equal(after[k], before[k]) for k in before)
+    assert isinstance(model.l1.weight, nn.Parameter)
+    lm_loss(model(lm_batches(1)[0][0]), lm_batches(1)[0][1]).backward()  # still trains
