@@ -11,6 +11,6 @@ def engine_cfg(tmp_path):
             "optim": {"lr": 1e-2, "weight_decay": 0.1, "chunk_elems": 4096},
             "io": {"paths": [str(tmp_path / "swap")], "buffer_budget": "32MiB",
                    "grow_step": "4MiB"},
-            "store": {"host_budget": "64MiB", "device_budget": "64MiB"},
+            "store": {"host_budget": "64MiB", "device_budget": "64MiB", "device": "cpu"},
         }
     return make
