@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import shutil
 import statistics
@@ -33,6 +32,7 @@ import torch
 from ..config import IoConfig, OptimConfig, parse_bytes
 from ..io import BufferPool, make_engine, open_swap
 from ..optim import CpuAdam, fused_status
+from .benchutil import emit, progress_printer
 
 ADAM_BYTES = 28     # fp32 bytes an Adam step moves per element (16 read, 12 written)
 STREAM_BYTES = 32   # bytes per element of the bound's streaming kernel
@@ -293,13 +293,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    progress = None if args.json else (lambda msg: print(msg, file=sys.stderr, flush=True))
-    result = run_adam_bench(args, progress)
-    if args.json:
-        print(json.dumps(result, indent=1))
-    else:
-        render(result)
-    return 0
+    return emit(run_adam_bench(args, progress_printer(args.json)), args.json, render)
 
 
 def main(argv: list[str] | None = None) -> int:

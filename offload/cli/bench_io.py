@@ -15,14 +15,14 @@ import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 
 import numpy as np
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 from ..config import parse_bytes
 from ..io import AioEngine, BufferPool, ThreadEngine, libaio_status, probe_direct
+from .benchutil import emit, progress_printer, scratch_dir
 
 MiB = 1 << 20
 
@@ -203,24 +203,11 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    path = args.path
-    tmp = None
-    if path is None:
-        tmp = path = tempfile.mkdtemp(prefix=".offload-bench-", dir=os.getcwd())
-    try:
-        quiet = args.json
-        progress = None if quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
+    with scratch_dir(args.path) as path:
         result = run_io_bench(
             path, parse_bytes(args.size, "--size"),
             engines=tuple(args.engines.split(",")),
             block_sizes=tuple(parse_bytes(b, "--block-sizes") for b in args.block_sizes.split(",")),
             queue_depths=tuple(int(q) for q in args.queue_depths.split(",")),
-            repeat=args.repeat, progress=progress)
-    finally:
-        if tmp:
-            shutil.rmtree(tmp, ignore_errors=True)
-    if args.json:
-        print(json.dumps(result, indent=1))
-    else:
-        render(result)
-    return 0
+            repeat=args.repeat, progress=progress_printer(args.json))
+    return emit(result, args.json, render)

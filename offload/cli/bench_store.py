@@ -16,18 +16,16 @@ over rounds; the ratio store / raw is the store's overhead (target >= 0.9).
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import statistics
-import sys
-import tempfile
 import time
 
 import torch
 
 from ..config import IoConfig, OffloadConfig, StoreConfig, parse_bytes
 from ..io import BufferPool, make_engine, probe_direct
+from .benchutil import emit, progress_printer, scratch_dir
 
 TARGET = 0.9
 
@@ -160,24 +158,12 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    path = args.path
-    tmp = None
-    if path is None:
-        tmp = path = tempfile.mkdtemp(prefix=".offload-bench-", dir=os.getcwd())
     if args.partitions < 1 or args.rounds < 1:
         raise SystemExit("offload bench store: --partitions and --rounds must be >= 1")
-    try:
-        progress = None if args.json else (lambda m: print(m, file=sys.stderr, flush=True))
+    with scratch_dir(args.path) as path:
         result = run_store_bench(path, args.partitions, parse_bytes(args.size, "--size"),
-                                 args.rounds, args.engine, progress)
-    finally:
-        if tmp:
-            shutil.rmtree(tmp, ignore_errors=True)
-    if args.json:
-        print(json.dumps(result, indent=1))
-    else:
-        render(result)
-    return 0
+                                 args.rounds, args.engine, progress_printer(args.json))
+    return emit(result, args.json, render)
 
 
 def main(argv: list[str] | None = None) -> int:

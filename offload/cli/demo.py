@@ -1,37 +1,695 @@
-"""`offload demo`: the main job on an embedded default.
+"""`offload demo`: the main job. Trains a small GPT-style decoder to reverse token
+sequences while its training state (weights, gradients, fp32 master weights,
+Adam moments) is several times larger than the device and host budgets it is
+given; the rest lives in swap files on NVMe.
 
-Until the engine lands, the demo measures what every later stage rests on:
-the NVMe I/O layer against the disk's own reference (`offload bench io`) on a
-temporary directory under the current one (or `--path`).
+The run reads like a table of contents:
+  1. `build_plan`: model, task, placement and budgets from the flags; the state
+     and swap sizes they imply; placements that cannot fit are refused here;
+  2. the header says all of it, and the disk is checked for room;
+  3. with `--nproc N > 1` the command re-launches itself under torchrun (gloo),
+     each rank holding 1/N of every partition; only rank 0 prints;
+  4. `train`: `offload.initialize` on a builder (the model is built on the meta
+     device), then step after step under a live progress line, one step traced;
+  5. the summary table; swap files are removed on every way out.
+
+[Note: stopping]
+The first Ctrl-C (SIGINT) asks to stop after the step in flight: every rank
+learns it at the step's end (the stop flag rides on the loss all-reduce), so all
+ranks stop at the same step and no collective is left waiting. A second Ctrl-C,
+or SIGTERM, stops at once. Every way out runs `engine.close()`, which removes
+the swap files, and then removes this run's swap directory
+(`<swap-dir>/offload-demo-<pid>`) with anything a failed close left in it. Only
+SIGKILL leaves files behind; the next run removes directories of dead runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import logging
 import os
 import shutil
+import signal
+import subprocess
+import sys
 import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
 
-from . import bench_io
+from ..config import format_bytes, parse_bytes
+from .demo_view import DIR_PREFIX, Reporter, _free_bytes, print_header
+from .gpt import GPT, PRESETS, GPTConfig, ReversalTask, preset_for_params, state_bytes_per_param
+
+log = logging.getLogger(__name__)
+
+DEFAULT_SIZE = "small"
+DEFAULT_STEPS = 60
+TRACE_STEP = 3          # steady state: step 1 records the access trace, 2 runs the plan
+SAMPLE_SECONDS = 0.05   # how often tier occupancy is sampled during a step
+GROW_STEP = 16 << 20    # swap-file preallocation unit: small, so the disk estimate is tight
+SWAP_FILES = 6          # five store kinds and the optimizer's file, per rank
+_PLACES = ("device", "host", "nvme")
+
+
+@dataclass(frozen=True)
+class SizeDefaults:
+    """Per-size defaults: a learning rate that learns the task in 30-40 steps (searched
+    on the presets' shapes), budgets that hold about 1/8 (device) and 1/4 (host) of
+    the training state, and a group size that gives every size several groups."""
+
+    lr: float
+    device_budget: str
+    host_budget: str
+    io_buffers: str
+    group_size: int
+
+
+_DEFAULTS = {
+    "tiny": SizeDefaults(3e-3, "1MiB", "2MiB", "4MiB", 1 << 16),
+    "small": SizeDefaults(3e-4, "24MiB", "48MiB", "32MiB", 1 << 22),
+    "base": SizeDefaults(3e-4, "64MiB", "128MiB", "32MiB", 1 << 22),
+    "large": SizeDefaults(2e-4, "192MiB", "384MiB", "64MiB", 1 << 22),
+}
+
+
+def _defaults_for(size: str, model: GPTConfig) -> SizeDefaults:
+    if size in _DEFAULTS:
+        return _DEFAULTS[size]
+    state = model.params * state_bytes_per_param("fp32")
+    mib = lambda n: f"{max(1, n >> 20)}MiB"  # noqa: E731
+    return SizeDefaults(2e-4, mib(state // 8), mib(state // 4), "64MiB", 1 << 22)
+
+
+__all__ = ["DemoPlan", "StepMeter", "TierSampler", "add_arguments", "build_plan", "run",
+           "remove_swap_dir", "signal_exit_code", "swap_dir_for_run"]
+
+
+# -- the plan ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class DemoPlan:
+    """Everything one run does, decided before anything is allocated."""
+
+    model: GPTConfig
+    size: str
+    length: int          # tokens per sequence to reverse
+    batch: int           # sequences per step and rank
+    steps: int
+    lr: float
+    dtype: str
+    params: str
+    grads: str
+    optimizer: str
+    device_budget: int
+    host_budget: int
+    io_buffers: int
+    world: int
+    swap_root: Path
+    trace: Path | None
+    trace_step: int
+    seed: int
+    group_size: int
+
+    @property
+    def n_params(self) -> int:
+        return self.model.params
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of training state over all ranks (see `state_bytes_per_param`)."""
+        return self.n_params * state_bytes_per_param(self.dtype)
+
+    @property
+    def compute_bytes(self) -> int:
+        return 4 if self.dtype == "fp32" else 2
+
+    def per_rank(self, bytes_per_param: int) -> int:
+        return -(-self.n_params * bytes_per_param // self.world)
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.batch * 2 * self.length * self.world
+
+    def disk_needed(self) -> int:
+        """Bytes of swap space this run may take on the swap disk, all ranks together:
+        each kind homed on NVMe, twice the largest group (a partition is rewritten to
+        a new extent before the old one is freed) and the preallocation slack."""
+        per_param = 0
+        if self.params == "nvme":
+            per_param += self.compute_bytes
+        if self.grads == "nvme":
+            per_param += 4
+        if self.optimizer == "nvme":
+            per_param += 12
+        group = min(self.group_size, self.n_params)
+        rewrite = group * (self.compute_bytes + 4 + 12) // self.world
+        per_rank = self.per_rank(per_param) + 2 * rewrite + SWAP_FILES * GROW_STEP
+        return int(per_rank * self.world * 1.1)
+
+    def config(self, swap_dir: Path) -> dict[str, Any]:
+        """The `offload.initialize` configuration of one rank."""
+        direct = _direct_ok(swap_dir)
+        return {
+            "engine": {"dtype": self.dtype, "params": self.params, "grads": self.grads,
+                       "optimizer": self.optimizer, "seed": self.seed,
+                       "group_size": self.group_size},
+            "optim": {"lr": self.lr, "weight_decay": 0.0},
+            "io": {"paths": [str(swap_dir)], "buffer_budget": self.io_buffers,
+                   "grow_step": GROW_STEP, "direct": direct},
+            "store": {"device_budget": self.device_budget, "host_budget": self.host_budget},
+        }
+
+
+def _direct_ok(path: Path) -> bool:
+    from ..io import probe_direct
+
+    ok, why = probe_direct(str(path))
+    if not ok:
+        log.warning("%s; swap files go through the page cache", why)
+    return ok
+
+
+def _parse_size(text: str) -> tuple[str, GPTConfig]:
+    """A preset name, or a parameter count such as '50M' or '1.2B'."""
+    if text in PRESETS:
+        return text, PRESETS[text]
+    t = text.strip().upper()
+    mult = {"K": 10 ** 3, "M": 10 ** 6, "B": 10 ** 9, "G": 10 ** 9}.get(t[-1:], 1)
+    try:
+        count = int(float(t[:-1] if mult > 1 else t) * mult)
+    except ValueError:
+        raise SystemExit(f"offload demo: --size {text!r} is neither a preset "
+                         f"({', '.join(PRESETS)}) nor a parameter count such as '50M'") from None
+    return text, preset_for_params(count, vocab=PRESETS["tiny"].vocab,
+                                   max_seq=PRESETS["tiny"].max_seq, head_dim=64)
+
+
+def build_plan(args: argparse.Namespace) -> DemoPlan:
+    """The run's plan from the parsed flags; raises SystemExit naming a flag to change."""
+    size, model = _parse_size("tiny" if args.tiny else args.size)
+    if not 1 <= args.length <= model.max_seq // 2:
+        raise SystemExit(f"offload demo: --length {args.length} must be in 1..{model.max_seq // 2}")
+    if args.steps < 1 or args.batch < 1 or args.nproc < 1:
+        raise SystemExit("offload demo: --steps, --batch and --nproc must be at least 1")
+    world = int(os.environ.get("WORLD_SIZE", args.nproc))
+    d = _defaults_for(size, model)
+    plan = DemoPlan(
+        model=model, size=size, length=args.length, batch=args.batch, steps=args.steps,
+        lr=d.lr if args.lr is None else args.lr, dtype=args.dtype,
+        params=args.params, grads=args.grads, optimizer=args.optimizer,
+        device_budget=parse_bytes(args.device_budget or d.device_budget, "--device-budget"),
+        host_budget=parse_bytes(args.host_budget or d.host_budget, "--host-budget"),
+        io_buffers=parse_bytes(args.io_buffers or d.io_buffers, "--io-buffers"), world=world,
+        swap_root=Path(args.swap_dir).absolute(),
+        trace=None if args.trace in ("", "none") else Path(args.trace).absolute(),
+        trace_step=min(args.trace_step, args.steps), seed=args.seed, group_size=d.group_size)
+    _check_fits(plan)
+    return plan
+
+
+def _check_fits(plan: DemoPlan) -> None:
+    """Refuses placements whose home tier cannot hold what is homed there, and a
+    device budget that cannot hold the largest group while it is gathered."""
+    homes = {"device": 0, "host": 0}
+    if plan.params in homes:
+        homes[plan.params] += plan.per_rank(plan.compute_bytes)
+    if plan.grads in homes:
+        homes[plan.grads] += plan.per_rank(4)
+    budgets = {"device": plan.device_budget, "host": plan.host_budget}
+    for tier, need in homes.items():
+        if need > budgets[tier]:
+            raise SystemExit(
+                f"offload demo: the partitions homed on {tier} take {format_bytes(need)} per "
+                f"rank, over --{tier}-budget {format_bytes(budgets[tier])}; raise the budget "
+                "or move --params/--grads to nvme")
+    group = _largest_group(plan.model, plan.group_size, plan.world) * plan.compute_bytes
+    if 2 * group > plan.device_budget:
+        raise SystemExit(
+            f"offload demo: --device-budget {format_bytes(plan.device_budget)} is under two "
+            f"of the model's largest group ({format_bytes(group)} each, one in use and one "
+            "arriving); raise it or pick a smaller --size")
+
+
+def _largest_group(model: GPTConfig, group_size: int, world: int) -> int:
+    """Elements of the largest gathered group, from the engine's own partitioning."""
+    import torch
+
+    from ..engine.units import build_units
+
+    with torch.device("meta"):
+        net = GPT(model)
+    _, groups = build_units(net, group_size, world)
+    return max(g.padded for g in groups)
+
+
+# -- swap directory ------------------------------------------------------------------------------
+def swap_dir_for_run(root: Path, notes: list[str], prefix: str = DIR_PREFIX) -> Path:
+    """`root/<prefix><pid>`, new; first removes such directories of processes that
+    are gone (a run killed by SIGKILL), noting each in `notes`."""
+    root.mkdir(parents=True, exist_ok=True)
+    for old in root.glob(prefix + "*"):
+        pid = old.name[len(prefix):]
+        if pid.isdigit() and not _alive(int(pid)) and old.is_dir():
+            shutil.rmtree(old, ignore_errors=True)
+            notes.append(f"removed {old}, left by a run that was killed")
+    path = root / f"{prefix}{os.getpid()}"
+    path.mkdir()
+    return path
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_swap_dir(path: Path, root_created: bool) -> bool:
+    """Removes this run's swap directory (and `root` if this run made it and it is
+    empty); True when nothing of it is left."""
+    shutil.rmtree(path, ignore_errors=True)
+    if root_created:
+        try:
+            path.parent.rmdir()
+        except OSError:
+            pass
+    return not path.exists()
+
+
+# -- measuring a step ----------------------------------------------------------------------------
+class TierSampler:
+    """Samples the store's occupancy every `SAMPLE_SECONDS` on a thread of its own and
+    keeps the most bytes each tier held since the last `take()`: a step's peak, which
+    the store's own peak (since the start) cannot give."""
+
+    def __init__(self, store: Any, interval: float = SAMPLE_SECONDS) -> None:
+        self._store = store
+        self._interval = interval
+        self._peak: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="demo-tier-sampler", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self._interval):
+            self.sample()
+
+    def sample(self) -> None:
+        tiers = self._store.stats().tiers
+        with self._lock:
+            for name, t in tiers.items():
+                self._peak[name] = max(self._peak.get(name, 0), t.used)
+
+    def take(self) -> dict[str, int]:
+        self.sample()
+        with self._lock:
+            peak, self._peak = self._peak, {}
+        return peak
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+@dataclass
+class StepBytes:
+    """NVMe traffic of one step (bytes): the store's moves plus the optimizer's."""
+
+    read: int = 0
+    written: int = 0
+
+
+class StepMeter:
+    """Bytes read from and written to NVMe per step (`engine.nvme_bytes()` deltas)."""
+
+    def __init__(self, engine: Any) -> None:
+        self._engine = engine
+        self._last = self.totals()
+
+    def totals(self) -> StepBytes:
+        return StepBytes(*self._engine.nvme_bytes())
+
+    def step(self) -> StepBytes:
+        """Bytes since the previous call."""
+        now = self.totals()
+        out = StepBytes(now.read - self._last.read, now.written - self._last.written)
+        self._last = now
+        return out
+
+
+def nvme_used(engine: Any) -> int:
+    """Swap bytes in use now: the store's NVME tier and the optimizer's state."""
+    swap = engine.optimizer.swap
+    return engine.store.stats().tiers["NVME"].used + (swap.used_bytes if swap else 0)
+
+
+@dataclass
+class StepRecord:
+    step: int
+    loss: float
+    seconds: float
+    tokens_per_s: float
+    read: int
+    written: int
+    device_peak: int
+    host_peak: int
+    nvme_used: int
+
+    def as_json(self) -> dict[str, Any]:
+        return {"event": "step", **self.__dict__}
+
+
+# -- signals -------------------------------------------------------------------------------------
+class StopRequest:
+    """SIGINT once: `requested` becomes True (stop after this step). SIGINT again:
+    KeyboardInterrupt now. SIGTERM: SystemExit(143) now. See [Note: stopping].
+    Under `--nproc`, the launching process asks by creating `stop_file` instead.
+    On exit the previous handlers come back, except that after a requested stop
+    SIGINT stays ignored: the command is on its way out, its files removed."""
+
+    def __init__(self, on_first: Callable[[], None] = lambda: None,
+                 stop_file: str | None = None) -> None:
+        self.requested = False
+        self.by_launcher = False
+        self._on_first = on_first
+        self._stop_file = stop_file
+        self._old: dict[int, Any] = {}
+
+    def poll(self) -> bool:
+        """Whether a stop was asked for (by a signal here or by the launcher)."""
+        if not self.requested and self._stop_file and os.path.exists(self._stop_file):
+            self.requested = self.by_launcher = True
+        return self.requested
+
+    def _sigint(self, signum: int, frame: Any) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        self._on_first()
+
+    @staticmethod
+    def _sigterm(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    def __enter__(self) -> "StopRequest":
+        if threading.current_thread() is threading.main_thread():
+            self._old = {signal.SIGINT: signal.signal(signal.SIGINT, self._sigint),
+                         signal.SIGTERM: signal.signal(signal.SIGTERM, self._sigterm)}
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._old.items():
+            signal.signal(sig, handler)
+        if self._old and self.requested:
+            # the user asked to stop and everything is cleaned up: a further Ctrl-C
+            # while the process exits must not turn a clean exit into a traceback
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+# -- the run -------------------------------------------------------------------------------------
+def train(plan: DemoPlan, rank: int, reporter: Reporter, stop: StopRequest,
+          swap_dir: Path) -> dict[str, Any]:
+    """Builds the engine, runs the steps, returns the summary (every rank)."""
+    from ..engine import initialize
+    from ..trace import TraceRecorder, write_chrome_trace
+
+    recorder = TraceRecorder(enabled=False, rank=rank, process_name=f"demo rank {rank}")
+    recorder.declare_track("compute")
+    t0 = time.perf_counter()
+    engine = initialize(lambda: GPT(plan.model), plan.config(swap_dir), recorder=recorder)
+    try:
+        summary: dict[str, Any] = {"init_seconds": time.perf_counter() - t0}
+        task = ReversalTask(plan.model.vocab - 1, plan.length, plan.batch,
+                            seed=plan.seed * 1000 + rank)
+        meter, sampler = StepMeter(engine), TierSampler(engine.store)
+        records: list[StepRecord] = []
+        reporter.start(plan)
+        try:
+            for step in range(1, plan.steps + 1):
+                traced = rank == 0 and plan.trace is not None and step == plan.trace_step
+                recorder.enabled = traced
+                rec, stopping = _one_step(engine, task, step, plan, meter, sampler, stop)
+                if traced:
+                    engine.store.wait_all()  # the step's last evictions end inside the trace
+                    recorder.enabled = False
+                    write_chrome_trace(plan.trace, recorder, metadata={"step": step,
+                                                                       "model": plan.size})
+                    summary["trace"] = str(plan.trace)
+                records.append(rec)
+                reporter.step(rec)
+                if stopping:
+                    break
+        finally:
+            sampler.close()
+            reporter.stop()
+        summary.update(_summarise(plan, records, engine, stop.poll()))
+    finally:
+        engine.close()
+    return summary
+
+
+def _one_step(engine: Any, task: ReversalTask, step: int, plan: DemoPlan, meter: StepMeter,
+              sampler: TierSampler, stop: StopRequest) -> tuple[StepRecord, bool]:
+    """One optimizer step; the loss, bytes and stop flag agreed by every rank."""
+    t = time.perf_counter()
+    x, y = task.next_batch()
+    trace = engine.recorder  # on for the traced step only; the phases are the demo's spans
+    with trace.span("forward", cat="compute", track="compute", step=step):
+        loss = ReversalTask.loss(engine(x.to(engine.device)), y)
+    with trace.span("backward", cat="compute", track="compute", step=step):
+        engine.backward(loss)
+    with trace.span("optimizer step", cat="compute", track="compute", step=step):
+        engine.step()
+    moved = meter.step()
+    value, flag, read, written = _all_sum([loss.item(), float(stop.poll()),
+                                           float(moved.read), float(moved.written)])
+    seconds = time.perf_counter() - t
+    peak = sampler.take()
+    rec = StepRecord(step, value / plan.world, seconds, plan.tokens_per_step / seconds,
+                     int(read), int(written), peak.get("DEVICE", 0), peak.get("HOST", 0),
+                     nvme_used(engine))
+    return rec, flag > 0
+
+
+def _all_sum(values: list[float]) -> list[float]:
+    import torch
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return values
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def _summarise(plan: DemoPlan, records: list[StepRecord], engine: Any,
+               interrupted: bool) -> dict[str, Any]:
+    stats = engine.store.stats()
+    steady = records[1:] or records  # step 1 also records the access trace
+    mean = sum(r.seconds for r in steady) / max(1, len(steady))
+    return {
+        "steps": len(records), "interrupted": interrupted,
+        "loss_first": records[0].loss if records else None,
+        "loss_last": records[-1].loss if records else None,
+        "chance_loss": ReversalTask(plan.model.vocab - 1, plan.length, 1).chance_loss,
+        "step_seconds": mean, "tokens_per_s": plan.tokens_per_step / mean if mean else 0.0,
+        "read_per_step": sum(r.read for r in steady) // max(1, len(steady)),
+        "written_per_step": sum(r.written for r in steady) // max(1, len(steady)),
+        "device_peak": stats.tiers["DEVICE"].peak, "host_peak": stats.tiers["HOST"].peak,
+        "nvme_peak": max((r.nvme_used for r in records), default=0),
+        "params": plan.n_params, "state_bytes": plan.state_bytes,
+    }
+
+
+# -- command line --------------------------------------------------------------------------------
+# (flag, options): one table for the parser and for the argv of a re-launch under torchrun.
+_OPTIONS: list[tuple[str, dict[str, Any]]] = [
+    ("--size", dict(default=DEFAULT_SIZE, help=f"model: {', '.join(PRESETS)} or a parameter "
+                    f"count such as 50M (default {DEFAULT_SIZE}: "
+                    f"{PRESETS[DEFAULT_SIZE].params / 1e6:.1f}M)")),
+    ("--tiny", dict(action="store_true", help="the tiny model (seconds; for tests)")),
+    ("--steps", dict(type=int, default=DEFAULT_STEPS,
+                     help=f"optimizer steps (default {DEFAULT_STEPS})")),
+    ("--batch", dict(type=int, default=16, help="sequences per step and process (default 16)")),
+    ("--length", dict(type=int, default=8, help="tokens per sequence to reverse (default 8)")),
+    ("--lr", dict(type=float, default=None, help="learning rate (default: per size)")),
+    ("--dtype", dict(choices=["fp32", "bf16", "fp16"], default="fp32", help="compute "
+                     "precision; master weights and gradients stay fp32 (default fp32)")),
+    ("--params", dict(choices=_PLACES, default="nvme",
+                      help="home tier of the weights (default nvme)")),
+    ("--grads", dict(choices=_PLACES, default="nvme",
+                     help="home tier of the gradients (default nvme)")),
+    ("--optimizer", dict(choices=["host", "nvme"], default="nvme",
+                         help="fp32 master weights and Adam moments (default nvme)")),
+    ("--device-budget", dict(default=None, help="bytes the device tier may hold, e.g. 24MiB "
+                             "(default: about 1/8 of the state; small: 24MiB)")),
+    ("--host-budget", dict(default=None, help="bytes the host tier may hold, e.g. 48MiB "
+                           "(default: about 1/4 of the state; small: 48MiB)")),
+    ("--io-buffers", dict(default=None, help="bytes of host staging buffers for the "
+                          "optimizer's NVMe pipeline (default: small 32MiB)")),
+    ("--swap-dir", dict(default="offload-swap", help="directory for swap files; the run uses "
+                        "a new sub-directory and removes it on exit (default ./offload-swap)")),
+    ("--trace", dict(default="offload-demo.trace.json", help="Chrome-trace file of one step, "
+                     "for https://ui.perfetto.dev ('none': no trace)")),
+    ("--trace-step", dict(type=int, default=TRACE_STEP,
+                          help=f"the step traced (default {TRACE_STEP})")),
+    ("--seed", dict(type=int, default=0, help="seed of the weights and the data (default 0)")),
+    ("--nproc", dict(type=int, default=1, help="processes (ranks): >1 runs under torchrun "
+                     "with gloo, each rank holding 1/N of the state (default 1)")),
+    ("--json", dict(action="store_true", help="print one JSON object per step and a summary "
+                    "object at the end instead of the progress bar and table")),
+]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--path", default=None, help="directory for the temporary files "
-                   "(default: a temporary directory under the current one)")
-    p.add_argument("--size", default="1GiB", help="bytes per transfer (default 1GiB)")
-    p.add_argument("--repeat", type=int, default=2, help="interleaved rounds (default 2)")
+    p.description = ("Train a GPT-style decoder on sequence reversal while its training state "
+                     "is several times the device and host budgets; the rest is on NVMe.")
+    for flag, options in _OPTIONS:
+        p.add_argument(flag, **options)
+
+
+def _child_argv(args: argparse.Namespace) -> list[str]:
+    argv = []
+    for flag, options in _OPTIONS:
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if flag == "--nproc" or value is None:
+            continue
+        if options.get("action") == "store_true":
+            argv += [flag] if value else []
+        else:
+            argv += [flag, str(value)]
+    return argv
 
 
 def run(args: argparse.Namespace) -> int:
-    print("offload demo: measuring the NVMe I/O layer (Linux AIO and thread engines) "
-          f"against dd/fio with O_DIRECT, {args.size} per transfer, {args.repeat} rounds.")
-    base = args.path or os.getcwd()
-    os.makedirs(base, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".offload-demo-", dir=base)
+    plan = build_plan(args)
+    rank = int(os.environ.get("RANK", 0))
+    reporter = Reporter(json_lines=args.json, quiet=rank != 0)
+    shown = os.environ.get("OFFLOAD_DEMO_HEADER") == "1"
+    if rank == 0 and not shown:
+        if not _disk_ok(plan, reporter):
+            return 1
+        print_header(reporter, plan)
+    if plan.world > 1 and "RANK" not in os.environ:
+        return _relaunch(args, plan, reporter)
+    return _run_rank(plan, rank, reporter)
+
+
+def _disk_ok(plan: DemoPlan, reporter: Reporter) -> bool:
+    free = _free_bytes(plan.swap_root)
+    need = plan.disk_needed()
+    if free < need:
+        reporter.error(f"offload demo: {plan.swap_root} has {format_bytes(free)} free; the "
+                       f"swap files need about {format_bytes(need)}. Free some space, give "
+                       "--swap-dir on a bigger disk, or pick a smaller --size")
+        return False
+    return True
+
+
+def _relaunch(args: argparse.Namespace, plan: DemoPlan, reporter: Reporter) -> int:
+    """Runs this command again under torchrun (one process per rank, gloo).
+
+    [Note: stopping under torchrun]
+    torchrun answers SIGINT by signalling its workers and then raising, traceback
+    and all. So the launch runs in a session of its own, out of reach of the
+    terminal's Ctrl-C, and the first Ctrl-C here creates a stop file that every
+    rank polls at the end of each step: they stop together at the same step and
+    exit 0, torchrun finishes quietly, and this process returns 130. A second
+    Ctrl-C (or SIGTERM) goes to the whole launch at once.
+    """
+    stop_file = Path(tempfile.gettempdir()) / f"{DIR_PREFIX}{os.getpid()}.stop"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc_per_node={plan.world}", "-m", "offload.cli.main", "demo",
+           *_child_argv(args)]
+    env = {**os.environ, "OFFLOAD_DEMO_HEADER": "1", "OFFLOAD_DEMO_STOP_FILE": str(stop_file),
+           "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // plan.world))}
+    root_created = not plan.swap_root.exists()
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    stopped_by = 0  # the exit code of a stop asked for here: 130 Ctrl-C, 143 SIGTERM
+
+    def on_term(*_: object) -> None:
+        nonlocal stopped_by
+        stopped_by = 143
+        os.killpg(proc.pid, signal.SIGTERM)
+    old = signal.signal(signal.SIGTERM, on_term)
+    asked = False
     try:
-        ns = argparse.Namespace(path=tmp, size=args.size, repeat=args.repeat,
-                                engines="aio,threads", block_sizes="1MiB,4MiB",
-                                queue_depths="8,32", json=False)
-        return bench_io.run(ns)
+        while True:
+            try:
+                rc = proc.wait()
+                break
+            except KeyboardInterrupt:
+                if asked:
+                    os.killpg(proc.pid, signal.SIGINT)
+                    continue
+                asked = True
+                stop_file.touch()
+                reporter.note("stopping after this step (Ctrl-C again to stop now); swap "
+                              "files are removed either way")
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        signal.signal(signal.SIGTERM, old)
+        stop_file.unlink(missing_ok=True)
+    if root_created:  # each rank removed its own directory; the last one out is here
+        with contextlib.suppress(OSError):
+            plan.swap_root.rmdir()
+    return stopped_by or (130 if asked else rc)
+
+
+def _run_rank(plan: DemoPlan, rank: int, reporter: Reporter) -> int:
+    import torch.distributed as dist
+
+    if plan.world > 1 and not dist.is_initialized():
+        dist.init_process_group("gloo")
+    summary: dict[str, Any] = {}
+    code = 1
+    with StopRequest(lambda: reporter.note("stopping after this step (Ctrl-C again to stop "
+                                           "now); swap files are removed either way"),
+                     os.environ.get("OFFLOAD_DEMO_STOP_FILE")) as stop:
+        root_created = not plan.swap_root.exists()
+        notes: list[str] = []
+        swap_dir = swap_dir_for_run(plan.swap_root, notes)
+        for note in notes:
+            reporter.note(note)
+        try:
+            summary = train(plan, rank, reporter, stop, swap_dir)
+            # stopped through the launcher's file: exit 0 so torchrun ends quietly
+            code = 130 if summary["interrupted"] and not stop.by_launcher else 0
+        except BaseException as e:
+            code = signal_exit_code(e)
+            if code is None:
+                raise
+            if not isinstance(e, (KeyboardInterrupt, SystemExit)):
+                reporter.note(f"while stopping: {type(e).__name__}: {e}")
+            summary = {"interrupted": True}
+        finally:
+            left = sorted(p.name for p in swap_dir.glob("*.swap"))
+            if left:
+                reporter.note(f"engine.close() left {', '.join(left)} in {swap_dir}; removing")
+            summary["swap_dir"] = str(swap_dir)
+            summary["swap_removed"] = remove_swap_dir(swap_dir, root_created)
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        reporter.summary(plan, summary)
+    return code
+
+
+def signal_exit_code(e: BaseException) -> int | None:
+    """The exit code when `e` is, or was caused by, a stop at once (second Ctrl-C:
+    130, SIGTERM: 143); None for any other error. Layers below may wrap the
+    KeyboardInterrupt (the optimizer's pipeline raises OptimStepError from it)."""
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, KeyboardInterrupt):
+            return 130
+        if isinstance(e, SystemExit) and isinstance(e.code, int) and e.code > 128:
+            return e.code
+        e = e.__cause__ or e.__context__
+    return None

@@ -7,7 +7,7 @@ import argparse
 import logging
 import sys
 
-from . import bench_adam, bench_io, bench_store, demo
+from . import bench_adam, bench_io, bench_oversized, bench_step, bench_store, demo
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -28,6 +28,14 @@ def build_parser() -> argparse.ArgumentParser:
     bstore = bsub.add_parser("store", help="host -> NVMe -> host through the store vs the raw engine")
     bench_store.add_arguments(bstore)
     bstore.set_defaults(func=bench_store.run)
+    bstep = bsub.add_parser("step", help="one training step: offload vs DeepSpeed ZeRO-3, "
+                            "per placement")
+    bench_step.add_arguments(bstep)
+    bstep.set_defaults(func=bench_step.run)
+    bover = bsub.add_parser("oversized", help="a model whose training state is twice the "
+                            "machine's RAM, two steps from NVMe (long; not part of make test)")
+    bench_oversized.add_arguments(bover)
+    bover.set_defaults(func=bench_oversized.run)
     badam = bsub.add_parser("adam", help="CPU Adam update vs torch and the memory-bandwidth bound")
     bench_adam.add_arguments(badam)
     badam.set_defaults(func=bench_adam.run)

@@ -11,7 +11,7 @@ from torch import nn
 
 from ..comm import Collectives
 from ..config import OffloadConfig, load_config
-from ..store import Tier, TieredStore
+from ..store import TieredStore
 from ..trace import NULL_RECORDER, TraceRecorder
 from .checkpoint import SafetensorsCheckpoint
 from .engine import _DTYPES, _TIERS, OffloadEngine
@@ -26,7 +26,8 @@ def initialize(model: nn.Module | Callable[[], nn.Module],
                config: OffloadConfig | dict | str | None = None, *,
                checkpoint: str | os.PathLike | None = None,
                lr_lambda: Callable[[int], float] | None = None,
-               recorder: TraceRecorder = NULL_RECORDER) -> OffloadEngine:
+               recorder: TraceRecorder = NULL_RECORDER,
+               progress: Callable[[int, int], None] | None = None) -> OffloadEngine:
     """Partitions `model` into groups, places each rank's partitions in their home
     tiers and returns the engine to train it with.
 
@@ -38,6 +39,7 @@ def initialize(model: nn.Module | Callable[[], nn.Module],
     With `checkpoint` (a .safetensors file or a directory of them), every
     parameter is read from it instead, one tensor at a time.
     `lr_lambda(step) -> multiplier` schedules the learning rate (as LambdaLR).
+    `progress(done, total)` is called after each group is placed.
     Under torch.distributed (torchrun), each rank keeps 1/world of every group.
     """
     cfg = load_config(config)
@@ -55,7 +57,7 @@ def initialize(model: nn.Module | Callable[[], nn.Module],
     engine = None
     try:
         engine = OffloadEngine(model, cfg, units, groups, store, comm, recorder)
-        masters = {}
+        engine._attach_optimizer(lr_lambda)
         dtype = _DTYPES[cfg.engine.dtype]
         deferred = []  # the user's real tensors stay in the model until nothing can fail
         for g in groups:
@@ -64,15 +66,16 @@ def initialize(model: nn.Module | Callable[[], nn.Module],
             shard = full[comm.rank * g.shard:(comm.rank + 1) * g.shard]
             store.put(("p", g.gid), shard.to(dtype), kind="param",
                       tier=_TIERS[cfg.engine.params])
-            if g.requires_grad:
-                masters[g.gid] = shard.clone()
+            if g.requires_grad:  # NVMe state is written now: never all masters at once
+                engine.optimizer.add_partition(g.gid, shard.clone(), tier=cfg.engine.optimizer)
             del full, shard
             if was_meta:  # a materialised meta group is freed at once: no process holds all
                 _drop_params(g, dtype, store.device)
             else:
                 deferred.append(g)
+            if progress is not None:
+                progress(g.gid + 1, len(groups))
         store.wait_all()
-        engine._attach_optimizer(masters, lr_lambda)
         for g in deferred:
             _drop_params(g, dtype, store.device)
         for m in model.modules():

@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
@@ -106,6 +108,11 @@ class OffloadEngine(nn.Module):
         self._has_grad: set[int] = set()
         self._hooks: list[Any] = []
         self._opt: CpuAdam | None = None
+        # one thread: early updates run in the order backward produced the gradients
+        self._updater = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-update")
+        self._early: list[Future] = []
+        self._io_lock = threading.Lock()
+        self._opt_bytes = [0, 0]  # optimizer-state bytes read, written (all steps)
         self._opt_io: tuple | None = None
         for st in self._states:
             if st.group.requires_grad:
@@ -122,8 +129,7 @@ class OffloadEngine(nn.Module):
         return e.loss_scale or e.initial_loss_scale
 
     # -- the optimizer ----------------------------------------------------------------
-    def _attach_optimizer(self, masters: dict[int, torch.Tensor],
-                          lr_lambda: Callable[[int], float] | None = None) -> None:
+    def _attach_optimizer(self, lr_lambda: Callable[[int], float] | None = None) -> None:
         tier = self.cfg.engine.optimizer
         swap = pool = None
         if tier == "nvme":
@@ -133,8 +139,6 @@ class OffloadEngine(nn.Module):
             self._opt_io = (eng, swap, pool)
         self._opt = CpuAdam(self.cfg.optim, swap=swap, pool=pool, lr_lambda=lr_lambda,
                             recorder=self.recorder)
-        for gid, master in masters.items():
-            self._opt.add_partition(gid, master, tier=tier)
 
     @property
     def optimizer(self) -> CpuAdam:
@@ -258,12 +262,46 @@ class OffloadEngine(nn.Module):
             def finish() -> None:
                 if inner is not None:
                     inner()
-                self._accumulate(gid, out)
+                self._grad_ready(gid, out)
             pending.finish = finish
             self._reductions.append(pending)
+            # One reduction stays in flight behind the next group's backward; a
+            # synchronous one (a world of 1) finishes here.
+            while len(self._reductions) > 1 or self._reductions[0].work is None:
+                self._reductions.pop(0).wait()
+                if not self._reductions:
+                    break
             if st.active == 0:
                 self._free(st)
         return hook
+
+    def _last_micro_step(self) -> bool:
+        return (self.micro_step + 1) % self.cfg.engine.grad_accum_steps == 0
+
+    def _grad_ready(self, gid: int, shard_grad: torch.Tensor) -> None:
+        """This rank's reduced gradient of `gid` for this micro-step.
+
+        [Note: early update] Where the update of one group cannot depend on the
+        others (no clipping, no fp16 loss scale: `early_update_allowed`), the
+        last micro-step's gradient goes straight to a background thread that
+        runs the group's update while backward goes on, so the optimizer
+        state's NVMe traffic hides behind backward compute; the gradient never
+        enters the store. Otherwise it is accumulated in its grad partition and
+        `step()` updates every group once the global norm is known.
+        """
+        if self._last_micro_step() and self._early_allowed():
+            if ("g", gid) in self.store:  # earlier micro-steps accumulated there
+                self._accumulate(gid, shard_grad)
+                grad = self._take_grad(gid)
+            else:
+                grad = shard_grad.cpu()
+            self._has_grad.add(gid)
+            self._early.append(self._updater.submit(self._update_group, gid, grad, None))
+            return
+        self._accumulate(gid, shard_grad)
+
+    def _early_allowed(self) -> bool:
+        return self.loss_scale == 1.0 and self.optimizer.early_update_allowed()
 
     def _accumulate(self, gid: int, shard_grad: torch.Tensor) -> None:
         key = ("g", gid)
@@ -278,15 +316,51 @@ class OffloadEngine(nn.Module):
         if self._grad_tier is Tier.NVME:
             self.store.evict(key)
 
+    def _take_grad(self, gid: int) -> torch.Tensor:
+        """The accumulated fp32 gradient of `gid` as a CPU tensor; its partition is freed."""
+        key = ("g", gid)
+        where = Tier.HOST if self._grad_tier is Tier.NVME else self._grad_tier
+        grad = self.store.fetch(key, to=where).wait().cpu().clone()
+        self.store.free(key)
+        return grad
+
+    def _update_group(self, gid: int, grad: torch.Tensor, norm: float | None) -> None:
+        """Adam on group `gid`; its new compute-dtype partition replaces the old one.
+
+        A partition whose home copy is in memory (DEVICE on a CPU host, or HOST)
+        is overwritten in place; one homed on NVMe (or on a GPU) is not read back
+        just to be overwritten: the new values are put in its place.
+        """
+        pkey = ("p", gid)
+        scale = self.loss_scale * self.cfg.engine.grad_accum_steps
+        in_place = self._param_tier is Tier.HOST or (
+            self._param_tier is Tier.DEVICE and self.device.type == "cpu")
+        if in_place:
+            self.store.fetch(pkey, to=self._param_tier).wait()
+            with self.store.modify(pkey, self._param_tier) as p:
+                res = self.optimizer.update({gid: grad}, params_out={gid: p}, loss_scale=scale,
+                                            grad_norm=norm, found_inf=False)
+        else:
+            new = torch.empty(self.groups[gid].shard, dtype=self.dtype)
+            res = self.optimizer.update({gid: grad}, params_out={gid: new}, loss_scale=scale,
+                                        grad_norm=norm, found_inf=False)
+            self.store.free(pkey)
+            self.store.put(pkey, new, kind="param", tier=self._param_tier)
+        with self._io_lock:
+            self._opt_bytes[0] += res.bytes_read
+            self._opt_bytes[1] += res.bytes_written
+
     # -- the user's loop ----------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.module(*args, **kwargs)
+        with self.recorder.span("forward", cat="compute", track="compute"):
+            return self.module(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of `loss` (scaled for fp16); gradients land in the grad partitions."""
         if self.loss_scale != 1.0:
             loss = loss * self.loss_scale
-        loss.backward()
+        with self.recorder.span("backward", cat="compute", track="compute"):
+            loss.backward()
         for p in self._reductions:
             p.wait()
         self._reductions.clear()
@@ -304,30 +378,27 @@ class OffloadEngine(nn.Module):
         (fp16 overflow) or if this is not the last micro-step of `grad_accum_steps`."""
         if self.micro_step % self.cfg.engine.grad_accum_steps:
             return False
+        with self.recorder.span("optimizer step", cat="compute", track="compute"):
+            return self._step()
+
+    def _step(self) -> bool:
         self.trace.finish()
-        opt = self.optimizer
-        gids = sorted(self._has_grad)
+        early, self._early = self._early, []
+        errors = [f.exception() for f in early]  # waits for every one of them
+        if any(errors):
+            self._has_grad.clear()
+            raise next(e for e in errors if e is not None)
+        gids = [g for g in sorted(self._has_grad) if ("g", g) in self.store]
         scale = self.loss_scale * self.cfg.engine.grad_accum_steps
         norm, found_inf = self._grad_norm(gids, scale)
         if found_inf:
             self._after_overflow()
             self._drop_grads(gids)
             return False
-        out_tier = Tier.HOST if self.device.type != "cpu" or self._param_tier is Tier.NVME \
-            else self._param_tier
-        trainable = [g.gid for g in self.groups if g.requires_grad]
         for gid in gids:
-            gkey, pkey = ("g", gid), ("p", gid)
-            where = Tier.HOST if self._grad_tier is Tier.NVME else self._grad_tier
-            grad = self.store.fetch(gkey, to=where).wait()
-            self.store.fetch(pkey, to=out_tier).wait()
-            with self.store.modify(pkey, out_tier) as p:
-                opt.update({gid: grad.cpu()}, params_out={gid: p}, loss_scale=scale,
-                           grad_norm=norm, found_inf=False)
-            self.store.free(gkey)
-            if self._param_tier is not out_tier:
-                self.store.evict(pkey)
-        opt.step({}, skip=[g for g in trainable if g not in self._has_grad])
+            self._update_group(gid, self._take_grad(gid), norm)
+        trainable = [g.gid for g in self.groups if g.requires_grad]
+        self.optimizer.step({}, skip=[g for g in trainable if g not in self._has_grad])
         self._has_grad.clear()
         self._after_good_step()
         self.global_step += 1
@@ -367,6 +438,14 @@ class OffloadEngine(nn.Module):
             if self._good_steps % e.loss_scale_window == 0:
                 self.loss_scale *= 2
 
+    def nvme_bytes(self) -> tuple[int, int]:
+        """(read, written): bytes moved between NVMe and host so far, by the store
+        (parameters, gradients) and the optimizer (master weights, moments)."""
+        moves = self.store.stats().moves
+        with self._io_lock:
+            opt_r, opt_w = self._opt_bytes
+        return moves["NVME->HOST"].bytes + opt_r, moves["HOST->NVME"].bytes + opt_w
+
     def zero_grad(self) -> None:
         """Drops accumulated gradients (step() does this itself)."""
         self._drop_grads(sorted(self._has_grad))
@@ -395,6 +474,7 @@ class OffloadEngine(nn.Module):
 
     def close(self) -> None:
         """Removes the hooks, closes the optimizer and the store (and their swap files)."""
+        self._updater.shutdown(wait=True)
         for h in self._hooks:
             h.remove()
         self._hooks.clear()

@@ -269,6 +269,8 @@ class SwapPipeline:
         except BaseException as e:
             self._drain()
             updated, unchanged = self._resolve(rewrites.values())
+            if not isinstance(e, Exception):  # Ctrl-C, SystemExit: consistent, then as they were
+                raise
             raise OptimStepError(f"optimizer step failed ({type(e).__name__}: {e}); "
                                  f"{len(updated)} partition(s) committed, {len(unchanged)} "
                                  "left at their previous version", updated, unchanged) from e

@@ -1,6 +1,5 @@
 """Two ranks under torch.distributed (gloo) train like one process on the whole batch."""
 
-import copy
 import os
 
 import pytest

@@ -1,0 +1,400 @@
+"""`offload bench oversized`: train a model whose training state is at least twice
+this machine's RAM, and show what it costs.
+
+The model is the demo's GPT-style decoder (offload/cli/gpt.py) with d_model
+`--d-model` (default 2048: the largest Linear stays ~17M parameters, so what the
+engine holds outside its budgets while one group is gathered stays small) and as
+many layers as `--params` asks; `auto` picks twice the RAM in training state
+(about 3B parameters in bf16 on 24 GiB). It is built on the meta device and
+materialised one group at a time straight into its home tier: weights,
+gradients, fp32 master weights and Adam moments all live on NVMe, under a
+swap directory that is removed on every way out.
+
+Order of work: check the disk has room for the swap files (refuse otherwise);
+measure the disk with offload's own I/O engine in the same directory (O_DIRECT,
+fdatasync per write, as the run does); build and place the model; run
+`--steps` optimizer steps; report
+
+  * peak RSS (VmHWM) while placing the model and while stepping, against the
+    host-memory budgets (device tier, which is host memory on a CPU; host tier;
+    I/O staging) + 0.5 GiB for the runtime itself;
+  * each step's time and NVMe bytes read and written (the store's moves plus
+    the optimizer's step results; /proc/self/io beside them);
+  * the lower bound of a step: read bytes / read bandwidth + written bytes /
+    write bandwidth, and how far the step is from it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from ..config import IoConfig, format_bytes, parse_bytes
+from .benchutil import proc_io, reset_hwm, vm_hwm
+from .demo import StepMeter, remove_swap_dir, signal_exit_code, swap_dir_for_run
+from .gpt import GPT, GPTConfig, ReversalTask, state_bytes_per_param
+
+GiB = 1 << 30
+RSS_SLACK = GiB // 2          # the runtime (torch, Python) beyond the budgets
+DIR_PREFIX = "offload-bench-oversized-"
+GROW_STEP = 256 << 20
+SWAP_FILES = 6                # five store kinds and the optimizer's file
+
+
+# -- sizes ---------------------------------------------------------------------------------------
+def ram_bytes() -> int:
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def parse_count(text: str, dtype: str) -> int:
+    """'auto' (twice the RAM in training state, +5%), or '200M', '3B', '3e9'."""
+    if text == "auto":
+        return int(2 * ram_bytes() / state_bytes_per_param(dtype) * 1.05)
+    t = text.strip().upper()
+    mult = {"K": 10 ** 3, "M": 10 ** 6, "B": 10 ** 9, "G": 10 ** 9}.get(t[-1:], 1)
+    try:
+        return int(float(t[:-1] if mult > 1 else t) * mult)
+    except ValueError:
+        raise SystemExit(f"offload bench oversized: --params {text!r} is not a count such as "
+                         "'3B', '200M' or 'auto'") from None
+
+
+def model_for(params: int, d_model: int, length: int) -> GPTConfig:
+    """The decoder of about `params` parameters at width `d_model` (heads of 128)."""
+    base = GPTConfig(n_layer=1, d_model=d_model, n_head=max(1, d_model // 128), vocab=17,
+                     max_seq=2 * length)
+    per_layer = base.params - (base.vocab + base.max_seq + 2) * d_model
+    layers = max(1, round((params - (base.params - per_layer)) / per_layer))
+    return GPTConfig(n_layer=layers, d_model=d_model, n_head=base.n_head, vocab=base.vocab,
+                     max_seq=base.max_seq)
+
+
+@dataclass(frozen=True)
+class BenchSpec:
+    model: GPTConfig
+    dtype: str
+    steps: int
+    batch: int
+    length: int
+    device_budget: int
+    host_budget: int
+    io_buffers: int
+    swap_root: Path
+    probe_bytes: int
+
+    @property
+    def budgets(self) -> int:
+        """Host memory the configuration allows: host tier, I/O staging and, on a
+        machine without a GPU, the device tier (host memory acting as the device)."""
+        from ..store.copy import resolve_device
+
+        on_cpu = resolve_device("auto").type == "cpu"
+        return self.host_budget + self.io_buffers + (self.device_budget if on_cpu else 0)
+
+    @property
+    def state_bytes(self) -> int:
+        return self.model.params * state_bytes_per_param(self.dtype)
+
+    def disk_needed(self) -> int:
+        """Swap bytes: every kind on NVMe, a rewrite of the largest group, the
+        preallocation slack and the bandwidth probe, +5%."""
+        m = self.model
+        bpp = state_bytes_per_param(self.dtype)
+        group = m.mlp_ratio * m.d_model * m.d_model  # the largest group: an MLP Linear
+        need = m.params * bpp + 2 * group * bpp + SWAP_FILES * GROW_STEP + self.probe_bytes
+        return int(need * 1.05)
+
+    def config(self, swap_dir: Path) -> dict[str, Any]:
+        return {
+            "engine": {"dtype": self.dtype, "params": "nvme", "grads": "nvme",
+                       "optimizer": "nvme"},
+            "optim": {"lr": 1e-4, "weight_decay": 0.0},
+            "io": {"paths": [str(swap_dir)], "buffer_budget": self.io_buffers,
+                   "grow_step": GROW_STEP},
+            "store": {"device_budget": self.device_budget, "host_budget": self.host_budget},
+        }
+
+
+# -- process counters ----------------------------------------------------------------------------
+def tune_malloc(threshold: int = 1 << 20) -> bool:
+    """Fixes glibc's mmap threshold at `threshold` bytes (and the trim threshold with
+    it), so buffers of that size or more go back to the OS when freed. By default
+    glibc raises the threshold to the largest block freed so far (up to 32 MiB), and
+    the engine's per-use transients (gathered weights, gradients) then stay in the
+    heap once freed: at 200M parameters that kept ~0.6 GiB more resident. Returns
+    False where mallopt is not available (not glibc)."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        m_trim_threshold, m_mmap_threshold = -1, -3
+        return bool(libc.mallopt(m_mmap_threshold, threshold)) and \
+            bool(libc.mallopt(m_trim_threshold, threshold))
+    except (OSError, AttributeError):
+        return False
+
+
+# -- the disk ------------------------------------------------------------------------------------
+def disk_bandwidth(path: Path, nbytes: int, io: dict[str, Any]) -> tuple[float, float]:
+    """(read, write) bytes/s of `nbytes` through offload's I/O engine under `path`, in
+    64 MiB transfers, four in flight: the engine, O_DIRECT and fdatasync of the run."""
+    from ..io import BufferPool, make_engine, open_swap
+
+    cfg = IoConfig(**{**io, "grow_step": GROW_STEP})
+    size = 64 << 20
+    n = max(1, nbytes // size)
+    eng = make_engine(cfg)
+    pool = BufferPool(4 * size)
+    swap = open_swap(cfg, "bandwidth-probe", eng)
+    bufs = [pool.alloc(size, tag="probe") for _ in range(4)]
+    try:
+        for b in bufs:
+            b.numpy()[:] = 7
+        extents = [swap.alloc(size) for _ in range(n)]
+        t = time.perf_counter()
+        _in_fours(lambda i: swap.write(extents[i], bufs[i % 4], size), n)
+        write = n * size / (time.perf_counter() - t)
+        t = time.perf_counter()
+        _in_fours(lambda i: swap.read(extents[i], bufs[i % 4], size), n)
+        read = n * size / (time.perf_counter() - t)
+    finally:
+        for b in bufs:
+            b.release()
+        swap.close()
+        pool.close(force=True)
+        eng.close()
+    return read, write
+
+
+def _in_fours(submit: Callable[[int], Any], n: int) -> None:
+    inflight: list[Any] = []
+    for i in range(n):
+        if len(inflight) == 4:
+            inflight.pop(0).wait()
+        inflight.append(submit(i))
+    for h in inflight:
+        h.wait()
+
+
+# -- the run -------------------------------------------------------------------------------------
+def run_oversized(spec: BenchSpec, say: Callable[[str], None] = print) -> dict[str, Any]:
+    """Runs the benchmark (see the module notes); returns the JSON-ready result."""
+    notes: list[str] = []
+    root_created = not spec.swap_root.exists()
+    swap_dir = swap_dir_for_run(spec.swap_root, notes, prefix=DIR_PREFIX)
+    for note in notes:
+        say(note)
+    result: dict[str, Any] = {"benchmark": "oversized", "swap_dir": str(swap_dir)}
+    try:
+        cfg = spec.config(swap_dir)
+        say(f"measuring the disk: {format_bytes(spec.probe_bytes)} written and read in {swap_dir}")
+        read_bw, write_bw = disk_bandwidth(swap_dir, spec.probe_bytes, cfg["io"])
+        result.update(read_Bps=read_bw, write_Bps=write_bw)
+        say(f"  read {read_bw / 1e9:.2f} GB/s, write {write_bw / 1e9:.2f} GB/s")
+        result.update(_train(spec, cfg, say, read_bw, write_bw))
+    finally:
+        result["swap_removed"] = remove_swap_dir(swap_dir, root_created)
+    return result
+
+
+def _train(spec: BenchSpec, cfg: dict[str, Any], say: Callable[[str], None],
+           read_bw: float, write_bw: float) -> dict[str, Any]:
+    from ..engine import initialize
+
+    reset_hwm()
+    t0 = time.perf_counter()
+    say(f"placing {spec.model.params / 1e9:.2f}B parameters on NVMe, one group at a time")
+    last = [0.0]
+
+    def progress(i: int, n: int) -> None:
+        if time.perf_counter() - last[0] > 10 or i == n:
+            last[0] = time.perf_counter()
+            say(f"  group {i}/{n}, {time.perf_counter() - t0:.0f} s, peak RSS "
+                f"{format_bytes(vm_hwm())}")
+    engine = initialize(lambda: GPT(spec.model), cfg, progress=progress)
+    out: dict[str, Any] = {"init_seconds": time.perf_counter() - t0, "init_peak_rss": vm_hwm()}
+    try:
+        reset_hwm()
+        out["steps"] = _steps(engine, spec, say, read_bw, write_bw)
+        out["step_peak_rss"] = vm_hwm()
+        out["store_stats"] = engine.store.stats().summary()
+    finally:
+        engine.close()
+    return out
+
+
+def _steps(engine: Any, spec: BenchSpec, say: Callable[[str], None], read_bw: float,
+           write_bw: float) -> list[dict[str, Any]]:
+    task = ReversalTask(spec.model.vocab - 1, spec.length, spec.batch)
+    meter = StepMeter(engine)
+    rows = []
+    for step in range(1, spec.steps + 1):
+        io0 = proc_io()
+        t = time.perf_counter()
+        x, y = task.next_batch()
+        loss = ReversalTask.loss(engine(x.to(engine.device)), y)
+        t_fwd = time.perf_counter()
+        engine.backward(loss)
+        t_bwd = time.perf_counter()
+        engine.step()
+        end = time.perf_counter()
+        moved, io1 = meter.step(), proc_io()
+        bound = moved.read / read_bw + moved.written / write_bw
+        rows.append({"step": step, "seconds": end - t, "forward_s": t_fwd - t,
+                     "backward_s": t_bwd - t_fwd, "optimizer_s": end - t_bwd,
+                     "loss": loss.item(), "read": moved.read, "written": moved.written,
+                     "proc_read": io1[0] - io0[0], "proc_written": io1[1] - io0[1],
+                     "bound_s": bound, "peak_rss": vm_hwm()})
+        say(f"step {step}: {end - t:.1f} s (forward {t_fwd - t:.1f}, backward "
+            f"{t_bwd - t_fwd:.1f}, optimizer {end - t_bwd:.1f}), read "
+            f"{format_bytes(moved.read)}, written {format_bytes(moved.written)}, bound "
+            f"{bound:.1f} s, peak RSS {format_bytes(vm_hwm())}")
+    return rows
+
+
+# -- command line --------------------------------------------------------------------------------
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.description = ("Train a model whose training state is at least twice this machine's "
+                     "RAM for a few steps, all state on NVMe; report peak RSS, step time, "
+                     "bytes moved and the disk-bandwidth lower bound.")
+    p.add_argument("--params", default="auto", help="parameters: 'auto' (training state "
+                   "twice the RAM: ~3B on 24 GiB in bf16) or a count such as 200M or 3B")
+    p.add_argument("--d-model", type=int, default=2048, help="width; depth follows --params "
+                   "(default 2048)")
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16",
+                   help="compute dtype (default bf16: 18 bytes of state per parameter)")
+    p.add_argument("--steps", type=int, default=2, help="optimizer steps (default 2)")
+    p.add_argument("--batch", type=int, default=1, help="sequences per step (default 1)")
+    p.add_argument("--length", type=int, default=16, help="tokens to reverse (default 16; "
+                   "activations are not offloaded, so few tokens keep them small)")
+    p.add_argument("--device-budget", default="512MiB", help="device tier (default 512MiB)")
+    p.add_argument("--host-budget", default="1GiB", help="host tier (default 1GiB)")
+    p.add_argument("--io-buffers", default="512MiB", help="I/O staging (default 512MiB)")
+    p.add_argument("--swap-dir", default="offload-swap", help="where swap files go; the run "
+                   "uses a new sub-directory and removes it (default ./offload-swap)")
+    p.add_argument("--probe", default="1GiB", help="bytes of the disk-bandwidth probe")
+    p.add_argument("--malloc", choices=["tuned", "default"], default="tuned",
+                   help="tuned: freed buffers of 1 MiB or more go back to the OS at once "
+                   "(see tune_malloc); default: glibc's own sliding threshold")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+
+
+def build_spec(args: argparse.Namespace) -> BenchSpec:
+    if args.steps < 1 or args.batch < 1 or args.length < 1 or args.d_model % 128:
+        raise SystemExit("offload bench oversized: --steps, --batch, --length must be >= 1 "
+                         "and --d-model a multiple of 128")
+    return BenchSpec(
+        model=model_for(parse_count(args.params, args.dtype), args.d_model, args.length),
+        dtype=args.dtype, steps=args.steps, batch=args.batch, length=args.length,
+        device_budget=parse_bytes(args.device_budget, "--device-budget"),
+        host_budget=parse_bytes(args.host_budget, "--host-budget"),
+        io_buffers=parse_bytes(args.io_buffers, "--io-buffers"),
+        swap_root=Path(args.swap_dir).absolute(), probe_bytes=parse_bytes(args.probe, "--probe"))
+
+
+def _free(path: Path) -> int:
+    while not path.exists():
+        path = path.parent
+    return shutil.disk_usage(path).free
+
+
+def run(args: argparse.Namespace) -> int:
+    spec = build_spec(args)
+    m, ram = spec.model, ram_bytes()
+    say = (lambda s: print(s, file=sys.stderr, flush=True)) if args.json else \
+        (lambda s: print(s, flush=True))
+    say(f"offload bench oversized: {m.params / 1e9:.2f}B parameters ({m.n_layer} layers, "
+        f"d_model {m.d_model}), {args.dtype}: training state {format_bytes(spec.state_bytes)}"
+        f" = {spec.state_bytes / ram:.1f}x this machine's RAM ({format_bytes(ram)})")
+    say(f"  budgets: device {format_bytes(spec.device_budget)}, host "
+        f"{format_bytes(spec.host_budget)}, I/O staging {format_bytes(spec.io_buffers)}: "
+        f"{format_bytes(spec.budgets)} of host memory; peak RSS must stay under "
+        f"{format_bytes(spec.budgets + RSS_SLACK)}")
+    need, free = spec.disk_needed(), _free(spec.swap_root)
+    if free < need:
+        print(f"offload bench oversized: {spec.swap_root} has {format_bytes(free)} free, the "
+              f"swap files need about {format_bytes(need)}; give --swap-dir on a bigger disk "
+              "or lower --params", file=sys.stderr)
+        return 1
+    say(f"  swap: {spec.swap_root}/{DIR_PREFIX}<pid>, about {format_bytes(need)} of "
+        f"{format_bytes(free)} free; removed at the end")
+    if args.malloc == "tuned" and not tune_malloc():
+        say("  (could not fix the malloc mmap threshold: not glibc)")
+    old = signal.signal(signal.SIGTERM, _exit_on_sigterm)  # so `finally` removes the swap files
+    try:
+        result = run_oversized(spec, say)
+    except BaseException as e:  # Ctrl-C may arrive wrapped (the optimizer's OptimStepError)
+        code = signal_exit_code(e)
+        if code is None:
+            raise
+        print("interrupted; swap files removed", file=sys.stderr)
+        return code
+    finally:
+        signal.signal(signal.SIGTERM, old)
+    result.update(_verdict(spec, result, ram))
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        render(spec, result)
+    return 0 if result["rss_ok"] else 1
+
+
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _verdict(spec: BenchSpec, r: dict[str, Any], ram: int) -> dict[str, Any]:
+    steps = r["steps"]
+    last = steps[-1]
+    peak = max(r["init_peak_rss"], r["step_peak_rss"])
+    m = spec.model
+    return {"params": m.params, "n_layer": m.n_layer, "d_model": m.d_model, "dtype": spec.dtype,
+            "state_bytes": spec.state_bytes, "ram_bytes": ram,
+            "state_over_ram": spec.state_bytes / ram, "budgets_bytes": spec.budgets,
+            "rss_limit_bytes": spec.budgets + RSS_SLACK, "peak_rss_bytes": peak,
+            "rss_ok": peak <= spec.budgets + RSS_SLACK,
+            "step_seconds": last["seconds"], "bound_seconds": last["bound_s"],
+            "bound_ratio": last["bound_s"] / last["seconds"]}
+
+
+def render(spec: BenchSpec, r: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"offload bench oversized: {r['params'] / 1e9:.2f}B parameters, state "
+              f"{r['state_over_ram']:.1f}x RAM")
+    for col in ("step", "time s", "fwd/bwd/opt s", "NVMe read", "NVMe written",
+                "proc io r/w", "bound s", "bound/time"):
+        t.add_column(col, justify="right")
+    for s in r["steps"]:
+        t.add_row(str(s["step"]), f"{s['seconds']:.1f}",
+                  f"{s['forward_s']:.1f}/{s['backward_s']:.1f}/{s['optimizer_s']:.1f}",
+                  format_bytes(s["read"]), format_bytes(s["written"]),
+                  f"{s['proc_read'] / GiB:.1f}/{s['proc_written'] / GiB:.1f} GiB",
+                  f"{s['bound_s']:.1f}", f"{s['bound_s'] / s['seconds']:.2f}")
+    con = Console(width=None if sys.stdout.isatty() else 110)
+    con.print(t)
+    ok = "[green]ok[/green]" if r["rss_ok"] else "[red]OVER[/red]"
+    con.print(f"peak RSS: placing {format_bytes(r['init_peak_rss'])}, stepping "
+              f"{format_bytes(r['step_peak_rss'])}; limit {format_bytes(r['rss_limit_bytes'])} "
+              f"(budgets {format_bytes(r['budgets_bytes'])} + 0.5 GiB): {ok}")
+    con.print(f"disk: read {r['read_Bps'] / 1e9:.2f} GB/s, write {r['write_Bps'] / 1e9:.2f} "
+              f"GB/s; bound = read bytes / read bandwidth + written bytes / write bandwidth")
+    con.print(f"placing the model took {r['init_seconds']:.0f} s; swap files "
+              + ("removed" if r["swap_removed"] else "[red]NOT removed[/red]")
+              + f" ({r['swap_dir']})")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="offload bench oversized")
+    add_arguments(p)
+    return run(p.parse_args(argv))

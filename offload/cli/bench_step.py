@@ -1,0 +1,652 @@
+"""`offload bench step`: a whole training step, offload against DeepSpeed ZeRO-3, interleaved.
+
+The same model (an MLP of `--layers` Linear(dim, dim) with ReLU between, fp32,
+batch `--batch`, MSE loss against a fixed target), the same data and the same
+placement run by offload and, where it is installed, by DeepSpeed ZeRO-3 (one
+process, gloo, its CPU accelerator). Each (system, placement) run is a
+subprocess of its own, so its peak RSS is its own; it builds the model without
+materialising it whole (offload: on `meta`; DeepSpeed: under
+`deepspeed.zero.Init`), runs `--warmup` untimed steps, then `--steps` timed
+ones. Rounds interleave the systems (A B A B) so drift of the machine and the
+disk hits both alike; rows report the median over rounds of each run's median
+step.
+
+Placements (offload keys; DeepSpeed's equivalent in brackets):
+  none  params and grads on the device tier, optimizer state on the host,
+        budgets large enough for everything [ZeRO-3, no offload];
+  host  params, grads and optimizer state on the host [offload_param and
+        offload_optimizer device "cpu"];
+  nvme  params and optimizer state on NVMe, grads on the host, with
+        store.host_budget below the state so parameters really stream
+        [offload_param and offload_optimizer device "nvme", max_in_cpu 0].
+
+Bytes read and written per step are the worker process's own
+`/proc/self/io` read_bytes / write_bytes over the timed steps, the same
+counter for both systems (O_DIRECT traffic included); offload's own accounting
+(store moves plus the optimizer's step results) is reported beside it.
+Peak RSS is the worker's VmHWM: over the whole run, and over the steps alone
+(reset through /proc/self/clear_refs after initialisation).
+
+The lower bound of a run that moves bytes to the disk is
+max(fastest no-offload step, read bytes / disk read bandwidth + written bytes
+/ disk write bandwidth), the bandwidths measured once per round, in the same
+run, with offload's I/O engine (O_DIRECT, the io section's block size and
+queue depth; writes include fdatasync).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from ..config import IoConfig, parse_bytes
+from .benchutil import emit, proc_io, progress_printer, reset_hwm, scratch_dir, vm_hwm
+
+GiB = 1 << 30
+SYSTEMS = ("offload", "deepspeed")
+PLACEMENTS = ("none", "host", "nvme")
+STATE_BYTES_PER_PARAM = 16  # fp32 weights, gradient, Adam's two moments
+BYTES_SOURCE = "/proc/self/io read_bytes/write_bytes of the worker process"
+# Targets on the nvme placement (issue "offload bench step").
+TARGET_VS_DEEPSPEED = 0.5
+TARGET_VS_BOUND = 1.15
+TARGET_RSS_SLACK = 0.5 * GiB
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunSpec:
+    """One (system, placement) run, as the parent hands it to a worker (JSON)."""
+
+    system: str
+    placement: str
+    dim: int
+    layers: int
+    batch: int
+    warmup: int
+    steps: int
+    swap_dir: str               # the run's own directory for swap files
+    out: str                    # the worker writes its result (JSON) here
+    host_budget: int            # bytes: store.host_budget of the nvme placement
+    device_budget: int          # bytes: store.device_budget of the nvme placement
+    buffer_budget: int          # bytes: io.buffer_budget
+    block_size: int             # bytes per I/O request, both systems
+    queue_depth: int            # I/O requests in flight, both systems
+    threads: int = 0            # torch threads; 0: torch's default
+    seed: int = 0
+
+    @property
+    def params(self) -> int:
+        return self.layers * self.dim * (self.dim + 1)
+
+
+# -- placements ---------------------------------------------------------------------------
+def offload_config(spec: RunSpec) -> dict:
+    """The offload config dict of `spec`'s placement."""
+    big = spec.params * STATE_BYTES_PER_PARAM + GiB  # holds everything: nothing waits on room
+    engine = {"none": {"params": "device", "grads": "device", "optimizer": "host"},
+              "host": {"params": "host", "grads": "host", "optimizer": "host"},
+              "nvme": {"params": "nvme", "grads": "host", "optimizer": "nvme"}}[spec.placement]
+    store = {"device_budget": big, "host_budget": big}
+    if spec.placement == "nvme":
+        store = {"device_budget": spec.device_budget, "host_budget": spec.host_budget}
+    return {"engine": {**engine, "dtype": "fp32"},
+            "store": {**store, "device": "cpu"},
+            "io": {"paths": [spec.swap_dir], "buffer_budget": spec.buffer_budget,
+                   "block_size": spec.block_size, "queue_depth": spec.queue_depth},
+            "optim": {"lr": 1e-3, "weight_decay": 0.01}}
+
+
+def deepspeed_config(spec: RunSpec) -> dict:
+    """The DeepSpeed config dict of `spec`'s placement (ZeRO-3, fp32, AdamW)."""
+    zero: dict = {"stage": 3}
+    if spec.placement == "host":
+        zero["offload_param"] = {"device": "cpu", "pin_memory": False}
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
+    elif spec.placement == "nvme":
+        # max_in_cpu 0: parameters live on NVMe, as offload's; with its default (1e9
+        # elements) DeepSpeed would copy every parameter to host memory for good.
+        # One swap buffer must hold the largest parameter.
+        zero["offload_param"] = {"device": "nvme", "nvme_path": spec.swap_dir,
+                                 "pin_memory": False, "buffer_count": 5, "max_in_cpu": 0,
+                                 "buffer_size": spec.dim * spec.dim + spec.dim}
+        zero["offload_optimizer"] = {"device": "nvme", "nvme_path": spec.swap_dir,
+                                     "pin_memory": False, "buffer_count": 4}
+        # Its defaults keep every parameter it will use again (max_reuse_distance 1e9) and
+        # prefetch 5e7 elements, each holding one of the 5 swap buffers: the second step
+        # fails with "Not enough buffers 0 for swapping 1". Release after use, prefetch
+        # two layers, at most three live.
+        layer = spec.dim * spec.dim
+        zero.update(stage3_max_reuse_distance=0, stage3_prefetch_bucket_size=2 * layer,
+                    stage3_max_live_parameters=3 * layer)
+    return {"train_micro_batch_size_per_gpu": spec.batch, "gradient_accumulation_steps": 1,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
+            "zero_optimization": zero,
+            "aio": {"block_size": spec.block_size, "queue_depth": spec.queue_depth,
+                    "single_submit": False, "overlap_events": True},
+            "steps_per_print": 1 << 30, "wall_clock_breakdown": False}
+
+
+def build_mlp(dim: int, layers: int):
+    """`layers` x Linear(dim, dim), ReLU between them."""
+    from torch import nn
+
+    mods: list = []
+    for i in range(layers):
+        mods.append(nn.Linear(dim, dim))
+        if i < layers - 1:
+            mods.append(nn.ReLU())
+    return nn.Sequential(*mods)
+
+
+# -- the worker (one run, in its own process) ---------------------------------------------
+class _OffloadRun:
+    def __init__(self, spec: RunSpec) -> None:
+        import offload
+
+        self.engine = offload.initialize(lambda: build_mlp(spec.dim, spec.layers),
+                                         offload_config(spec))
+
+    def step(self, x, y) -> float:
+        import torch.nn.functional as F
+
+        loss = F.mse_loss(self.engine(x), y)
+        self.engine.backward(loss)
+        self.engine.step()
+        return float(loss.detach())
+
+    def accounted(self) -> tuple[int, int]:
+        """(bytes read, bytes written) to NVMe by the store and the optimizer, so far."""
+        return self.engine.nvme_bytes()
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+class _DeepSpeedRun:
+    def __init__(self, spec: RunSpec) -> None:
+        import socket
+
+        with socket.socket() as s:  # a free port for the one-process gloo group
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                          RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_SIZE="1")
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend="gloo")
+        cfg = deepspeed_config(spec)
+        remote = {"none": None, "host": "cpu", "nvme": "nvme"}[spec.placement]
+        with deepspeed.zero.Init(config_dict_or_path=cfg, remote_device=remote):
+            model = build_mlp(spec.dim, spec.layers)
+        self.engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                               config=cfg)
+
+    def step(self, x, y) -> float:
+        import torch.nn.functional as F
+
+        loss = F.mse_loss(self.engine(x), y)
+        self.engine.backward(loss)
+        self.engine.step()
+        return float(loss.detach())
+
+    def accounted(self) -> None:
+        return None
+
+    def close(self) -> None:
+        self.engine.destroy()
+
+
+def run_worker(spec: RunSpec) -> dict:
+    """Initialises `spec.system`, runs the warm-up and timed steps; the result row."""
+    import torch
+
+    if spec.threads:
+        torch.set_num_threads(spec.threads)
+    t0 = time.perf_counter()
+    run = _OffloadRun(spec) if spec.system == "offload" else _DeepSpeedRun(spec)
+    init_s = time.perf_counter() - t0
+    g = torch.Generator().manual_seed(spec.seed)
+    x = torch.randn(spec.batch, spec.dim, generator=g)
+    y = torch.randn(spec.batch, spec.dim, generator=g)
+    init_peak = vm_hwm()
+    reset = reset_hwm()
+    try:
+        for _ in range(spec.warmup):
+            run.step(x, y)
+        io0, acc0 = proc_io(), run.accounted()
+        times, losses = [], []
+        for _ in range(spec.steps):
+            t = time.perf_counter()
+            losses.append(run.step(x, y))
+            times.append(time.perf_counter() - t)
+        io1, acc1 = proc_io(), run.accounted()
+        steps_peak = vm_hwm()
+    finally:
+        run.close()
+    row = {"system": spec.system, "placement": spec.placement, "init_s": init_s,
+           "step_s": times, "losses": losses,
+           "peak_rss_bytes": max(init_peak, steps_peak),
+           "steps_peak_rss_bytes": steps_peak if reset else None,
+           "read_bytes": io1[0] - io0[0], "write_bytes": io1[1] - io0[1]}
+    if acc0 is not None:
+        row["accounted_read_bytes"] = acc1[0] - acc0[0]
+        row["accounted_write_bytes"] = acc1[1] - acc0[1]
+    return row
+
+
+def _worker_main(spec_json: str) -> int:
+    spec = RunSpec(**json.loads(spec_json))
+    row = run_worker(spec)
+    with open(spec.out, "w") as f:
+        json.dump(row, f)
+    return 0
+
+
+# -- the parent: rounds of worker processes -----------------------------------------------
+class _DiskProbe:
+    """Times a write (with fdatasync) and then a read of `nbytes` through offload's I/O
+    engine with O_DIRECT, as the runs' swap traffic goes."""
+
+    def __init__(self, io_cfg: IoConfig, directory: str, nbytes: int) -> None:
+        import torch
+
+        from ..io import BufferPool, make_engine
+
+        self.engine = make_engine(io_cfg)
+        self.n = max(4096, nbytes // 4096 * 4096)
+        self.pool = BufferPool(self.n, pin=None)
+        self.buf = self.pool.alloc(self.n, tag="bench-step-disk")
+        # incompressible bytes: virtual disks turn zero writes into unmaps (see bench io)
+        self.buf.tensor[:] = torch.randint(0, 256, (self.n,), dtype=torch.uint8)
+        self.path = os.path.join(directory, "offload-bench-step-disk.dat")
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT
+                          | (os.O_DIRECT if self.engine.direct else 0), 0o600)
+        os.posix_fallocate(self.fd, 0, self.n)
+
+    def measure(self) -> tuple[float, float]:
+        """(write, read) bandwidth in bytes/s."""
+        t = time.perf_counter()
+        self.engine.write(self.fd, self.path, 0, self.buf.address, self.n,
+                          keepalive=self.buf).wait()
+        w = time.perf_counter() - t
+        t = time.perf_counter()
+        self.engine.read(self.fd, self.path, 0, self.buf.address, self.n,
+                         keepalive=self.buf).wait()
+        return self.n / w, self.n / (time.perf_counter() - t)
+
+    def close(self) -> None:
+        os.close(self.fd)
+        os.unlink(self.path)
+        self.buf.release()
+        self.pool.close()
+        self.engine.close()
+
+
+def _spawn(spec: RunSpec, timeout: float) -> dict:
+    """Runs one worker process; its result row, or {"error": why}."""
+    root = str(Path(__file__).resolve().parents[2])  # the directory holding `offload/`
+    env = {**os.environ, "DS_ACCELERATOR": "cpu",
+           "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
+    cmd = [sys.executable, "-m", "offload.cli.bench_step", "--worker", json.dumps(asdict(spec))]
+    log_path = spec.swap_dir + ".log"
+    try:
+        with open(log_path, "w") as log:
+            rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                timeout=timeout).returncode
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout:.0f} s"}
+    with open(log_path, errors="replace") as f:
+        lines = [ln.strip() for ln in f if ln.strip()]
+    last = lines[-1][:300] if lines else "no output"
+    if not os.path.exists(spec.out):
+        return {"error": f"worker exited with {rc}: {last}"}
+    with open(spec.out) as f:
+        row = json.load(f)
+    if rc != 0:  # e.g. DeepSpeed's aio threads abort at interpreter exit
+        row["exit"] = f"exited with {rc} after writing its result: {last}"
+    return row
+
+
+@dataclass
+class _Runs:
+    """What one (system, placement) gave over the rounds."""
+
+    system: str
+    placement: str
+    samples: list[dict] = field(default_factory=list)
+    note: str | None = None     # why it has no (more) rounds; later rounds skip it
+    remarks: list[str] = field(default_factory=list)  # said of rounds that did count
+
+
+def _median_or_none(values: list) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def _row(runs: _Runs) -> dict:
+    row: dict = {"system": runs.system, "placement": runs.placement, "median_step_s": None,
+                 "peak_rss_GiB": None, "read_bytes_per_step": None,
+                 "write_bytes_per_step": None}
+    s = runs.samples
+    if s:
+        per_round = [statistics.median(x["step_s"]) for x in s]
+        nsteps = len(s[0]["step_s"])
+        steps_peak = [x["steps_peak_rss_bytes"] for x in s]
+        row.update(
+            median_step_s=statistics.median(per_round), round_step_s=per_round,
+            peak_rss_GiB=max(x["peak_rss_bytes"] for x in s) / GiB,
+            steps_peak_rss_GiB=None if None in steps_peak else max(steps_peak) / GiB,
+            read_bytes_per_step=statistics.median(x["read_bytes"] / nsteps for x in s),
+            write_bytes_per_step=statistics.median(x["write_bytes"] / nsteps for x in s),
+            init_s=statistics.median(x["init_s"] for x in s),
+            first_loss=s[0]["losses"][0], last_loss=s[0]["losses"][-1])
+        if "accounted_read_bytes" in s[0]:
+            row["accounted_read_bytes_per_step"] = statistics.median(
+                x["accounted_read_bytes"] / nsteps for x in s)
+            row["accounted_write_bytes_per_step"] = statistics.median(
+                x["accounted_write_bytes"] / nsteps for x in s)
+    said = [runs.note] if runs.note else []
+    row["note"] = "; ".join(said + sorted(set(runs.remarks))) or None
+    return row
+
+
+def _add_bounds(rows: list[dict], disk: dict | None) -> float | None:
+    """Adds `bound_s` and `step_over_bound` to every offloading row; returns the
+    compute term (the fastest no-offload step), None when no such step ran."""
+    none_steps = [r["median_step_s"] for r in rows
+                  if r["placement"] == "none" and r["median_step_s"] is not None]
+    t_none = min(none_steps) if none_steps else None
+    for r in rows:
+        if r["placement"] == "none" or r["median_step_s"] is None:
+            continue
+        io_s = None
+        if disk is not None:
+            io_s = (r["read_bytes_per_step"] / (disk["read_GBps"] * 1e9)
+                    + r["write_bytes_per_step"] / (disk["write_GBps"] * 1e9))
+        terms = [t for t in (t_none, io_s) if t is not None]
+        if terms:
+            r["io_bound_s"] = io_s
+            r["bound_s"] = max(terms)
+            r["step_over_bound"] = r["median_step_s"] / r["bound_s"]
+    return t_none
+
+
+def _targets(rows: list[dict], host_budget: int) -> list[dict]:
+    """The issue's targets on the nvme placement, for those whose rows ran."""
+    get = {(r["system"], r["placement"]): r for r in rows}
+    off, ds = get.get(("offload", "nvme")), get.get(("deepspeed", "nvme"))
+    if off is None or off["median_step_s"] is None:
+        return []
+    out = []
+    if ds is not None and ds["median_step_s"] is not None:
+        v = off["median_step_s"] / ds["median_step_s"]
+        out.append({"target": f"offload nvme step <= {TARGET_VS_DEEPSPEED}x DeepSpeed's",
+                    "value": v, "limit": TARGET_VS_DEEPSPEED, "met": v <= TARGET_VS_DEEPSPEED})
+    if "step_over_bound" in off:
+        v = off["step_over_bound"]
+        out.append({"target": f"offload nvme step <= {TARGET_VS_BOUND}x the lower bound",
+                    "value": v, "limit": TARGET_VS_BOUND, "met": v <= TARGET_VS_BOUND})
+    limit = (host_budget + TARGET_RSS_SLACK) / GiB
+    out.append({"target": "offload nvme peak RSS <= store.host_budget + 0.5 GiB (GiB)",
+                "value": off["peak_rss_GiB"], "limit": limit,
+                "met": off["peak_rss_GiB"] <= limit})
+    return out
+
+
+def _choices(text: str, allowed: tuple[str, ...], flag: str) -> tuple[str, ...]:
+    picked = tuple(x.strip() for x in text.split(",") if x.strip())
+    bad = [x for x in picked if x not in allowed]
+    if bad or not picked:
+        raise SystemExit(f"offload bench step: {flag} takes a comma list of "
+                         f"{', '.join(allowed)}; got {text!r}")
+    return tuple(x for x in allowed if x in picked)  # canonical order
+
+
+def _deepspeed_status() -> tuple[str | None, str]:
+    """(version, "") when deepspeed is importable, else (None, why not)."""
+    try:
+        found = importlib.util.find_spec("deepspeed") is not None
+    except (ImportError, ValueError):  # a broken install, or sys.modules["deepspeed"] = None
+        found = False
+    if not found:
+        return None, ("deepspeed is not installed (apt-get install libaio-dev; "
+                      "pip install deepspeed)")
+    from importlib.metadata import version
+
+    return version("deepspeed"), ""
+
+
+def _check_disk(path: str, need: int) -> None:
+    from ..io import probe_direct
+
+    ok, why = probe_direct(path)
+    if not ok:
+        raise SystemExit(f"offload bench step: {why}; the nvme placement needs O_DIRECT: give "
+                         "--path on a disk-backed file system")
+    free = shutil.disk_usage(path).free
+    if free < need:
+        raise SystemExit(f"offload bench step: {path} has {free / GiB:.1f} GiB free, the nvme "
+                         f"placement needs {need / GiB:.1f} GiB; lower --dim or --layers")
+
+
+def _base_spec(args: argparse.Namespace) -> dict:
+    """The RunSpec fields every run shares, checked."""
+    if min(args.dim, args.layers, args.batch, args.steps, args.rounds) < 1 or args.warmup < 0:
+        raise SystemExit("offload bench step: --dim, --layers, --batch, --steps and --rounds "
+                         "must be >= 1, --warmup >= 0")
+    io = IoConfig()  # both systems use offload's default request size and queue depth
+    return dict(dim=args.dim, layers=args.layers, batch=args.batch, warmup=args.warmup,
+                steps=args.steps, host_budget=parse_bytes(args.host_budget, "--host-budget"),
+                device_budget=parse_bytes(args.device_budget, "--device-budget"),
+                buffer_budget=parse_bytes(args.buffer_budget, "--buffer-budget"),
+                block_size=io.block_size, queue_depth=io.queue_depth, threads=args.threads)
+
+
+def _rounds(runs: dict[tuple[str, str], _Runs], work: str, base: dict, state: int,
+            args: argparse.Namespace, progress) -> dict | None:
+    """Runs every round (disk probe first, then A B A B); returns the disk's median
+    bandwidths, None when no placement needed the disk."""
+    probe = None
+    writes: list[float] = []
+    reads: list[float] = []
+    try:
+        if any(p == "nvme" for _, p in runs):
+            disk_n = min(parse_bytes(args.disk_size, "--disk-size"), max(64 << 20, state))
+            _check_disk(work, 2 * state + disk_n + GiB)
+            probe = _DiskProbe(IoConfig(paths=[work]), work, disk_n)
+        for r in range(args.rounds):
+            if probe is not None:
+                w, rd = probe.measure()
+                writes.append(w)
+                reads.append(rd)
+                if progress:
+                    progress(f"round {r + 1}/{args.rounds}: disk write {w / 1e9:.2f} GB/s, "
+                             f"read {rd / 1e9:.2f} GB/s")
+            for one in runs.values():  # placement by placement, the systems alternating
+                if not one.note:  # one that failed (or cannot run) said why once
+                    _run_once(one, r, work, base, args, progress)
+        if probe is None:
+            return None
+        return {"engine": probe.engine.name, "direct": probe.engine.direct, "size": probe.n,
+                "write_GBps": statistics.median(writes) / 1e9,
+                "read_GBps": statistics.median(reads) / 1e9}
+    finally:
+        if probe is not None:
+            probe.close()
+
+
+def run_step_bench(args: argparse.Namespace, path: str, progress=None) -> dict:
+    """Runs the benchmark with swap files under directory `path`; the JSON-ready result."""
+    import torch
+
+    systems = _choices(args.system, SYSTEMS, "--system")
+    placements = _choices(args.placement, PLACEMENTS, "--placement")
+    base = _base_spec(args)
+    params = args.layers * args.dim * (args.dim + 1)
+    state = params * STATE_BYTES_PER_PARAM
+    ds_version, ds_why = _deepspeed_status() if "deepspeed" in systems else (None, "")
+    runs = {(s, p): _Runs(s, p, note=ds_why if s == "deepspeed" and ds_why else None)
+            for p in placements for s in systems}
+    os.makedirs(path, exist_ok=True)
+    work = tempfile.mkdtemp(prefix=".offload-bench-step-", dir=path)
+    try:
+        disk = _rounds(runs, work, base, state, args, progress)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    rows = [_row(one) for one in runs.values()]
+    t_none = _add_bounds(rows, disk)
+    notes = []
+    if t_none is None and any(r.get("bound_s") for r in rows):
+        notes.append("no none-placement step ran: the bound has no compute term")
+    return {"benchmark": "step",
+            "model": {"kind": "mlp", "dim": args.dim, "layers": args.layers,
+                      "batch": args.batch, "dtype": "fp32", "params": params,
+                      "state_bytes": state},
+            "rounds": args.rounds, "steps": args.steps, "warmup": args.warmup,
+            "threads": args.threads or torch.get_num_threads(), "torch": torch.__version__,
+            "deepspeed": ds_version,
+            "nvme_budgets": {k: base[k] for k in ("host_budget", "device_budget",
+                                                  "buffer_budget")},
+            "io": {"block_size": base["block_size"], "queue_depth": base["queue_depth"]},
+            "disk": disk, "none_step_s": t_none, "bytes_source": BYTES_SOURCE,
+            "results": rows, "targets": _targets(rows, base["host_budget"]), "notes": notes}
+
+
+def _run_once(one: _Runs, r: int, work: str, base: dict, args: argparse.Namespace,
+              progress) -> None:
+    """Round `r` of one (system, placement): a worker in its own swap directory."""
+    tag = f"{one.system}-{one.placement}-r{r}"
+    swap = os.path.join(work, tag)
+    os.makedirs(swap)
+    spec = RunSpec(system=one.system, placement=one.placement, swap_dir=swap,
+                   out=os.path.join(work, tag + ".json"), seed=args.seed, **base)
+    try:
+        res = _spawn(spec, args.timeout)
+    finally:
+        shutil.rmtree(swap, ignore_errors=True)
+    if "error" in res:
+        one.note = f"round {r + 1}: {res['error']}"
+        if progress:
+            progress(f"round {r + 1}/{args.rounds}: {one.system} {one.placement}: "
+                     f"{res['error']}")
+        return
+    one.samples.append(res)
+    if "exit" in res:
+        one.remarks.append("worker " + res["exit"])
+    if progress:
+        n = len(res["step_s"])
+        progress(f"round {r + 1}/{args.rounds}: {one.system:9s} {one.placement:4s}: step "
+                 f"{statistics.median(res['step_s']):.3f} s (init {res['init_s']:.1f} s), "
+                 f"peak RSS {res['peak_rss_bytes'] / GiB:.2f} GiB, read "
+                 f"{res['read_bytes'] / n / 1e6:.0f} MB/step, write "
+                 f"{res['write_bytes'] / n / 1e6:.0f} MB/step")
+
+
+def _fmt(v: float | None, spec: str) -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def render(result: dict) -> None:
+    """Prints the result as a rich table."""
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console()
+    m = result["model"]
+    t = Table(title=f"offload bench step: {m['layers']} x Linear({m['dim']}, {m['dim']}) fp32, "
+                    f"batch {m['batch']}, {m['params'] / 1e6:.0f}M params "
+                    f"({m['state_bytes'] / 1e9:.2f} GB of state); median of "
+                    f"{result['rounds']} interleaved rounds x {result['steps']} steps")
+    for col in ("system", "placement", "step s", "x bound", "RSS GiB", "step RSS",
+                "MB r/w"):
+        t.add_column(col, justify="left" if col in ("system", "placement") else "right",
+                     no_wrap=True)
+    for r in result["results"]:
+        rw = "-" if r["read_bytes_per_step"] is None else \
+            f"{r['read_bytes_per_step'] / 1e6:.0f}/{r['write_bytes_per_step'] / 1e6:.0f}"
+        t.add_row(r["system"], r["placement"], _fmt(r["median_step_s"], ".3f"),
+                  _fmt(r.get("step_over_bound"), ".2f"), _fmt(r["peak_rss_GiB"], ".2f"),
+                  _fmt(r.get("steps_peak_rss_GiB"), ".2f"), rw)
+    con.print(t)
+    con.print(f"RSS: the worker's peak (VmHWM) over the whole run; step RSS: over the steps "
+              f"alone. MB r/w: MB read / written per step, from {result['bytes_source']}")
+    d = result["disk"]
+    if d:
+        con.print(f"disk ({d['engine']}, {'O_DIRECT' if d['direct'] else 'buffered'}, "
+                  f"{result['io']['block_size'] >> 20} MiB x {result['io']['queue_depth']}): "
+                  f"write {d['write_GBps']:.2f} GB/s, read {d['read_GBps']:.2f} GB/s")
+    for r in result["results"]:
+        if r.get("bound_s") is not None:
+            io = r["io_bound_s"]
+            con.print(f"{r['system']} {r['placement']}: bound {r['bound_s']:.3f} s = max(none "
+                      f"step {_fmt(result['none_step_s'], '.3f')} s, disk "
+                      f"{_fmt(io, '.3f')} s); step / bound = {r['step_over_bound']:.2f}")
+        if r.get("accounted_read_bytes_per_step") is not None:
+            con.print(f"{r['system']} {r['placement']}: own accounting "
+                      f"{r['accounted_read_bytes_per_step'] / 1e6:.0f} MB read, "
+                      f"{r['accounted_write_bytes_per_step'] / 1e6:.0f} MB written per step")
+    for tg in result["targets"]:
+        con.print(f"target: {tg['target']}: {tg['value']:.2f} vs {tg['limit']:.2f} -> "
+                  + ("[green]met[/green]" if tg["met"] else "[red]missed[/red]"))
+    for r in result["results"]:
+        if r["note"]:
+            con.print(f"note: {r['system']} {r['placement']}: {r['note']}")
+    for note in result["notes"]:
+        con.print(f"note: {note}")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dim", type=int, default=4096, help="features of every Linear (default 4096)")
+    p.add_argument("--layers", type=int, default=6, help="Linear layers (default 6)")
+    p.add_argument("--batch", type=int, default=16, help="rows per step (default 16)")
+    p.add_argument("--steps", type=int, default=5, help="timed steps per run (default 5)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
+    p.add_argument("--system", default="offload,deepspeed",
+                   help="comma list of offload, deepspeed (default both)")
+    p.add_argument("--placement", default="none,host,nvme",
+                   help="comma list of none, host, nvme (default all)")
+    p.add_argument("--path", default=None, help="directory for the swap files (default: a "
+                   "temporary directory under the current one)")
+    p.add_argument("--host-budget", default="512MiB",
+                   help="nvme placement: store.host_budget (default 512MiB)")
+    p.add_argument("--device-budget", default="256MiB",
+                   help="nvme placement: store.device_budget (default 256MiB)")
+    p.add_argument("--buffer-budget", default="256MiB",
+                   help="io.buffer_budget of every placement (default 256MiB)")
+    p.add_argument("--disk-size", default="1GiB", help="bytes of the disk-bandwidth probe "
+                   "(default 1GiB, at most the model's state)")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the batch (default 0)")
+    p.add_argument("--timeout", type=float, default=1800,
+                   help="seconds one run may take before it is killed (default 1800)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+
+
+def run(args: argparse.Namespace) -> int:
+    with scratch_dir(args.path) as path:
+        result = run_step_bench(args, path, progress_printer(args.json))
+    return emit(result, args.json, render)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--worker"] and len(argv) == 2:
+        return _worker_main(argv[1])
+    p = argparse.ArgumentParser(prog="offload bench step", description=__doc__.split("\n\n")[0])
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

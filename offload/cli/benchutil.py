@@ -1,0 +1,67 @@
+"""What every benchmark command shares: a scratch directory, its output, and the
+process counters (peak RSS, storage bytes) read from /proc."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+from typing import Any, Callable, Iterator
+
+__all__ = ["scratch_dir", "emit", "progress_printer", "vm_hwm", "reset_hwm", "proc_io"]
+
+
+@contextlib.contextmanager
+def scratch_dir(path: str | None) -> Iterator[str]:
+    """`path`, or a temporary directory under the current one that is removed after."""
+    if path is not None:
+        yield path
+        return
+    tmp = tempfile.mkdtemp(prefix=".offload-bench-", dir=os.getcwd())
+    try:
+        yield tmp
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def progress_printer(quiet: bool) -> Callable[[str], None] | None:
+    """Progress lines go to stderr (stdout is kept for the table or the JSON)."""
+    return None if quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
+
+
+def emit(result: dict[str, Any], as_json: bool, render: Callable[[dict[str, Any]], None]) -> int:
+    """Prints `result` as one JSON object or through `render`; returns the exit code."""
+    if as_json:
+        print(json.dumps(result, indent=1))
+    else:
+        render(result)
+    return 0
+
+
+def vm_hwm() -> int:
+    """Peak resident set size (bytes) since the start or the last `reset_hwm`."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("/proc/self/status has no VmHWM line")
+
+
+def reset_hwm() -> bool:
+    """Resets VmHWM to the current RSS (Linux >= 4.0); False where it is not allowed."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def proc_io() -> tuple[int, int]:
+    """(read_bytes, write_bytes) this process caused at the storage layer."""
+    with open("/proc/self/io") as f:
+        fields = dict(line.split(": ") for line in f.read().splitlines())
+    return int(fields["read_bytes"]), int(fields["write_bytes"])

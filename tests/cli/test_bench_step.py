@@ -1,0 +1,80 @@
+"""`offload bench step` as a user runs it: real worker processes, real swap files.
+
+Runs offload alone (DeepSpeed is optional and not needed here) on a tiny MLP.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+BENCH = [sys.executable, "-m", "offload.cli.bench_step"]
+TINY = ["--dim", "256", "--layers", "2", "--batch", "4", "--steps", "2", "--warmup", "1",
+        "--rounds", "1", "--system", "offload", "--disk-size", "8MiB"]
+ROW_KEYS = {"system", "placement", "median_step_s", "peak_rss_GiB", "read_bytes_per_step",
+            "write_bytes_per_step", "note"}
+
+
+def _run(args, tmp_path, timeout=120):
+    return subprocess.run(BENCH + TINY + ["--path", str(tmp_path)] + args,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_json_rows_per_placement(tmp_path):
+    out = _run(["--json"], tmp_path)
+    assert out.returncode == 0, out.stderr
+    res = json.loads(out.stdout)
+    assert res["benchmark"] == "step" and res["model"]["dim"] == 256
+    assert res["bytes_source"].startswith("/proc/self/io")
+    rows = {(r["system"], r["placement"]): r for r in res["results"]}
+    assert set(rows) == {("offload", p) for p in ("none", "host", "nvme")}
+    for r in rows.values():
+        assert set(r) >= ROW_KEYS, r
+        assert r["note"] is None, r["note"]
+        assert r["median_step_s"] > 0 and r["peak_rss_GiB"] > 0
+        assert r["last_loss"] < r["first_loss"]  # it trains
+    nvme = rows[("offload", "nvme")]
+    # the optimizer state (12 B/param) goes to the disk and back every step
+    assert nvme["read_bytes_per_step"] >= 12 * res["model"]["params"]
+    assert nvme["write_bytes_per_step"] >= 12 * res["model"]["params"]
+    assert rows[("offload", "none")]["write_bytes_per_step"] < nvme["write_bytes_per_step"]
+    assert nvme["bound_s"] > 0 and nvme["step_over_bound"] > 0
+    assert res["disk"]["read_GBps"] > 0 and res["disk"]["write_GBps"] > 0
+    # without DeepSpeed rows, the targets that need only offload's row are still judged
+    assert [t["limit"] for t in res["targets"]] == [1.15, 1.0]
+    assert all(isinstance(t["met"], bool) for t in res["targets"])
+    assert os.listdir(tmp_path) == []  # swap files and worker files are gone
+
+
+def test_table_and_selection(tmp_path):
+    out = _run(["--placement", "host"], tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "offload bench step" in out.stdout and "host" in out.stdout
+    assert "nvme" not in out.stdout.split("RSS:")[0]  # only the selected placement ran
+
+
+def test_bad_selection_is_clear(tmp_path):
+    out = _run(["--system", "megatron"], tmp_path, timeout=60)
+    assert out.returncode != 0 and "--system takes a comma list" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_missing_deepspeed_rows_say_why(tmp_path, monkeypatch):
+    """Without DeepSpeed its rows carry a note and no numbers, never a made-up figure."""
+    from offload.cli import bench_step
+
+    monkeypatch.setattr(bench_step, "_deepspeed_status",
+                        lambda: (None, "deepspeed is not installed"))
+    p = argparse.ArgumentParser()
+    bench_step.add_arguments(p)
+    args = p.parse_args(["--dim", "256", "--layers", "2", "--steps", "1", "--rounds", "1",
+                         "--system", "deepspeed", "--placement", "host,nvme",
+                         "--disk-size", "8MiB"])
+    res = bench_step.run_step_bench(args, str(tmp_path))
+    assert [(r["system"], r["placement"]) for r in res["results"]] == \
+        [("deepspeed", "host"), ("deepspeed", "nvme")]
+    for r in res["results"]:
+        assert r["median_step_s"] is None and r["read_bytes_per_step"] is None
+        assert r["note"] == "deepspeed is not installed"
+    assert res["targets"] == [] and res["deepspeed"] is None
