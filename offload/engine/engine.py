@@ -28,6 +28,7 @@ import logging
 import math
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
@@ -46,6 +47,7 @@ log = logging.getLogger(__name__)
 
 __all__ = ["OffloadEngine"]
 
+EARLY_UPDATES_IN_FLIGHT = 2  # groups whose gradients wait for the update thread, at most
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _TIERS = {"device": Tier.DEVICE, "host": Tier.HOST, "nvme": Tier.NVME}
 
@@ -297,6 +299,11 @@ class OffloadEngine(nn.Module):
                 grad = shard_grad.cpu()
             self._has_grad.add(gid)
             self._early.append(self._updater.submit(self._update_group, gid, grad, None))
+            # Backpressure: each queued update holds its gradient; where updates are
+            # slower than backward (I/O-bound), backward waits rather than piling them up.
+            live = [f for f in self._early if not f.done()]
+            if len(live) > EARLY_UPDATES_IN_FLIGHT:
+                futures_wait(live[:len(live) - EARLY_UPDATES_IN_FLIGHT])
             return
         self._accumulate(gid, shard_grad)
 
