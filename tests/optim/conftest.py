@@ -5,18 +5,10 @@ import pytest
 import torch
 
 from offload.config import OptimConfig
-from offload.io import AioEngine, BufferPool, SwapSpace, ThreadEngine, libaio_status
+from offload.io import BufferPool, SwapSpace
 from offload.optim import CpuAdam
 
-AIO_OK, AIO_WHY = libaio_status()
-ENGINES = ["threads", pytest.param("aio", marks=pytest.mark.skipif(not AIO_OK, reason=AIO_WHY))]
-
-
-def build_engine(name: str):
-    if name == "aio":
-        return AioEngine(block_size=64 << 10, queue_depth=8)
-    return ThreadEngine(threads=4, block_size=64 << 10, queue_depth=8)
-
+from ..io.conftest import ENGINES, build_engine  # noqa: F401  (the same engines as the I/O tests)
 
 @pytest.fixture
 def pool():
