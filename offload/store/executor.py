@@ -257,7 +257,11 @@ class MoveExecutor:
         """Drops `rec`'s clean copy in `tier`, or starts writing its dirty one down without
         waiting; returns the bytes freed or on their way (0: no room below yet)."""
         args = {"key": str(rec.key), "tier": tier.name, "bytes": rec.footprint}
-        if len(rec.valid) > 1:
+        # A clean copy on a CPU device tier is handed down to HOST when HOST has room
+        # now: it costs no copy, and the next fetch finds it there instead of on disk.
+        keep = (tier is Tier.DEVICE and self._dev.hand_over and Tier.HOST not in rec.valid
+                and self._acct.fits({Tier.HOST: rec.footprint}))
+        if len(rec.valid) > 1 and not keep:
             self._release(tier, rec, rec.drop(tier))
             self._acct.evictions += 1
             self._acct.drops += 1
@@ -266,7 +270,9 @@ class MoveExecutor:
         lower = tier.lower
         steps = plan_evict(rec.valid, lower, self._dev.hand_over)
         needs = needs_of(steps, rec.footprint)
-        if not self._acct.fits(needs):
+        if keep:
+            pass  # fits HOST as checked above: never evicts there to keep a clean copy
+        elif not self._acct.fits(needs):
             self._make_room(needs, exclude | {rec.key}, victims)
             if not self._acct.fits(needs):
                 return 0
