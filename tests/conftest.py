@@ -1,7 +1,29 @@
-"""Tests marked `gpu` run only where CUDA is present; elsewhere they are skipped."""
+"""Shared by every test package: `gpu` tests skip without CUDA, and the I/O
+engines (threads always, aio where libaio loads) as a parametrised fixture."""
 
 import pytest
 import torch
+
+from offload.io import AioEngine, ThreadEngine, libaio_status
+
+AIO_OK, AIO_WHY = libaio_status()
+ENGINES = ["threads", pytest.param("aio", marks=pytest.mark.skipif(not AIO_OK, reason=AIO_WHY))]
+
+
+def build_engine(name: str, **kw):
+    """A small-block engine, so small test files still split into many blocks."""
+    kw.setdefault("block_size", 64 << 10)
+    kw.setdefault("queue_depth", 8)
+    if name == "aio":
+        return AioEngine(**kw)
+    return ThreadEngine(threads=4, **kw)
+
+
+@pytest.fixture(params=ENGINES)
+def engine(request):
+    eng = build_engine(request.param)
+    yield eng
+    eng.close()
 
 
 def pytest_collection_modifyitems(config, items):

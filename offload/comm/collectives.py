@@ -59,28 +59,30 @@ class Collectives:
                                    async_op=async_op)
         return Pending(work if async_op else None)
 
-    def reduce_scatter_mean(self, full_grad: torch.Tensor, out: torch.Tensor, *,
-                            async_op: bool = False) -> Pending:
-        """`out` (shard numel) receives this rank's slice of the mean of `full_grad` over ranks.
+    def reduce_scatter_mean(self, full_grad: torch.Tensor, *,
+                            async_op: bool = False) -> tuple[Pending, torch.Tensor]:
+        """This rank's slice of the mean of `full_grad` over ranks: (handle, slice).
 
-        `full_grad` may be overwritten. See [Note: reduce-scatter on gloo].
+        The slice is valid once the handle is waited on. `full_grad` may be
+        overwritten; with a world of 1 the slice is `full_grad` itself (no copy).
+        See [Note: reduce-scatter on gloo].
         """
-        n = out.numel()
-        if full_grad.numel() != n * self.world:
+        if full_grad.numel() % self.world:
             raise ValueError(f"reduce_scatter: gradient has {full_grad.numel()} elements, "
-                             f"expected {self.world} x {n}")
+                             f"not a multiple of the world size {self.world}")
         if self.world == 1:
-            out.copy_(full_grad)
-            return Pending(None)
+            return Pending(None), full_grad
+        n = full_grad.numel() // self.world
+        out = torch.empty(n, dtype=full_grad.dtype, device=full_grad.device)
         if self.backend == "nccl":
             work = dist.reduce_scatter_tensor(out, full_grad, group=self.group, async_op=True)
-            return self._then(work, lambda: out.div_(self.world), async_op)
+            return self._then(work, lambda: out.div_(self.world), async_op), out
         work = dist.all_reduce(full_grad, group=self.group, async_op=True)
         lo = self.rank * n
 
         def finish() -> None:
             out.copy_(full_grad[lo:lo + n]).div_(self.world)
-        return self._then(work, finish, async_op)
+        return self._then(work, finish, async_op), out
 
     def _then(self, work: object, finish: Callable[[], None], async_op: bool) -> Pending:
         p = Pending(work, finish)

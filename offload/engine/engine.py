@@ -24,6 +24,7 @@ optimizer's pipeline owns their chunked layout.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import threading
@@ -37,7 +38,7 @@ from torch import nn
 from ..comm import Collectives, Pending
 from ..config import OffloadConfig
 from ..io import BufferPool, make_engine, open_swap
-from ..optim import CpuAdam
+from ..optim import CpuAdam, grad_sq_sum
 from ..planner import AccessTrace
 from ..store import BudgetExceededError, Tier, TieredStore
 from ..trace import NULL_RECORDER, TraceRecorder
@@ -256,9 +257,8 @@ class OffloadEngine(nn.Module):
             flat.grad = None
             full = grad if grad.dtype == torch.float32 else grad.float()
             del grad
-            out = torch.empty(st.group.shard, dtype=torch.float32, device=full.device)
             gid = st.group.gid
-            pending = self.comm.reduce_scatter_mean(full, out, async_op=True)
+            pending, out = self.comm.reduce_scatter_mean(full, async_op=True)
             inner = pending.finish
 
             def finish() -> None:
@@ -269,10 +269,9 @@ class OffloadEngine(nn.Module):
             self._reductions.append(pending)
             # One reduction stays in flight behind the next group's backward; a
             # synchronous one (a world of 1) finishes here.
-            while len(self._reductions) > 1 or self._reductions[0].work is None:
+            while self._reductions and (len(self._reductions) > 1
+                                        or self._reductions[0].work is None):
                 self._reductions.pop(0).wait()
-                if not self._reductions:
-                    break
             if st.active == 0:
                 self._free(st)
         return hook
@@ -287,14 +286,14 @@ class OffloadEngine(nn.Module):
         others (no clipping, no fp16 loss scale: `early_update_allowed`), the
         last micro-step's gradient goes straight to a background thread that
         runs the group's update while backward goes on, so the optimizer
-        state's NVMe traffic hides behind backward compute; the gradient never
-        enters the store. Otherwise it is accumulated in its grad partition and
+        state's NVMe traffic hides behind backward compute (without gradient
+        accumulation the gradient never enters the store). Otherwise it is accumulated in its grad partition and
         `step()` updates every group once the global norm is known.
         """
         if self._last_micro_step() and self._early_allowed():
-            if ("g", gid) in self.store:  # earlier micro-steps accumulated there
+            grad = None  # None: the update takes the partition earlier micro-steps summed
+            if ("g", gid) in self.store:
                 self._accumulate(gid, shard_grad)
-                grad = self._take_grad(gid)
             else:
                 grad = shard_grad.cpu()
             self._has_grad.add(gid)
@@ -316,28 +315,40 @@ class OffloadEngine(nn.Module):
         if key not in self.store:
             self.store.put(key, shard_grad.cpu(), kind="grad", tier=self._grad_tier)
             return
-        where = Tier.HOST if self._grad_tier is Tier.NVME else self._grad_tier
-        self.store.fetch(key, to=where).wait()
-        with self.store.modify(key, where) as g:
+        self.store.fetch(key, to=self._grad_where).wait()
+        with self.store.modify(key, self._grad_where) as g:
             g.add_(shard_grad.to(g.device))
         if self._grad_tier is Tier.NVME:
             self.store.evict(key)
 
-    def _take_grad(self, gid: int) -> torch.Tensor:
-        """The accumulated fp32 gradient of `gid` as a CPU tensor; its partition is freed."""
-        key = ("g", gid)
-        where = Tier.HOST if self._grad_tier is Tier.NVME else self._grad_tier
-        grad = self.store.fetch(key, to=where).wait().cpu().clone()
-        self.store.free(key)
-        return grad
+    @property
+    def _grad_where(self) -> Tier:
+        """Where grad partitions are read and summed: their home, or HOST for NVMe."""
+        return Tier.HOST if self._grad_tier is Tier.NVME else self._grad_tier
 
-    def _update_group(self, gid: int, grad: torch.Tensor, norm: float | None) -> None:
-        """Adam on group `gid`; its new compute-dtype partition replaces the old one.
+    @contextlib.contextmanager
+    def _stored_grad(self, gid: int) -> Iterator[torch.Tensor]:
+        """The accumulated gradient of `gid` (pinned, no copy on a CPU host); the
+        partition is freed afterwards."""
+        key = ("g", gid)
+        grad = self.store.fetch(key, to=self._grad_where, pin=True).wait()
+        try:
+            yield grad.cpu()
+        finally:
+            self.store.unpin(key)
+            self.store.free(key)
+
+    def _update_group(self, gid: int, grad: torch.Tensor | None, norm: float | None) -> None:
+        """Adam on group `gid` with `grad` (None: its stored, accumulated gradient);
+        its new compute-dtype partition replaces the old one.
 
         A partition whose home copy is in memory (DEVICE on a CPU host, or HOST)
         is overwritten in place; one homed on NVMe (or on a GPU) is not read back
         just to be overwritten: the new values are put in its place.
         """
+        if grad is None:
+            with self._stored_grad(gid) as stored:
+                return self._update_group(gid, stored, norm)
         pkey = ("p", gid)
         scale = self.loss_scale * self.cfg.engine.grad_accum_steps
         in_place = self._param_tier is Tier.HOST or (
@@ -403,7 +414,7 @@ class OffloadEngine(nn.Module):
             self._drop_grads(gids)
             return False
         for gid in gids:
-            self._update_group(gid, self._take_grad(gid), norm)
+            self._update_group(gid, None, norm)
         trainable = [g.gid for g in self.groups if g.requires_grad]
         self.optimizer.step({}, skip=[g for g in trainable if g not in self._has_grad])
         self._has_grad.clear()
@@ -415,11 +426,9 @@ class OffloadEngine(nn.Module):
         need = self.cfg.optim.max_grad_norm > 0 or self.cfg.engine.dtype == "fp16"
         if not need:
             return None, False
-        where = Tier.HOST if self._grad_tier is Tier.NVME else self._grad_tier
         local = 0.0
         for gid in gids:
-            g = self.store.fetch(("g", gid), to=where).wait()
-            local += float(g.double().pow(2).sum())
+            local += grad_sq_sum([self.store.fetch(("g", gid), to=self._grad_where).wait()])
             if self._grad_tier is Tier.NVME:
                 self.store.evict(("g", gid))
         (total,) = self.comm.sum_scalars([local])

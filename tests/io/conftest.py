@@ -1,24 +1,8 @@
 import pytest
 
-from offload.io import AioEngine, BufferPool, ThreadEngine, libaio_status
+from offload.io import BufferPool
 
-AIO_OK, AIO_WHY = libaio_status()
-ENGINES = ["threads", pytest.param("aio", marks=pytest.mark.skipif(not AIO_OK, reason=AIO_WHY))]
-
-
-def build_engine(name: str, **kw):
-    kw.setdefault("block_size", 64 << 10)
-    kw.setdefault("queue_depth", 8)
-    if name == "aio":
-        return AioEngine(**kw)
-    return ThreadEngine(threads=4, **kw)
-
-
-@pytest.fixture(params=ENGINES)
-def engine(request):
-    eng = build_engine(request.param)
-    yield eng
-    eng.close()
+from ..conftest import AIO_OK, ENGINES, build_engine  # noqa: F401  (for the tests here)
 
 
 @pytest.fixture

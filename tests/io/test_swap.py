@@ -15,13 +15,6 @@ from offload.io import (CorruptionError, IoError, SwapFullError, SwapLockedError
 from .conftest import ENGINES, build_engine
 
 
-@pytest.fixture(params=ENGINES)
-def engine(request):
-    eng = build_engine(request.param, block_size=64 << 10)
-    yield eng
-    eng.close()
-
-
 def _fill(buf, n, seed):
     buf.numpy()[:n] = np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
 

@@ -8,20 +8,12 @@ from offload.config import OptimConfig
 from offload.io import BufferPool, SwapSpace
 from offload.optim import CpuAdam
 
-from ..io.conftest import ENGINES, build_engine  # noqa: F401  (the same engines as the I/O tests)
 
 @pytest.fixture
 def pool():
     p = BufferPool(64 << 20)
     yield p
     p.close(force=True)
-
-
-@pytest.fixture(params=ENGINES)
-def engine(request):
-    eng = build_engine(request.param)
-    yield eng
-    eng.close()
 
 
 @pytest.fixture
