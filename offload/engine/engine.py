@@ -37,7 +37,6 @@ from torch import nn
 
 from ..comm import Collectives, Pending
 from ..config import OffloadConfig
-from ..io import BufferPool, make_engine, open_swap
 from ..optim import CpuAdam, grad_sq_sum
 from ..planner import AccessTrace
 from ..store import BudgetExceededError, Tier, TieredStore
@@ -116,7 +115,6 @@ class OffloadEngine(nn.Module):
         self._early: list[Future] = []
         self._io_lock = threading.Lock()
         self._opt_bytes = [0, 0]  # optimizer-state bytes read, written (all steps)
-        self._opt_io: tuple | None = None
         for st in self._states:
             if st.group.requires_grad:
                 self._hooks.append(st.flat.register_post_accumulate_grad_hook(
@@ -133,15 +131,9 @@ class OffloadEngine(nn.Module):
 
     # -- the optimizer ----------------------------------------------------------------
     def _attach_optimizer(self, lr_lambda: Callable[[int], float] | None = None) -> None:
-        tier = self.cfg.engine.optimizer
-        swap = pool = None
-        if tier == "nvme":
-            eng = make_engine(self.cfg.io, self.recorder)
-            swap = open_swap(self.cfg.io, f"r{self.comm.rank}-optim", eng)
-            pool = BufferPool(self.cfg.io.buffer_budget)
-            self._opt_io = (eng, swap, pool)
-        self._opt = CpuAdam(self.cfg.optim, swap=swap, pool=pool, lr_lambda=lr_lambda,
-                            recorder=self.recorder)
+        self._opt = CpuAdam.open(self.cfg, rank=self.comm.rank,
+                                 nvme=self.cfg.engine.optimizer == "nvme", lr_lambda=lr_lambda,
+                                 recorder=self.recorder)
 
     @property
     def optimizer(self) -> CpuAdam:
@@ -496,12 +488,6 @@ class OffloadEngine(nn.Module):
         self._hooks.clear()
         if self._opt is not None:
             self._opt.close()
-        if self._opt_io is not None:
-            eng, swap, pool = self._opt_io
-            swap.close()
-            pool.close(force=True)
-            eng.close()
-            self._opt_io = None
         self.store.close()
 
     def __enter__(self) -> "OffloadEngine":

@@ -44,8 +44,8 @@ from typing import Any, Callable, Hashable, Iterable, Mapping, Sequence
 
 import torch
 
-from ..config import OptimConfig
-from ..io import BufferPool, SwapSpace
+from ..config import OffloadConfig, OptimConfig
+from ..io import BufferPool, SwapSpace, make_engine, open_swap
 from ..trace import NULL_RECORDER, TraceRecorder
 from .adam import AdamHyper, AdamKernel, resolve_scaling
 from .pipeline import OptimStepError, SwapPipeline
@@ -157,6 +157,31 @@ class CpuAdam:
         self._parts: dict[Hashable, PartitionState] = {}
         self._round: set[Hashable] = set()  # updated since the last completed step()
         self._lock = threading.RLock()
+        self._owned: tuple = ()  # I/O objects `open` made for this optimizer, closed with it
+
+    @classmethod
+    def open(cls, config: OffloadConfig, *, rank: int = 0, nvme: bool = False,
+             lr_lambda: Callable[[int], float] | None = None,
+             recorder: TraceRecorder = NULL_RECORDER) -> "CpuAdam":
+        """A `CpuAdam` from the whole configuration. With `nvme`, it opens its own I/O
+        engine, staging pool (`io.buffer_budget`) and swap file
+        (`offload-r<rank>-optim.swap` under `io.paths`), and closes them in `close()`."""
+        if not nvme:
+            return cls(config.optim, lr_lambda=lr_lambda, recorder=recorder)
+        engine = make_engine(config.io, recorder)
+        swap = pool = None
+        try:
+            swap = open_swap(config.io, f"r{rank}-optim", engine)
+            pool = BufferPool(config.io.buffer_budget)
+            opt = cls(config.optim, swap=swap, pool=pool, lr_lambda=lr_lambda,
+                      recorder=recorder)
+        except BaseException:
+            for thing in (pool, swap, engine):
+                if thing is not None:
+                    thing.close()
+            raise
+        opt._owned = (swap, pool, engine)
+        return opt
 
     # -- partitions ------------------------------------------------------------
     @property
@@ -494,6 +519,12 @@ class CpuAdam:
                         self._pipeline.swap.free(ext)
                     part.extents = None
             self._parts.clear()
+            if self._owned:  # swap file removed, buffers returned, engine stopped
+                swap, pool, engine = self._owned
+                self._owned = ()
+                swap.close()
+                pool.close(force=True)
+                engine.close()
 
     def __enter__(self) -> "CpuAdam":
         return self
