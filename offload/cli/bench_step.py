@@ -82,6 +82,7 @@ class RunSpec:
     block_size: int             # bytes per I/O request, both systems
     queue_depth: int            # I/O requests in flight, both systems
     threads: int = 0            # torch threads; 0: torch's default
+    device: str = "cpu"         # compute device: store.device of offload's runs
     seed: int = 0
 
     @property
@@ -100,7 +101,7 @@ def offload_config(spec: RunSpec) -> dict:
     if spec.placement == "nvme":
         store = {"device_budget": spec.device_budget, "host_budget": spec.host_budget}
     return {"engine": {**engine, "dtype": "fp32"},
-            "store": {**store, "device": "cpu"},
+            "store": {**store, "device": spec.device},
             "io": {"paths": [spec.swap_dir], "buffer_budget": spec.buffer_budget,
                    "block_size": spec.block_size, "queue_depth": spec.queue_depth},
             "optim": {"lr": 1e-3, "weight_decay": 0.01}}
@@ -216,8 +217,8 @@ def run_worker(spec: RunSpec) -> dict:
     run = _OffloadRun(spec) if spec.system == "offload" else _DeepSpeedRun(spec)
     init_s = time.perf_counter() - t0
     g = torch.Generator().manual_seed(spec.seed)
-    x = torch.randn(spec.batch, spec.dim, generator=g)
-    y = torch.randn(spec.batch, spec.dim, generator=g)
+    x = torch.randn(spec.batch, spec.dim, generator=g).to(spec.device)
+    y = torch.randn(spec.batch, spec.dim, generator=g).to(spec.device)
     init_peak = vm_hwm()
     reset = reset_hwm()
     try:
@@ -449,7 +450,20 @@ def _base_spec(args: argparse.Namespace) -> dict:
                 steps=args.steps, host_budget=parse_bytes(args.host_budget, "--host-budget"),
                 device_budget=parse_bytes(args.device_budget, "--device-budget"),
                 buffer_budget=parse_bytes(args.buffer_budget, "--buffer-budget"),
-                block_size=io.block_size, queue_depth=io.queue_depth, threads=args.threads)
+                block_size=io.block_size, queue_depth=io.queue_depth, threads=args.threads,
+                device=_device(args.device))
+
+
+def _device(name: str) -> str:
+    import torch
+
+    if name == "cpu":
+        return name
+    if name == "cuda" and torch.cuda.is_available():
+        return name
+    raise SystemExit(f"offload bench step: --device {name!r}: "
+                     + ("no CUDA device is visible; use --device cpu" if name == "cuda"
+                        else "use cpu or cuda"))
 
 
 def _rounds(runs: dict[tuple[str, str], _Runs], work: str, base: dict, state: int,
@@ -495,6 +509,9 @@ def run_step_bench(args: argparse.Namespace, path: str, progress=None) -> dict:
     params = args.layers * args.dim * (args.dim + 1)
     state = params * STATE_BYTES_PER_PARAM
     ds_version, ds_why = _deepspeed_status() if "deepspeed" in systems else (None, "")
+    if base["device"] != "cpu" and not ds_why:
+        ds_why = ("not run with --device cuda: this benchmark runs DeepSpeed on its CPU "
+                  "accelerator only")
     runs = {(s, p): _Runs(s, p, note=ds_why if s == "deepspeed" and ds_why else None)
             for p in placements for s in systems}
     os.makedirs(path, exist_ok=True)
@@ -514,6 +531,7 @@ def run_step_bench(args: argparse.Namespace, path: str, progress=None) -> dict:
                       "state_bytes": state},
             "rounds": args.rounds, "steps": args.steps, "warmup": args.warmup,
             "threads": args.threads or torch.get_num_threads(), "torch": torch.__version__,
+            "device": base["device"],
             "deepspeed": ds_version,
             "nvme_budgets": {k: base[k] for k in ("host_budget", "device_budget",
                                                   "buffer_budget")},
@@ -564,7 +582,7 @@ def render(result: dict) -> None:
     con = Console()
     m = result["model"]
     t = Table(title=f"offload bench step: {m['layers']} x Linear({m['dim']}, {m['dim']}) fp32, "
-                    f"batch {m['batch']}, {m['params'] / 1e6:.0f}M params "
+                    f"batch {m['batch']} on {result['device']}, {m['params'] / 1e6:.0f}M params "
                     f"({m['state_bytes'] / 1e9:.2f} GB of state); median of "
                     f"{result['rounds']} interleaved rounds x {result['steps']} steps")
     for col in ("system", "placement", "step s", "x bound", "RSS GiB", "step RSS",
@@ -626,6 +644,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="io.buffer_budget of every placement (default 256MiB)")
     p.add_argument("--disk-size", default="1GiB", help="bytes of the disk-bandwidth probe "
                    "(default 1GiB, at most the model's state)")
+    p.add_argument("--device", default="cpu", help="compute device of offload's runs: cpu or "
+                   "cuda (default cpu; DeepSpeed runs on the CPU only)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
     p.add_argument("--seed", type=int, default=0, help="seed of the batch (default 0)")
     p.add_argument("--timeout", type=float, default=1800,

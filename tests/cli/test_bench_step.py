@@ -60,6 +60,21 @@ def test_bad_selection_is_clear(tmp_path):
     assert "Traceback" not in out.stderr
 
 
+def test_device_selection(tmp_path):
+    import torch
+
+    out = _run(["--device", "tpu"], tmp_path, timeout=60)
+    assert out.returncode != 0 and "--device 'tpu'" in out.stderr
+    if not torch.cuda.is_available():
+        out = _run(["--device", "cuda"], tmp_path, timeout=60)
+        assert out.returncode != 0 and "no CUDA device is visible" in out.stderr
+        return
+    out = _run(["--device", "cuda", "--placement", "nvme", "--json"], tmp_path)
+    assert out.returncode == 0, out.stderr
+    res = json.loads(out.stdout)
+    assert res["device"] == "cuda" and res["results"][0]["last_loss"] is not None
+
+
 def test_missing_deepspeed_rows_say_why(tmp_path, monkeypatch):
     """Without DeepSpeed its rows carry a note and no numbers, never a made-up figure."""
     from offload.cli import bench_step

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# GPU checks, for a machine with a CUDA device and the project's dependencies in
+# its Python: the `gpu` tests, the demo on the GPU, a short `offload bench step`
+# on cuda, then the whole default suite with CUDA visible (pinned buffers and
+# stream paths switch on). Logs and the benchmark's JSON go to directory $1.
+#
+#   scripts/gpu-check.sh gpu-check-out
+set -uo pipefail
+out=${1:-gpu-check}
+py=${PYTHON:-python3}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+rc=0
+step() {  # step NAME SECONDS CMD...: runs CMD under a time limit, logs to $out/NAME.txt
+    local name=$1 limit=$2
+    shift 2
+    echo "== $name: $*"
+    timeout "$limit" "$@" >"$out/$name.txt" 2>&1
+    local r=$?
+    tail -n 25 "$out/$name.txt"
+    echo "== $name: exit $r"
+    [ $r -eq 0 ] || rc=1
+}
+step env 60 "$py" -c "import torch, offload.io as io; print('torch', torch.__version__, \
+'cuda', torch.cuda.is_available() and torch.cuda.get_device_name()); print(io.libaio_status())"
+step gpu-tests 180 "$py" -m pytest -m gpu -q -rs -p no:cacheprovider tests
+step demo 90 "$py" -m offload.cli.main demo --steps 30 --swap-dir /tmp/offload-gpu-check --trace "$out/demo.trace.json"
+step bench-step 150 "$py" -m offload.cli.main bench step --device cuda --system offload \
+    --rounds 1 --warmup 1 --steps 3 --path /tmp/offload-gpu-check --json
+step suite 300 "$py" -m pytest -q -x -p no:cacheprovider tests
+exit $rc
