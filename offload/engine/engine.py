@@ -14,6 +14,22 @@ rank's fp32 grad partition and frees the storage again. During backward
 (activation-checkpoint recomputation) a unit's forward does not free: the
 post-accumulate hook does.
 
+[Note: one split per use]
+The parameter views of a group come from one `flat.split(...)`, not a slice
+per parameter: autograd then sums them with one SplitBackward (a single
+flat-sized gradient) where slices would each zero-fill a flat-sized gradient
+and AccumulateGrad would add them up.
+
+[Note: warm gather memory]
+On a CPU device, memory fresh from the allocator costs a page fault per 4 KiB
+on first touch (about 3 GB/s on a small VM) and an munmap when freed; a
+group's gathered weights are written twice a step. `_WarmMemory` keeps freed
+gather storage and hands it to the next gather of a size it fits: its data
+pointer is swapped into the group's persistent storage and back
+(`UntypedStorage._swap_data_ptr_`), so the storage object autograd's saved
+views hold stays the same. CUDA's caching allocator already reuses memory;
+there, and where torch lacks the swap, storage is resized as before.
+
 [Note: what lives where]
 The compute-dtype parameter partition (`("p", gid)`) and the fp32 gradient
 partition (`("g", gid)`) are records in the `TieredStore`, homed by
@@ -69,6 +85,47 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+class _WarmMemory:
+    """Freed gather storage kept for reuse on a CPU device; see [Note: warm gather
+    memory]. Holds at most `limit` bytes; the oldest buffers go first."""
+
+    def __init__(self, device: torch.device, limit: int) -> None:
+        self.enabled = (device.type == "cpu"
+                        and hasattr(torch.UntypedStorage, "_swap_data_ptr_"))
+        if device.type == "cpu" and not self.enabled:
+            log.info("torch %s has no UntypedStorage._swap_data_ptr_: gathered weights are "
+                     "allocated afresh each time", torch.__version__)
+        self.limit = limit
+        self._free: list[torch.UntypedStorage] = []  # oldest first
+
+    def fill(self, storage: torch.UntypedStorage, nbytes: int) -> None:
+        """Gives the empty `storage` `nbytes` (or more) of memory."""
+        if not self.enabled:
+            storage.resize_(nbytes)
+            return
+        fits = [b for b in self._free if nbytes <= b.nbytes() <= 2 * nbytes]
+        if fits:
+            buf = min(fits, key=lambda b: b.nbytes())
+            self._free.remove(buf)
+        else:
+            buf = torch.UntypedStorage(nbytes)
+        storage._swap_data_ptr_(buf)  # storage takes the memory, buf the empty pointer
+
+    def drain(self, storage: torch.UntypedStorage) -> None:
+        """Takes `storage`'s memory back (keeping it while under the limit)."""
+        if not self.enabled:
+            storage.resize_(0)
+            return
+        buf = torch.UntypedStorage(0)
+        storage._swap_data_ptr_(buf)
+        self._free.append(buf)
+        while sum(b.nbytes() for b in self._free) > self.limit:
+            self._free.pop(0)
+
+    def clear(self) -> None:
+        self._free.clear()
+
+
 class _GroupState:
     __slots__ = ("group", "flat", "gathered", "active", "pending")
 
@@ -106,6 +163,9 @@ class OffloadEngine(nn.Module):
         self._grad_tier = _TIERS[cfg.engine.grads]
         self._param_tier = _TIERS[cfg.engine.params]
         self._states = [_GroupState(g, self.dtype, self.device) for g in groups]
+        # room for the groups gathered at once: a unit's, the next ones fetched ahead
+        largest = max((g.padded for g in groups), default=0) * self.dtype.itemsize
+        self._warm = _WarmMemory(self.device, (cfg.engine.prefetch_depth + 2) * largest)
         self._reductions: list[Pending] = []
         self._has_grad: set[int] = set()
         self._hooks: list[Any] = []
@@ -160,7 +220,7 @@ class OffloadEngine(nn.Module):
         key = ("p", st.group.gid)
         shard = self.store.fetch(key, to=Tier.DEVICE, pin=True).wait()
         try:
-            st.flat.untyped_storage().resize_(st.group.padded * st.flat.element_size())
+            self._warm.fill(st.flat.untyped_storage(), st.group.padded * st.flat.element_size())
             # `.data` has its own version counter: refilling the storage must not look
             # like an in-place change to the views autograd saved (they see the same bytes)
             pending = self.comm.all_gather(st.flat.data, shard, async_op=async_op)
@@ -176,17 +236,17 @@ class OffloadEngine(nn.Module):
 
     def _free(self, st: _GroupState) -> None:
         if st.gathered:
-            st.flat.untyped_storage().resize_(0)
+            self._warm.drain(st.flat.untyped_storage())
             st.gathered = False
 
     def _bind(self, st: _GroupState) -> None:
         """Points every module attribute of the group's parameters at fresh views of `flat`."""
-        flat = st.flat
         # Views made while autograd is off (a backward hook, no_grad) would cut the
         # weights out of the graph of an activation-checkpoint recomputation.
         with torch.set_grad_enabled(torch.is_grad_enabled() or _in_backward()):
-            for slot in st.group.slots:
-                view = flat[slot.offset:slot.offset + slot.numel].view(slot.shape)
+            pieces = st.flat.split(st.group.split_sizes)  # [Note: one split per use]
+            for slot, piece in zip(st.group.slots, pieces):
+                view = piece.view(slot.shape)
                 for module, name in slot.uses:
                     setattr(module, name, view)
 
@@ -488,6 +548,7 @@ class OffloadEngine(nn.Module):
         self._hooks.clear()
         if self._opt is not None:
             self._opt.close()
+        self._warm.clear()
         self.store.close()
 
     def __enter__(self) -> "OffloadEngine":

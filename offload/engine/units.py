@@ -53,6 +53,13 @@ class Group:
     def padded(self) -> int:
         return self.shard * self.world
 
+    @property
+    def split_sizes(self) -> list[int]:
+        """Elements of each slot in order, then the padding (if any): the flat buffer
+        split into them gives every parameter's view (one SplitBackward node)."""
+        sizes = [s.numel for s in self.slots]
+        return sizes + [self.padded - self.numel] if self.padded > self.numel else sizes
+
 
 @dataclass
 class Unit:

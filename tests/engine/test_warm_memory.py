@@ -1,0 +1,41 @@
+"""Gathered weights on a CPU device reuse freed memory (see [Note: warm gather memory])."""
+
+import torch
+
+from offload.engine.engine import _WarmMemory
+
+
+def test_freed_gather_memory_is_reused_and_bounded():
+    warm = _WarmMemory(torch.device("cpu"), limit=3 << 20)
+    assert warm.enabled
+    flat = torch.empty(1 << 18)  # 1 MiB of fp32, storage emptied as the engine does
+    flat.untyped_storage().resize_(0)
+    warm.fill(flat.untyped_storage(), flat.numel() * 4)
+    first = flat.data_ptr()
+    view = flat[10:20]  # kept across the free, as autograd's saved views are
+    warm.drain(flat.untyped_storage())
+    assert flat.untyped_storage().nbytes() == 0
+    warm.fill(flat.untyped_storage(), flat.numel() * 4)
+    assert flat.data_ptr() == first  # the kept buffer came back, no new allocation
+    flat.fill_(2.0)
+    assert view.sum().item() == 20.0  # the saved view sees the refilled storage
+    warm.drain(flat.untyped_storage())
+    # a request more than twice smaller does not take a big buffer; the limit drops the oldest
+    small = torch.empty(1 << 10)
+    small.untyped_storage().resize_(0)
+    warm.fill(small.untyped_storage(), 4096)
+    assert small.data_ptr() != first
+    others = [torch.empty(1 << 18) for _ in range(3)]
+    for t in others:
+        t.untyped_storage().resize_(0)
+        warm.fill(t.untyped_storage(), 1 << 20)
+    for t in others:
+        warm.drain(t.untyped_storage())
+    assert sum(b.nbytes() for b in warm._free) <= 3 << 20
+    warm.clear()
+    assert warm._free == []
+
+
+def test_cuda_device_resizes_instead():
+    warm = _WarmMemory(torch.device("cuda"), limit=1 << 20)
+    assert not warm.enabled
