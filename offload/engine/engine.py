@@ -394,28 +394,40 @@ class OffloadEngine(nn.Module):
         """Adam on group `gid` with `grad` (None: its stored, accumulated gradient);
         its new compute-dtype partition replaces the old one.
 
-        A partition whose home copy is in memory (DEVICE on a CPU host, or HOST)
-        is overwritten in place; one homed on NVMe (or on a GPU) is not read back
-        just to be overwritten: the new values are put in its place.
+        A partition with a copy in memory (its home DEVICE on a CPU host or HOST,
+        or a cached HOST copy of one homed on NVMe) is overwritten in place there:
+        an NVMe-homed one is then written back only when the store evicts it.
+        Otherwise (on NVMe only, or on a GPU) it is not read back just to be
+        overwritten: the new values are put in its place.
         """
         if grad is None:
             with self._stored_grad(gid) as stored:
                 return self._update_group(gid, stored, norm)
         pkey = ("p", gid)
         scale = self.loss_scale * self.cfg.engine.grad_accum_steps
-        in_place = self._param_tier is Tier.HOST or (
-            self._param_tier is Tier.DEVICE and self.device.type == "cpu")
-        if in_place:
-            self.store.fetch(pkey, to=self._param_tier).wait()
-            with self.store.modify(pkey, self._param_tier) as p:
-                res = self.optimizer.update({gid: grad}, params_out={gid: p}, loss_scale=scale,
-                                            grad_norm=norm, found_inf=False)
+        where = self._param_tier
+        if where is Tier.NVME:  # a copy in memory is updated in place, written back when evicted
+            valid = self.store.info(pkey).valid
+            if Tier.HOST in valid:
+                where = Tier.HOST
+            elif Tier.DEVICE in valid and self.device.type == "cpu":
+                where = Tier.DEVICE  # on a CPU device, HOST memory handed over to DEVICE
+        if where is Tier.HOST or (where is Tier.DEVICE and self.device.type == "cpu"):
+            self.store.fetch(pkey, to=where, pin=True).wait()  # pinned: not evicted meanwhile
+            try:
+                with self.store.modify(pkey, where) as p:
+                    res = self.optimizer.update({gid: grad}, params_out={gid: p},
+                                                loss_scale=scale, grad_norm=norm, found_inf=False)
+            finally:
+                self.store.unpin(pkey)
         else:
             new = torch.empty(self.groups[gid].shard, dtype=self.dtype)
             res = self.optimizer.update({gid: grad}, params_out={gid: new}, loss_scale=scale,
                                         grad_norm=norm, found_inf=False)
             self.store.free(pkey)
-            self.store.put(pkey, new, kind="param", tier=self._param_tier)
+            # kept in HOST while it has room: the next forward uses the groups updated
+            # last first, and finds them there
+            self.store.put(pkey, new, kind="param", tier=self._param_tier, cache=True)
         with self._io_lock:
             self._opt_bytes[0] += res.bytes_read
             self._opt_bytes[1] += res.bytes_written

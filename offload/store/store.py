@@ -122,11 +122,14 @@ class TieredStore(MoveExecutor):
         return self._dev.device
 
     def put(self, key: Hashable, tensor: torch.Tensor, *, kind: str = "param",
-            tier: Tier | str = Tier.HOST) -> MoveHandle:
+            tier: Tier | str = Tier.HOST, cache: bool = False) -> MoveHandle:
         """Stores a copy of `tensor` (flattened) as partition `key`, home `tier`.
 
         HOST and DEVICE puts are done on return; an NVME put returns while its
         write is in flight (the HOST staging copy stays valid until it is durable).
+        With `cache`, an NVME put keeps that HOST copy afterwards as a clean copy
+        (the next fetch finds it in memory; the policy drops it when HOST needs
+        room); without, it is released once written.
         Raises KeyError if `key` is stored, `BudgetExceededError` if no room.
         """
         tier = _tier(tier)
@@ -165,7 +168,8 @@ class TieredStore(MoveExecutor):
         with self._cond:
             rec.place(first, move.reserved.pop(first))
             self._policy.touched(key, first)
-            move.steps = [Step.WRITE, Step.DROP_HOST] if tier is Tier.NVME else []
+            move.steps = ([Step.WRITE] if cache else [Step.WRITE, Step.DROP_HOST]) \
+                if tier is Tier.NVME else []
             self._start(move, rec)
         return move
 

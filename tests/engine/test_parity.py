@@ -60,6 +60,34 @@ def test_fp32_matches_adamw(engine_cfg, params, grads, optimizer):
         engine.close()
 
 
+@pytest.mark.parametrize("host_budget", ["64MiB", "16KiB"])
+def test_nvme_params_cached_in_memory_or_written_back(engine_cfg, host_budget):
+    """Updated NVMe-homed parameters stay in memory while the budgets have room (no
+    NVMe traffic for them after the first step) and are written back when evicted."""
+    torch.manual_seed(0)
+    ref = TiedTwice()
+    model = copy.deepcopy(ref)
+    batches = lm_batches(6)
+    cfg = engine_cfg("nvme", "host", "host")
+    cfg["store"].update(host_budget=host_budget, device_budget="24KiB")
+    engine = offload.initialize(model, cfg)
+    try:
+        _train(engine, batches, 2)
+        before = engine.nvme_bytes()
+        got = _train(engine, batches[2:], 4)
+        moved = [a - b for a, b in zip(engine.nvme_bytes(), before)]
+        if host_budget == "64MiB":  # all 5 groups (8 KiB each) fit
+            assert moved == [0, 0]
+        else:
+            assert moved[0] > 0 and moved[1] > 0  # parameters stream, dirty ones written back
+        want = _reference(ref, batches, 6)
+        assert got == pytest.approx(want[2:], abs=1e-5)
+        _compare(engine, ref, atol=2e-6)
+        engine.store.audit()
+    finally:
+        engine.close()
+
+
 def test_bf16_within_tolerance(engine_cfg):
     """bf16 compute with fp32 masters, against fp32 training. Stated tolerance: losses
     within 2% relative; weights within 5 Adam steps of lr (a bf16 gradient whose sign

@@ -52,6 +52,24 @@ def test_dirty_copy_is_written_back_clean_copy_dropped(make_store):
     assert torch.equal(s.fetch("a", H).wait(), ref)
 
 
+def test_nvme_put_with_cache_keeps_a_clean_host_copy(make_store):
+    s = make_store(host_pages=2)
+    a, b, c = page_tensor(1), page_tensor(2), page_tensor(3)
+    s.put("a", a, tier="NVME", cache=True).wait()
+    assert s.info("a").valid == {H, N} and not s.info("a").dirty
+    s.put("b", b, tier="NVME").wait()  # without cache: written, then released from HOST
+    assert s.info("b").valid == {N}
+    reads = s.stats().moves["NVME->HOST"].moves
+    assert torch.equal(s.fetch("a", H).wait(), a)
+    assert s.stats().moves["NVME->HOST"].moves == reads  # served from memory
+    s.put("c", c, tier="NVME", cache=True).wait()
+    s.fetch("b", H).wait()  # HOST (2 pages) is full: a clean cached copy is dropped
+    assert s.stats().tiers["HOST"].used <= 2 * PAGE
+    for k, ref in (("a", a), ("b", b), ("c", c)):
+        assert torch.equal(s.fetch(k, H).wait(), ref), k
+    s.audit()
+
+
 def test_budget_is_hard_and_error_lists_residents(make_store):
     s = make_store(device_pages=2, host_pages=4)
     for k in ("a", "b"):
