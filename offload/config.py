@@ -180,7 +180,8 @@ class OptimConfig:
         "auto", "fused: torch._fused_adamw_ (one pass over memory); foreach: torch._foreach_* "
         "math (several passes per cache block); auto: fused where torch has a CPU kernel")
     chunk_elems: int = _doc(0, "fp32 elements per chunk streamed from NVMe (each chunk moves "
-                            "12 bytes per element each way); 0: derived from io.buffer_budget, "
+                            "12 bytes per element each way, 8 in fp32 training where the "
+                            "parameter is the master); 0: derived from io.buffer_budget, "
                             "buffers and buffer_share")
     buffers: int = _doc(3, "chunk buffers of the swap pipeline: 1 no overlap, 2 reads ahead, "
                         "3 reads ahead while the previous chunk is written")

@@ -128,8 +128,10 @@ def print_header(reporter: Reporter, plan: DemoPlan) -> None:
               f"(chance loss {ReversalTask(m.vocab - 1, p.length, 1).chance_loss:.2f})")
     t.add_row("model", f"GPT-style decoder, {m.n_layer} layers, d_model {m.d_model}, "
               f"{m.n_head} heads: {p.n_params / 1e6:.1f}M parameters ({p.size})")
-    t.add_row("state", f"{format_bytes(p.state_bytes)} = {bpp} B/parameter ("
-              f"{p.compute_bytes} {p.dtype} weights, 4 gradient, 4 master, 8 Adam moments)")
+    parts = ("4 fp32 weights (the master), 4 gradient" if p.dtype == "fp32" else
+             f"{p.compute_bytes} {p.dtype} weights, 4 gradient, 4 master")
+    t.add_row("state", f"{format_bytes(p.state_bytes)} = {bpp} B/parameter ({parts}, "
+              "8 Adam moments)")
     dev = resolve_device("auto")
     t.add_row("budgets", f"device ({dev.type}) {format_bytes(p.device_budget)} (state is "
               f"{p.state_bytes / p.world / p.device_budget:.1f}x), host "

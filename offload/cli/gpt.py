@@ -81,9 +81,9 @@ def preset_for_params(target: int, *, vocab: int = 256, max_seq: int = 256,
 
 def state_bytes_per_param(dtype: str) -> int:
     """Bytes of training state per parameter: compute-dtype weights, fp32 gradient,
-    fp32 master weights and the two fp32 Adam moments (4 + 4 + 4 + 4 + 4 = 20 for
-    fp32 compute, 2 + 4 + 4 + 4 + 4 = 18 for bf16/fp16)."""
-    return (4 if dtype == "fp32" else 2) + 16
+    fp32 master weights and the two fp32 Adam moments (2 + 4 + 4 + 4 + 4 = 18 for
+    bf16/fp16 compute; 4 + 4 + 4 + 4 = 16 for fp32, whose weights are the master)."""
+    return 16 if dtype == "fp32" else 18
 
 
 class Embedding(nn.Embedding):

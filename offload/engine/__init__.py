@@ -67,7 +67,10 @@ def initialize(model: nn.Module | Callable[[], nn.Module],
             store.put(("p", g.gid), shard.to(dtype), kind="param",
                       tier=_TIERS[cfg.engine.params])
             if g.requires_grad:  # NVMe state is written now: never all masters at once
-                engine.optimizer.add_partition(g.gid, shard.clone(), tier=cfg.engine.optimizer)
+                shared = engine.master_is_param  # fp32: the stored shard is the master
+                engine.optimizer.add_partition(g.gid, shard if shared else shard.clone(),
+                                               tier=cfg.engine.optimizer,
+                                               master_is_param=shared)
             del full, shard
             if was_meta:  # a materialised meta group is freed at once: no process holds all
                 _drop_params(g, dtype, store.device)

@@ -35,7 +35,10 @@ The compute-dtype parameter partition (`("p", gid)`) and the fp32 gradient
 partition (`("g", gid)`) are records in the `TieredStore`, homed by
 `engine.params` / `engine.grads`. fp32 master weights and Adam moments belong
 to `CpuAdam`, on the host or streamed from NVMe (`engine.optimizer`): the
-optimizer's pipeline owns their chunked layout.
+optimizer's pipeline owns their chunked layout. In fp32 training the
+parameter partition is itself the master (`master_is_param`): the optimizer
+keeps only the moments and updates the partition in place wherever the store
+holds it in memory, so no second fp32 copy is stored, read or written.
 """
 
 from __future__ import annotations
@@ -162,6 +165,10 @@ class OffloadEngine(nn.Module):
         self._good_steps = 0
         self._grad_tier = _TIERS[cfg.engine.grads]
         self._param_tier = _TIERS[cfg.engine.params]
+        # fp32 partitions the CPU optimizer can update where they are: see [Note: what
+        # lives where]; on a GPU, DEVICE-homed ones keep a master on the CPU side
+        self.master_is_param = self.dtype == torch.float32 and not (
+            self._param_tier is Tier.DEVICE and self.device.type != "cpu")
         self._states = [_GroupState(g, self.dtype, self.device) for g in groups]
         # room for the groups gathered at once: a unit's, the next ones fetched ahead
         largest = max((g.padded for g in groups), default=0) * self.dtype.itemsize
@@ -408,9 +415,9 @@ class OffloadEngine(nn.Module):
         where = self._param_tier
         if where is Tier.NVME:  # a copy in memory is updated in place, written back when evicted
             valid = self.store.info(pkey).valid
-            if Tier.HOST in valid:
-                where = Tier.HOST
-            elif Tier.DEVICE in valid and self.device.type == "cpu":
+            if Tier.HOST in valid or self.master_is_param:
+                where = Tier.HOST  # (the master must be read: it is the partition)
+            if Tier.DEVICE in valid and self.device.type == "cpu":
                 where = Tier.DEVICE  # on a CPU device, HOST memory handed over to DEVICE
         if where is Tier.HOST or (where is Tier.DEVICE and self.device.type == "cpu"):
             self.store.fetch(pkey, to=where, pin=True).wait()  # pinned: not evicted meanwhile
@@ -537,7 +544,7 @@ class OffloadEngine(nn.Module):
         opt = self.optimizer
         for g in self.groups:
             shard = torch.empty(g.shard, dtype=torch.float32)
-            if g.requires_grad:
+            if g.requires_grad and opt.has_master(g.gid):
                 opt.read_master(g.gid, shard)
             else:
                 shard.copy_(self.store.fetch(("p", g.gid), to=Tier.HOST).wait().float().cpu())

@@ -198,12 +198,18 @@ class CpuAdam:
 
     def add_partition(self, pid: Hashable, master: torch.Tensor, *, group: int = 0,
                       tier: str | Tier = "host", exp_avg: torch.Tensor | None = None,
-                      exp_avg_sq: torch.Tensor | None = None) -> None:
+                      exp_avg_sq: torch.Tensor | None = None,
+                      master_is_param: bool = False) -> None:
         """Registers a partition at step 0, with zero moments unless given.
 
         `master` (and the moments): fp32, contiguous CPU, one element per
         partition element. tier="host": kept (not copied) and updated in place.
         tier="nvme": written to fresh swap extents chunk by chunk; not kept.
+
+        master_is_param: the caller's fp32 parameter partition is the master
+        (fp32 training keeps no second copy). It is passed to every update as
+        `params_out` and updated in place there; `master` only gives the size,
+        and the optimizer holds the moments alone (8 bytes per element).
         """
         with self._lock:
             tier = Tier(tier)
@@ -217,20 +223,25 @@ class CpuAdam:
             master = _flat(master, f"partition {pid!r} master", master.numel(), (torch.float32,))
             if master.numel() == 0:
                 raise ValueError(f"partition {pid!r} is empty")
-            layout = ChunkLayout(master.numel(), self.chunk_elems)
+            layout = ChunkLayout(master.numel(), self.chunk_elems, 2 if master_is_param else 3)
             moments = [None if t is None else _flat(t, f"partition {pid!r} {k}", master.numel(),
                                                     (torch.float32,))
                        for k, t in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq))]
+            kept = None if master_is_param else master
             if tier is Tier.HOST:
                 a, s = (torch.zeros_like(master) if t is None else t for t in moments)
-                state = (master, a, s)
-                part = PartitionState(pid, master.numel(), group, tier, layout, host=state)
+                part = PartitionState(pid, master.numel(), group, tier, layout,
+                                      host=(kept, a, s))
             else:
                 part = PartitionState(pid, master.numel(), group, tier, layout)
                 part.commit(self._need_pipeline(pid).swap,
-                            self._write_new(part, master, *moments), step=0)
+                            self._write_new(part, kept, *moments), step=0)
             self._parts[pid] = part
             self.param_groups[group]["params"].append(pid)
+
+    def has_master(self, pid: Hashable) -> bool:
+        """False where the partition's master is the caller's parameter partition."""
+        return not self.partition(pid).master_is_param
 
     def _need_pipeline(self, pid: Hashable) -> SwapPipeline:
         if self._pipeline is None:
@@ -246,6 +257,8 @@ class CpuAdam:
 
         def fill(_p, _i, lo, n, m_buf, a_buf, s_buf) -> None:
             for src, dst in ((master, m_buf), (exp_avg, a_buf), (exp_avg_sq, s_buf)):
+                if dst is None:  # no master kept
+                    continue
                 if src is not None:
                     dst.copy_(src[lo:lo + n])
                 elif not keep:
@@ -359,6 +372,10 @@ class CpuAdam:
              for p in parts}
         out = {pid: _flat(t, f"params_out of {pid!r}", self._parts[pid].numel, _OUT_DTYPES)
                for pid, t in params_out.items() if pid in grads}
+        for p in parts:
+            if p.master_is_param and (p.pid not in out or out[p.pid].dtype != torch.float32):
+                raise ValueError(f"partition {p.pid!r}: its master is the parameter "
+                                 "partition (master_is_param): pass it, fp32, in params_out")
         return parts, g, out
 
     def _hyper(self, part: PartitionState) -> AdamHyper:
@@ -383,6 +400,8 @@ class CpuAdam:
         for p in host:
             m, a, s = p.host
             o = out.get(p.pid)
+            if m is None:  # master_is_param: updated in place where the caller keeps it
+                m, o = o, None
             with self.recorder.span("optim:update", cat="compute", track="optim",
                                     partition=str(p.pid), elems=p.numel):
                 self.kernel.update(m, g[p.pid], a, s, step=p.step + 1, hyper=self._hyper(p),
@@ -396,9 +415,11 @@ class CpuAdam:
 
         def compute(p, _i, lo, n, m, a, s) -> None:
             o = out.get(p.pid)
+            o = None if o is None else o[lo:lo + n]
+            if m is None:  # master_is_param
+                m, o = o, None
             self.kernel.update(m, g[p.pid][lo:lo + n], a, s, step=p.step + 1,
-                               hyper=hypers[p.pid], grad_scale=grad_scale,
-                               param_out=None if o is None else o[lo:lo + n])
+                               hyper=hypers[p.pid], grad_scale=grad_scale, param_out=o)
         try:
             done += self._pipeline.run(nvme, compute)
         except OptimStepError as e:
@@ -414,6 +435,9 @@ class CpuAdam:
         rounded to nearest even); e.g. to rebuild a compute-dtype copy. Returns `out`."""
         with self._lock:
             part = self.partition(pid)
+            if part.master_is_param:
+                raise ValueError(f"partition {pid!r} keeps no master: it is the caller's "
+                                 "parameter partition (master_is_param)")
             flat = _flat(out, f"read_master out of {pid!r}", part.numel, _OUT_DTYPES)
             if part.tier is Tier.HOST:
                 flat.copy_(part.host[0])
@@ -424,32 +448,40 @@ class CpuAdam:
 
     def partition_state(self, pid: Hashable) -> dict[str, torch.Tensor]:
         """{"step", "exp_avg", "exp_avg_sq", "master"} of one partition, 1-D fp32
-        (step: a 0-d fp32 tensor, as torch). Host state: the live tensors (no copy);
-        NVMe state: fresh tensors read chunk by chunk."""
+        (step: a 0-d fp32 tensor, as torch; no "master" where it is the parameter
+        partition). Host state: the live tensors (no copy); NVMe state: fresh
+        tensors read chunk by chunk."""
         with self._lock:
             part = self.partition(pid)
             step = torch.tensor(float(part.step))
             if part.tier is Tier.HOST:
                 m, a, s = part.host
-                return {"step": step, "exp_avg": a, "exp_avg_sq": s, "master": m}
-            m, a, s = (torch.empty(part.numel, dtype=torch.float32) for _ in range(3))
+            else:
+                m, a, s = (torch.empty(part.numel, dtype=torch.float32) for _ in range(3))
+                if part.master_is_param:
+                    m = None
 
-            def consume(_p, _i, lo, n, mb, ab, sb) -> None:
-                for src, dst in ((mb, m), (ab, a), (sb, s)):
-                    dst[lo:lo + n].copy_(src)
-            self._pipeline.read_state(part, consume)
-            return {"step": step, "exp_avg": a, "exp_avg_sq": s, "master": m}
+                def consume(_p, _i, lo, n, mb, ab, sb) -> None:
+                    for src, dst in ((mb, m), (ab, a), (sb, s)):
+                        if src is not None:
+                            dst[lo:lo + n].copy_(src)
+                self._pipeline.read_state(part, consume)
+            state = {"step": step, "exp_avg": a, "exp_avg_sq": s}
+            if m is not None:
+                state["master"] = m
+            return state
 
     def load_partition_state(self, pid: Hashable, state: Mapping[str, Any]) -> None:
         """Loads one partition's state (keys as `partition_state`; "master" optional:
-        absent keeps the current master). NVMe: written to fresh extents, then
+        absent keeps the current master; ignored where the master is the parameter
+        partition). NVMe: written to fresh extents, then
         switched, so a failure leaves the previous state whole."""
         with self._lock:
             part = self.partition(pid)
             step, tensors = self._checked_state(part, state)
             if part.tier is Tier.HOST:
                 for k, dst in zip(("master", "exp_avg", "exp_avg_sq"), part.host):
-                    if tensors[k] is not None:
+                    if tensors[k] is not None and dst is not None:
                         dst.copy_(tensors[k])
                 part.step = step
                 return

@@ -261,7 +261,7 @@ class SwapPipeline:
                 lo, n = p.layout.chunk(i)
                 with self.recorder.span("optim:update", cat="compute", track="optim",
                                         partition=str(p.pid), chunk=i, elems=n):
-                    compute(p, i, lo, n, *chunk_views(slot.buffer, n))
+                    compute(p, i, lo, n, *chunk_views(slot.buffer, n, p.layout.kinds))
                 self._store(slot, rewrites[p.pid], i)
                 rewrites[p.pid].computed += 1
                 self._commit_finished(rewrites.values(), block=False)
@@ -326,7 +326,7 @@ class SwapPipeline:
                 if keep_old:
                     self.swap.read(part.extents[i], slot.buffer, part.layout.chunk_bytes(i)).wait()
                 lo, n = part.layout.chunk(i)
-                fill(part, i, lo, n, *chunk_views(slot.buffer, n))
+                fill(part, i, lo, n, *chunk_views(slot.buffer, n, part.layout.kinds))
                 self._store(slot, rw, i)
             for h in rw.writes:
                 h.wait()
@@ -354,7 +354,7 @@ class SwapPipeline:
                         break
                 slot = self._take_read((part.pid, i))
                 lo, n = part.layout.chunk(i)
-                consume(part, i, lo, n, *chunk_views(slot.buffer, n))
+                consume(part, i, lo, n, *chunk_views(slot.buffer, n, part.layout.kinds))
                 slot.busy = False
         except BaseException:
             self._drain()

@@ -53,8 +53,11 @@ class ChunkLayout:
 
     numel: int
     chunk_elems: int
+    kinds: int = 3  # fp32 kinds stored per chunk: 3 with the master, 2 without
 
     def __post_init__(self) -> None:
+        if self.kinds not in (2, 3):
+            raise ValueError(f"chunk layout kinds {self.kinds} must be 2 or 3")
         if self.numel < 1 or self.chunk_elems < 1:
             raise ValueError(f"chunk layout needs numel ({self.numel}) and chunk_elems "
                              f"({self.chunk_elems}) >= 1")
@@ -71,8 +74,8 @@ class ChunkLayout:
         return lo, min(self.chunk_elems, self.numel - lo)
 
     def chunk_bytes(self, i: int) -> int:
-        """Bytes of chunk `i` on NVMe (three fp32 kinds back to back, before 4 KiB rounding)."""
-        return BYTES_PER_ELEM * self.chunk(i)[1]
+        """Bytes of chunk `i` on NVMe (its fp32 kinds back to back, before 4 KiB rounding)."""
+        return 4 * self.kinds * self.chunk(i)[1]
 
 
 @dataclass(eq=False)
@@ -80,7 +83,8 @@ class PartitionState:
     """The optimizer's record of one partition.
 
     HOST: `host` holds (master, exp_avg, exp_avg_sq), 1-D fp32; master is the
-    caller's tensor, updated in place. NVME: `extents[i]` holds chunk i (see
+    caller's tensor, updated in place, or None where the master is the
+    caller's parameter partition (`layout.kinds == 2`). NVME: `extents[i]` holds chunk i (see
     [Note: NVMe layout]); `host` is None. `step` counts committed updates.
     """
 
@@ -90,7 +94,7 @@ class PartitionState:
     tier: Tier
     layout: ChunkLayout
     step: int = 0
-    host: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    host: tuple[torch.Tensor | None, torch.Tensor, torch.Tensor] | None = None
     extents: list[SwapExtent] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -119,12 +123,21 @@ class PartitionState:
             swap.free(ext)
 
     @property
+    def master_is_param(self) -> bool:
+        """The master is the caller's fp32 parameter partition, not kept here."""
+        return self.layout.kinds == 2
+
+    @property
     def nvme_bytes(self) -> int:
         """Bytes this partition's state occupies in the swap space (4 KiB-rounded)."""
         return sum(e.length for e in self.extents or ())
 
 
-def chunk_views(buffer: object, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(master, exp_avg, exp_avg_sq) views of a chunk of `n` elements in a slot buffer."""
-    flat = buffer.as_tensor(torch.float32, 3 * n)
+def chunk_views(buffer: object, n: int, kinds: int = 3
+                ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """(master, exp_avg, exp_avg_sq) views of a chunk of `n` elements in a slot buffer;
+    master is None in a 2-kind layout."""
+    flat = buffer.as_tensor(torch.float32, kinds * n)
+    if kinds == 2:
+        return None, flat[:n], flat[n:]
     return flat[:n], flat[n:2 * n], flat[2 * n:]

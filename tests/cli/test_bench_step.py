@@ -35,9 +35,10 @@ def test_json_rows_per_placement(tmp_path):
         assert r["median_step_s"] > 0 and r["peak_rss_GiB"] > 0
         assert r["last_loss"] < r["first_loss"]  # it trains
     nvme = rows[("offload", "nvme")]
-    # the optimizer state (12 B/param) goes to the disk and back every step
-    assert nvme["read_bytes_per_step"] >= 12 * res["model"]["params"]
-    assert nvme["write_bytes_per_step"] >= 12 * res["model"]["params"]
+    # the Adam moments (8 B/param; in fp32 the parameter partition is the master) go to
+    # the disk and back every step
+    assert nvme["read_bytes_per_step"] >= 8 * res["model"]["params"]
+    assert nvme["write_bytes_per_step"] >= 8 * res["model"]["params"]
     assert rows[("offload", "none")]["write_bytes_per_step"] < nvme["write_bytes_per_step"]
     assert nvme["bound_s"] > 0 and nvme["step_over_bound"] > 0
     assert res["disk"]["read_GBps"] > 0 and res["disk"]["write_GBps"] > 0

@@ -276,3 +276,42 @@ def test_prefetches_filling_every_buffer_do_not_stall_the_step(swap, pool, buffe
             res = nvme.step({"c": grads["c"], "d": grads["d"]})
         assert res.bytes_read == res.bytes_written
     _assert_same_state(host, nvme, numels)
+
+
+@pytest.mark.parametrize("tier", ["host", "nvme"])
+def test_master_is_param_keeps_moments_only_and_matches(swap, pool, tier):
+    """fp32 training: the caller's parameter partition is the master; the optimizer
+    stores and moves only the moments (8 B/element) and the results are bit-identical."""
+    masters = _masters(7)
+    numels = {pid: m.numel() for pid, m in masters.items()}
+    cfg = _cfg(3, max_grad_norm=5.0)
+    ref = make_opt(cfg, masters)
+    opt = CpuAdam(cfg, swap=swap if tier == "nvme" else None,
+                  pool=pool if tier == "nvme" else None)
+    params = {pid: m.clone() for pid, m in masters.items()}
+    for pid, p in params.items():
+        opt.add_partition(pid, p, tier=tier, master_is_param=True)
+        assert not opt.has_master(pid)
+    if tier == "nvme":
+        assert 8 * sum(numels.values()) <= swap.used_bytes < 12 * sum(numels.values())
+    with pytest.raises(ValueError, match="master_is_param"):
+        opt.step(grads_for(numels, 0))  # the parameters must come along
+    for step in range(3):
+        grads = grads_for(numels, step, scale=4.0)
+        ref.step(grads)
+        res = opt.step(grads, params_out=params)
+        if tier == "nvme":
+            assert res.bytes_read == res.bytes_written == 8 * sum(numels.values())
+    for pid in numels:
+        want, got = ref.partition_state(pid), opt.partition_state(pid)
+        assert "master" not in got and torch.equal(params[pid], want["master"])
+        for k in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(got[k], want[k]), (pid, k)
+    with pytest.raises(ValueError, match="keeps no master"):
+        opt.read_master("p0", torch.empty(numels["p0"]))
+    sd = opt.state_dict()
+    opt.load_state_dict(sd)  # round trip: the moments come back, no master expected
+    for pid in numels:
+        assert torch.equal(opt.partition_state(pid)["exp_avg"], sd["state"][pid]["exp_avg"])
+    opt.close()
+    ref.close()
