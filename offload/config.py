@@ -83,8 +83,10 @@ class IoConfig:
     queue_depth: int = _doc(32, "I/O requests kept in flight per engine")
     threads: int = _doc(4, "worker threads of the thread engine")
     direct: bool = _doc(True, "open swap files with O_DIRECT (bypass the page cache)")
-    sync_writes: bool = _doc(True, "a write completes only after fdatasync, i.e. when the data "
-                             "is on stable storage; false: when the device has taken it")
+    sync_writes: bool = _doc(False, "true: a write completes only after fdatasync, on stable "
+                             "storage; false: when the device has taken it (swap files hold "
+                             "scratch state that does not outlive the process, and O_DIRECT "
+                             "reads see every completed write)")
     checksum: bool = _doc(True, "record an xxh3-64 of each written extent and verify it on read")
     stripe_size: int = _bytes_field("1MiB", "bytes per stripe unit when several paths are given")
     grow_step: int = _bytes_field("256MiB", "bytes by which a swap file is preallocated "
@@ -183,8 +185,9 @@ class OptimConfig:
                             "12 bytes per element each way, 8 in fp32 training where the "
                             "parameter is the master); 0: derived from io.buffer_budget, "
                             "buffers and buffer_share")
-    buffers: int = _doc(3, "chunk buffers of the swap pipeline: 1 no overlap, 2 reads ahead, "
-                        "3 reads ahead while the previous chunk is written")
+    buffers: int = _doc(6, "chunk buffers of the swap pipeline: 1 no overlap, 2 reads ahead, "
+                        "3 or more read ahead while earlier chunks are written (more keep "
+                        "more requests in flight)")
     buffer_share: float = _doc(0.5, "fraction of io.buffer_budget the pipeline's buffers may "
                                "take when chunk_elems = 0")
     block_elems: int = _doc(1048576, "elements per update-kernel call; one block of the four "

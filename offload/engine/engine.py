@@ -66,7 +66,7 @@ log = logging.getLogger(__name__)
 
 __all__ = ["OffloadEngine"]
 
-EARLY_UPDATES_IN_FLIGHT = 2  # groups whose gradients wait for the update thread, at most
+EARLY_UPDATES_IN_FLIGHT = 1  # groups whose gradients wait for the update thread, at most
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _TIERS = {"device": Tier.DEVICE, "host": Tier.HOST, "nvme": Tier.NVME}
 

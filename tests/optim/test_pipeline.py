@@ -210,9 +210,10 @@ def test_state_dict_round_trip(swap, pool):
 
 
 def test_chunk_size_follows_the_host_budget():
-    cfg = OptimConfig()
+    cfg = OptimConfig(buffers=3)
     assert resolve_chunk_elems(cfg, 1 << 30) == 1 << 23  # capped
     assert resolve_chunk_elems(cfg, 64 << 20) == 1 << 19  # 32 MiB / 3 / 12 B, to a power of 2
+    assert resolve_chunk_elems(OptimConfig(), 1 << 30) == 1 << 22  # 512 MiB / 6 / 12 B
     with pytest.raises(ValueError, match="buffer_budget"):
         resolve_chunk_elems(cfg, 1 << 16)
     with pytest.raises(ValueError, match="chunk_elems"):
