@@ -180,6 +180,7 @@ class OffloadEngine(nn.Module):
         # one thread: early updates run in the order backward produced the gradients
         self._updater = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-update")
         self._early: list[Future] = []
+        self._update_order: list[int] = []  # groups in the order this step updated them
         self._io_lock = threading.Lock()
         self._opt_bytes = [0, 0]  # optimizer-state bytes read, written (all steps)
         for st in self._states:
@@ -412,6 +413,7 @@ class OffloadEngine(nn.Module):
                 return self._update_group(gid, stored, norm)
         pkey = ("p", gid)
         scale = self.loss_scale * self.cfg.engine.grad_accum_steps
+        self._update_order.append(gid)
         where = self._param_tier
         if where is Tier.NVME:  # a copy in memory is updated in place, written back when evicted
             valid = self.store.info(pkey).valid
@@ -491,7 +493,16 @@ class OffloadEngine(nn.Module):
         self._has_grad.clear()
         self._after_good_step()
         self.global_step += 1
+        self._prefetch_state()
         return True
+
+    def _prefetch_state(self) -> None:
+        """Starts reading the optimizer state of the group this step updated first: the
+        next step's first update (the last group of the forward) then finds its first
+        chunks read while the forward runs."""
+        order, self._update_order = self._update_order, []
+        if order and self.cfg.engine.optimizer == "nvme":
+            self.optimizer.prefetch(order[0])
 
     def _grad_norm(self, gids: list[int], scale: float) -> tuple[float | None, bool]:
         need = self.cfg.optim.max_grad_norm > 0 or self.cfg.engine.dtype == "fp16"
