@@ -260,3 +260,19 @@ def test_failed_initialize_leaves_the_model_whole(engine_cfg, tmp_path):
     assert set(after) == set(before) and all(torch.equal(after[k], before[k]) for k in before)
     assert isinstance(model.l1.weight, nn.Parameter)
     lm_loss(model(lm_batches(1)[0][0]), lm_batches(1)[0][1]).backward()  # still trains
+
+
+def test_optimizer_state_of_the_first_update_is_read_ahead(engine_cfg):
+    """After a step the optimizer's NVMe reads for the group updated first have begun."""
+    torch.manual_seed(0)
+    engine = offload.initialize(TiedTwice(), engine_cfg("nvme", "host", "nvme"))
+    try:
+        batches = lm_batches(2)
+        order = []
+        real = engine._update_group
+        engine._update_group = lambda gid, *a: (order.append(gid), real(gid, *a))[1]
+        _train(engine, batches, 1)
+        assert order and engine.optimizer._pipeline.prefetched() == [order[0]]
+        _train(engine, batches[1:], 1)  # the prefetched reads are used, results unchanged
+    finally:
+        engine.close()
