@@ -1,10 +1,15 @@
 """Gathered weights on a CPU device reuse freed memory (see [Note: warm gather memory])."""
 
+import pytest
 import torch
 
 from offload.engine.engine import _WarmMemory
 
+SWAP = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
 
+
+@pytest.mark.skipif(not SWAP, reason=f"torch {torch.__version__} has no "
+                    "UntypedStorage._swap_data_ptr_: gathers allocate afresh")
 def test_freed_gather_memory_is_reused_and_bounded():
     warm = _WarmMemory(torch.device("cpu"), limit=3 << 20)
     assert warm.enabled
@@ -39,3 +44,15 @@ def test_freed_gather_memory_is_reused_and_bounded():
 def test_cuda_device_resizes_instead():
     warm = _WarmMemory(torch.device("cuda"), limit=1 << 20)
     assert not warm.enabled
+
+
+@pytest.mark.skipif(SWAP, reason="this torch swaps storage data pointers")
+def test_without_the_swap_gathers_resize():
+    warm = _WarmMemory(torch.device("cpu"), limit=1 << 20)
+    assert not warm.enabled
+    flat = torch.empty(1024)
+    flat.untyped_storage().resize_(0)
+    warm.fill(flat.untyped_storage(), 4096)
+    assert flat.untyped_storage().nbytes() == 4096
+    warm.drain(flat.untyped_storage())
+    assert flat.untyped_storage().nbytes() == 0
