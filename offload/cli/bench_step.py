@@ -31,7 +31,10 @@ The lower bound of a run that moves bytes to the disk is
 max(fastest no-offload step, read bytes / disk read bandwidth + written bytes
 / disk write bandwidth), the bandwidths measured once per round, in the same
 run, with offload's I/O engine (O_DIRECT, the io section's block size and
-queue depth; writes include fdatasync).
+queue depth, as the runs write). Each round also measures the disk's mixed
+rate: reads and writes at once, as many requests of the optimizer's chunk
+size in flight each way as its pipeline keeps, for 2 s. Rows report the step
+against that rate too (`mixed_bound_s`), beside the bound above.
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ..config import IoConfig, parse_bytes
+from ..config import IoConfig, OptimConfig, parse_bytes
 from .benchutil import emit, proc_io, progress_printer, reset_hwm, scratch_dir, vm_hwm
 
 GiB = 1 << 30
@@ -285,6 +288,37 @@ class _DiskProbe:
                          keepalive=self.buf).wait()
         return self.n / w, self.n / (time.perf_counter() - t)
 
+    def measure_mixed(self, request: int, depth: int, seconds: float) -> float:
+        """Bytes/s of reads and writes together: `depth` requests of `request` bytes
+        each way kept in flight for `seconds` (reads from the first half of the file,
+        writes to the second), the traffic of the optimizer's chunk pipeline."""
+        request = max(4096, min(request, self.n // (4 * depth)) // 4096 * 4096)
+        half = self.n // 2
+        span = half // request * request
+        offsets = {"read": 0, "write": 0}
+        moved = 0
+
+        def issue(op: str, k: int):
+            off = offsets[op]
+            offsets[op] = (off + request) % span
+            addr = self.buf.address + k * request  # distinct slices of the probe buffer
+            if op == "read":
+                return self.engine.read(self.fd, self.path, off, addr, request,
+                                        keepalive=self.buf)
+            return self.engine.write(self.fd, self.path, half + off, addr, request,
+                                     keepalive=self.buf)
+        inflight = [(op, k, issue(op, k)) for k, op in enumerate(["read", "write"] * depth)]
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            op, k, h = inflight.pop(0)
+            h.wait()
+            moved += request
+            inflight.append((op, k, issue(op, k)))
+        elapsed = time.perf_counter() - t0
+        for _, _, h in inflight:
+            h.wait()
+        return moved / elapsed
+
     def close(self) -> None:
         os.close(self.fd)
         os.unlink(self.path)
@@ -379,6 +413,11 @@ def _add_bounds(rows: list[dict], disk: dict | None) -> float | None:
             r["io_bound_s"] = io_s
             r["bound_s"] = max(terms)
             r["step_over_bound"] = r["median_step_s"] / r["bound_s"]
+        if disk is not None and disk.get("mixed_GBps") and r["read_bytes_per_step"]:
+            mixed_s = (r["read_bytes_per_step"] + r["write_bytes_per_step"]) / (
+                disk["mixed_GBps"] * 1e9)
+            r["mixed_bound_s"] = max(t for t in (t_none, mixed_s) if t is not None)
+            r["step_over_mixed_bound"] = r["median_step_s"] / r["mixed_bound_s"]
     return t_none
 
 
@@ -473,6 +512,12 @@ def _rounds(runs: dict[tuple[str, str], _Runs], work: str, base: dict, state: in
     probe = None
     writes: list[float] = []
     reads: list[float] = []
+    mixed: list[float] = []
+    from ..optim import resolve_chunk_elems
+
+    # the nvme runs' optimizer traffic: chunks of 8 B/element (fp32: moments only)
+    ocfg = OptimConfig()
+    request = resolve_chunk_elems(ocfg, base["buffer_budget"]) * 8
     try:
         if any(p == "nvme" for _, p in runs):
             disk_n = min(parse_bytes(args.disk_size, "--disk-size"), max(64 << 20, state))
@@ -481,11 +526,13 @@ def _rounds(runs: dict[tuple[str, str], _Runs], work: str, base: dict, state: in
         for r in range(args.rounds):
             if probe is not None:
                 w, rd = probe.measure()
+                mx = probe.measure_mixed(request, ocfg.buffers, seconds=2.0)
                 writes.append(w)
                 reads.append(rd)
+                mixed.append(mx)
                 if progress:
                     progress(f"round {r + 1}/{args.rounds}: disk write {w / 1e9:.2f} GB/s, "
-                             f"read {rd / 1e9:.2f} GB/s")
+                             f"read {rd / 1e9:.2f} GB/s, mixed {mx / 1e9:.2f} GB/s")
             for one in runs.values():  # placement by placement, the systems alternating
                 if not one.note:  # one that failed (or cannot run) said why once
                     _run_once(one, r, work, base, args, progress)
@@ -493,7 +540,9 @@ def _rounds(runs: dict[tuple[str, str], _Runs], work: str, base: dict, state: in
             return None
         return {"engine": probe.engine.name, "direct": probe.engine.direct, "size": probe.n,
                 "write_GBps": statistics.median(writes) / 1e9,
-                "read_GBps": statistics.median(reads) / 1e9}
+                "read_GBps": statistics.median(reads) / 1e9,
+                "mixed_GBps": statistics.median(mixed) / 1e9, "mixed_request": request,
+                "mixed_depth": ocfg.buffers}
     finally:
         if probe is not None:
             probe.close()
@@ -602,13 +651,19 @@ def render(result: dict) -> None:
     if d:
         con.print(f"disk ({d['engine']}, {'O_DIRECT' if d['direct'] else 'buffered'}, "
                   f"{result['io']['block_size'] >> 20} MiB x {result['io']['queue_depth']}): "
-                  f"write {d['write_GBps']:.2f} GB/s, read {d['read_GBps']:.2f} GB/s")
+                  f"write {d['write_GBps']:.2f} GB/s, read {d['read_GBps']:.2f} GB/s; mixed "
+                  f"({d['mixed_depth']} reads + {d['mixed_depth']} writes of "
+                  f"{d['mixed_request'] >> 20} MiB in flight) {d['mixed_GBps']:.2f} GB/s")
     for r in result["results"]:
         if r.get("bound_s") is not None:
             io = r["io_bound_s"]
             con.print(f"{r['system']} {r['placement']}: bound {r['bound_s']:.3f} s = max(none "
                       f"step {_fmt(result['none_step_s'], '.3f')} s, disk "
                       f"{_fmt(io, '.3f')} s); step / bound = {r['step_over_bound']:.2f}")
+        if r.get("mixed_bound_s") is not None:
+            con.print(f"{r['system']} {r['placement']}: with the disk's mixed rate, bound "
+                      f"{r['mixed_bound_s']:.3f} s; step / that bound = "
+                      f"{r['step_over_mixed_bound']:.2f}")
         if r.get("accounted_read_bytes_per_step") is not None:
             con.print(f"{r['system']} {r['placement']}: own accounting "
                       f"{r['accounted_read_bytes_per_step'] / 1e6:.0f} MB read, "

@@ -42,6 +42,8 @@ def test_json_rows_per_placement(tmp_path):
     assert rows[("offload", "none")]["write_bytes_per_step"] < nvme["write_bytes_per_step"]
     assert nvme["bound_s"] > 0 and nvme["step_over_bound"] > 0
     assert res["disk"]["read_GBps"] > 0 and res["disk"]["write_GBps"] > 0
+    assert res["disk"]["mixed_GBps"] > 0 and res["disk"]["mixed_depth"] >= 1
+    assert nvme["mixed_bound_s"] > 0 and nvme["step_over_mixed_bound"] > 0
     # without DeepSpeed rows, the targets that need only offload's row are still judged
     assert [t["limit"] for t in res["targets"]] == [1.15, 1.0]
     assert all(isinstance(t["met"], bool) for t in res["targets"])

@@ -276,3 +276,24 @@ def test_optimizer_state_of_the_first_update_is_read_ahead(engine_cfg):
         _train(engine, batches[1:], 1)  # the prefetched reads are used, results unchanged
     finally:
         engine.close()
+
+
+def test_bf16_written_back_equals_kept_in_memory(engine_cfg):
+    """bf16 parameters homed on NVMe: streaming them (dirty ones written back on
+    eviction) gives bit-identical weights to keeping them all in memory."""
+    results = []
+    for host_budget in ("64MiB", "16KiB"):
+        torch.manual_seed(0)
+        model = TiedTwice()
+        cfg = engine_cfg("nvme", "host", "nvme", dtype="bf16")
+        cfg["store"].update(host_budget=host_budget, device_budget="24KiB")
+        engine = offload.initialize(model, cfg)
+        try:
+            losses = _train(engine, lm_batches(4), 4)
+            results.append((losses, engine.state_dict()))
+        finally:
+            engine.close()
+    (l1, a), (l2, b) = results
+    assert l1 == l2
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
