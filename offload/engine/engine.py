@@ -181,6 +181,7 @@ class OffloadEngine(nn.Module):
         self._updater = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-update")
         self._early: list[Future] = []
         self._update_order: list[int] = []  # groups in the order this step updated them
+        self._next_update: dict[int, int] = {}  # group -> the one updated after it, last step
         self._io_lock = threading.Lock()
         self._opt_bytes = [0, 0]  # optimizer-state bytes read, written (all steps)
         for st in self._states:
@@ -414,6 +415,7 @@ class OffloadEngine(nn.Module):
         pkey = ("p", gid)
         scale = self.loss_scale * self.cfg.engine.grad_accum_steps
         self._update_order.append(gid)
+        nxt = self._next_update.get(gid)
         where = self._param_tier
         if where is Tier.NVME:  # a copy in memory is updated in place, written back when evicted
             valid = self.store.info(pkey).valid
@@ -426,13 +428,14 @@ class OffloadEngine(nn.Module):
             try:
                 with self.store.modify(pkey, where) as p:
                     res = self.optimizer.update({gid: grad}, params_out={gid: p},
-                                                loss_scale=scale, grad_norm=norm, found_inf=False)
+                                                loss_scale=scale, grad_norm=norm, found_inf=False,
+                                                next_pid=nxt)
             finally:
                 self.store.unpin(pkey)
         else:
             new = torch.empty(self.groups[gid].shard, dtype=self.dtype)
             res = self.optimizer.update({gid: grad}, params_out={gid: new}, loss_scale=scale,
-                                        grad_norm=norm, found_inf=False)
+                                        grad_norm=norm, found_inf=False, next_pid=nxt)
             self.store.free(pkey)
             # kept in HOST while it has room: the next forward uses the groups updated
             # last first, and finds them there
@@ -501,6 +504,7 @@ class OffloadEngine(nn.Module):
         next step's first update (the last group of the forward) then finds its first
         chunks read while the forward runs."""
         order, self._update_order = self._update_order, []
+        self._next_update = dict(zip(order, order[1:]))  # each update reads the next's ahead
         if order and self.cfg.engine.optimizer == "nvme":
             self.optimizer.prefetch(order[0])
 

@@ -323,10 +323,12 @@ class CpuAdam:
     def update(self, grads: Mapping[Hashable, torch.Tensor], *,
                params_out: Mapping[Hashable, torch.Tensor] | None = None,
                loss_scale: float = 1.0, grad_norm: float | None = None,
-               found_inf: bool | None = None) -> StepResult:
+               found_inf: bool | None = None, next_pid: Hashable | None = None) -> StepResult:
         """Updates exactly the partitions in `grads` now (arguments as in `step`); the
         rest of the round follows with `step`. A call that does not cover the whole
-        round needs `grad_norm` when clipping and `found_inf` when loss-scaling."""
+        round needs `grad_norm` when clipping and `found_inf` when loss-scaling.
+        `next_pid`: the partition the caller expects to update next; its NVMe state
+        starts being read into buffers this update leaves idle."""
         with self._lock:
             t0 = time.perf_counter()
             parts, g, out = self._check_inputs(grads, params_out or {})
@@ -348,7 +350,7 @@ class CpuAdam:
                                   time.perf_counter() - t0)
             r0, w0 = self._io_counters()
             try:
-                updated = self._run(parts, g, out, sc.grad_scale)
+                updated = self._run(parts, g, out, sc.grad_scale, next_pid)
             except OptimStepError as e:
                 e.grad_norm = sc.grad_norm
                 raise
@@ -387,7 +389,8 @@ class CpuAdam:
         return AdamHyper(lr, float(b1), float(b2), float(grp["eps"]),
                          float(grp["weight_decay"]), self.decoupled)
 
-    def _run(self, parts: list[PartitionState], g: dict, out: dict, grad_scale: float) -> list:
+    def _run(self, parts: list[PartitionState], g: dict, out: dict, grad_scale: float,
+             next_pid: Hashable | None = None) -> list:
         """Host partitions in place, then NVMe partitions through the pipeline (its
         first reads start before the host work, so they overlap it)."""
         host = [p for p in parts if p.tier is Tier.HOST]
@@ -420,8 +423,12 @@ class CpuAdam:
                 m, o = o, None
             self.kernel.update(m, g[p.pid][lo:lo + n], a, s, step=p.step + 1,
                                hyper=hypers[p.pid], grad_scale=grad_scale, param_out=o)
+        then = self._parts.get(next_pid) if next_pid is not None else None
+        if then is not None and (then.tier is not Tier.NVME or then.pid in g
+                                 or then.pid in self._round):
+            then = None
         try:
-            done += self._pipeline.run(nvme, compute)
+            done += self._pipeline.run(nvme, compute, then=then)
         except OptimStepError as e:
             e.updated = done + e.updated
             self._round.update(e.updated)

@@ -239,10 +239,14 @@ class SwapPipeline:
         for key in [k for k in self._reads if pid is None or k[0] == pid]:
             self._drop(key)
 
-    def run(self, parts: list[PartitionState], compute: ChunkFn) -> list[Hashable]:
+    def run(self, parts: list[PartitionState], compute: ChunkFn,
+            then: PartitionState | None = None) -> list[Hashable]:
         """Updates `parts` chunk by chunk: `compute` rewrites each chunk's three views
         in place; the result goes to fresh extents and each partition commits at
         `step + 1` when its writes are done. Returns the partition ids, all committed.
+        `then`: an NVMe partition likely updated next; once the read-ahead passes the
+        end of `parts`, idle buffers start reading its first chunks (never waiting),
+        so a caller updating partitions one call at a time keeps reads in flight.
 
         Raises:
             OptimStepError: something failed; see its `updated` / `unchanged`.
@@ -251,11 +255,18 @@ class SwapPipeline:
         rewrites = {p.pid: _Rewrite(p) for p in parts}
         protect = {(p.pid, i) for p, i in work}
         try:
+            ahead = [(then, i) for i in range(then.layout.n_chunks)] if then is not None else []
             for j, (p, i) in enumerate(work):
                 self._issue_read(p, i, protect, "must")
-                for k in range(j + 1, min(len(work), j + max(2, self.nbuf - 1))):
-                    mode = "wait" if k == j + 1 else "try"  # load(j+1); further only if idle
-                    if self.nbuf < 2 or not self._issue_read(*work[k], protect, mode):
+                for k in range(j + 1, j + max(2, self.nbuf - 1)):
+                    if k < len(work):
+                        mode = "wait" if k == j + 1 else "try"  # load(j+1); more if idle
+                        target = work[k]
+                    elif k - len(work) < len(ahead):
+                        mode, target = "try", ahead[k - len(work)]
+                    else:
+                        break
+                    if self.nbuf < 2 or not self._issue_read(*target, protect, mode):
                         break
                 slot = self._take_read((p.pid, i))
                 lo, n = p.layout.chunk(i)
@@ -265,6 +276,8 @@ class SwapPipeline:
                 self._store(slot, rewrites[p.pid], i)
                 rewrites[p.pid].computed += 1
                 self._commit_finished(rewrites.values(), block=False)
+            if then is not None:  # slots freed by the last writes start on `then`
+                self.prefetch(then, max(1, self.nbuf - 1))
             self._commit_finished(rewrites.values(), block=True)
         except BaseException as e:
             self._drain()

@@ -316,3 +316,25 @@ def test_master_is_param_keeps_moments_only_and_matches(swap, pool, tier):
         assert torch.equal(opt.partition_state(pid)["exp_avg"], sd["state"][pid]["exp_avg"])
     opt.close()
     ref.close()
+
+
+def test_update_reads_the_next_partition_ahead(swap, pool):
+    """update(next_pid=...) leaves the next partition's first chunks reading; using
+    them changes no result."""
+    masters = _masters(11, count=2)
+    numels = {pid: m.numel() for pid, m in masters.items()}
+    cfg = _cfg(4)
+    ahead = make_opt(cfg, masters, "nvme", swap, pool)
+    plain = make_opt(cfg, masters)
+    first, second = list(numels)[:2]
+    for step in range(2):
+        grads = grads_for(numels, step)
+        ahead.update({first: grads[first]}, next_pid=second)
+        assert ahead._pipeline.prefetched() == [second]
+        ahead.update({second: grads[second]})
+        ahead.step({}, skip=[p for p in numels if p not in (first, second)])
+        plain.step({p: grads[p] for p in (first, second)},
+                   skip=[p for p in numels if p not in (first, second)])
+    _assert_same_state(ahead, plain, [first, second])
+    ahead.close()
+    plain.close()
