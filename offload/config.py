@@ -95,6 +95,12 @@ class IoConfig:
                                       "free space")
     buffer_budget: int = _bytes_field("1GiB", "bytes of page-aligned (pinned with CUDA) host "
                                       "staging buffers")
+    switch_interval: float = _doc(0.0005, "seconds: Python's thread switch interval "
+                                  "(sys.setswitchinterval) while an engine is open, restored "
+                                  "on close; I/O completions run on Python threads and wait "
+                                  "up to this long behind a thread busy in Python (Python's "
+                                  "default, 0.005, halved the disk rate of a busy process); "
+                                  "0 leaves it alone")
 
     def __post_init__(self) -> None:
         if not self.paths:
@@ -113,6 +119,9 @@ class IoConfig:
                               f"io.stripe_size ({self.stripe_size})")
         if self.max_swap_size < 0:
             raise ConfigError("io.max_swap_size: negative; use 0 for no limit")
+        if not 0.0 <= self.switch_interval <= 1.0:
+            raise ConfigError(f"io.switch_interval: {self.switch_interval} is out of range; use "
+                              "0 (leave Python's) or seconds up to 1, e.g. 0.0005")
         if self.buffer_budget < self.block_size:
             raise ConfigError(f"io.buffer_budget: {self.buffer_budget} bytes is below one block "
                               f"(io.block_size={self.block_size}); raise it, e.g. to '256MiB'")

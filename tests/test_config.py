@@ -38,6 +38,7 @@ def test_toml_and_json_files(tmp_path):
     ({"io": {"paths": []}}, r"io.paths: empty"),
     ({"io": {"buffer_budget": "1MiB", "block_size": "4MiB"}}, r"io.buffer_budget: .* raise it"),
     ({"io": {"grow_step": "1MiB", "stripe_size": "4MiB"}}, r"io.grow_step"),
+    ({"io": {"switch_interval": -1}}, r"io.switch_interval: -1(\.0)? is out of range"),
 ])
 def test_bad_values_name_key_and_fix(data, match):
     with pytest.raises(ConfigError, match=match):

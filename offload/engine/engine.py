@@ -46,6 +46,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import sys
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
@@ -183,6 +184,11 @@ class OffloadEngine(nn.Module):
         self._update_order: list[int] = []  # groups in the order this step updated them
         self._next_update: dict[int, int] = {}  # group -> the one updated after it, last step
         self._io_lock = threading.Lock()
+        # I/O completions and early updates are Python threads: see io.switch_interval
+        self._saved_switch = None
+        if cfg.io.switch_interval > 0:
+            self._saved_switch = sys.getswitchinterval()
+            sys.setswitchinterval(cfg.io.switch_interval)
         self._opt_bytes = [0, 0]  # optimizer-state bytes read, written (all steps)
         for st in self._states:
             if st.group.requires_grad:
@@ -584,6 +590,9 @@ class OffloadEngine(nn.Module):
             self._opt.close()
         self._warm.clear()
         self.store.close()
+        if self._saved_switch is not None:
+            sys.setswitchinterval(self._saved_switch)
+            self._saved_switch = None
 
     def __enter__(self) -> "OffloadEngine":
         return self

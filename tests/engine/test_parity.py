@@ -297,3 +297,19 @@ def test_bf16_written_back_equals_kept_in_memory(engine_cfg):
     assert l1 == l2
     for k in a:
         assert torch.equal(a[k], b[k]), k
+
+
+def test_switch_interval_set_while_open_and_restored(engine_cfg):
+    import sys
+
+    before = sys.getswitchinterval()
+    cfg = engine_cfg("nvme", "host", "host")
+    cfg["io"]["switch_interval"] = 0.0007
+    engine = offload.initialize(TiedTwice(), cfg)
+    try:
+        assert sys.getswitchinterval() == pytest.approx(0.0007)
+    finally:
+        engine.close()
+    assert sys.getswitchinterval() == before
+    engine.close()  # idempotent: nothing left to restore
+    assert sys.getswitchinterval() == before
