@@ -413,7 +413,9 @@ class OffloadEngine(nn.Module):
         or a cached HOST copy of one homed on NVMe) is overwritten in place there:
         an NVMe-homed one is then written back only when the store evicts it.
         Otherwise (on NVMe only, or on a GPU) it is not read back just to be
-        overwritten: the new values are put in its place.
+        overwritten: the new values are put in its place. In fp32 the partition
+        is the master (`master_is_param`): it is always updated in place, read
+        into HOST first when it is only on NVMe.
         """
         if grad is None:
             with self._stored_grad(gid) as stored:
