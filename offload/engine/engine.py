@@ -101,6 +101,7 @@ class _WarmMemory:
                      "allocated afresh each time", torch.__version__)
         self.limit = limit
         self._free: list[torch.UntypedStorage] = []  # oldest first
+        self._held = 0  # bytes in _free
 
     def fill(self, storage: torch.UntypedStorage, nbytes: int) -> None:
         """Gives the empty `storage` `nbytes` (or more) of memory."""
@@ -111,6 +112,7 @@ class _WarmMemory:
         if fits:
             buf = min(fits, key=lambda b: b.nbytes())
             self._free.remove(buf)
+            self._held -= buf.nbytes()
         else:
             buf = torch.UntypedStorage(nbytes)
         storage._swap_data_ptr_(buf)  # storage takes the memory, buf the empty pointer
@@ -123,11 +125,13 @@ class _WarmMemory:
         buf = torch.UntypedStorage(0)
         storage._swap_data_ptr_(buf)
         self._free.append(buf)
-        while sum(b.nbytes() for b in self._free) > self.limit:
-            self._free.pop(0)
+        self._held += buf.nbytes()
+        while self._held > self.limit:
+            self._held -= self._free.pop(0).nbytes()
 
     def clear(self) -> None:
         self._free.clear()
+        self._held = 0
 
 
 class _GroupState:
@@ -424,14 +428,8 @@ class OffloadEngine(nn.Module):
         scale = self.loss_scale * self.cfg.engine.grad_accum_steps
         self._update_order.append(gid)
         nxt = self._next_update.get(gid)
-        where = self._param_tier
-        if where is Tier.NVME:  # a copy in memory is updated in place, written back when evicted
-            valid = self.store.info(pkey).valid
-            if Tier.HOST in valid or self.master_is_param:
-                where = Tier.HOST  # (the master must be read: it is the partition)
-            if Tier.DEVICE in valid and self.device.type == "cpu":
-                where = Tier.DEVICE  # on a CPU device, HOST memory handed over to DEVICE
-        if where is Tier.HOST or (where is Tier.DEVICE and self.device.type == "cpu"):
+        where = self._in_place_tier(pkey)
+        if where is not None:
             self.store.fetch(pkey, to=where, pin=True).wait()  # pinned: not evicted meanwhile
             try:
                 with self.store.modify(pkey, where) as p:
@@ -451,6 +449,20 @@ class OffloadEngine(nn.Module):
         with self._io_lock:
             self._opt_bytes[0] += res.bytes_read
             self._opt_bytes[1] += res.bytes_written
+
+    def _in_place_tier(self, pkey: tuple[str, int]) -> Tier | None:
+        """The tier whose copy of `pkey` the CPU optimizer overwrites in place, or None
+        when the new values are put instead (see `_update_group`)."""
+        cpu = self.device.type == "cpu"  # the DEVICE tier is host memory
+        home = self._param_tier
+        if home is not Tier.NVME:
+            return home if home is Tier.HOST or cpu else None
+        valid = self.store.info(pkey).valid  # written back when evicted
+        if Tier.DEVICE in valid and cpu:
+            return Tier.DEVICE  # HOST memory handed over to DEVICE
+        if Tier.HOST in valid or self.master_is_param:
+            return Tier.HOST  # a master that is only on NVMe is read in first
+        return None
 
     # -- the user's loop ----------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:

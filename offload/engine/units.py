@@ -15,6 +15,7 @@ group that meets it; every unit whose modules use it lists that group in its
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 from torch import nn
@@ -53,7 +54,7 @@ class Group:
     def padded(self) -> int:
         return self.shard * self.world
 
-    @property
+    @cached_property
     def split_sizes(self) -> list[int]:
         """Elements of each slot in order, then the padding (if any): the flat buffer
         split into them gives every parameter's view (one SplitBackward node)."""

@@ -255,15 +255,15 @@ class SwapPipeline:
         rewrites = {p.pid: _Rewrite(p) for p in parts}
         protect = {(p.pid, i) for p, i in work}
         try:
-            ahead = [(then, i) for i in range(then.layout.n_chunks)] if then is not None else []
+            ahead = then.layout.n_chunks if then is not None else 0
             for j, (p, i) in enumerate(work):
                 self._issue_read(p, i, protect, "must")
                 for k in range(j + 1, j + max(2, self.nbuf - 1)):
                     if k < len(work):
                         mode = "wait" if k == j + 1 else "try"  # load(j+1); more if idle
                         target = work[k]
-                    elif k - len(work) < len(ahead):
-                        mode, target = "try", ahead[k - len(work)]
+                    elif k - len(work) < ahead:
+                        mode, target = "try", (then, k - len(work))
                     else:
                         break
                     if self.nbuf < 2 or not self._issue_read(*target, protect, mode):
