@@ -585,8 +585,18 @@ def run_step_bench(args: argparse.Namespace, path: str, progress=None) -> dict:
             "nvme_budgets": {k: base[k] for k in ("host_budget", "device_budget",
                                                   "buffer_budget")},
             "io": {"block_size": base["block_size"], "queue_depth": base["queue_depth"]},
-            "disk": disk, "none_step_s": t_none, "bytes_source": BYTES_SOURCE,
+            "disk": disk, "huge_pages": _huge_pages(), "none_step_s": t_none,
+            "bytes_source": BYTES_SOURCE,
             "results": rows, "targets": _targets(rows, base["host_budget"]), "notes": notes}
+
+
+def _huge_pages() -> dict:
+    """Whether the workers' large host tensors get huge pages: they inherit this
+    process's THP_MEM_ALLOC_ENABLE, DeepSpeed's as well as offload's."""
+    from ..io import hugepages
+
+    ok, why = hugepages.check()
+    return {"on": ok, "env": os.environ.get(hugepages.ENV), "why": why}
 
 
 def _run_once(one: _Runs, r: int, work: str, base: dict, args: argparse.Namespace,
@@ -647,6 +657,10 @@ def render(result: dict) -> None:
     con.print(t)
     con.print(f"RSS: the worker's peak (VmHWM) over the whole run; step RSS: over the steps "
               f"alone. MB r/w: MB read / written per step, from {result['bytes_source']}")
+    hp = result.get("huge_pages")
+    if hp:
+        con.print(f"huge pages: {'on' if hp['on'] else 'off'} for every worker, both systems "
+                  f"({hp['why']})")
     d = result["disk"]
     if d:
         con.print(f"disk ({d['engine']}, {'O_DIRECT' if d['direct'] else 'buffered'}, "

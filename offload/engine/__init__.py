@@ -11,6 +11,7 @@ from torch import nn
 
 from ..comm import Collectives
 from ..config import OffloadConfig, load_config
+from ..io import hugepages
 from ..store import TieredStore
 from ..trace import NULL_RECORDER, TraceRecorder
 from .checkpoint import SafetensorsCheckpoint
@@ -20,6 +21,24 @@ from .units import Group, build_units
 log = logging.getLogger(__name__)
 
 __all__ = ["OffloadEngine", "initialize"]
+
+_huge_pages_reported = False
+
+
+def _report_huge_pages() -> None:
+    """Says once per process whether large host tensors get huge pages
+    ([Note: huge pages] in offload/io/hugepages.py)."""
+    global _huge_pages_reported
+    if _huge_pages_reported:
+        return
+    _huge_pages_reported = True
+    ok, why = hugepages.check()
+    if ok:
+        log.debug(why)
+    elif hugepages.kernel_mode() in ("never", "unavailable") or hugepages.opted_out():
+        log.info(why)
+    else:
+        log.warning(why)
 
 
 def initialize(model: nn.Module | Callable[[], nn.Module],
@@ -43,6 +62,7 @@ def initialize(model: nn.Module | Callable[[], nn.Module],
     Under torch.distributed (torchrun), each rank keeps 1/world of every group.
     """
     cfg = load_config(config)
+    _report_huge_pages()
     if not isinstance(model, nn.Module):
         with torch.device("meta"):
             model = model()

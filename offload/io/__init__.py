@@ -7,6 +7,7 @@ import logging
 
 from ..config import ConfigError, IoConfig
 from ..trace import NULL_RECORDER, TraceRecorder
+from . import hugepages
 from .buffers import BufferPool, HostBuffer
 from .engine import AioEngine, IoEngine, Segment, ThreadEngine, libaio_status
 from .errors import CorruptionError, IoError, PoolExhaustedError, SwapFullError, SwapLockedError
@@ -15,6 +16,8 @@ from .handle import IoHandle, gather
 from .swap import ReadHandle, SwapExtent, SwapSpace, probe_direct
 
 log = logging.getLogger(__name__)
+
+hugepages.default_on()  # before torch's first large allocation: [Note: huge pages]
 
 __all__ = [
     "AioEngine", "BufferPool", "CorruptionError", "Extent", "ExtentAllocator", "HostBuffer",
