@@ -435,13 +435,14 @@ class OffloadEngine(nn.Module):
                 with self.store.modify(pkey, where) as p:
                     res = self.optimizer.update({gid: grad}, params_out={gid: p},
                                                 loss_scale=scale, grad_norm=norm, found_inf=False,
-                                                next_pid=nxt)
+                                                next_pid=nxt, defer=True)
             finally:
                 self.store.unpin(pkey)
         else:
             new = torch.empty(self.groups[gid].shard, dtype=self.dtype)
             res = self.optimizer.update({gid: grad}, params_out={gid: new}, loss_scale=scale,
-                                        grad_norm=norm, found_inf=False, next_pid=nxt)
+                                        grad_norm=norm, found_inf=False, next_pid=nxt,
+                                        defer=True)
             self.store.free(pkey)
             # kept in HOST while it has room: the next forward uses the groups updated
             # last first, and finds them there

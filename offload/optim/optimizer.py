@@ -317,18 +317,42 @@ class CpuAdam:
                                  "(as torch skips parameters whose grad is None)")
             res = self.update(grads, params_out=params_out, loss_scale=loss_scale,
                               grad_norm=grad_norm, found_inf=found_inf)
+            self.flush(grad_norm=res.grad_norm)
             self._round.clear()
             return res
+
+    def flush(self, grad_norm: float | None = None) -> None:
+        """Commits the partitions whose commit `update(defer=True)` left pending,
+        waiting for their writes ([Note: deferred commit] in pipeline.py). `step`
+        does this; reading or rewriting such a partition does it for that call.
+
+        Raises:
+            OptimStepError: a write failed; its `unchanged` partitions are at their
+                previous state and may be updated again in this round.
+        """
+        with self._lock:
+            if self._pipeline is None:
+                return
+            try:
+                self._pipeline.flush()
+            except OptimStepError as e:
+                self._round.difference_update(e.unchanged)
+                e.grad_norm = grad_norm
+                raise
 
     def update(self, grads: Mapping[Hashable, torch.Tensor], *,
                params_out: Mapping[Hashable, torch.Tensor] | None = None,
                loss_scale: float = 1.0, grad_norm: float | None = None,
-               found_inf: bool | None = None, next_pid: Hashable | None = None) -> StepResult:
+               found_inf: bool | None = None, next_pid: Hashable | None = None,
+               defer: bool = False) -> StepResult:
         """Updates exactly the partitions in `grads` now (arguments as in `step`); the
         rest of the round follows with `step`. A call that does not cover the whole
         round needs `grad_norm` when clipping and `found_inf` when loss-scaling.
         `next_pid`: the partition the caller expects to update next; its NVMe state
-        starts being read into buffers this update leaves idle."""
+        starts being read into buffers this update leaves idle.
+        `defer`: return once the NVMe partitions' last writes are issued; they
+        commit later, at the latest in `step` or `flush` ([Note: deferred commit]
+        in pipeline.py). `params_out` is complete on return either way."""
         with self._lock:
             t0 = time.perf_counter()
             parts, g, out = self._check_inputs(grads, params_out or {})
@@ -350,7 +374,7 @@ class CpuAdam:
                                   time.perf_counter() - t0)
             r0, w0 = self._io_counters()
             try:
-                updated = self._run(parts, g, out, sc.grad_scale, next_pid)
+                updated = self._run(parts, g, out, sc.grad_scale, next_pid, defer)
             except OptimStepError as e:
                 e.grad_norm = sc.grad_norm
                 raise
@@ -390,7 +414,7 @@ class CpuAdam:
                          float(grp["weight_decay"]), self.decoupled)
 
     def _run(self, parts: list[PartitionState], g: dict, out: dict, grad_scale: float,
-             next_pid: Hashable | None = None) -> list:
+             next_pid: Hashable | None = None, defer: bool = False) -> list:
         """Host partitions in place, then NVMe partitions through the pipeline (its
         first reads start before the host work, so they overlap it)."""
         host = [p for p in parts if p.tier is Tier.HOST]
@@ -428,10 +452,11 @@ class CpuAdam:
                                  or then.pid in self._round):
             then = None
         try:
-            done += self._pipeline.run(nvme, compute, then=then)
+            done += self._pipeline.run(nvme, compute, then=then, defer=defer)
         except OptimStepError as e:
             e.updated = done + e.updated
             self._round.update(e.updated)
+            self._round.difference_update(e.unchanged)  # those of earlier deferred calls
             raise
         self._round.update(p.pid for p in nvme)
         return done
@@ -460,6 +485,8 @@ class CpuAdam:
         tensors read chunk by chunk."""
         with self._lock:
             part = self.partition(pid)
+            if self._pipeline is not None and pid in self._pipeline.pending():
+                self.flush()  # its step and extents are the committed version's
             step = torch.tensor(float(part.step))
             if part.tier is Tier.HOST:
                 m, a, s = part.host

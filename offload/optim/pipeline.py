@@ -18,6 +18,17 @@ takes a slot, the oldest write is waited for only if no slot is idle:
   * more: reads run further ahead while idle slots exist.
 Partitions commit one by one, when all of their writes are *done*
 ([Note: commit after the writes] in state.py).
+
+[Note: deferred commit]
+`run(..., defer=True)` returns once a partition's last write is issued
+instead of waiting for its writes to finish: its new extents are committed by
+a later call that finds the writes done, or by `flush()`, which waits. Until
+then the partition keeps its previous version (extents and `step`), so
+nothing can read half of it: reading, prefetching or rewriting a partition
+with a deferred commit flushes first (a prefetch, which never waits, skips
+it). A caller updating partitions one call at a time (the engine's early
+updates during backward) thus keeps the disk busy across the boundary
+between one partition and the next, and flushes once at the end of the step.
 """
 
 from __future__ import annotations
@@ -29,7 +40,7 @@ from typing import Callable, Hashable, Iterable
 
 import torch
 
-from ..io import BufferPool, IoHandle, SwapExtent, SwapSpace
+from ..io import BufferPool, IoError, IoHandle, SwapExtent, SwapSpace
 from ..trace import NULL_RECORDER, TraceRecorder
 from .state import BYTES_PER_ELEM, PartitionState, Tier, chunk_views
 
@@ -112,6 +123,7 @@ class SwapPipeline:
         self.recorder = recorder
         self._slots: list[_Slot] = []
         self._reads: dict[Key, _Slot] = {}  # issued reads, oldest first
+        self._pending: dict[Hashable, _Rewrite] = {}  # [Note: deferred commit]
         self._seq = itertools.count(1)
         self.bytes_read = 0
         self.bytes_written = 0
@@ -131,7 +143,10 @@ class SwapPipeline:
     def _reap(self, slot: _Slot) -> _Slot:
         if slot.write is not None:
             with self.recorder.span("optim:wait_write", cat="wait", track="optim"):
-                slot.write.wait_released()  # raises the IoError of a failed write
+                try:
+                    slot.write.wait_released()
+                except IoError:  # the commit of the partition it wrote reports it
+                    pass
             slot.write = None
         return slot
 
@@ -223,6 +238,8 @@ class SwapPipeline:
         """Starts reads of up to `max_chunks` first chunks of `part` into idle slots,
         never waiting; returns how many are (now) in flight or ready."""
         part.check_tier(Tier.NVME)
+        if part.pid in self._pending:  # its committed extents are about to be replaced
+            return 0
         n = 0
         for i in range(min(max_chunks, part.layout.n_chunks)):
             if not self._issue_read(part, i, frozenset(), "try"):
@@ -240,17 +257,24 @@ class SwapPipeline:
             self._drop(key)
 
     def run(self, parts: list[PartitionState], compute: ChunkFn,
-            then: PartitionState | None = None) -> list[Hashable]:
+            then: PartitionState | None = None, defer: bool = False) -> list[Hashable]:
         """Updates `parts` chunk by chunk: `compute` rewrites each chunk's three views
         in place; the result goes to fresh extents and each partition commits at
-        `step + 1` when its writes are done. Returns the partition ids, all committed.
+        `step + 1` when its writes are done. Returns the partition ids, all committed
+        (with `defer`: committed, or to be by a later call or `flush()`; see
+        [Note: deferred commit]).
         `then`: an NVMe partition likely updated next; once the read-ahead passes the
         end of `parts`, idle buffers start reading its first chunks (never waiting),
         so a caller updating partitions one call at a time keeps reads in flight.
 
         Raises:
-            OptimStepError: something failed; see its `updated` / `unchanged`.
+            OptimStepError: something failed; see its `updated` / `unchanged` (which
+                may name partitions of earlier deferred calls).
         """
+        if any(p.pid in self._pending for p in parts):
+            self.flush()
+        if then is not None and then.pid in self._pending:
+            then = None
         work = [(p, i) for p in parts for i in range(p.layout.n_chunks)]
         rewrites = {p.pid: _Rewrite(p) for p in parts}
         protect = {(p.pid, i) for p, i in work}
@@ -276,12 +300,18 @@ class SwapPipeline:
                 self._store(slot, rewrites[p.pid], i)
                 rewrites[p.pid].computed += 1
                 self._commit_finished(rewrites.values(), block=False)
+                self._commit_pending(block=False)
             if then is not None:  # slots freed by the last writes start on `then`
                 self.prefetch(then, max(1, self.nbuf - 1))
-            self._commit_finished(rewrites.values(), block=True)
+            if defer:
+                self._pending.update((pid, rw) for pid, rw in rewrites.items()
+                                     if not rw.committed)
+            else:
+                self._commit_finished(rewrites.values(), block=True)
         except BaseException as e:
             self._drain()
-            updated, unchanged = self._resolve(rewrites.values())
+            earlier, self._pending = list(self._pending.values()), {}
+            updated, unchanged = self._resolve(earlier + list(rewrites.values()))
             if not isinstance(e, Exception):  # Ctrl-C, SystemExit: consistent, then as they were
                 raise
             raise OptimStepError(f"optimizer step failed ({type(e).__name__}: {e}); "
@@ -300,6 +330,39 @@ class SwapPipeline:
                     h.wait()  # raises the IoError of a failed write
             rw.part.commit(self.swap, rw.new, rw.part.step + 1)
             rw.committed = True
+
+    def _commit_pending(self, block: bool) -> None:
+        if self._pending:
+            self._commit_finished(self._pending.values(), block=block)
+            for pid in [pid for pid, rw in self._pending.items() if rw.committed]:
+                del self._pending[pid]
+
+    def flush(self) -> list[Hashable]:
+        """Commits every partition whose commit `run(defer=True)` left pending, waiting
+        for its writes; returns their ids.
+
+        Raises:
+            OptimStepError: a write failed: `unchanged` names the partitions left at
+                their previous version, `updated` those committed.
+        """
+        ids = list(self._pending)
+        try:
+            self._commit_pending(block=True)
+        except BaseException as e:
+            self._drain()
+            pending, self._pending = list(self._pending.values()), {}
+            updated, unchanged = self._resolve(pending)
+            updated = [pid for pid in ids if pid not in unchanged]
+            if not isinstance(e, Exception):
+                raise
+            raise OptimStepError(f"optimizer step failed ({type(e).__name__}: {e}); "
+                                 f"{len(unchanged)} partition(s) left at their previous "
+                                 "version", updated, unchanged) from e
+        return ids
+
+    def pending(self) -> list[Hashable]:
+        """Partition ids whose commit is deferred ([Note: deferred commit])."""
+        return list(self._pending)
 
     def _resolve(self, rewrites: Iterable[_Rewrite]) -> tuple[list[Hashable], list[Hashable]]:
         """After a failure: commits partitions whose writes all succeeded, frees the
@@ -331,6 +394,8 @@ class SwapPipeline:
         the partition's current chunk, read from its extents). On failure the
         fresh extents are freed and the error raised; `part` is untouched.
         """
+        if part.pid in self._pending:
+            self.flush()
         rw = _Rewrite(part)
         try:
             for i in range(part.layout.n_chunks):
@@ -358,6 +423,8 @@ class SwapPipeline:
     def read_state(self, part: PartitionState, consume: ChunkFn) -> None:
         """Reads a partition's chunks in order, reads ahead, and hands each to `consume`."""
         part.check_tier(Tier.NVME)
+        if part.pid in self._pending:
+            self.flush()
         keys = {(part.pid, i) for i in range(part.layout.n_chunks)}
         try:
             for i in range(part.layout.n_chunks):
@@ -374,8 +441,12 @@ class SwapPipeline:
             raise
 
     def close(self) -> None:
-        """Waits for every transfer and gives the slot buffers back to the pool."""
+        """Waits for every transfer, commits what a deferred call left whose writes
+        succeeded (freeing the others' new extents), and gives the slot buffers back
+        to the pool."""
         self._drain()
+        pending, self._pending = list(self._pending.values()), {}
+        self._resolve(pending)
         slots, self._slots = self._slots, []
         for s in slots:
             s.buffer.release()

@@ -338,3 +338,77 @@ def test_update_reads_the_next_partition_ahead(swap, pool):
     _assert_same_state(ahead, plain, [first, second])
     ahead.close()
     plain.close()
+
+
+@pytest.mark.parametrize("buffers", [1, 3])
+def test_deferred_commits_match_and_never_expose_half_a_version(swap, pool, buffers):
+    """update(defer=True) one partition at a time, as the engine's early updates do:
+    the same state as one step; a pending partition keeps its old version until its
+    commit, and reading or prefetching it never sees the old extents."""
+    masters = _masters(40 + buffers, count=3)
+    numels = {pid: m.numel() for pid, m in masters.items()}
+    cfg = _cfg(buffers)
+    ref = make_opt(cfg, masters, "nvme", swap, pool)
+    nvme = make_opt(cfg, masters, "nvme", swap, pool)
+    pids = list(numels)
+    for step in range(3):
+        grads = grads_for(numels, step)
+        ref.step(grads)
+        for k, pid in enumerate(pids):
+            nxt = pids[k + 1] if k + 1 < len(pids) else None
+            nvme.update({pid: grads[pid]}, next_pid=nxt, defer=True)
+        pending = nvme._pipeline.pending()
+        for pid in pending:
+            assert nvme.partition(pid).step == step  # not committed: the old version
+            assert nvme.prefetch(pid) == 0           # a prefetch would read the old extents
+        nvme.step({})                                # the round's end flushes
+        assert nvme._pipeline.pending() == []
+        assert all(nvme.partition(p).step == step + 1 for p in pids)
+        _assert_same_state(ref, nvme, pids)
+    # reading a pending partition commits it first and sees the new values
+    grads = grads_for(numels, 7)
+    ref.step(grads)
+    nvme.update({pids[0]: grads[pids[0]]}, defer=True)
+    assert nvme.partition_state(pids[0])["step"].item() == 4
+    nvme.step({p: grads[p] for p in pids[1:]})
+    _assert_same_state(ref, nvme, pids)
+    used = swap.used_bytes
+    nvme.close()
+    assert swap.used_bytes < used  # its extents (and any pending ones) are freed
+
+
+def test_failed_deferred_write_leaves_whole_versions(swap, pool):
+    """A write of a deferred partition fails: the error comes from the call that
+    finds it (the update itself, or the step's flush); every partition is at one
+    whole version and finishing the step updates exactly the rest."""
+    masters = _masters(50, count=3)
+    numels = {pid: m.numel() for pid, m in masters.items()}
+    cfg = _cfg(3)
+    old = make_opt(cfg, masters)
+    new = make_opt(cfg, masters)
+    nvme = make_opt(cfg, masters, "nvme", swap, pool)
+    grads = grads_for(numels, 0)
+    new.step(grads)
+    pids = list(numels)
+    nvme.update({pids[0]: grads[pids[0]]}, defer=True)
+    nvme.flush()  # the first partition is committed for sure
+    # from the second partition's last chunk on, every write fails
+    restore = _fail_writes_after(nvme, swap, nvme.partition(pids[1]).layout.n_chunks)
+    try:
+        with pytest.raises(OptimStepError) as err:
+            nvme.update({pids[1]: grads[pids[1]]}, defer=True)
+            nvme.step({p: grads[p] for p in pids[2:]})
+    finally:
+        restore()
+    e = err.value
+    assert isinstance(e.__cause__, IoError)
+    assert pids[1] in e.unchanged and pids[0] not in e.unchanged
+    done = [pids[0]] + e.updated
+    _assert_same_state(nvme, new, done)
+    for pid in pids:
+        if pid not in done:
+            _assert_same_state(nvme, old, [pid])
+    assert swap.used_bytes == sum(nvme.partition(p).nvme_bytes for p in numels)  # no leak
+    nvme.step({p: grads[p] for p in pids if p not in done})  # the disk works again
+    _assert_same_state(nvme, new, pids)
+    nvme.close()
