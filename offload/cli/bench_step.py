@@ -29,12 +29,15 @@ Peak RSS is the worker's VmHWM: over the whole run, and over the steps alone
 
 The lower bound of a run that moves bytes to the disk is
 max(fastest no-offload step, read bytes / disk read bandwidth + written bytes
-/ disk write bandwidth), the bandwidths measured once per round, in the same
-run, with offload's I/O engine (O_DIRECT, the io section's block size and
-queue depth, as the runs write). Each round also measures the disk's mixed
-rate: reads and writes at once, as many requests of the optimizer's chunk
-size in flight each way as its pipeline keeps, for 2 s. Rows report the step
-against that rate too (`mixed_bound_s`), beside the bound above.
+/ disk write bandwidth), the bandwidths measured in the same run with
+offload's I/O engine (O_DIRECT, the io section's block size and queue depth,
+as the runs write) right before each nvme run: the disk drifts minute to
+minute, so each nvme row's bound uses the median of the probes taken before
+its own runs (`disk` in the row; the top-level `disk` is the median of all).
+Each probe also measures the disk's mixed rate: reads and writes at once, as
+many requests of the optimizer's chunk size in flight each way as its
+pipeline keeps, for 2 s. Rows report the step against that rate too
+(`mixed_bound_s`), beside the bound above.
 """
 
 from __future__ import annotations
@@ -385,6 +388,9 @@ def _row(runs: _Runs) -> dict:
             write_bytes_per_step=statistics.median(x["write_bytes"] / nsteps for x in s),
             init_s=statistics.median(x["init_s"] for x in s),
             first_loss=s[0]["losses"][0], last_loss=s[0]["losses"][-1])
+        probes = [x["disk"] for x in s if "disk" in x]
+        if probes:
+            row["disk"] = _median_disk(probes)
         if "accounted_read_bytes" in s[0]:
             row["accounted_read_bytes_per_step"] = statistics.median(
                 x["accounted_read_bytes"] / nsteps for x in s)
@@ -396,14 +402,17 @@ def _row(runs: _Runs) -> dict:
 
 
 def _add_bounds(rows: list[dict], disk: dict | None) -> float | None:
-    """Adds `bound_s` and `step_over_bound` to every offloading row; returns the
+    """Adds `bound_s` and `step_over_bound` to every offloading row (the disk term
+    from the probes taken right before the row's own runs, else `disk`); returns the
     compute term (the fastest no-offload step), None when no such step ran."""
     none_steps = [r["median_step_s"] for r in rows
                   if r["placement"] == "none" and r["median_step_s"] is not None]
     t_none = min(none_steps) if none_steps else None
+    overall = disk
     for r in rows:
         if r["placement"] == "none" or r["median_step_s"] is None:
             continue
+        disk = r.get("disk") or overall  # the probes taken right before its own runs
         io_s = None
         if disk is not None:
             io_s = (r["read_bytes_per_step"] / (disk["read_GBps"] * 1e9)
@@ -507,12 +516,12 @@ def _device(name: str) -> str:
 
 def _rounds(runs: dict[tuple[str, str], _Runs], work: str, base: dict, state: int,
             args: argparse.Namespace, progress) -> dict | None:
-    """Runs every round (disk probe first, then A B A B); returns the disk's median
-    bandwidths, None when no placement needed the disk."""
+    """Runs every round (A B A B); the disk is probed right before each nvme run, as
+    it drifts minute to minute, and each nvme row's bound uses its own runs' probes.
+    Returns the disk's median bandwidths over all probes, None when no placement
+    needed the disk."""
     probe = None
-    writes: list[float] = []
-    reads: list[float] = []
-    mixed: list[float] = []
+    probes: list[dict] = []
     from ..optim import resolve_chunk_elems
 
     # the nvme runs' optimizer traffic: chunks of 8 B/element (fp32: moments only)
@@ -524,28 +533,33 @@ def _rounds(runs: dict[tuple[str, str], _Runs], work: str, base: dict, state: in
             _check_disk(work, 2 * state + disk_n + GiB)
             probe = _DiskProbe(IoConfig(paths=[work]), work, disk_n)
         for r in range(args.rounds):
-            if probe is not None:
-                w, rd = probe.measure()
-                mx = probe.measure_mixed(request, ocfg.buffers, seconds=2.0)
-                writes.append(w)
-                reads.append(rd)
-                mixed.append(mx)
-                if progress:
-                    progress(f"round {r + 1}/{args.rounds}: disk write {w / 1e9:.2f} GB/s, "
-                             f"read {rd / 1e9:.2f} GB/s, mixed {mx / 1e9:.2f} GB/s")
             for one in runs.values():  # placement by placement, the systems alternating
-                if not one.note:  # one that failed (or cannot run) said why once
-                    _run_once(one, r, work, base, args, progress)
-        if probe is None:
+                if one.note:  # one that failed (or cannot run) said why once
+                    continue
+                disk = None
+                if probe is not None and one.placement == "nvme":
+                    w, rd = probe.measure()
+                    mx = probe.measure_mixed(request, ocfg.buffers, seconds=2.0)
+                    disk = {"write_GBps": w / 1e9, "read_GBps": rd / 1e9,
+                            "mixed_GBps": mx / 1e9}
+                    probes.append(disk)
+                    if progress:
+                        progress(f"round {r + 1}/{args.rounds}: disk write {w / 1e9:.2f} "
+                                 f"GB/s, read {rd / 1e9:.2f} GB/s, mixed {mx / 1e9:.2f} GB/s")
+                _run_once(one, r, work, base, args, progress, disk)
+        if not probes:  # no nvme run happened
             return None
         return {"engine": probe.engine.name, "direct": probe.engine.direct, "size": probe.n,
-                "write_GBps": statistics.median(writes) / 1e9,
-                "read_GBps": statistics.median(reads) / 1e9,
-                "mixed_GBps": statistics.median(mixed) / 1e9, "mixed_request": request,
+                **_median_disk(probes), "probes": len(probes), "mixed_request": request,
                 "mixed_depth": ocfg.buffers}
     finally:
         if probe is not None:
             probe.close()
+
+
+def _median_disk(probes: list[dict]) -> dict:
+    return {k: statistics.median(p[k] for p in probes)
+            for k in ("write_GBps", "read_GBps", "mixed_GBps")}
 
 
 def run_step_bench(args: argparse.Namespace, path: str, progress=None) -> dict:
@@ -600,8 +614,9 @@ def _huge_pages() -> dict:
 
 
 def _run_once(one: _Runs, r: int, work: str, base: dict, args: argparse.Namespace,
-              progress) -> None:
-    """Round `r` of one (system, placement): a worker in its own swap directory."""
+              progress, disk: dict | None = None) -> None:
+    """Round `r` of one (system, placement): a worker in its own swap directory;
+    `disk`: the probe taken right before it, kept with its sample."""
     tag = f"{one.system}-{one.placement}-r{r}"
     swap = os.path.join(work, tag)
     os.makedirs(swap)
@@ -617,6 +632,8 @@ def _run_once(one: _Runs, r: int, work: str, base: dict, args: argparse.Namespac
             progress(f"round {r + 1}/{args.rounds}: {one.system} {one.placement}: "
                      f"{res['error']}")
         return
+    if disk is not None:
+        res["disk"] = disk
     one.samples.append(res)
     if "exit" in res:
         one.remarks.append("worker " + res["exit"])
@@ -663,7 +680,8 @@ def render(result: dict) -> None:
                   f"({hp['why']})")
     d = result["disk"]
     if d:
-        con.print(f"disk ({d['engine']}, {'O_DIRECT' if d['direct'] else 'buffered'}, "
+        con.print(f"disk, median of {d.get('probes', 1)} probes ({d['engine']}, "
+                  f"{'O_DIRECT' if d['direct'] else 'buffered'}, "
                   f"{result['io']['block_size'] >> 20} MiB x {result['io']['queue_depth']}): "
                   f"write {d['write_GBps']:.2f} GB/s, read {d['read_GBps']:.2f} GB/s; mixed "
                   f"({d['mixed_depth']} reads + {d['mixed_depth']} writes of "
@@ -671,9 +689,13 @@ def render(result: dict) -> None:
     for r in result["results"]:
         if r.get("bound_s") is not None:
             io = r["io_bound_s"]
+            rd = r.get("disk")
+            probed = "" if not rd else (f" at write {rd['write_GBps']:.2f} / read "
+                                        f"{rd['read_GBps']:.2f} GB/s, probed before its runs")
             con.print(f"{r['system']} {r['placement']}: bound {r['bound_s']:.3f} s = max(none "
                       f"step {_fmt(result['none_step_s'], '.3f')} s, disk "
-                      f"{_fmt(io, '.3f')} s); step / bound = {r['step_over_bound']:.2f}")
+                      f"{_fmt(io, '.3f')} s{probed}); step / bound = "
+                      f"{r['step_over_bound']:.2f}")
         if r.get("mixed_bound_s") is not None:
             con.print(f"{r['system']} {r['placement']}: with the disk's mixed rate, bound "
                       f"{r['mixed_bound_s']:.3f} s; step / that bound = "

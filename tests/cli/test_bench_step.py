@@ -44,6 +44,12 @@ def test_json_rows_per_placement(tmp_path):
     assert res["disk"]["read_GBps"] > 0 and res["disk"]["write_GBps"] > 0
     assert res["disk"]["mixed_GBps"] > 0 and res["disk"]["mixed_depth"] >= 1
     assert nvme["mixed_bound_s"] > 0 and nvme["step_over_mixed_bound"] > 0
+    # the disk is probed right before each nvme run; the row's bound uses its own probes
+    assert res["disk"]["probes"] == 1 and nvme["disk"]["read_GBps"] > 0
+    io_s = (nvme["read_bytes_per_step"] / (nvme["disk"]["read_GBps"] * 1e9)
+            + nvme["write_bytes_per_step"] / (nvme["disk"]["write_GBps"] * 1e9))
+    assert abs(nvme["io_bound_s"] - io_s) < 1e-9
+    assert isinstance(res["huge_pages"]["on"], bool) and res["huge_pages"]["why"]
     # without DeepSpeed rows, the targets that need only offload's row are still judged
     assert [t["limit"] for t in res["targets"]] == [1.15, 1.0]
     assert all(isinstance(t["met"], bool) for t in res["targets"])
