@@ -680,7 +680,9 @@ def render(result: dict) -> None:
                   f"({hp['why']})")
     d = result["disk"]
     if d:
-        con.print(f"disk, median of {d.get('probes', 1)} probes ({d['engine']}, "
+        n = d.get("probes", 1)
+        con.print(f"disk, {'median of ' + str(n) + ' probes' if n > 1 else 'one probe'} "
+                  f"({d['engine']}, "
                   f"{'O_DIRECT' if d['direct'] else 'buffered'}, "
                   f"{result['io']['block_size'] >> 20} MiB x {result['io']['queue_depth']}): "
                   f"write {d['write_GBps']:.2f} GB/s, read {d['read_GBps']:.2f} GB/s; mixed "
