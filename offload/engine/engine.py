@@ -57,7 +57,7 @@ from torch import nn
 
 from ..comm import Collectives, Pending
 from ..config import OffloadConfig
-from ..optim import CpuAdam, grad_sq_sum
+from ..optim import CpuAdam, OptimStepError, grad_sq_sum
 from ..planner import AccessTrace
 from ..store import BudgetExceededError, Tier, TieredStore
 from ..trace import NULL_RECORDER, TraceRecorder
@@ -502,6 +502,7 @@ class OffloadEngine(nn.Module):
         errors = [f.exception() for f in early]  # waits for every one of them
         if any(errors):
             self._has_grad.clear()
+            self._after_failed_update([e for e in errors if e is not None])
             raise next(e for e in errors if e is not None)
         gids = [g for g in sorted(self._has_grad) if ("g", g) in self.store]
         scale = self.loss_scale * self.cfg.engine.grad_accum_steps
@@ -510,15 +511,65 @@ class OffloadEngine(nn.Module):
             self._after_overflow()
             self._drop_grads(gids)
             return False
-        for gid in gids:
-            self._update_group(gid, None, norm)
-        trainable = [g.gid for g in self.groups if g.requires_grad]
-        self.optimizer.step({}, skip=[g for g in trainable if g not in self._has_grad])
+        try:
+            for gid in gids:
+                self._update_group(gid, None, norm)
+            trainable = [g.gid for g in self.groups if g.requires_grad]
+            self.optimizer.step({}, skip=[g for g in trainable if g not in self._has_grad])
+        except OptimStepError as e:
+            self._has_grad.clear()
+            self._after_failed_update([e])
+            raise
         self._has_grad.clear()
         self._after_good_step()
         self.global_step += 1
         self._prefetch_state()
         return True
+
+    def _after_failed_update(self, errors: list[BaseException]) -> None:
+        """After updates failed part way (e.g. a failed NVMe write) the step ends
+        there: groups not updated miss it, their gradients are dropped, and training
+        may go on. Groups whose optimizer state stayed at the previous version get
+        their parameter partition rebuilt from that master, so weights, master and
+        moments agree again (a deferred commit can fail after its group's new
+        weights were stored). An fp32 partition that is its own master keeps the
+        values written in place."""
+        unchanged: set = set()
+        for e in errors:
+            if isinstance(e, OptimStepError):
+                unchanged.update(e.unchanged)
+        for g in self.groups:
+            if ("g", g.gid) in self.store:
+                self.store.free(("g", g.gid))
+        trainable = [g.gid for g in self.groups if g.requires_grad]
+        for _ in range(2):  # ends the optimizer's round, committing what was pending
+            try:  # (a failed commit is resolved and reported once; then the round ends)
+                self.optimizer.step({}, skip=trainable)
+                break
+            except OptimStepError as e:
+                unchanged.update(e.unchanged)
+        rebuilt, own_master = [], []
+        for gid in sorted(unchanged):
+            if not self.optimizer.has_master(gid):
+                own_master.append(gid)
+                continue
+            try:
+                old = torch.empty(self.groups[gid].shard, dtype=self.dtype)
+                self.optimizer.read_master(gid, old)
+                key = ("p", gid)
+                self.store.free(key)
+                self.store.put(key, old, kind="param", tier=self._param_tier, cache=True)
+                rebuilt.append(gid)
+            except Exception as e:  # the disk may still be failing: say so, keep the cause
+                log.error("could not rebuild the weights of group %d from its master: %s",
+                          gid, e)
+        if rebuilt:
+            log.warning("optimizer step failed for groups %s: they keep their previous "
+                        "weights and state; the other groups were updated", rebuilt)
+        if own_master:
+            log.warning("optimizer step failed for fp32 groups %s: their weights (their own "
+                        "master) were updated in place, their Adam moments kept the previous "
+                        "step's values", own_master)
 
     def _prefetch_state(self) -> None:
         """Starts reading the optimizer state of the group this step updated first: the

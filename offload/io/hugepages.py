@@ -12,11 +12,11 @@ with 4 KiB pages a 64 MiB tensor costs 16384 page faults, and the 6-layer
 MADV_HUGEPAGE) when the environment variable THP_MEM_ALLOC_ENABLE is set;
 the fault count drops about 30-fold and resident memory stays the same.
 
-torch reads the variable once, at its first allocation of 2 MiB or more. So
-importing offload sets it to 1 unless the environment already names a value
-(THP_MEM_ALLOC_ENABLE=0 opts out), and `check()` reports at `initialize()`
-when it did not take effect: a process that made a large tensor before
-importing offload. The kernel must allow THP (`madvise` or `always` in
+torch reads the variable once, at its first CPU allocation (of any size),
+and turns huge pages on only for the value "1". So importing offload sets it
+to 1 unless the environment already names a value (any other value opts
+out), and `check()` reports at `initialize()` when it did not take effect: a
+process that made a tensor before importing offload. The kernel must allow THP (`madvise` or `always` in
 /sys/kernel/mm/transparent_hugepage/enabled); with `always` glibc's mappings
 get huge pages without torch's help.
 """
@@ -35,8 +35,9 @@ def default_on() -> None:
 
 
 def opted_out() -> bool:
-    """True where the environment turns torch's huge pages off."""
-    return os.environ.get(ENV, "1").strip() in ("", "0")
+    """True where the environment keeps torch's huge pages off (torch turns them on
+    only for "1")."""
+    return os.environ.get(ENV, "1").strip() != "1"
 
 
 def kernel_mode(path: str = _SYS) -> str:
@@ -84,9 +85,10 @@ def check() -> tuple[bool, str]:
     if mode == "always":
         return True, "the kernel backs large host mappings with huge pages (THP always)"
     if opted_out():
-        return False, (f"{ENV}={os.environ[ENV]!r}: large host tensors fault in 4 KiB pages; "
-                       "unset it to let offload turn huge pages on")
-    return False, (f"torch allocated a large tensor before offload was imported, so it does "
-                   f"not use huge pages ({ENV} is read once): import offload first or start "
-                   f"the process with {ENV}=1; each step pays a page fault per 4 KiB of the "
-                   "host tensors it allocates")
+        return False, (f"{ENV}={os.environ[ENV]!r} (torch turns huge pages on only for '1'): "
+                       "large host tensors fault in 4 KiB pages; unset it to let offload "
+                       "turn them on")
+    return False, (f"torch allocated a tensor before offload was imported, so it does not "
+                   f"use huge pages ({ENV} is read once, at torch's first allocation): import "
+                   f"offload first or start the process with {ENV}=1; each step pays a page "
+                   "fault per 4 KiB of the host tensors it allocates")

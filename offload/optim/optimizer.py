@@ -321,6 +321,14 @@ class CpuAdam:
             self._round.clear()
             return res
 
+    def _settle(self, pids: Iterable[Hashable]) -> None:
+        """Flushes first where any of `pids` has a deferred commit, so its `step` and
+        extents are the committed version's and a failure keeps `_round` right."""
+        if self._pipeline is not None:
+            pending = set(self._pipeline.pending())
+            if any(pid in pending for pid in pids):
+                self.flush()
+
     def flush(self, grad_norm: float | None = None) -> None:
         """Commits the partitions whose commit `update(defer=True)` left pending,
         waiting for their writes ([Note: deferred commit] in pipeline.py). `step`
@@ -420,6 +428,7 @@ class CpuAdam:
         host = [p for p in parts if p.tier is Tier.HOST]
         nvme = [p for p in parts if p.tier is Tier.NVME]
         if nvme:
+            self._settle(p.pid for p in nvme)  # before their step feeds lr_lambda and Adam
             first = {pid: k for k, pid in enumerate(self._pipeline.prefetched())}
             nvme.sort(key=lambda p: first.get(p.pid, len(first)))  # stable: then added order
             self._pipeline.prefetch(nvme[0], max(1, self._pipeline.nbuf - 1))
@@ -470,6 +479,7 @@ class CpuAdam:
             if part.master_is_param:
                 raise ValueError(f"partition {pid!r} keeps no master: it is the caller's "
                                  "parameter partition (master_is_param)")
+            self._settle([pid])
             flat = _flat(out, f"read_master out of {pid!r}", part.numel, _OUT_DTYPES)
             if part.tier is Tier.HOST:
                 flat.copy_(part.host[0])
@@ -485,8 +495,7 @@ class CpuAdam:
         tensors read chunk by chunk."""
         with self._lock:
             part = self.partition(pid)
-            if self._pipeline is not None and pid in self._pipeline.pending():
-                self.flush()  # its step and extents are the committed version's
+            self._settle([pid])
             step = torch.tensor(float(part.step))
             if part.tier is Tier.HOST:
                 m, a, s = part.host
@@ -513,6 +522,7 @@ class CpuAdam:
         with self._lock:
             part = self.partition(pid)
             step, tensors = self._checked_state(part, state)
+            self._settle([pid])
             if part.tier is Tier.HOST:
                 for k, dst in zip(("master", "exp_avg", "exp_avg_sq"), part.host):
                     if tensors[k] is not None and dst is not None:
@@ -567,6 +577,7 @@ class CpuAdam:
                                      f"{mine['params'][:8]}")
             for pid, st in states.items():
                 self._checked_state(self.partition(pid), st)
+            self.flush()  # a new round begins: nothing of the last one stays pending
             for mine, theirs in zip(self.param_groups, groups):
                 mine.update({k: theirs[k] for k in _HYPER_KEYS if k in theirs})
                 mine["betas"] = tuple(mine["betas"])

@@ -1,5 +1,6 @@
 """State on NVMe: the pipelined step against host state, failures, prefetch, checkpoints."""
 
+import contextlib
 import os
 import threading
 
@@ -411,4 +412,58 @@ def test_failed_deferred_write_leaves_whole_versions(swap, pool):
     assert swap.used_bytes == sum(nvme.partition(p).nvme_bytes for p in numels)  # no leak
     nvme.step({p: grads[p] for p in pids if p not in done})  # the disk works again
     _assert_same_state(nvme, new, pids)
+    nvme.close()
+
+
+def _nothing():
+    return contextlib.nullcontext()
+
+
+def test_reading_a_failed_deferred_partition_lets_it_be_updated_again(swap, pool):
+    """read_master flushes a pending partition; when its writes failed, it is left at
+    its previous version and may be updated again in the same round."""
+    masters = _masters(60, count=2)
+    numels = {pid: m.numel() for pid, m in masters.items()}
+    cfg = _cfg(3)
+    new = make_opt(cfg, masters)
+    nvme = make_opt(cfg, masters, "nvme", swap, pool)
+    grads = grads_for(numels, 0)
+    new.step(grads)
+    pid = next(iter(numels))
+    restore = _fail_writes_after(nvme, swap, 1)
+    try:
+        try:
+            nvme.update({pid: grads[pid]}, defer=True)
+        except OptimStepError:
+            pass  # found while still running: the same outcome
+        with pytest.raises(OptimStepError) if nvme._pipeline.pending() else _nothing():
+            nvme.read_master(pid, torch.empty(numels[pid]))
+    finally:
+        restore()
+    assert nvme.partition(pid).step == 0 and nvme._pipeline.pending() == []
+    nvme.step(grads)  # pid again, and the rest
+    _assert_same_state(nvme, new, numels)
+    nvme.close()
+
+
+def test_lr_schedule_sees_the_committed_step(swap, pool):
+    """A new round that starts while a partition's commit is pending (load_state_dict
+    clears the round) still schedules and bias-corrects from its committed step."""
+    masters = {"p0": torch.randn(3 * CHUNK + 100, generator=torch.Generator().manual_seed(61))}
+    numels = {pid: m.numel() for pid, m in masters.items()}
+    seen = []
+    nvme = make_opt(_cfg(3), masters, "nvme", swap, pool,
+                    lr_lambda=lambda s: seen.append(s) or 1.0)
+    ref = make_opt(_cfg(3), masters, lr_lambda=lambda s: 1.0)
+    pid = next(iter(numels))
+    for step in range(2):
+        g = grads_for(numels, step)
+        ref.step(g)
+        nvme.update({pid: g[pid]}, defer=True)
+        if step == 0:
+            sd = nvme.state_dict()
+            nvme.load_state_dict({"state": {}, "param_groups": sd["param_groups"]})
+    nvme.step({})
+    assert seen == [0, 1]
+    _assert_same_state(ref, nvme, numels)
     nvme.close()
