@@ -408,23 +408,22 @@ def _add_bounds(rows: list[dict], disk: dict | None) -> float | None:
     none_steps = [r["median_step_s"] for r in rows
                   if r["placement"] == "none" and r["median_step_s"] is not None]
     t_none = min(none_steps) if none_steps else None
-    overall = disk
     for r in rows:
         if r["placement"] == "none" or r["median_step_s"] is None:
             continue
-        disk = r.get("disk") or overall  # the probes taken right before its own runs
+        d = r.get("disk") or disk  # the probes taken right before its own runs
         io_s = None
-        if disk is not None:
-            io_s = (r["read_bytes_per_step"] / (disk["read_GBps"] * 1e9)
-                    + r["write_bytes_per_step"] / (disk["write_GBps"] * 1e9))
+        if d is not None:
+            io_s = (r["read_bytes_per_step"] / (d["read_GBps"] * 1e9)
+                    + r["write_bytes_per_step"] / (d["write_GBps"] * 1e9))
         terms = [t for t in (t_none, io_s) if t is not None]
         if terms:
             r["io_bound_s"] = io_s
             r["bound_s"] = max(terms)
             r["step_over_bound"] = r["median_step_s"] / r["bound_s"]
-        if disk is not None and disk.get("mixed_GBps") and r["read_bytes_per_step"]:
+        if d is not None and d.get("mixed_GBps") and r["read_bytes_per_step"]:
             mixed_s = (r["read_bytes_per_step"] + r["write_bytes_per_step"]) / (
-                disk["mixed_GBps"] * 1e9)
+                d["mixed_GBps"] * 1e9)
             r["mixed_bound_s"] = max(t for t in (t_none, mixed_s) if t is not None)
             r["step_over_mixed_bound"] = r["median_step_s"] / r["mixed_bound_s"]
     return t_none

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from typing import Callable
@@ -22,16 +23,10 @@ log = logging.getLogger(__name__)
 
 __all__ = ["OffloadEngine", "initialize"]
 
-_huge_pages_reported = False
-
-
+@functools.cache
 def _report_huge_pages() -> None:
     """Says once per process whether large host tensors get huge pages
     ([Note: huge pages] in offload/io/hugepages.py)."""
-    global _huge_pages_reported
-    if _huge_pages_reported:
-        return
-    _huge_pages_reported = True
     ok, why = hugepages.check()
     if ok:
         log.debug(why)

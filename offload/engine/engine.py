@@ -443,13 +443,18 @@ class OffloadEngine(nn.Module):
             res = self.optimizer.update({gid: grad}, params_out={gid: new}, loss_scale=scale,
                                         grad_norm=norm, found_inf=False, next_pid=nxt,
                                         defer=True)
-            self.store.free(pkey)
-            # kept in HOST while it has room: the next forward uses the groups updated
-            # last first, and finds them there
-            self.store.put(pkey, new, kind="param", tier=self._param_tier, cache=True)
+            self._replace_params(gid, new)
         with self._io_lock:
             self._opt_bytes[0] += res.bytes_read
             self._opt_bytes[1] += res.bytes_written
+
+    def _replace_params(self, gid: int, values: torch.Tensor) -> None:
+        """Stores `values` as group `gid`'s parameter partition in place of the old one;
+        kept in HOST while it has room (the next forward uses the groups updated last
+        first, and finds them there)."""
+        key = ("p", gid)
+        self.store.free(key)
+        self.store.put(key, values, kind="param", tier=self._param_tier, cache=True)
 
     def _in_place_tier(self, pkey: tuple[str, int]) -> Tier | None:
         """The tier whose copy of `pkey` the CPU optimizer overwrites in place, or None
@@ -501,7 +506,6 @@ class OffloadEngine(nn.Module):
         early, self._early = self._early, []
         errors = [f.exception() for f in early]  # waits for every one of them
         if any(errors):
-            self._has_grad.clear()
             self._after_failed_update([e for e in errors if e is not None])
             raise next(e for e in errors if e is not None)
         gids = [g for g in sorted(self._has_grad) if ("g", g) in self.store]
@@ -514,10 +518,8 @@ class OffloadEngine(nn.Module):
         try:
             for gid in gids:
                 self._update_group(gid, None, norm)
-            trainable = [g.gid for g in self.groups if g.requires_grad]
-            self.optimizer.step({}, skip=[g for g in trainable if g not in self._has_grad])
+            self.optimizer.step({}, skip=[g for g in self._trainable() if g not in self._has_grad])
         except OptimStepError as e:
-            self._has_grad.clear()
             self._after_failed_update([e])
             raise
         self._has_grad.clear()
@@ -538,16 +540,12 @@ class OffloadEngine(nn.Module):
         for e in errors:
             if isinstance(e, OptimStepError):
                 unchanged.update(e.unchanged)
-        for g in self.groups:
-            if ("g", g.gid) in self.store:
-                self.store.free(("g", g.gid))
-        trainable = [g.gid for g in self.groups if g.requires_grad]
-        for _ in range(2):  # ends the optimizer's round, committing what was pending
-            try:  # (a failed commit is resolved and reported once; then the round ends)
-                self.optimizer.step({}, skip=trainable)
-                break
-            except OptimStepError as e:
-                unchanged.update(e.unchanged)
+        self._drop_grads([g.gid for g in self.groups if ("g", g.gid) in self.store])
+        try:  # commits what was still pending
+            self.optimizer.flush()
+        except OptimStepError as e:
+            unchanged.update(e.unchanged)
+        self.optimizer.step({}, skip=self._trainable())  # ends the optimizer's round
         rebuilt, own_master = [], []
         for gid in sorted(unchanged):
             if not self.optimizer.has_master(gid):
@@ -556,9 +554,7 @@ class OffloadEngine(nn.Module):
             try:
                 old = torch.empty(self.groups[gid].shard, dtype=self.dtype)
                 self.optimizer.read_master(gid, old)
-                key = ("p", gid)
-                self.store.free(key)
-                self.store.put(key, old, kind="param", tier=self._param_tier, cache=True)
+                self._replace_params(gid, old)
                 rebuilt.append(gid)
             except Exception as e:  # the disk may still be failing: say so, keep the cause
                 log.error("could not rebuild the weights of group %d from its master: %s",
@@ -570,6 +566,9 @@ class OffloadEngine(nn.Module):
             log.warning("optimizer step failed for fp32 groups %s: their weights (their own "
                         "master) were updated in place, their Adam moments kept the previous "
                         "step's values", own_master)
+
+    def _trainable(self) -> list[int]:
+        return [g.gid for g in self.groups if g.requires_grad]
 
     def _prefetch_state(self) -> None:
         """Starts reading the optimizer state of the group this step updated first: the

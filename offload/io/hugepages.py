@@ -8,17 +8,17 @@ unmaps it on free, so each step touches that memory for the first time again:
 with 4 KiB pages a 64 MiB tensor costs 16384 page faults, and the 6-layer
 4096-wide MLP of `offload bench step` took about 197 thousand faults per step,
 0.1 to 0.2 s of a 0.5 s step on two cores. torch backs CPU allocations of
-2 MiB and more with transparent huge pages (2 MiB aligned, madvise
-MADV_HUGEPAGE) when the environment variable THP_MEM_ALLOC_ENABLE is set;
-the fault count drops about 30-fold and resident memory stays the same.
+2 MiB and more with transparent huge pages (madvise MADV_HUGEPAGE) when the
+environment variable THP_MEM_ALLOC_ENABLE is set: the fault count drops about
+30-fold and resident memory stays the same.
 
 torch reads the variable once, at its first CPU allocation (of any size),
 and turns huge pages on only for the value "1". So importing offload sets it
 to 1 unless the environment already names a value (any other value opts
 out), and `check()` reports at `initialize()` when it did not take effect: a
-process that made a tensor before importing offload. The kernel must allow THP (`madvise` or `always` in
-/sys/kernel/mm/transparent_hugepage/enabled); with `always` glibc's mappings
-get huge pages without torch's help.
+process that made a tensor before importing offload. The kernel must allow
+THP (`madvise` or `always` in /sys/kernel/mm/transparent_hugepage/enabled);
+with `always` glibc's mappings get huge pages without torch's help.
 """
 
 from __future__ import annotations

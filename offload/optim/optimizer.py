@@ -84,6 +84,13 @@ def resolve_chunk_elems(cfg: OptimConfig, budget_bytes: int | None) -> int:
     return min(MAX_AUTO_CHUNK, 1 << (per.bit_length() - 1))
 
 
+def _master_and_out(master: torch.Tensor | None, out: torch.Tensor | None
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(the tensor Adam updates as the master, the copy it also writes): where no master
+    is kept (master_is_param), the caller's fp32 parameter is updated in place."""
+    return (out, None) if master is None else (master, out)
+
+
 @dataclass(frozen=True)
 class StepResult:
     """What one `step` / `update` did.
@@ -435,9 +442,7 @@ class CpuAdam:
         done = []
         for p in host:
             m, a, s = p.host
-            o = out.get(p.pid)
-            if m is None:  # master_is_param: updated in place where the caller keeps it
-                m, o = o, None
+            m, o = _master_and_out(m, out.get(p.pid))
             with self.recorder.span("optim:update", cat="compute", track="optim",
                                     partition=str(p.pid), elems=p.numel):
                 self.kernel.update(m, g[p.pid], a, s, step=p.step + 1, hyper=self._hyper(p),
@@ -451,9 +456,7 @@ class CpuAdam:
 
         def compute(p, _i, lo, n, m, a, s) -> None:
             o = out.get(p.pid)
-            o = None if o is None else o[lo:lo + n]
-            if m is None:  # master_is_param
-                m, o = o, None
+            m, o = _master_and_out(m, None if o is None else o[lo:lo + n])
             self.kernel.update(m, g[p.pid][lo:lo + n], a, s, step=p.step + 1,
                                hyper=hypers[p.pid], grad_scale=grad_scale, param_out=o)
         then = self._parts.get(next_pid) if next_pid is not None else None

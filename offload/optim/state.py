@@ -83,9 +83,9 @@ class PartitionState:
     """The optimizer's record of one partition.
 
     HOST: `host` holds (master, exp_avg, exp_avg_sq), 1-D fp32; master is the
-    caller's tensor, updated in place, or None where the master is the
-    caller's parameter partition (`layout.kinds == 2`). NVME: `extents[i]` holds chunk i (see
-    [Note: NVMe layout]); `host` is None. `step` counts committed updates.
+    caller's tensor, updated in place, or None where the master is the caller's
+    parameter partition (`layout.kinds == 2`). NVME: `extents[i]` holds chunk i
+    (see [Note: NVMe layout]); `host` is None. `step` counts committed updates.
     """
 
     pid: Hashable
