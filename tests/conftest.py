@@ -1,6 +1,8 @@
 """Shared by every test package: `gpu` tests skip without CUDA, and the I/O
 engines (threads always, aio where libaio loads) as a parametrised fixture."""
 
+import os
+
 import pytest
 import torch
 
@@ -33,3 +35,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def flip_byte(path, offset: int) -> None:
+    """Flips one byte of a file behind offload's back, through a normal (buffered) fd
+    apart from its O_DIRECT one; flipping it again restores it."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        b = os.pread(fd, 1, offset)
+        os.pwrite(fd, bytes([b[0] ^ 0xFF]), offset)
+        os.fsync(fd)
+    finally:
+        os.close(fd)

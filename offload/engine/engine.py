@@ -61,6 +61,7 @@ from ..optim import CpuAdam, OptimStepError, grad_sq_sum
 from ..planner import AccessTrace
 from ..store import BudgetExceededError, Tier, TieredStore
 from ..trace import NULL_RECORDER, TraceRecorder
+from .step import StagedParams, StepFailedError
 from .units import Group, Unit
 
 log = logging.getLogger(__name__)
@@ -164,8 +165,9 @@ class OffloadEngine(nn.Module):
         self.dtype = _DTYPES[cfg.engine.dtype]
         self.device = store.device
         self.trace = AccessTrace()
-        self.micro_step = 0
-        self.global_step = 0
+        self.micro_step = 0   # backward calls, all steps
+        self.global_step = 0  # optimizer steps taken
+        self._backwards = 0   # backward calls since the last step (or zero_grad)
         self.loss_scale = self._initial_scale()
         self._good_steps = 0
         self._grad_tier = _TIERS[cfg.engine.grads]
@@ -185,6 +187,7 @@ class OffloadEngine(nn.Module):
         # one thread: early updates run in the order backward produced the gradients
         self._updater = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-update")
         self._early: list[Future] = []
+        self._staged = StagedParams(store, self._param_tier)  # [Note: all or nothing]
         self._update_order: list[int] = []  # groups in the order this step updated them
         self._next_update: dict[int, int] = {}  # group -> the one updated after it, last step
         self._io_lock = threading.Lock()
@@ -348,7 +351,7 @@ class OffloadEngine(nn.Module):
         return hook
 
     def _last_micro_step(self) -> bool:
-        return (self.micro_step + 1) % self.cfg.engine.grad_accum_steps == 0
+        return self._backwards + 1 == self.cfg.engine.grad_accum_steps
 
     def _grad_ready(self, gid: int, shard_grad: torch.Tensor) -> None:
         """This rank's reduced gradient of `gid` for this micro-step.
@@ -378,7 +381,11 @@ class OffloadEngine(nn.Module):
         self._accumulate(gid, shard_grad)
 
     def _early_allowed(self) -> bool:
-        return self.loss_scale == 1.0 and self.optimizer.early_update_allowed()
+        """Early updates need no global value (no clipping, no loss scale) and NVMe
+        optimizer state: they keep the previous version for free there (fresh
+        extents), where host state would need a copy ([Note: all or nothing])."""
+        return (self.loss_scale == 1.0 and self.optimizer.early_update_allowed()
+                and self.cfg.engine.optimizer == "nvme")
 
     def _accumulate(self, gid: int, shard_grad: torch.Tensor) -> None:
         key = ("g", gid)
@@ -410,162 +417,224 @@ class OffloadEngine(nn.Module):
             self.store.free(key)
 
     def _update_group(self, gid: int, grad: torch.Tensor | None, norm: float | None) -> None:
-        """Adam on group `gid` with `grad` (None: its stored, accumulated gradient);
-        its new compute-dtype partition replaces the old one.
-
-        A partition with a copy in memory (its home DEVICE on a CPU host or HOST,
-        or a cached HOST copy of one homed on NVMe) is overwritten in place there:
-        an NVMe-homed one is then written back only when the store evicts it.
-        Otherwise (on NVMe only, or on a GPU) it is not read back just to be
-        overwritten: the new values are put in its place. In fp32 the partition
-        is the master (`master_is_param`): it is always updated in place, read
-        into HOST first when it is only on NVMe.
+        """Adam on group `gid` with `grad` (None: its stored, accumulated gradient), in
+        the open step: the new compute-dtype partition is staged beside the old one
+        and the optimizer keeps its previous state until the step commits
+        ([Note: all or nothing] in step.py). In fp32 the partition is the master
+        (`master_is_param`): the optimizer reads the current one and writes the new
+        one into the staged partition.
         """
         if grad is None:
             with self._stored_grad(gid) as stored:
                 return self._update_group(gid, stored, norm)
         pkey = ("p", gid)
-        scale = self.loss_scale * self.cfg.engine.grad_accum_steps
         self._update_order.append(gid)
-        nxt = self._next_update.get(gid)
-        where = self._in_place_tier(pkey)
-        if where is not None:
-            self.store.fetch(pkey, to=where, pin=True).wait()  # pinned: not evicted meanwhile
-            try:
-                with self.store.modify(pkey, where) as p:
-                    res = self.optimizer.update({gid: grad}, params_out={gid: p},
-                                                loss_scale=scale, grad_norm=norm, found_inf=False,
-                                                next_pid=nxt, defer=True)
-            finally:
+        new = torch.empty(self.groups[gid].shard, dtype=self.dtype)
+        masters = None
+        if self.master_is_param:
+            where = self._memory_tier(pkey)
+            old = self.store.fetch(pkey, to=where, pin=True).wait()  # not evicted meanwhile
+            masters = {gid: old.cpu()}
+        try:
+            res = self.optimizer.update({gid: grad}, params_out={gid: new}, masters=masters,
+                                        loss_scale=self.loss_scale * self.cfg.engine.grad_accum_steps,
+                                        grad_norm=norm, found_inf=False,
+                                        next_pid=self._next_update.get(gid))
+        finally:
+            if masters is not None:
                 self.store.unpin(pkey)
-        else:
-            new = torch.empty(self.groups[gid].shard, dtype=self.dtype)
-            res = self.optimizer.update({gid: grad}, params_out={gid: new}, loss_scale=scale,
-                                        grad_norm=norm, found_inf=False, next_pid=nxt,
-                                        defer=True)
-            self._replace_params(gid, new)
+        self._staged.stage(gid, new)
+        self._count_opt_bytes(res.bytes_read, res.bytes_written)
+
+    def _count_opt_bytes(self, read: int, written: int) -> None:
         with self._io_lock:
-            self._opt_bytes[0] += res.bytes_read
-            self._opt_bytes[1] += res.bytes_written
+            self._opt_bytes[0] += read
+            self._opt_bytes[1] += written
 
-    def _replace_params(self, gid: int, values: torch.Tensor) -> None:
-        """Stores `values` as group `gid`'s parameter partition in place of the old one;
-        kept in HOST while it has room (the next forward uses the groups updated last
-        first, and finds them there)."""
-        key = ("p", gid)
-        self.store.free(key)
-        self.store.put(key, values, kind="param", tier=self._param_tier, cache=True)
-
-    def _in_place_tier(self, pkey: tuple[str, int]) -> Tier | None:
-        """The tier whose copy of `pkey` the CPU optimizer overwrites in place, or None
-        when the new values are put instead (see `_update_group`)."""
+    def _memory_tier(self, pkey: tuple) -> Tier:
+        """Where the CPU reads or writes a parameter partition: DEVICE on a CPU device
+        where that copy is valid or home, else HOST; DEVICE on a GPU for its home
+        (the optimizer's output is then copied in)."""
         cpu = self.device.type == "cpu"  # the DEVICE tier is host memory
-        home = self._param_tier
-        if home is not Tier.NVME:
-            return home if home is Tier.HOST or cpu else None
-        valid = self.store.info(pkey).valid  # written back when evicted
-        if Tier.DEVICE in valid and cpu:
+        if self._param_tier is Tier.DEVICE:
+            return Tier.DEVICE
+        if cpu and Tier.DEVICE in self.store.info(pkey).valid:
             return Tier.DEVICE  # HOST memory handed over to DEVICE
-        if Tier.HOST in valid or self.master_is_param:
-            return Tier.HOST  # a master that is only on NVMe is read in first
-        return None
+        return Tier.HOST
+
+    def _update_in_place(self, gids: list[int], norm: float | None) -> bool:
+        """The step's updates of host optimizer state, in place and final: first every
+        gradient and parameter partition is made resident and pinned (what can
+        fail); then nothing after the updates can fail, so no previous version is
+        kept ([Note: all or nothing]). False (nothing changed) when they do not all
+        fit in memory at once: the caller then stages the updates."""
+        keys = [k for gid in gids for k in (("g", gid), ("p", gid))]
+        pinned: list = []
+        try:
+            for key in keys:
+                to = self._grad_where if key[0] == "g" else self._memory_tier(key)
+                self.store.fetch(key, to=to, pin=True).wait()
+                pinned.append(key)
+        except BudgetExceededError as e:
+            log.debug("step: updates staged, the groups do not fit in memory at once (%s)", e)
+            for key in pinned:
+                self.store.unpin(key)
+            return False
+        except BaseException:
+            for key in pinned:
+                self.store.unpin(key)
+            raise
+        try:
+            scale = self.loss_scale * self.cfg.engine.grad_accum_steps
+            gpu = self.device.type != "cpu"
+            for gid in gids:
+                pkey = ("p", gid)
+                self._update_order.append(gid)
+                grad = self.store.get(("g", gid), self._grad_where).cpu()
+                with self.store.modify(pkey, self._memory_tier(pkey)) as p:
+                    out = torch.empty(p.numel(), dtype=p.dtype) if p.device.type != "cpu" else p
+                    self.optimizer.update({gid: grad}, params_out={gid: out}, loss_scale=scale,
+                                          grad_norm=norm, found_inf=False, final=True)
+                    if out is not p:  # a GPU-resident partition takes the new values
+                        p.copy_(out, non_blocking=gpu)
+        finally:
+            for key in pinned:
+                self.store.unpin(key)
+        for gid in gids:
+            self.store.free(("g", gid))
+        return True
 
     # -- the user's loop ----------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        with self.recorder.span("forward", cat="compute", track="compute"):
-            return self.module(*args, **kwargs)
+        try:
+            with self.recorder.span("forward", cat="compute", track="compute"):
+                return self.module(*args, **kwargs)
+        except BaseException:
+            self._release_gathered()  # the step's state is untouched: a forward changes none
+            raise
 
     def backward(self, loss: torch.Tensor) -> None:
-        """Backward of `loss` (scaled for fp16); gradients land in the grad partitions."""
+        """Backward of `loss` (scaled for fp16); gradients land in the grad partitions.
+
+        The gradients of `engine.grad_accum_steps` backward calls are summed and
+        divided by `grad_accum_steps` (the mean over micro-batches, as DeepSpeed and
+        Accelerate do): pass each micro-batch's own loss, not divided. A backward
+        that raises leaves every partition as it was before the step, and drops
+        the step's gradients (run its micro-batches again).
+        """
+        if self._backwards >= self.cfg.engine.grad_accum_steps:
+            raise RuntimeError(f"backward: {self._backwards} backward call(s) since the last "
+                               "step(), and engine.grad_accum_steps is "
+                               f"{self.cfg.engine.grad_accum_steps}; call engine.step() (or "
+                               "engine.zero_grad()) first, or raise engine.grad_accum_steps "
+                               "to accumulate more micro-batches")
         if self.loss_scale != 1.0:
             loss = loss * self.loss_scale
-        with self.recorder.span("backward", cat="compute", track="compute"):
-            loss.backward()
-        for p in self._reductions:
-            p.wait()
-        self._reductions.clear()
-        # No forward runs now: free what is still gathered (frozen groups; groups of a
-        # checkpoint recomputation that torch stopped early, skipping its post-hooks).
+        try:
+            with self.recorder.span("backward", cat="compute", track="compute"):
+                loss.backward()
+            for p in self._reductions:
+                p.wait()
+        except BaseException:
+            for p in self._reductions:  # let reductions in flight land, then undo them
+                try:
+                    p.wait()
+                except Exception as e:
+                    log.debug("reduction failed while undoing a failed backward: %s", e)
+            self._abort_step()
+            raise
+        finally:
+            self._reductions.clear()
+            self._release_gathered()
+        self._backwards += 1
+        self.micro_step += 1
+
+    def _release_gathered(self) -> None:
+        """No forward runs now: frees what is still gathered (frozen groups; groups of a
+        checkpoint recomputation that torch stopped early, skipping its post-hooks; a
+        forward or backward that raised), after letting all-gathers in flight end."""
         for st in self._states:
             if st.pending is not None:
-                self._gather(st)
+                try:
+                    self._gather(st)
+                except Exception as e:  # the error that stopped the pass is reported
+                    log.debug("gather of group %d failed while releasing: %s",
+                              st.group.gid, e)
             st.active = 0
             self._free(st)
-        self.micro_step += 1
 
     def step(self) -> bool:
         """The optimizer step over every partition; returns False if it was skipped
-        (fp16 overflow) or if this is not the last micro-step of `grad_accum_steps`."""
-        if self.micro_step % self.cfg.engine.grad_accum_steps:
+        (fp16 overflow), if no backward ran since the last step, or if this is not
+        the last micro-step of `grad_accum_steps`.
+
+        All or nothing ([Note: all or nothing] in step.py): on a failure every
+        parameter, master, moment and step count is as before the step, the
+        step's gradients are dropped, and `StepFailedError` names the groups and
+        the cause; remove the cause and run the step's micro-batches again.
+        """
+        if self._backwards == 0 or self._backwards % self.cfg.engine.grad_accum_steps:
             return False
         with self.recorder.span("optimizer step", cat="compute", track="compute"):
-            return self._step()
+            try:
+                done = self._step()
+            except BaseException as e:
+                undone = self._abort_step(e)
+                if not isinstance(e, Exception):
+                    raise
+                raise StepFailedError(
+                    f"step {self.global_step + 1} failed ({type(e).__name__}: {e}); groups "
+                    f"{undone} are at their state before the step (parameters, master "
+                    "weights, Adam moments, step counts) and the step's gradients were "
+                    "dropped: fix the cause and run the step's micro-batches again",
+                    undone) from e
+        self._backwards = 0
+        return done
 
     def _step(self) -> bool:
         self.trace.finish()
         early, self._early = self._early, []
         errors = [f.exception() for f in early]  # waits for every one of them
-        if any(errors):
-            self._after_failed_update([e for e in errors if e is not None])
-            raise next(e for e in errors if e is not None)
+        failed = next((e for e in errors if e is not None), None)
+        if failed is not None:
+            raise failed
         gids = [g for g in sorted(self._has_grad) if ("g", g) in self.store]
         scale = self.loss_scale * self.cfg.engine.grad_accum_steps
         norm, found_inf = self._grad_norm(gids, scale)
         if found_inf:
+            self._abort_step()
             self._after_overflow()
-            self._drop_grads(gids)
             return False
-        try:
+        in_place = (self.cfg.engine.optimizer == "host" and not self._staged
+                    and self._update_in_place(gids, norm))
+        if not in_place:
             for gid in gids:
                 self._update_group(gid, None, norm)
-            self.optimizer.step({}, skip=[g for g in self._trainable() if g not in self._has_grad])
-        except OptimStepError as e:
-            self._after_failed_update([e])
-            raise
+        self._staged.ready()
+        self.optimizer.commit(grad_norm=norm)  # all or nothing; rolled back if it raises
+        self._staged.switch()
         self._has_grad.clear()
         self._after_good_step()
         self.global_step += 1
         self._prefetch_state()
         return True
 
-    def _after_failed_update(self, errors: list[BaseException]) -> None:
-        """After updates failed part way (e.g. a failed NVMe write) the step ends
-        there: groups not updated miss it, their gradients are dropped, and training
-        may go on. Groups whose optimizer state stayed at the previous version get
-        their parameter partition rebuilt from that master, so weights, master and
-        moments agree again (a deferred commit can fail after its group's new
-        weights were stored). An fp32 partition that is its own master keeps the
-        values written in place."""
-        unchanged: set = set()
+    def _abort_step(self, cause: BaseException | None = None) -> list[int]:
+        """Undoes the open step: waits for early updates, rolls the optimizer's round
+        back, forgets staged parameters and drops the step's gradients; returns the
+        groups whose update was undone (`cause`: the error that stopped the step, for
+        the groups the optimizer undid itself). The next backward starts a new step."""
+        errors = [cause] + [f.exception() for f in self._early]  # waits for them
+        self._early = []
+        undone = set(self._staged.discard()) | set(self.optimizer.rollback())
         for e in errors:
             if isinstance(e, OptimStepError):
-                unchanged.update(e.unchanged)
+                undone.update(e.unchanged)
+        undone = sorted(undone)
         self._drop_grads([g.gid for g in self.groups if ("g", g.gid) in self.store])
-        try:  # commits what was still pending
-            self.optimizer.flush()
-        except OptimStepError as e:
-            unchanged.update(e.unchanged)
-        self.optimizer.step({}, skip=self._trainable())  # ends the optimizer's round
-        rebuilt, own_master = [], []
-        for gid in sorted(unchanged):
-            if not self.optimizer.has_master(gid):
-                own_master.append(gid)
-                continue
-            try:
-                old = torch.empty(self.groups[gid].shard, dtype=self.dtype)
-                self.optimizer.read_master(gid, old)
-                self._replace_params(gid, old)
-                rebuilt.append(gid)
-            except Exception as e:  # the disk may still be failing: say so, keep the cause
-                log.error("could not rebuild the weights of group %d from its master: %s",
-                          gid, e)
-        if rebuilt:
-            log.warning("optimizer step failed for groups %s: they keep their previous "
-                        "weights and state; the other groups were updated", rebuilt)
-        if own_master:
-            log.warning("optimizer step failed for fp32 groups %s: their weights (their own "
-                        "master) were updated in place, their Adam moments kept the previous "
-                        "step's values", own_master)
+        self._update_order = []
+        self._backwards = 0
+        return undone
 
     def _trainable(self) -> list[int]:
         return [g.gid for g in self.groups if g.requires_grad]
@@ -619,9 +688,12 @@ class OffloadEngine(nn.Module):
             opt_r, opt_w = self._opt_bytes
         return moves["NVME->HOST"].bytes + opt_r, moves["HOST->NVME"].bytes + opt_w
 
-    def zero_grad(self) -> None:
-        """Drops accumulated gradients (step() does this itself)."""
-        self._drop_grads(sorted(self._has_grad))
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drops the gradients of the step in progress, as torch does: updates that
+        already ran for them in the background are undone, so the next `step()`
+        changes nothing. step() clears gradients itself; calling this at any point
+        is safe. `set_to_none` is accepted for torch's signature."""
+        self._abort_step()
 
     # -- weights out --------------------------------------------------------------------
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:

@@ -268,7 +268,11 @@ class SwapSpace:
                 os.posix_fallocate(f.fd, f.size, per_file - f.size)
             except OSError as e:
                 for g in done + [f]:  # give back what this attempt reserved
-                    os.ftruncate(g.fd, g.size)
+                    try:
+                        os.ftruncate(g.fd, g.size)
+                    except OSError as undo:  # the file only stays longer than used
+                        log.warning("could not shrink %s back to %d bytes: %s", g.path,
+                                    g.size, undo)
                 free = shutil.disk_usage(os.path.dirname(f.path)).free
                 raise SwapFullError(
                     "alloc", f.path, f.size, per_file - f.size, e.errno,

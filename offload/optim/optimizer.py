@@ -26,6 +26,17 @@ i.e. where nothing it depends on is still unknown:
 So bf16/fp32 training without clipping may update early; `early_update_allowed`
 answers it, and `update` refuses the other cases unless given the values.
 
+[Note: rounds]
+The updates between two commits form a round: each partition is updated at
+most once in it, and the round commits as a whole (`commit`, which `step`
+calls) or not at all (`rollback`, or a failed commit). Until then every
+partition's previous version is kept: NVMe state in its committed extents
+([Note: the round commits as a whole] in pipeline.py), host state in a copy
+taken before its in-place update. An update the caller passes `final=True`
+keeps no copy (nothing that runs after it in the round can fail); a rollback
+cannot undo it, and the error says so. Reads (`read_master`,
+`partition_state`) see the committed version.
+
 [Note: learning-rate schedule]
 Each group's `lr_lambda(k)` (a callable step -> multiplier, as in
 torch.optim.lr_scheduler.LambdaLR) is evaluated at the partition's own count of
@@ -162,7 +173,10 @@ class CpuAdam:
             swap, pool, chunk_elems=self.chunk_elems, buffers=cfg.buffers, recorder=recorder)
         self.recorder = recorder
         self._parts: dict[Hashable, PartitionState] = {}
-        self._round: set[Hashable] = set()  # updated since the last completed step()
+        self._round: set[Hashable] = set()  # updated in the open round ([Note: rounds])
+        self._final: set[Hashable] = set()  # of those, updated with final=True
+        # host partitions updated in the round: (step, copies of their state) before it
+        self._backups: dict[Hashable, tuple[int, tuple[torch.Tensor | None, ...]]] = {}
         self._lock = threading.RLock()
         self._owned: tuple = ()  # I/O objects `open` made for this optimizer, closed with it
 
@@ -297,8 +311,11 @@ class CpuAdam:
     def step(self, grads: Mapping[Hashable, torch.Tensor], *,
              params_out: Mapping[Hashable, torch.Tensor] | None = None, loss_scale: float = 1.0,
              grad_norm: float | None = None, found_inf: bool | None = None,
-             skip: Iterable[Hashable] = ()) -> StepResult:
-        """Updates every partition not already updated by `update` since the last step.
+             skip: Iterable[Hashable] = (),
+             masters: Mapping[Hashable, torch.Tensor] | None = None,
+             final: bool = False) -> StepResult:
+        """Updates every partition not already updated by `update` in this round, then
+        commits the round ([Note: rounds]).
 
         Args:
             grads: partition id -> its fp32 gradient (loss-scaled); read, never written.
@@ -310,9 +327,10 @@ class CpuAdam:
                 from `grads` when clipping needs it and it is not given.
             found_inf: a non-finite gradient was seen; skips the step. When None and
                 loss_scale != 1 it is derived from the gradients' norm (one read pass).
+            masters, final: as in `update`.
         Raises:
-            OptimStepError: a failure part way (e.g. a failed NVMe write); every
-                partition is at one whole version, see its `updated` / `unchanged`.
+            OptimStepError: a failure part way; the round was rolled back (see its
+                `unchanged`), every partition is at its previous version.
         """
         with self._lock:
             skip = set(skip)
@@ -323,54 +341,96 @@ class CpuAdam:
                                  "partition not updated early needs one, or list it in skip "
                                  "(as torch skips parameters whose grad is None)")
             res = self.update(grads, params_out=params_out, loss_scale=loss_scale,
-                              grad_norm=grad_norm, found_inf=found_inf)
-            self.flush(grad_norm=res.grad_norm)
-            self._round.clear()
+                              grad_norm=grad_norm, found_inf=found_inf, masters=masters,
+                              final=final)
+            self.commit(grad_norm=res.grad_norm)
             return res
 
-    def _settle(self, pids: Iterable[Hashable]) -> None:
-        """Flushes first where any of `pids` has a deferred commit, so its `step` and
-        extents are the committed version's and a failure keeps `_round` right."""
-        if self._pipeline is not None:
-            pending = set(self._pipeline.pending())
-            if any(pid in pending for pid in pids):
-                self.flush()
+    @property
+    def round(self) -> list[Hashable]:
+        """Partitions updated in the open round, not yet committed."""
+        with self._lock:
+            return [p for p in self._parts if p in self._round]
 
-    def flush(self, grad_norm: float | None = None) -> None:
-        """Commits the partitions whose commit `update(defer=True)` left pending,
-        waiting for their writes ([Note: deferred commit] in pipeline.py). `step`
-        does this; reading or rewriting such a partition does it for that call.
+    def commit(self, grad_norm: float | None = None) -> None:
+        """Commits the round: every update since the last commit becomes the partitions'
+        state, all together ([Note: rounds]). Waits for the NVMe writes.
 
         Raises:
-            OptimStepError: a write failed; its `unchanged` partitions are at their
-                previous state and may be updated again in this round.
+            OptimStepError: a write failed; the whole round was rolled back.
         """
         with self._lock:
-            if self._pipeline is None:
-                return
             try:
-                self._pipeline.flush()
-            except OptimStepError as e:
-                self._round.difference_update(e.unchanged)
-                e.grad_norm = grad_norm
-                raise
+                if self._pipeline is not None:
+                    self._pipeline.commit()
+            except Exception as e:
+                raise self._failed_round(e, grad_norm) from e
+            self._backups.clear()
+            self._round.clear()
+            self._final.clear()
+
+    def rollback(self) -> list[Hashable]:
+        """Undoes the open round: every partition updated in it gets back its previous
+        state and step ([Note: rounds]); returns their ids. Partitions updated with
+        `final=True` cannot be undone: RuntimeError (after undoing the others)."""
+        with self._lock:
+            undone = [p for p in self._parts if p in self._round and p not in self._final]
+            if self._pipeline is not None:
+                self._pipeline.rollback()
+            for pid, (step, saved) in self._backups.items():
+                part = self._parts[pid]
+                for dst, src in zip(part.host, saved):
+                    if src is not None:
+                        dst.copy_(src)
+                part.step = step
+            final = [p for p in self._parts if p in self._final]
+            self._backups.clear()
+            self._round.clear()
+            self._final.clear()
+            if final:
+                raise RuntimeError(f"partition(s) {final[:8]} were updated with final=True: "
+                                   "their previous state was not kept")
+            return undone
+
+    def _failed_round(self, cause: BaseException, grad_norm: float | None,
+                      tried: Iterable[Hashable] = ()) -> OptimStepError:
+        """Rolls the round back after `cause` (`tried`: the partitions of the call that
+        failed, left as they were); the error to raise."""
+        final = [p for p in self._parts if p in self._final]
+        self._final.clear()  # kept as updated: nothing can undo them
+        undone = set(self.rollback()) | (set(tried) - set(final))
+        undone = [p for p in self._parts if p in undone]
+        shown = ", ".join(map(repr, undone[:16])) + (" ..." if len(undone) > 16 else "")
+        return OptimStepError(f"optimizer step failed ({type(cause).__name__}: {cause}); "
+                              f"{len(undone)} partition(s) left at their previous version "
+                              f"({shown})"
+                              + (f", {len(final)} updated without a kept version"
+                                 if final else ""), final, undone, grad_norm)
 
     def update(self, grads: Mapping[Hashable, torch.Tensor], *,
                params_out: Mapping[Hashable, torch.Tensor] | None = None,
                loss_scale: float = 1.0, grad_norm: float | None = None,
                found_inf: bool | None = None, next_pid: Hashable | None = None,
-               defer: bool = False) -> StepResult:
-        """Updates exactly the partitions in `grads` now (arguments as in `step`); the
-        rest of the round follows with `step`. A call that does not cover the whole
-        round needs `grad_norm` when clipping and `found_inf` when loss-scaling.
+               masters: Mapping[Hashable, torch.Tensor] | None = None,
+               final: bool = False) -> StepResult:
+        """Updates exactly the partitions in `grads` now (arguments as in `step`), in
+        the open round: they commit with it ([Note: rounds]). A call that does not
+        cover the whole round needs `grad_norm` when clipping and `found_inf` when
+        loss-scaling. `params_out` is complete on return.
         `next_pid`: the partition the caller expects to update next; its NVMe state
         starts being read into buffers this update leaves idle.
-        `defer`: return once the NVMe partitions' last writes are issued; they
-        commit later, at the latest in `step` or `flush` ([Note: deferred commit]
-        in pipeline.py). `params_out` is complete on return either way."""
+        `masters`: for partitions whose master is the parameter (master_is_param),
+        their current fp32 parameter, read only: the new one is written to
+        `params_out` (without it, `params_out` is the master, updated in place).
+        `final`: the caller guarantees nothing after this call can fail before the
+        round commits, so host partitions keep no copy of their previous state.
+
+        Raises:
+            OptimStepError: the update failed; the whole round was rolled back.
+        """
         with self._lock:
             t0 = time.perf_counter()
-            parts, g, out = self._check_inputs(grads, params_out or {})
+            parts, g, out, mins = self._check_inputs(grads, params_out or {}, masters or {})
             if not parts:  # e.g. step() after every partition was updated early
                 return StepResult(False, (), grad_norm, 1.0, loss_scale, 0.0)
             whole = not self._round and len(parts) == len(self._parts)
@@ -389,10 +449,9 @@ class CpuAdam:
                                   time.perf_counter() - t0)
             r0, w0 = self._io_counters()
             try:
-                updated = self._run(parts, g, out, sc.grad_scale, next_pid, defer)
-            except OptimStepError as e:
-                e.grad_norm = sc.grad_norm
-                raise
+                updated = self._run(parts, g, out, mins, sc.grad_scale, next_pid, final)
+            except Exception as e:
+                raise self._failed_round(e, sc.grad_norm, [p.pid for p in parts]) from e
             r1, w1 = self._io_counters()
             return StepResult(False, tuple(updated), sc.grad_norm, sc.clip_coef, sc.grad_scale,
                               time.perf_counter() - t0, r1 - r0, w1 - w0)
@@ -401,7 +460,8 @@ class CpuAdam:
         p = self._pipeline
         return (p.bytes_read, p.bytes_written) if p is not None else (0, 0)
 
-    def _check_inputs(self, grads: Mapping, params_out: Mapping) -> tuple[list, dict, dict]:
+    def _check_inputs(self, grads: Mapping, params_out: Mapping,
+                      masters: Mapping) -> tuple[list, dict, dict, dict]:
         unknown = [p for p in list(grads) + list(params_out) if p not in self._parts]
         if unknown:
             raise KeyError(f"unknown partition(s) {unknown[:8]}")
@@ -413,11 +473,15 @@ class CpuAdam:
              for p in parts}
         out = {pid: _flat(t, f"params_out of {pid!r}", self._parts[pid].numel, _OUT_DTYPES)
                for pid, t in params_out.items() if pid in grads}
+        mins = {pid: _flat(t, f"masters of {pid!r}", self._parts[pid].numel, (torch.float32,))
+                for pid, t in masters.items() if pid in grads}
         for p in parts:
             if p.master_is_param and (p.pid not in out or out[p.pid].dtype != torch.float32):
                 raise ValueError(f"partition {p.pid!r}: its master is the parameter "
                                  "partition (master_is_param): pass it, fp32, in params_out")
-        return parts, g, out
+            if p.pid in mins and not p.master_is_param:
+                raise ValueError(f"partition {p.pid!r} keeps its own master: pass no masters")
+        return parts, g, out, mins
 
     def _hyper(self, part: PartitionState) -> AdamHyper:
         grp = self.param_groups[part.group]
@@ -428,28 +492,35 @@ class CpuAdam:
         return AdamHyper(lr, float(b1), float(b2), float(grp["eps"]),
                          float(grp["weight_decay"]), self.decoupled)
 
-    def _run(self, parts: list[PartitionState], g: dict, out: dict, grad_scale: float,
-             next_pid: Hashable | None = None, defer: bool = False) -> list:
-        """Host partitions in place, then NVMe partitions through the pipeline (its
-        first reads start before the host work, so they overlap it)."""
+    def _run(self, parts: list[PartitionState], g: dict, out: dict, mins: dict,
+             grad_scale: float, next_pid: Hashable | None, final: bool) -> list:
+        """Host partitions in place (a copy of their state kept unless `final`), then
+        NVMe partitions through the pipeline (its first reads start before the host
+        work, so they overlap it)."""
         host = [p for p in parts if p.tier is Tier.HOST]
         nvme = [p for p in parts if p.tier is Tier.NVME]
         if nvme:
-            self._settle(p.pid for p in nvme)  # before their step feeds lr_lambda and Adam
             first = {pid: k for k, pid in enumerate(self._pipeline.prefetched())}
             nvme.sort(key=lambda p: first.get(p.pid, len(first)))  # stable: then added order
             self._pipeline.prefetch(nvme[0], max(1, self._pipeline.nbuf - 1))
         done = []
         for p in host:
+            if final:
+                self._final.add(p.pid)
+            else:
+                self._backups[p.pid] = (p.step, tuple(None if t is None else t.clone()
+                                                      for t in p.host))
+            self._round.add(p.pid)
             m, a, s = p.host
             m, o = _master_and_out(m, out.get(p.pid))
+            if p.pid in mins:
+                m.copy_(mins[p.pid])
             with self.recorder.span("optim:update", cat="compute", track="optim",
                                     partition=str(p.pid), elems=p.numel):
                 self.kernel.update(m, g[p.pid], a, s, step=p.step + 1, hyper=self._hyper(p),
                                    grad_scale=grad_scale, param_out=o)
             p.step += 1
             done.append(p.pid)
-            self._round.add(p.pid)
         if not nvme:
             return done
         hypers = {p.pid: self._hyper(p) for p in nvme}
@@ -457,51 +528,51 @@ class CpuAdam:
         def compute(p, _i, lo, n, m, a, s) -> None:
             o = out.get(p.pid)
             m, o = _master_and_out(m, None if o is None else o[lo:lo + n])
+            if p.pid in mins:
+                m.copy_(mins[p.pid][lo:lo + n])
             self.kernel.update(m, g[p.pid][lo:lo + n], a, s, step=p.step + 1,
                                hyper=hypers[p.pid], grad_scale=grad_scale, param_out=o)
         then = self._parts.get(next_pid) if next_pid is not None else None
         if then is not None and (then.tier is not Tier.NVME or then.pid in g
                                  or then.pid in self._round):
             then = None
-        try:
-            done += self._pipeline.run(nvme, compute, then=then, defer=defer)
-        except OptimStepError as e:
-            e.updated = done + e.updated
-            self._round.update(e.updated)
-            self._round.difference_update(e.unchanged)  # those of earlier deferred calls
-            raise
+        done += self._pipeline.run(nvme, compute, then=then)
         self._round.update(p.pid for p in nvme)
         return done
 
     # -- reading and checkpoints -----------------------------------------------
+    def _committed_host(self, part: PartitionState) -> tuple[int, tuple]:
+        """(step, (master, exp_avg, exp_avg_sq)) of a host partition's committed version."""
+        return self._backups.get(part.pid, (part.step, part.host))
+
     def read_master(self, pid: Hashable, out: torch.Tensor) -> torch.Tensor:
-        """Copies partition `pid`'s fp32 master into `out` (any float dtype, same numel,
-        rounded to nearest even); e.g. to rebuild a compute-dtype copy. Returns `out`."""
+        """Copies partition `pid`'s committed fp32 master into `out` (any float dtype,
+        same numel, rounded to nearest even); e.g. to rebuild a compute-dtype copy.
+        Returns `out`."""
         with self._lock:
             part = self.partition(pid)
             if part.master_is_param:
                 raise ValueError(f"partition {pid!r} keeps no master: it is the caller's "
                                  "parameter partition (master_is_param)")
-            self._settle([pid])
             flat = _flat(out, f"read_master out of {pid!r}", part.numel, _OUT_DTYPES)
             if part.tier is Tier.HOST:
-                flat.copy_(part.host[0])
+                flat.copy_(self._committed_host(part)[1][0])
             else:
                 self._pipeline.read_state(part, lambda _p, _i, lo, n, m, _a, _s:
                                           flat[lo:lo + n].copy_(m))
             return out
 
     def partition_state(self, pid: Hashable) -> dict[str, torch.Tensor]:
-        """{"step", "exp_avg", "exp_avg_sq", "master"} of one partition, 1-D fp32
-        (step: a 0-d fp32 tensor, as torch; no "master" where it is the parameter
-        partition). Host state: the live tensors (no copy); NVMe state: fresh
-        tensors read chunk by chunk."""
+        """{"step", "exp_avg", "exp_avg_sq", "master"} of one partition's committed
+        version, 1-D fp32 (step: a 0-d fp32 tensor, as torch; no "master" where it is
+        the parameter partition). Host state: the live tensors (no copy); NVMe state:
+        fresh tensors read chunk by chunk."""
         with self._lock:
             part = self.partition(pid)
-            self._settle([pid])
             step = torch.tensor(float(part.step))
             if part.tier is Tier.HOST:
-                m, a, s = part.host
+                k, (m, a, s) = self._committed_host(part)
+                step = torch.tensor(float(k))
             else:
                 m, a, s = (torch.empty(part.numel, dtype=torch.float32) for _ in range(3))
                 if part.master_is_param:
@@ -525,7 +596,9 @@ class CpuAdam:
         with self._lock:
             part = self.partition(pid)
             step, tensors = self._checked_state(part, state)
-            self._settle([pid])
+            if pid in self._round:
+                raise ValueError(f"partition {pid!r} was updated in the open round; "
+                                 "commit() or rollback() it before loading state")
             if part.tier is Tier.HOST:
                 for k, dst in zip(("master", "exp_avg", "exp_avg_sq"), part.host):
                     if tensors[k] is not None and dst is not None:
@@ -580,7 +653,9 @@ class CpuAdam:
                                      f"{mine['params'][:8]}")
             for pid, st in states.items():
                 self._checked_state(self.partition(pid), st)
-            self.flush()  # a new round begins: nothing of the last one stays pending
+            if self._round:
+                raise ValueError(f"partitions {self.round[:8]} were updated in the open "
+                                 "round; commit() or rollback() before loading state")
             for mine, theirs in zip(self.param_groups, groups):
                 mine.update({k: theirs[k] for k in _HYPER_KEYS if k in theirs})
                 mine["betas"] = tuple(mine["betas"])

@@ -16,19 +16,20 @@ takes a slot, the oldest write is waited for only if no slot is idle:
     must have left its buffer first;
   * 3 buffers: read j+1, update j and write j-1 all overlap;
   * more: reads run further ahead while idle slots exist.
-Partitions commit one by one, when all of their writes are *done*
-([Note: commit after the writes] in state.py).
+Nothing is committed by `run`: see [Note: the round commits as a whole].
 
-[Note: deferred commit]
-`run(..., defer=True)` returns once a partition's last write is issued
-instead of waiting for its writes to finish: its new extents are committed by
-a later call that finds the writes done, or by `flush()`, which waits. Until
-then the partition keeps its previous version (extents and `step`), so
-nothing can read half of it: reading, prefetching or rewriting a partition
-with a deferred commit flushes first (a prefetch, which never waits, skips
-it). A caller updating partitions one call at a time (the engine's early
-updates during backward) thus keeps the disk busy across the boundary
-between one partition and the next, and flushes once at the end of the step.
+[Note: the round commits as a whole]
+`run` writes every updated chunk to a fresh extent and keeps the partition's
+rewrite pending: the partition keeps its committed extent table and `step`,
+so every read (`read_state`) sees the committed version and a failure leaves
+it whole. `commit()` waits for every pending write and, only when all of them
+succeeded, installs every new table at `step + 1` and frees the old extents:
+no I/O happens while tables are switched, so the switch cannot fail half way.
+`rollback()` (or a failed `commit`) frees the fresh extents instead. A caller
+updating partitions one call at a time (the engine's early updates during
+backward) keeps the disk busy across the boundary between one partition and
+the next, and commits once at the end of the step. The swap space holds, at
+the end of a round, the committed state plus the rewritten one.
 """
 
 from __future__ import annotations
@@ -54,15 +55,14 @@ ChunkFn = Callable[[PartitionState, int, int, int, torch.Tensor, torch.Tensor, t
 
 
 class OptimStepError(RuntimeError):
-    """A step failed part way; every partition is whole at one version.
+    """A round of updates failed; every partition is whole at one version.
 
-    `updated`: partitions whose new state was committed in this call (their
-    `step` advanced). `unchanged`: partitions left at their previous state
-    and step; a `params_out` tensor given for them may hold a mix of new and
-    old values and should be rebuilt from the master (`CpuAdam.read_master`).
-    The cause (e.g. the `IoError` of the failed write) is `__cause__`. To finish
-    the step, update `unchanged` passing `grad_norm=err.grad_norm` and
-    `found_inf=False`: the values this step used.
+    `unchanged`: partitions left at their previous (committed) state and step:
+    every partition of the failed round whose previous version was kept.
+    `updated`: partitions whose update stays in place although the round
+    failed: only those the caller updated with `final=True` (no previous
+    version kept; see `CpuAdam.update`). The cause (e.g. the `IoError` of a
+    failed write) is `__cause__`. `grad_norm` is the norm the round used.
     """
 
     def __init__(self, message: str, updated: list[Hashable], unchanged: list[Hashable],
@@ -97,8 +97,6 @@ class _Rewrite:
     part: PartitionState
     new: list[SwapExtent] = field(default_factory=list)
     writes: list[IoHandle] = field(default_factory=list)
-    computed: int = 0
-    committed: bool = False
 
 
 class SwapPipeline:
@@ -123,7 +121,7 @@ class SwapPipeline:
         self.recorder = recorder
         self._slots: list[_Slot] = []
         self._reads: dict[Key, _Slot] = {}  # issued reads, oldest first
-        self._pending: dict[Hashable, _Rewrite] = {}  # [Note: deferred commit]
+        self._pending: dict[Hashable, _Rewrite] = {}  # [Note: the round commits as a whole]
         self._seq = itertools.count(1)
         self.bytes_read = 0
         self.bytes_written = 0
@@ -257,22 +255,23 @@ class SwapPipeline:
             self._drop(key)
 
     def run(self, parts: list[PartitionState], compute: ChunkFn,
-            then: PartitionState | None = None, defer: bool = False) -> list[Hashable]:
+            then: PartitionState | None = None) -> list[Hashable]:
         """Updates `parts` chunk by chunk: `compute` rewrites each chunk's three views
-        in place; the result goes to fresh extents and each partition commits at
-        `step + 1` when its writes are done. Returns the partition ids, all committed
-        (with `defer`: committed, or to be by a later call or `flush()`; see
-        [Note: deferred commit]).
+        in place; the result goes to fresh extents, pending until `commit()`
+        ([Note: the round commits as a whole]). Returns the partition ids.
         `then`: an NVMe partition likely updated next; once the read-ahead passes the
         end of `parts`, idle buffers start reading its first chunks (never waiting),
         so a caller updating partitions one call at a time keeps reads in flight.
 
         Raises:
-            OptimStepError: something failed; see its `updated` / `unchanged` (which
-                may name partitions of earlier deferred calls).
+            ValueError: a partition of `parts` is pending already (nothing started).
+            Exception: what failed (a read, a checksum, `compute`); this call's fresh
+                extents are freed, the partitions pending from earlier calls stay so.
         """
-        if any(p.pid in self._pending for p in parts):
-            self.flush()
+        again = [p.pid for p in parts if p.pid in self._pending]
+        if again:
+            raise ValueError(f"partition(s) {again[:8]} already have a pending rewrite in "
+                             "this round; commit() or rollback() first")
         if then is not None and then.pid in self._pending:
             then = None
         work = [(p, i) for p in parts for i in range(p.layout.n_chunks)]
@@ -298,93 +297,55 @@ class SwapPipeline:
                                         partition=str(p.pid), chunk=i, elems=n):
                     compute(p, i, lo, n, *chunk_views(slot.buffer, n, p.layout.kinds))
                 self._store(slot, rewrites[p.pid], i)
-                rewrites[p.pid].computed += 1
-                self._commit_finished(rewrites.values(), block=False)
-                self._commit_pending(block=False)
             if then is not None:  # slots freed by the last writes start on `then`
                 self.prefetch(then, max(1, self.nbuf - 1))
-            if defer:
-                self._pending.update((pid, rw) for pid, rw in rewrites.items()
-                                     if not rw.committed)
-            else:
-                self._commit_finished(rewrites.values(), block=True)
-        except BaseException as e:
+        except BaseException:
             self._drain()
-            earlier, self._pending = list(self._pending.values()), {}
-            updated, unchanged = self._resolve(earlier + list(rewrites.values()))
-            if not isinstance(e, Exception):  # Ctrl-C, SystemExit: consistent, then as they were
-                raise
-            raise OptimStepError(f"optimizer step failed ({type(e).__name__}: {e}); "
-                                 f"{len(updated)} partition(s) committed, {len(unchanged)} "
-                                 "left at their previous version", updated, unchanged) from e
+            self._discard(rewrites.values())
+            raise
+        self._pending.update(rewrites)
         return [p.pid for p in parts]
 
-    def _commit_finished(self, rewrites: Iterable[_Rewrite], block: bool) -> None:
-        for rw in rewrites:
-            if rw.committed or rw.computed < rw.part.layout.n_chunks:
-                continue
-            if not block and not all(h.done() for h in rw.writes):
-                continue
-            with self.recorder.span("optim:wait_durable", cat="wait", track="optim"):
-                for h in rw.writes:
-                    h.wait()  # raises the IoError of a failed write
-            rw.part.commit(self.swap, rw.new, rw.part.step + 1)
-            rw.committed = True
-
-    def _commit_pending(self, block: bool) -> None:
-        if self._pending:
-            self._commit_finished(self._pending.values(), block=block)
-            for pid in [pid for pid, rw in self._pending.items() if rw.committed]:
-                del self._pending[pid]
-
-    def flush(self) -> list[Hashable]:
-        """Commits every partition whose commit `run(defer=True)` left pending, waiting
-        for its writes; returns their ids.
-
-        Raises:
-            OptimStepError: a write failed: `unchanged` names the partitions left at
-                their previous version, `updated` those committed.
-        """
-        ids = list(self._pending)
+    def commit(self) -> list[Hashable]:
+        """Waits for every pending write; when all succeeded, installs every pending
+        partition's new extents at `step + 1` (freeing the old ones) and returns their
+        ids. When one failed, frees every pending partition's new extents (all keep
+        their committed version) and raises that write's error."""
+        rewrites = list(self._pending.values())
         try:
-            self._commit_pending(block=True)
-        except BaseException as e:
-            self._drain()
-            pending, self._pending = list(self._pending.values()), {}
-            updated, unchanged = self._resolve(pending)
-            updated = [pid for pid in ids if pid not in unchanged]
-            if not isinstance(e, Exception):
-                raise
-            raise OptimStepError(f"optimizer step failed ({type(e).__name__}: {e}); "
-                                 f"{len(unchanged)} partition(s) left at their previous "
-                                 "version", updated, unchanged) from e
-        return ids
+            with self.recorder.span("optim:wait_durable", cat="wait", track="optim"):
+                for rw in rewrites:
+                    for h in rw.writes:
+                        h.wait()  # raises the IoError of a failed write
+        except BaseException:
+            self.rollback()
+            raise
+        self._pending = {}
+        for rw in rewrites:  # no I/O from here on: the switch cannot fail half way
+            rw.part.commit(self.swap, rw.new, rw.part.step + 1)
+        return [rw.part.pid for rw in rewrites]
+
+    def rollback(self) -> list[Hashable]:
+        """Waits for every transfer, frees the new extents of every pending partition
+        (each keeps its committed version) and returns their ids."""
+        self._drain()
+        rewrites, self._pending = list(self._pending.values()), {}
+        self._discard(rewrites)
+        return [rw.part.pid for rw in rewrites]
 
     def pending(self) -> list[Hashable]:
-        """Partition ids whose commit is deferred ([Note: deferred commit])."""
+        """Partition ids whose rewrite waits for `commit()`."""
         return list(self._pending)
 
-    def _resolve(self, rewrites: Iterable[_Rewrite]) -> tuple[list[Hashable], list[Hashable]]:
-        """After a failure: commits partitions whose writes all succeeded, frees the
-        fresh extents of the others. Returns (updated, unchanged) partition ids."""
-        updated, unchanged = [], []
+    def _discard(self, rewrites: Iterable[_Rewrite]) -> None:
         for rw in rewrites:
-            ok = rw.committed or rw.computed == rw.part.layout.n_chunks
             for h in rw.writes:
                 try:
                     h.wait()
-                except Exception:
-                    ok = False
-            if ok and not rw.committed:
-                rw.part.commit(self.swap, rw.new, rw.part.step + 1)
-                rw.committed = True
-            if rw.committed:
-                updated.append(rw.part.pid)
-                continue
+                except Exception:  # the failure being handled, or one of its kind
+                    pass
             for ext in rw.new:
                 self.swap.free(ext)
-            unchanged.append(rw.part.pid)
-        return updated, unchanged
 
     def write_state(self, part: PartitionState, fill: ChunkFn, *, keep_old: bool = False
                     ) -> list[SwapExtent]:
@@ -395,7 +356,8 @@ class SwapPipeline:
         fresh extents are freed and the error raised; `part` is untouched.
         """
         if part.pid in self._pending:
-            self.flush()
+            raise ValueError(f"partition {part.pid!r} has a pending rewrite in this round; "
+                             "commit() or rollback() first")
         rw = _Rewrite(part)
         try:
             for i in range(part.layout.n_chunks):
@@ -421,10 +383,9 @@ class SwapPipeline:
         return rw.new
 
     def read_state(self, part: PartitionState, consume: ChunkFn) -> None:
-        """Reads a partition's chunks in order, reads ahead, and hands each to `consume`."""
+        """Reads a partition's committed chunks in order, reads ahead, and hands each to
+        `consume` (a pending rewrite is not seen)."""
         part.check_tier(Tier.NVME)
-        if part.pid in self._pending:
-            self.flush()
         keys = {(part.pid, i) for i in range(part.layout.n_chunks)}
         try:
             for i in range(part.layout.n_chunks):
@@ -441,12 +402,9 @@ class SwapPipeline:
             raise
 
     def close(self) -> None:
-        """Waits for every transfer, commits what a deferred call left whose writes
-        succeeded (freeing the others' new extents), and gives the slot buffers back
-        to the pool."""
-        self._drain()
-        pending, self._pending = list(self._pending.values()), {}
-        self._resolve(pending)
+        """Waits for every transfer, rolls back what is pending, and gives the slot
+        buffers back to the pool."""
+        self.rollback()
         slots, self._slots = self._slots, []
         for s in slots:
             s.buffer.release()

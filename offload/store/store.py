@@ -122,17 +122,21 @@ class TieredStore(MoveExecutor):
         return self._dev.device
 
     def put(self, key: Hashable, tensor: torch.Tensor, *, kind: str = "param",
-            tier: Tier | str = Tier.HOST, cache: bool = False) -> MoveHandle:
+            tier: Tier | str = Tier.HOST, cache: bool = False,
+            write: bool = True) -> MoveHandle:
         """Stores a copy of `tensor` (flattened) as partition `key`, home `tier`.
 
         HOST and DEVICE puts are done on return; an NVME put returns while its
         write is in flight (the HOST staging copy stays valid until it is durable).
         With `cache`, an NVME put keeps that HOST copy afterwards as a clean copy
         (the next fetch finds it in memory; the policy drops it when HOST needs
-        room); without, it is released once written.
+        room); without, it is released once written. With `write=False`, an NVME
+        put writes nothing now: the HOST copy is the only one (dirty), written to
+        NVMe when the store evicts it, as a modified partition would be.
         Raises KeyError if `key` is stored, `BudgetExceededError` if no room.
         """
         tier = _tier(tier)
+        cache = cache or not write
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"put({key!r}) needs a torch.Tensor, got {type(tensor).__name__}")
         if not re.fullmatch(r"[A-Za-z0-9_.-]+", kind):
@@ -150,7 +154,7 @@ class TieredStore(MoveExecutor):
             self._records[key] = rec
             try:
                 needs = {first: rec.footprint}
-                if tier is Tier.NVME:
+                if tier is Tier.NVME and write:
                     needs[Tier.NVME] = rec.footprint
                 self._reserve(needs, {key}, f"put of {key!r}")
                 self._allocate(move, rec, needs, set(needs))
@@ -169,7 +173,7 @@ class TieredStore(MoveExecutor):
             rec.place(first, move.reserved.pop(first))
             self._policy.touched(key, first)
             move.steps = ([Step.WRITE] if cache else [Step.WRITE, Step.DROP_HOST]) \
-                if tier is Tier.NVME else []
+                if tier is Tier.NVME and write else []
             self._start(move, rec)
         return move
 
@@ -291,6 +295,46 @@ class TieredStore(MoveExecutor):
             del self._records[key]
             self._policy.forgotten(key)
             self._cond.notify_all()
+
+    def replace(self, key: Hashable, by: Hashable) -> None:
+        """`key` takes the value of partition `by`, without a copy: `key`'s memory in
+        every tier is released and `by`'s record is stored as `key` (`by` is gone).
+
+        Waits for moves in flight of either; nothing else can fail once both are
+        held, so a caller can switch many partitions to new versions one after the
+        other and know none of the switches fails half way. Raises (changing
+        nothing) if `by` is not stored, or either is pinned or of another kind.
+        """
+        claim = UserClaim("replace")
+        with self._cond:
+            self._check_open()
+            new = self._claim(by, claim, "replace")
+            old = None
+            try:
+                if key in self._records:
+                    old = self._claim(key, claim, "replace")
+                for rec in (new, old):
+                    if rec is not None and rec.pins:
+                        raise RuntimeError(f"replace of {key!r} by {by!r}: partition "
+                                           f"{rec.key!r} is pinned {rec.pins} time(s)")
+                if old is not None and old.kind != new.kind:
+                    raise ValueError(f"replace of {key!r} ({old.kind}) by {by!r} ({new.kind}): "
+                                     "partitions of different kinds live in different swap files")
+            except BaseException:
+                for rec in (new, old):
+                    if rec is not None:
+                        self._unclaim(rec, claim)
+                raise
+            if old is not None:
+                for t, memory in old.release_all().items():
+                    self._release(t, old, memory)
+                self._policy.forgotten(key)
+            del self._records[by]
+            self._policy.forgotten(by)
+            new.key = key
+            self._records[key] = new
+            self._policy.touched(key, new.top)
+            self._unclaim(new, claim)
 
     def wait_all(self, timeout: float | None = None) -> None:
         """Blocks until no move is in flight (errors stay with their handles)."""

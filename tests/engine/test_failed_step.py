@@ -1,60 +1,282 @@
-"""A disk that fails mid-step: the engine raises, and every group's weights agree
-with its optimizer state again (old weights with old state, new with new)."""
+"""A step that fails leaves every partition bit-identical to before it, and training
+goes on as if it never failed: a full disk (a real, loop-mounted ext4 file system),
+corrupted bytes on disk, an exception in the user's backward or forward."""
 
 import copy
 import os
+import subprocess
+import uuid
 
 import pytest
 import torch
+from torch import nn
 
 import offload
-from offload.optim import OptimStepError
+from offload.engine.step import StepFailedError
+from offload.io import CorruptionError, SwapFullError
 from offload.store import Tier
 
+from ..conftest import flip_byte
 from .models import TiedTwice, lm_batches, lm_loss
 
 
-def test_failed_optimizer_writes_leave_weights_matching_their_master(engine_cfg):
-    torch.manual_seed(0)
-    model = copy.deepcopy(TiedTwice())
-    batches = lm_batches(3)
-    engine = offload.initialize(model, engine_cfg("host", "host", "nvme", dtype="bf16"))
-    opt = engine.optimizer
-    swap_file = opt._pipeline.swap._files[0]
-    good_fd = swap_file.fd
-    try:
-        x, y = batches[0]
-        engine.backward(lm_loss(engine(x), y))
-        engine.step()
-        # from the 3rd chunk update of the next step on, every optimizer write fails
-        # for real (EBADF): the swap file's descriptor is swapped for a read-only one
-        calls = {"n": 0}
-        inner = opt.kernel.update
+def snapshot(engine) -> dict:
+    """Every byte of training state: each group's parameter partition, its optimizer
+    state (master, moments, step), and the engine's step counters."""
+    out = {"global_step": engine.global_step, "loss_scale": engine.loss_scale}
+    for g in engine.groups:
+        out[("p", g.gid)] = engine.store.fetch(("p", g.gid), to=Tier.HOST).wait().cpu().clone()
+        if g.requires_grad:
+            for k, v in engine.optimizer.partition_state(g.gid).items():
+                out[(k, g.gid)] = v.clone()
+    return out
 
-        def update(*a, **kw):
-            inner(*a, **kw)
-            calls["n"] += 1
-            if calls["n"] == 3:
-                swap_file.fd = os.open(swap_file.path, os.O_RDONLY | os.O_DIRECT)
-        opt.kernel.update = update
-        x, y = batches[1]
-        engine.backward(lm_loss(engine(x), y))
-        with pytest.raises(OptimStepError) as err:
-            engine.step()
-        assert err.value.unchanged
-        opt.kernel.update = inner
-        os.close(swap_file.fd)
-        swap_file.fd = good_fd
-        for g in engine.groups:
-            if not g.requires_grad:
-                continue
-            master = torch.empty(g.shard, dtype=torch.bfloat16)
-            opt.read_master(g.gid, master)
-            weights = engine.store.fetch(("p", g.gid), to=Tier.HOST).wait()
-            assert torch.equal(weights.cpu(), master), g.gid
-        # the disk works again: training goes on
+
+def assert_same(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        if isinstance(a[k], torch.Tensor):
+            assert torch.equal(a[k], b[k]), f"{k} differs"
+        else:
+            assert a[k] == b[k], k
+
+
+def train_step(engine, batch) -> bool:
+    x, y = batch
+    engine.backward(lm_loss(engine(x), y))
+    return engine.step()
+
+
+PLACEMENTS = [  # params, grads, optimizer, dtype
+    ("nvme", "host", "nvme", "fp32"),  # the parameter is the master, updated from NVMe state
+    ("host", "host", "nvme", "bf16"),
+    ("nvme", "nvme", "nvme", "bf16"),
+]
+
+
+@pytest.mark.parametrize("params,grads,optimizer,dtype", PLACEMENTS)
+def test_corrupted_optimizer_chunk_fails_the_step_and_changes_nothing(
+        engine_cfg, params, grads, optimizer, dtype):
+    """The group updated last (group 0: backward reaches it last) has a corrupted
+    chunk: every other group's update already ran. All of them are undone; with the
+    byte flipped back the step runs again and matches a run that never failed."""
+    torch.manual_seed(0)
+    ref_model = TiedTwice()
+    batches = lm_batches(4)
+    cfg = engine_cfg(params, grads, optimizer, dtype=dtype)
+    engine = offload.initialize(copy.deepcopy(ref_model), cfg)
+    ref = offload.initialize(copy.deepcopy(ref_model), {**cfg, "io": {
+        **cfg["io"], "paths": [cfg["io"]["paths"][0] + "-ref"]}})
+    try:
+        for b in batches[:2]:
+            train_step(engine, b)
+            train_step(ref, b)
+        before = snapshot(engine)
+        opt = engine.optimizer
+        part = opt.partition(0)
+        path = opt._pipeline.swap.paths[0]
+        where = part.extents[part.layout.n_chunks - 1].offset + 8
+        flip_byte(path, where)
         x, y = batches[2]
         engine.backward(lm_loss(engine(x), y))
-        engine.step()
+        with pytest.raises(StepFailedError) as err:
+            engine.step()
+        assert isinstance(err.value.__cause__.__cause__, CorruptionError)
+        assert 0 in err.value.groups and len(err.value.groups) > 1  # others had run
+        flip_byte(path, where)  # the cause removed (and the state readable again)
+        assert_same(snapshot(engine), before)
+        for b in batches[2:]:
+            assert train_step(engine, b) and train_step(ref, b)
+        assert_same(snapshot(engine), snapshot(ref))
     finally:
         engine.close()
+        ref.close()
+
+
+class RaisesInBackward(nn.Module):
+    """Wraps a block; its backward raises while `armed`."""
+
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.block = block
+        self.armed = False
+
+    def forward(self, x):
+        y = self.block(x)
+        if self.armed and y.requires_grad:
+            def boom(grad):
+                raise ValueError("the user's backward failed")
+            y.register_hook(boom)
+        return y
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(3)
+    layers = [nn.Linear(16, 32), nn.Tanh(), RaisesInBackward(nn.Linear(32, 32)), nn.Tanh()]
+    layers += [nn.Linear(32, 32) for _ in range(3)] + [nn.Linear(32, 1)]
+    return nn.Sequential(*layers)
+
+
+@pytest.mark.parametrize("optimizer", ["nvme", "host"])
+def test_exception_in_backward_after_early_updates_changes_nothing(engine_cfg, optimizer):
+    model = _mlp()
+    ref_model = copy.deepcopy(model)
+    cfg = engine_cfg("nvme", "host", optimizer, group_size=600)
+    engine = offload.initialize(model, cfg)
+    ref = offload.initialize(ref_model, {**cfg, "io": {
+        **cfg["io"], "paths": [cfg["io"]["paths"][0] + "-ref"]}})
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(8, 16, generator=g), torch.randn(8, 1, generator=g)) for _ in range(4)]
+
+    def step(e, x, y):
+        e.backward(nn.functional.mse_loss(e(x), y))
+        return e.step()
+    try:
+        step(engine, *data[0])
+        step(ref, *data[0])
+        before = snapshot(engine)
+        model[2].armed = True
+        loss = nn.functional.mse_loss(engine(*data[1][:1]), data[1][1])
+        with pytest.raises(ValueError, match="user's backward"):
+            engine.backward(loss)
+        if optimizer == "nvme":  # the layers after the failing one were updated early
+            assert engine.optimizer.round == []
+        assert_same(snapshot(engine), before)
+        assert engine.step() is False  # nothing left to apply
+        assert_same(snapshot(engine), before)
+        model[2].armed = False
+        for x, y in data[1:]:
+            assert step(engine, x, y) and step(ref, x, y)
+        assert_same(snapshot(engine), snapshot(ref))
+    finally:
+        engine.close()
+        ref.close()
+
+
+def test_exception_in_forward_then_training_goes_on_at_tight_budgets(engine_cfg):
+    """A forward that raises half way leaves nothing gathered or pinned: at budgets
+    that only fit a few groups, the next steps run (waiting, never failing)."""
+    model = _mlp()
+    ref_model = copy.deepcopy(model)
+    cfg = engine_cfg("nvme", "host", "nvme", group_size=600)
+    cfg["store"].update(host_budget="24KiB", device_budget="16KiB")
+    engine = offload.initialize(model, cfg)
+    ref = offload.initialize(ref_model, {**cfg, "io": {
+        **cfg["io"], "paths": [cfg["io"]["paths"][0] + "-ref"]}})
+    g = torch.Generator().manual_seed(2)
+    data = [(torch.randn(8, 16, generator=g), torch.randn(8, 1, generator=g)) for _ in range(6)]
+    try:
+        for k, (x, y) in enumerate(data):
+            before = snapshot(engine)
+            with pytest.raises(RuntimeError, match="mat1 and mat2"):
+                engine(torch.randn(8, 15))  # wrong width: the first Linear raises
+            assert_same(snapshot(engine), before)
+            for e in (engine, ref):
+                e.backward(nn.functional.mse_loss(e(x), y))
+                assert e.step()
+        assert_same(snapshot(engine), snapshot(ref))
+        assert all(engine.store.info(key).pins == 0 for key in engine.store.keys())
+    finally:
+        engine.close()
+        ref.close()
+
+
+def test_training_loop_semantics_match_torch(engine_cfg):
+    """zero_grad() at any point, step() with nothing to apply, two backwards before
+    one step with grad_accum_steps=1: as torch, or refused before anything changes."""
+    torch.manual_seed(4)
+    model = TiedTwice()
+    ref = copy.deepcopy(model)
+    engine = offload.initialize(model, engine_cfg("host", "host", "nvme"))
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    batches = lm_batches(5, seed=4)
+    try:
+        before = snapshot(engine)
+        assert engine.step() is False           # before any backward: nothing happens
+        engine.zero_grad()                      # nothing to drop
+        assert_same(snapshot(engine), before)
+        x, y = batches[0]
+        engine.backward(lm_loss(engine(x), y))  # early updates ran in the background...
+        engine.zero_grad()                      # ...and are undone, as torch drops .grad
+        assert engine.step() is False
+        assert_same(snapshot(engine), before)
+        with pytest.raises(RuntimeError, match="call engine.step"):
+            engine.backward(lm_loss(engine(x), y))
+            engine.backward(lm_loss(engine(x), y))
+        assert_same(snapshot(engine), before)   # refused before anything changed
+        engine.zero_grad()
+        for x, y in batches[1:]:
+            engine.backward(lm_loss(engine(x), y))
+            assert engine.step()
+            opt.zero_grad()
+            lm_loss(ref(x), y).backward()
+            opt.step()
+        sd = engine.state_dict()
+        for k, v in ref.state_dict().items():
+            torch.testing.assert_close(sd[k], v, atol=2e-6, rtol=0)
+    finally:
+        engine.close()
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """make(size_mib) -> a directory on a fresh ext4 file system of that size, loop
+    mounted (unmounted after the test); skips where mounting is not allowed."""
+    mounts = []
+
+    def make(size_mib: int) -> str:
+        image, mnt = tmp_path / f"fs{len(mounts)}.ext4", tmp_path / f"mnt{len(mounts)}"
+        mnt.mkdir()
+        subprocess.run(["truncate", "-s", f"{size_mib}M", str(image)], check=True)
+        subprocess.run(["mkfs.ext4", "-q", "-F", "-m", "0", str(image)], check=True, capture_output=True)
+        r = subprocess.run(["mount", "-o", "loop", str(image), str(mnt)], capture_output=True,
+                           text=True)
+        if r.returncode:
+            pytest.skip(f"cannot loop-mount an ext4 image here: {r.stderr.strip()}")
+        mounts.append(mnt)
+        return str(mnt)
+    yield make
+    for mnt in mounts:
+        subprocess.run(["umount", str(mnt)], check=False)
+
+
+def _fill(directory: str, leave: int) -> str:
+    """Takes all free space of the file system of `directory` but `leave` bytes."""
+    path = os.path.join(directory, f"ballast-{uuid.uuid4().hex}")
+    free = os.statvfs(directory).f_bavail * os.statvfs(directory).f_frsize
+    with open(path, "wb") as f:
+        os.posix_fallocate(f.fileno(), 0, max(4096, free - leave))
+    return path
+
+
+@pytest.mark.parametrize("params,dtype", [("nvme", "fp32"), ("host", "bf16")])
+def test_disk_full_during_the_step_changes_nothing(engine_cfg, small_fs, params, dtype):
+    """A real file system fills up while the step writes the new optimizer state:
+    the step fails with the disk's error, every partition is as before, and once
+    space is freed the same step gives the uninterrupted run's state."""
+    torch.manual_seed(5)
+    model = TiedTwice()
+    ref_model = copy.deepcopy(model)
+    batches = lm_batches(3, seed=5)
+    cfg = engine_cfg(params, "host", "nvme", dtype=dtype)
+    cfg["io"].update(paths=[small_fs(32)], grow_step="64KiB", stripe_size="64KiB")
+    ref_cfg = engine_cfg(params, "host", "nvme", dtype=dtype)
+    engine = offload.initialize(model, cfg)
+    ref = offload.initialize(ref_model, ref_cfg)
+    try:  # the first step needs room for the state's new version beside the old one
+        before = snapshot(engine)
+        ballast = _fill(cfg["io"]["paths"][0], leave=0)
+        x, y = batches[0]
+        engine.backward(lm_loss(engine(x), y))
+        with pytest.raises(StepFailedError) as err:
+            engine.step()
+        cause = err.value.__cause__
+        assert isinstance(cause.__cause__ if cause.__cause__ else cause, SwapFullError), cause
+        assert_same(snapshot(engine), before)
+        os.unlink(ballast)
+        for b in batches:
+            assert train_step(engine, b) and train_step(ref, b)
+        assert_same(snapshot(engine), snapshot(ref))
+    finally:
+        engine.close()
+        ref.close()

@@ -109,22 +109,28 @@ def test_bf16_within_tolerance(engine_cfg):
         engine.close()
 
 
-def test_clipping_and_accumulation(engine_cfg):
+@pytest.mark.parametrize("clip", [0.0, 0.5])
+@pytest.mark.parametrize("optimizer", ["host", "nvme"])
+def test_accumulation_is_the_mean_over_micro_batches(engine_cfg, clip, optimizer):
+    """engine.grad_accum_steps=2: each micro-batch's own loss goes to the engine, which
+    divides by 2 itself; torch gets the loss divided by 2 by hand. A large eps makes
+    Adam's update depend on the gradient's scale, so a factor of 2 shows."""
     torch.manual_seed(1)
     ref = TiedTwice()
     model = copy.deepcopy(ref)
-    cfg = engine_cfg("host", grad_accum_steps=2)
-    cfg["optim"]["max_grad_norm"] = 0.5
+    cfg = engine_cfg("host", optimizer=optimizer, grad_accum_steps=2)
+    cfg["optim"].update(max_grad_norm=clip, eps=0.05)
     engine = offload.initialize(model, cfg)
     batches = lm_batches(8, seed=3)
-    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, eps=0.05)
     try:
         for i in range(0, 8, 2):
-            for x, y in batches[i:i + 2]:
-                engine.backward(lm_loss(engine(x), y) / 2)
+            for k, (x, y) in enumerate(batches[i:i + 2]):
+                engine.backward(lm_loss(engine(x), y))
                 (lm_loss(ref(x), y) / 2).backward()
-            assert engine.step() is True
-            nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+                assert engine.step() is (k == 1)  # steps on the last micro-batch only
+            if clip:
+                nn.utils.clip_grad_norm_(ref.parameters(), clip)
             opt.step()
             opt.zero_grad()
         _compare(engine, ref, atol=2e-6)

@@ -121,7 +121,8 @@ def _fail_writes_after(opt: CpuAdam, swap: SwapSpace, n_updates: int):
 
 @pytest.mark.parametrize("buffers", [1, 2, 3])
 @pytest.mark.parametrize("fail_after", [1, 6])
-def test_failed_write_mid_step_leaves_whole_versions(swap, pool, buffers, fail_after):
+def test_failed_write_mid_step_leaves_every_partition_at_its_previous_version(
+        swap, pool, buffers, fail_after):
     masters = _masters(20 + buffers, count=3)
     numels = {pid: m.numel() for pid, m in masters.items()}
     cfg = _cfg(buffers, max_grad_norm=1.0)
@@ -130,6 +131,7 @@ def test_failed_write_mid_step_leaves_whole_versions(swap, pool, buffers, fail_a
     nvme = make_opt(cfg, masters, "nvme", swap, pool)
     grads = grads_for(numels, 0)
     new.step(grads)
+    used = swap.used_bytes
     restore = _fail_writes_after(nvme, swap, fail_after)
     try:
         with pytest.raises(OptimStepError) as err:
@@ -137,29 +139,26 @@ def test_failed_write_mid_step_leaves_whole_versions(swap, pool, buffers, fail_a
     finally:
         restore()
     e = err.value
-    if fail_after > 1:
-        assert e.updated  # a failure in the middle: some partitions made it
     assert isinstance(e.__cause__, IoError)
-    assert sorted(e.updated + e.unchanged) == sorted(numels) and e.unchanged
-    for pid in e.updated:
-        _assert_same_state(nvme, new, [pid])
-    for pid in e.unchanged:
-        _assert_same_state(nvme, old, [pid])
-        assert nvme.partition(pid).step == 0
-    assert swap.used_bytes == sum(nvme.partition(p).nvme_bytes for p in numels)  # no leak
-    # The disk works again: finishing the step updates exactly the rest.
-    nvme.step({p: grads[p] for p in e.unchanged}, grad_norm=e.grad_norm)
+    assert e.updated == [] and sorted(e.unchanged) == sorted(numels)  # all or nothing
+    _assert_same_state(nvme, old, numels)
+    assert all(nvme.partition(p).step == 0 for p in numels) and nvme.round == []
+    assert swap.used_bytes == used == sum(nvme.partition(p).nvme_bytes for p in numels)
+    # The disk works again: the same step again gives the version of a run that never failed.
+    nvme.step(grads)
     _assert_same_state(nvme, new, numels)
 
 
-def test_full_swap_mid_step_leaves_whole_versions(engine, pool, tmp_path):
+def test_full_swap_mid_step_leaves_every_partition_at_its_previous_version(engine, pool,
+                                                                          tmp_path):
     masters = {"a": torch.randn(3 * CHUNK), "b": torch.randn(3 * CHUNK)}
     numels = {p: m.numel() for p, m in masters.items()}
     state_bytes = 12 * sum(numels.values())
-    # Room for the state and one partition's rewrite, not for both partitions in flight.
+    # Room for the state and one partition's rewrite, not for the whole round's.
     with SwapSpace([str(tmp_path)], "full", engine, stripe_size=64 << 10, grow_step=64 << 10,
                    max_size=state_bytes + 12 * CHUNK * 4) as sw:
         nvme = make_opt(_cfg(2), masters, "nvme", sw, pool)
+        old = make_opt(_cfg(2), masters)
         new = make_opt(_cfg(2), masters)
         grads = grads_for(numels, 1)
         new.step(grads)
@@ -167,11 +166,10 @@ def test_full_swap_mid_step_leaves_whole_versions(engine, pool, tmp_path):
             nvme.step(grads)
         e = err.value
         assert isinstance(e.__cause__, SwapFullError)
-        assert e.updated == ["a"] and e.unchanged == ["b"]  # a's commit freed room, not enough
-        _assert_same_state(nvme, new, ["a"])
-        assert nvme.partition("b").step == 0
+        assert e.updated == [] and sorted(e.unchanged) == ["a", "b"]
+        _assert_same_state(nvme, old, numels)
         sw.max_size = 0  # room again
-        nvme.step({"b": grads["b"]})
+        nvme.step(grads)
         _assert_same_state(nvme, new, numels)
         nvme.close()
 
@@ -242,22 +240,25 @@ def test_mixed_tiers_in_one_optimizer(swap, pool):
             assert torch.equal(kept[pid], host.partition_state(pid)["master"])
 
 
-def test_corrupt_chunk_mid_step_leaves_whole_versions(swap, pool):
+def test_corrupt_chunk_mid_step_leaves_every_partition_at_its_previous_version(swap, pool):
     masters = {"a": torch.randn(2 * CHUNK), "b": torch.randn(2 * CHUNK + 5)}
     numels = {p: m.numel() for p, m in masters.items()}
     nvme = make_opt(_cfg(1), masters, "nvme", swap, pool)
+    old = make_opt(_cfg(1), masters)
     ext = nvme.partition("b").extents[1]
     with open(swap.paths[0], "r+b") as f:  # flip a byte of b's last chunk behind our back
         f.seek(ext.offset + 100)
         byte = f.read(1)
         f.seek(ext.offset + 100)
         f.write(bytes([byte[0] ^ 0xFF]))
+    used = swap.used_bytes
     with pytest.raises(OptimStepError) as err:
         nvme.step(grads_for(numels, 0))
     assert type(err.value.__cause__).__name__ == "CorruptionError"
-    assert err.value.updated == ["a"] and err.value.unchanged == ["b"]
-    assert nvme.partition("b").step == 0 and nvme.partition("a").step == 1
-    assert swap.used_bytes == sum(nvme.partition(p).nvme_bytes for p in numels)
+    assert err.value.updated == [] and sorted(err.value.unchanged) == ["a", "b"]
+    assert nvme.partition("b").step == 0 and nvme.partition("a").step == 0
+    _assert_same_state(nvme, old, ["a"])
+    assert swap.used_bytes == used
 
 
 @pytest.mark.parametrize("buffers", [1, 2, 3])
@@ -342,10 +343,10 @@ def test_update_reads_the_next_partition_ahead(swap, pool):
 
 
 @pytest.mark.parametrize("buffers", [1, 3])
-def test_deferred_commits_match_and_never_expose_half_a_version(swap, pool, buffers):
-    """update(defer=True) one partition at a time, as the engine's early updates do:
-    the same state as one step; a pending partition keeps its old version until its
-    commit, and reading or prefetching it never sees the old extents."""
+def test_a_round_commits_as_a_whole_and_reads_see_the_committed_version(swap, pool, buffers):
+    """update() one partition at a time, as the engine's early updates do: the same
+    state as one step; until the round commits, every partition keeps its previous
+    version (step, reads, prefetch), and a rollback returns exactly to it."""
     masters = _masters(40 + buffers, count=3)
     numels = {pid: m.numel() for pid, m in masters.items()}
     cfg = _cfg(buffers)
@@ -354,34 +355,65 @@ def test_deferred_commits_match_and_never_expose_half_a_version(swap, pool, buff
     pids = list(numels)
     for step in range(3):
         grads = grads_for(numels, step)
+        before = {pid: ref.partition_state(pid) for pid in pids}
         ref.step(grads)
         for k, pid in enumerate(pids):
             nxt = pids[k + 1] if k + 1 < len(pids) else None
-            nvme.update({pid: grads[pid]}, next_pid=nxt, defer=True)
-        pending = nvme._pipeline.pending()
-        for pid in pending:
-            assert nvme.partition(pid).step == step  # not committed: the old version
-            assert nvme.prefetch(pid) == 0           # a prefetch would read the old extents
-        nvme.step({})                                # the round's end flushes
-        assert nvme._pipeline.pending() == []
+            nvme.update({pid: grads[pid]}, next_pid=nxt)
+        assert nvme.round == pids and nvme._pipeline.pending() == pids
+        for pid in pids:
+            assert nvme.partition(pid).step == step   # not committed: the old version
+            assert nvme.prefetch(pid) == 0            # would read the old extents
+            got = nvme.partition_state(pid)
+            for k in ("master", "exp_avg", "exp_avg_sq", "step"):
+                assert torch.equal(got[k], before[pid][k]), (pid, k)
+        nvme.commit()
+        assert nvme._pipeline.pending() == [] and nvme.round == []
         assert all(nvme.partition(p).step == step + 1 for p in pids)
         _assert_same_state(ref, nvme, pids)
-    # reading a pending partition commits it first and sees the new values
-    grads = grads_for(numels, 7)
-    ref.step(grads)
-    nvme.update({pids[0]: grads[pids[0]]}, defer=True)
-    assert nvme.partition_state(pids[0])["step"].item() == 4
-    nvme.step({p: grads[p] for p in pids[1:]})
-    _assert_same_state(ref, nvme, pids)
+    # a rollback: the previous version, whole, and the swap space as it was
     used = swap.used_bytes
+    grads = grads_for(numels, 7)
+    nvme.update({pids[0]: grads[pids[0]]})
+    nvme.update({pids[1]: grads[pids[1]]})
+    assert swap.used_bytes > used
+    assert nvme.rollback() == pids[:2]
+    assert swap.used_bytes == used
+    _assert_same_state(ref, nvme, pids)
+    ref.step(grads)
+    nvme.step(grads)
+    _assert_same_state(ref, nvme, pids)
     nvme.close()
-    assert swap.used_bytes < used  # its extents (and any pending ones) are freed
 
 
-def test_failed_deferred_write_leaves_whole_versions(swap, pool):
-    """A write of a deferred partition fails: the error comes from the call that
-    finds it (the update itself, or the step's flush); every partition is at one
-    whole version and finishing the step updates exactly the rest."""
+def test_host_state_round_rolls_back_unless_final():
+    """Host state: the round keeps a copy of each partition's previous state; final
+    updates keep none and a rollback says so."""
+    masters = _masters(45, count=2)
+    numels = {pid: m.numel() for pid, m in masters.items()}
+    ref = make_opt(_cfg(), masters)
+    opt = make_opt(_cfg(), masters)
+    grads = grads_for(numels, 0)
+    before = {pid: ref.partition_state(pid) for pid in numels}
+    before = {pid: {k: v.clone() for k, v in st.items()} for pid, st in before.items()}
+    opt.update(grads)
+    for pid in numels:  # reads see the committed version while the round is open
+        got = opt.partition_state(pid)
+        for k in ("master", "exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(got[k], before[pid][k]), (pid, k)
+    opt.rollback()
+    _assert_same_state(ref, opt, numels)
+    first = next(iter(numels))
+    opt.update({first: grads[first]}, final=True)
+    with pytest.raises(RuntimeError, match="final=True"):
+        opt.rollback()
+    assert opt.partition(first).step == 1
+
+
+def test_failed_write_in_a_later_update_undoes_the_whole_round(swap, pool):
+    """A write fails in the round's second update: the error comes from the call
+    that finds it (the update itself, or the commit); every partition, the first
+    one too, is at its previous version, and the step run again gives the new one."""
     masters = _masters(50, count=3)
     numels = {pid: m.numel() for pid, m in masters.items()}
     cfg = _cfg(3)
@@ -391,64 +423,29 @@ def test_failed_deferred_write_leaves_whole_versions(swap, pool):
     grads = grads_for(numels, 0)
     new.step(grads)
     pids = list(numels)
-    nvme.update({pids[0]: grads[pids[0]]}, defer=True)
-    nvme.flush()  # the first partition is committed for sure
+    used = swap.used_bytes
+    nvme.update({pids[0]: grads[pids[0]]})
     # from the second partition's last chunk on, every write fails
     restore = _fail_writes_after(nvme, swap, nvme.partition(pids[1]).layout.n_chunks)
     try:
         with pytest.raises(OptimStepError) as err:
-            nvme.update({pids[1]: grads[pids[1]]}, defer=True)
+            nvme.update({pids[1]: grads[pids[1]]})
             nvme.step({p: grads[p] for p in pids[2:]})
     finally:
         restore()
     e = err.value
     assert isinstance(e.__cause__, IoError)
-    assert pids[1] in e.unchanged and pids[0] not in e.unchanged
-    done = [pids[0]] + e.updated
-    _assert_same_state(nvme, new, done)
-    for pid in pids:
-        if pid not in done:
-            _assert_same_state(nvme, old, [pid])
-    assert swap.used_bytes == sum(nvme.partition(p).nvme_bytes for p in numels)  # no leak
-    nvme.step({p: grads[p] for p in pids if p not in done})  # the disk works again
+    assert pids[0] in e.unchanged and pids[1] in e.unchanged and e.updated == []
+    _assert_same_state(nvme, old, pids)
+    assert swap.used_bytes == used  # no leak
+    nvme.step(grads)  # the disk works again
     _assert_same_state(nvme, new, pids)
     nvme.close()
 
 
-def _nothing():
-    return contextlib.nullcontext()
-
-
-def test_reading_a_failed_deferred_partition_lets_it_be_updated_again(swap, pool):
-    """read_master flushes a pending partition; when its writes failed, it is left at
-    its previous version and may be updated again in the same round."""
-    masters = _masters(60, count=2)
-    numels = {pid: m.numel() for pid, m in masters.items()}
-    cfg = _cfg(3)
-    new = make_opt(cfg, masters)
-    nvme = make_opt(cfg, masters, "nvme", swap, pool)
-    grads = grads_for(numels, 0)
-    new.step(grads)
-    pid = next(iter(numels))
-    restore = _fail_writes_after(nvme, swap, 1)
-    try:
-        try:
-            nvme.update({pid: grads[pid]}, defer=True)
-        except OptimStepError:
-            pass  # found while still running: the same outcome
-        with pytest.raises(OptimStepError) if nvme._pipeline.pending() else _nothing():
-            nvme.read_master(pid, torch.empty(numels[pid]))
-    finally:
-        restore()
-    assert nvme.partition(pid).step == 0 and nvme._pipeline.pending() == []
-    nvme.step(grads)  # pid again, and the rest
-    _assert_same_state(nvme, new, numels)
-    nvme.close()
-
-
 def test_lr_schedule_sees_the_committed_step(swap, pool):
-    """A new round that starts while a partition's commit is pending (load_state_dict
-    clears the round) still schedules and bias-corrects from its committed step."""
+    """Each round schedules and bias-corrects from the committed step; a rolled-back
+    round does not count."""
     masters = {"p0": torch.randn(3 * CHUNK + 100, generator=torch.Generator().manual_seed(61))}
     numels = {pid: m.numel() for pid, m in masters.items()}
     seen = []
@@ -456,14 +453,16 @@ def test_lr_schedule_sees_the_committed_step(swap, pool):
                     lr_lambda=lambda s: seen.append(s) or 1.0)
     ref = make_opt(_cfg(3), masters, lr_lambda=lambda s: 1.0)
     pid = next(iter(numels))
+    g = grads_for(numels, 0)
+    nvme.update({pid: g[pid]})
+    with pytest.raises(ValueError, match="open round"):
+        nvme.load_state_dict(nvme.state_dict())
+    nvme.rollback()
     for step in range(2):
         g = grads_for(numels, step)
         ref.step(g)
-        nvme.update({pid: g[pid]}, defer=True)
-        if step == 0:
-            sd = nvme.state_dict()
-            nvme.load_state_dict({"state": {}, "param_groups": sd["param_groups"]})
-    nvme.step({})
-    assert seen == [0, 1]
+        nvme.update({pid: g[pid]})
+        nvme.commit()
+    assert seen == [0, 0, 1]
     _assert_same_state(ref, nvme, numels)
     nvme.close()

@@ -17,6 +17,7 @@ import torch
 from offload.io import CorruptionError, SwapFullError
 from offload.store import BudgetExceededError, Residency, Tier, TieredStore
 
+from ..conftest import flip_byte
 from .conftest import ENGINES, PAGE, page_tensor, store_config
 
 D, H, N = Tier.DEVICE, Tier.HOST, Tier.NVME
@@ -120,16 +121,6 @@ def test_nvme_budget_is_hard(make_store):
     s.audit()
 
 
-def _flip(path: str, offset: int) -> None:
-    fd = os.open(path, os.O_RDWR)  # a normal (buffered) fd, apart from the store's O_DIRECT one
-    try:
-        b = os.pread(fd, 1, offset)
-        os.pwrite(fd, bytes([b[0] ^ 0xFF]), offset)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 @pytest.mark.parametrize("engine", ENGINES)
 def test_corrupted_extent_raises_and_hands_out_nothing(make_store, engine):
     s = make_store(engine=engine)
@@ -138,7 +129,7 @@ def test_corrupted_extent_raises_and_hands_out_nothing(make_store, engine):
     s.put("b", page_tensor(6), tier="NVME").wait()
     offset, _ = s.info("a").extent
     path = s.swap_paths("param")[0]
-    _flip(path, offset + 100)
+    flip_byte(path, offset + 100)
     for to in (H, D):
         h = s.fetch("a", to)
         with pytest.raises(CorruptionError, match="checksum mismatch"):
@@ -152,7 +143,7 @@ def test_corrupted_extent_raises_and_hands_out_nothing(make_store, engine):
         assert st.moves["NVME->HOST"].failures >= 1
         s.audit()
     assert torch.equal(s.fetch("b", H).wait(), page_tensor(6))  # the others are untouched
-    _flip(path, offset + 100)  # repaired on disk: the same record reads back
+    flip_byte(path, offset + 100)  # repaired on disk: the same record reads back
     assert torch.equal(s.fetch("a", D).wait(), ref)
     s.audit()
 

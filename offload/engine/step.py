@@ -1,0 +1,106 @@
+"""The optimizer step's commit: new parameter partitions wait beside the old ones and
+switch in together with the optimizer's round.
+
+[Note: all or nothing]
+A step changes, for every group it updates, the compute-dtype parameter
+partition (a store record), the fp32 master and Adam moments and the step
+count (the optimizer's). Until the whole step succeeded, none of it may be
+visible, so a failure anywhere (a full or failing disk, a corrupted read, an
+exception in forward, backward or a hook, a budget that cannot be met)
+leaves every one of them as it was:
+  * the optimizer keeps each partition's previous version for the open round
+    ([Note: rounds] in offload/optim/optimizer.py): NVMe state in its old
+    extents (the update is written to fresh ones), host state in a copy;
+  * a group's new parameters are stored as a record of their own (`staged_key`)
+    beside the old one, which forwards and backwards in the meantime go on
+    reading, as torch would show them before `step()`;
+  * `commit` waits until every staged record is stored, commits the
+    optimizer's round (which waits for its writes and fails as a whole), and
+    only then switches the staged records in (`TieredStore.replace`, no I/O,
+    cannot fail half way); a failure before that discards every staged record
+    and rolls the round back.
+An update that runs when nothing after it can fail (`step()` with host
+optimizer state whose inputs and outputs are all pinned in memory first:
+`OffloadEngine._update_in_place`) keeps no previous version and costs nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Hashable
+
+import torch
+
+from ..store import MoveHandle, Tier, TieredStore
+
+log = logging.getLogger(__name__)
+
+__all__ = ["StagedParams", "StepFailedError", "staged_key"]
+
+
+def staged_key(gid: int) -> Hashable:
+    """The store key of group `gid`'s new parameter partition until the step commits."""
+    return ("p", gid, "staged")
+
+
+class StepFailedError(RuntimeError):
+    """A training step failed; every partition is as it was before the step.
+
+    `groups`: the groups whose update was undone. The cause is `__cause__`.
+    Remove the cause and run the step's micro-batches again: the result is the
+    one a run that never failed would have had.
+    """
+
+    def __init__(self, message: str, groups: list[int]) -> None:
+        super().__init__(message)
+        self.groups = groups
+
+
+class StagedParams:
+    """New parameter partitions of the open step, by group; see [Note: all or nothing]."""
+
+    def __init__(self, store: TieredStore, home: Tier) -> None:
+        self._store = store
+        self._home = home
+        self._puts: dict[int, MoveHandle] = {}
+
+    def __contains__(self, gid: int) -> bool:
+        return gid in self._puts
+
+    def __len__(self) -> int:
+        return len(self._puts)
+
+    def stage(self, gid: int, values: torch.Tensor) -> None:
+        """Stores `values` as group `gid`'s parameters-to-be. On NVMe they stay in HOST
+        (dirty) while it has room: the next forward finds them there, and they are
+        written only if the store evicts them."""
+        if gid in self._puts:
+            raise RuntimeError(f"group {gid} already has new parameters in this step")
+        self._puts[gid] = self._store.put(staged_key(gid), values, kind="param",
+                                          tier=self._home, write=False)
+
+    def ready(self) -> None:
+        """Waits until every staged record is stored; raises the first failure."""
+        for handle in self._puts.values():
+            handle.wait()
+
+    def switch(self) -> list[int]:
+        """Makes each staged record (`ready` first) its group's parameter partition;
+        returns the groups."""
+        gids, self._puts = list(self._puts), {}
+        for gid in gids:  # no I/O from here on
+            self._store.replace(("p", gid), staged_key(gid))
+        return gids
+
+    def discard(self) -> list[int]:
+        """Forgets every staged record (the old parameters stay); returns the groups."""
+        gids, puts = list(self._puts), self._puts
+        self._puts = {}
+        for gid in gids:
+            try:
+                puts[gid].wait()
+            except Exception:  # the failure being handled, or one of its kind
+                pass
+            if staged_key(gid) in self._store:
+                self._store.free(staged_key(gid))
+        return gids
