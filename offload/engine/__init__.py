@@ -18,6 +18,7 @@ from ..trace import NULL_RECORDER, TraceRecorder
 from .checkpoint import SafetensorsCheckpoint
 from .engine import _DTYPES, _TIERS, OffloadEngine
 from .units import Group, build_units
+from .working_set import check_budgets
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +69,7 @@ def initialize(model: nn.Module | Callable[[], nn.Module],
     ckpt = SafetensorsCheckpoint(checkpoint) if checkpoint is not None else None
     comm = Collectives()
     units, groups = build_units(model, cfg.engine.group_size, comm.world)
+    check_budgets(cfg, groups, _DTYPES[cfg.engine.dtype])  # before any file is made
     store = TieredStore(cfg, rank=comm.rank, recorder=recorder)
     engine = None
     try:

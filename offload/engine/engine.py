@@ -424,9 +424,16 @@ class OffloadEngine(nn.Module):
         (`master_is_param`): the optimizer reads the current one and writes the new
         one into the staged partition.
         """
-        if grad is None:
+        if grad is None:  # the gradient is freed before the new parameters need room
             with self._stored_grad(gid) as stored:
-                return self._update_group(gid, stored, norm)
+                new = self._new_params(gid, stored, norm)
+        else:
+            new = self._new_params(gid, grad, norm)
+        self._staged.stage(gid, new)
+
+    def _new_params(self, gid: int, grad: torch.Tensor, norm: float | None) -> torch.Tensor:
+        """Runs group `gid`'s update in the optimizer's open round; returns its new
+        compute-dtype parameter partition."""
         pkey = ("p", gid)
         self._update_order.append(gid)
         new = torch.empty(self.groups[gid].shard, dtype=self.dtype)
@@ -443,8 +450,8 @@ class OffloadEngine(nn.Module):
         finally:
             if masters is not None:
                 self.store.unpin(pkey)
-        self._staged.stage(gid, new)
         self._count_opt_bytes(res.bytes_read, res.bytes_written)
+        return new
 
     def _count_opt_bytes(self, read: int, written: int) -> None:
         with self._io_lock:

@@ -13,7 +13,7 @@ import logging
 import queue
 import threading
 import time
-from typing import Hashable
+from typing import Hashable, Iterable
 
 import torch
 
@@ -77,6 +77,7 @@ class MoveExecutor:
         self._kinds_seen: dict[Tier, set[str]] = {t: set() for t in Tier}
         self._queue: queue.SimpleQueue[tuple | None] = queue.SimpleQueue()
         self._in_io: dict[MoveHandle, tuple[int, object]] = {}  # moves waiting on an I/O handle
+        self._pinners: dict[Hashable, list[int]] = {}  # key -> the thread of each pin
         self._worker = threading.Thread(target=self._completion_loop, daemon=True,
                                         name=f"offload-store-r{rank}")
 
@@ -139,6 +140,38 @@ class MoveExecutor:
             swap = self._swaps[kind] = open_swap(self._iocfg, f"r{self.rank}-{kind}",
                                                  self._engine)
         return swap
+
+    # -- pins -------------------------------------------------------------------------
+    def _add_pin(self, rec: PartitionRecord, thread: int) -> None:
+        rec.pins += 1
+        self._pinners.setdefault(rec.key, []).append(thread)
+
+    def _drop_pin(self, rec: PartitionRecord) -> None:
+        """One pin of `rec` less: the calling thread's, if it holds one."""
+        if rec.pins <= 0:
+            raise RuntimeError(f"partition {rec.key!r} is not pinned")
+        rec.pins -= 1
+        owners = self._pinners.get(rec.key, [])
+        me = threading.get_ident()
+        if owners:
+            owners.remove(me if me in owners else owners[0])
+        if not rec.pins:
+            self._pinners.pop(rec.key, None)
+
+    def _held_elsewhere(self, tiers: Iterable[Tier]) -> bool:
+        """True when another thread pins, or holds in a `modify` block, a copy in one of
+        `tiers`: it will give it back, so a reservation waits for it rather than fail.
+        (Pins of the calling thread never count: waiting for them would never end.)"""
+        me = threading.get_ident()
+        tiers = set(tiers)
+        for key, rec in self._records.items():
+            if not tiers & set(rec.copies):
+                continue
+            if any(t != me for t in self._pinners.get(key, ())):
+                return True
+            if isinstance(rec.claim, UserClaim) and rec.claim.thread.ident != me:
+                return True
+        return False
 
     # -- memory and accounting --------------------------------------------------------
     def _charge(self, tier: Tier, kind: str, nbytes: int) -> None:
@@ -211,7 +244,10 @@ class MoveExecutor:
                         from failed.error
                 if self._make_room(needs, exclude, victims):
                     continue
-                if self._active:  # moves in flight finish on their own: wait for them
+                if self._active or self._moves:  # moves in flight (or a put copying its
+                    self._wait(deadline, "budget", what)  # bytes in) finish on their own
+                    idle = 0
+                elif self._held_elsewhere(needs):  # another thread's pins come back
                     self._wait(deadline, "budget", what)
                     idle = 0
                 elif self._planning > 1 and idle < 40:  # another thread may start a move
@@ -515,7 +551,7 @@ class MoveExecutor:
         result = None
         if error is None and move.op == "fetch":
             if move.pin:
-                rec.pins += 1
+                self._add_pin(rec, move.owner)
             self._policy.touched(rec.key, move.dst)
             result = self._view(rec, move.dst)
         move._finish(result, error)

@@ -156,6 +156,7 @@ class MoveHandle:
         self.kind = ""
         self.rec: object = None                 # the PartitionRecord moved
         self.pin = False
+        self.owner = threading.get_ident()     # the thread that asked: it holds the pin
         self.releasing: Tier | None = None      # the tier this eviction frees, while in flight
         self.active = False                     # counted in the store's moves in flight
         self.waitable: object = None            # IoHandle / ReadHandle / cuda Event of the step

@@ -15,9 +15,11 @@ that may move now (resting, unpinned, unclaimed) and evicts them: a clean
 copy is dropped at once, a dirty one is written one tier down by an eviction
 move of its own (whose reservation is made without waiting, so no thread
 waits while holding a claim on a victim). It then waits for moves in flight
-to give bytes back. If nothing is in flight and nothing can be evicted, the
-budget is exhausted for real and it raises `BudgetExceededError` listing what
-is resident. Charges are all-or-nothing per move, so no thread waits while
+to give bytes back, or for other threads to unpin (or leave a `modify`
+block on) what they hold in the tier: they give it back by themselves. If
+nothing is in flight, nothing can be evicted and only the calling thread's
+own pins hold the room, the budget is exhausted for real (waiting would never
+end) and it raises `BudgetExceededError` listing what is resident. Charges are all-or-nothing per move, so no thread waits while
 holding part of a reservation.
 
 [Note: no data lost]
@@ -36,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
+import threading
 import time
 from typing import Hashable, Iterator
 
@@ -270,14 +273,12 @@ class TieredStore(MoveExecutor):
     def pin(self, key: Hashable) -> None:
         """Holds `key` where it is: never chosen for eviction, `evict` and `free` refuse it."""
         with self._cond:
-            self._record(key).pins += 1
+            self._add_pin(self._record(key), threading.get_ident())
 
     def unpin(self, key: Hashable) -> None:
+        """Gives back one pin of `key` (the calling thread's, if it holds one)."""
         with self._cond:
-            rec = self._record(key)
-            if rec.pins <= 0:
-                raise RuntimeError(f"partition {key!r} is not pinned")
-            rec.pins -= 1
+            self._drop_pin(self._record(key))
             self._cond.notify_all()
 
     def free(self, key: Hashable) -> None:

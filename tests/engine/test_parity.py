@@ -60,7 +60,7 @@ def test_fp32_matches_adamw(engine_cfg, params, grads, optimizer):
         engine.close()
 
 
-@pytest.mark.parametrize("host_budget", ["64MiB", "16KiB"])
+@pytest.mark.parametrize("host_budget", ["64MiB", "24KiB"])
 def test_nvme_params_cached_in_memory_or_written_back(engine_cfg, host_budget):
     """Updated NVMe-homed parameters stay in memory while the budgets have room (no
     NVMe traffic for them after the first step) and are written back when evicted."""

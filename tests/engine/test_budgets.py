@@ -1,0 +1,111 @@
+"""Budgets: `initialize` refuses one below the minimum working set, naming the key and
+the minimum; at the minimum itself every placement trains, waiting for room and
+never failing, to the same numbers as with room to spare."""
+
+import copy
+import itertools
+
+import pytest
+import torch
+from torch import nn
+
+import offload
+from offload.config import ConfigError, load_config
+from offload.engine.units import build_units
+from offload.engine.working_set import working_set
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Linear(64, 64) for _ in range(6)])
+
+
+def _cfg(tmp_path, params, grads, optimizer, dtype, clip=0.0, **store):
+    return {"engine": {"params": params, "grads": grads, "optimizer": optimizer,
+                       "dtype": dtype, "group_size": 64 * 65},
+            "optim": {"chunk_elems": 4096, "max_grad_norm": clip, "lr": 1e-2},
+            "io": {"paths": [str(tmp_path / f"swap-{len(store)}-{params}{grads}{optimizer}")],
+                   "buffer_budget": "8MiB", "block_size": "64KiB", "grow_step": "1MiB"},
+            "store": {"device": "cpu", "wait_timeout": 30, **store}}
+
+
+def _minimum(cfg, dtype) -> tuple[int, int]:
+    c = load_config(cfg)
+    _, groups = build_units(_model(), c.engine.group_size, 1)
+    ws = working_set(c, groups, dtype)
+    return ws.device, ws.host
+
+
+def _train(engine, dtype, steps=3):
+    g = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        x, y = torch.randn(8, 64, generator=g), torch.randn(8, 64, generator=g)
+        engine.backward(nn.functional.mse_loss(engine(x.to(dtype)).float(), y))
+        assert engine.step()
+    return engine.state_dict()
+
+
+CASES = [c for c in itertools.product(["nvme", "host", "device"], ["host", "nvme", "device"],
+                                      ["nvme", "host"], ["fp32", "bf16"])
+         if c[3] == "fp32" or c[0] == c[1] == "nvme"]
+
+
+@pytest.mark.parametrize("params,grads,optimizer,dtype", CASES)
+def test_minimum_budgets_only_wait(tmp_path, params, grads, optimizer, dtype):
+    dt = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    clip = 1.0 if optimizer == "nvme" and grads == "host" else 0.0  # stored gradients too
+    tight = _cfg(tmp_path, params, grads, optimizer, dtype, clip)
+    device, host = _minimum(tight, dt)
+    tight["store"].update(device_budget=device, host_budget=host)
+    roomy = _cfg(tmp_path, params, grads, optimizer, dtype, clip, device_budget="64MiB",
+                 host_budget="64MiB")
+    a = offload.initialize(_model(), tight)
+    b = offload.initialize(_model(), roomy)
+    try:
+        got, want = _train(a, dt), _train(b, dt)
+        assert a.store.stats().evictions > 0  # the budgets were really tight
+        for k in want:
+            assert torch.equal(got[k], want[k]), k
+    finally:
+        a.close()
+        b.close()
+
+
+@pytest.mark.parametrize("key", ["device_budget", "host_budget"])
+def test_budget_below_the_minimum_is_refused_before_any_file_is_made(tmp_path, key):
+    cfg = _cfg(tmp_path, "nvme", "host", "host", "fp32")
+    device, host = _minimum(cfg, torch.float32)
+    cfg["store"].update(device_budget=device, host_budget=host)
+    cfg["store"][key] -= 4096
+    with pytest.raises(ConfigError, match=rf"store\.{key}: .* below this model's minimum "
+                                          rf"working set of .*\({device if key[0] == 'd' else host} "
+                                          rf"bytes\).* raise store\.{key} to at least"):
+        offload.initialize(_model(), cfg)
+    assert not (tmp_path / cfg["io"]["paths"][0]).exists()
+
+
+def test_exception_in_forward_then_training_goes_on_at_the_minimum(tmp_path):
+    """A forward that raises half way leaves nothing gathered or pinned: at the
+    minimum budgets the next steps run, to the numbers of a run that never raised."""
+    cfg = _cfg(tmp_path, "nvme", "host", "nvme", "fp32")
+    device, host = _minimum(cfg, torch.float32)
+    cfg["store"].update(device_budget=device, host_budget=host)
+    engine = offload.initialize(_model(), cfg)
+    ref = offload.initialize(_model(), _cfg(tmp_path, "nvme", "host", "nvme", "fp32",
+                                            device_budget="64MiB", host_budget="64MiB"))
+    g = torch.Generator().manual_seed(2)
+    try:
+        for _ in range(5):
+            x, y = torch.randn(8, 64, generator=g), torch.randn(8, 64, generator=g)
+            with pytest.raises(RuntimeError, match="mat1 and mat2"):
+                engine(torch.randn(8, 63))  # wrong width: the first Linear raises
+            for e in (engine, ref):
+                e.backward(nn.functional.mse_loss(e(x), y))
+                assert e.step()
+        assert all(engine.store.info(k).pins == 0 for k in engine.store.keys())
+        got, want = engine.state_dict(), ref.state_dict()
+        for k in want:
+            assert torch.equal(got[k], want[k]), k
+    finally:
+        engine.close()
+        ref.close()
