@@ -16,6 +16,7 @@ from .extents import Extent, ExtentAllocator
 from .handle import IoHandle, gather
 from .paths import SwapDir, check_swap_dirs, probe_direct
 from .swap import ReadHandle, SwapExtent, SwapSpace
+from .switch import SwitchIntervalHold, hold_switch_interval
 
 log = logging.getLogger(__name__)
 
@@ -25,8 +26,8 @@ __all__ = [
     "AioEngine", "BufferPool", "CorruptionError", "Extent", "ExtentAllocator", "HostBuffer",
     "IoEngine", "IoError", "IoHandle", "PoolExhaustedError", "ReadHandle", "Segment",
     "SwapDir", "SwapExtent", "SwapFullError", "SwapLockedError", "SwapPathError", "SwapSpace",
-    "ThreadEngine", "check_swap_dirs", "gather", "libaio_status", "make_engine", "open_swap",
-    "probe_direct",
+    "SwitchIntervalHold", "ThreadEngine", "check_swap_dirs", "gather", "hold_switch_interval",
+    "libaio_status", "make_engine", "open_swap", "probe_direct",
 ]
 
 
