@@ -155,6 +155,8 @@ class IoConfig:
                                   "0 leaves it alone")
 
     def __post_init__(self) -> None:
+        if isinstance(self.paths, (list, tuple)):  # pathlib.Path entries are paths too
+            self.paths = [os.fspath(p) if isinstance(p, os.PathLike) else p for p in self.paths]
         _normalise(self, "io")
         _check_paths(self.paths)
         for key in ("block_size", "stripe_size"):

@@ -117,6 +117,10 @@ def test_direct_construction_checks_types_and_parses_sizes():
     with pytest.raises(ConfigError, match="io.queue_depth: expected an integer, got True"):
         IoConfig(queue_depth=True)
     assert OffloadConfig(io={"paths": ["/x"]}).io.paths == ["/x"]
+    from pathlib import Path
+    assert IoConfig(paths=[Path("/x"), "/y"]).paths == ["/x", "/y"]
+    with pytest.raises(ConfigError, match=r"io.paths\[0\]: expected a string, got 3"):
+        IoConfig(paths=[3])
 
 
 def test_bad_files(tmp_path):

@@ -143,3 +143,14 @@ def test_a_process_that_never_closes_leaves_no_swap_files(engine_cfg, tmp_path, 
     assert out.returncode == (1 if how == "raise" else 0), out.stderr
     assert float(out.stdout) == pytest.approx(0.0005)  # the engine was open and working
     assert os.listdir(tmp_path / "swap") == []
+
+
+def test_with_block_closes_the_engine_also_on_an_error(engine_cfg, tmp_path):
+    before = sys.getswitchinterval()
+    with pytest.raises(RuntimeError, match="a failing loop"):
+        with offload.initialize(TiedTwice(), engine_cfg("nvme", "nvme", "nvme")) as engine:
+            _step(engine)
+            assert os.listdir(tmp_path / "swap")
+            raise RuntimeError("a failing loop")
+    assert os.listdir(tmp_path / "swap") == []
+    assert sys.getswitchinterval() == before
