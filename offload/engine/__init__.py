@@ -47,6 +47,7 @@ def _refuse_wrapped(model: nn.Module) -> None:
                 "engine, or build a fresh model (load the old engine's state_dict() into it "
                 "for its weights)")
 
+
 @functools.cache
 def _report_huge_pages() -> None:
     """Says once per process whether large host tensors get huge pages
