@@ -7,7 +7,9 @@ fix. Byte sizes accept ints or strings such as "512MiB", "1GiB", "4k".
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
+import math
 import os
 import re
 import types
@@ -70,6 +72,56 @@ def _doc(default: Any, doc: str, **kw: Any) -> Any:
     return field(default=default, metadata={"doc": doc, **kw})
 
 
+def _normalise(section: Any, prefix: str) -> None:
+    """Checks every key of a section against its declared type, in place: byte sizes
+    are parsed, ints become floats where a float is declared, and every number must
+    be finite (NaN and inf mean nothing for any key here). Runs for dataclasses built
+    directly as well as loaded from a file or dict."""
+    hints = _hints(type(section))
+    for f in dataclasses.fields(section):
+        key = f"{prefix}.{f.name}"
+        value = getattr(section, f.name)
+        if f.metadata.get("bytes"):
+            value = parse_bytes(value, key)
+        else:
+            value = _check_type(key, value, hints[f.name])
+        for i, x in enumerate(value if isinstance(value, list) else [value]):
+            if isinstance(x, float) and not math.isfinite(x):
+                where = f"{key}[{i}]" if isinstance(value, list) else key
+                default = f.default if f.default is not dataclasses.MISSING \
+                    else f.default_factory()
+                fix = f.metadata.get("fix") or f"e.g. the default, {json.dumps(default)}"
+                raise ConfigError(f"{where}: {x} is not a finite number; give a finite value, "
+                                  f"{fix}")
+        setattr(section, f.name, value)
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _check_paths(paths: list[str]) -> None:
+    """What can be said of io.paths without touching the file system (the rest is
+    checked where the swap files are opened: offload/io/paths.py)."""
+    if not paths:
+        raise ConfigError("io.paths: empty; give at least one directory for swap files")
+    seen: dict[str, int] = {}
+    for i, p in enumerate(paths):
+        if not p.strip():
+            raise ConfigError(f"io.paths[{i}]: {p!r} names no directory; give a directory "
+                              "for swap files such as './offload-swap'")
+        if "\0" in p:
+            raise ConfigError(f"io.paths[{i}]: {p!r} contains a NUL byte; give a directory path")
+        norm = os.path.normpath(os.path.abspath(p))
+        if norm in seen:
+            j = seen[norm]
+            raise ConfigError(f"io.paths[{i}]: {p!r} is the same directory as io.paths[{j}] "
+                              f"({paths[j]!r}); list each directory once (two paths on one "
+                              "disk stripe nothing)")
+        seen[norm] = i
+
+
 @dataclass(kw_only=True)
 class IoConfig:
     """The block I/O layer (`offload.io`): swap files, engine, staging buffers."""
@@ -103,8 +155,10 @@ class IoConfig:
                                   "0 leaves it alone")
 
     def __post_init__(self) -> None:
-        if not self.paths:
-            raise ConfigError("io.paths: empty; give at least one directory for swap files")
+        if isinstance(self.paths, (list, tuple)):  # pathlib.Path entries are paths too
+            self.paths = [os.fspath(p) if isinstance(p, os.PathLike) else p for p in self.paths]
+        _normalise(self, "io")
+        _check_paths(self.paths)
         for key in ("block_size", "stripe_size"):
             v = getattr(self, key)
             if v < PAGE or v % PAGE:
@@ -153,6 +207,7 @@ class StoreConfig:
                                  "when the store starts; other kinds open on first use")
 
     def __post_init__(self) -> None:
+        _normalise(self, "store")
         if not re.fullmatch(r"auto|cpu|cuda(:[0-9]+)?", self.device):
             raise ConfigError(f"store.device: {self.device!r} is not a device; use 'auto', "
                               "'cpu', 'cuda' or 'cuda:N'")
@@ -170,6 +225,9 @@ class StoreConfig:
             if not re.fullmatch(r"[A-Za-z0-9_.-]+", kind):
                 raise ConfigError(f"store.swap_kinds[{i}]: {kind!r} cannot be part of a file "
                                   "name; use letters, digits, '_', '.' or '-'")
+            if kind in self.swap_kinds[:i]:
+                raise ConfigError(f"store.swap_kinds[{i}]: {kind!r} is listed twice; list "
+                                  "each kind once")
 
 
 @dataclass(kw_only=True)
@@ -186,7 +244,8 @@ class OptimConfig:
     eps: float = _doc(1e-8, "added to the denominator sqrt(v_hat) for stability")
     weight_decay: float = _doc(0.01, "weight decay coefficient (per step, times lr for adamw)")
     max_grad_norm: float = _doc(0.0, "clip the global gradient 2-norm to this (as "
-                                "torch.nn.utils.clip_grad_norm_); 0: no clipping")
+                                "torch.nn.utils.clip_grad_norm_); 0: no clipping",
+                                fix="e.g. 1.0, or 0 for no clipping")
     kernel: Literal["auto", "fused", "foreach"] = _doc(
         "auto", "fused: torch._fused_adamw_ (one pass over memory); foreach: torch._foreach_* "
         "math (several passes per cache block); auto: fused where torch has a CPU kernel")
@@ -203,12 +262,14 @@ class OptimConfig:
                             "fp32 arrays stays in cache for the compute-dtype copy")
 
     def __post_init__(self) -> None:
+        _normalise(self, "optim")
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
             raise ConfigError(f"optim.betas: {self.betas} must be two numbers in [0, 1), "
                               "e.g. [0.9, 0.999]")
         for key in ("lr", "weight_decay", "max_grad_norm"):
             if getattr(self, key) < 0:
-                raise ConfigError(f"optim.{key}: {getattr(self, key)} is negative; use >= 0")
+                raise ConfigError(f"optim.{key}: {getattr(self, key)} is negative; use >= 0"
+                                  + (" (0: no clipping)" if key == "max_grad_norm" else ""))
         if not self.eps > 0:
             raise ConfigError(f"optim.eps: {self.eps} must be positive, e.g. 1e-8")
         if self.chunk_elems < 0 or self.chunk_elems % 1024:
@@ -241,7 +302,8 @@ class EngineConfig:
                            "most this many parameters is gathered as one unit")
     grad_accum_steps: int = _doc(1, "micro-steps (backward calls) per optimizer step")
     prefetch_depth: int = _doc(2, "groups fetched ahead of use once an access trace exists")
-    loss_scale: float = _doc(0.0, "fp16 only: a fixed loss scale, or 0 for dynamic scaling")
+    loss_scale: float = _doc(0.0, "fp16 only: a fixed loss scale, or 0 for dynamic scaling",
+                             fix="e.g. 1024, or 0 for dynamic scaling")
     initial_loss_scale: float = _doc(65536.0, "fp16 dynamic scaling: the first scale")
     loss_scale_window: int = _doc(1000, "fp16 dynamic scaling: steps without overflow "
                                   "before the scale doubles")
@@ -250,17 +312,28 @@ class EngineConfig:
                      "same on every rank")
 
     def __post_init__(self) -> None:
+        _normalise(self, "engine")
         if self.group_size < 1:
             raise ConfigError(f"engine.group_size: {self.group_size} must be >= 1")
         if self.grad_accum_steps < 1:
             raise ConfigError(f"engine.grad_accum_steps: {self.grad_accum_steps} must be >= 1")
         if self.prefetch_depth < 0:
             raise ConfigError(f"engine.prefetch_depth: {self.prefetch_depth} must be >= 0")
-        if self.loss_scale < 0 or self.initial_loss_scale <= 0 or self.min_loss_scale <= 0:
-            raise ConfigError("engine.loss_scale must be >= 0 and engine.initial_loss_scale, "
-                              "engine.min_loss_scale > 0")
+        if self.loss_scale < 0:
+            raise ConfigError(f"engine.loss_scale: {self.loss_scale} is negative; use 0 "
+                              "(dynamic scaling) or a fixed scale such as 1024")
+        for key in ("initial_loss_scale", "min_loss_scale"):
+            if not getattr(self, key) > 0:
+                raise ConfigError(f"engine.{key}: {getattr(self, key)} must be positive, "
+                                  "e.g. 1")
+        if self.min_loss_scale > self.initial_loss_scale:
+            raise ConfigError(f"engine.min_loss_scale: {self.min_loss_scale} is above "
+                              f"engine.initial_loss_scale ({self.initial_loss_scale}); lower "
+                              "it, e.g. to 1")
         if self.loss_scale_window < 1:
             raise ConfigError(f"engine.loss_scale_window: {self.loss_scale_window} must be >= 1")
+        if not 0 <= self.seed < 1 << 32:
+            raise ConfigError(f"engine.seed: {self.seed} is out of range; use 0..{(1 << 32) - 1}")
 
 
 @dataclass(kw_only=True)
@@ -271,6 +344,24 @@ class OffloadConfig:
     store: StoreConfig = field(default_factory=StoreConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            cls = _hints(OffloadConfig)[f.name]
+            if not isinstance(value, cls):
+                setattr(self, f.name, _from_dict(cls, value, f.name))
+
+    def validate(self) -> OffloadConfig:
+        """Checks every key again (a config may be changed after it was made); returns
+        self, or raises `ConfigError` naming the first bad key."""
+        for f in dataclasses.fields(self):
+            section = getattr(self, f.name)
+            if not isinstance(section, _hints(OffloadConfig)[f.name]):
+                raise ConfigError(f"{f.name}: expected a {_hints(OffloadConfig)[f.name].__name__}"
+                                  f", got {type(section).__name__}")
+            section.__post_init__()
+        return self
 
 
 def _check_type(key: str, value: Any, tp: Any) -> Any:
@@ -318,11 +409,12 @@ def _check_type(key: str, value: Any, tp: Any) -> Any:
 
 
 def _from_dict(cls: type, data: Any, prefix: str) -> Any:
-    if isinstance(data, cls):
+    if isinstance(data, cls):  # a section made directly, perhaps changed since: check it again
+        data.__post_init__()
         return data
     if not isinstance(data, dict):
         raise ConfigError(f"{prefix or 'config'}: expected a table of keys, got {data!r}")
-    hints = typing.get_type_hints(cls)
+    hints = _hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     kwargs = {}
     for name, value in data.items():
@@ -347,7 +439,7 @@ def load_config(source: OffloadConfig | dict | str | os.PathLike | None = None) 
     if source is None:
         return OffloadConfig()
     if isinstance(source, OffloadConfig):
-        return source
+        return source.validate()
     if isinstance(source, dict):
         return _from_dict(OffloadConfig, source, "")
     path = Path(source)

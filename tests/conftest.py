@@ -47,3 +47,84 @@ def flip_byte(path, offset: int) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _mount(fstype: str, target, *options: str) -> str | None:
+    """Mounts a fresh `fstype` at `target`; None on success, else why not."""
+    import shutil
+    import subprocess
+
+    if shutil.which("mount") is None:
+        return "no mount command"
+    cmd = ["mount", "-t", fstype] + (["-o", ",".join(options)] if options else []) + \
+        [fstype, str(target)]
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    return None if out.returncode == 0 else (out.stderr.strip() or f"mount exited {out.returncode}")
+
+
+def _umount(target) -> None:
+    import subprocess
+
+    subprocess.run(["umount", str(target)], capture_output=True)
+
+
+@pytest.fixture
+def readonly_dir(tmp_path):
+    """An existing directory this process cannot create files in, for real: mode 0555
+    for an ordinary user; for root (who ignores permission bits) a read-only tmpfs
+    mount, else an immutable directory (chattr +i). Skips if none can be had."""
+    import os
+    import subprocess
+
+    d = tmp_path / "readonly"
+    d.mkdir()
+    if os.geteuid() != 0:
+        d.chmod(0o555)
+        yield d
+        d.chmod(0o755)
+        return
+    why = _mount("tmpfs", d, "ro")
+    if why is None:
+        yield d
+        _umount(d)
+        return
+    chattr = subprocess.run(["chattr", "+i", str(d)], capture_output=True, text=True)
+    if chattr.returncode != 0:
+        pytest.skip(f"cannot make a read-only directory as root: mount: {why}; chattr: "
+                    f"{chattr.stderr.strip()}")
+    yield d
+    subprocess.run(["chattr", "-i", str(d)], capture_output=True)
+
+
+@pytest.fixture
+def no_direct_dir(tmp_path):
+    """A directory on a file system that refuses O_DIRECT: a ramfs mount (needs
+    root); /dev/shm where this kernel's tmpfs refuses it. Skips otherwise."""
+    import os
+
+    d = tmp_path / "ramfs"
+    d.mkdir()
+    why = _mount("ramfs", d) if os.geteuid() == 0 else "not root"
+    if why is None:
+        yield d
+        _umount(d)
+        return
+    import shutil
+
+    shm = f"/dev/shm/offload-test-{os.getpid()}"
+    probe = os.path.join(shm, "probe")
+    refused = False
+    try:
+        os.makedirs(shm, exist_ok=True)
+        os.close(os.open(probe, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600))
+    except OSError:
+        refused = os.path.isdir(shm)
+    finally:
+        if os.path.exists(probe):
+            os.unlink(probe)
+    if refused:
+        yield shm
+        shutil.rmtree(shm, ignore_errors=True)
+        return
+    shutil.rmtree(shm, ignore_errors=True)
+    pytest.skip(f"no file system here refuses O_DIRECT (ramfs: {why}; tmpfs takes it)")

@@ -1,11 +1,13 @@
 """Configuration: files and dicts load into typed sections; bad input names the key."""
 
 import json
+import math
+import typing
 
 import pytest
 
-from offload.config import (ConfigError, IoConfig, OffloadConfig, config_reference, load_config,
-                            parse_bytes)
+from offload.config import (ConfigError, EngineConfig, IoConfig, OffloadConfig, OptimConfig,
+                            StoreConfig, config_reference, load_config, parse_bytes)
 
 
 def test_defaults_and_dict():
@@ -39,10 +41,86 @@ def test_toml_and_json_files(tmp_path):
     ({"io": {"buffer_budget": "1MiB", "block_size": "4MiB"}}, r"io.buffer_budget: .* raise it"),
     ({"io": {"grow_step": "1MiB", "stripe_size": "4MiB"}}, r"io.grow_step"),
     ({"io": {"switch_interval": -1}}, r"io.switch_interval: -1(\.0)? is out of range"),
+    ({"io": {"paths": [""]}}, r"io.paths\[0\]: '' names no directory; give a directory"),
+    ({"io": {"paths": ["  "]}}, r"io.paths\[0\]: '  ' names no directory"),
+    ({"io": {"paths": ["/a\0b"]}}, r"io.paths\[0\]: .* contains a NUL byte"),
+    ({"io": {"paths": ["/x/a", "/x/b/../a/"]}},
+     r"io.paths\[1\]: '/x/b/../a/' is the same directory as io.paths\[0\] \('/x/a'\); list "
+     "each directory once"),
+    ({"store": {"swap_kinds": ["param", "param"]}}, r"store.swap_kinds\[1\]: 'param' is listed "
+     "twice"),
+    ({"engine": {"loss_scale": -1}}, r"engine.loss_scale: -1.0 is negative; use 0"),
+    ({"engine": {"initial_loss_scale": 0}}, r"engine.initial_loss_scale: 0.0 must be positive"),
+    ({"engine": {"min_loss_scale": 0}}, r"engine.min_loss_scale: 0.0 must be positive"),
+    ({"engine": {"min_loss_scale": 8, "initial_loss_scale": 4}},
+     r"engine.min_loss_scale: 8.0 is above engine.initial_loss_scale \(4.0\); lower it"),
+    ({"engine": {"seed": -1}}, r"engine.seed: -1 is out of range; use 0..4294967295"),
+    ({"engine": {"seed": 1 << 40}}, r"engine.seed: \d+ is out of range"),
 ])
 def test_bad_values_name_key_and_fix(data, match):
     with pytest.raises(ConfigError, match=match):
         load_config(data)
+
+
+# Every float key: NaN and inf are refused with the key and a finite value to use.
+_FLOAT_KEYS = [(sec, key) for sec, cls in (("io", IoConfig), ("store", StoreConfig),
+                                           ("optim", OptimConfig), ("engine", EngineConfig))
+               for key, tp in typing.get_type_hints(cls).items() if tp in (float, list[float])]
+
+
+def test_every_float_key_is_covered():
+    assert set(_FLOAT_KEYS) >= {("optim", "lr"), ("optim", "weight_decay"),
+                                ("optim", "max_grad_norm"), ("optim", "eps"),
+                                ("optim", "betas"), ("optim", "buffer_share"),
+                                ("io", "switch_interval"), ("store", "wait_timeout"),
+                                ("engine", "loss_scale"), ("engine", "initial_loss_scale"),
+                                ("engine", "min_loss_scale")}
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+@pytest.mark.parametrize("section, key", _FLOAT_KEYS)
+def test_nan_and_inf_are_refused_for_every_float_key(section, key, bad):
+    value = [0.9, bad] if key == "betas" else bad
+    where = rf"{section}\.{key}" + (r"\[1\]" if key == "betas" else "")
+    with pytest.raises(ConfigError, match=rf"^{where}: -?(nan|inf) is not a finite number; "
+                                          r"give a finite value, e\.g\. "):
+        load_config({section: {key: value}})
+
+
+def test_nan_max_grad_norm_says_how_to_turn_clipping_off():
+    with pytest.raises(ConfigError, match=r"optim.max_grad_norm: nan .* or 0 for no clipping"):
+        load_config({"optim": {"max_grad_norm": math.nan}})
+
+
+def test_a_config_changed_after_it_was_made_is_checked_again():
+    cfg = OffloadConfig()
+    cfg.optim.lr = math.nan
+    with pytest.raises(ConfigError, match="optim.lr: nan"):
+        load_config(cfg)
+    cfg.optim.lr = 1e-3
+    cfg.io.paths = ["/a", "/a"]
+    with pytest.raises(ConfigError, match=r"io.paths\[1\]"):
+        load_config(cfg)
+    cfg.io.paths = ["/a"]
+    cfg.engine.grad_accum_steps = 0
+    with pytest.raises(ConfigError, match="engine.grad_accum_steps"):
+        load_config({"engine": cfg.engine})  # a section given as an instance, in a dict
+    cfg.engine.grad_accum_steps = 1
+    assert load_config(cfg) is cfg
+
+
+def test_direct_construction_checks_types_and_parses_sizes():
+    assert IoConfig(block_size="1MiB").block_size == 1 << 20
+    assert isinstance(OptimConfig(lr=1).lr, float)
+    with pytest.raises(ConfigError, match="optim.lr: expected a number, got '0.1'"):
+        OptimConfig(lr="0.1")
+    with pytest.raises(ConfigError, match="io.queue_depth: expected an integer, got True"):
+        IoConfig(queue_depth=True)
+    assert OffloadConfig(io={"paths": ["/x"]}).io.paths == ["/x"]
+    from pathlib import Path
+    assert IoConfig(paths=[Path("/x"), "/y"]).paths == ["/x", "/y"]
+    with pytest.raises(ConfigError, match=r"io.paths\[0\]: expected a string, got 3"):
+        IoConfig(paths=[3])
 
 
 def test_bad_files(tmp_path):

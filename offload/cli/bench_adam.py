@@ -32,18 +32,13 @@ import torch
 from ..config import IoConfig, OptimConfig, parse_bytes
 from ..io import BufferPool, make_engine, open_swap
 from ..optim import CpuAdam, fused_status
+from .args import (CommandParser, UsageError, byte_size, count, directory, integer, parse_count,
+                   run_command)
 from .benchutil import emit, progress_printer
 
 ADAM_BYTES = 28     # fp32 bytes an Adam step moves per element (16 read, 12 written)
 STREAM_BYTES = 32   # bytes per element of the bound's streaming kernel
 LR, BETAS, EPS, WD = 1e-3, (0.9, 0.999), 1e-8, 0.01
-
-
-def _count(text: str) -> int:
-    """'100M', '2e7', '20000000' -> elements."""
-    t = text.strip().upper()
-    mult = {"K": 10 ** 3, "M": 10 ** 6, "G": 10 ** 9}.get(t[-1:], 1)
-    return int(float(t[:-1] if mult > 1 else t) * mult)
 
 
 def _torch_opt(p: torch.nn.Parameter, m: torch.Tensor, v: torch.Tensor, **kw) -> Callable:
@@ -174,7 +169,8 @@ def _nvme(path: str, n: int, args: argparse.Namespace, t_mem: float, progress) -
     """State on NVMe: step time against the disk, measured in the same rounds (A B A B)."""
     os.makedirs(path, exist_ok=True)
     work = tempfile.mkdtemp(prefix=".offload-bench-adam-", dir=path)
-    io_cfg = IoConfig(paths=[work], buffer_budget=parse_bytes(args.buffer_budget))
+    io_cfg = IoConfig(paths=[work], buffer_budget=parse_bytes(args.buffer_budget,
+                                                              "--buffer-budget"))
     engine = make_engine(io_cfg)
     pool = BufferPool(io_cfg.buffer_budget)
     swap = open_swap(io_cfg, "bench-optim", engine)
@@ -219,9 +215,9 @@ def run_adam_bench(args: argparse.Namespace, progress=None) -> dict:
     """Runs the benchmark; returns the JSON-ready result."""
     if args.threads:
         torch.set_num_threads(args.threads)
-    n = _count(args.elements)
-    if n < 1 or args.rounds < 1:
-        raise SystemExit("offload bench adam: --elements and --rounds must be positive")
+    n = parse_count(str(args.elements))
+    if n is None or n < 1 or args.rounds < 1:
+        raise UsageError("--elements and --rounds must be positive; give e.g. --elements 20M")
     notes: list[str] = []
     times = _interleaved(_impls(n, args, notes), args.rounds, progress)
     med = {k: statistics.median(t) for k, t in times.items()}
@@ -277,18 +273,26 @@ def render(result: dict) -> None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--elements", default="100M", help="fp32 elements of the partition "
-                   "(default 100M; e.g. 20M for a quick run)")
-    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
-    p.add_argument("--nvme", metavar="PATH", default=None, help="also run with the state on "
-                   "NVMe under directory PATH, against the disk bandwidth measured there")
-    p.add_argument("--chunk-elems", type=int, default=0, help="elements per NVMe chunk "
-                   "(default 0: derived from --buffer-budget)")
-    p.add_argument("--buffers", type=int, default=3, help="pipeline buffers (default 3)")
-    p.add_argument("--buffer-budget", default="1GiB", help="host staging budget (default 1GiB)")
-    p.add_argument("--block-elems", type=int, default=OptimConfig().block_elems,
-                   help="elements per update-kernel call")
-    p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
+    p.add_argument("--elements", default="100M", type=count(1, example="20M"),
+                   help="fp32 elements of the partition (default 100M; e.g. 20M for a quick run)")
+    p.add_argument("--rounds", type=integer(1, example=3), default=3,
+                   help="interleaved rounds (default 3)")
+    p.add_argument("--nvme", metavar="PATH", default=None,
+                   type=directory("directory on the NVMe disk"), help="also run with the state "
+                   "on NVMe under directory PATH, against the disk bandwidth measured there")
+    p.add_argument("--chunk-elems", type=integer(0, multiple=1024, example=4194304), default=0,
+                   help="elements per NVMe chunk, a multiple of 1024 (default 0: derived from "
+                   "--buffer-budget)")
+    p.add_argument("--buffers", type=integer(1, 16, example=3), default=3,
+                   help="pipeline buffers, 1..16 (default 3)")
+    p.add_argument("--buffer-budget", default="1GiB", type=byte_size(IoConfig().block_size,
+                                                                     example="1GiB"),
+                   help="host staging budget, at least one I/O block (default 1GiB)")
+    p.add_argument("--block-elems", type=integer(1024, example=1048576),
+                   default=OptimConfig().block_elems,
+                   help="elements per update-kernel call, at least 1024")
+    p.add_argument("--threads", type=integer(0, example=4), default=0,
+                   help="torch threads (default: torch's)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
 
@@ -297,6 +301,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="offload bench adam", description=__doc__.split("\n\n")[0])
+    p = CommandParser(prog="offload bench adam", description=__doc__.split("\n\n")[0])
     add_arguments(p)
-    return run(p.parse_args(argv))
+    return run_command(run, p.parse_args(argv), p.prog)

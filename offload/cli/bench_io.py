@@ -20,11 +20,13 @@ import time
 import numpy as np
 from dataclasses import dataclass, field
 
-from ..config import parse_bytes
 from ..io import AioEngine, BufferPool, ThreadEngine, libaio_status, probe_direct
+from .args import (CommandParser, UsageError, byte_size, choice_list, directory, integer,
+                   run_command, value_list)
 from .benchutil import emit, progress_printer, scratch_dir
 
 MiB = 1 << 20
+ENGINES = ("aio", "threads")
 
 
 @dataclass
@@ -73,10 +75,16 @@ def run_io_bench(path: str, size: int = 2 << 30, *, engines: tuple[str, ...] = (
                  progress=None) -> dict:
     """Runs the benchmark under directory `path`; returns the JSON-ready result."""
     if os.path.exists(path) and not os.path.isdir(path):
-        raise SystemExit(f"offload bench io: --path {path} is not a directory; give a directory "
+        raise UsageError(f"--path: {path!r} exists and is not a directory; give a directory "
                          "on the disk to measure")
-    os.makedirs(path, exist_ok=True)
-    ok, why = probe_direct(path)
+    unknown = [e for e in engines if e not in ENGINES]
+    if unknown or not engines:
+        raise UsageError(f"--engines: {','.join(engines)!r} names no engine or an unknown one "
+                         f"({', '.join(unknown)}); give a comma list of {', '.join(ENGINES)}")
+    if size < 4 * MiB or repeat < 1 or not block_sizes or not queue_depths:
+        raise UsageError("--size must be at least 4MiB, --repeat at least 1, and "
+                         "--block-sizes and --queue-depths non-empty")
+    ok, why = probe_direct(path, "--path")
     if not ok:
         raise SystemExit(f"offload bench io: {why}; give --path on a disk-backed file system")
     free = shutil.disk_usage(path).free
@@ -184,30 +192,33 @@ def render(result: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import argparse
-
-    p = argparse.ArgumentParser(prog="offload bench io", description=__doc__.split("\n\n")[0])
+    p = CommandParser(prog="offload bench io", description=__doc__.split("\n\n")[0])
     add_arguments(p)
-    return run(p.parse_args(argv))
+    return run_command(run, p.parse_args(argv), p.prog)
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--path", default=None, help="directory on the disk to measure "
+    p.add_argument("--path", default=None, type=directory("directory on the disk to measure"),
+                   help="directory on the disk to measure "
                    "(default: a temporary directory under the current one)")
-    p.add_argument("--size", default="2GiB", help="bytes written and read per run (default 2GiB)")
-    p.add_argument("--repeat", type=int, default=3, help="interleaved rounds (default 3)")
-    p.add_argument("--engines", default="aio,threads", help="comma list of aio, threads")
-    p.add_argument("--block-sizes", default="256KiB,1MiB,4MiB")
-    p.add_argument("--queue-depths", default="8,32")
+    p.add_argument("--size", default="2GiB", type=byte_size(4 * MiB, example="2GiB"),
+                   help="bytes written and read per run, at least 4MiB (default 2GiB)")
+    p.add_argument("--repeat", type=integer(1, example=3), default=3,
+                   help="interleaved rounds (default 3)")
+    p.add_argument("--engines", default="aio,threads", type=choice_list(ENGINES),
+                   help="comma list of aio, threads (default both)")
+    p.add_argument("--block-sizes", default="256KiB,1MiB,4MiB",
+                   type=value_list(byte_size(4096, multiple=4096, example="1MiB")),
+                   help="comma list of request sizes, multiples of 4KiB")
+    p.add_argument("--queue-depths", default="8,32",
+                   type=value_list(integer(1, 1024, example=32)),
+                   help="comma list of requests in flight, 1..1024")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
 
 def run(args) -> int:
     with scratch_dir(args.path) as path:
-        result = run_io_bench(
-            path, parse_bytes(args.size, "--size"),
-            engines=tuple(args.engines.split(",")),
-            block_sizes=tuple(parse_bytes(b, "--block-sizes") for b in args.block_sizes.split(",")),
-            queue_depths=tuple(int(q) for q in args.queue_depths.split(",")),
-            repeat=args.repeat, progress=progress_printer(args.json))
+        result = run_io_bench(path, args.size, engines=args.engines,
+                              block_sizes=args.block_sizes, queue_depths=args.queue_depths,
+                              repeat=args.repeat, progress=progress_printer(args.json))
     return emit(result, args.json, render)

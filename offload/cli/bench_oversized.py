@@ -38,6 +38,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..config import IoConfig, format_bytes, parse_bytes
+from .args import (CommandParser, UsageError, byte_size, count, directory, integer, parse_count,
+                   run_command)
 from .benchutil import proc_io, reset_hwm, vm_hwm
 from .demo import StepMeter, remove_swap_dir, signal_exit_code, swap_dir_for_run
 from .gpt import GPT, GPTConfig, ReversalTask, state_bytes_per_param
@@ -54,17 +56,15 @@ def ram_bytes() -> int:
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def parse_count(text: str, dtype: str) -> int:
+def parse_params(text: str, dtype: str) -> int:
     """'auto' (twice the RAM in training state, +5%), or '200M', '3B', '3e9'."""
     if text == "auto":
         return int(2 * ram_bytes() / state_bytes_per_param(dtype) * 1.05)
-    t = text.strip().upper()
-    mult = {"K": 10 ** 3, "M": 10 ** 6, "B": 10 ** 9, "G": 10 ** 9}.get(t[-1:], 1)
-    try:
-        return int(float(t[:-1] if mult > 1 else t) * mult)
-    except ValueError:
-        raise SystemExit(f"offload bench oversized: --params {text!r} is not a count such as "
-                         "'3B', '200M' or 'auto'") from None
+    n = parse_count(text)
+    if n is None or n < 1:
+        raise UsageError(f"--params: {text!r} is not a count; give 'auto' or a count such as "
+                         "'3B' or '200M'")
+    return n
 
 
 def model_for(params: int, d_model: int, length: int) -> GPTConfig:
@@ -266,22 +266,32 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.description = ("Train a model whose training state is at least twice this machine's "
                      "RAM for a few steps, all state on NVMe; report peak RSS, step time, "
                      "bytes moved and the disk-bandwidth lower bound.")
-    p.add_argument("--params", default="auto", help="parameters: 'auto' (training state "
-                   "twice the RAM: ~3B on 24 GiB in bf16) or a count such as 200M or 3B")
-    p.add_argument("--d-model", type=int, default=2048, help="width; depth follows --params "
-                   "(default 2048)")
+    p.add_argument("--params", default="auto", type=count(1, example="3B", also=("auto",)),
+                   help="parameters: 'auto' (training state twice the RAM: ~3B on 24 GiB in "
+                   "bf16) or a count such as 200M or 3B")
+    p.add_argument("--d-model", type=integer(128, multiple=128, example=2048), default=2048,
+                   help="width, a multiple of 128; depth follows --params (default 2048)")
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16",
                    help="compute dtype (default bf16: 18 bytes of state per parameter)")
-    p.add_argument("--steps", type=int, default=2, help="optimizer steps (default 2)")
-    p.add_argument("--batch", type=int, default=1, help="sequences per step (default 1)")
-    p.add_argument("--length", type=int, default=16, help="tokens to reverse (default 16; "
-                   "activations are not offloaded, so few tokens keep them small)")
-    p.add_argument("--device-budget", default="512MiB", help="device tier (default 512MiB)")
-    p.add_argument("--host-budget", default="1GiB", help="host tier (default 1GiB)")
-    p.add_argument("--io-buffers", default="512MiB", help="I/O staging (default 512MiB)")
-    p.add_argument("--swap-dir", default="offload-swap", help="where swap files go; the run "
-                   "uses a new sub-directory and removes it (default ./offload-swap)")
-    p.add_argument("--probe", default="1GiB", help="bytes of the disk-bandwidth probe")
+    p.add_argument("--steps", type=integer(1, example=2), default=2,
+                   help="optimizer steps (default 2)")
+    p.add_argument("--batch", type=integer(1, example=1), default=1,
+                   help="sequences per step (default 1)")
+    p.add_argument("--length", type=integer(1, example=16), default=16,
+                   help="tokens to reverse (default 16; activations are not offloaded, so few "
+                   "tokens keep them small)")
+    p.add_argument("--device-budget", default="512MiB", type=byte_size(4096, example="512MiB"),
+                   help="device tier (default 512MiB)")
+    p.add_argument("--host-budget", default="1GiB", type=byte_size(4096, example="1GiB"),
+                   help="host tier (default 1GiB)")
+    p.add_argument("--io-buffers", default="512MiB",
+                   type=byte_size(IoConfig().block_size, example="512MiB"),
+                   help="I/O staging, at least one I/O block (default 512MiB)")
+    p.add_argument("--swap-dir", default="offload-swap", type=directory("swap directory"),
+                   help="where swap files go; the run uses a new sub-directory and removes it "
+                   "(default ./offload-swap)")
+    p.add_argument("--probe", default="1GiB", type=byte_size(1, example="1GiB"),
+                   help="bytes of the disk-bandwidth probe")
     p.add_argument("--malloc", choices=["tuned", "default"], default="tuned",
                    help="tuned: freed buffers of 1 MiB or more go back to the OS at once "
                    "(see tune_malloc); default: glibc's own sliding threshold")
@@ -290,10 +300,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def build_spec(args: argparse.Namespace) -> BenchSpec:
     if args.steps < 1 or args.batch < 1 or args.length < 1 or args.d_model % 128:
-        raise SystemExit("offload bench oversized: --steps, --batch, --length must be >= 1 "
-                         "and --d-model a multiple of 128")
+        raise UsageError("--steps, --batch, --length must be >= 1 and --d-model a multiple "
+                         "of 128")
     return BenchSpec(
-        model=model_for(parse_count(args.params, args.dtype), args.d_model, args.length),
+        model=model_for(parse_params(args.params, args.dtype), args.d_model,
+                        args.length),
         dtype=args.dtype, steps=args.steps, batch=args.batch, length=args.length,
         device_budget=parse_bytes(args.device_budget, "--device-budget"),
         host_budget=parse_bytes(args.host_budget, "--host-budget"),
@@ -395,6 +406,6 @@ def render(spec: BenchSpec, r: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="offload bench oversized")
+    p = CommandParser(prog="offload bench oversized")
     add_arguments(p)
-    return run(p.parse_args(argv))
+    return run_command(run, p.parse_args(argv), p.prog)

@@ -56,6 +56,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..config import IoConfig, OptimConfig, parse_bytes
+from .args import (CommandParser, UsageError, byte_size, choice_list, directory, integer, number,
+                   run_command)
 from .benchutil import emit, proc_io, progress_printer, reset_hwm, scratch_dir, vm_hwm
 
 GiB = 1 << 30
@@ -451,13 +453,17 @@ def _targets(rows: list[dict], host_budget: int) -> list[dict]:
     return out
 
 
-def _choices(text: str, allowed: tuple[str, ...], flag: str) -> tuple[str, ...]:
-    picked = tuple(x.strip() for x in text.split(",") if x.strip())
+def _choices(value: str | tuple[str, ...], allowed: tuple[str, ...],
+             flag: str) -> tuple[str, ...]:
+    """The names picked (a comma list, or the tuple `choice_list` parsed it into), in
+    canonical order."""
+    picked = value if isinstance(value, tuple) else \
+        tuple(x.strip() for x in value.split(",") if x.strip())
     bad = [x for x in picked if x not in allowed]
     if bad or not picked:
-        raise SystemExit(f"offload bench step: {flag} takes a comma list of "
-                         f"{', '.join(allowed)}; got {text!r}")
-    return tuple(x for x in allowed if x in picked)  # canonical order
+        raise UsageError(f"{flag}: {','.join(picked)!r} is not a comma list of "
+                         f"{', '.join(allowed)}; give e.g. {','.join(allowed)}")
+    return tuple(x for x in allowed if x in picked)
 
 
 def _deepspeed_status() -> tuple[str | None, str]:
@@ -477,7 +483,7 @@ def _deepspeed_status() -> tuple[str | None, str]:
 def _check_disk(path: str, need: int) -> None:
     from ..io import probe_direct
 
-    ok, why = probe_direct(path)
+    ok, why = probe_direct(path, "--path")
     if not ok:
         raise SystemExit(f"offload bench step: {why}; the nvme placement needs O_DIRECT: give "
                          "--path on a disk-backed file system")
@@ -490,8 +496,8 @@ def _check_disk(path: str, need: int) -> None:
 def _base_spec(args: argparse.Namespace) -> dict:
     """The RunSpec fields every run shares, checked."""
     if min(args.dim, args.layers, args.batch, args.steps, args.rounds) < 1 or args.warmup < 0:
-        raise SystemExit("offload bench step: --dim, --layers, --batch, --steps and --rounds "
-                         "must be >= 1, --warmup >= 0")
+        raise UsageError("--dim, --layers, --batch, --steps and --rounds must be >= 1, "
+                         "--warmup >= 0")
     io = IoConfig()  # both systems use offload's default request size and queue depth
     return dict(dim=args.dim, layers=args.layers, batch=args.batch, warmup=args.warmup,
                 steps=args.steps, host_budget=parse_bytes(args.host_budget, "--host-budget"),
@@ -508,9 +514,9 @@ def _device(name: str) -> str:
         return name
     if name == "cuda" and torch.cuda.is_available():
         return name
-    raise SystemExit(f"offload bench step: --device {name!r}: "
-                     + ("no CUDA device is visible; use --device cpu" if name == "cuda"
-                        else "use cpu or cuda"))
+    raise UsageError(f"--device: {name!r} "
+                     + ("is not usable: no CUDA device is visible; use --device cpu"
+                        if name == "cuda" else "is not one of cpu, cuda; use cpu or cuda"))
 
 
 def _rounds(runs: dict[tuple[str, str], _Runs], work: str, base: dict, state: int,
@@ -716,31 +722,44 @@ def render(result: dict) -> None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--dim", type=int, default=4096, help="features of every Linear (default 4096)")
-    p.add_argument("--layers", type=int, default=6, help="Linear layers (default 6)")
-    p.add_argument("--batch", type=int, default=16, help="rows per step (default 16)")
-    p.add_argument("--steps", type=int, default=5, help="timed steps per run (default 5)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
-    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
-    p.add_argument("--system", default="offload,deepspeed",
+    p.add_argument("--dim", type=integer(1, example=4096), default=4096,
+                   help="features of every Linear (default 4096)")
+    p.add_argument("--layers", type=integer(1, example=6), default=6,
+                   help="Linear layers (default 6)")
+    p.add_argument("--batch", type=integer(1, example=16), default=16,
+                   help="rows per step (default 16)")
+    p.add_argument("--steps", type=integer(1, example=5), default=5,
+                   help="timed steps per run (default 5)")
+    p.add_argument("--warmup", type=integer(0, example=2), default=2,
+                   help="untimed steps first (default 2)")
+    p.add_argument("--rounds", type=integer(1, example=3), default=3,
+                   help="interleaved rounds (default 3)")
+    p.add_argument("--system", default="offload,deepspeed", type=choice_list(SYSTEMS),
                    help="comma list of offload, deepspeed (default both)")
-    p.add_argument("--placement", default="none,host,nvme",
+    p.add_argument("--placement", default="none,host,nvme", type=choice_list(PLACEMENTS),
                    help="comma list of none, host, nvme (default all)")
-    p.add_argument("--path", default=None, help="directory for the swap files (default: a "
-                   "temporary directory under the current one)")
-    p.add_argument("--host-budget", default="512MiB",
+    p.add_argument("--path", default=None, type=directory("directory for the swap files"),
+                   help="directory for the swap files (default: a temporary directory under "
+                   "the current one)")
+    p.add_argument("--host-budget", default="512MiB", type=byte_size(4096, example="512MiB"),
                    help="nvme placement: store.host_budget (default 512MiB)")
-    p.add_argument("--device-budget", default="256MiB",
+    p.add_argument("--device-budget", default="256MiB", type=byte_size(4096, example="256MiB"),
                    help="nvme placement: store.device_budget (default 256MiB)")
     p.add_argument("--buffer-budget", default="256MiB",
-                   help="io.buffer_budget of every placement (default 256MiB)")
-    p.add_argument("--disk-size", default="1GiB", help="bytes of the disk-bandwidth probe "
-                   "(default 1GiB, at most the model's state)")
-    p.add_argument("--device", default="cpu", help="compute device of offload's runs: cpu or "
-                   "cuda (default cpu; DeepSpeed runs on the CPU only)")
-    p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the batch (default 0)")
-    p.add_argument("--timeout", type=float, default=1800,
+                   type=byte_size(IoConfig().block_size, example="256MiB"),
+                   help="io.buffer_budget of every placement, at least one I/O block "
+                   "(default 256MiB)")
+    p.add_argument("--disk-size", default="1GiB", type=byte_size(1, example="1GiB"),
+                   help="bytes of the disk-bandwidth probe (default 1GiB, at most the "
+                   "model's state)")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                   help="compute device of offload's runs: cpu or cuda (default cpu; "
+                   "DeepSpeed runs on the CPU only)")
+    p.add_argument("--threads", type=integer(0, example=4), default=0,
+                   help="torch threads (default: torch's)")
+    p.add_argument("--seed", type=integer(0, example=0), default=0,
+                   help="seed of the batch (default 0)")
+    p.add_argument("--timeout", type=number(0, above=True, example=1800), default=1800,
                    help="seconds one run may take before it is killed (default 1800)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
@@ -755,9 +774,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--worker"] and len(argv) == 2:
         return _worker_main(argv[1])
-    p = argparse.ArgumentParser(prog="offload bench step", description=__doc__.split("\n\n")[0])
+    p = CommandParser(prog="offload bench step", description=__doc__.split("\n\n")[0])
     add_arguments(p)
-    return run(p.parse_args(argv))
+    return run_command(run, p.parse_args(argv), p.prog)
 
 
 if __name__ == "__main__":

@@ -23,8 +23,9 @@ import time
 
 import torch
 
-from ..config import IoConfig, OffloadConfig, StoreConfig, parse_bytes
+from ..config import IoConfig, OffloadConfig, StoreConfig
 from ..io import BufferPool, make_engine, probe_direct
+from .args import CommandParser, UsageError, byte_size, directory, integer, run_command
 from .benchutil import emit, progress_printer, scratch_dir
 
 TARGET = 0.9
@@ -65,10 +66,11 @@ def run_store_bench(path: str, partitions: int = 16, size: int = 64 << 20, round
     """Runs the benchmark under directory `path`; returns the JSON-ready result."""
     from ..store import TieredStore  # the CLI stays importable without loading the store
 
+    if partitions < 1 or rounds < 1:
+        raise UsageError("--partitions and --rounds must be at least 1")
     size = max(4096, size // 4096 * 4096)
     total = partitions * size
-    os.makedirs(path, exist_ok=True)
-    ok, why = probe_direct(path)
+    ok, why = probe_direct(path, "--path")
     if not ok:
         raise SystemExit(f"offload bench store: {why}; give --path on a disk-backed file system")
     free = shutil.disk_usage(path).free
@@ -146,29 +148,28 @@ def render(result: dict) -> None:
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--path", default=None, help="directory on the disk to measure "
+    p.add_argument("--path", default=None, type=directory("directory on the disk to measure"),
+                   help="directory on the disk to measure "
                    "(default: a temporary directory under the current one)")
-    p.add_argument("--partitions", type=int, default=16, help="partitions moved per round "
-                   "(default 16)")
-    p.add_argument("--size", default="64MiB", help="bytes per partition (default 64MiB)")
-    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
+    p.add_argument("--partitions", type=integer(1, example=16), default=16,
+                   help="partitions moved per round (default 16)")
+    p.add_argument("--size", default="64MiB", type=byte_size(4096, example="64MiB"),
+                   help="bytes per partition, at least 4KiB (default 64MiB)")
+    p.add_argument("--rounds", type=integer(1, example=3), default=3,
+                   help="interleaved rounds (default 3)")
     p.add_argument("--engine", default="auto", choices=("auto", "aio", "threads"),
                    help="I/O engine of both systems (default auto)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
 
 def run(args) -> int:
-    if args.partitions < 1 or args.rounds < 1:
-        raise SystemExit("offload bench store: --partitions and --rounds must be >= 1")
     with scratch_dir(args.path) as path:
-        result = run_store_bench(path, args.partitions, parse_bytes(args.size, "--size"),
-                                 args.rounds, args.engine, progress_printer(args.json))
+        result = run_store_bench(path, args.partitions, args.size, args.rounds, args.engine,
+                                 progress_printer(args.json))
     return emit(result, args.json, render)
 
 
 def main(argv: list[str] | None = None) -> int:
-    import argparse
-
-    p = argparse.ArgumentParser(prog="offload bench store", description=__doc__.split("\n\n")[0])
+    p = CommandParser(prog="offload bench store", description=__doc__.split("\n\n")[0])
     add_arguments(p)
-    return run(p.parse_args(argv))
+    return run_command(run, p.parse_args(argv), p.prog)

@@ -20,7 +20,13 @@ def scratch_dir(path: str | None) -> Iterator[str]:
     if path is not None:
         yield path
         return
-    tmp = tempfile.mkdtemp(prefix=".offload-bench-", dir=os.getcwd())
+    try:
+        tmp = tempfile.mkdtemp(prefix=".offload-bench-", dir=os.getcwd())
+    except OSError as e:
+        from .args import UsageError
+
+        raise UsageError(f"--path: not given, and no scratch directory can be made in "
+                         f"{os.getcwd()} ({e.strerror}); give --path on a writable disk") from None
     try:
         yield tmp
     finally:

@@ -40,7 +40,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from ..config import format_bytes, parse_bytes
+from ..config import PAGE, IoConfig, format_bytes, load_config, parse_bytes
+from .args import (UsageError, byte_size, count, directory, integer, number, output_file,
+                   parse_count)
 from .demo_view import DIR_PREFIX, Reporter, _free_bytes, print_header
 from .gpt import GPT, PRESETS, GPTConfig, ReversalTask, preset_for_params, state_bytes_per_param
 
@@ -53,6 +55,7 @@ SAMPLE_SECONDS = 0.05   # how often tier occupancy is sampled during a step
 GROW_STEP = 16 << 20    # swap-file preallocation unit: small, so the disk estimate is tight
 SWAP_FILES = 6          # five store kinds and the optimizer's file, per rank
 _PLACES = ("device", "host", "nvme")
+IO_BLOCK = IoConfig().block_size  # io.buffer_budget holds at least one request
 
 
 @dataclass(frozen=True)
@@ -149,9 +152,10 @@ class DemoPlan:
         per_rank = self.per_rank(per_param) + 2 * rewrite + SWAP_FILES * GROW_STEP
         return int(per_rank * self.world * 1.1)
 
-    def config(self, swap_dir: Path) -> dict[str, Any]:
-        """The `offload.initialize` configuration of one rank."""
-        direct = _direct_ok(swap_dir)
+    def config(self, swap_dir: Path, direct: bool | None = None) -> dict[str, Any]:
+        """The `offload.initialize` configuration of one rank; `direct` None: O_DIRECT
+        where `swap_dir` takes it (probed)."""
+        direct = _direct_ok(swap_dir) if direct is None else direct
         return {
             "engine": {"dtype": self.dtype, "params": self.params, "grads": self.grads,
                        "optimizer": self.optimizer, "seed": self.seed,
@@ -166,7 +170,7 @@ class DemoPlan:
 def _direct_ok(path: Path) -> bool:
     from ..io import probe_direct
 
-    ok, why = probe_direct(str(path))
+    ok, why = probe_direct(str(path), "--swap-dir")
     if not ok:
         log.warning("%s; swap files go through the page cache", why)
     return ok
@@ -176,24 +180,23 @@ def _parse_size(text: str) -> tuple[str, GPTConfig]:
     """A preset name, or a parameter count such as '50M' or '1.2B'."""
     if text in PRESETS:
         return text, PRESETS[text]
-    t = text.strip().upper()
-    mult = {"K": 10 ** 3, "M": 10 ** 6, "B": 10 ** 9, "G": 10 ** 9}.get(t[-1:], 1)
-    try:
-        count = int(float(t[:-1] if mult > 1 else t) * mult)
-    except ValueError:
-        raise SystemExit(f"offload demo: --size {text!r} is neither a preset "
-                         f"({', '.join(PRESETS)}) nor a parameter count such as '50M'") from None
-    return text, preset_for_params(count, vocab=PRESETS["tiny"].vocab,
+    n = parse_count(text)
+    if n is None or n < 1:
+        raise UsageError(f"--size: {text!r} is neither a preset ({', '.join(PRESETS)}) nor a "
+                         "positive parameter count; give e.g. small or 50M")
+    return text, preset_for_params(n, vocab=PRESETS["tiny"].vocab,
                                    max_seq=PRESETS["tiny"].max_seq, head_dim=64)
 
 
 def build_plan(args: argparse.Namespace) -> DemoPlan:
-    """The run's plan from the parsed flags; raises SystemExit naming a flag to change."""
+    """The run's plan from the parsed flags; raises `UsageError` naming a flag to change
+    (or `ConfigError` for a value the flags alone do not show), before anything is made."""
     size, model = _parse_size("tiny" if args.tiny else args.size)
     if not 1 <= args.length <= model.max_seq // 2:
-        raise SystemExit(f"offload demo: --length {args.length} must be in 1..{model.max_seq // 2}")
-    if args.steps < 1 or args.batch < 1 or args.nproc < 1:
-        raise SystemExit("offload demo: --steps, --batch and --nproc must be at least 1")
+        raise UsageError(f"--length: {args.length} is out of range for this model; give "
+                         f"1..{model.max_seq // 2}")
+    if args.steps < 1 or args.batch < 1 or args.nproc < 1 or args.trace_step < 1:
+        raise UsageError("--steps, --batch, --nproc and --trace-step must be at least 1")
     world = int(os.environ.get("WORLD_SIZE", args.nproc))
     d = _defaults_for(size, model)
     plan = DemoPlan(
@@ -207,6 +210,7 @@ def build_plan(args: argparse.Namespace) -> DemoPlan:
         trace=None if args.trace in ("", "none") else Path(args.trace).absolute(),
         trace_step=min(args.trace_step, args.steps), seed=args.seed, group_size=d.group_size)
     _check_fits(plan)
+    load_config(plan.config(plan.swap_root, direct=True))  # every value, before any work
     return plan
 
 
@@ -221,14 +225,14 @@ def _check_fits(plan: DemoPlan) -> None:
     budgets = {"device": plan.device_budget, "host": plan.host_budget}
     for tier, need in homes.items():
         if need > budgets[tier]:
-            raise SystemExit(
-                f"offload demo: the partitions homed on {tier} take {format_bytes(need)} per "
+            raise UsageError(
+                f"--{tier}-budget: the partitions homed on {tier} take {format_bytes(need)} per "
                 f"rank, over --{tier}-budget {format_bytes(budgets[tier])}; raise the budget "
                 "or move --params/--grads to nvme")
     group = _largest_group(plan.model, plan.group_size, plan.world) * plan.compute_bytes
     if 2 * group > plan.device_budget:
-        raise SystemExit(
-            f"offload demo: --device-budget {format_bytes(plan.device_budget)} is under two "
+        raise UsageError(
+            f"--device-budget: {format_bytes(plan.device_budget)} is under two "
             f"of the model's largest group ({format_bytes(group)} each, one in use and one "
             "arriving); raise it or pick a smaller --size")
 
@@ -511,15 +515,18 @@ def _summarise(plan: DemoPlan, records: list[StepRecord], engine: Any,
 # -- command line --------------------------------------------------------------------------------
 # (flag, options): one table for the parser and for the argv of a re-launch under torchrun.
 _OPTIONS: list[tuple[str, dict[str, Any]]] = [
-    ("--size", dict(default=DEFAULT_SIZE, help=f"model: {', '.join(PRESETS)} or a parameter "
-                    f"count such as 50M (default {DEFAULT_SIZE}: "
-                    f"{PRESETS[DEFAULT_SIZE].params / 1e6:.1f}M)")),
+    ("--size", dict(default=DEFAULT_SIZE, type=count(1, example="50M", also=tuple(PRESETS)),
+                    help=f"model: {', '.join(PRESETS)} or a parameter count such as 50M "
+                    f"(default {DEFAULT_SIZE}: {PRESETS[DEFAULT_SIZE].params / 1e6:.1f}M)")),
     ("--tiny", dict(action="store_true", help="the tiny model (seconds; for tests)")),
-    ("--steps", dict(type=int, default=DEFAULT_STEPS,
+    ("--steps", dict(type=integer(1, example=DEFAULT_STEPS), default=DEFAULT_STEPS,
                      help=f"optimizer steps (default {DEFAULT_STEPS})")),
-    ("--batch", dict(type=int, default=16, help="sequences per step and process (default 16)")),
-    ("--length", dict(type=int, default=8, help="tokens per sequence to reverse (default 8)")),
-    ("--lr", dict(type=float, default=None, help="learning rate (default: per size)")),
+    ("--batch", dict(type=integer(1, example=16), default=16,
+                     help="sequences per step and process (default 16)")),
+    ("--length", dict(type=integer(1, example=8), default=8,
+                      help="tokens per sequence to reverse (default 8)")),
+    ("--lr", dict(type=number(0, above=True, example=3e-4), default=None,
+                  help="learning rate, a positive number (default: per size)")),
     ("--dtype", dict(choices=["fp32", "bf16", "fp16"], default="fp32", help="compute "
                      "precision; master weights and gradients stay fp32 (default fp32)")),
     ("--params", dict(choices=_PLACES, default="nvme",
@@ -528,21 +535,28 @@ _OPTIONS: list[tuple[str, dict[str, Any]]] = [
                      help="home tier of the gradients (default nvme)")),
     ("--optimizer", dict(choices=["host", "nvme"], default="nvme",
                          help="fp32 master weights and Adam moments (default nvme)")),
-    ("--device-budget", dict(default=None, help="bytes the device tier may hold, e.g. 24MiB "
+    ("--device-budget", dict(default=None, type=byte_size(PAGE, example="24MiB"),
+                             help="bytes the device tier may hold, e.g. 24MiB "
                              "(default: about 1/8 of the state; small: 24MiB)")),
-    ("--host-budget", dict(default=None, help="bytes the host tier may hold, e.g. 48MiB "
+    ("--host-budget", dict(default=None, type=byte_size(PAGE, example="48MiB"),
+                           help="bytes the host tier may hold, e.g. 48MiB "
                            "(default: about 1/4 of the state; small: 48MiB)")),
-    ("--io-buffers", dict(default=None, help="bytes of host staging buffers for the "
-                          "optimizer's NVMe pipeline (default: small 32MiB)")),
-    ("--swap-dir", dict(default="offload-swap", help="directory for swap files; the run uses "
-                        "a new sub-directory and removes it on exit (default ./offload-swap)")),
-    ("--trace", dict(default="offload-demo.trace.json", help="Chrome-trace file of one step, "
-                     "for https://ui.perfetto.dev ('none': no trace)")),
-    ("--trace-step", dict(type=int, default=TRACE_STEP,
+    ("--io-buffers", dict(default=None, type=byte_size(IO_BLOCK, example="32MiB"),
+                          help="bytes of host staging buffers for the optimizer's NVMe "
+                          "pipeline, at least one I/O block (default: small 32MiB)")),
+    ("--swap-dir", dict(default="offload-swap", type=directory("swap directory"),
+                        help="directory for swap files; the run uses a new sub-directory "
+                        "and removes it on exit (default ./offload-swap)")),
+    ("--trace", dict(default="offload-demo.trace.json", type=output_file(none=("none", "")),
+                     help="Chrome-trace file of one step, for https://ui.perfetto.dev "
+                     "('none': no trace)")),
+    ("--trace-step", dict(type=integer(1, example=TRACE_STEP), default=TRACE_STEP,
                           help=f"the step traced (default {TRACE_STEP})")),
-    ("--seed", dict(type=int, default=0, help="seed of the weights and the data (default 0)")),
-    ("--nproc", dict(type=int, default=1, help="processes (ranks): >1 runs under torchrun "
-                     "with gloo, each rank holding 1/N of the state (default 1)")),
+    ("--seed", dict(type=integer(0, (1 << 32) - 1, example=0), default=0,
+                    help="seed of the weights and the data (default 0)")),
+    ("--nproc", dict(type=integer(1, example=2), default=1,
+                     help="processes (ranks): >1 runs under torchrun with gloo, each rank "
+                     "holding 1/N of the state (default 1)")),
     ("--json", dict(action="store_true", help="print one JSON object per step and a summary "
                     "object at the end instead of the progress bar and table")),
 ]

@@ -8,11 +8,14 @@ import logging
 import sys
 
 from . import bench_adam, bench_io, bench_oversized, bench_step, bench_store, demo
+from .args import CommandParser, run_command
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="offload", description="Train models whose training "
-                                "state is far larger than accelerator memory.")
+    """The `offload` parser; every sub-command's flags are checked as they are parsed
+    (offload/cli/args.py), and a bad one is one line on stderr with exit code 2."""
+    p = CommandParser(prog="offload", description="Train models whose training "
+                      "state is far larger than accelerator memory.")
     p.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -66,14 +69,22 @@ def _print_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def _prog(args: argparse.Namespace) -> str:
+    return " ".join(["offload", args.command] + ([args.bench] if args.command == "bench" else []))
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args, extra = build_parser().parse_known_args(argv)
+    if extra:
+        print(f"{_prog(args)}: unrecognized arguments: {' '.join(extra)}; see "
+              f"'{_prog(args)} --help'", file=sys.stderr)
+        return 2
     from rich.logging import RichHandler
 
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(message)s", handlers=[RichHandler(show_path=False)])
     try:
-        return args.func(args)
+        return run_command(args.func, args, _prog(args))
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from ..comm import Collectives
-from ..config import OffloadConfig, load_config
+from ..config import ConfigError, OffloadConfig, load_config
 from ..io import hugepages
 from ..store import TieredStore
 from ..trace import NULL_RECORDER, TraceRecorder
@@ -23,6 +23,31 @@ from .working_set import check_budgets
 log = logging.getLogger(__name__)
 
 __all__ = ["OffloadEngine", "initialize"]
+
+# [Note: wrapped modules]
+# `initialize` takes a model's parameters into the engine's partitions: each module
+# it took parameters from (and the model itself) is marked under this key in its
+# `__dict__` (as torch's composable APIs mark the modules they were applied to), so
+# a second `initialize` on the model, on a part of it, or on the engine itself is
+# refused instead of wrapping an empty shell. The mark outlives `close()`: the
+# model's weights stay in the closed engine (`state_dict()` has them).
+_WRAPPED = "_offload_wrapped"
+
+
+def _refuse_wrapped(model: nn.Module) -> None:
+    """Raises `ConfigError` if `model` is an engine or was wrapped by one before."""
+    if isinstance(model, OffloadEngine):
+        raise ConfigError("initialize(model): got an OffloadEngine, which is already "
+                          "initialized; train with it as it is, or pass a fresh model")
+    for name, m in model.named_modules():
+        if m.__dict__.get(_WRAPPED):
+            where = f"its module {name!r}" if name else "it"
+            raise ConfigError(
+                f"initialize(model): {type(model).__name__} was already wrapped by an "
+                f"OffloadEngine ({where} gave its parameters to that engine); train with that "
+                "engine, or build a fresh model (load the old engine's state_dict() into it "
+                "for its weights)")
+
 
 @functools.cache
 def _report_huge_pages() -> None:
@@ -62,6 +87,10 @@ def initialize(model: nn.Module | Callable[[], nn.Module],
     if not isinstance(model, nn.Module):
         with torch.device("meta"):
             model = model()
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"initialize(model): expected an nn.Module or a function that builds "
+                          f"one, got {type(model).__name__}")
+    _refuse_wrapped(model)
     meta_buffers = [n for n, b in model.named_buffers() if b.is_meta]
     if meta_buffers:
         raise ValueError(f"buffers {meta_buffers[:4]} are on the meta device; build buffers on "
@@ -102,6 +131,7 @@ def initialize(model: nn.Module | Callable[[], nn.Module],
             for name, b in m._buffers.items():
                 if b is not None and b.device != store.device:
                     m._buffers[name] = b.to(store.device)
+        model.__dict__[_WRAPPED] = True  # [Note: wrapped modules]
     except BaseException:
         if engine is not None:
             engine.close()  # removes its hooks and closes the store
@@ -163,4 +193,5 @@ def _drop_params(g: Group, dtype: torch.dtype, device: torch.device) -> None:
         for mod, name in s.uses:
             mod._parameters.pop(name, None)
             setattr(mod, name, placeholder)
+            mod.__dict__[_WRAPPED] = True  # [Note: wrapped modules]
         s.param = None

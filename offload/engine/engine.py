@@ -46,7 +46,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import sys
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
@@ -57,6 +56,7 @@ from torch import nn
 
 from ..comm import Collectives, Pending
 from ..config import OffloadConfig
+from ..io import hold_switch_interval
 from ..optim import CpuAdam, OptimStepError, grad_sq_sum
 from ..planner import AccessTrace
 from ..store import BudgetExceededError, Tier, TieredStore
@@ -191,11 +191,8 @@ class OffloadEngine(nn.Module):
         self._update_order: list[int] = []  # groups in the order this step updated them
         self._next_update: dict[int, int] = {}  # group -> the one updated after it, last step
         self._io_lock = threading.Lock()
-        # I/O completions and early updates are Python threads: see io.switch_interval
-        self._saved_switch = None
-        if cfg.io.switch_interval > 0:
-            self._saved_switch = sys.getswitchinterval()
-            sys.setswitchinterval(cfg.io.switch_interval)
+        # I/O completions and early updates are Python threads: [Note: switch interval]
+        self._switch = hold_switch_interval(cfg.io.switch_interval)
         self._opt_bytes = [0, 0]  # optimizer-state bytes read, written (all steps)
         for st in self._states:
             if st.group.requires_grad:
@@ -734,9 +731,7 @@ class OffloadEngine(nn.Module):
             self._opt.close()
         self._warm.clear()
         self.store.close()
-        if self._saved_switch is not None:
-            sys.setswitchinterval(self._saved_switch)
-            self._saved_switch = None
+        self._switch.release()  # the last engine to close restores Python's interval
 
     def __enter__(self) -> "OffloadEngine":
         return self

@@ -10,10 +10,13 @@ from ..trace import NULL_RECORDER, TraceRecorder
 from . import hugepages
 from .buffers import BufferPool, HostBuffer
 from .engine import AioEngine, IoEngine, Segment, ThreadEngine, libaio_status
-from .errors import CorruptionError, IoError, PoolExhaustedError, SwapFullError, SwapLockedError
+from .errors import (CorruptionError, IoError, PoolExhaustedError, SwapFullError, SwapLockedError,
+                     SwapPathError)
 from .extents import Extent, ExtentAllocator
 from .handle import IoHandle, gather
-from .swap import ReadHandle, SwapExtent, SwapSpace, probe_direct
+from .paths import SwapDir, check_swap_dirs, probe_direct
+from .swap import ReadHandle, SwapExtent, SwapSpace
+from .switch import SwitchIntervalHold, hold_switch_interval
 
 log = logging.getLogger(__name__)
 
@@ -22,20 +25,22 @@ hugepages.default_on()  # before torch's first large allocation: [Note: huge pag
 __all__ = [
     "AioEngine", "BufferPool", "CorruptionError", "Extent", "ExtentAllocator", "HostBuffer",
     "IoEngine", "IoError", "IoHandle", "PoolExhaustedError", "ReadHandle", "Segment",
-    "SwapExtent", "SwapFullError", "SwapLockedError", "SwapSpace", "ThreadEngine", "gather",
+    "SwapDir", "SwapExtent", "SwapFullError", "SwapLockedError", "SwapPathError", "SwapSpace",
+    "SwitchIntervalHold", "ThreadEngine", "check_swap_dirs", "gather", "hold_switch_interval",
     "libaio_status", "make_engine", "open_swap", "probe_direct",
 ]
 
 
 def choose_engine(cfg: IoConfig) -> tuple[str, bool, str]:
-    """(engine name, use O_DIRECT, why) for `cfg` on this machine's paths."""
+    """(engine name, use O_DIRECT, why) for `cfg` on this machine's paths.
+
+    Checks the swap directories first (offload/io/paths.py): a path that cannot
+    hold swap files raises `SwapPathError` before anything else is made."""
     direct_ok, direct_why = True, "O_DIRECT accepted"
-    if cfg.direct:
-        for p in cfg.paths:
-            ok, why = probe_direct(p)
-            if not ok:
-                direct_ok, direct_why = False, why
-                break
+    for d in check_swap_dirs(cfg.paths, direct=cfg.direct):
+        if cfg.direct and not d.direct:
+            direct_ok, direct_why = False, d.why
+            break
     aio_ok, aio_why = libaio_status()
     if cfg.engine == "aio":
         if not aio_ok:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import errno as _errno
 import os
 
+from ..config import ConfigError
+
 
 class IoError(OSError):
     """A read or write that failed or transferred fewer bytes than asked.
@@ -44,6 +46,20 @@ class CorruptionError(IoError):
 
 class SwapFullError(IoError):
     """The swap space cannot hold a new extent (disk full, quota or file-size limit)."""
+
+
+class SwapPathError(OSError, ConfigError):
+    """A swap directory (io.paths) cannot hold swap files: it is not a directory,
+    cannot be created, is not writable, or refuses what io.direct asks. An OSError
+    with the real ``errno`` and ``filename``, and a ConfigError (bad input, found
+    before any swap file is created); the message names the key and the fix."""
+
+    def __init__(self, errno: int, message: str, path: str) -> None:
+        super().__init__(errno, message)
+        self.filename = str(path)
+
+    def __str__(self) -> str:
+        return self.strerror
 
 
 class SwapLockedError(RuntimeError):

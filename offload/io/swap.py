@@ -23,15 +23,17 @@ import logging
 import os
 import shutil
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import Callable
 
 import xxhash
 
 from .engine import DIRECT_ALIGN, IoEngine, Segment
-from .errors import CorruptionError, IoError, SwapFullError, SwapLockedError
+from .errors import CorruptionError, IoError, SwapFullError, SwapLockedError, SwapPathError
 from .extents import Extent, ExtentAllocator
 from .handle import IoHandle
+from .paths import check_swap_dirs, probe_direct
 
 log = logging.getLogger(__name__)
 
@@ -40,29 +42,6 @@ __all__ = ["SwapExtent", "SwapSpace", "ReadHandle", "probe_direct"]
 
 def _round_up(n: int, m: int) -> int:
     return (n + m - 1) // m * m
-
-
-def probe_direct(directory: str) -> tuple[bool, str]:
-    """(ok, why): whether files under `directory` accept O_DIRECT (tmpfs does not)."""
-    os.makedirs(directory, exist_ok=True)
-    path = os.path.join(directory, f".offload-direct-probe-{os.getpid()}-{threading.get_ident()}")
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
-    except OSError as e:
-        return False, f"{directory} refuses O_DIRECT ({e.strerror})"
-    try:
-        import mmap
-        buf = mmap.mmap(-1, DIRECT_ALIGN)
-        try:
-            os.pwrite(fd, buf, 0)
-        except OSError as e:
-            return False, f"{directory} refuses O_DIRECT writes ({e.strerror})"
-        finally:
-            buf.close()
-    finally:
-        os.close(fd)
-        os.unlink(path)
-    return True, f"{directory} accepts O_DIRECT"
 
 
 @dataclass(frozen=True)
@@ -83,6 +62,12 @@ class _SwapFile:
         except BlockingIOError:
             owner = os.pread(self.lock_fd, 64, 0).decode(errors="replace").strip() or "unknown"
             os.close(self.lock_fd)
+            if owner == str(os.getpid()):  # the file holds a pid only while it is locked
+                raise SwapLockedError(
+                    f"swap file {path} is already open in this process (pid {owner}): another "
+                    "engine, store or swap space here uses the same io.paths directory and "
+                    "is still open; close it first (engine.close(), or a with block), or "
+                    "give each its own io.paths directory") from None
             raise SwapLockedError(
                 f"swap file {path} is in use by another live process (pid {owner}); give this "
                 "job its own io.paths directory, or stop the other job") from None
@@ -104,13 +89,34 @@ class _SwapFile:
                 os.unlink(self.lock_path)
             except FileNotFoundError:
                 pass
+        else:
+            os.ftruncate(self.lock_fd, 0)  # a kept lock file names no holder
         os.close(self.lock_fd)
 
     def close(self, remove: bool) -> None:
         os.close(self.fd)
-        if remove:
-            os.unlink(self.path)
-        self._unlock(remove)
+        try:
+            if remove:
+                try:
+                    os.unlink(self.path)
+                except FileNotFoundError:
+                    pass
+        finally:
+            self._unlock(remove)
+
+
+def _close_files(files: list[_SwapFile], keep: bool) -> None:
+    """Closes (and unless `keep`, removes) swap files; the first error is raised
+    after every file was tried."""
+    error = None
+    while files:
+        f = files.pop()
+        try:
+            f.close(remove=not keep)
+        except OSError as e:
+            error = error or e
+    if error is not None:
+        raise error
 
 
 class ReadHandle:
@@ -181,6 +187,13 @@ class SwapSpace:
     `alloc`/`free` reserve byte ranges; `write`/`read` move bytes between an
     extent and a 4 KiB-aligned host buffer (HostBuffer from BufferPool) and
     return handles. Files are removed by `close()` unless `keep=True`.
+
+    [Note: nothing left behind]
+    A swap space that is never closed still removes its files: when it is
+    garbage-collected, and at interpreter exit (a normal exit, or one by an
+    uncaught exception) through `weakref.finalize`. Only a process killed
+    outright (SIGKILL) leaves them; the lock then dies with it, and the next run
+    on the directory takes the files over.
     """
 
     def __init__(self, paths: list[str], name: str, engine: IoEngine, *,
@@ -201,17 +214,21 @@ class SwapSpace:
         self._alloc = ExtentAllocator(0, DIRECT_ALIGN)
         self._sums: dict[int, tuple[int, int] | None] = {}  # extent offset -> (nbytes, xxh3)
         self._files: list[_SwapFile] = []
+        for d in check_swap_dirs(paths, direct=engine.direct):  # before any file is made
+            if engine.direct and not d.direct:
+                raise SwapPathError(_errno.EINVAL, f"io.paths: {d.why}, and the {engine.name} "
+                                    "engine opens swap files with O_DIRECT; point io.paths at "
+                                    "a disk-backed file system, or set io.direct = false",
+                                    d.path)
         try:
             for d in paths:
-                if os.path.exists(d) and not os.path.isdir(d):
-                    raise NotADirectoryError(f"io.paths: {d} exists and is not a directory")
-                os.makedirs(d, exist_ok=True)
                 self._files.append(_SwapFile(os.path.join(d, f"offload-{name}.swap"),
                                              engine.direct))
         except BaseException:
-            for f in self._files:
-                f.close(remove=True)
+            _close_files(self._files, keep=False)
             raise
+        # [Note: nothing left behind]; holds the file list, never `self`
+        self._finalizer = weakref.finalize(self, _close_files, self._files, False)
 
     @property
     def paths(self) -> list[str]:
@@ -365,11 +382,14 @@ class SwapSpace:
         return ReadHandle(inner, verify)
 
     def close(self, keep: bool = False) -> None:
-        """Closes (and unless `keep`, removes) the swap files. Transfers must be done."""
+        """Closes (and unless `keep`, removes) the swap files. Transfers must be done.
+        Idempotent."""
         with self._lock:
-            files, self._files = self._files, []
-        for f in files:
-            f.close(remove=not keep)
+            if not self._finalizer.detach():
+                return  # closed before
+            files = list(self._files)
+            self._files.clear()
+        _close_files(files, keep)
 
     def __enter__(self) -> "SwapSpace":
         return self

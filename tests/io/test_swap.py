@@ -220,3 +220,48 @@ def test_close_keep_leaves_files(engine, tmp_path):
     sw.alloc(4096)
     sw.close(keep=True)
     assert os.path.exists(tmp_path / "offload-k.swap")
+
+
+_NEVER_CLOSED = textwrap.dedent("""
+    import sys
+    from offload.io import BufferPool, SwapSpace, ThreadEngine
+    eng = ThreadEngine()
+    sw = SwapSpace([sys.argv[1], sys.argv[2]], "left", eng, grow_step=1 << 20)
+    pool = BufferPool(1 << 20)
+    buf = pool.alloc(4096)
+    sw.write(sw.alloc(4096), buf, 4096).wait()
+    print(" ".join(sw.paths), flush=True)
+    if sys.argv[3] == "raise":
+        raise RuntimeError("an error nobody caught")
+""")
+
+
+@pytest.mark.parametrize("how", ["exit", "raise"])
+def test_swap_files_are_removed_at_exit_without_close(tmp_path, how):
+    """[Note: nothing left behind]: a process that never closes its swap space, ending
+    normally or by an uncaught exception, leaves no swap or lock file."""
+    dirs = [tmp_path / "d0", tmp_path / "d1"]
+    out = subprocess.run([sys.executable, "-c", _NEVER_CLOSED, *map(str, dirs), how],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == (1 if how == "raise" else 0), out.stderr
+    if how == "raise":
+        assert "an error nobody caught" in out.stderr
+    paths = out.stdout.split()
+    assert len(paths) == 2 and all(p.endswith("offload-left.swap") for p in paths)
+    assert [os.listdir(d) for d in dirs] == [[], []]
+
+
+def test_swap_files_are_removed_when_the_space_is_collected(engine, tmp_path):
+    import gc
+    sw = SwapSpace([str(tmp_path)], "gc", engine)
+    assert sorted(os.listdir(tmp_path)) == ["offload-gc.swap", "offload-gc.swap.lock"]
+    del sw
+    gc.collect()
+    assert os.listdir(tmp_path) == []
+
+
+def test_close_is_idempotent_and_stops_the_exit_hook(engine, tmp_path):
+    sw = SwapSpace([str(tmp_path)], "twice", engine)
+    sw.close(keep=True)
+    sw.close()  # nothing left to do: the kept files stay
+    assert sorted(os.listdir(tmp_path)) == ["offload-twice.swap", "offload-twice.swap.lock"]

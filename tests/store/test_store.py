@@ -256,7 +256,7 @@ def test_swap_files_locked_named_and_removed(tmp_path):
     s = TieredStore(cfg, rank=3)
     path = s.swap_paths("param")[0]
     assert os.path.basename(path) == "offload-r3-param.swap" and os.path.exists(path)
-    with pytest.raises(SwapLockedError, match="in use by another live process"):
+    with pytest.raises(SwapLockedError, match="already open in this process"):
         TieredStore(cfg, rank=3)
     s.put("x", page_tensor(1), kind="grad", tier="NVME").wait()
     grad = s.swap_paths("grad")[0]

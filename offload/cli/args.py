@@ -1,0 +1,243 @@
+"""Command-line arguments checked before any work starts.
+
+Every flag of every sub-command has an argparse `type=` from here, so a bad
+value is refused while the command line is parsed: one line on stderr naming
+the flag, the value and the fix, exit code 2, no traceback (`CommandParser`).
+Checks that need several flags at once raise `UsageError` from the command's
+own plan, which `run_command` reports the same way; so does a `ConfigError`
+(the library's refusal of a configuration value or a swap path).
+
+Paths are checked without creating anything: a directory must exist or be
+creatable (its nearest existing ancestor a writable directory), an output file
+must be writable where it is to be written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import re
+import sys
+from typing import Any, Callable, Sequence
+
+from ..config import ConfigError, format_bytes, parse_bytes
+
+__all__ = ["CommandParser", "UsageError", "byte_size", "choice_list", "count", "directory",
+           "integer", "number", "output_file", "parse_count", "run_command", "value_list"]
+
+
+class UsageError(Exception):
+    """A flag's value the command cannot use (found before any work starts)."""
+
+
+class CommandParser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line, '<prog>: <flag>: <what>; <fix>',
+    with exit code 2 (argparse prints the usage first; that is what --help is for)."""
+
+    def error(self, message: str) -> Any:  # argparse's hook; never returns
+        m = re.match(r"argument (\S+?)(?:/\S+)?: (.*)", message, re.S)
+        if m:
+            message = f"{m.group(1)}: {m.group(2)}"
+        elif message.startswith(("unrecognized", "the following arguments")):
+            message += f"; see '{self.prog} --help'"
+        message = " ".join(message.split())
+        self.exit(2, f"{self.prog}: {message}\n")
+
+
+def run_command(func: Callable[[argparse.Namespace], int], args: argparse.Namespace,
+                prog: str) -> int:
+    """Runs a sub-command; a `UsageError` or `ConfigError` is one line and exit code 2."""
+    try:
+        return func(args)
+    except (UsageError, ConfigError) as e:
+        print(f"{prog}: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+
+
+def _typed(name: str, fn: Callable[[str], Any]) -> Callable[[str], Any]:
+    fn.__name__ = name  # argparse names the type in its fallback messages
+    return fn
+
+
+def _bad(text: str, problem: str, fix: str) -> argparse.ArgumentTypeError:
+    return argparse.ArgumentTypeError(f"{text!r} {problem}; {fix}")
+
+
+def integer(min: int | None = None, max: int | None = None, *, multiple: int = 1,
+            example: int | None = None) -> Callable[[str], int]:
+    """An integer in [min, max] (and a multiple of `multiple`)."""
+    eg = example if example is not None else (min if min is not None and min > 0 else 1)
+
+    def parse(text: str) -> int:
+        try:
+            v = int(text.strip())
+        except ValueError:
+            raise _bad(text, "is not an integer", f"give e.g. {eg}") from None
+        if min is not None and v < min or max is not None and v > max:
+            if max is not None:
+                raise _bad(text, f"is out of range {min}..{max}", f"give e.g. {eg}")
+            raise _bad(text, "is not positive" if min == 1 else f"is below {min}",
+                       f"give e.g. {eg}")
+        if v % multiple:
+            raise _bad(text, f"is not a multiple of {multiple}", f"give e.g. {eg}")
+        return v
+    return _typed("integer", parse)
+
+
+def number(min: float | None = None, *, above: bool = False, max: float | None = None,
+           example: float = 1.0) -> Callable[[str], float]:
+    """A finite float >= min (> min with `above`) and <= max."""
+    def parse(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            raise _bad(text, "is not a number", f"give e.g. {example}") from None
+        if not math.isfinite(v):
+            raise _bad(text, "is not a finite number", f"give e.g. {example}")
+        if min is not None and (v <= min if above else v < min):
+            need = f"{'above' if above else 'at least'} {min:g}"
+            raise _bad(text, f"is out of range; it must be {need}", f"give e.g. {example}")
+        if max is not None and v > max:
+            raise _bad(text, f"is above {max:g}", f"give e.g. {example}")
+        return v
+    return _typed("number", parse)
+
+
+def byte_size(min: int = 1, *, multiple: int = 1, example: str = "256MiB") -> Callable[[str], int]:
+    """A byte size ('4096', '256MiB', '2GiB'), at least `min` bytes."""
+    def parse(text: str) -> int:
+        try:
+            v = parse_bytes(text)
+        except ConfigError:
+            raise _bad(text, "is not a byte size", f"give e.g. {example}") from None
+        if v < min:
+            at_least = format_bytes(min) if min >= 1024 else f"{min} bytes"
+            raise _bad(text, f"is below {at_least}", f"give e.g. {example}")
+        if v % multiple:
+            raise _bad(text, f"is not a multiple of {multiple} bytes", f"give e.g. {example}")
+        return v
+    return _typed("byte size", parse)
+
+
+_COUNT_UNITS = {"": 1, "K": 10 ** 3, "M": 10 ** 6, "B": 10 ** 9, "G": 10 ** 9}
+
+
+def parse_count(text: str) -> int | None:
+    """'100M', '1.2B', '2e7', '20000000' -> a count; None if it is not one."""
+    t = text.strip().upper()
+    unit = t[-1:] if t[-1:] in _COUNT_UNITS and t[-1:] else ""
+    try:
+        v = float(t[:len(t) - len(unit)]) * _COUNT_UNITS[unit]
+    except ValueError:
+        return None
+    return int(v) if math.isfinite(v) else None
+
+
+def count(min: int = 1, *, example: str = "100M", also: Sequence[str] = ()) -> Callable[[str], Any]:
+    """A count such as '100M' or '1.2B' (returned as the text), or one of `also`."""
+    def parse(text: str) -> str:
+        if text in also:
+            return text
+        v = parse_count(text)
+        if v is None or v < min:
+            what = "is not a count" if v is None else \
+                "is not a positive count" if min == 1 else f"is below {min}"
+            options = "".join(f"'{a}', " for a in also)
+            raise _bad(text, what, f"give {options}a count such as {example}")
+        return text
+    return _typed("count", parse)
+
+
+def value_list(item: Callable[[str], Any]) -> Callable[[str], tuple]:
+    """A comma list, each item checked by `item`; never empty."""
+    def parse(text: str) -> tuple:
+        parts = [p.strip() for p in text.split(",") if p.strip()]
+        if not parts:
+            raise _bad(text, "is an empty list", "give one or more values separated by commas")
+        out = []
+        for p in parts:
+            try:
+                out.append(item(p))
+            except argparse.ArgumentTypeError as e:
+                if len(parts) == 1:
+                    raise
+                raise argparse.ArgumentTypeError(f"in {text!r}: {e}") from None
+        return tuple(out)
+    return _typed("list", parse)
+
+
+def choice_list(allowed: Sequence[str]) -> Callable[[str], tuple[str, ...]]:
+    """A comma list of `allowed` names, returned in the order of `allowed`."""
+    def one(text: str) -> str:
+        if text not in allowed:
+            raise _bad(text, f"is not one of {', '.join(allowed)}",
+                       f"give a comma list of {', '.join(allowed)}")
+        return text
+
+    def parse(text: str) -> tuple[str, ...]:
+        picked = value_list(one)(text)
+        return tuple(a for a in allowed if a in picked)
+    return _typed("choice list", parse)
+
+
+def _writable(d: str) -> str | None:
+    """Why files cannot be created in the existing directory `d` ('is ...'), or None."""
+    kw = {"effective_ids": True} if os.access in os.supports_effective_ids else {}
+    if os.access(d, os.W_OK | os.X_OK, **kw):
+        return None
+    try:
+        if os.statvfs(d).f_flag & os.ST_RDONLY:
+            return "is on a read-only file system"
+    except OSError:
+        pass
+    return "is not writable by this user"
+
+
+def _directory_problem(path: str) -> str | None:
+    """Why `path` cannot be (made into) a writable directory, or None. Creates nothing."""
+    p = os.path.abspath(path)
+    if os.path.exists(p):
+        if not os.path.isdir(p):
+            return "exists and is not a directory"
+        return _writable(p)
+    ancestor = os.path.dirname(p)
+    while not os.path.exists(ancestor):
+        ancestor = os.path.dirname(ancestor)
+    if not os.path.isdir(ancestor):
+        return f"cannot be created: {ancestor} is a file"
+    why = _writable(ancestor)
+    return f"cannot be created: {ancestor} {why}" if why else None
+
+
+def directory(purpose: str = "directory") -> Callable[[str], str]:
+    """A directory that exists or can be created, and is writable (returned as given)."""
+    def parse(text: str) -> str:
+        if not text.strip():
+            raise _bad(text, "names no directory", f"give a {purpose}")
+        why = _directory_problem(text)
+        if why:
+            raise _bad(text, why, f"give a writable {purpose}")
+        return text
+    return _typed("directory", parse)
+
+
+def output_file(none: Sequence[str] = ()) -> Callable[[str], str]:
+    """A file that can be written (its directory exists or can be created and is
+    writable; it is not a directory), or one of `none` (returned as given)."""
+    def parse(text: str) -> str:
+        if text in none:
+            return text
+        p = os.path.abspath(text)
+        if not text.strip() or os.path.isdir(p):
+            raise _bad(text, "is a directory, not a file", "give a file name such as "
+                       "'out.json'" + (f", or '{none[0]}'" if none else ""))
+        if os.path.exists(p) and not os.access(p, os.W_OK):
+            raise _bad(text, "exists and cannot be written", "give another file name")
+        parent = os.path.dirname(p)
+        why = _directory_problem(parent)
+        if why:
+            raise _bad(text, f"cannot be written: {parent} {why}", "give a file in a "
+                       "writable directory")
+        return text
+    return _typed("file", parse)

@@ -1,0 +1,212 @@
+"""Every flag of every sub-command is checked before any work starts: one line on stderr
+naming the flag, the value and the fix, exit code 2, no traceback, nothing created."""
+
+import argparse
+import os
+import subprocess
+import sys
+
+import pytest
+
+from offload.cli import args as cli_args
+from offload.cli.main import build_parser, main
+
+OFFLOAD = [sys.executable, "-m", "offload.cli.main"]
+
+FILE = "{file}"  # replaced by a regular file's path
+RO = "{ro}"      # replaced by a read-only directory
+
+# (argv, what stderr says after "<prog>: ")
+BAD = [
+    (["demo", "--size", "0"], "--size: '0' is not a positive count; give 'tiny'"),
+    (["demo", "--size", "huge"], "--size: 'huge' is not a count"),
+    (["demo", "--size", "inf"], "--size: 'inf' is not a count"),
+    (["demo", "--steps", "0"], "--steps: '0' is not positive; give e.g. 60"),
+    (["demo", "--batch", "-1"], "--batch: '-1' is not positive"),
+    (["demo", "--length", "x"], "--length: 'x' is not an integer"),
+    (["demo", "--tiny", "--length", "100"], "--length: 100 is out of range for this model; "
+     "give 1..16"),
+    (["demo", "--lr", "nan"], "--lr: 'nan' is not a finite number; give e.g. 0.0003"),
+    (["demo", "--lr", "inf"], "--lr: 'inf' is not a finite number"),
+    (["demo", "--lr", "0"], "--lr: '0' is out of range; it must be above 0"),
+    (["demo", "--dtype", "fp8"], "--dtype: invalid choice: 'fp8'"),
+    (["demo", "--params", "disk"], "--params: invalid choice: 'disk'"),
+    (["demo", "--host-budget", "0"], "--host-budget: '0' is below 4.0 KiB; give e.g. 48MiB"),
+    (["demo", "--device-budget", "lots"], "--device-budget: 'lots' is not a byte size"),
+    (["demo", "--io-buffers", "1MiB"], "--io-buffers: '1MiB' is below 4.0 MiB"),
+    (["demo", "--swap-dir", FILE], "--swap-dir: '{file}' exists and is not a directory"),
+    (["demo", "--swap-dir", f"{FILE}/sub"], "--swap-dir: '{file}/sub' cannot be created: "
+     "{file} is a file"),
+    (["demo", "--swap-dir", ""], "--swap-dir: '' names no directory"),
+    (["demo", "--trace", f"{FILE}/t.json"], "--trace: '{file}/t.json' cannot be written"),
+    (["demo", "--trace", "."], "--trace: '.' is a directory, not a file"),
+    (["demo", "--trace-step", "0"], "--trace-step: '0' is not positive"),
+    (["demo", "--seed", "-1"], "--seed: '-1' is out of range 0..4294967295"),
+    (["demo", "--nproc", "0"], "--nproc: '0' is not positive"),
+    (["demo", "--tiny", "--params", "device"], "--device-budget: the partitions homed on "
+     "device take"),
+    (["bench", "io", "--path", FILE], "--path: '{file}' exists and is not a directory"),
+    (["bench", "io", "--size", "0"], "--size: '0' is below 4.0 MiB; give e.g. 2GiB"),
+    (["bench", "io", "--size", "1MiB"], "--size: '1MiB' is below 4.0 MiB"),
+    (["bench", "io", "--repeat", "0"], "--repeat: '0' is not positive; give e.g. 3"),
+    (["bench", "io", "--engines", "foo"], "--engines: 'foo' is not one of aio, threads"),
+    (["bench", "io", "--engines", ","], "--engines: ',' is an empty list"),
+    (["bench", "io", "--block-sizes", "1000"], "--block-sizes: '1000' is below 4.0 KiB"),
+    (["bench", "io", "--block-sizes", "4KiB,6KiB"], "--block-sizes: in '4KiB,6KiB': '6KiB' is "
+     "not a multiple of 4096 bytes"),
+    (["bench", "io", "--queue-depths", "0"], "--queue-depths: '0' is out of range 1..1024"),
+    (["bench", "io", "--queue-depths", "8,x"], "--queue-depths: in '8,x': 'x' is not an "
+     "integer"),
+    (["bench", "store", "--partitions", "0"], "--partitions: '0' is not positive"),
+    (["bench", "store", "--size", "1"], "--size: '1' is below 4.0 KiB"),
+    (["bench", "store", "--rounds", "0"], "--rounds: '0' is not positive"),
+    (["bench", "store", "--engine", "uring"], "--engine: invalid choice: 'uring'"),
+    (["bench", "store", "--path", FILE], "--path: '{file}' exists and is not a directory"),
+    (["bench", "step", "--dim", "0"], "--dim: '0' is not positive"),
+    (["bench", "step", "--layers", "0"], "--layers: '0' is not positive"),
+    (["bench", "step", "--warmup", "-1"], "--warmup: '-1' is below 0"),
+    (["bench", "step", "--rounds", "0"], "--rounds: '0' is not positive"),
+    (["bench", "step", "--system", "megatron"], "--system: 'megatron' is not one of offload, "
+     "deepspeed"),
+    (["bench", "step", "--placement", "gpu"], "--placement: 'gpu' is not one of none, host, "
+     "nvme"),
+    (["bench", "step", "--host-budget", "0"], "--host-budget: '0' is below 4.0 KiB"),
+    (["bench", "step", "--buffer-budget", "1MiB"], "--buffer-budget: '1MiB' is below 4.0 MiB"),
+    (["bench", "step", "--disk-size", "0"], "--disk-size: '0' is below 1 bytes"),
+    (["bench", "step", "--device", "tpu"], "--device: invalid choice: 'tpu'"),
+    (["bench", "step", "--timeout", "nan"], "--timeout: 'nan' is not a finite number"),
+    (["bench", "step", "--timeout", "0"], "--timeout: '0' is out of range; it must be above 0"),
+    (["bench", "step", "--threads", "-1"], "--threads: '-1' is below 0"),
+    (["bench", "step", "--path", FILE], "--path: '{file}' exists and is not a directory"),
+    (["bench", "oversized", "--params", "0"], "--params: '0' is not a positive count; give "
+     "'auto'"),
+    (["bench", "oversized", "--params", "many"], "--params: 'many' is not a count"),
+    (["bench", "oversized", "--d-model", "100"], "--d-model: '100' is below 128"),
+    (["bench", "oversized", "--d-model", "200"], "--d-model: '200' is not a multiple of 128"),
+    (["bench", "oversized", "--steps", "0"], "--steps: '0' is not positive"),
+    (["bench", "oversized", "--batch", "0"], "--batch: '0' is not positive"),
+    (["bench", "oversized", "--length", "0"], "--length: '0' is not positive"),
+    (["bench", "oversized", "--device-budget", "0"], "--device-budget: '0' is below 4.0 KiB"),
+    (["bench", "oversized", "--io-buffers", "1k"], "--io-buffers: '1k' is below 4.0 MiB"),
+    (["bench", "oversized", "--probe", "x"], "--probe: 'x' is not a byte size"),
+    (["bench", "oversized", "--swap-dir", FILE], "--swap-dir: '{file}' exists and is not a "
+     "directory"),
+    (["bench", "oversized", "--malloc", "jemalloc"], "--malloc: invalid choice: 'jemalloc'"),
+    (["bench", "adam", "--elements", "0"], "--elements: '0' is not a positive count"),
+    (["bench", "adam", "--elements", "x"], "--elements: 'x' is not a count"),
+    (["bench", "adam", "--rounds", "0"], "--rounds: '0' is not positive"),
+    (["bench", "adam", "--chunk-elems", "1000"], "--chunk-elems: '1000' is not a multiple of "
+     "1024"),
+    (["bench", "adam", "--buffers", "0"], "--buffers: '0' is out of range 1..16"),
+    (["bench", "adam", "--buffer-budget", "1MiB"], "--buffer-budget: '1MiB' is below 4.0 MiB"),
+    (["bench", "adam", "--block-elems", "10"], "--block-elems: '10' is below 1024"),
+    (["bench", "adam", "--threads", "-1"], "--threads: '-1' is below 0"),
+    (["bench", "adam", "--nvme", FILE], "--nvme: '{file}' exists and is not a directory"),
+    (["config", "--bogus"], "unrecognized arguments: --bogus; see 'offload config --help'"),
+    (["bench", "io", "--size"], "--size: expected one argument"),
+]
+
+
+def _prog(argv: list[str]) -> str:
+    return "offload " + " ".join(argv[:2] if argv[0] == "bench" else argv[:1])
+
+
+def _offload(argv: list[str], capsys) -> tuple[int, str, str]:
+    try:
+        rc = main(argv)
+    except SystemExit as e:
+        rc = e.code
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+@pytest.mark.parametrize("argv, says", BAD, ids=[" ".join(a) for a, _ in BAD])
+def test_bad_value_is_one_line_exit_2_and_creates_nothing(argv, says, tmp_path, monkeypatch,
+                                                          capsys):
+    f = tmp_path / "file"
+    f.write_text("x")
+    argv = [a.replace(FILE, str(f)) for a in argv]
+    says = says.replace(FILE, str(f))
+    monkeypatch.chdir(tmp_path)
+    rc, out, err = _offload(argv, capsys)
+    prog = _prog(argv)
+    assert rc == 2, err
+    assert err.startswith(f"{prog}: {says}"), err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    if "--" in says:
+        assert any(fix in err for fix in ("; give", "; raise", "choose from", "--help",
+                                          "expected one argument"))  # the fix
+    assert out == ""
+    assert sorted(os.listdir(tmp_path)) == ["file"]  # no swap dir, trace or scratch dir
+
+
+@pytest.mark.parametrize("argv", [["demo", "--tiny", "--swap-dir", RO],
+                                  ["demo", "--tiny", "--swap-dir", f"{RO}/sub"],
+                                  ["demo", "--tiny", "--trace", f"{RO}/step.json"],
+                                  ["bench", "io", "--path", RO],
+                                  ["bench", "adam", "--nvme", f"{RO}/x"]])
+def test_read_only_directory_is_refused_before_any_work(argv, readonly_dir, tmp_path,
+                                                        monkeypatch, capsys):
+    argv = [a.replace(RO, str(readonly_dir)) for a in argv]
+    monkeypatch.chdir(tmp_path)
+    before = sorted(os.listdir(tmp_path))
+    rc, out, err = _offload(argv, capsys)
+    assert rc == 2 and err.count("\n") == 1, err
+    assert ("is on a read-only file system" in err or "is not writable" in err), err
+    assert out == "" and sorted(os.listdir(tmp_path)) == before
+
+
+def test_good_values_parse_into_checked_types(tmp_path):
+    p = build_parser()
+    a = p.parse_args(["bench", "io", "--path", str(tmp_path / "new"), "--size", "8MiB",
+                      "--engines", "threads,aio", "--block-sizes", "4KiB, 1MiB",
+                      "--queue-depths", "4,8"])
+    assert (a.size, a.engines, a.block_sizes, a.queue_depths) == \
+        (8 << 20, ("aio", "threads"), (4096, 1 << 20), (4, 8))
+    assert not (tmp_path / "new").exists()  # checked, not created
+    d = p.parse_args(["demo", "--size", "50M", "--lr", "1e-3", "--host-budget", "48MiB",
+                      "--trace", "none"])
+    assert (d.size, d.lr, d.host_budget, d.trace) == ("50M", 1e-3, 48 << 20, "none")
+    assert p.parse_args(["bench", "oversized"]).params == "auto"
+
+
+def test_validators_directly(tmp_path):
+    assert cli_args.integer(1, 8)("8") == 8
+    assert cli_args.number(0, above=True)("1e-3") == 1e-3
+    assert cli_args.byte_size(4096)("1MiB") == 1 << 20
+    assert cli_args.count(1)("1.5B") == "1.5B" and cli_args.parse_count("1.5B") == 1_500_000_000
+    assert cli_args.parse_count("nan") is None and cli_args.parse_count("inf") is None
+    assert cli_args.directory()(str(tmp_path / "a" / "b")) == str(tmp_path / "a" / "b")
+    assert cli_args.output_file()(str(tmp_path / "a" / "t.json")) == str(tmp_path / "a" / "t.json")
+    assert os.listdir(tmp_path) == []
+    for bad in ("", "x", "0", "17"):
+        with pytest.raises(argparse.ArgumentTypeError, match=repr(bad)):
+            cli_args.integer(1, 16)(bad)
+
+
+@pytest.mark.parametrize("args, says", [
+    (["demo", "--size", "0"], "offload demo: --size: '0' is not a positive count"),
+    (["demo", "--lr", "nan"], "offload demo: --lr: 'nan' is not a finite number"),
+    (["bench", "io", "--queue-depths", "0"], "offload bench io: --queue-depths: '0' is out of "
+     "range 1..1024"),
+    (["bench", "io", "--repeat", "0"], "offload bench io: --repeat: '0' is not positive"),
+    (["bench", "io", "--engines", "foo"], "offload bench io: --engines: 'foo' is not one of"),
+])
+def test_real_process_refuses_with_one_line(args, says, tmp_path):
+    out = subprocess.run(OFFLOAD + args, capture_output=True, text=True, timeout=120,
+                         cwd=tmp_path)
+    assert out.returncode == 2 and out.stderr.startswith(says), out.stderr
+    assert out.stderr.count("\n") == 1 and out.stdout == ""
+    assert os.listdir(tmp_path) == []
+
+
+def test_demo_trace_path_is_checked_before_step_one(tmp_path):
+    """A trace file that cannot be written stops the run before its first step."""
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("x")
+    out = subprocess.run(OFFLOAD + ["demo", "--tiny", "--steps", "4", "--swap-dir",
+                                    str(tmp_path / "swap"), "--trace",
+                                    str(blocker / "step.json"), "--json"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "--trace:" in out.stderr and out.stdout == ""
+    assert not (tmp_path / "swap").exists()

@@ -1,0 +1,156 @@
+"""Bad input is refused at `initialize`, before anything is made; nothing is left behind."""
+
+import math
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import offload
+from offload.config import ConfigError
+from offload.io import SwapLockedError, SwapPathError
+
+from .models import TiedTwice, lm_batches, lm_loss
+
+
+def _step(engine):
+    x, y = lm_batches(1)[0]
+    engine.backward(lm_loss(engine(x), y))
+    engine.step()
+
+
+@pytest.mark.parametrize("section, key", [("optim", "lr"), ("optim", "weight_decay"),
+                                          ("optim", "max_grad_norm")])
+def test_nan_hyper_parameters_are_refused_before_any_file(engine_cfg, tmp_path, section, key):
+    cfg = engine_cfg("nvme", "nvme", "nvme")
+    cfg[section][key] = math.nan
+    model = TiedTwice()
+    with pytest.raises(ConfigError, match=rf"{section}.{key}: nan is not a finite number"):
+        offload.initialize(model, cfg)
+    assert not (tmp_path / "swap").exists()
+    assert len(list(model.parameters())) > 0  # the model is untouched
+
+
+def test_a_changed_config_object_is_checked_at_initialize(engine_cfg, tmp_path):
+    cfg = offload.load_config(engine_cfg("nvme", "nvme", "nvme"))
+    cfg.optim.lr = math.inf
+    with pytest.raises(ConfigError, match="optim.lr: inf"):
+        offload.initialize(TiedTwice(), cfg)
+    assert not (tmp_path / "swap").exists()
+
+
+def test_swap_path_that_is_a_file_is_refused_at_initialize(engine_cfg, tmp_path):
+    f = tmp_path / "file"
+    f.write_text("x")
+    cfg = engine_cfg("nvme", "nvme", "nvme")
+    cfg["io"]["paths"] = [str(f)]
+    with pytest.raises(SwapPathError, match=r"io.paths\[0\]: .* exists and is not a directory"):
+        offload.initialize(TiedTwice(), cfg)
+    assert sorted(os.listdir(tmp_path)) == ["file"]
+
+
+def test_read_only_swap_path_is_refused_at_initialize(engine_cfg, readonly_dir):
+    cfg = engine_cfg("nvme", "nvme", "nvme")
+    cfg["io"]["paths"] = [str(readonly_dir)]
+    with pytest.raises(SwapPathError, match="cannot create files in it") as e:
+        offload.initialize(TiedTwice(), cfg)
+    assert "O_DIRECT" not in str(e.value)
+
+
+def test_initialize_refuses_a_wrapped_model_and_an_engine(engine_cfg):
+    model = TiedTwice()
+    engine = offload.initialize(model, engine_cfg())
+    try:
+        with pytest.raises(ConfigError, match="TiedTwice was already wrapped by an OffloadEngine"):
+            offload.initialize(model, engine_cfg())
+        with pytest.raises(ConfigError, match="module '0' gave its parameters"):
+            offload.initialize(torch.nn.Sequential(model.l1), engine_cfg())
+        with pytest.raises(ConfigError, match="got an OffloadEngine"):
+            offload.initialize(engine, engine_cfg())
+        _step(engine)  # the refusals changed nothing: the engine still trains
+    finally:
+        engine.close()
+    with pytest.raises(ConfigError, match="already wrapped"):  # also after close
+        offload.initialize(model, engine_cfg())
+
+
+def test_two_engines_on_one_swap_dir_in_one_process(engine_cfg, tmp_path):
+    cfg = engine_cfg("nvme", "nvme", "nvme")
+    first = offload.initialize(TiedTwice(), cfg)
+    try:
+        with pytest.raises(SwapLockedError, match=rf"already open in this process \(pid "
+                                                  rf"{os.getpid()}\)"):
+            offload.initialize(TiedTwice(), cfg)
+        _step(first)
+    finally:
+        first.close()
+    assert os.listdir(tmp_path / "swap") == []
+
+
+def test_switch_interval_is_restored_by_the_last_engine_to_close(engine_cfg, tmp_path):
+    before = sys.getswitchinterval()
+    a_cfg, b_cfg = engine_cfg(), engine_cfg()
+    a_cfg["io"]["switch_interval"] = 0.0007
+    b_cfg["io"]["switch_interval"] = 0.0003
+    b_cfg["io"]["paths"] = [str(tmp_path / "swap-b")]
+    a = offload.initialize(TiedTwice(), a_cfg)
+    b = None
+    try:
+        assert sys.getswitchinterval() == pytest.approx(0.0007)
+        b = offload.initialize(TiedTwice(), b_cfg)
+        assert sys.getswitchinterval() == pytest.approx(0.0003)  # the shortest asked for
+        a.close()
+        assert sys.getswitchinterval() == pytest.approx(0.0003)  # b is still open
+        a2 = offload.initialize(TiedTwice(), a_cfg)
+        b.close()
+        assert sys.getswitchinterval() == pytest.approx(0.0007)  # a2 is still open
+        a2.close()
+        assert sys.getswitchinterval() == before
+    finally:
+        a.close()
+        if b is not None:
+            b.close()
+    assert sys.getswitchinterval() == before
+
+
+_NO_CLOSE = textwrap.dedent("""
+    import json, sys
+    import offload
+    from tests.engine.models import TiedTwice, lm_batches, lm_loss
+    cfg = json.loads(sys.argv[1])
+    engine = offload.initialize(TiedTwice(), cfg)
+    x, y = lm_batches(1)[0]
+    engine.backward(lm_loss(engine(x), y))
+    engine.step()
+    print(sys.getswitchinterval(), flush=True)
+    if sys.argv[2] == "raise":
+        raise RuntimeError("the training loop failed")
+""")
+
+
+@pytest.mark.parametrize("how", ["exit", "raise"])
+def test_a_process_that_never_closes_leaves_no_swap_files(engine_cfg, tmp_path, how):
+    import json
+    cfg = engine_cfg("nvme", "nvme", "nvme")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = subprocess.run([sys.executable, "-c", _NO_CLOSE, json.dumps(cfg), how],
+                         capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                             [root, os.environ.get("PYTHONPATH", "")])})
+    assert out.returncode == (1 if how == "raise" else 0), out.stderr
+    assert float(out.stdout) == pytest.approx(0.0005)  # the engine was open and working
+    assert os.listdir(tmp_path / "swap") == []
+
+
+def test_with_block_closes_the_engine_also_on_an_error(engine_cfg, tmp_path):
+    before = sys.getswitchinterval()
+    with pytest.raises(RuntimeError, match="a failing loop"):
+        with offload.initialize(TiedTwice(), engine_cfg("nvme", "nvme", "nvme")) as engine:
+            _step(engine)
+            assert os.listdir(tmp_path / "swap")
+            raise RuntimeError("a failing loop")
+    assert os.listdir(tmp_path / "swap") == []
+    assert sys.getswitchinterval() == before
