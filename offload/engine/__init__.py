@@ -17,12 +17,13 @@ from ..store import TieredStore
 from ..trace import NULL_RECORDER, TraceRecorder
 from .checkpoint import SafetensorsCheckpoint
 from .engine import _DTYPES, _TIERS, OffloadEngine
+from .step import StepFailedError
 from .units import Group, build_units
 from .working_set import check_budgets
 
 log = logging.getLogger(__name__)
 
-__all__ = ["OffloadEngine", "initialize"]
+__all__ = ["OffloadEngine", "StepFailedError", "initialize"]
 
 # [Note: wrapped modules]
 # `initialize` takes a model's parameters into the engine's partitions: each module
