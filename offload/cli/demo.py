@@ -419,7 +419,7 @@ def train(plan: DemoPlan, rank: int, reporter: Reporter, stop: StopRequest,
     """Builds the engine, runs the steps, returns the summary (every rank)."""
     from ..engine import initialize
     from ..trace import TraceRecorder
-    from .view_demo import record_run_facts, write_traced_step
+    from .view_demo import record_run_facts, start_traced_step, write_traced_step
 
     recorder = TraceRecorder(enabled=False, rank=rank, process_name=f"demo rank {rank}")
     recorder.declare_track("compute")
@@ -437,12 +437,12 @@ def train(plan: DemoPlan, rank: int, reporter: Reporter, stop: StopRequest,
         try:
             for step in range(1, plan.steps + 1):
                 traced = plan.trace is not None and step == plan.trace_step
-                recorder.enabled = traced
+                if traced:
+                    start_traced_step(recorder, engine.store)
                 rec, stopping = _one_step(engine, task, step, plan, meter, sampler, stop)
                 if traced:
                     engine.store.wait_all()  # the step's last evictions end inside the trace
-                    recorder.enabled = False
-                    summary.update(write_traced_step(plan, recorder, step, rank))
+                    summary.update(write_traced_step(plan, recorder, step, rank, engine.store))
                 records.append(rec)
                 reporter.step(rec)
                 if stopping:

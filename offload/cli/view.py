@@ -58,6 +58,8 @@ def _bad_output(out: Path) -> str | None:
     if out.is_dir():
         return f"{out}: is a directory; give -o a file name such as {out / 'report.html'}"
     parent = out.parent if str(out.parent) else Path(".")
+    if parent.exists() and not parent.is_dir():
+        return f"{out}: {parent} is not a directory"
     if not parent.is_dir():
         return f"{out}: the directory {parent} does not exist"
     return None

@@ -5,9 +5,11 @@
   NVMe traffic with) and, where the model fits easily in memory, the time of
   the same step in plain PyTorch with nothing offloaded (the report's
   no-offload step). Both go into the recorder's info (docs/trace.md).
-* `write_traced_step`: every rank writes its trace (rank 0 to `--trace`, rank r
-  beside it as NAME.rank<r>.trace.json); once all have, rank 0 writes the HTML
-  report of all of them beside its trace.
+* `start_traced_step` / `write_traced_step`: recording starts and ends with each
+  tier's occupancy (the store records it only when it changes); then every rank
+  writes its trace (rank 0 to `--trace`, rank r beside it as
+  NAME.rank<r>.trace.json) and, once all have, rank 0 writes the HTML report of
+  all of them beside its trace.
 """
 
 from __future__ import annotations
@@ -28,8 +30,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["probe_disk", "record_run_facts", "reference_step_seconds", "trace_path_for_rank",
-           "write_traced_step"]
+__all__ = ["probe_disk", "record_run_facts", "reference_step_seconds", "start_traced_step",
+           "trace_path_for_rank", "write_traced_step"]
 
 PROBE_BYTES = 32 << 20       # written then read by the disk probe
 PROBE_REQUEST = 4 << 20      # bytes per request, four in flight
@@ -74,7 +76,7 @@ def probe_disk(directory: Path, io: dict[str, Any], nbytes: int = PROBE_BYTES) -
                    "requests, 4 in flight, before the traced step"}
 
 
-def reference_step_seconds(plan: DemoPlan, device: torch.device, repeats: int = 3) -> float:
+def reference_step_seconds(plan: DemoPlan, device: torch.device, repeats: int = 5) -> float:
     """Median time of one step of the demo's model and batch in plain PyTorch (AdamW,
     everything in memory on `device`), after one untimed step."""
     import torch
@@ -117,6 +119,19 @@ def record_run_facts(recorder: TraceRecorder, plan: DemoPlan, swap_dir: Path, ra
             log.warning("no-offload step for the report failed: %s", e)
 
 
+def _sample_tiers(recorder: TraceRecorder, store: Any) -> None:
+    """Each tier's bytes by kind now, as the store's own `tier:<TIER>` counters."""
+    for name, tier in store.stats().tiers.items():
+        recorder.counter(f"tier:{name}", dict(tier.by_kind) or {"bytes": 0},
+                         track=f"tier:{name}")
+
+
+def start_traced_step(recorder: TraceRecorder, store: Any) -> None:
+    """Starts recording, beginning with each tier's occupancy."""
+    recorder.enabled = True
+    _sample_tiers(recorder, store)
+
+
 def trace_path_for_rank(trace: Path, rank: int) -> Path:
     """`run.trace.json` for rank 0, `run.rank<r>.trace.json` for rank r beside it."""
     if rank == 0:
@@ -128,10 +143,11 @@ def trace_path_for_rank(trace: Path, rank: int) -> Path:
     return trace.with_name(f"{name}.rank{rank}")
 
 
-def write_traced_step(plan: DemoPlan, recorder: TraceRecorder, step: int,
-                      rank: int) -> dict[str, str]:
-    """Writes this rank's trace; on rank 0, once every rank has, the report of them all.
-    Returns `trace` (and on rank 0 `report`) paths for the summary."""
+def write_traced_step(plan: DemoPlan, recorder: TraceRecorder, step: int, rank: int,
+                      store: Any) -> dict[str, str]:
+    """Ends recording with each tier's occupancy and writes this rank's trace; on rank 0,
+    once every rank has, the report of them all. Returns `trace` (and on rank 0
+    `report`) paths for the summary."""
     import torch.distributed as dist
 
     from ..trace import write_chrome_trace
@@ -139,6 +155,8 @@ def write_traced_step(plan: DemoPlan, recorder: TraceRecorder, step: int,
 
     if plan.trace is None:
         raise ValueError("write_traced_step: the plan has no trace path (--trace none)")
+    _sample_tiers(recorder, store)
+    recorder.enabled = False
     path = trace_path_for_rank(plan.trace, rank)
     write_chrome_trace(path, recorder, metadata={"step": step, "model": plan.size})
     if dist.is_available() and dist.is_initialized():

@@ -113,7 +113,7 @@
         });
         var ref = g.reference_step_s;
         figs.appendChild(figure("no-offload step", ref ? fmtTime(ref * 1e6) : "not known",
-          ref ? "this step is " + (step / (ref * 1e6)).toFixed(2) + "× it" : "no reference in the trace",
+          ref ? "this step takes " + (step / (ref * 1e6)).toFixed(2) + "× as long" : "no reference in the trace",
           "reference_step_us", ref ? ref * 1e6 : null, gid));
         if (ref) figs.appendChild(figure("step / no-offload", (step / (ref * 1e6)).toFixed(2) + "×", "",
           "reference_ratio", step / (ref * 1e6), gid));
@@ -570,7 +570,16 @@
   window.addEventListener("resize", function () {
     clearTimeout(resizeTimer); resizeTimer = setTimeout(drawAll, 100);
   });
+  // For tests and scripts: where event i of a lane is drawn now (client coordinates).
+  function locate(laneId, i) {
+    var r = rows.filter(function (x) { return x.lane.id === laneId; })[0];
+    if (!r || i >= r.lane.s.length) return null;
+    var p = plots[0], rect = p.canvas.getBoundingClientRect(), span = view.t1 - view.t0;
+    var mid = r.lane.s[i] + r.lane.d[i] / 2;
+    return { x: rect.left + (mid - view.t0) / span * p.width,
+             y: rect.top + r.y + 2 + r.lane.z[i] * ROW_H + ROW_H / 2 };
+  }
   window.offloadReport = { renderMs: performance.now() - started, renderedAt: performance.now(),
-    events: data.events };
+    events: data.events, view: view, locate: locate, zoomTo: function (a, b) { zoomTo(a, b); drawAll(); } };
   document.documentElement.setAttribute("data-rendered", "true");
 })();
