@@ -47,7 +47,7 @@ def count_step(layers: int, swap_root: Path, device_budget: int, host_budget: in
     from offload.cli.bench_oversized import BenchSpec, model_for, tune_malloc
     from offload.cli.demo import remove_swap_dir, swap_dir_for_run
     from offload.cli.gpt import GPT, GPTConfig, ReversalTask
-    from offload.cli.view_demo import start_traced_step, write_traced_step  # noqa: F401
+    from offload.cli.view_demo import start_traced_step
     from offload.engine import initialize
     from offload.trace import TraceRecorder, to_chrome_trace
 

@@ -124,80 +124,95 @@ def parse_trace(trace: Any, source: str = "<trace>") -> list[RankTrace]:
     if not isinstance(trace, Mapping) or not isinstance(trace.get("traceEvents"), list):
         raise TraceFormatError(f"{source}: not a Chrome trace (expected a JSON object with a "
                                "'traceEvents' list)")
-    meta = trace.get("metadata") if isinstance(trace.get("metadata"), Mapping) else {}
-    predicted = meta.get("kind") == "predicted"
-    tracks: dict[tuple[Any, Any], str] = {}
-    names: dict[Any, str] = {}
-    events = trace["traceEvents"]
-    for ev in events:
-        if isinstance(ev, Mapping) and ev.get("ph") == "M":
-            args = ev.get("args") if isinstance(ev.get("args"), Mapping) else {}
-            if ev.get("name") == "thread_name":
-                tracks[(ev.get("pid"), ev.get("tid"))] = str(args.get("name", ev.get("tid")))
-            elif ev.get("name") == "process_name":
-                names[ev.get("pid")] = str(args.get("name", ev.get("pid")))
-    ranks: dict[Any, RankTrace] = {}
-    open_async: dict[tuple[Any, Any, Any], tuple[RankTrace, dict[str, Any], float, str, str]] = {}
+    reader = _Reader(trace, source)
+    for ev in trace["traceEvents"]:
+        reader.add(ev)
+    return reader.finish()
 
-    def rank_of(pid: Any) -> RankTrace:
-        rt = ranks.get(pid)
+
+_DRAWN_PHASES = frozenset(("X", "b", "e", "i", "I", "n", "C"))
+
+
+class _Reader:
+    """Turns one file's events into ranks: spans, instants, counters, info."""
+
+    def __init__(self, trace: Mapping[str, Any], source: str) -> None:
+        meta = trace.get("metadata")
+        self.meta: Mapping[str, Any] = meta if isinstance(meta, Mapping) else {}
+        self.source = source
+        self.tracks: dict[tuple[Any, Any], str] = {}
+        self.names: dict[Any, str] = {}
+        for ev in trace["traceEvents"]:
+            if isinstance(ev, Mapping) and ev.get("ph") == "M":
+                args = ev.get("args") if isinstance(ev.get("args"), Mapping) else {}
+                if ev.get("name") == "thread_name":
+                    self.tracks[(ev.get("pid"), ev.get("tid"))] = str(args.get("name",
+                                                                               ev.get("tid")))
+                elif ev.get("name") == "process_name":
+                    self.names[ev.get("pid")] = str(args.get("name", ev.get("pid")))
+        self.ranks: dict[int, RankTrace] = {}
+        # (pid, cat, id) -> (rank, begin args, begin ts, track, name)
+        self.open: dict[tuple[Any, Any, Any], tuple[RankTrace, dict[str, Any], float, str,
+                                                    str]] = {}
+
+    def rank_of(self, pid: Any) -> RankTrace:
+        rt = self.ranks.get(pid)
         if rt is None:
             if isinstance(pid, bool) or not isinstance(pid, int):
-                raise TraceFormatError(f"{source}: pid {pid!r} is not an integer rank")
-            rt = ranks[pid] = RankTrace(rank=pid, name=names.get(pid, f"rank {pid}"),
-                                        source=source, predicted=predicted, metadata=dict(meta))
+                raise TraceFormatError(f"{self.source}: pid {pid!r} is not an integer rank")
+            rt = self.ranks[pid] = RankTrace(
+                rank=pid, name=self.names.get(pid, f"rank {pid}"), source=self.source,
+                predicted=self.meta.get("kind") == "predicted", metadata=dict(self.meta))
         return rt
 
-    for ev in events:
+    def add(self, ev: Any) -> None:
         if not isinstance(ev, Mapping):
-            raise TraceFormatError(f"{source}: trace event {ev!r} is not an object")
+            raise TraceFormatError(f"{self.source}: trace event {ev!r} is not an object")
         ph = ev.get("ph")
-        if ph == "M" or ph in ("s", "t", "f"):
-            continue
-        if ph not in ("X", "b", "e", "i", "I", "n", "C"):
-            continue  # other phases (e.g. memory dumps) are not drawn
-        ts = _number(ev, "ts", source)
-        rt = rank_of(ev.get("pid"))
-        track = tracks.get((ev.get("pid"), ev.get("tid")), f"thread {ev.get('tid')}")
+        if ph not in _DRAWN_PHASES:
+            return  # metadata, flows and other phases are not drawn
+        ts = _number(ev, "ts", self.source)
+        rt = self.rank_of(ev.get("pid"))
+        track = self.tracks.get((ev.get("pid"), ev.get("tid")), f"thread {ev.get('tid')}")
         name, cat = str(ev.get("name", "")), str(ev.get("cat", ""))
-        raw_args = ev.get("args")
-        args = dict(raw_args) if isinstance(raw_args, Mapping) else {}
+        args = dict(ev["args"]) if isinstance(ev.get("args"), Mapping) else {}
         if ph == "X":
-            dur = _number(ev, "dur", source) if "dur" in ev else 0.0
+            dur = _number(ev, "dur", self.source) if "dur" in ev else 0.0
             rt.spans.append(Span(ts, ts + max(0.0, dur), name, cat, track, args))
         elif ph == "b":
-            open_async[(ev.get("pid"), cat, ev.get("id"))] = (rt, args, ts, track, name)
+            self.open[(ev.get("pid"), cat, ev.get("id"))] = (rt, args, ts, track, name)
         elif ph == "e":
-            begun = open_async.pop((ev.get("pid"), cat, ev.get("id")), None)
-            if begun is None:
-                continue
-            brt, bargs, bts, btrack, _ = begun
-            brt.spans.append(Span(bts, max(ts, bts), name, cat, btrack, {**bargs, **args},
-                                  is_async=True))
+            begun = self.open.pop((ev.get("pid"), cat, ev.get("id")), None)
+            if begun is not None:
+                brt, bargs, bts, btrack, _ = begun
+                brt.spans.append(Span(bts, max(ts, bts), name, cat, btrack, {**bargs, **args},
+                                      is_async=True))
         elif ph == "C":
             values = {k: float(v) for k, v in args.items()
                       if isinstance(v, (int, float)) and not isinstance(v, bool)}
             rt.counters.setdefault(name, []).append((ts, values))
         else:
             rt.instants.append(Instant(ts, name, cat, track, args))
-    for (_, cat, _), (rt, args, ts, track, name) in open_async.items():
-        end = max(ts, rt.extent()[1])
-        rt.spans.append(Span(ts, end, name, cat, track, {**args, "unfinished": True},
-                             is_async=True))
-    info = meta.get("info") if isinstance(meta.get("info"), Mapping) else {}
-    anchors = meta.get("clock_anchors") if isinstance(meta.get("clock_anchors"), Mapping) else {}
-    for pid, rt in ranks.items():
-        rinfo = info.get(str(pid))
-        rt.info = dict(rinfo) if isinstance(rinfo, Mapping) else {}
-        anchor = anchors.get(str(pid))
-        if isinstance(anchor, Mapping) and isinstance(anchor.get("perf_counter_ns"), int) \
-                and isinstance(anchor.get("time_ns"), int) and anchor.get("time_ns"):
-            rt.anchor_ns = (anchor["perf_counter_ns"], anchor["time_ns"])
-        rt.spans.sort(key=lambda s: (s.start, -s.end))
-        rt.instants.sort(key=lambda i: i.ts)
-        for samples in rt.counters.values():
-            samples.sort(key=lambda p: p[0])
-    return [ranks[k] for k in sorted(ranks)]
+
+    def finish(self) -> list[RankTrace]:
+        for (_, cat, _), (rt, args, ts, track, name) in self.open.items():
+            rt.spans.append(Span(ts, max(ts, rt.extent()[1]), name, cat, track,
+                                 {**args, "unfinished": True}, is_async=True))
+        info = self.meta.get("info") if isinstance(self.meta.get("info"), Mapping) else {}
+        anchors = self.meta.get("clock_anchors")
+        anchors = anchors if isinstance(anchors, Mapping) else {}
+        for pid, rt in self.ranks.items():
+            rinfo = info.get(str(pid))
+            rt.info = dict(rinfo) if isinstance(rinfo, Mapping) else {}
+            anchor = anchors.get(str(pid))
+            if isinstance(anchor, Mapping) and isinstance(anchor.get("perf_counter_ns"), int) \
+                    and isinstance(anchor.get("time_ns"), int) and anchor.get("time_ns"):
+                rt.anchor_ns = (anchor["perf_counter_ns"], anchor["time_ns"])
+            rt.spans.sort(key=lambda s: (s.start, -s.end))
+            rt.instants.sort(key=lambda i: i.ts)
+            for samples in rt.counters.values():
+                samples.sort(key=lambda p: p[0])
+        return [self.ranks[k] for k in sorted(self.ranks)]
 
 
 # -- interval arithmetic -------------------------------------------------------------------------
@@ -314,14 +329,16 @@ def _gaps(window: tuple[float, float], covered: list[tuple[float, float]]) -> li
 
 # -- bytes and rates -----------------------------------------------------------------------------
 def bytes_moved(rt: RankTrace, step: Step) -> dict[str, Any]:
-    """Bytes of the transfers that began in ``step``: store moves by direction
+    """Bytes of the transfers that began in ``step`` and completed (failed ones and
+    ones still in flight when the trace ended are left out): store moves by direction
     (``NVME->HOST`` ...), NVMe reads and writes of the I/O engines (``nvme_read``,
     ``nvme_write``) with the time each had a request in flight (``*_busy_us``)."""
     moves: dict[str, int] = {}
     busy: dict[str, list[tuple[float, float]]] = {"read": [], "write": []}
     nvme = {"read": 0, "write": 0}
     for s in rt.spans:
-        if not s.is_async or not step.holds(s.start) or s.args.get("error"):
+        if not s.is_async or not step.holds(s.start) or s.args.get("error") \
+                or s.args.get("unfinished"):
             continue
         n = _int(s.args.get("bytes"))
         if s.cat == "store" and "->" in s.name:

@@ -236,10 +236,10 @@ def _group_lanes(rt: RankTrace, gid: str, origin: float, strings: _Strings) -> l
             strings(key) if key else -1, int(s.args.get("bytes") or 0)
             if isinstance(s.args.get("bytes"), (int, float)) else 0, strings(_detail(s.args))))
     for i in rt.instants:
-        if i.name.startswith("evict"):
-            lane = ("copies", "evictions", len(_MOVE_ORDER) + 1)
-        elif i.cat == "plan":
+        if i.cat == "plan":
             lane = ("plan", i.name, 0)
+        elif i.name.startswith("evict"):
+            lane = ("copies", "evictions", len(_MOVE_ORDER) + 1)
         else:
             lane = ("other", i.track, 0)
         key = str(i.args["key"]) if "key" in i.args else ""
@@ -410,7 +410,7 @@ def render_html(model: dict[str, Any]) -> str:
     return (
         "<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n"
         "<meta http-equiv=\"Content-Security-Policy\" content=\"default-src 'none'; "
-        "script-src 'unsafe-inline'; style-src 'unsafe-inline'; img-src data:\">\n"
+        "script-src 'unsafe-inline'; style-src 'unsafe-inline'\">\n"
         "<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">\n"
         f"<title>{title}</title>\n<style>\n{_asset('report.css')}\n</style>\n</head>\n"
         "<body>\n<noscript>This report draws with JavaScript; enable it to see the "

@@ -206,6 +206,9 @@ def test_a_prediction_is_drawn_beside_its_rank(trace_file: Path, tmp_path: Path)
     pred.complete("wait:gather", 100 * US, 300 * US, cat="wait", track="compute",
                   args={"key": "('p', 0)"})
     pred.counter("tier:DEVICE", {"param": MiB // 2}, track="tier:DEVICE", ts_ns=50 * US)
+    for op, t in (("fetch", 20), ("fetch", 40), ("evict", 60)):  # the planner's schedule
+        pred.instant(op, cat="plan", track="plan", args={"key": "('p', 0)", "at": t},
+                     ts_ns=t * US)
     path = write_chrome_trace(tmp_path / "plan.json", pred, metadata={"kind": "predicted"})
     model = build_model(load_traces([trace_file, path]))
     assert [g["label"] for g in model["groups"]] == ["rank 0", "rank 0 (predicted)"]
@@ -216,6 +219,18 @@ def test_a_prediction_is_drawn_beside_its_rank(trace_file: Path, tmp_path: Path)
     assert cmp["measured_us"] == pytest.approx(10000) and cmp["predicted_us"] == pytest.approx(8000)
     series = next(o for o in model["occupancy"] if o["tier"] == "DEVICE")["series"]
     assert [s["predicted"] for s in series] == [False, True]
+    plan = {(lane["section"], lane["label"]): lane["count"] for lane in model["groups"][1]["lanes"]
+            if lane["section"] == "plan"}
+    assert plan == {("plan", "fetch"): 2, ("plan", "evict"): 1}
+
+
+def test_a_schedule_alone_marks_the_plan_present(tmp_path: Path) -> None:
+    rec = _recorder()
+    record_step(rec)
+    rec.instant("fetch", cat="plan", track="plan", args={"key": "('p', 1)", "at": 3},
+                ts_ns=_us(100))
+    model = build_model(load_traces([write_chrome_trace(tmp_path / "t.json", rec)]))
+    assert model["plan"]["present"] and model["plan"]["compare"] == []
 
 
 def test_chrome_export_adds_occupancy_counters_flows_and_facts(trace_file: Path) -> None:
@@ -282,3 +297,16 @@ def test_default_report_path() -> None:
     assert default_report_path("/x/run.trace.json") == Path("/x/run.report.html")
     assert default_report_path("run.json.gz") == Path("run.report.html")
     assert default_report_path("step") == Path("step.report.html")
+
+
+def test_a_request_in_flight_at_the_end_is_drawn_not_counted(tmp_path: Path) -> None:
+    rec = _recorder()
+    record_step(rec)
+    rec.async_begin("read", "io", "io:aio", {"bytes": 7 * MiB, "path": "/swap/a/r0-optim.swap"},
+                    ts_ns=_us(9990))  # the next step's read-ahead: no end before export
+    path = write_chrome_trace(tmp_path / "t.json", rec)
+    assert load_chrome_trace(path)["metadata"]["unmatched_async_begins"] == 1
+    model = build_model(load_traces([path]))
+    lane = next(lane for lane in model["groups"][0]["lanes"] if lane["label"] == "read a")
+    assert lane["count"] == 3 and 7 * MiB in lane["b"]
+    assert model["summary"][0]["steps"][0]["nvme_read"] == 2 * MiB

@@ -217,30 +217,7 @@
   function buildTimeline() {
     var sec = el("section", { id: "timeline" }, [el("h2", {}, ["Timeline",
       el("span", { cls: "hint", text: "wheel: zoom · drag: pan · double-click: whole trace · hover: details" })])]);
-    var bar = el("div", { cls: "toolbar" });
-    bar.appendChild(el("button", { text: "whole trace", "data-action": "fit" }));
-    bar.appendChild(el("button", { text: "zoom in" }));
-    bar.appendChild(el("button", { text: "zoom out" }));
-    var stepButtons = data.steps.filter(function (s, i, all) {
-      return all.findIndex(function (o) { return o.label === s.label; }) === i;
-    });
-    stepButtons.forEach(function (st) {
-      bar.appendChild(el("button", { text: st.label, "data-step": st.label }));
-    });
-    bar.appendChild(el("span", { cls: "view-range", id: "view-range" }));
-    bar.addEventListener("click", function (ev) {
-      var b = ev.target.closest("button");
-      if (!b) return;
-      if (b.dataset.action === "fit") { fitAll(); redraw(); }
-      else if (b.textContent === "zoom in") zoomAt(0.5, 0.5);
-      else if (b.textContent === "zoom out") zoomAt(0.5, 2);
-      else if (b.dataset.step) {
-        var mine = data.steps.filter(function (s) { return s.label === b.dataset.step; });
-        zoomTo(Math.min.apply(null, mine.map(function (s) { return s.start; })),
-               Math.max.apply(null, mine.map(function (s) { return s.end; })));
-      }
-    });
-    sec.appendChild(bar);
+    sec.appendChild(buildToolbar());
     var plot = el("div", { cls: "plot", id: "timeline-plot" });
     var gutter = el("div", { cls: "gutter" });
     plot.appendChild(gutter);
@@ -285,6 +262,32 @@
     plots.push(p);
     attachNavigation(canvas, p);
     attachTooltip(canvas, p);
+  }
+  function buildToolbar() {
+    var bar = el("div", { cls: "toolbar" });
+    bar.appendChild(el("button", { text: "whole trace", "data-action": "fit" }));
+    bar.appendChild(el("button", { text: "zoom in" }));
+    bar.appendChild(el("button", { text: "zoom out" }));
+    var stepButtons = data.steps.filter(function (s, i, all) {
+      return all.findIndex(function (o) { return o.label === s.label; }) === i;
+    });
+    stepButtons.forEach(function (st) {
+      bar.appendChild(el("button", { text: st.label, "data-step": st.label }));
+    });
+    bar.appendChild(el("span", { cls: "view-range", id: "view-range" }));
+    bar.addEventListener("click", function (ev) {
+      var b = ev.target.closest("button");
+      if (!b) return;
+      if (b.dataset.action === "fit") { fitAll(); redraw(); }
+      else if (b.textContent === "zoom in") zoomAt(0.5, 0.5);
+      else if (b.textContent === "zoom out") zoomAt(0.5, 2);
+      else if (b.dataset.step) {
+        var mine = data.steps.filter(function (s) { return s.label === b.dataset.step; });
+        zoomTo(Math.min.apply(null, mine.map(function (s) { return s.start; })),
+               Math.max.apply(null, mine.map(function (s) { return s.end; })));
+      }
+    });
+    return bar;
   }
   function laneColor(lane) {
     return LANE_COLOR[lane.label] || (lane.section === "nvme" ? (lane.label.indexOf("write") === 0 ? "#1f7f8c" : "#2e9b6a")
@@ -392,85 +395,89 @@
       var budget = budgets.length ? Math.max.apply(null, budgets) : null;
       var peak = Math.max.apply(null, tier.series.map(function (s) { return s.peak; }).concat([0]));
       var plot = el("div", { cls: "plot", "data-tier": tier.tier, style: "height:" + OCC_H + "px" });
-      var head = el("div", { cls: "tier-head", "data-tier": tier.tier, "data-peak": String(peak),
-        "data-budget": budget === null ? "" : String(budget), style: "height:" + OCC_H + "px" }, [
-        el("b", { text: tier.tier }),
-        el("span", { text: "peak " + fmtBytes(peak) }),
-        el("span", { text: budget ? "budget " + fmtBytes(budget) + " (" + pct(peak / budget) + ")" : "no budget" })]);
-      tier.series.forEach(function (s, i) {
-        var gl = data.groups.filter(function (g) { return g.id === s.group; })[0];
-        head.appendChild(el("span", { "data-series": s.group, "data-peak": String(s.peak),
-          style: "color:" + GROUP_SERIES_COLOR[i % GROUP_SERIES_COLOR.length],
-          text: (gl ? gl.label : s.group) + (tier.series.length > 1 ? " " + fmtBytes(s.peak) : "") }));
-      });
       plot.appendChild(el("div", { cls: "gutter" }));
-      plot.appendChild(head);
+      plot.appendChild(tierHead(tier, peak, budget));
       var canvas = el("canvas");
       plot.appendChild(canvas);
       sec.appendChild(plot);
       var p = { canvas: canvas, width: 0, draw: null };
       var top = budget && budget > peak ? budget : peak;
-      p.draw = function () {
-        p.width = plotWidth(plot);
-        var ctx = setupCanvas(canvas, p.width, OCC_H);
-        ctx.clearRect(0, 0, p.width, OCC_H);
-        drawGrid(ctx, p.width, 0, OCC_H, false);
-        var yOf = function (v) { return OCC_H - 6 - (top > 0 ? v / top : 0) * (OCC_H - 16); };
-        var span = view.t1 - view.t0;
-        tier.series.forEach(function (s, si) {
-          var color = GROUP_SERIES_COLOR[si % GROUP_SERIES_COLOR.length];
-          if (!s.t.length) return;
-          ctx.beginPath();
-          var i0 = Math.max(0, lowerBound(s.t, view.t0) - 1);
-          var xPrev = (s.t[i0] - view.t0) / span * p.width, yPrev = yOf(s.v[i0]);
-          ctx.moveTo(Math.max(-1, xPrev), yPrev);
-          for (var i = i0 + 1; i < s.t.length; i++) {
-            var x = (s.t[i] - view.t0) / span * p.width;
-            if (x > p.width + 1) { x = p.width + 1; ctx.lineTo(x, yPrev); break; }
-            ctx.lineTo(x, yPrev);
-            yPrev = yOf(s.v[i]);
-            ctx.lineTo(x, yPrev);
-          }
-          if (i === s.t.length) ctx.lineTo(Math.min(p.width, (data.duration_us - view.t0) / span * p.width), yPrev);
-          ctx.strokeStyle = color; ctx.lineWidth = 1.5;
-          ctx.setLineDash(s.predicted ? [5, 3] : []);
-          ctx.stroke();
-          if (!s.predicted && tier.series.length === 1) {
-            ctx.lineTo(Math.min(p.width, (data.duration_us - view.t0) / span * p.width), OCC_H);
-            ctx.lineTo(Math.max(-1, (s.t[i0] - view.t0) / span * p.width), OCC_H);
-            ctx.closePath();
-            ctx.fillStyle = "rgba(59,125,216,0.14)";
-            ctx.fill();
-          }
-        });
-        ctx.setLineDash([]);
-        tier.series.forEach(function (s) {
-          if (!s.budget) return;
-          var yb = Math.round(yOf(s.budget)) + 0.5;
-          ctx.strokeStyle = "#c23b30"; ctx.lineWidth = 1; ctx.setLineDash([6, 4]);
-          ctx.beginPath(); ctx.moveTo(0, yb); ctx.lineTo(p.width, yb); ctx.stroke();
-          ctx.setLineDash([]);
-          ctx.fillStyle = "#c23b30"; ctx.font = "10px system-ui, sans-serif";
-          ctx.fillText("budget " + fmtBytes(s.budget), 4, Math.max(10, yb - 3));
-        });
-      };
+      p.draw = function () { p.width = plotWidth(plot); drawTier(tier, canvas, p.width, top); };
       plots.push(p);
       attachNavigation(canvas, p);
-      canvas.addEventListener("mousemove", function (ev) {
-        var rect = canvas.getBoundingClientRect(), t = view.t0 + (ev.clientX - rect.left) / p.width * (view.t1 - view.t0);
-        var parts = ["<b>" + tier.tier + "</b> at " + fmtTime(t)];
-        tier.series.forEach(function (s) {
-          var i = lowerBound(s.t, t + 1e-9) - 1;
-          if (i < 0) return;
-          var kinds = Object.keys(s.kinds).map(function (k) { return k + " " + fmtBytes(s.kinds[k][i]); }).join(", ");
-          parts.push(esc(s.group) + ": " + fmtBytes(s.v[i]) + (s.budget ? " of " + fmtBytes(s.budget) : "") +
-            (kinds ? "<br><span class=t>" + esc(kinds) + "</span>" : ""));
-        });
-        showTip(ev, parts.join("<br>"));
-      });
+      canvas.addEventListener("mousemove", function (ev) { tierTip(ev, tier, canvas, p.width); });
       canvas.addEventListener("mouseleave", hideTip);
     });
     app.appendChild(sec);
+  }
+  function tierHead(tier, peak, budget) {
+    var head = el("div", { cls: "tier-head", "data-tier": tier.tier, "data-peak": String(peak),
+      "data-budget": budget === null ? "" : String(budget), style: "height:" + OCC_H + "px" }, [
+      el("b", { text: tier.tier }),
+      el("span", { text: "peak " + fmtBytes(peak) }),
+      el("span", { text: budget ? "budget " + fmtBytes(budget) + " (" + pct(peak / budget) + ")" : "no budget" })]);
+    tier.series.forEach(function (s, i) {
+      var gl = data.groups.filter(function (g) { return g.id === s.group; })[0];
+      head.appendChild(el("span", { "data-series": s.group, "data-peak": String(s.peak),
+        style: "color:" + GROUP_SERIES_COLOR[i % GROUP_SERIES_COLOR.length],
+        text: (gl ? gl.label : s.group) + (tier.series.length > 1 ? " " + fmtBytes(s.peak) : "") }));
+    });
+    return head;
+  }
+  function drawTier(tier, canvas, width, top) {
+    var ctx = setupCanvas(canvas, width, OCC_H);
+    ctx.clearRect(0, 0, width, OCC_H);
+    drawGrid(ctx, width, 0, OCC_H, false);
+    var yOf = function (v) { return OCC_H - 6 - (top > 0 ? v / top : 0) * (OCC_H - 16); };
+    var span = view.t1 - view.t0, xOf = function (t) { return (t - view.t0) / span * width; };
+    var xEnd = Math.min(width, xOf(data.duration_us));
+    tier.series.forEach(function (s, si) {
+      if (!s.t.length) return;
+      // a step curve: flat until the next sample, then a vertical jump
+      ctx.beginPath();
+      var i0 = Math.max(0, lowerBound(s.t, view.t0) - 1), y = yOf(s.v[i0]), i;
+      ctx.moveTo(Math.max(-1, xOf(s.t[i0])), y);
+      for (i = i0 + 1; i < s.t.length; i++) {
+        var x = xOf(s.t[i]);
+        if (x > width + 1) { ctx.lineTo(width + 1, y); break; }
+        ctx.lineTo(x, y);
+        y = yOf(s.v[i]);
+        ctx.lineTo(x, y);
+      }
+      if (i === s.t.length) ctx.lineTo(xEnd, y);
+      ctx.strokeStyle = GROUP_SERIES_COLOR[si % GROUP_SERIES_COLOR.length]; ctx.lineWidth = 1.5;
+      ctx.setLineDash(s.predicted ? [5, 3] : []);
+      ctx.stroke();
+      if (!s.predicted && tier.series.length === 1) {
+        ctx.lineTo(xEnd, OCC_H);
+        ctx.lineTo(Math.max(-1, xOf(s.t[i0])), OCC_H);
+        ctx.closePath();
+        ctx.fillStyle = "rgba(59,125,216,0.14)";
+        ctx.fill();
+      }
+    });
+    ctx.setLineDash([]);
+    tier.series.forEach(function (s) {
+      if (!s.budget) return;
+      var yb = Math.round(yOf(s.budget)) + 0.5;
+      ctx.strokeStyle = "#c23b30"; ctx.lineWidth = 1; ctx.setLineDash([6, 4]);
+      ctx.beginPath(); ctx.moveTo(0, yb); ctx.lineTo(width, yb); ctx.stroke();
+      ctx.setLineDash([]);
+      ctx.fillStyle = "#c23b30"; ctx.font = "10px system-ui, sans-serif";
+      ctx.fillText("budget " + fmtBytes(s.budget), 4, Math.max(10, yb - 3));
+    });
+  }
+  function tierTip(ev, tier, canvas, width) {
+    var rect = canvas.getBoundingClientRect(), t = view.t0 + (ev.clientX - rect.left) / width * (view.t1 - view.t0);
+    var parts = ["<b>" + tier.tier + "</b> at " + fmtTime(t)];
+    tier.series.forEach(function (s) {
+      var i = lowerBound(s.t, t + 1e-9) - 1;
+      if (i < 0) return;
+      var kinds = Object.keys(s.kinds).map(function (k) { return k + " " + fmtBytes(s.kinds[k][i]); }).join(", ");
+      parts.push(esc(s.group) + ": " + fmtBytes(s.v[i]) + (s.budget ? " of " + fmtBytes(s.budget) : "") +
+        (kinds ? "<br><span class=t>" + esc(kinds) + "</span>" : ""));
+    });
+    showTip(ev, parts.join("<br>"));
   }
 
   // -- prefetch outcomes ---------------------------------------------------------------------
