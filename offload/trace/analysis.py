@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = ["Instant", "RankTrace", "Span", "Step", "TraceFormatError", "UseOutcome",
-           "bytes_moved", "exposed_time", "intersect_length", "parse_trace", "prefetch_outcomes",
+           "byte_count", "bytes_moved", "exposed_time", "intersect_length", "parse_trace", "prefetch_outcomes",
            "steps_of", "tier_occupancy", "union", "union_length"]
 
 COMPUTE_TRACK = "compute"
@@ -188,8 +188,8 @@ class _Reader:
                 brt.spans.append(Span(bts, max(ts, bts), name, cat, btrack, {**bargs, **args},
                                       is_async=True))
         elif ph == "C":
-            values = {k: float(v) for k, v in args.items()
-                      if isinstance(v, (int, float)) and not isinstance(v, bool)}
+            values = {k: float(v) for k, v in args.items() if isinstance(v, (int, float))
+                      and not isinstance(v, bool) and math.isfinite(v)}
             rt.counters.setdefault(name, []).append((ts, values))
         else:
             rt.instants.append(Instant(ts, name, cat, track, args))
@@ -340,7 +340,7 @@ def bytes_moved(rt: RankTrace, step: Step) -> dict[str, Any]:
         if not s.is_async or not step.holds(s.start) or s.args.get("error") \
                 or s.args.get("unfinished"):
             continue
-        n = _int(s.args.get("bytes"))
+        n = byte_count(s.args.get("bytes"))
         if s.cat == "store" and "->" in s.name:
             moves[s.name] = moves.get(s.name, 0) + n
         elif s.cat == "io" and s.name in nvme:
@@ -351,8 +351,10 @@ def bytes_moved(rt: RankTrace, step: Step) -> dict[str, Any]:
             "write_busy_us": union_length(busy["write"])}
 
 
-def _int(value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+def byte_count(value: Any) -> int:
+    """``value`` as a count of bytes: 0 unless it is a finite, non-negative number."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not math.isfinite(value) or value < 0:
         return 0
     return int(value)
 

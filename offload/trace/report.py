@@ -30,7 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from offload.trace.analysis import (COLLECTIVES, FETCH, OPTIM_UPDATE, PHASES, USE_WAIT,
-                                    RankTrace, Span, Step, TraceFormatError, bytes_moved,
+                                    RankTrace, Span, Step, TraceFormatError, byte_count,
+                                    bytes_moved,
                                     exposed_time, is_collective_wait, parse_trace,
                                     prefetch_outcomes, steps_of, tier_occupancy)
 
@@ -66,7 +67,11 @@ def load_traces(paths: Sequence[str | os.PathLike[str]]) -> list[RankTrace]:
     seen: dict[tuple[int, bool], str] = {}
     for path in paths:
         p = Path(path)
-        for rt in parse_trace(_read_json(p), str(p)):
+        try:
+            parsed = parse_trace(_read_json(p), str(p))
+        except TraceFormatError as e:
+            raise ReportInputError(str(e)) from None
+        for rt in parsed:
             where = seen.get((rt.rank, rt.predicted))
             if where is not None:
                 kind = "predicted" if rt.predicted else "measured"
@@ -98,10 +103,6 @@ def _read_json(path: Path) -> Any:
     except json.JSONDecodeError as e:
         raise ReportInputError(f"{path}: not valid JSON ({e.msg} at line {e.lineno} column "
                                f"{e.colno}); is the file complete?") from None
-    try:
-        parse_trace(trace, str(path))
-    except TraceFormatError as e:
-        raise ReportInputError(str(e)) from None
     return trace
 
 
@@ -233,8 +234,8 @@ def _group_lanes(rt: RankTrace, gid: str, origin: float, strings: _Strings) -> l
         key = str(s.args["key"]) if "key" in s.args else ""
         buckets.setdefault(lane, []).append((
             s.start - origin, s.end - origin, strings(_display_name(s, lane[0])),
-            strings(key) if key else -1, int(s.args.get("bytes") or 0)
-            if isinstance(s.args.get("bytes"), (int, float)) else 0, strings(_detail(s.args))))
+            strings(key) if key else -1, byte_count(s.args.get("bytes")),
+            strings(_detail(s.args))))
     for i in rt.instants:
         if i.cat == "plan":
             lane = ("plan", i.name, 0)
@@ -243,11 +244,9 @@ def _group_lanes(rt: RankTrace, gid: str, origin: float, strings: _Strings) -> l
         else:
             lane = ("other", i.track, 0)
         key = str(i.args["key"]) if "key" in i.args else ""
-        b = i.args.get("bytes")
         buckets.setdefault(lane, []).append((
             i.ts - origin, i.ts - origin, strings(i.name), strings(key) if key else -1,
-            int(b) if isinstance(b, (int, float)) and not isinstance(b, bool) else 0,
-            strings(_detail(i.args))))
+            byte_count(i.args.get("bytes")), strings(_detail(i.args))))
     lanes = []
     for (section, label, order) in sorted(buckets, key=lambda k: (_SECTIONS.index(k[0]), k[2],
                                                                    k[1])):
@@ -292,7 +291,8 @@ def _disk(info: dict[str, Any]) -> dict[str, float]:
     if isinstance(disk, dict):
         for k in ("read_Bps", "write_Bps"):
             v = disk.get(k)
-            if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0:
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) \
+                    and v > 0:
                 out[k] = float(v)
     return out
 
@@ -331,10 +331,9 @@ def _occupancy(ranks: list[tuple[str, RankTrace]], origin: float) -> list[dict[s
         for tier, series in tier_occupancy(rt).items():
             entry = tiers.setdefault(tier, {"tier": tier, "series": []})
             kinds = sorted({k for _, _, ks in series for k in ks})
-            budget = budgets.get(tier)
+            budget = byte_count(budgets.get(tier))
             entry["series"].append({
-                "group": gid, "predicted": rt.predicted,
-                "budget": budget if isinstance(budget, (int, float)) and budget > 0 else None,
+                "group": gid, "predicted": rt.predicted, "budget": budget or None,
                 "t": [_r(t - origin) for t, _, _ in series], "v": [v for _, v, _ in series],
                 "peak": max((v for _, v, _ in series), default=0.0),
                 "kinds": {k: [ks.get(k, 0.0) for _, _, ks in series] for k in kinds}})
@@ -404,8 +403,9 @@ def _escape_html(text: str) -> str:
 def render_html(model: dict[str, Any]) -> str:
     """The whole page: model as JSON, script and style inline; no external reference."""
     data = json.dumps(model, separators=(",", ":"), allow_nan=False)
-    # "</" would end the script element early; "<\/" is the same JSON string
-    data = data.replace("</", "<\\/").replace("<!--", "<\\!--")
+    # "</script>" or "<!--" in a name would end or confuse the script element: no "<" at
+    # all (it can only occur inside JSON strings, where \u003c is the same character)
+    data = data.replace("<", "\\u003c")
     title = _escape_html(model.get("title", "offload trace report"))
     return (
         "<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n"

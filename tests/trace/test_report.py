@@ -178,8 +178,9 @@ def test_script_end_in_a_record_name_cannot_break_out(tmp_path: Path) -> None:
     rec.complete("</script><b>x", _us(0), _us(10), cat="compute", track="compute")
     path = write_chrome_trace(tmp_path / "t.json", rec)
     html = render_html(build_model(load_traces([path])))
-    body = html.split('id="report-data">', 1)[1]
-    assert body.index("</script>") > body.index("<\\/script><b>x")
+    data = html.split('id="report-data">', 1)[1].split("</script>", 1)[0]
+    assert "<" not in data
+    assert "</script><b>x" in json.loads(data)["strings"]
 
 
 def test_ranks_of_two_hosts_are_aligned_by_their_clock_anchors(tmp_path: Path) -> None:
@@ -310,3 +311,22 @@ def test_a_request_in_flight_at_the_end_is_drawn_not_counted(tmp_path: Path) -> 
     lane = next(lane for lane in model["groups"][0]["lanes"] if lane["label"] == "read a")
     assert lane["count"] == 3 and 7 * MiB in lane["b"]
     assert model["summary"][0]["steps"][0]["nvme_read"] == 2 * MiB
+
+
+def test_values_json_allows_but_a_trace_should_not_have_are_ignored(tmp_path: Path) -> None:
+    odd = tmp_path / "odd.json"
+    odd.write_text('{"traceEvents": ['
+                   '{"ph": "C", "name": "tier:HOST", "ts": 1.0, "pid": 0, "tid": 1, '
+                   '"args": {"param": NaN, "grad": 5}},'
+                   '{"ph": "b", "name": "read", "cat": "io", "ts": 2.0, "pid": 0, "tid": 2, '
+                   '"id": "0x1", "args": {"bytes": Infinity}},'
+                   '{"ph": "e", "name": "read", "cat": "io", "ts": 3.0, "pid": 0, "tid": 2, '
+                   '"id": "0x1"}],'
+                   '"metadata": {"info": {"0": {"tier_budgets": {"HOST": NaN}, '
+                   '"reference_step_s": -Infinity, "disk": {"read_Bps": NaN}}}}}')
+    out = write_report([odd], tmp_path / "odd.html")
+    data = json.loads(out.read_text().split('id="report-data">', 1)[1].split("</script>", 1)[0])
+    assert data["occupancy"][0]["series"][0]["v"] == [5.0]
+    assert data["occupancy"][0]["series"][0]["budget"] is None
+    assert data["summary"][0]["steps"][0]["nvme_read"] == 0
+    assert data["summary"][0]["disk"] == {} and data["summary"][0]["reference_step_s"] is None
