@@ -423,6 +423,8 @@ def train(plan: DemoPlan, rank: int, reporter: Reporter, stop: StopRequest,
 
     recorder = TraceRecorder(enabled=False, rank=rank, process_name=f"demo rank {rank}")
     recorder.declare_track("compute")
+    if plan.trace is not None:  # before the engine: its threads would disturb the measures
+        record_run_facts(recorder, plan, swap_dir, rank)
     t0 = time.perf_counter()
     engine = initialize(lambda: GPT(plan.model), plan.config(swap_dir), recorder=recorder)
     try:
@@ -431,8 +433,6 @@ def train(plan: DemoPlan, rank: int, reporter: Reporter, stop: StopRequest,
                             seed=plan.seed * 1000 + rank)
         meter, sampler = StepMeter(engine), TierSampler(engine.store)
         records: list[StepRecord] = []
-        if plan.trace is not None:
-            record_run_facts(recorder, plan, swap_dir, rank, engine.device)
         reporter.start(plan)
         try:
             for step in range(1, plan.steps + 1):

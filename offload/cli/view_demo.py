@@ -1,6 +1,6 @@
 """What `offload demo` adds to its trace for the report, and how it writes both.
 
-* `record_run_facts`: before the traced step, a short probe of the swap disk
+* `record_run_facts`: before the engine is built, a short probe of the swap disk
   through offload's own I/O engine (the rate the report compares the step's
   NVMe traffic with) and, where the model fits easily in memory, the time of
   the same step in plain PyTorch with nothing offloaded (the report's
@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 import logging
-import statistics
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -73,12 +72,13 @@ def probe_disk(directory: Path, io: dict[str, Any], nbytes: int = PROBE_BYTES) -
         eng.close()
     return {**rates, "bytes": n * PROBE_REQUEST, "engine": eng.name, "direct": eng.direct,
             "how": f"{n * PROBE_REQUEST >> 20} MiB written then read in {PROBE_REQUEST >> 20} MiB "
-                   "requests, 4 in flight, before the traced step"}
+                   "requests, 4 in flight, before the engine was built"}
 
 
 def reference_step_seconds(plan: DemoPlan, device: torch.device, repeats: int = 5) -> float:
-    """Median time of one step of the demo's model and batch in plain PyTorch (AdamW,
-    everything in memory on `device`), after one untimed step."""
+    """The fastest of `repeats` steps of the demo's model and batch in plain PyTorch
+    (AdamW, everything in memory on `device`), after one untimed step. The fastest,
+    not the median: on a shared machine a step is only ever slowed down by others."""
     import torch
 
     from .gpt import GPT, ReversalTask
@@ -99,24 +99,33 @@ def reference_step_seconds(plan: DemoPlan, device: torch.device, repeats: int = 
             torch.cuda.synchronize(device)
         if i:
             times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    return min(times)
 
 
-def record_run_facts(recorder: TraceRecorder, plan: DemoPlan, swap_dir: Path, rank: int,
-                     device: torch.device) -> None:
-    """The disk's rate and (rank 0, small models) the no-offload step, into the recorder's
-    info; a probe that fails is logged and left out, never fatal."""
+def record_run_facts(recorder: TraceRecorder, plan: DemoPlan, swap_dir: Path,
+                     rank: int) -> None:
+    """The no-offload step (rank 0, small models) and the disk's rate, into the recorder's
+    info; a measure that fails is logged and left out, never fatal.
+
+    Call it before the engine is built: the engine's threads and its short GIL switch
+    interval (`io.switch_interval`) make a plain PyTorch step in the same process
+    erratic. The step is timed before the disk probe for the same reason: right after
+    a burst of direct writes, a virtual disk's host may take the CPU for a while.
+    """
+    from ..store.copy import resolve_device
+
+    if rank == 0 and plan.state_bytes <= REFERENCE_MAX_STATE:
+        try:
+            seconds = reference_step_seconds(plan, resolve_device("auto"))
+            recorder.set_info(reference_step_s=seconds, reference=(
+                "the same model and batch in plain PyTorch (AdamW), everything in memory, "
+                "one process: the fastest of 5 steps after one untimed"))
+        except Exception as e:
+            log.warning("no-offload step for the report failed: %s", e)
     try:
         recorder.set_info(disk=probe_disk(swap_dir, plan.config(swap_dir)["io"]))
     except Exception as e:  # the report then shows the achieved rate alone
         log.warning("disk probe for the report failed: %s", e)
-    if rank == 0 and plan.state_bytes <= REFERENCE_MAX_STATE:
-        try:
-            recorder.set_info(reference_step_s=reference_step_seconds(plan, device),
-                              reference="the same model and batch in plain PyTorch (AdamW), "
-                                        "everything in memory, one process")
-        except Exception as e:
-            log.warning("no-offload step for the report failed: %s", e)
 
 
 def _sample_tiers(recorder: TraceRecorder, store: Any) -> None:
