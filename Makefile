@@ -13,6 +13,7 @@ setup: $(STAMP)
 
 $(STAMP): pyproject.toml Makefile
 	@sh scripts/install-libaio.sh
+	@sh scripts/install-chromium.sh
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"

@@ -422,10 +422,13 @@ def train(plan: DemoPlan, rank: int, reporter: Reporter, stop: StopRequest,
           swap_dir: Path) -> dict[str, Any]:
     """Builds the engine, runs the steps, returns the summary (every rank)."""
     from ..engine import initialize
-    from ..trace import TraceRecorder, write_chrome_trace
+    from ..trace import TraceRecorder
+    from .view_demo import record_run_facts, start_traced_step, write_traced_step
 
     recorder = TraceRecorder(enabled=False, rank=rank, process_name=f"demo rank {rank}")
     recorder.declare_track("compute")
+    if plan.trace is not None:  # before the engine: its threads would disturb the measures
+        record_run_facts(recorder, plan, swap_dir, rank)
     t0 = time.perf_counter()
     engine = initialize(lambda: GPT(plan.model), plan.config(swap_dir), recorder=recorder)
     try:
@@ -437,15 +440,13 @@ def train(plan: DemoPlan, rank: int, reporter: Reporter, stop: StopRequest,
         reporter.start(plan)
         try:
             for step in range(1, plan.steps + 1):
-                traced = rank == 0 and plan.trace is not None and step == plan.trace_step
-                recorder.enabled = traced
+                traced = plan.trace is not None and step == plan.trace_step
+                if traced:
+                    start_traced_step(recorder, engine.store)
                 rec, stopping = _one_step(engine, task, step, plan, meter, sampler, stop)
                 if traced:
                     engine.store.wait_all()  # the step's last evictions end inside the trace
-                    recorder.enabled = False
-                    write_chrome_trace(plan.trace, recorder, metadata={"step": step,
-                                                                       "model": plan.size})
-                    summary["trace"] = str(plan.trace)
+                    summary.update(write_traced_step(plan, recorder, step, rank, engine.store))
                 records.append(rec)
                 reporter.step(rec)
                 if stopping:
@@ -464,12 +465,10 @@ def _one_step(engine: Any, task: ReversalTask, step: int, plan: DemoPlan, meter:
     """One optimizer step; the loss, bytes and stop flag agreed by every rank."""
     t = time.perf_counter()
     x, y = task.next_batch()
-    trace = engine.recorder  # on for the traced step only; the phases are the demo's spans
-    with trace.span("forward", cat="compute", track="compute", step=step):
+    # on for the traced step only; the engine records the phases inside the step
+    with engine.recorder.span("step", cat="compute", track="compute", step=step):
         loss = ReversalTask.loss(engine(x.to(engine.device)), y)
-    with trace.span("backward", cat="compute", track="compute", step=step):
         engine.backward(loss)
-    with trace.span("optimizer step", cat="compute", track="compute", step=step):
         engine.step()
     moved = meter.step()
     value, flag, read, written = _all_sum([loss.item(), float(stop.poll()),

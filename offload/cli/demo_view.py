@@ -79,6 +79,8 @@ class Reporter:
         if summary.get("trace"):
             self.console.print(f"trace of step {plan.trace_step}: {summary['trace']} (open it "
                                "in https://ui.perfetto.dev)")
+        if summary.get("report"):
+            self.console.print(f"report: {summary['report']} (open it in a browser)")
 
 
 def _plain_line(rec: StepRecord, plan: DemoPlan | None) -> str:

@@ -7,7 +7,7 @@ import argparse
 import logging
 import sys
 
-from . import bench_adam, bench_io, bench_oversized, bench_step, bench_store, demo
+from . import bench_adam, bench_io, bench_oversized, bench_step, bench_store, demo, view
 from .args import CommandParser, run_command
 
 
@@ -22,6 +22,11 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="run the main job on an embedded default")
     demo.add_arguments(d)
     d.set_defaults(func=demo.run)
+
+    v = sub.add_parser("view", help="a self-contained HTML report of trace files (timeline, "
+                       "tier occupancy, prefetch outcomes, summary)")
+    view.add_arguments(v)
+    v.set_defaults(func=view.run)
 
     bench = sub.add_parser("bench", help="benchmarks against the disk or a peer, interleaved")
     bsub = bench.add_subparsers(dest="bench", required=True)

@@ -5,15 +5,24 @@ gloo has no reduce_scatter; there the full gradient is all-reduced and each
 rank keeps its slice (twice the traffic of a reduce-scatter, same result).
 NCCL uses reduce_scatter_tensor. Gradients are averaged over ranks, as data
 parallelism with a mean loss expects.
+
+Traced (when the recorder is on): each collective is an async event on the
+``comm`` track from its issue until a wait saw it done, with its bytes; the time
+a caller blocks in `Pending.wait` (or in a synchronous collective) is a
+``wait:<collective>`` span on the caller's thread track. A world of 1 runs no
+collective and records nothing.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 import torch.distributed as dist
+
+from ..trace import NULL_RECORDER, AsyncToken, TraceRecorder
 
 __all__ = ["Collectives", "Pending"]
 
@@ -24,11 +33,19 @@ class Pending:
 
     work: object | None
     finish: Callable[[], None] | None = None
+    recorder: TraceRecorder = NULL_RECORDER
+    token: AsyncToken | None = None  # the collective's async event, ended by the wait
 
     def wait(self) -> None:
         if self.work is not None:
+            t0 = time.perf_counter_ns()
             self.work.wait()
+            t1 = time.perf_counter_ns()
             self.work = None
+            if self.token is not None:
+                self.recorder.complete(f"wait:{self.token.name}", t0, t1, cat="wait")
+                self.recorder.async_end(self.token, ts_ns=t1)
+                self.token = None
         if self.finish is not None:
             fn, self.finish = self.finish, None
             fn()
@@ -37,7 +54,9 @@ class Pending:
 class Collectives:
     """Collectives of one job; a world of 1 (or no process group) makes them copies."""
 
-    def __init__(self, group: object | None = None) -> None:
+    def __init__(self, group: object | None = None, *,
+                 recorder: TraceRecorder = NULL_RECORDER) -> None:
+        self.recorder = recorder
         self.distributed = dist.is_available() and dist.is_initialized()
         self.group = group
         self.rank = dist.get_rank(group) if self.distributed else 0
@@ -52,12 +71,13 @@ class Collectives:
         if self.world == 1:
             full.copy_(shard)
             return Pending(None)
+        token = self._begin("all-gather", full)
         if self.backend == "nccl":
-            work = dist.all_gather_into_tensor(full, shard, group=self.group, async_op=async_op)
+            work = dist.all_gather_into_tensor(full, shard, group=self.group, async_op=True)
         else:
             work = dist.all_gather(list(full.chunk(self.world)), shard, group=self.group,
-                                   async_op=async_op)
-        return Pending(work if async_op else None)
+                                   async_op=True)
+        return self._then(work, None, async_op, token)
 
     def reduce_scatter_mean(self, full_grad: torch.Tensor, *,
                             async_op: bool = False) -> tuple[Pending, torch.Tensor]:
@@ -74,18 +94,26 @@ class Collectives:
             return Pending(None), full_grad
         n = full_grad.numel() // self.world
         out = torch.empty(n, dtype=full_grad.dtype, device=full_grad.device)
+        token = self._begin("reduce-scatter", full_grad)
         if self.backend == "nccl":
             work = dist.reduce_scatter_tensor(out, full_grad, group=self.group, async_op=True)
-            return self._then(work, lambda: out.div_(self.world), async_op), out
+            return self._then(work, lambda: out.div_(self.world), async_op, token), out
         work = dist.all_reduce(full_grad, group=self.group, async_op=True)
         lo = self.rank * n
 
         def finish() -> None:
             out.copy_(full_grad[lo:lo + n]).div_(self.world)
-        return self._then(work, finish, async_op), out
+        return self._then(work, finish, async_op, token), out
 
-    def _then(self, work: object, finish: Callable[[], None], async_op: bool) -> Pending:
-        p = Pending(work, finish)
+    def _begin(self, op: str, tensor: torch.Tensor) -> AsyncToken | None:
+        if not self.recorder.enabled:
+            return None
+        return self.recorder.async_begin(op, "comm", "comm", {
+            "bytes": tensor.numel() * tensor.element_size(), "backend": self.backend})
+
+    def _then(self, work: object, finish: Callable[[], None] | None, async_op: bool,
+              token: AsyncToken | None = None) -> Pending:
+        p = Pending(work, finish, self.recorder, token)
         if not async_op:
             p.wait()
         return p
@@ -97,7 +125,8 @@ class Collectives:
         t = torch.tensor(values, dtype=torch.float64)
         if self.backend == "nccl":
             t = t.cuda()
-        dist.all_reduce(t, group=self.group)
+        token = self._begin("all-reduce", t)
+        self._then(dist.all_reduce(t, group=self.group, async_op=True), None, False, token)
         return t.cpu().tolist()
 
     def barrier(self) -> None:

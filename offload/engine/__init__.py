@@ -97,7 +97,7 @@ def initialize(model: nn.Module | Callable[[], nn.Module],
         raise ValueError(f"buffers {meta_buffers[:4]} are on the meta device; build buffers on "
                          "the CPU (only parameters may be meta)")
     ckpt = SafetensorsCheckpoint(checkpoint) if checkpoint is not None else None
-    comm = Collectives()
+    comm = Collectives(recorder=recorder)
     units, groups = build_units(model, cfg.engine.group_size, comm.world)
     check_budgets(cfg, groups, _DTYPES[cfg.engine.dtype])  # before any file is made
     store = TieredStore(cfg, rank=comm.rank, recorder=recorder)

@@ -60,7 +60,7 @@ from ..io import hold_switch_interval
 from ..optim import CpuAdam, OptimStepError, grad_sq_sum
 from ..planner import AccessTrace
 from ..store import BudgetExceededError, Tier, TieredStore
-from ..trace import NULL_RECORDER, TraceRecorder
+from ..trace import NULL_RECORDER, TraceRecorder, UnitSpans
 from .step import StagedParams, StepFailedError
 from .units import Group, Unit
 
@@ -162,6 +162,7 @@ class OffloadEngine(nn.Module):
         self.store = store
         self.comm = comm
         self.recorder = recorder
+        self._spans = UnitSpans(recorder)  # per-unit spans and use waits (docs/trace.md)
         self.dtype = _DTYPES[cfg.engine.dtype]
         self.device = store.device
         self.trace = AccessTrace()
@@ -223,11 +224,12 @@ class OffloadEngine(nn.Module):
     # -- gathering --------------------------------------------------------------------
     def _gather(self, st: _GroupState) -> None:
         """Makes the group's full weights valid in `flat` (waits for them)."""
-        if st.pending is None and not st.gathered:
-            self._start_gather(st, async_op=False)
-        if st.pending is not None:
-            pending, st.pending = st.pending, None
-            pending.wait()
+        with self._spans.use(("p", st.group.gid)):
+            if st.pending is None and not st.gathered:
+                self._start_gather(st, async_op=False)
+            if st.pending is not None:
+                pending, st.pending = st.pending, None
+                pending.wait()
 
     def _start_gather(self, st: _GroupState, async_op: bool) -> None:
         """Fetches the shard to DEVICE and starts the all-gather into `flat`.
@@ -288,6 +290,7 @@ class OffloadEngine(nn.Module):
 
     def _make_pre(self, unit: Unit) -> Callable:
         def pre(module: nn.Module, args: Any) -> None:
+            self._spans.forward_begin(unit.name)
             for gid in unit.needs:
                 st = self._states[gid]
                 self.trace.record(gid)
@@ -300,6 +303,7 @@ class OffloadEngine(nn.Module):
     def _make_post(self, unit: Unit) -> Callable:
         def post(module: nn.Module, args: Any, out: Any) -> Any:
             backward = _in_backward()
+            self._spans.forward_end(unit.name, backward)
             for gid in unit.needs:
                 st = self._states[gid]
                 st.active -= 1
@@ -314,6 +318,7 @@ class OffloadEngine(nn.Module):
 
     def _make_pre_backward(self, unit: Unit) -> Callable:
         def hook(grad: torch.Tensor) -> None:
+            self._spans.backward_begin(unit.name)
             for gid in unit.needs:
                 st = self._states[gid]
                 if not st.gathered:  # the saved views see the refilled storage; a
@@ -537,6 +542,7 @@ class OffloadEngine(nn.Module):
         try:
             with self.recorder.span("backward", cat="compute", track="compute"):
                 loss.backward()
+                self._spans.backward_end()
             for p in self._reductions:
                 p.wait()
         except BaseException:

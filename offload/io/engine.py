@@ -112,7 +112,8 @@ class IoEngine(abc.ABC):
                 blocks.append(_Block(handle, Segment(seg.fd, seg.path, seg.offset + off,
                                                      seg.address + off, n), fds))
         handle._add_blocks(len(blocks))
-        token = self.recorder.async_begin(op, "io", f"io:{self.name}", {"bytes": total})
+        token = self.recorder.async_begin(op, "io", f"io:{self.name}", {
+            "bytes": total, "path": first.path if first else ""})
         handle.add_done_callback(lambda h: self.recorder.async_end(
             token, {"error": str(h.error)} if h.error else None))
         if not blocks:

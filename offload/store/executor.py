@@ -555,4 +555,9 @@ class MoveExecutor:
             self._policy.touched(rec.key, move.dst)
             result = self._view(rec, move.dst)
         move._finish(result, error)
+        if move.op == "fetch" and self._rec.enabled:  # issue -> arrival: prefetch outcomes
+            self._rec.async_end(self._rec.async_begin("fetch", "fetch", "fetch", {
+                "key": str(rec.key), "kind": rec.kind, "bytes": rec.nbytes, "steps": "+".join(
+                    s.name for s in move.steps)}, ts_ns=int(move.t_start * 1e9)),
+                {"error": type(error).__name__} if error else None, ts_ns=int(move.t_done * 1e9))
         self._cond.notify_all()

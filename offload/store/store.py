@@ -113,6 +113,7 @@ class TieredStore(MoveExecutor):
         self._worker.start()
         for t in Tier:
             recorder.declare_track(f"tier:{t.name}")
+        recorder.set_info(tier_budgets={t.name: self._acct.budget(t) for t in Tier})
         log.info("tiered store on %s: DEVICE %d B, HOST %d B, NVME %s; swap under %s",
                  device, self._cfg.device_budget, self._cfg.host_budget,
                  f"{self._cfg.nvme_budget} B" if self._cfg.nvme_budget else "unlimited",

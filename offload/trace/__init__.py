@@ -19,6 +19,7 @@ from offload.trace.chrome import (load_chrome_trace, merge_chrome_traces, summar
                                   to_chrome_trace, write_chrome_trace, write_trace_dict)
 from offload.trace.recorder import (NULL_RECORDER, AsyncToken, TraceEvent, TraceRecorder,
                                     TraceSnapshot)
+from offload.trace.units import UnitSpans
 
 __all__ = [
     "AsyncToken",
@@ -26,6 +27,7 @@ __all__ = [
     "TraceEvent",
     "TraceRecorder",
     "TraceSnapshot",
+    "UnitSpans",
     "load_chrome_trace",
     "merge_chrome_traces",
     "summarize",

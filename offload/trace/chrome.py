@@ -6,6 +6,13 @@ each track is one thread of it, named by ``thread_name`` metadata and ordered
 by ``thread_sort_index``. Timestamps are microseconds (floats) of
 ``time.perf_counter_ns()``, kept absolute so that files written by different
 ranks of one host can be merged by concatenation (:func:`merge_chrome_traces`).
+
+Beyond the recorded events the export adds, for Perfetto: beside each
+``tier:<TIER>`` counter (bytes held per kind of partition), an ``occupancy:<TIER>``
+counter with the bytes ``used`` in all and the tier's ``budget`` (where the store
+stated it), and a flow arrow (``s``/``f``, cat ``fetch``) from each fetch issued
+ahead of a use to that use (see [Note: prefetch outcome] in analysis.py).
+Facts given to ``TraceRecorder.set_info`` go in ``metadata["info"][rank]``.
 """
 
 from __future__ import annotations
@@ -21,6 +28,8 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from offload.trace.analysis import (COMPUTE_TRACK, FETCH, TIER_COUNTER_PREFIX, parse_trace,
+                                    prefetch_outcomes)
 from offload.trace.recorder import (ASYNC_BEGIN, ASYNC_END, COMPLETE, COUNTER, INSTANT,
                                     TraceEvent, TraceRecorder, TraceSnapshot, as_snapshot)
 
@@ -31,7 +40,7 @@ FORMAT_VERSION = 1
 _CLOCK = "time.perf_counter_ns (CLOCK_MONOTONIC on Linux), exported as microseconds"
 _RESERVED_METADATA = frozenset((
     "generator", "format_version", "clock", "ranks", "dropped_events", "dropped_events_by_rank",
-    "unmatched_async_begins", "orphan_async_ends_dropped", "clock_anchors"))
+    "unmatched_async_begins", "orphan_async_ends_dropped", "clock_anchors", "info"))
 
 Source = TraceRecorder | TraceSnapshot | Iterable[Iterable[Any]]
 
@@ -78,16 +87,21 @@ def to_chrome_trace(source: Source, *more: Source,
                 orphans += 1
                 continue
             out = _event_dict(ev, snap.rank, tid, async_ids)
+            if ev.phase == COUNTER and ev.name.startswith(TIER_COUNTER_PREFIX):
+                events.append(((ev.ts_ns, 0), _occupancy_counter(out, snap.info)))
             # Parents before children when spans start together: Chrome's legacy
             # viewer nests "X" events in file order.
             events.append(((ev.ts_ns, -ev.dur_ns), out))
     for rank, rank_tids in sorted(tids.items()):
         meta_events.extend(_process_metadata(rank, process_names[rank], rank_tids))
+    events.extend(_fetch_flows(meta_events, [e for _, e in events], tids))
     events.sort(key=lambda pair: pair[0])
     dropped_by_rank: dict[str, int] = {}
     anchors: dict[str, dict[str, int]] = {}
+    info: dict[str, dict[str, Any]] = {}
     for snap in snapshots:
         key = str(snap.rank)
+        info.setdefault(key, {}).update(_jsonable(dict(snap.info)))
         dropped_by_rank[key] = dropped_by_rank.get(key, 0) + snap.dropped
         anchors.setdefault(key, {"perf_counter_ns": snap.clock_anchor_ns[0],
                                  "time_ns": snap.clock_anchor_ns[1]})
@@ -101,6 +115,7 @@ def to_chrome_trace(source: Source, *more: Source,
         "unmatched_async_begins": unmatched,
         "orphan_async_ends_dropped": orphans,
         "clock_anchors": anchors,
+        "info": info,
     }
     meta.update(_jsonable(user_meta))
     return {"traceEvents": meta_events + [e for _, e in events], "displayTimeUnit": "ms",
@@ -122,6 +137,48 @@ def _event_dict(ev: TraceEvent, pid: int, tid: int, async_ids: dict[int, str]) -
                        if isinstance(v, (int, float)) and math.isfinite(v)}
     elif ev.args:
         out["args"] = _jsonable(ev.args)
+    return out
+
+
+def _occupancy_counter(tier_counter: dict[str, Any], info: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``occupancy:<TIER>`` counter beside a ``tier:<TIER>`` one: ``used`` (its kinds
+    summed) and the tier's ``budget`` where the store stated it."""
+    tier = tier_counter["name"][len(TIER_COUNTER_PREFIX):]
+    args = {"used": float(sum(tier_counter.get("args", {}).values()))}
+    budgets = info.get("tier_budgets")
+    budget = budgets.get(tier) if isinstance(budgets, Mapping) else None
+    if isinstance(budget, (int, float)) and not isinstance(budget, bool) and budget > 0:
+        args["budget"] = float(budget)
+    return {**tier_counter, "name": f"occupancy:{tier}", "args": args}
+
+
+def _fetch_flows(meta_events: list[dict[str, Any]], events: list[dict[str, Any]],
+                 tids: Mapping[int, Mapping[str, int]]) -> list[tuple[tuple[float, float],
+                                                                         dict[str, Any]]]:
+    """Flow events from each fetch issued ahead of a use to the use, on the compute track.
+
+    The start sits at the fetch's issue and the end at the use (the ``wait:gather``
+    span it binds to), both on the ``compute`` thread where the engine issued and
+    used the record; sort keys (nanoseconds) put them after spans starting then.
+    """
+    if not any(e.get("cat") == FETCH for e in events):
+        return []
+    out = []
+    n = 0
+    for rt in parse_trace({"traceEvents": meta_events + events}, "<export>"):
+        tid = tids.get(rt.rank, {}).get(COMPUTE_TRACK)
+        if tid is None:
+            continue
+        for use in prefetch_outcomes(rt):
+            if use.outcome not in ("in time", "late") or use.issued is None:
+                continue
+            n += 1
+            common = {"name": "prefetch", "cat": FETCH, "id": f"0x{n:x}", "pid": rt.rank,
+                      "tid": tid}
+            out.append(((use.issued * 1000.0, 1), {**common, "ph": "s", "ts": use.issued}))
+            out.append(((use.use * 1000.0, 1), {**common, "ph": "f", "bp": "e", "ts": use.use,
+                                                "args": {"key": use.key,
+                                                         "outcome": use.outcome}}))
     return out
 
 
@@ -249,7 +306,7 @@ def merge_chrome_traces(paths: Iterable[str | os.PathLike[str]]) -> dict[str, An
                     seen_meta.add(key)
                     meta_events.append(ev)
                 continue
-            if ev.get("ph") in (ASYNC_BEGIN, ASYNC_END) and "id" in ev:
+            if ev.get("ph") in (ASYNC_BEGIN, ASYNC_END, "s", "t", "f") and "id" in ev:
                 key = (ev.get("cat", ""), ev["id"])
                 if key not in remap:
                     remap[key] = f"0x{next_async:x}"
@@ -268,7 +325,8 @@ def _merge_metadata(into: dict[str, Any], meta: Mapping[str, Any]) -> None:
             into[key] = into.get(key, 0) + int(value)
         elif key == "ranks":
             into[key] = sorted(set(into.get(key, [])) | set(value))
-        elif key in ("dropped_events_by_rank", "clock_anchors") and isinstance(value, Mapping):
+        elif key in ("dropped_events_by_rank", "clock_anchors", "info") \
+                and isinstance(value, Mapping):
             into.setdefault(key, {}).update(value)
         else:
             into.setdefault(key, value)

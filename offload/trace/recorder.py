@@ -14,10 +14,11 @@ which is why each recorder keeps a wall-clock anchor (see ``clock_anchor_ns``).
 from __future__ import annotations
 
 import itertools
+import socket
 import threading
 import time
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 __all__ = [
@@ -81,7 +82,8 @@ class TraceSnapshot:
     display order (declared tracks first, then in order of first emission).
     ``dropped`` counts events refused because of ``max_events``.
     ``clock_anchor_ns`` is ``(perf_counter_ns, time_ns)`` read together when
-    the recorder was made, for aligning traces of different hosts.
+    the recorder was made, for aligning traces of different hosts. ``info``
+    holds facts about the whole run (see :meth:`TraceRecorder.set_info`).
     """
 
     rank: int
@@ -90,6 +92,7 @@ class TraceSnapshot:
     tracks: tuple[str, ...]
     dropped: int = 0
     clock_anchor_ns: tuple[int, int] = (0, 0)
+    info: Mapping[str, Any] = field(default_factory=dict)
 
     @classmethod
     def from_events(cls, events: Iterable[Iterable[Any]], *, rank: int = 0,
@@ -209,6 +212,7 @@ class TraceRecorder:
         self._lock = threading.Lock()
         self._dropped = 0
         self._declared_tracks: list[str] = []
+        self._info: dict[str, Any] = {"host": socket.gethostname()}
         # next() on itertools.count is one C call under the GIL: ids are unique.
         self._async_ids = itertools.count(1)
 
@@ -292,6 +296,23 @@ class TraceRecorder:
             if track not in self._declared_tracks:
                 self._declared_tracks.append(track)
 
+    def set_info(self, **values: Any) -> None:
+        """Record facts that hold for the whole run, e.g. ``tier_budgets={"HOST": n}``.
+
+        Kept whether or not the recorder is enabled (layers state them once, when
+        they are built, usually before recording starts) and exported in the
+        Chrome-trace metadata under ``info[rank]``. The names the HTML report
+        reads are listed in docs/trace.md. Values must be JSON-ready.
+        """
+        with self._lock:
+            self._info.update(values)
+
+    @property
+    def info(self) -> dict[str, Any]:
+        """A copy of the facts given to :meth:`set_info` (and ``host``, the host name)."""
+        with self._lock:
+            return dict(self._info)
+
     @staticmethod
     def now_ns() -> int:
         """The recorder's clock, ``time.perf_counter_ns()`` (nanoseconds)."""
@@ -330,10 +351,11 @@ class TraceRecorder:
         with self._lock:
             declared = list(self._declared_tracks)
             dropped = self._dropped
+            info = dict(self._info)
         tracks = tuple(dict.fromkeys([*declared, *(e.track for e in events)]))
         return TraceSnapshot(rank=self.rank, process_name=self.process_name or f"rank {self.rank}",
                              events=events, tracks=tracks, dropped=dropped,
-                             clock_anchor_ns=self.clock_anchor_ns)
+                             clock_anchor_ns=self.clock_anchor_ns, info=info)
 
     def clear(self) -> None:
         """Forget recorded events and the dropped count; declared tracks stay.
@@ -365,6 +387,9 @@ class _AlwaysDisabledRecorder(TraceRecorder):
         super().__setattr__(name, value)
 
     def declare_track(self, track: str) -> None:
+        pass
+
+    def set_info(self, **values: Any) -> None:
         pass
 
 

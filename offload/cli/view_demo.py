@@ -1,0 +1,178 @@
+"""What `offload demo` adds to its trace for the report, and how it writes both.
+
+* `record_run_facts`: before the engine is built, a short probe of the swap disk
+  through offload's own I/O engine (the rate the report compares the step's
+  NVMe traffic with) and, where the model fits easily in memory, the time of
+  the same step in plain PyTorch with nothing offloaded (the report's
+  no-offload step). Both go into the recorder's info (docs/trace.md).
+* `start_traced_step` / `write_traced_step`: recording starts and ends with each
+  tier's occupancy (the store records it only when it changes); then every rank
+  writes its trace (rank 0 to `--trace`, rank r beside it as
+  NAME.rank<r>.trace.json) and, once all have, rank 0 writes the HTML report of
+  all of them beside its trace.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ..config import IoConfig
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..trace import TraceRecorder
+    from .demo import DemoPlan
+
+log = logging.getLogger(__name__)
+
+__all__ = ["probe_disk", "record_run_facts", "reference_step_seconds", "start_traced_step",
+           "trace_path_for_rank", "write_traced_step"]
+
+PROBE_BYTES = 32 << 20       # written then read by the disk probe
+PROBE_REQUEST = 4 << 20      # bytes per request, four in flight
+REFERENCE_MAX_STATE = 1 << 30  # the no-offload step is measured only up to this state size
+
+
+def probe_disk(directory: Path, io: dict[str, Any], nbytes: int = PROBE_BYTES) -> dict[str, Any]:
+    """Writes then reads `nbytes` in `directory` with offload's I/O engine (the run's
+    settings, four requests in flight); returns `read_Bps`, `write_Bps` and how."""
+    from ..io import BufferPool, make_engine, open_swap
+
+    cfg = IoConfig(**{**io, "grow_step": max(nbytes, 1 << 20)})
+    n = max(1, nbytes // PROBE_REQUEST)
+    eng = make_engine(cfg)
+    pool = BufferPool(4 * PROBE_REQUEST)
+    swap = open_swap(cfg, "disk-probe", eng)
+    bufs = [pool.alloc(PROBE_REQUEST, tag="probe") for _ in range(4)]
+    try:
+        for b in bufs:
+            b.numpy()[:] = 7
+        extents = [swap.alloc(PROBE_REQUEST) for _ in range(n)]
+        rates = {}
+        for op in ("write", "read"):
+            t = time.perf_counter()
+            inflight: list[Any] = []
+            for i in range(n):
+                if len(inflight) == 4:
+                    inflight.pop(0).wait()
+                call = swap.write if op == "write" else swap.read
+                inflight.append(call(extents[i], bufs[i % 4], PROBE_REQUEST))
+            for h in inflight:
+                h.wait()
+            rates[f"{op}_Bps"] = n * PROBE_REQUEST / (time.perf_counter() - t)
+    finally:
+        for b in bufs:
+            b.release()
+        swap.close()
+        pool.close(force=True)
+        eng.close()
+    return {**rates, "bytes": n * PROBE_REQUEST, "engine": eng.name, "direct": eng.direct,
+            "how": f"{n * PROBE_REQUEST >> 20} MiB written then read in {PROBE_REQUEST >> 20} MiB "
+                   "requests, 4 in flight, before the engine was built"}
+
+
+def reference_step_seconds(plan: DemoPlan, device: torch.device, repeats: int = 5) -> float:
+    """The fastest of `repeats` steps of the demo's model and batch in plain PyTorch
+    (AdamW, everything in memory on `device`), after one untimed step. The fastest,
+    not the median: on a shared machine a step is only ever slowed down by others."""
+    import torch
+
+    from .gpt import GPT, ReversalTask
+
+    torch.manual_seed(plan.seed)
+    model = GPT(plan.model).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=plan.lr, weight_decay=0.0)
+    task = ReversalTask(plan.model.vocab - 1, plan.length, plan.batch, seed=plan.seed)
+    times = []
+    for i in range(repeats + 1):
+        x, y = task.next_batch()
+        t = time.perf_counter()
+        loss = ReversalTask.loss(model(x.to(device)), y.to(device))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if i:
+            times.append(time.perf_counter() - t)
+    return min(times)
+
+
+def record_run_facts(recorder: TraceRecorder, plan: DemoPlan, swap_dir: Path,
+                     rank: int) -> None:
+    """The no-offload step (rank 0, small models) and the disk's rate, into the recorder's
+    info; a measure that fails is logged and left out, never fatal.
+
+    Call it before the engine is built: the engine's threads and its short GIL switch
+    interval (`io.switch_interval`) make a plain PyTorch step in the same process
+    erratic. The step is timed before the disk probe for the same reason: right after
+    a burst of direct writes, a virtual disk's host may take the CPU for a while.
+    """
+    from ..store.copy import resolve_device
+
+    if rank == 0 and plan.state_bytes <= REFERENCE_MAX_STATE:
+        try:
+            seconds = reference_step_seconds(plan, resolve_device("auto"))
+            recorder.set_info(reference_step_s=seconds, reference=(
+                "the same model and batch in plain PyTorch (AdamW), everything in memory, "
+                "one process: the fastest of 5 steps after one untimed"))
+        except Exception as e:
+            log.warning("no-offload step for the report failed: %s", e)
+    try:
+        recorder.set_info(disk=probe_disk(swap_dir, plan.config(swap_dir)["io"]))
+    except Exception as e:  # the report then shows the achieved rate alone
+        log.warning("disk probe for the report failed: %s", e)
+
+
+def _sample_tiers(recorder: TraceRecorder, store: Any) -> None:
+    """Each tier's bytes by kind now, as the store's own `tier:<TIER>` counters."""
+    for name, tier in store.stats().tiers.items():
+        recorder.counter(f"tier:{name}", dict(tier.by_kind) or {"bytes": 0},
+                         track=f"tier:{name}")
+
+
+def start_traced_step(recorder: TraceRecorder, store: Any) -> None:
+    """Starts recording, beginning with each tier's occupancy."""
+    recorder.enabled = True
+    _sample_tiers(recorder, store)
+
+
+def trace_path_for_rank(trace: Path, rank: int) -> Path:
+    """`run.trace.json` for rank 0, `run.rank<r>.trace.json` for rank r beside it."""
+    if rank == 0:
+        return trace
+    name = trace.name
+    for suffix in (".trace.json.gz", ".trace.json", ".json.gz", ".json"):
+        if name.endswith(suffix):
+            return trace.with_name(f"{name[:-len(suffix)]}.rank{rank}{suffix}")
+    return trace.with_name(f"{name}.rank{rank}")
+
+
+def write_traced_step(plan: DemoPlan, recorder: TraceRecorder, step: int, rank: int,
+                      store: Any) -> dict[str, str]:
+    """Ends recording with each tier's occupancy and writes this rank's trace; on rank 0,
+    once every rank has, the report of them all. Returns `trace` (and on rank 0
+    `report`) paths for the summary."""
+    import torch.distributed as dist
+
+    from ..trace import write_chrome_trace
+    from ..trace.report import default_report_path, write_report
+
+    if plan.trace is None:
+        raise ValueError("write_traced_step: the plan has no trace path (--trace none)")
+    _sample_tiers(recorder, store)
+    recorder.enabled = False
+    path = trace_path_for_rank(plan.trace, rank)
+    write_chrome_trace(path, recorder, metadata={"step": step, "model": plan.size})
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()  # every rank's file is complete before rank 0 reads them
+    out = {"trace": str(path)}
+    if rank == 0:
+        paths = [trace_path_for_rank(plan.trace, r) for r in range(plan.world)]
+        out["report"] = str(write_report(paths, default_report_path(plan.trace),
+                                         title=f"offload demo ({plan.size}), step {step}"))
+    return out

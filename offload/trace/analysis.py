@@ -1,0 +1,441 @@
+"""What a Chrome-trace file says about a step: spans per rank, steps, waits, prefetch outcomes.
+
+Reads the dicts :func:`offload.trace.chrome.to_chrome_trace` writes (one
+process per rank, timestamps in microseconds) back into per-rank lists of
+spans, instants and counter samples, and computes from them what the HTML
+report shows and the Perfetto export links. Everything here is a pure function
+of the trace; times are microseconds of the recording clock.
+
+The event names read here are the vocabulary of the emitting layers; docs/trace.md
+lists them. [Note: prefetch outcome] says how a use of a record is classified.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["Instant", "RankTrace", "Span", "Step", "TraceFormatError", "UseOutcome",
+           "byte_count", "bytes_moved", "exposed_time", "intersect_length", "parse_trace", "prefetch_outcomes",
+           "steps_of", "tier_occupancy", "union", "union_length"]
+
+COMPUTE_TRACK = "compute"
+MAIN_THREAD_TRACK = "thread:MainThread"
+PHASES = ("forward", "backward", "optimizer step")
+COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce")
+USE_WAIT = "wait:gather"          # the engine: the compute waits for a group's weights
+OPTIM_UPDATE = "optim:update"     # the CPU optimizer computing one chunk
+FETCH = "fetch"                   # the store: one fetch, from its issue to its arrival
+TIER_COUNTER_PREFIX = "tier:"
+
+
+class TraceFormatError(ValueError):
+    """A file is not a trace this package can read; the message says what is wrong."""
+
+
+@dataclass(slots=True)
+class Span:
+    """A complete span (``X``) or a paired async event (``b``/``e``), in microseconds."""
+
+    start: float
+    end: float
+    name: str
+    cat: str
+    track: str
+    args: dict[str, Any]
+    is_async: bool = False
+
+    @property
+    def dur(self) -> float:
+        return self.end - self.start
+
+
+@dataclass(slots=True)
+class Instant:
+    ts: float
+    name: str
+    cat: str
+    track: str
+    args: dict[str, Any]
+
+
+@dataclass
+class RankTrace:
+    """One rank's events from one file. ``predicted``: written by a simulator, not measured."""
+
+    rank: int
+    name: str
+    source: str
+    spans: list[Span] = field(default_factory=list)
+    instants: list[Instant] = field(default_factory=list)
+    counters: dict[str, list[tuple[float, dict[str, float]]]] = field(default_factory=dict)
+    info: dict[str, Any] = field(default_factory=dict)
+    anchor_ns: tuple[int, int] | None = None
+    predicted: bool = False
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    def shift(self, offset_us: float) -> None:
+        """Moves every timestamp by ``offset_us`` (aligning ranks or a prediction)."""
+        if not offset_us:
+            return
+        for s in self.spans:
+            s.start += offset_us
+            s.end += offset_us
+        for i in self.instants:
+            i.ts += offset_us
+        for name, samples in self.counters.items():
+            self.counters[name] = [(t + offset_us, v) for t, v in samples]
+
+    def extent(self) -> tuple[float, float]:
+        """(first, last) timestamp of any event; (0, 0) for an empty trace."""
+        lo, hi = math.inf, -math.inf
+        for s in self.spans:
+            lo, hi = min(lo, s.start), max(hi, s.end)
+        for i in self.instants:
+            lo, hi = min(lo, i.ts), max(hi, i.ts)
+        for samples in self.counters.values():
+            if samples:
+                lo, hi = min(lo, samples[0][0]), max(hi, samples[-1][0])
+        return (lo, hi) if lo <= hi else (0.0, 0.0)
+
+
+def _number(ev: Mapping[str, Any], key: str, where: str) -> float:
+    value = ev.get(key)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise TraceFormatError(f"{where}: event {_short(ev)} has {key}={value!r}, expected a "
+                               "finite number")
+    return float(value)
+
+
+def _short(ev: Mapping[str, Any]) -> str:
+    text = repr(dict(ev))
+    return text if len(text) < 120 else text[:117] + "..."
+
+
+def parse_trace(trace: Any, source: str = "<trace>") -> list[RankTrace]:
+    """The ranks of one Chrome-trace dict (as :func:`load_chrome_trace` returns it).
+
+    Raises :class:`TraceFormatError` naming ``source`` and the offending event when the
+    dict is not a Chrome trace. Async begins without an end become spans that end at
+    the last timestamp of their rank, with ``args["unfinished"] = True``.
+    """
+    if not isinstance(trace, Mapping) or not isinstance(trace.get("traceEvents"), list):
+        raise TraceFormatError(f"{source}: not a Chrome trace (expected a JSON object with a "
+                               "'traceEvents' list)")
+    reader = _Reader(trace, source)
+    for ev in trace["traceEvents"]:
+        reader.add(ev)
+    return reader.finish()
+
+
+_DRAWN_PHASES = frozenset(("X", "b", "e", "i", "I", "n", "C"))
+
+
+class _Reader:
+    """Turns one file's events into ranks: spans, instants, counters, info."""
+
+    def __init__(self, trace: Mapping[str, Any], source: str) -> None:
+        meta = trace.get("metadata")
+        self.meta: Mapping[str, Any] = meta if isinstance(meta, Mapping) else {}
+        self.source = source
+        self.tracks: dict[tuple[Any, Any], str] = {}
+        self.names: dict[Any, str] = {}
+        for ev in trace["traceEvents"]:
+            if isinstance(ev, Mapping) and ev.get("ph") == "M":
+                args = ev.get("args") if isinstance(ev.get("args"), Mapping) else {}
+                if ev.get("name") == "thread_name":
+                    self.tracks[(ev.get("pid"), ev.get("tid"))] = str(args.get("name",
+                                                                               ev.get("tid")))
+                elif ev.get("name") == "process_name":
+                    self.names[ev.get("pid")] = str(args.get("name", ev.get("pid")))
+        self.ranks: dict[int, RankTrace] = {}
+        # (pid, cat, id) -> (rank, begin args, begin ts, track, name)
+        self.open: dict[tuple[Any, Any, Any], tuple[RankTrace, dict[str, Any], float, str,
+                                                    str]] = {}
+
+    def rank_of(self, pid: Any) -> RankTrace:
+        rt = self.ranks.get(pid)
+        if rt is None:
+            if isinstance(pid, bool) or not isinstance(pid, int):
+                raise TraceFormatError(f"{self.source}: pid {pid!r} is not an integer rank")
+            rt = self.ranks[pid] = RankTrace(
+                rank=pid, name=self.names.get(pid, f"rank {pid}"), source=self.source,
+                predicted=self.meta.get("kind") == "predicted", metadata=dict(self.meta))
+        return rt
+
+    def add(self, ev: Any) -> None:
+        if not isinstance(ev, Mapping):
+            raise TraceFormatError(f"{self.source}: trace event {ev!r} is not an object")
+        ph = ev.get("ph")
+        if ph not in _DRAWN_PHASES:
+            return  # metadata, flows and other phases are not drawn
+        ts = _number(ev, "ts", self.source)
+        rt = self.rank_of(ev.get("pid"))
+        track = self.tracks.get((ev.get("pid"), ev.get("tid")), f"thread {ev.get('tid')}")
+        name, cat = str(ev.get("name", "")), str(ev.get("cat", ""))
+        args = dict(ev["args"]) if isinstance(ev.get("args"), Mapping) else {}
+        if ph == "X":
+            dur = _number(ev, "dur", self.source) if "dur" in ev else 0.0
+            rt.spans.append(Span(ts, ts + max(0.0, dur), name, cat, track, args))
+        elif ph == "b":
+            self.open[(ev.get("pid"), cat, ev.get("id"))] = (rt, args, ts, track, name)
+        elif ph == "e":
+            begun = self.open.pop((ev.get("pid"), cat, ev.get("id")), None)
+            if begun is not None:
+                brt, bargs, bts, btrack, _ = begun
+                brt.spans.append(Span(bts, max(ts, bts), name, cat, btrack, {**bargs, **args},
+                                      is_async=True))
+        elif ph == "C":
+            values = {k: float(v) for k, v in args.items() if isinstance(v, (int, float))
+                      and not isinstance(v, bool) and math.isfinite(v)}
+            rt.counters.setdefault(name, []).append((ts, values))
+        else:
+            rt.instants.append(Instant(ts, name, cat, track, args))
+
+    def finish(self) -> list[RankTrace]:
+        for (_, cat, _), (rt, args, ts, track, name) in self.open.items():
+            rt.spans.append(Span(ts, max(ts, rt.extent()[1]), name, cat, track,
+                                 {**args, "unfinished": True}, is_async=True))
+        info = self.meta.get("info") if isinstance(self.meta.get("info"), Mapping) else {}
+        anchors = self.meta.get("clock_anchors")
+        anchors = anchors if isinstance(anchors, Mapping) else {}
+        for pid, rt in self.ranks.items():
+            rinfo = info.get(str(pid))
+            rt.info = dict(rinfo) if isinstance(rinfo, Mapping) else {}
+            anchor = anchors.get(str(pid))
+            if isinstance(anchor, Mapping) and isinstance(anchor.get("perf_counter_ns"), int) \
+                    and isinstance(anchor.get("time_ns"), int) and anchor.get("time_ns"):
+                rt.anchor_ns = (anchor["perf_counter_ns"], anchor["time_ns"])
+            rt.spans.sort(key=lambda s: (s.start, -s.end))
+            rt.instants.sort(key=lambda i: i.ts)
+            for samples in rt.counters.values():
+                samples.sort(key=lambda p: p[0])
+        return [self.ranks[k] for k in sorted(self.ranks)]
+
+
+# -- interval arithmetic -------------------------------------------------------------------------
+def union(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Sorted, disjoint intervals covering the same time as ``intervals``."""
+    out: list[tuple[float, float]] = []
+    for a, b in sorted(intervals):
+        if b <= a:
+            continue
+        if out and a <= out[-1][1]:
+            if b > out[-1][1]:
+                out[-1] = (out[-1][0], b)
+        else:
+            out.append((a, b))
+    return out
+
+
+def union_length(intervals: Iterable[tuple[float, float]],
+                 clip: tuple[float, float] | None = None) -> float:
+    """Time covered by ``intervals`` (inside ``clip`` when given)."""
+    total = 0.0
+    for a, b in union(intervals):
+        if clip is not None:
+            a, b = max(a, clip[0]), min(b, clip[1])
+        total += max(0.0, b - a)
+    return total
+
+
+def intersect_length(xs: list[tuple[float, float]], ys: list[tuple[float, float]]) -> float:
+    """Time covered by both of two disjoint sorted interval lists (from :func:`union`)."""
+    i = j = 0
+    total = 0.0
+    while i < len(xs) and j < len(ys):
+        a, b = max(xs[i][0], ys[j][0]), min(xs[i][1], ys[j][1])
+        total += max(0.0, b - a)
+        if xs[i][1] < ys[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+# -- steps ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Step:
+    label: str
+    start: float
+    end: float
+
+    @property
+    def dur(self) -> float:
+        return self.end - self.start
+
+    def holds(self, t: float) -> bool:
+        return self.start <= t <= self.end
+
+
+def steps_of(rt: RankTrace) -> list[Step]:
+    """The rank's steps: its ``step`` spans, else the extent of the phase spans
+    (forward, backward, optimizer step), else the extent of the whole trace."""
+    marked = [s for s in rt.spans if s.name == "step" and s.cat == "compute"]
+    if marked:
+        return [Step(f"step {s.args.get('step', i + 1)}", s.start, s.end)
+                for i, s in enumerate(marked)]
+    phases = [s for s in rt.spans if s.name in PHASES and s.cat == "compute"]
+    lo, hi = ((min(s.start for s in phases), max(s.end for s in phases)) if phases
+              else rt.extent())
+    step = rt.metadata.get("step")
+    return [Step(f"step {step}" if step is not None else "trace", lo, hi)]
+
+
+# -- waits ---------------------------------------------------------------------------------------
+def is_collective_wait(s: Span) -> bool:
+    return s.cat == "wait" and s.name.startswith("wait:") and s.name[5:] in COLLECTIVES
+
+
+def exposed_time(rt: RankTrace, step: Step) -> dict[str, float]:
+    """Microseconds of ``step`` in which the compute stood still, by cause.
+
+    comm: collective waits (``wait:all-gather`` ...). io: the union of the compute's
+    waits for a group's weights (``wait:gather``), the store's waits on the main
+    thread, and the part of the optimizer phase (``optimizer step`` spans) in which
+    no CPU Adam update computes; less the collective waits inside them.
+    """
+    comm = union((s.start, s.end) for s in rt.spans if is_collective_wait(s))
+    io_parts = [(s.start, s.end) for s in rt.spans
+                if s.cat == "wait" and (s.name == USE_WAIT or (
+                    s.track == MAIN_THREAD_TRACK and not is_collective_wait(s)))]
+    updates = union((s.start, s.end) for s in rt.spans if s.name == OPTIM_UPDATE)
+    for s in rt.spans:
+        if s.name == "optimizer step" and s.cat == "compute":
+            io_parts.extend(_gaps((s.start, s.end), updates))
+    clip = [(step.start, step.end)]
+    io = union(io_parts)
+    io_clipped = union((max(a, step.start), min(b, step.end)) for a, b in io)
+    comm_clipped = union((max(a, step.start), min(b, step.end)) for a, b in comm)
+    return {"comm": intersect_length(comm_clipped, clip),
+            "io": union_length(io_clipped) - intersect_length(io_clipped, comm_clipped)}
+
+
+def _gaps(window: tuple[float, float], covered: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Parts of ``window`` not in the disjoint sorted ``covered``."""
+    out, at = [], window[0]
+    for a, b in covered:
+        if b <= at or a >= window[1]:
+            continue
+        if a > at:
+            out.append((at, a))
+        at = max(at, b)
+    if at < window[1]:
+        out.append((at, window[1]))
+    return out
+
+
+# -- bytes and rates -----------------------------------------------------------------------------
+def bytes_moved(rt: RankTrace, step: Step) -> dict[str, Any]:
+    """Bytes of the transfers that began in ``step`` and completed (failed ones and
+    ones still in flight when the trace ended are left out): store moves by direction
+    (``NVME->HOST`` ...), NVMe reads and writes of the I/O engines (``nvme_read``,
+    ``nvme_write``) with the time each had a request in flight (``*_busy_us``)."""
+    moves: dict[str, int] = {}
+    busy: dict[str, list[tuple[float, float]]] = {"read": [], "write": []}
+    nvme = {"read": 0, "write": 0}
+    for s in rt.spans:
+        if not s.is_async or not step.holds(s.start) or s.args.get("error") \
+                or s.args.get("unfinished"):
+            continue
+        n = byte_count(s.args.get("bytes"))
+        if s.cat == "store" and "->" in s.name:
+            moves[s.name] = moves.get(s.name, 0) + n
+        elif s.cat == "io" and s.name in nvme:
+            nvme[s.name] += n
+            busy[s.name].append((s.start, s.end))
+    return {"moves": dict(sorted(moves.items())), "nvme_read": nvme["read"],
+            "nvme_write": nvme["write"], "read_busy_us": union_length(busy["read"]),
+            "write_busy_us": union_length(busy["write"])}
+
+
+def byte_count(value: Any) -> int:
+    """``value`` as a count of bytes: 0 unless it is a finite, non-negative number."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not math.isfinite(value) or value < 0:
+        return 0
+    return int(value)
+
+
+# -- prefetch outcomes ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class UseOutcome:
+    """How one use of a record was served.
+
+    ``outcome``: ``in time`` (fetched ahead, arrived ``slack_us`` before the use),
+    ``late`` (fetched ahead, the compute waited ``waited_us`` for it), ``on demand``
+    (fetched only when used; waited ``waited_us``), ``resident`` (no bytes had to
+    move). ``issued``: when the fetch that served it was issued (None for resident).
+    """
+
+    key: str
+    use: float
+    end: float
+    outcome: str
+    slack_us: float
+    waited_us: float
+    issued: float | None
+    arrived: float | None
+
+
+# [Note: prefetch outcome]
+# A use is a `wait:gather` span of the engine (args `key`): the compute needs the
+# record's bytes from its start and has them at its end. The store records every
+# fetch as a `fetch` async event (args `key`, `steps`: the move's steps joined by
+# "+", empty when the copy was already where it was asked for) from its issue to
+# its arrival. A fetch of the same key issued after the key's previous use ended
+# and before this use began was issued ahead: the latest such fetch that moved
+# bytes serves the use. It is `in time` when it arrived by the use's start, else
+# `late`. Without one, a fetch issued inside the use that moved bytes makes it
+# `on demand`; otherwise the bytes were already there: `resident`.
+
+def prefetch_outcomes(rt: RankTrace) -> list[UseOutcome]:
+    """One outcome per use of a record, in time order; see [Note: prefetch outcome]."""
+    fetches: dict[str, list[Span]] = {}
+    for s in rt.spans:
+        if s.name == FETCH and s.cat == FETCH and not s.args.get("error"):
+            fetches.setdefault(str(s.args.get("key")), []).append(s)
+    out: list[UseOutcome] = []
+    last_end: dict[str, float] = {}
+    for u in rt.spans:
+        if u.name != USE_WAIT:
+            continue
+        key = str(u.args.get("key"))
+        after = last_end.get(key, -math.inf)
+        last_end[key] = u.end
+        mine = fetches.get(key, ())
+        ahead = [f for f in mine if after <= f.start < u.start and f.args.get("steps")]
+        waited = u.dur
+        if ahead:
+            f = ahead[-1]
+            if f.end <= u.start:
+                out.append(UseOutcome(key, u.start, u.end, "in time", u.start - f.end, waited,
+                                      f.start, f.end))
+            else:
+                out.append(UseOutcome(key, u.start, u.end, "late", 0.0, waited, f.start, f.end))
+            continue
+        inside = [f for f in mine if u.start <= f.start <= u.end and f.args.get("steps")]
+        if inside:
+            out.append(UseOutcome(key, u.start, u.end, "on demand", 0.0, waited,
+                                  inside[0].start, inside[0].end))
+        else:
+            out.append(UseOutcome(key, u.start, u.end, "resident", 0.0, waited, None, None))
+    return out
+
+
+# -- occupancy -----------------------------------------------------------------------------------
+def tier_occupancy(rt: RankTrace) -> dict[str, list[tuple[float, float, dict[str, float]]]]:
+    """Per tier (``DEVICE``, ``HOST``, ``NVME``): samples of (time, bytes held, by kind)
+    from the ``tier:<TIER>`` counters; bytes held is the sum of the kinds."""
+    out: dict[str, list[tuple[float, float, dict[str, float]]]] = {}
+    for name, samples in rt.counters.items():
+        if not name.startswith(TIER_COUNTER_PREFIX):
+            continue
+        tier = name[len(TIER_COUNTER_PREFIX):]
+        series = []
+        for t, values in samples:
+            series.append((t, sum(values.values()), dict(values)))
+        out[tier] = series
+    return out

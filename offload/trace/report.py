@@ -1,0 +1,464 @@
+"""The HTML report of one or more trace files: one self-contained page, no network.
+
+``write_report(paths, out)`` reads Chrome-trace files (:mod:`offload.trace.chrome`),
+builds the report's model (lanes of events, tier occupancy, prefetch outcomes,
+a summary per step; :mod:`offload.trace.analysis` computes the figures) and
+writes one HTML file with the model as JSON and the drawing code
+(``assets/report.js``, ``assets/report.css``) inline, so it opens from
+``file://`` with nothing else. How to read each panel: docs/trace.md.
+
+Traces of several ranks line up on one clock: ranks recorded on the same host
+share CLOCK_MONOTONIC; a rank of another host is moved by the difference of
+the hosts' clock anchors (wall clock minus monotonic clock, read together when
+each recorder was made). A file whose metadata has ``"kind": "predicted"`` is
+a simulator's prediction: it is drawn beside the measured rank of the same
+number, its first step moved to start with the measured one.
+"""
+
+from __future__ import annotations
+
+import datetime
+import gzip
+import json
+import math
+import os
+import tempfile
+import zlib
+from collections.abc import Iterable, Sequence
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from offload.trace.analysis import (COLLECTIVES, FETCH, OPTIM_UPDATE, PHASES, USE_WAIT,
+                                    RankTrace, Span, Step, TraceFormatError, byte_count,
+                                    bytes_moved,
+                                    exposed_time, is_collective_wait, parse_trace,
+                                    prefetch_outcomes, steps_of, tier_occupancy)
+
+__all__ = ["ReportInputError", "build_model", "default_report_path", "load_traces",
+           "render_html", "write_report"]
+
+MODEL_VERSION = 1
+MAX_ROWS = 4            # rows per lane: overlapping events beyond this share the last row
+OUTCOMES = ("in time", "late", "on demand", "resident")
+TIER_ORDER = ("DEVICE", "HOST", "NVME")
+_SECTIONS = ("compute", "waits", "fetches", "copies", "nvme", "optimizer", "comm", "plan", "other")
+_SECTION_LABELS = {"compute": "compute", "waits": "waits", "fetches": "fetches",
+                   "copies": "copies", "nvme": "NVMe",
+                   "optimizer": "CPU Adam", "comm": "collectives", "plan": "plan",
+                   "other": "other"}
+_MOVE_ORDER = ("NVME->HOST", "HOST->DEVICE", "DEVICE->HOST", "HOST->NVME")
+
+
+class ReportInputError(Exception):
+    """A trace file cannot be read; ``str()`` is one line naming the file and why."""
+
+
+# -- reading -------------------------------------------------------------------------------------
+def load_traces(paths: Sequence[str | os.PathLike[str]]) -> list[RankTrace]:
+    """Every rank of every file in ``paths``, aligned on one clock (see the module notes).
+
+    Raises :class:`ReportInputError` for a missing, unreadable or malformed file, or
+    when two measured files hold the same rank.
+    """
+    if not paths:
+        raise ReportInputError("no trace files given")
+    ranks: list[RankTrace] = []
+    seen: dict[tuple[int, bool], str] = {}
+    for path in paths:
+        p = Path(path)
+        try:
+            parsed = parse_trace(_read_json(p), str(p))
+        except TraceFormatError as e:
+            raise ReportInputError(str(e)) from None
+        for rt in parsed:
+            where = seen.get((rt.rank, rt.predicted))
+            if where is not None:
+                kind = "predicted" if rt.predicted else "measured"
+                raise ReportInputError(f"{p}: rank {rt.rank} ({kind}) is also in {where}; pass "
+                                       "one trace per rank")
+            seen[(rt.rank, rt.predicted)] = str(p)
+            ranks.append(rt)
+    _align(ranks)
+    return ranks
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise ReportInputError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise ReportInputError(f"{path}: is a directory, not a trace file") from None
+    except OSError as e:
+        raise ReportInputError(f"{path}: cannot read it ({e.strerror or e})") from None
+    try:
+        if raw[:2] == b"\x1f\x8b":
+            raw = gzip.decompress(raw)
+        trace = json.loads(raw.decode("utf-8"))
+    except (OSError, EOFError, zlib.error) as e:
+        raise ReportInputError(f"{path}: not a readable gzip file ({e})") from None
+    except UnicodeDecodeError:
+        raise ReportInputError(f"{path}: not a trace file (not UTF-8 text)") from None
+    except json.JSONDecodeError as e:
+        raise ReportInputError(f"{path}: not valid JSON ({e.msg} at line {e.lineno} column "
+                               f"{e.colno}); is the file complete?") from None
+    return trace
+
+
+def _align(ranks: list[RankTrace]) -> None:
+    """Puts every measured rank on the first one's clock, then each prediction on its rank."""
+    measured = [r for r in ranks if not r.predicted]
+    if measured:
+        ref = measured[0]
+        for rt in measured[1:]:
+            same_host = rt.info.get("host") == ref.info.get("host")
+            if not same_host and rt.anchor_ns and ref.anchor_ns:
+                own = rt.anchor_ns[1] - rt.anchor_ns[0]
+                base = ref.anchor_ns[1] - ref.anchor_ns[0]
+                rt.shift((own - base) / 1000.0)
+    starts = {r.rank: steps_of(r)[0].start for r in measured}
+    for rt in ranks:
+        if rt.predicted:
+            target = starts.get(rt.rank, starts[min(starts)] if starts else 0.0)
+            rt.shift(target - steps_of(rt)[0].start)
+
+
+# -- the model -----------------------------------------------------------------------------------
+class _Strings:
+    """Interned strings: the model refers to names, records and details by index."""
+
+    def __init__(self) -> None:
+        self.items: list[str] = []
+        self._index: dict[str, int] = {}
+
+    def __call__(self, text: str) -> int:
+        i = self._index.get(text)
+        if i is None:
+            i = self._index[text] = len(self.items)
+            self.items.append(text)
+        return i
+
+
+def _lane_of(span: Span) -> tuple[str, str, int]:
+    """(section, lane label, order within the section) of one span."""
+    name, cat = span.name, span.cat
+    if cat == "compute":
+        if name == "step":
+            return "compute", "step", 0
+        if name in PHASES:
+            return "compute", "phases", 1
+        for i, phase in enumerate(("forward", "recompute", "backward")):
+            if name.startswith(phase + ":"):
+                return "compute", phase, 2 + i
+        if name == OPTIM_UPDATE:
+            return "optimizer", "update", 0
+    if cat == "wait" or name.startswith("optim:wait"):
+        if name == USE_WAIT:
+            return "waits", "weights (gather)", 0
+        if is_collective_wait(span):
+            return "waits", "collective", 3
+        if name == "wait:budget":
+            return "waits", "room in a tier", 2
+        if name.startswith("optim:wait"):
+            return "waits", "optimizer I/O", 4
+        return "waits", "store (fetch, move)", 1
+    if cat == "io" and name in ("read", "write"):
+        path = str(span.args.get("path") or "")
+        where = os.path.basename(os.path.dirname(path)) if path else ""
+        return "nvme", f"{name} {where}".strip(), 0 if name == "read" else 1
+    if cat == "store" and "->" in name:
+        order = _MOVE_ORDER.index(name) if name in _MOVE_ORDER else len(_MOVE_ORDER)
+        return "copies", name, order
+    if name == FETCH and cat == FETCH:
+        return "fetches", "issue -> arrival", 0
+    if cat == "comm" or name in COLLECTIVES:
+        return "comm", name, 0
+    if cat == "plan":
+        return "plan", name, 0
+    return "other", span.track, 0
+
+
+_SKIP_ARGS = frozenset(("bytes", "key", "step"))
+
+
+def _detail(args: dict[str, Any]) -> str:
+    """The args a tooltip shows besides record and bytes, as one short line."""
+    parts = []
+    for k, v in args.items():
+        if k in _SKIP_ARGS:
+            continue
+        if k == "path" and isinstance(v, str):
+            v = os.path.basename(v)
+        text = f"{k} {v}"
+        parts.append(text if len(text) < 80 else text[:77] + "...")
+    return " · ".join(parts)
+
+
+def _display_name(span: Span, section: str) -> str:
+    if section == "compute" and ":" in span.name and span.name.split(":", 1)[0] in (
+            "forward", "recompute", "backward"):
+        return span.name.split(":", 1)[1]
+    return span.name
+
+
+def _rows(starts: list[float], ends: list[float]) -> tuple[list[int], int]:
+    """Greedy row per event (sorted by start) so that events on one row do not overlap."""
+    row_end: list[float] = []
+    out = []
+    for s, e in zip(starts, ends):
+        for i, end in enumerate(row_end):
+            if end <= s:
+                row_end[i] = e
+                out.append(i)
+                break
+        else:
+            if len(row_end) < MAX_ROWS:
+                row_end.append(e)
+                out.append(len(row_end) - 1)
+            else:
+                i = min(range(MAX_ROWS), key=row_end.__getitem__)
+                row_end[i] = max(row_end[i], e)
+                out.append(i)
+    return out, max(1, len(row_end))
+
+
+def _r(x: float) -> float:
+    return round(x, 2)
+
+
+def _group_lanes(rt: RankTrace, gid: str, origin: float, strings: _Strings) -> list[dict[str, Any]]:
+    buckets: dict[tuple[str, str, int], list[tuple[float, float, int, int, int, int]]] = {}
+    for s in rt.spans:
+        lane = _lane_of(s)
+        key = str(s.args["key"]) if "key" in s.args else ""
+        buckets.setdefault(lane, []).append((
+            s.start - origin, s.end - origin, strings(_display_name(s, lane[0])),
+            strings(key) if key else -1, byte_count(s.args.get("bytes")),
+            strings(_detail(s.args))))
+    for i in rt.instants:
+        if i.cat == "plan":
+            lane = ("plan", i.name, 0)
+        elif i.name.startswith("evict"):
+            lane = ("copies", "evictions", len(_MOVE_ORDER) + 1)
+        else:
+            lane = ("other", i.track, 0)
+        key = str(i.args["key"]) if "key" in i.args else ""
+        buckets.setdefault(lane, []).append((
+            i.ts - origin, i.ts - origin, strings(i.name), strings(key) if key else -1,
+            byte_count(i.args.get("bytes")), strings(_detail(i.args))))
+    lanes = []
+    for (section, label, order) in sorted(buckets, key=lambda k: (_SECTIONS.index(k[0]), k[2],
+                                                                   k[1])):
+        evs = sorted(buckets[(section, label, order)], key=lambda e: (e[0], -e[1]))
+        starts = [e[0] for e in evs]
+        ends = [e[1] for e in evs]
+        rows, nrows = _rows(starts, ends)
+        lanes.append({
+            "id": f"{gid}/{section}/{label}", "section": section,
+            "sectionLabel": _SECTION_LABELS[section], "label": label, "rows": nrows,
+            "count": len(evs), "maxDur": _r(max((b - a for a, b in zip(starts, ends)),
+                                                 default=0.0)),
+            "s": [_r(x) for x in starts], "d": [_r(b - a) for a, b in zip(starts, ends)],
+            "n": [e[2] for e in evs], "r": [e[3] for e in evs], "b": [e[4] for e in evs],
+            "x": [e[5] for e in evs], "z": rows,
+        })
+    return lanes
+
+
+def _step_summary(rt: RankTrace, step: Step) -> dict[str, Any]:
+    exposed = exposed_time(rt, step)
+    moved = bytes_moved(rt, step)
+    phases = {p: sum(s.dur for s in rt.spans if s.name == p and s.cat == "compute"
+                     and step.holds(s.start)) for p in PHASES}
+    out: dict[str, Any] = {
+        "label": step.label, "start": step.start, "step_us": step.dur,
+        "phases_us": phases, "exposed_io_us": exposed["io"], "exposed_comm_us": exposed["comm"],
+        "moves": moved["moves"], "nvme_read": moved["nvme_read"],
+        "nvme_write": moved["nvme_write"], "read_busy_us": moved["read_busy_us"],
+        "write_busy_us": moved["write_busy_us"],
+    }
+    for op in ("read", "write"):
+        n, busy = moved[f"nvme_{op}"], moved[f"{op}_busy_us"]
+        out[f"{op}_GBps_busy"] = n / busy / 1e3 if busy > 0 else None
+        out[f"{op}_GBps_step"] = n / step.dur / 1e3 if step.dur > 0 else None
+    return out
+
+
+def _disk(info: dict[str, Any]) -> dict[str, float]:
+    disk = info.get("disk")
+    out = {}
+    if isinstance(disk, dict):
+        for k in ("read_Bps", "write_Bps"):
+            v = disk.get(k)
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) \
+                    and v > 0:
+                out[k] = float(v)
+    return out
+
+
+def _reference_step(info: dict[str, Any]) -> float | None:
+    v = info.get("reference_step_s")
+    if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 and math.isfinite(v):
+        return float(v)
+    return None
+
+
+def _prefetch(rt: RankTrace, steps: list[Step], origin: float,
+              strings: _Strings) -> dict[str, Any]:
+    uses = prefetch_outcomes(rt)
+    rows = [[strings(u.key), _r(u.use - origin), _r(u.end - origin), OUTCOMES.index(u.outcome),
+             _r(u.slack_us), _r(u.waited_us),
+             None if u.issued is None else _r(u.issued - origin),
+             None if u.arrived is None else _r(u.arrived - origin)] for u in uses]
+    totals = []
+    for st in steps:
+        t: dict[str, Any] = {"label": st.label}
+        for o in OUTCOMES:
+            mine = [u for u in uses if u.outcome == o and st.holds(u.use)]
+            t[o] = {"count": len(mine), "slack_us": sum(u.slack_us for u in mine),
+                    "waited_us": sum(u.waited_us for u in mine)}
+        totals.append(t)
+    has_fetches = any(s.name == FETCH and s.cat == FETCH for s in rt.spans)
+    return {"uses": rows, "totals": totals, "hasFetches": has_fetches}
+
+
+def _occupancy(ranks: list[tuple[str, RankTrace]], origin: float) -> list[dict[str, Any]]:
+    tiers: dict[str, dict[str, Any]] = {}
+    for gid, rt in ranks:
+        budgets = rt.info.get("tier_budgets") if isinstance(rt.info.get("tier_budgets"),
+                                                            dict) else {}
+        for tier, series in tier_occupancy(rt).items():
+            entry = tiers.setdefault(tier, {"tier": tier, "series": []})
+            kinds = sorted({k for _, _, ks in series for k in ks})
+            budget = byte_count(budgets.get(tier))
+            entry["series"].append({
+                "group": gid, "predicted": rt.predicted, "budget": budget or None,
+                "t": [_r(t - origin) for t, _, _ in series], "v": [v for _, v, _ in series],
+                "peak": max((v for _, v, _ in series), default=0.0),
+                "kinds": {k: [ks.get(k, 0.0) for _, _, ks in series] for k in kinds}})
+    order = {t: i for i, t in enumerate(TIER_ORDER)}
+    return sorted(tiers.values(), key=lambda e: (order.get(e["tier"], len(order)), e["tier"]))
+
+
+def build_model(ranks: list[RankTrace], *, title: str = "",
+                sources: Iterable[str] = ()) -> dict[str, Any]:
+    """The JSON-ready model the page draws (see assets/report.js for its use)."""
+    strings = _Strings()
+    extents = [rt.extent() for rt in ranks if rt.spans or rt.instants or rt.counters]
+    origin = min((a for a, _ in extents), default=0.0)
+    end = max((b for _, b in extents), default=0.0)
+    ordered = sorted(ranks, key=lambda r: (r.rank, r.predicted))
+    groups, summary, prefetch, steps_out, named = [], [], [], [], []
+    for rt in ordered:
+        gid = f"r{rt.rank}" + ("p" if rt.predicted else "")
+        named.append((gid, rt))
+        label = f"rank {rt.rank}" + (" (predicted)" if rt.predicted else "")
+        steps = steps_of(rt)
+        groups.append({"id": gid, "label": label, "rank": rt.rank, "predicted": rt.predicted,
+                       "process": rt.name, "host": rt.info.get("host"), "source": rt.source,
+                       "lanes": _group_lanes(rt, gid, origin, strings)})
+        steps_out.extend({"group": gid, "label": s.label, "start": _r(s.start - origin),
+                          "end": _r(s.end - origin)} for s in steps)
+        summary.append({"group": gid, "label": label, "rank": rt.rank,
+                        "predicted": rt.predicted, "disk": _disk(rt.info),
+                        "reference_step_s": _reference_step(rt.info),
+                        "steps": [_step_summary(rt, s) for s in steps]})
+        prefetch.append({"group": gid, "label": label, **_prefetch(rt, steps, origin, strings)})
+    for s in summary:
+        for st in s["steps"]:
+            st["start"] = _r(st["start"] - origin)
+    predicted = [s for s in summary if s["predicted"]]
+    compare = []
+    for p in predicted:
+        m = next((s for s in summary if s["rank"] == p["rank"] and not s["predicted"]), None)
+        if m is not None and m["steps"] and p["steps"]:
+            compare.append({"rank": p["rank"], "measured_us": m["steps"][0]["step_us"],
+                            "predicted_us": p["steps"][0]["step_us"],
+                            "measured_exposed_io_us": m["steps"][0]["exposed_io_us"],
+                            "predicted_exposed_io_us": p["steps"][0]["exposed_io_us"]})
+    return {
+        "version": MODEL_VERSION, "title": title or "offload trace report",
+        "sources": list(sources),
+        "generated": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "duration_us": _r(end - origin), "outcomes": list(OUTCOMES), "strings": strings.items,
+        "groups": groups, "steps": steps_out, "occupancy": _occupancy(named, origin),
+        "summary": summary, "prefetch": prefetch,
+        "plan": {"present": bool(predicted) or any(
+            lane["section"] == "plan" for g in groups for lane in g["lanes"]), "compare": compare},
+        "events": sum(lane["count"] for g in groups for lane in g["lanes"]),
+    }
+
+
+# -- the page ------------------------------------------------------------------------------------
+def _asset(name: str) -> str:
+    return resources.files("offload.trace").joinpath("assets", name).read_text(encoding="utf-8")
+
+
+def _escape_html(text: str) -> str:
+    return (text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+            .replace('"', "&quot;"))
+
+
+def render_html(model: dict[str, Any]) -> str:
+    """The whole page: model as JSON, script and style inline; no external reference."""
+    data = json.dumps(model, separators=(",", ":"), allow_nan=False)
+    # "</script>" or "<!--" in a name would end or confuse the script element: no "<" at
+    # all (it can only occur inside JSON strings, where \u003c is the same character)
+    data = data.replace("<", "\\u003c")
+    title = _escape_html(model.get("title", "offload trace report"))
+    return (
+        "<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n"
+        "<meta http-equiv=\"Content-Security-Policy\" content=\"default-src 'none'; "
+        "script-src 'unsafe-inline'; style-src 'unsafe-inline'\">\n"
+        "<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">\n"
+        f"<title>{title}</title>\n<style>\n{_asset('report.css')}\n</style>\n</head>\n"
+        "<body>\n<noscript>This report draws with JavaScript; enable it to see the "
+        "panels.</noscript>\n<div id=\"app\"></div>\n"
+        f"<script type=\"application/json\" id=\"report-data\">{data}</script>\n"
+        f"<script>\n{_asset('report.js')}\n</script>\n</body>\n</html>\n")
+
+
+def default_report_path(trace: str | os.PathLike[str]) -> Path:
+    """``run.trace.json`` -> ``run.report.html`` beside it (also ``.json.gz``, ``.json``)."""
+    p = Path(trace)
+    name = p.name
+    for suffix in (".json.gz", ".json"):
+        if name.endswith(suffix):
+            name = name[:-len(suffix)]
+            break
+    if name.endswith(".trace"):
+        name = name[:-len(".trace")]
+    return p.with_name(f"{name}.report.html")
+
+
+def write_report(paths: Sequence[str | os.PathLike[str]], out: str | os.PathLike[str] | None = None,
+                 *, title: str = "") -> Path:
+    """Reads ``paths``, writes the report to ``out`` (default beside the first trace)
+    atomically, returns its path. Raises :class:`ReportInputError` for bad input and
+    ``OSError`` when ``out`` cannot be written."""
+    ranks = load_traces(paths)
+    target = Path(out) if out is not None else default_report_path(paths[0])
+    model = build_model(ranks, title=title or _title(paths),
+                        sources=[Path(p).name for p in paths])
+    html = render_html(model).encode("utf-8")
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp",
+                               dir=target.parent if str(target.parent) else ".")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(html)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, target)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    return target
+
+
+def _title(paths: Sequence[str | os.PathLike[str]]) -> str:
+    names = [Path(p).name for p in paths]
+    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    return f"offload trace report: {shown}"

@@ -1,0 +1,145 @@
+"""`offload view` as a user runs it: a real process, real files, one clear line on bad input."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from offload.trace import TraceRecorder, write_chrome_trace
+
+VIEW = [sys.executable, "-m", "offload.cli.main", "view"]
+
+
+def _trace(path: Path, rank: int = 0) -> Path:
+    rec = TraceRecorder(enabled=True, rank=rank)
+    rec.set_info(tier_budgets={"DEVICE": 1 << 20, "HOST": 2 << 20, "NVME": 0})
+    t = rec.now_ns()
+    rec.complete("step", t, t + 5_000_000, cat="compute", track="compute", args={"step": 1})
+    rec.complete("forward:block", t + 10_000, t + 2_000_000, cat="compute", track="compute")
+    tok = rec.async_begin("read", "io", "io:aio", {"bytes": 4096, "path": "/s/x.swap"}, ts_ns=t)
+    rec.async_end(tok, ts_ns=t + 100_000)
+    rec.counter("tier:HOST", {"param": 4096}, track="tier:HOST", ts_ns=t + 1000)
+    return write_chrome_trace(path, rec)
+
+
+def _run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(VIEW + list(args), capture_output=True, text=True, timeout=60,
+                          env=env)
+
+
+def test_writes_the_report_beside_the_trace_and_prints_its_path(tmp_path: Path) -> None:
+    trace = _trace(tmp_path / "run.trace.json")
+    out = _run(str(trace))
+    assert out.returncode == 0, out.stderr
+    report = tmp_path / "run.report.html"
+    assert out.stdout.strip() == str(report)
+    html = report.read_text(encoding="utf-8")
+    assert "forward" in html and '"tier_budgets"' not in html  # the model, not the raw trace
+
+
+def test_several_ranks_gzip_and_an_output_path(tmp_path: Path) -> None:
+    r0 = _trace(tmp_path / "r0.json")
+    r1 = _trace(tmp_path / "r1.json.gz", rank=1)
+    with gzip.open(r1) as f:
+        assert json.load(f)["traceEvents"]
+    out = _run(str(r0), str(r1), "-o", str(tmp_path / "both.html"), "--title", "two ranks")
+    assert out.returncode == 0, out.stderr
+    html = (tmp_path / "both.html").read_text(encoding="utf-8")
+    assert "<title>two ranks</title>" in html
+    assert '"label":"rank 0"' in html and '"label":"rank 1"' in html
+
+
+def _bad(tmp_path: Path, *args: str) -> str:
+    out = _run(*args)
+    assert out.returncode == 2, (out.stdout, out.stderr)
+    assert out.stdout == ""
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("offload view: "), out.stderr
+    assert "Traceback" not in out.stderr
+    return lines[0]
+
+
+def test_missing_trace(tmp_path: Path) -> None:
+    line = _bad(tmp_path, str(tmp_path / "nope.json"))
+    assert "nope.json: no such file" in line
+
+
+def test_corrupt_traces(tmp_path: Path) -> None:
+    trace = _trace(tmp_path / "t.json")
+    cut = tmp_path / "cut.json"
+    cut.write_bytes(trace.read_bytes()[:200])
+    assert "cut.json: not valid JSON" in _bad(tmp_path, str(cut))
+    other = tmp_path / "other.json"
+    other.write_text('{"hello": "world"}')
+    assert "other.json: not a Chrome trace" in _bad(tmp_path, str(other))
+    gz = tmp_path / "broken.json.gz"
+    gz.write_bytes(gzip.compress(trace.read_bytes())[:60])
+    assert "broken.json.gz: not a readable gzip file" in _bad(tmp_path, str(gz))
+    assert "is a directory" in _bad(tmp_path, str(tmp_path))
+    # nothing was written for any of them
+    assert not list(tmp_path.glob("*.html"))
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads files whatever their mode")
+def test_unreadable_trace(tmp_path: Path) -> None:
+    trace = _trace(tmp_path / "t.json")
+    trace.chmod(0)
+    try:
+        assert "cannot read it" in _bad(tmp_path, str(trace))
+    finally:
+        trace.chmod(stat.S_IRUSR | stat.S_IWUSR)
+
+
+def test_bad_output_paths(tmp_path: Path) -> None:
+    trace = _trace(tmp_path / "t.json")
+    assert "does not exist" in _bad(tmp_path, str(trace), "-o", str(tmp_path / "no" / "r.html"))
+    assert "is a directory" in _bad(tmp_path, str(trace), "-o", str(tmp_path))
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    assert "is not a directory" in _bad(tmp_path, str(trace), "-o", str(afile / "r.html"))
+    # a directory that refuses new files, even to root
+    assert "cannot write the report" in _bad(tmp_path, str(trace), "-o", "/proc/r.html")
+
+
+def test_open_hands_the_file_to_the_browser(tmp_path: Path) -> None:
+    trace = _trace(tmp_path / "t.json")
+    seen = tmp_path / "opened.txt"
+    browser = tmp_path / "browser.sh"
+    browser.write_text(f"#!/bin/sh\necho \"$1\" > {seen}\n")
+    browser.chmod(0o755)
+    env = {**os.environ, "BROWSER": str(browser)}
+    env.pop("DISPLAY", None)
+    env.pop("WAYLAND_DISPLAY", None)
+    out = _run(str(trace), "--open", env=env)
+    assert out.returncode == 0, out.stderr
+    assert seen.read_text().strip() == (tmp_path / "t.report.html").as_uri()
+
+
+def test_help_names_the_options() -> None:
+    out = _run("--help")
+    assert out.returncode == 0
+    for flag in ("TRACE", "--output", "--open", "--title"):
+        assert flag in out.stdout
+
+
+def test_demo_writes_the_report_beside_its_trace_and_prints_its_path(tmp_path: Path) -> None:
+    swap, trace = tmp_path / "swap", tmp_path / "run.trace.json"
+    swap.mkdir()
+    out = subprocess.run([sys.executable, "-m", "offload.cli.main", "demo", "--tiny", "--steps",
+                          "2", "--trace-step", "2", "--swap-dir", str(swap), "--trace",
+                          str(trace)], capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr
+    report = tmp_path / "run.report.html"
+    assert f"report: {report}" in out.stdout.replace("\n", "")
+    html = report.read_text(encoding="utf-8")
+    assert '"title":"offload demo (tiny), step 2"' in html
+    info = json.loads(trace.read_text())["metadata"]["info"]["0"]
+    assert info["disk"]["read_Bps"] > 0 and info["reference_step_s"] > 0
+    assert set(info["tier_budgets"]) == {"DEVICE", "HOST", "NVME"}
