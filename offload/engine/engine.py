@@ -426,34 +426,26 @@ class OffloadEngine(nn.Module):
         (`master_is_param`): the optimizer reads the current one and writes the new
         one into the staged partition.
         """
-        if grad is None:  # the gradient is freed before the new parameters need room
+        if grad is None:
             with self._stored_grad(gid) as stored:
-                new = self._new_params(gid, stored, norm)
-        else:
-            new = self._new_params(gid, grad, norm)
-        self._staged.stage(gid, new)
-
-    def _new_params(self, gid: int, grad: torch.Tensor, norm: float | None) -> torch.Tensor:
-        """Runs group `gid`'s update in the optimizer's open round; returns its new
-        compute-dtype parameter partition."""
+                return self._update_group(gid, stored, norm)
         pkey = ("p", gid)
         self._update_order.append(gid)
-        new = torch.empty(self.groups[gid].shard, dtype=self.dtype)
         masters = None
         if self.master_is_param:
             where = self._memory_tier(pkey)
             old = self.store.fetch(pkey, to=where, pin=True).wait()  # not evicted meanwhile
             masters = {gid: old.cpu()}
         try:
-            res = self.optimizer.update({gid: grad}, params_out={gid: new}, masters=masters,
-                                        loss_scale=self.loss_scale * self.cfg.engine.grad_accum_steps,
-                                        grad_norm=norm, found_inf=False,
-                                        next_pid=self._next_update.get(gid))
+            with self._staged.new(gid, self.groups[gid].shard, self.dtype) as new:
+                res = self.optimizer.update(
+                    {gid: grad}, params_out={gid: new}, masters=masters,
+                    loss_scale=self.loss_scale * self.cfg.engine.grad_accum_steps,
+                    grad_norm=norm, found_inf=False, next_pid=self._next_update.get(gid))
         finally:
             if masters is not None:
                 self.store.unpin(pkey)
         self._count_opt_bytes(res.bytes_read, res.bytes_written)
-        return new
 
     def _count_opt_bytes(self, read: int, written: int) -> None:
         with self._io_lock:

@@ -26,8 +26,9 @@ optimizer state whose inputs and outputs are all pinned in memory first:
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from typing import Hashable
+from typing import Hashable, Iterator
 
 import torch
 
@@ -62,7 +63,7 @@ class StagedParams:
     def __init__(self, store: TieredStore, home: Tier) -> None:
         self._store = store
         self._home = home
-        self._puts: dict[int, MoveHandle] = {}
+        self._puts: dict[int, MoveHandle | None] = {}  # None: stored, nothing in flight
 
     def __contains__(self, gid: int) -> bool:
         return gid in self._puts
@@ -70,19 +71,32 @@ class StagedParams:
     def __len__(self) -> int:
         return len(self._puts)
 
-    def stage(self, gid: int, values: torch.Tensor) -> None:
-        """Stores `values` as group `gid`'s parameters-to-be. On NVMe they stay in HOST
-        (dirty) while it has room: the next forward finds them there, and they are
-        written only if the store evicts them."""
+    @contextlib.contextmanager
+    def new(self, gid: int, numel: int, dtype: torch.dtype) -> Iterator[torch.Tensor]:
+        """`with staged.new(gid, numel, dtype) as t:` group `gid`'s parameters-to-be,
+        a CPU tensor the caller fills; stored as the group's staged record when the
+        block ends (nothing is, if it raises). Written in place in the store's
+        memory where that is CPU memory, else copied in at the end. On NVMe they
+        stay in HOST (dirty) while it has room: the next forward finds them there,
+        and they are written only if the store evicts them."""
         if gid in self._puts:
             raise RuntimeError(f"group {gid} already has new parameters in this step")
-        self._puts[gid] = self._store.put(staged_key(gid), values, kind="param",
-                                          tier=self._home, write=False)
+        key = staged_key(gid)
+        if self._home is Tier.DEVICE and self._store.device.type != "cpu":
+            values = torch.empty(numel, dtype=dtype)  # the optimizer writes CPU memory
+            yield values
+            self._puts[gid] = self._store.put(key, values, kind="param", tier=self._home)
+            return
+        with self._store.create(key, numel, dtype, kind="param", tier=self._home,
+                                write=False) as values:
+            yield values
+        self._puts[gid] = None  # stored on return: nothing to wait for
 
     def ready(self) -> None:
         """Waits until every staged record is stored; raises the first failure."""
         for handle in self._puts.values():
-            handle.wait()
+            if handle is not None:
+                handle.wait()
 
     def switch(self) -> list[int]:
         """Makes each staged record (`ready` first) its group's parameter partition;
@@ -98,7 +112,8 @@ class StagedParams:
         self._puts = {}
         for gid in gids:
             try:
-                puts[gid].wait()
+                if puts[gid] is not None:
+                    puts[gid].wait()
             except Exception:  # the failure being handled, or one of its kind
                 pass
             if staged_key(gid) in self._store:

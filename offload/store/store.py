@@ -139,13 +139,38 @@ class TieredStore(MoveExecutor):
         NVMe when the store evicts it, as a modified partition would be.
         Raises KeyError if `key` is stored, `BudgetExceededError` if no room.
         """
-        tier = _tier(tier)
-        cache = cache or not write
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"put({key!r}) needs a torch.Tensor, got {type(tensor).__name__}")
+        with self._creating(key, tensor.numel(), tensor.dtype, kind, tier, cache,
+                            write) as (new, move):
+            new.copy_(tensor.detach().reshape(-1))
+        return move
+
+    @contextlib.contextmanager
+    def create(self, key: Hashable, numel: int, dtype: torch.dtype, *, kind: str = "param",
+               tier: Tier | str = Tier.HOST, cache: bool = False,
+               write: bool = True) -> Iterator[torch.Tensor]:
+        """`with store.create(key, numel, dtype, tier=...) as t:` stores a new partition
+        whose bytes the caller writes into `t` (its memory in HOST for an NVME home,
+        else in the home tier): `put` without a source tensor to copy from.
+
+        The partition exists, as `put` would leave it, when the block ends (an
+        NVME write starts then); if the block raises, nothing is stored. `cache`
+        and `write` are `put`'s. Raises KeyError if `key` is stored,
+        `BudgetExceededError` if no room (before the block runs).
+        """
+        with self._creating(key, numel, dtype, kind, tier, cache, write) as (new, _):
+            yield new
+
+    @contextlib.contextmanager
+    def _creating(self, key: Hashable, numel: int, dtype: torch.dtype, kind: str,
+                  tier: Tier | str, cache: bool,
+                  write: bool) -> Iterator[tuple[torch.Tensor, MoveHandle]]:
+        tier = _tier(tier)
+        cache = cache or not write
         if not re.fullmatch(r"[A-Za-z0-9_.-]+", kind):
             raise ValueError(f"kind {kind!r} names swap files: use letters, digits, '_', '.', '-'")
-        rec = PartitionRecord(key, kind, tensor.dtype, tensor.numel(), tier)
+        rec = PartitionRecord(key, kind, dtype, numel, tier)
         first = Tier.HOST if tier is Tier.NVME else tier
         move = self._new_move("put", key, tier)
         self._bind(move, rec)
@@ -167,8 +192,7 @@ class TieredStore(MoveExecutor):
                 self._cond.notify_all()
                 raise
         try:  # off the lock: the record is claimed, nobody else touches its memory
-            self._dev.view(move.reserved[first], rec.dtype, rec.numel).copy_(
-                tensor.detach().reshape(-1))
+            yield self._dev.view(move.reserved[first], rec.dtype, rec.numel), move
         except BaseException as e:
             with self._cond:
                 self._finish_move(move, rec, e, unregister=True)
@@ -179,7 +203,6 @@ class TieredStore(MoveExecutor):
             move.steps = ([Step.WRITE] if cache else [Step.WRITE, Step.DROP_HOST]) \
                 if tier is Tier.NVME and write else []
             self._start(move, rec)
-        return move
 
     def fetch(self, key: Hashable, to: Tier | str = Tier.DEVICE, *,
               pin: bool = False) -> MoveHandle:
