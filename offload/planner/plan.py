@@ -1,0 +1,192 @@
+"""The prefetch plan: every fetch, eviction and write-back of one step, computed from
+its access trace under a memory budget (pure functions: no tensors, files or threads).
+
+[Note: the plan]
+The input is one step's access trace: a sequence of uses, each naming the
+records that must be in memory while it runs (a unit's parameter partitions
+in forward or backward; a group's optimizer state at its update) and the
+ones it modifies. Records live on NVMe unless resident; memory holds at most
+`budget` bytes, counting every resident record and every fetch in flight.
+`make_plan` walks the uses in order and, when a record is missing, evicts
+the resident record whose next use is farthest away (uses wrap around to the
+next step's, so the plan is the steady state of a loop of steps), clean
+copies before dirty ones among equals: a clean copy is dropped, a dirty one
+is written back first. Each fetch is then issued as early as the budget
+allows (at the earliest point from which its bytes fit until its use, after
+the record's own previous use) and no earlier than the fetch before it (the
+disk serves them in order). The result lists every operation with the point
+of the trace it is issued at and the one it is needed at, the bytes read and
+written, and the bytes held at every point, which never exceed the budget.
+`lru_bytes` is the same walk with on-demand fetches and least-recently-used
+eviction: the baseline a plan is measured against.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+from typing import Hashable, Mapping, Sequence
+
+__all__ = ["Plan", "PlanOp", "RecordSpec", "Use", "lru_bytes", "make_plan"]
+
+
+@dataclass(frozen=True)
+class RecordSpec:
+    """A record the trace uses: its bytes, and whether it starts resident (and dirty)."""
+
+    nbytes: int
+    resident: bool = False
+    dirty: bool = False
+
+
+@dataclass(frozen=True)
+class Use:
+    """One point of the access trace: `keys` must be resident while it runs; `writes`
+    (a subset of `keys`) are modified by it. `kind` (forward, backward, update, ...),
+    `label` (the unit or group) and `compute_s` (its measured compute time, seconds)
+    are carried along for the simulator and the trace."""
+
+    keys: tuple[Hashable, ...]
+    writes: tuple[Hashable, ...] = ()
+    kind: str = "use"
+    label: str = ""
+    compute_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class PlanOp:
+    """One operation: `op` is "fetch", "write-back" or "evict"; `at` the index of the
+    use it is issued before; `needed_at` the use that needs a fetched record."""
+
+    op: str
+    key: Hashable
+    nbytes: int
+    at: int
+    needed_at: int | None = None
+
+
+@dataclass
+class Plan:
+    """The schedule of one step ([Note: the plan])."""
+
+    ops: list[PlanOp]
+    budget: int
+    held: list[int]            # bytes resident or in flight while each use runs
+    bytes_read: int = 0
+    bytes_written: int = 0
+    fetches_by_use: dict[int, list[PlanOp]] = field(default_factory=dict)
+
+    @property
+    def bytes_moved(self) -> int:
+        return self.bytes_read + self.bytes_written
+
+
+def _check(uses: Sequence[Use], records: Mapping[Hashable, RecordSpec], budget: int) -> None:
+    if budget <= 0:
+        raise ValueError(f"budget {budget} must be positive")
+    for i, use in enumerate(uses):
+        unknown = [k for k in use.keys if k not in records]
+        if unknown:
+            raise ValueError(f"use {i} names records {unknown[:4]} that are not described")
+        stray = [k for k in use.writes if k not in use.keys]
+        if stray:
+            raise ValueError(f"use {i} writes {stray[:4]}, which it does not use")
+        need = sum(records[k].nbytes for k in set(use.keys))
+        if need > budget:
+            raise ValueError(f"use {i} ({use.kind} {use.label}) needs {need} bytes at once, "
+                             f"more than the budget of {budget}")
+    start = sum(r.nbytes for r in records.values() if r.resident)
+    if start > budget:
+        raise ValueError(f"the records resident at the start hold {start} bytes, more than "
+                         f"the budget of {budget}")
+
+
+class _NextUse:
+    """Next use of a key after a point, the trace wrapping around to the next step."""
+
+    def __init__(self, uses: Sequence[Use]) -> None:
+        self.n = len(uses)
+        self.at: dict[Hashable, list[int]] = {}
+        for i, use in enumerate(uses):
+            for k in dict.fromkeys(use.keys):
+                self.at.setdefault(k, []).append(i)
+
+    def after(self, key: Hashable, i: int) -> int:
+        pos = self.at.get(key)
+        if not pos:
+            return 1 << 62  # never used: the best victim
+        j = bisect.bisect_right(pos, i)
+        return pos[j] if j < len(pos) else pos[0] + self.n
+
+
+def make_plan(uses: Sequence[Use], records: Mapping[Hashable, RecordSpec],
+              budget: int) -> Plan:
+    """The plan of one step ([Note: the plan]). Raises ValueError when a use needs more
+    than `budget` at once, or a use names an unknown record."""
+    _check(uses, records, budget)
+    size = {k: r.nbytes for k, r in records.items()}
+    nxt = _NextUse(uses)
+    resident = {k for k, r in records.items() if r.resident}
+    dirty = {k for k, r in records.items() if r.dirty and r.resident}
+    last = {k: -1 for k in resident}     # last use of each resident record (-1: none yet)
+    held = [0] * len(uses)
+    plan = Plan([], budget, held)
+    prev_issue = 0
+    for i, use in enumerate(uses):
+        held[i] += sum(size[k] for k in resident)
+        need = set(use.keys)
+        for k in dict.fromkeys(use.keys):
+            if k in resident:
+                continue
+            while sum(size[r] for r in resident) + size[k] > budget:
+                victim = max(resident - need, key=lambda r: (nxt.after(r, i), r not in dirty))
+                end = last.get(victim, -1)
+                if victim in dirty:
+                    plan.ops.append(PlanOp("write-back", victim, size[victim], end + 1))
+                    plan.bytes_written += size[victim]
+                    dirty.discard(victim)
+                plan.ops.append(PlanOp("evict", victim, size[victim], end + 1))
+                resident.discard(victim)
+                for t in range(end + 1, i + 1):  # free from just after its last use
+                    held[t] -= size[victim]
+            issue = i
+            floor = max(prev_issue, last.get(k, -1) + 1)
+            while issue > floor and held[issue - 1] + size[k] <= budget:
+                issue -= 1
+            for t in range(issue, i + 1):
+                held[t] += size[k]
+            prev_issue = issue
+            op = PlanOp("fetch", k, size[k], issue, i)
+            plan.ops.append(op)
+            plan.fetches_by_use.setdefault(i, []).append(op)
+            plan.bytes_read += size[k]
+            resident.add(k)
+        dirty.update(use.writes)
+        for k in need:
+            last[k] = i
+    return plan
+
+
+def lru_bytes(uses: Sequence[Use], records: Mapping[Hashable, RecordSpec],
+              budget: int) -> tuple[int, int]:
+    """(bytes read, bytes written) of on-demand fetches with least-recently-used
+    eviction under the same budget: the baseline."""
+    _check(uses, records, budget)
+    size = {k: r.nbytes for k, r in records.items()}
+    recent: dict[Hashable, int] = {k: -1 for k, r in records.items() if r.resident}
+    dirty = {k for k, r in records.items() if r.dirty and r.resident}
+    read = written = 0
+    for i, use in enumerate(uses):
+        need = set(use.keys)
+        for k in dict.fromkeys(use.keys):
+            if k not in recent:
+                while sum(size[r] for r in recent) + size[k] > budget:
+                    victim = min((r for r in recent if r not in need), key=recent.__getitem__)
+                    if victim in dirty:
+                        written += size[victim]
+                        dirty.discard(victim)
+                    del recent[victim]
+                read += size[k]
+            recent[k] = i
+        dirty.update(use.writes)
+    return read, written

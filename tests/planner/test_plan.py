@@ -1,0 +1,188 @@
+"""The prefetch plan against brute force and LRU, its budgets at every point, and the
+simulator's prediction of a step."""
+
+import functools
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from offload.planner import Rates, RecordSpec, Use, lru_bytes, make_plan, simulate
+from offload.trace import write_trace_dict
+from offload.trace.analysis import bytes_moved, exposed_time, parse_trace, steps_of
+
+
+def _replay(uses, records, plan):
+    """Checks the plan by executing it: every use finds its records resident, the
+    bytes held never exceed the budget, a dirty record is written before it is
+    dropped; returns (read, written)."""
+    size = {k: r.nbytes for k, r in records.items()}
+    resident = {k for k, r in records.items() if r.resident}
+    dirty = {k for k, r in records.items() if r.resident and r.dirty}
+    by_at = {}
+    for op in plan.ops:
+        by_at.setdefault(op.at, []).append(op)
+    read = written = 0
+    in_flight = set()
+    for i, use in enumerate(uses):
+        for op in by_at.get(i, ()):
+            if op.op == "write-back":
+                assert op.key in dirty, op
+                dirty.discard(op.key)
+                written += op.nbytes
+            elif op.op == "evict":
+                assert op.key in resident and op.key not in dirty, op
+                assert op.key not in use.keys, op
+                resident.discard(op.key)
+            else:
+                assert op.key not in resident and op.needed_at >= i, op
+                in_flight.add(op.key)
+                resident.add(op.key)
+                read += op.nbytes
+        held = sum(size[k] for k in resident)
+        assert held <= plan.budget, (i, held, plan.budget)
+        assert held == plan.held[i], (i, held, plan.held[i])
+        assert set(use.keys) <= resident, (i, set(use.keys) - resident)
+        dirty.update(use.writes)
+    return read, written
+
+
+def _optimum(uses, records, budget):
+    """Fewest bytes (read + written) any eviction choice achieves over one pass of the
+    trace with on-demand fetches (exhaustive search; tiny traces only)."""
+    size = {k: r.nbytes for k, r in records.items()}
+
+    @functools.lru_cache(maxsize=None)
+    def best(i, resident, dirty):
+        if i == len(uses):
+            return 0
+        use = uses[i]
+        missing = [k for k in dict.fromkeys(use.keys) if k not in resident]
+        return fill(i, resident, dirty, tuple(missing))
+
+    @functools.lru_cache(maxsize=None)
+    def fill(i, resident, dirty, missing):
+        if not missing:
+            return best(i + 1, resident, dirty | frozenset(uses[i].writes))
+        k = missing[0]
+        if sum(size[r] for r in resident) + size[k] <= budget:
+            return size[k] + fill(i, resident | {k}, dirty, missing[1:])
+        out = float("inf")
+        for v in resident - set(uses[i].keys):
+            cost = size[v] if v in dirty else 0
+            out = min(out, cost + fill(i, resident - {v}, dirty - {v}, missing))
+        return out
+    start = frozenset(k for k, r in records.items() if r.resident)
+    return best(0, start, frozenset(k for k in start if records[k].dirty))
+
+
+@st.composite
+def traces(draw, writes=True, equal=False, max_records=5, max_uses=9):
+    n = draw(st.integers(2, max_records))
+    sizes = [1] * n if equal else draw(st.lists(st.integers(1, 4), min_size=n, max_size=n))
+    records = {f"r{k}": RecordSpec(sizes[k]) for k in range(n)}
+    uses = []
+    for _ in range(draw(st.integers(1, max_uses))):
+        keys = tuple(sorted(set(draw(st.lists(st.sampled_from(sorted(records)), min_size=1,
+                                              max_size=2)))))
+        w = tuple(k for k in keys if writes and draw(st.booleans()))
+        uses.append(Use(keys, w))
+    need = max(sum(records[k].nbytes for k in u.keys) for u in uses)
+    budget = draw(st.integers(need, max(need, sum(sizes))))
+    return uses, records, budget
+
+
+@settings(max_examples=300, deadline=None)
+@given(traces())
+def test_budget_holds_at_every_point_and_every_use_finds_its_records(case):
+    uses, records, budget = case
+    plan = make_plan(uses, records, budget)
+    assert _replay(uses, records, plan) == (plan.bytes_read, plan.bytes_written)
+    assert max(plan.held) <= budget
+
+
+@settings(max_examples=200, deadline=None)
+@given(traces(writes=False, equal=True))
+def test_read_only_equal_sized_records_move_the_fewest_bytes(case):
+    """Farthest-next-use eviction is optimal when every record has the same size and
+    none is modified: the plan reads exactly what brute force finds."""
+    uses, records, budget = case
+    plan = make_plan(uses, records, budget)
+    assert plan.bytes_written == 0
+    assert plan.bytes_read == _optimum(uses, records, budget)
+
+
+@settings(max_examples=200, deadline=None)
+@given(traces())
+def test_never_below_the_optimum(case):
+    uses, records, budget = case
+    assert make_plan(uses, records, budget).bytes_moved >= _optimum(uses, records, budget)
+
+
+def _training_step(layers=8, size=10, state=20):
+    """A step's access trace: forward over the layers' parameters, backward in reverse
+    with each layer's update (its optimizer state, modified, and its parameters)."""
+    records = {f"p{k}": RecordSpec(size) for k in range(layers)}
+    records.update({f"s{k}": RecordSpec(state) for k in range(layers)})
+    uses = [Use((f"p{k}",), kind="forward", label=f"fwd {k}", compute_s=0.01)
+            for k in range(layers)]
+    for k in reversed(range(layers)):
+        uses.append(Use((f"p{k}",), kind="backward", label=f"bwd {k}", compute_s=0.02))
+        uses.append(Use((f"p{k}", f"s{k}"), (f"p{k}", f"s{k}"), kind="update",
+                        label=f"adam {k}", compute_s=0.005))
+    return uses, records
+
+
+@pytest.mark.parametrize("budget", [30, 60, 100, 200])
+def test_a_training_step_moves_fewer_bytes_than_lru(budget):
+    uses, records = _training_step()
+    plan = make_plan(uses, records, budget)
+    _replay(uses, records, plan)
+    read, written = lru_bytes(uses, records, budget)
+    assert plan.bytes_moved <= read + written
+    if budget == 100:  # LRU evicts exactly what the backward needs next
+        assert plan.bytes_moved < read + written
+
+
+def test_prefetch_is_issued_ahead_where_the_budget_allows():
+    uses, records = _training_step()
+    plan = make_plan(uses, records, 100)
+    fetches = [op for op in plan.ops if op.op == "fetch"]
+    assert any(op.at < op.needed_at for op in fetches)
+    tight = make_plan(uses, records, 30)  # one layer's parameters and state only
+    for op in tight.ops:  # a layer's state fits beside its parameters from its backward on:
+        if op.op == "fetch" and op.key.startswith("s"):  # it is read while that runs
+            backward = uses.index(Use((f"p{op.key[1:]}",), kind="backward",
+                                      label=f"bwd {op.key[1:]}", compute_s=0.02))
+            assert op.at <= backward < op.needed_at, op
+
+
+def test_simulated_step_waits_for_the_disk_and_writes_a_trace(tmp_path):
+    uses, records = _training_step()
+    plan = make_plan(uses, records, 100)
+    slow = simulate(plan, uses, Rates(read_Bps=100, write_Bps=100))
+    fast = simulate(plan, uses, Rates(read_Bps=1e9, write_Bps=1e9))
+    compute = sum(u.compute_s for u in uses)
+    assert fast.step_s == pytest.approx(compute, rel=1e-6) and fast.exposed_io_s < 1e-6
+    assert slow.step_s >= max(compute, plan.bytes_moved / 100) - 1e-9
+    assert slow.exposed_io_s > 0
+    path = write_trace_dict(tmp_path / "predicted.trace.json",
+                            slow.to_trace(budget=plan.budget))
+    data = json.loads(path.read_text())
+    assert data["metadata"]["kind"] == "predicted"
+    names = {(e["name"], e["ph"]) for e in data["traceEvents"]}
+    assert {("read", "b"), ("write", "b"), ("fetch", "b"), ("wait:gather", "X"),
+            ("step", "X")} <= names
+    # the report reads it as it reads a measured trace: the same bytes and waits
+    (rank,) = parse_trace(data)
+    (step,) = steps_of(rank)
+    moved = bytes_moved(rank, step)
+    assert (moved["nvme_read"], moved["nvme_write"]) == (plan.bytes_read, plan.bytes_written)
+    assert exposed_time(rank, step)["io"] == pytest.approx(slow.exposed_io_s * 1e6, rel=1e-6)
+
+
+def test_a_use_bigger_than_the_budget_is_refused():
+    uses, records = _training_step()
+    with pytest.raises(ValueError, match="needs 30 bytes at once"):
+        make_plan(uses, records, 29)
