@@ -37,8 +37,10 @@ partition (`("g", gid)`) are records in the `TieredStore`, homed by
 to `CpuAdam`, on the host or streamed from NVMe (`engine.optimizer`): the
 optimizer's pipeline owns their chunked layout. In fp32 training the
 parameter partition is itself the master (`master_is_param`): the optimizer
-keeps only the moments and updates the partition in place wherever the store
-holds it in memory, so no second fp32 copy is stored, read or written.
+keeps only the moments, reads the current partition and writes the new one
+(into the staged record during a step, [Note: all or nothing] in step.py, or
+in place where nothing can fail any more), so no second fp32 copy is stored,
+read or written.
 """
 
 from __future__ import annotations
@@ -637,9 +639,6 @@ class OffloadEngine(nn.Module):
         self._update_order = []
         self._backwards = 0
         return undone
-
-    def _trainable(self) -> list[int]:
-        return [g.gid for g in self.groups if g.requires_grad]
 
     def _prefetch_state(self) -> None:
         """Starts reading the optimizer state of the group this step updated first: the

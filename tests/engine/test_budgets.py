@@ -2,7 +2,6 @@
 the minimum; at the minimum itself every placement trains, waiting for room and
 never failing, to the same numbers as with room to spare."""
 
-import copy
 import itertools
 
 import pytest

@@ -1,6 +1,5 @@
 """State on NVMe: the pipelined step against host state, failures, prefetch, checkpoints."""
 
-import contextlib
 import os
 import threading
 
