@@ -128,7 +128,10 @@ def simulate(plan: Plan, uses: Sequence[Use], rates: Rates) -> Prediction:
                                      "needed_at": op.needed_at}))
         ready = max([now] + [arrival[(op.key, i)] for op in plan.fetches_by_use.get(i, ())])
         if ready > now:
-            pred.events.append(("wait:gather", "wait", "compute", now, ready, {"use": i}))
+            late = [str(op.key) for op in plan.fetches_by_use.get(i, ())
+                    if arrival[(op.key, i)] > now]
+            pred.events.append(("wait:gather", "wait", "compute", now, ready,
+                                {"key": late[0], "keys": late, "use": i}))
             pred.exposed_io_s += ready - now
         start, now = ready, ready + use.compute_s
         pred.compute_s += use.compute_s
