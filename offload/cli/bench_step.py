@@ -12,13 +12,16 @@ disk hits both alike; rows report the median over rounds of each run's median
 step.
 
 Placements (offload keys; DeepSpeed's equivalent in brackets):
-  none  params and grads on the device tier, optimizer state on the host,
-        budgets large enough for everything [ZeRO-3, no offload];
-  host  params, grads and optimizer state on the host [offload_param and
-        offload_optimizer device "cpu"];
-  nvme  params and optimizer state on NVMe, grads on the host, with
-        store.host_budget below the state so parameters really stream
-        [offload_param and offload_optimizer device "nvme", max_in_cpu 0].
+  none      params and grads on the device tier, optimizer state on the host,
+            budgets large enough for everything [ZeRO-3, no offload];
+  host      params, grads and optimizer state on the host [offload_param and
+            offload_optimizer device "cpu"];
+  nvme-opt  parameters in memory (device tier, large budgets), optimizer state
+            on NVMe [offload_optimizer device "nvme", parameters not offloaded];
+  nvme      params and optimizer state on NVMe, grads on the host, with the
+            memory budgets (--host-budget, --device-budget) below the
+            parameters' bytes so parameters really stream [offload_param and
+            offload_optimizer device "nvme", max_in_cpu 0, tight buffers].
 
 Bytes read and written per step are the worker process's own
 `/proc/self/io` read_bytes / write_bytes over the timed steps, the same
@@ -27,17 +30,24 @@ counter for both systems (O_DIRECT traffic included); offload's own accounting
 Peak RSS is the worker's VmHWM: over the whole run, and over the steps alone
 (reset through /proc/self/clear_refs after initialisation).
 
-The lower bound of a run that moves bytes to the disk is
-max(fastest no-offload step, read bytes / disk read bandwidth + written bytes
-/ disk write bandwidth), the bandwidths measured in the same run with
-offload's I/O engine (O_DIRECT, the io section's block size and queue depth,
-as the runs write) right before each nvme run: the disk drifts minute to
-minute, so each nvme row's bound uses the median of the probes taken before
-its own runs (`disk` in the row; the top-level `disk` is the median of all).
-Each probe also measures the disk's mixed rate: reads and writes at once, as
-many requests of the optimizer's chunk size in flight each way as its
-pipeline keeps, for 2 s. Rows report the step against that rate too
-(`mixed_bound_s`), beside the bound above.
+The lower bound of a placement that moves bytes to the disk is
+max(fastest no-offload step, R / read rate, W / write rate, (R + W) / mixed
+rate), where R and W are the fewest bytes the placement's budgets force any
+system to read and write per step, the same for both systems (`forced_read_bytes`,
+`forced_write_bytes`): the optimizer's Adam moments (8 bytes per parameter;
+the fp32 parameter can be the master) both ways; for `nvme`, also the
+parameter bytes that the memory budgets (store.host_budget, plus
+store.device_budget on a CPU device) cannot keep across a step: the reads of
+farthest-next-use eviction over the step's forward and backward order (the
+fewest reads possible for partitions of one size, offload.planner), and the
+updated parameters that do not fit, written. The rates are measured in the
+same run with offload's I/O engine (O_DIRECT, the io section's block size and
+queue depth, as the runs write) right before each offloading run: the disk
+drifts minute to minute, so each row's bound uses the median of the probes
+taken before its own runs (`disk` in the row; the top-level `disk` is the
+median of all). The mixed rate is reads and writes at once, as many requests
+of the optimizer's chunk size in flight each way as its pipeline keeps, for
+2 s. Each row reports its own bytes beside the forced ones.
 """
 
 from __future__ import annotations
@@ -62,13 +72,15 @@ from .benchutil import emit, proc_io, progress_printer, reset_hwm, scratch_dir, 
 
 GiB = 1 << 30
 SYSTEMS = ("offload", "deepspeed")
-PLACEMENTS = ("none", "host", "nvme")
+PLACEMENTS = ("none", "host", "nvme-opt", "nvme")
+DISK_PLACEMENTS = ("nvme-opt", "nvme")
 STATE_BYTES_PER_PARAM = 16  # fp32 weights, gradient, Adam's two moments
 BYTES_SOURCE = "/proc/self/io read_bytes/write_bytes of the worker process"
-# Targets on the nvme placement (issue "offload bench step").
-TARGET_VS_DEEPSPEED = 0.5
-TARGET_VS_BOUND = 1.15
+# Targets on the nvme placement (parameters streaming).
+TARGET_VS_DEEPSPEED = 0.35
+TARGET_VS_BOUND = 1.10
 TARGET_RSS_SLACK = 0.5 * GiB
+MOMENT_BYTES = 8  # Adam's two fp32 moments per parameter
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -104,6 +116,7 @@ def offload_config(spec: RunSpec) -> dict:
     big = spec.params * STATE_BYTES_PER_PARAM + GiB  # holds everything: nothing waits on room
     engine = {"none": {"params": "device", "grads": "device", "optimizer": "host"},
               "host": {"params": "host", "grads": "host", "optimizer": "host"},
+              "nvme-opt": {"params": "device", "grads": "host", "optimizer": "nvme"},
               "nvme": {"params": "nvme", "grads": "host", "optimizer": "nvme"}}[spec.placement]
     store = {"device_budget": big, "host_budget": big}
     if spec.placement == "nvme":
@@ -118,6 +131,9 @@ def offload_config(spec: RunSpec) -> dict:
 def deepspeed_config(spec: RunSpec) -> dict:
     """The DeepSpeed config dict of `spec`'s placement (ZeRO-3, fp32, AdamW)."""
     zero: dict = {"stage": 3}
+    if spec.placement == "nvme-opt":
+        zero["offload_optimizer"] = {"device": "nvme", "nvme_path": spec.swap_dir,
+                                     "pin_memory": False}
     if spec.placement == "host":
         zero["offload_param"] = {"device": "cpu", "pin_memory": False}
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
@@ -194,7 +210,8 @@ class _DeepSpeedRun:
 
         deepspeed.init_distributed(dist_backend="gloo")
         cfg = deepspeed_config(spec)
-        remote = {"none": None, "host": "cpu", "nvme": "nvme"}[spec.placement]
+        remote = {"none": None, "host": "cpu", "nvme-opt": None,
+                  "nvme": "nvme"}[spec.placement]
         with deepspeed.zero.Init(config_dict_or_path=cfg, remote_device=remote):
             model = build_mlp(spec.dim, spec.layers)
         self.engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
@@ -403,36 +420,68 @@ def _row(runs: _Runs) -> dict:
     return row
 
 
-def _add_bounds(rows: list[dict], disk: dict | None) -> float | None:
-    """Adds `bound_s` and `step_over_bound` to every offloading row (the disk term
-    from the probes taken right before the row's own runs, else `disk`); returns the
-    compute term (the fastest no-offload step), None when no such step ran."""
+def forced_bytes(placement: str, dim: int, layers: int, memory: int) -> tuple[int, int]:
+    """(R, W): the fewest bytes any system must read and write per step for this
+    placement, with `memory` bytes of memory budgets for parameters (see the module
+    docstring). A true lower bound: every figure in it is forced."""
+    if placement not in DISK_PLACEMENTS:
+        return 0, 0
+    from ..planner import RecordSpec, Use, make_plan
+    from ..store import footprint
+
+    params = layers * dim * (dim + 1)
+    moments = MOMENT_BYTES * params
+    if placement == "nvme-opt":
+        return moments, moments
+    size = footprint(dim * (dim + 1) * 4)  # one layer's fp32 parameters
+    if memory < size:
+        raise UsageError(f"the memory budgets ({memory} bytes) hold less than one layer's "
+                         f"parameters ({size} bytes); raise --host-budget or --device-budget")
+    order = list(range(layers)) + list(reversed(range(layers)))  # forward, then backward
+    uses = [Use((k,)) for k in order * 2]  # two steps: the second is the steady state
+    plan = make_plan(uses, {k: RecordSpec(size) for k in range(layers)}, memory)
+    reads = sum(op.nbytes for op in plan.ops if op.op == "fetch" and op.needed_at >= len(order))
+    unkept = max(0, layers * size - memory)  # updated parameters that cannot stay in memory
+    return moments + reads, moments + unkept
+
+
+def _memory_budget(base: dict) -> int:
+    """Bytes of memory budgets the nvme placement's parameters may use: the host tier,
+    and the device tier where the device is the CPU."""
+    return base["host_budget"] + (base["device_budget"] if base["device"] == "cpu" else 0)
+
+
+def _add_bounds(rows: list[dict], disk: dict | None, forced: dict[str, tuple[int, int]]
+                ) -> float | None:
+    """Adds `bound_s` and `step_over_bound` to every offloading row: max(fastest none
+    step, forced reads / read rate, forced writes / write rate, both / mixed rate),
+    the rates from the probes taken right before the row's own runs, else `disk`.
+    Returns the compute term (the fastest none step), None when no such step ran."""
     none_steps = [r["median_step_s"] for r in rows
                   if r["placement"] == "none" and r["median_step_s"] is not None]
     t_none = min(none_steps) if none_steps else None
     for r in rows:
         if r["placement"] == "none" or r["median_step_s"] is None:
             continue
+        fr, fw = forced.get(r["placement"], (0, 0))
+        r["forced_read_bytes"], r["forced_write_bytes"] = fr, fw
         d = r.get("disk") or disk  # the probes taken right before its own runs
-        io_s = None
-        if d is not None:
-            io_s = (r["read_bytes_per_step"] / (d["read_GBps"] * 1e9)
-                    + r["write_bytes_per_step"] / (d["write_GBps"] * 1e9))
-        terms = [t for t in (t_none, io_s) if t is not None]
+        terms = {"compute": t_none}
+        if d is not None and (fr or fw):
+            terms.update(read=fr / (d["read_GBps"] * 1e9), write=fw / (d["write_GBps"] * 1e9),
+                         mixed=(fr + fw) / (d["mixed_GBps"] * 1e9) if d.get("mixed_GBps")
+                         else None)
+        terms = {k: v for k, v in terms.items() if v is not None}
         if terms:
-            r["io_bound_s"] = io_s
-            r["bound_s"] = max(terms)
+            r["bound_terms_s"] = terms
+            r["bound_s"] = max(terms.values())
             r["step_over_bound"] = r["median_step_s"] / r["bound_s"]
-        if d is not None and d.get("mixed_GBps") and r["read_bytes_per_step"]:
-            mixed_s = (r["read_bytes_per_step"] + r["write_bytes_per_step"]) / (
-                d["mixed_GBps"] * 1e9)
-            r["mixed_bound_s"] = max(t for t in (t_none, mixed_s) if t is not None)
-            r["step_over_mixed_bound"] = r["median_step_s"] / r["mixed_bound_s"]
     return t_none
 
 
-def _targets(rows: list[dict], host_budget: int) -> list[dict]:
-    """The issue's targets on the nvme placement, for those whose rows ran."""
+def _targets(rows: list[dict], base: dict) -> list[dict]:
+    """The targets on the nvme placement (parameters streaming), for those whose rows
+    ran."""
     get = {(r["system"], r["placement"]): r for r in rows}
     off, ds = get.get(("offload", "nvme")), get.get(("deepspeed", "nvme"))
     if off is None or off["median_step_s"] is None:
@@ -446,8 +495,9 @@ def _targets(rows: list[dict], host_budget: int) -> list[dict]:
         v = off["step_over_bound"]
         out.append({"target": f"offload nvme step <= {TARGET_VS_BOUND}x the lower bound",
                     "value": v, "limit": TARGET_VS_BOUND, "met": v <= TARGET_VS_BOUND})
-    limit = (host_budget + TARGET_RSS_SLACK) / GiB
-    out.append({"target": "offload nvme peak RSS <= store.host_budget + 0.5 GiB (GiB)",
+    limit = (_memory_budget(base) + base["buffer_budget"] + TARGET_RSS_SLACK) / GiB
+    out.append({"target": "offload nvme peak RSS <= the memory budgets in use (host, device "
+                "on a CPU, I/O buffers) + 0.5 GiB (GiB)",
                 "value": off["peak_rss_GiB"], "limit": limit,
                 "met": off["peak_rss_GiB"] <= limit})
     return out
@@ -533,7 +583,7 @@ def _rounds(runs: dict[tuple[str, str], _Runs], work: str, base: dict, state: in
     ocfg = OptimConfig()
     request = resolve_chunk_elems(ocfg, base["buffer_budget"]) * 8
     try:
-        if any(p == "nvme" for _, p in runs):
+        if any(p in DISK_PLACEMENTS for _, p in runs):
             disk_n = min(parse_bytes(args.disk_size, "--disk-size"), max(64 << 20, state))
             _check_disk(work, 2 * state + disk_n + GiB)
             probe = _DiskProbe(IoConfig(paths=[work]), work, disk_n)
@@ -542,7 +592,7 @@ def _rounds(runs: dict[tuple[str, str], _Runs], work: str, base: dict, state: in
                 if one.note:  # one that failed (or cannot run) said why once
                     continue
                 disk = None
-                if probe is not None and one.placement == "nvme":
+                if probe is not None and one.placement in DISK_PLACEMENTS:
                     w, rd = probe.measure()
                     mx = probe.measure_mixed(request, ocfg.buffers, seconds=2.0)
                     disk = {"write_GBps": w / 1e9, "read_GBps": rd / 1e9,
@@ -589,7 +639,9 @@ def run_step_bench(args: argparse.Namespace, path: str, progress=None) -> dict:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     rows = [_row(one) for one in runs.values()]
-    t_none = _add_bounds(rows, disk)
+    forced = {p: forced_bytes(p, args.dim, args.layers, _memory_budget(base))
+              for p in placements}
+    t_none = _add_bounds(rows, disk, forced)
     notes = []
     if t_none is None and any(r.get("bound_s") for r in rows):
         notes.append("no none-placement step ran: the bound has no compute term")
@@ -606,7 +658,8 @@ def run_step_bench(args: argparse.Namespace, path: str, progress=None) -> dict:
             "io": {"block_size": base["block_size"], "queue_depth": base["queue_depth"]},
             "disk": disk, "huge_pages": _huge_pages(), "none_step_s": t_none,
             "bytes_source": BYTES_SOURCE,
-            "results": rows, "targets": _targets(rows, base["host_budget"]), "notes": notes}
+            "forced_bytes": {p: {"read": r, "write": w} for p, (r, w) in forced.items()},
+            "results": rows, "targets": _targets(rows, base), "notes": notes}
 
 
 def _huge_pages() -> dict:
@@ -695,18 +748,17 @@ def render(result: dict) -> None:
                   f"{d['mixed_request'] >> 20} MiB in flight) {d['mixed_GBps']:.2f} GB/s")
     for r in result["results"]:
         if r.get("bound_s") is not None:
-            io = r["io_bound_s"]
             rd = r.get("disk")
-            probed = "" if not rd else (f" at write {rd['write_GBps']:.2f} / read "
-                                        f"{rd['read_GBps']:.2f} GB/s, probed before its runs")
-            con.print(f"{r['system']} {r['placement']}: bound {r['bound_s']:.3f} s = max(none "
-                      f"step {_fmt(result['none_step_s'], '.3f')} s, disk "
-                      f"{_fmt(io, '.3f')} s{probed}); step / bound = "
-                      f"{r['step_over_bound']:.2f}")
-        if r.get("mixed_bound_s") is not None:
-            con.print(f"{r['system']} {r['placement']}: with the disk's mixed rate, bound "
-                      f"{r['mixed_bound_s']:.3f} s; step / that bound = "
-                      f"{r['step_over_mixed_bound']:.2f}")
+            probed = "" if not rd else (f" (write {rd['write_GBps']:.2f} / read "
+                                        f"{rd['read_GBps']:.2f} / mixed "
+                                        f"{rd.get('mixed_GBps', 0):.2f} GB/s, probed before "
+                                        "its runs)")
+            terms = ", ".join(f"{k} {v:.3f} s" for k, v in r["bound_terms_s"].items())
+            con.print(f"{r['system']} {r['placement']}: bound {r['bound_s']:.3f} s = max("
+                      f"{terms}){probed}; step / bound = {r['step_over_bound']:.2f}; forced "
+                      f"{r['forced_read_bytes'] / 1e6:.0f}/{r['forced_write_bytes'] / 1e6:.0f} "
+                      f"MB r/w, its own {r['read_bytes_per_step'] / 1e6:.0f}/"
+                      f"{r['write_bytes_per_step'] / 1e6:.0f} MB")
         if r.get("accounted_read_bytes_per_step") is not None:
             con.print(f"{r['system']} {r['placement']}: own accounting "
                       f"{r['accounted_read_bytes_per_step'] / 1e6:.0f} MB read, "
@@ -736,15 +788,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="interleaved rounds (default 3)")
     p.add_argument("--system", default="offload,deepspeed", type=choice_list(SYSTEMS),
                    help="comma list of offload, deepspeed (default both)")
-    p.add_argument("--placement", default="none,host,nvme", type=choice_list(PLACEMENTS),
-                   help="comma list of none, host, nvme (default all)")
+    p.add_argument("--placement", default=",".join(PLACEMENTS), type=choice_list(PLACEMENTS),
+                   help="comma list of none, host, nvme-opt, nvme (default all)")
     p.add_argument("--path", default=None, type=directory("directory for the swap files"),
                    help="directory for the swap files (default: a temporary directory under "
                    "the current one)")
-    p.add_argument("--host-budget", default="512MiB", type=byte_size(4096, example="512MiB"),
-                   help="nvme placement: store.host_budget (default 512MiB)")
-    p.add_argument("--device-budget", default="256MiB", type=byte_size(4096, example="256MiB"),
-                   help="nvme placement: store.device_budget (default 256MiB)")
+    p.add_argument("--host-budget", default="160MiB", type=byte_size(4096, example="160MiB"),
+                   help="nvme placement: store.host_budget (default 160MiB: with the "
+                   "device budget, below the default model's 403 MB of parameters)")
+    p.add_argument("--device-budget", default="144MiB", type=byte_size(4096, example="144MiB"),
+                   help="nvme placement: store.device_budget (default 144MiB)")
     p.add_argument("--buffer-budget", default="256MiB",
                    type=byte_size(IoConfig().block_size, example="256MiB"),
                    help="io.buffer_budget of every placement, at least one I/O block "
