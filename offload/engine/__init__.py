@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
-from typing import Callable
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -17,6 +17,7 @@ from ..store import TieredStore
 from ..trace import NULL_RECORDER, TraceRecorder
 from .checkpoint import SafetensorsCheckpoint
 from .engine import _DTYPES, _TIERS, OffloadEngine
+from .param_groups import assign_param_groups, segments_of
 from .step import StepFailedError
 from .units import Group, build_units
 from .working_set import check_budgets
@@ -67,6 +68,7 @@ def initialize(model: nn.Module | Callable[[], nn.Module],
                config: OffloadConfig | dict | str | None = None, *,
                checkpoint: str | os.PathLike | None = None,
                lr_lambda: Callable[[int], float] | None = None,
+               param_groups: Sequence[Mapping[str, Any]] | None = None,
                recorder: TraceRecorder = NULL_RECORDER,
                progress: Callable[[int, int], None] | None = None) -> OffloadEngine:
     """Partitions `model` into groups, places each rank's partitions in their home
@@ -79,7 +81,12 @@ def initialize(model: nn.Module | Callable[[], nn.Module],
     group, so every rank makes the same weights and no process holds them all.
     With `checkpoint` (a .safetensors file or a directory of them), every
     parameter is read from it instead, one tensor at a time.
-    `lr_lambda(step) -> multiplier` schedules the learning rate (as LambdaLR).
+    `lr_lambda(step) -> multiplier` schedules the learning rate (as LambdaLR), at the
+    global step (`engine.global_step`).
+    `param_groups`: as torch.optim's, a list of dicts {"params": parameters of
+    `model` or names or fnmatch patterns, "lr", "betas", "eps", "weight_decay",
+    "lr_lambda"}; replaces `optim.param_groups`. Parameters named by no group
+    train with the `optim` section's values.
     `progress(done, total)` is called after each group is placed.
     Under torch.distributed (torchrun), each rank keeps 1/world of every group.
     """
@@ -99,12 +106,13 @@ def initialize(model: nn.Module | Callable[[], nn.Module],
     ckpt = SafetensorsCheckpoint(checkpoint) if checkpoint is not None else None
     comm = Collectives(recorder=recorder)
     units, groups = build_units(model, cfg.engine.group_size, comm.world)
+    hyper, slot_groups = assign_param_groups(groups, cfg.optim, param_groups)
     check_budgets(cfg, groups, _DTYPES[cfg.engine.dtype])  # before any file is made
     store = TieredStore(cfg, rank=comm.rank, recorder=recorder)
     engine = None
     try:
         engine = OffloadEngine(model, cfg, units, groups, store, comm, recorder)
-        engine._attach_optimizer(lr_lambda)
+        engine._attach_optimizer(lr_lambda, hyper)
         dtype = _DTYPES[cfg.engine.dtype]
         deferred = []  # the user's real tensors stay in the model until nothing can fail
         for g in groups:
@@ -115,9 +123,10 @@ def initialize(model: nn.Module | Callable[[], nn.Module],
                       tier=_TIERS[cfg.engine.params])
             if g.requires_grad:  # NVMe state is written now: never all masters at once
                 shared = engine.master_is_param  # fp32: the stored shard is the master
+                segments, engine.segment_slots[g.gid] = segments_of(g, comm.rank, slot_groups)
                 engine.optimizer.add_partition(g.gid, shard if shared else shard.clone(),
                                                tier=cfg.engine.optimizer,
-                                               master_is_param=shared)
+                                               master_is_param=shared, segments=segments)
             del full, shard
             if was_meta:  # a materialised meta group is freed at once: no process holds all
                 _drop_params(g, dtype, store.device)

@@ -39,11 +39,24 @@ optimizer's pipeline owns their chunked layout. In fp32 training the
 parameter partition is itself the master (`master_is_param`): the optimizer
 keeps only the moments and updates the partition in place wherever the store
 holds it in memory, so no second fp32 copy is stored, read or written.
+
+[Note: parameters without a gradient]
+torch leaves a parameter whose `.grad` is None after backward untouched by the
+step: no weight decay, no moment decay, no step count. A group's flat gradient
+cannot tell (SplitBackward fills unused views with zeros), so each bound view
+that requires grad gets a tensor hook that records, when backward computes the
+view's gradient, that its slot had one (`_grad_slots`, summed over the step's
+micro-batches and, with several ranks, over ranks before the reduction). The
+update then names the segments of the rank's partition whose parameter had a
+gradient ([Note: segments] in offload/optim/optimizer.py); the others keep
+their weights, moments and Adam step. A group none of whose parameters had a
+gradient is not updated at all (its flat gradient hook never fires).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import threading
@@ -183,6 +196,9 @@ class OffloadEngine(nn.Module):
         self._warm = _WarmMemory(self.device, (cfg.engine.prefetch_depth + 2) * largest)
         self._reductions: list[Pending] = []
         self._has_grad: set[int] = set()
+        # [Note: parameters without a gradient]
+        self.segment_slots: dict[int, list[int | None]] = {}  # gid -> slot of each segment
+        self._grad_slots: dict[int, set[int]] = {}  # gid -> slots that had a gradient
         self._hooks: list[Any] = []
         self._opt: CpuAdam | None = None
         # one thread: early updates run in the order backward produced the gradients
@@ -210,10 +226,11 @@ class OffloadEngine(nn.Module):
         return e.loss_scale or e.initial_loss_scale
 
     # -- the optimizer ----------------------------------------------------------------
-    def _attach_optimizer(self, lr_lambda: Callable[[int], float] | None = None) -> None:
+    def _attach_optimizer(self, lr_lambda: Callable[[int], float] | None = None,
+                          param_groups: list[dict[str, Any]] | None = None) -> None:
         self._opt = CpuAdam.open(self.cfg, rank=self.comm.rank,
                                  nvme=self.cfg.engine.optimizer == "nvme", lr_lambda=lr_lambda,
-                                 recorder=self.recorder)
+                                 param_groups=param_groups, recorder=self.recorder)
 
     @property
     def optimizer(self) -> CpuAdam:
@@ -266,10 +283,28 @@ class OffloadEngine(nn.Module):
         # weights out of the graph of an activation-checkpoint recomputation.
         with torch.set_grad_enabled(torch.is_grad_enabled() or _in_backward()):
             pieces = st.flat.split(st.group.split_sizes)  # [Note: one split per use]
-            for slot, piece in zip(st.group.slots, pieces):
+            for i, (slot, piece) in enumerate(zip(st.group.slots, pieces)):
                 view = piece.view(slot.shape)
+                if view.requires_grad:  # [Note: parameters without a gradient]
+                    view.register_hook(functools.partial(self._saw_grad, st.group.gid, i))
                 for module, name in slot.uses:
                     setattr(module, name, view)
+
+    def _saw_grad(self, gid: int, slot: int, grad: torch.Tensor) -> None:
+        self._grad_slots.setdefault(gid, set()).add(slot)
+
+    def _share_grad_slots(self, gid: int) -> None:
+        """Every rank learns which of the group's parameters had a gradient on any rank
+        (as DDP's reduced gradient exists where any rank made one)."""
+        seen = self._grad_slots.setdefault(gid, set())
+        n = len(self.groups[gid].slots)
+        counts = self.comm.sum_scalars([1.0 if i in seen else 0.0 for i in range(n)])
+        seen.update(i for i, c in enumerate(counts) if c > 0)
+
+    def _active(self, gid: int) -> list[bool]:
+        """For each segment of the rank's partition of `gid`: its parameter had a gradient."""
+        seen = self._grad_slots.get(gid, set())
+        return [i is not None and i in seen for i in self.segment_slots[gid]]
 
     def _prefetch(self) -> None:
         """Follows the plan: the next group's all-gather starts now (it runs behind this
@@ -334,6 +369,8 @@ class OffloadEngine(nn.Module):
             full = grad if grad.dtype == torch.float32 else grad.float()
             del grad
             gid = st.group.gid
+            if self.comm.world > 1:
+                self._share_grad_slots(gid)
             pending, out = self.comm.reduce_scatter_mean(full, async_op=True)
             inner = pending.finish
 
@@ -373,7 +410,8 @@ class OffloadEngine(nn.Module):
             else:
                 grad = shard_grad.cpu()
             self._has_grad.add(gid)
-            self._early.append(self._updater.submit(self._update_group, gid, grad, None))
+            self._early.append(self._updater.submit(self._update_group, gid, grad, None,
+                                                    self._active(gid)))
             # Backpressure: each queued update holds its gradient; where updates are
             # slower than backward (I/O-bound), backward waits rather than piling them up.
             live = [f for f in self._early if not f.done()]
@@ -418,17 +456,21 @@ class OffloadEngine(nn.Module):
             self.store.unpin(key)
             self.store.free(key)
 
-    def _update_group(self, gid: int, grad: torch.Tensor | None, norm: float | None) -> None:
+    def _update_group(self, gid: int, grad: torch.Tensor | None, norm: float | None,
+                      active: list[bool] | None = None) -> None:
         """Adam on group `gid` with `grad` (None: its stored, accumulated gradient), in
         the open step: the new compute-dtype partition is staged beside the old one
         and the optimizer keeps its previous state until the step commits
         ([Note: all or nothing] in step.py). In fp32 the partition is the master
         (`master_is_param`): the optimizer reads the current one and writes the new
-        one into the staged partition.
+        one into the staged partition. `active`: which segments had a gradient
+        (default: as known now).
         """
+        if active is None:
+            active = self._active(gid)
         if grad is None:
             with self._stored_grad(gid) as stored:
-                return self._update_group(gid, stored, norm)
+                return self._update_group(gid, stored, norm, active)
         pkey = ("p", gid)
         self._update_order.append(gid)
         masters = None
@@ -441,7 +483,8 @@ class OffloadEngine(nn.Module):
                 res = self.optimizer.update(
                     {gid: grad}, params_out={gid: new}, masters=masters,
                     loss_scale=self.loss_scale * self.cfg.engine.grad_accum_steps,
-                    grad_norm=norm, found_inf=False, next_pid=self._next_update.get(gid))
+                    grad_norm=norm, found_inf=False, next_pid=self._next_update.get(gid),
+                    active={gid: active}, schedule_step=self.global_step)
         finally:
             if masters is not None:
                 self.store.unpin(pkey)
@@ -495,7 +538,9 @@ class OffloadEngine(nn.Module):
                 with self.store.modify(pkey, self._memory_tier(pkey)) as p:
                     out = torch.empty(p.numel(), dtype=p.dtype) if p.device.type != "cpu" else p
                     self.optimizer.update({gid: grad}, params_out={gid: out}, loss_scale=scale,
-                                          grad_norm=norm, found_inf=False, final=True)
+                                          grad_norm=norm, found_inf=False, final=True,
+                                          active={gid: self._active(gid)},
+                                          schedule_step=self.global_step)
                     if out is not p:  # a GPU-resident partition takes the new values
                         p.copy_(out, non_blocking=gpu)
         finally:
@@ -616,6 +661,7 @@ class OffloadEngine(nn.Module):
         self.optimizer.commit(grad_norm=norm)  # all or nothing; rolled back if it raises
         self._staged.switch()
         self._has_grad.clear()
+        self._grad_slots.clear()
         self._after_good_step()
         self.global_step += 1
         self._prefetch_state()
@@ -667,6 +713,7 @@ class OffloadEngine(nn.Module):
         for gid in gids:
             self.store.free(("g", gid))
         self._has_grad.clear()
+        self._grad_slots.clear()
 
     def _after_overflow(self) -> None:
         e = self.cfg.engine

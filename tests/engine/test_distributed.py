@@ -59,3 +59,55 @@ def test_two_ranks_match_single_process(tmp_path, engine_cfg, params, optimizer)
         diff = (res["sd"][k] - v).abs()
         assert diff.max() < 1e-5 and diff.mean() < 1e-6, (k, diff.max(), diff.mean())
     assert not [f for f in os.listdir(tmp_path / "swap") if f.endswith(".swap")]
+
+
+def _sometimes_worker(rank: int, world: int, init_file: str, out: str, cfg: dict) -> None:
+    import offload
+
+    from .test_numbers import Sometimes, _data
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world)
+    try:
+        torch.manual_seed(0)
+        engine = offload.initialize(Sometimes(), cfg)
+        for step, (x, y) in enumerate(_data(STEPS)):
+            xs, ys = x.chunk(world)[rank], y.chunk(world)[rank]
+            use_b = rank == 0 and step % 2 == 1  # only rank 0 runs `b`, every other step
+            engine.backward(torch.nn.functional.mse_loss(engine(xs, use_b), ys))
+            engine.step()
+        sd = engine.state_dict()
+        if rank == 0:
+            torch.save(sd, out)
+        engine.close()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("params,optimizer", [("device", "host"), ("nvme", "nvme")])
+def test_two_ranks_parameters_used_by_one_rank_and_param_groups(tmp_path, engine_cfg, params,
+                                                                optimizer):
+    """One group holds every parameter; `b` runs on rank 0 only and `never` on no rank:
+    `b` is updated (its mean gradient exists, as under DDP), `never` is untouched;
+    biases and the norm train without weight decay (optim.param_groups)."""
+    from .test_numbers import Sometimes, _data
+    cfg = engine_cfg(params, "host", optimizer, group_size=100_000)
+    cfg["optim"]["param_groups"] = [{"params": ["*.bias", "norm.*"], "weight_decay": 0.0}]
+    out = str(tmp_path / "rank0.pt")
+    mp.start_processes(_sometimes_worker, args=(2, str(tmp_path / "init"), out, cfg), nprocs=2,
+                       join=True, start_method="spawn")
+    sd = torch.load(out)
+    torch.manual_seed(0)
+    ref = Sometimes()
+    no_decay = [p for n, p in ref.named_parameters() if n.endswith("bias") or n.startswith("norm")]
+    rest = [p for p in ref.parameters() if not any(p is q for q in no_decay)]
+    opt = torch.optim.AdamW([{"params": rest}, {"params": no_decay, "weight_decay": 0.0}],
+                            lr=1e-2, weight_decay=0.1, fused=True)
+    for step, (x, y) in enumerate(_data(STEPS)):
+        opt.zero_grad()
+        losses = [torch.nn.functional.mse_loss(ref(xs, r == 0 and step % 2 == 1), ys)
+                  for r, (xs, ys) in enumerate(zip(x.chunk(2), y.chunk(2)))]
+        (sum(losses) / 2).backward()  # the engine averages the ranks' gradients
+        opt.step()
+    assert torch.equal(sd["never.weight"], ref.never.weight.detach())
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(sd[k], v, atol=1e-6, rtol=0, msg=lambda m: f"{k}: {m}")
