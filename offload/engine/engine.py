@@ -182,6 +182,7 @@ class OffloadEngine(nn.Module):
         self.micro_step = 0   # backward calls, all steps
         self.global_step = 0  # optimizer steps taken
         self._backwards = 0   # backward calls since the last step (or zero_grad)
+        self._in_backward = False  # engine.backward() is running: [Note: backward runs here]
         self.loss_scale = self._initial_scale()
         self._good_steps = 0
         self._grad_tier = _TIERS[cfg.engine.grads]
@@ -351,8 +352,21 @@ class OffloadEngine(nn.Module):
             return out
         return post
 
+    def _refuse_plain_backward(self) -> None:
+        """[Note: backward runs here] A backward the engine did not start (`loss.backward()`,
+        `torch.autograd.backward`) would not be counted as a micro-step, nor scaled
+        for fp16, nor waited for: refused at its first hook, before any gradient is
+        reduced or any update runs."""
+        if not self._in_backward:
+            raise RuntimeError(
+                "a backward through the engine's model ran outside engine.backward() (e.g. "
+                "loss.backward()); call engine.backward(loss) instead: it counts the "
+                "micro-step for engine.grad_accum_steps, scales the loss for fp16 and waits "
+                "for the gradients' reduction")
+
     def _make_pre_backward(self, unit: Unit) -> Callable:
         def hook(grad: torch.Tensor) -> None:
+            self._refuse_plain_backward()
             self._spans.backward_begin(unit.name)
             for gid in unit.needs:
                 st = self._states[gid]
@@ -364,6 +378,9 @@ class OffloadEngine(nn.Module):
 
     def _make_grad_hook(self, st: _GroupState) -> Callable:
         def hook(flat: torch.Tensor) -> None:
+            if not self._in_backward:
+                flat.grad = None
+                self._refuse_plain_backward()
             grad = flat.grad
             flat.grad = None
             full = grad if grad.dtype == torch.float32 else grad.float()
@@ -578,7 +595,11 @@ class OffloadEngine(nn.Module):
             loss = loss * self.loss_scale
         try:
             with self.recorder.span("backward", cat="compute", track="compute"):
-                loss.backward()
+                self._in_backward = True
+                try:
+                    loss.backward()
+                finally:
+                    self._in_backward = False
                 self._spans.backward_end()
             for p in self._reductions:
                 p.wait()

@@ -190,3 +190,34 @@ def test_forward_between_backward_and_step_sees_old_weights(engine_cfg, params, 
         _compare(engine, ref)
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("params,grads,optimizer", PLACEMENTS, ids=IDS)
+def test_plain_loss_backward_is_refused_then_training_matches(engine_cfg, params, grads,
+                                                              optimizer):
+    """`loss.backward()` instead of `engine.backward(loss)` under gradient accumulation
+    raises at once, naming the fix, and changes nothing: training on with
+    engine.backward matches torch."""
+    torch.manual_seed(5)
+    ref = Sometimes()
+    model = copy.deepcopy(ref)
+    engine = offload.initialize(model, engine_cfg(params, grads, optimizer,
+                                                  group_size=PER_LAYER, grad_accum_steps=2))
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+    try:
+        x, y = _data(1, seed=6)[0]
+        with pytest.raises(RuntimeError, match=r"engine.backward\(loss\)"):
+            _loss(engine, x, y, True).backward()
+        assert engine.micro_step == 0 and engine.step() is False
+        _compare(engine, ref, atol=0)
+        data = _data(4, seed=7)
+        for i in range(0, 4, 2):
+            for xb, yb in data[i:i + 2]:
+                engine.backward(_loss(engine, xb, yb, True))
+                engine.step()
+                (_loss(ref, xb, yb, True) / 2).backward()
+            opt.step()
+            opt.zero_grad()
+        _compare(engine, ref)
+    finally:
+        engine.close()
