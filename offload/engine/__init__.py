@@ -99,16 +99,14 @@ def initialize(model: nn.Module | Callable[[], nn.Module],
         raise ConfigError(f"initialize(model): expected an nn.Module or a function that builds "
                           f"one, got {type(model).__name__}")
     _refuse_wrapped(model)
-    meta_buffers = [n for n, b in model.named_buffers() if b.is_meta]
-    if meta_buffers:
-        raise ValueError(f"buffers {meta_buffers[:4]} are on the meta device; build buffers on "
-                         "the CPU (only parameters may be meta)")
+    _materialise_buffers(model, cfg.engine.seed)
     ckpt = SafetensorsCheckpoint(checkpoint) if checkpoint is not None else None
     comm = Collectives(recorder=recorder)
     units, groups = build_units(model, cfg.engine.group_size, comm.world)
     hyper, slot_groups = assign_param_groups(groups, cfg.optim, param_groups)
     check_budgets(cfg, groups, _DTYPES[cfg.engine.dtype])  # before any file is made
     store = TieredStore(cfg, rank=comm.rank, recorder=recorder)
+    lineage = _Lineage(model)
     engine = None
     try:
         engine = OffloadEngine(model, cfg, units, groups, store, comm, recorder)
@@ -117,7 +115,7 @@ def initialize(model: nn.Module | Callable[[], nn.Module],
         deferred = []  # the user's real tensors stay in the model until nothing can fail
         for g in groups:
             was_meta = any(sl.param.is_meta for sl in g.slots)
-            full = _materialise(model, g, cfg.engine.seed, ckpt)
+            full = _materialise(model, g, cfg.engine.seed, ckpt, lineage)
             shard = full[comm.rank * g.shard:(comm.rank + 1) * g.shard]
             store.put(("p", g.gid), shard.to(dtype), kind="param",
                       tier=_TIERS[cfg.engine.params])
@@ -156,9 +154,69 @@ def initialize(model: nn.Module | Callable[[], nn.Module],
     return engine
 
 
+class _Lineage:
+    """Each module's parent and its place in `model.apply` order (children first)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.parent: dict[int, nn.Module] = {}
+        self.order: dict[int, int] = {}
+
+        def visit(m: nn.Module) -> None:
+            for child in m.children():
+                if id(child) not in self.order:
+                    self.parent.setdefault(id(child), m)
+                    visit(child)
+            self.order.setdefault(id(m), len(self.order))
+        visit(model)
+
+    def with_ancestors(self, mods: list[nn.Module]) -> list[nn.Module]:
+        """`mods` and every module above them, in `apply` order (children first)."""
+        out: dict[int, nn.Module] = {}
+        for m in mods:
+            while m is not None and id(m) not in out:
+                out[id(m)] = m
+                m = self.parent.get(id(m))
+        return sorted(out.values(), key=lambda m: self.order.get(id(m), -1))
+
+
+def _has_own_init(model: nn.Module) -> bool:
+    """A transformers model: its `_init_weights(module)` is how it initialises itself."""
+    return callable(getattr(model, "_init_weights", None))
+
+
+def _materialise_buffers(model: nn.Module, seed: int) -> None:
+    """Buffers left on meta by a model built there (rotary `inv_freq`, BERT's
+    `position_ids`) are made on the CPU and filled by the model's own
+    `_init_weights`, as transformers fills them when it loads a model."""
+    owners = [m for m in model.modules()
+              if any(b is not None and b.is_meta for b in m._buffers.values())]
+    if not owners:
+        return
+    if not _has_own_init(model):
+        names = [n for n, b in model.named_buffers() if b.is_meta]
+        raise ValueError(f"buffers {names[:4]} are on the meta device and {type(model).__name__} "
+                         "has no _init_weights to fill them; build buffers on the CPU (only "
+                         "parameters may be meta)")
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        torch.manual_seed(seed)
+        for m in owners:
+            for name, b in m._buffers.items():
+                if b is not None and b.is_meta:
+                    m._buffers[name] = torch.zeros_like(b, device="cpu")
+            model._init_weights(m)
+
+
 def _materialise(model: nn.Module, g: Group, seed: int,
-                 ckpt: SafetensorsCheckpoint | None) -> torch.Tensor:
-    """The group's full fp32 flat buffer (padded), initialising meta parameters."""
+                 ckpt: SafetensorsCheckpoint | None, lineage: _Lineage) -> torch.Tensor:
+    """The group's full fp32 flat buffer (padded), initialising meta parameters.
+
+    [Note: meta initialisation] A transformers model is initialised by its own
+    `_init_weights`, called (after each module's `reset_parameters`, which
+    leaves no parameter uninitialised) on the group's modules and every module
+    above them, children first, as its `initialize_weights` would: a parent's
+    rule (GPT-2's scaled residual projections) overrides its children's.
+    Parameters of other groups are still meta there (untouched) or already
+    handed to the engine. Other models use `reset_parameters`."""
     full = torch.zeros(g.padded, dtype=torch.float32)
     if ckpt is not None:
         for s in g.slots:
@@ -180,11 +238,13 @@ def _materialise(model: nn.Module, g: Group, seed: int,
                 mod.to_empty(device="cpu", recurse=False)
                 if hasattr(mod, "reset_parameters"):
                     mod.reset_parameters()
-                elif hasattr(model, "_init_weights"):
-                    model._init_weights(mod)
-                else:
+                elif not _has_own_init(model):
                     raise ValueError(f"cannot initialise meta parameters of {type(mod).__name__}: "
                                      "it has no reset_parameters(); build the model on the CPU")
+            if _has_own_init(model):  # [Note: meta initialisation]
+                with torch.no_grad():
+                    for mod in lineage.with_ancestors(owners):
+                        model._init_weights(mod)
     for s in g.slots:
         mod, name = s.uses[0]
         p = mod._parameters[name]

@@ -221,3 +221,14 @@ def test_plain_loss_backward_is_refused_then_training_matches(engine_cfg, params
         _compare(engine, ref)
     finally:
         engine.close()
+
+
+def test_meta_buffers_without_the_models_own_init_are_refused(engine_cfg):
+    class WithBuffer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.register_buffer("k", torch.ones(4))
+
+    with pytest.raises(ValueError, match=r"\['k'\] are on the meta device.*no _init_weights"):
+        offload.initialize(WithBuffer, engine_cfg("host"))
