@@ -350,6 +350,10 @@ class EngineConfig:
     min_loss_scale: float = _doc(1.0, "fp16 dynamic scaling: the scale never drops below this")
     seed: int = _doc(0, "seed of the per-group RNG used to initialise a meta-device model, the "
                      "same on every rank")
+    check_rank_order: bool = _doc(True, "with several ranks: before each unit's forward and "
+                                  "backward, check that every rank runs the same unit (one "
+                                  "all-reduce of two numbers); ranks that run different "
+                                  "modules raise instead of hanging in an all-gather")
 
     def __post_init__(self) -> None:
         _normalise(self, "engine")

@@ -216,6 +216,7 @@ class OffloadEngine(nn.Module):
             if st.group.requires_grad:
                 self._hooks.append(st.flat.register_post_accumulate_grad_hook(
                     self._make_grad_hook(st)))
+        self._unit_index = {id(u): i for i, u in enumerate(units)}
         for unit in units:
             self._hooks.append(unit.module.register_forward_pre_hook(self._make_pre(unit)))
             self._hooks.append(unit.module.register_forward_hook(self._make_post(unit)))
@@ -324,8 +325,33 @@ class OffloadEngine(nn.Module):
                 log.debug("prefetch of group %d skipped: %s", gid, e)
                 return
 
+    def _check_rank_order(self, unit: Unit, backward: bool) -> None:
+        """[Note: ranks run the same units] Every rank must issue the same all-gathers
+        and reductions in the same order, so every rank must run the same units in
+        the same order (as DDP requires). Before a unit's collectives, each rank
+        contributes h = the unit's number (forward and backward apart) to one
+        all-reduce of (h, h^2): the ranks agree iff world * sum(h^2) == sum(h)^2.
+        A mismatch raises on every rank at the same collective, instead of pairing
+        one rank's all-gather with another's and hanging or mixing weights."""
+        if self.comm.world == 1 or not self.cfg.engine.check_rank_order:
+            return
+        h = 1.0 + self._unit_index[id(unit)] + (len(self.units) if backward else 0)
+        total, squares = self.comm.sum_scalars([h, h * h])
+        if self.comm.world * squares != total * total:
+            where = "backward" if backward else "forward"
+            raise RuntimeError(
+                f"rank {self.comm.rank} runs the {where} of unit {unit.name!r} while another "
+                "rank runs a different unit at this point of the step: every rank must run "
+                "the same modules in the same order each step (as under DDP), so that their "
+                "all-gathers and reductions pair up. Run every module on every rank (e.g. "
+                "multiply an unused branch's output by 0), or keep modules that may be "
+                "skipped inside a larger unit (raise engine.group_size) so the skip happens "
+                "within one unit")
+
     def _make_pre(self, unit: Unit) -> Callable:
         def pre(module: nn.Module, args: Any) -> None:
+            if not _in_backward():  # a recomputation repeats the backward's order
+                self._check_rank_order(unit, backward=False)
             self._spans.forward_begin(unit.name)
             for gid in unit.needs:
                 st = self._states[gid]
@@ -367,6 +393,7 @@ class OffloadEngine(nn.Module):
     def _make_pre_backward(self, unit: Unit) -> Callable:
         def hook(grad: torch.Tensor) -> None:
             self._refuse_plain_backward()
+            self._check_rank_order(unit, backward=True)
             self._spans.backward_begin(unit.name)
             for gid in unit.needs:
                 st = self._states[gid]

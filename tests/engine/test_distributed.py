@@ -111,3 +111,41 @@ def test_two_ranks_parameters_used_by_one_rank_and_param_groups(tmp_path, engine
     assert torch.equal(sd["never.weight"], ref.never.weight.detach())
     for k, v in ref.state_dict().items():
         torch.testing.assert_close(sd[k], v, atol=1e-6, rtol=0, msg=lambda m: f"{k}: {m}")
+
+
+def _diverging_worker(rank: int, world: int, init_file: str, out: str, cfg: dict) -> None:
+    import offload
+
+    from .test_numbers import Sometimes, _data
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world)
+    try:
+        torch.manual_seed(0)
+        engine = offload.initialize(Sometimes(), cfg)
+        x, y = _data(1)[0]
+        engine.backward(torch.nn.functional.mse_loss(engine(x, True), y))  # the same: fine
+        engine.step()
+        try:
+            engine.backward(torch.nn.functional.mse_loss(engine(x, rank == 0), y))
+            msg = "no error"
+        except RuntimeError as e:
+            msg = str(e)
+        torch.save(msg, f"{out}.{rank}")
+        engine.close()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("params,optimizer", [("device", "host"), ("nvme", "nvme")])
+def test_ranks_running_different_modules_raise_instead_of_hanging(tmp_path, engine_cfg, params,
+                                                                  optimizer):
+    """Rank 0 runs `b` (its own unit), rank 1 does not: both raise, naming the unit,
+    before an all-gather of one pairs with another group's on the other rank."""
+    cfg = engine_cfg(params, "host", optimizer, group_size=1200)
+    out = str(tmp_path / "msg")
+    mp.start_processes(_diverging_worker, args=(2, str(tmp_path / "init"), out, cfg), nprocs=2,
+                       join=True, start_method="spawn")
+    msgs = [torch.load(f"{out}.{r}") for r in range(2)]
+    assert "rank 0 runs the forward of unit 'b'" in msgs[0], msgs[0]
+    assert "rank 1 runs the forward of unit 'norm'" in msgs[1], msgs[1]
+    assert all("same modules in the same order" in m for m in msgs)
