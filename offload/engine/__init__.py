@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -16,6 +17,7 @@ from ..io import hugepages
 from ..store import TieredStore
 from ..trace import NULL_RECORDER, TraceRecorder
 from .checkpoint import SafetensorsCheckpoint
+from .absent import AbsentWeight
 from .engine import _DTYPES, _TIERS, OffloadEngine
 from .param_groups import assign_param_groups, segments_of
 from .step import StepFailedError
@@ -127,14 +129,14 @@ def initialize(model: nn.Module | Callable[[], nn.Module],
                                                master_is_param=shared, segments=segments)
             del full, shard
             if was_meta:  # a materialised meta group is freed at once: no process holds all
-                _drop_params(g, dtype, store.device)
+                _drop_params(g, engine)
             else:
                 deferred.append(g)
             if progress is not None:
                 progress(g.gid + 1, len(groups))
         store.wait_all()
         for g in deferred:
-            _drop_params(g, dtype, store.device)
+            _drop_params(g, engine)
         for m in model.modules():
             for name, b in m._buffers.items():
                 if b is not None and b.device != store.device:
@@ -177,6 +179,25 @@ class _Lineage:
                 out[id(m)] = m
                 m = self.parent.get(id(m))
         return sorted(out.values(), key=lambda m: self.order.get(id(m), -1))
+
+
+@contextlib.contextmanager
+def _scratch_for_absent(mods: list[nn.Module]) -> Iterator[None]:
+    """Parameters of these modules already handed to the engine (absent stand-ins) are
+    scratch tensors while an initialiser runs over the modules (a module whose
+    parameters are in two groups, trainable and frozen, is initialised twice);
+    what it writes there is discarded."""
+    saved = []
+    for m in mods:
+        for name, v in list(vars(m).items()):
+            if isinstance(v, AbsentWeight):
+                saved.append((m, name, v))
+                setattr(m, name, torch.empty(v.shape, dtype=torch.float32))
+    try:
+        yield
+    finally:
+        for m, name, v in saved:
+            setattr(m, name, v)
 
 
 def _has_own_init(model: nn.Module) -> bool:
@@ -232,7 +253,7 @@ def _materialise(model: nn.Module, g: Group, seed: int,
             mod = s.uses[0][0]
             if not any(mod is o for o in owners):
                 owners.append(mod)
-        with torch.random.fork_rng(devices=[]):
+        with torch.random.fork_rng(devices=[]), _scratch_for_absent(lineage.with_ancestors(owners)):
             torch.manual_seed(seed * 1_000_003 + g.gid)
             for mod in owners:
                 mod.to_empty(device="cpu", recurse=False)
@@ -255,13 +276,13 @@ def _materialise(model: nn.Module, g: Group, seed: int,
     return full
 
 
-def _drop_params(g: Group, dtype: torch.dtype, device: torch.device) -> None:
+def _drop_params(g: Group, engine: OffloadEngine) -> None:
     """Removes the group's parameters from their modules; until the first gather each
-    attribute is an empty tensor of the compute dtype (so dtype queries still work)."""
-    placeholder = torch.empty(0, dtype=dtype, device=device)
+    attribute is the parameter's absent stand-in (shape, dtype and device queries
+    work; a use raises naming it: [Note: absent weights] in absent.py)."""
     for s in g.slots:
         for mod, name in s.uses:
             mod._parameters.pop(name, None)
-            setattr(mod, name, placeholder)
             mod.__dict__[_WRAPPED] = True  # [Note: wrapped modules]
         s.param = None
+    engine.unbind(g.gid)

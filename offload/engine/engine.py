@@ -74,6 +74,7 @@ from ..optim import CpuAdam, OptimStepError, grad_sq_sum
 from ..planner import AccessTrace
 from ..store import BudgetExceededError, Tier, TieredStore
 from ..trace import NULL_RECORDER, TraceRecorder, UnitSpans
+from .absent import AbsentWeight, absent_message
 from .step import StagedParams, StepFailedError
 from .units import Group, Unit
 
@@ -217,6 +218,14 @@ class OffloadEngine(nn.Module):
                 self._hooks.append(st.flat.register_post_accumulate_grad_hook(
                     self._make_grad_hook(st)))
         self._unit_index = {id(u): i for i, u in enumerate(units)}
+        unit_of: dict[int, str] = {}
+        for u in units:
+            for gid in u.needs:
+                unit_of.setdefault(gid, u.name)
+        # [Note: absent weights] in absent.py: one stand-in per use of each parameter
+        self._absent = [[[AbsentWeight(slot.shape, self.dtype, self.device,
+                                       absent_message(name, unit_of.get(g.gid, "?")))
+                          for name in slot.names] for slot in g.slots] for g in groups]
         for unit in units:
             self._hooks.append(unit.module.register_forward_pre_hook(self._make_pre(unit)))
             self._hooks.append(unit.module.register_forward_hook(self._make_post(unit)))
@@ -278,6 +287,14 @@ class OffloadEngine(nn.Module):
         if st.gathered:
             self._warm.drain(st.flat.untyped_storage())
             st.gathered = False
+            self.unbind(st.group.gid)
+
+    def unbind(self, gid: int) -> None:
+        """Points the group's module attributes at their absent stand-ins ([Note:
+        absent weights] in absent.py): a use outside the unit raises, naming it."""
+        for slot, absent in zip(self.groups[gid].slots, self._absent[gid]):
+            for (module, name), stand_in in zip(slot.uses, absent):
+                setattr(module, name, stand_in)
 
     def _bind(self, st: _GroupState) -> None:
         """Points every module attribute of the group's parameters at fresh views of `flat`."""

@@ -232,3 +232,45 @@ def test_meta_buffers_without_the_models_own_init_are_refused(engine_cfg):
 
     with pytest.raises(ValueError, match=r"\['k'\] are on the meta device.*no _init_weights"):
         offload.initialize(WithBuffer, engine_cfg("host"))
+
+
+class ParentReads(nn.Module):
+    """The root's forward reads `emb.weight` itself (a tied head written as F.linear)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(64, 32)
+        self.body = nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(torch.tanh(self.body(self.emb(x))), self.emb.weight)
+
+
+@pytest.mark.parametrize("params,grads,optimizer", PLACEMENTS, ids=IDS)
+def test_weights_used_outside_their_unit_name_parameter_and_unit(engine_cfg, params, grads,
+                                                                 optimizer):
+    """A parent reading a child unit's weight, or a submodule called directly, raise an
+    error naming the parameter, the unit and what to do; metadata reads still work."""
+    x = torch.randint(0, 64, (2, 5))
+    engine = offload.initialize(ParentReads(), engine_cfg(params, grads, optimizer,
+                                                          group_size=1200))
+    try:
+        assert engine.module.emb.weight.shape == (64, 32)
+        assert engine.module.emb.weight.dtype == torch.float32
+        with pytest.raises(RuntimeError, match=r"parameter 'emb.weight' is used outside the "
+                           r"forward of unit 'emb'.*raise engine.group_size"):
+            engine(x)
+    finally:
+        engine.close()
+    torch.manual_seed(0)
+    ref = ParentReads()
+    engine = offload.initialize(copy.deepcopy(ref), engine_cfg(params, grads, optimizer,
+                                                               group_size=ONE_GROUP))
+    try:  # one unit holds both: the parent's read works, as in torch
+        torch.testing.assert_close(engine(x), ref(x), atol=1e-6, rtol=0)
+        with pytest.raises(RuntimeError, match=r"parameter 'body.weight' is used outside the "
+                           r"forward of unit '<root>'.*Call that unit"):
+            engine.module.body(torch.randn(2, 32))
+        torch.testing.assert_close(engine(x), ref(x), atol=1e-6, rtol=0)  # still works
+    finally:
+        engine.close()
