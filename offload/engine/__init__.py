@@ -123,7 +123,7 @@ def initialize(model: nn.Module | Callable[[], nn.Module],
                       tier=_TIERS[cfg.engine.params])
             if g.requires_grad:  # NVMe state is written now: never all masters at once
                 shared = engine.master_is_param  # fp32: the stored shard is the master
-                segments, engine.segment_slots[g.gid] = segments_of(g, comm.rank, slot_groups)
+                segments, engine.grad_slots.segment_slots[g.gid] = segments_of(g, comm.rank, slot_groups)
                 engine.optimizer.add_partition(g.gid, shard if shared else shard.clone(),
                                                tier=cfg.engine.optimizer,
                                                master_is_param=shared, segments=segments)

@@ -39,24 +39,11 @@ optimizer's pipeline owns their chunked layout. In fp32 training the
 parameter partition is itself the master (`master_is_param`): the optimizer
 keeps only the moments and updates the partition in place wherever the store
 holds it in memory, so no second fp32 copy is stored, read or written.
-
-[Note: parameters without a gradient]
-torch leaves a parameter whose `.grad` is None after backward untouched by the
-step: no weight decay, no moment decay, no step count. A group's flat gradient
-cannot tell (SplitBackward fills unused views with zeros), so each bound view
-that requires grad gets a tensor hook that records, when backward computes the
-view's gradient, that its slot had one (`_grad_slots`, summed over the step's
-micro-batches and, with several ranks, over ranks before the reduction). The
-update then names the segments of the rank's partition whose parameter had a
-gradient ([Note: segments] in offload/optim/optimizer.py); the others keep
-their weights, moments and Adam step. A group none of whose parameters had a
-gradient is not updated at all (its flat gradient hook never fires).
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import math
 import threading
@@ -75,6 +62,8 @@ from ..planner import AccessTrace
 from ..store import BudgetExceededError, Tier, TieredStore
 from ..trace import NULL_RECORDER, TraceRecorder, UnitSpans
 from .absent import AbsentWeight, absent_message
+from .grad_slots import GradSlots
+from .rank_order import RankOrder
 from .step import StagedParams, StepFailedError
 from .units import Group, Unit
 
@@ -198,9 +187,7 @@ class OffloadEngine(nn.Module):
         self._warm = _WarmMemory(self.device, (cfg.engine.prefetch_depth + 2) * largest)
         self._reductions: list[Pending] = []
         self._has_grad: set[int] = set()
-        # [Note: parameters without a gradient]
-        self.segment_slots: dict[int, list[int | None]] = {}  # gid -> slot of each segment
-        self._grad_slots: dict[int, set[int]] = {}  # gid -> slots that had a gradient
+        self.grad_slots = GradSlots(comm)  # [Note: parameters without a gradient]
         self._hooks: list[Any] = []
         self._opt: CpuAdam | None = None
         # one thread: early updates run in the order backward produced the gradients
@@ -217,7 +204,7 @@ class OffloadEngine(nn.Module):
             if st.group.requires_grad:
                 self._hooks.append(st.flat.register_post_accumulate_grad_hook(
                     self._make_grad_hook(st)))
-        self._unit_index = {id(u): i for i, u in enumerate(units)}
+        self._rank_order = RankOrder(comm, units, cfg.engine.check_rank_order)
         unit_of: dict[int, str] = {}
         for u in units:
             for gid in u.needs:
@@ -305,25 +292,9 @@ class OffloadEngine(nn.Module):
             for i, (slot, piece) in enumerate(zip(st.group.slots, pieces)):
                 view = piece.view(slot.shape)
                 if view.requires_grad:  # [Note: parameters without a gradient]
-                    view.register_hook(functools.partial(self._saw_grad, st.group.gid, i))
+                    view.register_hook(self.grad_slots.hook(st.group.gid, i))
                 for module, name in slot.uses:
                     setattr(module, name, view)
-
-    def _saw_grad(self, gid: int, slot: int, grad: torch.Tensor) -> None:
-        self._grad_slots.setdefault(gid, set()).add(slot)
-
-    def _share_grad_slots(self, gid: int) -> None:
-        """Every rank learns which of the group's parameters had a gradient on any rank
-        (as DDP's reduced gradient exists where any rank made one)."""
-        seen = self._grad_slots.setdefault(gid, set())
-        n = len(self.groups[gid].slots)
-        counts = self.comm.sum_scalars([1.0 if i in seen else 0.0 for i in range(n)])
-        seen.update(i for i, c in enumerate(counts) if c > 0)
-
-    def _active(self, gid: int) -> list[bool]:
-        """For each segment of the rank's partition of `gid`: its parameter had a gradient."""
-        seen = self._grad_slots.get(gid, set())
-        return [i is not None and i in seen for i in self.segment_slots[gid]]
 
     def _prefetch(self) -> None:
         """Follows the plan: the next group's all-gather starts now (it runs behind this
@@ -342,33 +313,10 @@ class OffloadEngine(nn.Module):
                 log.debug("prefetch of group %d skipped: %s", gid, e)
                 return
 
-    def _check_rank_order(self, unit: Unit, backward: bool) -> None:
-        """[Note: ranks run the same units] Every rank must issue the same all-gathers
-        and reductions in the same order, so every rank must run the same units in
-        the same order (as DDP requires). Before a unit's collectives, each rank
-        contributes h = the unit's number (forward and backward apart) to one
-        all-reduce of (h, h^2): the ranks agree iff world * sum(h^2) == sum(h)^2.
-        A mismatch raises on every rank at the same collective, instead of pairing
-        one rank's all-gather with another's and hanging or mixing weights."""
-        if self.comm.world == 1 or not self.cfg.engine.check_rank_order:
-            return
-        h = 1.0 + self._unit_index[id(unit)] + (len(self.units) if backward else 0)
-        total, squares = self.comm.sum_scalars([h, h * h])
-        if self.comm.world * squares != total * total:
-            where = "backward" if backward else "forward"
-            raise RuntimeError(
-                f"rank {self.comm.rank} runs the {where} of unit {unit.name!r} while another "
-                "rank runs a different unit at this point of the step: every rank must run "
-                "the same modules in the same order each step (as under DDP), so that their "
-                "all-gathers and reductions pair up. Run every module on every rank (e.g. "
-                "multiply an unused branch's output by 0), or keep modules that may be "
-                "skipped inside a larger unit (raise engine.group_size) so the skip happens "
-                "within one unit")
-
     def _make_pre(self, unit: Unit) -> Callable:
         def pre(module: nn.Module, args: Any) -> None:
             if not _in_backward():  # a recomputation repeats the backward's order
-                self._check_rank_order(unit, backward=False)
+                self._rank_order.check(unit, backward=False)  # [Note: ranks run the same units]
             self._spans.forward_begin(unit.name)
             for gid in unit.needs:
                 st = self._states[gid]
@@ -410,7 +358,7 @@ class OffloadEngine(nn.Module):
     def _make_pre_backward(self, unit: Unit) -> Callable:
         def hook(grad: torch.Tensor) -> None:
             self._refuse_plain_backward()
-            self._check_rank_order(unit, backward=True)
+            self._rank_order.check(unit, backward=True)
             self._spans.backward_begin(unit.name)
             for gid in unit.needs:
                 st = self._states[gid]
@@ -431,7 +379,7 @@ class OffloadEngine(nn.Module):
             del grad
             gid = st.group.gid
             if self.comm.world > 1:
-                self._share_grad_slots(gid)
+                self.grad_slots.share(gid, len(st.group.slots))
             pending, out = self.comm.reduce_scatter_mean(full, async_op=True)
             inner = pending.finish
 
@@ -472,7 +420,7 @@ class OffloadEngine(nn.Module):
                 grad = shard_grad.cpu()
             self._has_grad.add(gid)
             self._early.append(self._updater.submit(self._update_group, gid, grad, None,
-                                                    self._active(gid)))
+                                                    self.grad_slots.active(gid)))
             # Backpressure: each queued update holds its gradient; where updates are
             # slower than backward (I/O-bound), backward waits rather than piling them up.
             live = [f for f in self._early if not f.done()]
@@ -528,7 +476,7 @@ class OffloadEngine(nn.Module):
         (default: as known now).
         """
         if active is None:
-            active = self._active(gid)
+            active = self.grad_slots.active(gid)
         if grad is None:
             with self._stored_grad(gid) as stored:
                 return self._update_group(gid, stored, norm, active)
@@ -600,7 +548,7 @@ class OffloadEngine(nn.Module):
                     out = torch.empty(p.numel(), dtype=p.dtype) if p.device.type != "cpu" else p
                     self.optimizer.update({gid: grad}, params_out={gid: out}, loss_scale=scale,
                                           grad_norm=norm, found_inf=False, final=True,
-                                          active={gid: self._active(gid)},
+                                          active={gid: self.grad_slots.active(gid)},
                                           schedule_step=self.global_step)
                     if out is not p:  # a GPU-resident partition takes the new values
                         p.copy_(out, non_blocking=gpu)
@@ -726,7 +674,7 @@ class OffloadEngine(nn.Module):
         self.optimizer.commit(grad_norm=norm)  # all or nothing; rolled back if it raises
         self._staged.switch()
         self._has_grad.clear()
-        self._grad_slots.clear()
+        self.grad_slots.clear()
         self._after_good_step()
         self.global_step += 1
         self._prefetch_state()
@@ -778,7 +726,7 @@ class OffloadEngine(nn.Module):
         for gid in gids:
             self.store.free(("g", gid))
         self._has_grad.clear()
-        self._grad_slots.clear()
+        self.grad_slots.clear()
 
     def _after_overflow(self) -> None:
         e = self.cfg.engine
