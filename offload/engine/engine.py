@@ -316,7 +316,7 @@ class OffloadEngine(nn.Module):
     def _make_pre(self, unit: Unit) -> Callable:
         def pre(module: nn.Module, args: Any) -> None:
             if not _in_backward():  # a recomputation repeats the backward's order
-                self._rank_order.check(unit, backward=False)  # [Note: ranks run the same units]
+                self._rank_order.check_unit(unit, backward=False)  # see rank_order.py
             self._spans.forward_begin(unit.name)
             for gid in unit.needs:
                 st = self._states[gid]
@@ -358,7 +358,10 @@ class OffloadEngine(nn.Module):
     def _make_pre_backward(self, unit: Unit) -> Callable:
         def hook(grad: torch.Tensor) -> None:
             self._refuse_plain_backward()
-            self._rank_order.check(unit, backward=True)
+            # once per unit and backward: the hook fires for each output with a gradient,
+            # and that number may differ between ranks; only the first gathers
+            if any(not self._states[gid].gathered for gid in unit.needs):
+                self._rank_order.check_unit(unit, backward=True)
             self._spans.backward_begin(unit.name)
             for gid in unit.needs:
                 st = self._states[gid]
@@ -379,6 +382,7 @@ class OffloadEngine(nn.Module):
             del grad
             gid = st.group.gid
             if self.comm.world > 1:
+                self._rank_order.check_grad(gid)  # [Note: ranks run the same units]
                 self.grad_slots.share(gid, len(st.group.slots))
             pending, out = self.comm.reduce_scatter_mean(full, async_op=True)
             inner = pending.finish

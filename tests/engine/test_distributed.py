@@ -149,3 +149,53 @@ def test_ranks_running_different_modules_raise_instead_of_hanging(tmp_path, engi
     assert "rank 0 runs the forward of unit 'b'" in msgs[0], msgs[0]
     assert "rank 1 runs the forward of unit 'norm'" in msgs[1], msgs[1]
     assert all("same modules in the same order" in m for m in msgs)
+
+
+class _TwoHeads(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = torch.nn.Linear(8, 32)
+        self.main = torch.nn.Linear(32, 1)
+        self.aux = torch.nn.Linear(32, 1)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = torch.tanh(self.inp(x))
+        return self.main(h), self.aux(h)
+
+
+def _backward_diverging_worker(rank: int, world: int, init_file: str, out: str,
+                               cfg: dict) -> None:
+    import offload
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world)
+    try:
+        torch.manual_seed(0)
+        engine = offload.initialize(_TwoHeads(), cfg)
+        main, aux = engine(torch.randn(4, 8))
+        try:  # the same forward; rank 1's loss leaves `aux` out of its backward
+            engine.backward(main.sum() + (aux.sum() if rank == 0 else 0))
+            msg = "no error"
+        except RuntimeError as e:
+            msg = str(e)
+        torch.save(msg, f"{out}.{rank}")
+        engine.close()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("group_size", [100, 100_000], ids=["unit-each", "one-unit"])
+def test_ranks_whose_backward_differs_raise_instead_of_hanging(tmp_path, engine_cfg,
+                                                               group_size):
+    """The same forward on both ranks, but rank 1's loss does not use `aux`'s output.
+    Where `aux` is a unit of its own, rank 1's backward skips it: both ranks raise,
+    naming what they run. Inside one unit that is allowed: no error."""
+    cfg = engine_cfg("device", "host", "host", group_size=group_size)
+    out = str(tmp_path / "msg")
+    mp.start_processes(_backward_diverging_worker, args=(2, str(tmp_path / "init"), out, cfg),
+                       nprocs=2, join=True, start_method="spawn")
+    msgs = [torch.load(f"{out}.{r}") for r in range(2)]
+    for r, m in enumerate(msgs):
+        if group_size == 100:
+            assert f"rank {r} runs the " in m and "same modules in the same order" in m, m
+        else:
+            assert m == "no error", m
