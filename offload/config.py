@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-__all__ = ["ConfigError", "EngineConfig", "IoConfig", "OffloadConfig", "OptimConfig", "StoreConfig", "load_config", "parse_bytes",
-           "format_bytes"]
+__all__ = ["ConfigError", "EngineConfig", "IoConfig", "OffloadConfig", "OptimConfig",
+           "ParamGroupConfig", "StoreConfig", "load_config", "parse_bytes", "format_bytes"]
 
 PAGE = 4096
 
@@ -231,6 +231,42 @@ class StoreConfig:
 
 
 @dataclass(kw_only=True)
+class ParamGroupConfig:
+    """One entry of `optim.param_groups`: the parameters it names train with its values
+    instead of the optim section's (as torch.optim's param_groups)."""
+
+    params: list[str] = _doc([], "parameter names or shell-style patterns (fnmatch: '*.bias', "
+                             "'*norm*'), matched against every name of a parameter")
+    lr: float | None = _doc(None, "learning rate of these parameters; null: optim.lr")
+    betas: list[float] | None = _doc(None, "Adam's (beta1, beta2); null: optim.betas")
+    eps: float | None = _doc(None, "null: optim.eps")
+    weight_decay: float | None = _doc(None, "e.g. 0.0 for biases and norms; null: "
+                                      "optim.weight_decay")
+
+    def __post_init__(self) -> None:
+        _normalise(self, "optim.param_groups[]")
+        if not self.params:
+            raise ConfigError("optim.param_groups[]: params is empty; list parameter names or "
+                              "patterns, e.g. ['*.bias', '*norm*']")
+        for key in ("lr", "weight_decay"):
+            v = getattr(self, key)
+            if v is not None and v < 0:
+                raise ConfigError(f"optim.param_groups[].{key}: {v} is negative; use >= 0")
+        if self.eps is not None and not self.eps > 0:
+            raise ConfigError(f"optim.param_groups[].eps: {self.eps} must be positive")
+        if self.betas is not None and (len(self.betas) != 2
+                                       or not all(0.0 <= b < 1.0 for b in self.betas)):
+            raise ConfigError(f"optim.param_groups[].betas: {self.betas} must be two numbers "
+                              "in [0, 1)")
+
+    def overrides(self) -> dict[str, Any]:
+        """The hyper-parameters this group sets (the others are the optim section's)."""
+        return {k: (tuple(v) if k == "betas" else v) for k in ("lr", "betas", "eps",
+                                                               "weight_decay")
+                if (v := getattr(self, k)) is not None}
+
+
+@dataclass(kw_only=True)
 class OptimConfig:
     """The CPU optimizer (`offload.optim`): Adam/AdamW hyper-parameters (defaults of every
     parameter group) and the pipeline that streams NVMe-resident state through host buffers."""
@@ -260,6 +296,10 @@ class OptimConfig:
                                "take when chunk_elems = 0")
     block_elems: int = _doc(1048576, "elements per update-kernel call; one block of the four "
                             "fp32 arrays stays in cache for the compute-dtype copy")
+    param_groups: list[ParamGroupConfig] = _doc(
+        [], "parameter groups, as torch.optim's: a list of tables {params = [names or "
+        "patterns], lr, betas, eps, weight_decay}; e.g. [{params = ['*.bias', '*norm*'], "
+        "weight_decay = 0.0}]; parameters named by none train with this section's values")
 
     def __post_init__(self) -> None:
         _normalise(self, "optim")
@@ -310,6 +350,10 @@ class EngineConfig:
     min_loss_scale: float = _doc(1.0, "fp16 dynamic scaling: the scale never drops below this")
     seed: int = _doc(0, "seed of the per-group RNG used to initialise a meta-device model, the "
                      "same on every rank")
+    check_rank_order: bool = _doc(True, "with several ranks: before each unit's forward and "
+                                  "backward, check that every rank runs the same unit (one "
+                                  "all-reduce of two numbers); ranks that run different "
+                                  "modules raise instead of hanging in an all-gather")
 
     def __post_init__(self) -> None:
         _normalise(self, "engine")

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
-from typing import Callable
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -16,7 +17,9 @@ from ..io import hugepages
 from ..store import TieredStore
 from ..trace import NULL_RECORDER, TraceRecorder
 from .checkpoint import SafetensorsCheckpoint
+from .absent import AbsentWeight
 from .engine import _DTYPES, _TIERS, OffloadEngine
+from .param_groups import assign_param_groups, segments_of
 from .step import StepFailedError
 from .units import Group, build_units
 from .working_set import check_budgets
@@ -67,6 +70,7 @@ def initialize(model: nn.Module | Callable[[], nn.Module],
                config: OffloadConfig | dict | str | None = None, *,
                checkpoint: str | os.PathLike | None = None,
                lr_lambda: Callable[[int], float] | None = None,
+               param_groups: Sequence[Mapping[str, Any]] | None = None,
                recorder: TraceRecorder = NULL_RECORDER,
                progress: Callable[[int, int], None] | None = None) -> OffloadEngine:
     """Partitions `model` into groups, places each rank's partitions in their home
@@ -79,7 +83,12 @@ def initialize(model: nn.Module | Callable[[], nn.Module],
     group, so every rank makes the same weights and no process holds them all.
     With `checkpoint` (a .safetensors file or a directory of them), every
     parameter is read from it instead, one tensor at a time.
-    `lr_lambda(step) -> multiplier` schedules the learning rate (as LambdaLR).
+    `lr_lambda(step) -> multiplier` schedules the learning rate (as LambdaLR), at the
+    global step (`engine.global_step`).
+    `param_groups`: as torch.optim's, a list of dicts {"params": parameters of
+    `model` or names or fnmatch patterns, "lr", "betas", "eps", "weight_decay",
+    "lr_lambda"}; replaces `optim.param_groups`. Parameters named by no group
+    train with the `optim` section's values.
     `progress(done, total)` is called after each group is placed.
     Under torch.distributed (torchrun), each rank keeps 1/world of every group.
     """
@@ -92,42 +101,42 @@ def initialize(model: nn.Module | Callable[[], nn.Module],
         raise ConfigError(f"initialize(model): expected an nn.Module or a function that builds "
                           f"one, got {type(model).__name__}")
     _refuse_wrapped(model)
-    meta_buffers = [n for n, b in model.named_buffers() if b.is_meta]
-    if meta_buffers:
-        raise ValueError(f"buffers {meta_buffers[:4]} are on the meta device; build buffers on "
-                         "the CPU (only parameters may be meta)")
+    _materialise_buffers(model, cfg.engine.seed)
     ckpt = SafetensorsCheckpoint(checkpoint) if checkpoint is not None else None
     comm = Collectives(recorder=recorder)
     units, groups = build_units(model, cfg.engine.group_size, comm.world)
+    hyper, slot_groups = assign_param_groups(groups, cfg.optim, param_groups)
     check_budgets(cfg, groups, _DTYPES[cfg.engine.dtype])  # before any file is made
     store = TieredStore(cfg, rank=comm.rank, recorder=recorder)
+    lineage = _Lineage(model)
     engine = None
     try:
         engine = OffloadEngine(model, cfg, units, groups, store, comm, recorder)
-        engine._attach_optimizer(lr_lambda)
+        engine._attach_optimizer(lr_lambda, hyper)
         dtype = _DTYPES[cfg.engine.dtype]
         deferred = []  # the user's real tensors stay in the model until nothing can fail
         for g in groups:
             was_meta = any(sl.param.is_meta for sl in g.slots)
-            full = _materialise(model, g, cfg.engine.seed, ckpt)
+            full = _materialise(model, g, cfg.engine.seed, ckpt, lineage)
             shard = full[comm.rank * g.shard:(comm.rank + 1) * g.shard]
             store.put(("p", g.gid), shard.to(dtype), kind="param",
                       tier=_TIERS[cfg.engine.params])
             if g.requires_grad:  # NVMe state is written now: never all masters at once
                 shared = engine.master_is_param  # fp32: the stored shard is the master
+                segments, engine.grad_slots.segment_slots[g.gid] = segments_of(g, comm.rank, slot_groups)
                 engine.optimizer.add_partition(g.gid, shard if shared else shard.clone(),
                                                tier=cfg.engine.optimizer,
-                                               master_is_param=shared)
+                                               master_is_param=shared, segments=segments)
             del full, shard
             if was_meta:  # a materialised meta group is freed at once: no process holds all
-                _drop_params(g, dtype, store.device)
+                _drop_params(g, engine)
             else:
                 deferred.append(g)
             if progress is not None:
                 progress(g.gid + 1, len(groups))
         store.wait_all()
         for g in deferred:
-            _drop_params(g, dtype, store.device)
+            _drop_params(g, engine)
         for m in model.modules():
             for name, b in m._buffers.items():
                 if b is not None and b.device != store.device:
@@ -147,9 +156,88 @@ def initialize(model: nn.Module | Callable[[], nn.Module],
     return engine
 
 
+class _Lineage:
+    """Each module's parent and its place in `model.apply` order (children first)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.parent: dict[int, nn.Module] = {}
+        self.order: dict[int, int] = {}
+
+        def visit(m: nn.Module) -> None:
+            for child in m.children():
+                if id(child) not in self.order:
+                    self.parent.setdefault(id(child), m)
+                    visit(child)
+            self.order.setdefault(id(m), len(self.order))
+        visit(model)
+
+    def with_ancestors(self, mods: list[nn.Module]) -> list[nn.Module]:
+        """`mods` and every module above them, in `apply` order (children first)."""
+        out: dict[int, nn.Module] = {}
+        for m in mods:
+            while m is not None and id(m) not in out:
+                out[id(m)] = m
+                m = self.parent.get(id(m))
+        return sorted(out.values(), key=lambda m: self.order.get(id(m), -1))
+
+
+@contextlib.contextmanager
+def _scratch_for_absent(mods: list[nn.Module]) -> Iterator[None]:
+    """Parameters of these modules already handed to the engine (absent stand-ins) are
+    scratch tensors while an initialiser runs over the modules (a module whose
+    parameters are in two groups, trainable and frozen, is initialised twice);
+    what it writes there is discarded."""
+    saved = []
+    for m in mods:
+        for name, v in list(vars(m).items()):
+            if isinstance(v, AbsentWeight):
+                saved.append((m, name, v))
+                setattr(m, name, torch.empty(v.shape, dtype=torch.float32))
+    try:
+        yield
+    finally:
+        for m, name, v in saved:
+            setattr(m, name, v)
+
+
+def _has_own_init(model: nn.Module) -> bool:
+    """A transformers model: its `_init_weights(module)` is how it initialises itself."""
+    return callable(getattr(model, "_init_weights", None))
+
+
+def _materialise_buffers(model: nn.Module, seed: int) -> None:
+    """Buffers left on meta by a model built there (rotary `inv_freq`, BERT's
+    `position_ids`) are made on the CPU and filled by the model's own
+    `_init_weights`, as transformers fills them when it loads a model."""
+    owners = [m for m in model.modules()
+              if any(b is not None and b.is_meta for b in m._buffers.values())]
+    if not owners:
+        return
+    if not _has_own_init(model):
+        names = [n for n, b in model.named_buffers() if b.is_meta]
+        raise ValueError(f"buffers {names[:4]} are on the meta device and {type(model).__name__} "
+                         "has no _init_weights to fill them; build buffers on the CPU (only "
+                         "parameters may be meta)")
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        torch.manual_seed(seed)
+        for m in owners:
+            for name, b in m._buffers.items():
+                if b is not None and b.is_meta:
+                    m._buffers[name] = torch.zeros_like(b, device="cpu")
+            model._init_weights(m)
+
+
 def _materialise(model: nn.Module, g: Group, seed: int,
-                 ckpt: SafetensorsCheckpoint | None) -> torch.Tensor:
-    """The group's full fp32 flat buffer (padded), initialising meta parameters."""
+                 ckpt: SafetensorsCheckpoint | None, lineage: _Lineage) -> torch.Tensor:
+    """The group's full fp32 flat buffer (padded), initialising meta parameters.
+
+    [Note: meta initialisation] A transformers model is initialised by its own
+    `_init_weights`, called (after each module's `reset_parameters`, which
+    leaves no parameter uninitialised) on the group's modules and every module
+    above them, children first, as its `initialize_weights` would: a parent's
+    rule (GPT-2's scaled residual projections) overrides its children's.
+    Parameters of other groups are still meta there (untouched) or already
+    handed to the engine. Other models use `reset_parameters`."""
     full = torch.zeros(g.padded, dtype=torch.float32)
     if ckpt is not None:
         for s in g.slots:
@@ -165,17 +253,19 @@ def _materialise(model: nn.Module, g: Group, seed: int,
             mod = s.uses[0][0]
             if not any(mod is o for o in owners):
                 owners.append(mod)
-        with torch.random.fork_rng(devices=[]):
+        with torch.random.fork_rng(devices=[]), _scratch_for_absent(lineage.with_ancestors(owners)):
             torch.manual_seed(seed * 1_000_003 + g.gid)
             for mod in owners:
                 mod.to_empty(device="cpu", recurse=False)
                 if hasattr(mod, "reset_parameters"):
                     mod.reset_parameters()
-                elif hasattr(model, "_init_weights"):
-                    model._init_weights(mod)
-                else:
+                elif not _has_own_init(model):
                     raise ValueError(f"cannot initialise meta parameters of {type(mod).__name__}: "
                                      "it has no reset_parameters(); build the model on the CPU")
+            if _has_own_init(model):  # [Note: meta initialisation]
+                with torch.no_grad():
+                    for mod in lineage.with_ancestors(owners):
+                        model._init_weights(mod)
     for s in g.slots:
         mod, name = s.uses[0]
         p = mod._parameters[name]
@@ -186,13 +276,13 @@ def _materialise(model: nn.Module, g: Group, seed: int,
     return full
 
 
-def _drop_params(g: Group, dtype: torch.dtype, device: torch.device) -> None:
+def _drop_params(g: Group, engine: OffloadEngine) -> None:
     """Removes the group's parameters from their modules; until the first gather each
-    attribute is an empty tensor of the compute dtype (so dtype queries still work)."""
-    placeholder = torch.empty(0, dtype=dtype, device=device)
+    attribute is the parameter's absent stand-in (shape, dtype and device queries
+    work; a use raises naming it: [Note: absent weights] in absent.py)."""
     for s in g.slots:
         for mod, name in s.uses:
             mod._parameters.pop(name, None)
-            setattr(mod, name, placeholder)
             mod.__dict__[_WRAPPED] = True  # [Note: wrapped modules]
         s.param = None
+    engine.unbind(g.gid)

@@ -63,6 +63,9 @@ from ..optim import CpuAdam, OptimStepError, grad_sq_sum
 from ..planner import AccessTrace
 from ..store import BudgetExceededError, Tier, TieredStore
 from ..trace import NULL_RECORDER, TraceRecorder, UnitSpans
+from .absent import AbsentWeight, absent_message
+from .grad_slots import GradSlots
+from .rank_order import RankOrder
 from .step import StagedParams, StepFailedError
 from .units import Group, Unit
 
@@ -171,6 +174,7 @@ class OffloadEngine(nn.Module):
         self.micro_step = 0   # backward calls, all steps
         self.global_step = 0  # optimizer steps taken
         self._backwards = 0   # backward calls since the last step (or zero_grad)
+        self._in_backward = False  # engine.backward() is running: [Note: backward runs here]
         self.loss_scale = self._initial_scale()
         self._good_steps = 0
         self._grad_tier = _TIERS[cfg.engine.grads]
@@ -185,6 +189,7 @@ class OffloadEngine(nn.Module):
         self._warm = _WarmMemory(self.device, (cfg.engine.prefetch_depth + 2) * largest)
         self._reductions: list[Pending] = []
         self._has_grad: set[int] = set()
+        self.grad_slots = GradSlots(comm)  # [Note: parameters without a gradient]
         self._hooks: list[Any] = []
         self._opt: CpuAdam | None = None
         # one thread: early updates run in the order backward produced the gradients
@@ -201,6 +206,15 @@ class OffloadEngine(nn.Module):
             if st.group.requires_grad:
                 self._hooks.append(st.flat.register_post_accumulate_grad_hook(
                     self._make_grad_hook(st)))
+        self._rank_order = RankOrder(comm, units, cfg.engine.check_rank_order)
+        unit_of: dict[int, str] = {}
+        for u in units:
+            for gid in u.needs:
+                unit_of.setdefault(gid, u.name)
+        # [Note: absent weights] in absent.py: one stand-in per use of each parameter
+        self._absent = [[[AbsentWeight(slot.shape, self.dtype, self.device,
+                                       absent_message(name, unit_of.get(g.gid, "?")))
+                          for name in slot.names] for slot in g.slots] for g in groups]
         for unit in units:
             self._hooks.append(unit.module.register_forward_pre_hook(self._make_pre(unit)))
             self._hooks.append(unit.module.register_forward_hook(self._make_post(unit)))
@@ -212,10 +226,11 @@ class OffloadEngine(nn.Module):
         return e.loss_scale or e.initial_loss_scale
 
     # -- the optimizer ----------------------------------------------------------------
-    def _attach_optimizer(self, lr_lambda: Callable[[int], float] | None = None) -> None:
+    def _attach_optimizer(self, lr_lambda: Callable[[int], float] | None = None,
+                          param_groups: list[dict[str, Any]] | None = None) -> None:
         self._opt = CpuAdam.open(self.cfg, rank=self.comm.rank,
                                  nvme=self.cfg.engine.optimizer == "nvme", lr_lambda=lr_lambda,
-                                 recorder=self.recorder)
+                                 param_groups=param_groups, recorder=self.recorder)
 
     @property
     def optimizer(self) -> CpuAdam:
@@ -261,6 +276,14 @@ class OffloadEngine(nn.Module):
         if st.gathered:
             self._warm.drain(st.flat.untyped_storage())
             st.gathered = False
+            self.unbind(st.group.gid)
+
+    def unbind(self, gid: int) -> None:
+        """Points the group's module attributes at their absent stand-ins ([Note:
+        absent weights] in absent.py): a use outside the unit raises, naming it."""
+        for slot, absent in zip(self.groups[gid].slots, self._absent[gid]):
+            for (module, name), stand_in in zip(slot.uses, absent):
+                setattr(module, name, stand_in)
 
     def _bind(self, st: _GroupState) -> None:
         """Points every module attribute of the group's parameters at fresh views of `flat`."""
@@ -268,8 +291,10 @@ class OffloadEngine(nn.Module):
         # weights out of the graph of an activation-checkpoint recomputation.
         with torch.set_grad_enabled(torch.is_grad_enabled() or _in_backward()):
             pieces = st.flat.split(st.group.split_sizes)  # [Note: one split per use]
-            for slot, piece in zip(st.group.slots, pieces):
+            for i, (slot, piece) in enumerate(zip(st.group.slots, pieces)):
                 view = piece.view(slot.shape)
+                if view.requires_grad:  # [Note: parameters without a gradient]
+                    view.register_hook(self.grad_slots.hook(st.group.gid, i))
                 for module, name in slot.uses:
                     setattr(module, name, view)
 
@@ -292,6 +317,8 @@ class OffloadEngine(nn.Module):
 
     def _make_pre(self, unit: Unit) -> Callable:
         def pre(module: nn.Module, args: Any) -> None:
+            if not _in_backward():  # a recomputation repeats the backward's order
+                self._rank_order.check_unit(unit, backward=False)  # see rank_order.py
             self._spans.forward_begin(unit.name)
             for gid in unit.needs:
                 st = self._states[gid]
@@ -318,8 +345,25 @@ class OffloadEngine(nn.Module):
             return out
         return post
 
+    def _refuse_plain_backward(self) -> None:
+        """[Note: backward runs here] A backward the engine did not start (`loss.backward()`,
+        `torch.autograd.backward`) would not be counted as a micro-step, nor scaled
+        for fp16, nor waited for: refused at its first hook, before any gradient is
+        reduced or any update runs."""
+        if not self._in_backward:
+            raise RuntimeError(
+                "a backward through the engine's model ran outside engine.backward() (e.g. "
+                "loss.backward()); call engine.backward(loss) instead: it counts the "
+                "micro-step for engine.grad_accum_steps, scales the loss for fp16 and waits "
+                "for the gradients' reduction")
+
     def _make_pre_backward(self, unit: Unit) -> Callable:
         def hook(grad: torch.Tensor) -> None:
+            self._refuse_plain_backward()
+            # once per unit and backward: the hook fires for each output with a gradient,
+            # and that number may differ between ranks; only the first gathers
+            if any(not self._states[gid].gathered for gid in unit.needs):
+                self._rank_order.check_unit(unit, backward=True)
             self._spans.backward_begin(unit.name)
             for gid in unit.needs:
                 st = self._states[gid]
@@ -331,11 +375,17 @@ class OffloadEngine(nn.Module):
 
     def _make_grad_hook(self, st: _GroupState) -> Callable:
         def hook(flat: torch.Tensor) -> None:
+            if not self._in_backward:
+                flat.grad = None
+                self._refuse_plain_backward()
             grad = flat.grad
             flat.grad = None
             full = grad if grad.dtype == torch.float32 else grad.float()
             del grad
             gid = st.group.gid
+            if self.comm.world > 1:
+                self._rank_order.check_grad(gid)  # [Note: ranks run the same units]
+                self.grad_slots.share(gid, len(st.group.slots))
             pending, out = self.comm.reduce_scatter_mean(full, async_op=True)
             inner = pending.finish
 
@@ -375,7 +425,8 @@ class OffloadEngine(nn.Module):
             else:
                 grad = shard_grad.cpu()
             self._has_grad.add(gid)
-            self._early.append(self._updater.submit(self._update_group, gid, grad, None))
+            self._early.append(self._updater.submit(self._update_group, gid, grad, None,
+                                                    self.grad_slots.active(gid)))
             # Backpressure: each queued update holds its gradient; where updates are
             # slower than backward (I/O-bound), backward waits rather than piling them up.
             live = [f for f in self._early if not f.done()]
@@ -420,17 +471,21 @@ class OffloadEngine(nn.Module):
             self.store.unpin(key)
             self.store.free(key)
 
-    def _update_group(self, gid: int, grad: torch.Tensor | None, norm: float | None) -> None:
+    def _update_group(self, gid: int, grad: torch.Tensor | None, norm: float | None,
+                      active: list[bool] | None = None) -> None:
         """Adam on group `gid` with `grad` (None: its stored, accumulated gradient), in
         the open step: the new compute-dtype partition is staged beside the old one
         and the optimizer keeps its previous state until the step commits
         ([Note: all or nothing] in step.py). In fp32 the partition is the master
         (`master_is_param`): the optimizer reads the current one and writes the new
-        one into the staged partition.
+        one into the staged partition. `active`: which segments had a gradient
+        (default: as known now).
         """
+        if active is None:
+            active = self.grad_slots.active(gid)
         if grad is None:
             with self._stored_grad(gid) as stored:
-                return self._update_group(gid, stored, norm)
+                return self._update_group(gid, stored, norm, active)
         pkey = ("p", gid)
         self._update_order.append(gid)
         masters = None
@@ -443,7 +498,8 @@ class OffloadEngine(nn.Module):
                 res = self.optimizer.update(
                     {gid: grad}, params_out={gid: new}, masters=masters,
                     loss_scale=self.loss_scale * self.cfg.engine.grad_accum_steps,
-                    grad_norm=norm, found_inf=False, next_pid=self._next_update.get(gid))
+                    grad_norm=norm, found_inf=False, next_pid=self._next_update.get(gid),
+                    active={gid: active}, schedule_step=self.global_step)
         finally:
             if masters is not None:
                 self.store.unpin(pkey)
@@ -497,7 +553,9 @@ class OffloadEngine(nn.Module):
                 with self.store.modify(pkey, self._memory_tier(pkey)) as p:
                     out = torch.empty(p.numel(), dtype=p.dtype) if p.device.type != "cpu" else p
                     self.optimizer.update({gid: grad}, params_out={gid: out}, loss_scale=scale,
-                                          grad_norm=norm, found_inf=False, final=True)
+                                          grad_norm=norm, found_inf=False, final=True,
+                                          active={gid: self.grad_slots.active(gid)},
+                                          schedule_step=self.global_step)
                     if out is not p:  # a GPU-resident partition takes the new values
                         p.copy_(out, non_blocking=gpu)
         finally:
@@ -535,7 +593,11 @@ class OffloadEngine(nn.Module):
             loss = loss * self.loss_scale
         try:
             with self.recorder.span("backward", cat="compute", track="compute"):
-                loss.backward()
+                self._in_backward = True
+                try:
+                    loss.backward()
+                finally:
+                    self._in_backward = False
                 self._spans.backward_end()
             for p in self._reductions:
                 p.wait()
@@ -618,6 +680,7 @@ class OffloadEngine(nn.Module):
         self.optimizer.commit(grad_norm=norm)  # all or nothing; rolled back if it raises
         self._staged.switch()
         self._has_grad.clear()
+        self.grad_slots.clear()
         self._after_good_step()
         self.global_step += 1
         self._prefetch_state()
@@ -666,6 +729,7 @@ class OffloadEngine(nn.Module):
         for gid in gids:
             self.store.free(("g", gid))
         self._has_grad.clear()
+        self.grad_slots.clear()
 
     def _after_overflow(self) -> None:
         e = self.cfg.engine

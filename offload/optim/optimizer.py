@@ -39,10 +39,24 @@ cannot undo it, and the error says so. Reads (`read_master`,
 
 [Note: learning-rate schedule]
 Each group's `lr_lambda(k)` (a callable step -> multiplier, as in
-torch.optim.lr_scheduler.LambdaLR) is evaluated at the partition's own count of
-completed updates k (0 for the first), so a partition's k-th update uses
-lr * lr_lambda(k): the same as LambdaLR stepped after each optimizer step. A
-scheduler of any other kind may instead write `param_groups[i]["lr"]`.
+torch.optim.lr_scheduler.LambdaLR) is evaluated at the optimizer's global
+step k: the number of committed rounds before this one (`steps`, 0 for the
+first), or the `schedule_step` the caller passes. Every update of a step uses
+lr * lr_lambda(k), whether or not the partition was updated in earlier steps:
+the same as LambdaLR stepped after each optimizer step. A scheduler of any
+other kind may instead write `param_groups[i]["lr"]`.
+
+[Note: segments]
+A partition is cut into segments (`add_partition(..., segments=...)`): the
+elements of one parameter on this rank, or padding. Each segment belongs to a
+parameter group (its own lr, betas, eps, weight decay: a partition may hold
+parameters of several groups) and counts its own updates (`seg_steps`, the
+step of Adam's bias correction, as torch keeps `state[p]["step"]` per
+parameter). An update may name the segments that had a gradient (`active`):
+the others are left exactly as they are, moments and weights (no weight
+decay, no moment decay), as torch leaves a parameter whose `.grad` is None.
+Neighbouring segments of the same group and count run as one kernel call, so
+a partition of one group costs one call per cache block as before.
 """
 
 from __future__ import annotations
@@ -60,7 +74,7 @@ from ..io import BufferPool, SwapSpace, make_engine, open_swap
 from ..trace import NULL_RECORDER, TraceRecorder
 from .adam import AdamHyper, AdamKernel, resolve_scaling
 from .pipeline import OptimStepError, SwapPipeline
-from .state import BYTES_PER_ELEM, ChunkLayout, PartitionState, Tier
+from .state import BYTES_PER_ELEM, ChunkLayout, PartitionState, Segment, Tier
 
 log = logging.getLogger(__name__)
 
@@ -177,25 +191,29 @@ class CpuAdam:
         self._final: set[Hashable] = set()  # of those, updated with final=True
         # host partitions updated in the round: (step, copies of their state) before it
         self._backups: dict[Hashable, tuple[int, tuple[torch.Tensor | None, ...]]] = {}
+        self._seg_backups: dict[Hashable, list[int]] = {}  # seg_steps before the round
+        self.steps = 0  # committed rounds: the schedule's step ([Note: learning-rate schedule])
         self._lock = threading.RLock()
         self._owned: tuple = ()  # I/O objects `open` made for this optimizer, closed with it
 
     @classmethod
     def open(cls, config: OffloadConfig, *, rank: int = 0, nvme: bool = False,
              lr_lambda: Callable[[int], float] | None = None,
+             param_groups: Sequence[Mapping[str, Any]] | None = None,
              recorder: TraceRecorder = NULL_RECORDER) -> "CpuAdam":
         """A `CpuAdam` from the whole configuration. With `nvme`, it opens its own I/O
         engine, staging pool (`io.buffer_budget`) and swap file
         (`offload-r<rank>-optim.swap` under `io.paths`), and closes them in `close()`."""
         if not nvme:
-            return cls(config.optim, lr_lambda=lr_lambda, recorder=recorder)
+            return cls(config.optim, lr_lambda=lr_lambda, param_groups=param_groups,
+                       recorder=recorder)
         engine = make_engine(config.io, recorder)
         swap = pool = None
         try:
             swap = open_swap(config.io, f"r{rank}-optim", engine)
             pool = BufferPool(config.io.buffer_budget)
             opt = cls(config.optim, swap=swap, pool=pool, lr_lambda=lr_lambda,
-                      recorder=recorder)
+                      param_groups=param_groups, recorder=recorder)
         except BaseException:
             for thing in (pool, swap, engine):
                 if thing is not None:
@@ -220,7 +238,8 @@ class CpuAdam:
     def add_partition(self, pid: Hashable, master: torch.Tensor, *, group: int = 0,
                       tier: str | Tier = "host", exp_avg: torch.Tensor | None = None,
                       exp_avg_sq: torch.Tensor | None = None,
-                      master_is_param: bool = False) -> None:
+                      master_is_param: bool = False,
+                      segments: Sequence[tuple[int, int, int]] | None = None) -> None:
         """Registers a partition at step 0, with zero moments unless given.
 
         `master` (and the moments): fp32, contiguous CPU, one element per
@@ -231,6 +250,10 @@ class CpuAdam:
         (fp32 training keeps no second copy). It is passed to every update as
         `params_out` and updated in place there; `master` only gives the size,
         and the optimizer holds the moments alone (8 bytes per element).
+
+        segments: (first element, elements, parameter group) of consecutive ranges
+        covering the partition in order ([Note: segments]); default one segment
+        of `group`.
         """
         with self._lock:
             tier = Tier(tier)
@@ -244,6 +267,7 @@ class CpuAdam:
             master = _flat(master, f"partition {pid!r} master", master.numel(), (torch.float32,))
             if master.numel() == 0:
                 raise ValueError(f"partition {pid!r} is empty")
+            segs = self._checked_segments(pid, master.numel(), segments, group)
             layout = ChunkLayout(master.numel(), self.chunk_elems, 2 if master_is_param else 3)
             moments = [None if t is None else _flat(t, f"partition {pid!r} {k}", master.numel(),
                                                     (torch.float32,))
@@ -252,13 +276,34 @@ class CpuAdam:
             if tier is Tier.HOST:
                 a, s = (torch.zeros_like(master) if t is None else t for t in moments)
                 part = PartitionState(pid, master.numel(), group, tier, layout,
-                                      host=(kept, a, s))
+                                      host=(kept, a, s), segments=segs)
             else:
-                part = PartitionState(pid, master.numel(), group, tier, layout)
+                part = PartitionState(pid, master.numel(), group, tier, layout, segments=segs)
                 part.commit(self._need_pipeline(pid).swap,
                             self._write_new(part, kept, *moments), step=0)
             self._parts[pid] = part
-            self.param_groups[group]["params"].append(pid)
+            for k in sorted({seg.group for seg in segs}):
+                self.param_groups[k]["params"].append(pid)
+
+    def _checked_segments(self, pid: Hashable, numel: int,
+                          segments: Sequence[tuple[int, int, int]] | None,
+                          group: int) -> tuple[Segment, ...]:
+        if segments is None:
+            return (Segment(0, numel, group),)
+        segs = tuple(Segment(int(lo), int(n), int(k)) for lo, n, k in segments)
+        at = 0
+        for seg in segs:
+            if seg.lo != at or seg.n < 1:
+                raise ValueError(f"partition {pid!r}: segment {seg} does not start at element "
+                                 f"{at} or is empty; give consecutive ranges covering 0..{numel}")
+            if not 0 <= seg.group < len(self.param_groups):
+                raise ValueError(f"partition {pid!r}: segment {seg} names group {seg.group}, "
+                                 f"out of range 0..{len(self.param_groups) - 1}")
+            at += seg.n
+        if at != numel:
+            raise ValueError(f"partition {pid!r}: segments cover {at} elements, the partition "
+                             f"has {numel}")
+        return segs
 
     def has_master(self, pid: Hashable) -> bool:
         """False where the partition's master is the caller's parameter partition."""
@@ -313,7 +358,8 @@ class CpuAdam:
              grad_norm: float | None = None, found_inf: bool | None = None,
              skip: Iterable[Hashable] = (),
              masters: Mapping[Hashable, torch.Tensor] | None = None,
-             final: bool = False) -> StepResult:
+             final: bool = False,
+             active: Mapping[Hashable, Sequence[bool]] | None = None) -> StepResult:
         """Updates every partition not already updated by `update` in this round, then
         commits the round ([Note: rounds]).
 
@@ -327,7 +373,7 @@ class CpuAdam:
                 from `grads` when clipping needs it and it is not given.
             found_inf: a non-finite gradient was seen; skips the step. When None and
                 loss_scale != 1 it is derived from the gradients' norm (one read pass).
-            masters, final: as in `update`.
+            masters, final, active: as in `update`.
         Raises:
             OptimStepError: a failure part way; the round was rolled back (see its
                 `unchanged`), every partition is at its previous version.
@@ -342,7 +388,7 @@ class CpuAdam:
                                  "(as torch skips parameters whose grad is None)")
             res = self.update(grads, params_out=params_out, loss_scale=loss_scale,
                               grad_norm=grad_norm, found_inf=found_inf, masters=masters,
-                              final=final)
+                              final=final, active=active)
             self.commit(grad_norm=res.grad_norm)
             return res
 
@@ -365,7 +411,10 @@ class CpuAdam:
                     self._pipeline.commit()
             except Exception as e:
                 raise self._failed_round(e, grad_norm) from e
+            if self._round:
+                self.steps += 1
             self._backups.clear()
+            self._seg_backups.clear()
             self._round.clear()
             self._final.clear()
 
@@ -383,8 +432,11 @@ class CpuAdam:
                     if src is not None:
                         dst.copy_(src)
                 part.step = step
+            for pid, seg_steps in self._seg_backups.items():
+                self._parts[pid].seg_steps = seg_steps
             final = [p for p in self._parts if p in self._final]
             self._backups.clear()
+            self._seg_backups.clear()
             self._round.clear()
             self._final.clear()
             if final:
@@ -412,7 +464,9 @@ class CpuAdam:
                loss_scale: float = 1.0, grad_norm: float | None = None,
                found_inf: bool | None = None, next_pid: Hashable | None = None,
                masters: Mapping[Hashable, torch.Tensor] | None = None,
-               final: bool = False) -> StepResult:
+               final: bool = False,
+               active: Mapping[Hashable, Sequence[bool]] | None = None,
+               schedule_step: int | None = None) -> StepResult:
         """Updates exactly the partitions in `grads` now (arguments as in `step`), in
         the open round: they commit with it ([Note: rounds]). A call that does not
         cover the whole round needs `grad_norm` when clipping and `found_inf` when
@@ -424,6 +478,9 @@ class CpuAdam:
         `params_out` (without it, `params_out` is the master, updated in place).
         `final`: the caller guarantees nothing after this call can fail before the
         round commits, so host partitions keep no copy of their previous state.
+        `active`: per partition, one flag per segment: whether its parameter had a
+        gradient; the others are left untouched ([Note: segments]). Default: all.
+        `schedule_step`: the step `lr_lambda` is evaluated at (default `steps`).
 
         Raises:
             OptimStepError: the update failed; the whole round was rolled back.
@@ -433,6 +490,8 @@ class CpuAdam:
             parts, g, out, mins = self._check_inputs(grads, params_out or {}, masters or {})
             if not parts:  # e.g. step() after every partition was updated early
                 return StepResult(False, (), grad_norm, 1.0, loss_scale, 0.0)
+            runs = {p.pid: self._runs(p, (active or {}).get(p.pid), schedule_step)
+                    for p in parts}  # checks `active` before anything changes
             whole = not self._round and len(parts) == len(self._parts)
             if not whole and self.max_grad_norm > 0 and grad_norm is None:
                 raise ValueError("update of part of a step with clipping on needs grad_norm "
@@ -449,7 +508,7 @@ class CpuAdam:
                                   time.perf_counter() - t0)
             r0, w0 = self._io_counters()
             try:
-                updated = self._run(parts, g, out, mins, sc.grad_scale, next_pid, final)
+                updated = self._run(parts, g, out, mins, sc.grad_scale, next_pid, final, runs)
             except Exception as e:
                 raise self._failed_round(e, sc.grad_norm, [p.pid for p in parts]) from e
             r1, w1 = self._io_counters()
@@ -483,17 +542,64 @@ class CpuAdam:
                 raise ValueError(f"partition {p.pid!r} keeps its own master: pass no masters")
         return parts, g, out, mins
 
-    def _hyper(self, part: PartitionState) -> AdamHyper:
-        grp = self.param_groups[part.group]
+    def _hyper(self, group: int, schedule_step: int) -> AdamHyper:
+        grp = self.param_groups[group]
         lr = float(grp["lr"])
         if grp["lr_lambda"] is not None:
-            lr *= float(grp["lr_lambda"](part.step))
+            lr *= float(grp["lr_lambda"](schedule_step))
         b1, b2 = grp["betas"]
         return AdamHyper(lr, float(b1), float(b2), float(grp["eps"]),
                          float(grp["weight_decay"]), self.decoupled)
 
+    def _runs(self, part: PartitionState, active: Sequence[bool] | None,
+              schedule_step: int | None) -> list[tuple[int, int, AdamHyper | None, int]]:
+        """(first element, elements, hyper-parameters or None to leave alone, segment
+        step) of the partition's update, neighbours merged ([Note: segments])."""
+        if active is not None and len(active) != len(part.segments):
+            raise ValueError(f"active of {part.pid!r}: {len(active)} flags, the partition has "
+                             f"{len(part.segments)} segments")
+        k = self.steps if schedule_step is None else schedule_step
+        runs: list[list] = []
+        for i, seg in enumerate(part.segments):
+            on = active is None or bool(active[i])
+            key = (seg.group, part.seg_steps[i]) if on else None
+            if runs and runs[-1][4] == key:
+                runs[-1][1] += seg.n
+            else:
+                runs.append([seg.lo, seg.n, self._hyper(seg.group, k) if on else None,
+                             part.seg_steps[i], key])
+        return [(lo, n, h, st) for lo, n, h, st, _ in runs]
+
+    def _apply(self, runs: list, base: int, m: torch.Tensor, g: torch.Tensor, a: torch.Tensor,
+               s: torch.Tensor, o: torch.Tensor | None, grad_scale: float) -> None:
+        """The update of elements [base, base + m.numel()) (`m`, `a`, `s`, `o` are their
+        views; `g` the whole partition's gradient) by `runs` (see `_runs`)."""
+        end = base + m.numel()
+        for lo, n, hyper, step in runs:
+            i, j = max(lo, base), min(lo + n, end)
+            if i >= j:
+                continue
+            mi = m[i - base:j - base]
+            oi = None if o is None else o[i - base:j - base]
+            if hyper is None:  # no gradient: left as it is, as torch leaves it
+                if oi is not None:
+                    oi.copy_(mi)
+                continue
+            self.kernel.update(mi, g[i:j], a[i - base:j - base], s[i - base:j - base],
+                               step=step + 1, hyper=hyper, grad_scale=grad_scale, param_out=oi)
+
+    def _count_segments(self, part: PartitionState, runs: list, final: bool) -> None:
+        """Advances the update count of each segment that had a gradient."""
+        if not final:
+            self._seg_backups[part.pid] = list(part.seg_steps)
+        skipped = [(lo, lo + n) for lo, n, h, _ in runs if h is None]
+        for i, seg in enumerate(part.segments):
+            if not any(lo <= seg.lo < hi for lo, hi in skipped):
+                part.seg_steps[i] += 1
+
     def _run(self, parts: list[PartitionState], g: dict, out: dict, mins: dict,
-             grad_scale: float, next_pid: Hashable | None, final: bool) -> list:
+             grad_scale: float, next_pid: Hashable | None, final: bool,
+             runs: dict) -> list:
         """Host partitions in place (a copy of their state kept unless `final`), then
         NVMe partitions through the pipeline (its first reads start before the host
         work, so they overlap it)."""
@@ -517,27 +623,27 @@ class CpuAdam:
                 m.copy_(mins[p.pid])
             with self.recorder.span("optim:update", cat="compute", track="optim",
                                     partition=str(p.pid), elems=p.numel):
-                self.kernel.update(m, g[p.pid], a, s, step=p.step + 1, hyper=self._hyper(p),
-                                   grad_scale=grad_scale, param_out=o)
+                self._apply(runs[p.pid], 0, m, g[p.pid], a, s, o, grad_scale)
             p.step += 1
+            self._count_segments(p, runs[p.pid], final)
             done.append(p.pid)
         if not nvme:
             return done
-        hypers = {p.pid: self._hyper(p) for p in nvme}
 
         def compute(p, _i, lo, n, m, a, s) -> None:
             o = out.get(p.pid)
             m, o = _master_and_out(m, None if o is None else o[lo:lo + n])
             if p.pid in mins:
                 m.copy_(mins[p.pid][lo:lo + n])
-            self.kernel.update(m, g[p.pid][lo:lo + n], a, s, step=p.step + 1,
-                               hyper=hypers[p.pid], grad_scale=grad_scale, param_out=o)
+            self._apply(runs[p.pid], lo, m, g[p.pid], a, s, o, grad_scale)
         then = self._parts.get(next_pid) if next_pid is not None else None
         if then is not None and (then.tier is not Tier.NVME or then.pid in g
                                  or then.pid in self._round):
             then = None
         done += self._pipeline.run(nvme, compute, then=then)
         self._round.update(p.pid for p in nvme)
+        for p in nvme:
+            self._count_segments(p, runs[p.pid], final=False)
         return done
 
     # -- reading and checkpoints -----------------------------------------------
@@ -563,9 +669,10 @@ class CpuAdam:
             return out
 
     def partition_state(self, pid: Hashable) -> dict[str, torch.Tensor]:
-        """{"step", "exp_avg", "exp_avg_sq", "master"} of one partition's committed
-        version, 1-D fp32 (step: a 0-d fp32 tensor, as torch; no "master" where it is
-        the parameter partition). Host state: the live tensors (no copy); NVMe state:
+        """{"step", "segment_steps", "exp_avg", "exp_avg_sq", "master"} of one
+        partition's committed version, 1-D fp32 (step: a 0-d fp32 tensor, as torch;
+        segment_steps: int64, one per segment ([Note: segments]); no "master" where it
+        is the parameter partition). Host state: the live tensors (no copy); NVMe state:
         fresh tensors read chunk by chunk."""
         with self._lock:
             part = self.partition(pid)
@@ -583,7 +690,9 @@ class CpuAdam:
                         if src is not None:
                             dst[lo:lo + n].copy_(src)
                 self._pipeline.read_state(part, consume)
-            state = {"step": step, "exp_avg": a, "exp_avg_sq": s}
+            seg_steps = torch.tensor(self._seg_backups.get(pid, part.seg_steps),
+                                     dtype=torch.int64)
+            state = {"step": step, "segment_steps": seg_steps, "exp_avg": a, "exp_avg_sq": s}
             if m is not None:
                 state["master"] = m
             return state
@@ -591,11 +700,12 @@ class CpuAdam:
     def load_partition_state(self, pid: Hashable, state: Mapping[str, Any]) -> None:
         """Loads one partition's state (keys as `partition_state`; "master" optional:
         absent keeps the current master; ignored where the master is the parameter
-        partition). NVMe: written to fresh extents, then
+        partition; "segment_steps" optional: absent gives every segment `step`). NVMe: written to fresh extents, then
         switched, so a failure leaves the previous state whole."""
         with self._lock:
             part = self.partition(pid)
             step, tensors = self._checked_state(part, state)
+            seg_steps = self._checked_seg_steps(part, state, step)
             if pid in self._round:
                 raise ValueError(f"partition {pid!r} was updated in the open round; "
                                  "commit() or rollback() it before loading state")
@@ -604,11 +714,24 @@ class CpuAdam:
                     if tensors[k] is not None and dst is not None:
                         dst.copy_(tensors[k])
                 part.step = step
+                part.seg_steps = seg_steps
                 return
             self._pipeline.discard(pid)
             new = self._write_new(part, tensors["master"], tensors["exp_avg"],
                                   tensors["exp_avg_sq"])
             part.commit(self._pipeline.swap, new, step)
+            part.seg_steps = seg_steps
+
+    @staticmethod
+    def _checked_seg_steps(part: PartitionState, state: Mapping[str, Any], step: int) -> list[int]:
+        got = state.get("segment_steps")
+        if got is None:
+            return [step] * len(part.segments)
+        got = [int(x) for x in (got.tolist() if isinstance(got, torch.Tensor) else got)]
+        if len(got) != len(part.segments) or any(x < 0 or x > step for x in got):
+            raise ValueError(f"state of partition {part.pid!r}: segment_steps {got[:8]} do not "
+                             f"fit its {len(part.segments)} segments at step {step}")
+        return got
 
     @staticmethod
     def _checked_state(part: PartitionState, state: Mapping[str, Any]) -> tuple[int, dict]:
@@ -629,13 +752,13 @@ class CpuAdam:
 
     def state_dict(self) -> dict[str, Any]:
         """torch-style: {"state": {pid: partition_state(pid)}, "param_groups": [{"lr",
-        "betas", "eps", "weight_decay", "params": [pids]}]}. `lr_lambda` is not saved
+        "betas", "eps", "weight_decay", "params": [pids]}], "steps": committed rounds}. `lr_lambda` is not saved
         (as LambdaLR does not save its lambdas)."""
         with self._lock:
             groups = [{**{k: g[k] for k in _HYPER_KEYS}, "params": list(g["params"])}
                       for g in self.param_groups]
             return {"state": {pid: self.partition_state(pid) for pid in self._parts},
-                    "param_groups": groups}
+                    "param_groups": groups, "steps": self.steps}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Loads `state_dict()` output: hyper-parameters per group, then each
@@ -652,7 +775,8 @@ class CpuAdam:
                                      f"{list(theirs.get('params', ()))[:8]}, this optimizer "
                                      f"{mine['params'][:8]}")
             for pid, st in states.items():
-                self._checked_state(self.partition(pid), st)
+                part = self.partition(pid)
+                self._checked_seg_steps(part, st, self._checked_state(part, st)[0])
             if self._round:
                 raise ValueError(f"partitions {self.round[:8]} were updated in the open "
                                  "round; commit() or rollback() before loading state")
@@ -661,6 +785,7 @@ class CpuAdam:
                 mine["betas"] = tuple(mine["betas"])
             for pid, st in states.items():
                 self.load_partition_state(pid, st)
+            self.steps = int(state_dict.get("steps", self.steps))
             self._round.clear()
 
     def close(self) -> None:

@@ -35,7 +35,7 @@ import torch
 
 from ..io import SwapExtent, SwapSpace
 
-__all__ = ["ChunkLayout", "PartitionState", "Tier", "BYTES_PER_ELEM"]
+__all__ = ["ChunkLayout", "PartitionState", "Segment", "Tier", "BYTES_PER_ELEM"]
 
 BYTES_PER_ELEM = 12  # fp32 master + exp_avg + exp_avg_sq, as stored per chunk
 
@@ -78,6 +78,17 @@ class ChunkLayout:
         return 4 * self.kinds * self.chunk(i)[1]
 
 
+@dataclass(frozen=True)
+class Segment:
+    """Elements `[lo, lo + n)` of a partition that share a parameter group and an
+    update count: one parameter's elements on this rank, or padding. See [Note:
+    segments] in optimizer.py."""
+
+    lo: int
+    n: int
+    group: int = 0
+
+
 @dataclass(eq=False)
 class PartitionState:
     """The optimizer's record of one partition.
@@ -85,7 +96,9 @@ class PartitionState:
     HOST: `host` holds (master, exp_avg, exp_avg_sq), 1-D fp32; master is the
     caller's tensor, updated in place, or None where the master is the caller's
     parameter partition (`layout.kinds == 2`). NVME: `extents[i]` holds chunk i
-    (see [Note: NVMe layout]); `host` is None. `step` counts committed updates.
+    (see [Note: NVMe layout]); `host` is None. `step` counts committed updates
+    of the partition; `seg_steps[k]` those in which segment k had a gradient
+    (the bias correction's step of its parameter, as torch counts it).
     """
 
     pid: Hashable
@@ -96,8 +109,14 @@ class PartitionState:
     step: int = 0
     host: tuple[torch.Tensor | None, torch.Tensor, torch.Tensor] | None = None
     extents: list[SwapExtent] | None = field(default=None, repr=False)
+    segments: tuple[Segment, ...] = ()
+    seg_steps: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        if not self.segments:
+            self.segments = (Segment(0, self.numel, self.group),)
+        if not self.seg_steps:
+            self.seg_steps = [self.step] * len(self.segments)
         if (self.tier is Tier.HOST) != (self.host is not None):
             raise ValueError(f"partition {self.pid!r}: tier {self.tier.value} with "
                              f"host={'set' if self.host is not None else 'None'}")

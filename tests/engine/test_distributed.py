@@ -59,3 +59,143 @@ def test_two_ranks_match_single_process(tmp_path, engine_cfg, params, optimizer)
         diff = (res["sd"][k] - v).abs()
         assert diff.max() < 1e-5 and diff.mean() < 1e-6, (k, diff.max(), diff.mean())
     assert not [f for f in os.listdir(tmp_path / "swap") if f.endswith(".swap")]
+
+
+def _sometimes_worker(rank: int, world: int, init_file: str, out: str, cfg: dict) -> None:
+    import offload
+
+    from .test_numbers import Sometimes, _data
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world)
+    try:
+        torch.manual_seed(0)
+        engine = offload.initialize(Sometimes(), cfg)
+        for step, (x, y) in enumerate(_data(STEPS)):
+            xs, ys = x.chunk(world)[rank], y.chunk(world)[rank]
+            use_b = rank == 0 and step % 2 == 1  # only rank 0 runs `b`, every other step
+            engine.backward(torch.nn.functional.mse_loss(engine(xs, use_b), ys))
+            engine.step()
+        sd = engine.state_dict()
+        if rank == 0:
+            torch.save(sd, out)
+        engine.close()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("params,optimizer", [("device", "host"), ("nvme", "nvme")])
+def test_two_ranks_parameters_used_by_one_rank_and_param_groups(tmp_path, engine_cfg, params,
+                                                                optimizer):
+    """One group holds every parameter; `b` runs on rank 0 only and `never` on no rank:
+    `b` is updated (its mean gradient exists, as under DDP), `never` is untouched;
+    biases and the norm train without weight decay (optim.param_groups)."""
+    from .test_numbers import Sometimes, _data
+    cfg = engine_cfg(params, "host", optimizer, group_size=100_000)
+    cfg["optim"]["param_groups"] = [{"params": ["*.bias", "norm.*"], "weight_decay": 0.0}]
+    out = str(tmp_path / "rank0.pt")
+    mp.start_processes(_sometimes_worker, args=(2, str(tmp_path / "init"), out, cfg), nprocs=2,
+                       join=True, start_method="spawn")
+    sd = torch.load(out)
+    torch.manual_seed(0)
+    ref = Sometimes()
+    no_decay = [p for n, p in ref.named_parameters() if n.endswith("bias") or n.startswith("norm")]
+    rest = [p for p in ref.parameters() if not any(p is q for q in no_decay)]
+    opt = torch.optim.AdamW([{"params": rest}, {"params": no_decay, "weight_decay": 0.0}],
+                            lr=1e-2, weight_decay=0.1, fused=True)
+    for step, (x, y) in enumerate(_data(STEPS)):
+        opt.zero_grad()
+        losses = [torch.nn.functional.mse_loss(ref(xs, r == 0 and step % 2 == 1), ys)
+                  for r, (xs, ys) in enumerate(zip(x.chunk(2), y.chunk(2)))]
+        (sum(losses) / 2).backward()  # the engine averages the ranks' gradients
+        opt.step()
+    assert torch.equal(sd["never.weight"], ref.never.weight.detach())
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(sd[k], v, atol=1e-6, rtol=0, msg=lambda m: f"{k}: {m}")
+
+
+def _diverging_worker(rank: int, world: int, init_file: str, out: str, cfg: dict) -> None:
+    import offload
+
+    from .test_numbers import Sometimes, _data
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world)
+    try:
+        torch.manual_seed(0)
+        engine = offload.initialize(Sometimes(), cfg)
+        x, y = _data(1)[0]
+        engine.backward(torch.nn.functional.mse_loss(engine(x, True), y))  # the same: fine
+        engine.step()
+        try:
+            engine.backward(torch.nn.functional.mse_loss(engine(x, rank == 0), y))
+            msg = "no error"
+        except RuntimeError as e:
+            msg = str(e)
+        torch.save(msg, f"{out}.{rank}")
+        engine.close()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("params,optimizer", [("device", "host"), ("nvme", "nvme")])
+def test_ranks_running_different_modules_raise_instead_of_hanging(tmp_path, engine_cfg, params,
+                                                                  optimizer):
+    """Rank 0 runs `b` (its own unit), rank 1 does not: both raise, naming the unit,
+    before an all-gather of one pairs with another group's on the other rank."""
+    cfg = engine_cfg(params, "host", optimizer, group_size=1200)
+    out = str(tmp_path / "msg")
+    mp.start_processes(_diverging_worker, args=(2, str(tmp_path / "init"), out, cfg), nprocs=2,
+                       join=True, start_method="spawn")
+    msgs = [torch.load(f"{out}.{r}") for r in range(2)]
+    assert "rank 0 runs the forward of unit 'b'" in msgs[0], msgs[0]
+    assert "rank 1 runs the forward of unit 'norm'" in msgs[1], msgs[1]
+    assert all("same modules in the same order" in m for m in msgs)
+
+
+class _TwoHeads(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = torch.nn.Linear(8, 32)
+        self.main = torch.nn.Linear(32, 1)
+        self.aux = torch.nn.Linear(32, 1)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = torch.tanh(self.inp(x))
+        return self.main(h), self.aux(h)
+
+
+def _backward_diverging_worker(rank: int, world: int, init_file: str, out: str,
+                               cfg: dict) -> None:
+    import offload
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world)
+    try:
+        torch.manual_seed(0)
+        engine = offload.initialize(_TwoHeads(), cfg)
+        main, aux = engine(torch.randn(4, 8))
+        try:  # the same forward; rank 1's loss leaves `aux` out of its backward
+            engine.backward(main.sum() + (aux.sum() if rank == 0 else 0))
+            msg = "no error"
+        except RuntimeError as e:
+            msg = str(e)
+        torch.save(msg, f"{out}.{rank}")
+        engine.close()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("group_size", [100, 100_000], ids=["unit-each", "one-unit"])
+def test_ranks_whose_backward_differs_raise_instead_of_hanging(tmp_path, engine_cfg,
+                                                               group_size):
+    """The same forward on both ranks, but rank 1's loss does not use `aux`'s output.
+    Where `aux` is a unit of its own, rank 1's backward skips it: both ranks raise,
+    naming what they run. Inside one unit that is allowed: no error."""
+    cfg = engine_cfg("device", "host", "host", group_size=group_size)
+    out = str(tmp_path / "msg")
+    mp.start_processes(_backward_diverging_worker, args=(2, str(tmp_path / "init"), out, cfg),
+                       nprocs=2, join=True, start_method="spawn")
+    msgs = [torch.load(f"{out}.{r}") for r in range(2)]
+    for r, m in enumerate(msgs):
+        if group_size == 100:
+            assert f"rank {r} runs the " in m and "same modules in the same order" in m, m
+        else:
+            assert m == "no error", m
