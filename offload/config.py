@@ -310,6 +310,9 @@ class EngineConfig:
     min_loss_scale: float = _doc(1.0, "fp16 dynamic scaling: the scale never drops below this")
     seed: int = _doc(0, "seed of the per-group RNG used to initialise a meta-device model, the "
                      "same on every rank")
+    keep_checkpoints: int = _doc(0, "committed checkpoints kept in a save's directory (the "
+                                 "highest steps; older ones are removed after a save); 0 "
+                                 "keeps all")
 
     def __post_init__(self) -> None:
         _normalise(self, "engine")
@@ -332,6 +335,9 @@ class EngineConfig:
                               "it, e.g. to 1")
         if self.loss_scale_window < 1:
             raise ConfigError(f"engine.loss_scale_window: {self.loss_scale_window} must be >= 1")
+        if self.keep_checkpoints < 0:
+            raise ConfigError(f"engine.keep_checkpoints: {self.keep_checkpoints} must be >= 0 "
+                              "(0 keeps every checkpoint)")
         if not 0 <= self.seed < 1 << 32:
             raise ConfigError(f"engine.seed: {self.seed} is out of range; use 0..{(1 << 32) - 1}")
 

@@ -46,9 +46,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
+from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
@@ -62,6 +64,7 @@ from ..planner import AccessTrace
 from ..store import BudgetExceededError, Tier, TieredStore
 from ..trace import NULL_RECORDER, TraceRecorder, UnitSpans
 from .step import StagedParams, StepFailedError
+from .training_checkpoint import save_checkpoint as _save_checkpoint
 from .units import Group, Unit
 
 log = logging.getLogger(__name__)
@@ -718,6 +721,16 @@ class OffloadEngine(nn.Module):
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:  # type: ignore[override]
         """Full fp32 weights by parameter name (every rank gets them); see `named_weights`."""
         return dict(self.named_weights())
+
+    # -- checkpoints (docs/checkpoints.md) -- begin
+    def save_checkpoint(self, path: str | os.PathLike,
+                        extra: dict[str, Any] | None = None) -> Path:
+        """Writes the whole training state (parameters, masters, moments, step counts,
+        loss scale, RNG states, config, `extra`: e.g. the data position) to the new
+        checkpoint directory `path`, published atomically; every rank calls it,
+        between steps. `offload.initialize(model, config, resume=path)` resumes."""
+        return _save_checkpoint(self, path, extra)
+    # -- checkpoints -- end
 
     def close(self) -> None:
         """Removes the hooks, closes the optimizer and the store (and their swap files)."""

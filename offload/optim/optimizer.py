@@ -220,8 +220,9 @@ class CpuAdam:
     def add_partition(self, pid: Hashable, master: torch.Tensor, *, group: int = 0,
                       tier: str | Tier = "host", exp_avg: torch.Tensor | None = None,
                       exp_avg_sq: torch.Tensor | None = None,
-                      master_is_param: bool = False) -> None:
-        """Registers a partition at step 0, with zero moments unless given.
+                      master_is_param: bool = False, step: int = 0) -> None:
+        """Registers a partition at `step` (completed updates: 0 for a fresh one, a
+        checkpoint's count on resume), with zero moments unless given.
 
         `master` (and the moments): fp32, contiguous CPU, one element per
         partition element. tier="host": kept (not copied) and updated in place.
@@ -236,6 +237,8 @@ class CpuAdam:
             tier = Tier(tier)
             if pid in self._parts:
                 raise ValueError(f"partition {pid!r} is already registered")
+            if step < 0:
+                raise ValueError(f"partition {pid!r}: step {step} is negative")
             if not 0 <= group < len(self.param_groups):
                 raise ValueError(f"group {group} out of range 0..{len(self.param_groups) - 1}")
             if not isinstance(master, torch.Tensor):
@@ -251,12 +254,12 @@ class CpuAdam:
             kept = None if master_is_param else master
             if tier is Tier.HOST:
                 a, s = (torch.zeros_like(master) if t is None else t for t in moments)
-                part = PartitionState(pid, master.numel(), group, tier, layout,
+                part = PartitionState(pid, master.numel(), group, tier, layout, step=step,
                                       host=(kept, a, s))
             else:
                 part = PartitionState(pid, master.numel(), group, tier, layout)
                 part.commit(self._need_pipeline(pid).swap,
-                            self._write_new(part, kept, *moments), step=0)
+                            self._write_new(part, kept, *moments), step=step)
             self._parts[pid] = part
             self.param_groups[group]["params"].append(pid)
 
@@ -561,6 +564,34 @@ class CpuAdam:
                 self._pipeline.read_state(part, lambda _p, _i, lo, n, m, _a, _s:
                                           flat[lo:lo + n].copy_(m))
             return out
+
+    # -- checkpoint reader (engine checkpoints) -- begin
+    def read_state_chunks(self, pid: Hashable,
+                          consume: Callable[[int, int, dict[str, torch.Tensor]], None]) -> int:
+        """Streams partition `pid`'s committed state: `consume(lo, n, tensors)` gets
+        elements [lo, lo + n) as 1-D fp32 views {"master", "exp_avg", "exp_avg_sq"}
+        ("master" absent where it is the parameter partition), valid only during
+        the call. Host state: one call over the live tensors; NVMe state: one call
+        per chunk read into a pipeline buffer, so the state is never held whole.
+        Refused while the partition is updated in an open round. Returns its step."""
+        with self._lock:
+            part = self.partition(pid)
+            if pid in self._round:
+                raise RuntimeError(f"partition {pid!r} was updated in the open round; "
+                                   "commit() or rollback() it before reading its state")
+
+            def named(m, a, s) -> dict[str, torch.Tensor]:
+                d = {"exp_avg": a, "exp_avg_sq": s}
+                if m is not None:
+                    d["master"] = m
+                return d
+            if part.tier is Tier.HOST:
+                consume(0, part.numel, named(*part.host))
+            else:
+                self._pipeline.read_state(part, lambda _p, _i, lo, n, m, a, s:
+                                          consume(lo, n, named(m, a, s)))
+            return part.step
+    # -- checkpoint reader -- end
 
     def partition_state(self, pid: Hashable) -> dict[str, torch.Tensor]:
         """{"step", "exp_avg", "exp_avg_sq", "master"} of one partition's committed

@@ -1,0 +1,645 @@
+"""Checkpoints of the whole training state: one zarr v3 store (tensorstore) per checkpoint.
+
+[Note: checkpoint layout]
+A checkpoint is one directory that any zarr v3 reader opens:
+  checkpoint.json          the commit record (see below); written last
+  ranks/<r>.json           what rank r wrote: its element ranges, step counts, RNG
+  param/<name>             the parameter in its full logical shape, compute dtype
+  master/<name>            its fp32 master weights, where distinct from `param`
+  exp_avg/<name>           Adam's first moment, fp32
+  exp_avg_sq/<name>        Adam's second moment, fp32
+`<name>` is the parameter's name in the model (the first use of tied weights;
+the record lists the other names). A partition is a slice of a group's flat
+buffer; the group's slots map flat ranges to parameters (units.py), so each
+rank writes, for every array, the element ranges its partitions cover, as
+boxes of the array (`flat_boxes`). Chunks are whole rows of dimension 0, about
+`CHUNK_ELEMS` elements, each followed by its crc32c (zarr's `crc32c` codec),
+which every read verifies. A chunk that two ranks' ranges share is written in
+rank order, one rank after the other (barriers), every other chunk by its one
+writer without coordination.
+
+The commit record holds what is not a tensor: the format, the package
+version, the config, the world size, the engine's step counters and loss
+scale, the optimizer's hyper-parameters, every tensor's names, shape, dtypes
+and group, the groups' step counts (the schedule's position: `lr_lambda` is
+evaluated at a partition's step count), and the user's `extra`.
+
+[Note: publishing a checkpoint]
+A save writes into `.<name>.partial` beside the target, makes every file and
+directory durable (fsync), writes the commit record, fsyncs it and renames
+the directory to its name in one `rename`, then fsyncs the parent. A reader
+opens only a directory holding a commit record, so it sees the previous
+checkpoint or the new one, never a mix; a save killed at any point leaves a
+`.partial` directory, which the next save into the same parent removes. The
+target must not exist: a checkpoint is never overwritten in place (save each
+under its own name, e.g. by step). `engine.keep_checkpoints` > 0 keeps that
+many committed checkpoints (highest steps) in the parent, removing older ones
+after a publish.
+
+Saving happens between steps only: while a step's updates are open (the
+optimizer's round, staged parameters, gradients of a step not taken) the
+state is not one version, and the save is refused ([Note: all or nothing] in
+step.py).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import math
+import os
+import random
+import re
+import shutil
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from ..store import Tier
+from .units import Group, Slot
+
+log = logging.getLogger(__name__)
+
+__all__ = ["CheckpointError", "CheckpointCorruptError", "CheckpointReader", "save_checkpoint",
+           "flat_boxes", "RECORD", "FORMAT"]
+
+FORMAT = "offload-checkpoint/1"
+RECORD = "checkpoint.json"
+PARTIAL = ".partial"
+CHUNK_ELEMS = 1 << 20  # elements per chunk (at most one row more): 4 MiB of fp32
+KINDS = ("param", "master", "exp_avg", "exp_avg_sq")
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+_TORCH = {v: k for k, v in _DTYPE_NAMES.items()}
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be written, opened or used with this model."""
+
+
+class CheckpointCorruptError(CheckpointError):
+    """A checkpoint's bytes do not match their checksums (or cannot be decoded)."""
+
+
+def _ts():
+    import tensorstore  # imported on use: engines that never checkpoint do not load it
+    return tensorstore
+
+
+# -- geometry ------------------------------------------------------------------------
+def flat_boxes(shape: tuple[int, ...], lo: int, hi: int
+               ) -> list[tuple[tuple[slice, ...], int, int]]:
+    """The elements [lo, hi) of a C-order array of `shape` as boxes: a list of
+    (index, flat_lo, flat_hi), each index a tuple of slices (one per dimension)
+    selecting exactly the elements [flat_lo, flat_hi), in order."""
+    if lo >= hi:
+        return []
+    if len(shape) <= 1:
+        return [((slice(lo, hi),), lo, hi)]
+    row = math.prod(shape[1:])
+    full = tuple(slice(0, d) for d in shape[1:])
+    first, last = -(-lo // row), hi // row  # whole rows [first, last)
+    out: list[tuple[tuple[slice, ...], int, int]] = []
+
+    def part_of_row(r: int, a: int, b: int) -> None:  # elements [a, b) of row r
+        for idx, x, y in flat_boxes(shape[1:], a, b):
+            out.append(((slice(r, r + 1),) + idx, r * row + x, r * row + y))
+    if first > last:  # inside one row
+        r = lo // row
+        part_of_row(r, lo - r * row, hi - r * row)
+        return out
+    if lo < first * row:
+        part_of_row(first - 1, lo - (first - 1) * row, row)
+    if first < last:
+        out.append(((slice(first, last),) + full, first * row, last * row))
+    if last * row < hi:
+        part_of_row(last, 0, hi - last * row)
+    return out
+
+
+def _stored_shape(shape: tuple[int, ...]) -> list[int]:
+    return list(shape) if len(shape) else [1]  # a 0-d parameter is stored as [1]
+
+
+def _chunk_elems(shape: tuple[int, ...]) -> int:
+    """Flat elements per chunk: whole rows of dimension 0."""
+    s = _stored_shape(shape)
+    row = math.prod(s[1:])
+    return max(1, CHUNK_ELEMS // max(1, row)) * max(1, row)
+
+
+def _box_shape(idx: tuple[slice, ...]) -> tuple[int, ...]:
+    return tuple(s.stop - s.start for s in idx)
+
+
+def _rank_range(g: Group, slot: Slot, rank: int) -> tuple[int, int]:
+    """Slot-local elements [a, b) that `rank`'s partition of `g` holds (a >= b: none)."""
+    lo, hi = rank * g.shard, (rank + 1) * g.shard
+    return max(lo, slot.offset) - slot.offset, min(hi, slot.offset + slot.numel) - slot.offset
+
+
+def _segments(g: Group, slot: Slot, rank: int) -> list[tuple[int, int, bool]]:
+    """The slot-local range of `rank` cut at chunk boundaries into (a, b, shared):
+    shared segments lie in chunks another rank writes too."""
+    a, b = _rank_range(g, slot, rank)
+    if a >= b:
+        return []
+    ce = _chunk_elems(tuple(slot.shape))
+    others: set[int] = set()
+    for q in range(g.world):
+        qa, qb = _rank_range(g, slot, q)
+        if q != rank and qa < qb:
+            others.update((qa // ce, (qb - 1) // ce))  # ranges are contiguous: ends suffice
+    out = []
+    x = a
+    while x < b:
+        c = x // ce
+        if c in others:
+            y = min(b, (c + 1) * ce)
+        else:
+            nxt = [k * ce for k in others if k > c]
+            y = min([b] + nxt)
+        out.append((x, y, c in others))
+        x = y
+    return out
+
+
+def _to_numpy(t: torch.Tensor) -> np.ndarray:
+    if t.dtype == torch.bfloat16:
+        import ml_dtypes
+        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return t.numpy()
+
+
+def _to_torch(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    if a.dtype.name == "bfloat16":
+        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16).to(dtype)
+    return torch.from_numpy(a).to(dtype)
+
+
+def _spec(root: Path, kind: str, name: str, shape: tuple[int, ...] | None = None,
+          dtype: str | None = None) -> dict:
+    spec: dict[str, Any] = {"driver": "zarr3",
+                            "kvstore": {"driver": "file", "path": str(root / kind / name)}}
+    if shape is not None:
+        s = _stored_shape(shape)
+        rows = _chunk_elems(shape) // max(1, math.prod(s[1:]))
+        spec["metadata"] = {
+            "shape": s, "data_type": dtype,
+            "chunk_grid": {"name": "regular",
+                           "configuration": {"chunk_shape": [max(1, min(rows, s[0]))] + s[1:]}},
+            "codecs": [{"name": "bytes", "configuration": {"endian": "little"}},
+                       {"name": "crc32c"}]}
+    return spec
+
+
+# -- durability ------------------------------------------------------------------------
+def _fsync_path(p: Path) -> None:
+    fd = os.open(p, os.O_RDONLY | (os.O_DIRECTORY if p.is_dir() else 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(root: Path) -> None:
+    """fsync of every file and directory under `root` (deepest first), then `root`."""
+    for dirpath, _dirs, files in os.walk(root, topdown=False):
+        for f in files:
+            _fsync_path(Path(dirpath, f))
+        _fsync_path(Path(dirpath))
+
+
+def _write_json(p: Path, obj: Any) -> None:
+    with open(p, "w") as f:
+        json.dump(obj, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def is_committed(p: Path) -> bool:
+    return (p / RECORD).is_file() and not p.name.endswith(PARTIAL)
+
+
+def _remove_partials(parent: Path) -> None:
+    """Removes directories a killed save left in `parent` ([Note: publishing a checkpoint])."""
+    for d in parent.glob(f".*{PARTIAL}"):
+        if d.is_dir():
+            log.info("removing partial checkpoint %s (a save that did not finish)", d)
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def _prune(parent: Path, keep: int, newest: Path) -> None:
+    """Keeps the `keep` committed checkpoints of `parent` with the highest steps."""
+    found = []
+    for d in parent.iterdir():
+        if d.is_dir() and is_committed(d):
+            try:
+                rec = json.loads((d / RECORD).read_text())
+            except (OSError, ValueError):
+                continue
+            if rec.get("format") == FORMAT:
+                found.append((rec.get("global_step", 0), d.stat().st_mtime, d))
+    found.sort(key=lambda t: (t[0], t[1]))
+    for _step, _t, d in found[:max(0, len(found) - keep)]:
+        if d != newest:
+            log.info("removing checkpoint %s (engine.keep_checkpoints=%d)", d, keep)
+            shutil.rmtree(d, ignore_errors=True)
+
+
+# -- RNG -------------------------------------------------------------------------------
+def _b64(t: torch.Tensor) -> str:
+    return base64.b64encode(t.numpy().tobytes()).decode()
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's RNG states: torch CPU (and CUDA where initialised), Python, NumPy."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    version, pystate, pygauss = random.getstate()
+    out = {"torch": _b64(torch.get_rng_state()),
+           "python": [version, list(pystate), pygauss],
+           "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(gauss)]}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["cuda"] = [_b64(s) for s in torch.cuda.get_rng_state_all()]
+    return out
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    def tensor(s: str) -> torch.Tensor:
+        return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8)
+    torch.set_rng_state(tensor(state["torch"]))
+    version, pystate, pygauss = state["python"]
+    random.setstate((version, tuple(pystate), pygauss))
+    kind, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, gauss))
+    if "cuda" in state and torch.cuda.is_available():
+        states = [tensor(s) for s in state["cuda"]]
+        if len(states) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(states)
+
+
+# -- saving ------------------------------------------------------------------------------
+def check_between_steps(engine: Any) -> None:
+    """Refuses a save while a step's updates are open ([Note: all or nothing])."""
+    opt = engine.optimizer
+    why = []
+    if opt.round:
+        why.append(f"the optimizer's round holds updates of groups {opt.round[:8]}")
+    if len(engine._staged):
+        why.append("new parameters of the step are staged")
+    if engine._backwards or engine._early:
+        why.append(f"{engine._backwards} backward call(s) ran since the last step")
+    if why:
+        raise CheckpointError("save_checkpoint: a step is open (" + "; ".join(why) + "); save "
+                              "between steps: after engine.step() (or engine.zero_grad())")
+
+
+def _tensor_table(engine: Any) -> dict[str, dict[str, Any]]:
+    """name -> shape, aliases, group, offset, dtype of each kind the checkpoint holds."""
+    opt = engine.optimizer
+    table = {}
+    for g in engine.groups:
+        kinds = {"param": _DTYPE_NAMES[engine.dtype]}
+        if g.requires_grad:
+            if opt.has_master(g.gid):
+                kinds["master"] = "float32"
+            kinds["exp_avg"] = kinds["exp_avg_sq"] = "float32"
+        for s in g.slots:
+            table[s.fqn] = {"shape": list(s.shape), "aliases": list(s.names), "group": g.gid,
+                            "offset": s.offset, "requires_grad": g.requires_grad,
+                            "kinds": dict(kinds)}
+    return table
+
+
+class _GroupWriter:
+    """Writes one rank's partition of one group into the arrays, range by range."""
+
+    def __init__(self, root: Path, g: Group, rank: int, arrays: dict) -> None:
+        self.root, self.g, self.rank, self.arrays = root, g, rank, arrays
+        self.commits: list = []
+        self.shared: list[tuple[str, Slot, int, np.ndarray]] = []  # written in rank turns
+        self.bytes = 0
+
+    def _array(self, kind: str, name: str):
+        key = (kind, name)
+        if key not in self.arrays:
+            self.arrays[key] = _ts().open(_spec(self.root, kind, name), open=True).result()
+        return self.arrays[key]
+
+    def write(self, kind: str, lo: int, values: torch.Tensor) -> None:
+        """`values`: the rank's partition-local elements [lo, lo + len) of `kind`."""
+        base = self.rank * self.g.shard + lo
+        end = base + values.numel()
+        for s in self.g.slots:
+            for a, b, shared in _segments(self.g, s, self.rank):
+                x, y = max(a, base - s.offset), min(b, end - s.offset)
+                if x >= y:
+                    continue
+                piece = values[s.offset + x - base:s.offset + y - base]
+                if shared:  # held until this rank's turn (a copy: `values` is a buffer)
+                    self.shared.append((kind, s, x, _to_numpy(piece.clone())))
+                else:
+                    self._put(kind, s, x, _to_numpy(piece))
+
+    def _put(self, kind: str, s: Slot, x: int, data: np.ndarray) -> None:
+        arr = self._array(kind, s.fqn)
+        shape = tuple(_stored_shape(tuple(s.shape)))
+        for idx, a, b in flat_boxes(shape, x, x + data.size):
+            fut = arr[idx].write(data[a - x:b - x].reshape(_box_shape(idx)))
+            fut.copy.result()  # the source may be a reused buffer
+            self.commits.append(fut.commit)
+        self.bytes += data.nbytes
+
+    def finish(self, barrier: Callable[[], None], world: int) -> None:
+        """Waits for this rank's writes; then the shared chunks, one rank at a time."""
+        for c in self.commits:
+            c.result()
+        self.commits.clear()
+        if world == 1:
+            return
+        for turn in range(world):
+            if turn == self.rank:
+                for kind, s, x, data in self.shared:
+                    self._put(kind, s, x, data)
+                for c in self.commits:
+                    c.result()
+                self.commits.clear()
+            barrier()
+        self.shared.clear()
+
+
+def save_checkpoint(engine: Any, path: str | os.PathLike,
+                    extra: dict[str, Any] | None = None) -> Path:
+    """Writes the engine's whole training state to the checkpoint directory `path`
+    ([Note: checkpoint layout], [Note: publishing a checkpoint]); every rank calls
+    it. Returns the path."""
+    check_between_steps(engine)
+    path = Path(path).absolute()
+    extra = {} if extra is None else extra
+    try:
+        json.dumps(extra)
+    except TypeError as e:
+        raise CheckpointError(f"save_checkpoint: extra must be JSON-serialisable: {e}") from e
+    if path.exists():
+        raise CheckpointError(f"save_checkpoint: {path} exists; a checkpoint is never "
+                              "overwritten: save each under its own name (e.g. step-<n>)")
+    comm, rank, world = engine.comm, engine.comm.rank, engine.comm.world
+    parent = path.parent
+    tmp = parent / f".{path.name}{PARTIAL}"
+    table = _tensor_table(engine)
+    t0 = time.perf_counter()
+    with engine.recorder.span("checkpoint save", cat="checkpoint", track="checkpoint",
+                              path=str(path)):
+        arrays: dict = {}
+        if rank == 0:
+            parent.mkdir(parents=True, exist_ok=True)
+            _remove_partials(parent)
+            tmp.mkdir()
+            (tmp / "ranks").mkdir()
+            futs = []
+            for name, t in table.items():
+                for kind, dtype in t["kinds"].items():
+                    futs.append(((kind, name), _ts().open(
+                        _spec(tmp, kind, name, tuple(t["shape"]), dtype), create=True)))
+            for key, f in futs:
+                arrays[key] = f.result()
+        comm.barrier()
+        written = _write_partitions(engine, tmp, arrays)
+        steps = {g.gid: engine.optimizer.partition(g.gid).step
+                 for g in engine.groups if g.requires_grad}
+        _write_json(tmp / "ranks" / f"{rank}.json", {
+            "rank": rank, "steps": {str(k): v for k, v in steps.items()}, "rng": rng_state(),
+            "writes": {str(g.gid): [rank * g.shard, (rank + 1) * g.shard]
+                       for g in engine.groups},
+            "bytes": written})
+        comm.barrier()
+        if rank == 0:
+            _write_json(tmp / RECORD, _record(engine, tmp, table, extra))
+            _fsync_tree(tmp)
+            os.rename(tmp, path)
+            _fsync_path(parent)
+            keep = engine.cfg.engine.keep_checkpoints
+            if keep:
+                _prune(parent, keep, path)
+        comm.barrier()
+    log.info("checkpoint %s: step %d, %d bytes from rank %d in %.2f s", path,
+             engine.global_step, written, rank, time.perf_counter() - t0)
+    return path
+
+
+def _write_partitions(engine: Any, root: Path, arrays: dict) -> int:
+    """Each group's partition of this rank: the parameters through the store (fetch,
+    pin, read, unpin), the optimizer state streamed chunk by chunk."""
+    written = 0
+    rank, world = engine.comm.rank, engine.comm.world
+    for g in engine.groups:
+        w = _GroupWriter(root, g, rank, arrays)
+        key = ("p", g.gid)
+        p = engine.store.fetch(key, to=Tier.HOST, pin=True).wait()
+        try:
+            w.write("param", 0, p.cpu())
+        finally:
+            engine.store.unpin(key)
+        if engine._param_tier is Tier.NVME:
+            engine.store.evict(key)  # a save does not grow the memory tiers' occupancy
+        if g.requires_grad:
+            engine.optimizer.read_state_chunks(
+                g.gid, lambda lo, _n, ts: [w.write(k, lo, t) for k, t in ts.items()])
+        w.finish(engine.comm.barrier, world)
+        written += w.bytes
+    return written
+
+
+def _record(engine: Any, tmp: Path, table: dict, extra: dict) -> dict[str, Any]:
+    from .. import __version__
+    ranks = []
+    for r in range(engine.comm.world):
+        mine = json.loads((tmp / "ranks" / f"{r}.json").read_text())
+        ranks.append({k: mine[k] for k in ("rank", "steps", "writes", "bytes")})
+    return {"format": FORMAT, "version": __version__, "created": time.time(),
+            "world": engine.comm.world, "dtype": engine.cfg.engine.dtype,
+            "global_step": engine.global_step, "micro_step": engine.micro_step,
+            "loss_scale": engine.loss_scale, "good_steps": engine._good_steps,
+            "config": asdict(engine.cfg),
+            "param_groups": [{k: (list(v) if isinstance(v, tuple) else v) for k, v in grp.items()
+                              if k in ("lr", "betas", "eps", "weight_decay")}
+                             for grp in engine.optimizer.param_groups],
+            "groups": [{"gid": g.gid, "numel": g.numel, "shard": g.shard,
+                        "requires_grad": g.requires_grad} for g in engine.groups],
+            "tensors": table, "ranks": ranks, "extra": extra}
+
+
+# -- reading -----------------------------------------------------------------------------
+def _chunk_of(e: BaseException) -> str:
+    m = re.search(r"/c/([0-9/]+)", str(e))
+    return f"chunk ({', '.join(m.group(1).split('/'))})" if m else "a chunk"
+
+
+class CheckpointReader:
+    """A committed checkpoint opened for reading: its commit record (`record`) and its
+    tensors, read by element range with every chunk's checksum verified."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        p = Path(path).absolute()
+        if not p.is_dir():
+            raise CheckpointError(f"checkpoint {p} does not exist")
+        if not (p / RECORD).is_file():
+            raise CheckpointError(f"{p} is not a committed checkpoint: it has no {RECORD} "
+                                  "(a save that did not finish, or not a checkpoint)")
+        try:
+            rec = json.loads((p / RECORD).read_text())
+        except ValueError as e:
+            raise CheckpointCorruptError(f"checkpoint {p}: {RECORD} is not valid JSON: "
+                                         f"{e}") from e
+        if rec.get("format") != FORMAT:
+            raise CheckpointError(f"checkpoint {p}: format {rec.get('format')!r}, this "
+                                  f"version reads {FORMAT!r}")
+        self.path = p
+        self.record = rec
+        self.tensors: dict[str, dict[str, Any]] = rec["tensors"]
+        self._alias = {a: name for name, t in self.tensors.items()
+                       for a in [name] + list(t["aliases"])}
+        self._arrays: dict = {}
+        self._steps: dict[int, int] = {}  # saved group -> its step count (rank 0's)
+        for r in reversed(rec["ranks"]):
+            self._steps.update({int(k): v for k, v in r["steps"].items()})
+
+    def name_of(self, slot: Slot) -> str:
+        """The checkpoint's name of the model parameter `slot` (any of its aliases)."""
+        for a in [slot.fqn] + list(slot.names):
+            if a in self._alias:
+                return self._alias[a]
+        raise CheckpointError(f"checkpoint {self.path} has no tensor {slot.fqn!r} (of shape "
+                              f"{tuple(slot.shape)}); it holds e.g. {sorted(self.tensors)[:5]}")
+
+    def check(self, groups: list[Group], dtype: torch.dtype) -> None:
+        """Refuses a model whose tensors (names, shapes), compute dtype or trainable
+        set differ from the checkpoint's, naming the first tensor that differs, and a
+        checkpoint whose ranks' ranges do not cover every group."""
+        seen = set()
+        for g in groups:
+            for s in g.slots:
+                name = self.name_of(s)
+                t = self.tensors[name]
+                if tuple(t["shape"]) != tuple(s.shape):
+                    raise CheckpointError(f"checkpoint {self.path}: tensor {name!r} has shape "
+                                          f"{tuple(t['shape'])}, the model's {s.fqn!r} "
+                                          f"{tuple(s.shape)}")
+                have = t["kinds"]["param"]
+                if have != _DTYPE_NAMES[dtype]:
+                    saved = {v: k for k, v in {"fp32": "float32", "bf16": "bfloat16",
+                                               "fp16": "float16"}.items()}.get(have, have)
+                    raise CheckpointError(f"checkpoint {self.path}: tensor {name!r} was saved "
+                                          f"in {have}, this engine computes in "
+                                          f"{_DTYPE_NAMES[dtype]}; resume with "
+                                          f"engine.dtype={saved!r}")
+                if g.requires_grad != bool(t["requires_grad"]):
+                    raise CheckpointError(f"checkpoint {self.path}: tensor {name!r} was saved "
+                                          f"{'trainable' if t['requires_grad'] else 'frozen'}"
+                                          f", the model's {s.fqn!r} is "
+                                          f"{'trainable' if g.requires_grad else 'frozen'}")
+                seen.add(name)
+        unused = sorted(set(self.tensors) - seen)
+        if unused:
+            raise CheckpointError(f"checkpoint {self.path}: tensors {unused[:8]} are not in "
+                                  "the model")
+        world = self.record["world"]
+        ranks = sorted(r["rank"] for r in self.record["ranks"])
+        if ranks != list(range(world)):
+            raise CheckpointError(f"checkpoint {self.path}: written by {world} ranks but holds "
+                                  f"the records of ranks {ranks}")
+        for g in self.record["groups"]:
+            spans = sorted(tuple(r["writes"][str(g["gid"])]) for r in self.record["ranks"])
+            covered = 0
+            for lo, hi in spans:
+                if lo != covered:
+                    break
+                covered = hi
+            if covered < g["numel"]:
+                raise CheckpointError(f"checkpoint {self.path}: group {g['gid']} is covered "
+                                      f"only up to element {covered} of {g['numel']} by the "
+                                      f"ranks' ranges {spans}")
+
+    def _array(self, kind: str, name: str):
+        key = (kind, name)
+        if key not in self._arrays:
+            try:
+                self._arrays[key] = _ts().open(_spec(self.path, kind, name), open=True).result()
+            except Exception as e:
+                raise CheckpointCorruptError(f"checkpoint {self.path}: cannot open array "
+                                             f"{kind}/{name}: {e}") from e
+        return self._arrays[key]
+
+    def read_range(self, kind: str, name: str, a: int, b: int) -> np.ndarray:
+        """Elements [a, b) (C order) of array `kind/name`, 1-D; checksums verified."""
+        arr = self._array(kind, name)
+        shape = tuple(_stored_shape(tuple(self.tensors[name]["shape"])))
+        parts = []
+        for idx, _x, _y in flat_boxes(shape, a, b):
+            try:
+                parts.append(arr[idx].read().result().reshape(-1))
+            except Exception as e:
+                raise CheckpointCorruptError(
+                    f"checkpoint {self.path}: array {kind}/{name}, {_chunk_of(e)}: cannot be "
+                    f"read back intact ({e}); the checkpoint is damaged: resume from another"
+                ) from e
+        return np.concatenate(parts) if parts else np.empty(0)
+
+    def read_shard(self, kind: str, g: Group, rank: int, dtype: torch.dtype) -> torch.Tensor:
+        """`rank`'s partition of group `g` (of this model's layout) of `kind`; padding is
+        zero. `master` falls back to `param` where the master was the parameter."""
+        out = torch.zeros(g.shard, dtype=dtype)
+        for s in g.slots:
+            a, b = _rank_range(g, s, rank)
+            if a >= b:
+                continue
+            name = self.name_of(s)
+            k = kind if kind in self.tensors[name]["kinds"] else "param"
+            base = s.offset + a - rank * g.shard
+            out[base:base + b - a] = _to_torch(self.read_range(k, name, a, b), dtype)
+        return out
+
+    def step_of(self, g: Group) -> int:
+        """The step count of the saved group that held `g`'s first parameter."""
+        return self._steps.get(self.tensors[self.name_of(g.slots[0])]["group"], 0)
+
+    def place_group(self, engine: Any, g: Group) -> None:
+        """Puts this rank's partition of `g` (parameters, master, moments, step count)
+        where the engine keeps it, as `initialize` places a fresh one."""
+        rank = engine.comm.rank
+        param = self.read_shard("param", g, rank, engine.dtype)
+        engine.store.put(("p", g.gid), param, kind="param", tier=engine._param_tier)
+        if g.requires_grad:
+            shared = engine.master_is_param  # fp32: the parameter partition is the master
+            master = param if shared else self.read_shard("master", g, rank, torch.float32)
+            engine.optimizer.add_partition(
+                g.gid, master, tier=engine.cfg.engine.optimizer, master_is_param=shared,
+                exp_avg=self.read_shard("exp_avg", g, rank, torch.float32),
+                exp_avg_sq=self.read_shard("exp_avg_sq", g, rank, torch.float32),
+                step=self.step_of(g))
+
+    def restore(self, engine: Any) -> None:
+        """The engine's counters, loss scale, hyper-parameters and this rank's RNG states
+        (rank 0's where the checkpoint had fewer ranks)."""
+        rec = self.record
+        engine.global_step = int(rec["global_step"])
+        engine.micro_step = int(rec["micro_step"])
+        engine.loss_scale = float(rec["loss_scale"])
+        engine._good_steps = int(rec["good_steps"])
+        saved = rec["param_groups"]
+        if len(saved) == len(engine.optimizer.param_groups):
+            for mine, theirs in zip(engine.optimizer.param_groups, saved):
+                mine.update(theirs)
+                mine["betas"] = tuple(mine["betas"])
+        rank = engine.comm.rank
+        own = self.path / "ranks" / f"{rank if rank < rec['world'] else 0}.json"
+        set_rng_state(json.loads(own.read_text())["rng"])
+
+    @property
+    def extra(self) -> dict[str, Any]:
+        """The `extra` dict given to the save (e.g. the data position)."""
+        return self.record.get("extra", {})
