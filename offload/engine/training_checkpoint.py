@@ -487,9 +487,10 @@ class CheckpointReader:
         p = Path(path).absolute()
         if not p.is_dir():
             raise CheckpointError(f"checkpoint {p} does not exist")
-        if not (p / RECORD).is_file():
-            raise CheckpointError(f"{p} is not a committed checkpoint: it has no {RECORD} "
-                                  "(a save that did not finish, or not a checkpoint)")
+        if not is_committed(p):
+            raise CheckpointError(f"{p} is not a committed checkpoint: it has no {RECORD} or "
+                                  f"its name ends in {PARTIAL} (a save that did not finish, "
+                                  "or not a checkpoint)")
         try:
             rec = json.loads((p / RECORD).read_text())
         except ValueError as e:
