@@ -45,6 +45,7 @@ step.py).
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import logging
 import math
@@ -214,11 +215,30 @@ def _fsync_tree(root: Path) -> None:
         _fsync_path(Path(dirpath))
 
 
+def _digest(obj: Any) -> str:
+    body = {k: v for k, v in obj.items() if k != "sha256"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
 def _write_json(p: Path, obj: Any) -> None:
+    """Writes `obj` with its sha256 (`_read_json` checks it) and fsyncs the file."""
+    obj = {**obj, "sha256": _digest(obj)}
     with open(p, "w") as f:
         json.dump(obj, f, indent=1, sort_keys=True)
         f.flush()
         os.fsync(f.fileno())
+
+
+def _read_json(p: Path) -> dict[str, Any]:
+    """A file `_write_json` wrote; CheckpointCorruptError when it was damaged."""
+    try:
+        obj = json.loads(p.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CheckpointCorruptError(f"checkpoint file {p} is not valid JSON: {e}") from e
+    if not isinstance(obj, dict) or obj.get("sha256") != _digest(obj):
+        raise CheckpointCorruptError(f"checkpoint file {p} does not match its sha256: it was "
+                                     "changed after the save")
+    return obj
 
 
 def is_committed(p: Path) -> bool:
@@ -458,7 +478,7 @@ def _record(engine: Any, tmp: Path, table: dict, extra: dict) -> dict[str, Any]:
     from .. import __version__
     ranks = []
     for r in range(engine.comm.world):
-        mine = json.loads((tmp / "ranks" / f"{r}.json").read_text())
+        mine = _read_json(tmp / "ranks" / f"{r}.json")
         ranks.append({k: mine[k] for k in ("rank", "steps", "writes", "bytes")})
     return {"format": FORMAT, "version": __version__, "created": time.time(),
             "world": engine.comm.world, "dtype": engine.cfg.engine.dtype,
@@ -491,11 +511,7 @@ class CheckpointReader:
             raise CheckpointError(f"{p} is not a committed checkpoint: it has no {RECORD} or "
                                   f"its name ends in {PARTIAL} (a save that did not finish, "
                                   "or not a checkpoint)")
-        try:
-            rec = json.loads((p / RECORD).read_text())
-        except ValueError as e:
-            raise CheckpointCorruptError(f"checkpoint {p}: {RECORD} is not valid JSON: "
-                                         f"{e}") from e
+        rec = _read_json(p / RECORD)
         if rec.get("format") != FORMAT:
             raise CheckpointError(f"checkpoint {p}: format {rec.get('format')!r}, this "
                                   f"version reads {FORMAT!r}")
@@ -569,7 +585,8 @@ class CheckpointReader:
         key = (kind, name)
         if key not in self._arrays:
             try:
-                self._arrays[key] = _ts().open(_spec(self.path, kind, name), open=True).result()
+                spec = {**_spec(self.path, kind, name), "fill_missing_data_reads": False}
+                self._arrays[key] = _ts().open(spec, open=True).result()
             except Exception as e:
                 raise CheckpointCorruptError(f"checkpoint {self.path}: cannot open array "
                                              f"{kind}/{name}: {e}") from e
@@ -638,7 +655,25 @@ class CheckpointReader:
                 mine["betas"] = tuple(mine["betas"])
         rank = engine.comm.rank
         own = self.path / "ranks" / f"{rank if rank < rec['world'] else 0}.json"
-        set_rng_state(json.loads(own.read_text())["rng"])
+        set_rng_state(_read_json(own)["rng"])
+
+    def verify(self, progress: Callable[[str], None] | None = None) -> list[str]:
+        """Reads every chunk of every array (one chunk in memory at a time) and checks
+        its checksum; returns the problems found, each naming the array and chunk
+        (empty: intact). `progress(array)` is called before each array."""
+        problems = []
+        for name, t in self.tensors.items():
+            n = math.prod(t["shape"])
+            ce = _chunk_elems(tuple(t["shape"]))
+            for kind in t["kinds"]:
+                if progress is not None:
+                    progress(f"{kind}/{name}")
+                try:
+                    for lo in range(0, n, ce):
+                        self.read_range(kind, name, lo, min(n, lo + ce))
+                except CheckpointError as e:
+                    problems.append(str(e))
+        return problems
 
     @property
     def extra(self) -> dict[str, Any]:
