@@ -75,7 +75,7 @@ PARTIAL = ".partial"
 CHUNK_ELEMS = 1 << 20  # elements per chunk (at most one row more): 4 MiB of fp32
 KINDS = ("param", "master", "exp_avg", "exp_avg_sq")
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-_TORCH = {v: k for k, v in _DTYPE_NAMES.items()}
+TORCH_DTYPES = {v: k for k, v in _DTYPE_NAMES.items()}
 
 
 class CheckpointError(RuntimeError):
@@ -176,7 +176,7 @@ def _to_numpy(t: torch.Tensor) -> np.ndarray:
     return t.numpy()
 
 
-def _to_torch(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+def to_torch(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
     if a.dtype.name == "bfloat16":
         return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16).to(dtype)
     return torch.from_numpy(a).to(dtype)
@@ -618,7 +618,7 @@ class CheckpointReader:
             name = self.name_of(s)
             k = kind if kind in self.tensors[name]["kinds"] else "param"
             base = s.offset + a - rank * g.shard
-            out[base:base + b - a] = _to_torch(self.read_range(k, name, a, b), dtype)
+            out[base:base + b - a] = to_torch(self.read_range(k, name, a, b), dtype)
         return out
 
     def step_of(self, g: Group) -> int:
