@@ -24,7 +24,8 @@ from .working_set import check_budgets
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CheckpointCorruptError", "CheckpointError", "OffloadEngine", "StepFailedError",
+__all__ = ["CheckpointCorruptError", "CheckpointError", "CheckpointReader", "OffloadEngine",
+           "StepFailedError",
            "initialize"]
 
 # [Note: wrapped modules]
