@@ -25,8 +25,7 @@ from .working_set import check_budgets
 log = logging.getLogger(__name__)
 
 __all__ = ["CheckpointCorruptError", "CheckpointError", "CheckpointReader", "OffloadEngine",
-           "StepFailedError",
-           "initialize"]
+           "StepFailedError", "initialize"]
 
 # [Note: wrapped modules]
 # `initialize` takes a model's parameters into the engine's partitions: each module

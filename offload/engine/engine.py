@@ -48,9 +48,9 @@ import logging
 import math
 import os
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
-from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
@@ -64,6 +64,7 @@ from ..planner import AccessTrace
 from ..store import BudgetExceededError, Tier, TieredStore
 from ..trace import NULL_RECORDER, TraceRecorder, UnitSpans
 from .step import StagedParams, StepFailedError
+from .training_checkpoint import CheckpointSave
 from .training_checkpoint import save_checkpoint as _save_checkpoint
 from .units import Group, Unit
 
@@ -198,6 +199,7 @@ class OffloadEngine(nn.Module):
         # I/O completions and early updates are Python threads: [Note: switch interval]
         self._switch = hold_switch_interval(cfg.io.switch_interval)
         self._opt_bytes = [0, 0]  # optimizer-state bytes read, written (all steps)
+        self._saving: CheckpointSave | None = None  # a checkpoint written in the background
         for st in self._states:
             if st.group.requires_grad:
                 self._hooks.append(st.flat.register_post_accumulate_grad_hook(
@@ -597,6 +599,7 @@ class OffloadEngine(nn.Module):
         return done
 
     def _step(self) -> bool:
+        self.wait_for_checkpoint()  # nothing changes until it has read the state
         self.trace.finish()
         early, self._early = self._early, []
         errors = [f.exception() for f in early]  # waits for every one of them
@@ -723,17 +726,39 @@ class OffloadEngine(nn.Module):
         return dict(self.named_weights())
 
     # -- checkpoints (docs/checkpoints.md) -- begin
-    def save_checkpoint(self, path: str | os.PathLike,
-                        extra: dict[str, Any] | None = None) -> Path:
+    def save_checkpoint(self, path: str | os.PathLike, extra: dict[str, Any] | None = None,
+                        *, blocking: bool = True) -> CheckpointSave:
         """Writes the whole training state (parameters, masters, moments, step counts,
         loss scale, RNG states, config, `extra`: e.g. the data position) to the new
         checkpoint directory `path`, published atomically; every rank calls it,
-        between steps. `offload.initialize(model, config, resume=path)` resumes."""
-        return _save_checkpoint(self, path, extra)
+        between steps. `blocking=False` returns at once: the state as of the call
+        is written while training goes on, and the next `step()` waits for the save
+        before it changes anything ([Note: saving in the background]).
+        `offload.initialize(model, config, resume=path)` resumes."""
+        self.wait_for_checkpoint()  # one save at a time
+        self._saving = _save_checkpoint(self, path, extra, blocking=blocking)
+        return self._saving
+
+    def wait_for_checkpoint(self) -> None:
+        """Waits for a save in the background to be published (raises its error)."""
+        saving, self._saving = self._saving, None
+        if saving is not None and not saving.done():
+            t0 = time.perf_counter()
+            with self.recorder.span("checkpoint wait", cat="wait", track="compute"):
+                try:
+                    saving.wait()
+                finally:
+                    saving.stalled += time.perf_counter() - t0
+        elif saving is not None:
+            saving.wait()
     # -- checkpoints -- end
 
     def close(self) -> None:
         """Removes the hooks, closes the optimizer and the store (and their swap files)."""
+        try:
+            self.wait_for_checkpoint()
+        except Exception as e:  # reported by wait_for_checkpoint's caller, if any
+            log.warning("checkpoint save failed: %s", e)
         self._updater.shutdown(wait=True)
         for h in self._hooks:
             h.remove()

@@ -40,6 +40,25 @@ Saving happens between steps only: while a step's updates are open (the
 optimizer's round, staged parameters, gradients of a step not taken) the
 state is not one version, and the save is refused ([Note: all or nothing] in
 step.py).
+
+[Note: saving in the background]
+`save_checkpoint(..., blocking=False)` captures at the call what is not a
+tensor (step counters, loss scale, hyper-parameters, RNG states, the tensor
+table) and leaves the tensors to a thread, which must still see them as they
+were at the call while training goes on. It does, because nothing the next
+step does before its commit changes a committed version: a forward only reads
+the parameter partitions; a backward writes gradients (not saved) and, with
+NVMe optimizer state, may run early updates, which write new optimizer state
+to fresh extents and new parameters to staged records, keeping the previous
+versions readable ([Note: all or nothing] in step.py), and the thread reads
+exactly those (`CpuAdam.read_state_chunks` reads the committed version). The
+first thing that changes a committed version is `step()`: in-place updates of
+host state, the optimizer's commit, the switch of staged parameters. So
+`step()` begins by waiting for the save (`OffloadEngine.wait_for_checkpoint`);
+that wait is the save's stall, zero when the save finishes within the next
+forward and backward. With several ranks the thread's barriers use a process
+group of their own (gloo), created at the call, so they never interleave with
+the training's collectives.
 """
 
 from __future__ import annotations
@@ -53,6 +72,7 @@ import os
 import random
 import re
 import shutil
+import threading
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -392,11 +412,106 @@ class _GroupWriter:
         self.shared.clear()
 
 
-def save_checkpoint(engine: Any, path: str | os.PathLike,
-                    extra: dict[str, Any] | None = None) -> Path:
+class CheckpointSave:
+    """A save in progress ([Note: saving in the background]); `wait()` returns the
+    published path or raises the save's error. `seconds`: how long the save took
+    (once done); `stalled`: seconds training waited for it (its next step's start)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.seconds: float | None = None
+        self.stalled = 0.0
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._done = threading.Event()
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self) -> Path:
+        self._done.wait()
+        if self._thread is not None:
+            self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self.path
+
+    def _run(self, job: "_SaveJob") -> None:
+        t0 = time.perf_counter()
+        try:
+            job.run()
+        except BaseException as e:  # handed to wait()
+            self._error = e
+        finally:
+            self.seconds = time.perf_counter() - t0
+            self._done.set()
+
+
+class _SaveJob:
+    """One rank's part of one save: what is not a tensor is captured when the save is
+    called; the tensors are read when `run` reaches them (their state as of the call:
+    [Note: saving in the background])."""
+
+    def __init__(self, engine: Any, path: Path, extra: dict[str, Any], comm: Any) -> None:
+        self.engine, self.path, self.comm = engine, path, comm
+        self.tmp = path.parent / f".{path.name}{PARTIAL}"
+        self.table = _tensor_table(engine)
+        self.rng = rng_state()
+        self.record = _record(engine, self.table, extra)
+
+    def run(self) -> None:
+        engine, comm, tmp, path = self.engine, self.comm, self.tmp, self.path
+        rank = comm.rank
+        parent = path.parent
+        t0 = time.perf_counter()
+        with engine.recorder.span("checkpoint save", cat="checkpoint", track="checkpoint",
+                                  path=str(path)) as span:
+            arrays: dict = {}
+            if rank == 0:
+                parent.mkdir(parents=True, exist_ok=True)
+                _remove_partials(parent)
+                tmp.mkdir()
+                (tmp / "ranks").mkdir()
+                futs = []
+                for name, t in self.table.items():
+                    for kind, dtype in t["kinds"].items():
+                        futs.append(((kind, name), _ts().open(
+                            _spec(tmp, kind, name, tuple(t["shape"]), dtype), create=True)))
+                for key, f in futs:
+                    arrays[key] = f.result()
+            comm.barrier()
+            written, steps = _write_partitions(engine, comm, tmp, arrays)
+            _write_json(tmp / "ranks" / f"{rank}.json", {
+                "rank": rank, "steps": {str(k): v for k, v in steps.items()}, "rng": self.rng,
+                "writes": {str(g.gid): [rank * g.shard, (rank + 1) * g.shard]
+                           for g in engine.groups},
+                "bytes": written})
+            comm.barrier()
+            if rank == 0:
+                ranks = []
+                for r in range(comm.world):
+                    mine = _read_json(tmp / "ranks" / f"{r}.json")
+                    ranks.append({k: mine[k] for k in ("rank", "steps", "writes", "bytes")})
+                _write_json(tmp / RECORD, {**self.record, "ranks": ranks})
+                _fsync_tree(tmp)
+                os.rename(tmp, path)
+                _fsync_path(parent)
+                keep = engine.cfg.engine.keep_checkpoints
+                if keep:
+                    _prune(parent, keep, path)
+            comm.barrier()
+            span.set(bytes=written)
+        log.info("checkpoint %s: step %d, %d bytes from rank %d in %.2f s", path,
+                 self.record["global_step"], written, rank, time.perf_counter() - t0)
+
+
+def save_checkpoint(engine: Any, path: str | os.PathLike, extra: dict[str, Any] | None = None,
+                    *, blocking: bool = True) -> CheckpointSave:
     """Writes the engine's whole training state to the checkpoint directory `path`
     ([Note: checkpoint layout], [Note: publishing a checkpoint]); every rank calls
-    it. Returns the path."""
+    it, between steps. With `blocking=False` the tensors are written by a thread
+    while training goes on ([Note: saving in the background]). Returns the save's
+    handle (done when blocking)."""
     check_between_steps(engine)
     path = Path(path).absolute()
     extra = {} if extra is None else extra
@@ -407,55 +522,33 @@ def save_checkpoint(engine: Any, path: str | os.PathLike,
     if path.exists():
         raise CheckpointError(f"save_checkpoint: {path} exists; a checkpoint is never "
                               "overwritten: save each under its own name (e.g. step-<n>)")
-    comm, rank, world = engine.comm, engine.comm.rank, engine.comm.world
-    parent = path.parent
-    tmp = parent / f".{path.name}{PARTIAL}"
-    table = _tensor_table(engine)
-    t0 = time.perf_counter()
-    with engine.recorder.span("checkpoint save", cat="checkpoint", track="checkpoint",
-                              path=str(path)):
-        arrays: dict = {}
-        if rank == 0:
-            parent.mkdir(parents=True, exist_ok=True)
-            _remove_partials(parent)
-            tmp.mkdir()
-            (tmp / "ranks").mkdir()
-            futs = []
-            for name, t in table.items():
-                for kind, dtype in t["kinds"].items():
-                    futs.append(((kind, name), _ts().open(
-                        _spec(tmp, kind, name, tuple(t["shape"]), dtype), create=True)))
-            for key, f in futs:
-                arrays[key] = f.result()
-        comm.barrier()
-        written = _write_partitions(engine, tmp, arrays)
-        steps = {g.gid: engine.optimizer.partition(g.gid).step
-                 for g in engine.groups if g.requires_grad}
-        _write_json(tmp / "ranks" / f"{rank}.json", {
-            "rank": rank, "steps": {str(k): v for k, v in steps.items()}, "rng": rng_state(),
-            "writes": {str(g.gid): [rank * g.shard, (rank + 1) * g.shard]
-                       for g in engine.groups},
-            "bytes": written})
-        comm.barrier()
-        if rank == 0:
-            _write_json(tmp / RECORD, _record(engine, tmp, table, extra))
-            _fsync_tree(tmp)
-            os.rename(tmp, path)
-            _fsync_path(parent)
-            keep = engine.cfg.engine.keep_checkpoints
-            if keep:
-                _prune(parent, keep, path)
-        comm.barrier()
-    log.info("checkpoint %s: step %d, %d bytes from rank %d in %.2f s", path,
-             engine.global_step, written, rank, time.perf_counter() - t0)
-    return path
+    handle = CheckpointSave(path)
+    if blocking:
+        t0 = time.perf_counter()
+        _SaveJob(engine, path, extra, engine.comm).run()
+        handle.seconds = handle.stalled = time.perf_counter() - t0
+        handle._done.set()
+        return handle
+    comm = engine.comm
+    if comm.world > 1:  # its barriers must not interleave with training's collectives
+        import torch.distributed as dist
+        from ..comm import Collectives
+        comm = Collectives(dist.new_group(backend="gloo"))
+    job = _SaveJob(engine, path, extra, comm)
+    handle._thread = threading.Thread(target=handle._run, args=(job,),
+                                      name="offload-checkpoint", daemon=True)
+    handle._thread.start()
+    return handle
 
 
-def _write_partitions(engine: Any, root: Path, arrays: dict) -> int:
+def _write_partitions(engine: Any, comm: Any, root: Path, arrays: dict
+                      ) -> tuple[int, dict[int, int]]:
     """Each group's partition of this rank: the parameters through the store (fetch,
-    pin, read, unpin), the optimizer state streamed chunk by chunk."""
+    pin, read, unpin), the optimizer state streamed chunk by chunk in its committed
+    version. Returns (bytes written, each group's step count)."""
     written = 0
-    rank, world = engine.comm.rank, engine.comm.world
+    steps = {}
+    rank, world = comm.rank, comm.world
     for g in engine.groups:
         w = _GroupWriter(root, g, rank, arrays)
         key = ("p", g.gid)
@@ -464,22 +557,16 @@ def _write_partitions(engine: Any, root: Path, arrays: dict) -> int:
             w.write("param", 0, p.cpu())
         finally:
             engine.store.unpin(key)
-        if engine._param_tier is Tier.NVME:
-            engine.store.evict(key)  # a save does not grow the memory tiers' occupancy
         if g.requires_grad:
-            engine.optimizer.read_state_chunks(
+            steps[g.gid] = engine.optimizer.read_state_chunks(
                 g.gid, lambda lo, _n, ts: [w.write(k, lo, t) for k, t in ts.items()])
-        w.finish(engine.comm.barrier, world)
+        w.finish(comm.barrier, world)
         written += w.bytes
-    return written
+    return written, steps
 
 
-def _record(engine: Any, tmp: Path, table: dict, extra: dict) -> dict[str, Any]:
+def _record(engine: Any, table: dict, extra: dict) -> dict[str, Any]:
     from .. import __version__
-    ranks = []
-    for r in range(engine.comm.world):
-        mine = _read_json(tmp / "ranks" / f"{r}.json")
-        ranks.append({k: mine[k] for k in ("rank", "steps", "writes", "bytes")})
     return {"format": FORMAT, "version": __version__, "created": time.time(),
             "world": engine.comm.world, "dtype": engine.cfg.engine.dtype,
             "global_step": engine.global_step, "micro_step": engine.micro_step,
@@ -490,7 +577,7 @@ def _record(engine: Any, tmp: Path, table: dict, extra: dict) -> dict[str, Any]:
                              for grp in engine.optimizer.param_groups],
             "groups": [{"gid": g.gid, "numel": g.numel, "shard": g.shard,
                         "requires_grad": g.requires_grad} for g in engine.groups],
-            "tensors": table, "ranks": ranks, "extra": extra}
+            "tensors": table, "extra": extra}
 
 
 # -- reading -----------------------------------------------------------------------------

@@ -568,17 +568,19 @@ class CpuAdam:
     # -- checkpoint reader (engine checkpoints) -- begin
     def read_state_chunks(self, pid: Hashable,
                           consume: Callable[[int, int, dict[str, torch.Tensor]], None]) -> int:
-        """Streams partition `pid`'s committed state: `consume(lo, n, tensors)` gets
-        elements [lo, lo + n) as 1-D fp32 views {"master", "exp_avg", "exp_avg_sq"}
-        ("master" absent where it is the parameter partition), valid only during
-        the call. Host state: one call over the live tensors; NVMe state: one call
-        per chunk read into a pipeline buffer, so the state is never held whole.
-        Refused while the partition is updated in an open round. Returns its step."""
+        """Streams partition `pid`'s committed state ([Note: rounds]: an update in the
+        open round is not seen); returns its committed step count. `consume(lo, n,
+        tensors)` gets elements [lo, lo + n) as 1-D fp32 views {"master", "exp_avg",
+        "exp_avg_sq"} ("master" absent where it is the parameter partition), valid
+        only during the call. Host state: one call (the live tensors, or the copy an
+        update in the round kept); NVMe state: one call per chunk read into a pipeline
+        buffer, so the state is never held whole. Refused for a partition updated
+        with final=True in the open round (its committed version is gone)."""
         with self._lock:
             part = self.partition(pid)
-            if pid in self._round:
-                raise RuntimeError(f"partition {pid!r} was updated in the open round; "
-                                   "commit() or rollback() it before reading its state")
+            if pid in self._final:
+                raise RuntimeError(f"partition {pid!r} was updated in place (final=True) in "
+                                   "the open round: its committed state is gone")
 
             def named(m, a, s) -> dict[str, torch.Tensor]:
                 d = {"exp_avg": a, "exp_avg_sq": s}
@@ -586,11 +588,12 @@ class CpuAdam:
                     d["master"] = m
                 return d
             if part.tier is Tier.HOST:
-                consume(0, part.numel, named(*part.host))
-            else:
-                self._pipeline.read_state(part, lambda _p, _i, lo, n, m, a, s:
-                                          consume(lo, n, named(m, a, s)))
-            return part.step
+                step, host = self._committed_host(part)
+                consume(0, part.numel, named(*host))
+                return step
+            self._pipeline.read_state(part, lambda _p, _i, lo, n, m, a, s:
+                                      consume(lo, n, named(m, a, s)))
+            return part.step  # an NVMe partition's step advances at its commit
     # -- checkpoint reader -- end
 
     def partition_state(self, pid: Hashable) -> dict[str, torch.Tensor]:

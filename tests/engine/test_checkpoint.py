@@ -1,6 +1,7 @@
 """Checkpoints of the whole training state: save, resume, layout, checks on load."""
 
 import json
+import time
 
 import numpy as np
 import pytest
@@ -9,7 +10,9 @@ import torch
 from torch import nn
 
 import offload
+import offload.engine.training_checkpoint as tc
 from offload.engine.training_checkpoint import RECORD, flat_boxes
+from offload.trace import TraceRecorder
 
 from .models import TiedTwice, lm_batches, lm_loss
 
@@ -142,3 +145,43 @@ def test_save_refused_while_a_step_is_open(tmp_path, engine_cfg):
         e.save_checkpoint(tmp_path / "ck")
         with pytest.raises(offload.CheckpointError, match="exists"):
             e.save_checkpoint(tmp_path / "ck")
+
+
+@pytest.mark.parametrize("params,grads,optimizer,dtype", [
+    ("host", "host", "host", "fp32"), ("nvme", "nvme", "nvme", "bf16")])
+def test_background_save_holds_the_state_of_the_call(tmp_path, engine_cfg, params, grads,
+                                                     optimizer, dtype):
+    """A non-blocking save returns at once; the steps that follow (early updates in
+    their backward included) do not leak into it; the next step waits for it."""
+    batches = lm_batches(6)
+    torch.manual_seed(0)
+    cfg = engine_cfg(params, grads, optimizer, dtype=dtype)  # no clipping: early updates
+    cfg["io"]["paths"] = [str(tmp_path / "a")]
+    rec = TraceRecorder(enabled=True)
+    ck = tmp_path / "ck"
+    slow_put = tc._GroupWriter._put
+
+    def put(self, *args):  # a slow disk: the save outlasts the next forward and backward
+        time.sleep(0.02)
+        slow_put(self, *args)
+    tc._GroupWriter._put = put
+    try:
+        with offload.initialize(Dropped(), cfg, lr_lambda=schedule, recorder=rec) as a:
+            _train(a, batches[:3])
+            want, want_opt = a.state_dict(), _optim_state(a)
+            handle = a.save_checkpoint(ck, blocking=False)
+            assert not handle.done()
+            _train(a, batches[3:])
+            assert handle.done() and handle.wait() == ck
+            assert 0 < handle.stalled < handle.seconds
+            after = a.state_dict()
+    finally:
+        tc._GroupWriter._put = slow_put
+    assert not torch.equal(after["l1.weight"], want["l1.weight"])
+    names = {e.name for e in rec.events()}
+    cfg["io"]["paths"] = [str(tmp_path / "b")]
+    with offload.initialize(Dropped, cfg, lr_lambda=schedule, resume=ck) as b:
+        assert b.global_step == 3
+        _assert_identical(b.state_dict(), want)
+        _assert_identical(_optim_state(b), want_opt)
+    assert {"checkpoint save", "checkpoint wait"} <= names  # the trace shows the save

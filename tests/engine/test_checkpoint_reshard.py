@@ -49,11 +49,14 @@ def _worker(rank, world, init_file, cfg, resume, save, out):
     try:
         batches = lm_batches(BATCHES)
         torch.manual_seed(0)
-        if resume is None:  # steps 1-3 on two ranks, then save
+        if resume is None:  # steps 1-3 on two ranks, then save (and train on)
             tc.CHUNK_ELEMS = 1000  # 15 rows of emb.weight: the ranks meet inside a chunk
             with offload.initialize(Wide(), cfg, lr_lambda=schedule) as e:
                 _train(e, batches[:3])
-                e.save_checkpoint(save)
+                # in the background, while the next step's collectives run
+                saving = e.save_checkpoint(save, blocking=False)
+                _train(e, batches[3:4])
+                saving.wait()
         else:  # resume a one-rank checkpoint on two ranks: steps 4-6
             with offload.initialize(Wide, cfg, lr_lambda=schedule, resume=resume) as e:
                 _train(e, batches[3:])
