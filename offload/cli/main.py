@@ -7,8 +7,8 @@ import argparse
 import logging
 import sys
 
-from . import (bench_adam, bench_io, bench_oversized, bench_step, bench_store, checkpoint, demo,
-               view)
+from . import (bench_adam, bench_checkpoint, bench_io, bench_oversized, bench_step, bench_store,
+               checkpoint, demo, view)
 from .args import CommandParser, run_command
 
 
@@ -48,6 +48,10 @@ def build_parser() -> argparse.ArgumentParser:
     badam = bsub.add_parser("adam", help="CPU Adam update vs torch and the memory-bandwidth bound")
     bench_adam.add_arguments(badam)
     badam.set_defaults(func=bench_adam.run)
+    bck = bsub.add_parser("checkpoint", help="save and resume of a >= 2 GiB training state vs "
+                          "the disk's O_DIRECT rate; stall of a background save")
+    bench_checkpoint.add_arguments(bck)
+    bck.set_defaults(func=bench_checkpoint.run)
 
     ck = sub.add_parser("checkpoint", help="inspect a training checkpoint, export its weights")
     checkpoint.add_arguments(ck.add_subparsers(dest="checkpoint", required=True))

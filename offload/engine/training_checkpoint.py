@@ -74,6 +74,7 @@ import re
 import shutil
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable
@@ -109,6 +110,18 @@ class CheckpointCorruptError(CheckpointError):
 def _ts():
     import tensorstore  # imported on use: engines that never checkpoint do not load it
     return tensorstore
+
+
+IO_THREADS = 16  # files written, read or fsynced at once
+
+
+def _context():
+    """tensorstore's resources for one save or reader: files are not fsynced one by
+    one as they are written (a save fsyncs them all at once before it publishes:
+    [Note: publishing a checkpoint]), and several are written or read at once."""
+    return _ts().Context({"file_io_sync": False,
+                          "file_io_concurrency": {"limit": IO_THREADS},
+                          "data_copy_concurrency": {"limit": max(1, os.cpu_count() or 1)}})
 
 
 # -- geometry ------------------------------------------------------------------------
@@ -228,11 +241,16 @@ def _fsync_path(p: Path) -> None:
 
 
 def _fsync_tree(root: Path) -> None:
-    """fsync of every file and directory under `root` (deepest first), then `root`."""
-    for dirpath, _dirs, files in os.walk(root, topdown=False):
-        for f in files:
-            _fsync_path(Path(dirpath, f))
-        _fsync_path(Path(dirpath))
+    """fsync of every file under `root` (several at once: the disk writes them back
+    in parallel), then of every directory, deepest first, `root` last."""
+    files, dirs = [], []
+    for dirpath, _dirs, names in os.walk(root, topdown=False):
+        files += [Path(dirpath, f) for f in names]
+        dirs.append(Path(dirpath))
+    with ThreadPoolExecutor(IO_THREADS, thread_name_prefix="offload-fsync") as pool:
+        list(pool.map(_fsync_path, files))
+    for d in dirs:
+        _fsync_path(d)
 
 
 def _digest(obj: Any) -> str:
@@ -358,8 +376,9 @@ def _tensor_table(engine: Any) -> dict[str, dict[str, Any]]:
 class _GroupWriter:
     """Writes one rank's partition of one group into the arrays, range by range."""
 
-    def __init__(self, root: Path, g: Group, rank: int, arrays: dict) -> None:
+    def __init__(self, root: Path, g: Group, rank: int, arrays: dict, context) -> None:
         self.root, self.g, self.rank, self.arrays = root, g, rank, arrays
+        self.context = context
         self.commits: list = []
         self.shared: list[tuple[str, Slot, int, np.ndarray]] = []  # written in rank turns
         self.bytes = 0
@@ -367,7 +386,8 @@ class _GroupWriter:
     def _array(self, kind: str, name: str):
         key = (kind, name)
         if key not in self.arrays:
-            self.arrays[key] = _ts().open(_spec(self.root, kind, name), open=True).result()
+            self.arrays[key] = _ts().open(_spec(self.root, kind, name), open=True,
+                                          context=self.context).result()
         return self.arrays[key]
 
     def write(self, kind: str, lo: int, values: torch.Tensor) -> None:
@@ -467,6 +487,7 @@ class _SaveJob:
         with engine.recorder.span("checkpoint save", cat="checkpoint", track="checkpoint",
                                   path=str(path)) as span:
             arrays: dict = {}
+            context = _context()
             if rank == 0:
                 parent.mkdir(parents=True, exist_ok=True)
                 _remove_partials(parent)
@@ -476,11 +497,12 @@ class _SaveJob:
                 for name, t in self.table.items():
                     for kind, dtype in t["kinds"].items():
                         futs.append(((kind, name), _ts().open(
-                            _spec(tmp, kind, name, tuple(t["shape"]), dtype), create=True)))
+                            _spec(tmp, kind, name, tuple(t["shape"]), dtype), create=True,
+                            context=context)))
                 for key, f in futs:
                     arrays[key] = f.result()
             comm.barrier()
-            written, steps = _write_partitions(engine, comm, tmp, arrays)
+            written, steps = _write_partitions(engine, comm, tmp, arrays, context)
             _write_json(tmp / "ranks" / f"{rank}.json", {
                 "rank": rank, "steps": {str(k): v for k, v in steps.items()}, "rng": self.rng,
                 "writes": {str(g.gid): [rank * g.shard, (rank + 1) * g.shard]
@@ -541,7 +563,7 @@ def save_checkpoint(engine: Any, path: str | os.PathLike, extra: dict[str, Any] 
     return handle
 
 
-def _write_partitions(engine: Any, comm: Any, root: Path, arrays: dict
+def _write_partitions(engine: Any, comm: Any, root: Path, arrays: dict, context
                       ) -> tuple[int, dict[int, int]]:
     """Each group's partition of this rank: the parameters through the store (fetch,
     pin, read, unpin), the optimizer state streamed chunk by chunk in its committed
@@ -550,7 +572,7 @@ def _write_partitions(engine: Any, comm: Any, root: Path, arrays: dict
     steps = {}
     rank, world = comm.rank, comm.world
     for g in engine.groups:
-        w = _GroupWriter(root, g, rank, arrays)
+        w = _GroupWriter(root, g, rank, arrays, context)
         key = ("p", g.gid)
         p = engine.store.fetch(key, to=Tier.HOST, pin=True).wait()
         try:
@@ -608,6 +630,7 @@ class CheckpointReader:
         self._alias = {a: name for name, t in self.tensors.items()
                        for a in [name] + list(t["aliases"])}
         self._arrays: dict = {}
+        self._context = _context()
         self._steps: dict[int, int] = {}  # saved group -> its step count (rank 0's)
         for r in reversed(rec["ranks"]):
             self._steps.update({int(k): v for k, v in r["steps"].items()})
@@ -673,7 +696,7 @@ class CheckpointReader:
         if key not in self._arrays:
             try:
                 spec = {**_spec(self.path, kind, name), "fill_missing_data_reads": False}
-                self._arrays[key] = _ts().open(spec, open=True).result()
+                self._arrays[key] = _ts().open(spec, open=True, context=self._context).result()
             except Exception as e:
                 raise CheckpointCorruptError(f"checkpoint {self.path}: cannot open array "
                                              f"{kind}/{name}: {e}") from e

@@ -102,6 +102,9 @@ BAD = [
     (["bench", "adam", "--block-elems", "10"], "--block-elems: '10' is below 1024"),
     (["bench", "adam", "--threads", "-1"], "--threads: '-1' is below 0"),
     (["bench", "adam", "--nvme", FILE], "--nvme: '{file}' exists and is not a directory"),
+    (["bench", "checkpoint", "--params", "0"], "--params: '0' is not a positive count"),
+    (["bench", "checkpoint", "--dim", "8"], "--dim: '8' is below 16"),
+    (["bench", "checkpoint", "--path", FILE], "--path: '{file}' exists and is not a directory"),
     (["checkpoint", "info", FILE], "path: '{file}' is not a directory; give a checkpoint "
      "directory"),
     (["checkpoint", "export", FILE, "--to", "out"], "path: '{file}' is not a directory"),

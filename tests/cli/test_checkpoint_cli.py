@@ -101,3 +101,16 @@ def test_export_safetensors_loads_back(saved, tmp_path, capsys, dtype, shard_siz
             assert torch.equal(v, got["emb.weight" if k == "head.weight" else k].float()), k
     rc, _, err = _run(["checkpoint", "export", str(ck), "--to", str(out)], capsys)
     assert rc == 2 and "already holds safetensors files" in err
+
+
+def test_bench_checkpoint_small(tmp_path, capsys):
+    rc, out, err = _run(["bench", "checkpoint", "--params", "300K", "--dim", "256", "--batch",
+                         "8", "--path", str(tmp_path), "--json"], capsys)
+    assert rc == 0, err
+    r = json.loads(out)
+    assert r["bytes"] == 12 * r["parameters"] and r["layers"] == 5
+    for k in ("save", "load"):
+        assert r[k]["GBps"] > 0 and r[k]["ratio"] > 0
+    b = r["background"]
+    assert b["seconds"] > 0 and 0 <= b["stalled"] <= b["seconds"] and b["steps_during"] >= 1
+    assert not (tmp_path / "ckpt").exists()  # the checkpoints are removed
