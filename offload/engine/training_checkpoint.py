@@ -203,9 +203,8 @@ def _segments(g: Group, slot: Slot, rank: int) -> list[tuple[int, int, bool]]:
 
 
 def _to_numpy(t: torch.Tensor) -> np.ndarray:
-    if t.dtype == torch.bfloat16:
-        import ml_dtypes
-        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    if t.dtype == torch.bfloat16:  # numpy has no bfloat16: tensorstore's own type
+        return t.view(torch.int16).numpy().view(_ts().bfloat16.numpy_dtype)
     return t.numpy()
 
 
