@@ -599,7 +599,7 @@ class OffloadEngine(nn.Module):
         return done
 
     def _step(self) -> bool:
-        self.wait_for_checkpoint()  # nothing changes until it has read the state
+        self.wait_for_checkpoint(raise_error=False)  # nothing changes before it has read
         self.trace.finish()
         early, self._early = self._early, []
         errors = [f.exception() for f in early]  # waits for every one of them
@@ -739,26 +739,31 @@ class OffloadEngine(nn.Module):
         self._saving = _save_checkpoint(self, path, extra, blocking=blocking)
         return self._saving
 
-    def wait_for_checkpoint(self) -> None:
-        """Waits for a save in the background to be published (raises its error)."""
+    def wait_for_checkpoint(self, *, raise_error: bool = True) -> None:
+        """Waits for a save in the background to end; raises its error (with
+        `raise_error=False`, as `step()` waits, logs it: the save's handle keeps it)."""
         saving, self._saving = self._saving, None
-        if saving is not None and not saving.done():
-            t0 = time.perf_counter()
+        if saving is None:
+            return
+        t0 = time.perf_counter()
+        try:
+            if saving.done():
+                saving.wait()
+                return
             with self.recorder.span("checkpoint wait", cat="wait", track="compute"):
                 try:
                     saving.wait()
                 finally:
                     saving.stalled += time.perf_counter() - t0
-        elif saving is not None:
-            saving.wait()
+        except Exception as e:
+            if raise_error:
+                raise
+            log.error("checkpoint %s failed (training goes on): %s", saving.path, e)
     # -- checkpoints -- end
 
     def close(self) -> None:
         """Removes the hooks, closes the optimizer and the store (and their swap files)."""
-        try:
-            self.wait_for_checkpoint()
-        except Exception as e:  # reported by wait_for_checkpoint's caller, if any
-            log.warning("checkpoint save failed: %s", e)
+        self.wait_for_checkpoint(raise_error=False)
         self._updater.shutdown(wait=True)
         for h in self._hooks:
             h.remove()

@@ -185,3 +185,23 @@ def test_background_save_holds_the_state_of_the_call(tmp_path, engine_cfg, param
         _assert_identical(b.state_dict(), want)
         _assert_identical(_optim_state(b), want_opt)
     assert {"checkpoint save", "checkpoint wait"} <= names  # the trace shows the save
+
+
+def test_failed_background_save_does_not_fail_training(tmp_path, engine_cfg, monkeypatch):
+    cfg = _cfg(engine_cfg, tmp_path, "a", "host", "host", "host", "fp32")
+    batches = lm_batches(3)
+
+    def broken(self, *args):
+        raise OSError(28, "No space left on device")
+    with offload.initialize(TiedTwice(), cfg) as e:
+        _train(e, batches[:1])
+        monkeypatch.setattr(tc._GroupWriter, "_put", broken)
+        saving = e.save_checkpoint(tmp_path / "ck" / "a", blocking=False)
+        _train(e, batches[1:2])  # the step goes on; the save's error stays with its handle
+        assert e.global_step == 2
+        with pytest.raises(OSError, match="No space left"):
+            saving.wait()
+        monkeypatch.undo()
+        assert (tmp_path / "ck" / ".a.partial").is_dir()
+        e.save_checkpoint(tmp_path / "ck" / "b")  # removes the partial one
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["b"]
