@@ -379,6 +379,7 @@ class _GroupWriter:
         self.root, self.g, self.rank, self.arrays = root, g, rank, arrays
         self.context = context
         self.commits: list = []
+        self.copies: list = []
         self.shared: list[tuple[str, Slot, int, np.ndarray]] = []  # written in rank turns
         self.bytes = 0
 
@@ -403,13 +404,21 @@ class _GroupWriter:
                     self.shared.append((kind, s, x, _to_numpy(piece.clone())))
                 else:
                     self._put(kind, s, x, _to_numpy(piece))
+        self._copied()  # `values` may be a reused buffer: copied out before returning
+
+    def _copied(self) -> None:
+        """Waits until tensorstore has copied every source given so far (the copies
+        run in parallel on its threads; the writes go on after)."""
+        for c in self.copies:
+            c.result()
+        self.copies.clear()
 
     def _put(self, kind: str, s: Slot, x: int, data: np.ndarray) -> None:
         arr = self._array(kind, s.fqn)
         shape = tuple(_stored_shape(tuple(s.shape)))
         for idx, a, b in flat_boxes(shape, x, x + data.size):
             fut = arr[idx].write(data[a - x:b - x].reshape(_box_shape(idx)))
-            fut.copy.result()  # the source may be a reused buffer
+            self.copies.append(fut.copy)
             self.commits.append(fut.commit)
         self.bytes += data.nbytes
 
@@ -424,6 +433,7 @@ class _GroupWriter:
             if turn == self.rank:
                 for kind, s, x, data in self.shared:
                     self._put(kind, s, x, data)
+                self._copied()
                 for c in self.commits:
                     c.result()
                 self.commits.clear()
