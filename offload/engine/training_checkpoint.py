@@ -113,6 +113,7 @@ def _ts():
 
 
 IO_THREADS = 16  # files written, read or fsynced at once
+IN_FLIGHT_BYTES = 4 * 4 * CHUNK_ELEMS  # bytes of writes a save lets wait in tensorstore (4 chunks)
 
 
 def _context():
@@ -380,6 +381,9 @@ class _GroupWriter:
         self.context = context
         self.commits: list = []
         self.copies: list = []
+        self.in_flight = 0  # bytes given to tensorstore whose write is not done
+        self.pending: dict[tuple[str, str], tuple[int, list, int]] = {}  # _gather
+        self.slots: dict[tuple[str, str], Slot] = {}
         self.shared: list[tuple[str, Slot, int, np.ndarray]] = []  # written in rank turns
         self.bytes = 0
 
@@ -391,7 +395,13 @@ class _GroupWriter:
         return self.arrays[key]
 
     def write(self, kind: str, lo: int, values: torch.Tensor) -> None:
-        """`values`: the rank's partition-local elements [lo, lo + len) of `kind`."""
+        """`values`: the rank's partition-local elements [lo, lo + len) of `kind`;
+        given to tensorstore a few chunks at a time (see `_copied`)."""
+        piece = 4 * CHUNK_ELEMS
+        if values.numel() > piece:
+            for o in range(0, values.numel(), piece):
+                self.write(kind, lo + o, values[o:o + piece])
+            return
         base = self.rank * self.g.shard + lo
         end = base + values.numel()
         for s in self.g.slots:
@@ -403,15 +413,52 @@ class _GroupWriter:
                 if shared:  # held until this rank's turn (a copy: `values` is a buffer)
                     self.shared.append((kind, s, x, _to_numpy(piece.clone())))
                 else:
-                    self._put(kind, s, x, _to_numpy(piece))
-        self._copied()  # `values` may be a reused buffer: copied out before returning
+                    self._gather(kind, s, x, piece)
+        self._copied()
+
+    def _gather(self, kind: str, s: Slot, x: int, piece: torch.Tensor) -> None:
+        """Collects the slot's consecutive pieces (a copy: `piece` may be a reused
+        buffer) and writes whole chunks: a chunk written piece by piece would be
+        read, changed and rewritten once per piece."""
+        key = (kind, s.fqn)
+        start, parts, n = self.pending.get(key, (x, [], 0))
+        if start + n != x:  # not the continuation: what was collected goes first
+            self._flush(key)
+            start, parts, n = x, [], 0
+        parts.append(_to_numpy(piece.clone()))
+        n += piece.numel()
+        ce = _chunk_elems(tuple(s.shape))
+        cut = (start + n) // ce * ce  # the last chunk boundary reached
+        if cut > start:
+            data = np.concatenate(parts) if len(parts) > 1 else parts[0]
+            self._put(kind, s, start, data[:cut - start])
+            rest = data[cut - start:]
+            parts, start, n = ([rest] if rest.size else []), cut, rest.size
+        self.pending[key] = (start, parts, n)
+        self.slots[key] = s
+
+    def _flush(self, key: tuple[str, str]) -> None:
+        start, parts, n = self.pending.pop(key, (0, [], 0))
+        if n:
+            self._put(key[0], self.slots[key], start,
+                      np.concatenate(parts) if len(parts) > 1 else parts[0])
 
     def _copied(self) -> None:
         """Waits until tensorstore has copied every source given so far (the copies
-        run in parallel on its threads; the writes go on after)."""
+        run in parallel on its threads; the writes go on after), and for the writes
+        too once more than `IN_FLIGHT_BYTES` wait in its buffers: a save holds at most
+        that much beyond the chunk being read."""
         for c in self.copies:
             c.result()
         self.copies.clear()
+        if self.in_flight > IN_FLIGHT_BYTES:
+            self._committed()
+
+    def _committed(self) -> None:
+        for c in self.commits:
+            c.result()
+        self.commits.clear()
+        self.in_flight = 0
 
     def _put(self, kind: str, s: Slot, x: int, data: np.ndarray) -> None:
         arr = self._array(kind, s.fqn)
@@ -420,13 +467,15 @@ class _GroupWriter:
             fut = arr[idx].write(data[a - x:b - x].reshape(_box_shape(idx)))
             self.copies.append(fut.copy)
             self.commits.append(fut.commit)
+        self.in_flight += data.nbytes
         self.bytes += data.nbytes
 
     def finish(self, barrier: Callable[[], None], world: int) -> None:
         """Waits for this rank's writes; then the shared chunks, one rank at a time."""
-        for c in self.commits:
-            c.result()
-        self.commits.clear()
+        for key in list(self.pending):
+            self._flush(key)
+        self._copied()
+        self._committed()
         if world == 1:
             return
         for turn in range(world):
@@ -434,9 +483,7 @@ class _GroupWriter:
                 for kind, s, x, data in self.shared:
                     self._put(kind, s, x, data)
                 self._copied()
-                for c in self.commits:
-                    c.result()
-                self.commits.clear()
+                self._committed()
             barrier()
         self.shared.clear()
 
