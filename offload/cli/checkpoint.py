@@ -22,7 +22,7 @@ from ..config import format_bytes
 from .args import UsageError, byte_size, directory, existing_directory
 
 if TYPE_CHECKING:
-    from ..engine.training_checkpoint import CheckpointReader
+    from ..engine.checkpoint_reader import CheckpointReader
 
 __all__ = ["add_arguments", "run_info", "run_export", "export_safetensors", "summary"]
 
@@ -33,7 +33,8 @@ RECORD = "checkpoint.json"  # the commit record (offload/engine/training_checkpo
 
 def _open(path: str) -> "CheckpointReader":
     """The checkpoint at `path` (the engine, and torch, are imported only now)."""
-    from ..engine.training_checkpoint import CheckpointError, CheckpointReader
+    from ..engine.checkpoint_reader import CheckpointReader
+    from ..engine.training_checkpoint import CheckpointError
     try:
         return CheckpointReader(path)
     except CheckpointError as e:

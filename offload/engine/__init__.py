@@ -16,9 +16,10 @@ from ..io import hugepages
 from ..store import TieredStore
 from ..trace import NULL_RECORDER, TraceRecorder
 from .checkpoint import SafetensorsCheckpoint
+from .checkpoint_reader import CheckpointReader
 from .engine import _DTYPES, _TIERS, OffloadEngine
 from .step import StepFailedError
-from .training_checkpoint import CheckpointCorruptError, CheckpointError, CheckpointReader
+from .training_checkpoint import CheckpointCorruptError, CheckpointError
 from .units import Group, build_units
 from .working_set import check_budgets
 

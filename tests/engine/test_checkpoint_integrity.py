@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import offload
-from offload.engine.training_checkpoint import CheckpointReader
+from offload.engine import CheckpointReader
 
 from .models import TiedTwice, lm_batches, lm_loss
 
