@@ -7,9 +7,10 @@ and moving it there before it is needed.
 """
 
 from .config import ConfigError, OffloadConfig, load_config
-from .engine import OffloadEngine, StepFailedError, initialize
+from .engine import (CheckpointCorruptError, CheckpointError, OffloadEngine, StepFailedError,
+                     initialize)
 
 __version__ = "0.1.0"
 
-__all__ = ["ConfigError", "OffloadConfig", "OffloadEngine", "StepFailedError", "initialize",
-           "load_config", "__version__"]
+__all__ = ["CheckpointCorruptError", "CheckpointError", "ConfigError", "OffloadConfig",
+           "OffloadEngine", "StepFailedError", "initialize", "load_config", "__version__"]

@@ -354,6 +354,9 @@ class EngineConfig:
                                   "backward, check that every rank runs the same unit (one "
                                   "all-reduce of two numbers); ranks that run different "
                                   "modules raise instead of hanging in an all-gather")
+    keep_checkpoints: int = _doc(0, "committed checkpoints kept in a save's directory (the "
+                                 "highest steps; older ones are removed after a save); 0 "
+                                 "keeps all")
 
     def __post_init__(self) -> None:
         _normalise(self, "engine")
@@ -376,6 +379,9 @@ class EngineConfig:
                               "it, e.g. to 1")
         if self.loss_scale_window < 1:
             raise ConfigError(f"engine.loss_scale_window: {self.loss_scale_window} must be >= 1")
+        if self.keep_checkpoints < 0:
+            raise ConfigError(f"engine.keep_checkpoints: {self.keep_checkpoints} must be >= 0 "
+                              "(0 keeps every checkpoint)")
         if not 0 <= self.seed < 1 << 32:
             raise ConfigError(f"engine.seed: {self.seed} is out of range; use 0..{(1 << 32) - 1}")
 

@@ -24,7 +24,7 @@ from typing import Any, Callable, Sequence
 from ..config import ConfigError, format_bytes, parse_bytes
 
 __all__ = ["CommandParser", "UsageError", "byte_size", "choice_list", "count", "directory",
-           "integer", "number", "output_file", "parse_count", "run_command", "value_list"]
+           "existing_directory", "integer", "number", "output_file", "parse_count", "run_command", "value_list"]
 
 
 class UsageError(Exception):
@@ -218,6 +218,20 @@ def directory(purpose: str = "directory") -> Callable[[str], str]:
         why = _directory_problem(text)
         if why:
             raise _bad(text, why, f"give a writable {purpose}")
+        return text
+    return _typed("directory", parse)
+
+
+def existing_directory(holding: str, purpose: str) -> Callable[[str], str]:
+    """A directory that exists and holds the file `holding` (returned as given)."""
+    def parse(text: str) -> str:
+        p = os.path.abspath(text)
+        if not text.strip() or not os.path.exists(p):
+            raise _bad(text, "does not exist", f"give a {purpose}")
+        if not os.path.isdir(p):
+            raise _bad(text, "is not a directory", f"give a {purpose}")
+        if not os.path.isfile(os.path.join(p, holding)):
+            raise _bad(text, f"holds no {holding}", f"give a {purpose}")
         return text
     return _typed("directory", parse)
 

@@ -7,7 +7,8 @@ import argparse
 import logging
 import sys
 
-from . import bench_adam, bench_io, bench_oversized, bench_step, bench_store, demo, view
+from . import (bench_adam, bench_checkpoint, bench_io, bench_oversized, bench_step, bench_store,
+               checkpoint, demo, view)
 from .args import CommandParser, run_command
 
 
@@ -47,6 +48,13 @@ def build_parser() -> argparse.ArgumentParser:
     badam = bsub.add_parser("adam", help="CPU Adam update vs torch and the memory-bandwidth bound")
     bench_adam.add_arguments(badam)
     badam.set_defaults(func=bench_adam.run)
+    bck = bsub.add_parser("checkpoint", help="save and resume of a >= 2 GiB training state vs "
+                          "the disk's O_DIRECT rate; stall of a background save")
+    bench_checkpoint.add_arguments(bck)
+    bck.set_defaults(func=bench_checkpoint.run)
+
+    ck = sub.add_parser("checkpoint", help="inspect a training checkpoint, export its weights")
+    checkpoint.add_arguments(ck.add_subparsers(dest="checkpoint", required=True))
 
     cfg = sub.add_parser("config", help="print every configuration key with its default")
     cfg.add_argument("--markdown", action="store_true", help="as the table in docs/configuration.md")
@@ -75,7 +83,9 @@ def _print_config(args: argparse.Namespace) -> int:
 
 
 def _prog(args: argparse.Namespace) -> str:
-    return " ".join(["offload", args.command] + ([args.bench] if args.command == "bench" else []))
+    sub = {"bench": getattr(args, "bench", None), "checkpoint": getattr(args, "checkpoint", None)}
+    return " ".join(["offload", args.command] + ([sub[args.command]] if sub.get(args.command)
+                                                 else []))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,15 +18,18 @@ from ..store import TieredStore
 from ..trace import NULL_RECORDER, TraceRecorder
 from .checkpoint import SafetensorsCheckpoint
 from .absent import AbsentWeight
+from .checkpoint_reader import CheckpointReader
 from .engine import _DTYPES, _TIERS, OffloadEngine
 from .param_groups import assign_param_groups, segments_of
 from .step import StepFailedError
+from .training_checkpoint import CheckpointCorruptError, CheckpointError
 from .units import Group, build_units
 from .working_set import check_budgets
 
 log = logging.getLogger(__name__)
 
-__all__ = ["OffloadEngine", "StepFailedError", "initialize"]
+__all__ = ["CheckpointCorruptError", "CheckpointError", "CheckpointReader", "OffloadEngine",
+           "StepFailedError", "initialize"]
 
 # [Note: wrapped modules]
 # `initialize` takes a model's parameters into the engine's partitions: each module
@@ -69,6 +72,7 @@ def _report_huge_pages() -> None:
 def initialize(model: nn.Module | Callable[[], nn.Module],
                config: OffloadConfig | dict | str | None = None, *,
                checkpoint: str | os.PathLike | None = None,
+               resume: str | os.PathLike | None = None,
                lr_lambda: Callable[[int], float] | None = None,
                param_groups: Sequence[Mapping[str, Any]] | None = None,
                recorder: TraceRecorder = NULL_RECORDER,
@@ -83,6 +87,9 @@ def initialize(model: nn.Module | Callable[[], nn.Module],
     group, so every rank makes the same weights and no process holds them all.
     With `checkpoint` (a .safetensors file or a directory of them), every
     parameter is read from it instead, one tensor at a time.
+    With `resume` (a directory written by `engine.save_checkpoint`), the whole
+    training state is restored from it instead (docs/checkpoints.md), on any
+    number of ranks; the model gives only the structure.
     `lr_lambda(step) -> multiplier` schedules the learning rate (as LambdaLR), at the
     global step (`engine.global_step`).
     `param_groups`: as torch.optim's, a list of dicts {"params": parameters of
@@ -101,12 +108,18 @@ def initialize(model: nn.Module | Callable[[], nn.Module],
         raise ConfigError(f"initialize(model): expected an nn.Module or a function that builds "
                           f"one, got {type(model).__name__}")
     _refuse_wrapped(model)
+    if checkpoint is not None and resume is not None:
+        raise ConfigError("initialize: pass checkpoint (initial weights) or resume (a whole "
+                          "training state), not both")
     _materialise_buffers(model, cfg.engine.seed)
     ckpt = SafetensorsCheckpoint(checkpoint) if checkpoint is not None else None
+    resumed = CheckpointReader(resume) if resume is not None else None
     comm = Collectives(recorder=recorder)
     units, groups = build_units(model, cfg.engine.group_size, comm.world)
     hyper, slot_groups = assign_param_groups(groups, cfg.optim, param_groups)
     check_budgets(cfg, groups, _DTYPES[cfg.engine.dtype])  # before any file is made
+    if resumed is not None:
+        resumed.check(groups, _DTYPES[cfg.engine.dtype])
     store = TieredStore(cfg, rank=comm.rank, recorder=recorder)
     lineage = _Lineage(model)
     engine = None
@@ -117,17 +130,22 @@ def initialize(model: nn.Module | Callable[[], nn.Module],
         deferred = []  # the user's real tensors stay in the model until nothing can fail
         for g in groups:
             was_meta = any(sl.param.is_meta for sl in g.slots)
-            full = _materialise(model, g, cfg.engine.seed, ckpt, lineage)
-            shard = full[comm.rank * g.shard:(comm.rank + 1) * g.shard]
-            store.put(("p", g.gid), shard.to(dtype), kind="param",
-                      tier=_TIERS[cfg.engine.params])
-            if g.requires_grad:  # NVMe state is written now: never all masters at once
-                shared = engine.master_is_param  # fp32: the stored shard is the master
-                segments, engine.grad_slots.segment_slots[g.gid] = segments_of(g, comm.rank, slot_groups)
-                engine.optimizer.add_partition(g.gid, shard if shared else shard.clone(),
-                                               tier=cfg.engine.optimizer,
-                                               master_is_param=shared, segments=segments)
-            del full, shard
+            segments, slots = segments_of(g, comm.rank, slot_groups)
+            if g.requires_grad:
+                engine.grad_slots.segment_slots[g.gid] = slots
+            if resumed is not None:  # the whole state of the group, read by name
+                resumed.place_group(engine, g, segments, slots)
+            else:
+                full = _materialise(model, g, cfg.engine.seed, ckpt, lineage)
+                shard = full[comm.rank * g.shard:(comm.rank + 1) * g.shard]
+                store.put(("p", g.gid), shard.to(dtype), kind="param",
+                          tier=_TIERS[cfg.engine.params])
+                if g.requires_grad:  # NVMe state is written now: never all masters at once
+                    shared = engine.master_is_param  # fp32: the stored shard is the master
+                    engine.optimizer.add_partition(g.gid, shard if shared else shard.clone(),
+                                                   tier=cfg.engine.optimizer,
+                                                   master_is_param=shared, segments=segments)
+                del full, shard
             if was_meta:  # a materialised meta group is freed at once: no process holds all
                 _drop_params(g, engine)
             else:
@@ -135,6 +153,8 @@ def initialize(model: nn.Module | Callable[[], nn.Module],
             if progress is not None:
                 progress(g.gid + 1, len(groups))
         store.wait_all()
+        if resumed is not None:
+            resumed.restore(engine)  # counters, loss scale, hyper-parameters, RNG
         for g in deferred:
             _drop_params(g, engine)
         for m in model.modules():

@@ -48,7 +48,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 from typing import Any, Callable, Iterable, Iterator
@@ -67,6 +69,8 @@ from .absent import AbsentWeight, absent_message
 from .grad_slots import GradSlots
 from .rank_order import RankOrder
 from .step import StagedParams, StepFailedError
+from .training_checkpoint import CheckpointSave
+from .training_checkpoint import save_checkpoint as _save_checkpoint
 from .units import Group, Unit
 
 log = logging.getLogger(__name__)
@@ -202,6 +206,7 @@ class OffloadEngine(nn.Module):
         # I/O completions and early updates are Python threads: [Note: switch interval]
         self._switch = hold_switch_interval(cfg.io.switch_interval)
         self._opt_bytes = [0, 0]  # optimizer-state bytes read, written (all steps)
+        self._saving: CheckpointSave | None = None  # a checkpoint written in the background
         for st in self._states:
             if st.group.requires_grad:
                 self._hooks.append(st.flat.register_post_accumulate_grad_hook(
@@ -658,6 +663,7 @@ class OffloadEngine(nn.Module):
         return done
 
     def _step(self) -> bool:
+        self.wait_for_checkpoint(raise_error=False)  # nothing changes before it has read
         self.trace.finish()
         early, self._early = self._early, []
         errors = [f.exception() for f in early]  # waits for every one of them
@@ -782,8 +788,45 @@ class OffloadEngine(nn.Module):
         """Full fp32 weights by parameter name (every rank gets them); see `named_weights`."""
         return dict(self.named_weights())
 
+    # -- checkpoints (docs/checkpoints.md) -- begin
+    def save_checkpoint(self, path: str | os.PathLike, extra: dict[str, Any] | None = None,
+                        *, blocking: bool = True) -> CheckpointSave:
+        """Writes the whole training state (parameters, masters, moments, step counts,
+        loss scale, RNG states, config, `extra`: e.g. the data position) to the new
+        checkpoint directory `path`, published atomically; every rank calls it,
+        between steps. `blocking=False` returns at once: the state as of the call
+        is written while training goes on, and the next `step()` waits for the save
+        before it changes anything ([Note: saving in the background]).
+        `offload.initialize(model, config, resume=path)` resumes."""
+        self.wait_for_checkpoint()  # one save at a time
+        self._saving = _save_checkpoint(self, path, extra, blocking=blocking)
+        return self._saving
+
+    def wait_for_checkpoint(self, *, raise_error: bool = True) -> None:
+        """Waits for a save in the background to end; raises its error (with
+        `raise_error=False`, as `step()` waits, logs it: the save's handle keeps it)."""
+        saving, self._saving = self._saving, None
+        if saving is None:
+            return
+        t0 = time.perf_counter()
+        try:
+            if saving.done():
+                saving.wait()
+                return
+            with self.recorder.span("checkpoint wait", cat="wait", track="compute"):
+                try:
+                    saving.wait()
+                finally:
+                    saving.stalled += time.perf_counter() - t0
+        except Exception as e:
+            if raise_error:
+                raise
+            log.error("checkpoint %s failed (training goes on): %s", saving.path, e)
+    # -- checkpoints -- end
+
     def close(self) -> None:
         """Removes the hooks, closes the optimizer and the store (and their swap files)."""
+        self.wait_for_checkpoint(raise_error=False)
         self._updater.shutdown(wait=True)
         for h in self._hooks:
             h.remove()

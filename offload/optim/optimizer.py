@@ -239,8 +239,10 @@ class CpuAdam:
                       tier: str | Tier = "host", exp_avg: torch.Tensor | None = None,
                       exp_avg_sq: torch.Tensor | None = None,
                       master_is_param: bool = False,
-                      segments: Sequence[tuple[int, int, int]] | None = None) -> None:
-        """Registers a partition at step 0, with zero moments unless given.
+                      segments: Sequence[tuple[int, int, int]] | None = None,
+                      step: int = 0, segment_steps: Sequence[int] | None = None) -> None:
+        """Registers a partition at `step` (completed updates: 0 for a fresh one, a
+        checkpoint's count on resume), with zero moments unless given.
 
         `master` (and the moments): fp32, contiguous CPU, one element per
         partition element. tier="host": kept (not copied) and updated in place.
@@ -253,12 +255,14 @@ class CpuAdam:
 
         segments: (first element, elements, parameter group) of consecutive ranges
         covering the partition in order ([Note: segments]); default one segment
-        of `group`.
+        of `group`. segment_steps: each segment's update count (default `step`).
         """
         with self._lock:
             tier = Tier(tier)
             if pid in self._parts:
                 raise ValueError(f"partition {pid!r} is already registered")
+            if step < 0:
+                raise ValueError(f"partition {pid!r}: step {step} is negative")
             if not 0 <= group < len(self.param_groups):
                 raise ValueError(f"group {group} out of range 0..{len(self.param_groups) - 1}")
             if not isinstance(master, torch.Tensor):
@@ -275,12 +279,15 @@ class CpuAdam:
             kept = None if master_is_param else master
             if tier is Tier.HOST:
                 a, s = (torch.zeros_like(master) if t is None else t for t in moments)
-                part = PartitionState(pid, master.numel(), group, tier, layout,
+                part = PartitionState(pid, master.numel(), group, tier, layout, step=step,
                                       host=(kept, a, s), segments=segs)
             else:
                 part = PartitionState(pid, master.numel(), group, tier, layout, segments=segs)
                 part.commit(self._need_pipeline(pid).swap,
-                            self._write_new(part, kept, *moments), step=0)
+                            self._write_new(part, kept, *moments), step=step)
+            part.seg_steps = self._checked_seg_steps(
+                part, {} if segment_steps is None else {"segment_steps": list(segment_steps)},
+                step)
             self._parts[pid] = part
             for k in sorted({seg.group for seg in segs}):
                 self.param_groups[k]["params"].append(pid)
@@ -667,6 +674,37 @@ class CpuAdam:
                 self._pipeline.read_state(part, lambda _p, _i, lo, n, m, _a, _s:
                                           flat[lo:lo + n].copy_(m))
             return out
+
+    # -- checkpoint reader (engine checkpoints) -- begin
+    def read_state_chunks(self, pid: Hashable,
+                          consume: Callable[[int, int, dict[str, torch.Tensor]], None]) -> int:
+        """Streams partition `pid`'s committed state ([Note: rounds]: an update in the
+        open round is not seen); returns its committed step count. `consume(lo, n,
+        tensors)` gets elements [lo, lo + n) as 1-D fp32 views {"master", "exp_avg",
+        "exp_avg_sq"} ("master" absent where it is the parameter partition), valid
+        only during the call. Host state: one call (the live tensors, or the copy an
+        update in the round kept); NVMe state: one call per chunk read into a pipeline
+        buffer, so the state is never held whole. Refused for a partition updated
+        with final=True in the open round (its committed version is gone)."""
+        with self._lock:
+            part = self.partition(pid)
+            if pid in self._final:
+                raise RuntimeError(f"partition {pid!r} was updated in place (final=True) in "
+                                   "the open round: its committed state is gone")
+
+            def named(m, a, s) -> dict[str, torch.Tensor]:
+                d = {"exp_avg": a, "exp_avg_sq": s}
+                if m is not None:
+                    d["master"] = m
+                return d
+            if part.tier is Tier.HOST:
+                step, host = self._committed_host(part)
+                consume(0, part.numel, named(*host))
+                return step
+            self._pipeline.read_state(part, lambda _p, _i, lo, n, m, a, s:
+                                      consume(lo, n, named(m, a, s)))
+            return part.step  # an NVMe partition's step advances at its commit
+    # -- checkpoint reader -- end
 
     def partition_state(self, pid: Hashable) -> dict[str, torch.Tensor]:
         """{"step", "segment_steps", "exp_avg", "exp_avg_sq", "master"} of one

@@ -102,13 +102,20 @@ BAD = [
     (["bench", "adam", "--block-elems", "10"], "--block-elems: '10' is below 1024"),
     (["bench", "adam", "--threads", "-1"], "--threads: '-1' is below 0"),
     (["bench", "adam", "--nvme", FILE], "--nvme: '{file}' exists and is not a directory"),
+    (["bench", "checkpoint", "--params", "0"], "--params: '0' is not a positive count"),
+    (["bench", "checkpoint", "--dim", "8"], "--dim: '8' is below 16"),
+    (["bench", "checkpoint", "--path", FILE], "--path: '{file}' exists and is not a directory"),
+    (["checkpoint", "info", FILE], "path: '{file}' is not a directory; give a checkpoint "
+     "directory"),
+    (["checkpoint", "export", FILE, "--to", "out"], "path: '{file}' is not a directory"),
+    (["checkpoint", "info"], "the following arguments are required: path"),
     (["config", "--bogus"], "unrecognized arguments: --bogus; see 'offload config --help'"),
     (["bench", "io", "--size"], "--size: expected one argument"),
 ]
 
 
 def _prog(argv: list[str]) -> str:
-    return "offload " + " ".join(argv[:2] if argv[0] == "bench" else argv[:1])
+    return "offload " + " ".join(argv[:2] if argv[0] in ("bench", "checkpoint") else argv[:1])
 
 
 def _offload(argv: list[str], capsys) -> tuple[int, str, str]:

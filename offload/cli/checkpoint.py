@@ -1,0 +1,175 @@
+"""`offload checkpoint info PATH` and `offload checkpoint export PATH --to DIR`.
+
+`info` prints what a checkpoint holds (step, config, world size, bytes per
+tensor kind, `extra`) and reads every chunk to check its checksum (exit code
+1 when something is damaged); `export` writes the weights as Hugging Face
+safetensors shards with a `model.safetensors.index.json`, one shard in
+memory at a time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from pathlib import Path
+
+from typing import TYPE_CHECKING
+
+from ..config import format_bytes
+from .args import UsageError, byte_size, directory, existing_directory
+
+if TYPE_CHECKING:
+    from ..engine.checkpoint_reader import CheckpointReader
+
+__all__ = ["add_arguments", "run_info", "run_export", "export_safetensors", "summary"]
+
+_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+_TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+RECORD = "checkpoint.json"  # the commit record (offload/engine/training_checkpoint.py)
+
+
+def _open(path: str) -> "CheckpointReader":
+    """The checkpoint at `path` (the engine, and torch, are imported only now)."""
+    from ..engine.checkpoint_reader import CheckpointReader
+    from ..engine.training_checkpoint import CheckpointError
+    try:
+        return CheckpointReader(path)
+    except CheckpointError as e:
+        raise UsageError(str(e)) from e
+
+
+def add_arguments(sub: argparse._SubParsersAction) -> None:
+    ckpt = existing_directory(RECORD, "checkpoint directory (written by "
+                              "engine.save_checkpoint)")
+    info = sub.add_parser("info", help="step, config, bytes per tensor kind, integrity")
+    info.add_argument("path", type=ckpt, help="the checkpoint directory")
+    info.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    info.add_argument("--no-verify", action="store_true",
+                      help="skip reading every chunk to check its checksum")
+    info.set_defaults(func=run_info)
+    exp = sub.add_parser("export", help="the weights as Hugging Face safetensors shards")
+    exp.add_argument("path", type=ckpt, help="the checkpoint directory")
+    exp.add_argument("--to", required=True, type=directory("directory for the shards"),
+                     help="the directory to write (created; existing shards are refused)")
+    exp.add_argument("--dtype", choices=["saved", "fp32", "bf16", "fp16"], default="saved",
+                     help="saved: the parameters in the compute dtype they were trained in; "
+                          "fp32: the fp32 master weights (where distinct)")
+    exp.add_argument("--shard-size", type=byte_size(1, example="5GB"), default="5GB",
+                     help="bytes per shard at most (a larger tensor has a shard of its own)")
+    exp.set_defaults(func=run_export)
+
+
+def summary(reader: CheckpointReader) -> dict:
+    """What `info` prints, as a dict (bytes per kind are the logical tensor bytes)."""
+    from ..engine.training_checkpoint import KINDS
+    rec = reader.record
+    kinds = {k: 0 for k in KINDS}
+    for t in reader.tensors.values():
+        n = math.prod(t["shape"])
+        for kind, dtype in t["kinds"].items():
+            kinds[kind] += n * _ITEMSIZE[dtype]
+    on_disk = sum(f.stat().st_size for f in reader.path.rglob("*") if f.is_file())
+    cfg = rec["config"]["engine"]
+    return {"path": str(reader.path), "format": rec["format"], "version": rec["version"],
+            "global_step": rec["global_step"], "world": rec["world"], "dtype": rec["dtype"],
+            "placement": {k: cfg[k] for k in ("params", "grads", "optimizer")},
+            "loss_scale": rec["loss_scale"], "tensors": len(reader.tensors),
+            "parameters": sum(math.prod(t["shape"]) for t in reader.tensors.values()),
+            "bytes": {k: v for k, v in kinds.items() if v}, "bytes_on_disk": on_disk,
+            "param_groups": rec["param_groups"], "extra": rec["extra"],
+            "config": rec["config"]}
+
+
+def run_info(args: argparse.Namespace) -> int:
+    reader = _open(args.path)
+    s = summary(reader)
+    problems = None if args.no_verify else reader.verify()
+    s["integrity"] = ("not checked" if problems is None else
+                      "ok" if not problems else "damaged")
+    s["problems"] = problems or []
+    if args.json:
+        print(json.dumps(s, indent=1))
+    else:
+        print(f"checkpoint {s['path']} ({s['format']}, offload {s['version']})")
+        print(f"  step {s['global_step']}, written by {s['world']} rank(s), {s['dtype']}, "
+              f"params on {s['placement']['params']}, optimizer state on "
+              f"{s['placement']['optimizer']}, loss scale {s['loss_scale']:g}")
+        print(f"  {s['tensors']} tensors, {s['parameters']:,} parameters, "
+              f"{format_bytes(s['bytes_on_disk'])} on disk")
+        for kind, n in s["bytes"].items():
+            print(f"  {kind:<11} {format_bytes(n)}")
+        if s["extra"]:
+            print(f"  extra {json.dumps(s['extra'])}")
+        print(f"  integrity: {s['integrity']}")
+        for p in s["problems"]:
+            print(f"    {p}")
+    return 1 if problems else 0
+
+
+def export_safetensors(reader: CheckpointReader, out: str | os.PathLike, *,
+                       dtype: str = "saved", shard_size: int = 5 * 10**9) -> list[Path]:
+    """Writes the weights as safetensors shards (`model.safetensors`, or
+    `model-0000i-of-0000n.safetensors` with `model.safetensors.index.json`); tied
+    weights are written once, under their first name. Returns the files."""
+    from safetensors.torch import save_file
+
+    from ..engine.training_checkpoint import TORCH_DTYPES, to_torch
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    if any(out.glob("*.safetensors")) or (out / "model.safetensors.index.json").exists():
+        raise UsageError(f"--to: {out} already holds safetensors files; give an empty "
+                         "directory")
+
+    def kind_and_dtype(t: dict) -> tuple[str, str]:
+        if dtype == "saved":
+            return "param", t["kinds"]["param"]
+        kind = "master" if dtype == "fp32" and "master" in t["kinds"] else "param"
+        return kind, _TORCH_DTYPES[dtype]
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, t in reader.tensors.items():
+        n = math.prod(t["shape"]) * _ITEMSIZE[kind_and_dtype(t)[1]]
+        if shards[-1] and size + n > shard_size:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += n
+    total = len(shards)
+    files, weight_map, total_bytes = [], {}, 0
+    for i, names in enumerate(shards):
+        fname = ("model.safetensors" if total == 1
+                 else f"model-{i + 1:05d}-of-{total:05d}.safetensors")
+        tensors = {}
+        for name in names:
+            t = reader.tensors[name]
+            kind, dt = kind_and_dtype(t)
+            flat = reader.read_range(kind, name, 0, math.prod(t["shape"]))
+            tensors[name] = to_torch(flat, TORCH_DTYPES[dt]).reshape(t["shape"]).contiguous()
+            weight_map[name] = fname
+            total_bytes += tensors[name].numel() * tensors[name].element_size()
+        save_file(tensors, str(out / fname), metadata={"format": "pt"})
+        del tensors
+        files.append(out / fname)
+    if total > 1:
+        index = out / "model.safetensors.index.json"
+        index.write_text(json.dumps({"metadata": {"total_size": total_bytes},
+                                     "weight_map": weight_map}, indent=1))
+        files.append(index)
+    return files
+
+
+def run_export(args: argparse.Namespace) -> int:
+    from ..engine.training_checkpoint import CheckpointError
+    reader = _open(args.path)
+    try:
+        files = export_safetensors(reader, args.to, dtype=args.dtype,
+                                   shard_size=args.shard_size)
+    except CheckpointError as e:
+        print(f"offload checkpoint export: {' '.join(str(e).split())}", file=sys.stderr)
+        return 1
+    for f in files:
+        print(f)
+    return 0

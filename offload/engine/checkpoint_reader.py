@@ -1,0 +1,220 @@
+"""Reading a checkpoint written by `save_checkpoint` (offload/engine/training_checkpoint.py):
+its commit record, its tensors by element range with every chunk's checksum
+verified, and the placement of a rank's partitions on resume."""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from .training_checkpoint import (_DTYPE_NAMES, FORMAT, PARTIAL, RECORD, CheckpointCorruptError,
+                                  CheckpointError, _chunk_elems, _context, _rank_range,
+                                  _read_json, _spec, _stored_shape, _ts, flat_boxes,
+                                  is_committed, set_rng_state, to_torch)
+from .units import Group, Slot
+
+__all__ = ["CheckpointReader"]
+
+
+def _chunk_of(e: BaseException) -> str:
+    m = re.search(r"/c/([0-9/]+)", str(e))
+    return f"chunk ({', '.join(m.group(1).split('/'))})" if m else "a chunk"
+
+
+class CheckpointReader:
+    """A committed checkpoint opened for reading: its commit record (`record`) and its
+    tensors, read by element range with every chunk's checksum verified."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        p = Path(path).absolute()
+        if not p.is_dir():
+            raise CheckpointError(f"checkpoint {p} does not exist")
+        if not is_committed(p):
+            raise CheckpointError(f"{p} is not a committed checkpoint: it has no {RECORD} or "
+                                  f"its name ends in {PARTIAL} (a save that did not finish, "
+                                  "or not a checkpoint)")
+        rec = _read_json(p / RECORD)
+        if rec.get("format") != FORMAT:
+            raise CheckpointError(f"checkpoint {p}: format {rec.get('format')!r}, this "
+                                  f"version reads {FORMAT!r}")
+        self.path = p
+        self.record = rec
+        self.tensors: dict[str, dict[str, Any]] = rec["tensors"]
+        self._alias = {a: name for name, t in self.tensors.items()
+                       for a in [name] + list(t["aliases"])}
+        self._arrays: dict = {}
+        self._context = _context()
+        self._steps: dict[int, int] = {}  # saved group -> its step count (rank 0's)
+        self._param_steps: dict[str, int] = {}  # parameter -> its own update count
+        for r in reversed(rec["ranks"]):
+            self._steps.update({int(k): v for k, v in r["steps"].items()})
+            self._param_steps.update(r.get("param_steps", {}))
+
+    def name_of(self, slot: Slot) -> str:
+        """The checkpoint's name of the model parameter `slot` (any of its aliases)."""
+        for a in [slot.fqn] + list(slot.names):
+            if a in self._alias:
+                return self._alias[a]
+        raise CheckpointError(f"checkpoint {self.path} has no tensor {slot.fqn!r} (of shape "
+                              f"{tuple(slot.shape)}); it holds e.g. {sorted(self.tensors)[:5]}")
+
+    def check(self, groups: list[Group], dtype: torch.dtype) -> None:
+        """Refuses a model whose tensors (names, shapes), compute dtype or trainable
+        set differ from the checkpoint's, naming the first tensor that differs, and a
+        checkpoint whose ranks' ranges do not cover every group."""
+        seen = set()
+        for g in groups:
+            for s in g.slots:
+                name = self.name_of(s)
+                t = self.tensors[name]
+                if tuple(t["shape"]) != tuple(s.shape):
+                    raise CheckpointError(f"checkpoint {self.path}: tensor {name!r} has shape "
+                                          f"{tuple(t['shape'])}, the model's {s.fqn!r} "
+                                          f"{tuple(s.shape)}")
+                have = t["kinds"]["param"]
+                if have != _DTYPE_NAMES[dtype]:
+                    saved = {v: k for k, v in {"fp32": "float32", "bf16": "bfloat16",
+                                               "fp16": "float16"}.items()}.get(have, have)
+                    raise CheckpointError(f"checkpoint {self.path}: tensor {name!r} was saved "
+                                          f"in {have}, this engine computes in "
+                                          f"{_DTYPE_NAMES[dtype]}; resume with "
+                                          f"engine.dtype={saved!r}")
+                if g.requires_grad != bool(t["requires_grad"]):
+                    raise CheckpointError(f"checkpoint {self.path}: tensor {name!r} was saved "
+                                          f"{'trainable' if t['requires_grad'] else 'frozen'}"
+                                          f", the model's {s.fqn!r} is "
+                                          f"{'trainable' if g.requires_grad else 'frozen'}")
+                seen.add(name)
+        unused = sorted(set(self.tensors) - seen)
+        if unused:
+            raise CheckpointError(f"checkpoint {self.path}: tensors {unused[:8]} are not in "
+                                  "the model")
+        world = self.record["world"]
+        ranks = sorted(r["rank"] for r in self.record["ranks"])
+        if ranks != list(range(world)):
+            raise CheckpointError(f"checkpoint {self.path}: written by {world} ranks but holds "
+                                  f"the records of ranks {ranks}")
+        for g in self.record["groups"]:
+            spans = sorted(tuple(r["writes"][str(g["gid"])]) for r in self.record["ranks"])
+            covered = 0
+            for lo, hi in spans:
+                if lo != covered:
+                    break
+                covered = hi
+            if covered < g["numel"]:
+                raise CheckpointError(f"checkpoint {self.path}: group {g['gid']} is covered "
+                                      f"only up to element {covered} of {g['numel']} by the "
+                                      f"ranks' ranges {spans}")
+
+    def _array(self, kind: str, name: str):
+        key = (kind, name)
+        if key not in self._arrays:
+            try:
+                spec = {**_spec(self.path, kind, name), "fill_missing_data_reads": False}
+                self._arrays[key] = _ts().open(spec, open=True, context=self._context).result()
+            except Exception as e:
+                raise CheckpointCorruptError(f"checkpoint {self.path}: cannot open array "
+                                             f"{kind}/{name}: {e}") from e
+        return self._arrays[key]
+
+    def read_range(self, kind: str, name: str, a: int, b: int) -> np.ndarray:
+        """Elements [a, b) (C order) of array `kind/name`, 1-D; checksums verified."""
+        arr = self._array(kind, name)
+        shape = tuple(_stored_shape(tuple(self.tensors[name]["shape"])))
+        parts = []
+        for idx, _x, _y in flat_boxes(shape, a, b):
+            try:
+                parts.append(arr[idx].read().result().reshape(-1))
+            except Exception as e:
+                raise CheckpointCorruptError(
+                    f"checkpoint {self.path}: array {kind}/{name}, {_chunk_of(e)}: cannot be "
+                    f"read back intact ({e}); the checkpoint is damaged: resume from another"
+                ) from e
+        return np.concatenate(parts) if parts else np.empty(0)
+
+    def read_shard(self, kind: str, g: Group, rank: int, dtype: torch.dtype) -> torch.Tensor:
+        """`rank`'s partition of group `g` (of this model's layout) of `kind`; padding is
+        zero. `master` falls back to `param` where the master was the parameter."""
+        out = torch.zeros(g.shard, dtype=dtype)
+        for s in g.slots:
+            a, b = _rank_range(g, s, rank)
+            if a >= b:
+                continue
+            name = self.name_of(s)
+            k = kind if kind in self.tensors[name]["kinds"] else "param"
+            base = s.offset + a - rank * g.shard
+            out[base:base + b - a] = to_torch(self.read_range(k, name, a, b), dtype)
+        return out
+
+    def step_of(self, g: Group) -> int:
+        """The step count of the saved group that held `g`'s first parameter."""
+        return self._steps.get(self.tensors[self.name_of(g.slots[0])]["group"], 0)
+
+    def place_group(self, engine: Any, g: Group, segments: list | None = None,
+                    slots: list | None = None) -> None:
+        """Puts this rank's partition of `g` (parameters, master, moments, step counts)
+        where the engine keeps it, as `initialize` places a fresh one. `segments` and
+        `slots`: the partition's parameter ranges and the parameter of each (None:
+        padding), as `param_groups.segments_of` gives them; each range resumes at its
+        parameter's own update count (padding's is 0: it never has a gradient)."""
+        rank = engine.comm.rank
+        param = self.read_shard("param", g, rank, engine.dtype)
+        engine.store.put(("p", g.gid), param, kind="param", tier=engine._param_tier)
+        if g.requires_grad:
+            step = self.step_of(g)
+            shared = engine.master_is_param  # fp32: the parameter partition is the master
+            master = param if shared else self.read_shard("master", g, rank, torch.float32)
+            engine.optimizer.add_partition(
+                g.gid, master, tier=engine.cfg.engine.optimizer, master_is_param=shared,
+                exp_avg=self.read_shard("exp_avg", g, rank, torch.float32),
+                exp_avg_sq=self.read_shard("exp_avg_sq", g, rank, torch.float32),
+                step=step, segments=segments, segment_steps=None if slots is None else [
+                    0 if s is None else self._param_steps.get(self.name_of(g.slots[s]), step)
+                    for s in slots])  # padding never has a gradient: its count stays 0
+
+    def restore(self, engine: Any) -> None:
+        """The engine's counters, loss scale, hyper-parameters and this rank's RNG states
+        (rank 0's where the checkpoint had fewer ranks)."""
+        rec = self.record
+        engine.global_step = int(rec["global_step"])
+        engine.micro_step = int(rec["micro_step"])
+        engine.loss_scale = float(rec["loss_scale"])
+        engine._good_steps = int(rec["good_steps"])
+        engine.optimizer.steps = engine.global_step  # committed rounds: one per step
+        saved = rec["param_groups"]
+        if len(saved) == len(engine.optimizer.param_groups):
+            for mine, theirs in zip(engine.optimizer.param_groups, saved):
+                mine.update(theirs)
+                mine["betas"] = tuple(mine["betas"])
+        rank = engine.comm.rank
+        own = self.path / "ranks" / f"{rank if rank < rec['world'] else 0}.json"
+        set_rng_state(_read_json(own)["rng"])
+
+    def verify(self, progress: Callable[[str], None] | None = None) -> list[str]:
+        """Reads every chunk of every array (one chunk in memory at a time) and checks
+        its checksum; returns the problems found, each naming the array and chunk
+        (empty: intact). `progress(array)` is called before each array."""
+        problems = []
+        for name, t in self.tensors.items():
+            n = math.prod(t["shape"])
+            ce = _chunk_elems(tuple(t["shape"]))
+            for kind in t["kinds"]:
+                if progress is not None:
+                    progress(f"{kind}/{name}")
+                try:
+                    for lo in range(0, n, ce):
+                        self.read_range(kind, name, lo, min(n, lo + ce))
+                except CheckpointError as e:
+                    problems.append(str(e))
+        return problems
+
+    @property
+    def extra(self) -> dict[str, Any]:
+        """The `extra` dict given to the save (e.g. the data position)."""
+        return self.record.get("extra", {})

@@ -1,0 +1,676 @@
+"""Checkpoints of the whole training state: one zarr v3 store (tensorstore) per checkpoint.
+This module writes them; checkpoint_reader.py reads them back.
+
+[Note: checkpoint layout]
+A checkpoint is one directory that any zarr v3 reader opens:
+  checkpoint.json          the commit record (see below); written last
+  ranks/<r>.json           what rank r wrote: its element ranges, step counts, RNG
+  param/<name>             the parameter in its full logical shape, compute dtype
+  master/<name>            its fp32 master weights, where distinct from `param`
+  exp_avg/<name>           Adam's first moment, fp32
+  exp_avg_sq/<name>        Adam's second moment, fp32
+`<name>` is the parameter's name in the model (the first use of tied weights;
+the record lists the other names). A partition is a slice of a group's flat
+buffer; the group's slots map flat ranges to parameters (units.py), so each
+rank writes, for every array, the element ranges its partitions cover, as
+boxes of the array (`flat_boxes`). Chunks are whole rows of dimension 0, about
+`CHUNK_ELEMS` elements, each followed by its crc32c (zarr's `crc32c` codec),
+which every read verifies. A chunk that two ranks' ranges share is written in
+rank order, one rank after the other (barriers), every other chunk by its one
+writer without coordination.
+
+The commit record holds what is not a tensor: the format, the package
+version, the config, the world size, the engine's step counters and loss
+scale, the optimizer's hyper-parameters, every tensor's names, shape, dtypes
+and group, the groups' step counts (the schedule's position: `lr_lambda` is
+evaluated at a partition's step count), and the user's `extra`.
+
+[Note: publishing a checkpoint]
+A save writes into `.<name>.partial` beside the target, makes every file and
+directory durable (fsync), writes the commit record, fsyncs it and renames
+the directory to its name in one `rename`, then fsyncs the parent. A reader
+opens only a directory holding a commit record, so it sees the previous
+checkpoint or the new one, never a mix; a save killed at any point leaves a
+`.partial` directory, which the next save into the same parent removes. The
+target must not exist: a checkpoint is never overwritten in place (save each
+under its own name, e.g. by step). `engine.keep_checkpoints` > 0 keeps that
+many committed checkpoints (highest steps) in the parent, removing older ones
+after a publish.
+
+Saving happens between steps only: while a step's updates are open (the
+optimizer's round, staged parameters, gradients of a step not taken) the
+state is not one version, and the save is refused ([Note: all or nothing] in
+step.py).
+
+[Note: saving in the background]
+`save_checkpoint(..., blocking=False)` captures at the call what is not a
+tensor (step counters, loss scale, hyper-parameters, RNG states, the tensor
+table) and leaves the tensors to a thread, which must still see them as they
+were at the call while training goes on. It does, because nothing the next
+step does before its commit changes a committed version: a forward only reads
+the parameter partitions; a backward writes gradients (not saved) and, with
+NVMe optimizer state, may run early updates, which write new optimizer state
+to fresh extents and new parameters to staged records, keeping the previous
+versions readable ([Note: all or nothing] in step.py), and the thread reads
+exactly those (`CpuAdam.read_state_chunks` reads the committed version). The
+first thing that changes a committed version is `step()`: in-place updates of
+host state, the optimizer's commit, the switch of staged parameters. So
+`step()` begins by waiting for the save (`OffloadEngine.wait_for_checkpoint`);
+that wait is the save's stall, zero when the save finishes within the next
+forward and backward. With several ranks the thread's barriers use a process
+group of their own (gloo), created at the call, so they never interleave with
+the training's collectives.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import logging
+import math
+import os
+import random
+import shutil
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from ..store import Tier
+from .units import Group, Slot
+
+log = logging.getLogger(__name__)
+
+__all__ = ["CheckpointError", "CheckpointCorruptError", "CheckpointSave", "save_checkpoint",
+           "flat_boxes", "RECORD", "FORMAT"]
+
+FORMAT = "offload-checkpoint/1"
+RECORD = "checkpoint.json"
+PARTIAL = ".partial"
+CHUNK_ELEMS = 1 << 20  # elements per chunk (at most one row more): 4 MiB of fp32
+KINDS = ("param", "master", "exp_avg", "exp_avg_sq")
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+TORCH_DTYPES = {v: k for k, v in _DTYPE_NAMES.items()}
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be written, opened or used with this model."""
+
+
+class CheckpointCorruptError(CheckpointError):
+    """A checkpoint's bytes do not match their checksums (or cannot be decoded)."""
+
+
+def _ts():
+    import tensorstore  # imported on use: engines that never checkpoint do not load it
+    return tensorstore
+
+
+IO_THREADS = 16  # files written, read or fsynced at once
+IN_FLIGHT_BYTES = 4 * 4 * CHUNK_ELEMS  # bytes of writes a save lets wait in tensorstore (4 chunks)
+
+
+def _context():
+    """tensorstore's resources for one save or reader: files are not fsynced one by
+    one as they are written (a save fsyncs them all at once before it publishes:
+    [Note: publishing a checkpoint]), and several are written or read at once."""
+    return _ts().Context({"file_io_sync": False,
+                          "file_io_concurrency": {"limit": IO_THREADS},
+                          "data_copy_concurrency": {"limit": max(1, os.cpu_count() or 1)}})
+
+
+# -- geometry ------------------------------------------------------------------------
+def flat_boxes(shape: tuple[int, ...], lo: int, hi: int
+               ) -> list[tuple[tuple[slice, ...], int, int]]:
+    """The elements [lo, hi) of a C-order array of `shape` as boxes: a list of
+    (index, flat_lo, flat_hi), each index a tuple of slices (one per dimension)
+    selecting exactly the elements [flat_lo, flat_hi), in order."""
+    if lo >= hi:
+        return []
+    if len(shape) <= 1:
+        return [((slice(lo, hi),), lo, hi)]
+    row = math.prod(shape[1:])
+    full = tuple(slice(0, d) for d in shape[1:])
+    first, last = -(-lo // row), hi // row  # whole rows [first, last)
+    out: list[tuple[tuple[slice, ...], int, int]] = []
+
+    def part_of_row(r: int, a: int, b: int) -> None:  # elements [a, b) of row r
+        for idx, x, y in flat_boxes(shape[1:], a, b):
+            out.append(((slice(r, r + 1),) + idx, r * row + x, r * row + y))
+    if first > last:  # inside one row
+        r = lo // row
+        part_of_row(r, lo - r * row, hi - r * row)
+        return out
+    if lo < first * row:
+        part_of_row(first - 1, lo - (first - 1) * row, row)
+    if first < last:
+        out.append(((slice(first, last),) + full, first * row, last * row))
+    if last * row < hi:
+        part_of_row(last, 0, hi - last * row)
+    return out
+
+
+def _stored_shape(shape: tuple[int, ...]) -> list[int]:
+    return list(shape) if len(shape) else [1]  # a 0-d parameter is stored as [1]
+
+
+def _chunk_elems(shape: tuple[int, ...]) -> int:
+    """Flat elements per chunk: whole rows of dimension 0."""
+    s = _stored_shape(shape)
+    row = math.prod(s[1:])
+    return max(1, CHUNK_ELEMS // max(1, row)) * max(1, row)
+
+
+def _box_shape(idx: tuple[slice, ...]) -> tuple[int, ...]:
+    return tuple(s.stop - s.start for s in idx)
+
+
+def _rank_range(g: Group, slot: Slot, rank: int) -> tuple[int, int]:
+    """Slot-local elements [a, b) that `rank`'s partition of `g` holds (a >= b: none)."""
+    lo, hi = rank * g.shard, (rank + 1) * g.shard
+    return max(lo, slot.offset) - slot.offset, min(hi, slot.offset + slot.numel) - slot.offset
+
+
+def _segments(g: Group, slot: Slot, rank: int) -> list[tuple[int, int, bool]]:
+    """The slot-local range of `rank` cut at chunk boundaries into (a, b, shared):
+    shared segments lie in chunks another rank writes too."""
+    a, b = _rank_range(g, slot, rank)
+    if a >= b:
+        return []
+    ce = _chunk_elems(tuple(slot.shape))
+    others: set[int] = set()
+    for q in range(g.world):
+        qa, qb = _rank_range(g, slot, q)
+        if q != rank and qa < qb:
+            others.update((qa // ce, (qb - 1) // ce))  # ranges are contiguous: ends suffice
+    out = []
+    x = a
+    while x < b:
+        c = x // ce
+        if c in others:
+            y = min(b, (c + 1) * ce)
+        else:
+            nxt = [k * ce for k in others if k > c]
+            y = min([b] + nxt)
+        out.append((x, y, c in others))
+        x = y
+    return out
+
+
+def _to_numpy(t: torch.Tensor) -> np.ndarray:
+    if t.dtype == torch.bfloat16:  # numpy has no bfloat16: tensorstore's own type
+        return t.view(torch.int16).numpy().view(_ts().bfloat16.numpy_dtype)
+    return t.numpy()
+
+
+def to_torch(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    if a.dtype.name == "bfloat16":
+        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16).to(dtype)
+    return torch.from_numpy(a).to(dtype)
+
+
+def _spec(root: Path, kind: str, name: str, shape: tuple[int, ...] | None = None,
+          dtype: str | None = None) -> dict:
+    spec: dict[str, Any] = {"driver": "zarr3",
+                            "kvstore": {"driver": "file", "path": str(root / kind / name)}}
+    if shape is not None:
+        s = _stored_shape(shape)
+        rows = _chunk_elems(shape) // max(1, math.prod(s[1:]))
+        spec["metadata"] = {
+            "shape": s, "data_type": dtype,
+            "chunk_grid": {"name": "regular",
+                           "configuration": {"chunk_shape": [max(1, min(rows, s[0]))] + s[1:]}},
+            "codecs": [{"name": "bytes", "configuration": {"endian": "little"}},
+                       {"name": "crc32c"}]}
+    return spec
+
+
+# -- durability ------------------------------------------------------------------------
+def _fsync_path(p: Path) -> None:
+    fd = os.open(p, os.O_RDONLY | (os.O_DIRECTORY if p.is_dir() else 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(root: Path) -> None:
+    """fsync of every file under `root` (several at once: the disk writes them back
+    in parallel), then of every directory, deepest first, `root` last."""
+    files, dirs = [], []
+    for dirpath, _dirs, names in os.walk(root, topdown=False):
+        files += [Path(dirpath, f) for f in names]
+        dirs.append(Path(dirpath))
+    with ThreadPoolExecutor(IO_THREADS, thread_name_prefix="offload-fsync") as pool:
+        list(pool.map(_fsync_path, files))
+    for d in dirs:
+        _fsync_path(d)
+
+
+def _digest(obj: Any) -> str:
+    body = {k: v for k, v in obj.items() if k != "sha256"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def _write_json(p: Path, obj: Any) -> None:
+    """Writes `obj` with its sha256 (`_read_json` checks it) and fsyncs the file."""
+    obj = {**obj, "sha256": _digest(obj)}
+    with open(p, "w") as f:
+        json.dump(obj, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _read_json(p: Path) -> dict[str, Any]:
+    """A file `_write_json` wrote; CheckpointCorruptError when it was damaged."""
+    try:
+        obj = json.loads(p.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CheckpointCorruptError(f"checkpoint file {p} is not valid JSON: {e}") from e
+    if not isinstance(obj, dict) or obj.get("sha256") != _digest(obj):
+        raise CheckpointCorruptError(f"checkpoint file {p} does not match its sha256: it was "
+                                     "changed after the save")
+    return obj
+
+
+def is_committed(p: Path) -> bool:
+    return (p / RECORD).is_file() and not p.name.endswith(PARTIAL)
+
+
+def _remove_partials(parent: Path) -> None:
+    """Removes directories a killed save left in `parent` ([Note: publishing a checkpoint])."""
+    for d in parent.glob(f".*{PARTIAL}"):
+        if d.is_dir():
+            log.info("removing partial checkpoint %s (a save that did not finish)", d)
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def _prune(parent: Path, keep: int, newest: Path) -> None:
+    """Keeps the `keep` committed checkpoints of `parent` with the highest steps."""
+    found = []
+    for d in parent.iterdir():
+        if d.is_dir() and is_committed(d):
+            try:
+                rec = json.loads((d / RECORD).read_text())
+            except (OSError, ValueError):
+                continue
+            if rec.get("format") == FORMAT:
+                found.append((rec.get("global_step", 0), d.stat().st_mtime, d))
+    found.sort(key=lambda t: (t[0], t[1]))
+    for _step, _t, d in found[:max(0, len(found) - keep)]:
+        if d != newest:
+            log.info("removing checkpoint %s (engine.keep_checkpoints=%d)", d, keep)
+            shutil.rmtree(d, ignore_errors=True)
+
+
+# -- RNG -------------------------------------------------------------------------------
+def _b64(t: torch.Tensor) -> str:
+    return base64.b64encode(t.numpy().tobytes()).decode()
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's RNG states: torch CPU (and CUDA where initialised), Python, NumPy."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    version, pystate, pygauss = random.getstate()
+    out = {"torch": _b64(torch.get_rng_state()),
+           "python": [version, list(pystate), pygauss],
+           "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(gauss)]}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["cuda"] = [_b64(s) for s in torch.cuda.get_rng_state_all()]
+    return out
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    def tensor(s: str) -> torch.Tensor:
+        return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8)
+    torch.set_rng_state(tensor(state["torch"]))
+    version, pystate, pygauss = state["python"]
+    random.setstate((version, tuple(pystate), pygauss))
+    kind, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, gauss))
+    if "cuda" in state and torch.cuda.is_available():
+        states = [tensor(s) for s in state["cuda"]]
+        if len(states) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(states)
+
+
+# -- saving ------------------------------------------------------------------------------
+def check_between_steps(engine: Any) -> None:
+    """Refuses a save while a step's updates are open ([Note: all or nothing])."""
+    opt = engine.optimizer
+    why = []
+    if opt.round:
+        why.append(f"the optimizer's round holds updates of groups {opt.round[:8]}")
+    if len(engine._staged):
+        why.append("new parameters of the step are staged")
+    if engine._backwards or engine._early:
+        why.append(f"{engine._backwards} backward call(s) ran since the last step")
+    if why:
+        raise CheckpointError("save_checkpoint: a step is open (" + "; ".join(why) + "); save "
+                              "between steps: after engine.step() (or engine.zero_grad())")
+
+
+def _tensor_table(engine: Any) -> dict[str, dict[str, Any]]:
+    """name -> shape, aliases, group, offset, dtype of each kind the checkpoint holds."""
+    opt = engine.optimizer
+    table = {}
+    for g in engine.groups:
+        kinds = {"param": _DTYPE_NAMES[engine.dtype]}
+        if g.requires_grad:
+            if opt.has_master(g.gid):
+                kinds["master"] = "float32"
+            kinds["exp_avg"] = kinds["exp_avg_sq"] = "float32"
+        for s in g.slots:
+            table[s.fqn] = {"shape": list(s.shape), "aliases": list(s.names), "group": g.gid,
+                            "offset": s.offset, "requires_grad": g.requires_grad,
+                            "kinds": dict(kinds)}
+    return table
+
+
+class _GroupWriter:
+    """Writes one rank's partition of one group into the arrays, range by range."""
+
+    def __init__(self, root: Path, g: Group, rank: int, arrays: dict, context) -> None:
+        self.root, self.g, self.rank, self.arrays = root, g, rank, arrays
+        self.context = context
+        self.commits: list = []
+        self.copies: list = []
+        self.in_flight = 0  # bytes given to tensorstore whose write is not done
+        self.pending: dict[tuple[str, str], tuple[int, list, int]] = {}  # _gather
+        self.slots: dict[tuple[str, str], Slot] = {}
+        self.shared: list[tuple[str, Slot, int, np.ndarray]] = []  # written in rank turns
+        self.bytes = 0
+
+    def _array(self, kind: str, name: str):
+        key = (kind, name)
+        if key not in self.arrays:
+            self.arrays[key] = _ts().open(_spec(self.root, kind, name), open=True,
+                                          context=self.context).result()
+        return self.arrays[key]
+
+    def write(self, kind: str, lo: int, values: torch.Tensor) -> None:
+        """`values`: the rank's partition-local elements [lo, lo + len) of `kind`;
+        given to tensorstore a few chunks at a time (see `_copied`)."""
+        piece = 4 * CHUNK_ELEMS
+        if values.numel() > piece:
+            for o in range(0, values.numel(), piece):
+                self.write(kind, lo + o, values[o:o + piece])
+            return
+        base = self.rank * self.g.shard + lo
+        end = base + values.numel()
+        for s in self.g.slots:
+            for a, b, shared in _segments(self.g, s, self.rank):
+                x, y = max(a, base - s.offset), min(b, end - s.offset)
+                if x >= y:
+                    continue
+                piece = values[s.offset + x - base:s.offset + y - base]
+                if shared:  # held until this rank's turn (a copy: `values` is a buffer)
+                    self.shared.append((kind, s, x, _to_numpy(piece.clone())))
+                else:
+                    self._gather(kind, s, x, piece)
+        self._copied()
+
+    def _gather(self, kind: str, s: Slot, x: int, piece: torch.Tensor) -> None:
+        """Collects the slot's consecutive pieces (a copy: `piece` may be a reused
+        buffer) and writes whole chunks: a chunk written piece by piece would be
+        read, changed and rewritten once per piece."""
+        key = (kind, s.fqn)
+        start, parts, n = self.pending.get(key, (x, [], 0))
+        if start + n != x:  # not the continuation: what was collected goes first
+            self._flush(key)
+            start, parts, n = x, [], 0
+        parts.append(_to_numpy(piece.clone()))
+        n += piece.numel()
+        ce = _chunk_elems(tuple(s.shape))
+        cut = (start + n) // ce * ce  # the last chunk boundary reached
+        if cut > start:
+            data = np.concatenate(parts) if len(parts) > 1 else parts[0]
+            self._put(kind, s, start, data[:cut - start])
+            rest = data[cut - start:]
+            parts, start, n = ([rest] if rest.size else []), cut, rest.size
+        self.pending[key] = (start, parts, n)
+        self.slots[key] = s
+
+    def _flush(self, key: tuple[str, str]) -> None:
+        start, parts, n = self.pending.pop(key, (0, [], 0))
+        if n:
+            self._put(key[0], self.slots[key], start,
+                      np.concatenate(parts) if len(parts) > 1 else parts[0])
+
+    def _copied(self) -> None:
+        """Waits until tensorstore has copied every source given so far (the copies
+        run in parallel on its threads; the writes go on after), and for the writes
+        too once more than `IN_FLIGHT_BYTES` wait in its buffers: a save holds at most
+        that much beyond the chunk being read."""
+        for c in self.copies:
+            c.result()
+        self.copies.clear()
+        if self.in_flight > IN_FLIGHT_BYTES:
+            self._committed()
+
+    def _committed(self) -> None:
+        for c in self.commits:
+            c.result()
+        self.commits.clear()
+        self.in_flight = 0
+
+    def _put(self, kind: str, s: Slot, x: int, data: np.ndarray) -> None:
+        arr = self._array(kind, s.fqn)
+        shape = tuple(_stored_shape(tuple(s.shape)))
+        for idx, a, b in flat_boxes(shape, x, x + data.size):
+            fut = arr[idx].write(data[a - x:b - x].reshape(_box_shape(idx)))
+            self.copies.append(fut.copy)
+            self.commits.append(fut.commit)
+        self.in_flight += data.nbytes
+        self.bytes += data.nbytes
+
+    def finish(self, barrier: Callable[[], None], world: int) -> None:
+        """Waits for this rank's writes; then the shared chunks, one rank at a time."""
+        for key in list(self.pending):
+            self._flush(key)
+        self._copied()
+        self._committed()
+        if world == 1:
+            return
+        for turn in range(world):
+            if turn == self.rank:
+                for kind, s, x, data in self.shared:
+                    self._put(kind, s, x, data)
+                self._copied()
+                self._committed()
+            barrier()
+        self.shared.clear()
+
+
+class CheckpointSave:
+    """A save in progress ([Note: saving in the background]); `wait()` returns the
+    published path or raises the save's error. `seconds`: how long the save took
+    (once done); `stalled`: seconds training waited for it (its next step's start)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.seconds: float | None = None
+        self.stalled = 0.0
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._done = threading.Event()
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self) -> Path:
+        self._done.wait()
+        if self._thread is not None:
+            self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self.path
+
+    def _run(self, job: "_SaveJob") -> None:
+        t0 = time.perf_counter()
+        try:
+            job.run()
+        except BaseException as e:  # handed to wait()
+            self._error = e
+        finally:
+            self.seconds = time.perf_counter() - t0
+            self._done.set()
+
+
+class _SaveJob:
+    """One rank's part of one save: what is not a tensor is captured when the save is
+    called; the tensors are read when `run` reaches them (their state as of the call:
+    [Note: saving in the background])."""
+
+    def __init__(self, engine: Any, path: Path, extra: dict[str, Any], comm: Any) -> None:
+        self.engine, self.path, self.comm = engine, path, comm
+        self.tmp = path.parent / f".{path.name}{PARTIAL}"
+        self.table = _tensor_table(engine)
+        self.rng = rng_state()
+        self.param_steps = _param_steps(engine)
+        self.record = _record(engine, self.table, extra)
+
+    def run(self) -> None:
+        engine, comm, tmp, path = self.engine, self.comm, self.tmp, self.path
+        rank = comm.rank
+        parent = path.parent
+        t0 = time.perf_counter()
+        with engine.recorder.span("checkpoint save", cat="checkpoint", track="checkpoint",
+                                  path=str(path)) as span:
+            arrays: dict = {}
+            context = _context()
+            if rank == 0:
+                parent.mkdir(parents=True, exist_ok=True)
+                _remove_partials(parent)
+                tmp.mkdir()
+                (tmp / "ranks").mkdir()
+                futs = []
+                for name, t in self.table.items():
+                    for kind, dtype in t["kinds"].items():
+                        futs.append(((kind, name), _ts().open(
+                            _spec(tmp, kind, name, tuple(t["shape"]), dtype), create=True,
+                            context=context)))
+                for key, f in futs:
+                    arrays[key] = f.result()
+            comm.barrier()
+            written, steps = _write_partitions(engine, comm, tmp, arrays, context)
+            _write_json(tmp / "ranks" / f"{rank}.json", {
+                "rank": rank, "steps": {str(k): v for k, v in steps.items()},
+                "param_steps": self.param_steps, "rng": self.rng,
+                "writes": {str(g.gid): [rank * g.shard, (rank + 1) * g.shard]
+                           for g in engine.groups},
+                "bytes": written})
+            comm.barrier()
+            if rank == 0:
+                ranks = []
+                for r in range(comm.world):
+                    mine = _read_json(tmp / "ranks" / f"{r}.json")
+                    ranks.append({k: mine[k] for k in ("rank", "steps", "param_steps", "writes",
+                                                       "bytes")})
+                _write_json(tmp / RECORD, {**self.record, "ranks": ranks})
+                _fsync_tree(tmp)
+                os.rename(tmp, path)
+                _fsync_path(parent)
+                keep = engine.cfg.engine.keep_checkpoints
+                if keep:
+                    _prune(parent, keep, path)
+            comm.barrier()
+            span.set(bytes=written)
+        log.info("checkpoint %s: step %d, %d bytes from rank %d in %.2f s", path,
+                 self.record["global_step"], written, rank, time.perf_counter() - t0)
+
+
+def save_checkpoint(engine: Any, path: str | os.PathLike, extra: dict[str, Any] | None = None,
+                    *, blocking: bool = True) -> CheckpointSave:
+    """Writes the engine's whole training state to the checkpoint directory `path`
+    ([Note: checkpoint layout], [Note: publishing a checkpoint]); every rank calls
+    it, between steps. With `blocking=False` the tensors are written by a thread
+    while training goes on ([Note: saving in the background]). Returns the save's
+    handle (done when blocking)."""
+    check_between_steps(engine)
+    path = Path(path).absolute()
+    extra = {} if extra is None else extra
+    try:
+        json.dumps(extra)
+    except TypeError as e:
+        raise CheckpointError(f"save_checkpoint: extra must be JSON-serialisable: {e}") from e
+    if path.exists():
+        raise CheckpointError(f"save_checkpoint: {path} exists; a checkpoint is never "
+                              "overwritten: save each under its own name (e.g. step-<n>)")
+    handle = CheckpointSave(path)
+    if blocking:
+        t0 = time.perf_counter()
+        _SaveJob(engine, path, extra, engine.comm).run()
+        handle.seconds = handle.stalled = time.perf_counter() - t0
+        handle._done.set()
+        return handle
+    comm = engine.comm
+    if comm.world > 1:  # its barriers must not interleave with training's collectives
+        import torch.distributed as dist
+        from ..comm import Collectives
+        comm = Collectives(dist.new_group(backend="gloo"))
+    job = _SaveJob(engine, path, extra, comm)
+    handle._thread = threading.Thread(target=handle._run, args=(job,),
+                                      name="offload-checkpoint", daemon=True)
+    handle._thread.start()
+    return handle
+
+
+def _param_steps(engine: Any) -> dict[str, int]:
+    """Each trainable parameter's own update count on this rank (a parameter without a
+    gradient in a step does not count it: Adam's bias correction), read when the save
+    is called: the next step's early updates count theirs before it commits."""
+    out: dict[str, int] = {}
+    for g in engine.groups:
+        if not g.requires_grad:
+            continue
+        seg_steps = engine.optimizer.partition(g.gid).seg_steps
+        for slot, n in zip(engine.grad_slots.segment_slots.get(g.gid, ()), seg_steps):
+            if slot is not None:
+                out[g.slots[slot].fqn] = n
+    return out
+
+
+def _write_partitions(engine: Any, comm: Any, root: Path, arrays: dict, context
+                      ) -> tuple[int, dict[int, int]]:
+    """Each group's partition of this rank: the parameters through the store (fetch,
+    pin, read, unpin), the optimizer state streamed chunk by chunk in its committed
+    version. Returns (bytes written, each group's step count)."""
+    written = 0
+    steps = {}
+    rank, world = comm.rank, comm.world
+    for g in engine.groups:
+        w = _GroupWriter(root, g, rank, arrays, context)
+        key = ("p", g.gid)
+        p = engine.store.fetch(key, to=Tier.HOST, pin=True).wait()
+        try:
+            w.write("param", 0, p.cpu())
+        finally:
+            engine.store.unpin(key)
+        if g.requires_grad:
+            steps[g.gid] = engine.optimizer.read_state_chunks(
+                g.gid, lambda lo, _n, ts: [w.write(k, lo, t) for k, t in ts.items()])
+        w.finish(comm.barrier, world)
+        written += w.bytes
+    return written, steps
+
+
+def _record(engine: Any, table: dict, extra: dict) -> dict[str, Any]:
+    from .. import __version__
+    return {"format": FORMAT, "version": __version__, "created": time.time(),
+            "world": engine.comm.world, "dtype": engine.cfg.engine.dtype,
+            "global_step": engine.global_step, "micro_step": engine.micro_step,
+            "loss_scale": engine.loss_scale, "good_steps": engine._good_steps,
+            "config": asdict(engine.cfg),
+            "param_groups": [{k: (list(v) if isinstance(v, tuple) else v) for k, v in grp.items()
+                              if k in ("lr", "betas", "eps", "weight_decay")}
+                             for grp in engine.optimizer.param_groups],
+            "groups": [{"gid": g.gid, "numel": g.numel, "shard": g.shard,
+                        "requires_grad": g.requires_grad} for g in engine.groups],
+            "tensors": table, "extra": extra}

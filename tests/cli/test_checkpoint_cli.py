@@ -1,0 +1,116 @@
+"""`offload checkpoint info` and `offload checkpoint export` on a real checkpoint."""
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+
+import offload
+from offload.cli.main import main
+
+from ..engine.models import TiedTwice, lm_batches, lm_loss
+
+
+@pytest.fixture
+def saved(tmp_path):
+    cfg = {"engine": {"params": "host", "grads": "host", "optimizer": "nvme", "dtype": "bf16",
+                      "group_size": 3000},
+           "optim": {"lr": 1e-2, "chunk_elems": 4096},
+           "io": {"paths": [str(tmp_path / "swap")], "buffer_budget": "32MiB",
+                  "grow_step": "4MiB"},
+           "store": {"host_budget": "64MiB", "device_budget": "64MiB", "device": "cpu"}}
+    torch.manual_seed(0)
+    with offload.initialize(TiedTwice(), cfg) as e:
+        for x, y in lm_batches(2):
+            e.backward(lm_loss(e(x), y))
+            e.step()
+        e.save_checkpoint(tmp_path / "ck", extra={"epoch": 1})
+        sd = e.state_dict()
+    return tmp_path / "ck", sd
+
+
+def _run(argv, capsys):
+    try:
+        rc = main(argv)
+    except SystemExit as e:
+        rc = e.code
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_info(saved, capsys):
+    ck, sd = saved
+    rc, out, err = _run(["checkpoint", "info", str(ck), "--json"], capsys)
+    assert rc == 0, err
+    info = json.loads(out)
+    n = sum(v.numel() for k, v in sd.items() if k != "head.weight")
+    assert info["global_step"] == 2 and info["world"] == 1 and info["dtype"] == "bf16"
+    assert info["parameters"] == n
+    assert info["bytes"] == {"param": 2 * n, "master": 4 * n, "exp_avg": 4 * n,
+                             "exp_avg_sq": 4 * n}
+    assert info["integrity"] == "ok" and info["extra"] == {"epoch": 1}
+    rc, out, _ = _run(["checkpoint", "info", str(ck)], capsys)
+    assert rc == 0 and "step 2" in out and "integrity: ok" in out
+
+
+def test_info_reports_damage(saved, capsys):
+    ck, _ = saved
+    chunk = ck / "exp_avg" / "l2.weight" / "c" / "0" / "0"
+    data = bytearray(chunk.read_bytes())
+    data[7] ^= 1
+    chunk.write_bytes(bytes(data))
+    rc, out, _ = _run(["checkpoint", "info", str(ck)], capsys)
+    assert rc == 1
+    assert "integrity: damaged" in out and "exp_avg/l2.weight, chunk (0, 0)" in out
+
+
+def test_info_refuses_what_is_not_a_checkpoint(tmp_path, capsys):
+    rc, _, err = _run(["checkpoint", "info", str(tmp_path)], capsys)
+    assert rc == 2
+    assert err == (f"offload checkpoint info: path: '{tmp_path}' holds no checkpoint.json; "
+                   "give a checkpoint directory (written by engine.save_checkpoint)\n")
+
+
+@pytest.mark.parametrize("dtype,shard_size", [("fp32", "5GB"), ("saved", "4KB")])
+def test_export_safetensors_loads_back(saved, tmp_path, capsys, dtype, shard_size):
+    ck, sd = saved
+    out = tmp_path / "hf"
+    rc, stdout, err = _run(["checkpoint", "export", str(ck), "--to", str(out), "--dtype", dtype,
+                            "--shard-size", shard_size], capsys)
+    assert rc == 0, err
+    files = sorted(p.name for p in out.iterdir())
+    if shard_size == "5GB":
+        assert files == ["model.safetensors"]
+    else:
+        assert "model.safetensors.index.json" in files and len(files) > 2
+    got = {}
+    for f in out.glob("*.safetensors"):
+        with safe_open(str(f), framework="pt") as h:
+            got.update({k: h.get_tensor(k) for k in h.keys()})
+    assert set(got) == set(sd) - {"head.weight"}  # tied: written once
+    for k, v in got.items():
+        want = sd[k] if dtype == "fp32" else sd[k].to(torch.bfloat16)
+        assert v.dtype == want.dtype and torch.equal(v, want), k
+    # the exported weights start a new run (initialize's checkpoint=)
+    cfg = {"engine": {"params": "host", "grads": "host", "group_size": 3000},
+           "io": {"paths": [str(tmp_path / "swap2")]},
+           "store": {"device": "cpu"}}
+    with offload.initialize(TiedTwice(), cfg, checkpoint=out) as e:
+        for k, v in e.state_dict().items():
+            assert torch.equal(v, got["emb.weight" if k == "head.weight" else k].float()), k
+    rc, _, err = _run(["checkpoint", "export", str(ck), "--to", str(out)], capsys)
+    assert rc == 2 and "already holds safetensors files" in err
+
+
+def test_bench_checkpoint_small(tmp_path, capsys):
+    rc, out, err = _run(["bench", "checkpoint", "--params", "300K", "--dim", "256", "--batch",
+                         "8", "--path", str(tmp_path), "--json"], capsys)
+    assert rc == 0, err
+    r = json.loads(out)
+    assert r["bytes"] == 12 * r["parameters"] and r["layers"] == 5
+    for k in ("save", "load"):
+        assert r[k]["GBps"] > 0 and r[k]["ratio"] > 0
+    b = r["background"]
+    assert b["seconds"] > 0 and 0 <= b["stalled"] <= b["seconds"] and b["steps_during"] >= 1
+    assert not (tmp_path / "ckpt").exists()  # the checkpoints are removed

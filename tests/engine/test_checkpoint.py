@@ -1,0 +1,254 @@
+"""Checkpoints of the whole training state: save, resume, layout, checks on load."""
+
+import json
+import time
+
+import numpy as np
+import pytest
+import tensorstore as ts
+import torch
+from torch import nn
+
+import offload
+import offload.engine.training_checkpoint as tc
+from offload.engine.training_checkpoint import RECORD, flat_boxes
+from offload.trace import TraceRecorder
+
+from .models import TiedTwice, lm_batches, lm_loss
+
+
+class Dropped(TiedTwice):
+    """TiedTwice with dropout: its masks come from torch's global RNG."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.emb(x)
+        for _ in range(2):
+            h = h + self.l2(nn.functional.dropout(torch.relu(self.l1(h)), 0.1))
+        return self.head(self.norm(h) * self.scale)
+
+
+def schedule(k: int) -> float:
+    return 1.0 / (1.0 + 0.5 * k)
+
+
+def _cfg(engine_cfg, tmp_path, name, params, grads, optimizer, dtype, **engine):
+    cfg = engine_cfg(params, grads, optimizer, dtype=dtype, **engine)
+    cfg["optim"]["max_grad_norm"] = 0.05  # small enough that clipping acts
+    cfg["io"]["paths"] = [str(tmp_path / name)]
+    return cfg
+
+
+def _train(engine, batches):
+    losses = []
+    for x, y in batches:
+        loss = lm_loss(engine(x), y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _optim_state(engine):
+    return {g.gid: {k: v.clone() for k, v in engine.optimizer.partition_state(g.gid).items()}
+            for g in engine.groups if g.requires_grad}
+
+
+def _assert_identical(a: dict, b: dict):
+    assert set(a) == set(b)
+    for k in a:
+        if isinstance(a[k], dict):
+            _assert_identical(a[k], b[k])
+        else:
+            assert torch.equal(a[k], b[k]), k
+
+
+PLACEMENTS = [("device", "host", "host"), ("host", "host", "host"), ("nvme", "nvme", "nvme")]
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("params,grads,optimizer", PLACEMENTS)
+def test_resume_continues_bit_identical(tmp_path, engine_cfg, params, grads, optimizer, dtype):
+    """3 steps + save + resume + 3 steps == 6 uninterrupted steps, bit for bit (with a
+    schedule, clipping and dropout drawing from the restored RNG)."""
+    batches = lm_batches(6)
+    torch.manual_seed(0)
+    cfg = _cfg(engine_cfg, tmp_path, "a", params, grads, optimizer, dtype)
+    ck = tmp_path / "ckpt" / "step-3"
+    with offload.initialize(Dropped(), cfg, lr_lambda=schedule) as a:
+        _train(a, batches[:3])
+        a.save_checkpoint(ck, extra={"batch": 3})
+        want_losses = _train(a, batches[3:])
+        want, want_opt = a.state_dict(), _optim_state(a)
+    torch.manual_seed(1234)  # resume restores the RNG: this seed must not matter
+    cfg = _cfg(engine_cfg, tmp_path, "b", params, grads, optimizer, dtype)
+    with offload.initialize(Dropped, cfg, lr_lambda=schedule, resume=ck) as b:
+        assert b.global_step == 3
+        got_losses = _train(b, batches[3:])
+        assert got_losses == want_losses
+        _assert_identical(b.state_dict(), want)
+        _assert_identical(_optim_state(b), want_opt)
+        assert b.global_step == 6
+    rec = json.loads((ck / RECORD).read_text())
+    assert rec["extra"] == {"batch": 3} and rec["global_step"] == 3 and rec["world"] == 1
+
+
+class Sometimes(nn.Module):
+    """Two layers in one group; `skip` leaves the second without a gradient, so its
+    own update count (Adam's bias correction) falls behind the first's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+        self.skip = False
+
+    def forward(self, x):
+        h = self.a(x)
+        return h if self.skip else self.b(h)
+
+
+@pytest.mark.parametrize("optimizer", ["host", "nvme"])
+def test_resume_keeps_each_parameters_own_update_count(tmp_path, engine_cfg, optimizer):
+    """A parameter that had no gradient in some steps resumes at its own count, so the
+    continuation equals the uninterrupted run bit for bit."""
+    g = torch.Generator().manual_seed(5)
+    data = [(torch.randn(4, 8, generator=g), torch.randn(4, 8, generator=g)) for _ in range(6)]
+
+    def run(engine, steps, skips):
+        for k in steps:
+            engine.module.skip = k in skips
+            x, y = data[k]
+            engine.backward(nn.functional.mse_loss(engine(x), y))
+            engine.step()
+    torch.manual_seed(0)
+    ref = Sometimes()
+    cfg = _cfg(engine_cfg, tmp_path, "a", "host", "host", optimizer, "fp32", group_size=1000)
+    ck = tmp_path / "ck"
+    with offload.initialize(ref, cfg) as a:
+        run(a, range(3), skips={0, 1})
+        steps = list(a.optimizer.partition(0).seg_steps)
+        assert min(steps) < max(steps)  # the two layers' counts differ
+        a.save_checkpoint(ck)
+        run(a, range(3, 6), skips=set())
+        want = a.state_dict()
+    torch.manual_seed(0)
+    cfg = _cfg(engine_cfg, tmp_path, "b", "host", "host", optimizer, "fp32", group_size=1000)
+    with offload.initialize(Sometimes(), cfg, resume=ck) as b:
+        assert b.optimizer.partition(0).seg_steps == steps
+        run(b, range(3, 6), skips=set())
+        _assert_identical(b.state_dict(), want)
+
+
+def test_layout_is_plain_zarr3_in_logical_shapes(tmp_path, engine_cfg):
+    """One array per tensor and kind, full logical shape, readable by a zarr v3 reader."""
+    torch.manual_seed(0)
+    cfg = _cfg(engine_cfg, tmp_path, "a", "host", "host", "host", "bf16")
+    ck = tmp_path / "ck"
+    with offload.initialize(TiedTwice(), cfg) as e:
+        _train(e, lm_batches(1))
+        e.save_checkpoint(ck)
+        sd = e.state_dict()
+        moments = e.optimizer.partition_state(e.groups[0].gid)
+        first = e.groups[0].slots[0]
+    for name, value in sd.items():
+        if name == "head.weight":  # tied to emb.weight: one array, both names recorded
+            continue
+        for kind in ("master", "exp_avg", "exp_avg_sq"):
+            arr = ts.open({"driver": "zarr3", "kvstore": f"file://{ck}/{kind}/{name}"}).result()
+            assert tuple(arr.shape) == tuple(value.shape), (kind, name)
+        master = ts.open({"driver": "zarr3", "kvstore": f"file://{ck}/master/{name}"}
+                         ).result().read().result()
+        assert np.array_equal(master, value.numpy()), name
+        param = ts.open({"driver": "zarr3", "kvstore": f"file://{ck}/param/{name}"}).result()
+        assert param.dtype.name == "bfloat16"
+    rec = json.loads((ck / RECORD).read_text())
+    assert rec["tensors"]["emb.weight"]["aliases"] == ["emb.weight", "head.weight"]
+    avg = ts.open({"driver": "zarr3", "kvstore": f"file://{ck}/exp_avg/{first.fqn}"}
+                  ).result().read().result()
+    assert np.array_equal(avg.reshape(-1), moments["exp_avg"][first.offset:first.offset
+                                                             + first.numel].numpy())
+
+
+@pytest.mark.parametrize("shape", [(7,), (5, 6), (3, 4, 5), (2, 3, 4, 5)])
+def test_flat_boxes_cover_exactly_the_range(shape):
+    n = int(np.prod(shape))
+    ref = np.arange(n).reshape(shape)
+    for lo in range(0, n, 3):
+        for hi in range(lo, n + 1, 5):
+            got = [ref[idx].reshape(-1) for idx, _a, _b in flat_boxes(shape, lo, hi)]
+            flat = np.concatenate(got) if got else np.empty(0, dtype=ref.dtype)
+            assert np.array_equal(flat, np.arange(lo, hi)), (lo, hi)
+
+
+def test_save_refused_while_a_step_is_open(tmp_path, engine_cfg):
+    cfg = _cfg(engine_cfg, tmp_path, "a", "host", "host", "host", "fp32")
+    with offload.initialize(TiedTwice(), cfg) as e:
+        x, y = lm_batches(1)[0]
+        e.backward(lm_loss(e(x), y))
+        with pytest.raises(offload.CheckpointError, match="a step is open"):
+            e.save_checkpoint(tmp_path / "ck")
+        assert not (tmp_path / "ck").exists()
+        e.step()
+        e.save_checkpoint(tmp_path / "ck")
+        with pytest.raises(offload.CheckpointError, match="exists"):
+            e.save_checkpoint(tmp_path / "ck")
+
+
+@pytest.mark.parametrize("params,grads,optimizer,dtype", [
+    ("host", "host", "host", "fp32"), ("nvme", "nvme", "nvme", "bf16")])
+def test_background_save_holds_the_state_of_the_call(tmp_path, engine_cfg, params, grads,
+                                                     optimizer, dtype):
+    """A non-blocking save returns at once; the steps that follow (early updates in
+    their backward included) do not leak into it; the next step waits for it."""
+    batches = lm_batches(6)
+    torch.manual_seed(0)
+    cfg = engine_cfg(params, grads, optimizer, dtype=dtype)  # no clipping: early updates
+    cfg["io"]["paths"] = [str(tmp_path / "a")]
+    rec = TraceRecorder(enabled=True)
+    ck = tmp_path / "ck"
+    slow_put = tc._GroupWriter._put
+
+    def put(self, *args):  # a slow disk: the save outlasts the next forward and backward
+        time.sleep(0.02)
+        slow_put(self, *args)
+    tc._GroupWriter._put = put
+    try:
+        with offload.initialize(Dropped(), cfg, lr_lambda=schedule, recorder=rec) as a:
+            _train(a, batches[:3])
+            want, want_opt = a.state_dict(), _optim_state(a)
+            handle = a.save_checkpoint(ck, blocking=False)
+            assert not handle.done()
+            _train(a, batches[3:])
+            assert handle.done() and handle.wait() == ck
+            assert 0 < handle.stalled < handle.seconds
+            after = a.state_dict()
+    finally:
+        tc._GroupWriter._put = slow_put
+    assert not torch.equal(after["l1.weight"], want["l1.weight"])
+    names = {e.name for e in rec.events()}
+    cfg["io"]["paths"] = [str(tmp_path / "b")]
+    with offload.initialize(Dropped, cfg, lr_lambda=schedule, resume=ck) as b:
+        assert b.global_step == 3
+        _assert_identical(b.state_dict(), want)
+        _assert_identical(_optim_state(b), want_opt)
+    assert {"checkpoint save", "checkpoint wait"} <= names  # the trace shows the save
+
+
+def test_failed_background_save_does_not_fail_training(tmp_path, engine_cfg, monkeypatch):
+    cfg = _cfg(engine_cfg, tmp_path, "a", "host", "host", "host", "fp32")
+    batches = lm_batches(3)
+
+    def broken(self, *args):
+        raise OSError(28, "No space left on device")
+    with offload.initialize(TiedTwice(), cfg) as e:
+        _train(e, batches[:1])
+        monkeypatch.setattr(tc._GroupWriter, "_put", broken)
+        saving = e.save_checkpoint(tmp_path / "ck" / "a", blocking=False)
+        _train(e, batches[1:2])  # the step goes on; the save's error stays with its handle
+        assert e.global_step == 2
+        with pytest.raises(OSError, match="No space left"):
+            saving.wait()
+        monkeypatch.undo()
+        assert (tmp_path / "ck" / ".a.partial").is_dir()
+        e.save_checkpoint(tmp_path / "ck" / "b")  # removes the partial one
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["b"]

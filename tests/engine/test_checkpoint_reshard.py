@@ -1,0 +1,108 @@
+"""A checkpoint written by N ranks resumes on M (gloo processes): 1 -> 2 and 2 -> 1.
+
+Every rank trains on the whole batch, so the mean of the ranks' gradients is each
+rank's gradient exactly, and a continuation on any number of ranks is the
+uninterrupted single-process run, bit for bit (no clipping: the global norm would
+sum the ranks' partial sums in another order). The model is wide enough that both
+ranks hold part of most parameters, and the two-rank save uses small chunks, so
+chunks that both ranks write (in turns) occur.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import offload
+
+import offload.engine.training_checkpoint as tc
+
+from .models import lm_batches, lm_loss
+from .test_checkpoint import Dropped, schedule
+
+pytestmark = pytest.mark.distributed
+
+BATCHES = 6
+
+
+class Wide(Dropped):
+    def __init__(self) -> None:
+        super().__init__(vocab=128, dim=64, hidden=96)
+
+
+def _train(engine, batches):
+    for x, y in batches:
+        engine.backward(lm_loss(engine(x), y))
+        engine.step()
+
+
+def _cfg(engine_cfg, tmp_path, name, placement):
+    params, grads, optimizer = placement
+    cfg = engine_cfg(params, grads, optimizer, dtype="bf16")
+    cfg["io"]["paths"] = [str(tmp_path / name)]
+    return cfg
+
+
+def _worker(rank, world, init_file, cfg, resume, save, out):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world)
+    try:
+        batches = lm_batches(BATCHES)
+        torch.manual_seed(0)
+        if resume is None:  # steps 1-3 on two ranks, then save (and train on)
+            tc.CHUNK_ELEMS = 1000  # 15 rows of emb.weight: the ranks meet inside a chunk
+            with offload.initialize(Wide(), cfg, lr_lambda=schedule) as e:
+                _train(e, batches[:3])
+                # in the background, while the next step's collectives run
+                saving = e.save_checkpoint(save, blocking=False)
+                _train(e, batches[3:4])
+                saving.wait()
+        else:  # resume a one-rank checkpoint on two ranks: steps 4-6
+            with offload.initialize(Wide, cfg, lr_lambda=schedule, resume=resume) as e:
+                _train(e, batches[3:])
+                sd = e.state_dict()
+                opt_bytes = sum(e.store.info(("p", g.gid)).numel for g in e.groups)
+                if rank == 0:
+                    torch.save({"sd": sd, "mine": opt_bytes,
+                                "total": sum(g.padded for g in e.groups)}, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def _two_ranks(tmp_path, tag, cfg, resume=None, save=None, out=None):
+    mp.start_processes(_worker, args=(2, str(tmp_path / f"init-{tag}"), cfg, resume, save, out),
+                       nprocs=2, join=True, start_method="spawn")
+
+
+@pytest.mark.parametrize("placement", [("host", "host", "host"), ("nvme", "nvme", "nvme")])
+def test_reshard_1_to_2_and_2_to_1(tmp_path, engine_cfg, placement):
+    batches = lm_batches(BATCHES)
+    torch.manual_seed(0)
+    with offload.initialize(Wide(), _cfg(engine_cfg, tmp_path, "ref", placement),
+                            lr_lambda=schedule) as ref:
+        _train(ref, batches[:3])
+        ref.save_checkpoint(tmp_path / "one-rank")
+        _train(ref, batches[3:])
+        want = ref.state_dict()
+
+    # 1 -> 2
+    out = tmp_path / "two.pt"
+    _two_ranks(tmp_path, "a", _cfg(engine_cfg, tmp_path, "a", placement),
+               resume=str(tmp_path / "one-rank"), out=str(out))
+    got = torch.load(out)
+    assert got["mine"] * 2 == got["total"]  # each rank placed only its half
+    for k, v in want.items():
+        assert torch.equal(got["sd"][k], v), k
+
+    # 2 -> 1
+    _two_ranks(tmp_path, "b", _cfg(engine_cfg, tmp_path, "b", placement),
+               save=str(tmp_path / "two-ranks"))
+    rec = offload.engine.CheckpointReader(tmp_path / "two-ranks").record
+    assert rec["world"] == 2 and [r["rank"] for r in rec["ranks"]] == [0, 1]
+    emb = offload.engine.CheckpointReader(tmp_path / "two-ranks")._array("exp_avg", "emb.weight")
+    assert emb.chunk_layout.read_chunk.shape == (15, 64)
+    with offload.initialize(Wide, _cfg(engine_cfg, tmp_path, "c", placement),
+                            lr_lambda=schedule, resume=tmp_path / "two-ranks") as e:
+        _train(e, batches[3:])
+        for k, v in e.state_dict().items():
+            assert torch.equal(v, want[k]), k
