@@ -31,9 +31,9 @@ Peak RSS is the worker's VmHWM: over the whole run, and over the steps alone
 (reset through /proc/self/clear_refs after initialisation).
 
 The lower bound of a placement that moves bytes to the disk is
-max(fastest no-offload step, R / read rate, W / write rate, (R + W) / mixed
-rate), where R and W are the fewest bytes the placement's budgets force any
-system to read and write per step, the same for both systems (`forced_read_bytes`,
+max(fastest no-offload step, R / read rate, W / write rate), where R and W are
+the fewest bytes the placement's budgets force any system to read and write
+per step, the same for both systems (`forced_read_bytes`,
 `forced_write_bytes`): the optimizer's Adam moments (8 bytes per parameter;
 the fp32 parameter can be the master) both ways; for `nvme`, also the
 parameter bytes that the memory budgets (store.host_budget, plus
@@ -45,9 +45,13 @@ same run with offload's I/O engine (O_DIRECT, the io section's block size and
 queue depth, as the runs write) right before each offloading run: the disk
 drifts minute to minute, so each row's bound uses the median of the probes
 taken before its own runs (`disk` in the row; the top-level `disk` is the
-median of all). The mixed rate is reads and writes at once, as many requests
-of the optimizer's chunk size in flight each way as its pipeline keeps, for
-2 s. Each row reports its own bytes beside the forced ones.
+median of all). The probe also measures a mixed rate (reads and writes at
+once, as many requests of the optimizer's chunk size in flight each way as
+its pipeline keeps, for 2 s); (R + W) / mixed rate is reported beside the
+bound (`mixed_s`) but is not part of it: a step whose traffic is deeper or
+better spread than the probe's moves reads and writes together faster than
+that rate, so it is no lower bound. Each row reports its own bytes beside the
+forced ones.
 """
 
 from __future__ import annotations
@@ -454,8 +458,9 @@ def _memory_budget(base: dict) -> int:
 def _add_bounds(rows: list[dict], disk: dict | None, forced: dict[str, tuple[int, int]]
                 ) -> float | None:
     """Adds `bound_s` and `step_over_bound` to every offloading row: max(fastest none
-    step, forced reads / read rate, forced writes / write rate, both / mixed rate),
-    the rates from the probes taken right before the row's own runs, else `disk`.
+    step, forced reads / read rate, forced writes / write rate), the rates from the
+    probes taken right before the row's own runs, else `disk`; and `mixed_s`, the
+    forced bytes at the probed mixed rate (not a bound).
     Returns the compute term (the fastest none step), None when no such step ran."""
     none_steps = [r["median_step_s"] for r in rows
                   if r["placement"] == "none" and r["median_step_s"] is not None]
@@ -468,9 +473,10 @@ def _add_bounds(rows: list[dict], disk: dict | None, forced: dict[str, tuple[int
         d = r.get("disk") or disk  # the probes taken right before its own runs
         terms = {"compute": t_none}
         if d is not None and (fr or fw):
-            terms.update(read=fr / (d["read_GBps"] * 1e9), write=fw / (d["write_GBps"] * 1e9),
-                         mixed=(fr + fw) / (d["mixed_GBps"] * 1e9) if d.get("mixed_GBps")
-                         else None)
+            terms.update(read=fr / (d["read_GBps"] * 1e9), write=fw / (d["write_GBps"] * 1e9))
+            if d.get("mixed_GBps"):  # reported, not a bound: see the module docstring
+                r["mixed_s"] = (fr + fw) / (d["mixed_GBps"] * 1e9)
+                r["step_over_mixed"] = r["median_step_s"] / r["mixed_s"]
         terms = {k: v for k, v in terms.items() if v is not None}
         if terms:
             r["bound_terms_s"] = terms
@@ -759,6 +765,10 @@ def render(result: dict) -> None:
                       f"{r['forced_read_bytes'] / 1e6:.0f}/{r['forced_write_bytes'] / 1e6:.0f} "
                       f"MB r/w, its own {r['read_bytes_per_step'] / 1e6:.0f}/"
                       f"{r['write_bytes_per_step'] / 1e6:.0f} MB")
+            if r.get("mixed_s") is not None:
+                con.print(f"{r['system']} {r['placement']}: forced bytes at the probed mixed "
+                          f"rate {r['mixed_s']:.3f} s (step / that = "
+                          f"{r['step_over_mixed']:.2f}; not a bound)")
         if r.get("accounted_read_bytes_per_step") is not None:
             con.print(f"{r['system']} {r['placement']}: own accounting "
                       f"{r['accounted_read_bytes_per_step'] / 1e6:.0f} MB read, "
