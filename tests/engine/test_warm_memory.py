@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from offload.engine.engine import _WarmMemory
+from offload.engine.warm import WarmMemory
 
 SWAP = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
 
@@ -11,7 +11,7 @@ SWAP = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
 @pytest.mark.skipif(not SWAP, reason=f"torch {torch.__version__} has no "
                     "UntypedStorage._swap_data_ptr_: gathers allocate afresh")
 def test_freed_gather_memory_is_reused_and_bounded():
-    warm = _WarmMemory(torch.device("cpu"), limit=3 << 20)
+    warm = WarmMemory(torch.device("cpu"), limit=3 << 20)
     assert warm.enabled
     flat = torch.empty(1 << 18)  # 1 MiB of fp32, storage emptied as the engine does
     flat.untyped_storage().resize_(0)
@@ -42,13 +42,13 @@ def test_freed_gather_memory_is_reused_and_bounded():
 
 
 def test_cuda_device_resizes_instead():
-    warm = _WarmMemory(torch.device("cuda"), limit=1 << 20)
+    warm = WarmMemory(torch.device("cuda"), limit=1 << 20)
     assert not warm.enabled
 
 
 @pytest.mark.skipif(SWAP, reason="this torch swaps storage data pointers")
 def test_without_the_swap_gathers_resize():
-    warm = _WarmMemory(torch.device("cpu"), limit=1 << 20)
+    warm = WarmMemory(torch.device("cpu"), limit=1 << 20)
     assert not warm.enabled
     flat = torch.empty(1024)
     flat.untyped_storage().resize_(0)
