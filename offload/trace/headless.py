@@ -19,6 +19,7 @@ import base64
 import itertools
 import json
 import os
+import signal
 import shutil
 import subprocess
 import tempfile
@@ -80,8 +81,10 @@ class HeadlessChromium:
                 "about:blank"]
         if os.geteuid() == 0:
             args.insert(1, "--no-sandbox")  # Chromium refuses to run as root with its sandbox
+        # its own session: close() ends the renderer and helper processes with it, which
+        # otherwise go on writing into the profile while it is removed
         proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                text=True)
+                                text=True, start_new_session=True)
         url = _await_devtools_url(proc, Path(profile.name), timeout)
         if url is None:
             proc.kill()
@@ -161,15 +164,23 @@ class HeadlessChromium:
             self._ws.close()
         except Exception:
             pass
-        if self._proc.poll() is None:
-            self._proc.terminate()
+        for sig in (signal.SIGTERM, signal.SIGKILL):  # the browser and all its helpers
+            try:
+                os.killpg(self._proc.pid, sig)
+            except ProcessLookupError:
+                break
             try:
                 self._proc.wait(10)
+                break
             except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait()
+                continue
         if self._proc.stderr:
             self._proc.stderr.close()
+        for _ in range(50):  # a helper that outlived the group's signal may still write
+            shutil.rmtree(self._profile.name, ignore_errors=True)
+            if not os.path.exists(self._profile.name):
+                break
+            time.sleep(0.1)
         self._profile.cleanup()
 
     def __enter__(self) -> "HeadlessChromium":
