@@ -40,7 +40,7 @@ from typing import Any, Callable
 from ..config import IoConfig, format_bytes, parse_bytes
 from .args import (CommandParser, UsageError, byte_size, count, directory, integer, parse_count,
                    run_command)
-from .benchutil import proc_io, reset_hwm, vm_hwm
+from .benchutil import proc_io, reset_hwm, swap_rates, vm_hwm
 from .demo import StepMeter, remove_swap_dir, signal_exit_code, swap_dir_for_run
 from .gpt import GPT, GPTConfig, ReversalTask, state_bytes_per_param
 
@@ -147,42 +147,8 @@ def tune_malloc(threshold: int = 1 << 20) -> bool:
 def disk_bandwidth(path: Path, nbytes: int, io: dict[str, Any]) -> tuple[float, float]:
     """(read, write) bytes/s of `nbytes` through offload's I/O engine under `path`, in
     64 MiB transfers, four in flight: the engine, O_DIRECT and fdatasync of the run."""
-    from ..io import BufferPool, make_engine, open_swap
-
-    cfg = IoConfig(**{**io, "grow_step": GROW_STEP})
-    size = 64 << 20
-    n = max(1, nbytes // size)
-    eng = make_engine(cfg)
-    pool = BufferPool(4 * size)
-    swap = open_swap(cfg, "bandwidth-probe", eng)
-    bufs = [pool.alloc(size, tag="probe") for _ in range(4)]
-    try:
-        for b in bufs:
-            b.numpy()[:] = 7
-        extents = [swap.alloc(size) for _ in range(n)]
-        t = time.perf_counter()
-        _in_fours(lambda i: swap.write(extents[i], bufs[i % 4], size), n)
-        write = n * size / (time.perf_counter() - t)
-        t = time.perf_counter()
-        _in_fours(lambda i: swap.read(extents[i], bufs[i % 4], size), n)
-        read = n * size / (time.perf_counter() - t)
-    finally:
-        for b in bufs:
-            b.release()
-        swap.close()
-        pool.close(force=True)
-        eng.close()
-    return read, write
-
-
-def _in_fours(submit: Callable[[int], Any], n: int) -> None:
-    inflight: list[Any] = []
-    for i in range(n):
-        if len(inflight) == 4:
-            inflight.pop(0).wait()
-        inflight.append(submit(i))
-    for h in inflight:
-        h.wait()
+    r = swap_rates(io, nbytes, 64 << 20, GROW_STEP, "bandwidth-probe")
+    return r.read_Bps, r.write_Bps
 
 
 # -- the run -------------------------------------------------------------------------------------

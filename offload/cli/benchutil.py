@@ -9,9 +9,10 @@ import os
 import shutil
 import sys
 import tempfile
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, NamedTuple
 
-__all__ = ["scratch_dir", "emit", "progress_printer", "vm_hwm", "reset_hwm", "proc_io"]
+__all__ = ["scratch_dir", "emit", "progress_printer", "vm_hwm", "reset_hwm", "proc_io",
+           "swap_rates"]
 
 
 @contextlib.contextmanager
@@ -71,3 +72,52 @@ def proc_io() -> tuple[int, int]:
     with open("/proc/self/io") as f:
         fields = dict(line.split(": ") for line in f.read().splitlines())
     return int(fields["read_bytes"]), int(fields["write_bytes"])
+
+
+class SwapRates(NamedTuple):
+    write_Bps: float
+    read_Bps: float
+    nbytes: int      # bytes written, then read
+    engine: str      # the I/O engine's name
+    direct: bool     # O_DIRECT
+
+
+def swap_rates(io: dict[str, Any], nbytes: int, request: int, grow_step: int,
+               name: str) -> SwapRates:
+    """Write and read bytes/s and the bytes moved: `nbytes` (at least one request)
+    written, then read, through offload's I/O engine and a swap space of its own
+    (`io`: the run's io section, so its engine, O_DIRECT and fdatasync), in
+    `request`-byte transfers, four in flight."""
+    import time
+
+    from ..config import IoConfig
+    from ..io import BufferPool, make_engine, open_swap
+
+    cfg = IoConfig(**{**io, "grow_step": grow_step})
+    n = max(1, nbytes // request)
+    eng = make_engine(cfg)
+    pool = BufferPool(4 * request)
+    swap = open_swap(cfg, name, eng)
+    bufs = [pool.alloc(request, tag="probe") for _ in range(4)]
+    try:
+        for b in bufs:
+            b.numpy()[:] = 7
+        extents = [swap.alloc(request) for _ in range(n)]
+        rates = []
+        for call in (swap.write, swap.read):
+            t = time.perf_counter()
+            inflight: list[Any] = []
+            for i in range(n):
+                if len(inflight) == 4:
+                    inflight.pop(0).wait()
+                inflight.append(call(extents[i], bufs[i % 4], request))
+            for h in inflight:
+                h.wait()
+            rates.append(n * request / (time.perf_counter() - t))
+    finally:
+        for b in bufs:
+            b.release()
+        swap.close()
+        pool.close(force=True)
+        eng.close()
+    return SwapRates(rates[0], rates[1], n * request, eng.name, eng.direct)

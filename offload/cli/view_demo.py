@@ -19,8 +19,6 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..config import IoConfig
-
 if TYPE_CHECKING:
     import torch
 
@@ -40,38 +38,12 @@ REFERENCE_MAX_STATE = 1 << 30  # the no-offload step is measured only up to this
 def probe_disk(directory: Path, io: dict[str, Any], nbytes: int = PROBE_BYTES) -> dict[str, Any]:
     """Writes then reads `nbytes` in `directory` with offload's I/O engine (the run's
     settings, four requests in flight); returns `read_Bps`, `write_Bps` and how."""
-    from ..io import BufferPool, make_engine, open_swap
+    from .benchutil import swap_rates
 
-    cfg = IoConfig(**{**io, "grow_step": max(nbytes, 1 << 20)})
-    n = max(1, nbytes // PROBE_REQUEST)
-    eng = make_engine(cfg)
-    pool = BufferPool(4 * PROBE_REQUEST)
-    swap = open_swap(cfg, "disk-probe", eng)
-    bufs = [pool.alloc(PROBE_REQUEST, tag="probe") for _ in range(4)]
-    try:
-        for b in bufs:
-            b.numpy()[:] = 7
-        extents = [swap.alloc(PROBE_REQUEST) for _ in range(n)]
-        rates = {}
-        for op in ("write", "read"):
-            t = time.perf_counter()
-            inflight: list[Any] = []
-            for i in range(n):
-                if len(inflight) == 4:
-                    inflight.pop(0).wait()
-                call = swap.write if op == "write" else swap.read
-                inflight.append(call(extents[i], bufs[i % 4], PROBE_REQUEST))
-            for h in inflight:
-                h.wait()
-            rates[f"{op}_Bps"] = n * PROBE_REQUEST / (time.perf_counter() - t)
-    finally:
-        for b in bufs:
-            b.release()
-        swap.close()
-        pool.close(force=True)
-        eng.close()
-    return {**rates, "bytes": n * PROBE_REQUEST, "engine": eng.name, "direct": eng.direct,
-            "how": f"{n * PROBE_REQUEST >> 20} MiB written then read in {PROBE_REQUEST >> 20} MiB "
+    r = swap_rates(io, nbytes, PROBE_REQUEST, max(nbytes, 1 << 20), "disk-probe")
+    return {"write_Bps": r.write_Bps, "read_Bps": r.read_Bps, "bytes": r.nbytes,
+            "engine": r.engine, "direct": r.direct,
+            "how": f"{r.nbytes >> 20} MiB written then read in {PROBE_REQUEST >> 20} MiB "
                    "requests, 4 in flight, before the engine was built"}
 
 

@@ -450,13 +450,19 @@ class OffloadEngine(nn.Module):
             with self._staged.new(gid, self.groups[gid].shard, self.dtype) as new:
                 res = self.optimizer.update(
                     {gid: grad}, params_out={gid: new}, masters=masters,
-                    loss_scale=self.loss_scale * self.cfg.engine.grad_accum_steps,
+                    loss_scale=self._grad_divisor,
                     grad_norm=norm, found_inf=False, next_pid=self._next_update.get(gid),
                     active={gid: active}, schedule_step=self.global_step)
         finally:
             if masters is not None:
                 self.store.unpin(pkey)
         self._count_opt_bytes(res.bytes_read, res.bytes_written)
+
+    @property
+    def _grad_divisor(self) -> float:
+        """What the stored gradients are divided by: the fp16 loss scale times the
+        micro-steps summed (the gradient is their mean)."""
+        return self.loss_scale * self.cfg.engine.grad_accum_steps
 
     def _count_opt_bytes(self, read: int, written: int) -> None:
         with self._io_lock:
@@ -487,17 +493,15 @@ class OffloadEngine(nn.Module):
                 to = self._grad_where if key[0] == "g" else self._memory_tier(key)
                 self.store.fetch(key, to=to, pin=True).wait()
                 pinned.append(key)
-        except BudgetExceededError as e:
+        except BaseException as e:
+            for key in pinned:
+                self.store.unpin(key)
+            if not isinstance(e, BudgetExceededError):
+                raise
             log.debug("step: updates staged, the groups do not fit in memory at once (%s)", e)
-            for key in pinned:
-                self.store.unpin(key)
             return False
-        except BaseException:
-            for key in pinned:
-                self.store.unpin(key)
-            raise
         try:
-            scale = self.loss_scale * self.cfg.engine.grad_accum_steps
+            scale = self._grad_divisor
             gpu = self.device.type != "cpu"
             for gid in gids:
                 pkey = ("p", gid)
@@ -619,7 +623,7 @@ class OffloadEngine(nn.Module):
         if failed is not None:
             raise failed
         gids = [g for g in sorted(self._has_grad) if ("g", g) in self.store]
-        scale = self.loss_scale * self.cfg.engine.grad_accum_steps
+        scale = self._grad_divisor
         norm, found_inf = self._grad_norm(gids, scale)
         if found_inf:
             self._abort_step()

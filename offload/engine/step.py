@@ -65,9 +65,6 @@ class StagedParams:
         self._home = home
         self._puts: dict[int, MoveHandle | None] = {}  # None: stored, nothing in flight
 
-    def __contains__(self, gid: int) -> bool:
-        return gid in self._puts
-
     def __len__(self) -> int:
         return len(self._puts)
 
