@@ -72,7 +72,8 @@ from pathlib import Path
 from ..config import IoConfig, OptimConfig, parse_bytes
 from .args import (CommandParser, UsageError, byte_size, choice_list, directory, integer, number,
                    run_command)
-from .benchutil import emit, proc_io, progress_printer, reset_hwm, scratch_dir, vm_hwm
+from .benchutil import (DiskProbe, emit, proc_io, progress_printer, reset_hwm, scratch_dir,
+                        vm_hwm)
 
 GiB = 1 << 30
 SYSTEMS = ("offload", "deepspeed")
@@ -283,76 +284,6 @@ def _worker_main(spec_json: str) -> int:
 
 
 # -- the parent: rounds of worker processes -----------------------------------------------
-class _DiskProbe:
-    """Times a write (with fdatasync) and then a read of `nbytes` through offload's I/O
-    engine with O_DIRECT, as the runs' swap traffic goes."""
-
-    def __init__(self, io_cfg: IoConfig, directory: str, nbytes: int) -> None:
-        import torch
-
-        from ..io import BufferPool, make_engine
-
-        self.engine = make_engine(io_cfg)
-        self.n = max(4096, nbytes // 4096 * 4096)
-        self.pool = BufferPool(self.n, pin=None)
-        self.buf = self.pool.alloc(self.n, tag="bench-step-disk")
-        # incompressible bytes: virtual disks turn zero writes into unmaps (see bench io)
-        self.buf.tensor[:] = torch.randint(0, 256, (self.n,), dtype=torch.uint8)
-        self.path = os.path.join(directory, "offload-bench-step-disk.dat")
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT
-                          | (os.O_DIRECT if self.engine.direct else 0), 0o600)
-        os.posix_fallocate(self.fd, 0, self.n)
-
-    def measure(self) -> tuple[float, float]:
-        """(write, read) bandwidth in bytes/s."""
-        t = time.perf_counter()
-        self.engine.write(self.fd, self.path, 0, self.buf.address, self.n,
-                          keepalive=self.buf).wait()
-        w = time.perf_counter() - t
-        t = time.perf_counter()
-        self.engine.read(self.fd, self.path, 0, self.buf.address, self.n,
-                         keepalive=self.buf).wait()
-        return self.n / w, self.n / (time.perf_counter() - t)
-
-    def measure_mixed(self, request: int, depth: int, seconds: float) -> float:
-        """Bytes/s of reads and writes together: `depth` requests of `request` bytes
-        each way kept in flight for `seconds` (reads from the first half of the file,
-        writes to the second), the traffic of the optimizer's chunk pipeline."""
-        request = max(4096, min(request, self.n // (4 * depth)) // 4096 * 4096)
-        half = self.n // 2
-        span = half // request * request
-        offsets = {"read": 0, "write": 0}
-        moved = 0
-
-        def issue(op: str, k: int):
-            off = offsets[op]
-            offsets[op] = (off + request) % span
-            addr = self.buf.address + k * request  # distinct slices of the probe buffer
-            if op == "read":
-                return self.engine.read(self.fd, self.path, off, addr, request,
-                                        keepalive=self.buf)
-            return self.engine.write(self.fd, self.path, half + off, addr, request,
-                                     keepalive=self.buf)
-        inflight = [(op, k, issue(op, k)) for k, op in enumerate(["read", "write"] * depth)]
-        t0 = time.perf_counter()
-        while time.perf_counter() - t0 < seconds:
-            op, k, h = inflight.pop(0)
-            h.wait()
-            moved += request
-            inflight.append((op, k, issue(op, k)))
-        elapsed = time.perf_counter() - t0
-        for _, _, h in inflight:
-            h.wait()
-        return moved / elapsed
-
-    def close(self) -> None:
-        os.close(self.fd)
-        os.unlink(self.path)
-        self.buf.release()
-        self.pool.close()
-        self.engine.close()
-
-
 def _spawn(spec: RunSpec, timeout: float) -> dict:
     """Runs one worker process; its result row, or {"error": why}."""
     root = str(Path(__file__).resolve().parents[2])  # the directory holding `offload/`
@@ -592,7 +523,7 @@ def _rounds(runs: dict[tuple[str, str], _Runs], work: str, base: dict, state: in
         if any(p in DISK_PLACEMENTS for _, p in runs):
             disk_n = min(parse_bytes(args.disk_size, "--disk-size"), max(64 << 20, state))
             _check_disk(work, 2 * state + disk_n + GiB)
-            probe = _DiskProbe(IoConfig(paths=[work]), work, disk_n)
+            probe = DiskProbe(IoConfig(paths=[work]), work, disk_n)
         for r in range(args.rounds):
             for one in runs.values():  # placement by placement, the systems alternating
                 if one.note:  # one that failed (or cannot run) said why once

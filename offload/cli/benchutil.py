@@ -1,5 +1,5 @@
-"""What every benchmark command shares: a scratch directory, its output, and the
-process counters (peak RSS, storage bytes) read from /proc."""
+"""What every benchmark command shares: a scratch directory, its output, the
+process counters (peak RSS, storage bytes) read from /proc, and the disk probes."""
 
 from __future__ import annotations
 
@@ -9,10 +9,13 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 from typing import Any, Callable, Iterator, NamedTuple
 
+from ..config import IoConfig
+
 __all__ = ["scratch_dir", "emit", "progress_printer", "vm_hwm", "reset_hwm", "proc_io",
-           "swap_rates"]
+           "swap_rates", "DiskProbe"]
 
 
 @contextlib.contextmanager
@@ -88,9 +91,6 @@ def swap_rates(io: dict[str, Any], nbytes: int, request: int, grow_step: int,
     written, then read, through offload's I/O engine and a swap space of its own
     (`io`: the run's io section, so its engine, O_DIRECT and fdatasync), in
     `request`-byte transfers, four in flight."""
-    import time
-
-    from ..config import IoConfig
     from ..io import BufferPool, make_engine, open_swap
 
     cfg = IoConfig(**{**io, "grow_step": grow_step})
@@ -121,3 +121,73 @@ def swap_rates(io: dict[str, Any], nbytes: int, request: int, grow_step: int,
         pool.close(force=True)
         eng.close()
     return SwapRates(rates[0], rates[1], n * request, eng.name, eng.direct)
+
+
+class DiskProbe:
+    """Times a write (with fdatasync) and then a read of `nbytes` through offload's I/O
+    engine with O_DIRECT, as the runs' swap traffic goes."""
+
+    def __init__(self, io_cfg: IoConfig, directory: str, nbytes: int) -> None:
+        import torch
+
+        from ..io import BufferPool, make_engine
+
+        self.engine = make_engine(io_cfg)
+        self.n = max(4096, nbytes // 4096 * 4096)
+        self.pool = BufferPool(self.n, pin=None)
+        self.buf = self.pool.alloc(self.n, tag="bench-step-disk")
+        # incompressible bytes: virtual disks turn zero writes into unmaps (see bench io)
+        self.buf.tensor[:] = torch.randint(0, 256, (self.n,), dtype=torch.uint8)
+        self.path = os.path.join(directory, "offload-bench-step-disk.dat")
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT
+                          | (os.O_DIRECT if self.engine.direct else 0), 0o600)
+        os.posix_fallocate(self.fd, 0, self.n)
+
+    def measure(self) -> tuple[float, float]:
+        """(write, read) bandwidth in bytes/s."""
+        t = time.perf_counter()
+        self.engine.write(self.fd, self.path, 0, self.buf.address, self.n,
+                          keepalive=self.buf).wait()
+        w = time.perf_counter() - t
+        t = time.perf_counter()
+        self.engine.read(self.fd, self.path, 0, self.buf.address, self.n,
+                         keepalive=self.buf).wait()
+        return self.n / w, self.n / (time.perf_counter() - t)
+
+    def measure_mixed(self, request: int, depth: int, seconds: float) -> float:
+        """Bytes/s of reads and writes together: `depth` requests of `request` bytes
+        each way kept in flight for `seconds` (reads from the first half of the file,
+        writes to the second), the traffic of the optimizer's chunk pipeline."""
+        request = max(4096, min(request, self.n // (4 * depth)) // 4096 * 4096)
+        half = self.n // 2
+        span = half // request * request
+        offsets = {"read": 0, "write": 0}
+        moved = 0
+
+        def issue(op: str, k: int):
+            off = offsets[op]
+            offsets[op] = (off + request) % span
+            addr = self.buf.address + k * request  # distinct slices of the probe buffer
+            if op == "read":
+                return self.engine.read(self.fd, self.path, off, addr, request,
+                                        keepalive=self.buf)
+            return self.engine.write(self.fd, self.path, half + off, addr, request,
+                                     keepalive=self.buf)
+        inflight = [(op, k, issue(op, k)) for k, op in enumerate(["read", "write"] * depth)]
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            op, k, h = inflight.pop(0)
+            h.wait()
+            moved += request
+            inflight.append((op, k, issue(op, k)))
+        elapsed = time.perf_counter() - t0
+        for _, _, h in inflight:
+            h.wait()
+        return moved / elapsed
+
+    def close(self) -> None:
+        os.close(self.fd)
+        os.unlink(self.path)
+        self.buf.release()
+        self.pool.close()
+        self.engine.close()
