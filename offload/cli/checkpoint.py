@@ -116,7 +116,7 @@ def export_safetensors(reader: CheckpointReader, out: str | os.PathLike, *,
     weights are written once, under their first name. Returns the files."""
     from safetensors.torch import save_file
 
-    from ..engine.training_checkpoint import TORCH_DTYPES, to_torch
+    from ..engine.training_checkpoint import TORCH_DTYPES
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     if any(out.glob("*.safetensors")) or (out / "model.safetensors.index.json").exists():
@@ -147,7 +147,7 @@ def export_safetensors(reader: CheckpointReader, out: str | os.PathLike, *,
             t = reader.tensors[name]
             kind, dt = kind_and_dtype(t)
             flat = reader.read_range(kind, name, 0, math.prod(t["shape"]))
-            tensors[name] = to_torch(flat, TORCH_DTYPES[dt]).reshape(t["shape"]).contiguous()
+            tensors[name] = flat.to(TORCH_DTYPES[dt]).reshape(t["shape"]).contiguous()
             weight_map[name] = fname
             total_bytes += tensors[name].numel() * tensors[name].element_size()
         save_file(tensors, str(out / fname), metadata={"format": "pt"})

@@ -168,6 +168,9 @@ def initialize(model: nn.Module | Callable[[], nn.Module],
         else:
             store.close()
         raise
+    finally:
+        if resumed is not None:
+            resumed.close()
     total = sum(g.numel for g in groups)
     log.info("offload: %d parameters in %d groups over %d units, world %d, %s compute, "
              "params on %s, grads on %s, optimizer state on %s", total, len(groups), len(units),

@@ -4,27 +4,23 @@ verified, and the placement of a rank's partitions on resume."""
 
 from __future__ import annotations
 
+import json
 import math
 import os
-import re
 from pathlib import Path
 from typing import Any, Callable
 
-import numpy as np
 import torch
 
-from .training_checkpoint import (_DTYPE_NAMES, FORMAT, PARTIAL, RECORD, CheckpointCorruptError,
-                                  CheckpointError, _chunk_elems, _context, _rank_range,
-                                  _read_json, _spec, _stored_shape, _ts, flat_boxes,
-                                  is_committed, set_rng_state, to_torch)
+from ..io import host_copy
+from .checkpoint_chunks import CRC_BYTES, ChunkFileError, ChunkFiles, chunk_key
+from .training_checkpoint import (_DTYPE_NAMES, FORMAT, PARTIAL, RECORD, TORCH_DTYPES,
+                                  CheckpointCorruptError, CheckpointError,
+                                  _context, _max_chunk_bytes, _rank_range, _read_json, _spec,
+                                  _stored_shape, _ts, is_committed, set_rng_state)
 from .units import Group, Slot
 
 __all__ = ["CheckpointReader"]
-
-
-def _chunk_of(e: BaseException) -> str:
-    m = re.search(r"/c/([0-9/]+)", str(e))
-    return f"chunk ({', '.join(m.group(1).split('/'))})" if m else "a chunk"
 
 
 class CheckpointReader:
@@ -49,7 +45,8 @@ class CheckpointReader:
         self._alias = {a: name for name, t in self.tensors.items()
                        for a in [name] + list(t["aliases"])}
         self._arrays: dict = {}
-        self._context = _context()
+        self._files: ChunkFiles | None = None
+        self._chunks: dict[tuple[str, str], int] = {}  # (kind, name) -> elements per chunk
         self._steps: dict[int, int] = {}  # saved group -> its step count (rank 0's)
         self._param_steps: dict[str, int] = {}  # parameter -> its own update count
         for r in reversed(rec["ranks"]):
@@ -113,43 +110,108 @@ class CheckpointReader:
                                       f"ranks' ranges {spans}")
 
     def _array(self, kind: str, name: str):
+        """The array through tensorstore (for tests and tools that want its view)."""
         key = (kind, name)
         if key not in self._arrays:
             try:
                 spec = {**_spec(self.path, kind, name), "fill_missing_data_reads": False}
-                self._arrays[key] = _ts().open(spec, open=True, context=self._context).result()
+                self._arrays[key] = _ts().open(spec, open=True, context=_context()).result()
             except Exception as e:
                 raise CheckpointCorruptError(f"checkpoint {self.path}: cannot open array "
                                              f"{kind}/{name}: {e}") from e
         return self._arrays[key]
 
-    def read_range(self, kind: str, name: str, a: int, b: int) -> np.ndarray:
-        """Elements [a, b) (C order) of array `kind/name`, 1-D; checksums verified."""
-        arr = self._array(kind, name)
-        shape = tuple(_stored_shape(tuple(self.tensors[name]["shape"])))
-        parts = []
-        for idx, _x, _y in flat_boxes(shape, a, b):
+    def _chunk_elems(self, kind: str, name: str) -> int:
+        """Elements per chunk of array `kind/name`, as its metadata says (the save's
+        chunk size, which need not be this version's)."""
+        key = (kind, name)
+        if key not in self._chunks:
+            meta = self.path / kind / name / "zarr.json"
             try:
-                parts.append(arr[idx].read().result().reshape(-1))
-            except Exception as e:
-                raise CheckpointCorruptError(
-                    f"checkpoint {self.path}: array {kind}/{name}, {_chunk_of(e)}: cannot be "
-                    f"read back intact ({e}); the checkpoint is damaged: resume from another"
-                ) from e
-        return np.concatenate(parts) if parts else np.empty(0)
+                shape = json.loads(meta.read_text())["chunk_grid"]["configuration"]["chunk_shape"]
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                raise CheckpointCorruptError(f"checkpoint {self.path}: array {kind}/{name}: "
+                                             f"no readable chunk shape in {meta} ({e})") from e
+            self._chunks[key] = math.prod(shape)
+        return self._chunks[key]
+
+    def _chunk_files(self, chunk_bytes: int) -> ChunkFiles:
+        """The reader's chunk I/O, with buffers for chunks of `chunk_bytes`."""
+        if self._files is not None and self._files.capacity < chunk_bytes + CRC_BYTES:
+            self.close()  # a checkpoint saved with larger chunks than this version's
+        if self._files is None:
+            self._files = ChunkFiles(self.path, max(chunk_bytes, _max_chunk_bytes(self.tensors)),
+                                     existing=self.path / RECORD)
+        return self._files
+
+    def close(self) -> None:
+        """Frees the reader's I/O engine and buffers (it reopens them if used again)."""
+        if self._files is not None:
+            self._files.close()
+            self._files = None
+
+    def read_into(self, items: list[tuple[str, str, int, int, torch.Tensor | None]]) -> None:
+        """For each (kind, name, a, b, out): out[:] = elements [a, b) (C order) of array
+        `kind/name` (`out` None: read and checked only), every chunk's checksum
+        verified; the chunks are read several at a time and copied on the chunk
+        threads ([Note: chunk files])."""
+        todo = []  # (kind, name, dtype, ce, ndim, a, b, out, k) per chunk
+        for kind, name, a, b, out in items:
+            t = self.tensors[name]
+            if kind not in t["kinds"]:
+                raise CheckpointError(f"checkpoint {self.path}: tensor {name!r} has no "
+                                      f"{kind!r} array (it has {sorted(t['kinds'])})")
+            dtype = TORCH_DTYPES[t["kinds"][kind]]
+            ce = self._chunk_elems(kind, name)
+            ndim = len(_stored_shape(tuple(t["shape"])))
+            todo += [(kind, name, dtype, ce, ndim, a, b, out, k)
+                     for k in range(a // ce, (b - 1) // ce + 1) if a < b]
+        if not todo:
+            return
+
+        def consume(i: int, raw: torch.Tensor) -> None:
+            _kind, _name, dtype, ce, _ndim, a, b, out, k = todo[i]
+            if out is not None:
+                x, y = max(a, k * ce), min(b, (k + 1) * ce)
+                host_copy(out[x - a:y - a], raw.view(dtype)[x - k * ce:y - k * ce])
+        chunks = [(str(self.path / kind / name / chunk_key(ndim, k)), ce * dtype.itemsize)
+                  for kind, name, dtype, ce, ndim, _a, _b, _out, k in todo]
+        files = self._chunk_files(max(n for _p, n in chunks))
+        try:
+            files.read(chunks, consume)
+        except ChunkFileError as e:
+            kind, name, _dt, _ce, ndim, _a, _b, _out, k = todo[e.index]
+            raise CheckpointCorruptError(
+                f"checkpoint {self.path}: array {kind}/{name}, chunk "
+                f"({', '.join([str(k)] + ['0'] * (ndim - 1))}): cannot be read back intact "
+                f"({e.why}); the checkpoint is damaged: resume from another") from e
+
+    def read_range(self, kind: str, name: str, a: int, b: int) -> torch.Tensor:
+        """Elements [a, b) (C order) of array `kind/name`, 1-D, in the array's dtype;
+        checksums verified."""
+        out = torch.empty(max(0, b - a), dtype=TORCH_DTYPES[self.tensors[name]["kinds"].get(
+            kind, "float32")])
+        self.read_into([(kind, name, a, b, out)])
+        return out
 
     def read_shard(self, kind: str, g: Group, rank: int, dtype: torch.dtype) -> torch.Tensor:
         """`rank`'s partition of group `g` (of this model's layout) of `kind`; padding is
         zero. `master` falls back to `param` where the master was the parameter."""
-        out = torch.zeros(g.shard, dtype=dtype)
+        out = torch.empty(g.shard, dtype=dtype)
+        items = []
+        filled = 0  # out[:filled] is spoken for; the gaps between slots are padding: zeros
         for s in g.slots:
             a, b = _rank_range(g, s, rank)
             if a >= b:
                 continue
             name = self.name_of(s)
             k = kind if kind in self.tensors[name]["kinds"] else "param"
-            base = s.offset + a - rank * g.shard
-            out[base:base + b - a] = to_torch(self.read_range(k, name, a, b), dtype)
+            base = s.offset - rank * g.shard
+            out[filled:base + a].zero_()
+            items.append((k, name, a, b, out[base + a:base + b]))
+            filled = base + b
+        out[filled:].zero_()
+        self.read_into(items)
         return out
 
     def step_of(self, g: Group) -> int:
@@ -203,13 +265,11 @@ class CheckpointReader:
         problems = []
         for name, t in self.tensors.items():
             n = math.prod(t["shape"])
-            ce = _chunk_elems(tuple(t["shape"]))
             for kind in t["kinds"]:
                 if progress is not None:
                     progress(f"{kind}/{name}")
                 try:
-                    for lo in range(0, n, ce):
-                        self.read_range(kind, name, lo, min(n, lo + ce))
+                    self.read_into([(kind, name, 0, n, None)])
                 except CheckpointError as e:
                     problems.append(str(e))
         return problems

@@ -82,7 +82,9 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from ..io import host_copy
 from ..store import Tier
+from .checkpoint_chunks import ChunkFiles, chunk_key, syncfs
 from .units import Group, Slot
 
 log = logging.getLogger(__name__)
@@ -113,7 +115,6 @@ def _ts():
 
 
 IO_THREADS = 16  # files written, read or fsynced at once
-IN_FLIGHT_BYTES = 4 * 4 * CHUNK_ELEMS  # bytes of writes a save lets wait in tensorstore (4 chunks)
 
 
 def _context():
@@ -161,10 +162,11 @@ def _stored_shape(shape: tuple[int, ...]) -> list[int]:
 
 
 def _chunk_elems(shape: tuple[int, ...]) -> int:
-    """Flat elements per chunk: whole rows of dimension 0."""
+    """Flat elements per chunk: whole rows of dimension 0, about `CHUNK_ELEMS` (all
+    the rows where the array has fewer)."""
     s = _stored_shape(shape)
-    row = math.prod(s[1:])
-    return max(1, CHUNK_ELEMS // max(1, row)) * max(1, row)
+    row = max(1, math.prod(s[1:]))
+    return max(1, min(CHUNK_ELEMS // row, s[0])) * row
 
 
 def _box_shape(idx: tuple[slice, ...]) -> tuple[int, ...]:
@@ -209,23 +211,19 @@ def _to_numpy(t: torch.Tensor) -> np.ndarray:
     return t.numpy()
 
 
-def to_torch(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-    if a.dtype.name == "bfloat16":
-        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16).to(dtype)
-    return torch.from_numpy(a).to(dtype)
-
-
 def _spec(root: Path, kind: str, name: str, shape: tuple[int, ...] | None = None,
           dtype: str | None = None) -> dict:
     spec: dict[str, Any] = {"driver": "zarr3",
-                            "kvstore": {"driver": "file", "path": str(root / kind / name)}}
+                            "kvstore": {"driver": "file", "path": str(root / kind / name)},
+                            # a chunk of zeros is a file like any other: a missing one is damage
+                            "store_data_equal_to_fill_value": True}
     if shape is not None:
         s = _stored_shape(shape)
         rows = _chunk_elems(shape) // max(1, math.prod(s[1:]))
         spec["metadata"] = {
             "shape": s, "data_type": dtype,
             "chunk_grid": {"name": "regular",
-                           "configuration": {"chunk_shape": [max(1, min(rows, s[0]))] + s[1:]}},
+                           "configuration": {"chunk_shape": [rows] + s[1:]}},
             "codecs": [{"name": "bytes", "configuration": {"endian": "little"}},
                        {"name": "crc32c"}]}
     return spec
@@ -241,8 +239,12 @@ def _fsync_path(p: Path) -> None:
 
 
 def _fsync_tree(root: Path) -> None:
-    """fsync of every file under `root` (several at once: the disk writes them back
-    in parallel), then of every directory, deepest first, `root` last."""
+    """Makes every file and directory under `root` durable: one `syncfs` of its file
+    system where the C library has it, else an fsync of every file (several at
+    once: the disk writes them back in parallel), then of every directory, deepest
+    first, `root` last."""
+    if syncfs(root):
+        return
     files, dirs = [], []
     for dirpath, _dirs, names in os.walk(root, topdown=False):
         files += [Path(dirpath, f) for f in names]
@@ -373,35 +375,49 @@ def _tensor_table(engine: Any) -> dict[str, dict[str, Any]]:
     return table
 
 
-class _GroupWriter:
-    """Writes one rank's partition of one group into the arrays, range by range."""
+class _OpenChunk:
+    """A chunk being assembled in an aligned buffer: chunk `k` of its array, `numel`
+    elements of data (fewer than the chunk's at the array's end), `filled` so far
+    (scheduled), `pending` copies into it not yet done, and `path`, set once its
+    last piece is scheduled: the copy that finishes last writes it."""
 
-    def __init__(self, root: Path, g: Group, rank: int, arrays: dict, context) -> None:
+    __slots__ = ("k", "buf", "numel", "nbytes", "filled", "pending", "path")
+
+    def __init__(self, k: int, buf: Any, numel: int, nbytes: int) -> None:
+        self.k, self.buf, self.numel, self.nbytes = k, buf, numel, nbytes
+        self.filled = self.pending = 0
+        self.path: str | None = None
+
+
+class _GroupWriter:
+    """Writes one rank's partition of one group into the arrays, range by range: a
+    chunk only this rank writes is assembled in an aligned buffer (the copies on
+    the chunk threads) and written whole as its file ([Note: chunk files]); a chunk
+    another rank writes too is written through tensorstore in rank turns
+    (`finish`)."""
+
+    def __init__(self, root: Path, g: Group, rank: int, arrays: dict, context,
+                 files: ChunkFiles, table: dict) -> None:
         self.root, self.g, self.rank, self.arrays = root, g, rank, arrays
-        self.context = context
-        self.commits: list = []
-        self.copies: list = []
-        self.in_flight = 0  # bytes given to tensorstore whose write is not done
-        self.pending: dict[tuple[str, str], tuple[int, list, int]] = {}  # _gather
-        self.slots: dict[tuple[str, str], Slot] = {}
+        self.context, self.files, self.table = context, files, table
+        self.open: dict[tuple[str, str], _OpenChunk] = {}
         self.shared: list[tuple[str, Slot, int, np.ndarray]] = []  # written in rank turns
+        self.copies: list = []  # futures of the copies of the current `write`
+        self.lock = threading.Lock()
         self.bytes = 0
 
-    def _array(self, kind: str, name: str):
-        key = (kind, name)
-        if key not in self.arrays:
-            self.arrays[key] = _ts().open(_spec(self.root, kind, name), open=True,
-                                          context=self.context).result()
-        return self.arrays[key]
+    def write(self, lo: int, values: dict[str, torch.Tensor]) -> None:
+        """`values`: kind -> the rank's partition-local elements [lo, lo + len) of it;
+        copied before this returns (the tensors may be reused buffers)."""
+        try:
+            for kind, v in values.items():
+                self._write(kind, lo, v)
+        finally:
+            copies, self.copies = self.copies, []
+            for f in copies:
+                f.result()
 
-    def write(self, kind: str, lo: int, values: torch.Tensor) -> None:
-        """`values`: the rank's partition-local elements [lo, lo + len) of `kind`;
-        given to tensorstore a few chunks at a time (see `_copied`)."""
-        piece = 4 * CHUNK_ELEMS
-        if values.numel() > piece:
-            for o in range(0, values.numel(), piece):
-                self.write(kind, lo + o, values[o:o + piece])
-            return
+    def _write(self, kind: str, lo: int, values: torch.Tensor) -> None:
         base = self.rank * self.g.shard + lo
         end = base + values.numel()
         for s in self.g.slots:
@@ -410,80 +426,82 @@ class _GroupWriter:
                 if x >= y:
                     continue
                 piece = values[s.offset + x - base:s.offset + y - base]
-                if shared:  # held until this rank's turn (a copy: `values` is a buffer)
+                if shared:  # held until this rank's turn
                     self.shared.append((kind, s, x, _to_numpy(piece.clone())))
                 else:
-                    self._gather(kind, s, x, piece)
-        self._copied()
+                    self._fill(kind, s, x, piece)
 
-    def _gather(self, kind: str, s: Slot, x: int, piece: torch.Tensor) -> None:
-        """Collects the slot's consecutive pieces (a copy: `piece` may be a reused
-        buffer) and writes whole chunks: a chunk written piece by piece would be
-        read, changed and rewritten once per piece."""
+    def _fill(self, kind: str, s: Slot, x: int, piece: torch.Tensor) -> None:
+        """Schedules the copies of the slot-local elements [x, x + len) into their
+        chunks' buffers. This rank's own chunks arrive in order from their first
+        element (`_segments` cuts ranges at shared chunks)."""
         key = (kind, s.fqn)
-        start, parts, n = self.pending.get(key, (x, [], 0))
-        if start + n != x:  # not the continuation: what was collected goes first
-            self._flush(key)
-            start, parts, n = x, [], 0
-        parts.append(_to_numpy(piece.clone()))
-        n += piece.numel()
-        ce = _chunk_elems(tuple(s.shape))
-        cut = (start + n) // ce * ce  # the last chunk boundary reached
-        if cut > start:
-            data = np.concatenate(parts) if len(parts) > 1 else parts[0]
-            self._put(kind, s, start, data[:cut - start])
-            rest = data[cut - start:]
-            parts, start, n = ([rest] if rest.size else []), cut, rest.size
-        self.pending[key] = (start, parts, n)
-        self.slots[key] = s
+        shape = tuple(s.shape)
+        ce = _chunk_elems(shape)
+        total = math.prod(_stored_shape(shape))
+        dtype = TORCH_DTYPES[self.table[s.fqn]["kinds"][kind]]
+        while piece.numel():
+            k, off = divmod(x, ce)
+            cur = self.open.get(key)
+            if cur is None and off == 0:
+                cur = self.open[key] = _OpenChunk(k, self.files.buffer(),
+                                                  min(ce, total - k * ce), ce * dtype.itemsize)
+            if cur is None or cur.k != k or cur.filled != off:
+                raise RuntimeError(f"checkpoint of {kind}/{s.fqn}: element {x} arrived out of "
+                                   f"order (chunk {k} at {off}; open: "
+                                   f"{None if cur is None else (cur.k, cur.filled)})")
+            n = min(piece.numel(), cur.numel - off)
+            dst = cur.buf.as_tensor(dtype, ce)[off:off + n]
+            cur.filled += n
+            with self.lock:
+                cur.pending += 1
+                if cur.filled == cur.numel:
+                    del self.open[key]
+                    cur.path = str(self.root / kind / s.fqn /
+                                   chunk_key(len(_stored_shape(shape)), k))
+            self.copies.append(self.files.submit(self._copy, cur, dst, piece[:n], dtype, ce))
+            self.bytes += n * dtype.itemsize
+            x += n
+            piece = piece[n:]
 
-    def _flush(self, key: tuple[str, str]) -> None:
-        start, parts, n = self.pending.pop(key, (0, [], 0))
-        if n:
-            self._put(key[0], self.slots[key], start,
-                      np.concatenate(parts) if len(parts) > 1 else parts[0])
-
-    def _copied(self) -> None:
-        """Waits until tensorstore has copied every source given so far (the copies
-        run in parallel on its threads; the writes go on after), and for the writes
-        too once more than `IN_FLIGHT_BYTES` wait in its buffers: a save holds at most
-        that much beyond the chunk being read."""
-        for c in self.copies:
-            c.result()
-        self.copies.clear()
-        if self.in_flight > IN_FLIGHT_BYTES:
-            self._committed()
-
-    def _committed(self) -> None:
-        for c in self.commits:
-            c.result()
-        self.commits.clear()
-        self.in_flight = 0
+    def _copy(self, cur: _OpenChunk, dst: torch.Tensor, src: torch.Tensor, dtype: torch.dtype,
+              ce: int) -> None:
+        """On a chunk thread: one piece into its chunk; the last copy writes the chunk."""
+        host_copy(dst, src)
+        with self.lock:
+            cur.pending -= 1
+            ready = cur.pending == 0 and cur.path is not None
+        if ready:
+            if cur.numel < ce:  # the array's last chunk: zeros (the fill value) after it
+                cur.buf.as_tensor(dtype, ce)[cur.numel:].zero_()
+            self.files.write(cur.path, cur.buf, cur.nbytes)
 
     def _put(self, kind: str, s: Slot, x: int, data: np.ndarray) -> None:
-        arr = self._array(kind, s.fqn)
+        """Writes a shared chunk's part through tensorstore (read, change, write)."""
+        key = (kind, s.fqn)
+        if key not in self.arrays:
+            self.arrays[key] = _ts().open(_spec(self.root, kind, s.fqn), open=True,
+                                          context=self.context).result()
+        arr = self.arrays[key]
         shape = tuple(_stored_shape(tuple(s.shape)))
-        for idx, a, b in flat_boxes(shape, x, x + data.size):
-            fut = arr[idx].write(data[a - x:b - x].reshape(_box_shape(idx)))
-            self.copies.append(fut.copy)
-            self.commits.append(fut.commit)
-        self.in_flight += data.nbytes
+        futs = [arr[idx].write(data[a - x:b - x].reshape(_box_shape(idx)))
+                for idx, a, b in flat_boxes(shape, x, x + data.size)]
+        for f in futs:
+            f.result()
         self.bytes += data.nbytes
 
     def finish(self, barrier: Callable[[], None], world: int) -> None:
-        """Waits for this rank's writes; then the shared chunks, one rank at a time."""
-        for key in list(self.pending):
-            self._flush(key)
-        self._copied()
-        self._committed()
+        """Checks this rank's chunks are all written (started); then writes the shared
+        chunks, one rank at a time."""
+        if self.open:
+            raise RuntimeError(f"checkpoint of group {self.g.gid}: chunks left incomplete: "
+                               f"{ {k: (c.k, c.filled, c.numel) for k, c in self.open.items()} }")
         if world == 1:
             return
         for turn in range(world):
             if turn == self.rank:
                 for kind, s, x, data in self.shared:
                     self._put(kind, s, x, data)
-                self._copied()
-                self._committed()
             barrier()
         self.shared.clear()
 
@@ -559,7 +577,7 @@ class _SaveJob:
                 for key, f in futs:
                     arrays[key] = f.result()
             comm.barrier()
-            written, steps = _write_partitions(engine, comm, tmp, arrays, context)
+            written, steps = _write_partitions(engine, comm, tmp, arrays, context, self.table)
             _write_json(tmp / "ranks" / f"{rank}.json", {
                 "rank": rank, "steps": {str(k): v for k, v in steps.items()},
                 "param_steps": self.param_steps, "rng": self.rng,
@@ -637,27 +655,36 @@ def _param_steps(engine: Any) -> dict[str, int]:
     return out
 
 
-def _write_partitions(engine: Any, comm: Any, root: Path, arrays: dict, context
+def _max_chunk_bytes(table: dict) -> int:
+    return max([_chunk_elems(tuple(t["shape"])) * TORCH_DTYPES[d].itemsize
+                for t in table.values() for d in t["kinds"].values()] or [1])
+
+
+def _write_partitions(engine: Any, comm: Any, root: Path, arrays: dict, context, table: dict
                       ) -> tuple[int, dict[int, int]]:
     """Each group's partition of this rank: the parameters through the store (fetch,
     pin, read, unpin), the optimizer state streamed chunk by chunk in its committed
-    version. Returns (bytes written, each group's step count)."""
+    version, into chunk files written with O_DIRECT ([Note: chunk files]). Returns
+    (bytes written, each group's step count) once every write is done."""
     written = 0
     steps = {}
     rank, world = comm.rank, comm.world
-    for g in engine.groups:
-        w = _GroupWriter(root, g, rank, arrays, context)
-        key = ("p", g.gid)
-        p = engine.store.fetch(key, to=Tier.HOST, pin=True).wait()
-        try:
-            w.write("param", 0, p.cpu())
-        finally:
-            engine.store.unpin(key)
-        if g.requires_grad:
-            steps[g.gid] = engine.optimizer.read_state_chunks(
-                g.gid, lambda lo, _n, ts: [w.write(k, lo, t) for k, t in ts.items()])
-        w.finish(comm.barrier, world)
-        written += w.bytes
+    # a chunk per kind may be open while its group's ranges arrive, one more per slot edge
+    with ChunkFiles(root, _max_chunk_bytes(table), held=len(KINDS) + 1) as files:
+        for g in engine.groups:
+            w = _GroupWriter(root, g, rank, arrays, context, files, table)
+            key = ("p", g.gid)
+            p = engine.store.fetch(key, to=Tier.HOST, pin=True).wait()
+            try:
+                w.write(0, {"param": p.cpu()})
+            finally:
+                engine.store.unpin(key)
+            if g.requires_grad:
+                steps[g.gid] = engine.optimizer.read_state_chunks(
+                    g.gid, lambda lo, _n, ts: w.write(lo, ts))
+            w.finish(comm.barrier, world)
+            written += w.bytes
+        files.finish()
     return written, steps
 
 

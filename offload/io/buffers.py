@@ -43,6 +43,20 @@ _MAP_FLAGS = {"flags": mmap.MAP_PRIVATE} if hasattr(mmap, "MAP_PRIVATE") else {}
 #     outside the budget) rather than dangling.
 
 
+def host_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst[:] = src. Between contiguous CPU tensors of one dtype, one memcpy on the
+    calling thread: torch's `copy_` splits a large copy over its intra-op threads,
+    which made it 30 times slower on 2 cores busy with other work (0.35 against
+    13 GB/s for 4 MiB copies). Anything else goes to `copy_`."""
+    if (dst.dtype != src.dtype or dst.device.type != "cpu" or src.device.type != "cpu"
+            or not (dst.is_contiguous() and src.is_contiguous())):
+        dst.copy_(src)
+        return
+    if dst.shape != src.shape:
+        raise ValueError(f"host_copy: shapes differ: {tuple(dst.shape)} <- {tuple(src.shape)}")
+    np.copyto(dst.reshape(-1).view(torch.uint8).numpy(), src.reshape(-1).view(torch.uint8).numpy())
+
+
 def _round_up(n: int, alignment: int) -> int:
     return (n + alignment - 1) // alignment * alignment
 

@@ -49,6 +49,7 @@ class _Block(NamedTuple):
     handle: IoHandle
     seg: Segment
     sync_fds: tuple[int, ...]  # files to fdatasync once the handle's last block is written
+    expect: int  # bytes the block must transfer: its length, less what lies past `eof`
 
 
 class _Sync(NamedTuple):
@@ -89,8 +90,11 @@ class IoEngine(abc.ABC):
 
     # -- public ----------------------------------------------------------------
     def submit(self, op: str, segments: Sequence[Segment], *, keepalive: object = None,
-               sync: bool | None = None) -> IoHandle:
-        """Starts a read or write of all `segments`; returns its handle at once."""
+               sync: bool | None = None, eof: int | None = None) -> IoHandle:
+        """Starts a read or write of all `segments`; returns its handle at once. `eof`
+        (reads only): the file's length, where a segment rounded up to the O_DIRECT
+        alignment reaches past the file's end; the bytes past it are not read and the
+        read is whole without them."""
         if op not in ("read", "write"):
             raise ValueError(f"op must be 'read' or 'write', got {op!r}")
         if self._closed:
@@ -109,8 +113,10 @@ class IoEngine(abc.ABC):
                                  f"{DIRECT_ALIGN}; use buffers from BufferPool")
             for off in range(0, seg.length, self.block_size):
                 n = min(self.block_size, seg.length - off)
-                blocks.append(_Block(handle, Segment(seg.fd, seg.path, seg.offset + off,
-                                                     seg.address + off, n), fds))
+                at = seg.offset + off
+                want = n if eof is None or op != "read" else max(0, min(n, eof - at))
+                blocks.append(_Block(handle, Segment(seg.fd, seg.path, at, seg.address + off, n),
+                                     fds, want))
         handle._add_blocks(len(blocks))
         token = self.recorder.async_begin(op, "io", f"io:{self.name}", {
             "bytes": total, "path": first.path if first else ""})
@@ -123,8 +129,9 @@ class IoEngine(abc.ABC):
         return handle
 
     def read(self, fd: int, path: str, offset: int, address: int, length: int, *,
-             keepalive: object = None) -> IoHandle:
-        return self.submit("read", [Segment(fd, path, offset, address, length)], keepalive=keepalive)
+             keepalive: object = None, eof: int | None = None) -> IoHandle:
+        return self.submit("read", [Segment(fd, path, offset, address, length)], keepalive=keepalive,
+                           eof=eof)
 
     def write(self, fd: int, path: str, offset: int, address: int, length: int, *,
               keepalive: object = None, sync: bool | None = None) -> IoHandle:
@@ -146,9 +153,9 @@ class IoEngine(abc.ABC):
         op = block.handle.op
         if res < 0:
             return IoError(op, seg.path, seg.offset, seg.length, -res)
-        if res != seg.length:
+        if res != block.expect:
             return IoError(op, seg.path, seg.offset, seg.length, None,
-                           f"{res} of {seg.length} bytes transferred"
+                           f"{res} of {block.expect} bytes transferred"
                            + ("; the file ends before this range" if op == "read" else ""))
         return None
 

@@ -45,7 +45,7 @@ from typing import Hashable, Iterator
 import torch
 
 from ..config import OffloadConfig, load_config
-from ..io import BufferPool, IoEngine, SwapSpace, make_engine
+from ..io import BufferPool, IoEngine, SwapSpace, host_copy, make_engine
 from ..trace import NULL_RECORDER, TraceRecorder
 from .budget import StoreStats
 from .copy import DeviceTier, resolve_device
@@ -143,7 +143,7 @@ class TieredStore(MoveExecutor):
             raise TypeError(f"put({key!r}) needs a torch.Tensor, got {type(tensor).__name__}")
         with self._creating(key, tensor.numel(), tensor.dtype, kind, tier, cache,
                             write) as (new, move):
-            new.copy_(tensor.detach().reshape(-1))
+            host_copy(new, tensor.detach().reshape(-1))
         return move
 
     @contextlib.contextmanager

@@ -4,7 +4,6 @@ corrupted bytes on disk, an exception in the user's backward or forward."""
 
 import copy
 import os
-import subprocess
 import uuid
 
 import pytest
@@ -188,28 +187,6 @@ def test_training_loop_semantics_match_torch(engine_cfg):
             torch.testing.assert_close(sd[k], v, atol=2e-6, rtol=0)
     finally:
         engine.close()
-
-
-@pytest.fixture
-def small_fs(tmp_path):
-    """make(size_mib) -> a directory on a fresh ext4 file system of that size, loop
-    mounted (unmounted after the test); skips where mounting is not allowed."""
-    mounts = []
-
-    def make(size_mib: int) -> str:
-        image, mnt = tmp_path / f"fs{len(mounts)}.ext4", tmp_path / f"mnt{len(mounts)}"
-        mnt.mkdir()
-        subprocess.run(["truncate", "-s", f"{size_mib}M", str(image)], check=True)
-        subprocess.run(["mkfs.ext4", "-q", "-F", "-m", "0", str(image)], check=True, capture_output=True)
-        r = subprocess.run(["mount", "-o", "loop", str(image), str(mnt)], capture_output=True,
-                           text=True)
-        if r.returncode:
-            pytest.skip(f"cannot loop-mount an ext4 image here: {r.stderr.strip()}")
-        mounts.append(mnt)
-        return str(mnt)
-    yield make
-    for mnt in mounts:
-        subprocess.run(["umount", str(mnt)], check=False)
 
 
 def _fill(directory: str) -> str:

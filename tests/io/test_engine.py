@@ -100,6 +100,27 @@ def test_read_past_end_is_short_transfer_error(engine, pool, tmp_path):
     os.close(fd)
 
 
+@pytest.mark.parametrize("size", [4, 4100, (1 << 20) + 4, (2 << 20) + 8196])
+def test_read_to_a_known_end_of_file(engine, pool, tmp_path, size):
+    """A file whose length is not a block multiple is read whole in one request of the
+    rounded-up length when the engine is told where it ends (`eof`); a request that
+    still falls short of `eof` is an error."""
+    path = str(tmp_path / "odd")
+    data = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)
+    with open(path, "wb") as f:
+        f.write(data.tobytes())
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    padded = -(-size // DIRECT_ALIGN) * DIRECT_ALIGN
+    buf = pool.alloc(padded)
+    buf.numpy()[:] = 0
+    assert engine.read(fd, path, 0, buf.address, padded, keepalive=buf, eof=size).wait()
+    np.testing.assert_array_equal(buf.numpy()[:size], data)
+    with pytest.raises(IoError, match="file ends"):
+        engine.read(fd, path, 0, buf.address, padded, keepalive=buf, eof=size + 1).wait()
+    os.close(fd)
+    buf.release()
+
+
 def test_write_to_read_only_fd_raises_with_os_message(engine, pool, tmp_path):
     path, fd = _file(tmp_path, "ro", 65536)
     os.close(fd)
