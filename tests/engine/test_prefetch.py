@@ -1,0 +1,111 @@
+"""Prefetch: once a step has recorded the access trace, every later use of a streamed
+group finds its fetch issued ahead of it (not on demand at the use), read from the
+event trace as the report reads it (`prefetch_outcomes`)."""
+
+import collections
+
+import pytest
+import torch
+from torch import nn
+
+import offload
+from offload.trace import TraceRecorder
+from offload.trace.analysis import parse_trace, prefetch_outcomes
+from offload.trace.chrome import to_chrome_trace
+
+
+class Stack(nn.Module):
+    def __init__(self, dim: int = 256, layers: int = 6) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(dim, dim) for _ in range(layers))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+def _outcomes(tmp_path, params: str, depth: int) -> list[list[str]]:
+    """Per step, the outcome of each use of a parameter group (params on `params`, a
+    device budget for 3 of the 6 groups: each is fetched at every use)."""
+    cfg = {"engine": {"params": params, "grads": "host", "optimizer": "host",
+                      "group_size": 1, "prefetch_depth": depth},
+           "io": {"paths": [str(tmp_path / "swap")], "buffer_budget": "8MiB"},
+           "store": {"host_budget": "8MiB", "device_budget": "800KiB", "device": "cpu"}}
+    per_step = []
+    torch.manual_seed(0)
+    rec = TraceRecorder(enabled=True)
+    with offload.initialize(Stack(), cfg, recorder=rec) as e:
+        for _ in range(3):
+            rec.clear()
+            e.backward(e(torch.randn(8, 256)).square().mean())
+            e.step()
+            (rt,) = parse_trace(to_chrome_trace(rec))
+            per_step.append([u.outcome for u in prefetch_outcomes(rt)
+                             if u.key.startswith("('p'")])
+    return per_step
+
+
+@pytest.mark.parametrize("params", ["host", "nvme"])
+def test_after_the_first_step_no_use_fetches_on_demand(tmp_path, params):
+    first, *later = _outcomes(tmp_path, params, depth=2)
+    assert "on demand" in first  # step 1 has no access trace yet: nothing to go by
+    for outcomes in later:
+        counts = collections.Counter(outcomes)
+        assert counts["on demand"] == 0, counts
+        assert counts["in time"] + counts["late"] >= 6, counts  # fetched ahead
+
+
+def test_without_prefetch_every_streamed_use_fetches_on_demand(tmp_path):
+    """The same run with prefetch_depth 0: the test above can tell the difference."""
+    *_, last = _outcomes(tmp_path, "nvme", depth=0)
+    assert collections.Counter(last)["on demand"] >= 6, last
+
+
+class Routed(nn.Module):
+    """A different set and order of layers every step (`route`)."""
+
+    def __init__(self, dim: int = 128, n: int = 6) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(dim, dim) for _ in range(n))
+
+    def forward(self, x, route):
+        for i in route:
+            x = torch.tanh(self.layers[i](x))
+        return x
+
+
+@pytest.mark.parametrize("params,optimizer", [("device", "host"), ("host", "host"),
+                                              ("nvme", "nvme")])
+def test_every_step_diverging_from_the_trace_keeps_torchs_numbers(tmp_path, params, optimizer):
+    """Each step uses another route through the layers, so the plan (the previous
+    step's order) is wrong every time and prefetches what will not be used, under a
+    device budget for 2 of the 6 layers: the steps fall back to fetching on demand,
+    finish, and match torch AdamW."""
+    cfg = {"engine": {"params": params, "grads": "host", "optimizer": optimizer,
+                      "group_size": 1, "prefetch_depth": 3},
+           "optim": {"lr": 1e-2, "weight_decay": 0.1},
+           "io": {"paths": [str(tmp_path / "swap")], "buffer_budget": "8MiB"},
+           "store": {"host_budget": "8MiB", "device_budget": "200KiB", "device": "cpu"}}
+    torch.manual_seed(3)
+    ref = Routed()
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    g = torch.Generator().manual_seed(0)
+    routes = [[0, 1, 2], [5, 3], [2, 0, 4, 1], [1], [3, 4, 5, 0], [4, 2, 2, 0], [0, 5, 1, 3]]
+    with offload.initialize(Routed(), cfg) as e:
+        with torch.no_grad():
+            for i, layer in enumerate(ref.layers):  # the same start: torch's from the engine's
+                sd = e.state_dict()
+                layer.weight.copy_(sd[f"layers.{i}.weight"])
+                layer.bias.copy_(sd[f"layers.{i}.bias"])
+        for route in routes:
+            x = torch.randn(4, 128, generator=g)
+            e.backward(e(x, route).square().mean())
+            e.step()
+            opt.zero_grad()
+            ref(x, route).square().mean().backward()
+            opt.step()
+        assert e.trace.rerecords >= len(routes) - 2
+        got = e.state_dict()
+    for name, p in ref.named_parameters():  # a layer used twice sums its two gradients in
+        torch.testing.assert_close(got[name], p.detach(), atol=1e-5, rtol=0)  # another order
