@@ -194,10 +194,13 @@ class CheckpointReader:
         self.read_into([(kind, name, a, b, out)])
         return out
 
-    def read_shard(self, kind: str, g: Group, rank: int, dtype: torch.dtype) -> torch.Tensor:
-        """`rank`'s partition of group `g` (of this model's layout) of `kind`; padding is
-        zero. `master` falls back to `param` where the master was the parameter."""
-        out = torch.empty(g.shard, dtype=dtype)
+    def read_shard(self, kind: str, g: Group, rank: int, dtype: torch.dtype,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+        """`rank`'s partition of group `g` (of this model's layout) of `kind`, into `out`
+        (1-D, `g.shard` elements of `dtype`; default a new tensor); padding is zero.
+        `master` falls back to `param` where the master was the parameter."""
+        if out is None:
+            out = torch.empty(g.shard, dtype=dtype)
         items = []
         filled = 0  # out[:filled] is spoken for; the gaps between slots are padding: zeros
         for s in g.slots:
@@ -226,13 +229,15 @@ class CheckpointReader:
         padding), as `param_groups.segments_of` gives them; each range resumes at its
         parameter's own update count (padding's is 0: it never has a gradient)."""
         rank = engine.comm.rank
-        param = self.read_shard("param", g, rank, engine.dtype)
-        engine.store.put(("p", g.gid), param, kind="param", tier=engine._param_tier)
-        if g.requires_grad:
+        with engine.store.create(("p", g.gid), g.shard, engine.dtype, kind="param",
+                                 tier=engine._param_tier) as param:  # read in place: no copy
+            self.read_shard("param", g, rank, engine.dtype, out=param)
+            if not g.requires_grad:
+                return
             step = self.step_of(g)
             shared = engine.master_is_param  # fp32: the parameter partition is the master
             master = param if shared else self.read_shard("master", g, rank, torch.float32)
-            engine.optimizer.add_partition(
+            engine.optimizer.add_partition(  # master_is_param: `param` only gives the size
                 g.gid, master, tier=engine.cfg.engine.optimizer, master_is_param=shared,
                 exp_avg=self.read_shard("exp_avg", g, rank, torch.float32),
                 exp_avg_sq=self.read_shard("exp_avg_sq", g, rank, torch.float32),
