@@ -357,6 +357,13 @@ class EngineConfig:
     keep_checkpoints: int = _doc(0, "committed checkpoints kept in a save's directory (the "
                                  "highest steps; older ones are removed after a save); 0 "
                                  "keeps all")
+    reduce_dtype: Literal["fp32", "bf16", "fp16"] = _doc(
+        "fp32", "with several ranks: the dtype gradients are reduced across ranks in (bf16: "
+        "half the bytes of fp32 on the wire); each rank's reduced slice is accumulated in "
+        "fp32 either way, as FSDP2's MixedPrecisionPolicy(reduce_dtype=...)")
+    reductions_in_flight: int = _doc(2, "with several ranks: gradient reductions kept in "
+                                     "flight behind the backward of the next groups (each "
+                                     "holds a group's gradient until it completes)")
 
     def __post_init__(self) -> None:
         _normalise(self, "engine")
@@ -366,6 +373,9 @@ class EngineConfig:
             raise ConfigError(f"engine.grad_accum_steps: {self.grad_accum_steps} must be >= 1")
         if self.prefetch_depth < 0:
             raise ConfigError(f"engine.prefetch_depth: {self.prefetch_depth} must be >= 0")
+        if self.reductions_in_flight < 1:
+            raise ConfigError(f"engine.reductions_in_flight: {self.reductions_in_flight} must "
+                              "be >= 1 (1: each reduction waits for the one before it)")
         if self.loss_scale < 0:
             raise ConfigError(f"engine.loss_scale: {self.loss_scale} is negative; use 0 "
                               "(dynamic scaling) or a fixed scale such as 1024")

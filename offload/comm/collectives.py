@@ -79,25 +79,39 @@ class Collectives:
                                    async_op=True)
         return self._then(work, None, async_op, token)
 
-    def reduce_scatter_mean(self, full_grad: torch.Tensor, *,
-                            async_op: bool = False) -> tuple[Pending, torch.Tensor]:
+    def reduce_scatter_mean(self, full_grad: torch.Tensor, *, async_op: bool = False,
+                            out_dtype: torch.dtype | None = None) -> tuple[Pending, torch.Tensor]:
         """This rank's slice of the mean of `full_grad` over ranks: (handle, slice).
 
-        The slice is valid once the handle is waited on. `full_grad` may be
-        overwritten; with a world of 1 the slice is `full_grad` itself (no copy).
-        See [Note: reduce-scatter on gloo].
+        The sum runs in `full_grad`'s dtype (the bytes on the wire); the slice is
+        `out_dtype` (default the same), divided by the world size in that dtype, so a
+        bf16 reduction gives an fp32 mean without a second rounding. The slice is
+        valid once the handle is waited on. `full_grad` may be overwritten; with a
+        world of 1 the slice is `full_grad` itself (no copy; `out_dtype` must be its
+        dtype). See [Note: reduce-scatter on gloo].
         """
         if full_grad.numel() % self.world:
             raise ValueError(f"reduce_scatter: gradient has {full_grad.numel()} elements, "
                              f"not a multiple of the world size {self.world}")
+        out_dtype = full_grad.dtype if out_dtype is None else out_dtype
         if self.world == 1:
+            if out_dtype != full_grad.dtype:
+                raise ValueError(f"reduce_scatter: a world of 1 keeps the gradient's dtype "
+                                 f"{full_grad.dtype}, asked for {out_dtype}")
             return Pending(None), full_grad
         n = full_grad.numel() // self.world
-        out = torch.empty(n, dtype=full_grad.dtype, device=full_grad.device)
+        out = torch.empty(n, dtype=out_dtype, device=full_grad.device)
         token = self._begin("reduce-scatter", full_grad)
         if self.backend == "nccl":
-            work = dist.reduce_scatter_tensor(out, full_grad, group=self.group, async_op=True)
-            return self._then(work, lambda: out.div_(self.world), async_op, token), out
+            red = out if out_dtype == full_grad.dtype else torch.empty(
+                n, dtype=full_grad.dtype, device=full_grad.device)
+            work = dist.reduce_scatter_tensor(red, full_grad, group=self.group, async_op=True)
+
+            def finish_nccl() -> None:
+                if red is not out:
+                    out.copy_(red)
+                out.div_(self.world)
+            return self._then(work, finish_nccl, async_op, token), out
         work = dist.all_reduce(full_grad, group=self.group, async_op=True)
         lo = self.rank * n
 
@@ -109,7 +123,8 @@ class Collectives:
         if not self.recorder.enabled:
             return None
         return self.recorder.async_begin(op, "comm", "comm", {
-            "bytes": tensor.numel() * tensor.element_size(), "backend": self.backend})
+            "bytes": tensor.numel() * tensor.element_size(), "backend": self.backend,
+            "dtype": str(tensor.dtype).removeprefix("torch."), "world": self.world})
 
     def _then(self, work: object, finish: Callable[[], None] | None, async_op: bool,
               token: AsyncToken | None = None) -> Pending:

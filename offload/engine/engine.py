@@ -121,6 +121,7 @@ class OffloadEngine(nn.Module):
         self.recorder = recorder
         self._spans = UnitSpans(recorder)  # per-unit spans and use waits (docs/trace.md)
         self.dtype = _DTYPES[cfg.engine.dtype]
+        self._reduce_dtype = _DTYPES[cfg.engine.reduce_dtype]  # gradients across ranks
         self.device = store.device
         self.trace = AccessTrace()
         self.micro_step = 0   # backward calls, all steps
@@ -333,13 +334,16 @@ class OffloadEngine(nn.Module):
                 self._refuse_plain_backward()
             grad = flat.grad
             flat.grad = None
-            full = grad if grad.dtype == torch.float32 else grad.float()
+            # summed across ranks in engine.reduce_dtype, accumulated in fp32
+            wire = self._reduce_dtype if self.comm.world > 1 else torch.float32
+            full = grad if grad.dtype == wire else grad.to(wire)
             del grad
             gid = st.group.gid
             if self.comm.world > 1:
                 self._rank_order.check_grad(gid)  # [Note: ranks run the same units]
                 self.grad_slots.share(gid, len(st.group.slots))
-            pending, out = self.comm.reduce_scatter_mean(full, async_op=True)
+            pending, out = self.comm.reduce_scatter_mean(full, async_op=True,
+                                                         out_dtype=torch.float32)
             inner = pending.finish
 
             def finish() -> None:
@@ -348,9 +352,10 @@ class OffloadEngine(nn.Module):
                 self._grad_ready(gid, out)
             pending.finish = finish
             self._reductions.append(pending)
-            # One reduction stays in flight behind the next group's backward; a
-            # synchronous one (a world of 1) finishes here.
-            while self._reductions and (len(self._reductions) > 1
+            # engine.reductions_in_flight stay in flight behind the next groups'
+            # backward; a synchronous one (a world of 1) finishes here.
+            keep = self.cfg.engine.reductions_in_flight
+            while self._reductions and (len(self._reductions) > keep
                                         or self._reductions[0].work is None):
                 self._reductions.pop(0).wait()
             if st.active == 0:
