@@ -363,7 +363,8 @@ class EngineConfig:
         "fp32 either way, as FSDP2's MixedPrecisionPolicy(reduce_dtype=...)")
     reductions_in_flight: int = _doc(2, "with several ranks: gradient reductions kept in "
                                      "flight behind the backward of the next groups (each "
-                                     "holds a group's gradient until it completes)")
+                                     "holds a group's gradient until it completes); 0 waits "
+                                     "for each when it is issued")
 
     def __post_init__(self) -> None:
         _normalise(self, "engine")
@@ -373,9 +374,9 @@ class EngineConfig:
             raise ConfigError(f"engine.grad_accum_steps: {self.grad_accum_steps} must be >= 1")
         if self.prefetch_depth < 0:
             raise ConfigError(f"engine.prefetch_depth: {self.prefetch_depth} must be >= 0")
-        if self.reductions_in_flight < 1:
+        if self.reductions_in_flight < 0:
             raise ConfigError(f"engine.reductions_in_flight: {self.reductions_in_flight} must "
-                              "be >= 1 (1: each reduction waits for the one before it)")
+                              "be >= 0 (0: each reduction is waited for when it is issued)")
         if self.loss_scale < 0:
             raise ConfigError(f"engine.loss_scale: {self.loss_scale} is negative; use 0 "
                               "(dynamic scaling) or a fixed scale such as 1024")

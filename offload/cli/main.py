@@ -7,8 +7,8 @@ import argparse
 import logging
 import sys
 
-from . import (bench_adam, bench_checkpoint, bench_io, bench_oversized, bench_step, bench_store,
-               checkpoint, demo, view)
+from . import (bench_adam, bench_checkpoint, bench_comm, bench_io, bench_oversized, bench_step,
+               bench_store, checkpoint, demo, view)
 from .args import CommandParser, run_command
 
 
@@ -52,6 +52,10 @@ def build_parser() -> argparse.ArgumentParser:
                           "the disk's O_DIRECT rate; stall of a background save")
     bench_checkpoint.add_arguments(bck)
     bck.set_defaults(func=bench_checkpoint.run)
+    bcomm = bsub.add_parser("comm", help="data-parallel ranks: communication hidden behind "
+                            "compute (serial vs overlap), exposed seconds from the trace")
+    bench_comm.add_arguments(bcomm)
+    bcomm.set_defaults(func=bench_comm.run)
 
     ck = sub.add_parser("checkpoint", help="inspect a training checkpoint, export its weights")
     checkpoint.add_arguments(ck.add_subparsers(dest="checkpoint", required=True))

@@ -1,0 +1,62 @@
+"""Collectives behind compute with two ranks (gloo), read from the event trace: a
+gradient reduction stays in flight while the next unit's backward computes, and the
+next unit's all-gather runs while the current unit's forward computes; with
+`engine.reductions_in_flight = 0` and `engine.prefetch_depth = 0` neither happens."""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from offload.trace import TraceRecorder
+from offload.trace.analysis import parse_trace
+from offload.trace.chrome import to_chrome_trace
+
+from .models import TiedTwice, lm_batches, lm_loss
+
+pytestmark = pytest.mark.distributed
+
+
+def _worker(rank: int, world: int, init_file: str, out: str, cfg: dict) -> None:
+    import offload
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world)
+    try:
+        torch.manual_seed(0)
+        rec = TraceRecorder(enabled=True, rank=rank)
+        with offload.initialize(TiedTwice(), cfg, recorder=rec) as engine:
+            for step, (x, y) in enumerate(lm_batches(3, batch=8)):
+                if step == 2:  # steady state: the access trace exists
+                    rec.clear()
+                engine.backward(lm_loss(engine(x.chunk(world)[rank]), y.chunk(world)[rank]))
+                engine.step()
+        (rt,) = parse_trace(to_chrome_trace(rec))
+        if rank == 0:
+            torch.save([(s.name, s.cat, s.start, s.end) for s in rt.spans], out)
+    finally:
+        dist.destroy_process_group()
+
+
+def _overlaps(spans, comm: str, phase: str) -> int:
+    """Collectives `comm` in flight (from issue until a wait saw them done) while a unit's
+    `phase` span ended: compute went on behind them. A collective waited for where it
+    is issued (in a hook, before or after the unit's compute) has none."""
+    comms = [(a, b) for name, cat, a, b in spans if cat == "comm" and name == comm]
+    ends = [d for name, _cat, _c, d in spans if name.startswith(f"{phase}:")]
+    return sum(any(a < d < b for d in ends) for a, b in comms)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_collectives_run_behind_compute(tmp_path, engine_cfg, overlap):
+    cfg = engine_cfg("host", "host", "host", group_size=1500, check_rank_order=False,
+                     **({} if overlap else {"prefetch_depth": 0, "reductions_in_flight": 0}))
+    out = str(tmp_path / "spans.pt")
+    mp.start_processes(_worker, args=(2, str(tmp_path / "init"), out, cfg), nprocs=2,
+                       join=True, start_method="spawn")
+    spans = torch.load(out)
+    behind_backward = _overlaps(spans, "reduce-scatter", "backward")
+    behind_forward = _overlaps(spans, "all-gather", "forward")
+    if overlap:
+        assert behind_backward >= 2 and behind_forward >= 2, (behind_backward, behind_forward)
+    else:
+        assert behind_backward == 0 and behind_forward == 0, (behind_backward, behind_forward)
