@@ -3,7 +3,7 @@
 `info` prints what a checkpoint holds (step, config, world size, bytes per
 tensor kind, `extra`) and reads every chunk to check its checksum (exit code
 1 when something is damaged); `export` writes the weights as Hugging Face
-safetensors shards with a `model.safetensors.index.json`, one shard in
+safetensors shards with a `model.safetensors.index.json`, one tensor in
 memory at a time.
 """
 
@@ -112,53 +112,31 @@ def run_info(args: argparse.Namespace) -> int:
 def export_safetensors(reader: CheckpointReader, out: str | os.PathLike, *,
                        dtype: str = "saved", shard_size: int = 5 * 10**9) -> list[Path]:
     """Writes the weights as safetensors shards (`model.safetensors`, or
-    `model-0000i-of-0000n.safetensors` with `model.safetensors.index.json`); tied
+    `model-0000i-of-0000n.safetensors` with `model.safetensors.index.json`), one
+    tensor in memory at a time, as `engine.save_pretrained` writes them; tied
     weights are written once, under their first name. Returns the files."""
-    from safetensors.torch import save_file
+    import torch
 
+    from ..engine.safetensors_writer import TensorSpec, write_shards
     from ..engine.training_checkpoint import TORCH_DTYPES, to_torch
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    if any(out.glob("*.safetensors")) or (out / "model.safetensors.index.json").exists():
-        raise UsageError(f"--to: {out} already holds safetensors files; give an empty "
-                         "directory")
 
     def kind_and_dtype(t: dict) -> tuple[str, str]:
         if dtype == "saved":
             return "param", t["kinds"]["param"]
         kind = "master" if dtype == "fp32" and "master" in t["kinds"] else "param"
         return kind, _TORCH_DTYPES[dtype]
-    shards: list[list[str]] = [[]]
-    size = 0
-    for name, t in reader.tensors.items():
-        n = math.prod(t["shape"]) * _ITEMSIZE[kind_and_dtype(t)[1]]
-        if shards[-1] and size + n > shard_size:
-            shards.append([])
-            size = 0
-        shards[-1].append(name)
-        size += n
-    total = len(shards)
-    files, weight_map, total_bytes = [], {}, 0
-    for i, names in enumerate(shards):
-        fname = ("model.safetensors" if total == 1
-                 else f"model-{i + 1:05d}-of-{total:05d}.safetensors")
-        tensors = {}
-        for name in names:
-            t = reader.tensors[name]
+    specs = [TensorSpec(name, tuple(t["shape"]), getattr(torch, kind_and_dtype(t)[1]))
+             for name, t in reader.tensors.items()]
+
+    def tensors():
+        for name, t in reader.tensors.items():
             kind, dt = kind_and_dtype(t)
             flat = reader.read_range(kind, name, 0, math.prod(t["shape"]))
-            tensors[name] = to_torch(flat, TORCH_DTYPES[dt]).reshape(t["shape"]).contiguous()
-            weight_map[name] = fname
-            total_bytes += tensors[name].numel() * tensors[name].element_size()
-        save_file(tensors, str(out / fname), metadata={"format": "pt"})
-        del tensors
-        files.append(out / fname)
-    if total > 1:
-        index = out / "model.safetensors.index.json"
-        index.write_text(json.dumps({"metadata": {"total_size": total_bytes},
-                                     "weight_map": weight_map}, indent=1))
-        files.append(index)
-    return files
+            yield name, to_torch(flat, TORCH_DTYPES[dt]).reshape(t["shape"])
+    try:
+        return write_shards(out, specs, tensors(), shard_size)
+    except FileExistsError as e:
+        raise UsageError(f"--to: {e}") from e
 
 
 def run_export(args: argparse.Namespace) -> int:
