@@ -126,7 +126,10 @@ def test_save_pretrained_round_trip_through_transformers(engine_cfg, tmp_path, b
                                                          dtype):
     engine, ref = _engine(engine_cfg, build, placement, dtype)
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1e-6)
-    try:
+    try:  # first the initial weights: the plain model's, fp32 (bf16 computes from them)
+        engine.save_pretrained(tmp_path / "start")
+        got = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "start").state_dict()
+        assert all(torch.equal(got[k], v) for k, v in ref.state_dict().items())
         _step(engine, ref, opt, _batches(1, seed=3)[0])  # weights moved from the start
         want = engine.state_dict()
         files = engine.save_pretrained(tmp_path / "out", max_shard_size="20KB")

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 import offload
+from offload.store import Tier
 
 PLACEMENTS = [("device", "host", "host"), ("host", "host", "nvme"), ("nvme", "nvme", "nvme")]
 IDS = ["none", "host", "nvme"]
@@ -158,6 +159,9 @@ def test_writable_full_weights_reach_every_tier_and_the_master(engine_cfg, place
         with torch.no_grad():
             ref.block[0].weight.fill_(5.0)
             ref.frozen.bias.fill_(0.25)
+        for g in engine.groups:  # written through to NVMe, where that is the home
+            assert ((Tier.NVME in engine.store.info(("p", g.gid)).valid)
+                    == (placement[0] == "nvme")), g.gid
         sd = engine.state_dict()
         assert torch.equal(sd["block.0.weight"], ref.block[0].weight)  # the master
         assert torch.equal(sd["again.0.weight"], ref.block[0].weight)
