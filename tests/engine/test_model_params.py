@@ -126,6 +126,8 @@ def test_weights_buffers_and_evaluation_between_steps_match_torch(engine_cfg, pl
         with torch.no_grad():
             torch.testing.assert_close(engine(x, True), ref(x, True), atol=2e-5, rtol=0)
             torch.testing.assert_close(engine(x), ref(x), atol=2e-5, rtol=0)
+        with torch.inference_mode():
+            torch.testing.assert_close(engine(x), ref(x), atol=2e-5, rtol=0)
         engine.train(), ref.train()
         assert engine.trace.plan == plan and engine.trace.position == -1  # untouched
         _train(engine, ref, opt, batches[3:])
