@@ -33,7 +33,7 @@ def absent_message(name: str, unit: str) -> str:
     return (f"parameter {name!r} is used outside the forward of unit {unit!r}, the module "
             "whose hooks gather it: its weights exist only while that unit's forward or "
             "backward runs. To read or change them, use `with engine.full_weights(): ...` "
-            "(or engine.state_dict()). Call that unit (or the whole engine), not a module "
+            "(or engine.state_dict(); to save the model, engine.save_pretrained(dir)). Call that unit (or the whole engine), not a module "
             "inside it; a "
             "parent that reads a child unit's weight in its own forward (e.g. a tied head as "
             "F.linear(h, self.wte.weight)) needs both in one unit: raise engine.group_size "
@@ -66,17 +66,24 @@ class AbsentWeight(torch.Tensor):
                 raise RuntimeError(a.message)
         raise RuntimeError(f"{func} got an absent weight")
 
-    # conversions that torch does not dispatch
+    # conversions and storage reads that torch does not dispatch (safetensors and
+    # transformers' save_pretrained read data pointers)
     def tolist(self) -> Any:
+        raise RuntimeError(self.message)
+
+    def untyped_storage(self) -> Any:
+        raise RuntimeError(self.message)
+
+    def storage(self) -> Any:
+        raise RuntimeError(self.message)
+
+    def data_ptr(self) -> int:
         raise RuntimeError(self.message)
 
     def numpy(self, *args: Any, **kwargs: Any) -> Any:
         raise RuntimeError(self.message)
 
     def __array__(self, *args: Any, **kwargs: Any) -> Any:
-        raise RuntimeError(self.message)
-
-    def __reduce_ex__(self, protocol: Any) -> Any:  # torch.save, pickle: no bytes to save
         raise RuntimeError(self.message)
 
     def __repr__(self) -> str:  # printing must not compute

@@ -119,6 +119,21 @@ def test_bf16_generate_matches_torch_in_bf16(engine_cfg, build):
         engine.close()
 
 
+def test_transformers_save_pretrained_needs_the_full_weights(engine_cfg, tmp_path):
+    """transformers' own save_pretrained of the hollow model raises naming the way out;
+    inside `full_weights()` it writes the model as from a plain one."""
+    engine, ref = _engine(engine_cfg, "gpt2", "nvme")
+    try:
+        with pytest.raises(RuntimeError, match=r"engine\.save_pretrained\(dir\)"):
+            engine.module.save_pretrained(tmp_path / "hollow")
+        with engine.full_weights():
+            engine.module.save_pretrained(tmp_path / "full")
+        got = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "full").state_dict()
+        assert all(torch.equal(got[k], v) for k, v in ref.state_dict().items())
+    finally:
+        engine.close()
+
+
 @pytest.mark.parametrize("placement,dtype", [("none", "fp32"), ("host", "bf16"),
                                              ("nvme", "fp32")])
 @pytest.mark.parametrize("build", list(BUILDS))

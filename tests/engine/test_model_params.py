@@ -4,6 +4,7 @@ buffers, tied weights, a module under two names called twice, a parameter unused
 some steps."""
 
 import copy
+import io
 
 import pytest
 import torch
@@ -79,7 +80,10 @@ def test_registered_parameters_mirror_the_plain_model(engine_cfg, placement, dty
         p = model.block[0].weight
         assert "AbsentWeight" in repr(p)
         for read in (lambda: p.sum(), lambda: p.tolist(), lambda: p + 1,
-                     lambda: p.detach().clone(), lambda: p.cpu().numpy()):
+                     lambda: p.detach().clone(), lambda: p.cpu().numpy(),
+                     lambda: p.untyped_storage(), lambda: p.data_ptr(),
+                     lambda: torch.save(model.state_dict(), io.BytesIO()),
+                     lambda: copy.deepcopy(model)):
             with pytest.raises(RuntimeError, match=r"engine\.full_weights\(\)"):
                 read()
     finally:
