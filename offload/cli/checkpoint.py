@@ -13,6 +13,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -28,6 +29,7 @@ __all__ = ["add_arguments", "run_info", "run_export", "export_safetensors", "sum
 
 _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 _TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+_CONFIGS = ("config.json", "generation_config.json")  # what from_pretrained reads beside weights
 RECORD = "checkpoint.json"  # the commit record (offload/engine/training_checkpoint.py)
 
 
@@ -59,6 +61,10 @@ def add_arguments(sub: argparse._SubParsersAction) -> None:
                           "fp32: the fp32 master weights (where distinct)")
     exp.add_argument("--shard-size", type=byte_size(1, example="5GB"), default="5GB",
                      help="bytes per shard at most (a larger tensor has a shard of its own)")
+    exp.add_argument("--config", type=existing_directory(
+        "config.json", "model directory holding config.json (e.g. one written by "
+        "save_pretrained)"), help="copy its config.json (and generation_config.json) into "
+        "--to, so transformers' from_pretrained loads the result")
     exp.set_defaults(func=run_export)
 
 
@@ -148,6 +154,12 @@ def run_export(args: argparse.Namespace) -> int:
     except CheckpointError as e:
         print(f"offload checkpoint export: {' '.join(str(e).split())}", file=sys.stderr)
         return 1
+    if args.config:
+        for name in _CONFIGS:
+            src = Path(args.config) / name
+            if src.is_file():
+                shutil.copyfile(src, Path(args.to) / name)
+                files.append(Path(args.to) / name)
     for f in files:
         print(f)
     return 0
