@@ -527,8 +527,8 @@ class OffloadEngine(ModelWeights, nn.Module):
         try:
             with self.recorder.span("forward", cat="compute", track="compute"):
                 return self.module(*args, **kwargs)
-        except BaseException:
-            self._release_gathered()  # the step's state is untouched: a forward changes none
+        except BaseException:  # the step's state is untouched: a forward changes none
+            self._release_gathered(orphan=True)
             raise
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -565,6 +565,7 @@ class OffloadEngine(ModelWeights, nn.Module):
                 except Exception as e:
                     log.debug("reduction failed while undoing a failed backward: %s", e)
             self._abort_step()
+            self._release_gathered(orphan=True)
             raise
         finally:
             self._reductions.clear()
@@ -572,10 +573,11 @@ class OffloadEngine(ModelWeights, nn.Module):
         self._backwards += 1
         self.micro_step += 1
 
-    def _release_gathered(self) -> None:
+    def _release_gathered(self, orphan: bool = False) -> None:
         """No forward runs now: frees what is still gathered (frozen groups; groups of a
         checkpoint recomputation that torch stopped early, skipping its post-hooks; a
-        forward or backward that raised), after letting all-gathers in flight end."""
+        forward or backward that raised), after letting all-gathers in flight end.
+        `orphan` (after an error): [Note: orphaned gathers]."""
         for st in self._states:
             if st.pending is not None:
                 try:
@@ -584,7 +586,21 @@ class OffloadEngine(ModelWeights, nn.Module):
                     log.debug("gather of group %d failed while releasing: %s",
                               st.group.gid, e)
             st.active = 0
+            if orphan and st.gathered:
+                self._orphan(st)
             self._free(st)
+
+    def _orphan(self, st: _GroupState) -> None:
+        """[Note: orphaned gathers] The frames of an error's traceback hold views of the
+        weights gathered when it was raised (a layer's `weight` argument): freed in
+        place, they would point at freed memory, and printing the traceback would
+        crash the interpreter. After an error, the group's flat tensor takes a fresh,
+        empty storage instead; the old one goes with its last view."""
+        fresh = torch.empty(st.group.padded, dtype=st.flat.dtype, device=st.flat.device)
+        fresh.untyped_storage().resize_(0)
+        st.flat.data = fresh
+        st.gathered = False
+        self.unbind(st.group.gid)
 
     def step(self) -> bool:
         """The optimizer step over every partition; returns False if it was skipped

@@ -174,9 +174,12 @@ class ModelWeights:
         tiers unit by unit; run under `torch.no_grad()` it leaves the training plan
         alone."""
         try:
-            return self.module.generate(*args, **kwargs)
-        finally:
-            self._release_gathered()
+            out = self.module.generate(*args, **kwargs)
+        except BaseException:
+            self._release_gathered(orphan=True)  # [Note: orphaned gathers] in engine.py
+            raise
+        self._release_gathered()
+        return out
 
     def save_pretrained(self, save_directory: str | os.PathLike,
                         max_shard_size: int | str = "5GB",
