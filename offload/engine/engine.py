@@ -162,7 +162,7 @@ class OffloadEngine(ModelWeights, nn.Module):
                     self._make_grad_hook(st)))
         self._rank_order = RankOrder(comm, units, cfg.engine.check_rank_order)
         # [Note: registered parameters] in params_view.py
-        self.registered = RegisteredParams(groups, units, self.dtype, self.device)
+        self.registered = RegisteredParams(model, groups, units, self.dtype, self.device)
         for unit in units:
             self._hooks.append(unit.module.register_forward_pre_hook(self._make_pre(unit)))
             self._hooks.append(unit.module.register_forward_hook(self._make_post(unit)))

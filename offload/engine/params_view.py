@@ -38,8 +38,11 @@ __all__ = ["RegisteredParams", "state_entries"]
 class RegisteredParams:
     """One stand-in parameter per slot of every group, with its original dtype."""
 
-    def __init__(self, groups: list[Group], units: list[Unit], dtype: torch.dtype,
-                 device: torch.device) -> None:
+    def __init__(self, model: nn.Module, groups: list[Group], units: list[Unit],
+                 dtype: torch.dtype, device: torch.device) -> None:
+        first: dict[int, str] = {}  # each parameter's first name, as torch lists it
+        for name, p in model.named_parameters(remove_duplicate=False):
+            first.setdefault(id(p), name)
         unit_of: dict[int, str] = {}
         for u in units:
             for gid in u.needs:
@@ -52,7 +55,7 @@ class RegisteredParams:
             row = []
             for i, s in enumerate(g.slots):
                 absent = AbsentWeight(s.shape, dtype, device,
-                                      absent_message(s.names[0] if s.names else s.fqn,
+                                      absent_message(first.get(id(s.param), s.fqn),
                                                      unit_of.get(g.gid, "?")))
                 p = nn.Parameter(absent, requires_grad=g.requires_grad)
                 self._where[id(p)] = (g.gid, i)

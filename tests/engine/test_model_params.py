@@ -86,6 +86,8 @@ def test_registered_parameters_mirror_the_plain_model(engine_cfg, placement, dty
                      lambda: copy.deepcopy(model)):
             with pytest.raises(RuntimeError, match=r"engine\.full_weights\(\)"):
                 read()
+        with pytest.raises(RuntimeError, match=r"parameter 'block.0.weight' is used"):
+            model.again[0].weight.sum()  # named as torch first lists it
     finally:
         engine.close()
 
