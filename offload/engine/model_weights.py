@@ -42,10 +42,17 @@ class ModelWeights:
         return self.module.named_parameters(prefix, recurse, remove_duplicate)
 
     def _check_between_steps(self, what: str) -> None:
+        self._check_no_forward(what)
         if self._backwards or self._early or len(self._staged):
             raise RuntimeError(f"{what}: a step is in progress ({self._backwards} backward "
                                "call(s) since the last step); call engine.step() or "
                                "engine.zero_grad() first")
+
+    def _check_no_forward(self, what: str) -> None:
+        running = [st.group.gid for st in self._states if st.active]
+        if running:
+            raise RuntimeError(f"{what}: called inside a forward (groups {running[:8]} are in "
+                               "use); call it between forward passes")
 
     # -- full weights -------------------------------------------------------------
     @contextlib.contextmanager
@@ -71,6 +78,7 @@ class ModelWeights:
                              "with engine.named_weights()")
         if writable:
             self._check_between_steps("full_weights(writable=True)")
+        self._check_no_forward("full_weights")
         self._release_gathered()
         with summoned(self, groups, writable) as named:
             yield named

@@ -221,3 +221,22 @@ def test_load_state_dict_takes_what_state_dict_gives(engine_cfg, placement):
         _assert_weights(engine, ref, atol=3e-6)
     finally:
         engine.close()
+
+
+def test_full_weights_inside_a_forward_is_refused(engine_cfg):
+    engine, _ = _engine(engine_cfg, PLACEMENTS[0])
+    seen = []
+
+    def peek(module, args):
+        with pytest.raises(RuntimeError, match="inside a forward"):
+            with engine.full_weights("emb"):
+                pass
+        seen.append(True)
+    handle = engine.module.block.register_forward_pre_hook(peek)
+    try:
+        x, y = _batches(1)[0]
+        engine.backward(_loss(engine(x), y))  # the forward goes on unharmed
+        assert engine.step() and len(seen) == 2  # `block` runs twice
+    finally:
+        handle.remove()
+        engine.close()
