@@ -57,6 +57,7 @@ from ..optim import CpuAdam, OptimStepError, grad_sq_sum
 from ..planner import AccessTrace
 from ..store import BudgetExceededError, Tier, TieredStore
 from ..trace import NULL_RECORDER, TraceRecorder, UnitSpans
+from .forward_prefetch import ForwardOnlyPrefetch
 from .grad_slots import GradSlots
 from .model_weights import ModelWeights
 from .params_view import RegisteredParams
@@ -163,6 +164,7 @@ class OffloadEngine(ModelWeights, nn.Module):
         self._rank_order = RankOrder(comm, units, cfg.engine.check_rank_order)
         # [Note: registered parameters] in params_view.py
         self.registered = RegisteredParams(model, groups, units, self.dtype, self.device)
+        self._ahead = ForwardOnlyPrefetch(units, store, cfg.engine.prefetch_depth)
         for unit in units:
             self._hooks.append(unit.module.register_forward_pre_hook(self._make_pre(unit)))
             self._hooks.append(unit.module.register_forward_hook(self._make_post(unit)))
@@ -280,6 +282,9 @@ class OffloadEngine(ModelWeights, nn.Module):
                 st.active += 1
             if training:
                 self._prefetch()
+            else:  # [Note: forward-only prefetch] in forward_prefetch.py
+                self._ahead.started(unit, lambda g: self._states[g].gathered
+                                    or self._states[g].pending is not None)
         return pre
 
     def _make_post(self, unit: Unit) -> Callable:

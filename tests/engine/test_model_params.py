@@ -240,3 +240,34 @@ def test_full_weights_inside_a_forward_is_refused(engine_cfg):
     finally:
         handle.remove()
         engine.close()
+
+
+def test_forward_without_autograd_fetches_the_next_units_ahead(engine_cfg):
+    """[Note: forward-only prefetch]: with every parameter partition back on NVMe, when a
+    unit of a no_grad pass starts, the groups of the units after it are on their way."""
+    engine, ref = _engine(engine_cfg, PLACEMENTS[2])
+    order = [u for u in engine.units if u.needs]
+    seen = []
+
+    def check(unit, nxt):
+        def hook(module, args):
+            held = engine.store.info(("p", nxt)).held
+            seen.append((unit.name, Tier.DEVICE in held or Tier.HOST in held))
+        return hook
+    handles = [u.module.register_forward_pre_hook(check(u, v.needs[0]))
+               for u, v in zip(order, order[1:]) if v.needs[0] not in u.needs]
+    try:
+        x, y = _batches(1)[0]
+        engine.backward(_loss(engine(x), y))
+        engine.step()
+        engine.eval(), ref.eval()
+        for g in engine.groups:
+            engine.store.evict(("p", g.gid)).wait()
+        seen.clear()
+        with torch.no_grad():
+            engine(x)
+        assert len(seen) >= 3 and all(ahead for _, ahead in seen), seen
+    finally:
+        for h in handles:
+            h.remove()
+        engine.close()
