@@ -30,6 +30,22 @@ log = logging.getLogger(__name__)
 __all__ = ["ModelWeights"]
 
 
+def _load_problem(state_dict: Mapping[str, Any], entries: list, missing: list[str],
+                  strict: bool) -> str | None:
+    """Why `load_state_dict` refuses `state_dict` (None: it does not)."""
+    expected = {name for name, _, _ in entries}
+    unexpected = [k for k in state_dict if k not in expected]
+    if strict and (missing or unexpected):
+        return (f"missing keys {missing[:8]}{' ...' if len(missing) > 8 else ''}, unexpected "
+                f"keys {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}; pass "
+                "strict=False to load the rest")
+    for name, t, _ in entries:
+        if name in state_dict and tuple(state_dict[name].shape) != tuple(t.shape):
+            return (f"{name!r} has shape {tuple(state_dict[name].shape)}, the model "
+                    f"{tuple(t.shape)}")
+    return None
+
+
 class ModelWeights:
     """Parameters, full weights, state dicts, generation and export of the engine's model."""
 
@@ -137,22 +153,20 @@ class ModelWeights:
         the modules. Keys and shapes are checked first (strict: missing or
         unexpected keys raise, as torch's); a tied parameter takes the value under
         its first name present. Between steps; every rank calls it with the full
-        weights. Returns torch's (missing_keys, unexpected_keys)."""
+        weights (a rank whose dict is refused makes every rank raise, before any
+        collective). Returns torch's (missing_keys, unexpected_keys); `assign` is
+        accepted for torch's signature."""
         self._check_between_steps("load_state_dict")
         entries = list(state_entries(self.module))
-        expected = {name for name, _, _ in entries}
         missing = [n for n, _, _ in entries if n not in state_dict]
-        unexpected = [k for k in state_dict if k not in expected]
-        if strict and (missing or unexpected):
-            raise RuntimeError(f"load_state_dict: missing keys {missing[:8]}"
-                               f"{' ...' if len(missing) > 8 else ''}, unexpected keys "
-                               f"{unexpected[:8]}{' ...' if len(unexpected) > 8 else ''} "
-                               "(nothing was loaded); pass strict=False to load the rest")
-        for name, t, _ in entries:
-            if name in state_dict and tuple(state_dict[name].shape) != tuple(t.shape):
-                raise RuntimeError(f"load_state_dict: {name!r} has shape "
-                                   f"{tuple(state_dict[name].shape)}, the model "
-                                   f"{tuple(t.shape)} (nothing was loaded)")
+        problem = _load_problem(state_dict, entries, missing, strict)
+        (refused,) = self.comm.sum_scalars([1.0 if problem else 0.0])
+        if problem:
+            raise RuntimeError(f"load_state_dict: {problem} (nothing was loaded)")
+        if refused:
+            raise RuntimeError("load_state_dict: another rank refused its state dict (nothing "
+                               "was loaded); give every rank the full state dict")
+        unexpected = [k for k in state_dict if k not in {n for n, _, _ in entries}]
         loaded: dict[tuple[int, int], torch.Tensor] = {}
         for name, t, is_param in entries:
             where = self.registered.locate(t) if is_param else None
@@ -165,8 +179,9 @@ class ModelWeights:
                 with torch.no_grad():
                     t.copy_(value)  # a buffer (or a parameter the engine does not hold)
         self._release_gathered()
-        for g in self.groups:
-            if not any((g.gid, i) in loaded for i in range(len(g.slots))):
+        for g in self.groups:  # with several ranks every group: collectives pair up
+            if self.comm.world == 1 and not any((g.gid, i) in loaded
+                                                for i in range(len(g.slots))):
                 continue
             full = read_group(self, g)
             for i, slot in enumerate(g.slots):

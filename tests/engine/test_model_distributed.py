@@ -29,13 +29,22 @@ def _worker(rank: int, world: int, init_file: str, out: str, cfg: dict) -> None:
             engine.backward(lm_loss(engine(xs), ys))
             engine.step()
         sd = engine.state_dict()
+        sd_all = engine.state_dict(rank0_only=False)
         with engine.full_weights() as w:
             seen = {k: v.detach().clone() for k, v in w.items()}
         with engine.full_weights("emb", writable=True):  # both ranks' shards of a group
             engine.module.emb.weight.data.copy_(_pattern())
         after = engine.state_dict(rank0_only=False)
         engine.save_pretrained(out + ".dir", max_shard_size="8KB")
-        torch.save({"sd": sd, "seen": seen, "after": after}, f"{out}.{rank}")
+        refused = ""
+        try:  # rank 1 gives nothing: every rank raises, none waits in a collective
+            engine.load_state_dict(sd_all if rank == 0 else {})
+        except RuntimeError as e:
+            refused = str(e)
+        engine.load_state_dict(sd_all)  # the weights before the write, on both ranks
+        back = engine.state_dict(rank0_only=False)
+        torch.save({"sd": sd, "seen": seen, "after": after, "refused": refused, "back": back},
+                   f"{out}.{rank}")
         engine.close()
     finally:
         dist.destroy_process_group()
@@ -52,6 +61,9 @@ def test_two_ranks_gather_keep_on_rank_zero_and_write_their_shards(tmp_path, eng
         assert torch.equal(r0["seen"][k], v) and torch.equal(r1["seen"][k], v), k
         want = _pattern() if k in ("emb.weight", "head.weight") else v
         assert torch.equal(r0["after"][k], want) and torch.equal(r1["after"][k], want), k
+    assert "another rank refused" in r0["refused"] and "missing keys" in r1["refused"]
+    for k, v in r0["sd"].items():
+        assert torch.equal(r0["back"][k], v) and torch.equal(r1["back"][k], v), k
     from safetensors import safe_open
     names = {}
     for f in (tmp_path / "res.dir").glob("*.safetensors"):
