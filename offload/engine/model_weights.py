@@ -213,18 +213,25 @@ class ModelWeights:
         `generation_config.json` when the model has them, so
         `AutoModel*.from_pretrained(save_directory)` loads it. Streamed: one group's
         full weights and one tensor beyond the budgets are in memory at a time.
-        Every rank calls it; rank 0 writes. Returns the files written."""
+        Every rank calls it; rank 0 writes, and on a failure there (a directory
+        that holds shards, a full disk) every rank still takes part in every
+        all-gather before rank 0 raises. Returns the files written."""
         limit = parse_bytes(max_shard_size, "max_shard_size")
         specs, order = self._export_specs(dtype)
         out = Path(save_directory)
-        files: list[Path] = []
-        if self.comm.rank == 0:
-            files = write_shards(out, specs, self._export_stream(order, dtype), limit)
-            files += self._save_configs(out, dtype)
-        else:
-            for _ in self._export_stream(order, dtype):
+        stream = self._export_stream(order, dtype)
+        if self.comm.rank != 0:
+            for _ in stream:
                 pass  # the all-gathers pair up with rank 0's
-        return files
+            return []
+        try:
+            files = write_shards(out, specs, stream, limit)
+        except BaseException:
+            if self.comm.world > 1:
+                for _ in stream:  # what the failed write left: its all-gathers
+                    pass
+            raise
+        return files + self._save_configs(out, dtype)
 
     def _export_specs(self, dtype: torch.dtype | None) -> tuple[list[TensorSpec], list]:
         """What is written, in the order it is produced: parameters group by group, then

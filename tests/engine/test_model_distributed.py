@@ -36,6 +36,11 @@ def _worker(rank: int, world: int, init_file: str, out: str, cfg: dict) -> None:
             engine.module.emb.weight.data.copy_(_pattern())
         after = engine.state_dict(rank0_only=False)
         engine.save_pretrained(out + ".dir", max_shard_size="8KB")
+        again = "written"
+        try:  # rank 0 refuses a directory with shards; rank 1 is not left waiting
+            engine.save_pretrained(out + ".dir")
+        except FileExistsError:
+            again = "refused"
         refused = ""
         try:  # rank 1 gives nothing: every rank raises, none waits in a collective
             engine.load_state_dict(sd_all if rank == 0 else {})
@@ -43,7 +48,8 @@ def _worker(rank: int, world: int, init_file: str, out: str, cfg: dict) -> None:
             refused = str(e)
         engine.load_state_dict(sd_all)  # the weights before the write, on both ranks
         back = engine.state_dict(rank0_only=False)
-        torch.save({"sd": sd, "seen": seen, "after": after, "refused": refused, "back": back},
+        torch.save({"sd": sd, "seen": seen, "after": after, "refused": refused, "back": back,
+                    "again": again},
                    f"{out}.{rank}")
         engine.close()
     finally:
@@ -62,6 +68,7 @@ def test_two_ranks_gather_keep_on_rank_zero_and_write_their_shards(tmp_path, eng
         want = _pattern() if k in ("emb.weight", "head.weight") else v
         assert torch.equal(r0["after"][k], want) and torch.equal(r1["after"][k], want), k
     assert "another rank refused" in r0["refused"] and "missing keys" in r1["refused"]
+    assert (r0["again"], r1["again"]) == ("refused", "written")
     for k, v in r0["sd"].items():
         assert torch.equal(r0["back"][k], v) and torch.equal(r1["back"][k], v), k
     from safetensors import safe_open
