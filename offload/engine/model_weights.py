@@ -85,19 +85,36 @@ class ModelWeights:
         `store.host_budget`; for more, select fewer modules per block or stream
         with `named_weights()`. Forward passes inside the block use the weights as
         they were when it began."""
-        groups = groups_of(self, modules)
+        groups = self._summonable(modules, writable, "full_weights")
         need = sum(g.padded * 4 for g in groups)
         if need > self.cfg.store.host_budget:
             raise ValueError(f"full_weights: the selected weights take {need} bytes in fp32, "
                              f"more than store.host_budget ({self.cfg.store.host_budget}); "
-                             "pass fewer modules (e.g. one layer per block) or stream them "
-                             "with engine.named_weights()")
-        if writable:
-            self._check_between_steps("full_weights(writable=True)")
-        self._check_no_forward("full_weights")
-        self._release_gathered()
+                             "pass fewer modules (e.g. one layer per block), or go group by "
+                             "group with engine.full_weights_by_group()")
         with summoned(self, groups, writable) as named:
             yield named
+
+    def full_weights_by_group(self, modules: Iterable[nn.Module | str] | nn.Module | str
+                              | None = None, *, writable: bool = False
+                              ) -> Iterator[dict[str, torch.Tensor]]:
+        """`full_weights` one group at a time, for models whose weights do not fit in
+        memory at once: `for w in engine.full_weights_by_group(writable=True): ...`
+        yields {name: parameter} of each group's parameters, registered in their
+        modules until the next iteration, which writes them back (`writable`)
+        first. Leaving the loop early (break, an error) discards the current
+        group's edits; groups done before it stay written."""
+        for g in self._summonable(modules, writable, "full_weights_by_group"):
+            with summoned(self, [g], writable) as named:
+                yield named
+
+    def _summonable(self, modules: Any, writable: bool, what: str) -> list:
+        groups = groups_of(self, modules)
+        if writable:
+            self._check_between_steps(f"{what}(writable=True)")
+        self._check_no_forward(what)
+        self._release_gathered()
+        return groups
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Streams (name, full tensor in its original dtype) group by group: one group's

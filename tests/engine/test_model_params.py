@@ -271,3 +271,36 @@ def test_forward_without_autograd_fetches_the_next_units_ahead(engine_cfg):
         for h in handles:
             h.remove()
         engine.close()
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS[1:], ids=IDS[1:])
+def test_full_weights_group_by_group_when_the_model_does_not_fit(engine_cfg, placement):
+    torch.manual_seed(0)
+    ref = Zoo()
+    cfg = engine_cfg(*placement, group_size=1200)
+    cfg["store"]["host_budget"] = "16KiB"  # below the model's 40 KiB of padded fp32 weights
+    engine = offload.initialize(copy.deepcopy(ref), cfg)
+    try:
+        with pytest.raises(ValueError, match="full_weights_by_group"):
+            with engine.full_weights():
+                pass
+        before = engine.state_dict()
+        names = []
+        for w in engine.full_weights_by_group(writable=True):
+            names += list(w)
+            params = {id(p): p for p in w.values()}.values()  # tied: once
+            for p in params:
+                p.data.mul_(2)
+            assert sum(p.numel() for p in params) * 4 <= 16 * 1024
+        assert set(names) == set(n for n, _ in ref.named_parameters(remove_duplicate=False))
+        after = engine.state_dict()
+        for k, v in before.items():
+            want = v if k.startswith("bn.running") or k.endswith("tracked") else 2 * v
+            assert torch.equal(after[k], want), k
+        with pytest.raises(ZeroDivisionError):  # an error: that group's edits are dropped
+            for i, w in enumerate(engine.full_weights_by_group("block", writable=True)):
+                w["block.0.weight"].data.zero_()
+                1 / 0
+        assert torch.equal(engine.state_dict()["block.0.weight"], after["block.0.weight"])
+    finally:
+        engine.close()
