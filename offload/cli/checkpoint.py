@@ -3,7 +3,7 @@
 `info` prints what a checkpoint holds (step, config, world size, bytes per
 tensor kind, `extra`) and reads every chunk to check its checksum (exit code
 1 when something is damaged); `export` writes the weights as Hugging Face
-safetensors shards with a `model.safetensors.index.json`, one shard in
+safetensors shards with a `model.safetensors.index.json`, one tensor in
 memory at a time.
 """
 
@@ -13,6 +13,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -28,6 +29,7 @@ __all__ = ["add_arguments", "run_info", "run_export", "export_safetensors", "sum
 
 _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 _TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+_CONFIGS = ("config.json", "generation_config.json")  # what from_pretrained reads beside weights
 RECORD = "checkpoint.json"  # the commit record (offload/engine/training_checkpoint.py)
 
 
@@ -59,6 +61,10 @@ def add_arguments(sub: argparse._SubParsersAction) -> None:
                           "fp32: the fp32 master weights (where distinct)")
     exp.add_argument("--shard-size", type=byte_size(1, example="5GB"), default="5GB",
                      help="bytes per shard at most (a larger tensor has a shard of its own)")
+    exp.add_argument("--config", type=existing_directory(
+        "config.json", "model directory holding config.json (e.g. one written by "
+        "save_pretrained)"), help="copy its config.json (and generation_config.json) into "
+        "--to, so transformers' from_pretrained loads the result")
     exp.set_defaults(func=run_export)
 
 
@@ -112,53 +118,31 @@ def run_info(args: argparse.Namespace) -> int:
 def export_safetensors(reader: CheckpointReader, out: str | os.PathLike, *,
                        dtype: str = "saved", shard_size: int = 5 * 10**9) -> list[Path]:
     """Writes the weights as safetensors shards (`model.safetensors`, or
-    `model-0000i-of-0000n.safetensors` with `model.safetensors.index.json`); tied
+    `model-0000i-of-0000n.safetensors` with `model.safetensors.index.json`), one
+    tensor in memory at a time, as `engine.save_pretrained` writes them; tied
     weights are written once, under their first name. Returns the files."""
-    from safetensors.torch import save_file
+    import torch
 
+    from ..engine.safetensors_writer import TensorSpec, write_shards
     from ..engine.training_checkpoint import TORCH_DTYPES
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    if any(out.glob("*.safetensors")) or (out / "model.safetensors.index.json").exists():
-        raise UsageError(f"--to: {out} already holds safetensors files; give an empty "
-                         "directory")
 
     def kind_and_dtype(t: dict) -> tuple[str, str]:
         if dtype == "saved":
             return "param", t["kinds"]["param"]
         kind = "master" if dtype == "fp32" and "master" in t["kinds"] else "param"
         return kind, _TORCH_DTYPES[dtype]
-    shards: list[list[str]] = [[]]
-    size = 0
-    for name, t in reader.tensors.items():
-        n = math.prod(t["shape"]) * _ITEMSIZE[kind_and_dtype(t)[1]]
-        if shards[-1] and size + n > shard_size:
-            shards.append([])
-            size = 0
-        shards[-1].append(name)
-        size += n
-    total = len(shards)
-    files, weight_map, total_bytes = [], {}, 0
-    for i, names in enumerate(shards):
-        fname = ("model.safetensors" if total == 1
-                 else f"model-{i + 1:05d}-of-{total:05d}.safetensors")
-        tensors = {}
-        for name in names:
-            t = reader.tensors[name]
+    specs = [TensorSpec(name, tuple(t["shape"]), getattr(torch, kind_and_dtype(t)[1]))
+             for name, t in reader.tensors.items()]
+
+    def tensors():
+        for name, t in reader.tensors.items():
             kind, dt = kind_and_dtype(t)
             flat = reader.read_range(kind, name, 0, math.prod(t["shape"]))
-            tensors[name] = flat.to(TORCH_DTYPES[dt]).reshape(t["shape"]).contiguous()
-            weight_map[name] = fname
-            total_bytes += tensors[name].numel() * tensors[name].element_size()
-        save_file(tensors, str(out / fname), metadata={"format": "pt"})
-        del tensors
-        files.append(out / fname)
-    if total > 1:
-        index = out / "model.safetensors.index.json"
-        index.write_text(json.dumps({"metadata": {"total_size": total_bytes},
-                                     "weight_map": weight_map}, indent=1))
-        files.append(index)
-    return files
+            yield name, flat.to(TORCH_DTYPES[dt]).reshape(t["shape"])
+    try:
+        return write_shards(out, specs, tensors(), shard_size)
+    except FileExistsError as e:
+        raise UsageError(f"--to: {e}") from e
 
 
 def run_export(args: argparse.Namespace) -> int:
@@ -170,6 +154,12 @@ def run_export(args: argparse.Namespace) -> int:
     except CheckpointError as e:
         print(f"offload checkpoint export: {' '.join(str(e).split())}", file=sys.stderr)
         return 1
+    if args.config:
+        for name in _CONFIGS:
+            src = Path(args.config) / name
+            if src.is_file():
+                shutil.copyfile(src, Path(args.to) / name)
+                files.append(Path(args.to) / name)
     for f in files:
         print(f)
     return 0

@@ -206,21 +206,22 @@ class _Lineage:
 
 @contextlib.contextmanager
 def _scratch_for_absent(mods: list[nn.Module]) -> Iterator[None]:
-    """Parameters of these modules already handed to the engine (absent stand-ins) are
-    scratch tensors while an initialiser runs over the modules (a module whose
+    """Parameters of these modules already handed to the engine (registered stand-ins)
+    are scratch parameters while an initialiser runs over the modules (a module whose
     parameters are in two groups, trainable and frozen, is initialised twice);
     what it writes there is discarded."""
     saved = []
     for m in mods:
-        for name, v in list(vars(m).items()):
+        for name, v in list(m._parameters.items()):
             if isinstance(v, AbsentWeight):
                 saved.append((m, name, v))
-                setattr(m, name, torch.empty(v.shape, dtype=torch.float32))
+                m._parameters[name] = nn.Parameter(torch.empty(v.shape, dtype=torch.float32),
+                                                   requires_grad=v.requires_grad)
     try:
         yield
     finally:
         for m, name, v in saved:
-            setattr(m, name, v)
+            m._parameters[name] = v
 
 
 def _has_own_init(model: nn.Module) -> bool:
@@ -300,12 +301,12 @@ def _materialise(model: nn.Module, g: Group, seed: int,
 
 
 def _drop_params(g: Group, engine: OffloadEngine) -> None:
-    """Removes the group's parameters from their modules; until the first gather each
-    attribute is the parameter's absent stand-in (shape, dtype and device queries
-    work; a use raises naming it: [Note: absent weights] in absent.py)."""
+    """Replaces the group's parameters in their modules by the engine's registered
+    stand-ins (shape, dtype, device and requires_grad queries work; a use raises
+    naming it: [Note: registered parameters] in params_view.py)."""
+    engine.registered.register(g.gid)
     for s in g.slots:
-        for mod, name in s.uses:
-            mod._parameters.pop(name, None)
+        for mod, _ in s.uses:
             mod.__dict__[_WRAPPED] = True  # [Note: wrapped modules]
         s.param = None
     engine.unbind(g.gid)

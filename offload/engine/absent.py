@@ -11,6 +11,12 @@ meta tensor) and raises, on any computation, an error that names the
 parameter, the unit that gathers it and what to do. It is a tensor subclass
 of our own; nothing of torch is patched and nothing is added to
 `nn.Parameter`.
+
+The same stand-in is what the module registers as its parameter
+(`module._parameters[name]`, [Note: registered parameters] in
+params_view.py): `nn.Parameter(AbsentWeight(...))` is torch's own way of
+making a tensor subclass a parameter, and `detach()` (which torch calls
+there and in `state_dict`) gives another stand-in with the same message.
 """
 
 from __future__ import annotations
@@ -26,7 +32,9 @@ __all__ = ["AbsentWeight", "absent_message"]
 def absent_message(name: str, unit: str) -> str:
     return (f"parameter {name!r} is used outside the forward of unit {unit!r}, the module "
             "whose hooks gather it: its weights exist only while that unit's forward or "
-            "backward runs. Call that unit (or the whole engine), not a module inside it; a "
+            "backward runs. To read or change them, use `with engine.full_weights(): ...` "
+            "(or engine.state_dict(); to save the model, engine.save_pretrained(dir)). "
+            "Call that unit (or the whole engine), not a module inside it; a "
             "parent that reads a child unit's weight in its own forward (e.g. a tied head as "
             "F.linear(h, self.wte.weight)) needs both in one unit: raise engine.group_size "
             "so the parent's subtree is one unit, or share the parameter by assignment "
@@ -50,10 +58,33 @@ class AbsentWeight(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (),
                            kwargs: dict | None = None) -> Any:
+        if func is torch.ops.aten.detach.default:  # nn.Parameter(stand-in), state_dict
+            src = args[0]
+            return AbsentWeight(src.shape, src.dtype, src.device, src.message)
         for a in tree_leaves((args, kwargs or {})):
             if isinstance(a, AbsentWeight):
                 raise RuntimeError(a.message)
         raise RuntimeError(f"{func} got an absent weight")
+
+    # conversions and storage reads that torch does not dispatch (safetensors and
+    # transformers' save_pretrained read data pointers)
+    def tolist(self) -> Any:
+        raise RuntimeError(self.message)
+
+    def untyped_storage(self) -> Any:
+        raise RuntimeError(self.message)
+
+    def storage(self) -> Any:
+        raise RuntimeError(self.message)
+
+    def data_ptr(self) -> int:
+        raise RuntimeError(self.message)
+
+    def numpy(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(self.message)
+
+    def __array__(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(self.message)
 
     def __repr__(self) -> str:  # printing must not compute
         return (f"AbsentWeight(shape={tuple(self.shape)}, dtype={self.dtype}, "

@@ -57,8 +57,10 @@ from ..optim import CpuAdam, OptimStepError, grad_sq_sum
 from ..planner import AccessTrace
 from ..store import BudgetExceededError, Tier, TieredStore
 from ..trace import NULL_RECORDER, TraceRecorder, UnitSpans
-from .absent import AbsentWeight, absent_message
+from .forward_prefetch import ForwardOnlyPrefetch
 from .grad_slots import GradSlots
+from .model_weights import ModelWeights
+from .params_view import RegisteredParams
 from .rank_order import RankOrder
 from .step import StagedParams, StepFailedError
 from .training_checkpoint import CheckpointSave
@@ -105,7 +107,7 @@ class _GroupState:
         self.pending: Pending | None = None  # an all-gather in flight into `flat`
 
 
-class OffloadEngine(nn.Module):
+class OffloadEngine(ModelWeights, nn.Module):
     """The wrapped model; built by `offload.initialize`. Call it like the model."""
 
     def __init__(self, model: nn.Module, cfg: OffloadConfig, units: list[Unit],
@@ -161,14 +163,9 @@ class OffloadEngine(nn.Module):
                 self._hooks.append(st.flat.register_post_accumulate_grad_hook(
                     self._make_grad_hook(st)))
         self._rank_order = RankOrder(comm, units, cfg.engine.check_rank_order)
-        unit_of: dict[int, str] = {}
-        for u in units:
-            for gid in u.needs:
-                unit_of.setdefault(gid, u.name)
-        # [Note: absent weights] in absent.py: one stand-in per use of each parameter
-        self._absent = [[[AbsentWeight(slot.shape, self.dtype, self.device,
-                                       absent_message(name, unit_of.get(g.gid, "?")))
-                          for name in slot.names] for slot in g.slots] for g in groups]
+        # [Note: registered parameters] in params_view.py
+        self.registered = RegisteredParams(model, groups, units, self.dtype, self.device)
+        self._ahead = ForwardOnlyPrefetch(units, store, cfg.engine.prefetch_depth)
         for unit in units:
             self._hooks.append(unit.module.register_forward_pre_hook(self._make_pre(unit)))
             self._hooks.append(unit.module.register_forward_hook(self._make_post(unit)))
@@ -233,11 +230,11 @@ class OffloadEngine(nn.Module):
             self.unbind(st.group.gid)
 
     def unbind(self, gid: int) -> None:
-        """Points the group's module attributes at their absent stand-ins ([Note:
-        absent weights] in absent.py): a use outside the unit raises, naming it."""
-        for slot, absent in zip(self.groups[gid].slots, self._absent[gid]):
-            for (module, name), stand_in in zip(slot.uses, absent):
-                setattr(module, name, stand_in)
+        """Points the group's module attributes back at their registered stand-ins
+        ([Note: registered parameters]): a use outside the unit raises, naming it."""
+        for slot in self.groups[gid].slots:
+            for module, name in slot.uses:
+                module.__dict__.pop(name, None)
 
     def _bind(self, st: _GroupState) -> None:
         """Points every module attribute of the group's parameters at fresh views of `flat`."""
@@ -249,8 +246,8 @@ class OffloadEngine(nn.Module):
                 view = piece.view(slot.shape)
                 if view.requires_grad:  # [Note: parameters without a gradient]
                     view.register_hook(self.grad_slots.hook(st.group.gid, i))
-                for module, name in slot.uses:
-                    setattr(module, name, view)
+                for module, name in slot.uses:  # before _parameters: [Note: registered
+                    module.__dict__[name] = view  # parameters] in params_view.py
 
     def _prefetch(self) -> None:
         """Follows the plan: the next group's all-gather starts now (it runs behind this
@@ -273,14 +270,22 @@ class OffloadEngine(nn.Module):
         def pre(module: nn.Module, args: Any) -> None:
             if not _in_backward():  # a recomputation repeats the backward's order
                 self._rank_order.check_unit(unit, backward=False)  # see rank_order.py
+            # a forward without autograd (evaluation, generate) is not part of a
+            # training step: it leaves the access trace and the plan alone
+            training = torch.is_grad_enabled() or _in_backward()
             self._spans.forward_begin(unit.name)
             for gid in unit.needs:
                 st = self._states[gid]
-                self.trace.record(gid)
+                if training:
+                    self.trace.record(gid)
                 self._gather(st)
                 self._bind(st)
                 st.active += 1
-            self._prefetch()
+            if training:
+                self._prefetch()
+            else:  # [Note: forward-only prefetch] in forward_prefetch.py
+                self._ahead.started(unit, lambda g: self._states[g].gathered
+                                    or self._states[g].pending is not None)
         return pre
 
     def _make_post(self, unit: Unit) -> Callable:
@@ -532,8 +537,8 @@ class OffloadEngine(nn.Module):
         try:
             with self.recorder.span("forward", cat="compute", track="compute"):
                 return self.module(*args, **kwargs)
-        except BaseException:
-            self._release_gathered()  # the step's state is untouched: a forward changes none
+        except BaseException:  # the step's state is untouched: a forward changes none
+            self._release_gathered(orphan=True)
             raise
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -570,6 +575,7 @@ class OffloadEngine(nn.Module):
                 except Exception as e:
                     log.debug("reduction failed while undoing a failed backward: %s", e)
             self._abort_step()
+            self._release_gathered(orphan=True)
             raise
         finally:
             self._reductions.clear()
@@ -577,10 +583,11 @@ class OffloadEngine(nn.Module):
         self._backwards += 1
         self.micro_step += 1
 
-    def _release_gathered(self) -> None:
+    def _release_gathered(self, orphan: bool = False) -> None:
         """No forward runs now: frees what is still gathered (frozen groups; groups of a
         checkpoint recomputation that torch stopped early, skipping its post-hooks; a
-        forward or backward that raised), after letting all-gathers in flight end."""
+        forward or backward that raised), after letting all-gathers in flight end.
+        `orphan` (after an error): [Note: orphaned gathers]."""
         for st in self._states:
             if st.pending is not None:
                 try:
@@ -589,7 +596,21 @@ class OffloadEngine(nn.Module):
                     log.debug("gather of group %d failed while releasing: %s",
                               st.group.gid, e)
             st.active = 0
+            if orphan and st.gathered:
+                self._orphan(st)
             self._free(st)
+
+    def _orphan(self, st: _GroupState) -> None:
+        """[Note: orphaned gathers] The frames of an error's traceback hold views of the
+        weights gathered when it was raised (a layer's `weight` argument): freed in
+        place, they would point at freed memory, and printing the traceback would
+        crash the interpreter. After an error, the group's flat tensor takes a fresh,
+        empty storage instead; the old one goes with its last view."""
+        fresh = torch.empty(st.group.padded, dtype=st.flat.dtype, device=st.flat.device)
+        fresh.untyped_storage().resize_(0)
+        st.flat.data = fresh
+        st.gathered = False
+        self.unbind(st.group.gid)
 
     def step(self) -> bool:
         """The optimizer step over every partition; returns False if it was skipped
@@ -722,28 +743,6 @@ class OffloadEngine(nn.Module):
         changes nothing. step() clears gradients itself; calling this at any point
         is safe. `set_to_none` is accepted for torch's signature."""
         self._abort_step()
-
-    # -- weights out --------------------------------------------------------------------
-    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Streams (name, full fp32 tensor) group by group: one group's weights are in
-        memory at a time. Every rank takes part (the shards are all-gathered)."""
-        opt = self.optimizer
-        for g in self.groups:
-            shard = torch.empty(g.shard, dtype=torch.float32)
-            if g.requires_grad and opt.has_master(g.gid):
-                opt.read_master(g.gid, shard)
-            else:
-                shard.copy_(self.store.fetch(("p", g.gid), to=Tier.HOST).wait().float().cpu())
-            full = torch.empty(g.padded, dtype=torch.float32)
-            self.comm.all_gather(full, shard)
-            for slot in g.slots:
-                value = full[slot.offset:slot.offset + slot.numel].view(slot.shape).clone()
-                for name in slot.names:  # tied weights appear under each name, as in torch
-                    yield name, value
-
-    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:  # type: ignore[override]
-        """Full fp32 weights by parameter name (every rank gets them); see `named_weights`."""
-        return dict(self.named_weights())
 
     # -- checkpoints (docs/checkpoints.md) -- begin
     def save_checkpoint(self, path: str | os.PathLike, extra: dict[str, Any] | None = None,

@@ -1,0 +1,173 @@
+"""Full weights on request: one group's full tensor read from, or written to, every rank's
+partitions (as FSDP's `summon_full_params`).
+
+[Note: full weights]
+A group's full weights are read from the fp32 master where the optimizer keeps
+one (trainable groups in bf16/fp16), else from the parameter partition (fp32
+training, where that partition is the master; frozen groups), all-gathered
+over the ranks (every rank calls, in the same order) into one padded fp32
+flat buffer. Each parameter is a view of it (a copy in its original dtype
+where that is not fp32). Written back, the rank's slice goes first to the
+master (the optimizer writes an NVMe master to fresh extents and then
+switches, so a failure leaves the old one), then to the parameter partition
+in its memory tier, which becomes its only valid copy; an NVMe-homed
+partition is written back to NVMe at once. Only between steps: a step in
+progress reads and writes the same state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING, Iterable, Iterator
+
+import torch
+from torch import nn
+
+from ..store import Tier
+from .units import Group
+
+if TYPE_CHECKING:
+    from .engine import OffloadEngine
+
+__all__ = ["read_group", "write_group", "slot_tensors", "groups_of", "summoned"]
+
+
+def read_group(engine: "OffloadEngine", g: Group) -> torch.Tensor:
+    """The group's full padded fp32 flat buffer, on the CPU ([Note: full weights]).
+    Collective: every rank calls it for the same groups in the same order."""
+    opt = engine.optimizer
+    shard = torch.empty(g.shard, dtype=torch.float32)
+    if g.requires_grad and opt.has_master(g.gid):
+        opt.read_master(g.gid, shard)
+    else:
+        shard.copy_(engine.store.fetch(("p", g.gid), to=Tier.HOST).wait())
+    if engine.comm.world == 1:
+        return shard
+    # NCCL gathers device tensors; gloo host ones
+    where = engine.device if engine.comm.backend == "nccl" else torch.device("cpu")
+    full = torch.empty(g.padded, dtype=torch.float32, device=where)
+    engine.comm.all_gather(full, shard.to(where))
+    return full.cpu()
+
+
+def slot_tensors(engine: "OffloadEngine", g: Group, full: torch.Tensor) -> list[torch.Tensor]:
+    """Each parameter of the group from its full buffer, in its original dtype: a view
+    of `full` for fp32 parameters, a copy otherwise."""
+    out = []
+    for slot, dtype in zip(g.slots, engine.registered.dtypes[g.gid]):
+        view = full[slot.offset:slot.offset + slot.numel].view(slot.shape)
+        out.append(view if dtype == torch.float32 else view.to(dtype))
+    return out
+
+
+def write_group(engine: "OffloadEngine", g: Group, full: torch.Tensor) -> None:
+    """Writes this rank's slice of the full padded fp32 buffer to the group's master and
+    parameter partition ([Note: full weights])."""
+    if full.numel() != g.padded:
+        raise ValueError(f"group {g.gid}: full buffer has {full.numel()} elements, "
+                         f"expected {g.padded}")
+    rank = engine.comm.rank
+    shard = full[rank * g.shard:(rank + 1) * g.shard]
+    key = ("p", g.gid)
+    where = engine._memory_tier(key)
+    engine.store.fetch(key, to=where, pin=True).wait()  # what can fail (room) comes first
+    try:
+        opt = engine.optimizer
+        if g.requires_grad and opt.has_master(g.gid):
+            state = opt.partition_state(g.gid)
+            state["master"] = shard
+            opt.load_partition_state(g.gid, state)
+        with engine.store.modify(key, where) as p:
+            p.copy_(shard.to(p.dtype))
+    finally:
+        engine.store.unpin(key)
+    if engine._param_tier is Tier.NVME:
+        engine.store.evict(key).wait()
+
+
+def groups_of(engine: "OffloadEngine", modules: Iterable[nn.Module | str] | None) -> list[Group]:
+    """The groups holding the parameters of `modules` (modules or their names; None:
+    all), in group order."""
+    if modules is None:
+        return list(engine.groups)
+    if isinstance(modules, (nn.Module, str)):
+        modules = [modules]
+    by_name = dict(engine.module.named_modules(remove_duplicate=False))
+    chosen: set[int] = set()
+    for m in modules:
+        if isinstance(m, str):
+            if m not in by_name:
+                raise KeyError(f"full_weights: the model has no module {m!r}; give a module "
+                               f"or a name of model.named_modules(), e.g. "
+                               f"{[n for n in by_name if n][:4]}")
+            m = by_name[m]
+        chosen.update(id(sub) for sub in m.modules())
+    picked = []
+    for g in engine.groups:
+        if any(id(mod) in chosen for slot in g.slots for mod, _ in slot.uses):
+            picked.append(g)
+    return picked
+
+
+@contextlib.contextmanager
+def summoned(engine: "OffloadEngine", groups: list[Group], writable: bool
+             ) -> Iterator[dict[str, torch.Tensor]]:
+    """Registers full-weight parameters in the modules for the block, then puts the
+    stand-ins back; with `writable`, what the modules' parameters hold at the end of
+    the block (in place edits, or a new `nn.Parameter` of the same shape) is
+    written back, group by group. Yields {name: tensor} for every name of every
+    parameter of `groups`. A block that raises writes nothing."""
+    names = engine._slot_names()  # while the stand-ins are registered
+    fulls, values = {}, {}
+    for g in groups:
+        fulls[g.gid] = read_group(engine, g)
+        values[g.gid] = [nn.Parameter(t, requires_grad=g.requires_grad)
+                         for t in slot_tensors(engine, g, fulls[g.gid])]
+    named = {}
+    for g in groups:
+        for i, (slot, value) in enumerate(zip(g.slots, values[g.gid])):
+            for (module, attr) in slot.uses:
+                module._parameters[attr] = value
+            for name in names[(g.gid, i)]:
+                named[name] = value
+    ok = False
+    try:
+        yield named
+        ok = True
+    finally:
+        try:
+            edited = _collect(groups, names) if ok and writable else None
+        finally:
+            for g in groups:
+                engine.registered.register(g.gid)
+    for gid, tensors in (edited or {}).items():
+        g = engine.groups[gid]
+        full = fulls[gid]
+        for slot, t in zip(g.slots, tensors):
+            full[slot.offset:slot.offset + slot.numel].copy_(t.detach().reshape(-1))
+        write_group(engine, g, full)
+
+
+def _collect(groups: list[Group], names: dict[tuple[int, int], list[str]]
+             ) -> dict[int, list[torch.Tensor]]:
+    """What each parameter's attributes hold at the end of a writable block, checked."""
+    out = {}
+    for g in groups:
+        row = []
+        for i, slot in enumerate(g.slots):
+            held = [module._parameters.get(attr) for module, attr in slot.uses]
+            t = held[0]
+            name = names[(g.gid, i)][0]
+            if t is None or any(h is not t for h in held[1:]):
+                raise ValueError(f"full_weights: parameter {name!r} is tied under "
+                                 f"{names[(g.gid, i)]}, and they no longer hold one tensor; "
+                                 "assign the same nn.Parameter to every name (nothing was "
+                                 "written)")
+            if tuple(t.shape) != tuple(slot.shape):
+                raise ValueError(f"full_weights: parameter {name!r} now has shape "
+                                 f"{tuple(t.shape)}, the engine holds {tuple(slot.shape)}; "
+                                 "the shape of a parameter cannot change (nothing was "
+                                 "written)")
+            row.append(t)
+        out[g.gid] = row
+    return out

@@ -1,0 +1,295 @@
+"""`ModelWeights`: the engine's model as torch and Hugging Face users handle one.
+
+Parameters as registered stand-ins ([Note: registered parameters] in
+params_view.py), full weights on request ([Note: full weights] in
+full_weights.py), `state_dict` / `load_state_dict` as torch's, `generate`,
+and `save_pretrained` streamed to safetensors shards ([Note: streamed
+shards] in safetensors_writer.py). A mixin of `OffloadEngine`: it reads the
+engine's groups, store, optimizer and collectives, and keeps no state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Mapping
+
+import torch
+from torch import nn
+from torch.nn.modules.module import _IncompatibleKeys
+
+from ..config import parse_bytes
+from .full_weights import groups_of, read_group, slot_tensors, summoned, write_group
+from .params_view import state_entries
+from .safetensors_writer import TensorSpec, write_shards
+
+log = logging.getLogger(__name__)
+
+__all__ = ["ModelWeights"]
+
+
+def _load_problem(state_dict: Mapping[str, Any], entries: list, missing: list[str],
+                  strict: bool) -> str | None:
+    """Why `load_state_dict` refuses `state_dict` (None: it does not)."""
+    expected = {name for name, _, _ in entries}
+    unexpected = [k for k in state_dict if k not in expected]
+    if strict and (missing or unexpected):
+        return (f"missing keys {missing[:8]}{' ...' if len(missing) > 8 else ''}, unexpected "
+                f"keys {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}; pass "
+                "strict=False to load the rest")
+    for name, t, _ in entries:
+        if name in state_dict and tuple(state_dict[name].shape) != tuple(t.shape):
+            return (f"{name!r} has shape {tuple(state_dict[name].shape)}, the model "
+                    f"{tuple(t.shape)}")
+    return None
+
+
+class ModelWeights:
+    """Parameters, full weights, state dicts, generation and export of the engine's model."""
+
+    # -- parameters ---------------------------------------------------------------
+    def named_parameters(self, prefix: str = "", recurse: bool = True,
+                         remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
+        """The model's parameters under the model's own names (no `module.` prefix):
+        one registered stand-in per original parameter, full shape, compute dtype,
+        its `requires_grad` ([Note: registered parameters] in params_view.py)."""
+        return self.module.named_parameters(prefix, recurse, remove_duplicate)
+
+    def _check_between_steps(self, what: str) -> None:
+        self._check_no_forward(what)
+        if self._backwards or self._early or len(self._staged):
+            raise RuntimeError(f"{what}: a step is in progress ({self._backwards} backward "
+                               "call(s) since the last step); call engine.step() or "
+                               "engine.zero_grad() first")
+
+    def _check_no_forward(self, what: str) -> None:
+        running = [st.group.gid for st in self._states if st.active]
+        if running:
+            raise RuntimeError(f"{what}: called inside a forward (groups {running[:8]} are in "
+                               "use); call it between forward passes")
+
+    # -- full weights -------------------------------------------------------------
+    @contextlib.contextmanager
+    def full_weights(self, modules: Iterable[nn.Module | str] | nn.Module | str | None = None,
+                     *, writable: bool = False) -> Iterator[dict[str, torch.Tensor]]:
+        """`with engine.full_weights(): ...` registers the full weights of `modules`
+        (modules or their names; None: the whole model) as the modules' parameters
+        for the block, in each parameter's original dtype, and yields {name:
+        parameter}. Read-only unless `writable`: then what the parameters hold when
+        the block ends (in-place edits, or a new `nn.Parameter` of the same shape)
+        is written to the fp32 master and to the parameter partition in every
+        tier; a block that raises writes nothing. Between steps; every rank calls
+        it (the weights are all-gathered). The selected weights must fit in
+        `store.host_budget`; for more, select fewer modules per block or stream
+        with `named_weights()`. Forward passes inside the block use the weights as
+        they were when it began."""
+        groups = self._summonable(modules, writable, "full_weights")
+        need = sum(g.padded * 4 for g in groups)
+        if need > self.cfg.store.host_budget:
+            raise ValueError(f"full_weights: the selected weights take {need} bytes in fp32, "
+                             f"more than store.host_budget ({self.cfg.store.host_budget}); "
+                             "pass fewer modules (e.g. one layer per block), or go group by "
+                             "group with engine.full_weights_by_group()")
+        with summoned(self, groups, writable) as named:
+            yield named
+
+    def full_weights_by_group(self, modules: Iterable[nn.Module | str] | nn.Module | str
+                              | None = None, *, writable: bool = False
+                              ) -> Iterator[dict[str, torch.Tensor]]:
+        """`full_weights` one group at a time, for models whose weights do not fit in
+        memory at once: `for w in engine.full_weights_by_group(writable=True): ...`
+        yields {name: parameter} of each group's parameters, registered in their
+        modules until the next iteration, which writes them back (`writable`)
+        first. Leaving the loop early (break, an error) discards the current
+        group's edits; groups done before it stay written."""
+        for g in self._summonable(modules, writable, "full_weights_by_group"):
+            with summoned(self, [g], writable) as named:
+                yield named
+
+    def _summonable(self, modules: Any, writable: bool, what: str) -> list:
+        groups = groups_of(self, modules)
+        if writable:
+            self._check_between_steps(f"{what}(writable=True)")
+        self._check_no_forward(what)
+        self._release_gathered()
+        return groups
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Streams (name, full tensor in its original dtype) group by group: one group's
+        weights are in memory at a time; a tied parameter (or one of a module
+        registered under several names) appears under each name. Every rank takes
+        part (the shards are all-gathered)."""
+        names = self._slot_names()
+        for g in self.groups:
+            full = read_group(self, g)
+            for i, t in enumerate(slot_tensors(self, g, full)):
+                for name in names[(g.gid, i)]:
+                    yield name, t
+
+    def _slot_names(self) -> dict[tuple[int, int], list[str]]:
+        """Every name of each parameter, (gid, slot) -> names, in torch's `state_dict`
+        order (tied parameters and modules registered under several names)."""
+        names: dict[tuple[int, int], list[str]] = {}
+        for name, t, is_param in state_entries(self.module):
+            where = self.registered.locate(t) if is_param else None
+            if where is not None:
+                names.setdefault(where, []).append(name)
+        return names
+
+    # -- state dicts --------------------------------------------------------------
+    def state_dict(self, *args: Any, rank0_only: bool = True,  # type: ignore[override]
+                   **kwargs: Any) -> dict[str, torch.Tensor]:
+        """The model's full state as torch's `state_dict()` holds it: every parameter
+        (in its original dtype, from the fp32 masters) and persistent buffer, under
+        every name it is registered under. Gathered group by group; with
+        `rank0_only` (default) only rank 0 keeps the weights, the other ranks
+        return an empty dict. Every rank calls it."""
+        keep = not rank0_only or self.comm.rank == 0
+        entries = list(state_entries(self.module))
+        values: dict[tuple[int, int], torch.Tensor] = {}
+        for g in self.groups:
+            full = read_group(self, g)  # a fresh buffer: its views are the values
+            if keep:
+                for i, t in enumerate(slot_tensors(self, g, full)):
+                    values[(g.gid, i)] = t
+            del full
+        if not keep:
+            return {}
+        out = {}
+        for name, t, _ in entries:
+            where = self.registered.locate(t)
+            out[name] = values[where] if where is not None else t.detach()
+        return out
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True,
+                        assign: bool = False) -> _IncompatibleKeys:  # type: ignore[override]
+        """Loads what `state_dict()` (or torch's, of the plain model) returns: weights into
+        the fp32 masters and the parameter partitions in every tier, buffers into
+        the modules. Keys and shapes are checked first (strict: missing or
+        unexpected keys raise, as torch's); a tied parameter takes the value under
+        its first name present. Between steps; every rank calls it with the full
+        weights (a rank whose dict is refused makes every rank raise, before any
+        collective). Returns torch's (missing_keys, unexpected_keys); `assign` is
+        accepted for torch's signature."""
+        self._check_between_steps("load_state_dict")
+        entries = list(state_entries(self.module))
+        missing = [n for n, _, _ in entries if n not in state_dict]
+        problem = _load_problem(state_dict, entries, missing, strict)
+        (refused,) = self.comm.sum_scalars([1.0 if problem else 0.0])
+        if problem:
+            raise RuntimeError(f"load_state_dict: {problem} (nothing was loaded)")
+        if refused:
+            raise RuntimeError("load_state_dict: another rank refused its state dict (nothing "
+                               "was loaded); give every rank the full state dict")
+        unexpected = [k for k in state_dict if k not in {n for n, _, _ in entries}]
+        loaded: dict[tuple[int, int], torch.Tensor] = {}
+        for name, t, is_param in entries:
+            where = self.registered.locate(t) if is_param else None
+            if name not in state_dict:
+                continue
+            value = state_dict[name]
+            if where is not None:
+                loaded.setdefault(where, value)
+            else:
+                with torch.no_grad():
+                    t.copy_(value)  # a buffer (or a parameter the engine does not hold)
+        self._release_gathered()
+        for g in self.groups:  # with several ranks every group: collectives pair up
+            if self.comm.world == 1 and not any((g.gid, i) in loaded
+                                                for i in range(len(g.slots))):
+                continue
+            full = read_group(self, g)
+            for i, slot in enumerate(g.slots):
+                if (g.gid, i) in loaded:
+                    full[slot.offset:slot.offset + slot.numel].copy_(
+                        loaded[(g.gid, i)].detach().reshape(-1))
+            write_group(self, g, full)
+        return _IncompatibleKeys(missing, unexpected)
+
+    # -- generation and export ----------------------------------------------------
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        """The wrapped model's `generate` (Hugging Face), its weights streamed from their
+        tiers unit by unit; run under `torch.no_grad()` it leaves the training plan
+        alone."""
+        try:
+            out = self.module.generate(*args, **kwargs)
+        except BaseException:
+            self._release_gathered(orphan=True)  # [Note: orphaned gathers] in engine.py
+            raise
+        self._release_gathered()
+        return out
+
+    def save_pretrained(self, save_directory: str | os.PathLike,
+                        max_shard_size: int | str = "5GB",
+                        dtype: torch.dtype | None = None) -> list[Path]:
+        """Writes the model as Hugging Face does: safetensors shards with an index (every
+        parameter under its first name, tied ones once; persistent buffers), in each
+        parameter's original dtype (or `dtype`), plus `config.json` and
+        `generation_config.json` when the model has them, so
+        `AutoModel*.from_pretrained(save_directory)` loads it. Streamed: one group's
+        full weights and one tensor beyond the budgets are in memory at a time.
+        Every rank calls it; rank 0 writes, and on a failure there (a directory
+        that holds shards, a full disk) every rank still takes part in every
+        all-gather before rank 0 raises. Returns the files written."""
+        limit = parse_bytes(max_shard_size, "max_shard_size")
+        specs, order = self._export_specs(dtype)
+        out = Path(save_directory)
+        stream = self._export_stream(order, dtype)
+        if self.comm.rank != 0:
+            for _ in stream:
+                pass  # the all-gathers pair up with rank 0's
+            return []
+        try:
+            files = write_shards(out, specs, stream, limit)
+        except BaseException:
+            if self.comm.world > 1:
+                for _ in stream:  # what the failed write left: its all-gathers
+                    pass
+            raise
+        return files + self._save_configs(out, dtype)
+
+    def _export_specs(self, dtype: torch.dtype | None) -> tuple[list[TensorSpec], list]:
+        """What is written, in the order it is produced: parameters group by group, then
+        the buffers."""
+        specs, order = [], []
+        names = self._slot_names()
+        for g in self.groups:
+            for i, (slot, orig) in enumerate(zip(g.slots, self.registered.dtypes[g.gid])):
+                specs.append(TensorSpec(names[(g.gid, i)][0], tuple(slot.shape), dtype or orig))
+        seen: set[int] = set()
+        for name, t, is_param in state_entries(self.module):
+            if is_param and self.registered.locate(t) is not None or id(t) in seen:
+                continue
+            seen.add(id(t))
+            order.append((name, t))
+            specs.append(TensorSpec(name, tuple(t.shape), dtype if dtype and
+                                    t.is_floating_point() else t.dtype))
+        return specs, order
+
+    def _export_stream(self, order: list, dtype: torch.dtype | None
+                       ) -> Iterator[tuple[str, torch.Tensor]]:
+        names = self._slot_names()
+        for g in self.groups:
+            full = read_group(self, g)
+            for i, t in enumerate(slot_tensors(self, g, full)):
+                yield names[(g.gid, i)][0], t.to(dtype) if dtype else t
+            del full
+        for name, t in order:
+            yield name, t.to(dtype) if dtype and t.is_floating_point() else t
+
+    def _save_configs(self, out: Path, dtype: torch.dtype | None) -> list[Path]:
+        files = []
+        config = getattr(self.module, "config", None)
+        if config is not None and hasattr(config, "save_pretrained"):
+            dtypes = {d for row in self.registered.dtypes for d in row}
+            if dtype is not None or len(dtypes) == 1:
+                config.dtype = dtype or dtypes.pop()
+            config.save_pretrained(out)
+            files.append(out / "config.json")
+        gen = getattr(self.module, "generation_config", None)
+        if gen is not None and hasattr(gen, "save_pretrained"):
+            gen.save_pretrained(out)
+            files.append(out / "generation_config.json")
+        return files

@@ -1,0 +1,93 @@
+"""The model's parameters as torch sees them after `initialize`.
+
+[Note: registered parameters]
+As FSDP2 re-registers each parameter as a sharded one, `initialize` puts one
+stand-in `nn.Parameter` per original parameter back into every module
+attribute that held it (`module._parameters[name]`, same object under each
+tied name): `model.named_parameters()`, `model.parameters()`,
+`sum(p.numel() ...)`, `p.requires_grad` and `p.shape` read as on the plain
+model, in the original order. The stand-in is an `AbsentWeight` (absent.py):
+it holds no storage, so reading its data never touches freed memory; it
+raises an error that names `engine.full_weights()` instead. Its dtype is the
+compute dtype (`engine.dtype`), the dtype the model computes in, as after
+`model.to(dtype)`; `dtypes` keeps each parameter's original dtype, the one
+`state_dict()` and `save_pretrained()` write.
+
+While a unit runs, its modules' attributes are views of the gathered flat
+buffer, set in the module's `__dict__` (which attribute lookup reads before
+`nn.Module.__getattr__` consults `_parameters`); outside, the `__dict__`
+entry is removed and `module.weight` is the registered stand-in again.
+The engine keeps its trainable state in its partitions, never in these
+stand-ins: they are views for the user, not state (nothing is trained,
+checkpointed or counted through them).
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from .absent import AbsentWeight, absent_message
+from .units import Group, Unit
+
+__all__ = ["RegisteredParams", "state_entries"]
+
+
+class RegisteredParams:
+    """One stand-in parameter per slot of every group, with its original dtype."""
+
+    def __init__(self, model: nn.Module, groups: list[Group], units: list[Unit],
+                 dtype: torch.dtype, device: torch.device) -> None:
+        first: dict[int, str] = {}  # each parameter's first name, as torch lists it
+        for name, p in model.named_parameters(remove_duplicate=False):
+            first.setdefault(id(p), name)
+        unit_of: dict[int, str] = {}
+        for u in units:
+            for gid in u.needs:
+                unit_of.setdefault(gid, u.name)
+        self.groups = groups
+        self.stand_ins: list[list[nn.Parameter]] = []
+        self.dtypes: list[list[torch.dtype]] = []
+        self._where: dict[int, tuple[int, int]] = {}  # id(stand-in) -> (gid, slot)
+        for g in groups:
+            row = []
+            for i, s in enumerate(g.slots):
+                absent = AbsentWeight(s.shape, dtype, device,
+                                      absent_message(first.get(id(s.param), s.fqn),
+                                                     unit_of.get(g.gid, "?")))
+                p = nn.Parameter(absent, requires_grad=g.requires_grad)
+                self._where[id(p)] = (g.gid, i)
+                row.append(p)
+            self.stand_ins.append(row)
+            self.dtypes.append([s.param.dtype if s.param is not None else dtype
+                                for s in g.slots])
+
+    def register(self, gid: int) -> None:
+        """Puts the group's stand-ins into every module attribute that held its
+        parameters (the originals are dropped by the caller)."""
+        for slot, p in zip(self.groups[gid].slots, self.stand_ins[gid]):
+            for module, name in slot.uses:
+                module._parameters[name] = p
+
+    def locate(self, p: torch.Tensor) -> tuple[int, int] | None:
+        """(gid, slot index) of a registered stand-in; None for any other tensor."""
+        return self._where.get(id(p))
+
+
+def state_entries(module: nn.Module, prefix: str = ""
+                  ) -> Iterator[tuple[str, torch.Tensor, bool]]:
+    """(name, tensor, is_parameter) for every entry torch's `state_dict` would hold,
+    in its order: each module's parameters, then its persistent buffers, then its
+    children; a module (or a parameter) registered under several names appears
+    under each."""
+    for name, p in module._parameters.items():
+        if p is not None:
+            yield prefix + name, p, True
+    for name, b in module._buffers.items():
+        if b is not None and name not in module._non_persistent_buffers_set:
+            yield prefix + name, b, False
+    for name, child in module._modules.items():
+        if child is not None:
+            yield from state_entries(child, prefix + name + ".")

@@ -1,0 +1,38 @@
+"""`offload checkpoint export --config`: a training checkpoint of a transformers model
+becomes a directory that `from_pretrained` loads, with the weights `save_pretrained` of
+the engine writes."""
+
+import pytest
+import torch
+
+import offload
+from offload.cli.main import main
+
+transformers = pytest.importorskip("transformers")
+
+
+def test_export_with_config_loads_in_transformers(tmp_path, capsys):
+    cfg = {"engine": {"params": "nvme", "grads": "host", "optimizer": "host",
+                      "group_size": 5000},
+           "optim": {"lr": 1e-2},
+           "io": {"paths": [str(tmp_path / "swap")], "buffer_budget": "32MiB",
+                  "grow_step": "4MiB"},
+           "store": {"host_budget": "64MiB", "device_budget": "64MiB", "device": "cpu"}}
+    hf = transformers.GPT2Config(vocab_size=96, n_positions=32, n_embd=32, n_layer=2, n_head=2)
+    torch.manual_seed(0)
+    with offload.initialize(transformers.GPT2LMHeadModel(hf), cfg) as e:
+        x = torch.randint(0, 96, (2, 8))
+        e.backward(e(input_ids=x, labels=x).loss)
+        e.step()
+        e.save_checkpoint(tmp_path / "ck")
+        e.save_pretrained(tmp_path / "engine-out")
+        want = e.state_dict()
+    argv = ["checkpoint", "export", str(tmp_path / "ck"), "--to", str(tmp_path / "out"),
+            "--shard-size", "40KB", "--config", str(tmp_path / "engine-out")]
+    assert main(argv) == 0, capsys.readouterr().err
+    assert "config.json" in capsys.readouterr().out
+    for path in (tmp_path / "out", tmp_path / "engine-out"):
+        got = transformers.AutoModelForCausalLM.from_pretrained(path).state_dict()
+        assert set(got) == set(want)
+        for k, v in want.items():
+            assert torch.equal(got[k], v), (path.name, k)

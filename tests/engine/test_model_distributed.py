@@ -1,0 +1,81 @@
+"""Full weights, state dicts and export on two ranks (gloo): the shards are gathered, only
+rank 0 keeps a state dict or writes files, and writes reach each rank's own shard."""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from .models import TiedTwice, lm_batches, lm_loss
+
+pytestmark = pytest.mark.distributed
+
+VOCAB = 256  # emb.weight has 8192 elements: each rank's shard holds half of it
+
+
+def _pattern() -> torch.Tensor:
+    return torch.arange(VOCAB * 32, dtype=torch.float32).view(VOCAB, 32)
+
+
+def _worker(rank: int, world: int, init_file: str, out: str, cfg: dict) -> None:
+    import offload
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world)
+    try:
+        torch.manual_seed(0)
+        engine = offload.initialize(TiedTwice(vocab=VOCAB), cfg)
+        for x, y in lm_batches(2, vocab=VOCAB, batch=8):
+            xs, ys = x.chunk(world)[rank], y.chunk(world)[rank]
+            engine.backward(lm_loss(engine(xs), ys))
+            engine.step()
+        sd = engine.state_dict()
+        sd_all = engine.state_dict(rank0_only=False)
+        with engine.full_weights() as w:
+            seen = {k: v.detach().clone() for k, v in w.items()}
+        with engine.full_weights("emb", writable=True):  # both ranks' shards of a group
+            engine.module.emb.weight.data.copy_(_pattern())
+        after = engine.state_dict(rank0_only=False)
+        engine.save_pretrained(out + ".dir", max_shard_size="8KB")
+        again = "written"
+        try:  # rank 0 refuses a directory with shards; rank 1 is not left waiting
+            engine.save_pretrained(out + ".dir")
+        except FileExistsError:
+            again = "refused"
+        refused = ""
+        try:  # rank 1 gives nothing: every rank raises, none waits in a collective
+            engine.load_state_dict(sd_all if rank == 0 else {})
+        except RuntimeError as e:
+            refused = str(e)
+        engine.load_state_dict(sd_all)  # the weights before the write, on both ranks
+        back = engine.state_dict(rank0_only=False)
+        torch.save({"sd": sd, "seen": seen, "after": after, "refused": refused, "back": back,
+                    "again": again},
+                   f"{out}.{rank}")
+        engine.close()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_ranks_gather_keep_on_rank_zero_and_write_their_shards(tmp_path, engine_cfg):
+    cfg = engine_cfg("nvme", "host", "nvme", group_size=1200)
+    out = str(tmp_path / "res")
+    mp.start_processes(_worker, args=(2, str(tmp_path / "init"), out, cfg), nprocs=2,
+                       join=True, start_method="spawn")
+    r0, r1 = torch.load(f"{out}.0"), torch.load(f"{out}.1")
+    assert r1["sd"] == {} and set(r0["sd"]) == set(TiedTwice(vocab=VOCAB).state_dict())
+    for k, v in r0["sd"].items():
+        assert torch.equal(r0["seen"][k], v) and torch.equal(r1["seen"][k], v), k
+        want = _pattern() if k in ("emb.weight", "head.weight") else v
+        assert torch.equal(r0["after"][k], want) and torch.equal(r1["after"][k], want), k
+    assert "another rank refused" in r0["refused"] and "missing keys" in r1["refused"]
+    assert (r0["again"], r1["again"]) == ("refused", "written")
+    for k, v in r0["sd"].items():
+        assert torch.equal(r0["back"][k], v) and torch.equal(r1["back"][k], v), k
+    from safetensors import safe_open
+    names = {}
+    for f in (tmp_path / "res.dir").glob("*.safetensors"):
+        with safe_open(str(f), framework="pt") as h:
+            names.update({k: h.get_tensor(k) for k in h.keys()})
+    assert set(names) == set(r0["sd"]) - {"head.weight"}  # tied: written once
+    for k, v in names.items():
+        assert torch.equal(v, r0["after"][k]), k

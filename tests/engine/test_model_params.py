@@ -1,0 +1,306 @@
+"""The model stays a model after `initialize`: registered parameters, full weights on
+request, evaluation between steps, state dicts; with frozen parameters, BatchNorm
+buffers, tied weights, a module under two names called twice, a parameter unused in
+some steps."""
+
+import copy
+import io
+
+import pytest
+import torch
+from torch import nn
+
+import offload
+from offload.store import Tier
+
+PLACEMENTS = [("device", "host", "host"), ("host", "host", "nvme"), ("nvme", "nvme", "nvme")]
+IDS = ["none", "host", "nvme"]
+
+
+class Zoo(nn.Module):
+    def __init__(self, bn: bool = True) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(64, 32)
+        self.block = nn.Sequential(nn.Linear(32, 32), nn.Tanh())
+        self.again = self.block  # one module under two names, called twice
+        self.bn = nn.BatchNorm1d(32) if bn else nn.Identity()  # fp32 running stats
+        self.frozen = nn.Linear(32, 32)
+        self.frozen.requires_grad_(False)
+        self.sometimes = nn.Linear(32, 32)
+        self.head = nn.Linear(32, 64, bias=False)
+        self.head.weight = self.emb.weight  # tied
+
+    def forward(self, x: torch.Tensor, use: bool = False) -> torch.Tensor:
+        h = self.again(self.block(self.emb(x)))
+        h = self.bn(h.transpose(1, 2)).transpose(1, 2)
+        h = h + self.frozen(h)
+        if use:
+            h = self.sometimes(h)
+        return self.head(h)
+
+
+def _batches(n: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randint(0, 64, (4, 6), generator=g), torch.randint(0, 64, (4, 6), generator=g))
+            for _ in range(n)]
+
+
+def _loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(logits.reshape(-1, 64).float(), y.reshape(-1))
+
+
+def _engine(engine_cfg, placement, dtype="fp32", seed=0):
+    torch.manual_seed(seed)
+    ref = Zoo(bn=dtype == "fp32")  # torch's BatchNorm refuses bf16 weights with fp32 stats
+    cfg = engine_cfg(*placement, dtype=dtype, group_size=1200)
+    cfg["optim"]["eps"] = 1e-6
+    return offload.initialize(copy.deepcopy(ref), cfg), ref
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("placement", PLACEMENTS, ids=IDS)
+def test_registered_parameters_mirror_the_plain_model(engine_cfg, placement, dtype):
+    engine, ref = _engine(engine_cfg, placement, dtype)
+    model = engine.module
+    try:
+        got, want = list(model.named_parameters()), list(ref.named_parameters())
+        assert [n for n, _ in got] == [n for n, _ in want]
+        assert [n for n, _ in engine.named_parameters()] == [n for n, _ in want]
+        for (n, p), (_, q) in zip(got, want):
+            assert isinstance(p, nn.Parameter), n
+            assert p.shape == q.shape and p.requires_grad == q.requires_grad, n
+            assert p.dtype == engine.dtype and p.device == engine.device, n
+        assert sum(p.numel() for p in model.parameters()) == sum(
+            p.numel() for p in ref.parameters())
+        assert model.head.weight is model.emb.weight  # tied, as in torch
+        assert model.block[0].weight is dict(got)["block.0.weight"]
+        assert not model.frozen.weight.requires_grad
+        assert list(engine.state_dict()) == list(ref.state_dict())  # aliases, buffers
+        assert len(ref.state_dict()) == 10 + 5 * (dtype == "fp32")
+        p = model.block[0].weight
+        assert "AbsentWeight" in repr(p)
+        for read in (lambda: p.sum(), lambda: p.tolist(), lambda: p + 1,
+                     lambda: p.detach().clone(), lambda: p.cpu().numpy(),
+                     lambda: p.untyped_storage(), lambda: p.data_ptr(),
+                     lambda: torch.save(model.state_dict(), io.BytesIO()),
+                     lambda: copy.deepcopy(model)):
+            with pytest.raises(RuntimeError, match=r"engine\.full_weights\(\)"):
+                read()
+        with pytest.raises(RuntimeError, match=r"parameter 'block.0.weight' is used"):
+            model.again[0].weight.sum()  # named as torch first lists it
+    finally:
+        engine.close()
+
+
+def _train(engine, ref, opt, batches):
+    for i, (x, y) in enumerate(batches):
+        use = i % 2 == 1  # `sometimes` is unused in every other step
+        engine.backward(_loss(engine(x, use), y))
+        engine.step()
+        opt.zero_grad()
+        _loss(ref(x, use), y).backward()
+        opt.step()
+
+
+def _assert_weights(engine, ref, atol):
+    with engine.full_weights() as w:
+        for n, q in ref.named_parameters():
+            torch.testing.assert_close(w[n], q.detach(), atol=atol, rtol=0,
+                                       msg=lambda m: f"{n}: {m}")
+            assert getattr(engine.module.get_submodule(n.rpartition(".")[0]),
+                           n.rpartition(".")[2]) is w[n]
+    assert isinstance(engine.module.emb.weight, nn.Parameter)  # the stand-in is back
+    with pytest.raises(RuntimeError, match="full_weights"):
+        engine.module.emb.weight.sum()
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS, ids=IDS)
+def test_weights_buffers_and_evaluation_between_steps_match_torch(engine_cfg, placement):
+    engine, ref = _engine(engine_cfg, placement)
+    opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2,
+                            weight_decay=0.1, eps=1e-6)
+    batches = _batches(5)
+    try:
+        _train(engine, ref, opt, batches[:3])
+        _assert_weights(engine, ref, atol=3e-6)
+        sd, want = engine.state_dict(), ref.state_dict()
+        for k in ("bn.running_mean", "bn.running_var", "bn.num_batches_tracked"):
+            torch.testing.assert_close(sd[k], want[k], atol=1e-6, rtol=0)
+        plan = list(engine.trace.plan)
+        x = batches[3][0]
+        engine.eval(), ref.eval()  # BatchNorm uses its running statistics
+        with torch.no_grad():
+            torch.testing.assert_close(engine(x, True), ref(x, True), atol=2e-5, rtol=0)
+            torch.testing.assert_close(engine(x), ref(x), atol=2e-5, rtol=0)
+        with torch.inference_mode():
+            torch.testing.assert_close(engine(x), ref(x), atol=2e-5, rtol=0)
+        engine.train(), ref.train()
+        assert engine.trace.plan == plan and engine.trace.position == -1  # untouched
+        _train(engine, ref, opt, batches[3:])
+        _assert_weights(engine, ref, atol=5e-6)
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("placement", PLACEMENTS, ids=IDS)
+def test_writable_full_weights_reach_every_tier_and_the_master(engine_cfg, placement, dtype):
+    engine, ref = _engine(engine_cfg, placement, dtype)
+    model = engine.module
+    x, y = _batches(1, seed=3)[0]
+    try:
+        before = engine.state_dict()
+        with pytest.raises(ZeroDivisionError):  # a block that raises writes nothing
+            with engine.full_weights(model.block, writable=True) as w:
+                w["block.0.weight"].data.fill_(7.0)
+                1 / 0
+        with pytest.raises(ValueError, match="shape"):
+            with engine.full_weights("block", writable=True):
+                model.block[0].weight = nn.Parameter(torch.zeros(3, 3))
+        after = engine.state_dict()
+        assert all(torch.equal(before[k], after[k]) for k in before)
+        with engine.full_weights(["block", model.frozen], writable=True) as w:
+            assert set(w) >= {"block.0.weight", "again.0.weight", "frozen.weight"}
+            assert "emb.weight" not in w
+            model.block[0].weight.data.fill_(5.0)  # in place
+            model.frozen.bias = nn.Parameter(torch.full((32,), 0.25))  # a new parameter
+        with torch.no_grad():
+            ref.block[0].weight.fill_(5.0)
+            ref.frozen.bias.fill_(0.25)
+        for g in engine.groups:  # written through to NVMe, where that is the home
+            assert ((Tier.NVME in engine.store.info(("p", g.gid)).valid)
+                    == (placement[0] == "nvme")), g.gid
+        sd = engine.state_dict()
+        assert torch.equal(sd["block.0.weight"], ref.block[0].weight)  # the master
+        assert torch.equal(sd["again.0.weight"], ref.block[0].weight)
+        assert torch.equal(sd["frozen.bias"], ref.frozen.bias)
+        low = copy.deepcopy(ref).to(engine.dtype)  # the compute-dtype partitions
+        with torch.no_grad():
+            torch.testing.assert_close(engine(x), low(x), atol=1e-5, rtol=0)
+        engine.backward(_loss(engine(x), y))
+        engine.step()
+        with engine.full_weights("block") as w:  # the step started from the new master
+            assert (w["block.0.weight"] - 5.0).abs().max() < 0.1
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS, ids=IDS)
+def test_load_state_dict_takes_what_state_dict_gives(engine_cfg, placement):
+    engine, ref = _engine(engine_cfg, placement)
+    torch.manual_seed(7)
+    other = Zoo()
+    other.bn.running_mean.uniform_()
+    x, y = _batches(1, seed=4)[0]
+    try:
+        bad = dict(other.state_dict())
+        bad.pop("again.0.bias")
+        before = engine.state_dict()
+        with pytest.raises(RuntimeError, match=r"missing keys \['again.0.bias'\]"):
+            engine.load_state_dict(bad)
+        bad["block.0.weight"] = torch.zeros(2, 2)
+        with pytest.raises(RuntimeError, match="'block.0.weight' has shape"):
+            engine.load_state_dict(bad, strict=False)
+        assert all(torch.equal(before[k], v) for k, v in engine.state_dict().items())
+        res = engine.load_state_dict(other.state_dict())  # torch's, with every alias
+        assert not res.missing_keys and not res.unexpected_keys
+        sd = engine.state_dict()
+        for k, v in other.state_dict().items():
+            assert torch.equal(sd[k], v), k
+        engine.load_state_dict(before)  # its own
+        res = engine.load_state_dict({"sometimes.bias": other.sometimes.bias,
+                                      "extra": torch.zeros(1)}, strict=False)
+        assert res.unexpected_keys == ["extra"] and "emb.weight" in res.missing_keys
+        sd = engine.state_dict()
+        assert torch.equal(sd["sometimes.bias"], other.sometimes.bias)
+        assert all(torch.equal(sd[k], before[k]) for k in before if k != "sometimes.bias")
+        ref.sometimes.bias.data.copy_(other.sometimes.bias)
+        opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2,
+                                weight_decay=0.1, eps=1e-6)
+        _train(engine, ref, opt, _batches(2, seed=5))  # training goes on from the loaded
+        _assert_weights(engine, ref, atol=3e-6)
+    finally:
+        engine.close()
+
+
+def test_full_weights_inside_a_forward_is_refused(engine_cfg):
+    engine, _ = _engine(engine_cfg, PLACEMENTS[0])
+    seen = []
+
+    def peek(module, args):
+        with pytest.raises(RuntimeError, match="inside a forward"):
+            with engine.full_weights("emb"):
+                pass
+        seen.append(True)
+    handle = engine.module.block.register_forward_pre_hook(peek)
+    try:
+        x, y = _batches(1)[0]
+        engine.backward(_loss(engine(x), y))  # the forward goes on unharmed
+        assert engine.step() and len(seen) == 2  # `block` runs twice
+    finally:
+        handle.remove()
+        engine.close()
+
+
+def test_forward_without_autograd_fetches_the_next_units_ahead(engine_cfg):
+    """[Note: forward-only prefetch]: with every parameter partition back on NVMe, when a
+    unit of a no_grad pass starts, the groups of the units after it are on their way."""
+    engine, ref = _engine(engine_cfg, PLACEMENTS[2])
+    order = [u for u in engine.units if u.needs]
+    seen = []
+
+    def check(unit, nxt):
+        def hook(module, args):
+            held = engine.store.info(("p", nxt)).held
+            seen.append((unit.name, Tier.DEVICE in held or Tier.HOST in held))
+        return hook
+    handles = [u.module.register_forward_pre_hook(check(u, v.needs[0]))
+               for u, v in zip(order, order[1:]) if v.needs[0] not in u.needs]
+    try:
+        x, y = _batches(1)[0]
+        engine.backward(_loss(engine(x), y))
+        engine.step()
+        engine.eval(), ref.eval()
+        for g in engine.groups:
+            engine.store.evict(("p", g.gid)).wait()
+        seen.clear()
+        with torch.no_grad():
+            engine(x)
+        assert len(seen) >= 3 and all(ahead for _, ahead in seen), seen
+    finally:
+        for h in handles:
+            h.remove()
+        engine.close()
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS[1:], ids=IDS[1:])
+def test_full_weights_group_by_group_when_the_model_does_not_fit(engine_cfg, placement):
+    torch.manual_seed(0)
+    ref = Zoo()
+    cfg = engine_cfg(*placement, group_size=1200)
+    cfg["store"]["host_budget"] = "16KiB"  # below the model's 40 KiB of padded fp32 weights
+    engine = offload.initialize(copy.deepcopy(ref), cfg)
+    try:
+        with pytest.raises(ValueError, match="full_weights_by_group"):
+            with engine.full_weights():
+                pass
+        before = engine.state_dict()
+        names = []
+        for w in engine.full_weights_by_group(writable=True):
+            names += list(w)
+            params = {id(p): p for p in w.values()}.values()  # tied: once
+            for p in params:
+                p.data.mul_(2)
+            assert sum(p.numel() for p in params) * 4 <= 16 * 1024
+        assert set(names) == set(n for n, _ in ref.named_parameters(remove_duplicate=False))
+        after = engine.state_dict()
+        for k, v in before.items():
+            want = v if k.startswith("bn.running") or k.endswith("tracked") else 2 * v
+            assert torch.equal(after[k], want), k
+        with pytest.raises(ZeroDivisionError):  # an error: that group's edits are dropped
+            for i, w in enumerate(engine.full_weights_by_group("block", writable=True)):
+                w["block.0.weight"].data.zero_()
+                1 / 0
+        assert torch.equal(engine.state_dict()["block.0.weight"], after["block.0.weight"])
+    finally:
+        engine.close()
