@@ -8,7 +8,7 @@ import logging
 import sys
 
 from . import (bench_adam, bench_checkpoint, bench_io, bench_oversized, bench_step, bench_store,
-               checkpoint, demo, view)
+               checkpoint, demo, estimate, view)
 from .args import CommandParser, run_command
 
 
@@ -28,6 +28,11 @@ def build_parser() -> argparse.ArgumentParser:
                        "tier occupancy, prefetch outcomes, summary)")
     view.add_arguments(v)
     v.set_defaults(func=view.run)
+
+    est = sub.add_parser("estimate", help="bytes per kind and per tier of a model's training "
+                         "state, for every placement")
+    estimate.add_arguments(est)
+    est.set_defaults(func=estimate.run)
 
     bench = sub.add_parser("bench", help="benchmarks against the disk or a peer, interleaved")
     bsub = bench.add_subparsers(dest="bench", required=True)
