@@ -8,7 +8,7 @@ import logging
 import sys
 
 from . import (bench_adam, bench_checkpoint, bench_io, bench_oversized, bench_step, bench_store,
-               checkpoint, demo, estimate, view)
+               bench_tune, checkpoint, demo, estimate, tune, view)
 from .args import CommandParser, run_command
 
 
@@ -33,6 +33,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "state, for every placement")
     estimate.add_arguments(est)
     est.set_defaults(func=estimate.run)
+    tn = sub.add_parser("tune", help="choose a whole configuration from measurements and the "
+                        "step simulator; write it as TOML")
+    tune.add_arguments(tn)
+    tn.set_defaults(func=tune.run)
 
     bench = sub.add_parser("bench", help="benchmarks against the disk or a peer, interleaved")
     bsub = bench.add_subparsers(dest="bench", required=True)
@@ -57,6 +61,11 @@ def build_parser() -> argparse.ArgumentParser:
                           "the disk's O_DIRECT rate; stall of a background save")
     bench_checkpoint.add_arguments(bck)
     bck.set_defaults(func=bench_checkpoint.run)
+
+    btune = bsub.add_parser("tune", help="offload tune's written configuration vs the best of "
+                            "a sweep of the same space; tune's time")
+    bench_tune.add_arguments(btune)
+    btune.set_defaults(func=bench_tune.run)
 
     ck = sub.add_parser("checkpoint", help="inspect a training checkpoint, export its weights")
     checkpoint.add_arguments(ck.add_subparsers(dest="checkpoint", required=True))
