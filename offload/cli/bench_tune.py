@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -85,7 +86,7 @@ def _run_tune(model: dict, budget: dict, swap: str, out: str, args) -> dict[str,
 
 def _sweep(results: list[dict], n: int, chosen: int) -> list[int]:
     """`n` indices spread over the ranking, the chosen one excluded."""
-    idx = [i for i in range(len(results)) if i != chosen - 1]
+    idx = [i for i in range(len(results)) if i != (chosen or 0) - 1]
     if len(idx) <= n:
         return idx
     return sorted({idx[round(k * (len(idx) - 1) / (n - 1))] for k in range(n)})
@@ -100,8 +101,15 @@ def _worker(spec_json: str) -> int:
     spec = ModelSpec(**job["spec"])
     samples: dict[str, list[float]] = {k: [] for k in job["configs"]}
     errors: dict[str, str] = {}
-    for _ in range(job["rounds"]):
-        for key, cfg in job["configs"].items():
+    keys = list(job["configs"])
+    try:  # untimed: the first engine of a process pays for thread pools and fresh pages
+        measure_config(spec, job["configs"][keys[0]], steps=1)
+    except Exception:
+        pass
+    for r in range(job["rounds"]):
+        shift = r * len(keys) // job["rounds"]  # each round starts elsewhere in the list
+        for key in keys[shift:] + keys[:shift]:
+            cfg = job["configs"][key]
             if key in errors:
                 continue
             try:
@@ -152,13 +160,14 @@ def _setting(model: dict, budget: dict, work: str, args, progress) -> dict[str, 
     sweep = {k: v for k, v in med.items() if k != "tuned"}
     best_key = min(sweep, key=sweep.get) if sweep else None
     pred = {f"#{i + 1}": res[i]["predicted_step_s"] for i in picks}
-    pred["tuned"] = res[tuned["chosen"] - 1]["predicted_step_s"]
+    chosen = res[tuned["chosen"] - 1] if tuned["chosen"] else None
+    pred["tuned"] = chosen["predicted_step_s"] if chosen else None
     ratio = med["tuned"] / sweep[best_key] if best_key and "tuned" in med else None
     if progress and ratio:
         progress(f"{model['name']} {budget['name']}: tuned {med['tuned']:.3f} s, best of sweep "
                  f"{sweep[best_key]:.3f} s ({best_key}), ratio {ratio:.2f}")
     return {**row, "tune_s": tuned["wall_s"], "candidates": tuned["candidates"],
-            "chosen": tuned["chosen"], "tuned": res[tuned["chosen"] - 1]["placement"],
+            "chosen": tuned["chosen"], "tuned": chosen["placement"] if chosen else None,
             "tuned_step_s": med.get("tuned"), "sweep_size": len(sweep),
             "sweep_best": best_key, "sweep_best_step_s": sweep.get(best_key),
             "ratio": ratio, "measured": med, "predicted": pred, "errors": m["errors"],
@@ -170,8 +179,13 @@ def _setting(model: dict, budget: dict, work: str, args, progress) -> dict[str, 
 def run_tune_bench(args, path: str, progress=None) -> dict[str, Any]:
     import torch
 
+    os.makedirs(path, exist_ok=True)
     work = tempfile.mkdtemp(prefix=".offload-bench-tune-", dir=path)
-    rows = [_setting(m, b, work, args, progress) for m in _models(work) for b in _budgets(args)]
+    try:
+        rows = [_setting(m, b, work, args, progress) for m in _models(work)
+                for b in _budgets(args)]
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     ok = [r for r in rows if r.get("ratio") is not None]
     targets = [{"target": "tuned step / best of sweep", "value": max(r["ratio"] for r in ok),
                 "limit": TARGET_RATIO, "met": all(r["ratio"] <= TARGET_RATIO for r in ok)
@@ -214,10 +228,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="scratch directory (default: a temporary one under the current)")
     p.add_argument("--sweep", type=integer(2, example=20), default=20,
                    help="configurations of the sweep per setting (default 20)")
-    p.add_argument("--rounds", type=integer(1, example=2), default=2,
-                   help="interleaved rounds of the measurements (default 2)")
-    p.add_argument("--steps", type=integer(1, example=3), default=3,
-                   help="timed steps per configuration and round (default 3)")
+    p.add_argument("--rounds", type=integer(1, example=3), default=3,
+                   help="interleaved rounds of the measurements (default 3)")
+    p.add_argument("--steps", type=integer(1, example=5), default=5,
+                   help="timed steps per configuration and round (default 5)")
     p.add_argument("--verify", type=integer(0, example=3), default=3,
                    help="tune's --verify (default 3)")
     p.add_argument("--probe-size", type=byte_size(8 * MiB, example="64MiB"), default=64 * MiB,

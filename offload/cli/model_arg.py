@@ -129,6 +129,7 @@ class MeasuredModel:
     activations_checkpointed: int            # with checkpointing of each block
     tokens: int                              # positions per micro-batch
     groups: list = field(default_factory=list, repr=False)  # the engine's groups (meta)
+    containers: list[str] = field(default_factory=list)  # units that are never called
 
 
 def _build_meta(spec: ModelSpec):
@@ -190,7 +191,6 @@ def _saved_bytes(model: Any, spec: ModelSpec) -> tuple[int, int, Any]:
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
-    params = {id(p) for p in model.parameters()}
     blocks = _blocks(model)
     seen: set[int] = set()
     per_block = [0] * len(blocks)
@@ -198,10 +198,14 @@ def _saved_bytes(model: Any, spec: ModelSpec) -> tuple[int, int, Any]:
     current = [-1]
     total = [0]
 
+    keep: list = []  # holds what `seen` names, so no id is reused while it counts
+
     def pack(t):
-        if id(t) not in params and id(t) not in seen:
-            seen.add(id(t))
-            n = t.numel() * t.element_size()
+        base = t._base if t._base is not None else t  # a view's bytes are its base's
+        if id(base) not in params and id(t) not in params and id(base) not in seen:
+            seen.add(id(base))
+            keep.append(base)
+            n = base.numel() * base.element_size()
             total[0] += n
             if current[0] >= 0:
                 per_block[current[0]] += n
@@ -217,11 +221,15 @@ def _saved_bytes(model: Any, spec: ModelSpec) -> tuple[int, int, Any]:
         hooks += [b.register_forward_pre_hook(pre),
                   b.register_forward_hook(lambda *a: current.__setitem__(0, -1))]
     batch, loss_of = example_batch(model, spec, "meta")
+    params = set()
+    # the engine computes with parameters gathered in the compute dtype (no autocast)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[spec.dtype]
+    model.to(dtype)
+    params.update(id(p) for p in model.parameters())
+    batch = {k: v.to(dtype) if v.dtype.is_floating_point else v for k, v in batch.items()}
     try:
         with FlopCounterMode(display=False) as fc, \
-                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
-                torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             loss_of(call(model, batch))
     except UsageError:
         raise
@@ -261,7 +269,16 @@ def measure_model(spec: ModelSpec, group_size: int, world: int = 1) -> MeasuredM
     return MeasuredModel(spec, sum(g.numel for g in groups),
                          tuple((g.shard, g.requires_grad) for g in groups),
                          [u.name for u in units], [list(u.needs) for u in units], flops,
-                         act, act_ckpt, int(tokens), groups)
+                         act, act_ckpt, int(tokens), groups,
+                         [u.name for u in units if _never_called(u.module)])
+
+
+def _never_called(module) -> bool:
+    """A container (ModuleList, ModuleDict) has no forward: as a unit its hooks would
+    never run, so its parameters could not be gathered."""
+    from torch import nn
+
+    return type(module).forward is nn.Module.forward
 
 
 def _whole_unit(u) -> bool:

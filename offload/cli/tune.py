@@ -14,6 +14,7 @@ predicted against measured (tune_verify.py).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -23,7 +24,8 @@ from typing import Any, Iterator
 
 from ..config import EngineConfig, IoConfig, OptimConfig, format_bytes, load_config
 from ..planner.estimate import PLACEMENTS, Placement
-from ..planner.search import Budgets, Candidate, Machine, Space, StepShape, search, shortfall
+from ..planner.search import (Budgets, Candidate, Machine, Space, StepShape, candidates, search,
+                              shortfall)
 from .args import UsageError, byte_size, directory, integer, number, output_file, value_list
 from .estimate import minimum
 from .model_arg import MeasuredModel, add_model_arguments, measure_model, model_spec
@@ -33,6 +35,7 @@ __all__ = ["add_arguments", "run", "tune", "to_toml"]
 
 MiB, GiB = 1 << 20, 1 << 30
 UNIT_OVERHEAD_S = 5e-4  # hooks and the gather's bookkeeping per unit use (see docs/tuning.md)
+CHUNK_OVERHEAD_S = 5e-4  # per optimizer chunk streamed from NVMe (see docs/tuning.md)
 
 
 def _bar(quiet: bool):
@@ -56,24 +59,26 @@ def group_sizes(params: int, given: tuple[int, ...] | None) -> list[int]:
     """The group sizes searched: given, or the default and finer/coarser splits."""
     if given:
         return sorted(set(given))
-    out = {EngineConfig().group_size, max(4096, params // 16), max(4096, params // 4)}
-    return sorted(g for g in out if g <= max(params, 4096))[:3]
+    out = {EngineConfig().group_size, max(4096, params // 32), max(4096, params // 8),
+           max(4096, params // 2)}
+    return sorted(g for g in out if g <= max(params, 4096))
 
 
-def record(spec, sizes: list[int], flops_rate: float, device: str,
-           tick) -> tuple[list[StepShape], list[MeasuredModel]]:
-    """The model on meta at each group size: partitions, unit compute seconds, and each
-    placement's minimum working set."""
-    shapes, mms = [], []
+def record(spec, sizes: list[int], flops_rate: float, device: str, tick) -> list[StepShape]:
+    """The model on meta at each group size: partitions, unit compute seconds (FLOPs
+    over `flops_rate`), and each placement's minimum working set."""
+    shapes = []
     for gs in sizes:
         mm = measure_model(spec, gs)
+        if mm.containers:  # a ModuleList as a unit is never called: not a grouping
+            tick()
+            continue
         units = tuple((tuple(g), f / flops_rate) for g, f in zip(mm.unit_groups, mm.unit_flops))
         mins = {p.name: tuple(minimum(mm, {**p.engine_keys(), "group_size": gs}, device).values())
                 for p in PLACEMENTS}
         shapes.append(StepShape(gs, spec.dtype, mm.shards, units, mins))
-        mms.append(mm)
         tick()
-    return shapes, mms
+    return shapes
 
 
 def _largest_linear(mm: MeasuredModel) -> tuple[int, int]:
@@ -90,9 +95,8 @@ def _largest_linear(mm: MeasuredModel) -> tuple[int, int]:
     return big.in_features, big.out_features
 
 
-def probe_machine(args, spec, device: str, progress) -> MachineProbe:
+def probe_machine(args, spec, mm: MeasuredModel, device: str, progress) -> MachineProbe:
     """Disk, copy, Adam and matrix rates ([module docstring])."""
-    os.makedirs(args.swap, exist_ok=True)
     free = shutil.disk_usage(args.swap).free
     size = min(args.probe_size, max(8 * MiB, free // 8))
     seconds = {}
@@ -106,7 +110,6 @@ def probe_machine(args, spec, device: str, progress) -> MachineProbe:
         tick()
         adam = probe_adam()
         tick()
-        mm = measure_model(spec, EngineConfig().group_size)
         inner, cols = _largest_linear(mm)
         flops = probe_matmul(mm.tokens, inner, cols, spec.dtype, device)
         tick()
@@ -150,7 +153,7 @@ def _row(s, tokens: int) -> dict[str, Any]:
             "tokens_per_s": tokens / s.step_s if s.step_s else None,
             "compute_s": s.compute_s, "adam_s": s.adam_s, "exposed_io_s": s.exposed_io_s,
             "peak": s.peak, "bytes_read": s.bytes_read, "bytes_written": s.bytes_written,
-            "limit": s.limit}
+            "limit": s.limit, "simulated_step_s": s.simulated_s, "calibration": s.calibration}
 
 
 def tune(args: argparse.Namespace, quiet: bool = False) -> dict[str, Any]:
@@ -163,26 +166,39 @@ def tune(args: argparse.Namespace, quiet: bool = False) -> dict[str, Any]:
     device = default_device(args.device)
     t0 = time.perf_counter()
     budgets = Budgets(args.host_budget, args.device_budget)
+    space = Space()
+    os.makedirs(args.swap, exist_ok=True)
     with _bar(quiet) as progress:
-        probe = probe_machine(args, spec, device, progress)
         base = measure_model(spec, EngineConfig().group_size)
         sizes = group_sizes(base.params, args.group_sizes)
         with _phase(progress, "record step (meta)", len(sizes)) as tick:
-            shapes, mms = record(spec, sizes, probe.flops, device, tick)
+            shapes = record(spec, sizes, 1.0, device, tick)  # unit "seconds" in FLOPs
+        if not shapes:
+            raise UsageError(f"--group-sizes: every group size makes a module that is never "
+                             f"called (e.g. a ModuleList) a unit of {spec.target}; give other "
+                             "sizes, e.g. smaller ones")
+        # nothing fits: say so before minutes of probing
+        free = shutil.disk_usage(args.swap).free
+        miss = shortfall(min(shapes, key=lambda s: s.group_size), budgets,
+                         Machine({}, 1.0, float(device != "cpu"), 0.0, free),
+                         min(space.buffer_budgets))
+        if miss:
+            _impossible(miss, budgets)
+        probe = probe_machine(args, spec, base, device, progress)
+        shapes = [dataclasses.replace(s, units=tuple((g, f / probe.flops) for g, f in s.units))
+                  for s in shapes]
         machine = Machine({(d.block_size, d.queue_depth): d.rates() for d in probe.disk},
-                          probe.adam_eps, probe.copy_Bps, UNIT_OVERHEAD_S, probe.disk_free)
-        space = Space()
+                          probe.adam_eps, probe.copy_Bps, UNIT_OVERHEAD_S, probe.disk_free,
+                          CHUNK_OVERHEAD_S)
         defaults = _defaults(args, device)
-        from ..planner.search import candidates
-
         total = sum(sum(1 for _ in candidates(s, space, budgets, machine.disk, defaults))
                     for s in shapes)
         with _phase(progress, "search", total) as tick:
             ranked = search(shapes, space, budgets, machine, defaults, progress=tick)
-    if not ranked:
-        miss = shortfall(min(shapes, key=lambda s: s.group_size), budgets, machine,
-                         IoConfig().block_size * 4)
-        _impossible(miss, budgets)
+        if not ranked:
+            _impossible({}, budgets)
+        ranked, factors, runs = calibrate_by_real_steps(ranked, spec, args, device, progress,
+                                                        t0 + 60 * args.minutes * 0.8)
     best_cfg = config_of(ranked[0], spec, args.swap, device)
     load_config(best_cfg)  # what initialize will be given: refused here, not later
     return {"command": "tune", "model": spec.target, "dtype": spec.dtype, "batch": spec.batch,
@@ -191,7 +207,7 @@ def tune(args: argparse.Namespace, quiet: bool = False) -> dict[str, Any]:
             "probe": {"disk": [d.__dict__ for d in probe.disk], "disk_free": probe.disk_free,
                       "copy_Bps": probe.copy_Bps, "adam_elems_per_s": probe.adam_eps,
                       "flops": probe.flops, "seconds": probe.seconds},
-            "candidates": len(ranked),
+            "candidates": len(ranked), "calibration": factors, "calibration_runs": runs,
             "results": [{**_row(s, base.tokens), "config": config_of(s, spec, args.swap, device)}
                         for s in ranked],
             "best": best_cfg,
@@ -201,13 +217,13 @@ def tune(args: argparse.Namespace, quiet: bool = False) -> dict[str, Any]:
 def _impossible(miss: dict[str, int], budgets: Budgets) -> None:
     flags = {"host": "--host-budget", "device": "--device-budget", "nvme": "--swap"}
     parts = [f"{tier}: {format_bytes(n)} missing" for tier, n in miss.items()]
-    fixes = [f"raise {flags[t]}" + (f" to at least {format_bytes(getattr(budgets, t) + n)}"
-                                    if t != "nvme" else " to a disk with more free space")
+    fixes = [f"raise {flags[t]} to at least {format_bytes(getattr(budgets, t) + n)}"
+             if t != "nvme" else f"give --swap on a disk with {format_bytes(n)} more free"
              for t, n in miss.items()]
     if not miss:
         parts, fixes = ["no configuration of the search space fits"], ["raise --host-budget"]
     raise UsageError(f"the model does not fit the budgets plus the disk even with everything "
-                     f"on NVMe ({'; '.join(parts)}); {', or '.join(fixes)}")
+                     f"on NVMe ({'; '.join(parts)}); {' and '.join(fixes)}")
 
 
 def render(result: dict[str, Any], top: int) -> None:
@@ -249,18 +265,60 @@ def render(result: dict[str, Any], top: int) -> None:
 
 def verify(result: dict[str, Any], spec, k: int, quiet: bool) -> list[dict[str, Any]]:
     """Runs the best `k` configurations for real: predicted against measured."""
-    from .tune_verify import measure_config
+    from .tune_verify import measure_warm
 
+    rows = result["results"][:k]
+    with _bar(quiet) as progress, _phase(progress, "verify", len(rows)) as tick:
+        got = measure_warm(spec, [r["config"] for r in rows], tick, steps=5)
     out = []
-    with _bar(quiet) as progress, _phase(progress, "verify", k) as tick:
-        for i, cfg in enumerate(r["config"] for r in result["results"][:k]):
-            m = measure_config(spec, cfg)
-            pred = result["results"][i]["predicted_step_s"]
-            out.append({"rank": i + 1, "placement": result["results"][i]["placement"],
-                        "predicted_step_s": pred, "measured_step_s": m["step_s"],
-                        "ratio": m["step_s"] / pred if pred else None, "measured": m})
-            tick()
+    for i, (r, m) in enumerate(zip(rows, got)):
+        if not m or "step_s" not in m:
+            continue
+        pred = r["predicted_step_s"]
+        out.append({"rank": i + 1, "placement": r["placement"], "predicted_step_s": pred,
+                    "measured_step_s": m["step_s"], "ratio": m["step_s"] / pred,
+                    "measured": m})
     return out
+
+
+def choose(result: dict[str, Any]) -> tuple[int | None, dict[str, Any]]:
+    """The configuration to write: the fastest measured of every real run (calibration
+    and verify), else the best predicted. Returns its rank in the results (None when
+    it ranks nowhere) and its config."""
+    runs = [(v["measured_step_s"], result["results"][v["rank"] - 1]["config"])
+            for v in result.get("verify", [])]
+    runs += [(r["measured_step_s"], r["config"]) for r in result.get("calibration_runs", [])]
+    if not runs:
+        return 1, result["results"][0]["config"]
+    best = min(runs, key=lambda r: r[0])[1]
+    rank = next((i + 1 for i, r in enumerate(result["results"]) if r["config"] == best), None)
+    return rank, best
+
+
+def calibrate_by_real_steps(scored: list, spec, args, device: str, progress,
+                            deadline: float) -> tuple[list, dict[str, float], list[dict]]:
+    """[Note: calibration] in docs/tuning.md: a short real run of the best-predicted
+    candidate of each of the first `--calibrate` classes (placement and group size,
+    in predicted order); their measured / simulated ratios scale every candidate of
+    the class. Returns the ranking again, the ratios, and every measured run."""
+    from ..planner.search import calibrate, calibration_key
+    from .tune_verify import measure_warm
+
+    firsts: dict[str, Any] = {}
+    for s in scored:
+        firsts.setdefault(calibration_key(s.candidate), s)
+    picks = list(firsts.values())[:args.calibrate]
+    if not picks:
+        return scored, {}, []
+    configs = [config_of(s, spec, args.swap, device) for s in picks]
+    with _phase(progress, "calibrate (real steps)", len(picks)) as tick:
+        got = measure_warm(spec, configs, tick, deadline=deadline, steps=3)
+    runs = [{"config": c, "measured_step_s": m["step_s"], "simulated_step_s": s.simulated_s,
+             "class": calibration_key(s.candidate)}
+            for s, c, m in zip(picks, configs, got) if m and "step_s" in m]
+    factors = {r["class"]: r["measured_step_s"] / r["simulated_step_s"] for r in runs
+               if r["simulated_step_s"] > 0}
+    return calibrate(scored, factors), factors, runs
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -286,6 +344,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="write the best configuration as TOML here, e.g. offload.toml")
     p.add_argument("--verify", type=integer(0, example=2), default=0,
                    help="run the best K configurations for real and compare (default 0)")
+    p.add_argument("--calibrate", type=integer(0, example=8), default=8,
+                   help="classes (placement and group size) whose best candidate runs a few "
+                   "real steps to calibrate the simulator (default 8; 0: the simulator alone)")
     p.add_argument("--top", type=integer(1, example=10), default=10,
                    help="rows of the table (default 10)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -294,18 +355,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     result = tune(args, quiet=args.json)
     spec = model_spec(args)
-    chosen = 0
     if args.verify:
         result["verify"] = verify(result, spec, args.verify, args.json)
-        # the fastest measured of the best K is the one written
-        chosen = min(range(len(result["verify"])),
-                     key=lambda i: result["verify"][i]["measured_step_s"])
-    result["chosen"] = chosen + 1
-    result["best"] = result["results"][chosen]["config"]
+    result["chosen"], result["best"] = choose(result)
     if args.write:
-        header = (f"written by offload tune for {spec.describe()}: #{chosen + 1} of the "
-                  f"ranking, predicted step {result['results'][chosen]['predicted_step_s']:.3f}"
-                  " s\nload with offload.initialize(model, \"" + os.path.basename(args.write)
+        row = result["results"][result["chosen"] - 1] if result["chosen"] else None
+        header = (f"written by offload tune for {spec.describe()}"
+                  + (f": #{result['chosen']} of the ranking, predicted step "
+                     f"{row['predicted_step_s']:.3f} s" if row else "")
+                  + "\nload with offload.initialize(model, \"" + os.path.basename(args.write)
                   + "\")")
         with open(args.write, "w") as f:
             f.write(to_toml(result["best"], header))

@@ -102,11 +102,11 @@ def probe_adam(elems: int = 1 << 22) -> float:
     out = torch.empty(elems, dtype=torch.bfloat16)
     hyper = AdamHyper(1e-3, 0.9, 0.999, 1e-8, 0.01, True)
     times = []
-    for step in range(1, 5):
+    for step in range(1, 8):
         t = time.perf_counter()
         k.update(p, g, m, v, step=step, hyper=hyper, param_out=out)
         times.append(time.perf_counter() - t)
-    return elems / statistics.median(times[1:])
+    return elems / min(times[1:])  # the machine's rate: other load on a shared host is noise
 
 
 def probe_matmul(rows: int, inner: int, cols: int, dtype: str, device: str) -> float:
@@ -122,10 +122,10 @@ def probe_matmul(rows: int, inner: int, cols: int, dtype: str, device: str) -> f
     b = torch.randn(inner, cols, dtype=dt, device=device)
     sync = torch.cuda.synchronize if device != "cpu" else (lambda: None)
     times = []
-    for _ in range(4):
+    for _ in range(8):
         sync()
         t = time.perf_counter()
         a @ b
         sync()
         times.append(time.perf_counter() - t)
-    return 2.0 * rows * inner * cols / statistics.median(times[1:])
+    return 2.0 * rows * inner * cols / min(times[1:])

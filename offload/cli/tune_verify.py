@@ -11,7 +11,7 @@ from typing import Any
 
 from .model_arg import ModelSpec, call, example_batch
 
-__all__ = ["measure_config"]
+__all__ = ["measure_config", "measure_warm"]
 
 
 def _batch(spec: ModelSpec, device: str) -> tuple[dict, Any]:
@@ -70,3 +70,27 @@ def measure_config(spec: ModelSpec, config: dict, *, steps: int = 3,
     return {"step_s": statistics.median(times), "steps_s": times, "init_s": init_s,
             "store_peak": peaks, "read_bytes_per_step": (io1[0] - io0[0]) // steps,
             "write_bytes_per_step": (io1[1] - io0[1]) // steps}
+
+
+def measure_warm(spec: ModelSpec, configs: list[dict], tick=None, deadline: float | None = None,
+                 steps: int = 2) -> list[dict[str, Any] | None]:
+    """Measures each of `configs` after one untimed warm-up run of the first (the first
+    engine of a process pays for thread pools and fresh pages); None for those left
+    when `deadline` (perf_counter seconds) has passed or that failed."""
+    out: list[dict[str, Any] | None] = []
+    if configs:
+        try:
+            measure_config(spec, configs[0], steps=1, warmup=1)
+        except Exception:  # reported by its own timed run below
+            pass
+    for cfg in configs:
+        if deadline is not None and time.perf_counter() > deadline:
+            out.append(None)
+            continue
+        try:
+            out.append(measure_config(spec, cfg, steps=steps))
+        except Exception as e:  # a configuration that fails is a result: not chosen
+            out.append({"error": f"{type(e).__name__}: {e}"})
+        if tick:
+            tick()
+    return out

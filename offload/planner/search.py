@@ -35,8 +35,9 @@ from .estimate import (PLACEMENTS, ModelBytes, Placement, _footprint, early_upda
 from .plan import Plan, PlanOp, RecordSpec, Use, make_plan
 from .simulate import Rates, simulate
 
-__all__ = ["Budgets", "Candidate", "Machine", "Scored", "Space", "StepShape", "chunk_elems",
-           "score", "search", "shortfall"]
+__all__ = ["Budgets", "Candidate", "Machine", "Scored", "Space", "StepShape", "calibrate",
+           "calibration_key",
+           "chunk_elems", "ranked", "score", "search", "shortfall"]
 
 MiB = 1 << 20
 MAX_CHUNK = 1 << 23
@@ -63,13 +64,16 @@ class StepShape:
 class Machine:
     """Measured rates: the disk's per (block size, queue depth), Adam elements/s, the
     host-to-device copy in bytes/s (0: the device is the CPU), a fixed cost per unit
-    use in seconds, and the free bytes under the swap directory."""
+    use in seconds, the free bytes under the swap directory, and a fixed cost per
+    optimizer chunk streamed from NVMe in seconds (its requests, waits and kernel
+    calls)."""
 
     disk: Mapping[tuple[int, int], Rates]
     adam_eps: float
     copy_Bps: float = 0.0
     unit_overhead_s: float = 0.0
     disk_free: int = 1 << 62
+    chunk_overhead_s: float = 0.0
 
     @property
     def device(self) -> str:
@@ -135,7 +139,13 @@ class Scored:
     bytes_read: int
     bytes_written: int
     limit: str
+    calibration: float = 1.0    # measured / simulated step of its placement, if measured
     notes: list[str] = field(default_factory=list)
+
+    @property
+    def simulated_s(self) -> float:
+        """The simulator's step before calibration."""
+        return self.step_s / self.calibration
 
 
 def chunk_elems(buffer_budget: int, buffers: int, share: float = 0.5) -> int:
@@ -168,22 +178,30 @@ def _memory(shape: StepShape, c: Candidate, budgets: Budgets,
     return store_host, budgets.device, free
 
 
-def _uses(shape: StepShape, c: Candidate, machine: Machine
-          ) -> tuple[list[Use], dict, float, float]:
-    """The step's access trace ([Note: the modelled step]), its records, and the summed
-    forward/backward and Adam compute seconds."""
-    p = c.placement
+def _records(shape: StepShape, p: Placement) -> dict:
+    """The partitions a step moves between memory and NVMe through the store: parameters
+    homed on NVMe, and gradients homed there where they are stored."""
     item = {"fp32": 4, "bf16": 2, "fp16": 2}[shape.dtype]
-    state_b = 8 if shape.dtype == "fp32" else 12
-    early = early_updates(p, shape.dtype)
-    stored_grads = not early
-    chunk = chunk_elems(c.buffer_budget, c.buffers) if p.optimizer == "nvme" else 0
+    stored_grads = not early_updates(p, shape.dtype)
     records: dict = {}
     for gid, (n, trains) in enumerate(shape.shards):
         if p.params == "nvme":
             records[("p", gid)] = RecordSpec(_footprint(n * item))
         if trains and p.grads == "nvme" and stored_grads:
             records[("g", gid)] = RecordSpec(_footprint(n * 4))
+    return records
+
+
+def _uses(shape: StepShape, c: Candidate, machine: Machine
+          ) -> tuple[list[Use], dict, list, float, float]:
+    """The step's access trace ([Note: the modelled step]), its records, the optimizer's
+    NVMe chunks, and the summed forward/backward and Adam compute seconds."""
+    p = c.placement
+    item = {"fp32": 4, "bf16": 2, "fp16": 2}[shape.dtype]
+    state_b = 8 if shape.dtype == "fp32" else 12
+    early = early_updates(p, shape.dtype)
+    chunk = chunk_elems(c.buffer_budget, c.buffers) if p.optimizer == "nvme" else 0
+    records = _records(shape, p)
     uses: list[Use] = []
     streams: list[tuple[int, tuple, int]] = []  # (use, chunk key, bytes) of NVMe state
     fb = adam = 0.0
@@ -214,7 +232,7 @@ def _uses(shape: StepShape, c: Candidate, machine: Machine
             pw = (("p", gid),) if j == len(parts) - 1 and ("p", gid) in records else ()
             if k is not None:
                 streams.append((len(uses), ("s", gid, k), m * state_b))
-            t = m / machine.adam_eps
+            t = m / machine.adam_eps + (machine.chunk_overhead_s if k is not None else 0.0)
             adam += t
             uses.append(Use(keys + pw, pw, "update", f"adam {gid}", t))
 
@@ -331,9 +349,42 @@ def search(shapes: list[StepShape], space: Space, budgets: Budgets, machine: Mac
             if progress:
                 progress(1)
     # among equal predictions: fewer bytes moved, less disk, smaller buffers
-    out.sort(key=lambda s: (round(s.step_s, 6), s.bytes_read + s.bytes_written,
-                            s.peak["nvme"], s.candidate.buffer_budget))
-    return out
+    return ranked(out)
+
+
+def ranked(scored: list[Scored]) -> list[Scored]:
+    """Best first; among equal predictions fewer bytes moved, less disk, smaller buffers."""
+    return sorted(scored, key=lambda s: (round(s.step_s, 6), s.bytes_read + s.bytes_written,
+                                         s.peak["nvme"], s.candidate.buffer_budget))
+
+
+def calibration_key(c: Candidate) -> str:
+    """The class a real step calibrates: a placement at a group size ("nvme/host/nvme@4194304")."""
+    return f"{c.placement.name}@{c.group_size}"
+
+
+def calibrate(scored: list[Scored], factors: Mapping[str, float]) -> list[Scored]:
+    """Scales each prediction by the measured / simulated ratio of its class (`factors`,
+    by `calibration_key`; a class not measured takes the median ratio of its
+    placement's measured classes, else of all) and ranks again: the simulator orders
+    the knobs within a class, real steps the classes ([Note: calibration] in
+    docs/tuning.md)."""
+    if not factors:
+        return scored
+
+    def median(vals: list[float]) -> float:
+        vals = sorted(vals)
+        return vals[len(vals) // 2]
+    overall = median(list(factors.values()))
+    by_placement: dict[str, list[float]] = {}
+    for k, f in factors.items():
+        by_placement.setdefault(k.split("@")[0], []).append(f)
+    out = []
+    for s in scored:
+        key = calibration_key(s.candidate)
+        f = factors.get(key) or median(by_placement.get(s.candidate.placement.name, [overall]))
+        out.append(dataclasses.replace(s, step_s=s.simulated_s * f, calibration=f))
+    return ranked(out)
 
 
 def shortfall(shape: StepShape, budgets: Budgets, machine: Machine,
@@ -343,6 +394,7 @@ def shortfall(shape: StepShape, budgets: Budgets, machine: Machine,
     p = Placement("nvme", "nvme", "nvme")
     min_dev, min_host = shape.minimum[p.name]
     tb = tier_bytes(shape.model, p, device=machine.device, buffer_budget=buffer_budget)
-    need = {"device": min_dev, "host": min_host + buffer_budget, "nvme": tb.total["nvme"]}
+    host = max(min_host + buffer_budget, 2 * buffer_budget)  # buffers: at most half the host
+    need = {"device": min_dev, "host": host, "nvme": tb.total["nvme"]}
     have = {"device": budgets.device, "host": budgets.host, "nvme": machine.disk_free}
     return {t: need[t] - have[t] for t in need if need[t] > have[t]}
