@@ -6,8 +6,9 @@ import pytest
 from offload.config import load_config
 from offload.planner import Rates
 from offload.planner.estimate import PLACEMENTS, Placement, tier_bytes
-from offload.planner.search import (Budgets, Candidate, Machine, Space, StepShape, candidates,
-                                    chunk_elems, score, search, shortfall)
+from offload.planner.search import (Budgets, Candidate, Machine, Space, StepShape, calibrate,
+                                    calibration_key, candidates, chunk_elems, score, search,
+                                    shortfall)
 
 MiB = 1 << 20
 N = 1 << 20  # elements per group
@@ -94,3 +95,21 @@ def test_chunk_elems_matches_the_optimizer():
         for buffers in (2, 6):
             assert chunk_elems(budget, buffers) == resolve_chunk_elems(
                 OptimConfig(buffers=buffers), budget)
+
+
+def test_calibration_scales_by_class_and_reorders():
+    budgets = Budgets(host=4096 * MiB, device=4096 * MiB)
+    ranked = search([SHAPE], Space(), budgets, _machine(), DEFAULTS)
+    first = ranked[0]
+    other = next(s for s in ranked if s.candidate.placement != first.candidate.placement)
+    factors = {calibration_key(first.candidate): 10.0, calibration_key(other.candidate): 0.5}
+    got = calibrate(ranked, factors)
+    moved = next(s for s in got if s.candidate == first.candidate)
+    assert moved.step_s == pytest.approx(10 * first.step_s) and moved.calibration == 10.0
+    assert got[0].candidate.placement == other.candidate.placement  # measured faster: first
+    for s in got:  # a class not measured takes its placement's ratio, else the median
+        p = s.candidate.placement
+        want = 10.0 if p == first.candidate.placement else \
+            0.5 if p == other.candidate.placement else 10.0
+        assert s.calibration == want
+    assert calibrate(ranked, {}) == ranked
