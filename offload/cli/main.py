@@ -8,7 +8,7 @@ import logging
 import sys
 
 from . import (bench_adam, bench_checkpoint, bench_comm, bench_io, bench_oversized, bench_step,
-               bench_store, checkpoint, demo, view)
+               bench_store, bench_tune, checkpoint, demo, estimate, tune, view)
 from .args import CommandParser, run_command
 
 
@@ -28,6 +28,15 @@ def build_parser() -> argparse.ArgumentParser:
                        "tier occupancy, prefetch outcomes, summary)")
     view.add_arguments(v)
     v.set_defaults(func=view.run)
+
+    est = sub.add_parser("estimate", help="bytes per kind and per tier of a model's training "
+                         "state, for every placement")
+    estimate.add_arguments(est)
+    est.set_defaults(func=estimate.run)
+    tn = sub.add_parser("tune", help="choose a whole configuration from measurements and the "
+                        "step simulator; write it as TOML")
+    tune.add_arguments(tn)
+    tn.set_defaults(func=tune.run)
 
     bench = sub.add_parser("bench", help="benchmarks against the disk or a peer, interleaved")
     bsub = bench.add_subparsers(dest="bench", required=True)
@@ -56,6 +65,11 @@ def build_parser() -> argparse.ArgumentParser:
                             "compute (serial vs overlap), exposed seconds from the trace")
     bench_comm.add_arguments(bcomm)
     bcomm.set_defaults(func=bench_comm.run)
+
+    btune = bsub.add_parser("tune", help="offload tune's written configuration vs the best of "
+                            "a sweep of the same space; tune's time")
+    bench_tune.add_arguments(btune)
+    btune.set_defaults(func=bench_tune.run)
 
     ck = sub.add_parser("checkpoint", help="inspect a training checkpoint, export its weights")
     checkpoint.add_arguments(ck.add_subparsers(dest="checkpoint", required=True))

@@ -1,0 +1,376 @@
+"""`offload tune MODEL --swap DIR`: chooses a whole configuration from measurements and
+the step simulator, and writes it as TOML that `offload.initialize` reads unchanged.
+
+Phases (each with a progress bar on stderr): probe the machine (disk under DIR
+at each block size and queue depth, host copy, CPU Adam, the compute device's
+matrix rate: offload/cli/tune_probe.py); record the model's step on `meta`
+(its groups at a few group sizes, the FLOPs of each unit: model_arg.py);
+search placements, budget splits, group size, buffers, prefetch depth and I/O
+settings with the simulator (offload/planner/search.py); show the ranked
+table; write the best; with `--verify K`, run the best K for real and print
+predicted against measured (tune_verify.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import time
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+from ..config import EngineConfig, IoConfig, OptimConfig, format_bytes, load_config
+from ..planner.estimate import PLACEMENTS, Placement
+from ..planner.search import (Budgets, Candidate, Machine, Space, StepShape, candidates, search,
+                              shortfall)
+from .args import UsageError, byte_size, directory, integer, number, output_file, value_list
+from .estimate import minimum
+from .model_arg import MeasuredModel, add_model_arguments, measure_model, model_spec
+from .tune_probe import MachineProbe, probe_adam, probe_copy, probe_disk, probe_matmul
+
+__all__ = ["add_arguments", "run", "tune", "to_toml"]
+
+MiB, GiB = 1 << 20, 1 << 30
+UNIT_OVERHEAD_S = 5e-4  # hooks and the gather's bookkeeping per unit use (see docs/tuning.md)
+CHUNK_OVERHEAD_S = 5e-4  # per optimizer chunk streamed from NVMe (see docs/tuning.md)
+
+
+def _bar(quiet: bool):
+    """A rich progress display on stderr (nothing when quiet)."""
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    return Progress(TextColumn("{task.description:<24}"), BarColumn(), TextColumn(
+        "{task.completed}/{task.total}"), TimeElapsedColumn(),
+        console=Console(stderr=True), disable=quiet, transient=False)
+
+
+@contextmanager
+def _phase(progress, name: str, total: int) -> Iterator[Any]:
+    task = progress.add_task(name, total=total)
+    yield lambda n=1: progress.advance(task, n)
+    progress.update(task, completed=total)
+
+
+def group_sizes(params: int, given: tuple[int, ...] | None) -> list[int]:
+    """The group sizes searched: given, or the default and finer/coarser splits."""
+    if given:
+        return sorted(set(given))
+    out = {EngineConfig().group_size, max(4096, params // 32), max(4096, params // 8),
+           max(4096, params // 2)}
+    return sorted(g for g in out if g <= max(params, 4096))
+
+
+def record(spec, sizes: list[int], flops_rate: float, device: str, tick) -> list[StepShape]:
+    """The model on meta at each group size: partitions, unit compute seconds (FLOPs
+    over `flops_rate`), and each placement's minimum working set."""
+    shapes = []
+    for gs in sizes:
+        mm = measure_model(spec, gs)
+        if mm.containers:  # a ModuleList as a unit is never called: not a grouping
+            tick()
+            continue
+        units = tuple((tuple(g), f / flops_rate) for g, f in zip(mm.unit_groups, mm.unit_flops))
+        mins = {p.name: tuple(minimum(mm, {**p.engine_keys(), "group_size": gs}, device).values())
+                for p in PLACEMENTS}
+        shapes.append(StepShape(gs, spec.dtype, mm.shards, units, mins))
+        tick()
+    return shapes
+
+
+def _largest_linear(mm: MeasuredModel) -> tuple[int, int]:
+    from torch import nn
+
+    import torch
+
+    with torch.device("meta"):
+        model = mm.spec.build()
+    lin = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    if not lin:
+        return 1024, 1024
+    big = max(lin, key=lambda m: m.in_features * m.out_features)
+    return big.in_features, big.out_features
+
+
+def probe_machine(args, spec, mm: MeasuredModel, device: str, progress) -> MachineProbe:
+    """Disk, copy, Adam and matrix rates ([module docstring])."""
+    free = shutil.disk_usage(args.swap).free
+    size = min(args.probe_size, max(8 * MiB, free // 8))
+    seconds = {}
+    t = time.perf_counter()
+    with _phase(progress, "probe disk", 4) as tick:
+        disk = probe_disk(os.path.join(args.swap, ".offload-tune-probe"), size, tick=tick)
+    seconds["disk"] = time.perf_counter() - t
+    t = time.perf_counter()
+    with _phase(progress, "probe host, adam, compute", 3) as tick:
+        copy = probe_copy(device)
+        tick()
+        adam = probe_adam()
+        tick()
+        inner, cols = _largest_linear(mm)
+        flops = probe_matmul(mm.tokens, inner, cols, spec.dtype, device)
+        tick()
+    seconds["host"] = time.perf_counter() - t
+    return MachineProbe(disk, free, copy, adam, flops, seconds)
+
+
+def _defaults(args, device: str) -> Candidate:
+    e, o, io = EngineConfig(), OptimConfig(), IoConfig()
+    return Candidate(Placement(e.params, e.grads, e.optimizer), e.group_size, e.prefetch_depth,
+                     o.buffers, min(io.buffer_budget, 64 * MiB), io.block_size, io.queue_depth,
+                     0, 0)
+
+
+def config_of(scored, spec, swap: str, device: str) -> dict[str, Any]:
+    """The whole configuration dict of a scored candidate (what --write writes)."""
+    keys = scored.candidate.keys()
+    keys["engine"]["dtype"] = spec.dtype
+    keys["io"]["paths"] = [os.path.abspath(swap)]
+    keys["store"]["device"] = device
+    return keys
+
+
+def to_toml(cfg: dict[str, Any], header: str = "") -> str:
+    """A configuration dict (sections of scalars and lists) as TOML text."""
+    lines = [f"# {line}" for line in header.splitlines()]
+    for section, values in cfg.items():
+        lines += ["", f"[{section}]"]
+        for k, v in values.items():
+            lines.append(f"{k} = {json.dumps(v)}")  # JSON scalars/lists of these are TOML
+    return "\n".join(lines).lstrip("\n") + "\n"
+
+
+def _row(s, tokens: int) -> dict[str, Any]:
+    c = s.candidate
+    return {"placement": c.placement.name, "group_size": c.group_size,
+            "prefetch_depth": c.prefetch_depth, "buffers": c.buffers,
+            "buffer_budget": c.buffer_budget, "block_size": c.block_size,
+            "queue_depth": c.queue_depth, "store_host_budget": c.host_budget,
+            "store_device_budget": c.device_budget, "predicted_step_s": s.step_s,
+            "tokens_per_s": tokens / s.step_s if s.step_s else None,
+            "compute_s": s.compute_s, "adam_s": s.adam_s, "exposed_io_s": s.exposed_io_s,
+            "peak": s.peak, "bytes_read": s.bytes_read, "bytes_written": s.bytes_written,
+            "limit": s.limit, "simulated_step_s": s.simulated_s, "calibration": s.calibration}
+
+
+def tune(args: argparse.Namespace, quiet: bool = False) -> dict[str, Any]:
+    """Runs every phase; the JSON-ready result (raises UsageError when nothing fits)."""
+    import torch
+
+    from .estimate import default_device
+
+    spec = model_spec(args)
+    device = default_device(args.device)
+    t0 = time.perf_counter()
+    budgets = Budgets(args.host_budget, args.device_budget)
+    space = Space()
+    os.makedirs(args.swap, exist_ok=True)
+    with _bar(quiet) as progress:
+        base = measure_model(spec, EngineConfig().group_size)
+        sizes = group_sizes(base.params, args.group_sizes)
+        with _phase(progress, "record step (meta)", len(sizes)) as tick:
+            shapes = record(spec, sizes, 1.0, device, tick)  # unit "seconds" in FLOPs
+        if not shapes:
+            raise UsageError(f"--group-sizes: every group size makes a module that is never "
+                             f"called (e.g. a ModuleList) a unit of {spec.target}; give other "
+                             "sizes, e.g. smaller ones")
+        # nothing fits: say so before minutes of probing
+        free = shutil.disk_usage(args.swap).free
+        miss = shortfall(min(shapes, key=lambda s: s.group_size), budgets,
+                         Machine({}, 1.0, float(device != "cpu"), 0.0, free),
+                         min(space.buffer_budgets))
+        if miss:
+            _impossible(miss, budgets)
+        probe = probe_machine(args, spec, base, device, progress)
+        shapes = [dataclasses.replace(s, units=tuple((g, f / probe.flops) for g, f in s.units))
+                  for s in shapes]
+        machine = Machine({(d.block_size, d.queue_depth): d.rates() for d in probe.disk},
+                          probe.adam_eps, probe.copy_Bps, UNIT_OVERHEAD_S, probe.disk_free,
+                          CHUNK_OVERHEAD_S)
+        defaults = _defaults(args, device)
+        total = sum(sum(1 for _ in candidates(s, space, budgets, machine.disk, defaults))
+                    for s in shapes)
+        with _phase(progress, "search", total) as tick:
+            ranked = search(shapes, space, budgets, machine, defaults, progress=tick)
+        if not ranked:
+            _impossible({}, budgets)
+        ranked, factors, runs = calibrate_by_real_steps(ranked, spec, args, device, progress,
+                                                        t0 + 60 * args.minutes * 0.8)
+    best_cfg = config_of(ranked[0], spec, args.swap, device)
+    load_config(best_cfg)  # what initialize will be given: refused here, not later
+    return {"command": "tune", "model": spec.target, "dtype": spec.dtype, "batch": spec.batch,
+            "tokens_per_step": base.tokens, "params": base.params, "device": device,
+            "budgets": {"host": budgets.host, "device": budgets.device},
+            "probe": {"disk": [d.__dict__ for d in probe.disk], "disk_free": probe.disk_free,
+                      "copy_Bps": probe.copy_Bps, "adam_elems_per_s": probe.adam_eps,
+                      "flops": probe.flops, "seconds": probe.seconds},
+            "candidates": len(ranked), "calibration": factors, "calibration_runs": runs,
+            "results": [{**_row(s, base.tokens), "config": config_of(s, spec, args.swap, device)}
+                        for s in ranked],
+            "best": best_cfg,
+            "seconds": time.perf_counter() - t0, "torch": torch.__version__}
+
+
+def _impossible(miss: dict[str, int], budgets: Budgets) -> None:
+    flags = {"host": "--host-budget", "device": "--device-budget", "nvme": "--swap"}
+    parts = [f"{tier}: {format_bytes(n)} missing" for tier, n in miss.items()]
+    fixes = [f"raise {flags[t]} to at least {format_bytes(getattr(budgets, t) + n)}"
+             if t != "nvme" else f"give --swap on a disk with {format_bytes(n)} more free"
+             for t, n in miss.items()]
+    if not miss:
+        parts, fixes = ["no configuration of the search space fits"], ["raise --host-budget"]
+    raise UsageError(f"the model does not fit the budgets plus the disk even with everything "
+                     f"on NVMe ({'; '.join(parts)}); {' and '.join(fixes)}")
+
+
+def render(result: dict[str, Any], top: int) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console()
+    t = Table(title=f"offload tune: {result['model']} ({result['params'] / 1e6:.1f}M params, "
+                    f"{result['dtype']}, batch {result['batch']}), host budget "
+                    f"{format_bytes(result['budgets']['host'])}, device budget "
+                    f"{format_bytes(result['budgets']['device'])}: best {top} of "
+                    f"{result['candidates']}")
+    cols = ("#", "placement", "group", "prefetch", "buffers", "io", "step s", "tokens/s",
+            "device", "host", "nvme", "MB r/w", "limit")
+    for c in cols:
+        t.add_column(c, justify="left" if c in ("placement", "io", "limit") else "right")
+    for i, r in enumerate(result["results"][:top], 1):
+        t.add_row(str(i), r["placement"], f"{r['group_size'] / 1e6:.2f}M",
+                  str(r["prefetch_depth"]),
+                  f"{r['buffers']} x {format_bytes(r['buffer_budget'])}",
+                  f"{r['block_size'] >> 20}MiB x {r['queue_depth']}",
+                  f"{r['predicted_step_s']:.3f}", f"{r['tokens_per_s']:.0f}",
+                  *(format_bytes(r["peak"][x]) for x in ("device", "host", "nvme")),
+                  f"{r['bytes_read'] / 1e6:.0f}/{r['bytes_written'] / 1e6:.0f}", r["limit"])
+    con.print(t)
+    best = max(result["probe"]["disk"], key=lambda d: d["read_Bps"])
+    con.print(f"disk ({best['engine']}): best read {best['read_Bps'] / 1e9:.2f} GB/s at "
+              f"{best['block_size'] >> 20} MiB x {best['queue_depth']}; Adam "
+              f"{result['probe']['adam_elems_per_s'] / 1e6:.0f} M elements/s; compute "
+              f"{result['probe']['flops'] / 1e9:.1f} GFLOP/s; tuned in "
+              f"{result['seconds']:.1f} s")
+    if result.get("written"):
+        con.print(f"wrote {result['written']} (#{result['chosen']})")
+    for v in result.get("verify", []):
+        con.print(f"verify #{v['rank']} {v['placement']}: predicted {v['predicted_step_s']:.3f}"
+                  f" s, measured {v['measured_step_s']:.3f} s "
+                  f"(measured / predicted {v['ratio']:.2f})")
+
+
+def verify(result: dict[str, Any], spec, k: int, quiet: bool) -> list[dict[str, Any]]:
+    """Runs the best `k` configurations for real: predicted against measured."""
+    from .tune_verify import measure_warm
+
+    rows = result["results"][:k]
+    with _bar(quiet) as progress, _phase(progress, "verify", len(rows)) as tick:
+        got = measure_warm(spec, [r["config"] for r in rows], tick, steps=5)
+    out = []
+    for i, (r, m) in enumerate(zip(rows, got)):
+        if not m or "step_s" not in m:
+            continue
+        pred = r["predicted_step_s"]
+        out.append({"rank": i + 1, "placement": r["placement"], "predicted_step_s": pred,
+                    "measured_step_s": m["step_s"], "ratio": m["step_s"] / pred,
+                    "measured": m})
+    return out
+
+
+def choose(result: dict[str, Any]) -> tuple[int | None, dict[str, Any]]:
+    """The configuration to write: the fastest measured of every real run (calibration
+    and verify), else the best predicted. Returns its rank in the results (None when
+    it ranks nowhere) and its config."""
+    runs = [(v["measured_step_s"], result["results"][v["rank"] - 1]["config"])
+            for v in result.get("verify", [])]
+    runs += [(r["measured_step_s"], r["config"]) for r in result.get("calibration_runs", [])]
+    if not runs:
+        return 1, result["results"][0]["config"]
+    best = min(runs, key=lambda r: r[0])[1]
+    rank = next((i + 1 for i, r in enumerate(result["results"]) if r["config"] == best), None)
+    return rank, best
+
+
+def calibrate_by_real_steps(scored: list, spec, args, device: str, progress,
+                            deadline: float) -> tuple[list, dict[str, float], list[dict]]:
+    """[Note: calibration] in docs/tuning.md: a short real run of the best-predicted
+    candidate of each of the first `--calibrate` classes (placement and group size,
+    in predicted order); their measured / simulated ratios scale every candidate of
+    the class. Returns the ranking again, the ratios, and every measured run."""
+    from ..planner.search import calibrate, calibration_key
+    from .tune_verify import measure_warm
+
+    firsts: dict[str, Any] = {}
+    for s in scored:
+        firsts.setdefault(calibration_key(s.candidate), s)
+    picks = list(firsts.values())[:args.calibrate]
+    if not picks:
+        return scored, {}, []
+    configs = [config_of(s, spec, args.swap, device) for s in picks]
+    with _phase(progress, "calibrate (real steps)", len(picks)) as tick:
+        got = measure_warm(spec, configs, tick, deadline=deadline, steps=3)
+    runs = [{"config": c, "measured_step_s": m["step_s"], "simulated_step_s": s.simulated_s,
+             "class": calibration_key(s.candidate)}
+            for s, c, m in zip(picks, configs, got) if m and "step_s" in m]
+    factors = {r["class"]: r["measured_step_s"] / r["simulated_step_s"] for r in runs
+               if r["simulated_step_s"] > 0}
+    return calibrate(scored, factors), factors, runs
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_model_arguments(p)
+    p.add_argument("--swap", required=True, type=directory("swap directory on the NVMe"),
+                   help="directory for swap files (probed, and written into the config)")
+    p.add_argument("--host-budget", type=byte_size(4096, example="16GiB"), default=16 * GiB,
+                   help="host memory offload may use per rank: store, host optimizer state "
+                   "and I/O buffers (default 16GiB)")
+    p.add_argument("--device-budget", type=byte_size(4096, example="4GiB"), default=4 * GiB,
+                   help="the device tier per rank (default 4GiB)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                   help="compute device (default: cuda where visible, else cpu)")
+    p.add_argument("--minutes", type=number(0, above=True, example=3), default=3.0,
+                   help="time the probes and search may take, minutes (default 3)")
+    p.add_argument("--probe-size", type=byte_size(8 * MiB, example="256MiB"),
+                   default=256 * MiB, help="bytes of each disk probe (default 256MiB)")
+    p.add_argument("--group-sizes", default=None,
+                   type=value_list(integer(1, example=4194304)),
+                   help="comma list of engine.group_size values to search (default: 3 "
+                   "from the model's size)")
+    p.add_argument("--write", type=output_file(), default=None,
+                   help="write the best configuration as TOML here, e.g. offload.toml")
+    p.add_argument("--verify", type=integer(0, example=2), default=0,
+                   help="run the best K configurations for real and compare (default 0)")
+    p.add_argument("--calibrate", type=integer(0, example=8), default=8,
+                   help="classes (placement and group size) whose best candidate runs a few "
+                   "real steps to calibrate the simulator (default 8; 0: the simulator alone)")
+    p.add_argument("--top", type=integer(1, example=10), default=10,
+                   help="rows of the table (default 10)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def run(args: argparse.Namespace) -> int:
+    result = tune(args, quiet=args.json)
+    spec = model_spec(args)
+    if args.verify:
+        result["verify"] = verify(result, spec, args.verify, args.json)
+    result["chosen"], result["best"] = choose(result)
+    if args.write:
+        row = result["results"][result["chosen"] - 1] if result["chosen"] else None
+        header = (f"written by offload tune for {spec.describe()}"
+                  + (f": #{result['chosen']} of the ranking, predicted step "
+                     f"{row['predicted_step_s']:.3f} s" if row else "")
+                  + "\nload with offload.initialize(model, \"" + os.path.basename(args.write)
+                  + "\")")
+        with open(args.write, "w") as f:
+            f.write(to_toml(result["best"], header))
+        load_config(args.write)
+        result["written"] = os.path.abspath(args.write)
+    if args.json:
+        print(json.dumps(result, indent=1))
+    else:
+        render(result, args.top)
+    return 0

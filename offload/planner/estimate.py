@@ -1,0 +1,148 @@
+"""Bytes of a model's training state per kind and per tier, for every placement (pure
+arithmetic on partition sizes: no tensors, files or processes).
+
+[Note: what each tier holds]
+With budgets that leave room, the store keeps every partition in its home tier
+and copies gathered parameters up to DEVICE, where they stay; the figures below
+are the peak bytes each tier's ledger (`StoreStats.tiers[...].peak`) reaches
+over initialisation and steps, per rank (each partition rounded up to 4 KiB as
+the store charges it). P is the parameter partitions (compute dtype), G the
+gradient partitions (fp32), Pg the largest parameter partition.
+  * DEVICE: P (parameters homed there, or gathered copies of the others); a
+    second P where NVMe optimizer state stages each update's new parameters
+    beside the old ones on DEVICE (parameters homed there); G where gradients
+    are homed there and stored (not handed straight to an early update).
+  * HOST: on a CPU device (the DEVICE tier is host memory, and a copy moves up
+    by handing its memory over) the largest of: P for parameters homed there;
+    G for stored gradients homed on HOST or NVMe (they are summed in HOST);
+    P for updates staged in HOST (NVMe optimizer state, parameters not on
+    DEVICE); Pg for a parameter streamed from NVMe into a host-state update.
+    On a GPU the copies are distinct, so these add up.
+  * NVME: P for parameters homed there, G for stored gradients homed there.
+Gradients are not stored where updates run early: NVMe optimizer state, no
+clipping, no fp16 loss scale, no accumulation.
+The optimizer's own state is not a store record: masters (fp32 training: the
+parameter is the master) and Adam's two moments live in host memory or in the
+optimizer's swap files, and its chunk pipeline stages through io.buffer_budget.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+__all__ = ["KINDS", "PLACEMENTS", "Placement", "ModelBytes", "TierBytes", "kind_bytes",
+           "parse_placement", "tier_bytes"]
+
+KINDS = ("param", "grad", "master", "exp_avg", "exp_avg_sq")
+ALIGN = 4096
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+def _footprint(nbytes: int) -> int:
+    return (nbytes + ALIGN - 1) // ALIGN * ALIGN
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Home tiers of the parameter and gradient partitions and of the optimizer state
+    (the `engine.params`, `engine.grads`, `engine.optimizer` keys)."""
+
+    params: str
+    grads: str
+    optimizer: str
+
+    @property
+    def name(self) -> str:
+        return f"{self.params}/{self.grads}/{self.optimizer}"
+
+    def engine_keys(self) -> dict[str, str]:
+        return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer}
+
+
+PLACEMENTS = tuple(Placement(p, g, o) for p, g, o in itertools.product(
+    ("device", "host", "nvme"), ("device", "host", "nvme"), ("host", "nvme")))
+
+
+def parse_placement(text: str) -> Placement:
+    """'nvme/host/nvme' (params/grads/optimizer) -> a Placement; ValueError if not one."""
+    parts = text.split("/")
+    p = Placement(*parts) if len(parts) == 3 else None
+    if p not in PLACEMENTS:
+        raise ValueError(f"{text!r} is not params/grads/optimizer with params and grads in "
+                         "device, host, nvme and optimizer in host, nvme (e.g. nvme/host/nvme)")
+    return p
+
+
+@dataclass(frozen=True)
+class ModelBytes:
+    """What the estimate needs of a model: each group's elements per rank (its
+    partition, padded) and whether it trains, the compute dtype, and the activation
+    bytes of one micro-batch (saved for backward; with activation checkpointing)."""
+
+    shards: tuple[tuple[int, bool], ...]
+    dtype: str = "fp32"
+    activations: int = 0
+    activations_checkpointed: int = 0
+
+    @property
+    def trainable_elems(self) -> int:
+        return sum(n for n, t in self.shards if t)
+
+
+def kind_bytes(m: ModelBytes) -> dict[str, int]:
+    """Bytes per rank of each kind of partition (4 KiB-rounded as stored); `master` is 0
+    in fp32 training, where the parameter partition is the master."""
+    item = DTYPE_BYTES[m.dtype]
+    train = [n for n, t in m.shards if t]
+    out = {"param": sum(_footprint(n * item) for n, _ in m.shards),
+           "grad": sum(_footprint(n * 4) for n in train),
+           "master": 0 if m.dtype == "fp32" else sum(_footprint(n * 4) for n in train)}
+    out["exp_avg"] = out["exp_avg_sq"] = sum(_footprint(n * 4) for n in train)
+    return out
+
+
+@dataclass(frozen=True)
+class TierBytes:
+    """Bytes per rank per tier ([Note: what each tier holds]): `store` as the store's
+    ledger counts it, `optimizer` the optimizer's state there, `buffers` I/O staging;
+    `total` their sum per tier."""
+
+    store: dict[str, int]
+    optimizer: dict[str, int]
+    buffers: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def total(self) -> dict[str, int]:
+        return {t: self.store.get(t, 0) + self.optimizer.get(t, 0) + self.buffers.get(t, 0)
+                for t in ("device", "host", "nvme")}
+
+
+def early_updates(p: Placement, dtype: str, *, clipping: bool = False,
+                  accum: int = 1) -> bool:
+    """Whether gradients go straight to the update, never stored (see the Note)."""
+    return p.optimizer == "nvme" and not clipping and dtype != "fp16" and accum == 1
+
+
+def tier_bytes(m: ModelBytes, p: Placement, *, device: str = "cpu", buffer_budget: int = 0,
+               clipping: bool = False, accum: int = 1) -> TierBytes:
+    """Bytes per rank each tier holds for placement `p` ([Note: what each tier holds]).
+    `device`: "cpu" or "cuda" (the store's compute device)."""
+    kinds = kind_bytes(m)
+    P, G = kinds["param"], kinds["grad"]
+    item = DTYPE_BYTES[m.dtype]
+    Pg = max((_footprint(n * item) for n, _ in m.shards), default=0)
+    stored = not early_updates(p, m.dtype, clipping=clipping, accum=accum)
+    dev = P * (2 if p.params == "device" and p.optimizer == "nvme" else 1)
+    dev += G if p.grads == "device" and stored else 0
+    host_terms = [P if p.params == "host" else 0,
+                  G if stored and p.grads in ("host", "nvme") else 0,
+                  P if p.optimizer == "nvme" and p.params != "device" else 0,
+                  Pg if p.params == "nvme" and p.optimizer == "host" else 0]
+    host = max(host_terms) if device == "cpu" else sum(host_terms)
+    nvme = (P if p.params == "nvme" else 0) + (G if p.grads == "nvme" and stored else 0)
+    state = kinds["master"] + kinds["exp_avg"] + kinds["exp_avg_sq"]
+    opt = {p.optimizer: state}
+    nvme_used = "nvme" in (p.params, p.grads, p.optimizer)
+    buffers = {"host": buffer_budget} if buffer_budget and nvme_used else {}
+    return TierBytes({"device": dev, "host": host, "nvme": nvme}, opt, buffers)

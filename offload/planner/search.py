@@ -1,0 +1,400 @@
+"""The search behind `offload tune`: every configuration of a space that fits the
+budgets, scored by the step simulator (pure functions: no tensors, files or threads).
+
+[Note: the modelled step]
+A configuration's step is built as an access trace (`Use`s) and planned and
+simulated like any other (offload.planner.plan, .simulate):
+  * forward over the units, then backward in reverse, each taking its measured
+    compute time plus a fixed per-unit cost (hooks, gathers); a unit whose
+    parameters live on NVMe uses their partitions (records), read ahead at most
+    `prefetch_depth` uses before they are needed (the engine's look-ahead);
+    on a GPU, parameters homed on the host are copied up at the copy rate;
+  * every group's update after backward, or, where updates run early (NVMe
+    optimizer state without clipping or loss scaling), right after the
+    backward of its unit; with NVMe optimizer state the update streams its
+    state in chunks (records of `chunk` elements x 12 bytes, 8 in fp32) that
+    are read at most `buffers - 1` chunks ahead and written back, each taking
+    its elements over the measured Adam rate; gradients homed on NVMe are
+    written at backward and read at the update;
+  * memory for the streamed records is what the budgets leave once every
+    partition homed in memory is counted, plus the pipeline's chunk buffers.
+The disk serves reads and writes at the rates probed for the configuration's
+block size and queue depth. What limits the step is the largest of compute
+(forward and backward), CPU (Adam) and exposed I/O (disk).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Iterator, Mapping
+
+from .estimate import (PLACEMENTS, ModelBytes, Placement, _footprint, early_updates, kind_bytes,
+                       tier_bytes)
+from .plan import Plan, PlanOp, RecordSpec, Use, make_plan
+from .simulate import Rates, simulate
+
+__all__ = ["Budgets", "Candidate", "Machine", "Scored", "Space", "StepShape", "calibrate",
+           "calibration_key",
+           "chunk_elems", "ranked", "score", "search", "shortfall"]
+
+MiB = 1 << 20
+MAX_CHUNK = 1 << 23
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """The model grouped at one `group_size`: each group's elements per rank and whether
+    it trains, each unit's groups and forward compute seconds (backward: twice), and
+    the minimum working set (device, host bytes) of each placement (by name)."""
+
+    group_size: int
+    dtype: str
+    shards: tuple[tuple[int, bool], ...]
+    units: tuple[tuple[tuple[int, ...], float], ...]
+    minimum: Mapping[str, tuple[int, int]]
+
+    @property
+    def model(self) -> ModelBytes:
+        return ModelBytes(self.shards, self.dtype)
+
+
+@dataclass(frozen=True)
+class Machine:
+    """Measured rates: the disk's per (block size, queue depth), Adam elements/s, the
+    host-to-device copy in bytes/s (0: the device is the CPU), a fixed cost per unit
+    use in seconds, the free bytes under the swap directory, and a fixed cost per
+    optimizer chunk streamed from NVMe in seconds (its requests, waits and kernel
+    calls)."""
+
+    disk: Mapping[tuple[int, int], Rates]
+    adam_eps: float
+    copy_Bps: float = 0.0
+    unit_overhead_s: float = 0.0
+    disk_free: int = 1 << 62
+    chunk_overhead_s: float = 0.0
+
+    @property
+    def device(self) -> str:
+        return "cpu" if not self.copy_Bps else "cuda"
+
+
+@dataclass(frozen=True)
+class Budgets:
+    """Bytes per rank the user gives offload: host memory (store, optimizer state on
+    the host, I/O buffers) and the device tier."""
+
+    host: int
+    device: int
+
+
+@dataclass(frozen=True)
+class Space:
+    """The values searched for each knob (the io ones only where something is on NVMe,
+    prefetch only where parameters stream from NVMe)."""
+
+    placements: tuple[Placement, ...] = PLACEMENTS
+    prefetch_depths: tuple[int, ...] = (1, 2, 4)
+    buffers: tuple[int, ...] = (2, 4, 6)
+    buffer_budgets: tuple[int, ...] = (4 * MiB, 16 * MiB, 64 * MiB, 256 * MiB)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One configuration: the engine, optim, io and store keys it sets."""
+
+    placement: Placement
+    group_size: int
+    prefetch_depth: int
+    buffers: int
+    buffer_budget: int
+    block_size: int
+    queue_depth: int
+    host_budget: int        # store.host_budget
+    device_budget: int      # store.device_budget
+
+    def keys(self) -> dict[str, dict[str, object]]:
+        """The configuration sections this candidate sets (merge with the rest)."""
+        return {"engine": {**self.placement.engine_keys(), "group_size": self.group_size,
+                           "prefetch_depth": self.prefetch_depth},
+                "optim": {"buffers": self.buffers},
+                "io": {"buffer_budget": self.buffer_budget, "block_size": self.block_size,
+                       "queue_depth": self.queue_depth},
+                "store": {"host_budget": self.host_budget,
+                          "device_budget": self.device_budget}}
+
+
+@dataclass
+class Scored:
+    """A candidate's predicted step (seconds), its parts, peak bytes per tier, bytes
+    moved to and from the disk, and what limits it."""
+
+    candidate: Candidate
+    step_s: float
+    compute_s: float
+    adam_s: float
+    exposed_io_s: float
+    peak: dict[str, int]
+    bytes_read: int
+    bytes_written: int
+    limit: str
+    calibration: float = 1.0    # measured / simulated step of its placement, if measured
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def simulated_s(self) -> float:
+        """The simulator's step before calibration."""
+        return self.step_s / self.calibration
+
+
+def chunk_elems(buffer_budget: int, buffers: int, share: float = 0.5) -> int:
+    """Elements per optimizer chunk, as the optimizer derives it (optim.chunk_elems 0)."""
+    per = int(buffer_budget * share) // (buffers * 12)
+    return 0 if per < 4096 else min(MAX_CHUNK, 1 << (per.bit_length() - 1))
+
+
+def _memory(shape: StepShape, c: Candidate, budgets: Budgets,
+            device: str) -> tuple[int, int, int] | None:
+    """(store host budget, store device budget, bytes left for streamed records), or
+    None when the budgets cannot hold what the placement homes in memory or its minimum
+    working set."""
+    p = c.placement
+    tb = tier_bytes(shape.model, p, device=device)
+    kinds = kind_bytes(shape.model)
+    uses_nvme = "nvme" in (p.params, p.grads, p.optimizer)
+    opt_host = tb.optimizer.get("host", 0)
+    store_host = budgets.host - opt_host - (c.buffer_budget if uses_nvme else 0)
+    min_dev, min_host = shape.minimum[p.name]
+    P, G = kinds["param"], kinds["grad"]
+    stored = not early_updates(p, shape.dtype)
+    dev_home = (P * (2 if p.optimizer == "nvme" else 1) if p.params == "device" else 0) + \
+        (G if p.grads == "device" and stored else 0)
+    host_home = tb.store["host"] if p.params != "nvme" else \
+        (G if stored and p.grads in ("host", "nvme") else 0)
+    if budgets.device < max(min_dev, dev_home) or store_host < max(min_host, host_home):
+        return None
+    free = (budgets.device - dev_home) + (store_host - host_home)
+    return store_host, budgets.device, free
+
+
+def _records(shape: StepShape, p: Placement) -> dict:
+    """The partitions a step moves between memory and NVMe through the store: parameters
+    homed on NVMe, and gradients homed there where they are stored."""
+    item = {"fp32": 4, "bf16": 2, "fp16": 2}[shape.dtype]
+    stored_grads = not early_updates(p, shape.dtype)
+    records: dict = {}
+    for gid, (n, trains) in enumerate(shape.shards):
+        if p.params == "nvme":
+            records[("p", gid)] = RecordSpec(_footprint(n * item))
+        if trains and p.grads == "nvme" and stored_grads:
+            records[("g", gid)] = RecordSpec(_footprint(n * 4))
+    return records
+
+
+def _uses(shape: StepShape, c: Candidate, machine: Machine
+          ) -> tuple[list[Use], dict, list, float, float]:
+    """The step's access trace ([Note: the modelled step]), its records, the optimizer's
+    NVMe chunks, and the summed forward/backward and Adam compute seconds."""
+    p = c.placement
+    item = {"fp32": 4, "bf16": 2, "fp16": 2}[shape.dtype]
+    state_b = 8 if shape.dtype == "fp32" else 12
+    early = early_updates(p, shape.dtype)
+    chunk = chunk_elems(c.buffer_budget, c.buffers) if p.optimizer == "nvme" else 0
+    records = _records(shape, p)
+    uses: list[Use] = []
+    streams: list[tuple[int, tuple, int]] = []  # (use, chunk key, bytes) of NVMe state
+    fb = adam = 0.0
+
+    def unit_use(gids: tuple[int, ...], secs: float, kind: str, label: str) -> None:
+        nonlocal fb
+        keys = tuple(("p", g) for g in gids if ("p", g) in records)
+        writes = ()
+        if kind == "backward":
+            gk = tuple(("g", g) for g in gids if ("g", g) in records)
+            keys, writes = keys + gk, gk
+        extra = 0.0
+        if machine.copy_Bps and p.params == "host":
+            extra = sum(_footprint(shape.shards[g][0] * item) for g in gids) / machine.copy_Bps
+        t = secs + machine.unit_overhead_s + extra
+        fb += t
+        uses.append(Use(keys, writes, kind, label, t))
+
+    def update(gid: int) -> None:
+        nonlocal adam
+        n, trains = shape.shards[gid]
+        if not trains:
+            return
+        parts = [(k, min(chunk, n - k * chunk)) for k in range(-(-n // chunk))] if chunk \
+            else [(None, n)]
+        for j, (k, m) in enumerate(parts):
+            keys: tuple = (("g", gid),) if j == 0 and ("g", gid) in records else ()
+            pw = (("p", gid),) if j == len(parts) - 1 and ("p", gid) in records else ()
+            if k is not None:
+                streams.append((len(uses), ("s", gid, k), m * state_b))
+            t = m / machine.adam_eps + (machine.chunk_overhead_s if k is not None else 0.0)
+            adam += t
+            uses.append(Use(keys + pw, pw, "update", f"adam {gid}", t))
+
+    for i, (gids, secs) in enumerate(shape.units):
+        unit_use(gids, secs, "forward", f"forward {i}")
+    done: set[int] = set()
+    for i in reversed(range(len(shape.units))):
+        gids, secs = shape.units[i]
+        unit_use(gids, 2 * secs, "backward", f"backward {i}")
+        if early:
+            for g in gids:
+                if g not in done:
+                    done.add(g)
+                    update(g)
+    if not early:
+        for g in range(len(shape.shards)):
+            update(g)
+    uses.append(Use((), (), "commit", "commit", 0.0))  # the last chunk's write lands after
+    return uses, records, streams, fb, adam
+
+
+def _stream_state(plan: Plan, streams: list[tuple[int, tuple, int]], buffers: int) -> Plan:
+    """Adds the optimizer's NVMe state traffic to `plan`: every chunk is read (at most
+    `buffers - 1` chunks ahead of its update) and written back after it, every step:
+    the pipeline streams it whatever the memory budgets ([Note: the modelled step])."""
+    ops = list(plan.ops)
+    by_use = {i: list(v) for i, v in plan.fetches_by_use.items()}
+    for n, (i, key, nbytes) in enumerate(streams):
+        first = streams[max(0, n - max(0, buffers - 1))][0]
+        fetch = PlanOp("fetch", key, nbytes, min(first, i), i)
+        ops += [fetch, PlanOp("write-back", key, nbytes, i + 1)]
+        by_use.setdefault(i, []).append(fetch)
+    moved = sum(b for _, _, b in streams)
+    return Plan(ops, plan.budget, plan.held, plan.bytes_read + moved,
+                plan.bytes_written + moved, by_use)
+
+
+def _limit_lookahead(plan: Plan, depth: int) -> Plan:
+    """Parameter fetches issued no earlier than the engine issues them: `depth` uses
+    ahead (its look-ahead over the previous step's order)."""
+    ops = []
+    for op in plan.ops:
+        if op.op == "fetch" and op.key[0] == "p":
+            op = dataclasses.replace(op, at=max(op.at, op.needed_at - depth))
+        ops.append(op)
+    by_use: dict[int, list] = {}
+    for op in ops:
+        if op.op == "fetch":
+            by_use.setdefault(op.needed_at, []).append(op)
+    return Plan(ops, plan.budget, plan.held, plan.bytes_read, plan.bytes_written, by_use)
+
+
+def score(shape: StepShape, c: Candidate, budgets: Budgets, machine: Machine) -> Scored | None:
+    """The predicted step of candidate `c`, or None when it does not fit."""
+    mem = _memory(shape, c, budgets, machine.device)
+    if mem is None:
+        return None
+    p = c.placement
+    tb = tier_bytes(shape.model, p, device=machine.device,
+                    buffer_budget=c.buffer_budget)
+    if tb.total["nvme"] > machine.disk_free:
+        return None
+    if p.optimizer == "nvme" and not chunk_elems(c.buffer_budget, c.buffers):
+        return None
+    uses, records, streams, fb, adam = _uses(shape, c, machine)
+    if sum(r.nbytes for r in records.values()) <= mem[2]:  # steady state: all stay resident
+        records = {k: RecordSpec(r.nbytes, resident=True) for k, r in records.items()}
+    try:
+        plan = make_plan(uses, records, max(mem[2], 1))
+    except ValueError:  # a unit's partitions do not fit what the budgets leave
+        return None
+    plan = _stream_state(_limit_lookahead(plan, c.prefetch_depth), streams, c.buffers)
+    pred = simulate(plan, uses, machine.disk[(c.block_size, c.queue_depth)])
+    parts = {"compute": fb, "CPU": adam, "disk": pred.exposed_io_s}
+    peak = {"device": min(tb.total["device"], budgets.device),
+            "host": min(tb.total["host"], budgets.host), "nvme": tb.total["nvme"]}
+    return Scored(c, pred.step_s, fb, adam, pred.exposed_io_s, peak, plan.bytes_read,
+                  plan.bytes_written, max(parts, key=parts.get))
+
+
+def candidates(shape: StepShape, space: Space, budgets: Budgets,
+               io_keys: Iterable[tuple[int, int]], defaults: Candidate) -> Iterator[Candidate]:
+    """Every candidate of `space` for this grouping; knobs that change nothing for a
+    placement keep their defaults (no duplicates)."""
+    io_keys = list(io_keys)
+    for p in space.placements:
+        nvme = "nvme" in (p.params, p.grads, p.optimizer)
+        depths = space.prefetch_depths if p.params == "nvme" else (defaults.prefetch_depth,)
+        bufs = space.buffers if p.optimizer == "nvme" else (defaults.buffers,)
+        sizes = [b for b in space.buffer_budgets if b <= budgets.host // 2] if nvme \
+            else [defaults.buffer_budget]
+        ios = io_keys if nvme else [(defaults.block_size, defaults.queue_depth)]
+        for d, b, s, (bs, qd) in itertools.product(depths, bufs, sizes, ios):
+            if s < bs:  # io.buffer_budget holds at least one block
+                continue
+            yield dataclasses.replace(defaults, placement=p, group_size=shape.group_size,
+                                      prefetch_depth=d, buffers=b, buffer_budget=s,
+                                      block_size=bs, queue_depth=qd)
+
+
+def search(shapes: list[StepShape], space: Space, budgets: Budgets, machine: Machine,
+           defaults: Candidate, progress: Callable[[int], None] | None = None) -> list[Scored]:
+    """Every candidate that fits, best (shortest predicted step) first; `progress(n)`
+    after each candidate scored."""
+    out = []
+    for shape in shapes:
+        for c in candidates(shape, space, budgets, machine.disk, defaults):
+            s = score(shape, c, budgets, machine)
+            if s is not None:
+                mem = _memory(shape, c, budgets, machine.device)
+                s.candidate = dataclasses.replace(c, host_budget=mem[0],
+                                                  device_budget=mem[1])
+                out.append(s)
+            if progress:
+                progress(1)
+    # among equal predictions: fewer bytes moved, less disk, smaller buffers
+    return ranked(out)
+
+
+def ranked(scored: list[Scored]) -> list[Scored]:
+    """Best first; among equal predictions fewer bytes moved, less disk, smaller buffers."""
+    return sorted(scored, key=lambda s: (round(s.step_s, 6), s.bytes_read + s.bytes_written,
+                                         s.peak["nvme"], s.candidate.buffer_budget))
+
+
+def calibration_key(c: Candidate) -> str:
+    """The class a real step calibrates: a placement at a group size ("nvme/host/nvme@4194304")."""
+    return f"{c.placement.name}@{c.group_size}"
+
+
+def calibrate(scored: list[Scored], factors: Mapping[str, float]) -> list[Scored]:
+    """Scales each prediction by the measured / simulated ratio of its class (`factors`,
+    by `calibration_key`; a class not measured takes the median ratio of its
+    placement's measured classes, else of all) and ranks again: the simulator orders
+    the knobs within a class, real steps the classes ([Note: calibration] in
+    docs/tuning.md)."""
+    if not factors:
+        return scored
+
+    def median(vals: list[float]) -> float:
+        vals = sorted(vals)
+        return vals[len(vals) // 2]
+    overall = median(list(factors.values()))
+    by_placement: dict[str, list[float]] = {}
+    for k, f in factors.items():
+        by_placement.setdefault(k.split("@")[0], []).append(f)
+    out = []
+    for s in scored:
+        key = calibration_key(s.candidate)
+        f = factors.get(key) or median(by_placement.get(s.candidate.placement.name, [overall]))
+        out.append(dataclasses.replace(s, step_s=s.simulated_s * f, calibration=f))
+    return ranked(out)
+
+
+def shortfall(shape: StepShape, budgets: Budgets, machine: Machine,
+              buffer_budget: int) -> dict[str, int]:
+    """When nothing fits: the bytes missing per tier for the placement that needs least
+    memory (everything on NVMe): its minimum working set, the I/O buffers, the disk."""
+    p = Placement("nvme", "nvme", "nvme")
+    min_dev, min_host = shape.minimum[p.name]
+    tb = tier_bytes(shape.model, p, device=machine.device, buffer_budget=buffer_budget)
+    host = max(min_host + buffer_budget, 2 * buffer_budget)  # buffers: at most half the host
+    need = {"device": min_dev, "host": host, "nvme": tb.total["nvme"]}
+    have = {"device": budgets.device, "host": budgets.host, "nvme": machine.disk_free}
+    return {t: need[t] - have[t] for t in need if need[t] > have[t]}

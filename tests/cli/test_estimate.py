@@ -1,0 +1,138 @@
+"""`offload estimate`: its figures against the bytes a real run's store accounts, and
+the command as a user runs it (real processes, real files)."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import offload
+from offload.cli.estimate import estimate
+from offload.cli.model_arg import ModelSpec, measure_model
+from offload.planner.estimate import PLACEMENTS
+from offload.trace import TraceRecorder
+
+OFFLOAD = [sys.executable, "-m", "offload.cli.main"]
+MODELS = textwrap.dedent("""
+    from torch import nn
+
+    def mlp():
+        return nn.Sequential(*[nn.Linear(256, 256) for _ in range(6)])
+    """)
+TIERS = {"device": "DEVICE", "host": "HOST", "nvme": "NVME"}
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _env(**extra):
+    """This checkout's offload, and the test's models module in the current directory."""
+    return {**os.environ, "PYTHONPATH": ROOT, "COLUMNS": "200", **extra}
+
+
+@pytest.fixture
+def models(tmp_path, monkeypatch):
+    (tmp_path / "tinymodels.py").write_text(MODELS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def _step_peaks(engine, rec, steps=2) -> dict[str, int]:
+    """The most bytes each tier's ledger held during `steps` steps: its level when they
+    start, and every change the store reports on the trace's tier counters."""
+    start = {t: s.used for t, s in engine.store.stats().tiers.items()}
+    rec.clear()
+    x = torch.randn(8, 256).to(engine.dtype)
+    for _ in range(steps):
+        engine.backward(engine(x).float().square().mean())
+        engine.step()
+    peaks = dict(start)
+    for e in rec.events():
+        if e.phase == "C" and e.track.startswith("tier:"):
+            t = e.track.split(":", 1)[1]
+            peaks[t] = max(peaks[t], int(sum(e.args.values())))
+    return peaks
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_tier_figures_within_ten_percent_of_a_real_step(models, dtype):
+    """For every placement, the peak bytes per tier the store accounts during real steps
+    are within 10% of the estimate's store figures (absent tiers: both zero)."""
+    group = 256 * 257
+    mm = measure_model(ModelSpec("function", "tinymodels:mlp", 8, None, dtype), group)
+    est = estimate(mm, PLACEMENTS, world=1, ranks_per_node=1, device="cpu",
+                   buffer_budget=8 << 20, group_size=group)
+    misses = []
+    for row in est["placements"]:
+        rec = TraceRecorder(enabled=True)
+        cfg = {"engine": {"params": row["params"], "grads": row["grads"],
+                          "optimizer": row["optimizer"], "dtype": dtype, "group_size": group},
+               "io": {"paths": [str(models / "swap" / row["placement"].replace("/", "-"))],
+                      "buffer_budget": "8MiB", "block_size": "64KiB", "grow_step": "1MiB"},
+               "store": {"device": "cpu", "device_budget": "64MiB", "host_budget": "64MiB"}}
+        engine = offload.initialize(mm.spec.factory(), cfg, recorder=rec)
+        try:
+            peaks = _step_peaks(engine, rec)
+        finally:
+            engine.close()
+        for tier, name in TIERS.items():
+            want, got = row["store"][tier], peaks[name]
+            if abs(got - want) > 0.10 * max(want, 1):
+                misses.append(f"{row['placement']} {tier}: measured {got}, estimated {want}")
+    assert not misses, misses
+
+
+def test_estimate_json_from_a_hf_config(models):
+    cfg = {"model_type": "gpt2", "n_layer": 2, "n_embd": 64, "n_head": 4, "vocab_size": 1000,
+           "n_positions": 128, "bos_token_id": 0, "eos_token_id": 0}
+    (models / "hf").mkdir()
+    (models / "hf" / "config.json").write_text(json.dumps(cfg))
+    out = subprocess.run(OFFLOAD + ["estimate", "hf", "--batch", "2", "--seq", "32", "--world",
+                                    "2", "--placement", "nvme/host/nvme,device/device/host",
+                                    "--json"], capture_output=True, text=True, timeout=300,
+                         cwd=models, env=_env())
+    assert out.returncode == 0, out.stderr
+    res = json.loads(out.stdout)
+    assert res["params"] == sum(p.numel() for p in _gpt2(cfg).parameters())
+    assert [r["placement"] for r in res["placements"]] == ["nvme/host/nvme", "device/device/host"]
+    a = res["activations"]
+    assert 0 < a["checkpointed_bytes"] < a["bytes"]
+    nvme = res["placements"][0]
+    assert nvme["per_node"]["nvme"] == 2 * nvme["per_rank"]["nvme"] > 0
+    kinds = res["bytes_per_rank"]
+    assert kinds["grad"] == kinds["exp_avg"] == 2 * kinds["param"]  # bf16 param, fp32 rest
+
+
+def _gpt2(cfg):
+    from transformers import AutoModelForCausalLM, GPT2Config
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(GPT2Config(**cfg))
+
+
+def test_estimate_table_of_a_module_function(models):
+    out = subprocess.run(OFFLOAD + ["estimate", "tinymodels:mlp", "--dtype", "fp32"],
+                         capture_output=True, text=True, timeout=300, cwd=models,
+                         env=_env())
+    assert out.returncode == 0, out.stderr
+    assert "exp_avg_sq" in out.stdout and "nvme/host/nvme" in out.stdout
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["nosuchmodule:build"], "MODEL: cannot import 'nosuchmodule'"),
+    (["missing/config.json"], "MODEL: 'missing/config.json' is not a config.json"),
+    (["--hf-config", "nope.json"], "--hf-config: 'nope.json' is not a config.json"),
+    (["tinymodels:nothing"], "MODEL: module 'tinymodels' has no function 'nothing'"),
+    (["tinymodels:mlp", "--placement", "disk/host/nvme"], "--placement: 'disk/host/nvme'"),
+    (["tinymodels:mlp", "--world", "0"], "--world: '0' is not positive"),
+    ([], "MODEL: missing"),
+])
+def test_bad_model_argument_is_one_line_exit_2(models, argv, words):
+    out = subprocess.run(OFFLOAD + ["estimate", *argv], capture_output=True, text=True,
+                         timeout=300, cwd=models, env=_env())
+    assert out.returncode == 2
+    assert out.stderr.count("\n") == 1 and words in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr

@@ -1,0 +1,111 @@
+"""`offload tune` as a user runs it: real processes, a real swap directory, and the TOML
+it writes given unchanged to `offload.initialize`."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import offload
+from offload.config import load_config
+
+OFFLOAD = [sys.executable, "-m", "offload.cli.main"]
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+MODELS = textwrap.dedent("""
+    from torch import nn
+
+    def mlp():
+        return nn.Sequential(*[nn.Linear(256, 256) for _ in range(6)])
+    """)
+MiB = 1 << 20
+
+
+@pytest.fixture
+def work(tmp_path):
+    (tmp_path / "tinymodels.py").write_text(MODELS)
+    return tmp_path
+
+
+def _tune(work, *argv, timeout=600):
+    return subprocess.run(OFFLOAD + ["tune", "tinymodels:mlp", "--dtype", "fp32", "--device",
+                                     "cpu", "--probe-size", "8MiB", *argv],
+                          capture_output=True, text=True, timeout=timeout, cwd=work,
+                          env={**os.environ, "PYTHONPATH": ROOT, "COLUMNS": "200"})
+
+
+def _mlp():
+    return torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(6)])
+
+
+def test_tune_writes_a_config_that_initialize_takes_unchanged(work):
+    out = _tune(work, "--swap", str(work / "swap"), "--host-budget", "12MiB",
+                "--device-budget", "1MiB", "--write", "offload.toml", "--verify", "2", "--json")
+    assert out.returncode == 0, out.stderr
+    res = json.loads(out.stdout)
+    steps = [r["predicted_step_s"] for r in res["results"]]
+    assert steps == sorted(steps) and len(steps) == res["candidates"] > 1
+    assert len(res["verify"]) == 2 and all(v["measured_step_s"] > 0 for v in res["verify"])
+    assert res["calibration_runs"] and res["calibration"]
+    # the written configuration is the fastest measured of every real run
+    runs = [(v["measured_step_s"], res["results"][v["rank"] - 1]["config"])
+            for v in res["verify"]]
+    runs += [(r["measured_step_s"], r["config"]) for r in res["calibration_runs"]]
+    assert res["best"] == min(runs, key=lambda r: r[0])[1]
+    row = res["results"][res["chosen"] - 1]
+    assert row["config"] == res["best"]
+    assert {"predicted_step_s", "tokens_per_s", "peak", "bytes_read", "bytes_written",
+            "limit"} <= set(row)
+    assert row["limit"] in ("disk", "CPU", "compute")
+    # the budgets hold: the store's, host optimizer state and I/O buffers within --host-budget
+    cfg = load_config(str(work / "offload.toml"))
+    assert cfg.store.device_budget <= 1 * MiB
+    assert row["peak"]["host"] <= 12 * MiB and cfg.store.host_budget <= 12 * MiB
+    engine = offload.initialize(_mlp, str(work / "offload.toml"))
+    try:
+        x = torch.randn(8, 256)
+        engine.backward(engine(x).square().mean())
+        assert engine.step()
+        tiers = engine.store.stats().tiers
+        assert tiers["DEVICE"].peak <= cfg.store.device_budget
+        assert tiers["HOST"].peak <= cfg.store.host_budget
+    finally:
+        engine.close()
+
+
+def test_tune_table_with_progress_bars(work):
+    out = _tune(work, "--swap", str(work / "swap"), "--host-budget", "256MiB",
+                "--device-budget", "64MiB", "--top", "3")
+    assert out.returncode == 0, out.stderr
+    for phase in ("probe disk", "record step", "search"):
+        assert phase in out.stderr
+    assert "step s" in out.stdout and "tokens/s" in out.stdout and "limit" in out.stdout
+    assert not (work / "swap" / ".offload-tune-probe").exists() or \
+        not os.listdir(work / "swap" / ".offload-tune-probe")
+
+
+def test_impossible_budgets_say_what_is_missing_in_which_tier(work):
+    out = _tune(work, "--swap", str(work / "swap"), "--host-budget", "8KiB",
+                "--device-budget", "1MiB", timeout=300)
+    assert out.returncode == 2
+    line = out.stderr.strip().splitlines()[-1]
+    assert line.startswith("offload tune: the model does not fit"), out.stderr
+    assert "host: " in line and "missing" in line and "--host-budget to at least" in line
+    assert "device:" not in line
+    assert "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("argv,words", [
+    ([], "--swap"),
+    (["--swap", "/etc/hosts"], "--swap: '/etc/hosts' exists and is not a directory"),
+    (["--swap", "SWAP", "--verify", "-1"], "--verify: '-1' is below 0"),
+    (["--swap", "SWAP", "--host-budget", "lots"], "--host-budget: 'lots' is not a byte size"),
+])
+def test_bad_flags_are_one_line_exit_2(work, argv, words):
+    argv = [str(work / "swap") if a == "SWAP" else a for a in argv]
+    out = _tune(work, *argv, timeout=120)
+    assert out.returncode == 2
+    assert words in out.stderr and out.stderr.count("\n") == 1, out.stderr

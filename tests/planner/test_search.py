@@ -1,0 +1,115 @@
+"""The tuner's search: scored by the simulator, bounded by the budgets and the disk,
+and its candidates' keys are configurations the library accepts."""
+
+import pytest
+
+from offload.config import load_config
+from offload.planner import Rates
+from offload.planner.estimate import PLACEMENTS, Placement, tier_bytes
+from offload.planner.search import (Budgets, Candidate, Machine, Space, StepShape, calibrate,
+                                    calibration_key, candidates, chunk_elems, score, search,
+                                    shortfall)
+
+MiB = 1 << 20
+N = 1 << 20  # elements per group
+SHAPE = StepShape(group_size=N, dtype="fp32", shards=tuple((N, True) for _ in range(8)),
+                  units=tuple(((g,), 0.01) for g in range(8)),
+                  minimum={p.name: (8 * MiB, 12 * MiB) for p in PLACEMENTS})
+DEFAULTS = Candidate(Placement("device", "host", "host"), N, 2, 6, 64 * MiB, 4 * MiB, 32, 0, 0)
+
+
+def _machine(read=2e9, write=2e9, free=1 << 40):
+    return Machine({(4 * MiB, 32): Rates(read, write, min(read, write))}, adam_eps=1e9,
+                   unit_overhead_s=0.0, disk_free=free)
+
+
+def _peak_fits(s, budgets):
+    c = s.candidate
+    assert c.device_budget <= budgets.device
+    tb = tier_bytes(SHAPE.model, c.placement, buffer_budget=c.buffer_budget)
+    host = c.host_budget + tb.optimizer.get("host", 0) + tb.buffers.get("host", 0)
+    assert host <= budgets.host, (c, host)
+
+
+def test_roomy_budgets_keep_everything_in_memory():
+    budgets = Budgets(host=4096 * MiB, device=4096 * MiB)
+    ranked = search([SHAPE], Space(), budgets, _machine(), DEFAULTS)
+    best = ranked[0]
+    assert "nvme" not in best.candidate.placement.name
+    assert best.bytes_read == best.bytes_written == 0
+    assert best.step_s == pytest.approx(3 * 8 * 0.01 + 8 * N / 1e9)
+    for s in ranked:
+        _peak_fits(s, budgets)
+
+
+def test_tight_budgets_put_state_on_nvme_and_a_slower_disk_costs_time():
+    state = 8 * N * 12  # fp32 training: parameter, gradient and two moments: 16 B each
+    budgets = Budgets(host=state // 2, device=16 * MiB)
+    fast = search([SHAPE], Space(), budgets, _machine(), DEFAULTS)
+    slow = search([SHAPE], Space(), budgets, _machine(read=2e8, write=2e8), DEFAULTS)
+    assert fast and all("nvme" in s.candidate.placement.name for s in fast)
+    for s in fast:
+        _peak_fits(s, budgets)
+    assert fast[0].bytes_read >= 8 * N * 8 and fast[0].bytes_written >= 8 * N * 8
+    assert slow[0].step_s > fast[0].step_s
+    assert slow[0].limit == "disk"
+
+
+def test_a_disk_too_small_rules_out_nvme_and_shortfall_says_how_much():
+    budgets = Budgets(host=8 * MiB, device=16 * MiB)
+    m = _machine(free=MiB)
+    assert search([SHAPE], Space(), budgets, m, DEFAULTS) == []
+    miss = shortfall(SHAPE, budgets, m, 4 * MiB)
+    assert miss["nvme"] == tier_bytes(SHAPE.model, Placement("nvme", "nvme", "nvme"))\
+        .total["nvme"] - MiB
+    assert miss["host"] == 12 * MiB + 4 * MiB - 8 * MiB  # working set and I/O buffers
+    assert "device" not in miss
+
+
+def test_prefetch_depth_hides_parameter_reads():
+    budgets = Budgets(host=108 * MiB, device=16 * MiB)  # 24 MiB left for 32 MiB of params
+    base = dict(placement=Placement("nvme", "host", "host"), group_size=N, buffers=6,
+                buffer_budget=4 * MiB, block_size=4 * MiB, queue_depth=32, host_budget=0,
+                device_budget=0)
+    m = _machine(read=5e8)
+    got = {d: score(SHAPE, Candidate(prefetch_depth=d, **base), budgets, m) for d in (0, 1, 4)}
+    assert got[0].exposed_io_s > got[1].exposed_io_s >= got[4].exposed_io_s
+
+
+def test_every_candidate_is_a_configuration_the_library_accepts(tmp_path):
+    budgets = Budgets(host=512 * MiB, device=64 * MiB)
+    cands = list(candidates(SHAPE, Space(), budgets, _machine().disk, DEFAULTS))
+    assert len(cands) == len(set(cands)) > 18
+    for c in cands:
+        keys = c.keys()
+        keys["store"].update(host_budget=64 * MiB, device_budget=64 * MiB)
+        keys["io"]["paths"] = [str(tmp_path)]
+        load_config(keys)
+
+
+def test_chunk_elems_matches_the_optimizer():
+    from offload.config import OptimConfig
+    from offload.optim import resolve_chunk_elems
+
+    for budget in (4 * MiB, 64 * MiB, 1024 * MiB):
+        for buffers in (2, 6):
+            assert chunk_elems(budget, buffers) == resolve_chunk_elems(
+                OptimConfig(buffers=buffers), budget)
+
+
+def test_calibration_scales_by_class_and_reorders():
+    budgets = Budgets(host=4096 * MiB, device=4096 * MiB)
+    ranked = search([SHAPE], Space(), budgets, _machine(), DEFAULTS)
+    first = ranked[0]
+    other = next(s for s in ranked if s.candidate.placement != first.candidate.placement)
+    factors = {calibration_key(first.candidate): 10.0, calibration_key(other.candidate): 0.5}
+    got = calibrate(ranked, factors)
+    moved = next(s for s in got if s.candidate == first.candidate)
+    assert moved.step_s == pytest.approx(10 * first.step_s) and moved.calibration == 10.0
+    assert got[0].candidate.placement == other.candidate.placement  # measured faster: first
+    for s in got:  # a class not measured takes its placement's ratio, else the median
+        p = s.candidate.placement
+        want = 10.0 if p == first.candidate.placement else \
+            0.5 if p == other.candidate.placement else 10.0
+        assert s.calibration == want
+    assert calibrate(ranked, {}) == ranked
