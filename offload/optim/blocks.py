@@ -14,7 +14,8 @@ So blocks go to `threads` worker threads instead (torch's intra-op thread
 count), each running its blocks' calls single-threaded (`torch.set_num_threads`
 is per thread) and claiming the next block from a shared counter when done.
 A thread that loses its core claims fewer blocks; nobody waits for it until
-the chunk's end. Each worker owns its kernel and fp32 scratch (a block of each
+the chunk's end. Workers start on the first update that has several blocks
+and end after `IDLE_EXIT_S` without work (or at `close`). Each worker owns its kernel and fp32 scratch (a block of each
 moment, plus one for encoding), so blocks need no locks. `block_elems`
 (`optim.block_elems`, capped so every thread's working set fits the L3 together)
 is a multiple of `codec.QBLOCK`, so compressed blocks never straddle two calls.
@@ -37,6 +38,7 @@ __all__ = ["BlockUpdater", "Run"]
 
 Run = tuple[int, int, "AdamHyper | None", int]  # first element, elements, hyper or None, step
 MAX_THREAD_BLOCK = 1 << 18  # elements per block and thread: ~6 MiB of arrays and scratch
+IDLE_EXIT_S = 5.0  # a worker idle this long ends (an optimizer never closed keeps no threads)
 
 
 class _Worker:
@@ -70,20 +72,16 @@ class BlockUpdater:
         self._closed = False
 
     # -- the pool ------------------------------------------------------------------
-    def _start(self) -> None:
-        for k in range(self.threads):
-            t = threading.Thread(target=self._loop, name=f"offload-adam-{k}", daemon=True)
-            t.start()
-            self._pool.append(t)
-
-    def _loop(self) -> None:
+    def _loop(self, seen: int) -> None:
         torch.set_num_threads(1)  # this thread's OpenMP team: itself
         w = None
-        seen = 0
         while True:
             with self._go:
                 while self._gen == seen and not self._closed:
-                    self._go.wait()
+                    if not self._go.wait(IDLE_EXIT_S) and self._gen == seen:
+                        # idle: end, with the scratch (a later update starts threads again)
+                        self._pool.remove(threading.current_thread())
+                        return
                 if self._closed:
                     return
                 seen, (_, job) = self._gen, self._job
@@ -99,9 +97,12 @@ class BlockUpdater:
 
     def _each(self, job: Callable[[_Worker], None]) -> None:
         """Runs `job(worker)` once on every worker thread and waits for all."""
-        if not self._pool:
-            self._start()
         with self._go:
+            while len(self._pool) < self.threads:  # (re)started: none, or some ended idle
+                t = threading.Thread(target=self._loop, args=(self._gen,), daemon=True,
+                                     name=f"offload-adam-{len(self._pool)}")
+                self._pool.append(t)
+                t.start()
             self._errors = []
             self._left = self.threads
             self._gen += 1
@@ -116,9 +117,9 @@ class BlockUpdater:
         with self._go:
             self._closed = True
             self._go.notify_all()
-        for t in self._pool:
+            pool, self._pool = self._pool, []
+        for t in pool:
             t.join()
-        self._pool = []
 
     # -- the update ----------------------------------------------------------------
     def update(self, runs: list[Run], base: int, master: torch.Tensor, grad: torch.Tensor,
