@@ -11,8 +11,10 @@ fp32 one when quiet and 0.16x beside a CPU-bound process, where every barrier
 waits for the thread the scheduler parked.
 
 So blocks go to `threads` worker threads instead (torch's intra-op thread
-count), each running its blocks' calls single-threaded (`torch.set_num_threads`
-is per thread) and claiming the next block from a shared counter when done.
+count), each running its blocks' calls single-threaded (its own OpenMP team
+set to one by `torch.set_num_threads(1)` in the thread; the process-wide
+count that call also sets is put back, see `_start`) and claiming the next
+block from a shared counter when done.
 A thread that loses its core claims fewer blocks; nobody waits for it until
 the chunk's end. Workers start on the first update that has several blocks
 and end after `IDLE_EXIT_S` without work (or at `close`). Each worker owns its kernel and fp32 scratch (a block of each
@@ -72,8 +74,9 @@ class BlockUpdater:
         self._closed = False
 
     # -- the pool ------------------------------------------------------------------
-    def _loop(self, seen: int) -> None:
+    def _loop(self, seen: int, ready: threading.Event) -> None:
         torch.set_num_threads(1)  # this thread's OpenMP team: itself
+        ready.set()
         w = None
         while True:
             with self._go:
@@ -98,11 +101,8 @@ class BlockUpdater:
     def _each(self, job: Callable[[_Worker], None]) -> None:
         """Runs `job(worker)` once on every worker thread and waits for all."""
         with self._go:
-            while len(self._pool) < self.threads:  # (re)started: none, or some ended idle
-                t = threading.Thread(target=self._loop, args=(self._gen,), daemon=True,
-                                     name=f"offload-adam-{len(self._pool)}")
-                self._pool.append(t)
-                t.start()
+            if len(self._pool) < self.threads:  # (re)started: none, or some ended idle
+                self._start()
             self._errors = []
             self._left = self.threads
             self._gen += 1
@@ -112,6 +112,22 @@ class BlockUpdater:
                 self._go.wait()
             if self._errors:
                 raise self._errors[0]
+
+    def _start(self) -> None:
+        """Starts the missing workers. torch.set_num_threads, which each calls for
+        itself, also sets the count that threads started later begin with, process
+        wide: the caller's count is put back once they have set theirs."""
+        mine = torch.get_num_threads()
+        ready = []
+        while len(self._pool) < self.threads:
+            ready.append(threading.Event())
+            t = threading.Thread(target=self._loop, args=(self._gen, ready[-1]), daemon=True,
+                                 name=f"offload-adam-{len(self._pool)}")
+            self._pool.append(t)
+            t.start()
+        for ev in ready:
+            ev.wait()
+        torch.set_num_threads(mine)
 
     def close(self) -> None:
         with self._go:

@@ -262,3 +262,23 @@ def test_block_workers_end_when_idle_and_start_again(monkeypatch):
         assert torch.equal(t, b.partition_state("x")[k]), k
     a.close()
     b.close()
+
+
+def test_block_workers_leave_the_thread_count_of_other_threads_alone():
+    """Workers run single-threaded; a thread started after them still gets the
+    process's torch thread count, and so does the caller."""
+    import threading
+
+    from offload.optim import blocks
+
+    before = torch.get_num_threads()
+    opt = CpuAdam(_cfg("bf16"))
+    opt.kernel = blocks.BlockUpdater("auto", 1024, threads=2)
+    opt.add_partition("x", torch.ones(8 * 1024))
+    opt.step(grads_for({"x": 8 * 1024}, seed=0))
+    seen = []
+    t = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+    t.start()
+    t.join()
+    assert torch.get_num_threads() == before and seen == [before]
+    opt.close()
