@@ -13,6 +13,7 @@ noisy) over the fp32 run's of the same seed and model: the target is within
 from __future__ import annotations
 
 import statistics
+import tempfile
 import time
 from typing import Callable
 
@@ -32,8 +33,6 @@ MODELS = {  # name: (model, symbols, length, batch, lr)
 
 def train_once(model: str, state_dtype: str, seed: int, steps: int) -> list[float]:
     """Losses of `steps` steps of `model` with moments in `state_dtype`."""
-    import offload
-
     cfg, symbols, length, batch, lr = MODELS[model]
     torch.manual_seed(seed)
     net = GPT(cfg)
@@ -43,6 +42,15 @@ def train_once(model: str, state_dtype: str, seed: int, steps: int) -> list[floa
                       "max_grad_norm": 1.0},
             "store": {"device": "cpu"}}
     task = ReversalTask(symbols, length, batch, seed=seed)
+    with tempfile.TemporaryDirectory(prefix="offload-convergence-") as swap_dir:
+        conf["io"] = {"paths": [swap_dir]}  # its own swap files, never the working directory's
+        losses = _train(net, conf, task, steps)
+    return losses
+
+
+def _train(net: GPT, conf: dict, task: ReversalTask, steps: int) -> list[float]:
+    import offload
+
     losses = []
     with offload.initialize(net, conf) as engine:
         for _ in range(steps):
