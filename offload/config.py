@@ -296,7 +296,7 @@ class OptimConfig:
                                "take when chunk_elems = 0")
     block_elems: int = _doc(1048576, "elements per update-kernel call; one block of the four "
                             "fp32 arrays stays in cache for the compute-dtype copy (with "
-                            "several threads, at most 262144 per thread)")
+                            "several threads, at most 524288 per thread)")
     state_dtype: Literal["fp32", "bf16", "int8"] = _doc(
         "fp32", "form of Adam's moments in every tier (host, NVMe, state_dict): fp32 (8 bytes "
         "per parameter), bf16 (4), int8 (about 2: 8-bit codes, one fp32 scale per 256); "

@@ -39,7 +39,7 @@ from .codec import QBLOCK, Moment, decode, encode
 __all__ = ["BlockUpdater", "Run"]
 
 Run = tuple[int, int, "AdamHyper | None", int]  # first element, elements, hyper or None, step
-MAX_THREAD_BLOCK = 1 << 18  # elements per block and thread: ~6 MiB of arrays and scratch
+MAX_THREAD_BLOCK = 1 << 19  # elements per block and thread: ~11 MiB of arrays and scratch
 IDLE_EXIT_S = 5.0  # a worker idle this long ends (an optimizer never closed keeps no threads)
 
 
