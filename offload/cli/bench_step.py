@@ -88,7 +88,6 @@ PLACEMENTS = ("none", "host", "nvme-opt", "nvme")
 DISK_PLACEMENTS = ("nvme-opt", "nvme")
 STATE_BYTES_PER_PARAM = 16  # fp32 weights, gradient, Adam's two moments
 BYTES_SOURCE = "/proc/self/io read_bytes/write_bytes of the worker process"
-MOMENT_BYTES = 8  # Adam's two fp32 moments per parameter
 
 
 def state_dtype_of(system: str) -> str:

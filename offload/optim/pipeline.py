@@ -3,7 +3,8 @@
 The step reads plainly, FlexGen style: `load(j+1); compute(j); store(j); ...`
 over the chunks of all NVMe partitions of the step, in order, crossing
 partition boundaries without a bubble. Each of `buffers` slots is one
-BufferPool buffer holding a chunk's `[master | exp_avg | exp_avg_sq]`
+BufferPool buffer holding a chunk's `[master | exp_avg | exp_avg_sq]` (the
+moments as `codec.Moment`s in the partition's state_dtype)
 ([Note: NVMe layout] in state.py); slots are allocated once, on first use,
 and kept until `close()`: nothing is allocated per chunk.
 
@@ -43,6 +44,7 @@ import torch
 
 from ..io import BufferPool, IoError, IoHandle, SwapExtent, SwapSpace
 from ..trace import NULL_RECORDER, TraceRecorder
+from .codec import Moment
 from .state import BYTES_PER_ELEM, PartitionState, Tier, chunk_views
 
 log = logging.getLogger(__name__)
@@ -50,7 +52,7 @@ log = logging.getLogger(__name__)
 __all__ = ["OptimStepError", "SwapPipeline"]
 
 Key = tuple[Hashable, int]  # (partition id, chunk index)
-ChunkFn = Callable[[PartitionState, int, int, int, torch.Tensor, torch.Tensor, torch.Tensor],
+ChunkFn = Callable[[PartitionState, int, int, int, torch.Tensor, Moment, Moment],
                    None]  # (partition, chunk, first element, elements, master, exp_avg, exp_avg_sq)
 
 
