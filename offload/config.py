@@ -295,7 +295,12 @@ class OptimConfig:
     buffer_share: float = _doc(0.5, "fraction of io.buffer_budget the pipeline's buffers may "
                                "take when chunk_elems = 0")
     block_elems: int = _doc(1048576, "elements per update-kernel call; one block of the four "
-                            "fp32 arrays stays in cache for the compute-dtype copy")
+                            "fp32 arrays stays in cache for the compute-dtype copy (with "
+                            "several threads, at most 524288 per thread)")
+    state_dtype: Literal["fp32", "bf16", "int8"] = _doc(
+        "fp32", "form of Adam's moments in every tier (host, NVMe, state_dict): fp32 (8 bytes "
+        "per parameter), bf16 (4), int8 (about 2: 8-bit codes, one fp32 scale per 256); "
+        "decoded and encoded inside the update's pass; the master stays fp32")
     param_groups: list[ParamGroupConfig] = _doc(
         [], "parameter groups, as torch.optim's: a list of tables {params = [names or "
         "patterns], lr, betas, eps, weight_decay}; e.g. [{params = ['*.bias', '*norm*'], "

@@ -10,6 +10,13 @@ written was just read): its bytes per second divided by the 28 bytes per
 element an fp32 Adam step moves (reads p, g, m, v; writes p, m, v). The bound
 takes the fastest round (the best the memory gave), the rows the median.
 
+Rows "offload+bf16" / "+fp16" write the compute-dtype parameter in the same
+pass (the engine's mixed-precision step); "bf16 moments" / "int8 moments" keep
+the moments compressed (`optim.state_dtype`), decoded and encoded in the pass.
+Where torchao or bitsandbytes import, their 8-bit AdamW runs as a peer.
+`--busy` runs every row a second time with a CPU-bound process beside it (one
+spinning process), as on a host shared with a data loader.
+
 `--nvme PATH` also runs the step with the state on NVMe under PATH and
 compares its time with max(bytes moved / disk bandwidth, in-memory update
 time), the disk bandwidth measured in the same run with the io engine.
@@ -22,6 +29,7 @@ import contextlib
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -32,6 +40,7 @@ import torch
 from ..config import IoConfig, OptimConfig, parse_bytes
 from ..io import BufferPool, make_engine, open_swap
 from ..optim import CpuAdam, fused_status
+from ..optim.state import state_bytes as optim_state_bytes
 from .args import (CommandParser, UsageError, byte_size, count, directory, integer, parse_count,
                    run_command)
 from .benchutil import emit, progress_printer
@@ -53,10 +62,15 @@ def _impls(n: int, args: argparse.Namespace, notes: list[str]) -> dict[str, Call
     p = torch.nn.Parameter(torch.randn(n))
     p.grad = g
     m, v = torch.zeros(n), torch.rand(n)
-    ours = CpuAdam(OptimConfig(lr=LR, betas=list(BETAS), eps=EPS, weight_decay=WD,
-                               block_elems=args.block_elems))
-    ours.add_partition("x", p.data, exp_avg=m, exp_avg_sq=v)
+    def cpu_adam(state_dtype: str = "fp32", **kw) -> CpuAdam:
+        opt = CpuAdam(OptimConfig(lr=LR, betas=list(BETAS), eps=EPS, weight_decay=WD,
+                                  block_elems=args.block_elems, state_dtype=state_dtype))
+        opt.add_partition("x", p.data, exp_avg=m, exp_avg_sq=v, **kw)
+        return opt
+    ours = cpu_adam()
+    small = {k: cpu_adam(k) for k in ("bf16", "int8")}  # moments encoded from m, v
     out = torch.empty(n, dtype=torch.bfloat16)
+    out16 = torch.empty(n, dtype=torch.float16)
     step_t = torch.tensor(0.0)
 
     def fused_direct() -> None:
@@ -70,8 +84,14 @@ def _impls(n: int, args: argparse.Namespace, notes: list[str]) -> dict[str, Call
         m.add_(v, alpha=1e-30)
         v.mul_(1.0)
 
-    impls = {"offload": lambda: ours.step({"x": g}),
-             "offload+bf16": lambda: ours.step({"x": g}, params_out={"x": out}),
+    # final=True: no copy of the previous state, as the engine's host-state step
+    impls = {"offload": lambda: ours.step({"x": g}, final=True),
+             "offload+bf16": lambda: ours.step({"x": g}, params_out={"x": out}, final=True),
+             "offload+fp16": lambda: ours.step({"x": g}, params_out={"x": out16}, final=True),
+             "offload bf16 moments": lambda: small["bf16"].step({"x": g}, final=True),
+             "offload int8 moments": lambda: small["int8"].step({"x": g}, final=True),
+             "offload int8 moments+bf16": lambda: small["int8"].step(
+                 {"x": g}, params_out={"x": out}, final=True),
              "torch AdamW fused": _torch_opt(p, m, v, fused=True),
              "torch AdamW foreach": _torch_opt(p, m, v, foreach=True),
              "torch._fused_adamw_": fused_direct,
@@ -89,7 +109,42 @@ def _impls(n: int, args: argparse.Namespace, notes: list[str]) -> dict[str, Call
         impls["DeepSpeedCPUAdam"] = ds.step
     except Exception as e:  # ImportError, or its C++ extension failing to build
         notes.append(f"DeepSpeedCPUAdam skipped: {type(e).__name__}: {e}")
+    impls.update(_peers_8bit(n, notes))
     return impls
+
+
+def _peers_8bit(n: int, notes: list[str]) -> dict[str, Callable]:
+    """torchao's and bitsandbytes' 8-bit AdamW on their own copy, where they import."""
+    out = {}
+    for name, load in (("torchao AdamW8bit", lambda: __import__("torchao.optim").optim.AdamW8bit),
+                       ("bitsandbytes AdamW8bit", lambda: __import__(
+                           "bitsandbytes").optim.AdamW8bit)):
+        try:
+            with contextlib.redirect_stdout(sys.stderr):
+                cls = load()
+                q = torch.nn.Parameter(torch.randn(n))
+                q.grad = torch.randn(n)
+                kw = {"min_8bit_size": 0} if name.startswith("bitsandbytes") else {}
+                opt = cls([q], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, **kw)
+                t = time.perf_counter()
+                opt.step()  # torchao compiles its kernel here
+                notes.append(f"{name}: first step {time.perf_counter() - t:.1f} s")
+            out[name] = opt.step
+        except Exception as e:  # not installed, or no CPU kernel
+            notes.append(f"{name} skipped: {type(e).__name__}: {str(e)[:120]}")
+    return out
+
+
+@contextlib.contextmanager
+def _busy_process():
+    """One CPU-bound process beside the benchmark while the block runs."""
+    proc = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.2)
+        yield
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def _interleaved(impls: dict[str, Callable], rounds: int, progress) -> dict[str, list[float]]:
@@ -178,12 +233,12 @@ def _nvme(path: str, n: int, args: argparse.Namespace, t_mem: float, progress) -
     try:
         cfg = OptimConfig(lr=LR, betas=list(BETAS), eps=EPS, weight_decay=WD,
                           chunk_elems=args.chunk_elems, buffers=args.buffers,
-                          block_elems=args.block_elems)
+                          block_elems=args.block_elems, state_dtype=args.state_dtype)
         opt = CpuAdam(cfg, swap=swap, pool=pool)
         g = torch.randn(n)
         opt.add_partition("x", torch.randn(n), tier="nvme")
         opt.step({"x": g})  # warm-up: maps and faults in the pipeline's buffers
-        state_bytes = 12 * n
+        state_bytes = optim_state_bytes(n, 3, args.state_dtype)
         free = io_cfg.buffer_budget - pool.stats().held_bytes - 8192
         disk = _Disk(engine, work, min(state_bytes, free // 2), pool)
         steps, writes, reads, mixed = [], [], [], []
@@ -201,6 +256,7 @@ def _nvme(path: str, n: int, args: argparse.Namespace, t_mem: float, progress) -
         wbw, rbw, mbw, step = (statistics.median(x) for x in (writes, reads, mixed, steps))
         return {"path": os.path.abspath(path), "engine": engine.name,
                 "chunk_elems": opt.chunk_elems, "buffers": cfg.buffers,
+                "state_dtype": args.state_dtype,
                 **_nvme_bounds(state_bytes, t_mem, step, wbw, rbw, mbw)}
     finally:
         if disk is not None:
@@ -211,15 +267,9 @@ def _nvme(path: str, n: int, args: argparse.Namespace, t_mem: float, progress) -
         shutil.rmtree(work, ignore_errors=True)
 
 
-def run_adam_bench(args: argparse.Namespace, progress=None) -> dict:
-    """Runs the benchmark; returns the JSON-ready result."""
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    n = parse_count(str(args.elements))
-    if n is None or n < 1 or args.rounds < 1:
-        raise UsageError("--elements and --rounds must be positive; give e.g. --elements 20M")
-    notes: list[str] = []
-    times = _interleaved(_impls(n, args, notes), args.rounds, progress)
+def _rows(times: dict[str, list[float]], n: int) -> tuple[list[dict], float]:
+    """(one row per implementation: medians, rate, fraction of the bound and of the
+    fp32 "offload" row; the streaming kernel's GB/s)."""
     med = {k: statistics.median(t) for k, t in times.items()}
     med["bound"] = min(times["bound"])  # a bound: the best the memory gave, not the typical
     bound = STREAM_BYTES * n / med["bound"] / ADAM_BYTES / 1e9
@@ -229,14 +279,33 @@ def run_adam_bench(args: argparse.Namespace, progress=None) -> dict:
             continue
         rate = n / s / 1e9
         results.append({"impl": name, "Gelem_per_s": rate, "seconds": s,
-                        "fraction_of_bound": rate / bound})
+                        "fraction_of_bound": rate / bound, "vs_fp32": med["offload"] / s})
     results.append({"impl": "memory-bandwidth bound", "Gelem_per_s": bound,
                     "seconds": ADAM_BYTES * n / (STREAM_BYTES * n / med["bound"]),
-                    "fraction_of_bound": 1.0})
+                    "fraction_of_bound": 1.0, "vs_fp32": med["offload"] / (
+                        ADAM_BYTES * n / (STREAM_BYTES * n / med["bound"]))})
+    return results, STREAM_BYTES * n / med["bound"] / 1e9
+
+
+def run_adam_bench(args: argparse.Namespace, progress=None) -> dict:
+    """Runs the benchmark; returns the JSON-ready result."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    n = parse_count(str(args.elements))
+    if n is None or n < 1 or args.rounds < 1:
+        raise UsageError("--elements and --rounds must be positive; give e.g. --elements 20M")
+    notes: list[str] = []
+    impls = _impls(n, args, notes)
+    times = _interleaved(impls, args.rounds, progress)
+    results, stream = _rows(times, n)
     out = {"benchmark": "adam", "elements": n, "rounds": args.rounds,
            "threads": torch.get_num_threads(), "torch": torch.__version__,
-           "stream_GBps": STREAM_BYTES * n / med["bound"] / 1e9, "adam_bytes_per_elem": ADAM_BYTES,
+           "stream_GBps": stream, "adam_bytes_per_elem": ADAM_BYTES,
            "results": results, "notes": notes}
+    if args.busy:
+        with _busy_process():
+            out["busy_results"] = _rows(_interleaved(impls, args.rounds, progress), n)[0]
+    med = {k: statistics.median(t) for k, t in times.items()}
     if args.nvme:
         out["nvme"] = _nvme(args.nvme, n, args, med["offload"], progress)
     return out
@@ -250,18 +319,26 @@ def render(result: dict) -> None:
     con = Console()
     t = Table(title=f"offload bench adam: {result['elements'] / 1e6:.0f}M fp32 elements, "
                     f"{result['threads']} threads, median of {result['rounds']} interleaved rounds")
-    for col in ("implementation", "Gelem/s", "ms/step", "x bound"):
+    busy = {r["impl"]: r for r in result.get("busy_results", [])}
+    cols = ["implementation", "Gelem/s", "ms/step", "x bound", "x offload fp32"]
+    if busy:
+        cols += ["busy Gelem/s", "busy x offload fp32"]
+    for col in cols:
         t.add_column(col, justify="left" if col == "implementation" else "right")
     for r in result["results"]:
-        t.add_row(r["impl"], f"{r['Gelem_per_s']:.3f}", f"{r['seconds'] * 1e3:.1f}",
-                  f"{r['fraction_of_bound']:.2f}")
+        row = [r["impl"], f"{r['Gelem_per_s']:.3f}", f"{r['seconds'] * 1e3:.1f}",
+               f"{r['fraction_of_bound']:.2f}", f"{r['vs_fp32']:.2f}"]
+        if busy:
+            b = busy[r["impl"]]
+            row += [f"{b['Gelem_per_s']:.3f}", f"{b['vs_fp32']:.2f}"]
+        t.add_row(*row)
     con.print(t)
     con.print(f"streaming kernel: {result['stream_GBps']:.1f} GB/s; Adam moves "
               f"{result['adam_bytes_per_elem']} B/element")
     nv = result.get("nvme")
     if nv:
-        con.print(f"NVMe ({nv['engine']}, chunk {nv['chunk_elems']} elements x {nv['buffers']} "
-                  f"buffers): step {nv['step_s']:.3f} s; disk write {nv['disk_write_GBps']:.2f} "
+        con.print(f"NVMe ({nv['engine']}, {nv['state_dtype']} moments, chunk "
+                  f"{nv['chunk_elems']} elements x {nv['buffers']} buffers): step {nv['step_s']:.3f} s; disk write {nv['disk_write_GBps']:.2f} "
                   f"GB/s, read {nv['disk_read_GBps']:.2f} GB/s -> I/O bound {nv['io_bound_s']:.3f}"
                   f" s; in-memory update {nv['memory_update_s']:.3f} s; step / max(I/O, "
                   f"memory) = {nv['step_over_bound']:.2f}. Reads and writes issued together ran "
@@ -291,12 +368,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-elems", type=integer(1024, example=1048576),
                    default=OptimConfig().block_elems,
                    help="elements per update-kernel call, at least 1024")
+    p.add_argument("--state-dtype", choices=("fp32", "bf16", "int8"), default="fp32",
+                   help="form of the moments in the --nvme run (optim.state_dtype)")
+    p.add_argument("--busy", action="store_true", help="run every row again with a "
+                   "CPU-bound process beside it")
     p.add_argument("--threads", type=integer(0, example=4), default=0,
                    help="torch threads (default: torch's)")
+    p.add_argument("--convergence", action="store_true", help="instead: train the demo's task "
+                   "with each moment form and compare final losses with fp32's "
+                   "(see bench_convergence.py)")
+    p.add_argument("--steps", type=integer(21, example=300), default=300,
+                   help="--convergence: steps per run (default 300)")
+    p.add_argument("--seeds", type=integer(1, example=3), default=3,
+                   help="--convergence: seeds per model and form (default 3)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.convergence:
+        from . import bench_convergence as conv
+
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        return emit(conv.run_convergence(args.steps, args.seeds, ("bf16", "int8"),
+                                         progress_printer(args.json)), args.json, conv.render)
     return emit(run_adam_bench(args, progress_printer(args.json)), args.json, render)
 
 

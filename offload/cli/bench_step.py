@@ -11,6 +11,13 @@ ones. Rounds interleave the systems (A B A B) so drift of the machine and the
 disk hits both alike; rows report the median over rounds of each run's median
 step.
 
+Systems "offload-bf16" and "offload-int8" are offload with its Adam moments
+kept as bf16 or 8-bit codes (`optim.state_dtype`); their forced bytes count
+the moments at that size (4 and ~2.03 bytes per parameter), and the targets
+compare their nvme row with offload's fp32 one of the same rounds. Each
+offload system's nvme row reports its practicality: the no-offload step
+(offload's fastest none step) over its own nvme step.
+
 Placements (offload keys; DeepSpeed's equivalent in brackets):
   none      params and grads on the device tier, optimizer state on the host,
             budgets large enough for everything [ZeRO-3, no offload];
@@ -72,20 +79,20 @@ from pathlib import Path
 from ..config import IoConfig, OptimConfig, parse_bytes
 from .args import (CommandParser, UsageError, byte_size, choice_list, directory, integer, number,
                    run_command)
+from .bench_step_targets import SYSTEMS, practicality, targets
 from .benchutil import (DiskProbe, emit, proc_io, progress_printer, reset_hwm, scratch_dir,
                         vm_hwm)
 
 GiB = 1 << 30
-SYSTEMS = ("offload", "deepspeed")
 PLACEMENTS = ("none", "host", "nvme-opt", "nvme")
 DISK_PLACEMENTS = ("nvme-opt", "nvme")
 STATE_BYTES_PER_PARAM = 16  # fp32 weights, gradient, Adam's two moments
 BYTES_SOURCE = "/proc/self/io read_bytes/write_bytes of the worker process"
-# Targets on the nvme placement (parameters streaming).
-TARGET_VS_DEEPSPEED = 0.35
-TARGET_VS_BOUND = 1.10
-TARGET_RSS_SLACK = 0.5 * GiB
-MOMENT_BYTES = 8  # Adam's two fp32 moments per parameter
+
+
+def state_dtype_of(system: str) -> str:
+    """optim.state_dtype of an offload system ("offload-int8" -> "int8")."""
+    return system.split("-", 1)[1] if system.startswith("offload-") else "fp32"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -130,7 +137,8 @@ def offload_config(spec: RunSpec) -> dict:
             "store": {**store, "device": spec.device},
             "io": {"paths": [spec.swap_dir], "buffer_budget": spec.buffer_budget,
                    "block_size": spec.block_size, "queue_depth": spec.queue_depth},
-            "optim": {"lr": 1e-3, "weight_decay": 0.01}}
+            "optim": {"lr": 1e-3, "weight_decay": 0.01,
+                      "state_dtype": state_dtype_of(spec.system)}}
 
 
 def deepspeed_config(spec: RunSpec) -> dict:
@@ -244,7 +252,7 @@ def run_worker(spec: RunSpec) -> dict:
     if spec.threads:
         torch.set_num_threads(spec.threads)
     t0 = time.perf_counter()
-    run = _OffloadRun(spec) if spec.system == "offload" else _DeepSpeedRun(spec)
+    run = _OffloadRun(spec) if spec.system.startswith("offload") else _DeepSpeedRun(spec)
     init_s = time.perf_counter() - t0
     g = torch.Generator().manual_seed(spec.seed)
     x = torch.randn(spec.batch, spec.dim, generator=g).to(spec.device)
@@ -355,17 +363,20 @@ def _row(runs: _Runs) -> dict:
     return row
 
 
-def forced_bytes(placement: str, dim: int, layers: int, memory: int) -> tuple[int, int]:
+def forced_bytes(placement: str, dim: int, layers: int, memory: int,
+                 state_dtype: str = "fp32") -> tuple[int, int]:
     """(R, W): the fewest bytes any system must read and write per step for this
     placement, with `memory` bytes of memory budgets for parameters (see the module
-    docstring). A true lower bound: every figure in it is forced."""
+    docstring), the moments in `state_dtype`'s form. A true lower bound: every
+    figure in it is forced."""
     if placement not in DISK_PLACEMENTS:
         return 0, 0
+    from ..optim.codec import moment_bytes
     from ..planner import RecordSpec, Use, make_plan
     from ..store import footprint
 
     params = layers * dim * (dim + 1)
-    moments = MOMENT_BYTES * params
+    moments = moment_bytes(state_dtype, params)
     if placement == "nvme-opt":
         return moments, moments
     size = footprint(dim * (dim + 1) * 4)  # one layer's fp32 parameters
@@ -386,8 +397,8 @@ def _memory_budget(base: dict) -> int:
     return base["host_budget"] + (base["device_budget"] if base["device"] == "cpu" else 0)
 
 
-def _add_bounds(rows: list[dict], disk: dict | None, forced: dict[str, tuple[int, int]]
-                ) -> float | None:
+def _add_bounds(rows: list[dict], disk: dict | None,
+                forced: dict[tuple[str, str], tuple[int, int]]) -> float | None:
     """Adds `bound_s` and `step_over_bound` to every offloading row: max(fastest none
     step, forced reads / read rate, forced writes / write rate), the rates from the
     probes taken right before the row's own runs, else `disk`; and `mixed_s`, the
@@ -399,7 +410,7 @@ def _add_bounds(rows: list[dict], disk: dict | None, forced: dict[str, tuple[int
     for r in rows:
         if r["placement"] == "none" or r["median_step_s"] is None:
             continue
-        fr, fw = forced.get(r["placement"], (0, 0))
+        fr, fw = forced.get((state_dtype_of(r["system"]), r["placement"]), (0, 0))
         r["forced_read_bytes"], r["forced_write_bytes"] = fr, fw
         d = r.get("disk") or disk  # the probes taken right before its own runs
         terms = {"compute": t_none}
@@ -414,30 +425,6 @@ def _add_bounds(rows: list[dict], disk: dict | None, forced: dict[str, tuple[int
             r["bound_s"] = max(terms.values())
             r["step_over_bound"] = r["median_step_s"] / r["bound_s"]
     return t_none
-
-
-def _targets(rows: list[dict], base: dict) -> list[dict]:
-    """The targets on the nvme placement (parameters streaming), for those whose rows
-    ran."""
-    get = {(r["system"], r["placement"]): r for r in rows}
-    off, ds = get.get(("offload", "nvme")), get.get(("deepspeed", "nvme"))
-    if off is None or off["median_step_s"] is None:
-        return []
-    out = []
-    if ds is not None and ds["median_step_s"] is not None:
-        v = off["median_step_s"] / ds["median_step_s"]
-        out.append({"target": f"offload nvme step <= {TARGET_VS_DEEPSPEED}x DeepSpeed's",
-                    "value": v, "limit": TARGET_VS_DEEPSPEED, "met": v <= TARGET_VS_DEEPSPEED})
-    if "step_over_bound" in off:
-        v = off["step_over_bound"]
-        out.append({"target": f"offload nvme step <= {TARGET_VS_BOUND}x the lower bound",
-                    "value": v, "limit": TARGET_VS_BOUND, "met": v <= TARGET_VS_BOUND})
-    limit = (_memory_budget(base) + base["buffer_budget"] + TARGET_RSS_SLACK) / GiB
-    out.append({"target": "offload nvme peak RSS <= the memory budgets in use (host, device "
-                "on a CPU, I/O buffers) + 0.5 GiB (GiB)",
-                "value": off["peak_rss_GiB"], "limit": limit,
-                "met": off["peak_rss_GiB"] <= limit})
-    return out
 
 
 def _choices(value: str | tuple[str, ...], allowed: tuple[str, ...],
@@ -576,9 +563,11 @@ def run_step_bench(args: argparse.Namespace, path: str, progress=None) -> dict:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     rows = [_row(one) for one in runs.values()]
-    forced = {p: forced_bytes(p, args.dim, args.layers, _memory_budget(base))
-              for p in placements}
+    forced = {(state_dtype_of(s), p): forced_bytes(p, args.dim, args.layers,
+                                                   _memory_budget(base), state_dtype_of(s))
+              for p in placements for s in systems}
     t_none = _add_bounds(rows, disk, forced)
+    practicality(rows)
     notes = []
     if t_none is None and any(r.get("bound_s") for r in rows):
         notes.append("no none-placement step ran: the bound has no compute term")
@@ -595,8 +584,9 @@ def run_step_bench(args: argparse.Namespace, path: str, progress=None) -> dict:
             "io": {"block_size": base["block_size"], "queue_depth": base["queue_depth"]},
             "disk": disk, "huge_pages": _huge_pages(), "none_step_s": t_none,
             "bytes_source": BYTES_SOURCE,
-            "forced_bytes": {p: {"read": r, "write": w} for p, (r, w) in forced.items()},
-            "results": rows, "targets": _targets(rows, base), "notes": notes}
+            "forced_bytes": {p: {"read": r, "write": w}
+                             for (sd, p), (r, w) in forced.items() if sd == "fp32"},
+            "results": rows, "targets": targets(rows, _memory_budget(base) + base["buffer_budget"]), "notes": notes}
 
 
 def _huge_pages() -> dict:
@@ -696,6 +686,9 @@ def render(result: dict) -> None:
                       f"{r['forced_read_bytes'] / 1e6:.0f}/{r['forced_write_bytes'] / 1e6:.0f} "
                       f"MB r/w, its own {r['read_bytes_per_step'] / 1e6:.0f}/"
                       f"{r['write_bytes_per_step'] / 1e6:.0f} MB")
+            if r.get("practicality") is not None:
+                con.print(f"{r['system']} {r['placement']}: practicality (no-offload step / "
+                          f"this step) {r['practicality']:.2f}")
             if r.get("mixed_s") is not None:
                 con.print(f"{r['system']} {r['placement']}: forced bytes at the probed mixed "
                           f"rate {r['mixed_s']:.3f} s (step / that = "

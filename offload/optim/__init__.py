@@ -10,10 +10,10 @@ commit after the writes) and pipeline.py (slot reuse).
 from .adam import AdamHyper, AdamKernel, GradScaling, fused_status, grad_sq_sum, resolve_scaling
 from .optimizer import CpuAdam, StepResult, resolve_chunk_elems
 from .pipeline import OptimStepError, SwapPipeline
-from .state import ChunkLayout, PartitionState, Tier
+from .state import ChunkLayout, PartitionState, Tier, state_bytes
 
 __all__ = [
     "AdamHyper", "AdamKernel", "ChunkLayout", "CpuAdam", "GradScaling", "OptimStepError",
     "PartitionState", "StepResult", "SwapPipeline", "Tier", "fused_status", "grad_sq_sum",
-    "resolve_chunk_elems", "resolve_scaling",
+    "resolve_chunk_elems", "resolve_scaling", "state_bytes",
 ]

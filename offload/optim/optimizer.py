@@ -72,22 +72,24 @@ import torch
 from ..config import OffloadConfig, OptimConfig
 from ..io import BufferPool, SwapSpace, make_engine, open_swap
 from ..trace import NULL_RECORDER, TraceRecorder
-from .adam import AdamHyper, AdamKernel, resolve_scaling
+from .adam import AdamHyper, resolve_scaling
+from .blocks import BlockUpdater
+from .codec import Moment, clone_moment, copy_moment, encode, new_moment
 from .pipeline import OptimStepError, SwapPipeline
-from .state import BYTES_PER_ELEM, ChunkLayout, PartitionState, Segment, Tier
+from .snapshot import _OUT_DTYPES, StateAccess, flat_tensor
+from .state import ChunkLayout, PartitionState, Segment, Tier, state_bytes
 
 log = logging.getLogger(__name__)
 
 __all__ = ["CpuAdam", "StepResult", "resolve_chunk_elems"]
 
-_HYPER_KEYS = ("lr", "betas", "eps", "weight_decay")
-_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_AUTO_CHUNK = 1 << 23  # elements: 96 MiB per buffer; larger only lengthens fill and drain
 
 
 def resolve_chunk_elems(cfg: OptimConfig, budget_bytes: int | None) -> int:
     """Elements per NVMe chunk: `cfg.chunk_elems`, or (when 0) the largest power of two
-    such that `cfg.buffers` chunk buffers (12 bytes/element) take at most
+    such that `cfg.buffers` chunk buffers (12 bytes/element with fp32 moments, see
+    `state_bytes`) take at most
     `cfg.buffer_share` of `budget_bytes`, within [4096, 2**23] elements.
 
     Raises ValueError when an explicit size cannot fit the budget.
@@ -95,13 +97,14 @@ def resolve_chunk_elems(cfg: OptimConfig, budget_bytes: int | None) -> int:
     if budget_bytes is None:
         return cfg.chunk_elems or MAX_AUTO_CHUNK
     if cfg.chunk_elems:
-        need = cfg.buffers * BYTES_PER_ELEM * cfg.chunk_elems
+        need = cfg.buffers * state_bytes(cfg.chunk_elems, 3, cfg.state_dtype)
         if need > budget_bytes:
             raise ValueError(f"optim.chunk_elems={cfg.chunk_elems} x optim.buffers={cfg.buffers} "
                              f"needs {need} bytes of buffers, the pool holds {budget_bytes}; "
                              "lower them or raise io.buffer_budget")
         return cfg.chunk_elems
-    per = int(budget_bytes * cfg.buffer_share) // (cfg.buffers * BYTES_PER_ELEM)
+    per_elem = state_bytes(1 << 20, 3, cfg.state_dtype) / (1 << 20)
+    per = int(budget_bytes * cfg.buffer_share / (cfg.buffers * per_elem))
     if per < 4096:
         raise ValueError(f"io.buffer_budget={budget_bytes} bytes x optim.buffer_share="
                          f"{cfg.buffer_share} leaves under 4096 elements per chunk for "
@@ -136,18 +139,7 @@ class StepResult:
     bytes_written: int = 0
 
 
-def _flat(t: torch.Tensor, what: str, numel: int, dtypes: tuple[torch.dtype, ...]) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{what}: expected a torch.Tensor, got {type(t).__name__}")
-    if t.device.type != "cpu" or t.dtype not in dtypes or not t.is_contiguous():
-        raise ValueError(f"{what}: a contiguous CPU tensor of {'/'.join(map(str, dtypes))} is "
-                         f"needed, got {t.dtype} on {t.device} (contiguous={t.is_contiguous()})")
-    if t.numel() != numel:
-        raise ValueError(f"{what}: {t.numel()} elements, the partition has {numel}")
-    return t.view(-1)
-
-
-class CpuAdam:
+class CpuAdam(StateAccess):
     """Adam or AdamW (`config.name`) over flat fp32 partitions; see the module notes.
 
     Args:
@@ -178,19 +170,21 @@ class CpuAdam:
                 raise ValueError(f"param_groups[{k}]: unknown keys {sorted(unknown)}; known: "
                                  f"{sorted(defaults)} (partitions join with add_partition)")
             self.param_groups.append({**defaults, **g, "params": []})
-        self.kernel = AdamKernel(cfg.kernel, cfg.block_elems)
+        self.state_dtype = cfg.state_dtype
+        self.kernel = BlockUpdater(cfg.kernel, cfg.block_elems)
         if (swap is None) != (pool is None):
             raise ValueError("pass both swap and pool (NVMe state) or neither (host state only)")
         self.swap = swap
         self.chunk_elems = resolve_chunk_elems(cfg, pool.budget if pool is not None else None)
         self._pipeline = None if swap is None else SwapPipeline(
-            swap, pool, chunk_elems=self.chunk_elems, buffers=cfg.buffers, recorder=recorder)
+            swap, pool, chunk_elems=self.chunk_elems, buffers=cfg.buffers, recorder=recorder,
+            slot_bytes=state_bytes(self.chunk_elems, 3, self.state_dtype))
         self.recorder = recorder
         self._parts: dict[Hashable, PartitionState] = {}
         self._round: set[Hashable] = set()  # updated in the open round ([Note: rounds])
         self._final: set[Hashable] = set()  # of those, updated with final=True
         # host partitions updated in the round: (step, copies of their state) before it
-        self._backups: dict[Hashable, tuple[int, tuple[torch.Tensor | None, ...]]] = {}
+        self._backups: dict[Hashable, tuple[int, tuple]] = {}
         self._seg_backups: dict[Hashable, list[int]] = {}  # seg_steps before the round
         self.steps = 0  # committed rounds: the schedule's step ([Note: learning-rate schedule])
         self._lock = threading.RLock()
@@ -245,8 +239,10 @@ class CpuAdam:
         checkpoint's count on resume), with zero moments unless given.
 
         `master` (and the moments): fp32, contiguous CPU, one element per
-        partition element. tier="host": kept (not copied) and updated in place.
-        tier="nvme": written to fresh swap extents chunk by chunk; not kept.
+        partition element; the moments are stored in `optim.state_dtype`'s form
+        (a copy where that is not fp32). tier="host": the master and fp32 moments
+        are kept (not copied) and updated in place. tier="nvme": written to fresh
+        swap extents chunk by chunk; not kept.
 
         master_is_param: the caller's fp32 parameter partition is the master
         (fp32 training keeps no second copy). It is passed to every update as
@@ -268,17 +264,19 @@ class CpuAdam:
             if not isinstance(master, torch.Tensor):
                 raise TypeError(f"partition {pid!r}: master must be a torch.Tensor, got "
                                 f"{type(master).__name__}")
-            master = _flat(master, f"partition {pid!r} master", master.numel(), (torch.float32,))
+            master = flat_tensor(master, f"partition {pid!r} master", master.numel(), (torch.float32,))
             if master.numel() == 0:
                 raise ValueError(f"partition {pid!r} is empty")
             segs = self._checked_segments(pid, master.numel(), segments, group)
-            layout = ChunkLayout(master.numel(), self.chunk_elems, 2 if master_is_param else 3)
-            moments = [None if t is None else _flat(t, f"partition {pid!r} {k}", master.numel(),
+            layout = ChunkLayout(master.numel(), self.chunk_elems, 2 if master_is_param else 3,
+                                 self.state_dtype)
+            moments = [None if t is None else flat_tensor(t, f"partition {pid!r} {k}", master.numel(),
                                                     (torch.float32,))
                        for k, t in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq))]
             kept = None if master_is_param else master
             if tier is Tier.HOST:
-                a, s = (torch.zeros_like(master) if t is None else t for t in moments)
+                a, s = (self._host_moment(k, t, master.numel())
+                        for k, t in zip(("exp_avg", "exp_avg_sq"), moments))
                 part = PartitionState(pid, master.numel(), group, tier, layout, step=step,
                                       host=(kept, a, s), segments=segs)
             else:
@@ -312,6 +310,18 @@ class CpuAdam:
                              f"has {numel}")
         return segs
 
+    def _host_moment(self, kind: str, t: torch.Tensor | Moment | None, n: int) -> Moment:
+        """A host moment in this optimizer's form: an fp32 tensor kept as is (fp32
+        state) or encoded into a new one; a `Moment` of that form copied; None: zeros."""
+        if isinstance(t, torch.Tensor) and self.state_dtype == "fp32":
+            return Moment(t, None, kind)
+        m = new_moment(self.state_dtype, kind, n)
+        if isinstance(t, Moment):
+            copy_moment(m, t)
+        elif t is not None:
+            encode(t, m, torch.empty(n, dtype=torch.float32))
+        return m
+
     def has_master(self, pid: Hashable) -> bool:
         """False where the partition's master is the caller's parameter partition."""
         return not self.partition(pid).master_is_param
@@ -325,17 +335,26 @@ class CpuAdam:
     def _write_new(self, part: PartitionState, master: torch.Tensor | None,
                    exp_avg: torch.Tensor | None, exp_avg_sq: torch.Tensor | None) -> list:
         """Writes a whole NVMe state to fresh extents; kinds given as None are zeros,
-        or kept from the current extents when the partition has some."""
+        or kept from the current extents when the partition has some. Moments: fp32
+        tensors (encoded chunk by chunk) or `Moment`s of this optimizer's form."""
         keep = part.extents is not None
+        tmp = torch.empty(min(part.numel, self.chunk_elems), dtype=torch.float32)
 
         def fill(_p, _i, lo, n, m_buf, a_buf, s_buf) -> None:
-            for src, dst in ((master, m_buf), (exp_avg, a_buf), (exp_avg_sq, s_buf)):
-                if dst is None:  # no master kept
-                    continue
-                if src is not None:
-                    dst.copy_(src[lo:lo + n])
+            if m_buf is not None:  # else no master kept
+                if master is not None:
+                    m_buf.copy_(master[lo:lo + n])
                 elif not keep:
-                    dst.zero_()
+                    m_buf.zero_()
+            for src, dst in ((exp_avg, a_buf), (exp_avg_sq, s_buf)):
+                if isinstance(src, Moment):
+                    copy_moment(dst, src[lo:lo + n])
+                elif src is not None:
+                    encode(src[lo:lo + n], dst, tmp[:n])
+                elif not keep:
+                    dst.data.zero_()
+                    if dst.scale is not None:
+                        dst.scale.zero_()
         return self._need_pipeline(part.pid).write_state(part, fill, keep_old=keep)
 
     # -- step ------------------------------------------------------------------
@@ -433,11 +452,12 @@ class CpuAdam:
             undone = [p for p in self._parts if p in self._round and p not in self._final]
             if self._pipeline is not None:
                 self._pipeline.rollback()
-            for pid, (step, saved) in self._backups.items():
+            for pid, (step, (m0, a0, s0)) in self._backups.items():
                 part = self._parts[pid]
-                for dst, src in zip(part.host, saved):
-                    if src is not None:
-                        dst.copy_(src)
+                if m0 is not None:
+                    part.host[0].copy_(m0)
+                copy_moment(part.host[1], a0)
+                copy_moment(part.host[2], s0)
                 part.step = step
             for pid, seg_steps in self._seg_backups.items():
                 self._parts[pid].seg_steps = seg_steps
@@ -535,11 +555,11 @@ class CpuAdam:
         if again:
             raise ValueError(f"partition(s) {again[:8]} were already updated in this step")
         parts = [self._parts[p] for p in self._parts if p in grads]
-        g = {p.pid: _flat(grads[p.pid], f"grad of {p.pid!r}", p.numel, (torch.float32,))
+        g = {p.pid: flat_tensor(grads[p.pid], f"grad of {p.pid!r}", p.numel, (torch.float32,))
              for p in parts}
-        out = {pid: _flat(t, f"params_out of {pid!r}", self._parts[pid].numel, _OUT_DTYPES)
+        out = {pid: flat_tensor(t, f"params_out of {pid!r}", self._parts[pid].numel, _OUT_DTYPES)
                for pid, t in params_out.items() if pid in grads}
-        mins = {pid: _flat(t, f"masters of {pid!r}", self._parts[pid].numel, (torch.float32,))
+        mins = {pid: flat_tensor(t, f"masters of {pid!r}", self._parts[pid].numel, (torch.float32,))
                 for pid, t in masters.items() if pid in grads}
         for p in parts:
             if p.master_is_param and (p.pid not in out or out[p.pid].dtype != torch.float32):
@@ -577,23 +597,12 @@ class CpuAdam:
                              part.seg_steps[i], key])
         return [(lo, n, h, st) for lo, n, h, st, _ in runs]
 
-    def _apply(self, runs: list, base: int, m: torch.Tensor, g: torch.Tensor, a: torch.Tensor,
-               s: torch.Tensor, o: torch.Tensor | None, grad_scale: float) -> None:
+    def _apply(self, runs: list, base: int, m: torch.Tensor, g: torch.Tensor, a: Moment,
+               s: Moment, o: torch.Tensor | None, grad_scale: float) -> None:
         """The update of elements [base, base + m.numel()) (`m`, `a`, `s`, `o` are their
-        views; `g` the whole partition's gradient) by `runs` (see `_runs`)."""
-        end = base + m.numel()
-        for lo, n, hyper, step in runs:
-            i, j = max(lo, base), min(lo + n, end)
-            if i >= j:
-                continue
-            mi = m[i - base:j - base]
-            oi = None if o is None else o[i - base:j - base]
-            if hyper is None:  # no gradient: left as it is, as torch leaves it
-                if oi is not None:
-                    oi.copy_(mi)
-                continue
-            self.kernel.update(mi, g[i:j], a[i - base:j - base], s[i - base:j - base],
-                               step=step + 1, hyper=hyper, grad_scale=grad_scale, param_out=oi)
+        views; `g` the whole partition's gradient) by `runs` (see `_runs`), one cache
+        block at a time ([Note: blocks on worker threads] in blocks.py)."""
+        self.kernel.update(runs, base, m, g, a, s, o, grad_scale)
 
     def _count_segments(self, part: PartitionState, runs: list, final: bool) -> None:
         """Advances the update count of each segment that had a gradient."""
@@ -621,8 +630,9 @@ class CpuAdam:
             if final:
                 self._final.add(p.pid)
             else:
-                self._backups[p.pid] = (p.step, tuple(None if t is None else t.clone()
-                                                      for t in p.host))
+                m0, a0, s0 = p.host
+                self._backups[p.pid] = (p.step, (None if m0 is None else m0.clone(),
+                                                 clone_moment(a0), clone_moment(s0)))
             self._round.add(p.pid)
             m, a, s = p.host
             m, o = _master_and_out(m, out.get(p.pid))
@@ -653,179 +663,7 @@ class CpuAdam:
             self._count_segments(p, runs[p.pid], final=False)
         return done
 
-    # -- reading and checkpoints -----------------------------------------------
-    def _committed_host(self, part: PartitionState) -> tuple[int, tuple]:
-        """(step, (master, exp_avg, exp_avg_sq)) of a host partition's committed version."""
-        return self._backups.get(part.pid, (part.step, part.host))
-
-    def read_master(self, pid: Hashable, out: torch.Tensor) -> torch.Tensor:
-        """Copies partition `pid`'s committed fp32 master into `out` (any float dtype,
-        same numel, rounded to nearest even); e.g. to rebuild a compute-dtype copy.
-        Returns `out`."""
-        with self._lock:
-            part = self.partition(pid)
-            if part.master_is_param:
-                raise ValueError(f"partition {pid!r} keeps no master: it is the caller's "
-                                 "parameter partition (master_is_param)")
-            flat = _flat(out, f"read_master out of {pid!r}", part.numel, _OUT_DTYPES)
-            if part.tier is Tier.HOST:
-                flat.copy_(self._committed_host(part)[1][0])
-            else:
-                self._pipeline.read_state(part, lambda _p, _i, lo, n, m, _a, _s:
-                                          flat[lo:lo + n].copy_(m))
-            return out
-
-    # -- checkpoint reader (engine checkpoints) -- begin
-    def read_state_chunks(self, pid: Hashable,
-                          consume: Callable[[int, int, dict[str, torch.Tensor]], None]) -> int:
-        """Streams partition `pid`'s committed state ([Note: rounds]: an update in the
-        open round is not seen); returns its committed step count. `consume(lo, n,
-        tensors)` gets elements [lo, lo + n) as 1-D fp32 views {"master", "exp_avg",
-        "exp_avg_sq"} ("master" absent where it is the parameter partition), valid
-        only during the call. Host state: one call (the live tensors, or the copy an
-        update in the round kept); NVMe state: one call per chunk read into a pipeline
-        buffer, so the state is never held whole. Refused for a partition updated
-        with final=True in the open round (its committed version is gone)."""
-        with self._lock:
-            part = self.partition(pid)
-            if pid in self._final:
-                raise RuntimeError(f"partition {pid!r} was updated in place (final=True) in "
-                                   "the open round: its committed state is gone")
-
-            def named(m, a, s) -> dict[str, torch.Tensor]:
-                d = {"exp_avg": a, "exp_avg_sq": s}
-                if m is not None:
-                    d["master"] = m
-                return d
-            if part.tier is Tier.HOST:
-                step, host = self._committed_host(part)
-                consume(0, part.numel, named(*host))
-                return step
-            self._pipeline.read_state(part, lambda _p, _i, lo, n, m, a, s:
-                                      consume(lo, n, named(m, a, s)))
-            return part.step  # an NVMe partition's step advances at its commit
-    # -- checkpoint reader -- end
-
-    def partition_state(self, pid: Hashable) -> dict[str, torch.Tensor]:
-        """{"step", "segment_steps", "exp_avg", "exp_avg_sq", "master"} of one
-        partition's committed version, 1-D fp32 (step: a 0-d fp32 tensor, as torch;
-        segment_steps: int64, one per segment ([Note: segments]); no "master" where it
-        is the parameter partition). Host state: the live tensors (no copy); NVMe state:
-        fresh tensors read chunk by chunk."""
-        with self._lock:
-            part = self.partition(pid)
-            step = torch.tensor(float(part.step))
-            if part.tier is Tier.HOST:
-                k, (m, a, s) = self._committed_host(part)
-                step = torch.tensor(float(k))
-            else:
-                m, a, s = (torch.empty(part.numel, dtype=torch.float32) for _ in range(3))
-                if part.master_is_param:
-                    m = None
-
-                def consume(_p, _i, lo, n, mb, ab, sb) -> None:
-                    for src, dst in ((mb, m), (ab, a), (sb, s)):
-                        if src is not None:
-                            dst[lo:lo + n].copy_(src)
-                self._pipeline.read_state(part, consume)
-            seg_steps = torch.tensor(self._seg_backups.get(pid, part.seg_steps),
-                                     dtype=torch.int64)
-            state = {"step": step, "segment_steps": seg_steps, "exp_avg": a, "exp_avg_sq": s}
-            if m is not None:
-                state["master"] = m
-            return state
-
-    def load_partition_state(self, pid: Hashable, state: Mapping[str, Any]) -> None:
-        """Loads one partition's state (keys as `partition_state`; "master" optional:
-        absent keeps the current master; ignored where the master is the parameter
-        partition; "segment_steps" optional: absent gives every segment `step`). NVMe: written to fresh extents, then
-        switched, so a failure leaves the previous state whole."""
-        with self._lock:
-            part = self.partition(pid)
-            step, tensors = self._checked_state(part, state)
-            seg_steps = self._checked_seg_steps(part, state, step)
-            if pid in self._round:
-                raise ValueError(f"partition {pid!r} was updated in the open round; "
-                                 "commit() or rollback() it before loading state")
-            if part.tier is Tier.HOST:
-                for k, dst in zip(("master", "exp_avg", "exp_avg_sq"), part.host):
-                    if tensors[k] is not None and dst is not None:
-                        dst.copy_(tensors[k])
-                part.step = step
-                part.seg_steps = seg_steps
-                return
-            self._pipeline.discard(pid)
-            new = self._write_new(part, tensors["master"], tensors["exp_avg"],
-                                  tensors["exp_avg_sq"])
-            part.commit(self._pipeline.swap, new, step)
-            part.seg_steps = seg_steps
-
-    @staticmethod
-    def _checked_seg_steps(part: PartitionState, state: Mapping[str, Any], step: int) -> list[int]:
-        got = state.get("segment_steps")
-        if got is None:
-            return [step] * len(part.segments)
-        got = [int(x) for x in (got.tolist() if isinstance(got, torch.Tensor) else got)]
-        if len(got) != len(part.segments) or any(x < 0 or x > step for x in got):
-            raise ValueError(f"state of partition {part.pid!r}: segment_steps {got[:8]} do not "
-                             f"fit its {len(part.segments)} segments at step {step}")
-        return got
-
-    @staticmethod
-    def _checked_state(part: PartitionState, state: Mapping[str, Any]) -> tuple[int, dict]:
-        missing = {"step", "exp_avg", "exp_avg_sq"} - set(state)
-        if missing:
-            raise ValueError(f"state of partition {part.pid!r} lacks {sorted(missing)}")
-        step = int(state["step"].item() if isinstance(state["step"], torch.Tensor)
-                   else state["step"])
-        if step < 0:
-            raise ValueError(f"state of partition {part.pid!r}: step {step} is negative")
-        tensors = {}
-        for k in ("master", "exp_avg", "exp_avg_sq"):
-            t = state.get(k)
-            tensors[k] = None if t is None else _flat(
-                t.detach().to(torch.float32).contiguous(), f"state[{part.pid!r}][{k!r}]",
-                part.numel, (torch.float32,))
-        return step, tensors
-
-    def state_dict(self) -> dict[str, Any]:
-        """torch-style: {"state": {pid: partition_state(pid)}, "param_groups": [{"lr",
-        "betas", "eps", "weight_decay", "params": [pids]}], "steps": committed rounds}. `lr_lambda` is not saved
-        (as LambdaLR does not save its lambdas)."""
-        with self._lock:
-            groups = [{**{k: g[k] for k in _HYPER_KEYS}, "params": list(g["params"])}
-                      for g in self.param_groups]
-            return {"state": {pid: self.partition_state(pid) for pid in self._parts},
-                    "param_groups": groups, "steps": self.steps}
-
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Loads `state_dict()` output: hyper-parameters per group, then each
-        partition's state. Everything is checked before anything changes."""
-        with self._lock:
-            groups = state_dict.get("param_groups")
-            states = state_dict.get("state", {})
-            if groups is None or len(groups) != len(self.param_groups):
-                raise ValueError(f"state_dict has {0 if groups is None else len(groups)} "
-                                 f"param groups, the optimizer {len(self.param_groups)}")
-            for k, (mine, theirs) in enumerate(zip(self.param_groups, groups)):
-                if set(theirs.get("params", ())) != set(mine["params"]):
-                    raise ValueError(f"param_groups[{k}] holds partitions "
-                                     f"{list(theirs.get('params', ()))[:8]}, this optimizer "
-                                     f"{mine['params'][:8]}")
-            for pid, st in states.items():
-                part = self.partition(pid)
-                self._checked_seg_steps(part, st, self._checked_state(part, st)[0])
-            if self._round:
-                raise ValueError(f"partitions {self.round[:8]} were updated in the open "
-                                 "round; commit() or rollback() before loading state")
-            for mine, theirs in zip(self.param_groups, groups):
-                mine.update({k: theirs[k] for k in _HYPER_KEYS if k in theirs})
-                mine["betas"] = tuple(mine["betas"])
-            for pid, st in states.items():
-                self.load_partition_state(pid, st)
-            self.steps = int(state_dict.get("steps", self.steps))
-            self._round.clear()
-
+    # -- closing ----------------------------------------------------------------
     def close(self) -> None:
         """Waits for transfers, returns the pipeline's buffers and frees every NVMe
         partition's extents. The optimizer is unusable afterwards."""
@@ -837,6 +675,7 @@ class CpuAdam:
                         self._pipeline.swap.free(ext)
                     part.extents = None
             self._parts.clear()
+            self.kernel.close()
             if self._owned:  # swap file removed, buffers returned, engine stopped
                 swap, pool, engine = self._owned
                 self._owned = ()

@@ -3,7 +3,8 @@
 The step reads plainly, FlexGen style: `load(j+1); compute(j); store(j); ...`
 over the chunks of all NVMe partitions of the step, in order, crossing
 partition boundaries without a bubble. Each of `buffers` slots is one
-BufferPool buffer holding a chunk's `[master | exp_avg | exp_avg_sq]`
+BufferPool buffer holding a chunk's `[master | exp_avg | exp_avg_sq]` (the
+moments as `codec.Moment`s in the partition's state_dtype)
 ([Note: NVMe layout] in state.py); slots are allocated once, on first use,
 and kept until `close()`: nothing is allocated per chunk.
 
@@ -43,6 +44,7 @@ import torch
 
 from ..io import BufferPool, IoError, IoHandle, SwapExtent, SwapSpace
 from ..trace import NULL_RECORDER, TraceRecorder
+from .codec import Moment
 from .state import BYTES_PER_ELEM, PartitionState, Tier, chunk_views
 
 log = logging.getLogger(__name__)
@@ -50,7 +52,7 @@ log = logging.getLogger(__name__)
 __all__ = ["OptimStepError", "SwapPipeline"]
 
 Key = tuple[Hashable, int]  # (partition id, chunk index)
-ChunkFn = Callable[[PartitionState, int, int, int, torch.Tensor, torch.Tensor, torch.Tensor],
+ChunkFn = Callable[[PartitionState, int, int, int, torch.Tensor, Moment, Moment],
                    None]  # (partition, chunk, first element, elements, master, exp_avg, exp_avg_sq)
 
 
@@ -71,6 +73,10 @@ class OptimStepError(RuntimeError):
         self.updated = updated
         self.unchanged = unchanged
         self.grad_norm = grad_norm
+
+
+def _views(slot: "_Slot", part: PartitionState, n: int) -> tuple:
+    return chunk_views(slot.buffer, n, part.layout.kinds, part.layout.state_dtype)
 
 
 class _Slot:
@@ -104,13 +110,14 @@ class SwapPipeline:
 
     Args:
         swap: where NVME partitions' extents live.
-        pool: lends the `buffers` slot buffers of 12 * chunk_elems bytes each.
+        pool: lends the `buffers` slot buffers of `slot_bytes` bytes each.
         chunk_elems: elements per chunk (a multiple of 1024 keeps slots 4 KiB-sized).
         buffers: slots in the ring, >= 1 ([Note: slot reuse]).
+        slot_bytes: bytes of one slot (default 12 * chunk_elems: fp32 state with master).
     """
 
     def __init__(self, swap: SwapSpace, pool: BufferPool, *, chunk_elems: int, buffers: int,
-                 recorder: TraceRecorder = NULL_RECORDER) -> None:
+                 recorder: TraceRecorder = NULL_RECORDER, slot_bytes: int | None = None) -> None:
         if buffers < 1 or chunk_elems < 1:
             raise ValueError(f"pipeline needs buffers ({buffers}) and chunk_elems "
                              f"({chunk_elems}) >= 1")
@@ -118,6 +125,7 @@ class SwapPipeline:
         self.pool = pool
         self.chunk_elems = chunk_elems
         self.nbuf = buffers
+        self.slot_bytes = slot_bytes or BYTES_PER_ELEM * chunk_elems
         self.recorder = recorder
         self._slots: list[_Slot] = []
         self._reads: dict[Key, _Slot] = {}  # issued reads, oldest first
@@ -130,7 +138,7 @@ class SwapPipeline:
     def _ensure_slots(self) -> None:
         if self._slots:
             return
-        nbytes = BYTES_PER_ELEM * self.chunk_elems
+        nbytes = self.slot_bytes
         try:
             for k in range(self.nbuf):
                 self._slots.append(_Slot(self.pool.alloc(nbytes, tag=f"optim-chunk{k}")))
@@ -295,7 +303,7 @@ class SwapPipeline:
                 lo, n = p.layout.chunk(i)
                 with self.recorder.span("optim:update", cat="compute", track="optim",
                                         partition=str(p.pid), chunk=i, elems=n):
-                    compute(p, i, lo, n, *chunk_views(slot.buffer, n, p.layout.kinds))
+                    compute(p, i, lo, n, *_views(slot, p, n))
                 self._store(slot, rewrites[p.pid], i)
             if then is not None:  # slots freed by the last writes start on `then`
                 self.prefetch(then, max(1, self.nbuf - 1))
@@ -366,7 +374,7 @@ class SwapPipeline:
                 if keep_old:
                     self.swap.read(part.extents[i], slot.buffer, part.layout.chunk_bytes(i)).wait()
                 lo, n = part.layout.chunk(i)
-                fill(part, i, lo, n, *chunk_views(slot.buffer, n, part.layout.kinds))
+                fill(part, i, lo, n, *_views(slot, part, n))
                 self._store(slot, rw, i)
             for h in rw.writes:
                 h.wait()
@@ -395,7 +403,7 @@ class SwapPipeline:
                         break
                 slot = self._take_read((part.pid, i))
                 lo, n = part.layout.chunk(i)
-                consume(part, i, lo, n, *chunk_views(slot.buffer, n, part.layout.kinds))
+                consume(part, i, lo, n, *_views(slot, part, n))
                 slot.busy = False
         except BaseException:
             self._drain()

@@ -3,8 +3,9 @@
 [Note: NVMe layout]
 A partition of `numel` fp32 elements is cut into chunks of `chunk_elems`
 elements (the last one shorter). Chunk i of the three kinds is stored as ONE
-swap extent holding `[master | exp_avg | exp_avg_sq]` back to back, 12 bytes
-per element, rounded up to 4 KiB. Why one extent per chunk rather than one
+swap extent holding `[master | exp_avg | exp_avg_sq]` back to back, rounded up
+to 4 KiB: 12 bytes per element with fp32 moments, 8 with bf16, ~6 with int8
+(codes, then their scales; [Note: compressed moments] in codec.py). Why one extent per chunk rather than one
 extent per kind with chunk offsets:
   * a chunk is one read and one write request (12 bytes/element, large and
     sequential) instead of three, and one checksum;
@@ -34,10 +35,17 @@ from typing import Hashable
 import torch
 
 from ..io import SwapExtent, SwapSpace
+from .codec import QBLOCK, STATE_DTYPES, Moment, StateDtype, moment_bytes, moment_views
 
-__all__ = ["ChunkLayout", "PartitionState", "Segment", "Tier", "BYTES_PER_ELEM"]
+__all__ = ["ChunkLayout", "PartitionState", "Segment", "Tier", "BYTES_PER_ELEM", "state_bytes"]
 
 BYTES_PER_ELEM = 12  # fp32 master + exp_avg + exp_avg_sq, as stored per chunk
+
+
+def state_bytes(n: int, kinds: int = 3, state_dtype: StateDtype = "fp32") -> int:
+    """Bytes of `n` elements' optimizer state as laid out in a chunk: the fp32 master
+    (`kinds` 3) and both moments in `state_dtype` form."""
+    return (4 * n if kinds == 3 else 0) + moment_bytes(state_dtype, n)
 
 
 class Tier(enum.Enum):
@@ -53,11 +61,17 @@ class ChunkLayout:
 
     numel: int
     chunk_elems: int
-    kinds: int = 3  # fp32 kinds stored per chunk: 3 with the master, 2 without
+    kinds: int = 3  # kinds stored per chunk: 3 with the master, 2 without
+    state_dtype: StateDtype = "fp32"  # form of the moments ([Note: compressed moments])
 
     def __post_init__(self) -> None:
         if self.kinds not in (2, 3):
             raise ValueError(f"chunk layout kinds {self.kinds} must be 2 or 3")
+        if self.state_dtype not in STATE_DTYPES:
+            raise ValueError(f"state_dtype {self.state_dtype!r} is not one of {STATE_DTYPES}")
+        if self.state_dtype == "int8" and self.chunk_elems % QBLOCK:
+            raise ValueError(f"chunk_elems {self.chunk_elems} with int8 moments must be a "
+                             f"multiple of {QBLOCK} (a chunk holds whole scale blocks)")
         if self.numel < 1 or self.chunk_elems < 1:
             raise ValueError(f"chunk layout needs numel ({self.numel}) and chunk_elems "
                              f"({self.chunk_elems}) >= 1")
@@ -74,8 +88,8 @@ class ChunkLayout:
         return lo, min(self.chunk_elems, self.numel - lo)
 
     def chunk_bytes(self, i: int) -> int:
-        """Bytes of chunk `i` on NVMe (its fp32 kinds back to back, before 4 KiB rounding)."""
-        return 4 * self.kinds * self.chunk(i)[1]
+        """Bytes of chunk `i` on NVMe (its kinds back to back, before 4 KiB rounding)."""
+        return state_bytes(self.chunk(i)[1], self.kinds, self.state_dtype)
 
 
 @dataclass(frozen=True)
@@ -93,8 +107,8 @@ class Segment:
 class PartitionState:
     """The optimizer's record of one partition.
 
-    HOST: `host` holds (master, exp_avg, exp_avg_sq), 1-D fp32; master is the
-    caller's tensor, updated in place, or None where the master is the caller's
+    HOST: `host` holds (master, exp_avg, exp_avg_sq): master 1-D fp32, the
+    moments `Moment`s in the layout's state_dtype; master is the caller's tensor, updated in place, or None where the master is the caller's
     parameter partition (`layout.kinds == 2`). NVME: `extents[i]` holds chunk i
     (see [Note: NVMe layout]); `host` is None. `step` counts committed updates
     of the partition; `seg_steps[k]` those in which segment k had a gradient
@@ -107,7 +121,7 @@ class PartitionState:
     tier: Tier
     layout: ChunkLayout
     step: int = 0
-    host: tuple[torch.Tensor | None, torch.Tensor, torch.Tensor] | None = None
+    host: tuple[torch.Tensor | None, Moment, Moment] | None = None
     extents: list[SwapExtent] | None = field(default=None, repr=False)
     segments: tuple[Segment, ...] = ()
     seg_steps: list[int] = field(default_factory=list)
@@ -152,11 +166,12 @@ class PartitionState:
         return sum(e.length for e in self.extents or ())
 
 
-def chunk_views(buffer: object, n: int, kinds: int = 3
-                ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+def chunk_views(buffer: object, n: int, kinds: int = 3, state_dtype: StateDtype = "fp32"
+                ) -> tuple[torch.Tensor | None, Moment, Moment]:
     """(master, exp_avg, exp_avg_sq) views of a chunk of `n` elements in a slot buffer;
-    master is None in a 2-kind layout."""
-    flat = buffer.as_tensor(torch.float32, kinds * n)
-    if kinds == 2:
-        return None, flat[:n], flat[n:]
-    return flat[:n], flat[n:2 * n], flat[2 * n:]
+    master (fp32) is None in a 2-kind layout."""
+    raw = buffer.as_tensor(torch.uint8, state_bytes(n, kinds, state_dtype))
+    master = None
+    if kinds == 3:
+        master, raw = raw[:4 * n].view(torch.float32), raw[4 * n:]
+    return (master, *moment_views(raw, state_dtype, n))

@@ -67,7 +67,7 @@ BAD = [
     (["bench", "step", "--warmup", "-1"], "--warmup: '-1' is below 0"),
     (["bench", "step", "--rounds", "0"], "--rounds: '0' is not positive"),
     (["bench", "step", "--system", "megatron"], "--system: 'megatron' is not one of offload, "
-     "deepspeed"),
+     "offload-bf16, offload-int8, deepspeed"),
     (["bench", "step", "--placement", "gpu"], "--placement: 'gpu' is not one of none, host, "
      "nvme"),
     (["bench", "step", "--host-budget", "0"], "--host-budget: '0' is below 4.0 KiB"),

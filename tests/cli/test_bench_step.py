@@ -71,8 +71,9 @@ def test_table_and_selection(tmp_path):
 def test_bad_selection_is_clear(tmp_path):
     out = _run(["--system", "megatron"], tmp_path, timeout=60)
     assert out.returncode == 2 and out.stderr == (
-        "offload bench step: --system: 'megatron' is not one of offload, deepspeed; give a "
-        "comma list of offload, deepspeed\n")
+        "offload bench step: --system: 'megatron' is not one of offload, offload-bf16, "
+        "offload-int8, deepspeed; give a comma list of offload, offload-bf16, offload-int8, "
+        "deepspeed\n")
 
 
 def test_device_selection(tmp_path):

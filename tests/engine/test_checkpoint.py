@@ -67,14 +67,18 @@ def _assert_identical(a: dict, b: dict):
 PLACEMENTS = [("device", "host", "host"), ("host", "host", "host"), ("nvme", "nvme", "nvme")]
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("dtype,state_dtype", [("fp32", "fp32"), ("bf16", "fp32"),
+                                               ("bf16", "int8"), ("fp32", "bf16")])
 @pytest.mark.parametrize("params,grads,optimizer", PLACEMENTS)
-def test_resume_continues_bit_identical(tmp_path, engine_cfg, params, grads, optimizer, dtype):
+def test_resume_continues_bit_identical(tmp_path, engine_cfg, params, grads, optimizer, dtype,
+                                        state_dtype):
     """3 steps + save + resume + 3 steps == 6 uninterrupted steps, bit for bit (with a
-    schedule, clipping and dropout drawing from the restored RNG)."""
+    schedule, clipping and dropout drawing from the restored RNG), with the moments
+    in each stored form (compressed ones saved decoded and encoded again on load)."""
     batches = lm_batches(6)
     torch.manual_seed(0)
     cfg = _cfg(engine_cfg, tmp_path, "a", params, grads, optimizer, dtype)
+    cfg["optim"]["state_dtype"] = state_dtype
     ck = tmp_path / "ckpt" / "step-3"
     with offload.initialize(Dropped(), cfg, lr_lambda=schedule) as a:
         _train(a, batches[:3])
@@ -83,6 +87,7 @@ def test_resume_continues_bit_identical(tmp_path, engine_cfg, params, grads, opt
         want, want_opt = a.state_dict(), _optim_state(a)
     torch.manual_seed(1234)  # resume restores the RNG: this seed must not matter
     cfg = _cfg(engine_cfg, tmp_path, "b", params, grads, optimizer, dtype)
+    cfg["optim"]["state_dtype"] = state_dtype
     with offload.initialize(Dropped, cfg, lr_lambda=schedule, resume=ck) as b:
         assert b.global_step == 3
         got_losses = _train(b, batches[3:])

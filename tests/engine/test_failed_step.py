@@ -46,16 +46,18 @@ def train_step(engine, batch) -> bool:
     return engine.step()
 
 
-PLACEMENTS = [  # params, grads, optimizer, dtype
-    ("nvme", "host", "nvme", "fp32"),  # the parameter is the master, updated from NVMe state
-    ("host", "host", "nvme", "bf16"),
-    ("nvme", "nvme", "nvme", "bf16"),
+PLACEMENTS = [  # params, grads, optimizer, dtype, optim.state_dtype (the moments' form)
+    ("nvme", "host", "nvme", "fp32", "fp32"),  # the parameter is the master, from NVMe state
+    ("host", "host", "nvme", "bf16", "fp32"),
+    ("nvme", "nvme", "nvme", "bf16", "fp32"),
+    ("nvme", "host", "nvme", "fp32", "bf16"),
+    ("host", "host", "nvme", "bf16", "int8"),
 ]
 
 
-@pytest.mark.parametrize("params,grads,optimizer,dtype", PLACEMENTS)
+@pytest.mark.parametrize("params,grads,optimizer,dtype,state_dtype", PLACEMENTS)
 def test_corrupted_optimizer_chunk_fails_the_step_and_changes_nothing(
-        engine_cfg, params, grads, optimizer, dtype):
+        engine_cfg, params, grads, optimizer, dtype, state_dtype):
     """The group updated last (group 0: backward reaches it last) has a corrupted
     chunk: every other group's update already ran. All of them are undone; with the
     byte flipped back the step runs again and matches a run that never failed."""
@@ -63,6 +65,7 @@ def test_corrupted_optimizer_chunk_fails_the_step_and_changes_nothing(
     ref_model = TiedTwice()
     batches = lm_batches(4)
     cfg = engine_cfg(params, grads, optimizer, dtype=dtype)
+    cfg["optim"]["state_dtype"] = state_dtype
     engine = offload.initialize(copy.deepcopy(ref_model), cfg)
     ref = offload.initialize(copy.deepcopy(ref_model), {**cfg, "io": {
         **cfg["io"], "paths": [cfg["io"]["paths"][0] + "-ref"]}})
@@ -116,11 +119,14 @@ def _mlp() -> nn.Module:
     return nn.Sequential(*layers)
 
 
-@pytest.mark.parametrize("optimizer", ["nvme", "host"])
-def test_exception_in_backward_after_early_updates_changes_nothing(engine_cfg, optimizer):
+@pytest.mark.parametrize("optimizer,state_dtype", [("nvme", "fp32"), ("host", "fp32"),
+                                                   ("nvme", "int8"), ("host", "int8")])
+def test_exception_in_backward_after_early_updates_changes_nothing(engine_cfg, optimizer,
+                                                                   state_dtype):
     model = _mlp()
     ref_model = copy.deepcopy(model)
     cfg = engine_cfg("nvme", "host", optimizer, group_size=600)
+    cfg["optim"]["state_dtype"] = state_dtype
     engine = offload.initialize(model, cfg)
     ref = offload.initialize(ref_model, {**cfg, "io": {
         **cfg["io"], "paths": [cfg["io"]["paths"][0] + "-ref"]}})
@@ -204,8 +210,11 @@ def _fill(directory: str) -> str:
     return path
 
 
-@pytest.mark.parametrize("params,dtype", [("nvme", "fp32"), ("host", "bf16")])
-def test_disk_full_during_the_step_changes_nothing(engine_cfg, small_fs, params, dtype):
+@pytest.mark.parametrize("params,dtype,state_dtype", [("nvme", "fp32", "fp32"),
+                                                      ("host", "bf16", "fp32"),
+                                                      ("host", "bf16", "int8")])
+def test_disk_full_during_the_step_changes_nothing(engine_cfg, small_fs, params, dtype,
+                                                   state_dtype):
     """A real file system fills up while the step writes the new optimizer state:
     the step fails with the disk's error, every partition is as before, and once
     space is freed the same step gives the uninterrupted run's state."""
@@ -216,6 +225,7 @@ def test_disk_full_during_the_step_changes_nothing(engine_cfg, small_fs, params,
     cfg = engine_cfg(params, "host", "nvme", dtype=dtype)
     cfg["io"].update(paths=[small_fs(32)], grow_step="64KiB", stripe_size="64KiB")
     ref_cfg = engine_cfg(params, "host", "nvme", dtype=dtype)
+    cfg["optim"]["state_dtype"] = ref_cfg["optim"]["state_dtype"] = state_dtype
     engine = offload.initialize(model, cfg)
     ref = offload.initialize(ref_model, ref_cfg)
     try:  # the first step needs room for the state's new version beside the old one

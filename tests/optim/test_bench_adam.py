@@ -21,3 +21,20 @@ def test_bench_adam_json(tmp_path, capsys):
     nv = out["nvme"]
     assert nv["step_s"] > 0 and nv["disk_read_GBps"] > 0 and nv["bound_s"] > 0
     assert list(tmp_path.iterdir()) == []  # its files are gone
+
+
+def test_bench_adam_convergence_json(tmp_path, capsys, monkeypatch):
+    """`--convergence`: one row per (model, seed, form), ratios against the fp32 run of
+    the same seed, one target per (model, compressed form); no files left behind."""
+    monkeypatch.chdir(tmp_path)
+    p = argparse.ArgumentParser()
+    bench_adam.add_arguments(p)
+    args = p.parse_args(["--convergence", "--steps", "21", "--seeds", "1", "--json"])
+    assert bench_adam.run(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    rows = {(r["model"], r["state_dtype"]): r for r in out["rows"]}
+    assert {sd for _, sd in rows} == {"fp32", "bf16", "int8"} and len(rows) == 6
+    for (model, sd), r in rows.items():
+        assert r["vs_fp32"] == r["final_loss"] / rows[(model, "fp32")]["final_loss"]
+    assert len(out["targets"]) == 4
+    assert list(tmp_path.iterdir()) == []

@@ -1,0 +1,76 @@
+"""The targets `offload bench step` checks on its rows (see bench_step.py's docstring)."""
+
+from __future__ import annotations
+
+GiB = 1 << 30
+SYSTEMS = ("offload", "offload-bf16", "offload-int8", "deepspeed")
+# Targets on the nvme placement (parameters streaming).
+TARGET_VS_DEEPSPEED = 0.35
+TARGET_VS_BOUND = 1.10
+TARGET_RSS_SLACK = 0.5 * GiB
+# Targets of compressed moments on the nvme placement, against offload fp32's nvme row.
+TARGET_COMPRESSED_BYTES = 0.6
+TARGET_COMPRESSED_STEP = 0.7
+TARGET_PRACTICALITY = 0.8
+
+
+def targets(rows: list[dict], memory: int) -> list[dict]:
+    """The targets on the nvme placement (parameters streaming), for those whose rows
+    ran; `memory`: bytes of memory budgets in use (host, device on a CPU, I/O buffers)."""
+    get = {(r["system"], r["placement"]): r for r in rows}
+    off, ds = get.get(("offload", "nvme")), get.get(("deepspeed", "nvme"))
+    out = compressed_targets(get)
+    if off is None or off["median_step_s"] is None:
+        return out
+    if ds is not None and ds["median_step_s"] is not None:
+        v = off["median_step_s"] / ds["median_step_s"]
+        out.append({"target": f"offload nvme step <= {TARGET_VS_DEEPSPEED}x DeepSpeed's",
+                    "value": v, "limit": TARGET_VS_DEEPSPEED, "met": v <= TARGET_VS_DEEPSPEED})
+    if "step_over_bound" in off:
+        v = off["step_over_bound"]
+        out.append({"target": f"offload nvme step <= {TARGET_VS_BOUND}x the lower bound",
+                    "value": v, "limit": TARGET_VS_BOUND, "met": v <= TARGET_VS_BOUND})
+    limit = (memory + TARGET_RSS_SLACK) / GiB
+    out.append({"target": "offload nvme peak RSS <= the memory budgets in use (host, device "
+                "on a CPU, I/O buffers) + 0.5 GiB (GiB)",
+                "value": off["peak_rss_GiB"], "limit": limit,
+                "met": off["peak_rss_GiB"] <= limit})
+    return out
+
+
+def practicality(rows: list[dict]) -> None:
+    """Adds `practicality` to each offload nvme row: offload's fastest none step over
+    the row's step."""
+    none = [r["median_step_s"] for r in rows if r["system"] == "offload"
+            and r["placement"] == "none" and r["median_step_s"] is not None]
+    for r in rows:
+        if (none and r["system"].startswith("offload") and r["placement"] == "nvme"
+                and r["median_step_s"]):
+            r["practicality"] = min(none) / r["median_step_s"]
+
+
+def compressed_targets(get: dict) -> list[dict]:
+    """Compressed moments on the nvme placement against offload fp32's row: bytes per
+    step (read + written) and step time ratios, and the practicality."""
+    out = []
+    base = get.get(("offload", "nvme"))
+    for system in SYSTEMS[1:3]:
+        r = get.get((system, "nvme"))
+        if r is None or r["median_step_s"] is None:
+            continue
+        if base is not None and base["median_step_s"] and base["read_bytes_per_step"]:
+            v = ((r["read_bytes_per_step"] + r["write_bytes_per_step"])
+                 / (base["read_bytes_per_step"] + base["write_bytes_per_step"]))
+            out.append({"target": f"{system} nvme bytes per step <= "
+                        f"{TARGET_COMPRESSED_BYTES}x offload fp32's", "value": v,
+                        "limit": TARGET_COMPRESSED_BYTES, "met": v <= TARGET_COMPRESSED_BYTES})
+            v = r["median_step_s"] / base["median_step_s"]
+            out.append({"target": f"{system} nvme step <= {TARGET_COMPRESSED_STEP}x offload "
+                        "fp32's", "value": v, "limit": TARGET_COMPRESSED_STEP,
+                        "met": v <= TARGET_COMPRESSED_STEP})
+        if r.get("practicality") is not None and system == "offload-int8":
+            v = r["practicality"]
+            out.append({"target": f"{system} practicality (none step / nvme step) >= "
+                        f"{TARGET_PRACTICALITY}", "value": v, "limit": TARGET_PRACTICALITY,
+                        "met": v >= TARGET_PRACTICALITY})
+    return out

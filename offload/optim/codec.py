@@ -1,0 +1,198 @@
+"""How Adam's moments are stored: fp32, bf16, or 8-bit codes with a scale per block.
+
+[Note: compressed moments]
+`optim.state_dtype` fixes the form of exp_avg and exp_avg_sq in every tier
+(host tensors, NVMe chunks, `state_dict`); the master stays fp32. Per element:
+
+| state_dtype | exp_avg             | exp_avg_sq                  | bytes |
+| ----------- | ------------------- | --------------------------- | ----- |
+| fp32        | fp32                | fp32                        | 8     |
+| bf16        | bf16 (nearest even) | bf16                        | 4     |
+| int8        | int8, linear        | uint8 codes of sqrt(v)      | ~2.03 |
+
+int8 keeps one fp32 scale per block of `QBLOCK` (256) elements for each
+moment (8 bytes per 256 elements). exp_avg is signed and maps linearly:
+code = round(m / s), s = max|m| / 127 over the block. exp_avg_sq spans
+orders of magnitude inside a block, and Adam divides by sqrt(v): a linear
+code of v rounds small entries to 0, and m / (0 + eps) blows the update up.
+Coding r = sqrt(v) linearly (v = (code * s)^2, s = max r / 255) keeps the
+relative error of the denominator, which is what the update sees, bounded
+by half a step of the block's largest sqrt(v); `docs/optim.md` gives the
+measurement that chose it over a linear code of v. Rounding is to nearest.
+
+Decoding and encoding happen inside the update's pass over memory, one cache
+block at a time (blocks.py): decode a block into fp32 scratch, update, encode
+back, while the block is in cache. A block of `QBLOCK` elements is coded as a
+whole: chunks and cache blocks start at multiples of `QBLOCK`.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, NamedTuple
+
+import torch
+
+__all__ = ["Moment", "QBLOCK", "StateDtype", "STATE_DTYPES", "moment_bytes", "new_moment",
+           "decode", "encode", "clone_moment", "copy_moment", "moment_views",
+           "moment_to_dict", "moment_from_dict"]
+
+StateDtype = Literal["fp32", "bf16", "int8"]
+STATE_DTYPES = ("fp32", "bf16", "int8")
+QBLOCK = 256  # elements per int8 scale
+_TINY = torch.finfo(torch.float32).tiny
+_STORED = {"fp32": torch.float32, "bf16": torch.bfloat16}
+_CODE_MAX = {"exp_avg": 127.0, "exp_avg_sq": 255.0}
+_CODE_DTYPE = {"exp_avg": torch.int8, "exp_avg_sq": torch.uint8}
+
+
+class Moment(NamedTuple):
+    """One moment of `n` elements as stored: `data` (fp32, bf16, int8 or uint8 codes)
+    and, for int8, `scale` (fp32, one per `QBLOCK` elements); `kind` is "exp_avg"
+    (signed, linear) or "exp_avg_sq" (sqrt-coded, see [Note: compressed moments])."""
+
+    data: torch.Tensor
+    scale: torch.Tensor | None
+    kind: str
+
+    def __getitem__(self, sl):  # a slice of elements [lo, hi), lo a multiple of QBLOCK
+        if not isinstance(sl, slice):
+            return tuple.__getitem__(self, sl)
+        lo, hi = sl.start or 0, self.data.numel() if sl.stop is None else sl.stop
+        if self.scale is None:
+            return Moment(self.data[lo:hi], None, self.kind)
+        if lo % QBLOCK:
+            raise ValueError(f"int8 moment sliced at element {lo}, not a multiple of {QBLOCK}")
+        return Moment(self.data[lo:hi], self.scale[lo // QBLOCK:-(-hi // QBLOCK)], self.kind)
+
+    @property
+    def numel(self) -> int:
+        return self.data.numel()
+
+
+def _scales(n: int) -> int:
+    return -(-n // QBLOCK)
+
+
+def moment_bytes(state_dtype: StateDtype, n: int) -> int:
+    """Bytes of both moments of `n` elements, as laid out in a chunk (codes, a pad to
+    4 bytes, then the scales)."""
+    if state_dtype == "fp32":
+        return 8 * n
+    if state_dtype == "bf16":
+        return 4 * n
+    if state_dtype == "int8":
+        return -(-2 * n // 4) * 4 + 8 * _scales(n)
+    raise ValueError(f"state_dtype {state_dtype!r} is not one of {STATE_DTYPES}")
+
+
+def new_moment(state_dtype: StateDtype, kind: str, n: int) -> Moment:
+    """A zero moment of `n` elements in host memory."""
+    if state_dtype == "int8":
+        return Moment(torch.zeros(n, dtype=_CODE_DTYPE[kind]), torch.zeros(_scales(n)), kind)
+    return Moment(torch.zeros(n, dtype=_STORED[state_dtype]), None, kind)
+
+
+def moment_views(raw: torch.Tensor, state_dtype: StateDtype, n: int) -> tuple[Moment, Moment]:
+    """(exp_avg, exp_avg_sq) views of `raw` (uint8, `moment_bytes(state_dtype, n)` bytes
+    or more, 4-byte aligned), laid out as [exp_avg | exp_avg_sq | pad | scales]."""
+    if state_dtype == "int8":
+        at = -(-2 * n // 4) * 4
+        k = _scales(n)
+        sc = raw[at:at + 8 * k].view(torch.float32)
+        return (Moment(raw[:n].view(torch.int8), sc[:k], "exp_avg"),
+                Moment(raw[n:2 * n], sc[k:], "exp_avg_sq"))
+    dt = _STORED[state_dtype]
+    w = dt.itemsize * n
+    return (Moment(raw[:w].view(dt), None, "exp_avg"),
+            Moment(raw[w:2 * w].view(dt), None, "exp_avg_sq"))
+
+
+def clone_moment(m: Moment) -> Moment:
+    return Moment(m.data.clone(), None if m.scale is None else m.scale.clone(), m.kind)
+
+
+def copy_moment(dst: Moment, src: Moment) -> None:
+    """Copies stored codes and scales (same form)."""
+    dst.data.copy_(src.data)
+    if dst.scale is not None:
+        dst.scale.copy_(src.scale)
+
+
+def _rows(x: torch.Tensor) -> list[tuple[torch.Tensor, slice]]:
+    """`x` as (k, QBLOCK) rows plus a one-row tail of the remainder, each with the
+    slice of the scales it uses."""
+    n = x.numel()
+    full = n // QBLOCK
+    out = []
+    if full:
+        out.append((x[:full * QBLOCK].view(full, QBLOCK), slice(0, full)))
+    if n > full * QBLOCK:
+        out.append((x[full * QBLOCK:].view(1, -1), slice(full, full + 1)))
+    return out
+
+
+def decode(m: Moment, out: torch.Tensor) -> torch.Tensor:
+    """fp32 values of `m` into `out` (fp32, same numel); returns `out`."""
+    out.copy_(m.data)
+    if m.scale is None:
+        return out
+    for rows, sl in _rows(out):
+        rows.mul_(m.scale[sl].unsqueeze(1))
+    if m.kind == "exp_avg_sq":
+        out.square_()
+    return out
+
+
+def encode(x: torch.Tensor, m: Moment, tmp: torch.Tensor) -> None:
+    """Stores fp32 `x` into `m` (rounded to nearest); `tmp`: fp32 scratch of x's numel.
+    exp_avg_sq must be >= 0 (Adam keeps it so)."""
+    if m.scale is None:
+        m.data.copy_(x)
+        return
+    top = _CODE_MAX[m.kind]
+    src = torch.sqrt(x, out=tmp) if m.kind == "exp_avg_sq" else torch.abs(x, out=tmp)
+    for rows, sl in _rows(src):
+        torch.amax(rows, dim=1, out=m.scale[sl])
+    if m.kind == "exp_avg":
+        src.copy_(x)  # (torch.aminmax would spare the |x| pass but runs 6x slower)
+    m.scale.div_(top).clamp_(min=_TINY)
+    for rows, sl in _rows(src):
+        rows.mul_(m.scale[sl].reciprocal().unsqueeze(1))
+    src.round_()
+    m.data.copy_(src)
+
+
+def moment_to_dict(m: Moment) -> dict[str, torch.Tensor]:
+    """{kind: data} and, for int8, {kind + "_scale": scale}: the state_dict entries."""
+    d = {m.kind: m.data}
+    if m.scale is not None:
+        d[m.kind + "_scale"] = m.scale
+    return d
+
+
+def moment_from_dict(state: dict, kind: str, state_dtype: StateDtype, n: int,
+                     what: str) -> Moment | torch.Tensor | None:
+    """The `kind` entry of a state dict: a `Moment` when it is stored in `state_dtype`'s
+    form (copied as is), else an fp32 tensor (to be encoded); None when absent."""
+    t = state.get(kind)
+    if t is None:
+        return None
+    if not isinstance(t, torch.Tensor) or t.numel() != n:
+        raise ValueError(f"{what}[{kind!r}]: expected a tensor of {n} elements, got "
+                         f"{getattr(t, 'shape', type(t).__name__)}")
+    t = t.detach().reshape(-1).contiguous()
+    scale = state.get(kind + "_scale")
+    if state_dtype == "int8" and t.dtype == _CODE_DTYPE[kind] and scale is not None:
+        scale = scale.detach().reshape(-1).to(torch.float32).contiguous()
+        if scale.numel() != _scales(n):
+            raise ValueError(f"{what}[{kind + '_scale'!r}]: {scale.numel()} scales, "
+                             f"{_scales(n)} needed for {n} elements")
+        return Moment(t, scale, kind)
+    if state_dtype in _STORED and t.dtype == _STORED[state_dtype] and scale is None:
+        return Moment(t, None, kind)
+    if t.dtype in (torch.int8, torch.uint8):
+        if scale is None:
+            raise ValueError(f"{what}[{kind!r}] holds 8-bit codes without {kind + '_scale'!r}")
+        src = Moment(t, scale.detach().reshape(-1).to(torch.float32).contiguous(), kind)
+        return decode(src, torch.empty(n, dtype=torch.float32))
+    return t.to(torch.float32)

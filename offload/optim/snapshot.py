@@ -1,0 +1,242 @@
+"""Reading and loading `CpuAdam`'s committed state: `read_master`, `read_state_chunks`
+(engine checkpoints), `partition_state` / `state_dict` and their loads.
+
+Every read sees the committed version ([Note: rounds] in optimizer.py). The
+state dict carries the moments in the optimizer's stored form ([Note: compressed
+moments] in codec.py): fp32 or bf16 tensors, or int8/uint8 codes with their
+scales under `exp_avg_scale` / `exp_avg_sq_scale`; a load takes that form as is
+(bit for bit) or fp32 moments of any source (encoded on the way in).
+`read_state_chunks` decodes to fp32, so an engine checkpoint holds fp32 moments
+whatever the form, and a load encodes them again: a decoded int8 block encodes
+to the same codes, so the round trip loses nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Hashable, Mapping
+
+import torch
+
+from .codec import Moment, copy_moment, decode, encode, moment_from_dict, moment_to_dict, \
+    new_moment
+from .state import PartitionState, Tier
+
+__all__ = ["StateAccess"]
+
+_HYPER_KEYS = ("lr", "betas", "eps", "weight_decay")
+_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def flat_tensor(t: torch.Tensor, what: str, numel: int,
+                dtypes: tuple[torch.dtype, ...]) -> torch.Tensor:
+    """`t` as a 1-D view, checked: a contiguous CPU tensor of `dtypes`, `numel` elements."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{what}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.device.type != "cpu" or t.dtype not in dtypes or not t.is_contiguous():
+        raise ValueError(f"{what}: a contiguous CPU tensor of {'/'.join(map(str, dtypes))} is "
+                         f"needed, got {t.dtype} on {t.device} (contiguous={t.is_contiguous()})")
+    if t.numel() != numel:
+        raise ValueError(f"{what}: {t.numel()} elements, the partition has {numel}")
+    return t.view(-1)
+
+
+class StateAccess:
+    """The reading and loading half of `CpuAdam` (a mixin: it uses the optimizer's
+    lock, partitions, pipeline and round)."""
+
+    def _committed_host(self, part: PartitionState) -> tuple[int, tuple]:
+        """(step, (master, exp_avg, exp_avg_sq)) of a host partition's committed version."""
+        return self._backups.get(part.pid, (part.step, part.host))
+
+    def read_master(self, pid: Hashable, out: torch.Tensor) -> torch.Tensor:
+        """Copies partition `pid`'s committed fp32 master into `out` (any float dtype,
+        same numel, rounded to nearest even); e.g. to rebuild a compute-dtype copy.
+        Returns `out`."""
+        with self._lock:
+            part = self.partition(pid)
+            if part.master_is_param:
+                raise ValueError(f"partition {pid!r} keeps no master: it is the caller's "
+                                 "parameter partition (master_is_param)")
+            flat = flat_tensor(out, f"read_master out of {pid!r}", part.numel, _OUT_DTYPES)
+            if part.tier is Tier.HOST:
+                flat.copy_(self._committed_host(part)[1][0])
+            else:
+                self._pipeline.read_state(part, lambda _p, _i, lo, n, m, _a, _s:
+                                          flat[lo:lo + n].copy_(m))
+            return out
+
+    # -- checkpoint reader (engine checkpoints) -- begin
+    def read_state_chunks(self, pid: Hashable,
+                          consume: Callable[[int, int, dict[str, torch.Tensor]], None]) -> int:
+        """Streams partition `pid`'s committed state ([Note: rounds]: an update in the
+        open round is not seen); returns its committed step count. `consume(lo, n,
+        tensors)` gets elements [lo, lo + n) as 1-D fp32 views {"master", "exp_avg",
+        "exp_avg_sq"} ("master" absent where it is the parameter partition; compressed
+        moments decoded), valid only during the call. Host state: one call for fp32
+        moments (the live tensors, or the copy an update in the round kept), one per
+        `chunk_elems` elements for compressed ones; NVMe state: one call per chunk read
+        into a pipeline buffer, so the state is never held whole. Refused for a
+        partition updated with final=True in the open round (its committed version
+        is gone)."""
+        with self._lock:
+            part = self.partition(pid)
+            if pid in self._final:
+                raise RuntimeError(f"partition {pid!r} was updated in place (final=True) in "
+                                   "the open round: its committed state is gone")
+            scratch = None if self.state_dtype == "fp32" else torch.empty(
+                2 * min(part.numel, self.chunk_elems), dtype=torch.float32)
+
+            def named(lo: int, n: int, m, a: Moment, s: Moment) -> None:
+                if scratch is None:
+                    d = {"exp_avg": a.data, "exp_avg_sq": s.data}
+                else:
+                    d = {"exp_avg": decode(a, scratch[:n]), "exp_avg_sq": decode(s, scratch[n:2 * n])}
+                if m is not None:
+                    d["master"] = m
+                consume(lo, n, d)
+            if part.tier is Tier.HOST:
+                step, (m, a, s) = self._committed_host(part)
+                span = part.numel if scratch is None else self.chunk_elems
+                for lo in range(0, part.numel, span):
+                    hi = min(part.numel, lo + span)
+                    named(lo, hi - lo, None if m is None else m[lo:hi], a[lo:hi], s[lo:hi])
+                return step
+            self._pipeline.read_state(part, lambda _p, _i, lo, n, m, a, s: named(lo, n, m, a, s))
+            return part.step  # an NVMe partition's step advances at its commit
+    # -- checkpoint reader -- end
+
+    def partition_state(self, pid: Hashable) -> dict[str, torch.Tensor]:
+        """{"step", "segment_steps", "exp_avg", "exp_avg_sq", "master"} of one
+        partition's committed version (step: a 0-d fp32 tensor, as torch;
+        segment_steps: int64, one per segment ([Note: segments]); no "master" where it
+        is the parameter partition). The moments in the stored form (fp32, bf16, or
+        int8/uint8 codes plus "exp_avg_scale" / "exp_avg_sq_scale"). Host state: the
+        live tensors (no copy); NVMe state: fresh tensors read chunk by chunk."""
+        with self._lock:
+            part = self.partition(pid)
+            step = torch.tensor(float(part.step))
+            if part.tier is Tier.HOST:
+                k, (m, a, s) = self._committed_host(part)
+                step = torch.tensor(float(k))
+            else:
+                m = None if part.master_is_param else torch.empty(part.numel)
+                a, s = (new_moment(self.state_dtype, k, part.numel)
+                        for k in ("exp_avg", "exp_avg_sq"))
+
+                def consume(_p, _i, lo, n, mb, ab, sb) -> None:
+                    if mb is not None:
+                        m[lo:lo + n].copy_(mb)
+                    copy_moment(a[lo:lo + n], ab)
+                    copy_moment(s[lo:lo + n], sb)
+                self._pipeline.read_state(part, consume)
+            seg_steps = torch.tensor(self._seg_backups.get(pid, part.seg_steps),
+                                     dtype=torch.int64)
+            state = {"step": step, "segment_steps": seg_steps, **moment_to_dict(a),
+                     **moment_to_dict(s)}
+            if m is not None:
+                state["master"] = m
+            return state
+
+    def load_partition_state(self, pid: Hashable, state: Mapping[str, Any]) -> None:
+        """Loads one partition's state (keys as `partition_state`, moments in this
+        optimizer's stored form or fp32; "master" optional: absent keeps the current
+        master; ignored where the master is the parameter partition; "segment_steps"
+        optional: absent gives every segment `step`). NVMe: written to fresh extents,
+        then switched, so a failure leaves the previous state whole."""
+        with self._lock:
+            part = self.partition(pid)
+            step, tensors = self._checked_state(part, state)
+            seg_steps = self._checked_seg_steps(part, state, step)
+            if pid in self._round:
+                raise ValueError(f"partition {pid!r} was updated in the open round; "
+                                 "commit() or rollback() it before loading state")
+            if part.tier is Tier.HOST:
+                m, a, s = part.host
+                if tensors["master"] is not None and m is not None:
+                    m.copy_(tensors["master"])
+                tmp = torch.empty(part.numel, dtype=torch.float32)
+                for k, dst in (("exp_avg", a), ("exp_avg_sq", s)):
+                    src = tensors[k]
+                    if isinstance(src, Moment):
+                        copy_moment(dst, src)
+                    else:
+                        encode(src, dst, tmp)
+                part.step = step
+                part.seg_steps = seg_steps
+                return
+            self._pipeline.discard(pid)
+            new = self._write_new(part, tensors["master"], tensors["exp_avg"],
+                                  tensors["exp_avg_sq"])
+            part.commit(self._pipeline.swap, new, step)
+            part.seg_steps = seg_steps
+
+    @staticmethod
+    def _checked_seg_steps(part: PartitionState, state: Mapping[str, Any], step: int) -> list[int]:
+        got = state.get("segment_steps")
+        if got is None:
+            return [step] * len(part.segments)
+        got = [int(x) for x in (got.tolist() if isinstance(got, torch.Tensor) else got)]
+        if len(got) != len(part.segments) or any(x < 0 or x > step for x in got):
+            raise ValueError(f"state of partition {part.pid!r}: segment_steps {got[:8]} do not "
+                             f"fit its {len(part.segments)} segments at step {step}")
+        return got
+
+    def _checked_state(self, part: PartitionState, state: Mapping[str, Any]) -> tuple[int, dict]:
+        """(step, {"master": fp32 or None, "exp_avg"/"exp_avg_sq": a `Moment` of this
+        optimizer's form, or fp32})."""
+        missing = {"step", "exp_avg", "exp_avg_sq"} - set(state)
+        if missing:
+            raise ValueError(f"state of partition {part.pid!r} lacks {sorted(missing)}")
+        step = int(state["step"].item() if isinstance(state["step"], torch.Tensor)
+                   else state["step"])
+        if step < 0:
+            raise ValueError(f"state of partition {part.pid!r}: step {step} is negative")
+        what = f"state[{part.pid!r}]"
+        t = state.get("master")
+        tensors = {"master": None if t is None else flat_tensor(
+            t.detach().to(torch.float32).contiguous(), f"{what}['master']", part.numel,
+            (torch.float32,))}
+        for k in ("exp_avg", "exp_avg_sq"):
+            tensors[k] = moment_from_dict(state, k, self.state_dtype, part.numel, what)
+            if isinstance(tensors[k], torch.Tensor):
+                tensors[k] = flat_tensor(tensors[k], f"{what}[{k!r}]", part.numel,
+                                         (torch.float32,))
+        return step, tensors
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch-style: {"state": {pid: partition_state(pid)}, "param_groups": [{"lr",
+        "betas", "eps", "weight_decay", "params": [pids]}], "steps": committed rounds}.
+        `lr_lambda` is not saved (as LambdaLR does not save its lambdas)."""
+        with self._lock:
+            groups = [{**{k: g[k] for k in _HYPER_KEYS}, "params": list(g["params"])}
+                      for g in self.param_groups]
+            return {"state": {pid: self.partition_state(pid) for pid in self._parts},
+                    "param_groups": groups, "steps": self.steps}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Loads `state_dict()` output: hyper-parameters per group, then each
+        partition's state. Everything is checked before anything changes."""
+        with self._lock:
+            groups = state_dict.get("param_groups")
+            states = state_dict.get("state", {})
+            if groups is None or len(groups) != len(self.param_groups):
+                raise ValueError(f"state_dict has {0 if groups is None else len(groups)} "
+                                 f"param groups, the optimizer {len(self.param_groups)}")
+            for k, (mine, theirs) in enumerate(zip(self.param_groups, groups)):
+                if set(theirs.get("params", ())) != set(mine["params"]):
+                    raise ValueError(f"param_groups[{k}] holds partitions "
+                                     f"{list(theirs.get('params', ()))[:8]}, this optimizer "
+                                     f"{mine['params'][:8]}")
+            for pid, st in states.items():
+                part = self.partition(pid)
+                self._checked_seg_steps(part, st, self._checked_state(part, st)[0])
+            if self._round:
+                raise ValueError(f"partitions {self.round[:8]} were updated in the open "
+                                 "round; commit() or rollback() before loading state")
+            for mine, theirs in zip(self.param_groups, groups):
+                mine.update({k: theirs[k] for k in _HYPER_KEYS if k in theirs})
+                mine["betas"] = tuple(mine["betas"])
+            for pid, st in states.items():
+                self.load_partition_state(pid, st)
+            self.steps = int(state_dict.get("steps", self.steps))
+            self._round.clear()
