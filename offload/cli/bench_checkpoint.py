@@ -2,15 +2,18 @@
 
 Builds a model of `--params` fp32 parameters (square Linear layers of `--dim`),
 host placement, and takes one step so every tensor kind holds real values.
-Then, in one run on one directory:
-  * reference: dd with O_DIRECT writes (with fdatasync) and reads a file of
-    the checkpoint's size, before and after the checkpoint runs (the faster
-    of the two is the reference, so the ratios are not flattered);
-  * save: `engine.save_checkpoint` (blocking), bytes of tensors / seconds,
-    the fsyncs and the publishing rename included;
-  * load: the page cache of the checkpoint's files is dropped
-    (posix_fadvise DONTNEED after their fsync), then `offload.initialize(...,
-    resume=)` on a meta model: seconds until the engine is ready;
+Then, in one run on one directory, `--repeats` times each, interleaved:
+  * save: dd with O_DIRECT (and fdatasync) writes a file of the checkpoint's
+    size (the reference), then `engine.save_checkpoint` (blocking) writes a
+    checkpoint: bytes of tensors / seconds, the durability and the publishing
+    rename included;
+  * load: dd with O_DIRECT reads that file (the reference), then the page cache
+    of one checkpoint's files is dropped (posix_fadvise DONTNEED after their
+    fsync) and `offload.initialize(..., resume=)` on a meta model runs until
+    the engine is ready (the state lands in fresh memory: its page faults
+    count, which dd's reused buffer does not have);
+  Reported: the medians of the seconds, rates and references, and the median
+  of each run's rate over the reference measured right before it (`ratio`);
   * background: `save_checkpoint(blocking=False)` and training steps until it
     is published; the seconds the steps waited for it (its stall) against
     its duration, and how long those steps took against one without a save
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import statistics
 import subprocess
 import time
 from pathlib import Path
@@ -54,21 +58,25 @@ def _config(path: str, name: str) -> dict:
             "store": {"host_budget": "20GiB", "device_budget": "20GiB", "device": "cpu"}}
 
 
-def _dd(path: str, size: int, bs: int = 4 << 20) -> tuple[float, float]:
-    """(write, read) GB/s of dd with O_DIRECT over a file of `size` bytes."""
-    n = max(1, size // bs)
+def _dd(args: list[str]) -> float:
     t = time.perf_counter()
-    subprocess.run(["dd", "if=/dev/zero", f"of={path}", f"bs={bs}", f"count={n}",
-                    "oflag=direct", "conv=fdatasync"], check=True,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    w = time.perf_counter() - t
-    t = time.perf_counter()
-    subprocess.run(["dd", f"if={path}", "of=/dev/null", f"bs={bs}", f"count={n}",
-                    "iflag=direct"], check=True, stdout=subprocess.DEVNULL,
+    subprocess.run(["dd"] + args, check=True, stdout=subprocess.DEVNULL,
                    stderr=subprocess.DEVNULL)
-    r = time.perf_counter() - t
-    os.unlink(path)
-    return n * bs / w / 1e9, n * bs / r / 1e9
+    return time.perf_counter() - t
+
+
+def _dd_write(path: str, size: int, bs: int = 4 << 20) -> float:
+    """GB/s of dd writing a file of `size` bytes with O_DIRECT (and fdatasync)."""
+    n = max(1, size // bs)
+    return n * bs / _dd(["if=/dev/zero", f"of={path}", f"bs={bs}", f"count={n}",
+                         "oflag=direct", "conv=fdatasync"]) / 1e9
+
+
+def _dd_read(path: str, size: int, bs: int = 4 << 20) -> float:
+    """GB/s of dd reading the file `_dd_write` wrote, with O_DIRECT."""
+    n = max(1, size // bs)
+    return n * bs / _dd([f"if={path}", "of=/dev/null", f"bs={bs}", f"count={n}",
+                         "iflag=direct"]) / 1e9
 
 
 def _drop_cache(root: Path) -> None:
@@ -89,7 +97,7 @@ def _step(engine, x: torch.Tensor, accum: int) -> None:
 
 
 def run_checkpoint_bench(path: str, params: int, dim: int = 4096, batch: int = 256,
-                         accum: int = 1, progress=None) -> dict:
+                         accum: int = 1, repeats: int = 3, progress=None) -> dict:
     import offload
     say = progress or (lambda _m: None)
     layers = max(1, round(params / (dim * dim)))
@@ -100,15 +108,20 @@ def run_checkpoint_bench(path: str, params: int, dim: int = 4096, batch: int = 2
     say(f"building {layers} layers of {dim}x{dim} ({layers * dim * dim:,} parameters)")
     engine = offload.initialize(lambda: _Stack(dim, layers), cfg)
     ck = Path(path) / "ckpt"
+    ref = os.path.join(path, "dd.ref")
+    size = 12 * layers * dim * dim  # fp32: param (the master), exp_avg, exp_avg_sq
+    saves: list[tuple[float, float]] = []  # (dd write GB/s, save seconds), interleaved
+    loads: list[tuple[float, float]] = []  # (dd read GB/s, load seconds), interleaved
     try:
         _step(engine, x, accum)
-        size = 12 * layers * dim * dim  # fp32: param (the master), exp_avg, exp_avg_sq
-        say(f"reference: dd O_DIRECT over {format_bytes(size)}")
-        ref = [_dd(os.path.join(path, "dd.ref"), size)]
-        say("save (blocking)")
-        t = time.perf_counter()
-        engine.save_checkpoint(ck / "a")
-        save_s = time.perf_counter() - t
+        for i in range(repeats):
+            say(f"save {i + 1}/{repeats} (blocking), after dd O_DIRECT writes "
+                f"{format_bytes(size)}")
+            w = _dd_write(ref, size)
+            os.unlink(ref)
+            t = time.perf_counter()
+            engine.save_checkpoint(ck / f"a{i}")
+            saves.append((w, time.perf_counter() - t))
         say("background save while training")
         t = time.perf_counter()
         _step(engine, x, accum)
@@ -124,40 +137,55 @@ def run_checkpoint_bench(path: str, params: int, dim: int = 4096, batch: int = 2
     finally:
         engine.close()
     shutil.rmtree(ck / "b", ignore_errors=True)
-    say("load (resume, page cache dropped)")
-    _drop_cache(ck / "a")
-    t = time.perf_counter()
-    resumed = offload.initialize(lambda: _Stack(dim, layers), _config(path, "swap-b"),
-                                 resume=ck / "a")
-    load_s = time.perf_counter() - t
-    resumed.close()
-    ref.append(_dd(os.path.join(path, "dd.ref"), size))
+    _dd_write(ref, size)
+    for i in range(repeats):
+        say(f"load {i + 1}/{repeats} (resume, page cache dropped), after dd O_DIRECT reads")
+        r = _dd_read(ref, size)
+        _drop_cache(ck / f"a{i}")
+        t = time.perf_counter()
+        resumed = offload.initialize(lambda: _Stack(dim, layers), _config(path, f"swap-b{i}"),
+                                     resume=ck / f"a{i}")
+        loads.append((r, time.perf_counter() - t))
+        resumed.close()
+    os.unlink(ref)
     shutil.rmtree(ck, ignore_errors=True)
-    ref_w, ref_r = max(r[0] for r in ref), max(r[1] for r in ref)
-    save_gbps, load_gbps = size / save_s / 1e9, size / load_s / 1e9
+    save, load = _pairs(saves, size), _pairs(loads, size)
     return {
         "bytes": size, "parameters": layers * dim * dim, "layers": layers, "dim": dim,
-        "reference": {"write_GBps": ref_w, "read_GBps": ref_r, "runs": ref},
-        "save": {"seconds": save_s, "GBps": save_gbps, "ratio": save_gbps / ref_w},
-        "load": {"seconds": load_s, "GBps": load_gbps, "ratio": load_gbps / ref_r},
+        "repeats": repeats,
+        "reference": {"write_GBps": save["reference_GBps"], "read_GBps": load["reference_GBps"]},
+        "save": save, "load": load,
         "background": {"seconds": saving.seconds, "stalled": saving.stalled,
                        "stall_share": saving.stalled / saving.seconds,
                        "steps_during": steps, "step_seconds": step_s,
                        "step_seconds_during": during_s},
         "peak_rss": vm_hwm(),
         "targets": {"rate": TARGET_RATE, "stall_share": TARGET_STALL},
-        "pass": (save_gbps / ref_w >= TARGET_RATE and load_gbps / ref_r >= TARGET_RATE
+        "pass": (save["ratio"] >= TARGET_RATE and load["ratio"] >= TARGET_RATE
                  and saving.stalled / saving.seconds <= TARGET_STALL),
     }
 
 
+def _pairs(pairs: list[tuple[float, float]], size: int) -> dict:
+    """Medians of interleaved (reference GB/s, seconds) pairs; `ratio` is the median of
+    each run's rate over the reference measured right before it."""
+    rates = [size / s / 1e9 for _ref, s in pairs]
+    return {"seconds": statistics.median(s for _ref, s in pairs),
+            "GBps": statistics.median(rates),
+            "reference_GBps": statistics.median(ref for ref, _s in pairs),
+            "ratio": statistics.median(r / ref for r, (ref, _s) in zip(rates, pairs)),
+            "runs": [{"reference_GBps": ref, "seconds": s, "GBps": size / s / 1e9}
+                     for ref, s in pairs]}
+
+
 def render(r: dict) -> None:
     print(f"checkpoint of {format_bytes(r['bytes'])} ({r['parameters']:,} fp32 parameters)")
-    print(f"  reference (dd O_DIRECT): write {r['reference']['write_GBps']:.2f} GB/s, "
-          f"read {r['reference']['read_GBps']:.2f} GB/s")
+    print(f"  reference (dd O_DIRECT, medians of {r['repeats']}): write "
+          f"{r['reference']['write_GBps']:.2f} GB/s, read {r['reference']['read_GBps']:.2f} GB/s")
     for k in ("save", "load"):
         print(f"  {k}: {r[k]['seconds']:.2f} s, {r[k]['GBps']:.2f} GB/s, "
-              f"{r[k]['ratio']:.2f}x the reference (target >= {TARGET_RATE})")
+              f"{r[k]['ratio']:.2f}x the reference run before it (median of "
+              f"{r['repeats']}; target >= {TARGET_RATE})")
     b = r["background"]
     print(f"  background save: {b['seconds']:.2f} s over {b['steps_during']} step(s) "
           f"({b['step_seconds_during']:.2f} s each; {b['step_seconds']:.2f} s without a save), "
@@ -178,13 +206,15 @@ def add_arguments(p) -> None:
                    help="rows per micro-batch (default 256)")
     p.add_argument("--accum", type=integer(1, example=1), default=1,
                    help="micro-batches per step (default 1)")
+    p.add_argument("--repeats", type=integer(1, example=3), default=3,
+                   help="saves and loads, each after its own dd reference (default 3)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
 
 def run(args) -> int:
     with scratch_dir(args.path) as path:
         result = run_checkpoint_bench(path, parse_count(args.params), args.dim, args.batch,
-                                      args.accum, progress_printer(args.json))
+                                      args.accum, args.repeats, progress_printer(args.json))
     return emit(result, args.json, render)
 
 
