@@ -181,7 +181,8 @@ class OffloadEngine(ModelWeights, nn.Module):
                           param_groups: list[dict[str, Any]] | None = None) -> None:
         self._opt = CpuAdam.open(self.cfg, rank=self.comm.rank,
                                  nvme=self.cfg.engine.optimizer == "nvme", lr_lambda=lr_lambda,
-                                 param_groups=param_groups, recorder=self.recorder)
+                                 param_groups=param_groups, recorder=self.recorder,
+                                 store=self.store)  # the store's swap file and I/O engine
 
     @property
     def optimizer(self) -> CpuAdam:

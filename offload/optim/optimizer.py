@@ -65,7 +65,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Hashable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterable, Mapping, Sequence
 
 import torch
 
@@ -78,6 +78,9 @@ from .codec import Moment, clone_moment, copy_moment, encode, new_moment
 from .pipeline import OptimStepError, SwapPipeline
 from .snapshot import _OUT_DTYPES, StateAccess, flat_tensor
 from .state import ChunkLayout, PartitionState, Segment, Tier, state_bytes
+
+if TYPE_CHECKING:
+    from ..store import TieredStore
 
 log = logging.getLogger(__name__)
 
@@ -194,26 +197,34 @@ class CpuAdam(StateAccess):
     def open(cls, config: OffloadConfig, *, rank: int = 0, nvme: bool = False,
              lr_lambda: Callable[[int], float] | None = None,
              param_groups: Sequence[Mapping[str, Any]] | None = None,
-             recorder: TraceRecorder = NULL_RECORDER) -> "CpuAdam":
-        """A `CpuAdam` from the whole configuration. With `nvme`, it opens its own I/O
-        engine, staging pool (`io.buffer_budget`) and swap file
-        (`offload-r<rank>-optim.swap` under `io.paths`), and closes them in `close()`."""
+             recorder: TraceRecorder = NULL_RECORDER,
+             store: TieredStore | None = None) -> "CpuAdam":
+        """A `CpuAdam` from the whole configuration. With `nvme`, its state lives in the
+        swap file `offload-r<rank>-optim.swap` under `io.paths`, staged through a pool
+        of `io.buffer_budget` bytes. Given a `store`, the swap file is the store's
+        (opened, locked and removed by it) and its I/O goes through the store's
+        engine: one engine queues against the disk. Without, the optimizer opens
+        its own engine and swap file. What it opens, `close()` closes."""
         if not nvme:
             return cls(config.optim, lr_lambda=lr_lambda, param_groups=param_groups,
                        recorder=recorder)
-        engine = make_engine(config.io, recorder)
-        swap = pool = None
+        engine = swap = pool = None
         try:
-            swap = open_swap(config.io, f"r{rank}-optim", engine)
+            if store is not None:
+                swap = store.swap_space("optim")
+            else:
+                engine = make_engine(config.io, recorder)
+                swap = open_swap(config.io, f"r{rank}-optim", engine)
             pool = BufferPool(config.io.buffer_budget)
             opt = cls(config.optim, swap=swap, pool=pool, lr_lambda=lr_lambda,
                       param_groups=param_groups, recorder=recorder)
         except BaseException:
-            for thing in (pool, swap, engine):
+            owned = (pool,) if store is not None else (pool, swap, engine)
+            for thing in owned:
                 if thing is not None:
                     thing.close()
             raise
-        opt._owned = (swap, pool, engine)
+        opt._owned = (pool,) if store is not None else (pool, swap, engine)
         return opt
 
     # -- partitions ------------------------------------------------------------
@@ -676,12 +687,12 @@ class CpuAdam(StateAccess):
                     part.extents = None
             self._parts.clear()
             self.kernel.close()
-            if self._owned:  # swap file removed, buffers returned, engine stopped
-                swap, pool, engine = self._owned
-                self._owned = ()
-                swap.close()
-                pool.close(force=True)
-                engine.close()
+            owned, self._owned = self._owned, ()
+            for thing in owned:  # buffers returned (then swap file removed, engine stopped)
+                if isinstance(thing, BufferPool):
+                    thing.close(force=True)
+                else:
+                    thing.close()
 
     def __enter__(self) -> "CpuAdam":
         return self

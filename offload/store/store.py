@@ -391,8 +391,15 @@ class TieredStore(MoveExecutor):
         with self._cond:
             return self._swap(kind).paths
 
+    @property
+    def io_engine(self) -> IoEngine:
+        """The engine every swap file of this store reads and writes through."""
+        return self._engine
+
     def swap_space(self, kind: str) -> SwapSpace:
-        """The `SwapSpace` of `kind` (opened on first use), for tools and benchmarks.
+        """The `SwapSpace` of `kind` (opened on first use, through the store's I/O engine;
+        closed, with its files, by `close`), for the optimizer's state ("optim"),
+        tools and benchmarks.
 
         Extents allocated there directly are outside the store's records and
         NVME budget: free them before the store needs the room.

@@ -1,0 +1,24 @@
+"""One I/O engine per rank: the optimizer's NVMe state lives in a swap file of the store,
+read and written through the store's engine, and goes away with the store."""
+
+import os
+
+import offload
+
+from .models import TiedTwice, lm_batches, lm_loss
+
+
+def test_optimizer_state_goes_through_the_stores_swap_and_engine(tmp_path, engine_cfg):
+    cfg = engine_cfg("nvme", "nvme", "nvme")
+    swap_dir = cfg["io"]["paths"][0]
+    with offload.initialize(TiedTwice(), cfg) as e:
+        swap = e.optimizer.swap
+        assert swap is e.store.swap_space("optim")
+        assert swap.engine is e.store.io_engine
+        for x, y in lm_batches(2):
+            e.backward(lm_loss(e(x), y))
+            e.step()
+        assert e.optimizer.partition(e.groups[0].gid).extents  # the state is on NVMe
+        files = sorted(os.listdir(swap_dir))
+        assert "offload-r0-optim.swap" in files
+    assert not [f for f in os.listdir(swap_dir) if f.endswith(".swap")]  # removed at close
