@@ -77,7 +77,7 @@ from .blocks import BlockUpdater
 from .codec import Moment, clone_moment, copy_moment, encode, new_moment
 from .pipeline import OptimStepError, SwapPipeline
 from .snapshot import _OUT_DTYPES, StateAccess, flat_tensor
-from .state import ChunkLayout, PartitionState, Segment, Tier, state_bytes
+from .state import ChunkLayout, PartitionState, Segment, Tier, optim_tier, state_bytes
 
 if TYPE_CHECKING:
     from ..store import TieredStore
@@ -265,7 +265,7 @@ class CpuAdam(StateAccess):
         of `group`. segment_steps: each segment's update count (default `step`).
         """
         with self._lock:
-            tier = Tier(tier)
+            tier = optim_tier(tier)
             if pid in self._parts:
                 raise ValueError(f"partition {pid!r} is already registered")
             if step < 0:

@@ -28,16 +28,17 @@ the chunks written but not yet committed (about one partition).
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
 from typing import Hashable
 
 import torch
 
 from ..io import SwapExtent, SwapSpace
+from ..store import Tier
 from .codec import QBLOCK, STATE_DTYPES, Moment, StateDtype, moment_bytes, moment_views
 
-__all__ = ["ChunkLayout", "PartitionState", "Segment", "Tier", "BYTES_PER_ELEM", "state_bytes"]
+__all__ = ["ChunkLayout", "PartitionState", "Segment", "Tier", "BYTES_PER_ELEM", "optim_tier",
+           "state_bytes"]
 
 BYTES_PER_ELEM = 12  # fp32 master + exp_avg + exp_avg_sq, as stored per chunk
 
@@ -48,11 +49,17 @@ def state_bytes(n: int, kinds: int = 3, state_dtype: StateDtype = "fp32") -> int
     return (4 * n if kinds == 3 else 0) + moment_bytes(state_dtype, n)
 
 
-class Tier(enum.Enum):
-    """Home of a partition's optimizer state. Fixed when the partition is added."""
-
-    HOST = "host"  # host tensors, updated in place
-    NVME = "nvme"  # per-chunk swap extents, streamed through the pipeline's buffers
+def optim_tier(value: Tier | str) -> Tier:
+    """The home of a partition's optimizer state, fixed when the partition is added:
+    the store's `Tier.HOST` (host tensors, updated in place) or `Tier.NVME` (per-chunk
+    swap extents, streamed through the pipeline's buffers); "host" / "nvme" accepted."""
+    try:
+        tier = value if isinstance(value, Tier) else Tier[str(value).upper()]
+    except KeyError:
+        tier = None
+    if tier not in (Tier.HOST, Tier.NVME):
+        raise ValueError(f"optimizer state lives on 'host' or 'nvme', not {value!r}")
+    return tier
 
 
 @dataclass(frozen=True)
@@ -132,13 +139,13 @@ class PartitionState:
         if not self.seg_steps:
             self.seg_steps = [self.step] * len(self.segments)
         if (self.tier is Tier.HOST) != (self.host is not None):
-            raise ValueError(f"partition {self.pid!r}: tier {self.tier.value} with "
+            raise ValueError(f"partition {self.pid!r}: tier {self.tier.name} with "
                              f"host={'set' if self.host is not None else 'None'}")
 
     def check_tier(self, tier: Tier) -> None:
         if self.tier is not tier:
-            raise RuntimeError(f"partition {self.pid!r} lives on {self.tier.value}, "
-                               f"expected {tier.value}")
+            raise RuntimeError(f"partition {self.pid!r} lives on {self.tier.name}, "
+                               f"expected {tier.name}")
 
     def commit(self, swap: SwapSpace, new_extents: list[SwapExtent], step: int) -> None:
         """Installs a fully written extent table at version `step` and frees the old table.

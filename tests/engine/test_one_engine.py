@@ -22,3 +22,20 @@ def test_optimizer_state_goes_through_the_stores_swap_and_engine(tmp_path, engin
         files = sorted(os.listdir(swap_dir))
         assert "offload-r0-optim.swap" in files
     assert not [f for f in os.listdir(swap_dir) if f.endswith(".swap")]  # removed at close
+
+
+def test_one_tier_enum_and_optimizer_tiers():
+    """The optimizer's homes are the store's tiers; the device is not one of them."""
+    import pytest
+    import torch
+
+    from offload.optim import CpuAdam, Tier
+    from offload.store import Tier as StoreTier
+    assert Tier is StoreTier
+    opt = CpuAdam()
+    opt.add_partition("a", torch.zeros(8), tier="host")
+    opt.add_partition("b", torch.zeros(8), tier=Tier.HOST)
+    assert opt.partition("a").tier is opt.partition("b").tier is StoreTier.HOST
+    with pytest.raises(ValueError, match="'host' or 'nvme'"):
+        opt.add_partition("c", torch.zeros(8), tier="device")
+    opt.close()
