@@ -67,9 +67,7 @@ def _worker(rank: int, world: int, init: str, out: str, opts: dict[str, Any]) ->
     import torch
     import torch.distributed as dist
 
-    import offload
-    from ..trace import TraceRecorder
-    from .gpt import PRESETS, GPT, ReversalTask
+    from .gpt import PRESETS, ReversalTask
     cuda = torch.cuda.is_available() and torch.cuda.device_count() >= world
     if cuda:
         torch.cuda.set_device(rank)
@@ -82,16 +80,22 @@ def _worker(rank: int, world: int, init: str, out: str, opts: dict[str, Any]) ->
         rows: dict[str, list[tuple[float, float, float]]] = {m: [] for m in MODES}
         for _ in range(opts["repeats"]):
             for mode in MODES:
-                rows[mode] += _run_mode(rank, world, opts, cfg, task, mode, GPT, offload,
-                                        TraceRecorder, dist)
+                rows[mode] += _run_mode(rank, world, opts, cfg, task, mode)
         if rank == 0:
             torch.save(rows, out)
     finally:
         dist.destroy_process_group()
 
 
-def _run_mode(rank, world, opts, cfg, task, mode, GPT, offload, TraceRecorder, dist):
+def _run_mode(rank: int, world: int, opts: dict[str, Any], cfg: Any, task: Any,
+              mode: str) -> list[tuple[float, float, float]]:
+    """One engine in `mode`: (step s, comm s, exposed s) of each measured step."""
     import torch
+    import torch.distributed as dist
+
+    import offload
+    from ..trace import TraceRecorder
+    from .gpt import GPT
     torch.manual_seed(0)
     rec = TraceRecorder(enabled=True, rank=rank)
     swap = os.path.join(opts["swap"], f"{mode}-{rank}")

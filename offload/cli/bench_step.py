@@ -328,11 +328,6 @@ class _Runs:
     remarks: list[str] = field(default_factory=list)  # said of rounds that did count
 
 
-def _median_or_none(values: list) -> float | None:
-    values = [v for v in values if v is not None]
-    return statistics.median(values) if values else None
-
-
 def _row(runs: _Runs) -> dict:
     row: dict = {"system": runs.system, "placement": runs.placement, "median_step_s": None,
                  "peak_rss_GiB": None, "read_bytes_per_step": None,

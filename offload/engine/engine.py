@@ -123,7 +123,6 @@ class OffloadEngine(ModelWeights, nn.Module):
         self.recorder = recorder
         self._spans = UnitSpans(recorder)  # per-unit spans and use waits (docs/trace.md)
         self.dtype = _DTYPES[cfg.engine.dtype]
-        self._reduce_dtype = _DTYPES[cfg.engine.reduce_dtype]  # gradients across ranks
         self.device = store.device
         self.trace = AccessTrace()
         self.micro_step = 0   # backward calls, all steps
@@ -341,8 +340,8 @@ class OffloadEngine(ModelWeights, nn.Module):
             grad = flat.grad
             flat.grad = None
             # summed across ranks in engine.reduce_dtype, accumulated in fp32
-            wire = self._reduce_dtype if self.comm.world > 1 else torch.float32
-            full = grad if grad.dtype == wire else grad.to(wire)
+            full = grad.to(_DTYPES[self.cfg.engine.reduce_dtype] if self.comm.world > 1
+                           else torch.float32)
             del grad
             gid = st.group.gid
             if self.comm.world > 1:

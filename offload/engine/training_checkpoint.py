@@ -405,6 +405,8 @@ class _GroupWriter:
         self.copies: list = []  # futures of the copies of the current `write`
         self.lock = threading.Lock()
         self.bytes = 0
+        # each slot's range on this rank, cut at shared chunks: the same for every write
+        self.segments = [(s, _segments(g, s, rank)) for s in g.slots]
 
     def write(self, lo: int, values: dict[str, torch.Tensor]) -> None:
         """`values`: kind -> the rank's partition-local elements [lo, lo + len) of it;
@@ -420,8 +422,8 @@ class _GroupWriter:
     def _write(self, kind: str, lo: int, values: torch.Tensor) -> None:
         base = self.rank * self.g.shard + lo
         end = base + values.numel()
-        for s in self.g.slots:
-            for a, b, shared in _segments(self.g, s, self.rank):
+        for s, segments in self.segments:
+            for a, b, shared in segments:
                 x, y = max(a, base - s.offset), min(b, end - s.offset)
                 if x >= y:
                     continue

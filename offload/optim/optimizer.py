@@ -219,12 +219,13 @@ class CpuAdam(StateAccess):
             opt = cls(config.optim, swap=swap, pool=pool, lr_lambda=lr_lambda,
                       param_groups=param_groups, recorder=recorder)
         except BaseException:
-            owned = (pool,) if store is not None else (pool, swap, engine)
-            for thing in owned:
+            for thing in (pool,) if store is not None else (pool, swap, engine):
                 if thing is not None:
                     thing.close()
             raise
-        opt._owned = (pool,) if store is not None else (pool, swap, engine)
+        # closed in this order by close(): buffers, then (unless the store's) swap and engine
+        opt._owned = (lambda: pool.close(force=True),) + (
+            () if store is not None else (swap.close, engine.close))
         return opt
 
     # -- partitions ------------------------------------------------------------
@@ -688,11 +689,8 @@ class CpuAdam(StateAccess):
             self._parts.clear()
             self.kernel.close()
             owned, self._owned = self._owned, ()
-            for thing in owned:  # buffers returned (then swap file removed, engine stopped)
-                if isinstance(thing, BufferPool):
-                    thing.close(force=True)
-                else:
-                    thing.close()
+            for close in owned:  # what `open` made for this optimizer
+                close()
 
     def __enter__(self) -> "CpuAdam":
         return self

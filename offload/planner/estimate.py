@@ -85,10 +85,6 @@ class ModelBytes:
     activations: int = 0
     activations_checkpointed: int = 0
 
-    @property
-    def trainable_elems(self) -> int:
-        return sum(n for n, t in self.shards if t)
-
 
 def kind_bytes(m: ModelBytes) -> dict[str, int]:
     """Bytes per rank of each kind of partition (4 KiB-rounded as stored); `master` is 0

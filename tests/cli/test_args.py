@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from offload.cli import args as cli_args
-from offload.cli.main import build_parser, main
+from offload.cli.main import build_parser
 
 OFFLOAD = [sys.executable, "-m", "offload.cli.main"]
 
@@ -118,24 +118,15 @@ def _prog(argv: list[str]) -> str:
     return "offload " + " ".join(argv[:2] if argv[0] in ("bench", "checkpoint") else argv[:1])
 
 
-def _offload(argv: list[str], capsys) -> tuple[int, str, str]:
-    try:
-        rc = main(argv)
-    except SystemExit as e:
-        rc = e.code
-    out = capsys.readouterr()
-    return rc, out.out, out.err
-
-
 @pytest.mark.parametrize("argv, says", BAD, ids=[" ".join(a) for a, _ in BAD])
 def test_bad_value_is_one_line_exit_2_and_creates_nothing(argv, says, tmp_path, monkeypatch,
-                                                          capsys):
+                                                          offload_cli):
     f = tmp_path / "file"
     f.write_text("x")
     argv = [a.replace(FILE, str(f)) for a in argv]
     says = says.replace(FILE, str(f))
     monkeypatch.chdir(tmp_path)
-    rc, out, err = _offload(argv, capsys)
+    rc, out, err = offload_cli(argv)
     prog = _prog(argv)
     assert rc == 2, err
     assert err.startswith(f"{prog}: {says}"), err
@@ -153,11 +144,11 @@ def test_bad_value_is_one_line_exit_2_and_creates_nothing(argv, says, tmp_path, 
                                   ["bench", "io", "--path", RO],
                                   ["bench", "adam", "--nvme", f"{RO}/x"]])
 def test_read_only_directory_is_refused_before_any_work(argv, readonly_dir, tmp_path,
-                                                        monkeypatch, capsys):
+                                                        monkeypatch, offload_cli):
     argv = [a.replace(RO, str(readonly_dir)) for a in argv]
     monkeypatch.chdir(tmp_path)
     before = sorted(os.listdir(tmp_path))
-    rc, out, err = _offload(argv, capsys)
+    rc, out, err = offload_cli(argv)
     assert rc == 2 and err.count("\n") == 1, err
     assert ("is on a read-only file system" in err or "is not writable" in err), err
     assert out == "" and sorted(os.listdir(tmp_path)) == before

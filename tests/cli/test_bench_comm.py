@@ -4,15 +4,15 @@ import json
 
 import pytest
 
-from offload.cli.main import main
 
 pytestmark = pytest.mark.distributed
 
 
-def test_bench_comm_reports_both_modes(tmp_path, capsys):
-    assert main(["bench", "comm", "--size", "tiny", "--steps", "1", "--repeats", "1",
-                 "--batch", "2", "--path", str(tmp_path), "--json"]) == 0
-    r = json.loads(capsys.readouterr().out)
+def test_bench_comm_reports_both_modes(tmp_path, offload_cli):
+    rc, out, err = offload_cli(["bench", "comm", "--size", "tiny", "--steps", "1", "--repeats",
+                                "1", "--batch", "2", "--path", str(tmp_path), "--json"])
+    assert rc == 0, err
+    r = json.loads(out)
     assert r["nproc"] == 2 and r["backend"] == "gloo"
     rows = {row["mode"]: row for row in r["rows"]}
     assert set(rows) == {"serial", "overlap"}
@@ -25,9 +25,7 @@ def test_bench_comm_reports_both_modes(tmp_path, capsys):
     assert list(tmp_path.iterdir()) == []  # scratch files removed
 
 
-def test_bench_comm_flags_are_checked(capsys):
-    with pytest.raises(SystemExit) as e:
-        main(["bench", "comm", "--nproc", "0"])
-    assert e.value.code == 2
-    err = capsys.readouterr().err
+def test_bench_comm_flags_are_checked(offload_cli):
+    rc, _, err = offload_cli(["bench", "comm", "--nproc", "0"])
+    assert rc == 2
     assert "--nproc" in err and len(err.strip().splitlines()) == 1

@@ -7,7 +7,6 @@ import torch
 from safetensors import safe_open
 
 import offload
-from offload.cli.main import main
 
 from ..engine.models import TiedTwice, lm_batches, lm_loss
 
@@ -30,18 +29,9 @@ def saved(tmp_path):
     return tmp_path / "ck", sd
 
 
-def _run(argv, capsys):
-    try:
-        rc = main(argv)
-    except SystemExit as e:
-        rc = e.code
-    out = capsys.readouterr()
-    return rc, out.out, out.err
-
-
-def test_info(saved, capsys):
+def test_info(saved, offload_cli):
     ck, sd = saved
-    rc, out, err = _run(["checkpoint", "info", str(ck), "--json"], capsys)
+    rc, out, err = offload_cli(["checkpoint", "info", str(ck), "--json"])
     assert rc == 0, err
     info = json.loads(out)
     n = sum(v.numel() for k, v in sd.items() if k != "head.weight")
@@ -50,34 +40,34 @@ def test_info(saved, capsys):
     assert info["bytes"] == {"param": 2 * n, "master": 4 * n, "exp_avg": 4 * n,
                              "exp_avg_sq": 4 * n}
     assert info["integrity"] == "ok" and info["extra"] == {"epoch": 1}
-    rc, out, _ = _run(["checkpoint", "info", str(ck)], capsys)
+    rc, out, _ = offload_cli(["checkpoint", "info", str(ck)])
     assert rc == 0 and "step 2" in out and "integrity: ok" in out
 
 
-def test_info_reports_damage(saved, capsys):
+def test_info_reports_damage(saved, offload_cli):
     ck, _ = saved
     chunk = ck / "exp_avg" / "l2.weight" / "c" / "0" / "0"
     data = bytearray(chunk.read_bytes())
     data[7] ^= 1
     chunk.write_bytes(bytes(data))
-    rc, out, _ = _run(["checkpoint", "info", str(ck)], capsys)
+    rc, out, _ = offload_cli(["checkpoint", "info", str(ck)])
     assert rc == 1
     assert "integrity: damaged" in out and "exp_avg/l2.weight, chunk (0, 0)" in out
 
 
-def test_info_refuses_what_is_not_a_checkpoint(tmp_path, capsys):
-    rc, _, err = _run(["checkpoint", "info", str(tmp_path)], capsys)
+def test_info_refuses_what_is_not_a_checkpoint(tmp_path, offload_cli):
+    rc, _, err = offload_cli(["checkpoint", "info", str(tmp_path)])
     assert rc == 2
     assert err == (f"offload checkpoint info: path: '{tmp_path}' holds no checkpoint.json; "
                    "give a checkpoint directory (written by engine.save_checkpoint)\n")
 
 
 @pytest.mark.parametrize("dtype,shard_size", [("fp32", "5GB"), ("saved", "4KB")])
-def test_export_safetensors_loads_back(saved, tmp_path, capsys, dtype, shard_size):
+def test_export_safetensors_loads_back(saved, tmp_path, offload_cli, dtype, shard_size):
     ck, sd = saved
     out = tmp_path / "hf"
-    rc, stdout, err = _run(["checkpoint", "export", str(ck), "--to", str(out), "--dtype", dtype,
-                            "--shard-size", shard_size], capsys)
+    rc, stdout, err = offload_cli(["checkpoint", "export", str(ck), "--to", str(out),
+                                   "--dtype", dtype, "--shard-size", shard_size])
     assert rc == 0, err
     files = sorted(p.name for p in out.iterdir())
     if shard_size == "5GB":
@@ -99,13 +89,13 @@ def test_export_safetensors_loads_back(saved, tmp_path, capsys, dtype, shard_siz
     with offload.initialize(TiedTwice(), cfg, checkpoint=out) as e:
         for k, v in e.state_dict().items():
             assert torch.equal(v, got["emb.weight" if k == "head.weight" else k].float()), k
-    rc, _, err = _run(["checkpoint", "export", str(ck), "--to", str(out)], capsys)
+    rc, _, err = offload_cli(["checkpoint", "export", str(ck), "--to", str(out)])
     assert rc == 2 and "already holds safetensors files" in err
 
 
-def test_bench_checkpoint_small(tmp_path, capsys):
-    rc, out, err = _run(["bench", "checkpoint", "--params", "300K", "--dim", "256", "--batch",
-                         "8", "--path", str(tmp_path), "--json"], capsys)
+def test_bench_checkpoint_small(tmp_path, offload_cli):
+    rc, out, err = offload_cli(["bench", "checkpoint", "--params", "300K", "--dim", "256",
+                                "--batch", "8", "--path", str(tmp_path), "--json"])
     assert rc == 0, err
     r = json.loads(out)
     assert r["bytes"] == 12 * r["parameters"] and r["layers"] == 5

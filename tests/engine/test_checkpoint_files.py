@@ -15,6 +15,7 @@ import offload.engine.training_checkpoint as tc
 from offload.engine.checkpoint_chunks import CRC_BYTES
 
 from .models import TiedTwice, lm_batches, lm_loss
+from .test_checkpoint import _assert_identical, _optim_state
 
 
 def _cfg(engine_cfg, tmp_path, name, params="host", optimizer="host", dtype="fp32"):
@@ -30,18 +31,7 @@ def _train(engine, batches):
 
 
 def _state(engine):
-    out = {f"p.{k}": v.clone() for k, v in engine.state_dict().items()}
-    for g in engine.groups:
-        if g.requires_grad:
-            for k, v in engine.optimizer.partition_state(g.gid).items():
-                out[f"{k}.{g.gid}"] = v.clone()
-    return out
-
-
-def _same(a, b):
-    assert a.keys() == b.keys()
-    for k in a:
-        assert torch.equal(a[k], b[k]), k
+    return {"sd": engine.state_dict(), "opt": _optim_state(engine)}
 
 
 @pytest.fixture
@@ -85,9 +75,9 @@ def test_checkpoint_of_zeros_loads(tmp_path, engine_cfg):
         after = _state(a)
     assert all(f.stat().st_size > CRC_BYTES for f in (ck / "exp_avg_sq").rglob("c/*/*"))
     with offload.initialize(TiedTwice, _cfg(engine_cfg, tmp_path, "b"), resume=ck) as b:
-        _same(_state(b), want)
+        _assert_identical(_state(b), want)
         _train(b, lm_batches(1))
-        _same(_state(b), after)
+        _assert_identical(_state(b), after)
 
 
 @pytest.mark.parametrize("optimizer", ["host", "nvme"])
@@ -106,4 +96,4 @@ def test_save_and_resume_without_o_direct(tmp_path, engine_cfg, no_direct_dir, s
     with offload.initialize(TiedTwice, _cfg(engine_cfg, tmp_path, "b", "host", optimizer),
                             resume=ck) as b:
         _train(b, batches[3:])
-        _same(_state(b), want)
+        _assert_identical(_state(b), want)

@@ -10,8 +10,6 @@ chunks that both ranks write (in turns) occur.
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import offload
 
@@ -19,6 +17,7 @@ import offload.engine.training_checkpoint as tc
 
 from .models import lm_batches, lm_loss
 from .test_checkpoint import Dropped, schedule
+from .ranks import gloo_group, spawn
 
 pytestmark = pytest.mark.distributed
 
@@ -44,9 +43,7 @@ def _cfg(engine_cfg, tmp_path, name, placement):
 
 
 def _worker(rank, world, init_file, cfg, resume, save, out):
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world)
-    try:
+    with gloo_group(rank, world, init_file):
         batches = lm_batches(BATCHES)
         torch.manual_seed(0)
         if resume is None:  # steps 1-3 on two ranks, then save (and train on)
@@ -65,13 +62,10 @@ def _worker(rank, world, init_file, cfg, resume, save, out):
                 if rank == 0:
                     torch.save({"sd": sd, "mine": opt_bytes,
                                 "total": sum(g.padded for g in e.groups)}, out)
-    finally:
-        dist.destroy_process_group()
 
 
 def _two_ranks(tmp_path, tag, cfg, resume=None, save=None, out=None):
-    mp.start_processes(_worker, args=(2, str(tmp_path / f"init-{tag}"), cfg, resume, save, out),
-                       nprocs=2, join=True, start_method="spawn")
+    spawn(_worker, str(tmp_path / f"init-{tag}"), cfg, resume, save, out)
 
 
 @pytest.mark.parametrize("placement", [("host", "host", "host"), ("nvme", "nvme", "nvme")])

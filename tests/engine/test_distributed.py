@@ -4,10 +4,9 @@ import os
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from .models import TiedTwice, lm_batches, lm_loss
+from .ranks import gloo_group, spawn
 
 pytestmark = pytest.mark.distributed
 
@@ -16,9 +15,7 @@ STEPS = 5
 
 def _worker(rank: int, world: int, init_file: str, out: str, cfg: dict) -> None:
     import offload
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world)
-    try:
+    with gloo_group(rank, world, init_file):
         torch.manual_seed(0)
         model = TiedTwice()
         engine = offload.initialize(model, cfg)
@@ -34,16 +31,13 @@ def _worker(rank: int, world: int, init_file: str, out: str, cfg: dict) -> None:
         if rank == 0:
             torch.save({"sd": sd, "mine": mine, "total": total}, out)
         engine.close()
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("params,optimizer", [("device", "host"), ("nvme", "nvme")])
 def test_two_ranks_match_single_process(tmp_path, engine_cfg, params, optimizer):
     cfg = engine_cfg(params, "host", optimizer)
     out = str(tmp_path / "rank0.pt")
-    mp.start_processes(_worker, args=(2, str(tmp_path / "init"), out, cfg), nprocs=2,
-                       join=True, start_method="spawn")
+    spawn(_worker, str(tmp_path / "init"), out, cfg)
     res = torch.load(out)
     assert res["mine"] * 2 == res["total"]
     torch.manual_seed(0)
@@ -65,9 +59,7 @@ def _sometimes_worker(rank: int, world: int, init_file: str, out: str, cfg: dict
     import offload
 
     from .test_numbers import Sometimes, _data
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world)
-    try:
+    with gloo_group(rank, world, init_file):
         torch.manual_seed(0)
         engine = offload.initialize(Sometimes(), cfg)
         for step, (x, y) in enumerate(_data(STEPS)):
@@ -79,8 +71,6 @@ def _sometimes_worker(rank: int, world: int, init_file: str, out: str, cfg: dict
         if rank == 0:
             torch.save(sd, out)
         engine.close()
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("params,optimizer", [("device", "host"), ("nvme", "nvme")])
@@ -93,8 +83,7 @@ def test_two_ranks_parameters_used_by_one_rank_and_param_groups(tmp_path, engine
     cfg = engine_cfg(params, "host", optimizer, group_size=100_000)
     cfg["optim"]["param_groups"] = [{"params": ["*.bias", "norm.*"], "weight_decay": 0.0}]
     out = str(tmp_path / "rank0.pt")
-    mp.start_processes(_sometimes_worker, args=(2, str(tmp_path / "init"), out, cfg), nprocs=2,
-                       join=True, start_method="spawn")
+    spawn(_sometimes_worker, str(tmp_path / "init"), out, cfg)
     sd = torch.load(out)
     torch.manual_seed(0)
     ref = Sometimes()
@@ -117,9 +106,7 @@ def _diverging_worker(rank: int, world: int, init_file: str, out: str, cfg: dict
     import offload
 
     from .test_numbers import Sometimes, _data
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world)
-    try:
+    with gloo_group(rank, world, init_file):
         torch.manual_seed(0)
         engine = offload.initialize(Sometimes(), cfg)
         x, y = _data(1)[0]
@@ -132,8 +119,6 @@ def _diverging_worker(rank: int, world: int, init_file: str, out: str, cfg: dict
             msg = str(e)
         torch.save(msg, f"{out}.{rank}")
         engine.close()
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("params,optimizer", [("device", "host"), ("nvme", "nvme")])
@@ -143,8 +128,7 @@ def test_ranks_running_different_modules_raise_instead_of_hanging(tmp_path, engi
     before an all-gather of one pairs with another group's on the other rank."""
     cfg = engine_cfg(params, "host", optimizer, group_size=1200)
     out = str(tmp_path / "msg")
-    mp.start_processes(_diverging_worker, args=(2, str(tmp_path / "init"), out, cfg), nprocs=2,
-                       join=True, start_method="spawn")
+    spawn(_diverging_worker, str(tmp_path / "init"), out, cfg)
     msgs = [torch.load(f"{out}.{r}") for r in range(2)]
     assert "rank 0 runs the forward of unit 'b'" in msgs[0], msgs[0]
     assert "rank 1 runs the forward of unit 'norm'" in msgs[1], msgs[1]
@@ -166,9 +150,7 @@ class _TwoHeads(torch.nn.Module):
 def _backward_diverging_worker(rank: int, world: int, init_file: str, out: str,
                                cfg: dict) -> None:
     import offload
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world)
-    try:
+    with gloo_group(rank, world, init_file):
         torch.manual_seed(0)
         engine = offload.initialize(_TwoHeads(), cfg)
         main, aux = engine(torch.randn(4, 8))
@@ -179,8 +161,6 @@ def _backward_diverging_worker(rank: int, world: int, init_file: str, out: str,
             msg = str(e)
         torch.save(msg, f"{out}.{rank}")
         engine.close()
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("group_size", [100, 100_000], ids=["unit-each", "one-unit"])
@@ -191,8 +171,7 @@ def test_ranks_whose_backward_differs_raise_instead_of_hanging(tmp_path, engine_
     naming what they run. Inside one unit that is allowed: no error."""
     cfg = engine_cfg("device", "host", "host", group_size=group_size)
     out = str(tmp_path / "msg")
-    mp.start_processes(_backward_diverging_worker, args=(2, str(tmp_path / "init"), out, cfg),
-                       nprocs=2, join=True, start_method="spawn")
+    spawn(_backward_diverging_worker, str(tmp_path / "init"), out, cfg)
     msgs = [torch.load(f"{out}.{r}") for r in range(2)]
     for r, m in enumerate(msgs):
         if group_size == 100:

@@ -3,10 +3,9 @@ rank 0 keeps a state dict or writes files, and writes reach each rank's own shar
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from .models import TiedTwice, lm_batches, lm_loss
+from .ranks import gloo_group, spawn
 
 pytestmark = pytest.mark.distributed
 
@@ -19,9 +18,7 @@ def _pattern() -> torch.Tensor:
 
 def _worker(rank: int, world: int, init_file: str, out: str, cfg: dict) -> None:
     import offload
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world)
-    try:
+    with gloo_group(rank, world, init_file):
         torch.manual_seed(0)
         engine = offload.initialize(TiedTwice(vocab=VOCAB), cfg)
         for x, y in lm_batches(2, vocab=VOCAB, batch=8):
@@ -52,15 +49,12 @@ def _worker(rank: int, world: int, init_file: str, out: str, cfg: dict) -> None:
                     "again": again},
                    f"{out}.{rank}")
         engine.close()
-    finally:
-        dist.destroy_process_group()
 
 
 def test_two_ranks_gather_keep_on_rank_zero_and_write_their_shards(tmp_path, engine_cfg):
     cfg = engine_cfg("nvme", "host", "nvme", group_size=1200)
     out = str(tmp_path / "res")
-    mp.start_processes(_worker, args=(2, str(tmp_path / "init"), out, cfg), nprocs=2,
-                       join=True, start_method="spawn")
+    spawn(_worker, str(tmp_path / "init"), out, cfg)
     r0, r1 = torch.load(f"{out}.0"), torch.load(f"{out}.1")
     assert r1["sd"] == {} and set(r0["sd"]) == set(TiedTwice(vocab=VOCAB).state_dict())
     for k, v in r0["sd"].items():

@@ -5,23 +5,20 @@ next unit's all-gather runs while the current unit's forward computes; with
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from offload.trace import TraceRecorder
 from offload.trace.analysis import parse_trace
 from offload.trace.chrome import to_chrome_trace
 
 from .models import TiedTwice, lm_batches, lm_loss
+from .ranks import gloo_group, spawn
 
 pytestmark = pytest.mark.distributed
 
 
 def _worker(rank: int, world: int, init_file: str, out: str, cfg: dict) -> None:
     import offload
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world)
-    try:
+    with gloo_group(rank, world, init_file):
         torch.manual_seed(0)
         rec = TraceRecorder(enabled=True, rank=rank)
         with offload.initialize(TiedTwice(), cfg, recorder=rec) as engine:
@@ -33,8 +30,6 @@ def _worker(rank: int, world: int, init_file: str, out: str, cfg: dict) -> None:
         (rt,) = parse_trace(to_chrome_trace(rec))
         if rank == 0:
             torch.save([(s.name, s.cat, s.start, s.end) for s in rt.spans], out)
-    finally:
-        dist.destroy_process_group()
 
 
 def _overlaps(spans, comm: str, phase: str) -> int:
@@ -51,8 +46,7 @@ def test_collectives_run_behind_compute(tmp_path, engine_cfg, overlap):
     cfg = engine_cfg("host", "host", "host", group_size=1500, check_rank_order=False,
                      **({} if overlap else {"prefetch_depth": 0, "reductions_in_flight": 0}))
     out = str(tmp_path / "spans.pt")
-    mp.start_processes(_worker, args=(2, str(tmp_path / "init"), out, cfg), nprocs=2,
-                       join=True, start_method="spawn")
+    spawn(_worker, str(tmp_path / "init"), out, cfg)
     spans = torch.load(out)
     behind_backward = _overlaps(spans, "reduce-scatter", "backward")
     behind_forward = _overlaps(spans, "all-gather", "forward")

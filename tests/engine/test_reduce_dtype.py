@@ -3,14 +3,13 @@ wire), each rank's slice accumulated in fp32; several reductions in flight."""
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from offload.trace import TraceRecorder
 from offload.trace.analysis import parse_trace
 from offload.trace.chrome import to_chrome_trace
 
 from .models import TiedTwice, lm_batches, lm_loss
+from .ranks import gloo_group, spawn
 
 pytestmark = pytest.mark.distributed
 
@@ -19,9 +18,7 @@ STEPS = 4
 
 def _worker(rank: int, world: int, init_file: str, out: str, cfg: dict) -> None:
     import offload
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world)
-    try:
+    with gloo_group(rank, world, init_file):
         torch.manual_seed(0)
         rec = TraceRecorder(enabled=True, rank=rank)
         engine = offload.initialize(TiedTwice(), cfg, recorder=rec)
@@ -35,16 +32,13 @@ def _worker(rank: int, world: int, init_file: str, out: str, cfg: dict) -> None:
         engine.close()
         if rank == 0:
             torch.save({"sd": sd, "reductions": reductions}, out)
-    finally:
-        dist.destroy_process_group()
 
 
 def _run(tmp_path, engine_cfg, name: str, **engine) -> dict:
     cfg = engine_cfg("host", "host", "host", dtype="bf16", **engine)
     cfg["io"]["paths"] = [str(tmp_path / name)]
     out = str(tmp_path / f"{name}.pt")
-    mp.start_processes(_worker, args=(2, str(tmp_path / f"init-{name}"), out, cfg), nprocs=2,
-                       join=True, start_method="spawn")
+    spawn(_worker, str(tmp_path / f"init-{name}"), out, cfg)
     return torch.load(out)
 
 

@@ -1,0 +1,26 @@
+"""Running a test's worker on several ranks: processes spawned by torch.multiprocessing,
+joined by a gloo process group over a file in the test's directory."""
+
+import contextlib
+from typing import Callable, Iterator
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+@contextlib.contextmanager
+def gloo_group(rank: int, world: int, init_file: str) -> Iterator[None]:
+    """The worker's process group, destroyed on every way out."""
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(worker: Callable, init_file: str, *args: object, world: int = 2) -> None:
+    """Runs worker(rank, world, init_file, *args) on `world` new processes; raises if
+    one fails."""
+    mp.start_processes(worker, args=(world, init_file, *args), nprocs=world, join=True,
+                       start_method="spawn")
