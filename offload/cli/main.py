@@ -112,10 +112,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{_prog(args)}: unrecognized arguments: {' '.join(extra)}; see "
               f"'{_prog(args)} --help'", file=sys.stderr)
         return 2
+    from rich.console import Console
     from rich.logging import RichHandler
 
+    # logs go to stderr: stdout carries the command's output (--json must parse)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(message)s", handlers=[RichHandler(show_path=False)])
+                        format="%(message)s",
+                        handlers=[RichHandler(console=Console(stderr=True), show_path=False)])
     try:
         return run_command(args.func, args, _prog(args))
     except KeyboardInterrupt:

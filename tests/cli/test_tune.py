@@ -47,7 +47,9 @@ def test_tune_writes_a_config_that_initialize_takes_unchanged(work):
     assert out.returncode == 0, out.stderr
     res = json.loads(out.stdout)
     steps = [r["predicted_step_s"] for r in res["results"]]
-    assert steps == sorted(steps) and len(steps) == res["candidates"] > 1
+    # ranked best first; predictions within a microsecond tie and go by bytes moved
+    rounded = [round(s, 6) for s in steps]
+    assert rounded == sorted(rounded) and len(steps) == res["candidates"] > 1
     assert len(res["verify"]) == 2 and all(v["measured_step_s"] > 0 for v in res["verify"])
     assert res["calibration_runs"] and res["calibration"]
     # the written configuration is the fastest measured of every real run
