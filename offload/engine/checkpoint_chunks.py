@@ -36,8 +36,9 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..io import AioEngine, BufferPool, HostBuffer, IoEngine, IoHandle, ThreadEngine
+from ..io import AioEngine, BufferPool, HostBuffer, IoEngine, IoHandle, Segment, ThreadEngine
 from ..io import libaio_status, probe_direct
+from ..io.buffers import populate
 from ..io.engine import DIRECT_ALIGN
 
 __all__ = ["ChunkFileError", "ChunkFiles", "CRC_BYTES", "chunk_key", "syncfs"]
@@ -49,9 +50,33 @@ BUFFER_WAIT_S = 600.0  # a buffer not given back by then is a bug, raised, not a
 BLOCK = 1 << 20  # bytes per I/O request given to the kernel
 
 
-def _crc32c(view: memoryview) -> int:
+def _crc32c(view: memoryview, value: int = 0) -> int:
+    """crc32c of `view`, continuing from `value` (the crc of what precedes it)."""
     import crc32c  # hardware crc32c; releases the GIL on large buffers
-    return crc32c.crc32c(view)
+    return crc32c.crc32c(view, value)
+
+
+class _Populator:
+    """Faults in `tensors`' pages, in order, on a thread of its own, ahead of the
+    reads that fill them ([Note: populating ahead] in offload/io/buffers.py)."""
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        self._stopped = threading.Event()
+        self._thread = None
+        if tensors:
+            self._thread = threading.Thread(target=self._run, args=(tensors,),
+                                            name="offload-populate", daemon=True)
+            self._thread.start()
+
+    def _run(self, tensors: list[torch.Tensor]) -> None:
+        for t in tensors:
+            if self._stopped.is_set() or not populate(t):
+                return
+
+    def stop(self) -> None:
+        self._stopped.set()
+        if self._thread is not None:
+            self._thread.join()
 
 
 def _round_up(n: int, a: int = DIRECT_ALIGN) -> int:
@@ -137,6 +162,7 @@ class ChunkFiles:
                                  else ThreadEngine(threads=depth, **kw))
         self.capacity = _round_up(max_chunk_bytes + CRC_BYTES)
         self.pool = BufferPool((depth + held) * (self.capacity + DIRECT_ALIGN), pin=False)
+        self._tails = BufferPool(depth * 2 * DIRECT_ALIGN, pin=False)  # reads into place
         self.depth = depth
         self._work = ThreadPoolExecutor(workers, thread_name_prefix="offload-chunks")
         self._cv = threading.Condition()
@@ -152,6 +178,7 @@ class ChunkFiles:
             self._work.shutdown(wait=True)
             self.engine.close()
             self.pool.close(force=True)
+            self._tails.close(force=True)
 
     def __enter__(self) -> "ChunkFiles":
         return self
@@ -229,48 +256,71 @@ class ChunkFiles:
 
     # -- reading -----------------------------------------------------------------
     def read(self, chunks: Sequence[tuple[str, int]],
-             consume: Callable[[int, torch.Tensor], None]) -> None:
+             consume: Callable[[int, torch.Tensor], None],
+             into: Sequence[torch.Tensor | None] | None = None) -> None:
         """Reads each (path, nbytes) of `chunks` and calls `consume(i, data)` with the
         index and the chunk's `nbytes` bytes (a uint8 tensor valid during the call),
         its checksum verified, on a chunk thread, in any order; up to `depth` reads
         in flight. Returns when all are consumed; raises the first error (a
-        `ChunkFileError` carries the chunk's index as `index`)."""
+        `ChunkFileError` carries the chunk's index as `index`).
+
+        `into[i]`, where given, is where chunk i's bytes go (a contiguous CPU uint8
+        tensor of `nbytes`): its pages are faulted in ahead on a thread of their
+        own ([Note: populating ahead]), and where it is aligned for O_DIRECT the
+        chunk is read straight into it, checked there, and `consume` is not called
+        for it. A chunk that fails its checksum has then already been written
+        there: pass `into` only for memory that a failed read may leave garbled."""
+        into = list(into) if into is not None else [None] * len(chunks)
+        ahead = _Populator([t for t in into if t is not None])
         first: BaseException | None = None
         try:
             for i, (path, nbytes) in enumerate(chunks):
                 with self._cv:
                     if self._error is not None:
                         break
-                self._start_read(i, path, nbytes, consume)
+                self._start_read(i, path, nbytes, consume, into[i])
         except BaseException as e:
             first = e
         self._drain()  # every buffer back before anything is raised
+        ahead.stop()
         with self._cv:
             first, self._error = first or self._error, None
         if first is not None:
             raise first
 
+    def _direct(self, dest: torch.Tensor | None, nbytes: int) -> bool:
+        return (dest is not None and self.direct and nbytes >= DIRECT_ALIGN
+                and dest.data_ptr() % DIRECT_ALIGN == 0)
+
     def _start_read(self, i: int, path: str, nbytes: int,
-                    consume: Callable[[int, torch.Tensor], None]) -> None:
+                    consume: Callable[[int, torch.Tensor], None],
+                    dest: torch.Tensor | None) -> None:
         size = nbytes + CRC_BYTES
         try:
             fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if self.direct else 0))
         except FileNotFoundError:
             raise ChunkFileError(path, "is missing", i) from None
+        direct = self._direct(dest, nbytes)
+        # direct: the whole blocks into `dest`, the rest (the checksum and the bytes
+        # of the last partial block) into a small buffer
+        body = nbytes // DIRECT_ALIGN * DIRECT_ALIGN if direct else 0
         try:
             have = os.fstat(fd).st_size
             if have != size:
                 raise ChunkFileError(path, f"has {have} bytes, a chunk of this array has "
                                      f"{size} ({nbytes} + a {CRC_BYTES}-byte checksum)", i)
-            buf = self.buffer()
+            buf = self._tails.alloc(2 * DIRECT_ALIGN, tag="chunk tail",
+                                    timeout=BUFFER_WAIT_S) if direct else self.buffer()
         except BaseException:
             os.close(fd)
             raise
         self._begin()
         try:  # the whole file in one request: the block past its end is not read
-            h = self.engine.read(fd, path, 0, buf.address,
-                                 _round_up(size) if self.direct else size, keepalive=buf,
-                                 eof=size)
+            segs = [Segment(fd, path, body, buf.address,
+                            _round_up(size - body) if self.direct else size - body)]
+            if direct:
+                segs.insert(0, Segment(fd, path, 0, dest.data_ptr(), body))
+            h = self.engine.submit("read", segs, keepalive=(buf, dest), eof=size)
         except BaseException:
             os.close(fd)
             buf.release()
@@ -281,13 +331,18 @@ class ChunkFiles:
             error = None if h.error is None else ChunkFileError(path, str(h.error), i)
             try:
                 if error is None:
-                    view = buf.memoryview()
-                    want = int.from_bytes(view[nbytes:size], "little")
-                    got = _crc32c(view[:nbytes])
+                    tail = buf.memoryview()
+                    rest = nbytes - body
+                    want = int.from_bytes(tail[rest:rest + CRC_BYTES], "little")
+                    got = _crc32c(tail[:rest], _crc32c(memoryview(dest[:body].numpy()))
+                                  if body else 0)
                     if got != want:
                         raise ChunkFileError(path, f"fails its checksum (crc32c {got:#010x}, "
                                              f"stored {want:#010x})", i)
-                    consume(i, buf.tensor[:nbytes])
+                    if direct:
+                        dest[body:nbytes].copy_(buf.tensor[:rest])
+                    else:
+                        consume(i, buf.tensor[:nbytes])
             except BaseException as e:
                 error = e
             finally:

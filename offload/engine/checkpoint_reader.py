@@ -13,6 +13,7 @@ from typing import Any, Callable
 import torch
 
 from ..io import host_copy
+from ..io.buffers import mapped_empty
 from .checkpoint_chunks import CRC_BYTES, ChunkFileError, ChunkFiles, chunk_key
 from .training_checkpoint import (_DTYPE_NAMES, FORMAT, PARTIAL, RECORD, TORCH_DTYPES,
                                   CheckpointCorruptError, CheckpointError,
@@ -21,6 +22,26 @@ from .training_checkpoint import (_DTYPE_NAMES, FORMAT, PARTIAL, RECORD, TORCH_D
 from .units import Group, Slot
 
 __all__ = ["CheckpointReader"]
+
+
+def _fresh(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """Memory for a resumed partition's state, in a mapping of its own with small
+    pages: torch's large allocations ask for huge pages ([Note: huge pages]), and
+    in a virtual machine the first touch of a huge page, which the hypervisor must
+    back whole, ran at 0.3-0.5 GB/s against 1-2 GB/s for small ones; a resume
+    lands the whole state in new memory ([Note: populating ahead])."""
+    return mapped_empty(numel, dtype)
+
+
+def _chunk_in(out: torch.Tensor | None, dtype: torch.dtype, a: int, b: int, ce: int,
+              k: int) -> torch.Tensor | None:
+    """The bytes of `out` (elements [a, b) of an array) that chunk `k` of `ce`
+    elements fills, where the whole chunk lands in `out` and `out` is a contiguous
+    CPU tensor of the array's dtype; else None (the chunk is read and copied)."""
+    if (out is None or out.dtype != dtype or out.device.type != "cpu"
+            or not out.is_contiguous() or k * ce < a or (k + 1) * ce > b):
+        return None
+    return out[k * ce - a:(k + 1) * ce - a].view(torch.uint8)
 
 
 class CheckpointReader:
@@ -178,7 +199,8 @@ class CheckpointReader:
                   for kind, name, dtype, ce, ndim, _a, _b, _out, k in todo]
         files = self._chunk_files(max(n for _p, n in chunks))
         try:
-            files.read(chunks, consume)
+            files.read(chunks, consume, [_chunk_in(out, dtype, a, b, ce, k)
+                                         for _k, _n, dtype, ce, _d, a, b, out, k in todo])
         except ChunkFileError as e:
             kind, name, _dt, _ce, ndim, _a, _b, _out, k = todo[e.index]
             raise CheckpointCorruptError(
@@ -199,8 +221,13 @@ class CheckpointReader:
         """`rank`'s partition of group `g` (of this model's layout) of `kind`, into `out`
         (1-D, `g.shard` elements of `dtype`; default a new tensor); padding is zero.
         `master` falls back to `param` where the master was the parameter."""
-        if out is None:
-            out = torch.empty(g.shard, dtype=dtype)
+        out = _fresh(g.shard, dtype) if out is None else out
+        self.read_into(self._shard_items(kind, g, rank, out))
+        return out
+
+    def _shard_items(self, kind: str, g: Group, rank: int,
+                     out: torch.Tensor) -> list[tuple[str, str, int, int, torch.Tensor]]:
+        """`read_into`'s items that fill `out` as `read_shard` does; zeroes its padding."""
         items = []
         filled = 0  # out[:filled] is spoken for; the gaps between slots are padding: zeros
         for s in g.slots:
@@ -214,8 +241,7 @@ class CheckpointReader:
             items.append((k, name, a, b, out[base + a:base + b]))
             filled = base + b
         out[filled:].zero_()
-        self.read_into(items)
-        return out
+        return items
 
     def step_of(self, g: Group) -> int:
         """The step count of the saved group that held `g`'s first parameter."""
@@ -231,17 +257,22 @@ class CheckpointReader:
         rank = engine.comm.rank
         with engine.store.create(("p", g.gid), g.shard, engine.dtype, kind="param",
                                  tier=engine._param_tier) as param:  # read in place: no copy
-            self.read_shard("param", g, rank, engine.dtype, out=param)
             if not g.requires_grad:
+                self.read_into(self._shard_items("param", g, rank, param))
                 return
-            step = self.step_of(g)
             shared = engine.master_is_param  # fp32: the parameter partition is the master
-            master = param if shared else self.read_shard("master", g, rank, torch.float32)
+            state = {k: _fresh(g.shard, torch.float32)
+                     for k in ("exp_avg", "exp_avg_sq") + (() if shared else ("master",))}
+            # one read for the whole partition: its chunks queue together and the
+            # pages they land in are faulted in ahead ([Note: populating ahead])
+            self.read_into([item for k, out in [("param", param), *state.items()]
+                            for item in self._shard_items(k, g, rank, out)])
+            step = self.step_of(g)
             engine.optimizer.add_partition(  # master_is_param: `param` only gives the size
-                g.gid, master, tier=engine.cfg.engine.optimizer, master_is_param=shared,
-                exp_avg=self.read_shard("exp_avg", g, rank, torch.float32),
-                exp_avg_sq=self.read_shard("exp_avg_sq", g, rank, torch.float32),
-                step=step, segments=segments, segment_steps=None if slots is None else [
+                g.gid, param if shared else state["master"], tier=engine.cfg.engine.optimizer,
+                master_is_param=shared, exp_avg=state["exp_avg"],
+                exp_avg_sq=state["exp_avg_sq"], step=step, segments=segments,
+                segment_steps=None if slots is None else [
                     0 if s is None else self._param_steps.get(self.name_of(g.slots[s]), step)
                     for s in slots])  # padding never has a gradient: its count stays 0
 

@@ -97,3 +97,51 @@ def test_save_and_resume_without_o_direct(tmp_path, engine_cfg, no_direct_dir, s
                             resume=ck) as b:
         _train(b, batches[3:])
         _assert_identical(_state(b), want)
+
+
+def _write_chunks(directory, sizes, seed=0):
+    """Chunk files of random bytes of `sizes`, written by ChunkFiles; their data."""
+    from offload.engine.checkpoint_chunks import ChunkFiles
+    g = torch.Generator().manual_seed(seed)
+    data = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g) for n in sizes]
+    with ChunkFiles(directory, max(sizes)) as files:
+        for i, d in enumerate(data):
+            buf = files.buffer()
+            buf.tensor[:d.numel()].copy_(d)
+            files.write(str(directory / f"c{i}"), buf, d.numel())
+        files.finish()
+    return data
+
+
+@pytest.mark.parametrize("flip", [None, 5, 3 * 4096 + 7, "crc"])
+def test_chunks_read_into_place_are_checked(tmp_path, flip):
+    """With `into`, aligned chunks land straight in their destination (the whole blocks
+    by O_DIRECT, the last partial block through a small buffer) and are checked there:
+    a flipped byte in either part, or in the checksum, is an error naming the file;
+    a misaligned destination goes through `consume`."""
+    from offload.engine.checkpoint_chunks import ChunkFileError, ChunkFiles
+    from offload.io.buffers import mapped_empty
+    sizes = [4 * 4096 + 100, 5 * 4096, 4096 + 3]
+    data = _write_chunks(tmp_path, sizes)
+    if flip is not None:
+        at = sizes[1] if flip == "crc" else flip
+        with open(tmp_path / "c1", "r+b") as f:
+            f.seek(at)
+            b = f.read(1)
+            f.seek(at)
+            f.write(bytes([b[0] ^ 0x10]))
+    dest = mapped_empty(24 * 4096, torch.uint8)
+    at = [0, 8 * 4096, 16 * 4096 + 1]  # page-aligned but the last, off by a byte
+    into = [dest[a:a + n] for a, n in zip(at, sizes)]
+    consumed = {}
+    with ChunkFiles(tmp_path, max(sizes), existing=tmp_path / "c0") as files:
+        assert files.direct  # the test's disk takes O_DIRECT: the direct path runs
+        chunks = [(str(tmp_path / f"c{i}"), n) for i, n in enumerate(sizes)]
+        if flip is not None:
+            with pytest.raises(ChunkFileError, match="c1: fails its checksum"):
+                files.read(chunks, lambda i, t: consumed.update({i: t.clone()}), into)
+            return
+        files.read(chunks, lambda i, t: consumed.update({i: t.clone()}), into)
+    assert sorted(consumed) == [2]
+    assert torch.equal(into[0], data[0]) and torch.equal(into[1], data[1])
+    assert torch.equal(consumed[2], data[2])

@@ -277,3 +277,23 @@ def test_pinned_buffers_copy_non_blocking():
         out.release()
     with pytest.raises(RuntimeError, match="closed"):
         p.alloc(1)
+
+
+def test_populate_faults_pages_in_and_keeps_the_bytes():
+    """populate() prefaults a tensor's pages ([Note: populating ahead]): the data is
+    unchanged, and fresh pages are resident afterwards without being written."""
+    import mmap as _mmap
+    from offload.io.buffers import mapped_empty, populate
+    x = torch.arange(3 << 20, dtype=torch.float32)
+    before = x.clone()
+    assert populate(x) and torch.equal(x, before)
+    fresh = mapped_empty(64 << 20, torch.uint8)
+    assert fresh.data_ptr() % _mmap.PAGESIZE == 0 and fresh.numel() == 64 << 20
+
+    def rss():
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * _mmap.PAGESIZE
+    r0 = rss()
+    assert populate(fresh)
+    assert rss() - r0 >= 60 << 20  # resident now, though nothing wrote it
+    assert int(fresh.sum()) == 0  # anonymous memory: zeros, untouched by populate
