@@ -65,7 +65,7 @@ from .rank_order import RankOrder
 from .step import StagedParams, StepFailedError
 from .training_checkpoint import CheckpointSave
 from .training_checkpoint import save_checkpoint as _save_checkpoint
-from .units import Group, Unit
+from .units import Group, Unit, static_order
 from .warm import WarmMemory
 
 log = logging.getLogger(__name__)
@@ -124,7 +124,7 @@ class OffloadEngine(ModelWeights, nn.Module):
         self._spans = UnitSpans(recorder)  # per-unit spans and use waits (docs/trace.md)
         self.dtype = _DTYPES[cfg.engine.dtype]
         self.device = store.device
-        self.trace = AccessTrace()
+        self.trace = AccessTrace(static_order(units))  # step 1 follows the modules' order
         self.micro_step = 0   # backward calls, all steps
         self.global_step = 0  # optimizer steps taken
         self._backwards = 0   # backward calls since the last step (or zero_grad)

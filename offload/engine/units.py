@@ -20,7 +20,7 @@ from functools import cached_property
 import torch
 from torch import nn
 
-__all__ = ["Slot", "Group", "Unit", "build_units", "SHARD_ALIGN"]
+__all__ = ["Slot", "Group", "Unit", "build_units", "static_order", "SHARD_ALIGN"]
 
 SHARD_ALIGN = 2048  # elements: 4 KiB of a 2-byte dtype, 8 KiB of fp32
 
@@ -131,3 +131,23 @@ def build_units(model: nn.Module, group_size: int, world: int) -> tuple[list[Uni
                         if p is not None})
         units.append(Unit(module, name or "<root>", needs))
     return units, groups
+
+
+def static_order(units: list[Unit]) -> list[int]:
+    """The groups a training step is expected to use, in order, before one has been
+    recorded: the units' forward in module order (`build_units` lists a module
+    before the modules inside it, in registration order), then their backward in
+    the reverse order of their forwards' ends (a unit's forward ends after those of
+    the units inside it). A guess the first step checks as it goes: a model that
+    runs its modules in another order breaks it at the first difference, and that
+    step fetches on demand from there ([Note: the access trace] in
+    offload/planner/access.py)."""
+    ends: list[Unit] = []
+    open_: list[Unit] = []  # the units whose forward has begun and not ended
+    for u in units:
+        while open_ and not any(m is u.module for m in open_[-1].module.modules()):
+            ends.append(open_.pop())
+        open_.append(u)
+    ends += reversed(open_)
+    return ([g for u in units for g in u.needs]
+            + [g for u in reversed(ends) for g in u.needs])

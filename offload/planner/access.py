@@ -1,7 +1,9 @@
 """The access trace of one step and the first look-ahead policy.
 
+[Note: the access trace]
 The engine reports every use of a group (`record(gid)`) in order. The first
-step records; at `finish()` the recorded order becomes the plan for the next
+step follows a static order (the modules' order, given by the engine) while
+it records; at `finish()` the recorded order becomes the plan for the next
 step. While following a plan, `record` checks each use against it: a use that
 differs (dynamic control flow) marks the plan broken for this step, so the
 engine falls back to fetching on demand, and the new order is recorded for
@@ -31,11 +33,13 @@ def lookahead(order: list[int], position: int, depth: int) -> list[int]:
 class AccessTrace:
     """Records the order of group uses in a step and follows it the next step."""
 
-    def __init__(self) -> None:
-        self.plan: list[int] | None = None   # the previous step's order, if any
+    def __init__(self, static: list[int] | None = None) -> None:
+        # the previous step's order; before the first, the static order, if any
+        self.plan: list[int] | None = list(static) if static else None
+        self._static = self.plan is not None
         self._current: list[int] = []
         self.broken = False
-        self.rerecords = 0
+        self.rerecords = 0  # recorded steps that differed from the one before
 
     @property
     def following(self) -> bool:
@@ -62,7 +66,7 @@ class AccessTrace:
     def finish(self) -> list[int]:
         """Ends the step: its order becomes the next step's plan; returns it."""
         order, self._current = self._current, []
-        if self.plan is not None and (self.broken or order != self.plan):
+        if self.plan is not None and not self._static and (self.broken or order != self.plan):
             self.rerecords += 1
-        self.plan, self.broken = order, False
+        self.plan, self.broken, self._static = order, False, False
         return order

@@ -47,13 +47,35 @@ def _outcomes(tmp_path, params: str, depth: int) -> list[list[str]]:
 
 
 @pytest.mark.parametrize("params", ["host", "nvme"])
-def test_after_the_first_step_no_use_fetches_on_demand(tmp_path, params):
+def test_every_use_but_the_first_is_fetched_ahead_from_step_one(tmp_path, params):
+    """Step 1 follows the modules' static order (`static_order`) until a recorded
+    trace exists; later steps follow the recorded one."""
     first, *later = _outcomes(tmp_path, params, depth=2)
-    assert "on demand" in first  # step 1 has no access trace yet: nothing to go by
+    counts = collections.Counter(first)
+    assert counts["on demand"] == 1, counts  # the step's first use: nothing precedes it
+    assert counts["in time"] + counts["late"] >= 6, counts
     for outcomes in later:
         counts = collections.Counter(outcomes)
         assert counts["on demand"] == 0, counts
         assert counts["in time"] + counts["late"] >= 6, counts  # fetched ahead
+
+
+def test_static_order_is_the_forward_then_the_backward_of_nested_units():
+    """A unit's forward ends after the units inside it; backward runs the ends in reverse."""
+    from offload.engine.units import build_units, static_order
+
+    class Outer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scale = nn.Parameter(torch.ones(64))  # the root keeps its own parameter
+            self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
+                                        for _ in range(2))
+    units, _ = build_units(Outer(), 64 * 64 + 64, 1)
+    names = [u.name for u in units]
+    assert names == ["<root>", "blocks.0.0", "blocks.0.1", "blocks.1.0", "blocks.1.1"]
+    gid = {u.name: u.needs[0] for u in units}
+    want = names + ["<root>", "blocks.1.1", "blocks.1.0", "blocks.0.1", "blocks.0.0"]
+    assert static_order(units) == [gid[n] for n in want]
 
 
 def test_without_prefetch_every_streamed_use_fetches_on_demand(tmp_path):
