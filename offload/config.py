@@ -197,8 +197,10 @@ class StoreConfig:
                                     "from io.buffer_budget")
     nvme_budget: int = _bytes_field(0, "bytes of swap extents the NVME tier may hold; 0: bounded "
                                     "only by io.max_swap_size (per kind) and the disk")
-    policy: Literal["lru"] = _doc("lru", "eviction policy when a tier is full: lru evicts the "
-                                  "least recently used unpinned partition first")
+    policy: Literal["next-use", "lru"] = _doc(
+        "next-use", "eviction policy when a tier is full: next-use evicts the unpinned partition "
+        "the step's access trace needs last (clean copies first among equals; least recently "
+        "used while the step has left the trace); lru the least recently used one")
     wait_timeout: float = _doc(300.0, "seconds a move may wait for other transfers to free "
                                "budget before it fails")
     keep_swap_files: bool = _doc(False, "keep the swap files when the store closes "

@@ -14,12 +14,13 @@ from torch import nn
 from ..comm import Collectives
 from ..config import ConfigError, OffloadConfig, load_config
 from ..io import hugepages
-from ..store import TieredStore
+from ..store import NextUsePolicy, TieredStore
 from ..trace import NULL_RECORDER, TraceRecorder
 from .checkpoint import SafetensorsCheckpoint
 from .absent import AbsentWeight
 from .checkpoint_reader import CheckpointReader
 from .engine import _DTYPES, _TIERS, OffloadEngine
+from .eviction import next_use_of
 from .param_groups import assign_param_groups, segments_of
 from .step import StepFailedError
 from .training_checkpoint import CheckpointCorruptError, CheckpointError
@@ -120,11 +121,15 @@ def initialize(model: nn.Module | Callable[[], nn.Module],
     check_budgets(cfg, groups, _DTYPES[cfg.engine.dtype])  # before any file is made
     if resumed is not None:
         resumed.check(groups, _DTYPES[cfg.engine.dtype])
-    store = TieredStore(cfg, rank=comm.rank, recorder=recorder)
+    # store.policy "next-use": the copy the step needs last leaves first (eviction.py)
+    policy = NextUsePolicy() if cfg.store.policy == "next-use" else None
+    store = TieredStore(cfg, rank=comm.rank, recorder=recorder, policy=policy)
     lineage = _Lineage(model)
     engine = None
     try:
         engine = OffloadEngine(model, cfg, units, groups, store, comm, recorder)
+        if policy is not None:
+            policy.follow(next_use_of(engine.trace))
         engine._attach_optimizer(lr_lambda, hyper)
         dtype = _DTYPES[cfg.engine.dtype]
         deferred = []  # the user's real tensors stay in the model until nothing can fail

@@ -12,6 +12,8 @@ the next step. Nothing here touches tensors, files or processes.
 
 from __future__ import annotations
 
+import bisect
+
 __all__ = ["AccessTrace", "lookahead"]
 
 
@@ -37,6 +39,8 @@ class AccessTrace:
         # the previous step's order; before the first, the static order, if any
         self.plan: list[int] | None = list(static) if static else None
         self._static = self.plan is not None
+        self._at: dict[int, list[int]] = {}  # group -> its positions in the plan
+        self._index()
         self._current: list[int] = []
         self.broken = False
         self.rerecords = 0  # recorded steps that differed from the one before
@@ -69,4 +73,29 @@ class AccessTrace:
         if self.plan is not None and not self._static and (self.broken or order != self.plan):
             self.rerecords += 1
         self.plan, self.broken, self._static = order, False, False
+        self._index()
         return order
+
+    def _index(self) -> None:
+        at: dict[int, list[int]] = {}
+        for i, gid in enumerate(self.plan or ()):
+            at.setdefault(gid, []).append(i)
+        self._at = at
+
+    def next_use(self, gid: int) -> int | None:
+        """How many uses from now the plan uses `gid` again (wrapping around to the
+        next step; a group the plan never uses: twice the step's length); None when
+        there is no plan or the step left it."""
+        if not self.following:
+            return None
+        n, i = len(self.plan), self.position
+        pos = self._at.get(gid)
+        if not pos:
+            return 2 * n
+        j = bisect.bisect_right(pos, i)
+        return (pos[j] if j < len(pos) else pos[0] + n) - i
+
+    def until_end(self) -> int | None:
+        """How many uses from now the step's uses end (its update follows); None when
+        there is no plan or the step left it."""
+        return len(self.plan) - self.position if self.following else None

@@ -17,12 +17,12 @@ leaves a full tier; `TieredStore.stats()` is the accounting. Typical use::
 
 from .budget import BudgetExceededError, DirectionStats, StoreStats, TierStats
 from .moves import MoveHandle, Step, plan_evict, plan_fetch
-from .policy import Candidate, EvictionPolicy, LruPolicy
+from .policy import Candidate, EvictionPolicy, LruPolicy, NextUsePolicy
 from .record import PartitionRecord, RecordInfo, Residency, Tier, footprint
 from .store import TieredStore
 
 __all__ = [
     "BudgetExceededError", "Candidate", "DirectionStats", "EvictionPolicy", "LruPolicy",
-    "MoveHandle", "PartitionRecord", "RecordInfo", "Residency", "Step", "StoreStats", "Tier",
+    "MoveHandle", "NextUsePolicy", "PartitionRecord", "RecordInfo", "Residency", "Step", "StoreStats", "Tier",
     "TierStats", "TieredStore", "footprint", "plan_evict", "plan_fetch",
 ]

@@ -15,11 +15,11 @@ from __future__ import annotations
 import itertools
 import threading
 from dataclasses import dataclass
-from typing import Hashable, Protocol, Sequence, runtime_checkable
+from typing import Callable, Hashable, Protocol, Sequence, runtime_checkable
 
 from .record import Tier
 
-__all__ = ["Candidate", "EvictionPolicy", "LruPolicy"]
+__all__ = ["Candidate", "EvictionPolicy", "LruPolicy", "NextUsePolicy"]
 
 
 @dataclass(frozen=True)
@@ -60,6 +60,10 @@ class LruPolicy:
         with self._lock:
             self._last[key] = next(self._clock)
 
+    def last(self, key: Hashable) -> int:
+        """When `key` was last used (a logical clock; -1: never)."""
+        return self._last.get(key, -1)
+
     def forgotten(self, key: Hashable) -> None:
         with self._lock:
             self._last.pop(key, None)
@@ -68,6 +72,48 @@ class LruPolicy:
                candidates: Sequence[Candidate]) -> list[Hashable]:
         with self._lock:
             order = sorted(candidates, key=lambda c: (self._last.get(c.key, -1), not c.clean))
+        chosen, freed = [], 0
+        for c in order:
+            if freed >= need_bytes:
+                break
+            chosen.append(c.key)
+            freed += c.nbytes
+        return chosen
+
+
+class NextUsePolicy:
+    """Farthest next use first (Belady's choice: the fewest fetches for what the step
+    uses next), as a function given by `follow` says: `next_use(key)` is how many
+    uses of the step's access trace come before `key` is used again (None: not
+    known). Among copies used equally far ahead, clean ones first. Copies of no
+    known next use go first (the trace does not use them); while no candidate
+    has one (no trace yet, or the step left it), least recently used first, as
+    `LruPolicy`."""
+
+    def __init__(self) -> None:
+        self._lru = LruPolicy()
+        self._next_use: Callable[[Hashable], int | None] | None = None
+
+    def follow(self, next_use: Callable[[Hashable], int | None]) -> None:
+        """Ranks candidates by `next_use` from now on (called under the store's lock:
+        it must be quick and must not call into the store)."""
+        self._next_use = next_use
+
+    def touched(self, key: Hashable, tier: Tier) -> None:
+        self._lru.touched(key, tier)
+
+    def forgotten(self, key: Hashable) -> None:
+        self._lru.forgotten(key)
+
+    def choose(self, tier: Tier, need_bytes: int,
+               candidates: Sequence[Candidate]) -> list[Hashable]:
+        fn = self._next_use
+        ahead = {c.key: fn(c.key) for c in candidates} if fn is not None else {}
+        if not any(d is not None for d in ahead.values()):
+            return self._lru.choose(tier, need_bytes, candidates)
+        far = float("inf")
+        order = sorted(candidates, key=lambda c: (
+            -(far if ahead[c.key] is None else ahead[c.key]), not c.clean, self._lru.last(c.key)))
         chosen, freed = [], 0
         for c in order:
             if freed >= need_bytes:
