@@ -48,6 +48,17 @@ class EvictionPolicy(Protocol):
         """Keys to evict from `tier`, in order, to free at least `need_bytes` bytes."""
 
 
+def _enough(order: Sequence[Candidate], need_bytes: int) -> list[Hashable]:
+    """The first keys of `order` that free at least `need_bytes` (all, if they do not)."""
+    chosen, freed = [], 0
+    for c in order:
+        if freed >= need_bytes:
+            break
+        chosen.append(c.key)
+        freed += c.nbytes
+    return chosen
+
+
 class LruPolicy:
     """Least recently used first; among copies used equally long ago, clean ones first."""
 
@@ -72,13 +83,7 @@ class LruPolicy:
                candidates: Sequence[Candidate]) -> list[Hashable]:
         with self._lock:
             order = sorted(candidates, key=lambda c: (self._last.get(c.key, -1), not c.clean))
-        chosen, freed = [], 0
-        for c in order:
-            if freed >= need_bytes:
-                break
-            chosen.append(c.key)
-            freed += c.nbytes
-        return chosen
+        return _enough(order, need_bytes)
 
 
 class NextUsePolicy:
@@ -114,10 +119,4 @@ class NextUsePolicy:
         far = float("inf")
         order = sorted(candidates, key=lambda c: (
             -(far if ahead[c.key] is None else ahead[c.key]), not c.clean, self._lru.last(c.key)))
-        chosen, freed = [], 0
-        for c in order:
-            if freed >= need_bytes:
-                break
-            chosen.append(c.key)
-            freed += c.nbytes
-        return chosen
+        return _enough(order, need_bytes)

@@ -3,23 +3,12 @@ host tier too small for a step's parameter copies and gradients, the copy the st
 needs last leaves first, and the step moves fewer bytes to and from NVMe than least
 recently used, with the same numbers."""
 
-import pytest
 import torch
-from torch import nn
 
 import offload
 from offload.store import Candidate, NextUsePolicy, Tier
 
-
-class Stack(nn.Module):
-    def __init__(self, dim: int = 256, layers: int = 8) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(dim, dim) for _ in range(layers))
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = torch.tanh(layer(x))
-        return x
+from .test_prefetch import Stack
 
 
 def _run(tmp_path, policy: str, steps: int = 3):
@@ -29,7 +18,7 @@ def _run(tmp_path, policy: str, steps: int = 3):
            "store": {"host_budget": "3MiB", "device_budget": "1MiB", "device": "cpu",
                      "policy": policy}}
     torch.manual_seed(0)
-    model = Stack()
+    model = Stack(layers=8)
     data = [torch.randn(8, 256) for _ in range(steps)]
     moved = []
     with offload.initialize(model, cfg) as e:
