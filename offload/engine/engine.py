@@ -45,7 +45,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -57,6 +57,7 @@ from ..optim import CpuAdam, OptimStepError, grad_sq_sum
 from ..planner import AccessTrace
 from ..store import BudgetExceededError, Tier, TieredStore
 from ..trace import NULL_RECORDER, TraceRecorder, UnitSpans
+from .eviction import sooner_than
 from .forward_prefetch import ForwardOnlyPrefetch
 from .grad_slots import GradSlots
 from .model_weights import ModelWeights
@@ -65,7 +66,7 @@ from .rank_order import RankOrder
 from .step import StagedParams, StepFailedError
 from .training_checkpoint import CheckpointSave
 from .training_checkpoint import save_checkpoint as _save_checkpoint
-from .units import Group, Unit, static_order
+from .units import Group, Unit, output_tensors, static_order
 from .warm import WarmMemory
 
 log = logging.getLogger(__name__)
@@ -75,19 +76,6 @@ __all__ = ["OffloadEngine"]
 EARLY_UPDATES_IN_FLIGHT = 1  # groups whose gradients wait for the update thread, at most
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _TIERS = {"device": Tier.DEVICE, "host": Tier.HOST, "nvme": Tier.NVME}
-
-
-def _tensors(obj: Any) -> Iterable[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from _tensors(v)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from _tensors(v)
-    elif hasattr(obj, "to_tuple"):  # transformers' ModelOutput
-        yield from _tensors(obj.to_tuple())
 
 
 def _in_backward() -> bool:
@@ -251,12 +239,14 @@ class OffloadEngine(ModelWeights, nn.Module):
 
     def _prefetch(self) -> None:
         """Follows the plan: the next group's all-gather starts now (it runs behind this
-        unit's compute), the groups after it start moving towards DEVICE."""
-        upcoming = self.trace.upcoming(self.cfg.engine.prefetch_depth)
-        for i, gid in enumerate(upcoming):
+        unit's compute), the groups after it start moving towards DEVICE, each only
+        where room can be made without evicting a copy needed no later than it."""
+        for i, gid in enumerate(self.trace.upcoming(self.cfg.engine.prefetch_depth)):
             st = self._states[gid]
             if st.gathered or st.pending is not None:
                 continue
+            if not self.store.fits_sparing(("p", gid), Tier.DEVICE, sooner_than(self.trace, gid)):
+                return  # the groups after it are needed later still: [Note: prefetch room]
             try:
                 if i == 0 and self.comm.world > 1:
                     self._start_gather(st, async_op=True)
@@ -298,7 +288,7 @@ class OffloadEngine(ModelWeights, nn.Module):
                 if st.active == 0 and not backward:
                     self._free(st)
             if torch.is_grad_enabled() and not backward:
-                for t in _tensors(out):
+                for t in output_tensors(out):
                     if t.requires_grad:
                         t.register_hook(self._make_pre_backward(unit))
             return out

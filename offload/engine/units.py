@@ -16,11 +16,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import Any, Iterable
 
 import torch
 from torch import nn
 
-__all__ = ["Slot", "Group", "Unit", "build_units", "static_order", "SHARD_ALIGN"]
+__all__ = ["Slot", "Group", "Unit", "build_units", "output_tensors", "static_order", "SHARD_ALIGN"]
 
 SHARD_ALIGN = 2048  # elements: 4 KiB of a 2-byte dtype, 8 KiB of fp32
 
@@ -151,3 +152,18 @@ def static_order(units: list[Unit]) -> list[int]:
     ends += reversed(open_)
     return ([g for u in units for g in u.needs]
             + [g for u in reversed(ends) for g in u.needs])
+
+
+def output_tensors(obj: Any) -> Iterable[torch.Tensor]:
+    """The tensors in a module's output: nested in dicts, lists, tuples and
+    transformers' `ModelOutput`."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from output_tensors(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from output_tensors(v)
+    elif hasattr(obj, "to_tuple"):  # transformers' ModelOutput
+        yield from output_tensors(obj.to_tuple())

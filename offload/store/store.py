@@ -40,7 +40,7 @@ import logging
 import re
 import threading
 import time
-from typing import Hashable, Iterator
+from typing import Callable, Hashable, Iterator
 
 import torch
 
@@ -50,7 +50,7 @@ from ..trace import NULL_RECORDER, TraceRecorder
 from .budget import StoreStats
 from .copy import DeviceTier, resolve_device
 from .executor import MoveExecutor, UserClaim
-from .moves import MoveHandle, Step, plan_evict, plan_fetch
+from .moves import MoveHandle, Step, needs_of, plan_evict, plan_fetch
 from .policy import EvictionPolicy, LruPolicy
 from .record import IN_FLIGHT, PartitionRecord, RecordInfo, Residency, Tier
 
@@ -227,6 +227,30 @@ class TieredStore(MoveExecutor):
                 raise
             self._start(move, rec)
         return move
+
+    def fits_sparing(self, key: Hashable, to: Tier | str,
+                     spare: Callable[[Hashable], bool]) -> bool:
+        """True when a fetch of `key` to `to` finds room in every memory tier it passes
+        through, free or freed by evicting copies other than those for which
+        `spare(key)` is True (unpinned, unclaimed ones: the policy's candidates);
+        a fetch that needs no room, or waits for a move of `key` in flight, fits.
+        A prefetch asks this first, so that it never evicts what is needed sooner
+        ([Note: prefetch room] in offload/engine/eviction.py)."""
+        to = _tier(to)
+        with self._cond:
+            rec = self._records.get(key)
+            if rec is None or rec.claim is not None:
+                return True
+            needs = needs_of(plan_fetch(rec.valid, to, self._dev.hand_over), rec.footprint)
+            for tier, n in needs.items():
+                free = self._acct.room(tier) + self._acct.releasing(tier)
+                if tier is Tier.NVME or free >= n:
+                    continue
+                free += sum(c.nbytes for k, c in self._candidates(tier, {key}).items()
+                            if not spare(k))
+                if free < n:
+                    return False
+            return True
 
     def evict(self, key: Hashable, to: Tier | str | None = None) -> MoveHandle:
         """Starts moving `key` down to `to` (default: its home tier); returns its handle.
