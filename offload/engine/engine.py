@@ -245,10 +245,12 @@ class OffloadEngine(ModelWeights, nn.Module):
             st = self._states[gid]
             if st.gathered or st.pending is not None:
                 continue
-            if not self.store.fits_sparing(("p", gid), Tier.DEVICE, sooner_than(self.trace, gid)):
+            gather = i == 0 and self.comm.world > 1  # a collective: every rank issues it
+            if not gather and not self.store.fits_sparing(("p", gid), Tier.DEVICE,
+                                                          sooner_than(self.trace, gid)):
                 return  # the groups after it are needed later still: [Note: prefetch room]
             try:
-                if i == 0 and self.comm.world > 1:
+                if gather:
                     self._start_gather(st, async_op=True)
                 else:
                     self.store.fetch(("p", gid), to=Tier.DEVICE)
