@@ -22,6 +22,7 @@ from .checkpoint_reader import CheckpointReader
 from .engine import _DTYPES, _TIERS, OffloadEngine
 from .param_groups import assign_param_groups, segments_of
 from .step import StepFailedError
+from .tensor_parallel import TensorParallel, full_state_dict
 from .training_checkpoint import CheckpointCorruptError, CheckpointError
 from .units import Group, build_units
 from .working_set import check_budgets
@@ -29,7 +30,7 @@ from .working_set import check_budgets
 log = logging.getLogger(__name__)
 
 __all__ = ["CheckpointCorruptError", "CheckpointError", "CheckpointReader", "OffloadEngine",
-           "StepFailedError", "initialize"]
+           "StepFailedError", "full_state_dict", "initialize"]
 
 # [Note: wrapped modules]
 # `initialize` takes a model's parameters into the engine's partitions: each module
@@ -114,17 +115,23 @@ def initialize(model: nn.Module | Callable[[], nn.Module],
     _materialise_buffers(model, cfg.engine.seed)
     ckpt = SafetensorsCheckpoint(checkpoint) if checkpoint is not None else None
     resumed = CheckpointReader(resume) if resume is not None else None
-    comm = Collectives(recorder=recorder)
-    units, groups = build_units(model, cfg.engine.group_size, comm.world)
+    # [Note: ZeRO-3 over DP, tensor parallelism over TP] in tensor_parallel.py
+    tp = TensorParallel.setup(model, cfg, restored=ckpt is not None or resumed is not None,
+                              recorder=recorder)
+    comm = tp.mesh.dp if tp is not None else Collectives(recorder=recorder)
+    units, groups = build_units(model, cfg.engine.group_size, comm.world,
+                                whole=tp.blocks if tp is not None else [])
     hyper, slot_groups = assign_param_groups(groups, cfg.optim, param_groups)
     check_budgets(cfg, groups, _DTYPES[cfg.engine.dtype])  # before any file is made
     if resumed is not None:
         resumed.check(groups, _DTYPES[cfg.engine.dtype])
-    store = TieredStore(cfg, rank=comm.rank, recorder=recorder)
+    # swap files are named by the rank in the whole job (DP ranks repeat over TP)
+    store = TieredStore(cfg, rank=tp.mesh.world.rank if tp is not None else comm.rank,
+                        recorder=recorder)
     lineage = _Lineage(model)
     engine = None
     try:
-        engine = OffloadEngine(model, cfg, units, groups, store, comm, recorder)
+        engine = OffloadEngine(model, cfg, units, groups, store, comm, recorder, tp)
         engine._attach_optimizer(lr_lambda, hyper)
         dtype = _DTYPES[cfg.engine.dtype]
         deferred = []  # the user's real tensors stay in the model until nothing can fail

@@ -53,7 +53,7 @@ from torch import nn
 from ..comm import Collectives, Pending
 from ..config import OffloadConfig
 from ..io import hold_switch_interval
-from ..optim import CpuAdam, OptimStepError, grad_sq_sum
+from ..optim import CpuAdam, OptimStepError
 from ..planner import AccessTrace
 from ..store import BudgetExceededError, Tier, TieredStore
 from ..trace import NULL_RECORDER, TraceRecorder, UnitSpans
@@ -63,6 +63,7 @@ from .model_weights import ModelWeights
 from .params_view import RegisteredParams
 from .rank_order import RankOrder
 from .step import StagedParams, StepFailedError
+from .tensor_parallel import GradSquares, TensorParallel
 from .training_checkpoint import CheckpointSave
 from .training_checkpoint import save_checkpoint as _save_checkpoint
 from .units import Group, Unit
@@ -112,14 +113,13 @@ class OffloadEngine(ModelWeights, nn.Module):
 
     def __init__(self, model: nn.Module, cfg: OffloadConfig, units: list[Unit],
                  groups: list[Group], store: TieredStore, comm: Collectives,
-                 recorder: TraceRecorder = NULL_RECORDER) -> None:
+                 recorder: TraceRecorder = NULL_RECORDER, tp: TensorParallel | None = None) -> None:
         super().__init__()
-        self.module = model
-        self.cfg = cfg
-        self.units = units
-        self.groups = groups
+        self.module, self.cfg = model, cfg
+        self.units, self.groups = units, groups
         self.store = store
-        self.comm = comm
+        self.comm = comm  # the data-parallel ranks: [Note: ZeRO-3 over DP, tensor parallelism
+        self.tp = tp      # over TP] in tensor_parallel.py
         self.recorder = recorder
         self._spans = UnitSpans(recorder)  # per-unit spans and use waits (docs/trace.md)
         self.dtype = _DTYPES[cfg.engine.dtype]
@@ -178,7 +178,7 @@ class OffloadEngine(ModelWeights, nn.Module):
     # -- the optimizer ----------------------------------------------------------------
     def _attach_optimizer(self, lr_lambda: Callable[[int], float] | None = None,
                           param_groups: list[dict[str, Any]] | None = None) -> None:
-        self._opt = CpuAdam.open(self.cfg, rank=self.comm.rank,
+        self._opt = CpuAdam.open(self.cfg, rank=self.store.rank,  # its files: the store's
                                  nvme=self.cfg.engine.optimizer == "nvme", lr_lambda=lr_lambda,
                                  param_groups=param_groups, recorder=self.recorder,
                                  store=self.store)  # the store's swap file and I/O engine
@@ -700,12 +700,12 @@ class OffloadEngine(ModelWeights, nn.Module):
         need = self.cfg.optim.max_grad_norm > 0 or self.cfg.engine.dtype == "fp16"
         if not need:
             return None, False
-        local = 0.0
+        squares = GradSquares(self.comm, self.tp)  # sharded weights counted over TP
         for gid in gids:
-            local += grad_sq_sum([self.store.fetch(("g", gid), to=self._grad_where).wait()])
+            squares.add(self.groups[gid], self.store.fetch(("g", gid), to=self._grad_where).wait())
             if self._grad_tier is Tier.NVME:
                 self.store.evict(("g", gid))
-        (total,) = self.comm.sum_scalars([local])
+        total = squares.total()
         norm = math.sqrt(total) / scale if math.isfinite(total) else float("inf")
         return norm, not math.isfinite(norm)
 
