@@ -63,22 +63,25 @@ def _batches(batch: int = 8, seq: int = 12) -> list:
              torch.randint(0, VOCAB, (batch, seq), generator=g)) for _ in range(STEPS)]
 
 
-def _reference(name: str) -> dict:
+def _reference(name: str, clip: float = 0.0) -> dict:
     model = _model(name)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, eps=EPS)
     for x, y in _batches():
         opt.zero_grad()
         lm_loss(_logits(model(x)), y).backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
     return model.state_dict()
 
 
-def _config(swap: str, tp: int, placement: str, pieces: int = 2) -> dict:
+def _config(swap: str, tp: int, placement: str, pieces: int = 2, clip: float = 0.0) -> dict:
     """`placement` device (no offload: the CPU is the device here), host or nvme."""
     return {"engine": {"params": placement, "grads": placement,
                        "optimizer": "nvme" if placement == "nvme" else "host",
                        "group_size": 3000},
-            "optim": {"lr": 1e-2, "weight_decay": 0.1, "eps": EPS, "chunk_elems": 4096},
+            "optim": {"lr": 1e-2, "weight_decay": 0.1, "eps": EPS, "chunk_elems": 4096,
+                      "max_grad_norm": clip},
             "io": {"paths": [swap], "buffer_budget": "32MiB", "grow_step": "4MiB"},
             "store": {"host_budget": "64MiB", "device_budget": "64MiB", "device": "cpu"},
             "tp": {"size": tp}, "domino": {"pieces": pieces}}
@@ -108,12 +111,12 @@ def _spans(rec: TraceRecorder) -> list:
 def _worker(rank: int, world: int, init_file: str, out: str, tp: int, cases: list) -> None:
     with gloo_group(rank, world, init_file):
         results = {}
-        for name, placement, pieces in cases:
-            swap = os.path.join(os.path.dirname(init_file), f"swap-{name}-{placement}-{pieces}")
-            cfg = _config(swap, tp, placement, pieces)
+        for case in cases:
+            swap = os.path.join(os.path.dirname(init_file), "swap-" + "-".join(map(str, case)))
+            cfg = _config(swap, tp, *case[1:])
             rec = TraceRecorder(enabled=True, rank=rank)
-            sd = _train(rank, world, tp, name, cfg, rec)
-            results[(name, placement, pieces)] = {"sd": sd, "spans": _spans(rec)}
+            sd = _train(rank, world, tp, case[0], cfg, rec)
+            results[case] = {"sd": sd, "spans": _spans(rec)}
         if rank == 0:
             torch.save(results, out)
 
@@ -163,11 +166,13 @@ def test_tensor_parallel_matches_one_process(tmp_path):
 
 @pytest.mark.distributed
 def test_data_and_tensor_parallel_match_one_process(tmp_path):
-    """DP = 2 x TP = 2 (4 ranks): ZeRO-3 over the DP pairs, TP inside each pair."""
-    cases = [("gpt", "nvme", 2), ("llama", "host", 2)]
+    """DP = 2 x TP = 2 (4 ranks): ZeRO-3 over the DP pairs, TP inside each pair; with
+    gradient-norm clipping (a norm of 0.05 clips every step here), each weight
+    counted once: sliced weights over all ranks, replicated ones over DP."""
+    cases = [("gpt", "nvme", 2, 0.0), ("llama", "host", 2, 0.0), ("gpt", "host", 2, 0.05)]
     got = _run(tmp_path, 4, 2, cases)
     for case, r in got.items():
-        _compare(r["sd"], _reference(case[0]), case)
+        _compare(r["sd"], _reference(case[0], case[3]), case)
 
 
 @pytest.mark.parametrize("section,value", [
