@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-__all__ = ["ConfigError", "DominoConfig", "EngineConfig", "IoConfig", "OffloadConfig",
+__all__ = ["CommConfig", "ConfigError", "DominoConfig", "EngineConfig", "IoConfig", "OffloadConfig",
            "OptimConfig", "ParamGroupConfig", "StoreConfig", "TensorParallelConfig",
            "load_config", "parse_bytes", "format_bytes"]
 
@@ -403,6 +403,20 @@ class EngineConfig:
             raise ConfigError(f"engine.seed: {self.seed} is out of range; use 0..{(1 << 32) - 1}")
 
 
+@dataclass(kw_only=True)
+class CommConfig:
+    """How collectives are issued (`offload.comm`)."""
+
+    gather_thread: bool = _doc(False, "with several data-parallel ranks: issue parameter "
+                               "all-gathers from one communication thread, over a second "
+                               "process group of the same ranks (its own stream with NCCL), so "
+                               "a prefetch whose shard is still being read does not hold up "
+                               "the module hook; every rank issues them in the same order")
+
+    def __post_init__(self) -> None:
+        _normalise(self, "comm")
+
+
 MAX_PIECES = 64
 
 
@@ -445,6 +459,7 @@ class OffloadConfig:
     store: StoreConfig = field(default_factory=StoreConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
+    comm: CommConfig = field(default_factory=CommConfig)
     tp: TensorParallelConfig = field(default_factory=TensorParallelConfig)
     domino: DominoConfig = field(default_factory=DominoConfig)
 

@@ -49,3 +49,9 @@ class ParallelMesh:
         return cls(dp=Collectives(mesh.get_group("dp"), recorder=recorder, name="dp"),
                    tp=Collectives(mesh.get_group("tp"), recorder=recorder, name="tp"),
                    world=Collectives(recorder=recorder))
+
+    @property
+    def dp_groups(self) -> list[list[int]]:
+        """The ranks of every DP group of the job ([Note: mesh layout])."""
+        tp, dp = self.tp.world, self.dp.world
+        return [[d * tp + t for d in range(dp)] for t in range(tp)]

@@ -11,7 +11,8 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import torch
 from torch import nn
 
-from ..comm import Collectives
+from ..comm import Collectives, GatherIssuer
+from ..comm.gather_thread import gather_group
 from ..config import ConfigError, OffloadConfig, load_config
 from ..io import hugepages
 from ..store import TieredStore
@@ -121,6 +122,10 @@ def initialize(model: nn.Module | Callable[[], nn.Module],
     comm = tp.mesh.dp if tp is not None else Collectives(recorder=recorder)
     units, groups = build_units(model, cfg.engine.group_size, comm.world,
                                 whole=tp.blocks if tp is not None else [])
+    gathers = None  # [Note: gather thread] in offload/comm/gather_thread.py
+    if cfg.comm.gather_thread and comm.world > 1:
+        dp_groups = tp.mesh.dp_groups if tp is not None else [list(range(comm.world))]
+        gathers = GatherIssuer(comm, gather_group(comm, dp_groups))
     hyper, slot_groups = assign_param_groups(groups, cfg.optim, param_groups)
     check_budgets(cfg, groups, _DTYPES[cfg.engine.dtype])  # before any file is made
     if resumed is not None:
@@ -131,7 +136,7 @@ def initialize(model: nn.Module | Callable[[], nn.Module],
     lineage = _Lineage(model)
     engine = None
     try:
-        engine = OffloadEngine(model, cfg, units, groups, store, comm, recorder, tp)
+        engine = OffloadEngine(model, cfg, units, groups, store, comm, recorder, tp, gathers)
         engine._attach_optimizer(lr_lambda, hyper)
         dtype = _DTYPES[cfg.engine.dtype]
         deferred = []  # the user's real tensors stay in the model until nothing can fail
@@ -174,6 +179,8 @@ def initialize(model: nn.Module | Callable[[], nn.Module],
             engine.close()  # removes its hooks and closes the store
         else:
             store.close()
+            if gathers is not None:
+                gathers.close()
         raise
     finally:
         if resumed is not None:
