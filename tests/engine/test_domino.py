@@ -16,10 +16,13 @@ lr x g / eps): rounding noise stays below 1e-7, and every weight is compared at
 1e-6.
 """
 
+import contextlib
 import os
+from typing import Iterator
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import offload
 from offload.config import ConfigError
@@ -98,7 +101,8 @@ def _train(rank: int, world: int, tp: int, name: str, cfg: dict,
         for step, (x, y) in enumerate(_batches()):
             if rec is not None and step == STEPS - 1:
                 rec.clear()  # one step in steady state
-            engine.backward(lm_loss(_logits(engine(x.chunk(dp)[me])), y.chunk(dp)[me]))
+            x, y = (t.chunk(dp)[me].to(engine.device) for t in (x, y))
+            engine.backward(lm_loss(_logits(engine(x)), y))
             engine.step()
         return full_state_dict(engine)
 
@@ -108,12 +112,26 @@ def _spans(rec: TraceRecorder) -> list:
     return [(s.name, s.cat, s.start, s.end, (s.args or {}).get("group")) for s in rt.spans]
 
 
-def _worker(rank: int, world: int, init_file: str, out: str, tp: int, cases: list) -> None:
-    with gloo_group(rank, world, init_file):
+@contextlib.contextmanager
+def _nccl_group(rank: int, world: int, init_file: str) -> Iterator[None]:
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _worker(rank: int, world: int, init_file: str, out: str, tp: int, cases: list,
+            gpu: bool) -> None:
+    with (_nccl_group if gpu else gloo_group)(rank, world, init_file):
         results = {}
         for case in cases:
             swap = os.path.join(os.path.dirname(init_file), "swap-" + "-".join(map(str, case)))
             cfg = _config(swap, tp, *case[1:])
+            if gpu:
+                cfg["store"]["device"] = f"cuda:{rank}"
             rec = TraceRecorder(enabled=True, rank=rank)
             sd = _train(rank, world, tp, case[0], cfg, rec)
             results[case] = {"sd": sd, "spans": _spans(rec)}
@@ -121,16 +139,16 @@ def _worker(rank: int, world: int, init_file: str, out: str, tp: int, cases: lis
             torch.save(results, out)
 
 
-def _run(tmp_path, world: int, tp: int, cases: list) -> dict:
+def _run(tmp_path, world: int, tp: int, cases: list, gpu: bool = False) -> dict:
     out = str(tmp_path / "out.pt")
-    spawn(_worker, str(tmp_path / "init"), out, tp, cases, world=world)
+    spawn(_worker, str(tmp_path / "init"), out, tp, cases, gpu, world=world)
     return torch.load(out)
 
 
-def _compare(got: dict, want: dict, what) -> None:
+def _compare(got: dict, want: dict, what, atol: float = 1e-6) -> None:
     assert set(got) == set(want), what
     for k, v in want.items():
-        torch.testing.assert_close(got[k], v, atol=1e-6, rtol=0,
+        torch.testing.assert_close(got[k].cpu(), v, atol=atol, rtol=0,
                                    msg=lambda m, k=k: f"{what} {k}: {m}")
 
 
@@ -191,3 +209,16 @@ def test_tensor_parallel_needs_ranks(tmp_path):
     with pytest.raises(ConfigError, match=r"tp\.size.*torchrun"):
         offload.initialize(_model("gpt"), cfg)
     assert not (tmp_path / "swap").exists()
+
+
+@pytest.mark.gpu
+@pytest.mark.distributed
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_tensor_parallel_on_nccl(tmp_path):
+    """The same code on 2 GPUs (NCCL, a CUDA device mesh): TP = 2 matches one CPU process
+    of torch (1e-5: GPU kernels sum in other orders), and the forward all-reduces run
+    behind the next piece."""
+    got = _run(tmp_path, 2, 2, [("gpt", "device", 2), ("llama", "host", 2)], gpu=True)
+    for case, r in got.items():
+        _compare(r["sd"], _reference(case[0]), case, atol=1e-5)
+        assert _behind(r["spans"], "domino:") >= 4, case
