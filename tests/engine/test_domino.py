@@ -16,13 +16,10 @@ lr x g / eps): rounding noise stays below 1e-7, and every weight is compared at
 1e-6.
 """
 
-import contextlib
 import os
-from typing import Iterator
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import offload
 from offload.config import ConfigError
@@ -31,7 +28,7 @@ from offload.trace.analysis import parse_trace
 from offload.trace.chrome import to_chrome_trace
 
 from .models import lm_loss
-from .ranks import gloo_group, spawn
+from .ranks import process_group, spawn
 
 
 STEPS = 5
@@ -112,20 +109,9 @@ def _spans(rec: TraceRecorder) -> list:
     return [(s.name, s.cat, s.start, s.end, (s.args or {}).get("group")) for s in rt.spans]
 
 
-@contextlib.contextmanager
-def _nccl_group(rank: int, world: int, init_file: str) -> Iterator[None]:
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 def _worker(rank: int, world: int, init_file: str, out: str, tp: int, cases: list,
             gpu: bool) -> None:
-    with (_nccl_group if gpu else gloo_group)(rank, world, init_file):
+    with process_group(rank, world, init_file, "nccl" if gpu else "gloo"):
         results = {}
         for case in cases:
             swap = os.path.join(os.path.dirname(init_file), "swap-" + "-".join(map(str, case)))
