@@ -122,14 +122,14 @@ def initialize(model: nn.Module | Callable[[], nn.Module],
     comm = tp.mesh.dp if tp is not None else Collectives(recorder=recorder)
     units, groups = build_units(model, cfg.engine.group_size, comm.world,
                                 whole=tp.blocks if tp is not None else [])
-    gathers = None  # [Note: gather thread] in offload/comm/gather_thread.py
-    if cfg.comm.gather_thread and comm.world > 1:
-        dp_groups = tp.mesh.dp_groups if tp is not None else [list(range(comm.world))]
-        gathers = GatherIssuer(comm, gather_group(comm, dp_groups))
     hyper, slot_groups = assign_param_groups(groups, cfg.optim, param_groups)
     check_budgets(cfg, groups, _DTYPES[cfg.engine.dtype])  # before any file is made
     if resumed is not None:
         resumed.check(groups, _DTYPES[cfg.engine.dtype])
+    gathers = None  # [Note: gather thread] in offload/comm/gather_thread.py
+    if cfg.comm.gather_thread and comm.world > 1:
+        dp_groups = tp.mesh.dp_groups if tp is not None else [list(range(comm.world))]
+        gathers = GatherIssuer(comm, gather_group(comm, dp_groups))
     # swap files are named by the rank in the whole job (DP ranks repeat over TP)
     store = TieredStore(cfg, rank=tp.mesh.world.rank if tp is not None else comm.rank,
                         recorder=recorder)
