@@ -18,8 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-__all__ = ["ConfigError", "EngineConfig", "IoConfig", "OffloadConfig", "OptimConfig",
-           "ParamGroupConfig", "StoreConfig", "load_config", "parse_bytes", "format_bytes"]
+__all__ = ["CommConfig", "ConfigError", "DominoConfig", "EngineConfig", "IoConfig", "OffloadConfig",
+           "OptimConfig", "ParamGroupConfig", "StoreConfig", "TensorParallelConfig",
+           "load_config", "parse_bytes", "format_bytes"]
 
 PAGE = 4096
 
@@ -405,6 +406,54 @@ class EngineConfig:
 
 
 @dataclass(kw_only=True)
+class CommConfig:
+    """How collectives are issued (`offload.comm`)."""
+
+    gather_thread: bool = _doc(False, "with several data-parallel ranks: issue parameter "
+                               "all-gathers from one communication thread, over a second "
+                               "process group of the same ranks (its own stream with NCCL), so "
+                               "a prefetch whose shard is still being read does not hold up "
+                               "the module hook; every rank issues them in the same order")
+
+    def __post_init__(self) -> None:
+        _normalise(self, "comm")
+
+
+MAX_PIECES = 64
+
+
+@dataclass(kw_only=True)
+class TensorParallelConfig:
+    """Tensor parallelism (`offload.comm.tensor_parallel`): the Linear layers of known
+    transformer blocks cut over TP ranks (docs/domino.md); ZeRO-3 partitions over the
+    data-parallel ranks of the DP x TP mesh."""
+
+    size: int = _doc(1, "ranks per tensor-parallel group; must divide the world size; 1: no "
+                     "tensor parallelism (every rank is a data-parallel rank)")
+
+    def __post_init__(self) -> None:
+        _normalise(self, "tp")
+        if self.size < 1:
+            raise ConfigError(f"tp.size: {self.size} must be >= 1 (1: no tensor parallelism)")
+
+
+@dataclass(kw_only=True)
+class DominoConfig:
+    """Domino slicing (`offload.comm.domino`): each tensor-parallel block runs its batch
+    in pieces so the all-reduce of one piece runs behind the compute of the next."""
+
+    pieces: int = _doc(2, f"with tp.size > 1: pieces the batch of a tensor-parallel block is "
+                       f"cut into (1..{MAX_PIECES}; 1 waits for each all-reduce where it is "
+                       "issued); a batch that is not a multiple runs in one piece")
+
+    def __post_init__(self) -> None:
+        _normalise(self, "domino")
+        if not 1 <= self.pieces <= MAX_PIECES:
+            raise ConfigError(f"domino.pieces: {self.pieces} is out of range; use "
+                              f"1..{MAX_PIECES}, e.g. 2")
+
+
+@dataclass(kw_only=True)
 class OffloadConfig:
     """Root configuration: one section per layer."""
 
@@ -412,6 +461,9 @@ class OffloadConfig:
     store: StoreConfig = field(default_factory=StoreConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
+    comm: CommConfig = field(default_factory=CommConfig)
+    tp: TensorParallelConfig = field(default_factory=TensorParallelConfig)
+    domino: DominoConfig = field(default_factory=DominoConfig)
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

@@ -1,8 +1,9 @@
-"""`offload bench comm`: how much of a data-parallel step's communication is exposed.
+"""`offload bench comm`: how much of a training step's communication is exposed, data
+parallel and tensor parallel (Domino slicing).
 
 `--nproc` ranks (processes; gloo on CPU, NCCL where every rank has a GPU: one code
 path) train the GPT-style decoder of `offload demo` on their shares of one
-global batch, parameters and optimizer state in host memory, in two modes:
+global batch, parameters and optimizer state in host memory, in these modes:
 
   serial   no collective runs behind compute: `engine.prefetch_depth = 0` (each
            all-gather is issued when its unit starts, and waited for) and
@@ -10,7 +11,14 @@ global batch, parameters and optimizer state in host memory, in two modes:
            for when it is issued);
   overlap  the defaults: after the first step the next unit's all-gather is
            issued while the current one computes, and gradient reductions stay in
-           flight behind the backward of the next groups.
+           flight behind the backward of the next groups;
+  tp       tensor parallelism over pairs of ranks (`tp.size = 2`, DP = nproc / 2:
+           each pair computes its DP share of the batch, every block's Linear
+           layers cut in two), `domino.pieces = 1`: each block's two all-reduces
+           are waited for where they are issued;
+  domino   the same, `domino.pieces = 2`: each block runs its batch in two
+           pieces, the all-reduce of one behind the compute of the next
+           (docs/domino.md). The tp and domino rows need an even nproc.
 
 The modes run one after the other in the same processes, `--repeats` times
 each, interleaved (serial, overlap, serial, ...), each time `--steps` measured
@@ -24,8 +32,7 @@ steps of:
                    `wait:<collective>` spans on the training thread): communication
                    not hidden.
 `engine.check_rank_order` (one small all-reduce per unit, a safety check) is
-off in both modes so that the figures are the ZeRO collectives'. Domino
-slicing (tensor parallelism) is not implemented: no `domino` row.
+off in every mode so that the figures are the ZeRO and TP collectives'.
 """
 
 from __future__ import annotations
@@ -40,17 +47,28 @@ from typing import Any
 from .args import CommandParser, directory, integer, run_command
 from .benchutil import emit, scratch_dir
 
-MODES = {
-    "serial": {"prefetch_depth": 0, "reductions_in_flight": 0},
+TP = 2  # ranks per tensor-parallel group in the tp and domino modes
+MODES: dict[str, dict[str, Any]] = {
+    "serial": {"engine": {"prefetch_depth": 0, "reductions_in_flight": 0}},
     "overlap": {},
+    "tp": {"tp": {"size": TP}, "domino": {"pieces": 1}},
+    "domino": {"tp": {"size": TP}, "domino": {"pieces": 2}},
 }
 
 
+def modes(nproc: int) -> list[str]:
+    """The modes `nproc` ranks can run: tensor parallelism needs pairs of ranks."""
+    return [m for m in MODES if nproc % MODES[m].get("tp", {}).get("size", 1) == 0]
+
+
 def _config(swap: str, mode: str) -> dict[str, Any]:
+    extra = MODES[mode]
     return {"engine": {"params": "host", "grads": "host", "optimizer": "host",
-                       "check_rank_order": False, "group_size": 1 << 20, **MODES[mode]},
+                       "check_rank_order": False, "group_size": 1 << 20,
+                       **extra.get("engine", {})},
             "io": {"paths": [swap]},
-            "store": {"host_budget": "4GiB", "device_budget": "4GiB"}}
+            "store": {"host_budget": "4GiB", "device_budget": "4GiB"},
+            **{k: v for k, v in extra.items() if k != "engine"}}
 
 
 def _spans(rec: Any) -> tuple[float, float]:
@@ -77,9 +95,9 @@ def _worker(rank: int, world: int, init: str, out: str, opts: dict[str, Any]) ->
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
         cfg = PRESETS[opts["size"]]
         task = ReversalTask(cfg.vocab - 1, cfg.max_seq // 2, opts["batch"] * world, seed=1)
-        rows: dict[str, list[tuple[float, float, float]]] = {m: [] for m in MODES}
+        rows: dict[str, list[tuple[float, float, float]]] = {m: [] for m in modes(world)}
         for _ in range(opts["repeats"]):
-            for mode in MODES:
+            for mode in rows:
                 rows[mode] += _run_mode(rank, world, opts, cfg, task, mode)
         if rank == 0:
             torch.save(rows, out)
@@ -100,10 +118,12 @@ def _run_mode(rank: int, world: int, opts: dict[str, Any], cfg: Any, task: Any,
     rec = TraceRecorder(enabled=True, rank=rank)
     swap = os.path.join(opts["swap"], f"{mode}-{rank}")
     got = []
+    tp = MODES[mode].get("tp", {}).get("size", 1)
+    dp, me = world // tp, rank // tp  # the ranks of a TP group compute the same rows
     with offload.initialize(GPT(cfg), _config(swap, mode), recorder=rec) as engine:
         for i in range(opts["steps"] + 1):
             x, y = task.next_batch()
-            x, y = x.chunk(world)[rank], y.chunk(world)[rank]
+            x, y = x.chunk(dp)[me], y.chunk(dp)[me]
             dist.barrier()
             rec.clear()
             t = time.perf_counter()
@@ -137,6 +157,8 @@ def run_comm_bench(nproc: int, steps: int, repeats: int, size: str, batch: int,
                                "samples": len(samples)})
     by = {r["mode"]: r for r in result["rows"]}
     result["overlap_vs_serial"] = by["overlap"]["step_s"] / by["serial"]["step_s"]
+    if "domino" in by:
+        result["domino_vs_tp"] = by["domino"]["step_s"] / by["tp"]["step_s"]
     return result
 
 
@@ -154,6 +176,10 @@ def _render(r: dict[str, Any]) -> None:
     con.print(t)
     con.print(f"overlap step / serial step: {r['overlap_vs_serial']:.2f} (medians of "
               f"{r['steps']} steps x {r['repeats']} runs per mode, interleaved)")
+    if "domino_vs_tp" in r:
+        con.print(f"domino step / tp step: {r['domino_vs_tp']:.2f}")
+    else:
+        con.print("no tp or domino row: tensor parallelism needs an even --nproc")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -166,7 +192,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--size", choices=("tiny", "small", "base", "large"), default="small",
                    help="the GPT preset of offload demo (default small)")
     p.add_argument("--batch", type=integer(1, example=8), default=8,
-                   help="rows per rank per step (default 8)")
+                   help="rows per rank per step in the data-parallel modes (default 8); the "
+                   "global batch, this times --nproc, is the same in every mode")
     p.add_argument("--path", default=None, type=directory("directory for scratch files"),
                    help="directory for the runs' scratch files (default: a temporary "
                    "directory under the current one)")

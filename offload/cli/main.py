@@ -61,8 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "the disk's O_DIRECT rate; stall of a background save")
     bench_checkpoint.add_arguments(bck)
     bck.set_defaults(func=bench_checkpoint.run)
-    bcomm = bsub.add_parser("comm", help="data-parallel ranks: communication hidden behind "
-                            "compute (serial vs overlap), exposed seconds from the trace")
+    bcomm = bsub.add_parser("comm", help="communication hidden behind compute: data parallel "
+                            "(serial, overlap) and tensor parallel (tp, domino), exposed "
+                            "seconds from the trace")
     bench_comm.add_arguments(bcomm)
     bcomm.set_defaults(func=bench_comm.run)
 

@@ -1,6 +1,9 @@
-"""Collectives on partitions: all-gather of parameter shards, reduce-scatter of
-gradients, scalar reductions; async handles so they run behind compute."""
+"""Collectives on partitions: all-gather of parameter shards (from a communication
+thread, optionally), reduce-scatter of gradients, scalar reductions; async handles so
+they run behind compute. Tensor parallelism with Domino slicing (`domino`,
+`tensor_parallel`, `blocks`, `mesh`)."""
 
 from .collectives import Collectives, Pending
+from .gather_thread import GatherIssuer
 
-__all__ = ["Collectives", "Pending"]
+__all__ = ["Collectives", "GatherIssuer", "Pending"]

@@ -55,8 +55,9 @@ class Collectives:
     """Collectives of one job; a world of 1 (or no process group) makes them copies."""
 
     def __init__(self, group: object | None = None, *,
-                 recorder: TraceRecorder = NULL_RECORDER) -> None:
+                 recorder: TraceRecorder = NULL_RECORDER, name: str = "") -> None:
         self.recorder = recorder
+        self.name = name  # the group's role in the trace's args ("dp", "tp"); "" for the world
         self.distributed = dist.is_available() and dist.is_initialized()
         self.group = group
         self.rank = dist.get_rank(group) if self.distributed else 0
@@ -119,12 +120,23 @@ class Collectives:
             out.copy_(full_grad[lo:lo + n]).div_(self.world)
         return self._then(work, finish, async_op, token), out
 
+    def all_reduce_sum(self, tensor: torch.Tensor, *, async_op: bool = False) -> Pending:
+        """Sums `tensor` over the group's ranks, in place (valid once the handle is
+        waited on); a world of 1 leaves it as it is."""
+        if self.world == 1:
+            return Pending(None)
+        token = self._begin("all-reduce", tensor)
+        work = dist.all_reduce(tensor, group=self.group, async_op=True)
+        return self._then(work, None, async_op, token)
+
     def _begin(self, op: str, tensor: torch.Tensor) -> AsyncToken | None:
         if not self.recorder.enabled:
             return None
-        return self.recorder.async_begin(op, "comm", "comm", {
-            "bytes": tensor.numel() * tensor.element_size(), "backend": self.backend,
-            "dtype": str(tensor.dtype).removeprefix("torch."), "world": self.world})
+        args = {"bytes": tensor.numel() * tensor.element_size(), "backend": self.backend,
+                "dtype": str(tensor.dtype).removeprefix("torch."), "world": self.world}
+        if self.name:
+            args["group"] = self.name
+        return self.recorder.async_begin(op, "comm", "comm", args)
 
     def _then(self, work: object, finish: Callable[[], None] | None, async_op: bool,
               token: AsyncToken | None = None) -> Pending:
@@ -140,8 +152,7 @@ class Collectives:
         t = torch.tensor(values, dtype=torch.float64)
         if self.backend == "nccl":
             t = t.cuda()
-        token = self._begin("all-reduce", t)
-        self._then(dist.all_reduce(t, group=self.group, async_op=True), None, False, token)
+        self.all_reduce_sum(t)
         return t.cpu().tolist()
 
     def barrier(self) -> None:

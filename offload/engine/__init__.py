@@ -11,7 +11,8 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import torch
 from torch import nn
 
-from ..comm import Collectives
+from ..comm import Collectives, GatherIssuer
+from ..comm.gather_thread import gather_group
 from ..config import ConfigError, OffloadConfig, load_config
 from ..io import hugepages
 from ..store import NextUsePolicy, TieredStore
@@ -23,6 +24,7 @@ from .engine import _DTYPES, _TIERS, OffloadEngine
 from .eviction import next_use_of
 from .param_groups import assign_param_groups, segments_of
 from .step import StepFailedError
+from .tensor_parallel import TensorParallel, full_state_dict
 from .training_checkpoint import CheckpointCorruptError, CheckpointError
 from .units import Group, build_units
 from .working_set import check_budgets
@@ -30,7 +32,7 @@ from .working_set import check_budgets
 log = logging.getLogger(__name__)
 
 __all__ = ["CheckpointCorruptError", "CheckpointError", "CheckpointReader", "OffloadEngine",
-           "StepFailedError", "initialize"]
+           "StepFailedError", "full_state_dict", "initialize"]
 
 # [Note: wrapped modules]
 # `initialize` takes a model's parameters into the engine's partitions: each module
@@ -115,19 +117,29 @@ def initialize(model: nn.Module | Callable[[], nn.Module],
     _materialise_buffers(model, cfg.engine.seed)
     ckpt = SafetensorsCheckpoint(checkpoint) if checkpoint is not None else None
     resumed = CheckpointReader(resume) if resume is not None else None
-    comm = Collectives(recorder=recorder)
-    units, groups = build_units(model, cfg.engine.group_size, comm.world)
+    # [Note: ZeRO-3 over DP, tensor parallelism over TP] in tensor_parallel.py
+    tp = TensorParallel.setup(model, cfg, restored=ckpt is not None or resumed is not None,
+                              recorder=recorder)
+    comm = tp.mesh.dp if tp is not None else Collectives(recorder=recorder)
+    units, groups = build_units(model, cfg.engine.group_size, comm.world,
+                                whole=tp.blocks if tp is not None else [])
     hyper, slot_groups = assign_param_groups(groups, cfg.optim, param_groups)
     check_budgets(cfg, groups, _DTYPES[cfg.engine.dtype])  # before any file is made
     if resumed is not None:
         resumed.check(groups, _DTYPES[cfg.engine.dtype])
+    gathers = None  # [Note: gather thread] in offload/comm/gather_thread.py
+    if cfg.comm.gather_thread and comm.world > 1:
+        dp_groups = tp.mesh.dp_groups if tp is not None else [list(range(comm.world))]
+        gathers = GatherIssuer(comm, gather_group(comm, dp_groups))
     # store.policy "next-use": the copy the step needs last leaves first (eviction.py)
     policy = NextUsePolicy() if cfg.store.policy == "next-use" else None
-    store = TieredStore(cfg, rank=comm.rank, recorder=recorder, policy=policy)
+    # swap files are named by the rank in the whole job (DP ranks repeat over TP)
+    store = TieredStore(cfg, rank=tp.mesh.world.rank if tp is not None else comm.rank,
+                        recorder=recorder, policy=policy)
     lineage = _Lineage(model)
     engine = None
     try:
-        engine = OffloadEngine(model, cfg, units, groups, store, comm, recorder)
+        engine = OffloadEngine(model, cfg, units, groups, store, comm, recorder, tp, gathers)
         if policy is not None:
             policy.follow(next_use_of(engine.trace))
         engine._attach_optimizer(lr_lambda, hyper)
@@ -172,6 +184,8 @@ def initialize(model: nn.Module | Callable[[], nn.Module],
             engine.close()  # removes its hooks and closes the store
         else:
             store.close()
+            if gathers is not None:
+                gathers.close()
         raise
     finally:
         if resumed is not None:

@@ -50,10 +50,10 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-from ..comm import Collectives, Pending
+from ..comm import Collectives, GatherIssuer, Pending
 from ..config import OffloadConfig
 from ..io import hold_switch_interval
-from ..optim import CpuAdam, OptimStepError, grad_sq_sum
+from ..optim import CpuAdam, OptimStepError
 from ..planner import AccessTrace
 from ..store import BudgetExceededError, Tier, TieredStore
 from ..trace import NULL_RECORDER, TraceRecorder, UnitSpans
@@ -64,6 +64,7 @@ from .model_weights import ModelWeights
 from .params_view import RegisteredParams
 from .rank_order import RankOrder
 from .step import StagedParams, StepFailedError
+from .tensor_parallel import GradSquares, TensorParallel
 from .training_checkpoint import CheckpointSave
 from .training_checkpoint import save_checkpoint as _save_checkpoint
 from .units import Group, Unit, output_tensors, static_order
@@ -100,15 +101,15 @@ class OffloadEngine(ModelWeights, nn.Module):
 
     def __init__(self, model: nn.Module, cfg: OffloadConfig, units: list[Unit],
                  groups: list[Group], store: TieredStore, comm: Collectives,
-                 recorder: TraceRecorder = NULL_RECORDER) -> None:
+                 recorder: TraceRecorder = NULL_RECORDER, tp: TensorParallel | None = None,
+                 gathers: GatherIssuer | None = None) -> None:
         super().__init__()
-        self.module = model
-        self.cfg = cfg
-        self.units = units
-        self.groups = groups
-        self.store = store
-        self.comm = comm
+        self.module, self.cfg = model, cfg
+        self.units, self.groups = units, groups
+        # comm: the data-parallel ranks ([Note: ZeRO-3 over DP, tensor parallelism over TP])
+        self.store, self.comm, self.tp = store, comm, tp
         self.recorder = recorder
+        self._gathers = gathers or GatherIssuer(comm)  # [Note: gather thread]
         self._spans = UnitSpans(recorder)  # per-unit spans and use waits (docs/trace.md)
         self.dtype = _DTYPES[cfg.engine.dtype]
         self.device = store.device
@@ -117,10 +118,10 @@ class OffloadEngine(ModelWeights, nn.Module):
         self.global_step = 0  # optimizer steps taken
         self._backwards = 0   # backward calls since the last step (or zero_grad)
         self._in_backward = False  # engine.backward() is running: [Note: backward runs here]
-        self.loss_scale = self._initial_scale()
+        e = cfg.engine  # fp16: a fixed loss scale, or dynamic scaling's first one
+        self.loss_scale = (e.loss_scale or e.initial_loss_scale) if e.dtype == "fp16" else 1.0
         self._good_steps = 0
-        self._grad_tier = _TIERS[cfg.engine.grads]
-        self._param_tier = _TIERS[cfg.engine.params]
+        self._grad_tier, self._param_tier = _TIERS[cfg.engine.grads], _TIERS[cfg.engine.params]
         # fp32 partitions the CPU optimizer can update where they are: see [Note: what
         # lives where]; on a GPU, DEVICE-homed ones keep a master on the CPU side
         self.master_is_param = self.dtype == torch.float32 and not (
@@ -157,16 +158,10 @@ class OffloadEngine(ModelWeights, nn.Module):
             self._hooks.append(unit.module.register_forward_pre_hook(self._make_pre(unit)))
             self._hooks.append(unit.module.register_forward_hook(self._make_post(unit)))
 
-    def _initial_scale(self) -> float:
-        e = self.cfg.engine
-        if e.dtype != "fp16":
-            return 1.0
-        return e.loss_scale or e.initial_loss_scale
-
     # -- the optimizer ----------------------------------------------------------------
     def _attach_optimizer(self, lr_lambda: Callable[[int], float] | None = None,
                           param_groups: list[dict[str, Any]] | None = None) -> None:
-        self._opt = CpuAdam.open(self.cfg, rank=self.comm.rank,
+        self._opt = CpuAdam.open(self.cfg, rank=self.store.rank,  # its files: the store's
                                  nvme=self.cfg.engine.optimizer == "nvme", lr_lambda=lr_lambda,
                                  param_groups=param_groups, recorder=self.recorder,
                                  store=self.store)  # the store's swap file and I/O engine
@@ -191,16 +186,18 @@ class OffloadEngine(ModelWeights, nn.Module):
         """Fetches the shard to DEVICE and starts the all-gather into `flat`.
 
         [Note: gather order] Every rank must issue all-gathers in the same
-        order, so they are issued only from the module hooks' thread, in use
-        order or in the plan's order, never from I/O completion callbacks.
+        order, so they are requested only from the module hooks' thread, in use
+        order or in the plan's order, never from I/O completion callbacks (and
+        issued there, or in that order by [Note: gather thread]).
         """
         key = ("p", st.group.gid)
-        shard = self.store.fetch(key, to=Tier.DEVICE, pin=True).wait()
+        fetch = self.store.fetch(key, to=Tier.DEVICE, pin=True)
         try:
             self._warm.fill(st.flat.untyped_storage(), st.group.padded * st.flat.element_size())
             # `.data` has its own version counter: refilling the storage must not look
             # like an in-place change to the views autograd saved (they see the same bytes)
-            pending = self.comm.all_gather(st.flat.data, shard, async_op=async_op)
+            pending = self._gathers.all_gather(st.flat.data, fetch.wait, async_op=async_op,
+                                               on_error=lambda: self.store.unpin(key))
         except BaseException:
             self.store.unpin(key)
             raise
@@ -692,12 +689,12 @@ class OffloadEngine(ModelWeights, nn.Module):
         need = self.cfg.optim.max_grad_norm > 0 or self.cfg.engine.dtype == "fp16"
         if not need:
             return None, False
-        local = 0.0
+        squares = GradSquares(self.comm, self.tp)  # sharded weights counted over TP
         for gid in gids:
-            local += grad_sq_sum([self.store.fetch(("g", gid), to=self._grad_where).wait()])
+            squares.add(self.groups[gid], self.store.fetch(("g", gid), to=self._grad_where).wait())
             if self._grad_tier is Tier.NVME:
                 self.store.evict(("g", gid))
-        (total,) = self.comm.sum_scalars([local])
+        total = squares.total()
         norm = math.sqrt(total) / scale if math.isfinite(total) else float("inf")
         return norm, not math.isfinite(norm)
 
@@ -776,6 +773,7 @@ class OffloadEngine(ModelWeights, nn.Module):
         """Removes the hooks, closes the optimizer and the store (and their swap files)."""
         self.wait_for_checkpoint(raise_error=False)
         self._updater.shutdown(wait=True)
+        self._gathers.close()
         for h in self._hooks:
             h.remove()
         self._hooks.clear()

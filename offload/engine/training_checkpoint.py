@@ -614,6 +614,9 @@ def save_checkpoint(engine: Any, path: str | os.PathLike, extra: dict[str, Any] 
     while training goes on ([Note: saving in the background]). Returns the save's
     handle (done when blocking)."""
     check_between_steps(engine)
+    if getattr(engine, "tp", None) is not None:  # its files would hold one TP slice per DP rank
+        raise CheckpointError("save_checkpoint: not supported with tp.size > 1 yet; save the "
+                              "full weights with offload.engine.full_state_dict(engine)")
     path = Path(path).absolute()
     extra = {} if extra is None else extra
     try:

@@ -79,21 +79,23 @@ def _subtree_params(module: nn.Module) -> int:
 
 
 def _choose(module: nn.Module, name: str, group_size: int,
-            out: list[tuple[nn.Module, str, bool]]) -> None:
-    if _subtree_params(module) <= group_size:
+            out: list[tuple[nn.Module, str, bool]], whole: frozenset[int]) -> None:
+    if _subtree_params(module) <= group_size or id(module) in whole:
         if any(True for _ in module.parameters()):
             out.append((module, name, True))
         return
     if any(p is not None for p in module._parameters.values()):
         out.append((module, name, False))
     for child_name, child in module.named_children():
-        _choose(child, f"{name}.{child_name}" if name else child_name, group_size, out)
+        _choose(child, f"{name}.{child_name}" if name else child_name, group_size, out, whole)
 
 
-def build_units(model: nn.Module, group_size: int, world: int) -> tuple[list[Unit], list[Group]]:
-    """Splits `model` into units and their groups; changes nothing in the model."""
+def build_units(model: nn.Module, group_size: int, world: int,
+                whole: list[nn.Module] = ()) -> tuple[list[Unit], list[Group]]:
+    """Splits `model` into units and their groups; changes nothing in the model. Each
+    module of `whole` is one unit (or inside one), whatever its size."""
     chosen: list[tuple[nn.Module, str, bool]] = []
-    _choose(model, "", group_size, chosen)
+    _choose(model, "", group_size, chosen, frozenset(id(m) for m in whole))
     names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
     # every (module, attribute) that holds each parameter, for tied weights
     uses: dict[int, list[tuple[nn.Module, str]]] = {}

@@ -1,22 +1,31 @@
 """Running a test's worker on several ranks: processes spawned by torch.multiprocessing,
-joined by a gloo process group over a file in the test's directory."""
+joined by a gloo (or NCCL) process group over a file in the test's directory."""
 
 import contextlib
 from typing import Callable, Iterator
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
 @contextlib.contextmanager
-def gloo_group(rank: int, world: int, init_file: str) -> Iterator[None]:
-    """The worker's process group, destroyed on every way out."""
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+def process_group(rank: int, world: int, init_file: str,
+                  backend: str = "gloo") -> Iterator[None]:
+    """The worker's process group (nccl: on GPU `rank`), destroyed on every way out."""
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
                             world_size=world)
     try:
         yield
     finally:
         dist.destroy_process_group()
+
+
+def gloo_group(rank: int, world: int, init_file: str) -> contextlib.AbstractContextManager:
+    """The worker's gloo process group, destroyed on every way out."""
+    return process_group(rank, world, init_file)
 
 
 def spawn(worker: Callable, init_file: str, *args: object, world: int = 2) -> None:

@@ -6,28 +6,15 @@ next unit's all-gather runs while the current unit's forward computes; with
 import pytest
 import torch
 
-from offload.trace import TraceRecorder
-from offload.trace.analysis import parse_trace
-from offload.trace.chrome import to_chrome_trace
-
-from .models import TiedTwice, lm_batches, lm_loss
 from .ranks import gloo_group, spawn
+from .traced import train_traced
 
 pytestmark = pytest.mark.distributed
 
 
 def _worker(rank: int, world: int, init_file: str, out: str, cfg: dict) -> None:
-    import offload
     with gloo_group(rank, world, init_file):
-        torch.manual_seed(0)
-        rec = TraceRecorder(enabled=True, rank=rank)
-        with offload.initialize(TiedTwice(), cfg, recorder=rec) as engine:
-            for step, (x, y) in enumerate(lm_batches(3, batch=8)):
-                if step == 2:  # steady state: the access trace exists
-                    rec.clear()
-                engine.backward(lm_loss(engine(x.chunk(world)[rank]), y.chunk(world)[rank]))
-                engine.step()
-        (rt,) = parse_trace(to_chrome_trace(rec))
+        _, rt = train_traced(cfg, rank, world, 3)
         if rank == 0:
             torch.save([(s.name, s.cat, s.start, s.end) for s in rt.spans], out)
 

@@ -1,0 +1,180 @@
+"""Domino slicing: tensor-parallel transformer blocks whose all-reduces run behind
+compute.
+
+[Note: Domino schedule]
+A tensor-parallel block needs its row-parallel outputs summed over the TP
+ranks twice per forward (after attention, after the MLP), and nothing after
+each sum can start before it lands. Cutting the batch into `pieces`
+independent pieces (rows of the batch never mix inside a block) gives the
+ranks something to compute meanwhile:
+
+    attention(0) -> start reduce a0
+    attention(1) -> start reduce a1      # a0 runs behind attention(1)
+    finish a0; mlp(0) -> start reduce m0 # a1 runs behind mlp(0)
+    finish a1; mlp(1) -> start reduce m1 # m0 runs behind mlp(1)
+    finish m0, m1; concatenate
+
+In backward each column-parallel layer all-reduces its input gradient
+while it computes its weight gradient ([Note: which gradients are reduced
+over TP] in tensor_parallel.py); autograd runs the pieces' graphs one after
+the other, so that all-reduce also runs behind the weight gradients of the
+layer. Every rank issues the same collectives in the same order (the schedule
+is fixed; backward's order is autograd's, the same graph on every rank).
+`pieces = 1` is plain tensor parallelism: each sum is waited for as soon as it
+is issued.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..trace import NULL_RECORDER, TraceRecorder
+from .blocks import BlockKind, kind_of
+from .collectives import Collectives
+from .tensor_parallel import ColumnParallel, RowParallel, ShardSpec
+
+__all__ = ["DominoBlock", "TensorParallelPlan", "parallelize"]
+
+
+def _split(value: Any, batch: int, pieces: int) -> list[Any]:
+    """`value` for each piece: tensors (in tuples, lists, dicts) whose first dimension is
+    the batch are cut along it; anything else (masks broadcast over the batch,
+    flags) is the same for every piece."""
+    if isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == batch:
+        return list(value.chunk(pieces))
+    if isinstance(value, (tuple, list)):
+        parts = [_split(v, batch, pieces) for v in value]
+        return [type(value)(p[k] for p in parts) for k in range(pieces)]
+    if isinstance(value, dict):
+        parts = {k: _split(v, batch, pieces) for k, v in value.items()}
+        return [{k: p[i] for k, p in parts.items()} for i in range(pieces)]
+    return [value] * pieces
+
+
+class DominoBlock(nn.Module):
+    """A tensor-parallel transformer block run in `pieces` pieces ([Note: Domino
+    schedule]). It takes the block's children as its own (parameter names do not
+    change) and its call signature; the first argument is the hidden states."""
+
+    def __init__(self, block: nn.Module, kind: BlockKind, pieces: int, dropouts: list[float],
+                 recorder: TraceRecorder = NULL_RECORDER) -> None:
+        super().__init__()
+        if any(p is not None for p in block._parameters.values()):
+            raise ValueError(f"{type(block).__name__} has parameters of its own: not a block "
+                             "tensor parallelism knows")
+        for name, child in block.named_children():
+            self.add_module(name, child)
+        self.kind = kind
+        self.pieces = pieces
+        self.dropouts = dropouts
+        self.recorder = recorder
+        self.signature = inspect.signature(block.forward)
+        self.block_type = type(block).__name__
+
+    def _arguments(self, args: tuple, kwargs: dict) -> tuple[torch.Tensor, dict]:
+        bound = self.signature.bind(*args, **kwargs).arguments
+        names = list(bound)
+        x = bound.pop(names[0])
+        rest: dict[str, Any] = {}
+        for name, value in bound.items():
+            kind = self.signature.parameters[name].kind
+            if kind is inspect.Parameter.VAR_KEYWORD:
+                rest.update(value)
+            elif kind is not inspect.Parameter.VAR_POSITIONAL:
+                rest[name] = value
+        for key in ("cache", "past_key_values"):
+            if rest.get(key) is None:
+                continue
+            if not self.training:  # generation would read a cache this block never fills
+                raise ValueError(f"{self.block_type}: a KV cache with tp.size > 1 is not "
+                                 "supported (call the model with use_cache=False)")
+            rest[key] = None  # a training forward's cache (transformers' default) stays empty
+        return x, rest
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        x, rest = self._arguments(args, kwargs)
+        kind, rec = self.kind, self.recorder
+        batch = x.shape[0]
+        pieces = self.pieces if batch % self.pieces == 0 else 1
+        xs = list(x.chunk(pieces))
+        kws = _split(rest, batch, pieces)
+        norm1, norm2 = (self.get_submodule(n) for n in kind.norms)
+        row_attn, row_mlp = (self.get_submodule(p) for p in kind.rows)
+        attn = []
+        for k in range(pieces):
+            with rec.span(f"domino:attention {k}", cat="compute", track="compute"):
+                partial = kind.attention(self, norm1(xs[k]), kws[k])
+            attn.append((partial, row_attn.start(partial)))
+        hs, mlp = [], []
+        for k in range(pieces):
+            out = self._dropout(row_attn.finish(*attn[k]), 0)
+            hs.append(xs[k] + out)
+            with rec.span(f"domino:mlp {k}", cat="compute", track="compute"):
+                partial = kind.mlp(self, norm2(hs[k]))
+            mlp.append((partial, row_mlp.start(partial)))
+        outs = [h + self._dropout(row_mlp.finish(*m), 1) for h, m in zip(hs, mlp)]
+        return outs[0] if pieces == 1 else torch.cat(outs)
+
+    def _dropout(self, t: torch.Tensor, which: int) -> torch.Tensor:
+        p = self.dropouts[which]
+        return F.dropout(t, p, self.training) if p else t
+
+    def extra_repr(self) -> str:
+        return f"{self.kind.name} block, {self.pieces} pieces"
+
+
+@dataclass
+class TensorParallelPlan:
+    """What `parallelize` did: the blocks it made tensor-parallel and how each cut
+    parameter (by its name in the model) is sliced over the TP ranks."""
+
+    tp: Collectives
+    pieces: int
+    blocks: list[DominoBlock] = field(default_factory=list)
+    sharded: dict[str, ShardSpec] = field(default_factory=dict)
+
+    def unshard(self, name: str, shards: list[torch.Tensor]) -> torch.Tensor:
+        """The full tensor `name` from every TP rank's value (replicated: rank 0's)."""
+        spec = self.sharded.get(name)
+        return shards[0] if spec is None else spec.unshard(shards)
+
+
+def _replace(root: nn.Module, path: str, new: nn.Module) -> None:
+    owner, _, attr = path.rpartition(".")
+    setattr(root.get_submodule(owner) if owner else root, attr, new)
+
+
+def parallelize(model: nn.Module, tp: Collectives, pieces: int, *,
+                recorder: TraceRecorder = NULL_RECORDER) -> TensorParallelPlan:
+    """Makes every known transformer block of `model` tensor-parallel over `tp`, in
+    place: its column and row layers keep this rank's slices, and the block runs
+    as a `DominoBlock` of `pieces` pieces. Raises `ValueError` if it finds no block."""
+    plan = TensorParallelPlan(tp, pieces)
+    found = [(name, m, kind) for name, m in model.named_modules()
+             if name and (kind := kind_of(m)) is not None]
+    if not found:
+        raise ValueError(f"tp.size = {tp.world}: {type(model).__name__} has no transformer "
+                         "block tensor parallelism knows (GPT-style Block, Llama-style "
+                         "decoder layer, GPT-2 block)")
+    for name, block, kind in found:
+        dropouts = kind.prepare(block, tp.world)
+        for path, parts in kind.columns.items():
+            layer = ColumnParallel(block.get_submodule(path), tp, parts=parts, recorder=recorder)
+            _replace(block, path, layer)
+            plan.sharded[f"{name}.{path}.weight"] = layer.spec
+            if layer.bias is not None:
+                plan.sharded[f"{name}.{path}.bias"] = ShardSpec(0, parts)
+        for path in kind.rows:
+            layer = RowParallel(block.get_submodule(path), tp, recorder=recorder)
+            _replace(block, path, layer)
+            plan.sharded[f"{name}.{path}.weight"] = layer.spec
+        wrapped = DominoBlock(block, kind, pieces, dropouts, recorder)
+        _replace(model, name, wrapped)
+        plan.blocks.append(wrapped)
+    return plan
