@@ -9,9 +9,9 @@ search placements, budget splits, group size, buffers, prefetch depth and I/O
 settings with the simulator (offload/planner/search.py); calibrate it by real
 steps of a few classes; with `--verify K`, run the best K for real and print
 predicted against measured; measure the fastest measured of a few classes
-again in interleaved rounds and choose on the median and spread of their steps
-(tune_verify.py); show the ranked table; write the chosen one. `--minutes`
-bounds the whole run ([Note: the time budget] in docs/tuning.md).
+again in interleaved rounds and choose on the upper quartile and median of
+their steps (tune_verify.py); show the ranked table; write the chosen one.
+`--minutes` bounds the whole run ([Note: the time budget] in docs/tuning.md).
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ CHUNK_OVERHEAD_S = 5e-4  # per optimizer chunk streamed from NVMe (see docs/tuni
 # phase of real steps starts no new measurement (the probes and the search come first)
 CALIBRATE_END, VERIFY_END, FINAL_END = 0.45, 0.6, 0.75
 FINAL_ROUNDS, FINAL_STEPS = 4, 3  # rounds of the finalists, timed steps each
+PER_CLASS = 2  # finalists of one class: its knobs (I/O, prefetch, buffers) matter too
 
 
 def _bar(quiet: bool):
@@ -384,19 +385,20 @@ def _calibration_runs(picks: list, spec, args, device: str, tick, deadline: floa
 def final_rounds(result: dict[str, Any], spec, n: int, quiet: bool,
                  deadline: float) -> dict[str, Any] | None:
     """[Note: final rounds] in docs/tuning.md: the `n` fastest measured configurations
-    of distinct classes (calibration and verify runs, by their median step) measured
-    again in interleaved rounds until `deadline`; each one's every timed step, median
-    and spread, and the index of the one chosen (`steadiest_fastest`)."""
+    (calibration and verify runs, by their median step; at most `PER_CLASS` of one
+    class) measured again in interleaved rounds until `deadline`; each one's every
+    timed step, median and spread, and the index of the one chosen
+    (`steadiest_fastest`)."""
     from .tune_verify import measure_rounds, spread, steadiest_fastest
 
-    measured = sorted(_measured_runs(result), key=lambda r: r[0])
-    finalists: dict[str, dict] = {}
-    for _, cfg, cls in measured:
-        if cls not in finalists and len(finalists) < n:
-            finalists[cls] = cfg
+    finalists: list[tuple[str, dict]] = []  # (class, config)
+    for _, cfg, cls in sorted(_measured_runs(result), key=lambda r: r[0]):
+        if len(finalists) < n and (cls, cfg) not in finalists and \
+                sum(c == cls for c, _ in finalists) < PER_CLASS:
+            finalists.append((cls, cfg))
     if len(finalists) < 2 or time.perf_counter() > deadline:
         return None
-    configs = {str(i): c for i, c in enumerate(finalists.values())}
+    configs = {str(i): cfg for i, (_, cfg) in enumerate(finalists)}
     with _bar(quiet) as progress, \
             _phase(progress, "final rounds", FINAL_ROUNDS * len(configs)) as tick:
         got = measure_rounds(spec, configs, rounds=FINAL_ROUNDS, steps=FINAL_STEPS,
@@ -407,7 +409,7 @@ def final_rounds(result: dict[str, Any], spec, n: int, quiet: bool,
     chosen = int(steadiest_fastest(stats))
     rows = [{"class": cls, "config": configs[str(i)], "samples_s": got["samples"][str(i)],
              **stats.get(str(i), {}), "error": got["errors"].get(str(i))}
-            for i, cls in enumerate(finalists)]
+            for i, (cls, _) in enumerate(finalists)]
     return {"rounds": got["rounds"], "steps": FINAL_STEPS, "finalists": rows,
             "chosen": chosen}
 
@@ -451,9 +453,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="classes (placement and group size) whose best candidate runs a few "
                    "real steps to calibrate the simulator (default 12; 0: the simulator "
                    "alone)")
-    p.add_argument("--finalists", type=integer(0, example=4), default=4,
-                   help="the fastest measured configurations (of distinct classes) measured "
-                   "again in interleaved rounds to choose the one written (default 4; 0: the "
+    p.add_argument("--finalists", type=integer(0, example=5), default=5,
+                   help="the fastest measured configurations (at most 2 of a class) measured "
+                   "again in interleaved rounds to choose the one written (default 5; 0: the "
                    "fastest single measurement)")
     p.add_argument("--top", type=integer(1, example=10), default=10,
                    help="rows of the table (default 10)")

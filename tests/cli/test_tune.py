@@ -56,15 +56,17 @@ def test_tune_writes_a_config_that_initialize_takes_unchanged(work):
     # calibration measures the best-predicted placement of each optimizer tier that fits
     assert {r["class"].split("@")[0].split("/")[2] for r in res["calibration_runs"]} == \
         {"host", "nvme"}
-    # the finalists: the fastest measured run of each of the fastest classes, measured
+    # the finalists: the fastest measured configurations, at most 2 of a class, measured
     # again in interleaved rounds; the written one is the steadiest of the near-fastest
     runs = [(v["measured_step_s"], res["results"][v["rank"] - 1]["config"])
             for v in res["verify"]]
     runs += [(r["measured_step_s"], r["config"]) for r in res["calibration_runs"]]
     final = res["final"]
     fin = final["finalists"]
-    assert final["rounds"] >= 1 and 2 <= len(fin) <= 4
-    assert len({f["class"] for f in fin}) == len(fin)
+    assert final["rounds"] >= 1 and 2 <= len(fin) <= 5
+    classes = [f["class"] for f in fin]
+    assert max(classes.count(c) for c in classes) <= 2  # at most 2 of a class
+    assert all(fin.count(f) == 1 for f in fin)
     assert fin[0]["config"] == min(runs, key=lambda r: r[0])[1]
     assert all(len(f["samples_s"]) == final["rounds"] * final["steps"] for f in fin)
     stats = {str(i): spread(f["samples_s"]) for i, f in enumerate(fin)}
