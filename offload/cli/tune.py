@@ -8,9 +8,9 @@ matrix rate: offload/cli/tune_probe.py); record the model's step on `meta`
 search placements, budget splits, group size, buffers, prefetch depth and I/O
 settings with the simulator (offload/planner/search.py); calibrate it by real
 steps of a few classes; with `--verify K`, run the best K for real and print
-predicted against measured; measure the fastest measured of a few classes
-again in interleaved rounds and choose on the upper quartile and median of
-their steps (tune_verify.py); show the ranked table; write the chosen one.
+predicted against measured; measure the fastest measured configurations
+(at most 2 of a class) again in interleaved rounds and choose on the upper
+quartile and median of their steps (tune_verify.py); show the ranked table; write the chosen one.
 `--minutes` bounds the whole run ([Note: the time budget] in docs/tuning.md).
 """
 
