@@ -235,9 +235,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="configurations of the sweep per setting (default 20)")
     p.add_argument("--rounds", type=integer(1, example=2), default=2,
                    help="interleaved rounds of the sweep (default 2)")
-    p.add_argument("--ab-rounds", type=integer(1, example=6), default=6,
+    p.add_argument("--ab-rounds", type=integer(1, example=10), default=10,
                    help="interleaved A/B rounds of the written configuration and the sweep's "
-                   "best (default 6)")
+                   "best (default 10)")
     p.add_argument("--steps", type=integer(1, example=4), default=4,
                    help="timed steps per configuration and round (default 4)")
     p.add_argument("--verify", type=integer(0, example=3), default=3,
