@@ -5,12 +5,17 @@ config) and each budget setting (roomy: everything fits in memory; tight: the
 host budget is below the training state, so something must live on NVMe),
 `offload tune` runs as a user runs it (its own process, `--json --write
 --verify`), timed. Then the benchmark measures, in one worker process per
-setting, the configuration tune wrote and a sweep of `--sweep` other
-configurations of the same search space (spread over tune's whole ranking, so
-the sweep holds good and bad ones), interleaved over `--rounds` rounds: the
-ratio of the written configuration's median step to the sweep's best median
-step is the figure (target <= 1.05), with tune's time (target <= 180 s), and
-predicted against measured for every configuration.
+setting (a child of the benchmark: the same process tree), the configuration
+tune wrote and a sweep of `--sweep` other configurations of the same search
+space (spread over tune's whole ranking, so the sweep holds good and bad ones),
+interleaved over `--rounds` rounds. The sweep's best is the one of lowest median
+step; the best of 20 noisy medians is biased low (it is the one whose
+measurements were luckiest), so after the sweep the worker re-measures the
+sweep's best and the written configuration in `--ab-rounds` interleaved A/B
+rounds (A B, B A, ...) and compares medians: the figure is the written
+configuration's median step over the sweep best's median step in those A/B
+rounds (target <= 1.05), with tune's time (target <= 180 s), and predicted
+against measured for every configuration.
 """
 
 from __future__ import annotations
@@ -93,30 +98,22 @@ def _sweep(results: list[dict], n: int, chosen: int) -> list[int]:
 
 
 def _worker(spec_json: str) -> int:
-    """Measures every config of a job file, round by round; writes the medians."""
+    """Measures every config of a job file in interleaved rounds (the sweep), then the
+    sweep's best (lowest median) and the written one ("tuned") in interleaved A/B
+    rounds; writes every timed step of both phases."""
     from .model_arg import ModelSpec
-    from .tune_verify import measure_config
+    from .tune_verify import measure_rounds
 
     job = json.loads(Path(spec_json).read_text())
     spec = ModelSpec(**job["spec"])
-    samples: dict[str, list[float]] = {k: [] for k in job["configs"]}
-    errors: dict[str, str] = {}
-    keys = list(job["configs"])
-    try:  # untimed: the first engine of a process pays for thread pools and fresh pages
-        measure_config(spec, job["configs"][keys[0]], steps=1)
-    except Exception:
-        pass
-    for r in range(job["rounds"]):
-        shift = r * len(keys) // job["rounds"]  # each round starts elsewhere in the list
-        for key in keys[shift:] + keys[:shift]:
-            cfg = job["configs"][key]
-            if key in errors:
-                continue
-            try:
-                samples[key].append(measure_config(spec, cfg, steps=job["steps"])["step_s"])
-            except Exception as e:  # a configuration that fails is a result, not a crash
-                errors[key] = f"{type(e).__name__}: {e}"
-    Path(job["out"]).write_text(json.dumps({"samples": samples, "errors": errors}))
+    sweep = measure_rounds(spec, job["configs"], rounds=job["rounds"], steps=job["steps"])
+    med = {k: statistics.median(v) for k, v in sweep["samples"].items() if v and k != "tuned"}
+    out = {"sweep": sweep, "best": min(med, key=med.get) if med else None}
+    if out["best"] and sweep["samples"].get("tuned"):
+        pair = {k: job["configs"][k] for k in ("tuned", out["best"])}
+        out["ab"] = measure_rounds(spec, pair, rounds=job["ab_rounds"], steps=job["steps"],
+                                   warm=False)
+    Path(job["out"]).write_text(json.dumps(out))
     return 0
 
 
@@ -124,11 +121,13 @@ def _measure(spec: dict, configs: dict[str, dict], work: str, args) -> dict[str,
     job = os.path.join(work, "job.json")
     out = os.path.join(work, "measured.json")
     Path(job).write_text(json.dumps({"spec": spec, "configs": configs, "rounds": args.rounds,
-                                     "steps": args.steps, "out": out}))
+                                     "ab_rounds": args.ab_rounds, "steps": args.steps,
+                                     "out": out}))
     subprocess.run([sys.executable, "-m", "offload.cli.bench_tune", "--worker", job],
                    env=_env(), timeout=1800, check=False)
-    return json.loads(Path(out).read_text()) if os.path.exists(out) else {"samples": {},
-                                                                          "errors": {}}
+    if not os.path.exists(out):
+        return {"sweep": {"samples": {}, "errors": {"worker": "no result"}}, "best": None}
+    return json.loads(Path(out).read_text())
 
 
 def _setting(model: dict, budget: dict, work: str, args, progress) -> dict[str, Any]:
@@ -156,21 +155,25 @@ def _setting(model: dict, budget: dict, work: str, args, progress) -> dict[str, 
         progress(f"{model['name']} {budget['name']}: tune {tuned['wall_s']:.1f} s, "
                  f"{tuned['candidates']} candidates; measuring {len(configs)} configurations")
     m = _measure(spec, configs, work, args)
-    med = {k: statistics.median(v) for k, v in m["samples"].items() if v}
-    sweep = {k: v for k, v in med.items() if k != "tuned"}
-    best_key = min(sweep, key=sweep.get) if sweep else None
+    med = {k: statistics.median(v) for k, v in m["sweep"]["samples"].items() if v}
+    best_key = m["best"]
+    ab = {k: statistics.median(v) for k, v in m.get("ab", {}).get("samples", {}).items() if v}
+    ratio = ab["tuned"] / ab[best_key] if best_key in ab and "tuned" in ab else None
     pred = {f"#{i + 1}": res[i]["predicted_step_s"] for i in picks}
     chosen = res[tuned["chosen"] - 1] if tuned["chosen"] else None
     pred["tuned"] = chosen["predicted_step_s"] if chosen else None
-    ratio = med["tuned"] / sweep[best_key] if best_key and "tuned" in med else None
     if progress and ratio:
-        progress(f"{model['name']} {budget['name']}: tuned {med['tuned']:.3f} s, best of sweep "
-                 f"{sweep[best_key]:.3f} s ({best_key}), ratio {ratio:.2f}")
+        progress(f"{model['name']} {budget['name']}: A/B medians: tuned {ab['tuned']:.3f} s, "
+                 f"best of sweep {ab[best_key]:.3f} s ({best_key}), ratio {ratio:.2f}")
     return {**row, "tune_s": tuned["wall_s"], "candidates": tuned["candidates"],
             "chosen": tuned["chosen"], "tuned": chosen["placement"] if chosen else None,
-            "tuned_step_s": med.get("tuned"), "sweep_size": len(sweep),
-            "sweep_best": best_key, "sweep_best_step_s": sweep.get(best_key),
-            "ratio": ratio, "measured": med, "predicted": pred, "errors": m["errors"],
+            "sweep_size": len(med) - ("tuned" in med), "sweep_best": best_key,
+            "sweep_tuned_step_s": med.get("tuned"), "sweep_best_sweep_step_s": med.get(best_key),
+            "tuned_step_s": ab.get("tuned"), "sweep_best_step_s": ab.get(best_key),
+            "ab_rounds": m.get("ab", {}).get("rounds"), "ab_samples": m.get("ab", {}).get(
+                "samples"),
+            "ratio": ratio, "measured": med, "predicted": pred,
+            "errors": m["sweep"]["errors"], "final": tuned.get("final"),
             "verify": tuned.get("verify", []),
             "placements": {k: (configs[k]["engine"]["params"] + "/" + configs[k]["engine"]["grads"]
                                + "/" + configs[k]["engine"]["optimizer"]) for k in configs}}
@@ -193,7 +196,8 @@ def run_tune_bench(args, path: str, progress=None) -> dict[str, Any]:
                {"target": "tune seconds", "value": max(r.get("tune_s", 1e9) for r in rows),
                 "limit": TARGET_TUNE_S,
                 "met": all(r.get("tune_s", 1e9) <= TARGET_TUNE_S for r in rows)}] if ok else []
-    return {"benchmark": "tune", "rounds": args.rounds, "steps": args.steps,
+    return {"benchmark": "tune", "rounds": args.rounds, "ab_rounds": args.ab_rounds,
+            "steps": args.steps,
             "sweep": args.sweep, "torch": torch.__version__, "threads": torch.get_num_threads(),
             "results": rows, "targets": targets}
 
@@ -203,9 +207,10 @@ def render(result: dict[str, Any]) -> None:
     from rich.table import Table
 
     con = Console()
-    t = Table(title=f"offload bench tune: the written configuration against a sweep of "
-                    f"{result['sweep']} of the same space (median of {result['rounds']} "
-                    f"interleaved rounds x {result['steps']} steps)")
+    t = Table(title=f"offload bench tune: the written configuration against the best of a "
+                    f"sweep of {result['sweep']} of the same space ({result['rounds']} "
+                    f"interleaved rounds), medians of {result['ab_rounds']} interleaved A/B "
+                    f"rounds x {result['steps']} steps")
     for c in ("model", "budget", "tune s", "tuned", "step s", "sweep best", "step s", "ratio"):
         t.add_column(c, justify="left" if c in ("model", "budget", "tuned", "sweep best")
                      else "right")
@@ -228,10 +233,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="scratch directory (default: a temporary one under the current)")
     p.add_argument("--sweep", type=integer(2, example=20), default=20,
                    help="configurations of the sweep per setting (default 20)")
-    p.add_argument("--rounds", type=integer(1, example=3), default=3,
-                   help="interleaved rounds of the measurements (default 3)")
-    p.add_argument("--steps", type=integer(1, example=5), default=5,
-                   help="timed steps per configuration and round (default 5)")
+    p.add_argument("--rounds", type=integer(1, example=2), default=2,
+                   help="interleaved rounds of the sweep (default 2)")
+    p.add_argument("--ab-rounds", type=integer(1, example=10), default=10,
+                   help="interleaved A/B rounds of the written configuration and the sweep's "
+                   "best (default 10)")
+    p.add_argument("--steps", type=integer(1, example=4), default=4,
+                   help="timed steps per configuration and round (default 4)")
     p.add_argument("--verify", type=integer(0, example=3), default=3,
                    help="tune's --verify (default 3)")
     p.add_argument("--probe-size", type=byte_size(8 * MiB, example="64MiB"), default=64 * MiB,

@@ -6,9 +6,12 @@ at each block size and queue depth, host copy, CPU Adam, the compute device's
 matrix rate: offload/cli/tune_probe.py); record the model's step on `meta`
 (its groups at a few group sizes, the FLOPs of each unit: model_arg.py);
 search placements, budget splits, group size, buffers, prefetch depth and I/O
-settings with the simulator (offload/planner/search.py); show the ranked
-table; write the best; with `--verify K`, run the best K for real and print
-predicted against measured (tune_verify.py).
+settings with the simulator (offload/planner/search.py); calibrate it by real
+steps of a few classes; with `--verify K`, run the best K for real and print
+predicted against measured; measure the fastest measured configurations
+(at most 2 of a class) again in interleaved rounds and choose on the upper
+quartile and median of their steps (tune_verify.py); show the ranked table; write the chosen one.
+`--minutes` bounds the whole run ([Note: the time budget] in docs/tuning.md).
 """
 
 from __future__ import annotations
@@ -31,11 +34,16 @@ from .estimate import minimum
 from .model_arg import MeasuredModel, add_model_arguments, measure_model, model_spec
 from .tune_probe import MachineProbe, probe_adam, probe_copy, probe_disk, probe_matmul
 
-__all__ = ["add_arguments", "run", "tune", "to_toml"]
+__all__ = ["add_arguments", "calibration_picks", "run", "tune", "to_toml"]
 
 MiB, GiB = 1 << 20, 1 << 30
 UNIT_OVERHEAD_S = 5e-4  # hooks and the gather's bookkeeping per unit use (see docs/tuning.md)
 CHUNK_OVERHEAD_S = 5e-4  # per optimizer chunk streamed from NVMe (see docs/tuning.md)
+# [Note: the time budget] in docs/tuning.md: the fraction of --minutes after which each
+# phase of real steps starts no new measurement (the probes and the search come first)
+CALIBRATE_END, VERIFY_END, FINAL_END = 0.45, 0.6, 0.75
+FINAL_ROUNDS, FINAL_STEPS = 4, 3  # rounds of the finalists, timed steps each
+PER_CLASS = 2  # finalists of one class: its knobs (I/O, prefetch, buffers) matter too
 
 
 def _bar(quiet: bool):
@@ -61,7 +69,11 @@ def group_sizes(params: int, given: tuple[int, ...] | None) -> list[int]:
         return sorted(set(given))
     out = {EngineConfig().group_size, max(4096, params // 32), max(4096, params // 8),
            max(4096, params // 2)}
-    return sorted(g for g in out if g <= max(params, 4096))
+    kept: list[int] = []
+    for g in sorted(g for g in out if g <= max(params, 4096)):
+        if not kept or g > kept[-1] * 1.05:  # one within 5% of another groups the same
+            kept.append(g)
+    return kept
 
 
 def record(spec, sizes: list[int], flops_rate: float, device: str, tick) -> list[StepShape]:
@@ -156,15 +168,17 @@ def _row(s, tokens: int) -> dict[str, Any]:
             "limit": s.limit, "simulated_step_s": s.simulated_s, "calibration": s.calibration}
 
 
-def tune(args: argparse.Namespace, quiet: bool = False) -> dict[str, Any]:
-    """Runs every phase; the JSON-ready result (raises UsageError when nothing fits)."""
+def tune(args: argparse.Namespace, quiet: bool = False,
+         t0: float | None = None) -> dict[str, Any]:
+    """Runs the phases up to calibration (started at `t0`, perf_counter seconds); the
+    JSON-ready result (raises UsageError when nothing fits)."""
     import torch
 
     from .estimate import default_device
 
     spec = model_spec(args)
     device = default_device(args.device)
-    t0 = time.perf_counter()
+    t0 = time.perf_counter() if t0 is None else t0
     budgets = Budgets(args.host_budget, args.device_budget)
     space = Space()
     os.makedirs(args.swap, exist_ok=True)
@@ -198,7 +212,7 @@ def tune(args: argparse.Namespace, quiet: bool = False) -> dict[str, Any]:
         if not ranked:
             _impossible({}, budgets)
         ranked, factors, runs = calibrate_by_real_steps(ranked, spec, args, device, progress,
-                                                        t0 + 60 * args.minutes * 0.8)
+                                                        t0 + 60 * args.minutes * CALIBRATE_END)
     best_cfg = config_of(ranked[0], spec, args.swap, device)
     load_config(best_cfg)  # what initialize will be given: refused here, not later
     return {"command": "tune", "model": spec.target, "dtype": spec.dtype, "batch": spec.batch,
@@ -261,15 +275,23 @@ def render(result: dict[str, Any], top: int) -> None:
         con.print(f"verify #{v['rank']} {v['placement']}: predicted {v['predicted_step_s']:.3f}"
                   f" s, measured {v['measured_step_s']:.3f} s "
                   f"(measured / predicted {v['ratio']:.2f})")
+    final = result.get("final")
+    for i, f in enumerate(final["finalists"] if final else []):
+        got = (f"median {f['median_s']:.3f} s ({f['p25_s']:.3f}-{f['p75_s']:.3f}, "
+               f"{f['n']} steps)" if "median_s" in f else f"failed: {f['error']}")
+        con.print(f"final {f['class']}: {got}" + (" <- written" if i == final["chosen"] else ""))
 
 
-def verify(result: dict[str, Any], spec, k: int, quiet: bool) -> list[dict[str, Any]]:
-    """Runs the best `k` configurations for real: predicted against measured."""
+def verify(result: dict[str, Any], spec, k: int, quiet: bool,
+           deadline: float | None = None) -> list[dict[str, Any]]:
+    """Runs the best `k` configurations for real (those left at `deadline` are not
+    run): predicted against measured."""
     from .tune_verify import measure_warm
 
     rows = result["results"][:k]
     with _bar(quiet) as progress, _phase(progress, "verify", len(rows)) as tick:
-        got = measure_warm(spec, [r["config"] for r in rows], tick, steps=5)
+        got = measure_warm(spec, [r["config"] for r in rows], tick, deadline=deadline,
+                           steps=5)
     out = []
     for i, (r, m) in enumerate(zip(rows, got)):
         if not m or "step_s" not in m:
@@ -282,15 +304,17 @@ def verify(result: dict[str, Any], spec, k: int, quiet: bool) -> list[dict[str, 
 
 
 def choose(result: dict[str, Any]) -> tuple[int | None, dict[str, Any]]:
-    """The configuration to write: the fastest measured of every real run (calibration
-    and verify), else the best predicted. Returns its rank in the results (None when
-    it ranks nowhere) and its config."""
-    runs = [(v["measured_step_s"], result["results"][v["rank"] - 1]["config"])
-            for v in result.get("verify", [])]
-    runs += [(r["measured_step_s"], r["config"]) for r in result.get("calibration_runs", [])]
-    if not runs:
+    """The configuration to write: the one the final rounds chose, else the fastest
+    measured of every real run (calibration and verify), else the best predicted.
+    Returns its rank in the results (None when it ranks nowhere) and its config."""
+    final = result.get("final")
+    runs = _measured_runs(result)
+    if final:
+        best = final["finalists"][final["chosen"]]["config"]
+    elif runs:
+        best = min(runs, key=lambda r: r[0])[1]
+    else:
         return 1, result["results"][0]["config"]
-    best = min(runs, key=lambda r: r[0])[1]
     rank = next((i + 1 for i, r in enumerate(result["results"]) if r["config"] == best), None)
     return rank, best
 
@@ -298,27 +322,107 @@ def choose(result: dict[str, Any]) -> tuple[int | None, dict[str, Any]]:
 def calibrate_by_real_steps(scored: list, spec, args, device: str, progress,
                             deadline: float) -> tuple[list, dict[str, float], list[dict]]:
     """[Note: calibration] in docs/tuning.md: a short real run of the best-predicted
-    candidate of each of the first `--calibrate` classes (placement and group size,
-    in predicted order); their measured / simulated ratios scale every candidate of
-    the class. Returns the ranking again, the ratios, and every measured run."""
-    from ..planner.search import calibrate, calibration_key
-    from .tune_verify import measure_warm
+    candidate of up to `--calibrate` classes (`calibration_picks`); their measured /
+    simulated ratios scale every candidate of the class. Returns the ranking again,
+    the ratios, and every measured run."""
+    from ..planner.search import calibrate
+
+    picks = calibration_picks(scored, args.calibrate)
+    if not picks:
+        return scored, {}, []
+    runs: list[dict] = []
+    with _phase(progress, "calibrate (real steps)", args.calibrate) as tick:
+        runs += _calibration_runs(picks, spec, args, device, tick, deadline, warm=True)
+        if runs and len(picks) < args.calibrate:  # the best placement's other group sizes
+            best = min(runs, key=lambda r: r["measured_step_s"])["class"].split("@")[0]
+            more = calibration_picks(scored, args.calibrate - len(picks), placement=best,
+                                     skip=picks)
+            runs += _calibration_runs(more, spec, args, device, tick, deadline, warm=False)
+    factors = {r["class"]: r["measured_step_s"] / r["simulated_step_s"] for r in runs
+               if r["simulated_step_s"] > 0}
+    return calibrate(scored, factors), factors, runs
+
+
+def calibration_picks(scored: list, n: int, placement: str | None = None,
+                      skip: list = ()) -> list:
+    """The best-predicted candidate of the classes to calibrate first, in predicted
+    order: one per placement, the best-predicted of each optimizer tier among them,
+    leaving room for the best placement's other group sizes within `n`. With
+    `placement`: that placement's classes not in `skip`, up to `n`."""
+    from ..planner.search import calibration_key
 
     firsts: dict[str, Any] = {}
     for s in scored:
         firsts.setdefault(calibration_key(s.candidate), s)
-    picks = list(firsts.values())[:args.calibrate]
-    if not picks:
-        return scored, {}, []
+    if placement is not None:
+        return [s for s in firsts.values() if s.candidate.placement.name == placement
+                and s not in skip][:n]
+    per_placement: dict[str, Any] = {}
+    for s in firsts.values():
+        per_placement.setdefault(s.candidate.placement.name, s)
+    order = list(per_placement.values())
+    tiers: dict[str, Any] = {}
+    for s in order:
+        tiers.setdefault(s.candidate.placement.optimizer, s)
+    sizes = len({s.candidate.group_size for s in firsts.values()})
+    picks = list(tiers.values()) + [s for s in order if s not in tiers.values()]
+    picks = picks[:min(n, max(len(tiers), n - (sizes - 1)))]
+    return sorted(picks, key=order.index)
+
+
+def _calibration_runs(picks: list, spec, args, device: str, tick, deadline: float,
+                      warm: bool) -> list[dict]:
+    from ..planner.search import calibration_key
+    from .tune_verify import measure_warm
+
     configs = [config_of(s, spec, args.swap, device) for s in picks]
-    with _phase(progress, "calibrate (real steps)", len(picks)) as tick:
-        got = measure_warm(spec, configs, tick, deadline=deadline, steps=3)
-    runs = [{"config": c, "measured_step_s": m["step_s"], "simulated_step_s": s.simulated_s,
+    got = measure_warm(spec, configs, tick, deadline=deadline, steps=3, warm=warm)
+    return [{"config": c, "measured_step_s": m["step_s"], "simulated_step_s": s.simulated_s,
              "class": calibration_key(s.candidate)}
             for s, c, m in zip(picks, configs, got) if m and "step_s" in m]
-    factors = {r["class"]: r["measured_step_s"] / r["simulated_step_s"] for r in runs
-               if r["simulated_step_s"] > 0}
-    return calibrate(scored, factors), factors, runs
+
+
+def final_rounds(result: dict[str, Any], spec, n: int, quiet: bool,
+                 deadline: float) -> dict[str, Any] | None:
+    """[Note: final rounds] in docs/tuning.md: the `n` fastest measured configurations
+    (calibration and verify runs, by their median step; at most `PER_CLASS` of one
+    class) measured again in interleaved rounds until `deadline`; each one's every
+    timed step, median and spread, and the index of the one chosen
+    (`steadiest_fastest`)."""
+    from .tune_verify import measure_rounds, spread, steadiest_fastest
+
+    finalists: list[tuple[str, dict]] = []  # (class, config)
+    for _, cfg, cls in sorted(_measured_runs(result), key=lambda r: r[0]):
+        if len(finalists) < n and (cls, cfg) not in finalists and \
+                sum(c == cls for c, _ in finalists) < PER_CLASS:
+            finalists.append((cls, cfg))
+    if len(finalists) < 2 or time.perf_counter() > deadline:
+        return None
+    configs = {str(i): cfg for i, (_, cfg) in enumerate(finalists)}
+    with _bar(quiet) as progress, \
+            _phase(progress, "final rounds", FINAL_ROUNDS * len(configs)) as tick:
+        got = measure_rounds(spec, configs, rounds=FINAL_ROUNDS, steps=FINAL_STEPS,
+                             deadline=deadline, tick=tick)
+    stats = {k: spread(v) for k, v in got["samples"].items() if v}
+    if not stats:
+        return None
+    chosen = int(steadiest_fastest(stats))
+    rows = [{"class": cls, "config": configs[str(i)], "samples_s": got["samples"][str(i)],
+             **stats.get(str(i), {}), "error": got["errors"].get(str(i))}
+            for i, (cls, _) in enumerate(finalists)]
+    return {"rounds": got["rounds"], "steps": FINAL_STEPS, "finalists": rows,
+            "chosen": chosen}
+
+
+def _measured_runs(result: dict[str, Any]) -> list[tuple[float, dict, str]]:
+    """(measured step s, config, class) of every real run of calibration and verify."""
+    runs = [(r["measured_step_s"], r["config"], r["class"])
+            for r in result.get("calibration_runs", [])]
+    for v in result.get("verify", []):
+        row = result["results"][v["rank"] - 1]
+        runs.append((v["measured_step_s"], row["config"],
+                     f"{row['placement']}@{row['group_size']}"))
+    return runs
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -333,7 +437,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=("cpu", "cuda"), default=None,
                    help="compute device (default: cuda where visible, else cpu)")
     p.add_argument("--minutes", type=number(0, above=True, example=3), default=3.0,
-                   help="time the probes and search may take, minutes (default 3)")
+                   help="time tune may take, minutes: real steps start no new measurement "
+                   "past their share of it (default 3)")
     p.add_argument("--probe-size", type=byte_size(8 * MiB, example="256MiB"),
                    default=256 * MiB, help="bytes of each disk probe (default 256MiB)")
     p.add_argument("--group-sizes", default=None,
@@ -344,20 +449,32 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="write the best configuration as TOML here, e.g. offload.toml")
     p.add_argument("--verify", type=integer(0, example=2), default=0,
                    help="run the best K configurations for real and compare (default 0)")
-    p.add_argument("--calibrate", type=integer(0, example=8), default=8,
+    p.add_argument("--calibrate", type=integer(0, example=12), default=12,
                    help="classes (placement and group size) whose best candidate runs a few "
-                   "real steps to calibrate the simulator (default 8; 0: the simulator alone)")
+                   "real steps to calibrate the simulator (default 12; 0: the simulator "
+                   "alone)")
+    p.add_argument("--finalists", type=integer(0, example=5), default=5,
+                   help="the fastest measured configurations (at most 2 of a class) measured "
+                   "again in interleaved rounds to choose the one written (default 5; 0: the "
+                   "fastest single measurement)")
     p.add_argument("--top", type=integer(1, example=10), default=10,
                    help="rows of the table (default 10)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
 def run(args: argparse.Namespace) -> int:
-    result = tune(args, quiet=args.json)
+    t0 = time.perf_counter()
+    result = tune(args, quiet=args.json, t0=t0)
     spec = model_spec(args)
+    budget = 60 * args.minutes
     if args.verify:
-        result["verify"] = verify(result, spec, args.verify, args.json)
+        result["verify"] = verify(result, spec, args.verify, args.json,
+                                  deadline=t0 + VERIFY_END * budget)
+    if args.finalists:
+        result["final"] = final_rounds(result, spec, args.finalists, args.json,
+                                       deadline=t0 + FINAL_END * budget)
     result["chosen"], result["best"] = choose(result)
+    result["seconds"] = time.perf_counter() - t0
     if args.write:
         row = result["results"][result["chosen"] - 1] if result["chosen"] else None
         header = (f"written by offload tune for {spec.describe()}"

@@ -366,8 +366,9 @@ def calibration_key(c: Candidate) -> str:
 def calibrate(scored: list[Scored], factors: Mapping[str, float]) -> list[Scored]:
     """Scales each prediction by the measured / simulated ratio of its class (`factors`,
     by `calibration_key`; a class not measured takes the median ratio of its
-    placement's measured classes, else of all) and ranks again: the simulator orders
-    the knobs within a class, real steps the classes ([Note: calibration] in
+    placement's measured classes, else of the measured classes with the optimizer
+    state in the same tier, else of all) and ranks again: the simulator orders the
+    knobs within a class, real steps the classes ([Note: calibration] in
     docs/tuning.md)."""
     if not factors:
         return scored
@@ -375,14 +376,18 @@ def calibrate(scored: list[Scored], factors: Mapping[str, float]) -> list[Scored
     def median(vals: list[float]) -> float:
         vals = sorted(vals)
         return vals[len(vals) // 2]
-    overall = median(list(factors.values()))
     by_placement: dict[str, list[float]] = {}
+    by_optimizer: dict[str, list[float]] = {}
     for k, f in factors.items():
-        by_placement.setdefault(k.split("@")[0], []).append(f)
+        name = k.split("@")[0]
+        by_placement.setdefault(name, []).append(f)
+        by_optimizer.setdefault(name.split("/")[2], []).append(f)
+    overall = list(factors.values())
     out = []
     for s in scored:
-        key = calibration_key(s.candidate)
-        f = factors.get(key) or median(by_placement.get(s.candidate.placement.name, [overall]))
+        p = s.candidate.placement
+        f = factors.get(calibration_key(s.candidate)) or median(
+            by_placement.get(p.name) or by_optimizer.get(p.optimizer) or overall)
         out.append(dataclasses.replace(s, step_s=s.simulated_s * f, calibration=f))
     return ranked(out)
 

@@ -101,15 +101,33 @@ def test_calibration_scales_by_class_and_reorders():
     budgets = Budgets(host=4096 * MiB, device=4096 * MiB)
     ranked = search([SHAPE], Space(), budgets, _machine(), DEFAULTS)
     first = ranked[0]
-    other = next(s for s in ranked if s.candidate.placement != first.candidate.placement)
+    other = next(s for s in ranked
+                 if s.candidate.placement.optimizer != first.candidate.placement.optimizer)
     factors = {calibration_key(first.candidate): 10.0, calibration_key(other.candidate): 0.5}
     got = calibrate(ranked, factors)
     moved = next(s for s in got if s.candidate == first.candidate)
     assert moved.step_s == pytest.approx(10 * first.step_s) and moved.calibration == 10.0
     assert got[0].candidate.placement == other.candidate.placement  # measured faster: first
-    for s in got:  # a class not measured takes its placement's ratio, else the median
+    # a class not measured takes its placement's ratio, else that of the measured classes
+    # with the optimizer state in the same tier
+    seen = set()
+    for s in got:
         p = s.candidate.placement
-        want = 10.0 if p == first.candidate.placement else \
-            0.5 if p == other.candidate.placement else 10.0
-        assert s.calibration == want
+        want = 10.0 if p.optimizer == first.candidate.placement.optimizer else 0.5
+        assert s.calibration == want, (p.name, s.calibration)
+        seen.add(p.optimizer)
+    assert seen == {"host", "nvme"}
     assert calibrate(ranked, {}) == ranked
+
+
+def test_calibration_without_the_tier_takes_the_median_of_all():
+    budgets = Budgets(host=4096 * MiB, device=4096 * MiB)
+    ranked = search([SHAPE], Space(), budgets, _machine(), DEFAULTS)
+    host = [s for s in ranked if s.candidate.placement.optimizer == "host"]
+    a, b, c = (next(s for s in host if s.candidate.placement.name == n)
+               for n in ("device/device/host", "host/host/host", "nvme/host/host"))
+    factors = {calibration_key(x.candidate): f for x, f in ((a, 1.0), (b, 3.0), (c, 2.0))}
+    got = calibrate(ranked, factors)
+    for s in got:
+        if s.candidate.placement.optimizer == "nvme":
+            assert s.calibration == 2.0
