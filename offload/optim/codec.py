@@ -18,7 +18,9 @@ code of v rounds small entries to 0, and m / (0 + eps) blows the update up.
 Coding r = sqrt(v) linearly (v = (code * s)^2, s = max r / 255) keeps the
 relative error of the denominator, which is what the update sees, bounded
 by half a step of the block's largest sqrt(v); `docs/optim.md` gives the
-measurement that chose it over a linear code of v. Rounding is to nearest.
+measurement that chose it over a linear code of v. Rounding is to nearest;
+sqrt(v) is the correctly rounded fp32 square root, the same on every CPU, so
+the native kernel (native.py) and this module give the same codes bit for bit.
 
 Decoding and encoding happen inside the update's pass over memory, one cache
 block at a time (blocks.py): decode a block into fp32 scratch, update, encode
@@ -143,6 +145,14 @@ def decode(m: Moment, out: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _sqrt(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """sqrt(x) correctly rounded to fp32 (taken in fp64, then rounded: exact for
+    sqrt). torch.sqrt's vectorised CPU kernel is not: it is 1 ulp off for about a
+    sixth of the values on an AVX-512 host, and the codes must not depend on the
+    CPU (the native kernel takes the IEEE square root)."""
+    return out.copy_(torch.sqrt(x.to(torch.float64)))
+
+
 def encode(x: torch.Tensor, m: Moment, tmp: torch.Tensor) -> None:
     """Stores fp32 `x` into `m` (rounded to nearest); `tmp`: fp32 scratch of x's numel.
     exp_avg_sq must be >= 0 (Adam keeps it so)."""
@@ -150,7 +160,7 @@ def encode(x: torch.Tensor, m: Moment, tmp: torch.Tensor) -> None:
         m.data.copy_(x)
         return
     top = _CODE_MAX[m.kind]
-    src = torch.sqrt(x, out=tmp) if m.kind == "exp_avg_sq" else torch.abs(x, out=tmp)
+    src = _sqrt(x, tmp) if m.kind == "exp_avg_sq" else torch.abs(x, out=tmp)
     for rows, sl in _rows(src):
         torch.amax(rows, dim=1, out=m.scale[sl])
     if m.kind == "exp_avg":
