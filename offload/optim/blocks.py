@@ -33,7 +33,6 @@ threads run it (ctypes releases the GIL), and no fp32 scratch is needed.
 from __future__ import annotations
 
 import itertools
-import logging
 import threading
 from typing import Callable
 
@@ -42,8 +41,6 @@ import torch
 from .adam import AdamHyper, AdamKernel, KernelName
 from .codec import QBLOCK, Moment, decode, encode
 from .native import NativeAdam, native_status
-
-log = logging.getLogger(__name__)
 
 __all__ = ["BlockUpdater", "Run"]
 
@@ -73,8 +70,7 @@ def _native_for(kernel: KernelName | str) -> NativeAdam | None:
         return NativeAdam()
     if kernel == "native":
         raise RuntimeError(f"optim kernel 'native' asked for, but {why}")
-    log.info("%s: CPU Adam runs torch's kernels", why)
-    return None
+    return None  # (native_status logged why, once)
 
 
 class BlockUpdater:

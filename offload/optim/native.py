@@ -99,6 +99,8 @@ def native_status() -> tuple[bool, str]:
     if _cache.get("key") != key:
         _cache["lib"], _cache["why"] = _load()
         _cache["key"] = key
+        if _cache["lib"] is None:
+            log.info("%s: CPU Adam runs torch's kernels", _cache["why"])
     return _cache["lib"] is not None, str(_cache["why"])
 
 

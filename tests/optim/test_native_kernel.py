@@ -209,7 +209,7 @@ def test_bad_arguments_raise_before_the_call():
 
 def test_fallback_to_torch_when_switched_off_or_absent(monkeypatch, caplog):
     monkeypatch.setenv(native_mod.ENV_SWITCH, "0")
-    with caplog.at_level(logging.INFO, logger="offload.optim.blocks"):
+    with caplog.at_level(logging.INFO, logger="offload.optim.native"):
         u = blocks.BlockUpdater("auto", 1024, threads=1)
     assert u.impl in ("fused", "foreach") and native_mod.ENV_SWITCH in caplog.text
     with pytest.raises(RuntimeError, match="native"):
@@ -219,9 +219,11 @@ def test_fallback_to_torch_when_switched_off_or_absent(monkeypatch, caplog):
     native_mod._cache.clear()
     try:
         caplog.clear()
-        with caplog.at_level(logging.INFO, logger="offload.optim.blocks"):
+        with caplog.at_level(logging.INFO, logger="offload.optim.native"):
             u = blocks.BlockUpdater("auto", 1024, threads=1)
+            blocks.BlockUpdater("auto", 1024, threads=1)
         assert u.impl in ("fused", "foreach") and "not built" in caplog.text
+        assert caplog.text.count("not built") == 1  # one line per process, not per optimizer
         # the torch path still gives torch.optim.AdamW's results
         opt = CpuAdam(OptimConfig(lr=1e-2, weight_decay=0.1, block_elems=1024))
         assert opt.kernel.impl in ("fused", "foreach")
