@@ -15,7 +15,9 @@ pass (the engine's mixed-precision step); "bf16 moments" / "int8 moments" keep
 the moments compressed (`optim.state_dtype`), decoded and encoded in the pass.
 Where torchao or bitsandbytes import, their 8-bit AdamW runs as a peer.
 Where the native kernel is built (offload/optim/native.py), the "offload" rows
-run it, and rows marked "(torch kernels)" run the same steps on torch's.
+run it (the plain fp32 row: torch's fused kernel, which "auto" keeps there),
+rows marked "(torch kernels)" run the same steps on torch's, and "offload fp32
+(native kernel)" the plain fp32 step on the native one.
 `--busy` runs every row a second time with a CPU-bound process beside it (one
 spinning process), as on a host shared with a data loader.
 
@@ -102,11 +104,13 @@ def _impls(n: int, args: argparse.Namespace, notes: list[str]) -> dict[str, Call
              "bound": stream}
     native, why_native = native_status()
     if native:
-        # the same steps on torch's kernels, for the native kernel's gain
+        # the native kernel's gain: the same steps on torch's kernels, and the plain
+        # fp32 step (torch's fused kernel under "auto") on the native one
         tk = {k: cpu_adam(k, kernel="fused" if fused_status()[0] else "foreach")
               for k in ("fp32", "int8")}
+        nat = cpu_adam(kernel="native")
         impls.update({
-            "offload (torch kernels)": lambda: tk["fp32"].step({"x": g}, final=True),
+            "offload fp32 (native kernel)": lambda: nat.step({"x": g}, final=True),
             "offload+bf16 (torch kernels)": lambda: tk["fp32"].step(
                 {"x": g}, params_out={"x": out}, final=True),
             "offload int8 moments (torch kernels)": lambda: tk["int8"].step({"x": g}, final=True)})

@@ -27,7 +27,9 @@ call.
 
 With the native kernel (native.py, [Note: native kernel]), the default where
 it is built, a block is one C call that does all of it in one pass; the same
-threads run it (ctypes releases the GIL), and no fp32 scratch is needed.
+threads run it (ctypes releases the GIL), and no fp32 scratch is needed. The
+plain fp32 update still goes to torch's fused kernel in one call under
+`optim.kernel = "auto"` (as fast or faster there, measured).
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from typing import Callable
 
 import torch
 
-from .adam import AdamHyper, AdamKernel, KernelName
+from .adam import AdamHyper, AdamKernel, KernelName, fused_status
 from .codec import QBLOCK, Moment, decode, encode
 from .native import NativeAdam, native_status
 
@@ -86,6 +88,14 @@ class BlockUpdater:
         self.kernel = "auto" if kernel == "native" else kernel
         self._main = self._worker()
         self.impl = "native" if self.native else self._main.kernel.impl
+        # The plain fp32 update (nothing rides on the pass) stays one call of torch's
+        # fused kernel where torch has one: the native kernel measured no faster
+        # there, and slower beside a busy process (docs/optim.md).
+        self._whole = None
+        if self.impl == "fused":
+            self._whole = self._main.kernel
+        elif self.native is not None and kernel == "auto" and fused_status()[0]:
+            self._whole = AdamKernel("fused", 1)  # whole-tensor calls use no scratch
         self._pool: list[threading.Thread] = []
         self._go = threading.Condition()
         self._job: tuple[int, Callable[[_Worker], None]] | None = None
@@ -173,12 +183,12 @@ class BlockUpdater:
         n = master.numel()
         nb = -(-n // self.block)
         if (out is None and grad_scale == 1.0 and exp_avg.scale is None
-                and exp_avg.data.dtype == torch.float32 and self.impl == "fused"
+                and exp_avg.data.dtype == torch.float32 and self._whole is not None
                 and len(runs) == 1 and runs[0][2] is not None
                 and runs[0][0] <= base and runs[0][0] + runs[0][1] >= base + n):
             nb = 1  # nothing rides on the pass: one fused call, one parallel region
-            self._main.kernel.update(master, grad[base:base + n], exp_avg.data,
-                                     exp_avg_sq.data, step=runs[0][3] + 1, hyper=runs[0][2])
+            self._whole.update(master, grad[base:base + n], exp_avg.data,
+                               exp_avg_sq.data, step=runs[0][3] + 1, hyper=runs[0][2])
             return
 
         def block(w: _Worker, b: int) -> None:
