@@ -35,7 +35,7 @@ from typing import Literal, NamedTuple
 import torch
 
 __all__ = ["Moment", "QBLOCK", "StateDtype", "STATE_DTYPES", "moment_bytes", "new_moment",
-           "decode", "encode", "clone_moment", "copy_moment", "moment_views",
+           "zero_moment", "decode", "encode", "clone_moment", "copy_moment", "moment_views",
            "moment_to_dict", "moment_from_dict"]
 
 StateDtype = Literal["fp32", "bf16", "int8"]
@@ -88,10 +88,23 @@ def moment_bytes(state_dtype: StateDtype, n: int) -> int:
 
 
 def new_moment(state_dtype: StateDtype, kind: str, n: int) -> Moment:
-    """A zero moment of `n` elements in host memory."""
+    """A zero moment of `n` elements in host memory (see `zero_moment`)."""
     if state_dtype == "int8":
-        return Moment(torch.zeros(n, dtype=_CODE_DTYPE[kind]), torch.zeros(_scales(n)), kind)
-    return Moment(torch.zeros(n, dtype=_STORED[state_dtype]), None, kind)
+        m = Moment(torch.empty(n, dtype=_CODE_DTYPE[kind]), torch.empty(_scales(n)), kind)
+    else:
+        m = Moment(torch.empty(n, dtype=_STORED[state_dtype]), None, kind)
+    zero_moment(m)
+    return m
+
+
+def zero_moment(m: Moment) -> None:
+    """Sets `m` to zeros in its stored form: codes 0 and, for int8, the scale that
+    `encode` gives a block of zeros (the smallest normal fp32, not 0). A block no
+    update touches then holds the bits that decoding and encoding it again gives,
+    as a save and resume does."""
+    m.data.zero_()
+    if m.scale is not None:
+        m.scale.fill_(_TINY)
 
 
 def moment_views(raw: torch.Tensor, state_dtype: StateDtype, n: int) -> tuple[Moment, Moment]:

@@ -132,6 +132,17 @@ def test_a_block_no_run_updates_is_left_as_it_is():
     _assert_same((p, m, v), before, exact=True)
 
 
+@pytest.mark.parametrize("kind", ["exp_avg", "exp_avg_sq"])
+def test_a_fresh_int8_moment_holds_what_encoding_zeros_gives(kind):
+    """Blocks no update touches keep their bits; encoding them again (a save and
+    resume) must give the same ones."""
+    n = 3 * QBLOCK + 5
+    fresh, coded = new_moment("int8", kind, n), new_moment("int8", kind, n)
+    coded.scale.zero_()
+    encode(torch.zeros(n), coded, torch.empty(n))
+    assert torch.equal(fresh.data, coded.data) and torch.equal(fresh.scale, coded.scale)
+
+
 @needs_native
 @pytest.mark.parametrize("state_dtype", ["fp32", "bf16", "int8"])
 @pytest.mark.parametrize("name", ["adamw", "adam"])
