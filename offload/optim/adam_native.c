@@ -9,13 +9,17 @@
  * codec.py), divide the gradient by `grad_scale`, apply weight decay, update
  * the moments and the master, write master and moments back (re-encoded) and
  * the compute-dtype copy (bf16 or fp16, round to nearest even). The math is
- * the operation order of torch's fused CPU Adam (torch._fused_adamw_), in
- * fp32; the codes are those of codec.encode / codec.decode, bit for bit.
+ * the operation order of torch's fused CPU Adam (torch._fused_adamw_) in fp32,
+ * fused multiply-adds where torch's vector loop has them (the lerp of exp_avg,
+ * exp_avg_sq's update, Adam's L2 term), none elsewhere (-ffp-contract=off);
+ * the codes are those of codec.encode / codec.decode, bit for bit.
  *
- * Work goes tile by tile (QBLOCK elements, in L1): moments of other forms are
- * decoded into fp32 tiles on the stack, updated, and encoded back while the
- * tile is in L1. Compiled once for x86-64-v4 (AVX-512), x86-64-v3 (AVX2, FMA,
- * F16C) and the baseline, chosen at load time (target_clones).
+ * Work goes tile by tile (TILE elements, a multiple of QBLOCK, in L1): moments
+ * of other forms are decoded into fp32 tiles on the stack, updated, and encoded
+ * back (8-bit codes block by block) while the tile is in L1. Compiled once for
+ * x86-64-v4 (AVX-512), x86-64-v3 (AVX2, FMA, F16C) and the baseline, chosen at
+ * load time (target_clones; x86-64 only: elsewhere the build fails and the
+ * optional extension is left out).
  */
 #include <stdint.h>
 #include <string.h>
