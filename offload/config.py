@@ -286,8 +286,8 @@ class OptimConfig:
         "auto", "native: offload's C kernel (one pass over memory, compressed moments and the "
         "compute-dtype copy included; built by pip install where gcc is present); fused: "
         "torch._fused_adamw_ (one pass over memory); foreach: torch._foreach_* math (several "
-        "passes per cache block); auto: native where built, else fused where torch has a CPU "
-        "kernel, else foreach")
+        "passes per cache block); auto: native where built (fused for the plain fp32 update, "
+        "as fast there), else fused where torch has a CPU kernel, else foreach")
     chunk_elems: int = _doc(0, "fp32 elements per chunk streamed from NVMe (each chunk moves "
                             "12 bytes per element each way, 8 in fp32 training where the "
                             "parameter is the master); 0: derived from io.buffer_budget, "
