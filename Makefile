@@ -11,7 +11,7 @@ STAMP  := $(VENV)/.offload-setup
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml setup.py offload/optim/adam_native.c Makefile
 	@sh scripts/install-libaio.sh
 	@sh scripts/install-chromium.sh
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)

@@ -285,9 +285,12 @@ class OptimConfig:
     max_grad_norm: float = _doc(0.0, "clip the global gradient 2-norm to this (as "
                                 "torch.nn.utils.clip_grad_norm_); 0: no clipping",
                                 fix="e.g. 1.0, or 0 for no clipping")
-    kernel: Literal["auto", "fused", "foreach"] = _doc(
-        "auto", "fused: torch._fused_adamw_ (one pass over memory); foreach: torch._foreach_* "
-        "math (several passes per cache block); auto: fused where torch has a CPU kernel")
+    kernel: Literal["auto", "native", "fused", "foreach"] = _doc(
+        "auto", "native: offload's C kernel (one pass over memory, compressed moments and the "
+        "compute-dtype copy included; built by pip install where gcc is present); fused: "
+        "torch._fused_adamw_ (one pass over memory); foreach: torch._foreach_* math (several "
+        "passes per cache block); auto: native where built (fused for the plain fp32 update, "
+        "as fast there), else fused where torch has a CPU kernel, else foreach")
     chunk_elems: int = _doc(0, "fp32 elements per chunk streamed from NVMe (each chunk moves "
                             "12 bytes per element each way, 8 in fp32 training where the "
                             "parameter is the master); 0: derived from io.buffer_budget, "

@@ -14,6 +14,10 @@ Rows "offload+bf16" / "+fp16" write the compute-dtype parameter in the same
 pass (the engine's mixed-precision step); "bf16 moments" / "int8 moments" keep
 the moments compressed (`optim.state_dtype`), decoded and encoded in the pass.
 Where torchao or bitsandbytes import, their 8-bit AdamW runs as a peer.
+Where the native kernel is built (offload/optim/native.py), the "offload" rows
+run it (the plain fp32 row: torch's fused kernel, which "auto" keeps there),
+rows marked "(torch kernels)" run the same steps on torch's, and "offload fp32
+(native kernel)" the plain fp32 step on the native one.
 `--busy` runs every row a second time with a CPU-bound process beside it (one
 spinning process), as on a host shared with a data loader.
 
@@ -40,6 +44,7 @@ import torch
 from ..config import IoConfig, OptimConfig, parse_bytes
 from ..io import BufferPool, make_engine, open_swap
 from ..optim import CpuAdam, fused_status
+from ..optim.native import native_status
 from ..optim.state import state_bytes as optim_state_bytes
 from .args import (CommandParser, UsageError, byte_size, count, directory, integer, parse_count,
                    run_command)
@@ -62,9 +67,10 @@ def _impls(n: int, args: argparse.Namespace, notes: list[str]) -> dict[str, Call
     p = torch.nn.Parameter(torch.randn(n))
     p.grad = g
     m, v = torch.zeros(n), torch.rand(n)
-    def cpu_adam(state_dtype: str = "fp32", **kw) -> CpuAdam:
+    def cpu_adam(state_dtype: str = "fp32", kernel: str = "auto", **kw) -> CpuAdam:
         opt = CpuAdam(OptimConfig(lr=LR, betas=list(BETAS), eps=EPS, weight_decay=WD,
-                                  block_elems=args.block_elems, state_dtype=state_dtype))
+                                  block_elems=args.block_elems, state_dtype=state_dtype,
+                                  kernel=kernel))
         opt.add_partition("x", p.data, exp_avg=m, exp_avg_sq=v, **kw)
         return opt
     ours = cpu_adam()
@@ -96,9 +102,23 @@ def _impls(n: int, args: argparse.Namespace, notes: list[str]) -> dict[str, Call
              "torch AdamW foreach": _torch_opt(p, m, v, foreach=True),
              "torch._fused_adamw_": fused_direct,
              "bound": stream}
+    native, why_native = native_status()
+    if native:
+        # the native kernel's gain: the same steps on torch's kernels, and the plain
+        # fp32 step (torch's fused kernel under "auto") on the native one
+        tk = {k: cpu_adam(k, kernel="fused" if fused_status()[0] else "foreach")
+              for k in ("fp32", "int8")}
+        nat = cpu_adam(kernel="native")
+        impls.update({
+            "offload fp32 (native kernel)": lambda: nat.step({"x": g}, final=True),
+            "offload+bf16 (torch kernels)": lambda: tk["fp32"].step(
+                {"x": g}, params_out={"x": out}, final=True),
+            "offload int8 moments (torch kernels)": lambda: tk["int8"].step({"x": g}, final=True)})
+    else:
+        notes.append(f"offload runs torch's kernels: {why_native}")
     ok, why = fused_status()
     if not ok:
-        notes.append(f"offload runs torch._foreach_* math: {why}")
+        notes.append(f"offload's torch rows run torch._foreach_* math: {why}")
         del impls["torch AdamW fused"], impls["torch._fused_adamw_"]
     try:
         # DeepSpeed logs to stdout while it loads and builds; keep stdout for --json

@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 __all__ = ["AdamHyper", "AdamKernel", "GradScaling", "fused_status", "grad_sq_sum",
            "resolve_scaling"]
 
-KernelName = Literal["auto", "fused", "foreach"]
+KernelName = Literal["auto", "native", "fused", "foreach"]  # "native": native.py
 
 
 @dataclass(frozen=True)

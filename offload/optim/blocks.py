@@ -22,7 +22,14 @@ moment, plus one for encoding), so blocks need no locks. `block_elems`
 (`optim.block_elems`, capped so every thread's working set fits the L3 together)
 is a multiple of `codec.QBLOCK`, so compressed blocks never straddle two calls.
 Where nothing rides on the pass (fp32 moments, no compute-dtype copy, no
-gradient divisor, one run), the fused kernel takes the whole chunk in one call.
+gradient divisor, one run), torch's fused kernel takes the whole chunk in one
+call.
+
+With the native kernel (native.py, [Note: native kernel]), the default where
+it is built, a block is one C call that does all of it in one pass; the same
+threads run it (ctypes releases the GIL), and no fp32 scratch is needed. The
+plain fp32 update still goes to torch's fused kernel in one call under
+`optim.kernel = "auto"` (as fast or faster there, measured).
 """
 
 from __future__ import annotations
@@ -33,8 +40,9 @@ from typing import Callable
 
 import torch
 
-from .adam import AdamHyper, AdamKernel, KernelName
+from .adam import AdamHyper, AdamKernel, KernelName, fused_status
 from .codec import QBLOCK, Moment, decode, encode
+from .native import NativeAdam, native_status
 
 __all__ = ["BlockUpdater", "Run"]
 
@@ -44,13 +52,27 @@ IDLE_EXIT_S = 5.0  # a worker idle this long ends (an optimizer never closed kee
 
 
 class _Worker:
-    """One thread's kernel and scratch."""
+    """One thread's torch kernel and scratch (none where the native kernel runs)."""
 
-    def __init__(self, kernel: KernelName, block: int) -> None:
-        self.kernel = AdamKernel(kernel, block)
-        self.m = torch.empty(block, dtype=torch.float32)
-        self.v = torch.empty(block, dtype=torch.float32)
-        self.tmp = torch.empty(block, dtype=torch.float32)
+    def __init__(self, kernel: KernelName, block: int, native: bool) -> None:
+        self.kernel = None if native else AdamKernel(kernel, block)
+        size = 0 if native else block
+        self.m = torch.empty(size, dtype=torch.float32)
+        self.v = torch.empty(size, dtype=torch.float32)
+        self.tmp = torch.empty(size, dtype=torch.float32)
+
+
+def _native_for(kernel: KernelName | str) -> NativeAdam | None:
+    """The native kernel where `kernel` asks for it ("native") or leaves the choice
+    ("auto") and it loads; None for torch's kernels."""
+    if kernel not in ("auto", "native"):
+        return None
+    ok, why = native_status()
+    if ok:
+        return NativeAdam()
+    if kernel == "native":
+        raise RuntimeError(f"optim kernel 'native' asked for, but {why}")
+    return None  # (native_status logged why, once)
 
 
 class BlockUpdater:
@@ -62,9 +84,18 @@ class BlockUpdater:
         self.threads = max(1, threads or torch.get_num_threads())
         blk = min(block_elems, MAX_THREAD_BLOCK) if self.threads > 1 else block_elems
         self.block = max(QBLOCK, blk // QBLOCK * QBLOCK)
-        self.kernel = kernel
-        self._main = _Worker(kernel, self.block)
-        self.impl = self._main.kernel.impl
+        self.native = _native_for(kernel)
+        self.kernel = "auto" if kernel == "native" else kernel
+        self._main = self._worker()
+        self.impl = "native" if self.native else self._main.kernel.impl
+        # The plain fp32 update (nothing rides on the pass) stays one call of torch's
+        # fused kernel where torch has one: the native kernel measured no faster
+        # there, and slower beside a busy process (docs/optim.md).
+        self._whole = None
+        if self.impl == "fused":
+            self._whole = self._main.kernel
+        elif self.native is not None and kernel == "auto" and fused_status()[0]:
+            self._whole = AdamKernel("fused", 1)  # whole-tensor calls use no scratch
         self._pool: list[threading.Thread] = []
         self._go = threading.Condition()
         self._job: tuple[int, Callable[[_Worker], None]] | None = None
@@ -72,6 +103,9 @@ class BlockUpdater:
         self._left = 0
         self._errors: list[BaseException] = []
         self._closed = False
+
+    def _worker(self) -> _Worker:
+        return _Worker(self.kernel, self.block, self.native is not None)
 
     # -- the pool ------------------------------------------------------------------
     def _loop(self, seen: int, ready: threading.Event) -> None:
@@ -89,7 +123,7 @@ class BlockUpdater:
                     return
                 seen, (_, job) = self._gen, self._job
             try:
-                w = w or _Worker(self.kernel, self.block)
+                w = w or self._worker()
                 job(w)
             except BaseException as e:  # reported by the caller of `_each`
                 with self._go:
@@ -149,12 +183,12 @@ class BlockUpdater:
         n = master.numel()
         nb = -(-n // self.block)
         if (out is None and grad_scale == 1.0 and exp_avg.scale is None
-                and exp_avg.data.dtype == torch.float32 and self.impl == "fused"
+                and exp_avg.data.dtype == torch.float32 and self._whole is not None
                 and len(runs) == 1 and runs[0][2] is not None
                 and runs[0][0] <= base and runs[0][0] + runs[0][1] >= base + n):
             nb = 1  # nothing rides on the pass: one fused call, one parallel region
-            self._main.kernel.update(master, grad[base:base + n], exp_avg.data,
-                                     exp_avg_sq.data, step=runs[0][3] + 1, hyper=runs[0][2])
+            self._whole.update(master, grad[base:base + n], exp_avg.data,
+                               exp_avg_sq.data, step=runs[0][3] + 1, hyper=runs[0][2])
             return
 
         def block(w: _Worker, b: int) -> None:
@@ -181,6 +215,12 @@ class BlockUpdater:
         """One cache block [lo, hi) of the chunk: decode, update each run, encode."""
         todo = [(max(a, base + lo), min(a + k, base + hi), h, st) for a, k, h, st in runs
                 if max(a, base + lo) < min(a + k, base + hi)]
+        if self.native is not None:
+            at = base + lo
+            self.native.block(master[lo:hi], grad[at:base + hi], exp_avg[lo:hi],
+                              exp_avg_sq[lo:hi], None if out is None else out[lo:hi],
+                              grad_scale, [(i - at, j - at, h, st) for i, j, h, st in todo])
+            return
         ma, va = exp_avg[lo:hi], exp_avg_sq[lo:hi]
         coded = ma.data.dtype != torch.float32
         busy = any(h is not None for _, _, h, _ in todo)

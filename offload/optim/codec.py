@@ -18,7 +18,9 @@ code of v rounds small entries to 0, and m / (0 + eps) blows the update up.
 Coding r = sqrt(v) linearly (v = (code * s)^2, s = max r / 255) keeps the
 relative error of the denominator, which is what the update sees, bounded
 by half a step of the block's largest sqrt(v); `docs/optim.md` gives the
-measurement that chose it over a linear code of v. Rounding is to nearest.
+measurement that chose it over a linear code of v. Rounding is to nearest;
+sqrt(v) is the correctly rounded fp32 square root, the same on every CPU, so
+the native kernel (native.py) and this module give the same codes bit for bit.
 
 Decoding and encoding happen inside the update's pass over memory, one cache
 block at a time (blocks.py): decode a block into fp32 scratch, update, encode
@@ -33,7 +35,7 @@ from typing import Literal, NamedTuple
 import torch
 
 __all__ = ["Moment", "QBLOCK", "StateDtype", "STATE_DTYPES", "moment_bytes", "new_moment",
-           "decode", "encode", "clone_moment", "copy_moment", "moment_views",
+           "zero_moment", "decode", "encode", "clone_moment", "copy_moment", "moment_views",
            "moment_to_dict", "moment_from_dict"]
 
 StateDtype = Literal["fp32", "bf16", "int8"]
@@ -86,10 +88,23 @@ def moment_bytes(state_dtype: StateDtype, n: int) -> int:
 
 
 def new_moment(state_dtype: StateDtype, kind: str, n: int) -> Moment:
-    """A zero moment of `n` elements in host memory."""
+    """A zero moment of `n` elements in host memory (see `zero_moment`)."""
     if state_dtype == "int8":
-        return Moment(torch.zeros(n, dtype=_CODE_DTYPE[kind]), torch.zeros(_scales(n)), kind)
-    return Moment(torch.zeros(n, dtype=_STORED[state_dtype]), None, kind)
+        m = Moment(torch.empty(n, dtype=_CODE_DTYPE[kind]), torch.empty(_scales(n)), kind)
+    else:
+        m = Moment(torch.empty(n, dtype=_STORED[state_dtype]), None, kind)
+    zero_moment(m)
+    return m
+
+
+def zero_moment(m: Moment) -> None:
+    """Sets `m` to zeros in its stored form: codes 0 and, for int8, the scale that
+    `encode` gives a block of zeros (the smallest normal fp32, not 0). A block no
+    update touches then holds the bits that decoding and encoding it again gives,
+    as a save and resume does."""
+    m.data.zero_()
+    if m.scale is not None:
+        m.scale.fill_(_TINY)
 
 
 def moment_views(raw: torch.Tensor, state_dtype: StateDtype, n: int) -> tuple[Moment, Moment]:
@@ -143,6 +158,14 @@ def decode(m: Moment, out: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _sqrt(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """sqrt(x) correctly rounded to fp32 (taken in fp64, then rounded: exact for
+    sqrt). torch.sqrt's vectorised CPU kernel is not: it is 1 ulp off for about a
+    sixth of the values on an AVX-512 host, and the codes must not depend on the
+    CPU (the native kernel takes the IEEE square root)."""
+    return out.copy_(torch.sqrt(x.to(torch.float64)))
+
+
 def encode(x: torch.Tensor, m: Moment, tmp: torch.Tensor) -> None:
     """Stores fp32 `x` into `m` (rounded to nearest); `tmp`: fp32 scratch of x's numel.
     exp_avg_sq must be >= 0 (Adam keeps it so)."""
@@ -150,7 +173,7 @@ def encode(x: torch.Tensor, m: Moment, tmp: torch.Tensor) -> None:
         m.data.copy_(x)
         return
     top = _CODE_MAX[m.kind]
-    src = torch.sqrt(x, out=tmp) if m.kind == "exp_avg_sq" else torch.abs(x, out=tmp)
+    src = _sqrt(x, tmp) if m.kind == "exp_avg_sq" else torch.abs(x, out=tmp)
     for rows, sl in _rows(src):
         torch.amax(rows, dim=1, out=m.scale[sl])
     if m.kind == "exp_avg":

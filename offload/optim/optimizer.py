@@ -74,7 +74,7 @@ from ..io import BufferPool, SwapSpace, make_engine, open_swap
 from ..trace import NULL_RECORDER, TraceRecorder
 from .adam import AdamHyper, resolve_scaling
 from .blocks import BlockUpdater
-from .codec import Moment, clone_moment, copy_moment, encode, new_moment
+from .codec import Moment, clone_moment, copy_moment, encode, new_moment, zero_moment
 from .pipeline import OptimStepError, SwapPipeline
 from .snapshot import _OUT_DTYPES, StateAccess, flat_tensor
 from .state import ChunkLayout, PartitionState, Segment, Tier, optim_tier, state_bytes
@@ -364,9 +364,7 @@ class CpuAdam(StateAccess):
                 elif src is not None:
                     encode(src[lo:lo + n], dst, tmp[:n])
                 elif not keep:
-                    dst.data.zero_()
-                    if dst.scale is not None:
-                        dst.scale.zero_()
+                    zero_moment(dst)
         return self._need_pipeline(part.pid).write_state(part, fill, keep_old=keep)
 
     # -- step ------------------------------------------------------------------

@@ -9,6 +9,7 @@ import torch
 from offload.config import ConfigError, OptimConfig, load_config
 from offload.optim import AdamHyper, AdamKernel, CpuAdam, resolve_scaling
 from offload.optim import adam as adam_mod
+from offload.optim.native import native_status
 
 from .conftest import grads_for, random_numels
 
@@ -37,11 +38,13 @@ def _ours(cfg, params, **kw):
     return opt
 
 
-@pytest.mark.parametrize("kernel", ["fused", "foreach"])
+@pytest.mark.parametrize("kernel", ["native", "fused", "foreach"])
 @pytest.mark.parametrize("name", ["adamw", "adam"])
 @pytest.mark.parametrize("loss_scale,max_norm", [(1.0, 0.0), (1024.0, 0.0), (1.0, 0.5),
                                                  (256.0, 1.0), (8.0, 1e6)])
 def test_matches_torch_over_steps(kernel, name, loss_scale, max_norm):
+    if kernel == "native" and not native_status()[0]:
+        pytest.skip(native_status()[1])
     params = _torch_params(0)
     cls = torch.optim.AdamW if name == "adamw" else torch.optim.Adam
     ref = cls(params, lr=3e-3, betas=(0.8, 0.95), eps=1e-7, weight_decay=0.05, foreach=False)

@@ -1,0 +1,185 @@
+"""The native fused Adam kernel (`adam_native.c`), loaded with ctypes.
+
+[Note: native kernel]
+One C call updates one cache block in one pass over memory: fp32 master,
+fp32 gradient, moments in any `optim.state_dtype` form (decoded into fp32 tiles
+of `codec.QBLOCK` elements in L1 and encoded back, with codec.py's codes bit
+for bit), the gradient divisor, weight decay, bias correction, and the
+compute-dtype copy (bf16 / fp16, round to nearest even). The math follows the
+operation order of torch's fused CPU Adam in fp32, so its results equal
+`torch._fused_adamw_`'s to fp32 rounding (equal bit for bit where torch runs its
+vector loop on every element; tested either way against both torch paths).
+
+It is built, where a C compiler is present, by `pip install -e .` (setup.py,
+an optional extension: without a compiler the install still succeeds). ctypes
+releases the GIL for the call, so blocks.py's worker threads run it in
+parallel. The C side trusts its arguments: `NativeAdam.block` checks every
+tensor's dtype, size, device and contiguity, and the runs' bounds, before
+calling, and raises instead. `OFFLOAD_NATIVE_ADAM=0` in the environment turns
+it off (torch's kernels run instead, as where the library is absent).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.machinery
+import logging
+import math
+import os
+from pathlib import Path
+
+import torch
+
+from .adam import AdamHyper
+from .codec import QBLOCK, Moment
+
+log = logging.getLogger(__name__)
+
+__all__ = ["NativeAdam", "native_status", "ENV_SWITCH"]
+
+ENV_SWITCH = "OFFLOAD_NATIVE_ADAM"
+_LIB_STEM = "_adam_native"
+_STATE = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
+_OUT = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
+_V_DTYPE = {torch.float32: torch.float32, torch.bfloat16: torch.bfloat16, torch.int8: torch.uint8}
+
+# (first element, last element + 1, hyper-parameters or None to leave alone, update count
+# before this one) in the coordinates of the block
+BlockRun = tuple[int, int, "AdamHyper | None", int]
+
+
+class _Run(ctypes.Structure):
+    _fields_ = [("lo", ctypes.c_int64), ("hi", ctypes.c_int64), ("skip", ctypes.c_int32),
+                ("decoupled", ctypes.c_int32), ("weight_decay", ctypes.c_float),
+                ("decay_mult", ctypes.c_float), ("lerp_w", ctypes.c_float),
+                ("beta2", ctypes.c_float), ("beta2_c", ctypes.c_float),
+                ("neg_step", ctypes.c_float), ("bias2_sqrt", ctypes.c_float),
+                ("eps", ctypes.c_float)]
+
+
+_cache: dict[str, object] = {}
+
+
+def _library_path() -> Path | None:
+    here = Path(__file__).parent
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        p = here / (_LIB_STEM + suffix)
+        if p.is_file():
+            return p
+    return None
+
+
+def _load() -> tuple[ctypes.CDLL | None, str]:
+    if os.environ.get(ENV_SWITCH, "1") == "0":
+        return None, f"{ENV_SWITCH}=0"
+    path = _library_path()
+    if path is None:
+        return None, (f"the native Adam kernel is not built (no {_LIB_STEM}*.so beside "
+                      f"{Path(__file__).name}; `pip install -e .` builds it where gcc is present)")
+    try:
+        lib = ctypes.CDLL(str(path))
+        ok = lib.offload_adam_abi() == 1
+    except (OSError, AttributeError) as e:
+        return None, f"the native Adam kernel {path.name} does not load ({e})"
+    if not ok:
+        return None, f"the native Adam kernel {path.name} is of another version; rebuild it"
+    fn = lib.offload_adam_block
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32,
+                   ctypes.c_void_p, ctypes.c_int32, ctypes.c_float, ctypes.POINTER(_Run),
+                   ctypes.c_int64]
+    return lib, f"native Adam kernel {path.name}"
+
+
+def native_status() -> tuple[bool, str]:
+    """(usable, why): whether the native kernel loads here (read once per process,
+    and again when `OFFLOAD_NATIVE_ADAM` changes)."""
+    key = os.environ.get(ENV_SWITCH, "1")
+    if _cache.get("key") != key:
+        _cache["lib"], _cache["why"] = _load()
+        _cache["key"] = key
+        if _cache["lib"] is None:
+            log.info("%s: CPU Adam runs torch's kernels", _cache["why"])
+    return _cache["lib"] is not None, str(_cache["why"])
+
+
+def _coefficients(h: AdamHyper, step: int) -> tuple:
+    """The kernel's per-run constants, computed in double and rounded to fp32 by
+    ctypes, as torch's fused kernel derives them."""
+    bias1 = 1.0 - h.beta1 ** step
+    bias2 = 1.0 - h.beta2 ** step
+    return (int(h.decoupled), h.weight_decay, 1.0 - h.lr * h.weight_decay, 1.0 - h.beta1,
+            h.beta2, 1.0 - h.beta2, -(h.lr / bias1), math.sqrt(bias2), h.eps)
+
+
+def _check(name: str, t: torch.Tensor, dtypes, n: int) -> None:
+    if not isinstance(t, torch.Tensor) or t.dtype not in dtypes:
+        raise ValueError(f"{name}: expected a tensor of {[str(d) for d in dtypes]}, got "
+                         f"{getattr(t, 'dtype', type(t).__name__)}")
+    if t.device.type != "cpu" or not t.is_contiguous() or t.numel() != n:
+        raise ValueError(f"{name}: expected a contiguous CPU tensor of {n} elements, got "
+                         f"{t.numel()} on {t.device} (contiguous: {t.is_contiguous()})")
+
+
+class NativeAdam:
+    """The native kernel's calls; stateless, so one serves every thread."""
+
+    def __init__(self) -> None:
+        ok, why = native_status()
+        if not ok:
+            raise RuntimeError(why)
+        self._fn = _cache["lib"].offload_adam_block
+        self._coef: dict[tuple[AdamHyper, int], tuple] = {}
+
+    def block(self, master: torch.Tensor, grad: torch.Tensor, exp_avg: Moment,
+              exp_avg_sq: Moment, out: torch.Tensor | None, grad_scale: float,
+              runs: list[BlockRun]) -> None:
+        """Updates elements [0, n) of a block in place (n = master.numel()): `grad`,
+        the moments and `out` (compute-dtype copy of the new master, or None) are
+        views of the same n elements; an int8 moment's first element is the first of a
+        `QBLOCK`. `runs`: sorted, disjoint, within [0, n); a run whose hyper-parameters
+        are None keeps its weights and moments (its master is still copied to `out`),
+        and elements outside every run are not written (int8 codes of a block that a
+        run updates aside: the whole block is coded again, as `codec.encode` does)."""
+        n = master.numel()
+        _check("master", master, (torch.float32,), n)
+        _check("grad", grad, (torch.float32,), n)
+        state = exp_avg.data.dtype
+        if state not in _STATE:
+            raise ValueError(f"exp_avg stored as {state}, not one of {list(_STATE)}")
+        _check("exp_avg", exp_avg.data, (state,), n)
+        _check("exp_avg_sq", exp_avg_sq.data, (_V_DTYPE[state],), n)
+        scales = [None, None]
+        if state == torch.int8:
+            for i, mom in enumerate((exp_avg, exp_avg_sq)):
+                if mom.scale is None:
+                    raise ValueError(f"{mom.kind}: 8-bit codes without scales")
+                _check(f"{mom.kind} scales", mom.scale, (torch.float32,), -(-n // QBLOCK))
+                scales[i] = mom.scale.data_ptr()
+        if out is not None:
+            _check("out", out, tuple(_OUT), n)
+        if not (math.isfinite(grad_scale) and grad_scale > 0):
+            raise ValueError(f"grad_scale {grad_scale} must be a positive finite number")
+        arr = (_Run * max(1, len(runs)))()
+        at = 0
+        for i, (lo, hi, hyper, step) in enumerate(runs):
+            if not at <= lo <= hi <= n:
+                raise ValueError(f"run {i} [{lo}, {hi}) is out of order or outside [0, {n})")
+            at = hi
+            if hyper is None:
+                arr[i] = _Run(lo, hi, 1)
+                continue
+            if step < 0:
+                raise ValueError(f"run {i}: update count {step} is negative")
+            key = (hyper, step)
+            coef = self._coef.get(key)
+            if coef is None:
+                coef = self._coef[key] = _coefficients(hyper, step + 1)
+                if len(self._coef) > 256:  # schedules change lr every step
+                    self._coef = {key: coef}
+            arr[i] = _Run(lo, hi, 0, *coef)
+        self._fn(n, master.data_ptr(), grad.data_ptr(), exp_avg.data.data_ptr(),
+                 exp_avg_sq.data.data_ptr(), scales[0], scales[1], _STATE[state],
+                 None if out is None else out.data_ptr(), 0 if out is None else _OUT[out.dtype],
+                 grad_scale, arr, len(runs))

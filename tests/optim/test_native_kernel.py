@@ -1,0 +1,255 @@
+"""The native fused Adam kernel (offload/optim/native.py) against torch's path.
+
+The torch path (torch._fused_adamw_ on fp32 moments decoded by codec.decode,
+encoded back by codec.encode, the compute-dtype copy by Tensor.copy_) is the
+reference: the native kernel must give the same bits where torch's kernel runs
+its vector loop on every element (n a multiple of 64), and the same values to
+fp32 rounding elsewhere. Without a built kernel these tests skip, except the
+ones on the fallback.
+"""
+
+import logging
+
+import pytest
+import torch
+
+from offload.config import OptimConfig
+from offload.optim import AdamHyper, AdamKernel, CpuAdam
+from offload.optim import blocks
+from offload.optim import native as native_mod
+from offload.optim.codec import QBLOCK, clone_moment, decode, encode, new_moment
+
+from .conftest import grads_for
+
+BUILT, WHY = native_mod.native_status()
+needs_native = pytest.mark.skipif(not BUILT, reason=WHY)
+OUTS = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def _state(state_dtype: str, n: int, gen: torch.Generator):
+    """Moments as stored after a few steps: m ~ N(0, 0.1), v in [0, 0.01) with some
+    zeros and a spread of magnitudes inside each block."""
+    m, v = new_moment(state_dtype, "exp_avg", n), new_moment(state_dtype, "exp_avg_sq", n)
+    v0 = torch.rand(n, generator=gen) * torch.logspace(-8, -2, n)
+    v0[::7] = 0
+    encode(torch.randn(n, generator=gen) * 0.1, m, torch.empty(n))
+    encode(v0, v, torch.empty(n))
+    return m, v
+
+
+def _torch_path(p, g, m, v, out, grad_scale, runs):
+    """The reference: what blocks.py does with torch's kernels."""
+    n = p.numel()
+    fm, fv = decode(m, torch.empty(n)), decode(v, torch.empty(n))
+    k = AdamKernel("fused", 1 << 20)
+    for lo, hi, h, st in runs:
+        o = None if out is None else out[lo:hi]
+        if h is None:
+            if o is not None:
+                o.copy_(p[lo:hi])
+            continue
+        k.update(p[lo:hi], g[lo:hi], fm[lo:hi], fv[lo:hi], step=st + 1, hyper=h,
+                 grad_scale=grad_scale, param_out=o)
+    if any(h is not None for _, _, h, _ in runs):
+        encode(fm, m, torch.empty(n))
+        encode(fv, v, torch.empty(n))
+
+
+def _both(state_dtype, n, out_name, grad_scale, runs, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    p, g = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+    m, v = _state(state_dtype, n, gen)
+    dt = OUTS[out_name]
+    outs = [None if dt is None else torch.full((n,), 7.0).to(dt) for _ in range(2)]
+    mine = (p.clone(), clone_moment(m), clone_moment(v))
+    native_mod.NativeAdam().block(mine[0], g, mine[1], mine[2], outs[0], grad_scale, runs)
+    _torch_path(p, g, m, v, outs[1], grad_scale, runs)
+    return mine + (outs[0],), (p, m, v, outs[1])
+
+
+def _tensors(x) -> list:
+    """A tensor, or a moment's codes and scales."""
+    if x is None:
+        return []
+    if isinstance(x, torch.Tensor):
+        return [x]
+    return [x.data] + ([] if x.scale is None else [x.scale])
+
+
+def _assert_same(a, b, exact: bool):
+    for x, y in zip(a, b):
+        for s, t in zip(_tensors(x), _tensors(y)):
+            if exact:
+                assert torch.equal(s, t), (s, t)
+            elif s.is_floating_point():
+                torch.testing.assert_close(s, t, rtol=1e-6, atol=1e-7)
+            else:  # codes: a moment one fp32 ulp off may round to a neighbouring code
+                assert (s.int() - t.int()).abs().max() <= 1
+
+
+ADAMW = AdamHyper(1e-2, 0.9, 0.999, 1e-8, 0.1, True)
+ADAM = AdamHyper(1e-3, 0.8, 0.99, 1e-6, 0.05, False)
+
+
+@needs_native
+@pytest.mark.parametrize("state_dtype", ["fp32", "bf16", "int8"])
+@pytest.mark.parametrize("out", ["none", "bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("hyper", [ADAMW, ADAM], ids=["adamw", "adam"])
+@pytest.mark.parametrize("grad_scale", [1.0, 96.0])
+def test_block_equals_the_torch_path_bit_for_bit(state_dtype, out, hyper, grad_scale):
+    n = 8 * QBLOCK  # a multiple of torch's vector width: no scalar tail on its side
+    mine, ref = _both(state_dtype, n, out, grad_scale, [(0, n, hyper, 4)])
+    _assert_same(mine, ref, exact=True)
+
+
+@needs_native
+@pytest.mark.parametrize("state_dtype", ["fp32", "bf16", "int8"])
+@pytest.mark.parametrize("n", [1, 77, QBLOCK + 3, 5 * QBLOCK - 1])
+def test_block_with_a_tail_equals_the_torch_path_to_rounding(state_dtype, n):
+    mine, ref = _both(state_dtype, n, "bf16", 3.0, [(0, n, ADAMW, 0)])
+    _assert_same(mine, ref, exact=False)
+
+
+@needs_native
+@pytest.mark.parametrize("state_dtype", ["fp32", "bf16", "int8"])
+def test_runs_skipped_and_split_inside_a_block(state_dtype):
+    """Segments of other groups and without gradients, cut inside code blocks."""
+    n = 6 * QBLOCK
+    runs = [(0, 100, ADAMW, 2), (100, 300, None, 5), (300, 1000, ADAM, 0),
+            (1100, 1500, ADAMW, 9)]  # [1000, 1100) and [1500, n): in no run
+    mine, ref = _both(state_dtype, n, "bf16", 1.0, runs)
+    _assert_same(mine, ref, exact=True)
+
+
+@needs_native
+def test_a_block_no_run_updates_is_left_as_it_is():
+    n = 3 * QBLOCK
+    gen = torch.Generator().manual_seed(3)
+    p = torch.randn(n, generator=gen)
+    m, v = _state("int8", n, gen)
+    before = (p.clone(), clone_moment(m), clone_moment(v))
+    native_mod.NativeAdam().block(p, torch.randn(n), m, v, None, 1.0, [(0, n, None, 0)])
+    _assert_same((p, m, v), before, exact=True)
+
+
+@pytest.mark.parametrize("kind", ["exp_avg", "exp_avg_sq"])
+def test_a_fresh_int8_moment_holds_what_encoding_zeros_gives(kind):
+    """Blocks no update touches keep their bits; encoding them again (a save and
+    resume) must give the same ones."""
+    n = 3 * QBLOCK + 5
+    fresh, coded = new_moment("int8", kind, n), new_moment("int8", kind, n)
+    coded.scale.zero_()
+    encode(torch.zeros(n), coded, torch.empty(n))
+    assert torch.equal(fresh.data, coded.data) and torch.equal(fresh.scale, coded.scale)
+
+
+@needs_native
+@pytest.mark.parametrize("state_dtype", ["fp32", "bf16", "int8"])
+@pytest.mark.parametrize("name", ["adamw", "adam"])
+def test_cpu_adam_native_equals_cpu_adam_on_torch_kernels(state_dtype, name):
+    """Whole optimizer, several steps, segments of two groups, a loss scale, some
+    segments without gradients, blocks split over worker threads."""
+    n = 20 * 1024 + 100
+    segs = [(0, 5000, 0), (5000, 3000, 1), (8000, n - 8000, 0)]
+    opts = []
+    for kernel in ("native", "fused"):
+        cfg = OptimConfig(name=name, lr=1e-2, weight_decay=0.1, kernel=kernel,
+                          block_elems=4096, state_dtype=state_dtype)
+        opt = CpuAdam(cfg, param_groups=[{}, {"weight_decay": 0.0, "lr": 3e-3}])
+        opt.kernel = blocks.BlockUpdater(kernel, 4096, threads=2)
+        opt.add_partition("x", torch.linspace(-1, 1, n), segments=segs)
+        opts.append(opt)
+    assert opts[0].kernel.impl == "native" and opts[1].kernel.impl == "fused"
+    outs = [torch.empty(n, dtype=torch.bfloat16) for _ in opts]
+    for step in range(4):
+        grads = grads_for({"x": n}, seed=step)
+        active = {"x": [True, step % 2 == 0, True]}
+        for opt, o in zip(opts, outs):
+            opt.update(grads, params_out={"x": o}, loss_scale=64.0, active=active)
+            opt.commit()
+    a, b = (opt.partition_state("x") for opt in opts)
+    for k in a:  # n is no multiple of torch's vector width: equal to fp32 rounding
+        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(outs[0].float(), outs[1].float())
+
+
+@needs_native
+def test_native_kernel_matches_torch_adamw():
+    """The kernel's own numerics, no codec in between: torch.optim.AdamW, 5 steps,
+    with weight decay (a kernel that skipped it would drift off at once)."""
+    gen = torch.Generator().manual_seed(11)
+    n = 4 * QBLOCK
+    p = torch.nn.Parameter(torch.randn(n, generator=gen))
+    ref = torch.optim.AdamW([p], lr=1e-2, weight_decay=0.5, fused=True)
+    opt = CpuAdam(OptimConfig(lr=1e-2, weight_decay=0.5, kernel="native", block_elems=1024))
+    opt.add_partition("x", p.detach().clone())
+    for _ in range(5):
+        g = torch.randn(n, generator=gen)
+        p.grad = g.clone()
+        ref.step()
+        opt.step({"x": g})
+    st = opt.partition_state("x")
+    assert torch.equal(st["master"], p.detach())
+    assert torch.equal(st["exp_avg"], ref.state[p]["exp_avg"])
+    assert torch.equal(st["exp_avg_sq"], ref.state[p]["exp_avg_sq"])
+
+
+@needs_native
+def test_bad_arguments_raise_before_the_call():
+    k = native_mod.NativeAdam()
+    n = 2 * QBLOCK
+    p, g = torch.zeros(n), torch.zeros(n)
+    m, v = new_moment("int8", "exp_avg", n), new_moment("int8", "exp_avg_sq", n)
+    run = [(0, n, ADAMW, 0)]
+    bad = [
+        dict(master=p.double()), dict(grad=g[:-1]), dict(grad=torch.zeros(2 * n)[::2]),
+        dict(exp_avg=new_moment("bf16", "exp_avg", n)),
+        dict(exp_avg_sq=m._replace(kind="exp_avg_sq")),  # int8 codes where uint8 belong
+        dict(exp_avg=m._replace(scale=None)), dict(exp_avg=m._replace(scale=m.scale[:1])),
+        dict(out=torch.zeros(n, dtype=torch.int32)), dict(out=torch.zeros(n + 1)),
+        dict(runs=[(0, n + 1, ADAMW, 0)]), dict(runs=[(10, 20, ADAMW, 0), (5, 30, ADAMW, 0)]),
+        dict(runs=[(0, n, ADAMW, -1)]), dict(grad_scale=0.0), dict(grad_scale=float("inf")),
+    ]
+    for change in bad:
+        kw = {**dict(master=p, grad=g, exp_avg=m, exp_avg_sq=v, out=None, grad_scale=1.0,
+                     runs=run), **change}
+        with pytest.raises(ValueError):
+            k.block(**kw)
+    assert not p.any() and not m.data.any() and not v.data.any()  # nothing was written
+
+
+def test_fallback_to_torch_when_switched_off_or_absent(monkeypatch, caplog):
+    monkeypatch.setenv(native_mod.ENV_SWITCH, "0")
+    with caplog.at_level(logging.INFO, logger="offload.optim.native"):
+        u = blocks.BlockUpdater("auto", 1024, threads=1)
+    assert u.impl in ("fused", "foreach") and native_mod.ENV_SWITCH in caplog.text
+    with pytest.raises(RuntimeError, match="native"):
+        blocks.BlockUpdater("native", 1024, threads=1)
+    monkeypatch.delenv(native_mod.ENV_SWITCH)
+    monkeypatch.setattr(native_mod, "_library_path", lambda: None)
+    native_mod._cache.clear()
+    try:
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="offload.optim.native"):
+            u = blocks.BlockUpdater("auto", 1024, threads=1)
+            blocks.BlockUpdater("auto", 1024, threads=1)
+        assert u.impl in ("fused", "foreach") and "not built" in caplog.text
+        assert caplog.text.count("not built") == 1  # one line per process, not per optimizer
+        # the torch path still gives torch.optim.AdamW's results
+        opt = CpuAdam(OptimConfig(lr=1e-2, weight_decay=0.1, block_elems=1024))
+        assert opt.kernel.impl in ("fused", "foreach")
+        p = torch.nn.Parameter(torch.randn(3000))
+        ref = torch.optim.AdamW([p], lr=1e-2, weight_decay=0.1)
+        opt.add_partition("x", p.detach().clone())
+        g = torch.randn(3000)
+        p.grad = g.clone()
+        ref.step()
+        opt.step({"x": g}, params_out={"x": torch.empty(3000, dtype=torch.bfloat16)})
+        torch.testing.assert_close(opt.partition_state("x")["master"], p.detach())
+    finally:
+        native_mod._cache.clear()  # the next caller loads the library again
+
+
+@needs_native
+def test_default_kernel_is_native_where_built():
+    assert CpuAdam(OptimConfig()).kernel.impl == "native"
