@@ -16,7 +16,10 @@ gradient partitions (fp32), Pg the largest parameter partition.
     by handing its memory over) the largest of: P for parameters homed there;
     G for stored gradients homed on HOST or NVMe (they are summed in HOST);
     P for updates staged in HOST (NVMe optimizer state, parameters not on
-    DEVICE); Pg for a parameter streamed from NVMe into a host-state update.
+    DEVICE); for parameters streamed from NVMe, Pg times the look-ahead
+    (`engine.prefetch_depth`, at least 1): the reads in flight, each charged
+    to HOST until it is handed up (the first step prefetches along the
+    modules' order while every parameter is still on NVMe).
     On a GPU the copies are distinct, so these add up.
   * NVME: P for parameters homed there, G for stored gradients homed there.
 Gradients are not stored where updates run early: NVMe optimizer state, no
@@ -121,9 +124,10 @@ def early_updates(p: Placement, dtype: str, *, clipping: bool = False,
 
 
 def tier_bytes(m: ModelBytes, p: Placement, *, device: str = "cpu", buffer_budget: int = 0,
-               clipping: bool = False, accum: int = 1) -> TierBytes:
+               clipping: bool = False, accum: int = 1, prefetch_depth: int = 2) -> TierBytes:
     """Bytes per rank each tier holds for placement `p` ([Note: what each tier holds]).
-    `device`: "cpu" or "cuda" (the store's compute device)."""
+    `device`: "cpu" or "cuda" (the store's compute device); `prefetch_depth`: the
+    engine's look-ahead (its default, 2)."""
     kinds = kind_bytes(m)
     P, G = kinds["param"], kinds["grad"]
     item = DTYPE_BYTES[m.dtype]
@@ -134,7 +138,7 @@ def tier_bytes(m: ModelBytes, p: Placement, *, device: str = "cpu", buffer_budge
     host_terms = [P if p.params == "host" else 0,
                   G if stored and p.grads in ("host", "nvme") else 0,
                   P if p.optimizer == "nvme" and p.params != "device" else 0,
-                  Pg if p.params == "nvme" and p.optimizer == "host" else 0]
+                  Pg * max(1, prefetch_depth) if p.params == "nvme" else 0]
     host = max(host_terms) if device == "cpu" else sum(host_terms)
     nvme = (P if p.params == "nvme" else 0) + (G if p.grads == "nvme" and stored else 0)
     state = kinds["master"] + kinds["exp_avg"] + kinds["exp_avg_sq"]

@@ -292,7 +292,7 @@ def score(shape: StepShape, c: Candidate, budgets: Budgets, machine: Machine) ->
         return None
     p = c.placement
     tb = tier_bytes(shape.model, p, device=machine.device,
-                    buffer_budget=c.buffer_budget)
+                    buffer_budget=c.buffer_budget, prefetch_depth=c.prefetch_depth)
     if tb.total["nvme"] > machine.disk_free:
         return None
     if p.optimizer == "nvme" and not chunk_elems(c.buffer_budget, c.buffers):
