@@ -20,57 +20,33 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = p.add_subparsers(dest="command", required=True)
 
-    d = sub.add_parser("demo", help="run the main job on an embedded default")
-    demo.add_arguments(d)
-    d.set_defaults(func=demo.run)
-
-    v = sub.add_parser("view", help="a self-contained HTML report of trace files (timeline, "
-                       "tier occupancy, prefetch outcomes, summary)")
-    view.add_arguments(v)
-    v.set_defaults(func=view.run)
-
-    est = sub.add_parser("estimate", help="bytes per kind and per tier of a model's training "
-                         "state, for every placement")
-    estimate.add_arguments(est)
-    est.set_defaults(func=estimate.run)
-    tn = sub.add_parser("tune", help="choose a whole configuration from measurements and the "
-                        "step simulator; write it as TOML")
-    tune.add_arguments(tn)
-    tn.set_defaults(func=tune.run)
+    for name, module, what in (
+            ("demo", demo, "run the main job on an embedded default"),
+            ("view", view, "a self-contained HTML report of trace files (timeline, tier "
+             "occupancy, prefetch outcomes, summary)"),
+            ("estimate", estimate, "bytes per kind and per tier of a model's training state, "
+             "for every placement"),
+            ("tune", tune, "choose a whole configuration from measurements and the step "
+             "simulator; write it as TOML")):
+        _command(sub, name, module, what)
 
     bench = sub.add_parser("bench", help="benchmarks against the disk or a peer, interleaved")
     bsub = bench.add_subparsers(dest="bench", required=True)
-    bio = bsub.add_parser("io", help="engines vs dd/fio with O_DIRECT: GB/s and ratio")
-    bench_io.add_arguments(bio)
-    bio.set_defaults(func=bench_io.run)
-    bstore = bsub.add_parser("store", help="host -> NVMe -> host through the store vs the raw engine")
-    bench_store.add_arguments(bstore)
-    bstore.set_defaults(func=bench_store.run)
-    bstep = bsub.add_parser("step", help="one training step: offload vs DeepSpeed ZeRO-3, "
-                            "per placement")
-    bench_step.add_arguments(bstep)
-    bstep.set_defaults(func=bench_step.run)
-    bover = bsub.add_parser("oversized", help="a model whose training state is twice the "
-                            "machine's RAM, two steps from NVMe (long; not part of make test)")
-    bench_oversized.add_arguments(bover)
-    bover.set_defaults(func=bench_oversized.run)
-    badam = bsub.add_parser("adam", help="CPU Adam update vs torch and the memory-bandwidth bound")
-    bench_adam.add_arguments(badam)
-    badam.set_defaults(func=bench_adam.run)
-    bck = bsub.add_parser("checkpoint", help="save and resume of a >= 2 GiB training state vs "
-                          "the disk's O_DIRECT rate; stall of a background save")
-    bench_checkpoint.add_arguments(bck)
-    bck.set_defaults(func=bench_checkpoint.run)
-    bcomm = bsub.add_parser("comm", help="communication hidden behind compute: data parallel "
-                            "(serial, overlap) and tensor parallel (tp, domino), exposed "
-                            "seconds from the trace")
-    bench_comm.add_arguments(bcomm)
-    bcomm.set_defaults(func=bench_comm.run)
-
-    btune = bsub.add_parser("tune", help="offload tune's written configuration vs the best of "
-                            "a sweep of the same space; tune's time")
-    bench_tune.add_arguments(btune)
-    btune.set_defaults(func=bench_tune.run)
+    for name, module, what in (
+            ("io", bench_io, "engines vs dd/fio with O_DIRECT: GB/s and ratio"),
+            ("store", bench_store, "host -> NVMe -> host through the store vs the raw engine"),
+            ("step", bench_step, "one training step: offload vs DeepSpeed ZeRO-3, per "
+             "placement"),
+            ("oversized", bench_oversized, "a model whose training state is twice the "
+             "machine's RAM, two steps from NVMe (long; not part of make test)"),
+            ("adam", bench_adam, "CPU Adam update vs torch and the memory-bandwidth bound"),
+            ("checkpoint", bench_checkpoint, "save and resume of a >= 2 GiB training state vs "
+             "the disk's O_DIRECT rate; stall of a background save"),
+            ("comm", bench_comm, "communication hidden behind compute: data parallel (serial, "
+             "overlap) and tensor parallel (tp, domino), exposed seconds from the trace"),
+            ("tune", bench_tune, "offload tune's written configuration vs the best of a sweep "
+             "of the same space; tune's time")):
+        _command(bsub, name, module, what)
 
     ck = sub.add_parser("checkpoint", help="inspect a training checkpoint, export its weights")
     checkpoint.add_arguments(ck.add_subparsers(dest="checkpoint", required=True))
@@ -79,6 +55,13 @@ def build_parser() -> argparse.ArgumentParser:
     cfg.add_argument("--markdown", action="store_true", help="as the table in docs/configuration.md")
     cfg.set_defaults(func=_print_config)
     return p
+
+
+def _command(sub, name: str, module, what: str) -> None:
+    """Sub-command `name`: `module.add_arguments` gives its flags, `module.run` runs it."""
+    p = sub.add_parser(name, help=what)
+    module.add_arguments(p)
+    p.set_defaults(func=module.run)
 
 
 def _print_config(args: argparse.Namespace) -> int:

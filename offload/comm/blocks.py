@@ -17,6 +17,7 @@ up (and gate) projections are column-parallel, by heads for attention:
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
@@ -35,8 +36,9 @@ def _get(module: nn.Module, path: str) -> nn.Module | None:
 
 
 @dataclass(frozen=True)
-class BlockKind:
-    """One kind of block: the layers it cuts, and its attention and MLP on one piece."""
+class BlockKind(ABC):
+    """One kind of block: the layers it cuts, and its attention and MLP on one piece
+    (each kind defines `attention`)."""
 
     name: str
     norms: tuple[str, str]
@@ -60,8 +62,9 @@ class BlockKind:
                                  f"tp.size = {tp_size}; heads are split evenly over TP ranks")
         return [0.0, 0.0]
 
+    @abstractmethod
     def attention(self, block: nn.Module, h: torch.Tensor, kwargs: dict) -> torch.Tensor:
-        raise NotImplementedError
+        """The block's attention on one piece `h` (its output still a partial sum)."""
 
     def mlp(self, block: nn.Module, h: torch.Tensor) -> torch.Tensor:
         return block.mlp(h)

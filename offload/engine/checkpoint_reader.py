@@ -24,15 +24,6 @@ from .units import Group, Slot
 __all__ = ["CheckpointReader"]
 
 
-def _fresh(numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """Memory for a resumed partition's state, in a mapping of its own with small
-    pages: torch's large allocations ask for huge pages ([Note: huge pages]), and
-    in a virtual machine the first touch of a huge page, which the hypervisor must
-    back whole, ran at 0.3-0.5 GB/s against 1-2 GB/s for small ones; a resume
-    lands the whole state in new memory ([Note: populating ahead])."""
-    return mapped_empty(numel, dtype)
-
-
 def _chunk_in(out: torch.Tensor | None, dtype: torch.dtype, a: int, b: int, ce: int,
               k: int) -> torch.Tensor | None:
     """The bytes of `out` (elements [a, b) of an array) that chunk `k` of `ce`
@@ -216,18 +207,11 @@ class CheckpointReader:
         self.read_into([(kind, name, a, b, out)])
         return out
 
-    def read_shard(self, kind: str, g: Group, rank: int, dtype: torch.dtype,
-                   out: torch.Tensor | None = None) -> torch.Tensor:
-        """`rank`'s partition of group `g` (of this model's layout) of `kind`, into `out`
-        (1-D, `g.shard` elements of `dtype`; default a new tensor); padding is zero.
-        `master` falls back to `param` where the master was the parameter."""
-        out = _fresh(g.shard, dtype) if out is None else out
-        self.read_into(self._shard_items(kind, g, rank, out))
-        return out
-
     def _shard_items(self, kind: str, g: Group, rank: int,
                      out: torch.Tensor) -> list[tuple[str, str, int, int, torch.Tensor]]:
-        """`read_into`'s items that fill `out` as `read_shard` does; zeroes its padding."""
+        """`read_into`'s items that fill `out` (1-D, `g.shard` elements) with `rank`'s
+        partition of group `g` (of this model's layout) of `kind`, and zeroes its
+        padding. `master` falls back to `param` where the master was the parameter."""
         items = []
         filled = 0  # out[:filled] is spoken for; the gaps between slots are padding: zeros
         for s in g.slots:
@@ -261,7 +245,10 @@ class CheckpointReader:
                 self.read_into(self._shard_items("param", g, rank, param))
                 return
             shared = engine.master_is_param  # fp32: the parameter partition is the master
-            state = {k: _fresh(g.shard, torch.float32)
+            # the resumed state in mappings of small pages: under a hypervisor the first
+            # touch of a huge page (torch's large allocations, [Note: huge pages]) ran at
+            # 0.3-0.5 GB/s against 1-2 GB/s for small ones ([Note: populating ahead])
+            state = {k: mapped_empty(g.shard, torch.float32)
                      for k in ("exp_avg", "exp_avg_sq") + (() if shared else ("master",))}
             # one read for the whole partition: its chunks queue together and the
             # pages they land in are faulted in ahead ([Note: populating ahead])
