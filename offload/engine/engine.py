@@ -138,7 +138,9 @@ class OffloadEngine(ModelWeights, nn.Module):
         # one thread: early updates run in the order backward produced the gradients
         self._updater = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-update")
         self._early: list[Future] = []
-        self._staged = StagedParams(store, self._param_tier)  # [Note: all or nothing]
+        self.queued_updates: set[int] = set()  # early updates yet to read their master
+        # the open step's new partitions ([Note: all or nothing] in step.py)
+        self.staged = StagedParams(store, self._param_tier)
         self._update_order: list[int] = []  # groups in the order this step updated them
         self._next_update: dict[int, int] = {}  # group -> the one updated after it, last step
         self._io_lock = threading.Lock()
@@ -243,8 +245,8 @@ class OffloadEngine(ModelWeights, nn.Module):
             if st.gathered or st.pending is not None:
                 continue
             gather = i == 0 and self.comm.world > 1  # a collective: every rank issues it
-            if not gather and not self.store.fits_sparing(("p", gid), Tier.DEVICE,
-                                                          sooner_than(self.trace, gid)):
+            sooner = sooner_than(self.trace, gid, self.staged, self.queued_updates)
+            if not gather and not self.store.fits_sparing(("p", gid), Tier.DEVICE, sooner):
                 return  # the groups after it are needed later still: [Note: prefetch room]
             try:
                 if gather:
@@ -377,6 +379,8 @@ class OffloadEngine(ModelWeights, nn.Module):
             else:
                 grad = shard_grad.cpu()
             self._has_grad.add(gid)
+            if self.master_is_param:  # its parameters stay: [Note: the staged copy stays]
+                self.queued_updates.add(gid)
             self._early.append(self._updater.submit(self._update_group, gid, grad, None,
                                                     self.grad_slots.active(gid)))
             # Backpressure: each queued update holds its gradient; where updates are
@@ -443,10 +447,13 @@ class OffloadEngine(ModelWeights, nn.Module):
         masters = None
         if self.master_is_param:
             where = self._memory_tier(pkey)
-            old = self.store.fetch(pkey, to=where, pin=True).wait()  # not evicted meanwhile
+            try:
+                old = self.store.fetch(pkey, to=where, pin=True).wait()  # kept till read
+            finally:
+                self.queued_updates.discard(gid)
             masters = {gid: old.cpu()}
         try:
-            with self._staged.new(gid, self.groups[gid].shard, self.dtype) as new:
+            with self.staged.new(gid, self.groups[gid].shard, self.dtype) as new:
                 res = self.optimizer.update(
                     {gid: grad}, params_out={gid: new}, masters=masters,
                     loss_scale=self._grad_divisor,
@@ -644,14 +651,14 @@ class OffloadEngine(ModelWeights, nn.Module):
             self._abort_step()
             self._after_overflow()
             return False
-        in_place = (self.cfg.engine.optimizer == "host" and not self._staged
+        in_place = (self.cfg.engine.optimizer == "host" and not self.staged
                     and self._update_in_place(gids, norm))
         if not in_place:
             for gid in gids:
                 self._update_group(gid, None, norm)
-        self._staged.ready()
+        self.staged.ready()
         self.optimizer.commit(grad_norm=norm)  # all or nothing; rolled back if it raises
-        self._staged.switch()
+        self.staged.switch()
         self._has_grad.clear()
         self.grad_slots.clear()
         self._after_good_step()
@@ -666,7 +673,8 @@ class OffloadEngine(ModelWeights, nn.Module):
         the groups the optimizer undid itself). The next backward starts a new step."""
         errors = [cause] + [f.exception() for f in self._early]  # waits for them
         self._early = []
-        undone = set(self._staged.discard()) | set(self.optimizer.rollback())
+        self.queued_updates.clear()
+        undone = set(self.staged.discard()) | set(self.optimizer.rollback())
         for e in errors:
             if isinstance(e, OptimStepError):
                 undone.update(e.unchanged)

@@ -59,7 +59,7 @@ class ModelWeights:
 
     def _check_between_steps(self, what: str) -> None:
         self._check_no_forward(what)
-        if self._backwards or self._early or len(self._staged):
+        if self._backwards or self._early or len(self.staged):
             raise RuntimeError(f"{what}: a step is in progress ({self._backwards} backward "
                                "call(s) since the last step); call engine.step() or "
                                "engine.zero_grad() first")

@@ -68,6 +68,10 @@ class StagedParams:
     def __len__(self) -> int:
         return len(self._puts)
 
+    def __contains__(self, gid: object) -> bool:
+        """True when group `gid`'s new partition is staged in the open step."""
+        return gid in self._puts
+
     @contextlib.contextmanager
     def new(self, gid: int, numel: int, dtype: torch.dtype) -> Iterator[torch.Tensor]:
         """`with staged.new(gid, numel, dtype) as t:` group `gid`'s parameters-to-be,

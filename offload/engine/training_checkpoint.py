@@ -349,7 +349,7 @@ def check_between_steps(engine: Any) -> None:
     why = []
     if opt.round:
         why.append(f"the optimizer's round holds updates of groups {opt.round[:8]}")
-    if len(engine._staged):
+    if len(engine.staged):
         why.append("new parameters of the step are staged")
     if engine._backwards or engine._early:
         why.append(f"{engine._backwards} backward call(s) ran since the last step")

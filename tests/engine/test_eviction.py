@@ -94,3 +94,28 @@ def test_a_deeper_look_ahead_never_evicts_what_is_needed_sooner(tmp_path):
     layer = 512 * 513 * 4
     reads = _reads_per_step(tmp_path, 3)
     assert reads < 13 * layer, reads / layer
+
+
+def test_a_staged_partition_takes_over_its_groups_next_use():
+    """[Note: the staged copy stays]: once a group's update staged its new partition,
+    the new one is needed at the group's next use and the old one never (it goes
+    first); a group whose queued update will read its parameters as the master is
+    needed now; a gradient at the step's end."""
+    from offload.engine.eviction import next_use_of, sooner_than
+    from offload.planner import AccessTrace
+
+    trace = AccessTrace([0, 1, 2, 2, 1, 0])
+    for gid in (0, 1, 2, 2):  # forward, then the backward of group 2
+        trace.record(gid)
+    staged, queued = {2}, {1}
+    nu = next_use_of(trace, staged, queued)
+    assert nu(("p", 2)) is None                  # replaced at the commit
+    assert nu(("p", 2, "staged")) == 5           # the next step's forward of group 2
+    assert nu(("p", 1)) == 0                     # its update reads it now
+    assert nu(("p", 0)) == 2                     # its backward
+    assert nu(("g", 0)) == 3 and nu("other") is None
+    plain = next_use_of(trace)
+    assert plain(("p", 2)) == 5 and plain(("p", 1)) == 1
+    # a prefetch of group 0 must not evict the parameters a queued update reads
+    assert sooner_than(trace, 0, staged, queued)(("p", 1))
+    assert not sooner_than(trace, 0, staged, queued)(("p", 2))
