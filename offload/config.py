@@ -182,7 +182,9 @@ class IoConfig:
                               f"(io.block_size={self.block_size}); raise it, e.g. to '256MiB'")
 
 
-_KINDS = ["param", "grad", "master", "exp_avg", "exp_avg_sq"]
+# the swap files a training run uses: parameters, gradients, and the optimizer's
+# state ([Note: NVMe layout] in offload/optim/state.py: master and moments per chunk)
+_KINDS = ["param", "grad", "optim"]
 
 
 @dataclass(kw_only=True)

@@ -48,7 +48,7 @@ GiB = 1 << 30
 RSS_SLACK = GiB // 2          # the runtime (torch, Python) beyond the budgets
 DIR_PREFIX = "offload-bench-oversized-"
 GROW_STEP = 256 << 20
-SWAP_FILES = 6                # five store kinds and the optimizer's file
+SWAP_FILES = 3                # parameters, gradients, optimizer state
 
 
 # -- sizes ---------------------------------------------------------------------------------------

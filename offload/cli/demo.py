@@ -53,7 +53,7 @@ DEFAULT_STEPS = 60
 TRACE_STEP = 3          # steady state: step 1 records the access trace, 2 runs the plan
 SAMPLE_SECONDS = 0.05   # how often tier occupancy is sampled during a step
 GROW_STEP = 16 << 20    # swap-file preallocation unit: small, so the disk estimate is tight
-SWAP_FILES = 6          # five store kinds and the optimizer's file, per rank
+SWAP_FILES = 3          # parameters, gradients, optimizer state, per rank
 _PLACES = ("device", "host", "nvme")
 IO_BLOCK = IoConfig().block_size  # io.buffer_budget holds at least one request
 
