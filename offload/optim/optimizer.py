@@ -202,30 +202,32 @@ class CpuAdam(StateAccess):
         """A `CpuAdam` from the whole configuration. With `nvme`, its state lives in the
         swap file `offload-r<rank>-optim.swap` under `io.paths`, staged through a pool
         of `io.buffer_budget` bytes. Given a `store`, the swap file is the store's
-        (opened, locked and removed by it) and its I/O goes through the store's
-        engine: one engine queues against the disk. Without, the optimizer opens
-        its own engine and swap file. What it opens, `close()` closes."""
+        (opened, locked and removed by it), its I/O goes through the store's
+        engine (one engine queues against the disk) and its buffers come from the
+        store's pool (one pool holds every host byte of training state). Without,
+        the optimizer opens its own engine, swap file and pool. What it opens,
+        `close()` closes."""
         if not nvme:
             return cls(config.optim, lr_lambda=lr_lambda, param_groups=param_groups,
                        recorder=recorder)
         engine = swap = pool = None
         try:
             if store is not None:
-                swap = store.swap_space("optim")
+                swap, pool = store.swap_space("optim"), store.buffer_pool
             else:
                 engine = make_engine(config.io, recorder)
                 swap = open_swap(config.io, f"r{rank}-optim", engine)
-            pool = BufferPool(config.io.buffer_budget)
+                pool = BufferPool(config.io.buffer_budget)
             opt = cls(config.optim, swap=swap, pool=pool, lr_lambda=lr_lambda,
                       param_groups=param_groups, recorder=recorder)
         except BaseException:
-            for thing in (pool,) if store is not None else (pool, swap, engine):
+            for thing in () if store is not None else (pool, swap, engine):
                 if thing is not None:
                     thing.close()
             raise
-        # closed in this order by close(): buffers, then (unless the store's) swap and engine
-        opt._owned = (lambda: pool.close(force=True),) + (
-            () if store is not None else (swap.close, engine.close))
+        # closed in this order by close(), unless the store's: buffers, swap, engine
+        opt._owned = () if store is not None else (
+            lambda: pool.close(force=True), swap.close, engine.close)
         return opt
 
     # -- partitions ------------------------------------------------------------

@@ -83,7 +83,10 @@ class TieredStore(MoveExecutor):
             per-tier occupancy (counters). Off by default.
         engine, pool: an I/O engine and a host buffer pool to use instead of
             making (and owning) new ones. A given pool must hold `host_budget`
-            bytes, plus `device_budget` on a CPU device (see copy.py).
+            bytes, plus `device_budget` on a CPU device (see copy.py). The pool
+            the store makes also holds `io.buffer_budget` for the optimizer's
+            chunk buffers (`buffer_pool`): one pool per rank, whose budget is
+            the hard ceiling of host memory held for training state.
 
     Thread safe. A tensor view from `get`, `fetch(...).wait()` or `modify` is
     valid until the partition leaves that tier; `pin` it to keep it there.
@@ -99,7 +102,7 @@ class TieredStore(MoveExecutor):
             engine = make_engine(cfg.io, recorder)
         if pool is None:
             extra = cfg.store.device_budget if device.type == "cpu" else 0
-            pool = BufferPool(cfg.store.host_budget + extra, pin=None)
+            pool = BufferPool(cfg.store.host_budget + extra + cfg.io.buffer_budget, pin=None)
         super().__init__(cfg.store, cfg.io, rank=rank, dev=DeviceTier(device, pool),
                          engine=engine, pool=pool,
                          policy=policy if policy is not None else LruPolicy(), recorder=recorder)
@@ -419,6 +422,12 @@ class TieredStore(MoveExecutor):
     def io_engine(self) -> IoEngine:
         """The engine every swap file of this store reads and writes through."""
         return self._engine
+
+    @property
+    def buffer_pool(self) -> BufferPool:
+        """The host buffer pool the store's memory comes from; the optimizer's chunk
+        buffers (`io.buffer_budget`) come from it too. Closed by `close`."""
+        return self._pool
 
     def swap_space(self, kind: str) -> SwapSpace:
         """The `SwapSpace` of `kind` (opened on first use, through the store's I/O engine;

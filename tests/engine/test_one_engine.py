@@ -1,6 +1,7 @@
 """One I/O engine per rank: the optimizer's NVMe state lives in a swap file of the store,
 read and written through the store's engine, and goes away with the store; the
-store opens only the swap files training uses."""
+store opens only the swap files training uses, and one host buffer pool holds the
+store's memory and the optimizer's buffers."""
 
 import os
 
@@ -16,6 +17,9 @@ def test_optimizer_state_goes_through_the_stores_swap_and_engine(tmp_path, engin
         swap = e.optimizer.swap
         assert swap is e.store.swap_space("optim")
         assert swap.engine is e.store.io_engine
+        pool = e.store.buffer_pool  # one pool: the optimizer's chunk buffers come from it
+        assert e.optimizer._pipeline.pool is pool
+        assert pool.budget == (64 + 64 + 32) << 20  # host + device (a CPU) + io.buffer_budget
         for x, y in lm_batches(2):
             e.backward(lm_loss(e(x), y))
             e.step()
