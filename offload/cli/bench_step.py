@@ -80,8 +80,8 @@ from ..config import IoConfig, OptimConfig, parse_bytes
 from .args import (CommandParser, UsageError, byte_size, choice_list, directory, integer, number,
                    run_command)
 from .bench_step_targets import SYSTEMS, practicality, targets
-from .benchutil import (DiskProbe, emit, proc_io, progress_printer, reset_hwm, scratch_dir,
-                        vm_hwm)
+from .benchutil import (DiskProbe, emit, forced_param_reads, proc_io, progress_printer,
+                        reset_hwm, scratch_dir, vm_hwm)
 
 GiB = 1 << 30
 PLACEMENTS = ("none", "host", "nvme-opt", "nvme")
@@ -367,7 +367,6 @@ def forced_bytes(placement: str, dim: int, layers: int, memory: int,
     if placement not in DISK_PLACEMENTS:
         return 0, 0
     from ..optim.codec import moment_bytes
-    from ..planner import RecordSpec, Use, make_plan
     from ..store import footprint
 
     params = layers * dim * (dim + 1)
@@ -379,9 +378,7 @@ def forced_bytes(placement: str, dim: int, layers: int, memory: int,
         raise UsageError(f"the memory budgets ({memory} bytes) hold less than one layer's "
                          f"parameters ({size} bytes); raise --host-budget or --device-budget")
     order = list(range(layers)) + list(reversed(range(layers)))  # forward, then backward
-    uses = [Use((k,)) for k in order * 2]  # two steps: the second is the steady state
-    plan = make_plan(uses, {k: RecordSpec(size) for k in range(layers)}, memory)
-    reads = sum(op.nbytes for op in plan.ops if op.op == "fetch" and op.needed_at >= len(order))
+    reads = forced_param_reads(order, {k: size for k in range(layers)}, memory)
     unkept = max(0, layers * size - memory)  # updated parameters that cannot stay in memory
     return moments + reads, moments + unkept
 

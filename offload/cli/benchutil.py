@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterator, NamedTuple
 from ..config import IoConfig
 
 __all__ = ["scratch_dir", "emit", "progress_printer", "vm_hwm", "reset_hwm", "proc_io",
-           "swap_rates", "DiskProbe"]
+           "swap_rates", "DiskProbe", "forced_param_reads"]
 
 
 @contextlib.contextmanager
@@ -75,6 +75,20 @@ def proc_io() -> tuple[int, int]:
     with open("/proc/self/io") as f:
         fields = dict(line.split(": ") for line in f.read().splitlines())
     return int(fields["read_bytes"]), int(fields["write_bytes"])
+
+
+def forced_param_reads(order: list, sizes: dict, memory: int) -> int:
+    """Parameter bytes any system must read per step when `memory` bytes hold what it
+    keeps across uses: the reads of farthest-next-use eviction (offload.planner) over
+    the steady state of a loop of steps that use the records of `sizes` (key ->
+    bytes) in `order` (a step's uses: forward, then backward). Farthest next use
+    reads the fewest bytes for records of one size; with several sizes it is the
+    planner's heuristic, so treat the figure as the best known schedule's."""
+    from ..planner import RecordSpec, Use, make_plan
+
+    uses = [Use((k,)) for k in list(order) * 2]  # two steps: the second is the steady state
+    plan = make_plan(uses, {k: RecordSpec(n) for k, n in sizes.items()}, memory)
+    return sum(op.nbytes for op in plan.ops if op.op == "fetch" and op.needed_at >= len(order))
 
 
 class SwapRates(NamedTuple):
