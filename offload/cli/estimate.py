@@ -13,6 +13,7 @@ import argparse
 from typing import Any
 
 from ..config import EngineConfig, IoConfig, OffloadConfig, format_bytes
+from ..optim.codec import STATE_DTYPES
 from ..planner.estimate import (KINDS, PLACEMENTS, ModelBytes, kind_bytes, parse_placement,
                                 tier_bytes)
 from .args import UsageError, byte_size, integer
@@ -24,9 +25,10 @@ __all__ = ["add_arguments", "estimate", "model_bytes", "run"]
 TIERS = ("device", "host", "nvme")
 
 
-def model_bytes(mm: MeasuredModel) -> ModelBytes:
-    """The planner's view of a measured model."""
-    return ModelBytes(mm.shards, mm.spec.dtype, mm.activations, mm.activations_checkpointed)
+def model_bytes(mm: MeasuredModel, state_dtype: str = "fp32") -> ModelBytes:
+    """The planner's view of a measured model, its Adam moments in `state_dtype`."""
+    return ModelBytes(mm.shards, mm.spec.dtype, mm.activations, mm.activations_checkpointed,
+                      state_dtype)
 
 
 def minimum(mm: MeasuredModel, engine: dict[str, Any], device: str = "cpu") -> dict[str, int]:
@@ -42,9 +44,11 @@ def minimum(mm: MeasuredModel, engine: dict[str, Any], device: str = "cpu") -> d
 
 
 def estimate(mm: MeasuredModel, placements, *, world: int, ranks_per_node: int,
-             device: str, buffer_budget: int, group_size: int) -> dict[str, Any]:
-    """The JSON-ready estimate of `mm` (measured for `world` ranks)."""
-    mb = model_bytes(mm)
+             device: str, buffer_budget: int, group_size: int,
+             state_dtype: str = "fp32") -> dict[str, Any]:
+    """The JSON-ready estimate of `mm` (measured for `world` ranks), the Adam moments
+    in `state_dtype` (optim.state_dtype)."""
+    mb = model_bytes(mm, state_dtype)
     kinds = kind_bytes(mb)
     rows = []
     for p in placements:
@@ -60,7 +64,7 @@ def estimate(mm: MeasuredModel, placements, *, world: int, ranks_per_node: int,
             "batch": mm.spec.batch, "tokens_per_batch": mm.tokens, "params": mm.params,
             "groups": len(mm.shards), "units": len(mm.unit_names), "world": world,
             "ranks_per_node": ranks_per_node, "device": device, "group_size": group_size,
-            "io_buffer_budget": buffer_budget,
+            "io_buffer_budget": buffer_budget, "state_dtype": state_dtype,
             "bytes_per_rank": kinds, "bytes_total": {k: v * world for k, v in kinds.items()},
             "activations": {"bytes": mm.activations,
                             "checkpointed_bytes": mm.activations_checkpointed},
@@ -118,6 +122,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    default=IoConfig().buffer_budget, help="io.buffer_budget (default 1GiB)")
     p.add_argument("--device", choices=("cpu", "cuda"), default=None,
                    help="compute device (default: cuda where visible, else cpu)")
+    p.add_argument("--state-dtype", choices=STATE_DTYPES, default="fp32",
+                   help="optim.state_dtype: the form of Adam's moments (default fp32; bf16 "
+                   "halves them, int8 keeps about a quarter)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -152,5 +159,5 @@ def run(args: argparse.Namespace) -> int:
     mm = measure_model(spec, args.group_size, args.world)
     result = estimate(mm, placements, world=args.world, ranks_per_node=per_node,
                       device=default_device(args.device), buffer_budget=args.buffer_budget,
-                      group_size=args.group_size)
+                      group_size=args.group_size, state_dtype=args.state_dtype)
     return emit(result, args.json, render)

@@ -87,17 +87,23 @@ class ModelBytes:
     dtype: str = "fp32"
     activations: int = 0
     activations_checkpointed: int = 0
+    state_dtype: str = "fp32"  # the Adam moments' form (optim.state_dtype)
 
 
 def kind_bytes(m: ModelBytes) -> dict[str, int]:
     """Bytes per rank of each kind of partition (4 KiB-rounded as stored); `master` is 0
-    in fp32 training, where the parameter partition is the master."""
+    in fp32 training, where the parameter partition is the master; each moment in
+    `m.state_dtype`'s form (fp32 4 bytes per element, bf16 2, int8 1 and a scale per
+    block: [Note: compressed moments] in offload/optim/codec.py)."""
+    from ..optim.codec import moment_bytes
+
     item = DTYPE_BYTES[m.dtype]
     train = [n for n, t in m.shards if t]
     out = {"param": sum(_footprint(n * item) for n, _ in m.shards),
            "grad": sum(_footprint(n * 4) for n in train),
            "master": 0 if m.dtype == "fp32" else sum(_footprint(n * 4) for n in train)}
-    out["exp_avg"] = out["exp_avg_sq"] = sum(_footprint(n * 4) for n in train)
+    out["exp_avg"] = out["exp_avg_sq"] = sum(
+        _footprint(moment_bytes(m.state_dtype, n) // 2) for n in train)
     return out
 
 

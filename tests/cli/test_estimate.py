@@ -136,3 +136,29 @@ def test_bad_model_argument_is_one_line_exit_2(models, argv, words):
     assert out.returncode == 2
     assert out.stderr.count("\n") == 1 and words in out.stderr, out.stderr
     assert "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("state_dtype", ["fp32", "bf16", "int8"])
+def test_optimizer_figures_count_compressed_moments(models, state_dtype):
+    """The estimate's optimizer state on NVMe, moments in `optim.state_dtype`'s form, is
+    within 10% of the swap bytes a real run's optimizer holds after a step."""
+    group = 256 * 257
+    mm = measure_model(ModelSpec("function", "tinymodels:mlp", 8, None, "bf16"), group)
+    p = [x for x in PLACEMENTS if x.name == "device/host/nvme"]
+    est = estimate(mm, p, world=1, ranks_per_node=1, device="cpu", buffer_budget=8 << 20,
+                   group_size=group, state_dtype=state_dtype)
+    want = est["placements"][0]["optimizer_state"]["nvme"]
+    cfg = {"engine": {"params": "device", "grads": "host", "optimizer": "nvme",
+                      "dtype": "bf16", "group_size": group},
+           "optim": {"state_dtype": state_dtype},
+           "io": {"paths": [str(models / "swap" / state_dtype)], "buffer_budget": "8MiB",
+                  "grow_step": "1MiB"},
+           "store": {"device": "cpu", "device_budget": "64MiB", "host_budget": "64MiB"}}
+    with offload.initialize(mm.spec.factory(), cfg) as engine:
+        engine.backward(engine(torch.randn(8, 256).to(engine.dtype)).float().square().mean())
+        engine.step()
+        got = engine.optimizer.swap.used_bytes
+    assert abs(got - want) <= 0.10 * want, (got, want)
+    master = est["bytes_per_rank"]["master"]
+    moments = {"fp32": 2 * master, "bf16": master, "int8": master // 2}[state_dtype]
+    assert abs(est["bytes_per_rank"]["exp_avg"] * 2 - moments) <= 0.05 * moments
