@@ -151,6 +151,9 @@ class CpuAdam(StateAccess):
             `weight_decay`, `lr_lambda`; default one group of the config's values.
         swap, pool: needed for partitions with tier="nvme": the swap space that
             holds their chunks and the pool lending the pipeline's buffers.
+        buffer_budget: bytes of `pool` the pipeline's buffers size their chunks
+            from (`resolve_chunk_elems`; default the pool's whole budget); the
+            engine passes io.buffer_budget, its share of the store's pool.
         lr_lambda: default schedule of every group, step -> lr multiplier.
     Thread safe: calls serialise; `prefetch` (e.g. from the autograd thread) never waits.
     """
@@ -159,7 +162,8 @@ class CpuAdam(StateAccess):
                  param_groups: Sequence[Mapping[str, Any]] | None = None,
                  swap: SwapSpace | None = None, pool: BufferPool | None = None,
                  lr_lambda: Callable[[int], float] | None = None,
-                 recorder: TraceRecorder = NULL_RECORDER) -> None:
+                 recorder: TraceRecorder = NULL_RECORDER,
+                 buffer_budget: int | None = None) -> None:
         cfg = config or OptimConfig()
         self.config = cfg
         self.decoupled = cfg.name == "adamw"
@@ -178,7 +182,9 @@ class CpuAdam(StateAccess):
         if (swap is None) != (pool is None):
             raise ValueError("pass both swap and pool (NVMe state) or neither (host state only)")
         self.swap = swap
-        self.chunk_elems = resolve_chunk_elems(cfg, pool.budget if pool is not None else None)
+        if pool is not None and buffer_budget is None:
+            buffer_budget = pool.budget
+        self.chunk_elems = resolve_chunk_elems(cfg, buffer_budget if pool is not None else None)
         self._pipeline = None if swap is None else SwapPipeline(
             swap, pool, chunk_elems=self.chunk_elems, buffers=cfg.buffers, recorder=recorder,
             slot_bytes=state_bytes(self.chunk_elems, 3, self.state_dtype))
@@ -219,7 +225,8 @@ class CpuAdam(StateAccess):
                 swap = open_swap(config.io, f"r{rank}-optim", engine)
                 pool = BufferPool(config.io.buffer_budget)
             opt = cls(config.optim, swap=swap, pool=pool, lr_lambda=lr_lambda,
-                      param_groups=param_groups, recorder=recorder)
+                      param_groups=param_groups, recorder=recorder,
+                      buffer_budget=config.io.buffer_budget)
         except BaseException:
             for thing in () if store is not None else (pool, swap, engine):
                 if thing is not None:

@@ -45,3 +45,23 @@ def test_one_tier_enum_and_optimizer_tiers():
     with pytest.raises(ValueError, match="'host' or 'nvme'"):
         opt.add_partition("c", torch.zeros(8), tier="device")
     opt.close()
+
+
+def test_optimizer_buffers_stay_within_io_buffer_budget_of_the_shared_pool(tmp_path):
+    """The optimizer sizes its chunks from io.buffer_budget, not from the whole shared
+    pool (which also holds the store's budgets): its buffers fit io.buffer_budget."""
+    import torch
+    from torch import nn
+
+    from offload.config import OptimConfig
+    from offload.optim import resolve_chunk_elems
+
+    cfg = {"engine": {"params": "nvme", "grads": "host", "optimizer": "nvme"},
+           "io": {"paths": [str(tmp_path / "swap")], "buffer_budget": "24MiB"},
+           "store": {"host_budget": "256MiB", "device_budget": "256MiB", "device": "cpu"}}
+    with offload.initialize(nn.Sequential(nn.Linear(512, 512), nn.Linear(512, 512)), cfg) as e:
+        assert e.optimizer.chunk_elems == resolve_chunk_elems(OptimConfig(), 24 << 20)
+        e.backward(e(torch.randn(4, 512)).square().mean())
+        e.step()
+        slots = e.optimizer._pipeline.slot_bytes * e.optimizer._pipeline.nbuf
+        assert slots <= 24 << 20, slots
