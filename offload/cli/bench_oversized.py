@@ -174,6 +174,7 @@ def mixed_bandwidth(path: Path, spec: BenchSpec, io: dict[str, Any]) -> float:
     probe = DiskProbe(IoConfig(**{**io, "paths": [str(path)]}), str(path),
                       min(spec.probe_bytes, GiB))
     try:
+        probe.measure()  # writes the file first: reads of unwritten extents skip the disk
         return probe.measure_mixed(request, ocfg.buffers, seconds=3.0)
     finally:
         probe.close()
