@@ -26,10 +26,12 @@ from contextlib import contextmanager
 from typing import Any, Iterator
 
 from ..config import EngineConfig, IoConfig, OptimConfig, format_bytes, load_config
+from ..optim.codec import STATE_DTYPES
 from ..planner.estimate import PLACEMENTS, Placement
-from ..planner.search import (Budgets, Candidate, Machine, Space, StepShape, candidates, search,
-                              shortfall)
-from .args import UsageError, byte_size, directory, integer, number, output_file, value_list
+from ..planner.search import (Budgets, Candidate, Machine, Space, StepShape, candidates, score,
+                              search, shortfall)
+from .args import (UsageError, byte_size, choice_list, directory, integer, number, output_file,
+                   value_list)
 from .estimate import minimum
 from .model_arg import MeasuredModel, add_model_arguments, measure_model, model_spec
 from .tune_probe import MachineProbe, probe_adam, probe_copy, probe_disk, probe_matmul
@@ -108,7 +110,8 @@ def _largest_linear(mm: MeasuredModel) -> tuple[int, int]:
 
 
 def probe_machine(args, spec, mm: MeasuredModel, device: str, progress) -> MachineProbe:
-    """Disk, copy, Adam and matrix rates ([module docstring])."""
+    """Disk, copy, Adam (fp32 moments and each compressed form) and matrix rates
+    ([module docstring])."""
     free = shutil.disk_usage(args.swap).free
     size = min(args.probe_size, max(8 * MiB, free // 8))
     seconds = {}
@@ -121,12 +124,13 @@ def probe_machine(args, spec, mm: MeasuredModel, device: str, progress) -> Machi
         copy = probe_copy(device)
         tick()
         adam = probe_adam()
+        by_state = {sd: probe_adam(state_dtype=sd) for sd in STATE_DTYPES if sd != "fp32"}
         tick()
         inner, cols = _largest_linear(mm)
         flops = probe_matmul(mm.tokens, inner, cols, spec.dtype, device)
         tick()
     seconds["host"] = time.perf_counter() - t
-    return MachineProbe(disk, free, copy, adam, flops, seconds)
+    return MachineProbe(disk, free, copy, adam, flops, seconds, by_state)
 
 
 def _defaults(args, device: str) -> Candidate:
@@ -180,7 +184,7 @@ def tune(args: argparse.Namespace, quiet: bool = False,
     device = default_device(args.device)
     t0 = time.perf_counter() if t0 is None else t0
     budgets = Budgets(args.host_budget, args.device_budget)
-    space = Space()
+    space = Space(state_dtypes=tuple(args.state_dtype))
     os.makedirs(args.swap, exist_ok=True)
     with _bar(quiet) as progress:
         base = measure_model(spec, EngineConfig().group_size)
@@ -203,7 +207,7 @@ def tune(args: argparse.Namespace, quiet: bool = False,
                   for s in shapes]
         machine = Machine({(d.block_size, d.queue_depth): d.rates() for d in probe.disk},
                           probe.adam_eps, probe.copy_Bps, UNIT_OVERHEAD_S, probe.disk_free,
-                          CHUNK_OVERHEAD_S)
+                          CHUNK_OVERHEAD_S, probe.adam_eps_by_state)
         defaults = _defaults(args, device)
         total = sum(sum(1 for _ in candidates(s, space, budgets, machine.disk, defaults))
                     for s in shapes)
@@ -214,18 +218,43 @@ def tune(args: argparse.Namespace, quiet: bool = False,
         ranked, factors, runs = calibrate_by_real_steps(ranked, spec, args, device, progress,
                                                         t0 + 60 * args.minutes * CALIBRATE_END)
     best_cfg = config_of(ranked[0], spec, args.swap, device)
+    offers = compressed_offers(ranked[0], shapes, budgets, machine, space)
     load_config(best_cfg)  # what initialize will be given: refused here, not later
     return {"command": "tune", "model": spec.target, "dtype": spec.dtype, "batch": spec.batch,
             "tokens_per_step": base.tokens, "params": base.params, "device": device,
             "budgets": {"host": budgets.host, "device": budgets.device},
             "probe": {"disk": [d.__dict__ for d in probe.disk], "disk_free": probe.disk_free,
                       "copy_Bps": probe.copy_Bps, "adam_elems_per_s": probe.adam_eps,
+                      "adam_elems_per_s_by_state": probe.adam_eps_by_state,
                       "flops": probe.flops, "seconds": probe.seconds},
             "candidates": len(ranked), "calibration": factors, "calibration_runs": runs,
             "results": [{**_row(s, base.tokens), "config": config_of(s, spec, args.swap, device)}
                         for s in ranked],
-            "best": best_cfg,
+            "best": best_cfg, "offers": offers,
             "seconds": time.perf_counter() - t0, "torch": torch.__version__}
+
+
+def compressed_offers(best, shapes: list[StepShape], budgets: Budgets, machine: Machine,
+                      space: Space, gain: float = 0.95) -> list[dict[str, Any]]:
+    """The best configuration again with its Adam moments in each form the search was
+    not allowed (`optim.state_dtype`: compressed moments change the numbers, so they
+    are offered, not chosen): those predicted at most `gain` x its step, with the
+    same calibration. Each: the state dtype, the predicted step and its ratio, the
+    disk bytes per step."""
+    shape = next((s for s in shapes if s.group_size == best.candidate.group_size), None)
+    out = []
+    for sd in STATE_DTYPES:
+        if sd in space.state_dtypes or shape is None:
+            continue
+        s = score(shape, dataclasses.replace(best.candidate, state_dtype=sd), budgets, machine)
+        if s is None:
+            continue
+        step = s.step_s * best.calibration
+        if step <= gain * best.step_s:
+            out.append({"state_dtype": sd, "predicted_step_s": step,
+                        "x_best": step / best.step_s, "bytes_read": s.bytes_read,
+                        "bytes_written": s.bytes_written})
+    return out
 
 
 def _impossible(miss: dict[str, int], budgets: Budgets) -> None:
@@ -269,6 +298,12 @@ def render(result: dict[str, Any], top: int) -> None:
               f"{result['probe']['adam_elems_per_s'] / 1e6:.0f} M elements/s; compute "
               f"{result['probe']['flops'] / 1e9:.1f} GFLOP/s; tuned in "
               f"{result['seconds']:.1f} s")
+    for o in result.get("offers", []):
+        con.print(f"offer: with optim.state_dtype = \"{o['state_dtype']}\" (compressed Adam "
+                  f"moments, see docs/optim.md) the predicted step is "
+                  f"{o['predicted_step_s']:.3f} s ({o['x_best']:.2f}x), "
+                  f"{(o['bytes_read'] + o['bytes_written']) / 1e6:.0f} MB of disk traffic; "
+                  f"--state-dtype {o['state_dtype']} searches with it")
     if result.get("written"):
         con.print(f"wrote {result['written']} (#{result['chosen']})")
     for v in result.get("verify", []):
@@ -457,6 +492,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the fastest measured configurations (at most 2 of a class) measured "
                    "again in interleaved rounds to choose the one written (default 5; 0: the "
                    "fastest single measurement)")
+    p.add_argument("--state-dtype", default=("fp32",),
+                   type=choice_list(STATE_DTYPES),
+                   help="comma list of optim.state_dtype forms of Adam's moments to search "
+                   "(default fp32; bf16 and int8 change the numbers, so they are searched "
+                   "only when named, and offered when they would win)")
     p.add_argument("--top", type=integer(1, example=10), default=10,
                    help="rows of the table (default 10)")
     p.add_argument("--json", action="store_true", help="print one JSON object")

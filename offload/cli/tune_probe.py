@@ -47,6 +47,7 @@ class MachineProbe:
     adam_eps: float
     flops: float
     seconds: dict[str, float] = field(default_factory=dict)
+    adam_eps_by_state: dict[str, float] = field(default_factory=dict)  # compressed moments
 
 
 def probe_disk(directory: str, nbytes: int, grid=IO_GRID,
@@ -89,23 +90,27 @@ def probe_copy(device: str, nbytes: int = 64 * MiB) -> float:
     return nbytes / statistics.median(times)
 
 
-def probe_adam(elems: int = 1 << 22) -> float:
-    """Elements/s of offload's CPU Adam kernel (fused where torch has it) over fp32
-    state, writing a bf16 copy as a step does."""
+def probe_adam(elems: int = 1 << 22, state_dtype: str = "fp32") -> float:
+    """Elements/s of offload's CPU Adam (`CpuAdam.step`, its kernel as configured by
+    default) over host state, the moments in `state_dtype`'s form, writing a bf16
+    copy as a step does."""
     import torch
 
-    from ..optim.adam import AdamHyper, AdamKernel
+    from ..config import OptimConfig
+    from ..optim import CpuAdam
 
-    k = AdamKernel("auto")
+    opt = CpuAdam(OptimConfig(state_dtype=state_dtype))
     p, g = torch.randn(elems), torch.randn(elems)
-    m, v = torch.zeros(elems), torch.zeros(elems)
+    opt.add_partition("x", p)
     out = torch.empty(elems, dtype=torch.bfloat16)
-    hyper = AdamHyper(1e-3, 0.9, 0.999, 1e-8, 0.01, True)
     times = []
-    for step in range(1, 8):
-        t = time.perf_counter()
-        k.update(p, g, m, v, step=step, hyper=hyper, param_out=out)
-        times.append(time.perf_counter() - t)
+    try:
+        for _ in range(7):
+            t = time.perf_counter()
+            opt.step({"x": g}, params_out={"x": out}, final=True)
+            times.append(time.perf_counter() - t)
+    finally:
+        opt.close()
     return elems / min(times[1:])  # the machine's rate: other load on a shared host is noise
 
 

@@ -12,9 +12,11 @@ simulated like any other (offload.planner.plan, .simulate):
   * every group's update after backward, or, where updates run early (NVMe
     optimizer state without clipping or loss scaling), right after the
     backward of its unit; with NVMe optimizer state the update streams its
-    state in chunks (records of `chunk` elements x 12 bytes, 8 in fp32) that
+    state in chunks (records of `chunk` elements x 12 bytes, 8 in fp32, the
+    moments counted in the candidate's `state_dtype`: 4 bytes per element of
+    both in bf16, about 2 in int8) that
     are read at most `buffers - 1` chunks ahead and written back, each taking
-    its elements over the measured Adam rate; gradients homed on NVMe are
+    its elements over the measured Adam rate of its state dtype; gradients homed on NVMe are
     written at backward and read at the update;
   * memory for the streamed records is what the budgets leave once every
     partition homed in memory is counted, plus the pipeline's chunk buffers.
@@ -36,8 +38,8 @@ from .plan import Plan, PlanOp, RecordSpec, Use, make_plan
 from .simulate import Rates, simulate
 
 __all__ = ["Budgets", "Candidate", "Machine", "Scored", "Space", "StepShape", "calibrate",
-           "calibration_key",
-           "chunk_elems", "ranked", "score", "search", "shortfall"]
+           "calibration_key", "chunk_elems", "model_of", "ranked", "score", "search",
+           "shortfall", "state_elem_bytes"]
 
 MiB = 1 << 20
 MAX_CHUNK = 1 << 23
@@ -74,6 +76,11 @@ class Machine:
     unit_overhead_s: float = 0.0
     disk_free: int = 1 << 62
     chunk_overhead_s: float = 0.0
+    adam_eps_by_state: Mapping[str, float] = field(default_factory=dict)  # other than fp32
+
+    def adam_rate(self, state_dtype: str) -> float:
+        """Adam elements/s with moments in `state_dtype` (measured, else the fp32 rate)."""
+        return self.adam_eps_by_state.get(state_dtype, self.adam_eps)
 
     @property
     def device(self) -> str:
@@ -98,6 +105,7 @@ class Space:
     prefetch_depths: tuple[int, ...] = (1, 2, 4)
     buffers: tuple[int, ...] = (2, 4, 6)
     buffer_budgets: tuple[int, ...] = (4 * MiB, 16 * MiB, 64 * MiB, 256 * MiB)
+    state_dtypes: tuple[str, ...] = ("fp32",)  # optim.state_dtype: compressed moments are opt-in
 
 
 @dataclass(frozen=True)
@@ -113,12 +121,13 @@ class Candidate:
     queue_depth: int
     host_budget: int        # store.host_budget
     device_budget: int      # store.device_budget
+    state_dtype: str = "fp32"  # optim.state_dtype
 
     def keys(self) -> dict[str, dict[str, object]]:
         """The configuration sections this candidate sets (merge with the rest)."""
         return {"engine": {**self.placement.engine_keys(), "group_size": self.group_size,
                            "prefetch_depth": self.prefetch_depth},
-                "optim": {"buffers": self.buffers},
+                "optim": {"buffers": self.buffers, "state_dtype": self.state_dtype},
                 "io": {"buffer_budget": self.buffer_budget, "block_size": self.block_size,
                        "queue_depth": self.queue_depth},
                 "store": {"host_budget": self.host_budget,
@@ -148,10 +157,26 @@ class Scored:
         return self.step_s / self.calibration
 
 
-def chunk_elems(buffer_budget: int, buffers: int, share: float = 0.5) -> int:
-    """Elements per optimizer chunk, as the optimizer derives it (optim.chunk_elems 0)."""
-    per = int(buffer_budget * share) // (buffers * 12)
+def chunk_elems(buffer_budget: int, buffers: int, share: float = 0.5,
+                state_dtype: str = "fp32") -> int:
+    """Elements per optimizer chunk, as the optimizer derives it (optim.chunk_elems 0:
+    offload.optim.resolve_chunk_elems, buffers sized for a chunk with its master)."""
+    per = int(buffer_budget * share / (buffers * state_elem_bytes(True, state_dtype)))
     return 0 if per < 4096 else min(MAX_CHUNK, 1 << (per.bit_length() - 1))
+
+
+def state_elem_bytes(master: bool, state_dtype: str) -> float:
+    """Bytes per element of a chunk of optimizer state: the fp32 master (where distinct
+    from the parameter) and both moments in `state_dtype`'s form."""
+    from ..optim.state import state_bytes
+
+    n = 1 << 20
+    return state_bytes(n, 3 if master else 2, state_dtype) / n
+
+
+def model_of(shape: StepShape, c: Candidate) -> ModelBytes:
+    """`shape`'s bytes with the candidate's moments ([Note: compressed moments])."""
+    return dataclasses.replace(shape.model, state_dtype=c.state_dtype)
 
 
 def _memory(shape: StepShape, c: Candidate, budgets: Budgets,
@@ -160,8 +185,8 @@ def _memory(shape: StepShape, c: Candidate, budgets: Budgets,
     None when the budgets cannot hold what the placement homes in memory or its minimum
     working set."""
     p = c.placement
-    tb = tier_bytes(shape.model, p, device=device)
-    kinds = kind_bytes(shape.model)
+    tb = tier_bytes(model_of(shape, c), p, device=device)
+    kinds = kind_bytes(model_of(shape, c))
     uses_nvme = "nvme" in (p.params, p.grads, p.optimizer)
     opt_host = tb.optimizer.get("host", 0)
     store_host = budgets.host - opt_host - (c.buffer_budget if uses_nvme else 0)
@@ -198,9 +223,10 @@ def _uses(shape: StepShape, c: Candidate, machine: Machine
     NVMe chunks, and the summed forward/backward and Adam compute seconds."""
     p = c.placement
     item = {"fp32": 4, "bf16": 2, "fp16": 2}[shape.dtype]
-    state_b = 8 if shape.dtype == "fp32" else 12
+    state_b = state_elem_bytes(shape.dtype != "fp32", c.state_dtype)
     early = early_updates(p, shape.dtype)
-    chunk = chunk_elems(c.buffer_budget, c.buffers) if p.optimizer == "nvme" else 0
+    chunk = chunk_elems(c.buffer_budget, c.buffers, state_dtype=c.state_dtype) \
+        if p.optimizer == "nvme" else 0
     records = _records(shape, p)
     uses: list[Use] = []
     streams: list[tuple[int, tuple, int]] = []  # (use, chunk key, bytes) of NVMe state
@@ -231,8 +257,9 @@ def _uses(shape: StepShape, c: Candidate, machine: Machine
             keys: tuple = (("g", gid),) if j == 0 and ("g", gid) in records else ()
             pw = (("p", gid),) if j == len(parts) - 1 and ("p", gid) in records else ()
             if k is not None:
-                streams.append((len(uses), ("s", gid, k), m * state_b))
-            t = m / machine.adam_eps + (machine.chunk_overhead_s if k is not None else 0.0)
+                streams.append((len(uses), ("s", gid, k), round(m * state_b)))
+            t = m / machine.adam_rate(c.state_dtype) + \
+                (machine.chunk_overhead_s if k is not None else 0.0)
             adam += t
             uses.append(Use(keys + pw, pw, "update", f"adam {gid}", t))
 
@@ -291,11 +318,12 @@ def score(shape: StepShape, c: Candidate, budgets: Budgets, machine: Machine) ->
     if mem is None:
         return None
     p = c.placement
-    tb = tier_bytes(shape.model, p, device=machine.device,
+    tb = tier_bytes(model_of(shape, c), p, device=machine.device,
                     buffer_budget=c.buffer_budget, prefetch_depth=c.prefetch_depth)
     if tb.total["nvme"] > machine.disk_free:
         return None
-    if p.optimizer == "nvme" and not chunk_elems(c.buffer_budget, c.buffers):
+    if p.optimizer == "nvme" and not chunk_elems(c.buffer_budget, c.buffers,
+                                                  state_dtype=c.state_dtype):
         return None
     uses, records, streams, fb, adam = _uses(shape, c, machine)
     if sum(r.nbytes for r in records.values()) <= mem[2]:  # steady state: all stay resident
@@ -325,12 +353,13 @@ def candidates(shape: StepShape, space: Space, budgets: Budgets,
         sizes = [b for b in space.buffer_budgets if b <= budgets.host // 2] if nvme \
             else [defaults.buffer_budget]
         ios = io_keys if nvme else [(defaults.block_size, defaults.queue_depth)]
-        for d, b, s, (bs, qd) in itertools.product(depths, bufs, sizes, ios):
+        for d, b, s, (bs, qd), sd in itertools.product(depths, bufs, sizes, ios,
+                                                      space.state_dtypes):
             if s < bs:  # io.buffer_budget holds at least one block
                 continue
             yield dataclasses.replace(defaults, placement=p, group_size=shape.group_size,
                                       prefetch_depth=d, buffers=b, buffer_budget=s,
-                                      block_size=bs, queue_depth=qd)
+                                      block_size=bs, queue_depth=qd, state_dtype=sd)
 
 
 def search(shapes: list[StepShape], space: Space, budgets: Budgets, machine: Machine,
