@@ -116,12 +116,15 @@ class BenchSpec:
         return self.model.params * state_bytes_per_param(self.dtype)
 
     def disk_needed(self) -> int:
-        """Swap bytes: every kind on NVMe, a rewrite of the largest group, the
-        preallocation slack and the bandwidth probe, +5%."""
+        """Swap bytes: every kind on NVMe; the second version a step keeps of what it
+        updates until it commits as a whole ([Note: all or nothing] in
+        offload/engine/step.py: the optimizer's state rewritten to fresh extents,
+        the new parameters staged beside the old ones); the preallocation slack
+        and the bandwidth probe; +5%."""
         m = self.model
         bpp = state_bytes_per_param(self.dtype)
-        group = m.mlp_ratio * m.d_model * m.d_model  # the largest group: an MLP Linear
-        need = m.params * bpp + 2 * group * bpp + SWAP_FILES * GROW_STEP + self.probe_bytes
+        second = bpp - 4  # all but the gradient: parameters, master (if any), moments
+        need = m.params * (bpp + second) + SWAP_FILES * GROW_STEP + self.probe_bytes
         return int(need * 1.05)
 
     def config(self, swap_dir: Path) -> dict[str, Any]:
@@ -355,7 +358,8 @@ def run(args: argparse.Namespace) -> int:
     need, free = spec.disk_needed(), _free(spec.swap_root)
     if free < need:
         print(f"offload bench oversized: {spec.swap_root} has {format_bytes(free)} free, the "
-              f"swap files need about {format_bytes(need)}; give --swap-dir on a bigger disk "
+              f"swap files need about {format_bytes(need)} (the state, and a second version "
+              "of what a step updates until it commits); give --swap-dir on a bigger disk "
               "or lower --params", file=sys.stderr)
         return 1
     say(f"  swap: {spec.swap_root}/{DIR_PREFIX}<pid>, about {format_bytes(need)} of "
