@@ -138,18 +138,18 @@ class DemoPlan:
 
     def disk_needed(self) -> int:
         """Bytes of swap space this run may take on the swap disk, all ranks together:
-        each kind homed on NVMe, twice the largest group (a partition is rewritten to
-        a new extent before the old one is freed) and the preallocation slack."""
+        each kind homed on NVMe twice over, but the gradients (a step keeps the
+        previous version of the parameters and optimizer state it updates until it
+        commits as a whole: [Note: all or nothing] in offload/engine/step.py), and
+        the preallocation slack."""
         per_param = 0
         if self.params == "nvme":
-            per_param += self.compute_bytes
+            per_param += 2 * self.compute_bytes
         if self.grads == "nvme":
             per_param += 4
         if self.optimizer == "nvme":
-            per_param += 12
-        group = min(self.group_size, self.n_params)
-        rewrite = group * (self.compute_bytes + 4 + 12) // self.world
-        per_rank = self.per_rank(per_param) + 2 * rewrite + SWAP_FILES * GROW_STEP
+            per_param += 2 * 12
+        per_rank = self.per_rank(per_param) + SWAP_FILES * GROW_STEP
         return int(per_rank * self.world * 1.1)
 
     def config(self, swap_dir: Path, direct: bool | None = None) -> dict[str, Any]:
