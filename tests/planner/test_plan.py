@@ -214,3 +214,27 @@ def test_a_use_bigger_than_the_budget_is_refused():
     uses, records = _training_step()
     with pytest.raises(ValueError, match="needs 30 bytes at once"):
         make_plan(uses, records, 29)
+
+
+def test_updates_on_their_own_lane_overlap_backward_and_the_commit_waits_for_them():
+    """The engine's update thread: each update starts after the backward that made its
+    gradient, runs beside the next backward, holds back the backward after that (one
+    update queues, no more), and the commit waits for the last."""
+    uses = [Use((), kind="forward", compute_s=1.0)]
+    for k in range(3):
+        uses.append(Use((), kind="backward", compute_s=1.0))
+        uses.append(Use((), kind="update", compute_s=0.5, lane="update"))
+    uses.append(Use((), kind="commit", compute_s=0.1))
+    plan = make_plan(uses, {}, 1)
+    pred = simulate(plan, uses, Rates(read_Bps=1e9, write_Bps=1e9))
+    assert pred.step_s == pytest.approx(1.0 + 3 * 1.0 + 0.5 + 0.1)  # the last update shows
+    serial = [Use((), kind=u.kind, compute_s=u.compute_s) for u in uses]
+    assert simulate(plan, serial, Rates(1e9, 1e9)).step_s == pytest.approx(5.6)
+    slow = [Use((), kind=u.kind, compute_s=3.0 if u.lane == "update" else u.compute_s,
+                lane=u.lane) for u in uses]
+    # backward 2 waits for update 0 (issued before backward 1), backward 3 for update 1
+    got = simulate(plan, slow, Rates(1e9, 1e9))
+    spans = {e[5]["use"]: (e[3], e[4]) for e in got.events if e[1] == "compute"}
+    assert spans[3][0] == pytest.approx(spans[1][1])  # backward 1 right after backward 0
+    assert spans[5][0] == pytest.approx(spans[2][1])  # backward 2 when update 0 ends
+    assert got.step_s == pytest.approx(1.0 + 1.0 + 3 * 3.0 + 0.1)
