@@ -7,8 +7,8 @@ import argparse
 import logging
 import sys
 
-from . import (bench_adam, bench_checkpoint, bench_comm, bench_io, bench_oversized, bench_step,
-               bench_store, bench_tune, checkpoint, demo, estimate, tune, view)
+from . import (bench_adam, bench_checkpoint, bench_comm, bench_io, bench_oversized, bench_plan,
+               bench_step, bench_store, bench_tune, checkpoint, demo, estimate, tune, view)
 from .args import CommandParser, run_command
 
 
@@ -45,7 +45,10 @@ def build_parser() -> argparse.ArgumentParser:
             ("comm", bench_comm, "communication hidden behind compute: data parallel (serial, "
              "overlap) and tensor parallel (tp, domino), exposed seconds from the trace"),
             ("tune", bench_tune, "offload tune's written configuration vs the best of a sweep "
-             "of the same space; tune's time")):
+             "of the same space; tune's time"),
+            ("plan", bench_plan, "the planner's bytes and the simulator's step against real "
+             "steps at tight budgets (bytes moved, planned, LRU's; predicted and measured "
+             "step)")):
         _command(bsub, name, module, what)
 
     ck = sub.add_parser("checkpoint", help="inspect a training checkpoint, export its weights")

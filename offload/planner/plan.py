@@ -43,14 +43,20 @@ class RecordSpec:
 class Use:
     """One point of the access trace: `keys` must be resident while it runs; `writes`
     (a subset of `keys`) are modified by it. `kind` (forward, backward, update, ...),
-    `label` (the unit or group) and `compute_s` (its measured compute time, seconds)
-    are carried along for the simulator and the trace."""
+    `label` (the unit or group), `compute_s` (its measured compute time, seconds) and
+    `lane` (the thread that runs it: "compute", or another, e.g. the engine's update
+    thread; [Note: the simulated step]) are carried along for the simulator and the
+    trace. `reserved`: bytes of the budget that something outside the trace's records
+    holds while it runs (e.g. gradients kept in memory from their backward to their
+    update); the records get the rest."""
 
     keys: tuple[Hashable, ...]
     writes: tuple[Hashable, ...] = ()
     kind: str = "use"
     label: str = ""
     compute_s: float = 0.0
+    lane: str = "compute"
+    reserved: int = 0
 
 
 @dataclass(frozen=True)
@@ -91,7 +97,7 @@ def _check(uses: Sequence[Use], records: Mapping[Hashable, RecordSpec], budget: 
         stray = [k for k in use.writes if k not in use.keys]
         if stray:
             raise ValueError(f"use {i} writes {stray[:4]}, which it does not use")
-        need = sum(records[k].nbytes for k in set(use.keys))
+        need = sum(records[k].nbytes for k in set(use.keys)) + use.reserved
         if need > budget:
             raise ValueError(f"use {i} ({use.kind} {use.label}) needs {need} bytes at once, "
                              f"more than the budget of {budget}")
@@ -133,22 +139,28 @@ def make_plan(uses: Sequence[Use], records: Mapping[Hashable, RecordSpec],
     plan = Plan([], budget, held)
     prev_issue = 0
     for i, use in enumerate(uses):
-        held[i] += sum(size[k] for k in resident)
+        held[i] += sum(size[k] for k in resident) + use.reserved
         need = set(use.keys)
+        room = budget - use.reserved
+
+        def evict_one() -> None:
+            victim = max(resident - need, key=lambda r: (nxt.after(r, i), r not in dirty))
+            end = last.get(victim, -1)
+            if victim in dirty:
+                plan.ops.append(PlanOp("write-back", victim, size[victim], end + 1))
+                plan.bytes_written += size[victim]
+                dirty.discard(victim)
+            plan.ops.append(PlanOp("evict", victim, size[victim], end + 1))
+            resident.discard(victim)
+            for t in range(end + 1, i + 1):  # free from just after its last use
+                held[t] -= size[victim]
+        while sum(size[r] for r in resident) > room:  # the reserve grew
+            evict_one()
         for k in dict.fromkeys(use.keys):
             if k in resident:
                 continue
-            while sum(size[r] for r in resident) + size[k] > budget:
-                victim = max(resident - need, key=lambda r: (nxt.after(r, i), r not in dirty))
-                end = last.get(victim, -1)
-                if victim in dirty:
-                    plan.ops.append(PlanOp("write-back", victim, size[victim], end + 1))
-                    plan.bytes_written += size[victim]
-                    dirty.discard(victim)
-                plan.ops.append(PlanOp("evict", victim, size[victim], end + 1))
-                resident.discard(victim)
-                for t in range(end + 1, i + 1):  # free from just after its last use
-                    held[t] -= size[victim]
+            while sum(size[r] for r in resident) + size[k] > room:
+                evict_one()
             issue = i
             floor = max(prev_issue, last.get(k, -1) + 1)
             while issue > floor and held[issue - 1] + size[k] <= budget:
@@ -178,14 +190,21 @@ def lru_bytes(uses: Sequence[Use], records: Mapping[Hashable, RecordSpec],
     read = written = 0
     for i, use in enumerate(uses):
         need = set(use.keys)
+        room = budget - use.reserved
+
+        def evict_one() -> None:
+            nonlocal written
+            victim = min((r for r in recent if r not in need), key=recent.__getitem__)
+            if victim in dirty:
+                written += size[victim]
+                dirty.discard(victim)
+            del recent[victim]
+        while sum(size[r] for r in recent) > room:
+            evict_one()
         for k in dict.fromkeys(use.keys):
             if k not in recent:
-                while sum(size[r] for r in recent) + size[k] > budget:
-                    victim = min((r for r in recent if r not in need), key=recent.__getitem__)
-                    if victim in dirty:
-                        written += size[victim]
-                        dirty.discard(victim)
-                    del recent[victim]
+                while sum(size[r] for r in recent) + size[k] > room:
+                    evict_one()
                 read += size[k]
             recent[k] = i
         dirty.update(use.writes)

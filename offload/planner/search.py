@@ -23,6 +23,12 @@ simulated like any other (offload.planner.plan, .simulate):
 The disk serves reads and writes at the rates probed for the configuration's
 block size and queue depth. What limits the step is the largest of compute
 (forward and backward), CPU (Adam) and exposed I/O (disk).
+
+`modelled_step` builds the trace from unit uses given in order with their
+seconds: the tuner's from FLOPs (`_uses`), `offload bench plan`'s from a real
+step's event trace, which also puts early updates on the engine's update
+thread (`Use.lane`), gradients stored in memory as reserves of the budget
+(`Use.reserved`), the loss and the commit with their measured seconds.
 """
 
 from __future__ import annotations
@@ -30,16 +36,17 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Iterator, Mapping
+from typing import Callable, Iterable, Iterator, Mapping, Sequence
 
 from .estimate import (PLACEMENTS, ModelBytes, Placement, _footprint, early_updates, kind_bytes,
                        tier_bytes)
-from .plan import Plan, PlanOp, RecordSpec, Use, make_plan
+from .plan import Plan, PlanOp, RecordSpec, Use, lru_bytes, make_plan
 from .simulate import Rates, simulate
 
-__all__ = ["Budgets", "Candidate", "Machine", "Scored", "Space", "StepShape", "calibrate",
-           "calibration_key", "chunk_elems", "model_of", "ranked", "score", "search",
-           "shortfall", "state_elem_bytes"]
+__all__ = ["Budgets", "Candidate", "Machine", "ModelledStep", "Scored", "Space", "StepShape",
+           "UnitUse", "calibrate", "calibration_key", "chunk_elems", "lru_step_bytes",
+           "model_of", "modelled_step", "plan_step", "ranked", "score", "search", "shortfall",
+           "state_elem_bytes", "steady_records"]
 
 MiB = 1 << 20
 MAX_CHUNK = 1 << 23
@@ -203,13 +210,13 @@ def _memory(shape: StepShape, c: Candidate, budgets: Budgets,
     return store_host, budgets.device, free
 
 
-def _records(shape: StepShape, p: Placement) -> dict:
+def _records(shards: Sequence[tuple[int, bool]], dtype: str, p: Placement) -> dict:
     """The partitions a step moves between memory and NVMe through the store: parameters
     homed on NVMe, and gradients homed there where they are stored."""
-    item = {"fp32": 4, "bf16": 2, "fp16": 2}[shape.dtype]
-    stored_grads = not early_updates(p, shape.dtype)
+    item = {"fp32": 4, "bf16": 2, "fp16": 2}[dtype]
+    stored_grads = not early_updates(p, dtype)
     records: dict = {}
-    for gid, (n, trains) in enumerate(shape.shards):
+    for gid, (n, trains) in enumerate(shards):
         if p.params == "nvme":
             records[("p", gid)] = RecordSpec(_footprint(n * item))
         if trains and p.grads == "nvme" and stored_grads:
@@ -217,38 +224,72 @@ def _records(shape: StepShape, p: Placement) -> dict:
     return records
 
 
-def _uses(shape: StepShape, c: Candidate, machine: Machine
-          ) -> tuple[list[Use], dict, list, float, float]:
-    """The step's access trace ([Note: the modelled step]), its records, the optimizer's
-    NVMe chunks, and the summed forward/backward and Adam compute seconds."""
-    p = c.placement
-    item = {"fp32": 4, "bf16": 2, "fp16": 2}[shape.dtype]
-    state_b = state_elem_bytes(shape.dtype != "fp32", c.state_dtype)
-    early = early_updates(p, shape.dtype)
-    chunk = chunk_elems(c.buffer_budget, c.buffers, state_dtype=c.state_dtype) \
-        if p.optimizer == "nvme" else 0
-    records = _records(shape, p)
+@dataclass(frozen=True)
+class UnitUse:
+    """One use of a unit in a step, as the modelled step takes it: "forward" or
+    "backward", the groups it gathers, and its compute seconds."""
+
+    kind: str
+    gids: tuple[int, ...]
+    compute_s: float
+    label: str = ""
+
+
+@dataclass
+class ModelledStep:
+    """A step's access trace ([Note: the modelled step]): its uses, the store's records
+    they name, the optimizer's NVMe chunks (use index, key, bytes), and the summed
+    seconds of the units' compute and of Adam."""
+
+    uses: list[Use]
+    records: dict
+    streams: list[tuple[int, tuple, int]]
+    compute_s: float
+    adam_s: float
+
+
+def modelled_step(units: Sequence[UnitUse], shards: Sequence[tuple[int, bool]], dtype: str,
+                  placement: Placement, chunk: int, adam_eps: float, *,
+                  chunk_overhead_s: float = 0.0, update_lane: str = "compute",
+                  update_order: Sequence[int] | None = None,
+                  between: Sequence[Use] = (), commit_s: float = 0.0,
+                  grads_reserved: bool = False, state_dtype: str = "fp32") -> ModelledStep:
+    """The access trace of one step ([Note: the modelled step]) from its unit uses in
+    order (forward and backward, each with its compute seconds as given): each group's
+    update after the backward of its unit where updates run early (on `update_lane`:
+    the engine runs them on a thread of their own beside backward), else all after
+    backward (in `update_order`, default by group); with NVMe optimizer state each
+    update streams its state in chunks of `chunk` elements, each taking its elements
+    over `adam_eps` plus `chunk_overhead_s`. `between`: uses inserted between the
+    last forward and the first backward (the loss); `commit_s`: the commit's seconds;
+    `grads_reserved`: gradients stored in memory (not on NVMe) take their bytes of the
+    plan's budget from their backward to their update (`Use.reserved`); `state_dtype`:
+    the form of Adam's moments in the chunks (`adam_eps` is that form's rate)."""
+    state_b = state_elem_bytes(dtype != "fp32", state_dtype)
+    early = early_updates(placement, dtype)
+    records = _records(shards, dtype, placement)
     uses: list[Use] = []
-    streams: list[tuple[int, tuple, int]] = []  # (use, chunk key, bytes) of NVMe state
+    streams: list[tuple[int, tuple, int]] = []
     fb = adam = 0.0
+    held: dict[int, int] = {}  # gradients in memory now: gid -> bytes
+    in_memory = grads_reserved and not early and placement.grads != "nvme"
 
-    def unit_use(gids: tuple[int, ...], secs: float, kind: str, label: str) -> None:
+    def unit_use(u: UnitUse) -> None:
         nonlocal fb
-        keys = tuple(("p", g) for g in gids if ("p", g) in records)
-        writes = ()
-        if kind == "backward":
-            gk = tuple(("g", g) for g in gids if ("g", g) in records)
+        keys = tuple(("p", g) for g in u.gids if ("p", g) in records)
+        writes: tuple = ()
+        if u.kind == "backward":
+            gk = tuple(("g", g) for g in u.gids if ("g", g) in records)
             keys, writes = keys + gk, gk
-        extra = 0.0
-        if machine.copy_Bps and p.params == "host":
-            extra = sum(_footprint(shape.shards[g][0] * item) for g in gids) / machine.copy_Bps
-        t = secs + machine.unit_overhead_s + extra
-        fb += t
-        uses.append(Use(keys, writes, kind, label, t))
+            if in_memory:
+                held.update((g, _footprint(shards[g][0] * 4)) for g in u.gids if shards[g][1])
+        fb += u.compute_s
+        uses.append(Use(keys, writes, u.kind, u.label or f"{u.kind} {u.gids}", u.compute_s,
+                        reserved=sum(held.values())))
 
-    def update(gid: int) -> None:
+    def update(gid: int, lane: str) -> None:
         nonlocal adam
-        n, trains = shape.shards[gid]
+        n, trains = shards[gid]
         if not trains:
             return
         parts = [(k, min(chunk, n - k * chunk)) for k in range(-(-n // chunk))] if chunk \
@@ -258,27 +299,54 @@ def _uses(shape: StepShape, c: Candidate, machine: Machine
             pw = (("p", gid),) if j == len(parts) - 1 and ("p", gid) in records else ()
             if k is not None:
                 streams.append((len(uses), ("s", gid, k), round(m * state_b)))
-            t = m / machine.adam_rate(c.state_dtype) + \
-                (machine.chunk_overhead_s if k is not None else 0.0)
+            t = m / adam_eps + (chunk_overhead_s if k is not None else 0.0)
             adam += t
-            uses.append(Use(keys + pw, pw, "update", f"adam {gid}", t))
+            uses.append(Use(keys + pw, pw, "update", f"adam {gid}", t, lane,
+                            sum(held.values())))
+        held.pop(gid, None)  # the update frees the stored gradient
 
-    for i, (gids, secs) in enumerate(shape.units):
-        unit_use(gids, secs, "forward", f"forward {i}")
     done: set[int] = set()
-    for i in reversed(range(len(shape.units))):
-        gids, secs = shape.units[i]
-        unit_use(gids, 2 * secs, "backward", f"backward {i}")
-        if early:
-            for g in gids:
+    backward = False
+    for u in units:
+        if u.kind == "backward" and not backward:
+            backward = True
+            uses.extend(between)
+        unit_use(u)
+        if early and u.kind == "backward":
+            for g in u.gids:
                 if g not in done:
                     done.add(g)
-                    update(g)
+                    update(g, update_lane)
     if not early:
-        for g in range(len(shape.shards)):
-            update(g)
-    uses.append(Use((), (), "commit", "commit", 0.0))  # the last chunk's write lands after
-    return uses, records, streams, fb, adam
+        for g in (update_order if update_order is not None else range(len(shards))):
+            update(g, "compute")
+    uses.append(Use((), (), "commit", "commit", commit_s))  # the last chunk's write lands after
+    return ModelledStep(uses, records, streams, fb, adam)
+
+
+def _uses(shape: StepShape, c: Candidate, machine: Machine) -> ModelledStep:
+    """The modelled step of candidate `c` ([Note: the modelled step]): forward over the
+    units, backward in reverse at twice the forward's seconds, each plus the machine's
+    fixed cost per unit use (and, on a GPU, the copy up of parameters homed on the
+    host)."""
+    p = c.placement
+    item = {"fp32": 4, "bf16": 2, "fp16": 2}[shape.dtype]
+    chunk = chunk_elems(c.buffer_budget, c.buffers, state_dtype=c.state_dtype) \
+        if p.optimizer == "nvme" else 0
+
+    def secs(gids: tuple[int, ...], s: float) -> float:
+        extra = 0.0
+        if machine.copy_Bps and p.params == "host":
+            extra = sum(_footprint(shape.shards[g][0] * item) for g in gids) / machine.copy_Bps
+        return s + machine.unit_overhead_s + extra
+    units = [UnitUse("forward", gids, secs(gids, s), f"forward {i}")
+             for i, (gids, s) in enumerate(shape.units)]
+    units += [UnitUse("backward", shape.units[i][0], secs(shape.units[i][0],
+                                                          2 * shape.units[i][1]),
+                      f"backward {i}") for i in reversed(range(len(shape.units)))]
+    return modelled_step(units, shape.shards, shape.dtype, p, chunk,
+                         machine.adam_rate(c.state_dtype),
+                         chunk_overhead_s=machine.chunk_overhead_s, state_dtype=c.state_dtype)
 
 
 def _stream_state(plan: Plan, streams: list[tuple[int, tuple, int]], buffers: int) -> Plan:
@@ -312,6 +380,31 @@ def _limit_lookahead(plan: Plan, depth: int) -> Plan:
     return Plan(ops, plan.budget, plan.held, plan.bytes_read, plan.bytes_written, by_use)
 
 
+def steady_records(step: ModelledStep, budget: int) -> dict:
+    """The step's records, all resident from the start where they fit `budget` together
+    (the steady state of a loop: nothing is ever evicted)."""
+    if sum(r.nbytes for r in step.records.values()) <= budget:
+        return {k: RecordSpec(r.nbytes, resident=True) for k, r in step.records.items()}
+    return dict(step.records)
+
+
+def plan_step(step: ModelledStep, budget: int, prefetch_depth: int, buffers: int) -> Plan:
+    """The plan of a modelled step under `budget` bytes for its records (`make_plan`),
+    parameter fetches issued no earlier than the engine's look-ahead of
+    `prefetch_depth` uses, and the optimizer's NVMe state streamed through `buffers`
+    chunk buffers. Raises ValueError when a use needs more than `budget` at once."""
+    plan = make_plan(step.uses, steady_records(step, budget), max(budget, 1))
+    return _stream_state(_limit_lookahead(plan, prefetch_depth), step.streams, buffers)
+
+
+def lru_step_bytes(step: ModelledStep, budget: int) -> tuple[int, int]:
+    """(read, written) bytes of the same step with on-demand fetches and least-recently-
+    used eviction of its records (`lru_bytes`), plus the optimizer's streamed state."""
+    read, written = lru_bytes(step.uses, steady_records(step, budget), max(budget, 1))
+    moved = sum(b for _, _, b in step.streams)
+    return read + moved, written + moved
+
+
 def score(shape: StepShape, c: Candidate, budgets: Budgets, machine: Machine) -> Scored | None:
     """The predicted step of candidate `c`, or None when it does not fit."""
     mem = _memory(shape, c, budgets, machine.device)
@@ -325,15 +418,13 @@ def score(shape: StepShape, c: Candidate, budgets: Budgets, machine: Machine) ->
     if p.optimizer == "nvme" and not chunk_elems(c.buffer_budget, c.buffers,
                                                   state_dtype=c.state_dtype):
         return None
-    uses, records, streams, fb, adam = _uses(shape, c, machine)
-    if sum(r.nbytes for r in records.values()) <= mem[2]:  # steady state: all stay resident
-        records = {k: RecordSpec(r.nbytes, resident=True) for k, r in records.items()}
+    step = _uses(shape, c, machine)
+    fb, adam = step.compute_s, step.adam_s
     try:
-        plan = make_plan(uses, records, max(mem[2], 1))
+        plan = plan_step(step, mem[2], c.prefetch_depth, c.buffers)
     except ValueError:  # a unit's partitions do not fit what the budgets leave
         return None
-    plan = _stream_state(_limit_lookahead(plan, c.prefetch_depth), streams, c.buffers)
-    pred = simulate(plan, uses, machine.disk[(c.block_size, c.queue_depth)])
+    pred = simulate(plan, step.uses, machine.disk[(c.block_size, c.queue_depth)])
     parts = {"compute": fb, "CPU": adam, "disk": pred.exposed_io_s}
     peak = {"device": min(tb.total["device"], budgets.device),
             "host": min(tb.total["host"], budgets.host), "nvme": tb.total["nvme"]}

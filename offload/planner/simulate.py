@@ -9,10 +9,17 @@ time: an operation issued before use i starts no earlier than use i starts
 writes), and takes its bytes over the rate of its kind: reads at `read_Bps`,
 writes at `write_Bps`, and both at `mixed_Bps` when a read and a write are
 queued together (the disk's rate for interleaved traffic, measured by the
-same probe). A use starts when the use before it ended and every fetch it
-needs has arrived; the time it waits for them is exposed I/O. An eviction
-frees its bytes when its write-back (if any) is done. The step ends when the
-last use ended and the disk is idle. The prediction carries the same events
+same probe; an operation that follows one of the other kind on a busy disk
+counts as queued with it). A use starts when the use before it on its lane
+ended and every fetch it needs has arrived. Uses run on the "compute" lane
+unless they name another (`Use.lane`: the engine's update thread, which runs
+each group's update beside backward): such a use starts no earlier than the
+compute use before it in the trace (which produced its input), and a compute
+use waits for every other lane's use issued before the compute use preceding
+it (the engine lets one update queue behind backward, no more), a "commit" for
+all of them. The time a compute use waits for its fetches is exposed I/O. An
+eviction frees its bytes when its write-back (if any) is done. The step ends
+when every lane's last use ended and the disk is idle. The prediction carries the same events
 and tier counters a measured trace does (compute spans, fetches from issue
 to arrival, NVMe reads and writes, waits, the memory tier's occupancy), so
 `offload view` draws the two side by side.
@@ -105,18 +112,27 @@ def simulate(plan: Plan, uses: Sequence[Use], rates: Rates) -> Prediction:
         issued_by.setdefault(op.at, []).append(op)
     arrival: dict[tuple, float] = {}
     pred = Prediction(0.0, 0.0, 0.0)
-    disk_free = 0.0
-    now = 0.0
+    disk_free, last_kind = 0.0, ""
+    now = 0.0                      # end of the latest use of the compute lane
+    computes: list[int] = []       # indices of the compute lane's uses so far
+    side: list[tuple[int, float]] = []  # (index, end) of the other lanes' uses
+    lane_free: dict[str, float] = {}
     end_of_use: list[float] = []
     for i, use in enumerate(uses):
+        if use.lane == "compute":  # backpressure: the other lanes' uses queued before the
+            prev = computes[-1] if computes else -1  # compute use before this one are done
+            base = max([now] + [e for j, e in side if j < prev or use.kind == "commit"])
+        else:  # after the compute use before it (it produced its input), in its lane's order
+            base = max(lane_free.get(use.lane, 0.0), now)
         for op in issued_by.get(i, ()):  # issued when use i is about to start
-            start = max(disk_free, now if op.op == "fetch" else
+            start = max(disk_free, base if op.op == "fetch" else
                         (end_of_use[op.at - 1] if op.at > 0 else 0.0))
-            queued_kinds = {o.op for o in issued_by.get(i, ())}
-            rate = mixed if len(queued_kinds) > 1 else (
-                rates.read_Bps if op.op == "fetch" else rates.write_Bps)
-            disk_free = start + op.nbytes / rate
             kind = "read" if op.op == "fetch" else "write"
+            queued_kinds = {o.op for o in issued_by.get(i, ())}
+            together = len(queued_kinds) > 1 or (last_kind not in ("", kind)
+                                                 and start <= disk_free)
+            rate = mixed if together else (rates.read_Bps if kind == "read" else rates.write_Bps)
+            disk_free, last_kind = start + op.nbytes / rate, kind
             pred.events.append((kind, "io", "io:nvme", start, disk_free,
                                 {"key": str(op.key), "bytes": op.nbytes}))
             pred.events.append((op.op, "plan", "plan", start, start,
@@ -126,19 +142,27 @@ def simulate(plan: Plan, uses: Sequence[Use], rates: Rates) -> Prediction:
                 pred.events.append(("fetch", "fetch", "fetches", start, disk_free,
                                     {"key": str(op.key), "bytes": op.nbytes,
                                      "needed_at": op.needed_at}))
-        ready = max([now] + [arrival[(op.key, i)] for op in plan.fetches_by_use.get(i, ())])
-        if ready > now:
+        ready = max([base] + [arrival[(op.key, i)] for op in plan.fetches_by_use.get(i, ())])
+        if ready > base:
             late = [str(op.key) for op in plan.fetches_by_use.get(i, ())
-                    if arrival[(op.key, i)] > now]
-            pred.events.append(("wait:gather", "wait", "compute", now, ready,
+                    if arrival[(op.key, i)] > base]
+            name = "wait:gather" if use.lane == "compute" else "optim:wait_read"
+            pred.events.append((name, "wait", use.lane, base, ready,
                                 {"key": late[0], "keys": late, "use": i}))
-            pred.exposed_io_s += ready - now
-        start, now = ready, ready + use.compute_s
+            if use.lane == "compute":
+                pred.exposed_io_s += ready - base
+        start, end = ready, ready + use.compute_s
         pred.compute_s += use.compute_s
-        pred.events.append((use.label or f"{use.kind} {i}", "compute", "compute",
-                            start, now, {"use": i, "kind": use.kind}))
+        pred.events.append((use.label or f"{use.kind} {i}", "compute", use.lane,
+                            start, end, {"use": i, "kind": use.kind}))
         pred.occupancy.append((start, plan.held[i]))
-        end_of_use.append(now)
-    pred.step_s = max(now, disk_free)
+        if use.lane == "compute":
+            now = end
+            computes.append(i)
+        else:
+            lane_free[use.lane] = end
+            side.append((i, end))
+        end_of_use.append(end)
+    pred.step_s = max([now, disk_free] + [e for _, e in side])
     pred.occupancy.append((pred.step_s, plan.held[-1] if plan.held else 0))
     return pred

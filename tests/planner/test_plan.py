@@ -40,7 +40,7 @@ def _replay(uses, records, plan):
                 in_flight.add(op.key)
                 resident.add(op.key)
                 read += op.nbytes
-        held = sum(size[k] for k in resident)
+        held = sum(size[k] for k in resident) + use.reserved
         assert held <= plan.budget, (i, held, plan.budget)
         assert held == plan.held[i], (i, held, plan.held[i])
         assert set(use.keys) <= resident, (i, set(use.keys) - resident)
@@ -58,6 +58,9 @@ def _optimum(uses, records, budget):
         if i == len(uses):
             return 0
         use = uses[i]
+        if sum(size[r] for r in resident) > budget - use.reserved:  # the reserve grew
+            return min(size[v] * (v in dirty) + best(i, resident - {v}, dirty - {v})
+                       for v in resident - set(use.keys))
         missing = [k for k in dict.fromkeys(use.keys) if k not in resident]
         return fill(i, resident, dirty, tuple(missing))
 
@@ -66,7 +69,7 @@ def _optimum(uses, records, budget):
         if not missing:
             return best(i + 1, resident, dirty | frozenset(uses[i].writes))
         k = missing[0]
-        if sum(size[r] for r in resident) + size[k] <= budget:
+        if sum(size[r] for r in resident) + size[k] <= budget - uses[i].reserved:
             return size[k] + fill(i, resident | {k}, dirty, missing[1:])
         out = float("inf")
         for v in resident - set(uses[i].keys):
@@ -78,7 +81,7 @@ def _optimum(uses, records, budget):
 
 
 @st.composite
-def traces(draw, writes=True, equal=False, max_records=5, max_uses=9):
+def traces(draw, writes=True, equal=False, max_records=5, max_uses=9, reserve=False):
     n = draw(st.integers(2, max_records))
     sizes = [1] * n if equal else draw(st.lists(st.integers(1, 4), min_size=n, max_size=n))
     records = {f"r{k}": RecordSpec(sizes[k]) for k in range(n)}
@@ -87,8 +90,8 @@ def traces(draw, writes=True, equal=False, max_records=5, max_uses=9):
         keys = tuple(sorted(set(draw(st.lists(st.sampled_from(sorted(records)), min_size=1,
                                               max_size=2)))))
         w = tuple(k for k in keys if writes and draw(st.booleans()))
-        uses.append(Use(keys, w))
-    need = max(sum(records[k].nbytes for k in u.keys) for u in uses)
+        uses.append(Use(keys, w, reserved=draw(st.integers(0, 3)) if reserve else 0))
+    need = max(sum(records[k].nbytes for k in u.keys) + u.reserved for u in uses)
     budget = draw(st.integers(need, max(need, sum(sizes))))
     return uses, records, budget
 
@@ -118,6 +121,31 @@ def test_read_only_equal_sized_records_move_the_fewest_bytes(case):
 def test_never_below_the_optimum(case):
     uses, records, budget = case
     assert make_plan(uses, records, budget).bytes_moved >= _optimum(uses, records, budget)
+
+
+@settings(max_examples=200, deadline=None)
+@given(traces(reserve=True))
+def test_a_reserve_shrinks_the_budget_and_the_plan_stays_at_or_above_the_optimum(case):
+    """Memory held outside the records (`Use.reserved`, e.g. gradients kept from their
+    backward to their update) is never given to them: the plan, executed, holds at
+    most the budget with the reserve counted, and no eviction choice under the same
+    reserves moves fewer bytes."""
+    uses, records, budget = case
+    plan = make_plan(uses, records, budget)
+    assert _replay(uses, records, plan) == (plan.bytes_read, plan.bytes_written)
+    assert plan.bytes_moved >= _optimum(uses, records, budget)
+    read, written = lru_bytes(uses, records, budget)
+    assert read + written >= _optimum(uses, records, budget)
+
+
+def test_a_reserve_that_grows_evicts_what_is_needed_last():
+    records = {"a": RecordSpec(2), "b": RecordSpec(2)}
+    uses = [Use(("a",)), Use(("b",)), Use(("b",), reserved=2), Use(("a",)), Use(("b",))]
+    plan = make_plan(uses, records, 4)
+    _replay(uses, records, plan)
+    assert plan.held[2] == 4 and plan.bytes_read == 6  # "a" dropped, read again at use 3
+    with pytest.raises(ValueError, match="needs 5 bytes at once"):
+        make_plan([Use(("a",), reserved=3)], records, 4)
 
 
 def _training_step(layers=8, size=10, state=20):
@@ -186,3 +214,27 @@ def test_a_use_bigger_than_the_budget_is_refused():
     uses, records = _training_step()
     with pytest.raises(ValueError, match="needs 30 bytes at once"):
         make_plan(uses, records, 29)
+
+
+def test_updates_on_their_own_lane_overlap_backward_and_the_commit_waits_for_them():
+    """The engine's update thread: each update starts after the backward that made its
+    gradient, runs beside the next backward, holds back the backward after that (one
+    update queues, no more), and the commit waits for the last."""
+    uses = [Use((), kind="forward", compute_s=1.0)]
+    for k in range(3):
+        uses.append(Use((), kind="backward", compute_s=1.0))
+        uses.append(Use((), kind="update", compute_s=0.5, lane="update"))
+    uses.append(Use((), kind="commit", compute_s=0.1))
+    plan = make_plan(uses, {}, 1)
+    pred = simulate(plan, uses, Rates(read_Bps=1e9, write_Bps=1e9))
+    assert pred.step_s == pytest.approx(1.0 + 3 * 1.0 + 0.5 + 0.1)  # the last update shows
+    serial = [Use((), kind=u.kind, compute_s=u.compute_s) for u in uses]
+    assert simulate(plan, serial, Rates(1e9, 1e9)).step_s == pytest.approx(5.6)
+    slow = [Use((), kind=u.kind, compute_s=3.0 if u.lane == "update" else u.compute_s,
+                lane=u.lane) for u in uses]
+    # backward 2 waits for update 0 (issued before backward 1), backward 3 for update 1
+    got = simulate(plan, slow, Rates(1e9, 1e9))
+    spans = {e[5]["use"]: (e[3], e[4]) for e in got.events if e[1] == "compute"}
+    assert spans[3][0] == pytest.approx(spans[1][1])  # backward 1 right after backward 0
+    assert spans[5][0] == pytest.approx(spans[2][1])  # backward 2 when update 0 ends
+    assert got.step_s == pytest.approx(1.0 + 1.0 + 3 * 3.0 + 0.1)
