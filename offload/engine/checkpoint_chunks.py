@@ -199,8 +199,9 @@ class _OpenShard:
 
 
 class ChunkFileError(RuntimeError):
-    """A chunk file is missing, has the wrong size or fails its checksum; `path`
-    names it, `why` says what is wrong, `index` is its place in the read."""
+    """A shard file is missing or too short, its index is damaged, or a chunk in it
+    fails its checksum; `path` names the file, `why` says what is wrong, `index` is
+    the chunk's place in the read."""
 
     def __init__(self, path: str, why: str, index: int = -1) -> None:
         super().__init__(f"{path}: {why}")

@@ -205,7 +205,7 @@ class CheckpointReader:
         """For each (kind, name, a, b, out): out[:] = elements [a, b) (C order) of array
         `kind/name` (`out` None: read and checked only), every chunk's checksum
         verified; the chunks are read several at a time and copied on the chunk
-        threads ([Note: chunk files])."""
+        threads ([Note: shard files])."""
         todo = []  # (kind, name, dtype, ce, ndim, a, b, out, k) per chunk
         for kind, name, a, b, out in items:
             t = self.tensors[name]

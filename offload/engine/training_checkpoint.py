@@ -722,7 +722,7 @@ def _write_partitions(engine: Any, comm: Any, root: Path, arrays: dict, context,
                       ) -> tuple[int, dict[int, int]]:
     """Each group's partition of this rank: the parameters through the store (fetch,
     pin, read, unpin), the optimizer state streamed chunk by chunk in its committed
-    version, into chunk files written with O_DIRECT ([Note: chunk files]). Returns
+    version, into shard files written with O_DIRECT ([Note: shard files]). Returns
     (bytes written, each group's step count) once every write is done."""
     written = 0
     steps = {}

@@ -1,4 +1,4 @@
-"""The chunk files of a checkpoint ([Note: chunk files]): written and read with O_DIRECT
+"""The shard files of a checkpoint ([Note: shard files]): written and read with O_DIRECT
 where the file system takes it, through the page cache where it does not, in the
 zarr v3 format other readers open; every chunk stored, zeros included."""
 
