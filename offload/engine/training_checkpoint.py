@@ -471,9 +471,11 @@ class _GroupWriter:
                     self._fill(kind, s, x, piece)
 
     def _fill(self, kind: str, s: Slot, x: int, piece: torch.Tensor) -> None:
-        """Schedules the copies of the slot-local elements [x, x + len) into their
-        chunks' buffers. This rank's own chunks arrive in order from their first
-        element (`_segments` cuts ranges at shared chunks)."""
+        """Starts writing the slot-local elements [x, x + len): a chunk they hold whole,
+        in aligned memory, straight from it (`write` waits for it before the memory
+        may change), the others by copies into their chunks' buffers. This rank's
+        own chunks arrive in order from their first element (`_segments` cuts
+        ranges at shared shards)."""
         key = (kind, s.fqn)
         shape = tuple(s.shape)
         grid = _grid(shape, self.g.world)
