@@ -1,27 +1,44 @@
-"""The chunk files of a checkpoint's zarr v3 arrays, written and read with O_DIRECT
-through the `offload.io` engines ([Note: chunk files]).
+"""The shard files of a checkpoint's zarr v3 arrays, written and read with O_DIRECT
+through the `offload.io` engines ([Note: shard files]).
 
-[Note: chunk files]
-A checkpoint array's chunk is one file, `c/<k>/0/...` under the array's directory
-(zarr v3's default chunk key encoding; chunks are whole rows of dimension 0, so
-only the first index varies), holding the chunk's elements in C order, little
-endian, padded with zeros (the fill value) to the full chunk shape at the
-array's end, followed by their crc32c (4 bytes, little endian): the `bytes` and
-`crc32c` codecs, so tensorstore and any zarr v3 reader open what this module
-writes, and this module reads what tensorstore wrote.
+[Note: shard files]
+A checkpoint array is stored with zarr v3's `sharding_indexed` codec. Its chunks
+are whole rows of dimension 0, about 4 MiB each: the chunk's elements in C order,
+little endian, zero-padded (the fill value) to the chunk shape at the array's
+end, then their crc32c (the inner `bytes` and `crc32c` codecs). Up to a shard's
+worth of consecutive chunks share one file, `c/<s>/0/...` under the array's
+directory (zarr v3's default chunk key encoding; only the first index varies),
+which ends in the shard's index: an (offset, length) pair of little-endian
+uint64 per chunk slot (2^64-1 twice for a slot past the array's end), then the
+index's crc32c (`index_codecs`: bytes, crc32c; `index_location`: end).
+tensorstore and any zarr v3 reader open what this module writes, and this
+module reads what tensorstore wrote (the shards two ranks share are written
+through it).
 
-The chunk's bytes do not pass through the page cache: the chunk is assembled in
-an aligned buffer (one copy from the partition, wherever it lives) and sealed
-with its checksum; the file is allocated to its length, its last partial block
-(a few bytes: the checksum and what precedes it in that block) written through
-the page cache, and the whole blocks before it written with O_DIRECT, inside
-the file's length, so the kernel queues them without waiting. Reading takes the
-whole file with O_DIRECT in one request rounded up to the block size (the
-engine is told where the file ends), then checks the checksum. Up to `depth`
-chunks are in flight in either direction, so copying and checksums run while
-the disk works. A file system that refuses O_DIRECT (tmpfs) gets the
-same requests through the page cache. Durability is the caller's: a save
-makes the tree durable before it publishes ([Note: publishing a checkpoint]).
+This module puts chunk j of a shard at offset j * stride, the stride being a
+chunk with its checksum rounded up to the 4 KiB block, so every chunk begins on
+a block and is written with O_DIRECT: its whole blocks straight from the memory
+that holds it where that memory is aligned (`write_in_place`: no copy), else
+from an aligned buffer it was assembled in (`write`); its last partial block,
+with the checksum, from a small buffer. The rest of that block is zeros that
+no reader looks at (the index gives each chunk's length). A shard's file is
+created once, allocated to its full length and given its index (through the
+page cache: the index ends the file and is not block aligned) before its first
+chunk is written, so every O_DIRECT write lands inside the file's length and the
+kernel queues it without waiting; its chunks are then written in any order, by
+any thread, and the file is closed after the last. One file per shard, not per
+chunk: creating a file costs an inode and a directory entry, and with one file
+per 4 MiB chunk that was a third of a save's CPU time on an ext4 volume shortly
+after other files had been deleted there (its inode allocator skips recently
+freed inodes one by one).
+
+Reading takes one chunk at the offset its shard's index gives, with O_DIRECT,
+rounded out to whole blocks (the engine is told where the file ends), then
+checks the checksum. Up to `depth` chunks are in flight in either direction, so
+copying and checksums run while the disk works. A file system that refuses
+O_DIRECT (tmpfs) gets the same requests through the page cache. Durability is
+the caller's: a save makes the tree durable before it publishes ([Note:
+publishing a checkpoint]).
 """
 
 from __future__ import annotations
@@ -29,10 +46,11 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import struct
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 
@@ -41,13 +59,16 @@ from ..io import libaio_status, probe_direct
 from ..io.buffers import populate
 from ..io.engine import DIRECT_ALIGN
 
-__all__ = ["ChunkFileError", "ChunkFiles", "CRC_BYTES", "chunk_key", "syncfs"]
+__all__ = ["ChunkFileError", "ChunkFiles", "CRC_BYTES", "Shard", "chunk_key", "read_index",
+           "syncfs"]
 
 CRC_BYTES = 4
 DEPTH = 8  # chunks in flight per direction
 WORKERS = 2  # threads for copies and checksums
 BUFFER_WAIT_S = 600.0  # a buffer not given back by then is a bug, raised, not a hang
 BLOCK = 1 << 20  # bytes per I/O request given to the kernel
+ENTRY = 16  # bytes per chunk slot in a shard's index: offset and length, uint64 each
+MISSING = (1 << 64) - 1  # an index entry's offset and length for a slot with no chunk
 
 
 def _crc32c(view: memoryview, value: int = 0) -> int:
@@ -84,13 +105,103 @@ def _round_up(n: int, a: int = DIRECT_ALIGN) -> int:
 
 
 def chunk_key(ndim: int, k: int) -> str:
-    """The file of chunk `k` (along dimension 0) of an array of `ndim` >= 1 dimensions."""
+    """The file of shard `k` (along dimension 0) of an array of `ndim` >= 1 dimensions."""
     return "/".join(["c", str(k)] + ["0"] * (ndim - 1))
 
 
+class Shard(NamedTuple):
+    """One shard file as this module writes it ([Note: shard files]): `slots` chunk
+    slots, the first `present` of them holding a chunk of `chunk_bytes` (its
+    checksum not counted), the rest past the array's end."""
+    path: str
+    slots: int
+    present: int
+    chunk_bytes: int
+
+    @property
+    def stride(self) -> int:
+        """Bytes from one chunk's start to the next's: the chunk and its checksum,
+        rounded up to the block."""
+        return _round_up(self.chunk_bytes + CRC_BYTES)
+
+    def index(self) -> bytes:
+        """The shard's index with its crc32c: each present chunk at its stride."""
+        n = self.chunk_bytes + CRC_BYTES
+        body = b"".join(struct.pack("<QQ", j * self.stride, n) if j < self.present
+                        else struct.pack("<QQ", MISSING, MISSING) for j in range(self.slots))
+        return body + _crc32c(memoryview(body)).to_bytes(CRC_BYTES, "little")
+
+    @property
+    def size(self) -> int:
+        return self.present * self.stride + self.slots * ENTRY + CRC_BYTES
+
+
+def read_index(path: str, slots: int) -> list[tuple[int, int]]:
+    """The (offset, length) of each of the `slots` chunk slots of the shard file at
+    `path`, its index's checksum verified; (MISSING, MISSING) for a slot with no
+    chunk. Raises `ChunkFileError` for a missing file or a damaged index."""
+    n = slots * ENTRY + CRC_BYTES
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        raise ChunkFileError(path, "is missing") from None
+    try:
+        size = os.fstat(fd).st_size
+        if size < n:
+            raise ChunkFileError(path, f"has {size} bytes, less than its index of {slots} "
+                                 f"chunk slots ({n} bytes)")
+        raw = os.pread(fd, n, size - n)
+    finally:
+        os.close(fd)
+    want = int.from_bytes(raw[-CRC_BYTES:], "little")
+    got = _crc32c(memoryview(raw)[:-CRC_BYTES])
+    if got != want:
+        raise ChunkFileError(path, f"has a shard index that fails its checksum (crc32c "
+                             f"{got:#010x}, stored {want:#010x})")
+    out = [struct.unpack_from("<QQ", raw, j * ENTRY) for j in range(slots)]
+    for off, length in out:
+        if (off, length) != (MISSING, MISSING) and off + length > size - n:
+            raise ChunkFileError(path, f"has an index entry ({off}, {length}) past its data "
+                                 f"({size - n} bytes)")
+    return out
+
+
+class InPlace:
+    """A chunk being written from its own memory (`ChunkFiles.write_in_place`): `wait`
+    returns once that memory may change (the body written, the checksum and the last
+    bytes taken); the write's error, if any, is raised by `ChunkFiles.finish`."""
+
+    def __init__(self) -> None:
+        self._left = 2
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+
+    def _one_done(self) -> None:
+        with self._lock:
+            self._left -= 1
+            if self._left == 0:
+                self._done.set()
+
+    def wait(self) -> None:
+        if not self._done.wait(BUFFER_WAIT_S):
+            raise RuntimeError(f"a checkpoint chunk written in place was not done after "
+                               f"{BUFFER_WAIT_S} s")
+
+
+class _OpenShard:
+    """A shard file being written: its descriptor, the chunks not yet started and the
+    writes in flight; closed when both are zero."""
+
+    __slots__ = ("fd", "unstarted", "inflight")
+
+    def __init__(self, fd: int, present: int) -> None:
+        self.fd, self.unstarted, self.inflight = fd, present, 0
+
+
 class ChunkFileError(RuntimeError):
-    """A chunk file is missing, has the wrong size or fails its checksum; `path`
-    names it, `why` says what is wrong, `index` is its place in the read."""
+    """A shard file is missing or too short, its index is damaged, or a chunk in it
+    fails its checksum; `path` names the file, `why` says what is wrong, `index` is
+    the chunk's place in the read."""
 
     def __init__(self, path: str, why: str, index: int = -1) -> None:
         super().__init__(f"{path}: {why}")
@@ -127,9 +238,9 @@ def _opens_direct(path: Path) -> bool:
 
 
 def _write_tail(path: str, data: memoryview, offset: int) -> None:
-    """The last bytes of a chunk file, less than a block, through the page cache (an
-    O_DIRECT write of the padded block would leave the file too long, and cutting it
-    back makes the file system read and rewrite that block while the caller waits)."""
+    """The last bytes of a shard file (its index), through the page cache (an O_DIRECT
+    write of the padded block would leave the file too long, and cutting it back
+    makes the file system read and rewrite that block while the caller waits)."""
     fd = os.open(path, os.O_WRONLY)
     try:
         if os.pwrite(fd, data, offset) != len(data):
@@ -139,17 +250,17 @@ def _write_tail(path: str, data: memoryview, offset: int) -> None:
 
 
 class ChunkFiles:
-    """One save's or one load's chunk I/O under `directory` ([Note: chunk files]): an
+    """One save's or one load's chunk I/O under `directory` ([Note: shard files]): an
     engine (Linux AIO where libaio loads and the file system takes O_DIRECT, else
     threads), `depth` aligned buffers of `max_chunk_bytes` (+ checksum) for the
-    chunks in flight and `held` more for chunks the caller is still filling, and
-    `workers` threads for the CPU work (copies, checksums, creating files), which
-    releases the GIL. Whether O_DIRECT works is probed with a file made under
-    `directory`, or, for reading (the checkpoint may be read-only), by opening the
-    `existing` file.
+    chunks in flight and `held` more for chunks the caller is still filling, small
+    buffers for the last blocks of chunks read or written in place, and `workers`
+    threads for the CPU work (copies, checksums), which releases the GIL. Whether
+    O_DIRECT works is probed with a file made under `directory`, or, for reading
+    (the checkpoint may be read-only), by opening the `existing` file.
 
-    Thread safety: `buffer`, `write` and `submit` may be called from any thread,
-    `read`, `finish` and `close` from one."""
+    Thread safety: `buffer`, `write`, `write_in_place` and `submit` may be called
+    from any thread, `read`, `finish` and `close` from one."""
 
     def __init__(self, directory: Path, max_chunk_bytes: int, *, depth: int = DEPTH,
                  held: int = 0, existing: Path | None = None, workers: int = WORKERS) -> None:
@@ -160,14 +271,17 @@ class ChunkFiles:
                   direct=self.direct)
         self.engine: IoEngine = (AioEngine(**kw) if aio and self.direct
                                  else ThreadEngine(threads=depth, **kw))
-        self.capacity = _round_up(max_chunk_bytes + CRC_BYTES)
-        self.pool = BufferPool((depth + held) * (self.capacity + DIRECT_ALIGN), pin=False)
-        self._tails = BufferPool(depth * 2 * DIRECT_ALIGN, pin=False)  # reads into place
+        # a chunk, its checksum, and a block more: a chunk another writer (tensorstore)
+        # placed off the block boundary is read from the block it begins in
+        self.capacity = _round_up(max_chunk_bytes + CRC_BYTES) + DIRECT_ALIGN
+        self.pool = BufferPool((depth + held) * self.capacity, pin=False)
+        self._tails = BufferPool(depth * 2 * 2 * DIRECT_ALIGN, pin=False)  # last blocks
         self.depth = depth
         self._work = ThreadPoolExecutor(workers, thread_name_prefix="offload-chunks")
         self._cv = threading.Condition()
         self._busy = 0  # chunk writes and reads started and not yet finished
         self._error: BaseException | None = None
+        self._shards: dict[str, _OpenShard] = {}  # shard files being written, by path
 
     def close(self) -> None:
         """Waits for what is in flight (its errors dropped: `finish` raises them) and
@@ -177,6 +291,9 @@ class ChunkFiles:
         finally:
             self._work.shutdown(wait=True)
             self.engine.close()
+            for f in self._shards.values():  # a save that failed before its last chunks
+                os.close(f.fd)
+            self._shards.clear()
             self.pool.close(force=True)
             self._tails.close(force=True)
 
@@ -218,35 +335,139 @@ class ChunkFiles:
         return self.pool.alloc(self.capacity, tag="checkpoint chunk", timeout=BUFFER_WAIT_S)
 
     # -- writing -----------------------------------------------------------------
-    def write(self, path: str, buf: HostBuffer, nbytes: int) -> None:
-        """Seals the chunk in the first `nbytes` bytes of `buf` with its crc32c and
-        starts writing it as the new file `path`; `buf` is given back to the pool
-        when the write is done. An error is raised by `finish`."""
+    def _start_chunk(self, shard: Shard, writes: int) -> int:
+        """The descriptor of `shard`'s file, created, allocated and given its index at
+        its first chunk; counts `writes` more in flight for one more chunk."""
+        with self._cv:
+            f = self._shards.get(shard.path)
+            if f is None:
+                os.makedirs(os.path.dirname(shard.path), exist_ok=True)
+                fd = os.open(shard.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+                             | (os.O_DIRECT if self.direct else 0), 0o644)
+                try:
+                    os.posix_fallocate(fd, 0, shard.size)  # O_DIRECT writes stay inside it
+                    index = shard.index()
+                    _write_tail(shard.path, memoryview(index), shard.size - len(index))
+                except BaseException:
+                    os.close(fd)
+                    raise
+                f = self._shards[shard.path] = _OpenShard(fd, shard.present)
+            if f.unstarted <= 0:
+                raise RuntimeError(f"{shard.path}: more than its {shard.present} chunks written")
+            f.unstarted -= 1
+            f.inflight += writes
+            return f.fd
+
+    def _write_done(self, shard: Shard, error: BaseException | None) -> None:
+        with self._cv:
+            f = self._shards[shard.path]
+            f.inflight -= 1
+            if f.inflight == 0 and f.unstarted == 0:
+                del self._shards[shard.path]
+                os.close(f.fd)
+        self._end(error)
+
+    def write(self, shard: Shard, j: int, buf: HostBuffer, nbytes: int) -> None:
+        """Seals the chunk in the first `nbytes` (`shard.chunk_bytes`) bytes of `buf`
+        with its crc32c and starts writing it as chunk `j` of `shard`; `buf` is given
+        back to the pool when the write is done. An error is raised by `finish`."""
         self._begin()
-        fd = -1
         try:
             view = buf.memoryview()
             view[nbytes:nbytes + CRC_BYTES] = _crc32c(view[:nbytes]).to_bytes(CRC_BYTES, "little")
-            size = nbytes + CRC_BYTES
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC
-                         | (os.O_DIRECT if self.direct else 0), 0o644)
-            head = size // DIRECT_ALIGN * DIRECT_ALIGN if self.direct else size
-            if head < size:  # the file's length first: the O_DIRECT write stays inside it
-                os.posix_fallocate(fd, 0, size)
-                _write_tail(path, view[head:size], head)
-            h = self.engine.write(fd, path, 0, buf.address, head, keepalive=buf, sync=False)
+            n = shard.stride if self.direct else nbytes + CRC_BYTES
+            view[nbytes + CRC_BYTES:n] = bytes(n - nbytes - CRC_BYTES)
+            fd = self._start_chunk(shard, 1)
         except BaseException as e:
-            if fd >= 0:
-                os.close(fd)
             buf.release()
             self._end(e)
             return
-
-        def done(h: IoHandle, fd: int = fd) -> None:
-            os.close(fd)
+        try:
+            h = self.engine.write(fd, shard.path, j * shard.stride, buf.address, n,
+                                  keepalive=buf, sync=False)
+        except BaseException as e:
             buf.release()
-            self._end(h.error)
+            self._write_done(shard, e)
+            return
+
+        def done(h: IoHandle) -> None:
+            buf.release()
+            self._write_done(shard, h.error)
+        h.add_done_callback(done)
+
+    def in_place(self, data: torch.Tensor) -> bool:
+        """Whether `write_in_place` takes `data`: its whole blocks go straight from
+        its memory by O_DIRECT."""
+        return (self.direct and data.device.type == "cpu" and data.is_contiguous()
+                and data.data_ptr() % DIRECT_ALIGN == 0
+                and data.numel() * data.element_size() >= DIRECT_ALIGN)
+
+    def write_in_place(self, shard: Shard, j: int, data: torch.Tensor) -> InPlace:
+        """Starts writing `data` (a chunk of `shard.chunk_bytes`, `in_place(data)`) as
+        chunk `j` of `shard`: its whole blocks from its own memory, its last bytes and
+        checksum (computed on a chunk thread) from a small buffer. `data` must not
+        change until the returned `InPlace` is waited for. An error is raised by
+        `finish`."""
+        raw = data.reshape(-1).view(torch.uint8)
+        nbytes = raw.numel()
+        body = nbytes // DIRECT_ALIGN * DIRECT_ALIGN
+        token = InPlace()
+        self._begin()
+        self._begin()
+        try:
+            fd = self._start_chunk(shard, 2)
+        except BaseException as e:
+            self._end(e)
+            self._end()
+            token._one_done()
+            token._one_done()
+            return token
+        try:
+            h = self.engine.write(fd, shard.path, j * shard.stride, raw.data_ptr(), body,
+                                  keepalive=raw, sync=False)
+        except BaseException as e:
+            h = None
+            self._write_done(shard, e)
+            token._one_done()
+        if h is not None:
+            def body_done(h: IoHandle) -> None:
+                token._one_done()
+                self._write_done(shard, h.error)
+            h.add_done_callback(body_done)
+        self._work.submit(self._write_tail_block, shard, j, raw, body, fd, token)
+        return token
+
+    def _write_tail_block(self, shard: Shard, j: int, raw: torch.Tensor, body: int, fd: int,
+                          token: InPlace) -> None:
+        """On a chunk thread: the checksum of chunk `j` and its last block, written."""
+        buf = None
+        try:
+            crc = _crc32c(memoryview(raw.numpy()))
+            rest = raw.numel() - body
+            n = _round_up(rest + CRC_BYTES)
+            buf = self._tails.alloc(n, tag="chunk tail", timeout=BUFFER_WAIT_S)
+            view = buf.memoryview()
+            view[:rest] = memoryview(raw[body:].numpy())
+            view[rest:rest + CRC_BYTES] = crc.to_bytes(CRC_BYTES, "little")
+            view[rest + CRC_BYTES:n] = bytes(n - rest - CRC_BYTES)
+        except BaseException as e:
+            if buf is not None:
+                buf.release()
+            token._one_done()
+            self._write_done(shard, e)
+            return
+        token._one_done()  # the chunk's memory is no longer needed
+        try:
+            h = self.engine.write(fd, shard.path, j * shard.stride + body, buf.address, n,
+                                  keepalive=buf, sync=False)
+        except BaseException as e:
+            buf.release()
+            self._write_done(shard, e)
+            return
+
+        def done(h: IoHandle) -> None:
+            buf.release()
+            self._write_done(shard, h.error)
         h.add_done_callback(done)
 
     def finish(self) -> None:
@@ -255,10 +476,11 @@ class ChunkFiles:
         self._raise()
 
     # -- reading -----------------------------------------------------------------
-    def read(self, chunks: Sequence[tuple[str, int]],
+    def read(self, chunks: Sequence[tuple[str, int, int]],
              consume: Callable[[int, torch.Tensor], None],
              into: Sequence[torch.Tensor | None] | None = None) -> None:
-        """Reads each (path, nbytes) of `chunks` and calls `consume(i, data)` with the
+        """Reads each (path, offset, nbytes) of `chunks` (a chunk of `nbytes` and its
+        checksum at `offset` of the file `path`) and calls `consume(i, data)` with the
         index and the chunk's `nbytes` bytes (a uint8 tensor valid during the call),
         its checksum verified, on a chunk thread, in any order; up to `depth` reads
         in flight. Returns when all are consumed; raises the first error (a
@@ -266,19 +488,20 @@ class ChunkFiles:
 
         `into[i]`, where given, is where chunk i's bytes go (a contiguous CPU uint8
         tensor of `nbytes`): its pages are faulted in ahead on a thread of their
-        own ([Note: populating ahead]), and where it is aligned for O_DIRECT the
-        chunk is read straight into it, checked there, and `consume` is not called
-        for it. A chunk that fails its checksum has then already been written
-        there: pass `into` only for memory that a failed read may leave garbled."""
+        own ([Note: populating ahead]), and where it and the chunk's offset are
+        aligned for O_DIRECT the chunk is read straight into it, checked there, and
+        `consume` is not called for it. A chunk that fails its checksum has then
+        already been written there: pass `into` only for memory that a failed read
+        may leave garbled."""
         into = list(into) if into is not None else [None] * len(chunks)
         ahead = _Populator([t for t in into if t is not None])
         first: BaseException | None = None
         try:
-            for i, (path, nbytes) in enumerate(chunks):
+            for i, (path, offset, nbytes) in enumerate(chunks):
                 with self._cv:
                     if self._error is not None:
                         break
-                self._start_read(i, path, nbytes, consume, into[i])
+                self._start_read(i, path, offset, nbytes, consume, into[i])
         except BaseException as e:
             first = e
         self._drain()  # every buffer back before anything is raised
@@ -288,11 +511,11 @@ class ChunkFiles:
         if first is not None:
             raise first
 
-    def _direct(self, dest: torch.Tensor | None, nbytes: int) -> bool:
+    def _direct(self, dest: torch.Tensor | None, offset: int, nbytes: int) -> bool:
         return (dest is not None and self.direct and nbytes >= DIRECT_ALIGN
-                and dest.data_ptr() % DIRECT_ALIGN == 0)
+                and offset % DIRECT_ALIGN == 0 and dest.data_ptr() % DIRECT_ALIGN == 0)
 
-    def _start_read(self, i: int, path: str, nbytes: int,
+    def _start_read(self, i: int, path: str, offset: int, nbytes: int,
                     consume: Callable[[int, torch.Tensor], None],
                     dest: torch.Tensor | None) -> None:
         size = nbytes + CRC_BYTES
@@ -300,27 +523,31 @@ class ChunkFiles:
             fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if self.direct else 0))
         except FileNotFoundError:
             raise ChunkFileError(path, "is missing", i) from None
-        direct = self._direct(dest, nbytes)
+        direct = self._direct(dest, offset, nbytes)
         # direct: the whole blocks into `dest`, the rest (the checksum and the bytes
-        # of the last partial block) into a small buffer
+        # of the last partial block) into a small buffer; else the chunk from the
+        # block it begins in (`lead` bytes into it) into a chunk buffer
         body = nbytes // DIRECT_ALIGN * DIRECT_ALIGN if direct else 0
+        lead = offset % DIRECT_ALIGN if self.direct else 0
         try:
             have = os.fstat(fd).st_size
-            if have != size:
-                raise ChunkFileError(path, f"has {have} bytes, a chunk of this array has "
-                                     f"{size} ({nbytes} + a {CRC_BYTES}-byte checksum)", i)
+            if have < offset + size:
+                raise ChunkFileError(path, f"has {have} bytes, too few for a chunk of "
+                                     f"{size} bytes ({nbytes} + a {CRC_BYTES}-byte checksum) "
+                                     f"at {offset}", i)
             buf = self._tails.alloc(2 * DIRECT_ALIGN, tag="chunk tail",
                                     timeout=BUFFER_WAIT_S) if direct else self.buffer()
         except BaseException:
             os.close(fd)
             raise
         self._begin()
-        try:  # the whole file in one request: the block past its end is not read
-            segs = [Segment(fd, path, body, buf.address,
-                            _round_up(size - body) if self.direct else size - body)]
+        try:  # one request: the block past the file's end is not read
+            n = lead + size - body
+            segs = [Segment(fd, path, offset - lead + body, buf.address,
+                            _round_up(n) if self.direct else n)]
             if direct:
-                segs.insert(0, Segment(fd, path, 0, dest.data_ptr(), body))
-            h = self.engine.submit("read", segs, keepalive=(buf, dest), eof=size)
+                segs.insert(0, Segment(fd, path, offset, dest.data_ptr(), body))
+            h = self.engine.submit("read", segs, keepalive=(buf, dest), eof=have)
         except BaseException:
             os.close(fd)
             buf.release()
@@ -331,18 +558,18 @@ class ChunkFiles:
             error = None if h.error is None else ChunkFileError(path, str(h.error), i)
             try:
                 if error is None:
-                    tail = buf.memoryview()
+                    tail = buf.memoryview()[lead:]
                     rest = nbytes - body
                     want = int.from_bytes(tail[rest:rest + CRC_BYTES], "little")
                     got = _crc32c(tail[:rest], _crc32c(memoryview(dest[:body].numpy()))
                                   if body else 0)
                     if got != want:
-                        raise ChunkFileError(path, f"fails its checksum (crc32c {got:#010x}, "
-                                             f"stored {want:#010x})", i)
+                        raise ChunkFileError(path, f"fails its checksum at offset {offset} "
+                                             f"(crc32c {got:#010x}, stored {want:#010x})", i)
                     if direct:
                         dest[body:nbytes].copy_(buf.tensor[:rest])
                     else:
-                        consume(i, buf.tensor[:nbytes])
+                        consume(i, buf.tensor[lead:lead + nbytes])
             except BaseException as e:
                 error = e
             finally:

@@ -14,7 +14,7 @@ import torch
 
 from ..io import host_copy
 from ..io.buffers import mapped_empty
-from .checkpoint_chunks import CRC_BYTES, ChunkFileError, ChunkFiles, chunk_key
+from .checkpoint_chunks import MISSING, CRC_BYTES, ChunkFileError, ChunkFiles, chunk_key, read_index
 from .training_checkpoint import (_DTYPE_NAMES, FORMAT, PARTIAL, RECORD, TORCH_DTYPES,
                                   CheckpointCorruptError, CheckpointError,
                                   _context, _max_chunk_bytes, _rank_range, _read_json, _spec,
@@ -58,7 +58,9 @@ class CheckpointReader:
                        for a in [name] + list(t["aliases"])}
         self._arrays: dict = {}
         self._files: ChunkFiles | None = None
-        self._chunks: dict[tuple[str, str], int] = {}  # (kind, name) -> elements per chunk
+        self._chunks: dict[tuple[str, str], tuple[int, int]] = {}  # (kind, name) ->
+        # (elements per chunk, chunks per shard)
+        self._indices: dict[str, list[tuple[int, int]]] = {}  # shard file -> its index
         self._steps: dict[int, int] = {}  # saved group -> its step count (rank 0's)
         self._param_steps: dict[str, int] = {}  # parameter -> its own update count
         for r in reversed(rec["ranks"]):
@@ -133,19 +135,56 @@ class CheckpointReader:
                                              f"{kind}/{name}: {e}") from e
         return self._arrays[key]
 
-    def _chunk_elems(self, kind: str, name: str) -> int:
-        """Elements per chunk of array `kind/name`, as its metadata says (the save's
-        chunk size, which need not be this version's)."""
+    def _grid(self, kind: str, name: str) -> tuple[int, int]:
+        """(elements per chunk, chunks per shard) of array `kind/name`, as its metadata
+        says (the save's, which need not be this version's: [Note: shard files])."""
         key = (kind, name)
         if key not in self._chunks:
             meta = self.path / kind / name / "zarr.json"
             try:
-                shape = json.loads(meta.read_text())["chunk_grid"]["configuration"]["chunk_shape"]
-            except (OSError, ValueError, KeyError, TypeError) as e:
+                m = json.loads(meta.read_text())
+                shard = m["chunk_grid"]["configuration"]["chunk_shape"]
+                codec = m["codecs"][0]
+                if codec["name"] != "sharding_indexed":
+                    raise ValueError(f"its codec is {codec['name']!r}, not sharding_indexed")
+                chunk = codec["configuration"]["chunk_shape"]
+                if (len(chunk) != len(shard) or shard[0] % chunk[0]
+                        or list(shard[1:]) != list(chunk[1:])):
+                    raise ValueError(f"shards of {shard} are not whole rows of chunks of {chunk}")
+            except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
                 raise CheckpointCorruptError(f"checkpoint {self.path}: array {kind}/{name}: "
-                                             f"no readable chunk shape in {meta} ({e})") from e
-            self._chunks[key] = math.prod(shape)
+                                             f"no readable shard and chunk shape in {meta} "
+                                             f"({e})") from e
+            self._chunks[key] = (math.prod(chunk), shard[0] // chunk[0])
         return self._chunks[key]
+
+    def _locate(self, kind: str, name: str, ndim: int, k: int, nbytes: int
+                ) -> tuple[str, int, int]:
+        """(shard file, offset, nbytes) of chunk `k` of array `kind/name`, its chunks of
+        `nbytes`, from its shard's index; CheckpointCorruptError naming the chunk
+        where the file or its index is missing or damaged."""
+        _ce, per = self._grid(kind, name)
+        path = str(self.path / kind / name / chunk_key(ndim, k // per))
+        try:
+            if path not in self._indices:
+                self._indices[path] = read_index(path, per)
+            off, length = self._indices[path][k % per]
+            if (off, length) == (MISSING, MISSING):
+                raise ChunkFileError(path, f"has no chunk in slot {k % per} of its index")
+            if length != nbytes + CRC_BYTES:
+                raise ChunkFileError(path, f"holds {length} bytes in slot {k % per}, a chunk "
+                                     f"of this array has {nbytes + CRC_BYTES} ({nbytes} + a "
+                                     f"{CRC_BYTES}-byte checksum)")
+        except ChunkFileError as e:
+            raise self._damaged(kind, name, ndim, k, e) from e
+        return path, off, nbytes
+
+    def _damaged(self, kind: str, name: str, ndim: int, k: int, e: ChunkFileError
+                 ) -> CheckpointCorruptError:
+        return CheckpointCorruptError(
+            f"checkpoint {self.path}: array {kind}/{name}, chunk "
+            f"({', '.join([str(k)] + ['0'] * (ndim - 1))}): cannot be read back intact "
+            f"({e.why}; file {e.path}); the checkpoint is damaged: resume from another")
 
     def _chunk_files(self, chunk_bytes: int) -> ChunkFiles:
         """The reader's chunk I/O, with buffers for chunks of `chunk_bytes`."""
@@ -166,7 +205,7 @@ class CheckpointReader:
         """For each (kind, name, a, b, out): out[:] = elements [a, b) (C order) of array
         `kind/name` (`out` None: read and checked only), every chunk's checksum
         verified; the chunks are read several at a time and copied on the chunk
-        threads ([Note: chunk files])."""
+        threads ([Note: shard files])."""
         todo = []  # (kind, name, dtype, ce, ndim, a, b, out, k) per chunk
         for kind, name, a, b, out in items:
             t = self.tensors[name]
@@ -174,7 +213,7 @@ class CheckpointReader:
                 raise CheckpointError(f"checkpoint {self.path}: tensor {name!r} has no "
                                       f"{kind!r} array (it has {sorted(t['kinds'])})")
             dtype = TORCH_DTYPES[t["kinds"][kind]]
-            ce = self._chunk_elems(kind, name)
+            ce, _per = self._grid(kind, name)
             ndim = len(_stored_shape(tuple(t["shape"])))
             todo += [(kind, name, dtype, ce, ndim, a, b, out, k)
                      for k in range(a // ce, (b - 1) // ce + 1) if a < b]
@@ -186,18 +225,15 @@ class CheckpointReader:
             if out is not None:
                 x, y = max(a, k * ce), min(b, (k + 1) * ce)
                 host_copy(out[x - a:y - a], raw.view(dtype)[x - k * ce:y - k * ce])
-        chunks = [(str(self.path / kind / name / chunk_key(ndim, k)), ce * dtype.itemsize)
+        chunks = [self._locate(kind, name, ndim, k, ce * dtype.itemsize)
                   for kind, name, dtype, ce, ndim, _a, _b, _out, k in todo]
-        files = self._chunk_files(max(n for _p, n in chunks))
+        files = self._chunk_files(max(n for _p, _o, n in chunks))
         try:
             files.read(chunks, consume, [_chunk_in(out, dtype, a, b, ce, k)
                                          for _k, _n, dtype, ce, _d, a, b, out, k in todo])
         except ChunkFileError as e:
             kind, name, _dt, _ce, ndim, _a, _b, _out, k = todo[e.index]
-            raise CheckpointCorruptError(
-                f"checkpoint {self.path}: array {kind}/{name}, chunk "
-                f"({', '.join([str(k)] + ['0'] * (ndim - 1))}): cannot be read back intact "
-                f"({e.why}); the checkpoint is damaged: resume from another") from e
+            raise self._damaged(kind, name, ndim, k, e) from e
 
     def read_range(self, kind: str, name: str, a: int, b: int) -> torch.Tensor:
         """Elements [a, b) (C order) of array `kind/name`, 1-D, in the array's dtype;

@@ -15,9 +15,13 @@ buffer; the group's slots map flat ranges to parameters (units.py), so each
 rank writes, for every array, the element ranges its partitions cover, as
 boxes of the array (`flat_boxes`). Chunks are whole rows of dimension 0, about
 `CHUNK_ELEMS` elements, each followed by its crc32c (zarr's `crc32c` codec),
-which every read verifies. A chunk that two ranks' ranges share is written in
-rank order, one rank after the other (barriers), every other chunk by its one
-writer without coordination.
+which every read verifies; consecutive chunks share a shard file (zarr's
+`sharding_indexed` codec, [Note: shard files]): up to `SHARD_CHUNKS` of them
+when one rank saves, one when several do. A shard that two ranks' ranges share
+is written in rank order, one rank after the other (barriers), every other
+shard by its one writer without coordination. Shards of one chunk with several
+ranks keep what two ranks share, held in memory until the rank's turn, at one
+chunk's size.
 
 The commit record holds what is not a tensor: the format, the package
 version, the config, the world size, the engine's step counters and loss
@@ -77,14 +81,14 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 import torch
 
 from ..io import host_copy
 from ..store import Tier
-from .checkpoint_chunks import ChunkFiles, chunk_key, syncfs
+from .checkpoint_chunks import ChunkFiles, InPlace, Shard, chunk_key, syncfs
 from .units import Group, Slot
 
 log = logging.getLogger(__name__)
@@ -92,10 +96,11 @@ log = logging.getLogger(__name__)
 __all__ = ["CheckpointError", "CheckpointCorruptError", "CheckpointSave", "save_checkpoint",
            "flat_boxes", "RECORD", "FORMAT"]
 
-FORMAT = "offload-checkpoint/1"
+FORMAT = "offload-checkpoint/2"  # /1: a file per chunk, no shards
 RECORD = "checkpoint.json"
 PARTIAL = ".partial"
 CHUNK_ELEMS = 1 << 20  # elements per chunk (at most one row more): 4 MiB of fp32
+SHARD_CHUNKS = 64  # chunks per shard file at most, when one rank saves: 256 MiB of fp32
 KINDS = ("param", "master", "exp_avg", "exp_avg_sq")
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 TORCH_DTYPES = {v: k for k, v in _DTYPE_NAMES.items()}
@@ -161,12 +166,36 @@ def _stored_shape(shape: tuple[int, ...]) -> list[int]:
     return list(shape) if len(shape) else [1]  # a 0-d parameter is stored as [1]
 
 
-def _chunk_elems(shape: tuple[int, ...]) -> int:
-    """Flat elements per chunk: whole rows of dimension 0, about `CHUNK_ELEMS` (all
-    the rows where the array has fewer)."""
+class Grid(NamedTuple):
+    """How an array is cut: `chunk` flat elements per chunk (whole rows of dimension
+    0), `per_shard` chunks per shard file, `chunks` chunks in the array."""
+    chunk: int
+    per_shard: int
+    chunks: int
+
+    @property
+    def shard(self) -> int:
+        """Flat elements per shard."""
+        return self.chunk * self.per_shard
+
+
+def _grid(shape: tuple[int, ...], world: int) -> Grid:
+    """The chunks of an array of `shape` saved by `world` ranks: about `CHUNK_ELEMS`
+    elements each (all the rows where the array has fewer); one rank puts up to
+    `SHARD_CHUNKS` in a shard, as evenly as the count allows (no shard mostly
+    empty), several ranks one (a shard two ranks share is held in memory and
+    written in turns: it stays one chunk)."""
     s = _stored_shape(shape)
     row = max(1, math.prod(s[1:]))
-    return max(1, min(CHUNK_ELEMS // row, s[0])) * row
+    rows = max(1, min(CHUNK_ELEMS // row, s[0]))
+    n = -(-s[0] // rows)
+    per = 1 if world > 1 else -(-n // -(-n // SHARD_CHUNKS))
+    return Grid(rows * row, per, n)
+
+
+def _chunk_elems(shape: tuple[int, ...]) -> int:
+    """Flat elements per chunk (the same for any number of ranks)."""
+    return _grid(shape, 1).chunk
 
 
 def _box_shape(idx: tuple[slice, ...]) -> tuple[int, ...]:
@@ -180,12 +209,12 @@ def _rank_range(g: Group, slot: Slot, rank: int) -> tuple[int, int]:
 
 
 def _segments(g: Group, slot: Slot, rank: int) -> list[tuple[int, int, bool]]:
-    """The slot-local range of `rank` cut at chunk boundaries into (a, b, shared):
-    shared segments lie in chunks another rank writes too."""
+    """The slot-local range of `rank` cut at shard boundaries into (a, b, shared):
+    shared segments lie in shards another rank writes too."""
     a, b = _rank_range(g, slot, rank)
     if a >= b:
         return []
-    ce = _chunk_elems(tuple(slot.shape))
+    ce = _grid(tuple(slot.shape), g.world).shard
     others: set[int] = set()
     for q in range(g.world):
         qa, qb = _rank_range(g, slot, q)
@@ -212,20 +241,23 @@ def _to_numpy(t: torch.Tensor) -> np.ndarray:
 
 
 def _spec(root: Path, kind: str, name: str, shape: tuple[int, ...] | None = None,
-          dtype: str | None = None) -> dict:
+          dtype: str | None = None, world: int = 1) -> dict:
     spec: dict[str, Any] = {"driver": "zarr3",
                             "kvstore": {"driver": "file", "path": str(root / kind / name)},
                             # a chunk of zeros is a file like any other: a missing one is damage
                             "store_data_equal_to_fill_value": True}
     if shape is not None:
         s = _stored_shape(shape)
-        rows = _chunk_elems(shape) // max(1, math.prod(s[1:]))
+        grid = _grid(shape, world)
+        rows = grid.chunk // max(1, math.prod(s[1:]))
+        checked = [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]
         spec["metadata"] = {
             "shape": s, "data_type": dtype,
             "chunk_grid": {"name": "regular",
-                           "configuration": {"chunk_shape": [rows] + s[1:]}},
-            "codecs": [{"name": "bytes", "configuration": {"endian": "little"}},
-                       {"name": "crc32c"}]}
+                           "configuration": {"chunk_shape": [rows * grid.per_shard] + s[1:]}},
+            "codecs": [{"name": "sharding_indexed", "configuration": {
+                "chunk_shape": [rows] + s[1:], "codecs": checked, "index_codecs": checked,
+                "index_location": "end"}}]}
     return spec
 
 
@@ -378,23 +410,24 @@ def _tensor_table(engine: Any) -> dict[str, dict[str, Any]]:
 class _OpenChunk:
     """A chunk being assembled in an aligned buffer: chunk `k` of its array, `numel`
     elements of data (fewer than the chunk's at the array's end), `filled` so far
-    (scheduled), `pending` copies into it not yet done, and `path`, set once its
-    last piece is scheduled: the copy that finishes last writes it."""
+    (scheduled), `pending` copies into it not yet done, and `shard`, set once its
+    last piece is scheduled: the copy that finishes last writes it there."""
 
-    __slots__ = ("k", "buf", "numel", "nbytes", "filled", "pending", "path")
+    __slots__ = ("k", "buf", "numel", "nbytes", "filled", "pending", "shard")
 
     def __init__(self, k: int, buf: Any, numel: int, nbytes: int) -> None:
         self.k, self.buf, self.numel, self.nbytes = k, buf, numel, nbytes
         self.filled = self.pending = 0
-        self.path: str | None = None
+        self.shard: Shard | None = None
 
 
 class _GroupWriter:
-    """Writes one rank's partition of one group into the arrays, range by range: a
-    chunk only this rank writes is assembled in an aligned buffer (the copies on
-    the chunk threads) and written whole as its file ([Note: chunk files]); a chunk
-    another rank writes too is written through tensorstore in rank turns
-    (`finish`)."""
+    """Writes one rank's partition of one group into the arrays, range by range
+    ([Note: shard files]): a chunk of a shard only this rank writes goes to its
+    shard file straight from the partition's memory where one aligned range holds
+    all of it, else assembled in an aligned buffer (the copies on the chunk
+    threads); a shard another rank writes too is written through tensorstore in
+    rank turns (`finish`)."""
 
     def __init__(self, root: Path, g: Group, rank: int, arrays: dict, context,
                  files: ChunkFiles, table: dict) -> None:
@@ -403,6 +436,7 @@ class _GroupWriter:
         self.open: dict[tuple[str, str], _OpenChunk] = {}
         self.shared: list[tuple[str, Slot, int, np.ndarray]] = []  # written in rank turns
         self.copies: list = []  # futures of the copies of the current `write`
+        self.in_place: list[InPlace] = []  # chunks of the current `write` from its memory
         self.lock = threading.Lock()
         self.bytes = 0
         # each slot's range on this rank, cut at shared chunks: the same for every write
@@ -410,12 +444,15 @@ class _GroupWriter:
 
     def write(self, lo: int, values: dict[str, torch.Tensor]) -> None:
         """`values`: kind -> the rank's partition-local elements [lo, lo + len) of it;
-        copied before this returns (the tensors may be reused buffers)."""
+        copied or written before this returns (the tensors may be reused buffers)."""
         try:
             for kind, v in values.items():
                 self._write(kind, lo, v)
         finally:
             copies, self.copies = self.copies, []
+            in_place, self.in_place = self.in_place, []
+            for t in in_place:
+                t.wait()
             for f in copies:
                 f.result()
 
@@ -434,17 +471,28 @@ class _GroupWriter:
                     self._fill(kind, s, x, piece)
 
     def _fill(self, kind: str, s: Slot, x: int, piece: torch.Tensor) -> None:
-        """Schedules the copies of the slot-local elements [x, x + len) into their
-        chunks' buffers. This rank's own chunks arrive in order from their first
-        element (`_segments` cuts ranges at shared chunks)."""
+        """Starts writing the slot-local elements [x, x + len): a chunk they hold whole,
+        in aligned memory, straight from it (`write` waits for it before the memory
+        may change), the others by copies into their chunks' buffers. This rank's
+        own chunks arrive in order from their first element (`_segments` cuts
+        ranges at shared shards)."""
         key = (kind, s.fqn)
         shape = tuple(s.shape)
-        ce = _chunk_elems(shape)
+        grid = _grid(shape, self.g.world)
+        ce = grid.chunk
         total = math.prod(_stored_shape(shape))
         dtype = TORCH_DTYPES[self.table[s.fqn]["kinds"][kind]]
         while piece.numel():
             k, off = divmod(x, ce)
             cur = self.open.get(key)
+            if (cur is None and off == 0 and piece.numel() >= ce and (k + 1) * ce <= total
+                    and self.files.in_place(piece[:ce])):  # all of it here: no copy
+                self.in_place.append(self.files.write_in_place(
+                    self._shard(kind, s, grid, k, dtype), k % grid.per_shard, piece[:ce]))
+                self.bytes += ce * dtype.itemsize
+                x += ce
+                piece = piece[ce:]
+                continue
             if cur is None and off == 0:
                 cur = self.open[key] = _OpenChunk(k, self.files.buffer(),
                                                   min(ce, total - k * ce), ce * dtype.itemsize)
@@ -459,12 +507,19 @@ class _GroupWriter:
                 cur.pending += 1
                 if cur.filled == cur.numel:
                     del self.open[key]
-                    cur.path = str(self.root / kind / s.fqn /
-                                   chunk_key(len(_stored_shape(shape)), k))
+                    cur.shard = self._shard(kind, s, grid, k, dtype)
             self.copies.append(self.files.submit(self._copy, cur, dst, piece[:n], dtype, ce))
             self.bytes += n * dtype.itemsize
             x += n
             piece = piece[n:]
+
+    def _shard(self, kind: str, s: Slot, grid: Grid, k: int, dtype: torch.dtype) -> Shard:
+        """The shard file that holds chunk `k` of array `kind/<s.fqn>`."""
+        first = k // grid.per_shard * grid.per_shard
+        return Shard(str(self.root / kind / s.fqn / chunk_key(len(_stored_shape(tuple(s.shape))),
+                                                                k // grid.per_shard)),
+                     grid.per_shard, min(grid.per_shard, grid.chunks - first),
+                     grid.chunk * dtype.itemsize)
 
     def _copy(self, cur: _OpenChunk, dst: torch.Tensor, src: torch.Tensor, dtype: torch.dtype,
               ce: int) -> None:
@@ -472,11 +527,11 @@ class _GroupWriter:
         host_copy(dst, src)
         with self.lock:
             cur.pending -= 1
-            ready = cur.pending == 0 and cur.path is not None
+            ready = cur.pending == 0 and cur.shard is not None
         if ready:
             if cur.numel < ce:  # the array's last chunk: zeros (the fill value) after it
                 cur.buf.as_tensor(dtype, ce)[cur.numel:].zero_()
-            self.files.write(cur.path, cur.buf, cur.nbytes)
+            self.files.write(cur.shard, cur.k % cur.shard.slots, cur.buf, cur.nbytes)
 
     def _put(self, kind: str, s: Slot, x: int, data: np.ndarray) -> None:
         """Writes a shared chunk's part through tensorstore (read, change, write)."""
@@ -574,8 +629,8 @@ class _SaveJob:
                 for name, t in self.table.items():
                     for kind, dtype in t["kinds"].items():
                         futs.append(((kind, name), _ts().open(
-                            _spec(tmp, kind, name, tuple(t["shape"]), dtype), create=True,
-                            context=context)))
+                            _spec(tmp, kind, name, tuple(t["shape"]), dtype, comm.world),
+                            create=True, context=context)))
                 for key, f in futs:
                     arrays[key] = f.result()
             comm.barrier()
@@ -669,7 +724,7 @@ def _write_partitions(engine: Any, comm: Any, root: Path, arrays: dict, context,
                       ) -> tuple[int, dict[int, int]]:
     """Each group's partition of this rank: the parameters through the store (fetch,
     pin, read, unpin), the optimizer state streamed chunk by chunk in its committed
-    version, into chunk files written with O_DIRECT ([Note: chunk files]). Returns
+    version, into shard files written with O_DIRECT ([Note: shard files]). Returns
     (bytes written, each group's step count) once every write is done."""
     written = 0
     steps = {}

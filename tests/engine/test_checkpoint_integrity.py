@@ -55,3 +55,32 @@ def test_changed_commit_record_is_an_error(saved):
     rec.write_text(rec.read_text().replace('"global_step": 1', '"global_step": 7'))
     with pytest.raises(offload.CheckpointCorruptError, match="checkpoint.json does not match"):
         offload.initialize(TiedTwice, cfg, resume=ck)
+
+
+def test_checkpoint_of_the_previous_format_is_refused(saved):
+    """A checkpoint of the layout before shard files (offload-checkpoint/1, a file per
+    chunk) is refused by name before anything is read, not misread."""
+    import json
+
+    from offload.engine import training_checkpoint as tc
+    ck, cfg = saved
+    rec = json.loads((ck / "checkpoint.json").read_text())
+    tc._write_json(ck / "checkpoint.json", {**rec, "format": "offload-checkpoint/1"})
+    with pytest.raises(offload.CheckpointError,
+                       match=r"format 'offload-checkpoint/1', this version reads "
+                             r"'offload-checkpoint/2'"):
+        offload.initialize(TiedTwice, cfg, resume=ck)
+
+
+def test_damaged_shard_index_is_an_error_naming_array_and_chunk(saved):
+    """The index at the end of a shard file carries its own crc32c: a flipped byte in
+    it is an error naming the array, the chunk and the file."""
+    ck, cfg = saved
+    shard = ck / "exp_avg" / "l1.weight" / "c" / "0" / "0"
+    data = bytearray(shard.read_bytes())
+    data[-10] ^= 0x01
+    shard.write_bytes(bytes(data))
+    with pytest.raises(offload.CheckpointCorruptError,
+                       match=r"array exp_avg/l1\.weight, chunk \(0, 0\).*shard index that "
+                             r"fails its checksum"):
+        offload.initialize(TiedTwice, cfg, resume=ck)
