@@ -382,18 +382,7 @@ class ChunkFiles:
             buf.release()
             self._end(e)
             return
-        try:
-            h = self.engine.write(fd, shard.path, j * shard.stride, buf.address, n,
-                                  keepalive=buf, sync=False)
-        except BaseException as e:
-            buf.release()
-            self._write_done(shard, e)
-            return
-
-        def done(h: IoHandle) -> None:
-            buf.release()
-            self._write_done(shard, h.error)
-        h.add_done_callback(done)
+        self._write_buffer(shard, fd, j * shard.stride, buf, n)
 
     def in_place(self, data: torch.Tensor) -> bool:
         """Whether `write_in_place` takes `data`: its whole blocks go straight from
@@ -457,9 +446,15 @@ class ChunkFiles:
             self._write_done(shard, e)
             return
         token._one_done()  # the chunk's memory is no longer needed
+        self._write_buffer(shard, fd, j * shard.stride + body, buf, n)
+
+    def _write_buffer(self, shard: Shard, fd: int, offset: int, buf: HostBuffer,
+                      n: int) -> None:
+        """Writes `n` bytes of `buf` at `offset` of `shard`'s file; the buffer goes back
+        to its pool and the shard counts the write once it is done (or failed)."""
         try:
-            h = self.engine.write(fd, shard.path, j * shard.stride + body, buf.address, n,
-                                  keepalive=buf, sync=False)
+            h = self.engine.write(fd, shard.path, offset, buf.address, n, keepalive=buf,
+                                  sync=False)
         except BaseException as e:
             buf.release()
             self._write_done(shard, e)
