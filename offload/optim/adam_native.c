@@ -65,6 +65,7 @@ typedef struct {
     int32_t scaled;
     float grad_scale;
     int32_t stream;      /* the CPU has AVX2 and F16C: store_half_stream */
+    int32_t avx512;      /* the CPU has AVX-512 F, BW, VL: adam_out_avx512 */
 } block_args;
 
 /* ---- conversions ------------------------------------------------------- */
@@ -72,11 +73,15 @@ typedef struct {
 INLINE uint32_t f2u(float x) { uint32_t u; memcpy(&u, &x, 4); return u; }
 INLINE float u2f(uint32_t u) { float x; memcpy(&x, &u, 4); return x; }
 
-/* Round to nearest even, NaN to the quiet NaN 0x7fc0 (as c10::BFloat16). */
+/* Round to nearest even, subnormals kept, every NaN to BF16_NAN: what torch's
+ * vectorised fp32 -> bf16 conversion gives (Tensor.to / copy_, AVX2 and AVX-512;
+ * its scalar c10::BFloat16 gives 0x7fc0, but torch runs that on a tensor's
+ * elements only where it was built without vector kernels). */
+#define BF16_NAN 0xffffu
 INLINE uint16_t to_bf16(float x) {
     uint32_t u = f2u(x);
     uint32_t r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-    return x != x ? (uint16_t)0x7fc0 : (uint16_t)r;
+    return x != x ? (uint16_t)BF16_NAN : (uint16_t)r;
 }
 
 INLINE float from_bf16(uint16_t h) { return u2f((uint32_t)h << 16); }
@@ -90,7 +95,9 @@ INLINE void load_bf16(float *restrict d, const uint16_t *restrict s, int64_t k) 
 }
 
 /* fp32 -> fp16, round to nearest even, subnormals kept, in float and integer
- * arithmetic so that it vectorises on any target (as c10::Half converts). */
+ * arithmetic so that it vectorises on any target (as c10::Half converts); a NaN
+ * keeps its sign and its payload's top bits, quieted, as F16C's vcvtps2ph (which
+ * torch's vectorised conversion runs) does. */
 INLINE uint16_t to_fp16(float x) {
     uint32_t u = f2u(x), twice = u + u, sign = u & 0x80000000u;
     /* rounds at the fp16 precision of x's exponent: adding 2^(e+13) leaves the
@@ -101,7 +108,8 @@ INLINE uint16_t to_fp16(float x) {
     base = u2f((bias >> 1) + 0x07800000u) + base;
     uint32_t b = f2u(base);
     uint32_t bits = ((b >> 13) & 0x7c00u) + (b & 0x0fffu);
-    return (uint16_t)((sign >> 16) | (twice > 0xff000000u ? 0x7e00u : bits));
+    uint32_t nan = 0x7e00u | ((u >> 13) & 0x03ffu);
+    return (uint16_t)((sign >> 16) | (twice > 0xff000000u ? nan : bits));
 }
 
 INLINE void store_fp16(uint16_t *restrict d, const float *restrict s, int64_t k) {
@@ -116,7 +124,7 @@ __attribute__((target("avx2,f16c"))) static inline __m128i half8(__m256 x, int f
     __m256i r = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb);
     r = _mm256_srli_epi32(r, 16);
     __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
-    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), nan);
+    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(BF16_NAN), nan);
     return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
 }
 
@@ -232,6 +240,103 @@ INLINE void adam_math(int64_t k, float *restrict p, const float *restrict g0,
     else adam_loop(k, p, g0, m, v, sq, r, 0, 1.0f);
 }
 
+/* ---- AVX-512: the update and the compute-dtype copy in one loop ---------
+ *
+ * The update waits mostly on the divider (a square root and two divisions per
+ * element), the bf16 / fp16 conversion on integer ports: in one loop they
+ * overlap, and the loads of the next elements go on while the copy is
+ * converted, where a second pass over the tile would leave the memory idle
+ * for its length. The same operations as adam_loop and to_bf16 / F16C, in the
+ * same order, lane by lane: the same bits. Out of line, compiled for AVX-512
+ * (F, BW, VL) alone and called where the CPU has it (block_args.avx512). */
+#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl")))
+#define AVX512_INLINE AVX512 static inline __attribute__((always_inline))
+
+/* 16 floats to 16 bf16 as to_bf16, or fp16 as F16C (round to nearest even). */
+AVX512_INLINE __m256i half16(__m512 x, int fp16) {
+    if (fp16) return _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT);
+    __m512i u = _mm512_castps_si512(x);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb);
+    r = _mm512_srli_epi32(r, 16);
+    __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(BF16_NAN));
+    return _mm512_cvtepi32_epi16(r);
+}
+
+/* Lanes `mask` of elements [i, i + 16): adam_loop's body, and the copy into d
+ * (streamed when `full`: all 16 lanes, d + i 32-byte aligned). */
+AVX512_INLINE void adam16(int64_t i, __mmask16 mask, int full, float *p, const float *g0,
+                          float *m, float *v, float *sq, uint16_t *d, int fp16,
+                          const float *c, int scaled, int adamw, int l2, int small) {
+    const __m512 w = _mm512_set1_ps(c[0]), w1 = _mm512_set1_ps(c[1]);
+    const __m512 wd = _mm512_set1_ps(c[2]), decay = _mm512_set1_ps(c[3]);
+    const __m512 b2 = _mm512_set1_ps(c[4]), b2c = _mm512_set1_ps(c[5]);
+    const __m512 step = _mm512_set1_ps(c[6]), bc2 = _mm512_set1_ps(c[7]);
+    const __m512 eps = _mm512_set1_ps(c[8]), gs = _mm512_set1_ps(c[9]);
+    __m512 g = _mm512_maskz_loadu_ps(mask, g0 + i);
+    __m512 x = _mm512_maskz_loadu_ps(mask, p + i);
+    __m512 mo = _mm512_maskz_loadu_ps(mask, m + i);
+    __m512 vo = _mm512_maskz_loadu_ps(mask, v + i);
+    if (scaled) g = _mm512_div_ps(g, gs);
+    if (adamw) x = _mm512_mul_ps(x, decay);
+    if (l2) g = _mm512_fmadd_ps(x, wd, g);
+    __m512 dlt = _mm512_sub_ps(g, mo);
+    __m512 mi = small ? _mm512_fmadd_ps(w, dlt, mo) : _mm512_fmadd_ps(w1, dlt, g);
+    __m512 vi = _mm512_fmadd_ps(_mm512_mul_ps(b2c, g), g, _mm512_mul_ps(vo, b2));
+    __m512 root = _mm512_sqrt_ps(vi);
+    __m512 den = _mm512_add_ps(_mm512_div_ps(root, bc2), eps);
+    __m512 pn = _mm512_add_ps(x, _mm512_div_ps(_mm512_mul_ps(step, mi), den));
+    _mm512_mask_storeu_ps(m + i, mask, mi);
+    _mm512_mask_storeu_ps(v + i, mask, vi);
+    if (sq) _mm512_mask_storeu_ps(sq + i, mask, root);
+    _mm512_mask_storeu_ps(p + i, mask, pn);
+    __m256i h = half16(pn, fp16);
+    if (full) _mm256_stream_si256((__m256i *)(d + i), h);
+    else _mm256_mask_storeu_epi16(d + i, mask, h);
+}
+
+AVX512_INLINE void adam_out_loop(int64_t k, float *p, const float *g0, float *m, float *v,
+                                 float *sq, uint16_t *d, int fp16, const float *c,
+                                 int scaled, int adamw, int l2, int small) {
+    /* lanes up to d's first 32-byte boundary, then whole aligned vectors streamed,
+     * then the rest (d is 2-byte aligned: the head is < 16 elements) */
+    int64_t head = (int64_t)((32 - ((uintptr_t)d & 31)) & 31) / 2;
+    head = head < k ? head : k;
+    if (head) adam16(0, (__mmask16)((1u << head) - 1), 0, p, g0, m, v, sq, d, fp16, c,
+                     scaled, adamw, l2, small);
+    int64_t i = head;
+    for (; i + 16 <= k; i += 16)
+        adam16(i, (__mmask16)0xffff, 1, p, g0, m, v, sq, d, fp16, c, scaled, adamw, l2, small);
+    if (i < k) adam16(i, (__mmask16)((1u << (k - i)) - 1), 0, p, g0, m, v, sq, d, fp16, c,
+                      scaled, adamw, l2, small);
+}
+
+/* k elements as adam_math, the new master's copy to d (bf16, or fp16 if `fp16`);
+ * sq may be NULL (not needed). One specialised loop per combination of flags. */
+AVX512 static void adam_out_avx512(int64_t k, float *restrict p, const float *restrict g0,
+                                   float *restrict m, float *restrict v, float *restrict sq,
+                                   uint16_t *restrict d, int fp16, const offload_run *r,
+                                   int scaled, float gs) {
+    const float c[10] = {r->lerp_w, r->lerp_w - 1.0f, r->weight_decay, r->decay_mult,
+                         r->beta2, r->beta2_c, r->neg_step, r->bias2_sqrt, r->eps, gs};
+    const int small = fabsf(r->lerp_w) < 0.5f, wd = r->weight_decay != 0.0f;
+    const int adamw = wd && r->decoupled, l2 = wd && !r->decoupled;
+    /* the flags as constants: each combination its own loop, branch-free inside */
+#define ADAM_OUT(S, W, L, M) adam_out_loop(k, p, g0, m, v, sq, d, fp16, c, S, W, L, M)
+#define ADAM_OUT_SM(S, W, L) (small ? ADAM_OUT(S, W, L, 1) : ADAM_OUT(S, W, L, 0))
+#define ADAM_OUT_WL(S) (adamw ? ADAM_OUT_SM(S, 1, 0) : l2 ? ADAM_OUT_SM(S, 0, 1) \
+                                                         : ADAM_OUT_SM(S, 0, 0))
+    if (fp16) {
+        if (scaled) ADAM_OUT_WL(1); else ADAM_OUT_WL(0);
+    } else {
+        if (scaled) ADAM_OUT_WL(1); else ADAM_OUT_WL(0);
+    }
+#undef ADAM_OUT_WL
+#undef ADAM_OUT_SM
+#undef ADAM_OUT
+}
+
 INLINE void write_out(const block_args *a, int64_t lo, int64_t k) {
     const float *src = a->master + lo;
     switch (a->out_dtype) {
@@ -254,6 +359,13 @@ INLINE void write_out(const block_args *a, int64_t lo, int64_t k) {
  * (the arrays themselves for fp32 state) offset to element lo. */
 INLINE void run_span(const block_args *a, const offload_run *r, int64_t lo, int64_t k,
                             float *mt, float *vt, float *sq) {
+    int half = a->out_dtype == OUT_BF16 || a->out_dtype == OUT_FP16;
+    if (!r->skip && half && a->avx512) {
+        adam_out_avx512(k, a->master + lo, a->grad + lo, mt, vt,
+                        a->state == STATE_INT8 ? sq : NULL, (uint16_t *)a->out + lo,
+                        a->out_dtype == OUT_FP16, r, a->scaled, a->grad_scale);
+        return;
+    }
     if (!r->skip)
         adam_math(k, a->master + lo, a->grad + lo, mt, vt, sq, r, a->scaled, a->grad_scale);
     write_out(a, lo, k);
@@ -326,11 +438,13 @@ int offload_adam_block(int64_t n, float *master, const float *grad, void *m, voi
                        int64_t nruns) {
     block_args a = {master, grad, m, v, m_scale, v_scale, out, state, out_dtype,
                     grad_scale != 1.0f, grad_scale,
-                    __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c")};
+                    __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c"),
+                    __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
+                        && __builtin_cpu_supports("avx512vl")};
     int64_t ri = 0;
     for (int64_t t0 = 0; t0 < n; t0 += TILE)
         ri = tile(&a, runs, nruns, ri, t0, t0 + TILE < n ? t0 + TILE : n);
-    if (a.stream && (out_dtype == OUT_BF16 || out_dtype == OUT_FP16))
+    if ((a.stream || a.avx512) && (out_dtype == OUT_BF16 || out_dtype == OUT_FP16))
         _mm_sfence(); /* the streaming stores are visible before the caller goes on */
     return 0;
 }
