@@ -53,6 +53,11 @@ from .benchutil import emit, progress_printer
 ADAM_BYTES = 28     # fp32 bytes an Adam step moves per element (16 read, 12 written)
 STREAM_BYTES = 32   # bytes per element of the bound's streaming kernel
 LR, BETAS, EPS, WD = 1e-3, (0.9, 0.999), 1e-8, 0.01
+# Seconds between rows. After a parallel region, torch's OpenMP threads spin for a
+# while before they sleep (libgomp: about 5 ms of a core, measured here), taking a
+# core from whatever runs next: without a pause the row after a torch row ran
+# 0.75x as fast as after one of ours. Each row starts on idle cores instead.
+SETTLE_S = 0.02
 
 
 def _torch_opt(p: torch.nn.Parameter, m: torch.Tensor, v: torch.Tensor, **kw) -> Callable:
@@ -173,6 +178,7 @@ def _interleaved(impls: dict[str, Callable], rounds: int, progress) -> dict[str,
     times: dict[str, list[float]] = {k: [] for k in impls}
     for r in range(rounds):
         for name, fn in impls.items():
+            time.sleep(SETTLE_S)  # the previous row's idle OpenMP threads stop spinning
             t = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t)

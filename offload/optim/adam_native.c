@@ -65,7 +65,7 @@ typedef struct {
     int32_t scaled;
     float grad_scale;
     int32_t stream;      /* the CPU has AVX2 and F16C: store_half_stream */
-    int32_t avx512;      /* the CPU has AVX-512 F, BW, VL: adam_out_avx512 */
+    int32_t avx512;      /* the CPU has AVX-512 F, BW, VL: adam_avx512 and the codecs */
 } block_args;
 
 /* ---- conversions ------------------------------------------------------- */
@@ -240,17 +240,22 @@ INLINE void adam_math(int64_t k, float *restrict p, const float *restrict g0,
     else adam_loop(k, p, g0, m, v, sq, r, 0, 1.0f);
 }
 
-/* ---- AVX-512: the update and the compute-dtype copy in one loop ---------
+/* ---- AVX-512: the update, bf16 moments and the copy in one loop ----------
  *
  * The update waits mostly on the divider (a square root and two divisions per
- * element), the bf16 / fp16 conversion on integer ports: in one loop they
- * overlap, and the loads of the next elements go on while the copy is
- * converted, where a second pass over the tile would leave the memory idle
- * for its length. The same operations as adam_loop and to_bf16 / F16C, in the
+ * element); converting bf16 moments and the bf16 / fp16 copy is integer work.
+ * In one loop they overlap, and the loads of the next elements go on while
+ * this one's are converted, where separate passes over a tile would leave the
+ * memory idle for their length. bf16 moments are read and written in place
+ * (no fp32 tile). The same operations as adam_loop, to_bf16 and F16C, in the
  * same order, lane by lane: the same bits. Out of line, compiled for AVX-512
  * (F, BW, VL) alone and called where the CPU has it (block_args.avx512). */
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl")))
 #define AVX512_INLINE AVX512 static inline __attribute__((always_inline))
+
+AVX512_INLINE __mmask16 lanes(int64_t left) {
+    return left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
+}
 
 /* 16 floats to 16 bf16 as to_bf16, or fp16 as F16C (round to nearest even). */
 AVX512_INLINE __m256i half16(__m512 x, int fp16) {
@@ -264,77 +269,161 @@ AVX512_INLINE __m256i half16(__m512 x, int fp16) {
     return _mm512_cvtepi32_epi16(r);
 }
 
-/* Lanes `mask` of elements [i, i + 16): adam_loop's body, and the copy into d
- * (streamed when `full`: all 16 lanes, d + i 32-byte aligned). */
-AVX512_INLINE void adam16(int64_t i, __mmask16 mask, int full, float *p, const float *g0,
-                          float *m, float *v, float *sq, uint16_t *d, int fp16,
-                          const float *c, int scaled, int adamw, int l2, int small) {
-    const __m512 w = _mm512_set1_ps(c[0]), w1 = _mm512_set1_ps(c[1]);
-    const __m512 wd = _mm512_set1_ps(c[2]), decay = _mm512_set1_ps(c[3]);
-    const __m512 b2 = _mm512_set1_ps(c[4]), b2c = _mm512_set1_ps(c[5]);
-    const __m512 step = _mm512_set1_ps(c[6]), bc2 = _mm512_set1_ps(c[7]);
-    const __m512 eps = _mm512_set1_ps(c[8]), gs = _mm512_set1_ps(c[9]);
-    __m512 g = _mm512_maskz_loadu_ps(mask, g0 + i);
-    __m512 x = _mm512_maskz_loadu_ps(mask, p + i);
-    __m512 mo = _mm512_maskz_loadu_ps(mask, m + i);
-    __m512 vo = _mm512_maskz_loadu_ps(mask, v + i);
-    if (scaled) g = _mm512_div_ps(g, gs);
-    if (adamw) x = _mm512_mul_ps(x, decay);
-    if (l2) g = _mm512_fmadd_ps(x, wd, g);
-    __m512 dlt = _mm512_sub_ps(g, mo);
-    __m512 mi = small ? _mm512_fmadd_ps(w, dlt, mo) : _mm512_fmadd_ps(w1, dlt, g);
-    __m512 vi = _mm512_fmadd_ps(_mm512_mul_ps(b2c, g), g, _mm512_mul_ps(vo, b2));
-    __m512 root = _mm512_sqrt_ps(vi);
-    __m512 den = _mm512_add_ps(_mm512_div_ps(root, bc2), eps);
-    __m512 pn = _mm512_add_ps(x, _mm512_div_ps(_mm512_mul_ps(step, mi), den));
-    _mm512_mask_storeu_ps(m + i, mask, mi);
-    _mm512_mask_storeu_ps(v + i, mask, vi);
-    if (sq) _mm512_mask_storeu_ps(sq + i, mask, root);
-    _mm512_mask_storeu_ps(p + i, mask, pn);
-    __m256i h = half16(pn, fp16);
-    if (full) _mm256_stream_si256((__m256i *)(d + i), h);
-    else _mm256_mask_storeu_epi16(d + i, mask, h);
+AVX512_INLINE __m512 load16(const void *x, int64_t i, __mmask16 l, int bf16) {
+    if (!bf16) return _mm512_maskz_loadu_ps(l, (const float *)x + i);
+    __m512i u = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(l, (const uint16_t *)x + i));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(u, 16));
 }
 
-AVX512_INLINE void adam_out_loop(int64_t k, float *p, const float *g0, float *m, float *v,
-                                 float *sq, uint16_t *d, int fp16, const float *c,
-                                 int scaled, int adamw, int l2, int small) {
-    /* lanes up to d's first 32-byte boundary, then whole aligned vectors streamed,
-     * then the rest (d is 2-byte aligned: the head is < 16 elements) */
-    int64_t head = (int64_t)((32 - ((uintptr_t)d & 31)) & 31) / 2;
+AVX512_INLINE void store16(void *x, int64_t i, __mmask16 l, int bf16, __m512 y) {
+    if (bf16) _mm256_mask_storeu_epi16((uint16_t *)x + i, l, half16(y, 0));
+    else _mm512_mask_storeu_ps((float *)x + i, l, y);
+}
+
+enum { COPY_NONE = 0, COPY_BF16 = 1, COPY_FP16 = 2 };
+
+/* The constants of a run, in vectors; the flags stay scalars (branches that
+ * never change within a loop). */
+typedef struct {
+    __m512 w, w1, wd, decay, b2, b2c, step, bc2, eps, gs;
+    int small, adamw, l2;
+} adam_vec;
+
+/* Lanes `l` of elements [i, i + 16): adam_loop's body; m, v fp32 or bf16
+ * (`bf16m`), sq (sqrt(v_new)) written unless NULL, the copy into d (streamed
+ * when `full`: all lanes, d + i 32-byte aligned). */
+AVX512_INLINE void adam16(int64_t i, __mmask16 l, int full, float *p, const float *g0,
+                          void *m, void *v, float *sq, uint16_t *d, const adam_vec *c,
+                          int copy, int bf16m, int scaled) {
+    __m512 g = _mm512_maskz_loadu_ps(l, g0 + i);
+    __m512 x = _mm512_maskz_loadu_ps(l, p + i);
+    __m512 mo = load16(m, i, l, bf16m), vo = load16(v, i, l, bf16m);
+    if (scaled) g = _mm512_div_ps(g, c->gs);
+    if (c->adamw) x = _mm512_mul_ps(x, c->decay);
+    if (c->l2) g = _mm512_fmadd_ps(x, c->wd, g);
+    __m512 dlt = _mm512_sub_ps(g, mo);
+    __m512 mi = c->small ? _mm512_fmadd_ps(c->w, dlt, mo) : _mm512_fmadd_ps(c->w1, dlt, g);
+    __m512 vi = _mm512_fmadd_ps(_mm512_mul_ps(c->b2c, g), g, _mm512_mul_ps(vo, c->b2));
+    __m512 root = _mm512_sqrt_ps(vi);
+    __m512 den = _mm512_add_ps(_mm512_div_ps(root, c->bc2), c->eps);
+    __m512 pn = _mm512_add_ps(x, _mm512_div_ps(_mm512_mul_ps(c->step, mi), den));
+    store16(m, i, l, bf16m, mi);
+    store16(v, i, l, bf16m, vi);
+    if (sq) _mm512_mask_storeu_ps(sq + i, l, root);
+    _mm512_mask_storeu_ps(p + i, l, pn);
+    if (copy == COPY_NONE) return;
+    __m256i h = half16(pn, copy == COPY_FP16);
+    if (full) _mm256_stream_si256((__m256i *)(d + i), h);
+    else _mm256_mask_storeu_epi16(d + i, l, h);
+}
+
+AVX512_INLINE void adam_vec_loop(int64_t k, float *p, const float *g0, void *m, void *v,
+                                 float *sq, uint16_t *d, const adam_vec *c, int copy,
+                                 int bf16m, int scaled) {
+    /* with a copy: lanes up to d's first 32-byte boundary, then whole aligned
+     * vectors streamed, then the rest (d is 2-byte aligned: the head is < 16) */
+    int64_t head = copy ? (int64_t)((32 - ((uintptr_t)d & 31)) & 31) / 2 : 0;
     head = head < k ? head : k;
-    if (head) adam16(0, (__mmask16)((1u << head) - 1), 0, p, g0, m, v, sq, d, fp16, c,
-                     scaled, adamw, l2, small);
+    if (head) adam16(0, lanes(head), 0, p, g0, m, v, sq, d, c, copy, bf16m, scaled);
     int64_t i = head;
     for (; i + 16 <= k; i += 16)
-        adam16(i, (__mmask16)0xffff, 1, p, g0, m, v, sq, d, fp16, c, scaled, adamw, l2, small);
-    if (i < k) adam16(i, (__mmask16)((1u << (k - i)) - 1), 0, p, g0, m, v, sq, d, fp16, c,
-                      scaled, adamw, l2, small);
+        adam16(i, (__mmask16)0xffff, 1, p, g0, m, v, sq, d, c, copy, bf16m, scaled);
+    if (i < k) adam16(i, lanes(k - i), 0, p, g0, m, v, sq, d, c, copy, bf16m, scaled);
 }
 
-/* k elements as adam_math, the new master's copy to d (bf16, or fp16 if `fp16`);
- * sq may be NULL (not needed). One specialised loop per combination of flags. */
-AVX512 static void adam_out_avx512(int64_t k, float *restrict p, const float *restrict g0,
-                                   float *restrict m, float *restrict v, float *restrict sq,
-                                   uint16_t *restrict d, int fp16, const offload_run *r,
-                                   int scaled, float gs) {
-    const float c[10] = {r->lerp_w, r->lerp_w - 1.0f, r->weight_decay, r->decay_mult,
-                         r->beta2, r->beta2_c, r->neg_step, r->bias2_sqrt, r->eps, gs};
-    const int small = fabsf(r->lerp_w) < 0.5f, wd = r->weight_decay != 0.0f;
-    const int adamw = wd && r->decoupled, l2 = wd && !r->decoupled;
-    /* the flags as constants: each combination its own loop, branch-free inside */
-#define ADAM_OUT(S, W, L, M) adam_out_loop(k, p, g0, m, v, sq, d, fp16, c, S, W, L, M)
-#define ADAM_OUT_SM(S, W, L) (small ? ADAM_OUT(S, W, L, 1) : ADAM_OUT(S, W, L, 0))
-#define ADAM_OUT_WL(S) (adamw ? ADAM_OUT_SM(S, 1, 0) : l2 ? ADAM_OUT_SM(S, 0, 1) \
-                                                         : ADAM_OUT_SM(S, 0, 0))
-    if (fp16) {
-        if (scaled) ADAM_OUT_WL(1); else ADAM_OUT_WL(0);
-    } else {
-        if (scaled) ADAM_OUT_WL(1); else ADAM_OUT_WL(0);
+/* k elements as adam_math, with m, v fp32 or bf16 (`bf16m`; in place either way),
+ * sq as there or NULL (not needed), and the new master's copy to d (`copy`).
+ * One loop per combination of the three (constants once inlined). */
+AVX512 static void adam_avx512(int64_t k, float *restrict p, const float *restrict g0,
+                               void *restrict m, void *restrict v, float *restrict sq,
+                               uint16_t *restrict d, int copy, int bf16m,
+                               const offload_run *r, int scaled, float gs) {
+    adam_vec c;
+    c.w = _mm512_set1_ps(r->lerp_w);
+    c.w1 = _mm512_set1_ps(r->lerp_w - 1.0f);
+    c.wd = _mm512_set1_ps(r->weight_decay);
+    c.decay = _mm512_set1_ps(r->decay_mult);
+    c.b2 = _mm512_set1_ps(r->beta2);
+    c.b2c = _mm512_set1_ps(r->beta2_c);
+    c.step = _mm512_set1_ps(r->neg_step);
+    c.bc2 = _mm512_set1_ps(r->bias2_sqrt);
+    c.eps = _mm512_set1_ps(r->eps);
+    c.gs = _mm512_set1_ps(gs);
+    c.small = fabsf(r->lerp_w) < 0.5f;
+    c.adamw = r->weight_decay != 0.0f && r->decoupled;
+    c.l2 = r->weight_decay != 0.0f && !r->decoupled;
+#define ADAM_VEC(C, B) (scaled ? adam_vec_loop(k, p, g0, m, v, sq, d, &c, C, B, 1) \
+                               : adam_vec_loop(k, p, g0, m, v, sq, d, &c, C, B, 0))
+#define ADAM_VEC_C(B) (copy == COPY_BF16 ? ADAM_VEC(COPY_BF16, B) \
+                       : copy == COPY_FP16 ? ADAM_VEC(COPY_FP16, B) : ADAM_VEC(COPY_NONE, B))
+    if (bf16m) ADAM_VEC_C(1);
+    else ADAM_VEC_C(0);
+#undef ADAM_VEC_C
+#undef ADAM_VEC
+}
+
+/* The moments' codes in and out of a tile's fp32 arrays (k elements from the first
+ * of a QBLOCK): decode_m8 / decode_v8 / encode_m8 / encode_v8 and load_bf16 /
+ * store_bf16 on AVX-512, the same operations lane by lane (the clamps as vminps
+ * / vmaxps with the bound first, which keep a NaN as the C comparisons do; a
+ * NaN's code is cvttps2dq's 0x80000000 cut to 8 bits, as the C casts give). */
+AVX512 static void decode8_avx512(float *restrict mb, float *restrict vb,
+                                  const int8_t *restrict mc, const uint8_t *restrict vc,
+                                  const float *ms, const float *vs, int64_t k) {
+    for (int64_t b = 0; b < k; b += QBLOCK) {
+        int64_t end = k - b < QBLOCK ? k : b + QBLOCK;
+        const __m512 sm = _mm512_set1_ps(ms[b / QBLOCK]), sv = _mm512_set1_ps(vs[b / QBLOCK]);
+        for (int64_t i = b; i < end; i += 16) {
+            __mmask16 l = lanes(end - i);
+            __m512i cm = _mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(l, mc + i));
+            __m512i cv = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(l, vc + i));
+            __m512 r = _mm512_mul_ps(_mm512_cvtepi32_ps(cv), sv);
+            _mm512_mask_storeu_ps(mb + i, l, _mm512_mul_ps(_mm512_cvtepi32_ps(cm), sm));
+            _mm512_mask_storeu_ps(vb + i, l, _mm512_mul_ps(r, r));
+        }
     }
-#undef ADAM_OUT_WL
-#undef ADAM_OUT_SM
-#undef ADAM_OUT
+}
+
+/* max_abs over [i0, end) (bit patterns of |x|, as max_abs) */
+AVX512_INLINE float max_abs16(const float *x, int64_t i0, int64_t end) {
+    __m512i mx = _mm512_setzero_si512();
+    const __m512i abs = _mm512_set1_epi32(0x7fffffff);
+    for (int64_t i = i0; i < end; i += 16) {
+        __m512i u = _mm512_castps_si512(_mm512_maskz_loadu_ps(lanes(end - i), x + i));
+        mx = _mm512_max_epu32(mx, _mm512_and_si512(u, abs));
+    }
+    return u2f(_mm512_reduce_max_epu32(mx));
+}
+
+/* x * inv rounded to an integer code in [lo, hi] (round_even, then the clamps) */
+AVX512_INLINE __m512i code16(__m512 x, __m512 inv, __m512 lo, __m512 hi) {
+    const __m512 magic = _mm512_set1_ps(12582912.0f);
+    __m512 q = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(x, inv), magic), magic);
+    q = _mm512_max_ps(lo, _mm512_min_ps(hi, q));
+    return _mm512_cvttps_epi32(q);
+}
+
+/* mb: exp_avg's fp32 tile, sq: sqrt of exp_avg_sq's */
+AVX512 static void encode8_avx512(int8_t *restrict mc, uint8_t *restrict vc, float *ms,
+                                  float *vs, const float *restrict mb,
+                                  const float *restrict sq, int64_t k) {
+    for (int64_t b = 0; b < k; b += QBLOCK) {
+        int64_t end = k - b < QBLOCK ? k : b + QBLOCK;
+        float s = clamp_scale(max_abs16(mb, b, end) / 127.0f);
+        float t = clamp_scale(max_abs16(sq, b, end) / 255.0f);
+        ms[b / QBLOCK] = s;
+        vs[b / QBLOCK] = t;
+        const __m512 inv_m = _mm512_set1_ps(1.0f / s), inv_v = _mm512_set1_ps(1.0f / t);
+        const __m512 m_lo = _mm512_set1_ps(-127.0f), m_hi = _mm512_set1_ps(127.0f);
+        const __m512 v_lo = _mm512_setzero_ps(), v_hi = _mm512_set1_ps(255.0f);
+        for (int64_t i = b; i < end; i += 16) {
+            __mmask16 l = lanes(end - i);
+            __m512i cm = code16(_mm512_maskz_loadu_ps(l, mb + i), inv_m, m_lo, m_hi);
+            __m512i cv = code16(_mm512_maskz_loadu_ps(l, sq + i), inv_v, v_lo, v_hi);
+            _mm_mask_storeu_epi8(mc + i, l, _mm512_cvtepi32_epi8(cm));
+            _mm_mask_storeu_epi8(vc + i, l, _mm512_cvtepi32_epi8(cv));
+        }
+    }
 }
 
 INLINE void write_out(const block_args *a, int64_t lo, int64_t k) {
@@ -359,16 +448,24 @@ INLINE void write_out(const block_args *a, int64_t lo, int64_t k) {
  * (the arrays themselves for fp32 state) offset to element lo. */
 INLINE void run_span(const block_args *a, const offload_run *r, int64_t lo, int64_t k,
                             float *mt, float *vt, float *sq) {
-    int half = a->out_dtype == OUT_BF16 || a->out_dtype == OUT_FP16;
-    if (!r->skip && half && a->avx512) {
-        adam_out_avx512(k, a->master + lo, a->grad + lo, mt, vt,
-                        a->state == STATE_INT8 ? sq : NULL, (uint16_t *)a->out + lo,
-                        a->out_dtype == OUT_FP16, r, a->scaled, a->grad_scale);
-        return;
-    }
     if (!r->skip)
         adam_math(k, a->master + lo, a->grad + lo, mt, vt, sq, r, a->scaled, a->grad_scale);
     write_out(a, lo, k);
+}
+
+/* run_span on AVX-512: m, v the moments at element lo, fp32 (the arrays or the
+ * tile's decoded int8 codes) or the bf16 arrays themselves (`bf16m`). */
+INLINE void run_span_avx512(const block_args *a, const offload_run *r, int64_t lo, int64_t k,
+                            void *m, void *v, int bf16m, float *sq) {
+    if (r->skip) {
+        write_out(a, lo, k);
+        return;
+    }
+    int copy = a->out_dtype == OUT_BF16 ? COPY_BF16
+               : a->out_dtype == OUT_FP16 ? COPY_FP16 : COPY_NONE;
+    adam_avx512(k, a->master + lo, a->grad + lo, m, v, a->state == STATE_INT8 ? sq : NULL,
+                (uint16_t *)a->out + lo, copy, bf16m, r, a->scaled, a->grad_scale);
+    if (a->out_dtype == OUT_FP32) write_out(a, lo, k);
 }
 
 /* Elements of [t0, t1) that runs from `ri` on update. */
@@ -395,30 +492,48 @@ INLINE int64_t tile(const block_args *a, const offload_run *runs, int64_t nruns,
     if (a->state == STATE_FP32) {
         m = (float *)a->m + t0;
         v = (float *)a->v + t0;
+    } else if (a->avx512 && a->state == STATE_BF16) {
+        /* read and written in adam_avx512's loop */
     } else if (busy && a->state == STATE_BF16) {
         load_bf16(mb, (const uint16_t *)a->m + t0, k);
         load_bf16(vb, (const uint16_t *)a->v + t0, k);
+    } else if (busy && a->avx512) {
+        decode8_avx512(mb, vb, (const int8_t *)a->m + t0, (const uint8_t *)a->v + t0,
+                       a->m_scale + t0 / QBLOCK, a->v_scale + t0 / QBLOCK, k);
     } else if (busy) {
         for (int64_t b = 0; b < k; b += QBLOCK) {
             int64_t kb = k - b < QBLOCK ? k - b : QBLOCK, q = (t0 + b) / QBLOCK;
             decode_m8(mb + b, (const int8_t *)a->m + t0 + b, a->m_scale[q], kb);
             decode_v8(vb + b, (const uint8_t *)a->v + t0 + b, a->v_scale[q], kb);
         }
-        if (covered(runs, nruns, ri, t0, t1) < k) {
-            /* every element of a block is coded again, as codec.encode does over a
-             * decoded block: sqrt(v) of the elements no run updates is taken here */
-            for (int64_t i = 0; i < k; i++) sq[i] = sqrtf(vb[i]);
-        }
     }
+    if (busy && a->state == STATE_INT8 && covered(runs, nruns, ri, t0, t1) < k) {
+        /* every element of a block is coded again, as codec.encode does over a
+         * decoded block: sqrt(v) of the elements no run updates is taken here */
+        for (int64_t i = 0; i < k; i++) sq[i] = sqrtf(vb[i]);
+    }
+    int bf16m = a->avx512 && a->state == STATE_BF16;
     for (int64_t j = ri; j < nruns && runs[j].lo < t1; j++) {
         int64_t lo = runs[j].lo > t0 ? runs[j].lo : t0;
         int64_t hi = runs[j].hi < t1 ? runs[j].hi : t1;
-        run_span(a, &runs[j], lo, hi - lo, m + (lo - t0), v + (lo - t0), sq + (lo - t0));
+        if (bf16m)
+            run_span_avx512(a, &runs[j], lo, hi - lo, (uint16_t *)a->m + lo,
+                            (uint16_t *)a->v + lo, 1, NULL);
+        else if (a->avx512)
+            run_span_avx512(a, &runs[j], lo, hi - lo, m + (lo - t0), v + (lo - t0), 0,
+                            sq + (lo - t0));
+        else
+            run_span(a, &runs[j], lo, hi - lo, m + (lo - t0), v + (lo - t0), sq + (lo - t0));
     }
-    if (!busy || a->state == STATE_FP32) return ri;
+    if (!busy || a->state == STATE_FP32 || bf16m) return ri;
     if (a->state == STATE_BF16) {
         store_bf16((uint16_t *)a->m + t0, mb, k);
         store_bf16((uint16_t *)a->v + t0, vb, k);
+        return ri;
+    }
+    if (a->avx512) {
+        encode8_avx512((int8_t *)a->m + t0, (uint8_t *)a->v + t0, a->m_scale + t0 / QBLOCK,
+                       a->v_scale + t0 / QBLOCK, mb, sq, k);
         return ri;
     }
     for (int64_t b = 0; b < k; b += QBLOCK) {
