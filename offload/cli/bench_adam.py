@@ -36,6 +36,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from typing import Callable
 
@@ -116,6 +117,7 @@ def _impls(n: int, args: argparse.Namespace, notes: list[str]) -> dict[str, Call
         nat = cpu_adam(kernel="native")
         impls.update({
             "offload fp32 (native kernel)": lambda: nat.step({"x": g}, final=True),
+            "native+bf16, one call per thread": _claimed(p.data, g, m, v, out),
             "offload+bf16 (torch kernels)": lambda: tk["fp32"].step(
                 {"x": g}, params_out={"x": out}, final=True),
             "offload int8 moments (torch kernels)": lambda: tk["int8"].step({"x": g}, final=True)})
@@ -136,6 +138,30 @@ def _impls(n: int, args: argparse.Namespace, notes: list[str]) -> dict[str, Call
         notes.append(f"DeepSpeedCPUAdam skipped: {type(e).__name__}: {e}")
     impls.update(_peers_8bit(n, notes))
     return impls
+
+
+def _claimed(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
+             out: torch.Tensor) -> Callable:
+    """The bf16-parameter update as one native call per thread (`NativeAdam.claimer`:
+    the threads claim units of the chunk inside C), against the "offload+bf16" row's
+    one call per cache block from blocks.py's workers: the kernel alone, no
+    optimizer around it (its step count stays at 1)."""
+    from ..optim import AdamHyper
+    from ..optim.codec import Moment
+    from ..optim.native import NativeAdam
+
+    kernel = NativeAdam()
+    hyper = AdamHyper(LR, BETAS[0], BETAS[1], EPS, WD, True)
+    ma, va = Moment(m, None, "exp_avg"), Moment(v, None, "exp_avg_sq")
+
+    def step() -> None:
+        job = kernel.claimer(p, g, ma, va, out, 1.0, [(0, p.numel(), hyper, 0)])
+        threads = [threading.Thread(target=job) for _ in range(torch.get_num_threads())]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    return step
 
 
 def _peers_8bit(n: int, notes: list[str]) -> dict[str, Callable]:

@@ -544,6 +544,30 @@ INLINE int64_t tile(const block_args *a, const offload_run *runs, int64_t nruns,
     return ri;
 }
 
+INLINE block_args make_args(float *master, const float *grad, void *m, void *v,
+                            float *m_scale, float *v_scale, int32_t state, void *out,
+                            int32_t out_dtype, float grad_scale) {
+    block_args a = {master, grad, m, v, m_scale, v_scale, out, state, out_dtype,
+                    grad_scale != 1.0f, grad_scale,
+                    __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c"),
+                    __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
+                        && __builtin_cpu_supports("avx512vl")};
+    return a;
+}
+
+/* Tiles of [lo, hi) (lo a multiple of TILE); `ri` as for tile. */
+INLINE int64_t span(const block_args *a, const offload_run *runs, int64_t nruns, int64_t ri,
+                    int64_t lo, int64_t hi) {
+    for (int64_t t0 = lo; t0 < hi; t0 += TILE)
+        ri = tile(a, runs, nruns, ri, t0, t0 + TILE < hi ? t0 + TILE : hi);
+    return ri;
+}
+
+INLINE void fence(const block_args *a) {
+    if ((a->stream || a->avx512) && (a->out_dtype == OUT_BF16 || a->out_dtype == OUT_FP16))
+        _mm_sfence(); /* the streaming stores are visible before the caller goes on */
+}
+
 /* The update of elements [0, n) of one block. For int8 state, element 0 is the
  * first of a QBLOCK and m_scale / v_scale point at its scale. Returns 0. */
 EXPORT __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
@@ -551,18 +575,36 @@ int offload_adam_block(int64_t n, float *master, const float *grad, void *m, voi
                        float *m_scale, float *v_scale, int32_t state, void *out,
                        int32_t out_dtype, float grad_scale, const offload_run *runs,
                        int64_t nruns) {
-    block_args a = {master, grad, m, v, m_scale, v_scale, out, state, out_dtype,
-                    grad_scale != 1.0f, grad_scale,
-                    __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c"),
-                    __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
-                        && __builtin_cpu_supports("avx512vl")};
-    int64_t ri = 0;
-    for (int64_t t0 = 0; t0 < n; t0 += TILE)
-        ri = tile(&a, runs, nruns, ri, t0, t0 + TILE < n ? t0 + TILE : n);
-    if ((a.stream || a.avx512) && (out_dtype == OUT_BF16 || out_dtype == OUT_FP16))
-        _mm_sfence(); /* the streaming stores are visible before the caller goes on */
+    block_args a = make_args(master, grad, m, v, m_scale, v_scale, state, out, out_dtype,
+                             grad_scale);
+    span(&a, runs, nruns, 0, 0, n);
+    fence(&a);
     return 0;
 }
 
+/* The same update, shared between threads: each caller claims units of `unit`
+ * elements (a multiple of TILE) from the counter `*next` (unit index, starting
+ * at 0) until none is left, so one call per thread covers its share of a whole
+ * chunk, and a thread that loses its core claims fewer units. Returns the
+ * number of units this caller updated. */
+EXPORT __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+int64_t offload_adam_claim(int64_t n, float *master, const float *grad, void *m, void *v,
+                           float *m_scale, float *v_scale, int32_t state, void *out,
+                           int32_t out_dtype, float grad_scale, const offload_run *runs,
+                           int64_t nruns, int64_t unit, int64_t *next) {
+    block_args a = make_args(master, grad, m, v, m_scale, v_scale, state, out, out_dtype,
+                             grad_scale);
+    int64_t ri = 0, done = 0;
+    for (;;) {
+        /* a thread's claims increase, so `ri` only moves forward */
+        int64_t lo = __atomic_fetch_add(next, 1, __ATOMIC_RELAXED) * unit;
+        if (lo >= n) break;
+        ri = span(&a, runs, nruns, ri, lo, lo + unit < n ? lo + unit : n);
+        done++;
+    }
+    fence(&a);
+    return done;
+}
+
 /* 1 when this build can be called at all (the loader's handshake). */
-EXPORT int offload_adam_abi(void) { return 1; }
+EXPORT int offload_adam_abi(void) { return 2; } /* 2: offload_adam_claim */

@@ -319,3 +319,34 @@ def test_non_finite_gradients_give_the_torch_paths_bits(state_dtype, out):
                     _tensors(p) + _tensors(m) + _tensors(v) + [outs[1]]):
         bits = {4: torch.int32, 2: torch.int16}[a.element_size()]
         assert torch.equal(a.view(bits), b.view(bits))
+
+
+@needs_native
+@pytest.mark.parametrize("state_dtype", ["fp32", "bf16", "int8"])
+@pytest.mark.parametrize("out", ["bf16", "fp16", "none"])
+def test_claimed_units_on_threads_equal_one_call(state_dtype, out):
+    """`claimer`: three threads share a chunk unit by unit (units of 1024, runs cut
+    inside them and across them, a tail) and give `block`'s bits over the whole."""
+    import threading
+
+    n = 23 * 1024 + 77
+    runs = [(0, 1500, ADAMW, 2), (1500, 3000, None, 5), (3000, 9000, ADAM, 0),
+            (9100, n - 3, ADAMW, 9)]
+    gen = torch.Generator().manual_seed(9)
+    p, g = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+    m, v = _state(state_dtype, n, gen)
+    outs = [None if OUTS[out] is None else torch.zeros(n, dtype=OUTS[out]) for _ in range(2)]
+    mine = (p.clone(), clone_moment(m), clone_moment(v))
+    k = native_mod.NativeAdam()
+    k.block(p, g, m, v, outs[1], 2.0, runs)
+    job = k.claimer(mine[0], g, mine[1], mine[2], outs[0], 2.0, runs, unit=1024)
+    done = []
+    threads = [threading.Thread(target=lambda: done.append(job())) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sum(done) == -(-n // 1024) and job() == 0  # every unit once; none left after
+    _assert_same(mine + (outs[0],), (p, m, v, outs[1]), exact=True)
+    with pytest.raises(ValueError, match="multiple of 1024"):
+        k.claimer(p, g, m, v, None, 1.0, runs, unit=1000)
