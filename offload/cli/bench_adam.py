@@ -16,8 +16,11 @@ the moments compressed (`optim.state_dtype`), decoded and encoded in the pass.
 Where torchao or bitsandbytes import, their 8-bit AdamW runs as a peer.
 Where the native kernel is built (offload/optim/native.py), the "offload" rows
 run it (the plain fp32 row: torch's fused kernel, which "auto" keeps there),
-rows marked "(torch kernels)" run the same steps on torch's, and "offload fp32
-(native kernel)" the plain fp32 step on the native one.
+rows marked "(torch kernels)" run the same steps on torch's, "offload fp32
+(native kernel)" the plain fp32 step on the native one, and "native+bf16, one
+call per thread" the bf16-parameter update as one native call per thread
+(`NativeAdam.claimer`, no optimizer around it). Each row starts after a pause
+(`SETTLE_S`), on cores no earlier row's threads still spin on.
 `--busy` runs every row a second time with a CPU-bound process beside it (one
 spinning process), as on a host shared with a data loader.
 

@@ -16,10 +16,14 @@
  *
  * Work goes tile by tile (TILE elements, a multiple of QBLOCK, in L1): moments
  * of other forms are decoded into fp32 tiles on the stack, updated, and encoded
- * back (8-bit codes block by block) while the tile is in L1. Compiled once for
- * x86-64-v4 (AVX-512), x86-64-v3 (AVX2, FMA, F16C) and the baseline, chosen at
- * load time (target_clones; x86-64 only: elsewhere the build fails and the
- * optional extension is left out).
+ * back (8-bit codes block by block) while the tile is in L1. Where the CPU has
+ * AVX-512 (F, BW, VL; checked at run time), one vector loop does the update, the
+ * copy and bf16 moments in place (adam_avx512), and the 8-bit codes are coded in
+ * vectors. Compiled once for x86-64-v4 (AVX-512), x86-64-v3 (AVX2, FMA, F16C)
+ * and the baseline, chosen at load time (target_clones; x86-64 only: elsewhere
+ * the build fails and the optional extension is left out). offload_adam_block
+ * updates one block per call; offload_adam_claim lets several threads share a
+ * whole chunk, one call each.
  */
 #include <stdint.h>
 #include <string.h>
