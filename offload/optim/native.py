@@ -13,7 +13,9 @@ vector loop on every element; tested either way against both torch paths).
 It is built, where a C compiler is present, by `pip install -e .` (setup.py,
 an optional extension: without a compiler the install still succeeds). ctypes
 releases the GIL for the call, so blocks.py's worker threads run it in
-parallel. The C side trusts its arguments: `NativeAdam.block` checks every
+parallel; `NativeAdam.claimer` instead gives each thread one call over a whole
+chunk, the threads claiming units of it from a counter inside C (no return to
+Python, nor the GIL, between blocks). The C side trusts its arguments: `NativeAdam.block` checks every
 tensor's dtype, size, device and contiguity, and the runs' bounds, before
 calling, and raises instead. `OFFLOAD_NATIVE_ADAM=0` in the environment turns
 it off (torch's kernels run instead, as where the library is absent).
