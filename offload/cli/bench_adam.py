@@ -16,8 +16,11 @@ the moments compressed (`optim.state_dtype`), decoded and encoded in the pass.
 Where torchao or bitsandbytes import, their 8-bit AdamW runs as a peer.
 Where the native kernel is built (offload/optim/native.py), the "offload" rows
 run it (the plain fp32 row: torch's fused kernel, which "auto" keeps there),
-rows marked "(torch kernels)" run the same steps on torch's, and "offload fp32
-(native kernel)" the plain fp32 step on the native one.
+rows marked "(torch kernels)" run the same steps on torch's, "offload fp32
+(native kernel)" the plain fp32 step on the native one, and "native+bf16, one
+call per thread" the bf16-parameter update as one native call per thread
+(`NativeAdam.claimer`, no optimizer around it). Each row starts after a pause
+(`SETTLE_S`), on cores no earlier row's threads still spin on.
 `--busy` runs every row a second time with a CPU-bound process beside it (one
 spinning process), as on a host shared with a data loader.
 
@@ -36,6 +39,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from typing import Callable
 
@@ -53,6 +57,11 @@ from .benchutil import emit, progress_printer
 ADAM_BYTES = 28     # fp32 bytes an Adam step moves per element (16 read, 12 written)
 STREAM_BYTES = 32   # bytes per element of the bound's streaming kernel
 LR, BETAS, EPS, WD = 1e-3, (0.9, 0.999), 1e-8, 0.01
+# Seconds between rows. After a parallel region, torch's OpenMP threads spin for a
+# while before they sleep (libgomp: about 5 ms of a core, measured here), taking a
+# core from whatever runs next: without a pause the row after a torch row ran
+# 0.75x as fast as after one of ours. Each row starts on idle cores instead.
+SETTLE_S = 0.02
 
 
 def _torch_opt(p: torch.nn.Parameter, m: torch.Tensor, v: torch.Tensor, **kw) -> Callable:
@@ -111,6 +120,7 @@ def _impls(n: int, args: argparse.Namespace, notes: list[str]) -> dict[str, Call
         nat = cpu_adam(kernel="native")
         impls.update({
             "offload fp32 (native kernel)": lambda: nat.step({"x": g}, final=True),
+            "native+bf16, one call per thread": _claimed(p.data, g, m, v, out),
             "offload+bf16 (torch kernels)": lambda: tk["fp32"].step(
                 {"x": g}, params_out={"x": out}, final=True),
             "offload int8 moments (torch kernels)": lambda: tk["int8"].step({"x": g}, final=True)})
@@ -131,6 +141,30 @@ def _impls(n: int, args: argparse.Namespace, notes: list[str]) -> dict[str, Call
         notes.append(f"DeepSpeedCPUAdam skipped: {type(e).__name__}: {e}")
     impls.update(_peers_8bit(n, notes))
     return impls
+
+
+def _claimed(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
+             out: torch.Tensor) -> Callable:
+    """The bf16-parameter update as one native call per thread (`NativeAdam.claimer`:
+    the threads claim units of the chunk inside C), against the "offload+bf16" row's
+    one call per cache block from blocks.py's workers: the kernel alone, no
+    optimizer around it (its step count stays at 1)."""
+    from ..optim import AdamHyper
+    from ..optim.codec import Moment
+    from ..optim.native import NativeAdam
+
+    kernel = NativeAdam()
+    hyper = AdamHyper(LR, BETAS[0], BETAS[1], EPS, WD, True)
+    ma, va = Moment(m, None, "exp_avg"), Moment(v, None, "exp_avg_sq")
+
+    def step() -> None:
+        job = kernel.claimer(p, g, ma, va, out, 1.0, [(0, p.numel(), hyper, 0)])
+        threads = [threading.Thread(target=job) for _ in range(torch.get_num_threads())]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    return step
 
 
 def _peers_8bit(n: int, notes: list[str]) -> dict[str, Callable]:
@@ -173,6 +207,7 @@ def _interleaved(impls: dict[str, Callable], rounds: int, progress) -> dict[str,
     times: dict[str, list[float]] = {k: [] for k in impls}
     for r in range(rounds):
         for name, fn in impls.items():
+            time.sleep(SETTLE_S)  # the previous row's idle OpenMP threads stop spinning
             t = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t)

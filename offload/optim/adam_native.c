@@ -16,10 +16,14 @@
  *
  * Work goes tile by tile (TILE elements, a multiple of QBLOCK, in L1): moments
  * of other forms are decoded into fp32 tiles on the stack, updated, and encoded
- * back (8-bit codes block by block) while the tile is in L1. Compiled once for
- * x86-64-v4 (AVX-512), x86-64-v3 (AVX2, FMA, F16C) and the baseline, chosen at
- * load time (target_clones; x86-64 only: elsewhere the build fails and the
- * optional extension is left out).
+ * back (8-bit codes block by block) while the tile is in L1. Where the CPU has
+ * AVX-512 (F, BW, VL; checked at run time), one vector loop does the update, the
+ * copy and bf16 moments in place (adam_avx512), and the 8-bit codes are coded in
+ * vectors. Compiled once for x86-64-v4 (AVX-512), x86-64-v3 (AVX2, FMA, F16C)
+ * and the baseline, chosen at load time (target_clones; x86-64 only: elsewhere
+ * the build fails and the optional extension is left out). offload_adam_block
+ * updates one block per call; offload_adam_claim lets several threads share a
+ * whole chunk, one call each.
  */
 #include <stdint.h>
 #include <string.h>
@@ -65,6 +69,7 @@ typedef struct {
     int32_t scaled;
     float grad_scale;
     int32_t stream;      /* the CPU has AVX2 and F16C: store_half_stream */
+    int32_t avx512;      /* the CPU has AVX-512 F, BW, VL: adam_avx512 and the codecs */
 } block_args;
 
 /* ---- conversions ------------------------------------------------------- */
@@ -72,11 +77,15 @@ typedef struct {
 INLINE uint32_t f2u(float x) { uint32_t u; memcpy(&u, &x, 4); return u; }
 INLINE float u2f(uint32_t u) { float x; memcpy(&x, &u, 4); return x; }
 
-/* Round to nearest even, NaN to the quiet NaN 0x7fc0 (as c10::BFloat16). */
+/* Round to nearest even, subnormals kept, every NaN to BF16_NAN: what torch's
+ * vectorised fp32 -> bf16 conversion gives (Tensor.to / copy_, AVX2 and AVX-512;
+ * its scalar c10::BFloat16 gives 0x7fc0, but torch runs that on a tensor's
+ * elements only where it was built without vector kernels). */
+#define BF16_NAN 0xffffu
 INLINE uint16_t to_bf16(float x) {
     uint32_t u = f2u(x);
     uint32_t r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-    return x != x ? (uint16_t)0x7fc0 : (uint16_t)r;
+    return x != x ? (uint16_t)BF16_NAN : (uint16_t)r;
 }
 
 INLINE float from_bf16(uint16_t h) { return u2f((uint32_t)h << 16); }
@@ -90,7 +99,9 @@ INLINE void load_bf16(float *restrict d, const uint16_t *restrict s, int64_t k) 
 }
 
 /* fp32 -> fp16, round to nearest even, subnormals kept, in float and integer
- * arithmetic so that it vectorises on any target (as c10::Half converts). */
+ * arithmetic so that it vectorises on any target (as c10::Half converts); a NaN
+ * keeps its sign and its payload's top bits, quieted, as F16C's vcvtps2ph (which
+ * torch's vectorised conversion runs) does. */
 INLINE uint16_t to_fp16(float x) {
     uint32_t u = f2u(x), twice = u + u, sign = u & 0x80000000u;
     /* rounds at the fp16 precision of x's exponent: adding 2^(e+13) leaves the
@@ -101,7 +112,8 @@ INLINE uint16_t to_fp16(float x) {
     base = u2f((bias >> 1) + 0x07800000u) + base;
     uint32_t b = f2u(base);
     uint32_t bits = ((b >> 13) & 0x7c00u) + (b & 0x0fffu);
-    return (uint16_t)((sign >> 16) | (twice > 0xff000000u ? 0x7e00u : bits));
+    uint32_t nan = 0x7e00u | ((u >> 13) & 0x03ffu);
+    return (uint16_t)((sign >> 16) | (twice > 0xff000000u ? nan : bits));
 }
 
 INLINE void store_fp16(uint16_t *restrict d, const float *restrict s, int64_t k) {
@@ -116,7 +128,7 @@ __attribute__((target("avx2,f16c"))) static inline __m128i half8(__m256 x, int f
     __m256i r = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb);
     r = _mm256_srli_epi32(r, 16);
     __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
-    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), nan);
+    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(BF16_NAN), nan);
     return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
 }
 
@@ -232,6 +244,192 @@ INLINE void adam_math(int64_t k, float *restrict p, const float *restrict g0,
     else adam_loop(k, p, g0, m, v, sq, r, 0, 1.0f);
 }
 
+/* ---- AVX-512: the update, bf16 moments and the copy in one loop ----------
+ *
+ * The update waits mostly on the divider (a square root and two divisions per
+ * element); converting bf16 moments and the bf16 / fp16 copy is integer work.
+ * In one loop they overlap, and the loads of the next elements go on while
+ * this one's are converted, where separate passes over a tile would leave the
+ * memory idle for their length. bf16 moments are read and written in place
+ * (no fp32 tile). The same operations as adam_loop, to_bf16 and F16C, in the
+ * same order, lane by lane: the same bits. Out of line, compiled for AVX-512
+ * (F, BW, VL) alone and called where the CPU has it (block_args.avx512). */
+#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl")))
+#define AVX512_INLINE AVX512 static inline __attribute__((always_inline))
+
+AVX512_INLINE __mmask16 lanes(int64_t left) {
+    return left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
+}
+
+/* 16 floats to 16 bf16 as to_bf16, or fp16 as F16C (round to nearest even). */
+AVX512_INLINE __m256i half16(__m512 x, int fp16) {
+    if (fp16) return _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT);
+    __m512i u = _mm512_castps_si512(x);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb);
+    r = _mm512_srli_epi32(r, 16);
+    __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(BF16_NAN));
+    return _mm512_cvtepi32_epi16(r);
+}
+
+AVX512_INLINE __m512 load16(const void *x, int64_t i, __mmask16 l, int bf16) {
+    if (!bf16) return _mm512_maskz_loadu_ps(l, (const float *)x + i);
+    __m512i u = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(l, (const uint16_t *)x + i));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(u, 16));
+}
+
+AVX512_INLINE void store16(void *x, int64_t i, __mmask16 l, int bf16, __m512 y) {
+    if (bf16) _mm256_mask_storeu_epi16((uint16_t *)x + i, l, half16(y, 0));
+    else _mm512_mask_storeu_ps((float *)x + i, l, y);
+}
+
+enum { COPY_NONE = 0, COPY_BF16 = 1, COPY_FP16 = 2 };
+
+/* The constants of a run, in vectors; the flags stay scalars (branches that
+ * never change within a loop). */
+typedef struct {
+    __m512 w, w1, wd, decay, b2, b2c, step, bc2, eps, gs;
+    int small, adamw, l2;
+} adam_vec;
+
+/* Lanes `l` of elements [i, i + 16): adam_loop's body; m, v fp32 or bf16
+ * (`bf16m`), sq (sqrt(v_new)) written unless NULL, the copy into d (streamed
+ * when `full`: all lanes, d + i 32-byte aligned). */
+AVX512_INLINE void adam16(int64_t i, __mmask16 l, int full, float *p, const float *g0,
+                          void *m, void *v, float *sq, uint16_t *d, const adam_vec *c,
+                          int copy, int bf16m, int scaled) {
+    __m512 g = _mm512_maskz_loadu_ps(l, g0 + i);
+    __m512 x = _mm512_maskz_loadu_ps(l, p + i);
+    __m512 mo = load16(m, i, l, bf16m), vo = load16(v, i, l, bf16m);
+    if (scaled) g = _mm512_div_ps(g, c->gs);
+    if (c->adamw) x = _mm512_mul_ps(x, c->decay);
+    if (c->l2) g = _mm512_fmadd_ps(x, c->wd, g);
+    __m512 dlt = _mm512_sub_ps(g, mo);
+    __m512 mi = c->small ? _mm512_fmadd_ps(c->w, dlt, mo) : _mm512_fmadd_ps(c->w1, dlt, g);
+    __m512 vi = _mm512_fmadd_ps(_mm512_mul_ps(c->b2c, g), g, _mm512_mul_ps(vo, c->b2));
+    __m512 root = _mm512_sqrt_ps(vi);
+    __m512 den = _mm512_add_ps(_mm512_div_ps(root, c->bc2), c->eps);
+    __m512 pn = _mm512_add_ps(x, _mm512_div_ps(_mm512_mul_ps(c->step, mi), den));
+    store16(m, i, l, bf16m, mi);
+    store16(v, i, l, bf16m, vi);
+    if (sq) _mm512_mask_storeu_ps(sq + i, l, root);
+    _mm512_mask_storeu_ps(p + i, l, pn);
+    if (copy == COPY_NONE) return;
+    __m256i h = half16(pn, copy == COPY_FP16);
+    if (full) _mm256_stream_si256((__m256i *)(d + i), h);
+    else _mm256_mask_storeu_epi16(d + i, l, h);
+}
+
+AVX512_INLINE void adam_vec_loop(int64_t k, float *p, const float *g0, void *m, void *v,
+                                 float *sq, uint16_t *d, const adam_vec *c, int copy,
+                                 int bf16m, int scaled) {
+    /* with a copy: lanes up to d's first 32-byte boundary, then whole aligned
+     * vectors streamed, then the rest (d is 2-byte aligned: the head is < 16) */
+    int64_t head = copy ? (int64_t)((32 - ((uintptr_t)d & 31)) & 31) / 2 : 0;
+    head = head < k ? head : k;
+    if (head) adam16(0, lanes(head), 0, p, g0, m, v, sq, d, c, copy, bf16m, scaled);
+    int64_t i = head;
+    for (; i + 16 <= k; i += 16)
+        adam16(i, (__mmask16)0xffff, 1, p, g0, m, v, sq, d, c, copy, bf16m, scaled);
+    if (i < k) adam16(i, lanes(k - i), 0, p, g0, m, v, sq, d, c, copy, bf16m, scaled);
+}
+
+/* k elements as adam_math, with m, v fp32 or bf16 (`bf16m`; in place either way),
+ * sq as there or NULL (not needed), and the new master's copy to d (`copy`).
+ * One loop per combination of the three (constants once inlined). */
+AVX512 static void adam_avx512(int64_t k, float *restrict p, const float *restrict g0,
+                               void *restrict m, void *restrict v, float *restrict sq,
+                               uint16_t *restrict d, int copy, int bf16m,
+                               const offload_run *r, int scaled, float gs) {
+    adam_vec c;
+    c.w = _mm512_set1_ps(r->lerp_w);
+    c.w1 = _mm512_set1_ps(r->lerp_w - 1.0f);
+    c.wd = _mm512_set1_ps(r->weight_decay);
+    c.decay = _mm512_set1_ps(r->decay_mult);
+    c.b2 = _mm512_set1_ps(r->beta2);
+    c.b2c = _mm512_set1_ps(r->beta2_c);
+    c.step = _mm512_set1_ps(r->neg_step);
+    c.bc2 = _mm512_set1_ps(r->bias2_sqrt);
+    c.eps = _mm512_set1_ps(r->eps);
+    c.gs = _mm512_set1_ps(gs);
+    c.small = fabsf(r->lerp_w) < 0.5f;
+    c.adamw = r->weight_decay != 0.0f && r->decoupled;
+    c.l2 = r->weight_decay != 0.0f && !r->decoupled;
+#define ADAM_VEC(C, B) (scaled ? adam_vec_loop(k, p, g0, m, v, sq, d, &c, C, B, 1) \
+                               : adam_vec_loop(k, p, g0, m, v, sq, d, &c, C, B, 0))
+#define ADAM_VEC_C(B) (copy == COPY_BF16 ? ADAM_VEC(COPY_BF16, B) \
+                       : copy == COPY_FP16 ? ADAM_VEC(COPY_FP16, B) : ADAM_VEC(COPY_NONE, B))
+    if (bf16m) ADAM_VEC_C(1);
+    else ADAM_VEC_C(0);
+#undef ADAM_VEC_C
+#undef ADAM_VEC
+}
+
+/* The moments' codes in and out of a tile's fp32 arrays (k elements from the first
+ * of a QBLOCK): decode_m8 / decode_v8 / encode_m8 / encode_v8 and load_bf16 /
+ * store_bf16 on AVX-512, the same operations lane by lane (the clamps as vminps
+ * / vmaxps with the bound first, which keep a NaN as the C comparisons do; a
+ * NaN's code is cvttps2dq's 0x80000000 cut to 8 bits, as the C casts give). */
+AVX512 static void decode8_avx512(float *restrict mb, float *restrict vb,
+                                  const int8_t *restrict mc, const uint8_t *restrict vc,
+                                  const float *ms, const float *vs, int64_t k) {
+    for (int64_t b = 0; b < k; b += QBLOCK) {
+        int64_t end = k - b < QBLOCK ? k : b + QBLOCK;
+        const __m512 sm = _mm512_set1_ps(ms[b / QBLOCK]), sv = _mm512_set1_ps(vs[b / QBLOCK]);
+        for (int64_t i = b; i < end; i += 16) {
+            __mmask16 l = lanes(end - i);
+            __m512i cm = _mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(l, mc + i));
+            __m512i cv = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(l, vc + i));
+            __m512 r = _mm512_mul_ps(_mm512_cvtepi32_ps(cv), sv);
+            _mm512_mask_storeu_ps(mb + i, l, _mm512_mul_ps(_mm512_cvtepi32_ps(cm), sm));
+            _mm512_mask_storeu_ps(vb + i, l, _mm512_mul_ps(r, r));
+        }
+    }
+}
+
+/* max_abs over [i0, end) (bit patterns of |x|, as max_abs) */
+AVX512_INLINE float max_abs16(const float *x, int64_t i0, int64_t end) {
+    __m512i mx = _mm512_setzero_si512();
+    const __m512i abs = _mm512_set1_epi32(0x7fffffff);
+    for (int64_t i = i0; i < end; i += 16) {
+        __m512i u = _mm512_castps_si512(_mm512_maskz_loadu_ps(lanes(end - i), x + i));
+        mx = _mm512_max_epu32(mx, _mm512_and_si512(u, abs));
+    }
+    return u2f(_mm512_reduce_max_epu32(mx));
+}
+
+/* x * inv rounded to an integer code in [lo, hi] (round_even, then the clamps) */
+AVX512_INLINE __m512i code16(__m512 x, __m512 inv, __m512 lo, __m512 hi) {
+    const __m512 magic = _mm512_set1_ps(12582912.0f);
+    __m512 q = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(x, inv), magic), magic);
+    q = _mm512_max_ps(lo, _mm512_min_ps(hi, q));
+    return _mm512_cvttps_epi32(q);
+}
+
+/* mb: exp_avg's fp32 tile, sq: sqrt of exp_avg_sq's */
+AVX512 static void encode8_avx512(int8_t *restrict mc, uint8_t *restrict vc, float *ms,
+                                  float *vs, const float *restrict mb,
+                                  const float *restrict sq, int64_t k) {
+    for (int64_t b = 0; b < k; b += QBLOCK) {
+        int64_t end = k - b < QBLOCK ? k : b + QBLOCK;
+        float s = clamp_scale(max_abs16(mb, b, end) / 127.0f);
+        float t = clamp_scale(max_abs16(sq, b, end) / 255.0f);
+        ms[b / QBLOCK] = s;
+        vs[b / QBLOCK] = t;
+        const __m512 inv_m = _mm512_set1_ps(1.0f / s), inv_v = _mm512_set1_ps(1.0f / t);
+        const __m512 m_lo = _mm512_set1_ps(-127.0f), m_hi = _mm512_set1_ps(127.0f);
+        const __m512 v_lo = _mm512_setzero_ps(), v_hi = _mm512_set1_ps(255.0f);
+        for (int64_t i = b; i < end; i += 16) {
+            __mmask16 l = lanes(end - i);
+            __m512i cm = code16(_mm512_maskz_loadu_ps(l, mb + i), inv_m, m_lo, m_hi);
+            __m512i cv = code16(_mm512_maskz_loadu_ps(l, sq + i), inv_v, v_lo, v_hi);
+            _mm_mask_storeu_epi8(mc + i, l, _mm512_cvtepi32_epi8(cm));
+            _mm_mask_storeu_epi8(vc + i, l, _mm512_cvtepi32_epi8(cv));
+        }
+    }
+}
+
 INLINE void write_out(const block_args *a, int64_t lo, int64_t k) {
     const float *src = a->master + lo;
     switch (a->out_dtype) {
@@ -259,6 +457,21 @@ INLINE void run_span(const block_args *a, const offload_run *r, int64_t lo, int6
     write_out(a, lo, k);
 }
 
+/* run_span on AVX-512: m, v the moments at element lo, fp32 (the arrays or the
+ * tile's decoded int8 codes) or the bf16 arrays themselves (`bf16m`). */
+INLINE void run_span_avx512(const block_args *a, const offload_run *r, int64_t lo, int64_t k,
+                            void *m, void *v, int bf16m, float *sq) {
+    if (r->skip) {
+        write_out(a, lo, k);
+        return;
+    }
+    int copy = a->out_dtype == OUT_BF16 ? COPY_BF16
+               : a->out_dtype == OUT_FP16 ? COPY_FP16 : COPY_NONE;
+    adam_avx512(k, a->master + lo, a->grad + lo, m, v, a->state == STATE_INT8 ? sq : NULL,
+                (uint16_t *)a->out + lo, copy, bf16m, r, a->scaled, a->grad_scale);
+    if (a->out_dtype == OUT_FP32) write_out(a, lo, k);
+}
+
 /* Elements of [t0, t1) that runs from `ri` on update. */
 INLINE int64_t covered(const offload_run *runs, int64_t nruns, int64_t ri, int64_t t0,
                               int64_t t1) {
@@ -283,30 +496,48 @@ INLINE int64_t tile(const block_args *a, const offload_run *runs, int64_t nruns,
     if (a->state == STATE_FP32) {
         m = (float *)a->m + t0;
         v = (float *)a->v + t0;
+    } else if (a->avx512 && a->state == STATE_BF16) {
+        /* read and written in adam_avx512's loop */
     } else if (busy && a->state == STATE_BF16) {
         load_bf16(mb, (const uint16_t *)a->m + t0, k);
         load_bf16(vb, (const uint16_t *)a->v + t0, k);
+    } else if (busy && a->avx512) {
+        decode8_avx512(mb, vb, (const int8_t *)a->m + t0, (const uint8_t *)a->v + t0,
+                       a->m_scale + t0 / QBLOCK, a->v_scale + t0 / QBLOCK, k);
     } else if (busy) {
         for (int64_t b = 0; b < k; b += QBLOCK) {
             int64_t kb = k - b < QBLOCK ? k - b : QBLOCK, q = (t0 + b) / QBLOCK;
             decode_m8(mb + b, (const int8_t *)a->m + t0 + b, a->m_scale[q], kb);
             decode_v8(vb + b, (const uint8_t *)a->v + t0 + b, a->v_scale[q], kb);
         }
-        if (covered(runs, nruns, ri, t0, t1) < k) {
-            /* every element of a block is coded again, as codec.encode does over a
-             * decoded block: sqrt(v) of the elements no run updates is taken here */
-            for (int64_t i = 0; i < k; i++) sq[i] = sqrtf(vb[i]);
-        }
     }
+    if (busy && a->state == STATE_INT8 && covered(runs, nruns, ri, t0, t1) < k) {
+        /* every element of a block is coded again, as codec.encode does over a
+         * decoded block: sqrt(v) of the elements no run updates is taken here */
+        for (int64_t i = 0; i < k; i++) sq[i] = sqrtf(vb[i]);
+    }
+    int bf16m = a->avx512 && a->state == STATE_BF16;
     for (int64_t j = ri; j < nruns && runs[j].lo < t1; j++) {
         int64_t lo = runs[j].lo > t0 ? runs[j].lo : t0;
         int64_t hi = runs[j].hi < t1 ? runs[j].hi : t1;
-        run_span(a, &runs[j], lo, hi - lo, m + (lo - t0), v + (lo - t0), sq + (lo - t0));
+        if (bf16m)
+            run_span_avx512(a, &runs[j], lo, hi - lo, (uint16_t *)a->m + lo,
+                            (uint16_t *)a->v + lo, 1, NULL);
+        else if (a->avx512)
+            run_span_avx512(a, &runs[j], lo, hi - lo, m + (lo - t0), v + (lo - t0), 0,
+                            sq + (lo - t0));
+        else
+            run_span(a, &runs[j], lo, hi - lo, m + (lo - t0), v + (lo - t0), sq + (lo - t0));
     }
-    if (!busy || a->state == STATE_FP32) return ri;
+    if (!busy || a->state == STATE_FP32 || bf16m) return ri;
     if (a->state == STATE_BF16) {
         store_bf16((uint16_t *)a->m + t0, mb, k);
         store_bf16((uint16_t *)a->v + t0, vb, k);
+        return ri;
+    }
+    if (a->avx512) {
+        encode8_avx512((int8_t *)a->m + t0, (uint8_t *)a->v + t0, a->m_scale + t0 / QBLOCK,
+                       a->v_scale + t0 / QBLOCK, mb, sq, k);
         return ri;
     }
     for (int64_t b = 0; b < k; b += QBLOCK) {
@@ -317,6 +548,30 @@ INLINE int64_t tile(const block_args *a, const offload_run *runs, int64_t nruns,
     return ri;
 }
 
+INLINE block_args make_args(float *master, const float *grad, void *m, void *v,
+                            float *m_scale, float *v_scale, int32_t state, void *out,
+                            int32_t out_dtype, float grad_scale) {
+    block_args a = {master, grad, m, v, m_scale, v_scale, out, state, out_dtype,
+                    grad_scale != 1.0f, grad_scale,
+                    __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c"),
+                    __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
+                        && __builtin_cpu_supports("avx512vl")};
+    return a;
+}
+
+/* Tiles of [lo, hi) (lo a multiple of TILE); `ri` as for tile. */
+INLINE int64_t span(const block_args *a, const offload_run *runs, int64_t nruns, int64_t ri,
+                    int64_t lo, int64_t hi) {
+    for (int64_t t0 = lo; t0 < hi; t0 += TILE)
+        ri = tile(a, runs, nruns, ri, t0, t0 + TILE < hi ? t0 + TILE : hi);
+    return ri;
+}
+
+INLINE void fence(const block_args *a) {
+    if ((a->stream || a->avx512) && (a->out_dtype == OUT_BF16 || a->out_dtype == OUT_FP16))
+        _mm_sfence(); /* the streaming stores are visible before the caller goes on */
+}
+
 /* The update of elements [0, n) of one block. For int8 state, element 0 is the
  * first of a QBLOCK and m_scale / v_scale point at its scale. Returns 0. */
 EXPORT __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
@@ -324,16 +579,36 @@ int offload_adam_block(int64_t n, float *master, const float *grad, void *m, voi
                        float *m_scale, float *v_scale, int32_t state, void *out,
                        int32_t out_dtype, float grad_scale, const offload_run *runs,
                        int64_t nruns) {
-    block_args a = {master, grad, m, v, m_scale, v_scale, out, state, out_dtype,
-                    grad_scale != 1.0f, grad_scale,
-                    __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c")};
-    int64_t ri = 0;
-    for (int64_t t0 = 0; t0 < n; t0 += TILE)
-        ri = tile(&a, runs, nruns, ri, t0, t0 + TILE < n ? t0 + TILE : n);
-    if (a.stream && (out_dtype == OUT_BF16 || out_dtype == OUT_FP16))
-        _mm_sfence(); /* the streaming stores are visible before the caller goes on */
+    block_args a = make_args(master, grad, m, v, m_scale, v_scale, state, out, out_dtype,
+                             grad_scale);
+    span(&a, runs, nruns, 0, 0, n);
+    fence(&a);
     return 0;
 }
 
+/* The same update, shared between threads: each caller claims units of `unit`
+ * elements (a multiple of TILE) from the counter `*next` (unit index, starting
+ * at 0) until none is left, so one call per thread covers its share of a whole
+ * chunk, and a thread that loses its core claims fewer units. Returns the
+ * number of units this caller updated. */
+EXPORT __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+int64_t offload_adam_claim(int64_t n, float *master, const float *grad, void *m, void *v,
+                           float *m_scale, float *v_scale, int32_t state, void *out,
+                           int32_t out_dtype, float grad_scale, const offload_run *runs,
+                           int64_t nruns, int64_t unit, int64_t *next) {
+    block_args a = make_args(master, grad, m, v, m_scale, v_scale, state, out, out_dtype,
+                             grad_scale);
+    int64_t ri = 0, done = 0;
+    for (;;) {
+        /* a thread's claims increase, so `ri` only moves forward */
+        int64_t lo = __atomic_fetch_add(next, 1, __ATOMIC_RELAXED) * unit;
+        if (lo >= n) break;
+        ri = span(&a, runs, nruns, ri, lo, lo + unit < n ? lo + unit : n);
+        done++;
+    }
+    fence(&a);
+    return done;
+}
+
 /* 1 when this build can be called at all (the loader's handshake). */
-EXPORT int offload_adam_abi(void) { return 1; }
+EXPORT int offload_adam_abi(void) { return 2; } /* 2: offload_adam_claim */

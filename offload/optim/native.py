@@ -13,7 +13,9 @@ vector loop on every element; tested either way against both torch paths).
 It is built, where a C compiler is present, by `pip install -e .` (setup.py,
 an optional extension: without a compiler the install still succeeds). ctypes
 releases the GIL for the call, so blocks.py's worker threads run it in
-parallel. The C side trusts its arguments: `NativeAdam.block` checks every
+parallel; `NativeAdam.claimer` instead gives each thread one call over a whole
+chunk, the threads claiming units of it from a counter inside C (no return to
+Python, nor the GIL, between blocks). The C side trusts its arguments: `NativeAdam.block` checks every
 tensor's dtype, size, device and contiguity, and the runs' bounds, before
 calling, and raises instead. `OFFLOAD_NATIVE_ADAM=0` in the environment turns
 it off (torch's kernels run instead, as where the library is absent).
@@ -27,6 +29,7 @@ import logging
 import math
 import os
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -39,6 +42,9 @@ __all__ = ["NativeAdam", "native_status", "ENV_SWITCH"]
 
 ENV_SWITCH = "OFFLOAD_NATIVE_ADAM"
 _LIB_STEM = "_adam_native"
+_ABI = 2  # offload_adam_abi() of the C file this module calls
+CLAIM_UNIT = 1 << 16  # elements per unit a thread claims in `NativeAdam.claimer` (64 tiles)
+_TILE = 4 * QBLOCK  # adam_native.c's TILE
 _STATE = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
 _OUT = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
 _V_DTYPE = {torch.float32: torch.float32, torch.bfloat16: torch.bfloat16, torch.int8: torch.uint8}
@@ -78,17 +84,19 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
                       f"{Path(__file__).name}; `pip install -e .` builds it where gcc is present)")
     try:
         lib = ctypes.CDLL(str(path))
-        ok = lib.offload_adam_abi() == 1
+        ok = lib.offload_adam_abi() == _ABI
     except (OSError, AttributeError) as e:
         return None, f"the native Adam kernel {path.name} does not load ({e})"
     if not ok:
         return None, f"the native Adam kernel {path.name} is of another version; rebuild it"
-    fn = lib.offload_adam_block
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32,
-                   ctypes.c_void_p, ctypes.c_int32, ctypes.c_float, ctypes.POINTER(_Run),
-                   ctypes.c_int64]
+    args = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32,
+            ctypes.c_void_p, ctypes.c_int32, ctypes.c_float, ctypes.POINTER(_Run),
+            ctypes.c_int64]
+    lib.offload_adam_block.restype = ctypes.c_int
+    lib.offload_adam_block.argtypes = args
+    lib.offload_adam_claim.restype = ctypes.c_int64
+    lib.offload_adam_claim.argtypes = args + [ctypes.c_int64, ctypes.POINTER(ctypes.c_int64)]
     return lib, f"native Adam kernel {path.name}"
 
 
@@ -114,6 +122,11 @@ def _coefficients(h: AdamHyper, step: int) -> tuple:
 
 
 def _check(name: str, t: torch.Tensor, dtypes, n: int) -> None:
+    # one test of the common case first: this runs for every block (several per
+    # thread and chunk), while the kernel's own time is a few hundred microseconds
+    if (isinstance(t, torch.Tensor) and t.dtype in dtypes and t.is_cpu and t.is_contiguous()
+            and t.numel() == n):
+        return
     if not isinstance(t, torch.Tensor) or t.dtype not in dtypes:
         raise ValueError(f"{name}: expected a tensor of {[str(d) for d in dtypes]}, got "
                          f"{getattr(t, 'dtype', type(t).__name__)}")
@@ -130,6 +143,7 @@ class NativeAdam:
         if not ok:
             raise RuntimeError(why)
         self._fn = _cache["lib"].offload_adam_block
+        self._claim = _cache["lib"].offload_adam_claim
         self._coef: dict[tuple[AdamHyper, int], tuple] = {}
 
     def block(self, master: torch.Tensor, grad: torch.Tensor, exp_avg: Moment,
@@ -142,6 +156,27 @@ class NativeAdam:
         are None keeps its weights and moments (its master is still copied to `out`),
         and elements outside every run are not written (int8 codes of a block that a
         run updates aside: the whole block is coded again, as `codec.encode` does)."""
+        self._fn(*self._args(master, grad, exp_avg, exp_avg_sq, out, grad_scale, runs))
+
+    def claimer(self, master: torch.Tensor, grad: torch.Tensor, exp_avg: Moment,
+                exp_avg_sq: Moment, out: torch.Tensor | None, grad_scale: float,
+                runs: list[BlockRun], unit: int = CLAIM_UNIT) -> Callable[[], int]:
+        """The update of `block`'s arguments (here a whole chunk) shared between
+        threads: checks them once and returns a function that every thread calls
+        once; each call claims units of `unit` elements (a multiple of 1024) from a
+        shared counter until none is left, with the GIL released throughout, and
+        returns how many it updated. The tensors must outlive the calls."""
+        if unit < 1 or unit % _TILE:
+            raise ValueError(f"unit {unit} must be a positive multiple of {_TILE}")
+        args = self._args(master, grad, exp_avg, exp_avg_sq, out, grad_scale, runs)
+        nxt = ctypes.c_int64(0)
+        claim, ref = self._claim, ctypes.byref(nxt)
+        return lambda: claim(*args, unit, ref)
+
+    def _args(self, master: torch.Tensor, grad: torch.Tensor, exp_avg: Moment,
+              exp_avg_sq: Moment, out: torch.Tensor | None, grad_scale: float,
+              runs: list[BlockRun]) -> tuple:
+        """The C call's arguments, after checking every one."""
         n = master.numel()
         _check("master", master, (torch.float32,), n)
         _check("grad", grad, (torch.float32,), n)
@@ -179,7 +214,7 @@ class NativeAdam:
                 if len(self._coef) > 256:  # schedules change lr every step
                     self._coef = {key: coef}
             arr[i] = _Run(lo, hi, 0, *coef)
-        self._fn(n, master.data_ptr(), grad.data_ptr(), exp_avg.data.data_ptr(),
-                 exp_avg_sq.data.data_ptr(), scales[0], scales[1], _STATE[state],
-                 None if out is None else out.data_ptr(), 0 if out is None else _OUT[out.dtype],
-                 grad_scale, arr, len(runs))
+        return (n, master.data_ptr(), grad.data_ptr(), exp_avg.data.data_ptr(),
+                exp_avg_sq.data.data_ptr(), scales[0], scales[1], _STATE[state],
+                None if out is None else out.data_ptr(), 0 if out is None else _OUT[out.dtype],
+                grad_scale, arr, len(runs))

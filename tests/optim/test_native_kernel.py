@@ -253,3 +253,100 @@ def test_fallback_to_torch_when_switched_off_or_absent(monkeypatch, caplog):
 @needs_native
 def test_default_kernel_is_native_where_built():
     assert CpuAdam(OptimConfig()).kernel.impl == "native"
+
+
+def _special_floats(n: int, seed: int) -> torch.Tensor:
+    """fp32 values where a bf16 / fp16 conversion can go wrong: zeros, subnormals
+    (fp32's, and fp16's range), ties to even, values that round up to the next
+    binade or to inf, infinities, NaNs of either sign with several payloads
+    (quiet and signalling); the rest random bit patterns."""
+    bits = [0x00000000, 0x80000000, 0x00000001, 0x80000001, 0x00008000, 0x00018000,
+            0x007fffff, 0x807fffff, 0x007f8000, 0x007f7fff, 0x00800000, 0x3f808000,
+            0x3f818000, 0x3f80ffff, 0x3f7fffff, 0x33800000, 0x33000001, 0x387fc000,
+            0x477fe000, 0x477ff000, 0x7f7f7fff, 0x7f7f8000, 0x7f7fffff, 0xff7fffff,
+            0x7f800000, 0xff800000, 0x7fc00000, 0xffc00000, 0x7f800001, 0xff800001,
+            0x7fbfffff, 0x7fffffff, 0xffffffff, 0x7fc0ffff, 0x7f80ffff]
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randint(-2 ** 31, 2 ** 31, (n,), generator=gen, dtype=torch.int64)
+    special = torch.tensor(bits, dtype=torch.int64)
+    x[: 3 * len(bits)] = special.repeat(3)
+    x[-len(bits):] = special  # in the scalar tail too
+    return (x & 0xFFFFFFFF).to(torch.int32).view(torch.float32)  # int32 bits, two's complement
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("updated", [True, False], ids=["updated", "left-alone"])
+@pytest.mark.parametrize("offset", [0, 3])
+def test_the_copy_of_special_values_equals_torchs_conversion(dtype, updated, offset):
+    """The compute-dtype copy, bit for bit `master.to(dtype)` (torch's conversion:
+    round to nearest even, subnormals kept, its NaN), also for NaN, inf and
+    subnormal masters, in the vector loop, its unaligned head (`offset`) and its
+    tail. lr = 0 leaves the master as it was (but for the sign of a zero and
+    quieted NaNs), so every special value reaches the conversion."""
+    n = 8 * QBLOCK + 45
+    p = _special_floats(n, seed=offset)
+    g, m, v = torch.randn(n), new_moment("fp32", "exp_avg", n), new_moment("fp32", "exp_avg_sq", n)
+    out = torch.zeros(n + offset, dtype=dtype)[offset:]
+    hyper = AdamHyper(0.0, 0.9, 0.999, 1e-8, 0.0, True) if updated else None
+    native_mod.NativeAdam().block(p, g, m, v, out, 1.0, [(0, n, hyper, 2)])
+    want = p.to(dtype)
+    same = out.view(torch.int16) == want.view(torch.int16)
+    assert same.all(), (p[~same][:8].view(torch.int32), out[~same][:8].view(torch.int16),
+                        want[~same][:8].view(torch.int16))
+
+
+@needs_native
+@pytest.mark.parametrize("state_dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("out", ["bf16", "fp16"])
+def test_non_finite_gradients_give_the_torch_paths_bits(state_dtype, out):
+    """NaN, inf and huge gradients (what a step with an overflow that went unchecked
+    feeds the kernel): NaN masters, moments and copies with torch's bits."""
+    n = 8 * QBLOCK
+    gen = torch.Generator().manual_seed(5)
+    p, g = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+    g[::5] = float("nan")
+    g[1::7] = float("inf")
+    g[2::11] = -float("inf")
+    g[3::13] = 3e38
+    m, v = _state(state_dtype, n, gen)
+    outs = [torch.zeros(n, dtype=OUTS[out]) for _ in range(2)]
+    mine = (p.clone(), clone_moment(m), clone_moment(v))
+    native_mod.NativeAdam().block(mine[0], g, mine[1], mine[2], outs[0], 1.0, [(0, n, ADAMW, 3)])
+    _torch_path(p, g, m, v, outs[1], 1.0, [(0, n, ADAMW, 3)])
+    assert p.isnan().any() and outs[1].isnan().any()
+    for a, b in zip(_tensors(mine[0]) + _tensors(mine[1]) + _tensors(mine[2]) + [outs[0]],
+                    _tensors(p) + _tensors(m) + _tensors(v) + [outs[1]]):
+        bits = {4: torch.int32, 2: torch.int16}[a.element_size()]
+        assert torch.equal(a.view(bits), b.view(bits))
+
+
+@needs_native
+@pytest.mark.parametrize("state_dtype", ["fp32", "bf16", "int8"])
+@pytest.mark.parametrize("out", ["bf16", "fp16", "none"])
+def test_claimed_units_on_threads_equal_one_call(state_dtype, out):
+    """`claimer`: three threads share a chunk unit by unit (units of 1024, runs cut
+    inside them and across them, a tail) and give `block`'s bits over the whole."""
+    import threading
+
+    n = 23 * 1024 + 77
+    runs = [(0, 1500, ADAMW, 2), (1500, 3000, None, 5), (3000, 9000, ADAM, 0),
+            (9100, n - 3, ADAMW, 9)]
+    gen = torch.Generator().manual_seed(9)
+    p, g = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+    m, v = _state(state_dtype, n, gen)
+    outs = [None if OUTS[out] is None else torch.zeros(n, dtype=OUTS[out]) for _ in range(2)]
+    mine = (p.clone(), clone_moment(m), clone_moment(v))
+    k = native_mod.NativeAdam()
+    k.block(p, g, m, v, outs[1], 2.0, runs)
+    job = k.claimer(mine[0], g, mine[1], mine[2], outs[0], 2.0, runs, unit=1024)
+    done = []
+    threads = [threading.Thread(target=lambda: done.append(job())) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sum(done) == -(-n // 1024) and job() == 0  # every unit once; none left after
+    _assert_same(mine + (outs[0],), (p, m, v, outs[1]), exact=True)
+    with pytest.raises(ValueError, match="multiple of 1024"):
+        k.claimer(p, g, m, v, None, 1.0, runs, unit=1000)
