@@ -191,6 +191,16 @@ class BlockUpdater:
                                exp_avg_sq.data, step=runs[0][3] + 1, hyper=runs[0][2])
             return
 
+        if self.native is not None and nb > 1 and self.threads > 1:
+            # one C call per thread claiming units from a counter inside the kernel: no
+            # return to Python (and the GIL) between blocks ([Note: native kernel])
+            todo = [(max(a, base) - base, min(a + k, base + n) - base, h, st)
+                    for a, k, h, st in runs if max(a, base) < min(a + k, base + n)]
+            claim = self.native.claimer(master, grad[base:base + n], exp_avg, exp_avg_sq,
+                                        out, grad_scale, todo)
+            self._each(lambda w: claim())
+            return
+
         def block(w: _Worker, b: int) -> None:
             lo = b * self.block
             hi = min(n, lo + self.block)
