@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-__all__ = ["CommConfig", "ConfigError", "DominoConfig", "EngineConfig", "IoConfig", "OffloadConfig",
-           "OptimConfig", "ParamGroupConfig", "StoreConfig", "TensorParallelConfig",
-           "load_config", "parse_bytes", "format_bytes"]
+__all__ = ["CommConfig", "ConfigError", "DominoConfig", "EngineConfig", "IoConfig",
+           "OffloadConfig", "OptimConfig", "ParamGroupConfig", "StoreConfig",
+           "TensorParallelConfig", "load_config", "parse_bytes", "format_bytes"]
 
 PAGE = 4096
 

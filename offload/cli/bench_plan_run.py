@@ -39,6 +39,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..trace.analysis import union_length
 from .benchutil import proc_io
 
 __all__ = ["measure", "step_profile"]
@@ -94,16 +95,6 @@ def step_profile(events: list[tuple], t0: int, t1: int, units: dict[str, list[in
             "waits_s": _waits_by_name(xs), "disk": _disk_busy(events, t0, t1)}
 
 
-def _union(spans: list[tuple[int, int]]) -> int:
-    total, end = 0, None
-    for a, b in sorted(spans):
-        if end is None or a > end:
-            total, end = total + (b - a), b
-        elif b > end:
-            total, end = total + (b - end), b
-    return total
-
-
 def _disk_busy(events: list[tuple], t0: int, t1: int) -> dict[str, float]:
     """The I/O engine's requests begun in the step: bytes read and written, and the
     seconds at least one read, one write, or any request was in flight."""
@@ -117,9 +108,9 @@ def _disk_busy(events: list[tuple], t0: int, t1: int) -> dict[str, float]:
             spans[e[4]].append((b[1], e[1]))
             nbytes[e[4]] += ((b[7] or {}).get("bytes") or (e[7] or {}).get("bytes") or 0)
     return {"read_bytes": nbytes["read"], "write_bytes": nbytes["write"],
-            "read_busy_s": _union(spans["read"]) / 1e9,
-            "write_busy_s": _union(spans["write"]) / 1e9,
-            "busy_s": _union(spans["read"] + spans["write"]) / 1e9}
+            "read_busy_s": union_length(spans["read"]) / 1e9,
+            "write_busy_s": union_length(spans["write"]) / 1e9,
+            "busy_s": union_length(spans["read"] + spans["write"]) / 1e9}
 
 
 def _waits_by_name(xs: list[tuple]) -> dict[str, float]:

@@ -30,17 +30,16 @@ whole: chunks and cache blocks start at multiples of `QBLOCK`.
 
 from __future__ import annotations
 
-from typing import Literal, NamedTuple
+from typing import NamedTuple
 
 import torch
+
+from ..planner.sizes import QBLOCK, STATE_DTYPES, StateDtype, moment_bytes
 
 __all__ = ["Moment", "QBLOCK", "StateDtype", "STATE_DTYPES", "moment_bytes", "new_moment",
            "zero_moment", "decode", "encode", "clone_moment", "copy_moment", "moment_views",
            "moment_to_dict", "moment_from_dict"]
 
-StateDtype = Literal["fp32", "bf16", "int8"]
-STATE_DTYPES = ("fp32", "bf16", "int8")
-QBLOCK = 256  # elements per int8 scale
 _TINY = torch.finfo(torch.float32).tiny
 _STORED = {"fp32": torch.float32, "bf16": torch.bfloat16}
 _CODE_MAX = {"exp_avg": 127.0, "exp_avg_sq": 255.0}
@@ -73,18 +72,6 @@ class Moment(NamedTuple):
 
 def _scales(n: int) -> int:
     return -(-n // QBLOCK)
-
-
-def moment_bytes(state_dtype: StateDtype, n: int) -> int:
-    """Bytes of both moments of `n` elements, as laid out in a chunk (codes, a pad to
-    4 bytes, then the scales)."""
-    if state_dtype == "fp32":
-        return 8 * n
-    if state_dtype == "bf16":
-        return 4 * n
-    if state_dtype == "int8":
-        return -(-2 * n // 4) * 4 + 8 * _scales(n)
-    raise ValueError(f"state_dtype {state_dtype!r} is not one of {STATE_DTYPES}")
 
 
 def new_moment(state_dtype: StateDtype, kind: str, n: int) -> Moment:

@@ -71,6 +71,7 @@ import torch
 
 from ..config import OffloadConfig, OptimConfig
 from ..io import BufferPool, SwapSpace, make_engine, open_swap
+from ..planner.sizes import MAX_AUTO_CHUNK, auto_chunk_elems
 from ..trace import NULL_RECORDER, TraceRecorder
 from .adam import AdamHyper, resolve_scaling
 from .blocks import BlockUpdater
@@ -86,14 +87,11 @@ log = logging.getLogger(__name__)
 
 __all__ = ["CpuAdam", "StepResult", "resolve_chunk_elems"]
 
-MAX_AUTO_CHUNK = 1 << 23  # elements: 96 MiB per buffer; larger only lengthens fill and drain
-
-
 def resolve_chunk_elems(cfg: OptimConfig, budget_bytes: int | None) -> int:
     """Elements per NVMe chunk: `cfg.chunk_elems`, or (when 0) the largest power of two
     such that `cfg.buffers` chunk buffers (12 bytes/element with fp32 moments, see
-    `state_bytes`) take at most
-    `cfg.buffer_share` of `budget_bytes`, within [4096, 2**23] elements.
+    `state_bytes`) take at most `cfg.buffer_share` of `budget_bytes`, within
+    [4096, 2**23] elements (`planner.sizes.auto_chunk_elems`).
 
     Raises ValueError when an explicit size cannot fit the budget.
     """
@@ -106,13 +104,12 @@ def resolve_chunk_elems(cfg: OptimConfig, budget_bytes: int | None) -> int:
                              f"needs {need} bytes of buffers, the pool holds {budget_bytes}; "
                              "lower them or raise io.buffer_budget")
         return cfg.chunk_elems
-    per_elem = state_bytes(1 << 20, 3, cfg.state_dtype) / (1 << 20)
-    per = int(budget_bytes * cfg.buffer_share / (cfg.buffers * per_elem))
-    if per < 4096:
+    n = auto_chunk_elems(budget_bytes, cfg.buffers, cfg.buffer_share, cfg.state_dtype)
+    if not n:
         raise ValueError(f"io.buffer_budget={budget_bytes} bytes x optim.buffer_share="
                          f"{cfg.buffer_share} leaves under 4096 elements per chunk for "
                          f"{cfg.buffers} buffers; raise the budget or set optim.chunk_elems")
-    return min(MAX_AUTO_CHUNK, 1 << (per.bit_length() - 1))
+    return n
 
 
 def _master_and_out(master: torch.Tensor | None, out: torch.Tensor | None
@@ -182,9 +179,8 @@ class CpuAdam(StateAccess):
         if (swap is None) != (pool is None):
             raise ValueError("pass both swap and pool (NVMe state) or neither (host state only)")
         self.swap = swap
-        if pool is not None and buffer_budget is None:
-            buffer_budget = pool.budget
-        self.chunk_elems = resolve_chunk_elems(cfg, buffer_budget if pool is not None else None)
+        self.chunk_elems = resolve_chunk_elems(
+            cfg, None if pool is None else buffer_budget or pool.budget)
         self._pipeline = None if swap is None else SwapPipeline(
             swap, pool, chunk_elems=self.chunk_elems, buffers=cfg.buffers, recorder=recorder,
             slot_bytes=state_bytes(self.chunk_elems, 3, self.state_dtype))

@@ -35,18 +35,13 @@ import torch
 
 from ..io import SwapExtent, SwapSpace
 from ..store import Tier
-from .codec import QBLOCK, STATE_DTYPES, Moment, StateDtype, moment_bytes, moment_views
+from ..planner.sizes import state_bytes
+from .codec import QBLOCK, STATE_DTYPES, Moment, StateDtype, moment_views
 
 __all__ = ["ChunkLayout", "PartitionState", "Segment", "Tier", "BYTES_PER_ELEM", "optim_tier",
            "state_bytes"]
 
 BYTES_PER_ELEM = 12  # fp32 master + exp_avg + exp_avg_sq, as stored per chunk
-
-
-def state_bytes(n: int, kinds: int = 3, state_dtype: StateDtype = "fp32") -> int:
-    """Bytes of `n` elements' optimizer state as laid out in a chunk: the fp32 master
-    (`kinds` 3) and both moments in `state_dtype` form."""
-    return (4 * n if kinds == 3 else 0) + moment_bytes(state_dtype, n)
 
 
 def optim_tier(value: Tier | str) -> Tier:

@@ -34,6 +34,8 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
+from .sizes import moment_bytes
+
 __all__ = ["KINDS", "PLACEMENTS", "Placement", "ModelBytes", "TierBytes", "kind_bytes",
            "parse_placement", "tier_bytes"]
 
@@ -95,8 +97,6 @@ def kind_bytes(m: ModelBytes) -> dict[str, int]:
     in fp32 training, where the parameter partition is the master; each moment in
     `m.state_dtype`'s form (fp32 4 bytes per element, bf16 2, int8 1 and a scale per
     block: [Note: compressed moments] in offload/optim/codec.py)."""
-    from ..optim.codec import moment_bytes
-
     item = DTYPE_BYTES[m.dtype]
     train = [n for n, t in m.shards if t]
     out = {"param": sum(_footprint(n * item) for n, _ in m.shards),

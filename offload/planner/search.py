@@ -42,6 +42,8 @@ from .estimate import (PLACEMENTS, ModelBytes, Placement, _footprint, early_upda
                        tier_bytes)
 from .plan import Plan, PlanOp, RecordSpec, Use, lru_bytes, make_plan
 from .simulate import Rates, simulate
+from .sizes import auto_chunk_elems as chunk_elems
+from .sizes import state_elem_bytes
 
 __all__ = ["Budgets", "Candidate", "Machine", "ModelledStep", "Scored", "Space", "StepShape",
            "UnitUse", "calibrate", "calibration_key", "chunk_elems", "lru_step_bytes",
@@ -49,7 +51,6 @@ __all__ = ["Budgets", "Candidate", "Machine", "ModelledStep", "Scored", "Space",
            "state_elem_bytes", "steady_records"]
 
 MiB = 1 << 20
-MAX_CHUNK = 1 << 23
 
 
 @dataclass(frozen=True)
@@ -162,23 +163,6 @@ class Scored:
     def simulated_s(self) -> float:
         """The simulator's step before calibration."""
         return self.step_s / self.calibration
-
-
-def chunk_elems(buffer_budget: int, buffers: int, share: float = 0.5,
-                state_dtype: str = "fp32") -> int:
-    """Elements per optimizer chunk, as the optimizer derives it (optim.chunk_elems 0:
-    offload.optim.resolve_chunk_elems, buffers sized for a chunk with its master)."""
-    per = int(buffer_budget * share / (buffers * state_elem_bytes(True, state_dtype)))
-    return 0 if per < 4096 else min(MAX_CHUNK, 1 << (per.bit_length() - 1))
-
-
-def state_elem_bytes(master: bool, state_dtype: str) -> float:
-    """Bytes per element of a chunk of optimizer state: the fp32 master (where distinct
-    from the parameter) and both moments in `state_dtype`'s form."""
-    from ..optim.state import state_bytes
-
-    n = 1 << 20
-    return state_bytes(n, 3 if master else 2, state_dtype) / n
 
 
 def model_of(shape: StepShape, c: Candidate) -> ModelBytes:

@@ -114,14 +114,18 @@ def simulate(plan: Plan, uses: Sequence[Use], rates: Rates) -> Prediction:
     pred = Prediction(0.0, 0.0, 0.0)
     disk_free, last_kind = 0.0, ""
     now = 0.0                      # end of the latest use of the compute lane
-    computes: list[int] = []       # indices of the compute lane's uses so far
+    prev = -1                      # index of the compute lane's latest use
     side: list[tuple[int, float]] = []  # (index, end) of the other lanes' uses
+    side_done = side_end = 0.0     # latest end among those before `prev`; among all
+    waited = 0                     # how many of `side` side_done has taken in
     lane_free: dict[str, float] = {}
     end_of_use: list[float] = []
     for i, use in enumerate(uses):
         if use.lane == "compute":  # backpressure: the other lanes' uses queued before the
-            prev = computes[-1] if computes else -1  # compute use before this one are done
-            base = max([now] + [e for j, e in side if j < prev or use.kind == "commit"])
+            while waited < len(side) and side[waited][0] < prev:  # compute use before
+                side_done = max(side_done, side[waited][1])      # this one are done
+                waited += 1
+            base = max(now, side_end if use.kind == "commit" else side_done)
         else:  # after the compute use before it (it produced its input), in its lane's order
             base = max(lane_free.get(use.lane, 0.0), now)
         for op in issued_by.get(i, ()):  # issued when use i is about to start
@@ -157,12 +161,12 @@ def simulate(plan: Plan, uses: Sequence[Use], rates: Rates) -> Prediction:
                             start, end, {"use": i, "kind": use.kind}))
         pred.occupancy.append((start, plan.held[i]))
         if use.lane == "compute":
-            now = end
-            computes.append(i)
+            now, prev = end, i
         else:
             lane_free[use.lane] = end
             side.append((i, end))
+            side_end = max(side_end, end)
         end_of_use.append(end)
-    pred.step_s = max([now, disk_free] + [e for _, e in side])
+    pred.step_s = max(now, disk_free, side_end)
     pred.occupancy.append((pred.step_s, plan.held[-1] if plan.held else 0))
     return pred

@@ -23,6 +23,6 @@ from .store import TieredStore
 
 __all__ = [
     "BudgetExceededError", "Candidate", "DirectionStats", "EvictionPolicy", "LruPolicy",
-    "MoveHandle", "NextUsePolicy", "PartitionRecord", "RecordInfo", "Residency", "Step", "StoreStats", "Tier",
-    "TierStats", "TieredStore", "footprint", "plan_evict", "plan_fetch",
+    "MoveHandle", "NextUsePolicy", "PartitionRecord", "RecordInfo", "Residency", "Step",
+    "StoreStats", "Tier", "TierStats", "TieredStore", "footprint", "plan_evict", "plan_fetch",
 ]
