@@ -136,8 +136,8 @@ def predict(row: dict[str, Any], job: dict[str, Any], m: dict[str, Any]) -> dict
     from ..config import OptimConfig
     from ..planner import Rates, Use, simulate
     from ..planner.estimate import early_updates
-    from ..planner.search import (UnitUse, chunk_elems, lru_step_bytes, modelled_step,
-                                  plan_step)
+    from ..planner.search import (UnitUse, chunk_elems, commit_stages, lru_step_bytes,
+                                  modelled_step, plan_step)
 
     cfg, prof = job["config"], m["profile"]
     p = _placement(row["placement"])
@@ -146,10 +146,12 @@ def predict(row: dict[str, Any], job: dict[str, Any], m: dict[str, Any]) -> dict
     units = [UnitUse(u["kind"], tuple(u["gids"]), u["compute_s"], f"{u['kind']}:{u['unit']}")
              for u in prof["uses"]]
     early = early_updates(p, row["dtype"])
-    step = modelled_step(units, [tuple(s) for s in m["shards"]], row["dtype"], p, chunk,
+    shards = [tuple(s) for s in m["shards"]]
+    step = modelled_step(units, shards, row["dtype"], p, chunk,
                          prof["adam_eps"] or 1e9, update_lane="update" if early else "compute",
                          between=[Use((), (), "loss", "loss", prof["between_s"])],
-                         commit_s=prof["commit_s"], grads_reserved=True)
+                         commit_s=prof["commit_s"], grads_reserved=True,
+                         staged=commit_stages(p, row["dtype"], shards, job["planner_budget"]))
     plan = plan_step(step, job["planner_budget"], cfg["engine"]["prefetch_depth"], buffers)
     lru_r, lru_w = lru_step_bytes(step, job["planner_budget"])
     d = m["disk"]

@@ -141,7 +141,7 @@ def initialize(model: nn.Module | Callable[[], nn.Module],
     try:
         engine = OffloadEngine(model, cfg, units, groups, store, comm, recorder, tp, gathers)
         if policy is not None:
-            policy.follow(next_use_of(engine.trace, engine.staged, engine.queued_updates))
+            policy.follow(next_use_of(engine.trace, engine.staged, engine.pending_updates))
         engine._attach_optimizer(lr_lambda, hyper)
         dtype = _DTYPES[cfg.engine.dtype]
         deferred = []  # the user's real tensors stay in the model until nothing can fail

@@ -57,7 +57,7 @@ from ..optim import CpuAdam, OptimStepError
 from ..planner import AccessTrace
 from ..store import BudgetExceededError, Tier, TieredStore
 from ..trace import NULL_RECORDER, TraceRecorder, UnitSpans
-from .eviction import sooner_than
+from .eviction import PendingUpdates, sooner_than
 from .forward_prefetch import ForwardOnlyPrefetch
 from .grad_slots import GradSlots
 from .model_weights import ModelWeights
@@ -138,7 +138,7 @@ class OffloadEngine(ModelWeights, nn.Module):
         # one thread: early updates run in the order backward produced the gradients
         self._updater = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-update")
         self._early: list[Future] = []
-        self.queued_updates: set[int] = set()  # early updates yet to read their master
+        self.pending_updates = PendingUpdates()  # [Note: the updates' order] in eviction.py
         # the open step's new partitions ([Note: all or nothing] in step.py)
         self.staged = StagedParams(store, self._param_tier)
         self._update_order: list[int] = []  # groups in the order this step updated them
@@ -245,7 +245,7 @@ class OffloadEngine(ModelWeights, nn.Module):
             if st.gathered or st.pending is not None:
                 continue
             gather = i == 0 and self.comm.world > 1  # a collective: every rank issues it
-            sooner = sooner_than(self.trace, gid, self.staged, self.queued_updates)
+            sooner = sooner_than(self.trace, gid, self.staged, self.pending_updates)
             if not gather and not self.store.fits_sparing(("p", gid), Tier.DEVICE, sooner):
                 return  # the groups after it are needed later still: [Note: prefetch room]
             try:
@@ -379,8 +379,7 @@ class OffloadEngine(ModelWeights, nn.Module):
             else:
                 grad = shard_grad.cpu()
             self._has_grad.add(gid)
-            if self.master_is_param:  # its parameters stay: [Note: the staged copy stays]
-                self.queued_updates.add(gid)
+            self.pending_updates.add(gid, reads_master=self.master_is_param)
             self._early.append(self._updater.submit(self._update_group, gid, grad, None,
                                                     self.grad_slots.active(gid)))
             # Backpressure: each queued update holds its gradient; where updates are
@@ -450,7 +449,7 @@ class OffloadEngine(ModelWeights, nn.Module):
             try:
                 old = self.store.fetch(pkey, to=where, pin=True).wait()  # kept till read
             finally:
-                self.queued_updates.discard(gid)
+                self.pending_updates.read_master(gid)
             masters = {gid: old.cpu()}
         try:
             with self.staged.new(gid, self.groups[gid].shard, self.dtype) as new:
@@ -460,6 +459,7 @@ class OffloadEngine(ModelWeights, nn.Module):
                     grad_norm=norm, found_inf=False, next_pid=self._next_update.get(gid),
                     active={gid: active}, schedule_step=self.global_step)
         finally:
+            self.pending_updates.done(gid)
             if masters is not None:
                 self.store.unpin(pkey)
         self._count_opt_bytes(res.bytes_read, res.bytes_written)
@@ -651,11 +651,13 @@ class OffloadEngine(ModelWeights, nn.Module):
             self._abort_step()
             self._after_overflow()
             return False
+        self.pending_updates.add(*gids, reads_master=self.master_is_param)
         in_place = (self.cfg.engine.optimizer == "host" and not self.staged
                     and self._update_in_place(gids, norm))
         if not in_place:
             for gid in gids:
                 self._update_group(gid, None, norm)
+        self.pending_updates.clear()
         self.staged.ready()
         self.optimizer.commit(grad_norm=norm)  # all or nothing; rolled back if it raises
         self.staged.switch()
@@ -673,7 +675,7 @@ class OffloadEngine(ModelWeights, nn.Module):
         the groups the optimizer undid itself). The next backward starts a new step."""
         errors = [cause] + [f.exception() for f in self._early]  # waits for them
         self._early = []
-        self.queued_updates.clear()
+        self.pending_updates.clear()
         undone = set(self.staged.discard()) | set(self.optimizer.rollback())
         for e in errors:
             if isinstance(e, OptimStepError):

@@ -2,7 +2,7 @@
 of the trace: no tensors, files or threads)."""
 
 from .access import AccessTrace, lookahead
-from .plan import Plan, PlanOp, RecordSpec, Use, lru_bytes, make_plan
+from .plan import Plan, PlanOp, RecordSpec, Use, lru_bytes, make_plan, previous_key
 from .simulate import Prediction, Rates, simulate
 
 __all__ = ["AccessTrace", "Plan", "PlanOp", "Prediction", "Rates", "RecordSpec", "Use",

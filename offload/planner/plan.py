@@ -19,6 +19,17 @@ of the trace it is issued at and the one it is needed at, the bytes read and
 written, and the bytes held at every point, which never exceed the budget.
 `lru_bytes` is the same walk with on-demand fetches and least-recently-used
 eviction: the baseline a plan is measured against.
+
+[Note: previous versions]
+A step commits as a whole (offload/engine/step.py): where an update cannot
+change its parameter partition in place, the partition's previous version
+stays beside the new one until the commit, in memory or on NVMe, since a
+failed step goes back to it. A use lists such partitions in `previous`: from
+that use on, the record's version before it is a record of its own,
+`(key, "previous")`, of the same bytes, resident and dirty where the record
+was (a version already on NVMe costs nothing to drop; one only in memory is
+written if it must leave), needed by no use (it leaves first); the use that
+lists it in `drops` (the commit) frees it without a write.
 """
 
 from __future__ import annotations
@@ -27,7 +38,13 @@ import bisect
 from dataclasses import dataclass, field
 from typing import Hashable, Mapping, Sequence
 
-__all__ = ["Plan", "PlanOp", "RecordSpec", "Use", "lru_bytes", "make_plan"]
+__all__ = ["Plan", "PlanOp", "RecordSpec", "Use", "lru_bytes", "make_plan", "previous_key"]
+
+
+def previous_key(key: Hashable) -> Hashable:
+    """The record of `key`'s version before an update that keeps it ([Note: previous
+    versions])."""
+    return (key, "previous")
 
 
 @dataclass(frozen=True)
@@ -48,7 +65,9 @@ class Use:
     thread; [Note: the simulated step]) are carried along for the simulator and the
     trace. `reserved`: bytes of the budget that something outside the trace's records
     holds while it runs (e.g. gradients kept in memory from their backward to their
-    update); the records get the rest."""
+    update); the records get the rest. `previous` (a subset of `writes`): records whose
+    version before this use is kept as `(key, "previous")`; `drops`: such versions
+    freed after this use ([Note: previous versions])."""
 
     keys: tuple[Hashable, ...]
     writes: tuple[Hashable, ...] = ()
@@ -57,6 +76,8 @@ class Use:
     compute_s: float = 0.0
     lane: str = "compute"
     reserved: int = 0
+    previous: tuple[Hashable, ...] = ()
+    drops: tuple[Hashable, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -94,10 +115,10 @@ def _check(uses: Sequence[Use], records: Mapping[Hashable, RecordSpec], budget: 
         unknown = [k for k in use.keys if k not in records]
         if unknown:
             raise ValueError(f"use {i} names records {unknown[:4]} that are not described")
-        stray = [k for k in use.writes if k not in use.keys]
+        stray = [k for k in (*use.writes, *use.previous) if k not in use.keys]
         if stray:
             raise ValueError(f"use {i} writes {stray[:4]}, which it does not use")
-        need = sum(records[k].nbytes for k in set(use.keys)) + use.reserved
+        need = sum(records[k].nbytes for k in set(use.keys) | set(use.previous)) + use.reserved
         if need > budget:
             raise ValueError(f"use {i} ({use.kind} {use.label}) needs {need} bytes at once, "
                              f"more than the budget of {budget}")
@@ -126,21 +147,30 @@ class _NextUse:
 
 
 def make_plan(uses: Sequence[Use], records: Mapping[Hashable, RecordSpec],
-              budget: int) -> Plan:
-    """The plan of one step ([Note: the plan]). Raises ValueError when a use needs more
-    than `budget` at once, or a use names an unknown record."""
+              budget: int, steady: bool = False) -> Plan:
+    """The plan of one step ([Note: the plan]). `steady`: the plan of the step that
+    follows this one in a loop (it starts with what the first left resident and
+    dirty), instead of the first. Raises ValueError when a use needs more than
+    `budget` at once, or a use names an unknown record."""
     _check(uses, records, budget)
     size = {k: r.nbytes for k, r in records.items()}
     nxt = _NextUse(uses)
     resident = {k for k, r in records.items() if r.resident}
     dirty = {k for k, r in records.items() if r.dirty and r.resident}
+    plan = _walk(uses, size, nxt, budget, resident, dirty)
+    return _walk(uses, size, nxt, budget, resident, dirty) if steady else plan
+
+
+def _walk(uses: Sequence[Use], size: dict, nxt: _NextUse, budget: int, resident: set,
+          dirty: set) -> Plan:
+    """make_plan's walk from `resident` and `dirty`, which it leaves as the step ends."""
     last = {k: -1 for k in resident}     # last use of each resident record (-1: none yet)
     held = [0] * len(uses)
     plan = Plan([], budget, held)
     prev_issue = 0
     for i, use in enumerate(uses):
         held[i] += sum(size[k] for k in resident) + use.reserved
-        need = set(use.keys)
+        need = set(use.keys) | {previous_key(k) for k in use.previous}
         room = budget - use.reserved
 
         def evict_one() -> None:
@@ -173,23 +203,42 @@ def make_plan(uses: Sequence[Use], records: Mapping[Hashable, RecordSpec],
             plan.fetches_by_use.setdefault(i, []).append(op)
             plan.bytes_read += size[k]
             resident.add(k)
+        for k in use.previous:  # [Note: previous versions]
+            pk = previous_key(k)
+            size[pk] = size[k]
+            while sum(size[r] for r in resident) + size[pk] > room:
+                evict_one()
+            resident.add(pk)
+            held[i] += size[pk]
+            last[pk] = i
+            if k in dirty:
+                dirty.add(pk)
         dirty.update(use.writes)
         for k in need:
             last[k] = i
+        for pk in use.drops:  # freed after this use, never written
+            resident.discard(pk)
+            dirty.discard(pk)
     return plan
 
 
 def lru_bytes(uses: Sequence[Use], records: Mapping[Hashable, RecordSpec],
-              budget: int) -> tuple[int, int]:
+              budget: int, steady: bool = False) -> tuple[int, int]:
     """(bytes read, bytes written) of on-demand fetches with least-recently-used
-    eviction under the same budget: the baseline."""
+    eviction under the same budget: the baseline (`steady` as for make_plan)."""
     _check(uses, records, budget)
     size = {k: r.nbytes for k, r in records.items()}
     recent: dict[Hashable, int] = {k: -1 for k, r in records.items() if r.resident}
     dirty = {k for k, r in records.items() if r.dirty and r.resident}
+    moved = _lru_walk(uses, size, budget, recent, dirty)
+    return _lru_walk(uses, size, budget, recent, dirty) if steady else moved
+
+
+def _lru_walk(uses: Sequence[Use], size: dict, budget: int, recent: dict, dirty: set
+              ) -> tuple[int, int]:
     read = written = 0
     for i, use in enumerate(uses):
-        need = set(use.keys)
+        need = set(use.keys) | {previous_key(k) for k in use.previous}
         room = budget - use.reserved
 
         def evict_one() -> None:
@@ -207,5 +256,16 @@ def lru_bytes(uses: Sequence[Use], records: Mapping[Hashable, RecordSpec],
                     evict_one()
                 read += size[k]
             recent[k] = i
+        for k in use.previous:
+            pk = previous_key(k)
+            size[pk] = size[k]
+            while sum(size[r] for r in recent) + size[pk] > room:
+                evict_one()
+            recent[pk] = i
+            if k in dirty:
+                dirty.add(pk)
         dirty.update(use.writes)
+        for pk in use.drops:
+            recent.pop(pk, None)
+            dirty.discard(pk)
     return read, written

@@ -40,14 +40,14 @@ from typing import Callable, Iterable, Iterator, Mapping, Sequence
 
 from .estimate import (PLACEMENTS, ModelBytes, Placement, _footprint, early_updates, kind_bytes,
                        tier_bytes)
-from .plan import Plan, PlanOp, RecordSpec, Use, lru_bytes, make_plan
+from .plan import Plan, PlanOp, RecordSpec, Use, lru_bytes, make_plan, previous_key
 from .simulate import Rates, simulate
 from .sizes import auto_chunk_elems as chunk_elems
 from .sizes import state_elem_bytes
 
 __all__ = ["Budgets", "Candidate", "Machine", "ModelledStep", "Scored", "Space", "StepShape",
            "UnitUse", "calibrate", "calibration_key", "chunk_elems", "lru_step_bytes",
-           "model_of", "modelled_step", "plan_step", "ranked", "score", "search", "shortfall",
+           "commit_stages", "model_of", "modelled_step", "plan_step", "ranked", "score", "search", "shortfall",
            "state_elem_bytes", "steady_records"]
 
 MiB = 1 << 20
@@ -237,7 +237,8 @@ def modelled_step(units: Sequence[UnitUse], shards: Sequence[tuple[int, bool]], 
                   chunk_overhead_s: float = 0.0, update_lane: str = "compute",
                   update_order: Sequence[int] | None = None,
                   between: Sequence[Use] = (), commit_s: float = 0.0,
-                  grads_reserved: bool = False, state_dtype: str = "fp32") -> ModelledStep:
+                  grads_reserved: bool = False, state_dtype: str = "fp32",
+                  staged: bool = False) -> ModelledStep:
     """The access trace of one step ([Note: the modelled step]) from its unit uses in
     order (forward and backward, each with its compute seconds as given): each group's
     update after the backward of its unit where updates run early (on `update_lane`:
@@ -248,7 +249,9 @@ def modelled_step(units: Sequence[UnitUse], shards: Sequence[tuple[int, bool]], 
     last forward and the first backward (the loss); `commit_s`: the commit's seconds;
     `grads_reserved`: gradients stored in memory (not on NVMe) take their bytes of the
     plan's budget from their backward to their update (`Use.reserved`); `state_dtype`:
-    the form of Adam's moments in the chunks (`adam_eps` is that form's rate)."""
+    the form of Adam's moments in the chunks (`adam_eps` is that form's rate);
+    `staged`: each update keeps its parameters' previous version until the commit
+    (`commit_stages`, [Note: previous versions] in plan.py)."""
     state_b = state_elem_bytes(dtype != "fp32", state_dtype)
     early = early_updates(placement, dtype)
     records = _records(shards, dtype, placement)
@@ -281,15 +284,18 @@ def modelled_step(units: Sequence[UnitUse], shards: Sequence[tuple[int, bool]], 
         for j, (k, m) in enumerate(parts):
             keys: tuple = (("g", gid),) if j == 0 and ("g", gid) in records else ()
             pw = (("p", gid),) if j == len(parts) - 1 and ("p", gid) in records else ()
+            if staged:
+                kept.extend(pw)
             if k is not None:
                 streams.append((len(uses), ("s", gid, k), round(m * state_b)))
             t = m / adam_eps + (chunk_overhead_s if k is not None else 0.0)
             adam += t
             uses.append(Use(keys + pw, pw, "update", f"adam {gid}", t, lane,
-                            sum(held.values())))
+                            sum(held.values()), previous=pw if staged else ()))
         held.pop(gid, None)  # the update frees the stored gradient
 
     done: set[int] = set()
+    kept: list = []  # records whose previous version waits for the commit
     backward = False
     for u in units:
         if u.kind == "backward" and not backward:
@@ -304,11 +310,27 @@ def modelled_step(units: Sequence[UnitUse], shards: Sequence[tuple[int, bool]], 
     if not early:
         for g in (update_order if update_order is not None else range(len(shards))):
             update(g, "compute")
-    uses.append(Use((), (), "commit", "commit", commit_s))  # the last chunk's write lands after
+    uses.append(Use((), (), "commit", "commit", commit_s,  # the last chunk's write lands after
+                    drops=tuple(previous_key(k) for k in kept)))
     return ModelledStep(uses, records, streams, fb, adam)
 
 
-def _uses(shape: StepShape, c: Candidate, machine: Machine) -> ModelledStep:
+def commit_stages(p: Placement, dtype: str, shards: Sequence[tuple[int, bool]],
+                  budget: int) -> bool:
+    """True where the step's updates keep their parameters' previous versions until the
+    commit, as the engine's `step()` does ([Note: all or nothing] in
+    offload/engine/step.py): always but where the optimizer state is on the host and
+    every gradient and parameter partition the updates touch fits `budget` at once
+    (the engine then pins them all first and updates in place)."""
+    if p.optimizer != "host" or early_updates(p, dtype):
+        return True
+    item = {"fp32": 4, "bf16": 2, "fp16": 2}[dtype]
+    need = sum(_footprint(n * item) + _footprint(n * 4) for n, trains in shards if trains)
+    return need > budget
+
+
+def _uses(shape: StepShape, c: Candidate, machine: Machine, staged: bool = False
+          ) -> ModelledStep:
     """The modelled step of candidate `c` ([Note: the modelled step]): forward over the
     units, backward in reverse at twice the forward's seconds, each plus the machine's
     fixed cost per unit use (and, on a GPU, the copy up of parameters homed on the
@@ -330,7 +352,8 @@ def _uses(shape: StepShape, c: Candidate, machine: Machine) -> ModelledStep:
                       f"backward {i}") for i in reversed(range(len(shape.units)))]
     return modelled_step(units, shape.shards, shape.dtype, p, chunk,
                          machine.adam_rate(c.state_dtype),
-                         chunk_overhead_s=machine.chunk_overhead_s, state_dtype=c.state_dtype)
+                         chunk_overhead_s=machine.chunk_overhead_s, state_dtype=c.state_dtype,
+                         staged=staged)
 
 
 def _stream_state(plan: Plan, streams: list[tuple[int, tuple, int]], buffers: int) -> Plan:
@@ -366,7 +389,8 @@ def _limit_lookahead(plan: Plan, depth: int) -> Plan:
 
 def steady_records(step: ModelledStep, budget: int) -> dict:
     """The step's records, all resident from the start where they fit `budget` together
-    (the steady state of a loop: nothing is ever evicted)."""
+    (a loop of steps then never evicts them; the plan's walk with `steady` makes
+    those its steps write dirty before the step it plans)."""
     if sum(r.nbytes for r in step.records.values()) <= budget:
         return {k: RecordSpec(r.nbytes, resident=True) for k, r in step.records.items()}
     return dict(step.records)
@@ -377,14 +401,15 @@ def plan_step(step: ModelledStep, budget: int, prefetch_depth: int, buffers: int
     parameter fetches issued no earlier than the engine's look-ahead of
     `prefetch_depth` uses, and the optimizer's NVMe state streamed through `buffers`
     chunk buffers. Raises ValueError when a use needs more than `budget` at once."""
-    plan = make_plan(step.uses, steady_records(step, budget), max(budget, 1))
+    plan = make_plan(step.uses, steady_records(step, budget), max(budget, 1), steady=True)
     return _stream_state(_limit_lookahead(plan, prefetch_depth), step.streams, buffers)
 
 
 def lru_step_bytes(step: ModelledStep, budget: int) -> tuple[int, int]:
     """(read, written) bytes of the same step with on-demand fetches and least-recently-
     used eviction of its records (`lru_bytes`), plus the optimizer's streamed state."""
-    read, written = lru_bytes(step.uses, steady_records(step, budget), max(budget, 1))
+    read, written = lru_bytes(step.uses, steady_records(step, budget), max(budget, 1),
+                              steady=True)
     moved = sum(b for _, _, b in step.streams)
     return read + moved, written + moved
 
@@ -402,7 +427,7 @@ def score(shape: StepShape, c: Candidate, budgets: Budgets, machine: Machine) ->
     if p.optimizer == "nvme" and not chunk_elems(c.buffer_budget, c.buffers,
                                                   state_dtype=c.state_dtype):
         return None
-    step = _uses(shape, c, machine)
+    step = _uses(shape, c, machine, commit_stages(p, shape.dtype, shape.shards, mem[2]))
     fb, adam = step.compute_s, step.adam_s
     try:
         plan = plan_step(step, mem[2], c.prefetch_depth, c.buffers)

@@ -99,23 +99,73 @@ def test_a_deeper_look_ahead_never_evicts_what_is_needed_sooner(tmp_path):
 def test_a_staged_partition_takes_over_its_groups_next_use():
     """[Note: the staged copy stays]: once a group's update staged its new partition,
     the new one is needed at the group's next use and the old one never (it goes
-    first); a group whose queued update will read its parameters as the master is
-    needed now; a gradient at the step's end."""
-    from offload.engine.eviction import next_use_of, sooner_than
+    first); a group whose pending update will read its parameters as the master is
+    needed at that update, before any other use; a gradient at the step's end."""
+    from offload.engine.eviction import PendingUpdates, next_use_of, sooner_than
     from offload.planner import AccessTrace
 
     trace = AccessTrace([0, 1, 2, 2, 1, 0])
     for gid in (0, 1, 2, 2):  # forward, then the backward of group 2
         trace.record(gid)
-    staged, queued = {2}, {1}
-    nu = next_use_of(trace, staged, queued)
+    pending = PendingUpdates()
+    pending.add(1, reads_master=True)
+    staged = {2}
+    nu = next_use_of(trace, staged, pending)
     assert nu(("p", 2)) is None                  # replaced at the commit
-    assert nu(("p", 2, "staged")) == 5           # the next step's forward of group 2
-    assert nu(("p", 1)) == 0                     # its update reads it now
-    assert nu(("p", 0)) == 2                     # its backward
-    assert nu(("g", 0)) == 3 and nu("other") is None
+    assert nu(("p", 2, "staged")) == 1 + 5       # the next step's forward of group 2
+    assert nu(("p", 1)) == 0                     # its update reads it first
+    assert nu(("p", 0)) == 1 + 2                 # its backward, after the update
+    assert nu(("g", 0)) == 1 + 3 and nu("other") is None
     plain = next_use_of(trace)
     assert plain(("p", 2)) == 5 and plain(("p", 1)) == 1
-    # a prefetch of group 0 must not evict the parameters a queued update reads
-    assert sooner_than(trace, 0, staged, queued)(("p", 1))
-    assert not sooner_than(trace, 0, staged, queued)(("p", 2))
+    # a prefetch of group 0 must not evict the parameters a pending update reads
+    assert sooner_than(trace, 0, staged, pending)(("p", 1))
+    assert not sooner_than(trace, 0, staged, pending)(("p", 2))
+    pending.read_master(1)
+    assert nu(("p", 1)) == 1 + 1                 # read: its next use is its backward
+
+
+def test_the_update_loop_keeps_its_inputs_ahead_of_the_next_forward():
+    """[Note: the updates' order]: after the trace finished, `step()`'s updates run in
+    order; each one's gradient and fp32 master are needed at its place in that order,
+    before the next forward's uses, and the nearest first."""
+    from offload.engine.eviction import PendingUpdates, next_use_of
+    from offload.planner import AccessTrace
+
+    trace = AccessTrace([0, 1, 2, 2, 1, 0])
+    for gid in (0, 1, 2, 2, 1, 0):
+        trace.record(gid)
+    trace.finish()  # step(): the trace's uses now count from the next step's first
+    pending = PendingUpdates()
+    for gid in (0, 1, 2):
+        pending.add(gid, reads_master=True)
+    nu = next_use_of(trace, (), pending)
+    assert [nu(("g", g)) for g in (0, 1, 2)] == [0, 1, 2]
+    assert [nu(("p", g)) for g in (0, 1, 2)] == [0, 1, 2]
+    pending.done(0)
+    nu0 = nu(("p", 0, "staged"))
+    assert nu(("g", 1)) == 0 and nu(("g", 2)) == 1
+    assert nu0 is not None and nu0 > nu(("p", 2)), "the next forward comes after the updates"
+
+
+def test_the_update_loop_keeps_the_inputs_of_the_next_updates(tmp_path):
+    """[Note: the updates' order]: parameters streaming, host optimizer state, memory
+    for the parameters and gradients but not the staged copies beside them. The
+    updates' gradients and masters stay for their update and the replaced copies
+    leave instead: 9.25 layers moved per step (16.4 while the update loop ranked every
+    gradient behind the next forward's parameters, and moved the next update's
+    gradient to NVMe and straight back)."""
+    cfg = {"engine": {"params": "nvme", "grads": "host", "optimizer": "host", "group_size": 1},
+           "io": {"paths": [str(tmp_path)], "buffer_budget": "8MiB"},
+           "store": {"host_budget": "3MiB", "device_budget": "1MiB", "device": "cpu"}}
+    torch.manual_seed(0)
+    layer = 256 * 257 * 4
+    with offload.initialize(Stack(layers=8), cfg) as e:
+        for _ in range(3):
+            before = e.store.stats().moves
+            e.backward(e(torch.randn(8, 256)).square().mean())
+            e.step()
+        after = e.store.stats().moves
+    d = {k: v.bytes - (before[k].bytes if k in before else 0) for k, v in after.items()}
+    moved = sum(v for k, v in d.items() if "NVME" in k)
+    assert moved <= 10 * layer, {k: v / layer for k, v in d.items()}
