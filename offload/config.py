@@ -198,8 +198,10 @@ class StoreConfig:
     host_budget: int = _bytes_field("16GiB", "bytes of page-aligned (pinned with CUDA) host "
                                     "memory the HOST tier may hold; the store's own pool, apart "
                                     "from io.buffer_budget")
-    nvme_budget: int = _bytes_field(0, "bytes of swap extents the NVME tier may hold; 0: bounded "
-                                    "only by io.max_swap_size (per kind) and the disk")
+    nvme_budget: int = _bytes_field(0, "bytes of swap extents the NVME tier may hold, the "
+                                    "optimizer's state (both versions while a step is open) "
+                                    "included; 0: bounded only by io.max_swap_size (per kind) "
+                                    "and the disk")
     policy: Literal["next-use", "lru"] = _doc(
         "next-use", "eviction policy when a tier is full: next-use evicts the unpinned partition "
         "the step's access trace needs last (clean copies first among equals; least recently "

@@ -18,8 +18,10 @@ or nothing] in step.py) and ("g", gid) for its gradient. `next_use_of(trace,
 staged, pending)` tells the store's `NextUsePolicy` how far ahead each is
 needed, from the access trace the step follows and the step's updates yet to
 run (`PendingUpdates`, in the order they run): a gradient whose update is
-pending, and a parameter partition that update reads as the fp32 master, at
-the update's place in that order; everything else after all of them, at its
+pending now (held for it, as the plan holds gradients: a reserve, [Note: the
+plan] in offload/planner/plan.py), a parameter partition that update reads
+as the fp32 master at the update's place in that order; everything else
+after all of them, at its
 group's next use in the trace (forward or backward, this step or the next);
 once the group's update has staged its new partition, that one takes over the
 next use and the old one has none (the commit replaces it; only a failed step
@@ -55,7 +57,10 @@ parameters streaming and host optimizer state at half the memory of its state
 (`offload bench plan`, mlp params 50% fp32) moved 58.8 MB for the plan's 4.2.
 Ranking the pending updates' inputs by their place in the update order, ahead
 of every other use, keeps them; the old copies the updates replaced leave
-instead.
+instead: 25.2 MB. Holding every pending update's gradient (the plan's model of
+them), a later update's master leaves instead of the last update's gradient:
+written once, where the gradient cost a write and a read, and read back clean,
+so its previous version then leaves for free: 21.0 MB, the plan's bytes.
 """
 
 from __future__ import annotations
@@ -137,7 +142,9 @@ def next_use_of(trace: AccessTrace, staged: Container[int] = (),
         ahead = 0
         if pending is not None:
             at = pending.place(gid)
-            if at is not None and len(key) == 2 and (key[0] == "g" or pending.reads_master(gid)):
+            if at is not None and len(key) == 2 and key[0] == "g":
+                return 0  # held for its update, as the plan holds it ([Note: the updates' order])
+            if at is not None and len(key) == 2 and pending.reads_master(gid):
                 return at
             ahead = len(pending)  # every pending update comes first
         if len(key) == 3:  # ("p", gid, "staged"): the next forward reads it

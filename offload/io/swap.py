@@ -25,7 +25,7 @@ import shutil
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Protocol
 
 import xxhash
 
@@ -37,7 +37,7 @@ from .paths import check_swap_dirs, probe_direct
 
 log = logging.getLogger(__name__)
 
-__all__ = ["SwapExtent", "SwapSpace", "ReadHandle", "probe_direct"]
+__all__ = ["SwapExtent", "SwapLedger", "SwapSpace", "ReadHandle", "probe_direct"]
 
 
 def _round_up(n: int, m: int) -> int:
@@ -50,6 +50,16 @@ class SwapExtent:
 
     offset: int
     length: int  # reserved bytes, a multiple of 4 KiB
+
+
+class SwapLedger(Protocol):
+    """Counts a swap space's extents against a budget (`SwapSpace.ledger`)."""
+
+    def charge(self, nbytes: int) -> None:
+        """Counts `nbytes` more, or raises (then nothing is reserved)."""
+
+    def refund(self, nbytes: int) -> None:
+        """Counts `nbytes` fewer."""
 
 
 class _SwapFile:
@@ -214,6 +224,9 @@ class SwapSpace:
         self._alloc = ExtentAllocator(0, DIRECT_ALIGN)
         self._sums: dict[int, tuple[int, int] | None] = {}  # extent offset -> (nbytes, xxh3)
         self._files: list[_SwapFile] = []
+        # charged for every extent alloc() reserves and refunded when it is freed: the
+        # store's NVME budget ([Note: optimizer extents] in offload/store/store.py)
+        self.ledger: SwapLedger | None = None
         for d in check_swap_dirs(paths, direct=engine.direct):  # before any file is made
             if engine.direct and not d.direct:
                 raise SwapPathError(_errno.EINVAL, f"io.paths: {d.why}, and the {engine.name} "
@@ -244,30 +257,42 @@ class SwapSpace:
         return self._alloc.used_bytes
 
     # -- space ---------------------------------------------------------------
-    def alloc(self, nbytes: int) -> SwapExtent:
-        """Reserves an extent for `nbytes`; grows the files first if needed.
+    def alloc(self, nbytes: int, *, counted: bool = True) -> SwapExtent:
+        """Reserves an extent for `nbytes`; grows the files first if needed. `counted`:
+        charged to the space's `ledger` (False: the caller counts it itself).
 
         Raises `SwapFullError` (and changes nothing) when the disk, the file-size
         limit or `io.max_swap_size` cannot hold it.
         """
         if nbytes <= 0:
             raise ValueError(f"swap extent size must be positive, got {nbytes}")
-        with self._lock:
-            ext = self._alloc.alloc(nbytes)
-            if ext is None:
-                self._grow(nbytes)
+        ledger, length = self.ledger if counted else None, _round_up(nbytes, DIRECT_ALIGN)
+        if ledger is not None:
+            ledger.charge(length)  # outside self._lock: the ledger takes its owner's lock
+        try:
+            with self._lock:
                 ext = self._alloc.alloc(nbytes)
                 if ext is None:
-                    raise RuntimeError(f"swap {self.name}: grew to {self.capacity} B but "
-                                       f"{nbytes} B still do not fit ({self._alloc})")
-            self._sums[ext.offset] = None
-            return SwapExtent(ext.offset, ext.length)
+                    self._grow(nbytes)
+                    ext = self._alloc.alloc(nbytes)
+                    if ext is None:
+                        raise RuntimeError(f"swap {self.name}: grew to {self.capacity} B but "
+                                           f"{nbytes} B still do not fit ({self._alloc})")
+                self._sums[ext.offset] = None
+        except BaseException:
+            if ledger is not None:
+                ledger.refund(length)
+            raise
+        return SwapExtent(ext.offset, ext.length)
 
-    def free(self, extent: SwapExtent) -> None:
-        """Returns an extent; the caller guarantees no transfer on it is in flight."""
+    def free(self, extent: SwapExtent, *, counted: bool = True) -> None:
+        """Returns an extent (`counted` as it was allocated); the caller guarantees no
+        transfer on it is in flight."""
         with self._lock:
             self._alloc.free(Extent(extent.offset, extent.length))
             self._sums.pop(extent.offset, None)
+        if counted and self.ledger is not None:
+            self.ledger.refund(extent.length)
 
     def _grow(self, need: int) -> None:
         n = len(self._files)

@@ -182,7 +182,7 @@ class MoveExecutor:
         """Gives back `memory` (None: bytes only) of one copy of `rec` in `tier`."""
         if memory is not None:
             if tier is Tier.NVME:
-                self._swap(rec.kind).free(memory)
+                self._swap(rec.kind).free(memory, counted=False)  # counted below
             else:
                 self._dev.release(memory)
         self._acct.refund(tier, rec.kind, rec.footprint)
@@ -194,7 +194,7 @@ class MoveExecutor:
             return self._pool.alloc(rec.nbytes, tag=tag)
         if tier is Tier.DEVICE:
             return self._dev.alloc(rec.nbytes, tag)
-        return self._swap(rec.kind).alloc(rec.nbytes)
+        return self._swap(rec.kind).alloc(rec.nbytes, counted=False)  # charged by the move
 
     def _allocate(self, move: MoveHandle, rec: PartitionRecord, needs: dict[Tier, int],
                   memory: set[Tier]) -> None:

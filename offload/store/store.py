@@ -31,6 +31,16 @@ value (the partition is modified) is freed at once: it is not a copy of the
 partition any more, and the write that replaces it goes to a new extent
 anyway. A failed read or checksum mismatch releases the destination buffer
 and leaves the record at NVME, the bytes never handed out.
+
+[Note: optimizer extents]
+The optimizer's NVMe state (its chunks' extents in the "optim" swap space,
+`swap_space`) is not records, but its bytes count in the NVME tier like
+theirs: the space's `ledger` charges every extent it reserves to the store's
+accounting (kind "optim") and refunds it when freed, so `store.nvme_budget`
+bounds all the training state on NVMe, the second version a step writes
+before its commit included, and `stats()` shows it. An extent that would
+exceed the budget raises `BudgetExceededError` naming the key before
+anything is reserved (the step then fails as a whole and changes nothing).
 """
 
 from __future__ import annotations
@@ -47,7 +57,7 @@ import torch
 from ..config import OffloadConfig, load_config
 from ..io import BufferPool, IoEngine, SwapSpace, host_copy, make_engine
 from ..trace import NULL_RECORDER, TraceRecorder
-from .budget import StoreStats
+from .budget import BudgetExceededError, StoreStats
 from .copy import DeviceTier, resolve_device
 from .executor import MoveExecutor, UserClaim
 from .moves import MoveHandle, Step, needs_of, plan_evict, plan_fetch
@@ -107,6 +117,7 @@ class TieredStore(MoveExecutor):
                          engine=engine, pool=pool,
                          policy=policy if policy is not None else LruPolicy(), recorder=recorder)
         self._owns_engine, self._owns_pool = owns_engine, owns_pool
+        self._ledgers: dict[str, _NvmeLedger] = {}  # [Note: optimizer extents]
         try:
             for kind in self._cfg.swap_kinds:
                 self._swap(kind)  # open and lock now: a second job on these paths fails here
@@ -432,14 +443,15 @@ class TieredStore(MoveExecutor):
     def swap_space(self, kind: str) -> SwapSpace:
         """The `SwapSpace` of `kind` (opened on first use, through the store's I/O engine;
         closed, with its files, by `close`), for the optimizer's state ("optim"),
-        tools and benchmarks.
-
-        Extents allocated there directly are outside the store's records and
-        NVME budget: free them before the store needs the room.
+        tools and benchmarks. Extents allocated there directly are outside the store's
+        records but count in its NVME budget ([Note: optimizer extents]).
         """
         with self._cond:
             self._check_open()
-            return self._swap(kind)
+            swap = self._swap(kind)
+            if swap.ledger is None:
+                swap.ledger = self._ledgers[kind] = _NvmeLedger(self, kind)
+            return swap
 
     def stats(self) -> StoreStats:
         """A snapshot of the accounting: bytes per tier and kind, moves, waits."""
@@ -465,6 +477,9 @@ class TieredStore(MoveExecutor):
             for move in self._moves:
                 for t in move.reserved:
                     expected[t][move.kind] = expected[t].get(move.kind, 0) + move.rec.footprint
+            for kind, ledger in self._ledgers.items():
+                if ledger.held:
+                    expected[Tier.NVME][kind] = expected[Tier.NVME].get(kind, 0) + ledger.held
             for t in Tier:
                 held = self._acct.by_kind(t)
                 if held != expected[t]:
@@ -552,3 +567,34 @@ class TieredStore(MoveExecutor):
 
     def __repr__(self) -> str:
         return f"TieredStore(device={self.device}, partitions={len(self._records)})"
+
+
+class _NvmeLedger:
+    """The NVME budget's count of a swap space used outside the store's records
+    ([Note: optimizer extents]); `held`: its bytes now."""
+
+    def __init__(self, store: TieredStore, kind: str) -> None:
+        self._store = store
+        self.kind = kind
+        self.held = 0
+
+    def charge(self, nbytes: int) -> None:
+        st = self._store
+        with st._cond:
+            acct = st._acct
+            if nbytes > acct.room(Tier.NVME):
+                raise BudgetExceededError(
+                    f"store.nvme_budget: the {self.kind} state needs {nbytes} more bytes on "
+                    f"NVMe, and the NVME tier holds {acct.used(Tier.NVME)} of its "
+                    f"{acct.budget(Tier.NVME)} bytes ({acct.by_kind(Tier.NVME)} by kind; a "
+                    "step writes its optimizer state's new version beside the old one until "
+                    "it commits); raise store.nvme_budget, or set it to 0 (bounded by the disk)")
+            st._charge(Tier.NVME, self.kind, nbytes)
+            self.held += nbytes
+
+    def refund(self, nbytes: int) -> None:
+        st = self._store
+        with st._cond:
+            st._acct.refund(Tier.NVME, self.kind, nbytes)
+            self.held -= nbytes
+            st._emit_tier(Tier.NVME)
