@@ -7,8 +7,10 @@
  * Per element: read the fp32 master and gradient and both moments (fp32, bf16
  * or 8-bit codes with one fp32 scale per QBLOCK elements, see the note in
  * codec.py), divide the gradient by `grad_scale`, apply weight decay, update
- * the moments and the master, write master and moments back (re-encoded) and
- * the compute-dtype copy (bf16 or fp16, round to nearest even). The math is
+ * the moments and the master, write master and moments back (re-encoded; bf16
+ * moments rounded stochastically, with random bits from a hash of the element's
+ * index in its partition and the run's update count, see to_bf16_sr) and the
+ * compute-dtype copy (bf16 or fp16, round to nearest even). The math is
  * the operation order of torch's fused CPU Adam (torch._fused_adamw_) in fp32,
  * fused multiply-adds where torch's vector loop has them (the lerp of exp_avg,
  * exp_avg_sq's update, Adam's L2 term), none elsewhere (-ffp-contract=off);
@@ -57,6 +59,7 @@ typedef struct {
     float neg_step;      /* -lr / (1 - beta1^step) */
     float bias2_sqrt;    /* sqrt(1 - beta2^step) */
     float eps;
+    uint32_t key;        /* bf16 moments: the run's part of the rounding's hash (codec.py) */
 } offload_run;
 
 typedef struct {
@@ -70,6 +73,7 @@ typedef struct {
     float grad_scale;
     int32_t stream;      /* the CPU has AVX2 and F16C: store_half_stream */
     int32_t avx512;      /* the CPU has AVX-512 F, BW, VL: adam_avx512 and the codecs */
+    int64_t first;       /* the partition's index of element 0 (stochastic rounding) */
 } block_args;
 
 /* ---- conversions ------------------------------------------------------- */
@@ -96,6 +100,33 @@ INLINE void store_bf16(uint16_t *restrict d, const float *restrict s, int64_t k)
 
 INLINE void load_bf16(float *restrict d, const uint16_t *restrict s, int64_t k) {
     for (int64_t i = 0; i < k; i++) d[i] = from_bf16(s[i]);
+}
+
+/* Stochastic rounding of the update's bf16 moments (codec.py's [Note: stochastic
+ * rounding]): h = mix32(element index ^ run key); 16 random bits of it (the low half
+ * for exp_avg, the high half for exp_avg_sq) are added to the fp32 bits before the
+ * cut, so x rounds up with probability (x - down) / (up - down); bits already a bf16
+ * value are kept, inf stays inf, every NaN is BF16_NAN. The index is the
+ * partition's, mod 2^32 (unsigned arithmetic wraps as the mask does). */
+INLINE uint32_t mix32(uint32_t x) {
+    x = ((x >> 16) ^ x) * 0x45d9f3bu;
+    x = ((x >> 16) ^ x) * 0x45d9f3bu;
+    return (x >> 16) ^ x;
+}
+
+INLINE uint16_t to_bf16_sr(float x, uint32_t r16) {
+    uint32_t r = (f2u(x) + r16) >> 16;
+    return x != x ? (uint16_t)BF16_NAN : (uint16_t)r;
+}
+
+/* k elements of both moments, the first with partition index `index` */
+INLINE void store_bf16_sr(uint16_t *restrict m, uint16_t *restrict v, const float *restrict mf,
+                          const float *restrict vf, int64_t k, uint32_t index, uint32_t key) {
+    for (int64_t i = 0; i < k; i++) {
+        uint32_t h = mix32((index + (uint32_t)i) ^ key);
+        m[i] = to_bf16_sr(mf[i], h & 0xffffu);
+        v[i] = to_bf16_sr(vf[i], h >> 16);
+    }
 }
 
 /* fp32 -> fp16, round to nearest even, subnormals kept, in float and integer
@@ -251,9 +282,9 @@ INLINE void adam_math(int64_t k, float *restrict p, const float *restrict g0,
  * In one loop they overlap, and the loads of the next elements go on while
  * this one's are converted, where separate passes over a tile would leave the
  * memory idle for their length. bf16 moments are read and written in place
- * (no fp32 tile). The same operations as adam_loop, to_bf16 and F16C, in the
- * same order, lane by lane: the same bits. Out of line, compiled for AVX-512
- * (F, BW, VL) alone and called where the CPU has it (block_args.avx512). */
+ * (no fp32 tile). The same operations as adam_loop, to_bf16, store_bf16_sr and
+ * F16C, in the same order, lane by lane: the same bits. Out of line, compiled
+ * for AVX-512 (F, BW, VL) alone and called where the CPU has it (block_args.avx512). */
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl")))
 #define AVX512_INLINE AVX512 static inline __attribute__((always_inline))
 
@@ -279,8 +310,25 @@ AVX512_INLINE __m512 load16(const void *x, int64_t i, __mmask16 l, int bf16) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(u, 16));
 }
 
-AVX512_INLINE void store16(void *x, int64_t i, __mmask16 l, int bf16, __m512 y) {
-    if (bf16) _mm256_mask_storeu_epi16((uint16_t *)x + i, l, half16(y, 0));
+/* mix32 of 16 lanes */
+AVX512_INLINE __m512i mix16(__m512i h) {
+    const __m512i mul = _mm512_set1_epi32(0x45d9f3b);
+    h = _mm512_mullo_epi32(_mm512_xor_si512(_mm512_srli_epi32(h, 16), h), mul);
+    h = _mm512_mullo_epi32(_mm512_xor_si512(_mm512_srli_epi32(h, 16), h), mul);
+    return _mm512_xor_si512(_mm512_srli_epi32(h, 16), h);
+}
+
+/* 16 floats to bf16 as to_bf16_sr, r16 the lanes' random bits (< 2^16). */
+AVX512_INLINE __m256i bf16_sr16(__m512 x, __m512i r16) {
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_castps_si512(x), r16), 16);
+    __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(BF16_NAN));
+    return _mm512_cvtepi32_epi16(r);
+}
+
+/* A moment's new values: fp32, or bf16 rounded stochastically with r16 (bf16_sr16). */
+AVX512_INLINE void store16(void *x, int64_t i, __mmask16 l, int bf16, __m512 y, __m512i r16) {
+    if (bf16) _mm256_mask_storeu_epi16((uint16_t *)x + i, l, bf16_sr16(y, r16));
     else _mm512_mask_storeu_ps((float *)x + i, l, y);
 }
 
@@ -290,6 +338,8 @@ enum { COPY_NONE = 0, COPY_BF16 = 1, COPY_FP16 = 2 };
  * never change within a loop). */
 typedef struct {
     __m512 w, w1, wd, decay, b2, b2c, step, bc2, eps, gs;
+    __m512i iota, key;           /* lane numbers; the run's key (bf16 moments) */
+    uint32_t index;              /* partition index of element 0, mod 2^32 */
     int small, adamw, l2;
 } adam_vec;
 
@@ -311,8 +361,14 @@ AVX512_INLINE void adam16(int64_t i, __mmask16 l, int full, float *p, const floa
     __m512 root = _mm512_sqrt_ps(vi);
     __m512 den = _mm512_add_ps(_mm512_div_ps(root, c->bc2), c->eps);
     __m512 pn = _mm512_add_ps(x, _mm512_div_ps(_mm512_mul_ps(c->step, mi), den));
-    store16(m, i, l, bf16m, mi);
-    store16(v, i, l, bf16m, vi);
+    __m512i hash = _mm512_setzero_si512();  /* bf16m: as store_bf16_sr */
+    if (bf16m) {
+        __m512i index = _mm512_add_epi32(_mm512_set1_epi32((int32_t)(c->index + (uint32_t)i)),
+                                         c->iota);
+        hash = mix16(_mm512_xor_si512(index, c->key));
+    }
+    store16(m, i, l, bf16m, mi, _mm512_and_si512(hash, _mm512_set1_epi32(0xffff)));
+    store16(v, i, l, bf16m, vi, _mm512_srli_epi32(hash, 16));
     if (sq) _mm512_mask_storeu_ps(sq + i, l, root);
     _mm512_mask_storeu_ps(p + i, l, pn);
     if (copy == COPY_NONE) return;
@@ -335,13 +391,14 @@ AVX512_INLINE void adam_vec_loop(int64_t k, float *p, const float *g0, void *m, 
     if (i < k) adam16(i, lanes(k - i), 0, p, g0, m, v, sq, d, c, copy, bf16m, scaled);
 }
 
-/* k elements as adam_math, with m, v fp32 or bf16 (`bf16m`; in place either way),
- * sq as there or NULL (not needed), and the new master's copy to d (`copy`).
+/* k elements as adam_math, with m, v fp32 or bf16 (`bf16m`; in place either way,
+ * bf16 rounded as to_bf16_sr, `index` element 0's partition index), sq as there or
+ * NULL (not needed), and the new master's copy to d (`copy`).
  * One loop per combination of the three (constants once inlined). */
 AVX512 static void adam_avx512(int64_t k, float *restrict p, const float *restrict g0,
                                void *restrict m, void *restrict v, float *restrict sq,
                                uint16_t *restrict d, int copy, int bf16m,
-                               const offload_run *r, int scaled, float gs) {
+                               const offload_run *r, int scaled, float gs, uint32_t index) {
     adam_vec c;
     c.w = _mm512_set1_ps(r->lerp_w);
     c.w1 = _mm512_set1_ps(r->lerp_w - 1.0f);
@@ -353,6 +410,9 @@ AVX512 static void adam_avx512(int64_t k, float *restrict p, const float *restri
     c.bc2 = _mm512_set1_ps(r->bias2_sqrt);
     c.eps = _mm512_set1_ps(r->eps);
     c.gs = _mm512_set1_ps(gs);
+    c.iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    c.key = _mm512_set1_epi32((int32_t)r->key);
+    c.index = index;
     c.small = fabsf(r->lerp_w) < 0.5f;
     c.adamw = r->weight_decay != 0.0f && r->decoupled;
     c.l2 = r->weight_decay != 0.0f && !r->decoupled;
@@ -468,7 +528,8 @@ INLINE void run_span_avx512(const block_args *a, const offload_run *r, int64_t l
     int copy = a->out_dtype == OUT_BF16 ? COPY_BF16
                : a->out_dtype == OUT_FP16 ? COPY_FP16 : COPY_NONE;
     adam_avx512(k, a->master + lo, a->grad + lo, m, v, a->state == STATE_INT8 ? sq : NULL,
-                (uint16_t *)a->out + lo, copy, bf16m, r, a->scaled, a->grad_scale);
+                (uint16_t *)a->out + lo, copy, bf16m, r, a->scaled, a->grad_scale,
+                (uint32_t)(a->first + lo));
     if (a->out_dtype == OUT_FP32) write_out(a, lo, k);
 }
 
@@ -531,8 +592,15 @@ INLINE int64_t tile(const block_args *a, const offload_run *runs, int64_t nruns,
     }
     if (!busy || a->state == STATE_FP32 || bf16m) return ri;
     if (a->state == STATE_BF16) {
-        store_bf16((uint16_t *)a->m + t0, mb, k);
-        store_bf16((uint16_t *)a->v + t0, vb, k);
+        /* the updated elements, run by run (each with its key); the others keep the
+         * bits they were stored with */
+        for (int64_t j = ri; j < nruns && runs[j].lo < t1; j++) {
+            if (runs[j].skip) continue;
+            int64_t lo = runs[j].lo > t0 ? runs[j].lo : t0;
+            int64_t hi = runs[j].hi < t1 ? runs[j].hi : t1;
+            store_bf16_sr((uint16_t *)a->m + lo, (uint16_t *)a->v + lo, mb + (lo - t0),
+                          vb + (lo - t0), hi - lo, (uint32_t)(a->first + lo), runs[j].key);
+        }
         return ri;
     }
     if (a->avx512) {
@@ -548,14 +616,18 @@ INLINE int64_t tile(const block_args *a, const offload_run *runs, int64_t nruns,
     return ri;
 }
 
+/* `isa` caps the code paths: 0 none of the optional ones, 1 the AVX2 stream, 2 also
+ * the AVX-512 loop and codecs (each where the CPU has it). The clone that runs is
+ * still the CPU's; the paths give the same bits, and tests compare them. */
 INLINE block_args make_args(float *master, const float *grad, void *m, void *v,
                             float *m_scale, float *v_scale, int32_t state, void *out,
-                            int32_t out_dtype, float grad_scale) {
+                            int32_t out_dtype, float grad_scale, int64_t first, int32_t isa) {
     block_args a = {master, grad, m, v, m_scale, v_scale, out, state, out_dtype,
                     grad_scale != 1.0f, grad_scale,
-                    __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c"),
-                    __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
-                        && __builtin_cpu_supports("avx512vl")};
+                    isa >= 1 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c"),
+                    isa >= 2 && __builtin_cpu_supports("avx512f")
+                        && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl"),
+                    first};
     return a;
 }
 
@@ -573,14 +645,15 @@ INLINE void fence(const block_args *a) {
 }
 
 /* The update of elements [0, n) of one block. For int8 state, element 0 is the
- * first of a QBLOCK and m_scale / v_scale point at its scale. Returns 0. */
+ * first of a QBLOCK and m_scale / v_scale point at its scale. `first`: element 0's
+ * index in its partition; `isa`: as make_args. Returns 0. */
 EXPORT __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 int offload_adam_block(int64_t n, float *master, const float *grad, void *m, void *v,
                        float *m_scale, float *v_scale, int32_t state, void *out,
                        int32_t out_dtype, float grad_scale, const offload_run *runs,
-                       int64_t nruns) {
+                       int64_t nruns, int64_t first, int32_t isa) {
     block_args a = make_args(master, grad, m, v, m_scale, v_scale, state, out, out_dtype,
-                             grad_scale);
+                             grad_scale, first, isa);
     span(&a, runs, nruns, 0, 0, n);
     fence(&a);
     return 0;
@@ -595,9 +668,10 @@ EXPORT __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default
 int64_t offload_adam_claim(int64_t n, float *master, const float *grad, void *m, void *v,
                            float *m_scale, float *v_scale, int32_t state, void *out,
                            int32_t out_dtype, float grad_scale, const offload_run *runs,
-                           int64_t nruns, int64_t unit, int64_t *next) {
+                           int64_t nruns, int64_t first, int32_t isa, int64_t unit,
+                           int64_t *next) {
     block_args a = make_args(master, grad, m, v, m_scale, v_scale, state, out, out_dtype,
-                             grad_scale);
+                             grad_scale, first, isa);
     int64_t ri = 0, done = 0;
     for (;;) {
         /* a thread's claims increase, so `ri` only moves forward */
@@ -611,4 +685,4 @@ int64_t offload_adam_claim(int64_t n, float *master, const float *grad, void *m,
 }
 
 /* 1 when this build can be called at all (the loader's handshake). */
-EXPORT int offload_adam_abi(void) { return 2; } /* 2: offload_adam_claim */
+EXPORT int offload_adam_abi(void) { return 3; } /* 2: offload_adam_claim; 3: first, isa, key */

@@ -21,6 +21,8 @@ and end after `IDLE_EXIT_S` without work (or at `close`). Each worker owns its k
 moment, plus one for encoding), so blocks need no locks. `block_elems`
 (`optim.block_elems`, capped so every thread's working set fits the L3 together)
 is a multiple of `codec.QBLOCK`, so compressed blocks never straddle two calls.
+bf16 moments go back run by run, rounded stochastically with the run's update
+count (codec.py, [Note: stochastic rounding]): the bits of the native kernel.
 Where nothing rides on the pass (fp32 moments, no compute-dtype copy, no
 gradient divisor, one run), torch's fused kernel takes the whole chunk in one
 call.
@@ -41,7 +43,7 @@ from typing import Callable
 import torch
 
 from .adam import AdamHyper, AdamKernel, KernelName, fused_status
-from .codec import QBLOCK, Moment, decode, encode
+from .codec import QBLOCK, Moment, decode, encode, encode_stochastic
 from .native import NativeAdam, native_status
 
 __all__ = ["BlockUpdater", "Run"]
@@ -197,7 +199,7 @@ class BlockUpdater:
             todo = [(max(a, base) - base, min(a + k, base + n) - base, h, st)
                     for a, k, h, st in runs if max(a, base) < min(a + k, base + n)]
             claim = self.native.claimer(master, grad[base:base + n], exp_avg, exp_avg_sq,
-                                        out, grad_scale, todo)
+                                        out, grad_scale, todo, first=base)
             self._each(lambda w: claim())
             return
 
@@ -229,10 +231,12 @@ class BlockUpdater:
             at = base + lo
             self.native.block(master[lo:hi], grad[at:base + hi], exp_avg[lo:hi],
                               exp_avg_sq[lo:hi], None if out is None else out[lo:hi],
-                              grad_scale, [(i - at, j - at, h, st) for i, j, h, st in todo])
+                              grad_scale, [(i - at, j - at, h, st) for i, j, h, st in todo],
+                              first=at)
             return
         ma, va = exp_avg[lo:hi], exp_avg_sq[lo:hi]
         coded = ma.data.dtype != torch.float32
+        bf16 = ma.data.dtype == torch.bfloat16
         busy = any(h is not None for _, _, h, _ in todo)
         if coded and busy:
             m = decode(ma, w.m[:hi - lo])
@@ -249,6 +253,9 @@ class BlockUpdater:
                 continue
             w.kernel.update(p, grad[i:j], m[x - lo:y - lo], v[x - lo:y - lo], step=step + 1,
                             hyper=hyper, grad_scale=grad_scale, param_out=o)
-        if coded and busy:
+            if bf16:  # the updated elements, rounded stochastically; the rest keep their bits
+                for f, mom in ((m, ma), (v, va)):
+                    encode_stochastic(f[x - lo:y - lo], mom[x - lo:y - lo], i, step + 1)
+        if coded and busy and not bf16:
             encode(m, ma, w.tmp[:hi - lo])
             encode(v, va, w.tmp[:hi - lo])

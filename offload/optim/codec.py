@@ -4,11 +4,14 @@
 `optim.state_dtype` fixes the form of exp_avg and exp_avg_sq in every tier
 (host tensors, NVMe chunks, `state_dict`); the master stays fp32. Per element:
 
-| state_dtype | exp_avg             | exp_avg_sq                  | bytes |
-| ----------- | ------------------- | --------------------------- | ----- |
-| fp32        | fp32                | fp32                        | 8     |
-| bf16        | bf16 (nearest even) | bf16                        | 4     |
-| int8        | int8, linear        | uint8 codes of sqrt(v)      | ~2.03 |
+| state_dtype | exp_avg                             | exp_avg_sq                          | bytes |
+| ----------- | ----------------------------------- | ----------------------------------- | ----- |
+| fp32        | fp32                                | fp32                                | 8     |
+| bf16        | bf16, stochastic rounding on update | bf16, stochastic rounding on update | 4     |
+| int8        | int8, linear                        | uint8 codes of sqrt(v)              | ~2.03 |
+
+bf16 moments loaded from other values (`encode`) round to nearest even; the
+update's writes round stochastically ([Note: stochastic rounding] below).
 
 int8 keeps one fp32 scale per block of `QBLOCK` (256) elements for each
 moment (8 bytes per 256 elements). exp_avg is signed and maps linearly:
@@ -26,6 +29,42 @@ Decoding and encoding happen inside the update's pass over memory, one cache
 block at a time (blocks.py): decode a block into fp32 scratch, update, encode
 back, while the block is in cache. A block of `QBLOCK` elements is coded as a
 whole: chunks and cache blocks start at multiples of `QBLOCK`.
+
+[Note: stochastic rounding]
+bf16 has 8 significant bits (steps of 0.4-0.8%), and exp_avg_sq decays by
+0.1% a step with beta2 = 0.999: rounded to nearest, an entry whose gradient
+went quiet rounds back to its old value for ever, so v stays high and the
+steps small (docs/benchmarks.md, "Loss with compressed moments"). The update
+therefore writes bf16 moments with stochastic rounding: x rounds up with
+probability (x - down) / (up - down), so the stored value is x on average and
+the decay goes on. Loading state (`encode`: state dicts, checkpoints) still
+rounds to nearest; a value already a bf16 one is kept either way.
+
+The random bits must be the same on every path (the native kernel's vector
+and scalar loops, the torch path in blocks.py, on any device) and not depend
+on how the update is cut (chunks, cache blocks, threads, claim units): they
+are a hash of the element's index in its partition (mod 2^32) and the update
+count of the run that updates it (the step number Adam's bias correction
+uses), one half of it for each moment:
+
+    key = mix32(count mod 2^32)                  once per run
+    h   = mix32((index mod 2^32) ^ key)          per element
+    r   = h & 0xffff for exp_avg, h >> 16 for exp_avg_sq
+    bf16 bits = (fp32 bits + r) >> 16;  a NaN -> 0xffff
+
+mix32 is the integer hash x = ((x >> 16) ^ x) * 0x45d9f3b twice, then
+(x >> 16) ^ x, mod 2^32: a bijection of 32-bit words whose output bits each
+flip with probability close to 1/2 for a flip of any input bit, and a
+multiplier below 2^27, so the torch path's int64 arithmetic never overflows
+(x * 0x45d9f3b < 2^59). One hash serves both moments: its two multiplies per
+element cost the AVX-512 loop 0.13 ns per element and core (0.20 with a hash
+per moment; the bf16-moment update of a block in L2 took 0.75 ns before).
+Counter-based: no generator state to seed or save; a resumed run draws the
+same bits as one that never stopped (the update counts are in the state
+dict). The carry of the addition is the rounding: a value above a binade's
+largest bf16 value rounds up to the next power of two, one above bf16's
+largest finite value rounds up to inf (each with its probability), and inf
+stays inf.
 """
 
 from __future__ import annotations
@@ -38,7 +77,7 @@ from ..planner.sizes import QBLOCK, STATE_DTYPES, StateDtype, moment_bytes
 
 __all__ = ["Moment", "QBLOCK", "StateDtype", "STATE_DTYPES", "moment_bytes", "new_moment",
            "zero_moment", "decode", "encode", "clone_moment", "copy_moment", "moment_views",
-           "moment_to_dict", "moment_from_dict"]
+           "moment_to_dict", "moment_from_dict", "mix32", "rounding_key", "encode_stochastic"]
 
 _TINY = torch.finfo(torch.float32).tiny
 _STORED = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -170,6 +209,47 @@ def encode(x: torch.Tensor, m: Moment, tmp: torch.Tensor) -> None:
         rows.mul_(m.scale[sl].reciprocal().unsqueeze(1))
     src.round_()
     m.data.copy_(src)
+
+
+_MIX = 0x45D9F3B
+_M32 = 0xFFFFFFFF
+BF16_NAN = 0xFFFF  # every NaN, as torch's vectorised fp32 -> bf16 conversion gives
+
+
+def mix32(x):
+    """[Note: stochastic rounding]'s hash of a 32-bit word: an int, or an int64 tensor
+    of values in [0, 2^32) (updated in place)."""
+    if isinstance(x, torch.Tensor):
+        for _ in range(2):
+            x.bitwise_xor_(x >> 16).mul_(_MIX).bitwise_and_(_M32)
+        return x.bitwise_xor_(x >> 16)
+    for _ in range(2):
+        x = ((x >> 16) ^ x) * _MIX & _M32
+    return (x >> 16) ^ x
+
+
+def rounding_key(count: int) -> int:
+    """The key of a run with update count `count` (1 for a moment's first update),
+    [Note: stochastic rounding]."""
+    return mix32(count & _M32)
+
+
+def encode_stochastic(x: torch.Tensor, m: Moment, first: int, count: int) -> None:
+    """Stores fp32 `x` into the bf16 moment `m` (same numel, any device) with
+    stochastic rounding: element i is element `first + i` of its partition, updated
+    for the `count`-th time ([Note: stochastic rounding]); the native kernel's bits."""
+    if m.data.dtype != torch.bfloat16:
+        raise ValueError(f"{m.kind}: stochastic rounding writes bf16, not {m.data.dtype}")
+    n = x.numel()
+    r = torch.arange(first, first + n, dtype=torch.int64, device=x.device)
+    r.bitwise_and_(_M32).bitwise_xor_(rounding_key(count))
+    r = mix32(r)
+    r = r.bitwise_and_(0xFFFF) if m.kind == "exp_avg" else r.bitwise_right_shift_(16)
+    bits = x.view(torch.int32).to(torch.int64).bitwise_and_(_M32)
+    bits.add_(r).bitwise_right_shift_(16)
+    bits.masked_fill_(torch.isnan(x), BF16_NAN)
+    bits.sub_((bits & 0x8000) << 1)  # the int16 whose bits these are
+    m.data.view(torch.int16).copy_(bits)
 
 
 def moment_to_dict(m: Moment) -> dict[str, torch.Tensor]:

@@ -4,7 +4,9 @@
 One C call updates one cache block in one pass over memory: fp32 master,
 fp32 gradient, moments in any `optim.state_dtype` form (decoded into fp32 tiles
 of `codec.QBLOCK` elements in L1 and encoded back, with codec.py's codes bit
-for bit), the gradient divisor, weight decay, bias correction, and the
+for bit; bf16 moments rounded stochastically as `codec.encode_stochastic`, from
+the partition index of the block's first element and each run's update count),
+the gradient divisor, weight decay, bias correction, and the
 compute-dtype copy (bf16 / fp16, round to nearest even). The math follows the
 operation order of torch's fused CPU Adam in fp32, so its results equal
 `torch._fused_adamw_`'s to fp32 rounding (equal bit for bit where torch runs its
@@ -19,6 +21,9 @@ Python, nor the GIL, between blocks). The C side trusts its arguments: `NativeAd
 tensor's dtype, size, device and contiguity, and the runs' bounds, before
 calling, and raises instead. `OFFLOAD_NATIVE_ADAM=0` in the environment turns
 it off (torch's kernels run instead, as where the library is absent).
+`OFFLOAD_NATIVE_ISA=baseline` (or `avx2`) keeps the kernel off its AVX-512
+loop (and the AVX2 stream), which every path must match bit for bit: tests
+run each path on a host that has them all.
 """
 
 from __future__ import annotations
@@ -34,15 +39,17 @@ from typing import Callable
 import torch
 
 from .adam import AdamHyper
-from .codec import QBLOCK, Moment
+from .codec import QBLOCK, Moment, rounding_key
 
 log = logging.getLogger(__name__)
 
-__all__ = ["NativeAdam", "native_status", "ENV_SWITCH"]
+__all__ = ["NativeAdam", "native_status", "ENV_SWITCH", "ISA_SWITCH", "ISAS"]
 
 ENV_SWITCH = "OFFLOAD_NATIVE_ADAM"
+ISA_SWITCH = "OFFLOAD_NATIVE_ISA"
+ISAS = {"baseline": 0, "avx2": 1, "avx512": 2}  # adam_native.c make_args' `isa`
 _LIB_STEM = "_adam_native"
-_ABI = 2  # offload_adam_abi() of the C file this module calls
+_ABI = 3  # offload_adam_abi() of the C file this module calls
 CLAIM_UNIT = 1 << 16  # elements per unit a thread claims in `NativeAdam.claimer` (64 tiles)
 _TILE = 4 * QBLOCK  # adam_native.c's TILE
 _STATE = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
@@ -60,7 +67,7 @@ class _Run(ctypes.Structure):
                 ("decay_mult", ctypes.c_float), ("lerp_w", ctypes.c_float),
                 ("beta2", ctypes.c_float), ("beta2_c", ctypes.c_float),
                 ("neg_step", ctypes.c_float), ("bias2_sqrt", ctypes.c_float),
-                ("eps", ctypes.c_float)]
+                ("eps", ctypes.c_float), ("key", ctypes.c_uint32)]
 
 
 _cache: dict[str, object] = {}
@@ -92,7 +99,7 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
     args = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
             ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32,
             ctypes.c_void_p, ctypes.c_int32, ctypes.c_float, ctypes.POINTER(_Run),
-            ctypes.c_int64]
+            ctypes.c_int64, ctypes.c_int64, ctypes.c_int32]
     lib.offload_adam_block.restype = ctypes.c_int
     lib.offload_adam_block.argtypes = args
     lib.offload_adam_claim.restype = ctypes.c_int64
@@ -114,11 +121,13 @@ def native_status() -> tuple[bool, str]:
 
 def _coefficients(h: AdamHyper, step: int) -> tuple:
     """The kernel's per-run constants, computed in double and rounded to fp32 by
-    ctypes, as torch's fused kernel derives them."""
+    ctypes, as torch's fused kernel derives them, and the run's key for bf16
+    moments ([Note: stochastic rounding] in codec.py)."""
     bias1 = 1.0 - h.beta1 ** step
     bias2 = 1.0 - h.beta2 ** step
     return (int(h.decoupled), h.weight_decay, 1.0 - h.lr * h.weight_decay, 1.0 - h.beta1,
-            h.beta2, 1.0 - h.beta2, -(h.lr / bias1), math.sqrt(bias2), h.eps)
+            h.beta2, 1.0 - h.beta2, -(h.lr / bias1), math.sqrt(bias2), h.eps,
+            rounding_key(step))
 
 
 def _check(name: str, t: torch.Tensor, dtypes, n: int) -> None:
@@ -136,31 +145,40 @@ def _check(name: str, t: torch.Tensor, dtypes, n: int) -> None:
 
 
 class NativeAdam:
-    """The native kernel's calls; stateless, so one serves every thread."""
+    """The native kernel's calls; stateless, so one serves every thread. `isa`:
+    the code paths it may take, one of `ISAS` (default `OFFLOAD_NATIVE_ISA`, else
+    all the CPU has)."""
 
-    def __init__(self) -> None:
+    def __init__(self, isa: str | None = None) -> None:
         ok, why = native_status()
         if not ok:
             raise RuntimeError(why)
+        isa = isa or os.environ.get(ISA_SWITCH) or "avx512"
+        if isa not in ISAS:
+            raise ValueError(f"native Adam isa {isa!r} (from {ISA_SWITCH}?) is not one of "
+                             f"{list(ISAS)}")
+        self.isa = isa
         self._fn = _cache["lib"].offload_adam_block
         self._claim = _cache["lib"].offload_adam_claim
         self._coef: dict[tuple[AdamHyper, int], tuple] = {}
 
     def block(self, master: torch.Tensor, grad: torch.Tensor, exp_avg: Moment,
               exp_avg_sq: Moment, out: torch.Tensor | None, grad_scale: float,
-              runs: list[BlockRun]) -> None:
+              runs: list[BlockRun], first: int = 0) -> None:
         """Updates elements [0, n) of a block in place (n = master.numel()): `grad`,
         the moments and `out` (compute-dtype copy of the new master, or None) are
         views of the same n elements; an int8 moment's first element is the first of a
         `QBLOCK`. `runs`: sorted, disjoint, within [0, n); a run whose hyper-parameters
         are None keeps its weights and moments (its master is still copied to `out`),
         and elements outside every run are not written (int8 codes of a block that a
-        run updates aside: the whole block is coded again, as `codec.encode` does)."""
-        self._fn(*self._args(master, grad, exp_avg, exp_avg_sq, out, grad_scale, runs))
+        run updates aside: the whole block is coded again, as `codec.encode` does).
+        `first`: the partition's index of element 0 (bf16 moments' rounding)."""
+        self._fn(*self._args(master, grad, exp_avg, exp_avg_sq, out, grad_scale, runs, first))
 
     def claimer(self, master: torch.Tensor, grad: torch.Tensor, exp_avg: Moment,
                 exp_avg_sq: Moment, out: torch.Tensor | None, grad_scale: float,
-                runs: list[BlockRun], unit: int = CLAIM_UNIT) -> Callable[[], int]:
+                runs: list[BlockRun], first: int = 0,
+                unit: int = CLAIM_UNIT) -> Callable[[], int]:
         """The update of `block`'s arguments (here a whole chunk) shared between
         threads: checks them once and returns a function that every thread calls
         once; each call claims units of `unit` elements (a multiple of 1024) from a
@@ -168,14 +186,14 @@ class NativeAdam:
         returns how many it updated. The tensors must outlive the calls."""
         if unit < 1 or unit % _TILE:
             raise ValueError(f"unit {unit} must be a positive multiple of {_TILE}")
-        args = self._args(master, grad, exp_avg, exp_avg_sq, out, grad_scale, runs)
+        args = self._args(master, grad, exp_avg, exp_avg_sq, out, grad_scale, runs, first)
         nxt = ctypes.c_int64(0)
         claim, ref = self._claim, ctypes.byref(nxt)
         return lambda: claim(*args, unit, ref)
 
     def _args(self, master: torch.Tensor, grad: torch.Tensor, exp_avg: Moment,
               exp_avg_sq: Moment, out: torch.Tensor | None, grad_scale: float,
-              runs: list[BlockRun]) -> tuple:
+              runs: list[BlockRun], first: int) -> tuple:
         """The C call's arguments, after checking every one."""
         n = master.numel()
         _check("master", master, (torch.float32,), n)
@@ -194,6 +212,8 @@ class NativeAdam:
                 scales[i] = mom.scale.data_ptr()
         if out is not None:
             _check("out", out, tuple(_OUT), n)
+        if first < 0:
+            raise ValueError(f"first element {first} is negative")
         if not (math.isfinite(grad_scale) and grad_scale > 0):
             raise ValueError(f"grad_scale {grad_scale} must be a positive finite number")
         arr = (_Run * max(1, len(runs)))()
@@ -217,4 +237,4 @@ class NativeAdam:
         return (n, master.data_ptr(), grad.data_ptr(), exp_avg.data.data_ptr(),
                 exp_avg_sq.data.data_ptr(), scales[0], scales[1], _STATE[state],
                 None if out is None else out.data_ptr(), 0 if out is None else _OUT[out.dtype],
-                grad_scale, arr, len(runs))
+                grad_scale, arr, len(runs), first, ISAS[self.isa])

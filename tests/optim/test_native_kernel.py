@@ -1,7 +1,8 @@
 """The native fused Adam kernel (offload/optim/native.py) against torch's path.
 
 The torch path (torch._fused_adamw_ on fp32 moments decoded by codec.decode,
-encoded back by codec.encode, the compute-dtype copy by Tensor.copy_) is the
+encoded back by codec.encode, or run by run by codec.encode_stochastic for bf16
+moments, the compute-dtype copy by Tensor.copy_) is the
 reference: the native kernel must give the same bits where torch's kernel runs
 its vector loop on every element (n a multiple of 64), and the same values to
 fp32 rounding elsewhere. Without a built kernel these tests skip, except the
@@ -17,7 +18,8 @@ from offload.config import OptimConfig
 from offload.optim import AdamHyper, AdamKernel, CpuAdam
 from offload.optim import blocks
 from offload.optim import native as native_mod
-from offload.optim.codec import QBLOCK, clone_moment, decode, encode, new_moment
+from offload.optim.codec import (QBLOCK, clone_moment, decode, encode, encode_stochastic,
+                                 new_moment)
 
 from .conftest import grads_for
 
@@ -37,8 +39,9 @@ def _state(state_dtype: str, n: int, gen: torch.Generator):
     return m, v
 
 
-def _torch_path(p, g, m, v, out, grad_scale, runs):
-    """The reference: what blocks.py does with torch's kernels."""
+def _torch_path(p, g, m, v, out, grad_scale, runs, first=0):
+    """The reference: what blocks.py does with torch's kernels (`first`: the
+    partition's index of element 0)."""
     n = p.numel()
     fm, fv = decode(m, torch.empty(n)), decode(v, torch.empty(n))
     k = AdamKernel("fused", 1 << 20)
@@ -50,20 +53,24 @@ def _torch_path(p, g, m, v, out, grad_scale, runs):
             continue
         k.update(p[lo:hi], g[lo:hi], fm[lo:hi], fv[lo:hi], step=st + 1, hyper=h,
                  grad_scale=grad_scale, param_out=o)
-    if any(h is not None for _, _, h, _ in runs):
+        if m.data.dtype == torch.bfloat16:
+            encode_stochastic(fm[lo:hi], m[lo:hi], first + lo, st + 1)
+            encode_stochastic(fv[lo:hi], v[lo:hi], first + lo, st + 1)
+    if m.data.dtype != torch.bfloat16 and any(h is not None for _, _, h, _ in runs):
         encode(fm, m, torch.empty(n))
         encode(fv, v, torch.empty(n))
 
 
-def _both(state_dtype, n, out_name, grad_scale, runs, seed=0):
+def _both(state_dtype, n, out_name, grad_scale, runs, seed=0, isa=None, first=0):
     gen = torch.Generator().manual_seed(seed)
     p, g = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
     m, v = _state(state_dtype, n, gen)
     dt = OUTS[out_name]
     outs = [None if dt is None else torch.full((n,), 7.0).to(dt) for _ in range(2)]
     mine = (p.clone(), clone_moment(m), clone_moment(v))
-    native_mod.NativeAdam().block(mine[0], g, mine[1], mine[2], outs[0], grad_scale, runs)
-    _torch_path(p, g, m, v, outs[1], grad_scale, runs)
+    native_mod.NativeAdam(isa).block(mine[0], g, mine[1], mine[2], outs[0], grad_scale, runs,
+                                     first=first)
+    _torch_path(p, g, m, v, outs[1], grad_scale, runs, first)
     return mine + (outs[0],), (p, m, v, outs[1])
 
 
@@ -99,6 +106,22 @@ ADAM = AdamHyper(1e-3, 0.8, 0.99, 1e-6, 0.05, False)
 def test_block_equals_the_torch_path_bit_for_bit(state_dtype, out, hyper, grad_scale):
     n = 8 * QBLOCK  # a multiple of torch's vector width: no scalar tail on its side
     mine, ref = _both(state_dtype, n, out, grad_scale, [(0, n, hyper, 4)])
+    _assert_same(mine, ref, exact=True)
+
+
+@needs_native
+@pytest.mark.parametrize("isa", list(native_mod.ISAS))
+@pytest.mark.parametrize("state_dtype", ["fp32", "bf16", "int8"])
+@pytest.mark.parametrize("first", [0, 12345, 2 ** 32 - 700])
+def test_every_code_path_gives_the_torch_paths_bits(isa, state_dtype, first):
+    """The AVX-512 loop, the scalar tiles (with or without the AVX2 stream) and the
+    torch path: the same bits, bf16 moments rounded stochastically from the partition
+    index (`first` on: a block anywhere in its partition, also across 2^32) and
+    each run's update count."""
+    n = 6 * QBLOCK
+    runs = [(0, 128, ADAMW, 2), (128, 320, None, 5), (320, 1024, ADAM, 0),
+            (1088, 1472, ADAMW, 9)]  # [1024, 1088) and [1472, n): in no run
+    mine, ref = _both(state_dtype, n, "bf16", 1.0, runs, isa=isa, first=first)
     _assert_same(mine, ref, exact=True)
 
 
@@ -326,7 +349,8 @@ def test_non_finite_gradients_give_the_torch_paths_bits(state_dtype, out):
 @pytest.mark.parametrize("out", ["bf16", "fp16", "none"])
 def test_claimed_units_on_threads_equal_one_call(state_dtype, out):
     """`claimer`: three threads share a chunk unit by unit (units of 1024, runs cut
-    inside them and across them, a tail) and give `block`'s bits over the whole."""
+    inside them and across them, a tail) and give `block`'s bits over the whole
+    (bf16 moments: the same random bits whichever thread rounds an element)."""
     import threading
 
     n = 23 * 1024 + 77
@@ -338,8 +362,8 @@ def test_claimed_units_on_threads_equal_one_call(state_dtype, out):
     outs = [None if OUTS[out] is None else torch.zeros(n, dtype=OUTS[out]) for _ in range(2)]
     mine = (p.clone(), clone_moment(m), clone_moment(v))
     k = native_mod.NativeAdam()
-    k.block(p, g, m, v, outs[1], 2.0, runs)
-    job = k.claimer(mine[0], g, mine[1], mine[2], outs[0], 2.0, runs, unit=1024)
+    k.block(p, g, m, v, outs[1], 2.0, runs, first=777)
+    job = k.claimer(mine[0], g, mine[1], mine[2], outs[0], 2.0, runs, first=777, unit=1024)
     done = []
     threads = [threading.Thread(target=lambda: done.append(job())) for _ in range(3)]
     for t in threads:
