@@ -14,9 +14,11 @@ step.
 Systems "offload-bf16" and "offload-int8" are offload with its Adam moments
 kept as bf16 or 8-bit codes (`optim.state_dtype`); their forced bytes count
 the moments at that size (4 and ~2.03 bytes per parameter), and the targets
-compare their nvme row with offload's fp32 one of the same rounds. Each
-offload system's nvme row reports its practicality: the no-offload step
-(offload's fastest none step) over its own nvme step.
+compare their nvme row with offload's fp32 one of the same rounds. Each row
+of a disk placement (nvme-opt, nvme) reports its practicality: the system's
+no-offload step (its fastest none step; offload fp32's for offload's forms of
+the moments) over the row's step ([Note: practicality] in
+bench_step_targets.py).
 
 Placements (offload keys; DeepSpeed's equivalent in brackets):
   none      params and grads on the device tier, optimizer state on the host,
@@ -79,13 +81,12 @@ from pathlib import Path
 from ..config import IoConfig, OptimConfig, parse_bytes
 from .args import (CommandParser, UsageError, byte_size, choice_list, directory, integer, number,
                    run_command)
-from .bench_step_targets import SYSTEMS, practicality, targets
+from .bench_step_targets import DISK_PLACEMENTS, SYSTEMS, practicality, targets
 from .benchutil import (DiskProbe, emit, forced_param_reads, proc_io, progress_printer,
                         reset_hwm, scratch_dir, vm_hwm)
 
 GiB = 1 << 30
 PLACEMENTS = ("none", "host", "nvme-opt", "nvme")
-DISK_PLACEMENTS = ("nvme-opt", "nvme")
 STATE_BYTES_PER_PARAM = 16  # fp32 weights, gradient, Adam's two moments
 BYTES_SOURCE = "/proc/self/io read_bytes/write_bytes of the worker process"
 

@@ -21,12 +21,17 @@ gradient partitions (fp32), Pg the largest parameter partition.
     to HOST until it is handed up (the first step prefetches along the
     modules' order while every parameter is still on NVMe).
     On a GPU the copies are distinct, so these add up.
-  * NVME: P for parameters homed there, G for stored gradients homed there.
+  * NVME: P for parameters homed there, G for stored gradients homed there,
+    and NVMe optimizer state twice: its extents count in the NVME ledger
+    ([Note: optimizer extents] in offload/store/store.py), and a step writes
+    the new version beside the old one until it commits.
 Gradients are not stored where updates run early: NVMe optimizer state, no
 clipping, no fp16 loss scale, no accumulation.
 The optimizer's own state is not a store record: masters (fp32 training: the
-parameter is the master) and Adam's two moments live in host memory or in the
-optimizer's swap files, and its chunk pipeline stages through io.buffer_budget.
+parameter is the master) and Adam's two moments live in host memory (the
+`optimizer` figures, outside the store's ledger) or in the optimizer's swap
+space (in the ledger, above), and its chunk pipeline stages through
+io.buffer_budget.
 """
 
 from __future__ import annotations
@@ -110,8 +115,9 @@ def kind_bytes(m: ModelBytes) -> dict[str, int]:
 @dataclass(frozen=True)
 class TierBytes:
     """Bytes per rank per tier ([Note: what each tier holds]): `store` as the store's
-    ledger counts it, `optimizer` the optimizer's state there, `buffers` I/O staging;
-    `total` their sum per tier."""
+    ledger counts it, `optimizer` the optimizer's state there (on NVMe also in
+    `store`'s figure, twice while a step is open), `buffers` I/O staging; `total` the
+    bytes each tier holds at most, each counted once."""
 
     store: dict[str, int]
     optimizer: dict[str, int]
@@ -119,8 +125,8 @@ class TierBytes:
 
     @property
     def total(self) -> dict[str, int]:
-        return {t: self.store.get(t, 0) + self.optimizer.get(t, 0) + self.buffers.get(t, 0)
-                for t in ("device", "host", "nvme")}
+        return {t: self.store.get(t, 0) + (self.optimizer.get(t, 0) if t != "nvme" else 0)
+                + self.buffers.get(t, 0) for t in ("device", "host", "nvme")}
 
 
 def early_updates(p: Placement, dtype: str, *, clipping: bool = False,
@@ -148,6 +154,8 @@ def tier_bytes(m: ModelBytes, p: Placement, *, device: str = "cpu", buffer_budge
     host = max(host_terms) if device == "cpu" else sum(host_terms)
     nvme = (P if p.params == "nvme" else 0) + (G if p.grads == "nvme" and stored else 0)
     state = kinds["master"] + kinds["exp_avg"] + kinds["exp_avg_sq"]
+    if p.optimizer == "nvme":
+        nvme += 2 * state  # both versions while a step is open, in the store's ledger
     opt = {p.optimizer: state}
     nvme_used = "nvme" in (p.params, p.grads, p.optimizer)
     buffers = {"host": buffer_budget} if buffer_budget and nvme_used else {}

@@ -127,3 +127,30 @@ def test_missing_deepspeed_rows_say_why(tmp_path, monkeypatch):
         assert r["median_step_s"] is None and r["read_bytes_per_step"] is None
         assert r["note"] == "deepspeed is not installed"
     assert res["targets"] == [] and res["deepspeed"] is None
+
+
+def test_practicality_is_reported_on_both_disk_placements_against_the_systems_own_none():
+    """[Note: practicality]: each system's disk rows over its own fastest none step
+    (offload's forms of the moments against offload fp32's); the int8 target is
+    checked on nvme-opt and nvme alike, and neither stands in for the other."""
+    import pytest
+
+    from offload.cli.bench_step_targets import compressed_targets, practicality
+
+    def row(system, placement, s):
+        return {"system": system, "placement": placement, "median_step_s": s,
+                "read_bytes_per_step": 1, "write_bytes_per_step": 1}
+    rows = [row("offload", "none", 0.30), row("offload", "none", 0.40),
+            row("offload-int8", "none", 0.20), row("offload-int8", "nvme-opt", 0.35),
+            row("offload-int8", "nvme", 0.60), row("offload", "nvme", 0.90),
+            row("deepspeed", "none", 0.60), row("deepspeed", "nvme-opt", 2.0)]
+    practicality(rows)
+    got = {(r["system"], r["placement"]): r.get("practicality") for r in rows}
+    assert got[("offload-int8", "nvme-opt")] == pytest.approx(0.30 / 0.35)
+    assert got[("offload-int8", "nvme")] == pytest.approx(0.5)
+    assert got[("deepspeed", "nvme-opt")] == pytest.approx(0.3)
+    assert got[("offload", "none")] is None
+    checks = {t["target"].split(" practicality")[0]: t["met"]
+              for t in compressed_targets({(r["system"], r["placement"]): r for r in rows})
+              if "practicality" in t["target"]}
+    assert checks == {"offload-int8 nvme-opt": True, "offload-int8 nvme": False}
