@@ -365,13 +365,12 @@ class OffloadEngine(ModelWeights, nn.Module):
         """This rank's reduced gradient of `gid` for this micro-step.
 
         [Note: early update] Where the update of one group cannot depend on the
-        others (no clipping, no fp16 loss scale: `early_update_allowed`), the
-        last micro-step's gradient goes straight to a background thread that
-        runs the group's update while backward goes on, so the optimizer
-        state's NVMe traffic hides behind backward compute (without gradient
-        accumulation the gradient never enters the store). Otherwise it is accumulated in its grad partition and
-        `step()` updates every group once the global norm is known.
-        """
+        others (no clipping, no fp16 loss scale: `early_update_allowed`), the last
+        micro-step's gradient goes straight to a background thread that runs the
+        group's update while backward goes on, so the optimizer state's NVMe traffic
+        hides behind backward compute (without gradient accumulation the gradient
+        never enters the store). Otherwise it is accumulated in its grad partition
+        and `step()` updates every group once the global norm is known."""
         if self._last_micro_step() and self._early_allowed():
             grad = None  # None: the update takes the partition earlier micro-steps summed
             if ("g", gid) in self.store:
@@ -382,8 +381,8 @@ class OffloadEngine(ModelWeights, nn.Module):
             self.pending_updates.add(gid, reads_master=self.master_is_param)
             self._early.append(self._updater.submit(self._update_group, gid, grad, None,
                                                     self.grad_slots.active(gid)))
-            # Backpressure: each queued update holds its gradient; where updates are
-            # slower than backward (I/O-bound), backward waits rather than piling them up.
+            # Backpressure: each queued update holds its gradient; backward waits for slow
+            # (I/O-bound) updates rather than piling them up.
             live = [f for f in self._early if not f.done()]
             if len(live) > EARLY_UPDATES_IN_FLIGHT:
                 futures_wait(live[:len(live) - EARLY_UPDATES_IN_FLIGHT])
@@ -391,9 +390,8 @@ class OffloadEngine(ModelWeights, nn.Module):
         self._accumulate(gid, shard_grad)
 
     def _early_allowed(self) -> bool:
-        """Early updates need no global value (no clipping, no loss scale) and NVMe
-        optimizer state: they keep the previous version for free there (fresh
-        extents), where host state would need a copy ([Note: all or nothing])."""
+        """Early updates need no global value (no clipping, no loss scale) and NVMe state,
+        which keeps its previous version for free (fresh extents; [Note: all or nothing])."""
         return (self.loss_scale == 1.0 and self.optimizer.early_update_allowed()
                 and self.cfg.engine.optimizer == "nvme")
 
@@ -487,16 +485,18 @@ class OffloadEngine(ModelWeights, nn.Module):
         return Tier.HOST
 
     def _update_in_place(self, gids: list[int], norm: float | None) -> bool:
-        """The step's updates of host optimizer state, in place and final: first every
-        gradient and parameter partition is made resident and pinned (what can
-        fail); then nothing after the updates can fail, so no previous version is
-        kept ([Note: all or nothing]). False (nothing changed) when they do not all
-        fit in memory at once: the caller then stages the updates."""
-        keys = [k for gid in gids for k in (("g", gid), ("p", gid))]
+        """The step's updates of host optimizer state, in place and final: every gradient
+        and parameter partition is made resident and pinned first (what can fail), so
+        no previous version is kept ([Note: all or nothing]). False (nothing changed;
+        no I/O where the budgets alone cannot hold them) when they do not all fit in
+        memory at once: the caller then stages the updates."""
+        where = {k: self._grad_where if k[0] == "g" else self._memory_tier(k)
+                 for gid in gids for k in (("g", gid), ("p", gid))}
+        if not self.store.could_hold(where):
+            return False
         pinned: list = []
         try:
-            for key in keys:
-                to = self._grad_where if key[0] == "g" else self._memory_tier(key)
+            for key, to in where.items():
                 self.store.fetch(key, to=to, pin=True).wait()
                 pinned.append(key)
         except BaseException as e:

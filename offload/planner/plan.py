@@ -29,7 +29,11 @@ that use on, the record's version before it is a record of its own,
 `(key, "previous")`, of the same bytes, resident and dirty where the record
 was (a version already on NVMe costs nothing to drop; one only in memory is
 written if it must leave), needed by no use (it leaves first); the use that
-lists it in `drops` (the commit) frees it without a write.
+lists it in `drops` (the commit) frees it without a write. A partition the
+update writes without reading it (`fresh`: the master is kept apart, so the
+update only writes the compute-dtype copy) is not fetched where it is not
+resident: the new version takes room, dirty, and the old one, already on NVMe
+only, leaves no previous version in memory.
 """
 
 from __future__ import annotations
@@ -67,7 +71,8 @@ class Use:
     holds while it runs (e.g. gradients kept in memory from their backward to their
     update); the records get the rest. `previous` (a subset of `writes`): records whose
     version before this use is kept as `(key, "previous")`; `drops`: such versions
-    freed after this use ([Note: previous versions])."""
+    freed after this use; `fresh` (a subset of `writes`): records it overwrites
+    without reading, not fetched when absent ([Note: previous versions])."""
 
     keys: tuple[Hashable, ...]
     writes: tuple[Hashable, ...] = ()
@@ -78,6 +83,7 @@ class Use:
     reserved: int = 0
     previous: tuple[Hashable, ...] = ()
     drops: tuple[Hashable, ...] = ()
+    fresh: tuple[Hashable, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -115,7 +121,7 @@ def _check(uses: Sequence[Use], records: Mapping[Hashable, RecordSpec], budget: 
         unknown = [k for k in use.keys if k not in records]
         if unknown:
             raise ValueError(f"use {i} names records {unknown[:4]} that are not described")
-        stray = [k for k in (*use.writes, *use.previous) if k not in use.keys]
+        stray = [k for k in (*use.writes, *use.previous, *use.fresh) if k not in use.keys]
         if stray:
             raise ValueError(f"use {i} writes {stray[:4]}, which it does not use")
         need = sum(records[k].nbytes for k in set(use.keys) | set(use.previous)) + use.reserved
@@ -186,11 +192,16 @@ def _walk(uses: Sequence[Use], size: dict, nxt: _NextUse, budget: int, resident:
                 held[t] -= size[victim]
         while sum(size[r] for r in resident) > room:  # the reserve grew
             evict_one()
+        kept = [k for k in use.previous if k in resident or k not in use.fresh]
         for k in dict.fromkeys(use.keys):
             if k in resident:
                 continue
             while sum(size[r] for r in resident) + size[k] > room:
                 evict_one()
+            if k in use.fresh:  # written whole: room, no read
+                resident.add(k)
+                held[i] += size[k]
+                continue
             issue = i
             floor = max(prev_issue, last.get(k, -1) + 1)
             while issue > floor and held[issue - 1] + size[k] <= budget:
@@ -203,7 +214,7 @@ def _walk(uses: Sequence[Use], size: dict, nxt: _NextUse, budget: int, resident:
             plan.fetches_by_use.setdefault(i, []).append(op)
             plan.bytes_read += size[k]
             resident.add(k)
-        for k in use.previous:  # [Note: previous versions]
+        for k in kept:  # [Note: previous versions]
             pk = previous_key(k)
             size[pk] = size[k]
             while sum(size[r] for r in resident) + size[pk] > room:
@@ -250,13 +261,14 @@ def _lru_walk(uses: Sequence[Use], size: dict, budget: int, recent: dict, dirty:
             del recent[victim]
         while sum(size[r] for r in recent) > room:
             evict_one()
+        kept = [k for k in use.previous if k in recent or k not in use.fresh]
         for k in dict.fromkeys(use.keys):
             if k not in recent:
                 while sum(size[r] for r in recent) + size[k] > room:
                     evict_one()
-                read += size[k]
+                read += 0 if k in use.fresh else size[k]
             recent[k] = i
-        for k in use.previous:
+        for k in kept:
             pk = previous_key(k)
             size[pk] = size[k]
             while sum(size[r] for r in recent) + size[pk] > room:

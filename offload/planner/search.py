@@ -291,7 +291,8 @@ def modelled_step(units: Sequence[UnitUse], shards: Sequence[tuple[int, bool]], 
             t = m / adam_eps + (chunk_overhead_s if k is not None else 0.0)
             adam += t
             uses.append(Use(keys + pw, pw, "update", f"adam {gid}", t, lane,
-                            sum(held.values()), previous=pw if staged else ()))
+                            sum(held.values()), previous=pw if staged else (),
+                            fresh=pw if dtype != "fp32" else ()))  # the master is apart
         held.pop(gid, None)  # the update frees the stored gradient
 
     done: set[int] = set()

@@ -242,6 +242,20 @@ class TieredStore(MoveExecutor):
             self._start(move, rec)
         return move
 
+    def could_hold(self, where: dict[Hashable, Tier]) -> bool:
+        """False when the copies `where` names (key -> tier) could never be resident
+        together: their bytes in some tier exceed its budget. (True does not promise
+        they fit: other copies may be pinned.) Asked before pinning many at once, so
+        that an attempt bound to fail moves nothing."""
+        need: dict[Tier, int] = {}
+        with self._cond:
+            for key, tier in where.items():
+                rec = self._records.get(key)
+                if rec is not None and tier is not Tier.NVME:
+                    need[tier] = need.get(tier, 0) + rec.footprint
+            return all(not self._acct.budget(t) or n <= self._acct.budget(t)
+                       for t, n in need.items())
+
     def fits_sparing(self, key: Hashable, to: Tier | str,
                      spare: Callable[[Hashable], bool]) -> bool:
         """True when a fetch of `key` to `to` finds room in every memory tier it passes

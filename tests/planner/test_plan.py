@@ -41,10 +41,13 @@ def _replay(uses, records, plan):
                 resident.add(op.key)
                 read += op.nbytes
         for k in use.previous:  # the version before this use stays beside the new one
+            if k not in resident and k in use.fresh:
+                continue  # written whole; the old version is on NVMe only
             size[previous_key(k)] = size[k]
             resident.add(previous_key(k))
             if k in dirty:
                 dirty.add(previous_key(k))
+        resident.update(use.fresh)
         held = sum(size[k] for k in resident) + use.reserved
         assert held <= plan.budget, (i, held, plan.budget)
         assert held == plan.held[i], (i, held, plan.held[i])
@@ -113,7 +116,8 @@ def committed_traces(draw):
     for u in uses:
         prev = tuple(k for k in u.writes if k not in kept and draw(st.booleans()))
         kept.extend(prev)
-        out.append(Use(u.keys, u.writes, previous=prev))
+        fresh = tuple(k for k in u.writes if draw(st.booleans()))
+        out.append(Use(u.keys, u.writes, previous=prev, fresh=fresh))
     out.append(Use((), (), "commit", drops=tuple(previous_key(k) for k in kept)))
     need = max(sum(records[k].nbytes for k in (*u.keys, *u.previous)) for u in out)
     total = sum(r.nbytes for r in records.values())
@@ -301,3 +305,19 @@ def test_updates_on_their_own_lane_overlap_backward_and_the_commit_waits_for_the
     assert spans[3][0] == pytest.approx(spans[1][1])  # backward 1 right after backward 0
     assert spans[5][0] == pytest.approx(spans[2][1])  # backward 2 when update 0 ends
     assert got.step_s == pytest.approx(1.0 + 1.0 + 3 * 3.0 + 0.1)
+
+
+def test_a_fresh_write_is_not_fetched_and_leaves_no_previous_version_behind():
+    """An update that writes a partition whole without reading it (the master kept
+    apart: bf16 training) does not read the partition back where it left memory, and
+    its old version, on NVMe only, needs no room until the commit."""
+    records = {k: RecordSpec(1) for k in "ab"}
+    uses = [Use(("a",)), Use(("b",)),
+            Use(("a",), ("a",), "update", previous=("a",), fresh=("a",)),
+            Use(("b",), ("b",), "update", previous=("b",), fresh=("b",)),
+            Use((), (), "commit", drops=(previous_key("a"), previous_key("b")))]
+    plan = make_plan(uses, records, 1, steady=True)
+    assert not [op for op in plan.ops if op.op == "fetch" and op.needed_at in (2, 3)], plan.ops
+    assert max(plan.held) <= 1
+    reading = make_plan([Use(u.keys, u.writes, u.kind) for u in uses], records, 1, steady=True)
+    assert [op for op in reading.ops if op.op == "fetch" and op.needed_at == 2]  # reads it
