@@ -153,9 +153,10 @@ def test_the_update_loop_keeps_the_inputs_of_the_next_updates(tmp_path):
     """[Note: the updates' order]: parameters streaming, host optimizer state, memory
     for the parameters and gradients but not the staged copies beside them. The
     updates' gradients and masters stay for their update and the replaced copies
-    leave instead: 9.25 layers moved per step (16.4 while the update loop ranked every
-    gradient behind the next forward's parameters, and moved the next update's
-    gradient to NVMe and straight back)."""
+    leave instead, and no in-place attempt that the budgets cannot hold moves
+    anything first: 7.2 layers moved per step (9.25 with that attempt; 16.4 while the
+    update loop ranked every gradient behind the next forward's parameters, and moved
+    the next update's gradient to NVMe and straight back)."""
     cfg = {"engine": {"params": "nvme", "grads": "host", "optimizer": "host", "group_size": 1},
            "io": {"paths": [str(tmp_path)], "buffer_budget": "8MiB"},
            "store": {"host_budget": "3MiB", "device_budget": "1MiB", "device": "cpu"}}
@@ -169,4 +170,4 @@ def test_the_update_loop_keeps_the_inputs_of_the_next_updates(tmp_path):
         after = e.store.stats().moves
     d = {k: v.bytes - (before[k].bytes if k in before else 0) for k, v in after.items()}
     moved = sum(v for k, v in d.items() if "NVME" in k)
-    assert moved <= 10 * layer, {k: v / layer for k, v in d.items()}
+    assert moved <= 7.5 * layer, {k: v / layer for k, v in d.items()}

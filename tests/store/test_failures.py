@@ -177,3 +177,18 @@ def test_swap_dir_of_killed_process_is_reused_at_once(tmp_path):
         s.put("a", page_tensor(3, 8), tier="NVME").wait()
         assert torch.equal(s.fetch("a", H).wait(), page_tensor(3, 8))
     assert not os.listdir(swap)
+
+
+def test_could_hold_says_when_copies_can_never_be_resident_together(make_store):
+    """`could_hold`: a set of copies whose bytes in a tier exceed its budget can never
+    be pinned together (the engine then stages its updates without trying, and
+    moves nothing); one within the budgets may be tried."""
+    s = make_store(host_pages=4, device_pages=2)
+    for k in "abc":
+        s.put(k, page_tensor(1, 2), tier="NVME").wait()  # 2 pages each
+    assert s.could_hold({"a": H, "b": H})
+    assert not s.could_hold({"a": H, "b": H, "c": H})
+    assert s.could_hold({"a": H, "b": H, "c": D})
+    assert not s.could_hold({"a": D, "b": D})
+    assert s.could_hold({"a": N, "b": N, "c": N})
+    assert s.stats().moves["NVME->HOST"].moves == 0  # asking moved nothing
