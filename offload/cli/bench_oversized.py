@@ -48,8 +48,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..config import IoConfig, OptimConfig, format_bytes, parse_bytes
-from ..optim.state import state_bytes
 from ..planner import Rates
+from ..planner.estimate import DTYPE_BYTES
+from ..planner.sizes import state_bytes
 from .args import (CommandParser, UsageError, byte_size, count, directory, integer, parse_count,
                    run_command)
 from .benchutil import DiskProbe, forced_param_reads, proc_io, reset_hwm, swap_rates, vm_hwm
@@ -192,7 +193,7 @@ def forced_bytes(engine: Any, spec: BenchSpec) -> tuple[int, int]:
     counted: an update may consume each as backward produces it."""
     from ..store import footprint
 
-    item = {"bf16": 2, "fp16": 2, "fp32": 4}[spec.dtype]
+    item = DTYPE_BYTES[spec.dtype]
     kinds = 2 if spec.dtype == "fp32" else 3
     sizes = {g.gid: footprint(g.shard * item) for g in engine.groups}
     reads = forced_param_reads(list(engine.trace.plan or ()), sizes, spec.budgets)

@@ -47,10 +47,6 @@ __all__ = ["measure", "step_profile"]
 WAITS = ("wait:gather", "wait:fetch", "wait:busy", "wait:budget", "wait:evict")
 
 
-def _overlap(a0: int, a1: int, spans: list[tuple[int, int]]) -> int:
-    return sum(max(0, min(a1, b1) - max(a0, b0)) for b0, b1 in spans)
-
-
 def step_profile(events: list[tuple], t0: int, t1: int, units: dict[str, list[int]],
                  streamed: bool = True) -> dict[str, Any]:
     """What the events between `t0` and `t1` (perf_counter ns, one step) say about the
@@ -65,7 +61,7 @@ def step_profile(events: list[tuple], t0: int, t1: int, units: dict[str, list[in
     for e in sorted(xs, key=lambda e: e[1]):
         kind, _, name = e[4].partition(":")
         if kind in ("forward", "backward", "recompute") and name in units:
-            waited = _overlap(e[1], e[1] + e[2], main_waits)
+            waited = union_length(main_waits, clip=(e[1], e[1] + e[2]))
             uses.append({"kind": "backward" if kind == "recompute" else kind, "unit": name,
                          "gids": units[name], "compute_s": max(0, e[2] - waited) / 1e9,
                          "waited_s": waited / 1e9})
@@ -78,20 +74,20 @@ def step_profile(events: list[tuple], t0: int, t1: int, units: dict[str, list[in
     main = [e for e in updates if e[6] == "compute" or p0 <= e[1] < p1]
     last_update = max((e[1] + e[2] for e in updates), default=p0)
     if updates and all(p0 <= e[1] < p1 for e in updates):  # updates run in the phase
-        busy = sum(e[2] for e in main) + _overlap(p0, p1, main_waits)
+        busy = sum(e[2] for e in main) + union_length(main_waits, clip=(p0, p1))
         commit = max(0, (p1 - p0) - busy)
     else:  # updates ran beside backward: the commit is what follows the last of them
         start = max(p0, last_update)
-        commit = max(0, (p1 - start) - _overlap(start, p1, main_waits))
+        commit = max(0, (p1 - start) - union_length(main_waits, clip=(start, p1)))
     outside = (t1 - t0) - in_units - (p1 - p0)
-    return {"uses": uses, "between_s": max(0, outside - _overlap(t0, p0, main_waits)
+    return {"uses": uses, "between_s": max(0, outside - union_length(main_waits, clip=(t0, p0))
                                             + sum(u["waited_s"] for u in uses) * 1e9) / 1e9,
             "adam_elems": elems, "adam_s": adam_s,
             "adam_eps": elems / adam_s if adam_s > 0 else 0.0,
             "chunks": len(updates), "max_chunk": max(((e[7] or {}).get("elems", 0)
                                                       for e in updates), default=0),
             "commit_s": commit / 1e9, "phase_s": (p1 - p0) / 1e9,
-            "exposed_s": _overlap(t0, t1, waits) / 1e9, "step_s": (t1 - t0) / 1e9,
+            "exposed_s": union_length(waits, clip=(t0, t1)) / 1e9, "step_s": (t1 - t0) / 1e9,
             "waits_s": _waits_by_name(xs), "disk": _disk_busy(events, t0, t1)}
 
 

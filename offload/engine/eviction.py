@@ -21,8 +21,8 @@ run (`PendingUpdates`, in the order they run): a gradient whose update is
 pending now (held for it, as the plan holds gradients: a reserve, [Note: the
 plan] in offload/planner/plan.py), a parameter partition that update reads
 as the fp32 master at the update's place in that order; everything else
-after all of them, at its
-group's next use in the trace (forward or backward, this step or the next);
+after all of them, at its group's next use in the trace (forward or
+backward, this step or the next);
 once the group's update has staged its new partition, that one takes over the
 next use and the old one has none (the commit replaces it; only a failed step
 reads it again), so the old copy leaves first and the new one stays for the
@@ -116,9 +116,6 @@ class PendingUpdates:
     def __len__(self) -> int:
         return len(self._seq)
 
-    def __contains__(self, gid: object) -> bool:
-        return gid in self._seq
-
     def reads_master(self, gid: int) -> bool:
         return gid in self._reads
 
@@ -141,11 +138,12 @@ def next_use_of(trace: AccessTrace, staged: Container[int] = (),
         gid = key[1]
         ahead = 0
         if pending is not None:
-            at = pending.place(gid)
-            if at is not None and len(key) == 2 and key[0] == "g":
-                return 0  # held for its update, as the plan holds it ([Note: the updates' order])
-            if at is not None and len(key) == 2 and pending.reads_master(gid):
-                return at
+            at = pending.place(gid) if len(key) == 2 else None
+            if at is not None:  # [Note: the updates' order]
+                if key[0] == "g":
+                    return 0  # held for its update, as the plan holds it
+                if pending.reads_master(gid):
+                    return at
             ahead = len(pending)  # every pending update comes first
         if len(key) == 3:  # ("p", gid, "staged"): the next forward reads it
             d = trace.next_use(gid) if key[2] == "staged" else None

@@ -427,8 +427,8 @@ AVX512 static void adam_avx512(int64_t k, float *restrict p, const float *restri
 }
 
 /* The moments' codes in and out of a tile's fp32 arrays (k elements from the first
- * of a QBLOCK): decode_m8 / decode_v8 / encode_m8 / encode_v8 and load_bf16 /
- * store_bf16 on AVX-512, the same operations lane by lane (the clamps as vminps
+ * of a QBLOCK): decode_m8 / decode_v8 / encode_m8 / encode_v8 on AVX-512 (bf16
+ * moments stay in adam_avx512's loop), the same operations lane by lane (the clamps as vminps
  * / vmaxps with the bound first, which keep a NaN as the C comparisons do; a
  * NaN's code is cvttps2dq's 0x80000000 cut to 8 bits, as the C casts give). */
 AVX512 static void decode8_avx512(float *restrict mb, float *restrict vb,

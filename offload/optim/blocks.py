@@ -43,7 +43,7 @@ from typing import Callable
 import torch
 
 from .adam import AdamHyper, AdamKernel, KernelName, fused_status
-from .codec import QBLOCK, Moment, decode, encode, encode_stochastic
+from .codec import QBLOCK, Moment, decode, encode, encode_stochastic, rounding_hash
 from .native import NativeAdam, native_status
 
 __all__ = ["BlockUpdater", "Run"]
@@ -254,8 +254,9 @@ class BlockUpdater:
             w.kernel.update(p, grad[i:j], m[x - lo:y - lo], v[x - lo:y - lo], step=step + 1,
                             hyper=hyper, grad_scale=grad_scale, param_out=o)
             if bf16:  # the updated elements, rounded stochastically; the rest keep their bits
+                h = rounding_hash(i, y - x, step + 1, m.device)  # one hash for both
                 for f, mom in ((m, ma), (v, va)):
-                    encode_stochastic(f[x - lo:y - lo], mom[x - lo:y - lo], i, step + 1)
+                    encode_stochastic(f[x - lo:y - lo], mom[x - lo:y - lo], i, step + 1, h)
         if coded and busy and not bf16:
             encode(m, ma, w.tmp[:hi - lo])
             encode(v, va, w.tmp[:hi - lo])

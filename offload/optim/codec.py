@@ -77,7 +77,8 @@ from ..planner.sizes import QBLOCK, STATE_DTYPES, StateDtype, moment_bytes
 
 __all__ = ["Moment", "QBLOCK", "StateDtype", "STATE_DTYPES", "moment_bytes", "new_moment",
            "zero_moment", "decode", "encode", "clone_moment", "copy_moment", "moment_views",
-           "moment_to_dict", "moment_from_dict", "mix32", "rounding_key", "encode_stochastic"]
+           "moment_to_dict", "moment_from_dict", "mix32", "rounding_key", "rounding_hash",
+           "encode_stochastic"]
 
 _TINY = torch.finfo(torch.float32).tiny
 _STORED = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -234,17 +235,26 @@ def rounding_key(count: int) -> int:
     return mix32(count & _M32)
 
 
-def encode_stochastic(x: torch.Tensor, m: Moment, first: int, count: int) -> None:
+def rounding_hash(first: int, n: int, count: int, device: torch.device) -> torch.Tensor:
+    """The hash h of elements `first` .. `first + n - 1` of a partition updated for the
+    `count`-th time (int64, [Note: stochastic rounding]): both moments take their
+    random bits from it."""
+    h = torch.arange(first, first + n, dtype=torch.int64, device=device)
+    h.bitwise_and_(_M32).bitwise_xor_(rounding_key(count))
+    return mix32(h)
+
+
+def encode_stochastic(x: torch.Tensor, m: Moment, first: int, count: int,
+                      h: torch.Tensor | None = None) -> None:
     """Stores fp32 `x` into the bf16 moment `m` (same numel, any device) with
     stochastic rounding: element i is element `first + i` of its partition, updated
-    for the `count`-th time ([Note: stochastic rounding]); the native kernel's bits."""
+    for the `count`-th time ([Note: stochastic rounding]); the native kernel's bits.
+    `h`: `rounding_hash` of those elements, where the caller has it (left as is)."""
     if m.data.dtype != torch.bfloat16:
         raise ValueError(f"{m.kind}: stochastic rounding writes bf16, not {m.data.dtype}")
-    n = x.numel()
-    r = torch.arange(first, first + n, dtype=torch.int64, device=x.device)
-    r.bitwise_and_(_M32).bitwise_xor_(rounding_key(count))
-    r = mix32(r)
-    r = r.bitwise_and_(0xFFFF) if m.kind == "exp_avg" else r.bitwise_right_shift_(16)
+    if h is None:
+        h = rounding_hash(first, x.numel(), count, x.device)
+    r = h & 0xFFFF if m.kind == "exp_avg" else h >> 16
     bits = x.view(torch.int32).to(torch.int64).bitwise_and_(_M32)
     bits.add_(r).bitwise_right_shift_(16)
     bits.masked_fill_(torch.isnan(x), BF16_NAN)

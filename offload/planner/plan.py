@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, field
-from typing import Hashable, Mapping, Sequence
+from typing import Container, Hashable, Mapping, Sequence
 
 __all__ = ["Plan", "PlanOp", "RecordSpec", "Use", "lru_bytes", "make_plan", "previous_key"]
 
@@ -167,6 +167,12 @@ def make_plan(uses: Sequence[Use], records: Mapping[Hashable, RecordSpec],
     return _walk(uses, size, nxt, budget, resident, dirty) if steady else plan
 
 
+def _kept(use: Use, present: Container[Hashable]) -> list[Hashable]:
+    """The records whose previous version `use` keeps ([Note: previous versions]): a
+    fresh one absent from memory leaves none (its old version is on NVMe only)."""
+    return [k for k in use.previous if k in present or k not in use.fresh]
+
+
 def _walk(uses: Sequence[Use], size: dict, nxt: _NextUse, budget: int, resident: set,
           dirty: set) -> Plan:
     """make_plan's walk from `resident` and `dirty`, which it leaves as the step ends."""
@@ -174,32 +180,36 @@ def _walk(uses: Sequence[Use], size: dict, nxt: _NextUse, budget: int, resident:
     held = [0] * len(uses)
     plan = Plan([], budget, held)
     prev_issue = 0
+    used = sum(size[k] for k in resident)  # bytes of the resident records
     for i, use in enumerate(uses):
-        held[i] += sum(size[k] for k in resident) + use.reserved
+        held[i] += used + use.reserved
         need = set(use.keys) | {previous_key(k) for k in use.previous}
         room = budget - use.reserved
 
-        def evict_one() -> None:
-            victim = max(resident - need, key=lambda r: (nxt.after(r, i), r not in dirty))
-            end = last.get(victim, -1)
-            if victim in dirty:
-                plan.ops.append(PlanOp("write-back", victim, size[victim], end + 1))
-                plan.bytes_written += size[victim]
-                dirty.discard(victim)
-            plan.ops.append(PlanOp("evict", victim, size[victim], end + 1))
-            resident.discard(victim)
-            for t in range(end + 1, i + 1):  # free from just after its last use
-                held[t] -= size[victim]
-        while sum(size[r] for r in resident) > room:  # the reserve grew
-            evict_one()
-        kept = [k for k in use.previous if k in resident or k not in use.fresh]
+        def make_room(n: int) -> None:
+            """Evicts until `n` more bytes fit."""
+            nonlocal used
+            while used + n > room:
+                victim = max(resident - need, key=lambda r: (nxt.after(r, i), r not in dirty))
+                end = last.get(victim, -1)
+                if victim in dirty:
+                    plan.ops.append(PlanOp("write-back", victim, size[victim], end + 1))
+                    plan.bytes_written += size[victim]
+                    dirty.discard(victim)
+                plan.ops.append(PlanOp("evict", victim, size[victim], end + 1))
+                resident.discard(victim)
+                used -= size[victim]
+                for t in range(end + 1, i + 1):  # free from just after its last use
+                    held[t] -= size[victim]
+        make_room(0)  # the reserve grew
+        kept = _kept(use, resident)
         for k in dict.fromkeys(use.keys):
             if k in resident:
                 continue
-            while sum(size[r] for r in resident) + size[k] > room:
-                evict_one()
+            make_room(size[k])
+            resident.add(k)
+            used += size[k]
             if k in use.fresh:  # written whole: room, no read
-                resident.add(k)
                 held[i] += size[k]
                 continue
             issue = i
@@ -213,13 +223,12 @@ def _walk(uses: Sequence[Use], size: dict, nxt: _NextUse, budget: int, resident:
             plan.ops.append(op)
             plan.fetches_by_use.setdefault(i, []).append(op)
             plan.bytes_read += size[k]
-            resident.add(k)
         for k in kept:  # [Note: previous versions]
             pk = previous_key(k)
             size[pk] = size[k]
-            while sum(size[r] for r in resident) + size[pk] > room:
-                evict_one()
+            make_room(size[pk])
             resident.add(pk)
+            used += size[pk]
             held[i] += size[pk]
             last[pk] = i
             if k in dirty:
@@ -228,7 +237,9 @@ def _walk(uses: Sequence[Use], size: dict, nxt: _NextUse, budget: int, resident:
         for k in need:
             last[k] = i
         for pk in use.drops:  # freed after this use, never written
-            resident.discard(pk)
+            if pk in resident:
+                resident.discard(pk)
+                used -= size[pk]
             dirty.discard(pk)
     return plan
 
@@ -248,36 +259,39 @@ def lru_bytes(uses: Sequence[Use], records: Mapping[Hashable, RecordSpec],
 def _lru_walk(uses: Sequence[Use], size: dict, budget: int, recent: dict, dirty: set
               ) -> tuple[int, int]:
     read = written = 0
+    used = sum(size[k] for k in recent)  # bytes of the resident records
     for i, use in enumerate(uses):
         need = set(use.keys) | {previous_key(k) for k in use.previous}
         room = budget - use.reserved
 
-        def evict_one() -> None:
-            nonlocal written
-            victim = min((r for r in recent if r not in need), key=recent.__getitem__)
-            if victim in dirty:
-                written += size[victim]
-                dirty.discard(victim)
-            del recent[victim]
-        while sum(size[r] for r in recent) > room:
-            evict_one()
-        kept = [k for k in use.previous if k in recent or k not in use.fresh]
+        def make_room(n: int) -> None:
+            nonlocal used, written
+            while used + n > room:
+                victim = min((r for r in recent if r not in need), key=recent.__getitem__)
+                if victim in dirty:
+                    written += size[victim]
+                    dirty.discard(victim)
+                del recent[victim]
+                used -= size[victim]
+        make_room(0)  # the reserve grew
+        kept = _kept(use, recent)
         for k in dict.fromkeys(use.keys):
             if k not in recent:
-                while sum(size[r] for r in recent) + size[k] > room:
-                    evict_one()
+                make_room(size[k])
+                used += size[k]
                 read += 0 if k in use.fresh else size[k]
             recent[k] = i
         for k in kept:
             pk = previous_key(k)
             size[pk] = size[k]
-            while sum(size[r] for r in recent) + size[pk] > room:
-                evict_one()
+            make_room(size[pk])
             recent[pk] = i
+            used += size[pk]
             if k in dirty:
                 dirty.add(pk)
         dirty.update(use.writes)
         for pk in use.drops:
-            recent.pop(pk, None)
+            if recent.pop(pk, None) is not None:
+                used -= size[pk]
             dirty.discard(pk)
     return read, written

@@ -38,17 +38,17 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator, Mapping, Sequence
 
-from .estimate import (PLACEMENTS, ModelBytes, Placement, _footprint, early_updates, kind_bytes,
-                       tier_bytes)
+from .estimate import (DTYPE_BYTES, PLACEMENTS, ModelBytes, Placement, _footprint,
+                       early_updates, kind_bytes, tier_bytes)
 from .plan import Plan, PlanOp, RecordSpec, Use, lru_bytes, make_plan, previous_key
 from .simulate import Rates, simulate
 from .sizes import auto_chunk_elems as chunk_elems
 from .sizes import state_elem_bytes
 
 __all__ = ["Budgets", "Candidate", "Machine", "ModelledStep", "Scored", "Space", "StepShape",
-           "UnitUse", "calibrate", "calibration_key", "chunk_elems", "lru_step_bytes",
-           "commit_stages", "model_of", "modelled_step", "plan_step", "ranked", "score", "search", "shortfall",
-           "state_elem_bytes", "steady_records"]
+           "UnitUse", "calibrate", "calibration_key", "chunk_elems", "commit_stages",
+           "lru_step_bytes", "model_of", "modelled_step", "plan_step", "ranked", "score",
+           "search", "shortfall", "state_elem_bytes", "steady_records"]
 
 MiB = 1 << 20
 
@@ -197,7 +197,7 @@ def _memory(shape: StepShape, c: Candidate, budgets: Budgets,
 def _records(shards: Sequence[tuple[int, bool]], dtype: str, p: Placement) -> dict:
     """The partitions a step moves between memory and NVMe through the store: parameters
     homed on NVMe, and gradients homed there where they are stored."""
-    item = {"fp32": 4, "bf16": 2, "fp16": 2}[dtype]
+    item = DTYPE_BYTES[dtype]
     stored_grads = not early_updates(p, dtype)
     records: dict = {}
     for gid, (n, trains) in enumerate(shards):
@@ -259,23 +259,27 @@ def modelled_step(units: Sequence[UnitUse], shards: Sequence[tuple[int, bool]], 
     streams: list[tuple[int, tuple, int]] = []
     fb = adam = 0.0
     held: dict[int, int] = {}  # gradients in memory now: gid -> bytes
+    reserved = 0  # their sum
     in_memory = grads_reserved and not early and placement.grads != "nvme"
 
     def unit_use(u: UnitUse) -> None:
-        nonlocal fb
+        nonlocal fb, reserved
         keys = tuple(("p", g) for g in u.gids if ("p", g) in records)
         writes: tuple = ()
         if u.kind == "backward":
             gk = tuple(("g", g) for g in u.gids if ("g", g) in records)
             keys, writes = keys + gk, gk
             if in_memory:
-                held.update((g, _footprint(shards[g][0] * 4)) for g in u.gids if shards[g][1])
+                for g in u.gids:
+                    if shards[g][1] and g not in held:
+                        held[g] = _footprint(shards[g][0] * 4)
+                        reserved += held[g]
         fb += u.compute_s
         uses.append(Use(keys, writes, u.kind, u.label or f"{u.kind} {u.gids}", u.compute_s,
-                        reserved=sum(held.values())))
+                        reserved=reserved))
 
     def update(gid: int, lane: str) -> None:
-        nonlocal adam
+        nonlocal adam, reserved
         n, trains = shards[gid]
         if not trains:
             return
@@ -290,10 +294,10 @@ def modelled_step(units: Sequence[UnitUse], shards: Sequence[tuple[int, bool]], 
                 streams.append((len(uses), ("s", gid, k), round(m * state_b)))
             t = m / adam_eps + (chunk_overhead_s if k is not None else 0.0)
             adam += t
-            uses.append(Use(keys + pw, pw, "update", f"adam {gid}", t, lane,
-                            sum(held.values()), previous=pw if staged else (),
+            uses.append(Use(keys + pw, pw, "update", f"adam {gid}", t, lane, reserved,
+                            previous=pw if staged else (),
                             fresh=pw if dtype != "fp32" else ()))  # the master is apart
-        held.pop(gid, None)  # the update frees the stored gradient
+        reserved -= held.pop(gid, 0)  # the update frees the stored gradient
 
     done: set[int] = set()
     kept: list = []  # records whose previous version waits for the commit
@@ -325,7 +329,7 @@ def commit_stages(p: Placement, dtype: str, shards: Sequence[tuple[int, bool]],
     (the engine then pins them all first and updates in place)."""
     if p.optimizer != "host" or early_updates(p, dtype):
         return True
-    item = {"fp32": 4, "bf16": 2, "fp16": 2}[dtype]
+    item = DTYPE_BYTES[dtype]
     need = sum(_footprint(n * item) + _footprint(n * 4) for n, trains in shards if trains)
     return need > budget
 
@@ -337,7 +341,7 @@ def _uses(shape: StepShape, c: Candidate, machine: Machine, staged: bool = False
     fixed cost per unit use (and, on a GPU, the copy up of parameters homed on the
     host)."""
     p = c.placement
-    item = {"fp32": 4, "bf16": 2, "fp16": 2}[shape.dtype]
+    item = DTYPE_BYTES[shape.dtype]
     chunk = chunk_elems(c.buffer_budget, c.buffers, state_dtype=c.state_dtype) \
         if p.optimizer == "nvme" else 0
 
