@@ -37,7 +37,11 @@ Bytes read and written per step are the worker process's own
 counter for both systems (O_DIRECT traffic included); offload's own accounting
 (store moves plus the optimizer's step results) is reported beside it.
 Peak RSS is the worker's VmHWM: over the whole run, and over the steps alone
-(reset through /proc/self/clear_refs after initialisation).
+(reset through /proc/self/clear_refs after initialisation). CPU seconds per
+step (`cpu_s_per_step`) are the worker's process CPU time (user + system, every
+thread) over the timed steps; `cpu_floor_s`, that over the cores the worker
+may run on, is a floor for the row's mean step: CPU time cannot exceed wall
+time times the cores.
 
 The lower bound of a placement that moves bytes to the disk is
 max(fastest no-offload step, R / read rate, W / write rate), where R and W are
@@ -265,16 +269,19 @@ def run_worker(spec: RunSpec) -> dict:
             run.step(x, y)
         io0, acc0 = proc_io(), run.accounted()
         times, losses = [], []
+        cpu0 = time.process_time()
         for _ in range(spec.steps):
             t = time.perf_counter()
             losses.append(run.step(x, y))
             times.append(time.perf_counter() - t)
+        cpu_s = time.process_time() - cpu0
+        cores = len(os.sched_getaffinity(0))
         io1, acc1 = proc_io(), run.accounted()
         steps_peak = vm_hwm()
     finally:
         run.close()
     row = {"system": spec.system, "placement": spec.placement, "init_s": init_s,
-           "step_s": times, "losses": losses,
+           "step_s": times, "losses": losses, "cpu_s": cpu_s, "cores": cores,
            "peak_rss_bytes": max(init_peak, steps_peak),
            "steps_peak_rss_bytes": steps_peak if reset else None,
            "read_bytes": io1[0] - io0[0], "write_bytes": io1[1] - io0[1]}
@@ -345,6 +352,8 @@ def _row(runs: _Runs) -> dict:
             read_bytes_per_step=statistics.median(x["read_bytes"] / nsteps for x in s),
             write_bytes_per_step=statistics.median(x["write_bytes"] / nsteps for x in s),
             init_s=statistics.median(x["init_s"] for x in s),
+            cpu_s_per_step=statistics.median(x["cpu_s"] / nsteps for x in s),
+            cpu_floor_s=statistics.median(x["cpu_s"] / nsteps / x["cores"] for x in s),
             first_loss=s[0]["losses"][0], last_loss=s[0]["losses"][-1])
         probes = [x["disk"] for x in s if "disk" in x]
         if probes:
@@ -639,7 +648,7 @@ def render(result: dict) -> None:
                     f"batch {m['batch']} on {result['device']}, {m['params'] / 1e6:.0f}M params "
                     f"({m['state_bytes'] / 1e9:.2f} GB of state); median of "
                     f"{result['rounds']} interleaved rounds x {result['steps']} steps")
-    for col in ("system", "placement", "step s", "x bound", "RSS GiB", "step RSS",
+    for col in ("system", "placement", "step s", "x bound", "CPU s", "RSS GiB", "step RSS",
                 "MB r/w"):
         t.add_column(col, justify="left" if col in ("system", "placement") else "right",
                      no_wrap=True)
@@ -647,11 +656,14 @@ def render(result: dict) -> None:
         rw = "-" if r["read_bytes_per_step"] is None else \
             f"{r['read_bytes_per_step'] / 1e6:.0f}/{r['write_bytes_per_step'] / 1e6:.0f}"
         t.add_row(r["system"], r["placement"], _fmt(r["median_step_s"], ".3f"),
-                  _fmt(r.get("step_over_bound"), ".2f"), _fmt(r["peak_rss_GiB"], ".2f"),
+                  _fmt(r.get("step_over_bound"), ".2f"), _fmt(r.get("cpu_s_per_step"), ".3f"),
+                  _fmt(r["peak_rss_GiB"], ".2f"),
                   _fmt(r.get("steps_peak_rss_GiB"), ".2f"), rw)
     con.print(t)
-    con.print(f"RSS: the worker's peak (VmHWM) over the whole run; step RSS: over the steps "
-              f"alone. MB r/w: MB read / written per step, from {result['bytes_source']}")
+    con.print(f"CPU s: CPU seconds of the worker's threads per timed step (user + system, "
+              f"all threads). RSS: the worker's peak (VmHWM) over the whole run; step RSS: "
+              f"over the steps alone. MB r/w: MB read / written per step, from "
+              f"{result['bytes_source']}")
     hp = result.get("huge_pages")
     if hp:
         con.print(f"huge pages: {'on' if hp['on'] else 'off'} for every worker, both systems "
@@ -680,8 +692,11 @@ def render(result: dict) -> None:
                       f"MB r/w, its own {r['read_bytes_per_step'] / 1e6:.0f}/"
                       f"{r['write_bytes_per_step'] / 1e6:.0f} MB")
             if r.get("practicality") is not None:
+                limit = r.get("practicality_cpu_limit")
                 con.print(f"{r['system']} {r['placement']}: practicality (no-offload step / "
-                          f"this step) {r['practicality']:.2f}")
+                          f"this step) {r['practicality']:.2f}" + (
+                              "" if limit is None else f"; its CPU work alone allows at most "
+                              f"{limit:.2f} (CPU floor {r['cpu_floor_s']:.3f} s)"))
             if r.get("mixed_s") is not None:
                 con.print(f"{r['system']} {r['placement']}: forced bytes at the probed mixed "
                           f"rate {r['mixed_s']:.3f} s (step / that = "

@@ -34,6 +34,9 @@ def test_json_rows_per_placement(tmp_path):
         assert r["note"] is None, r["note"]
         assert r["median_step_s"] > 0 and r["peak_rss_GiB"] > 0
         assert r["last_loss"] < r["first_loss"]  # it trains
+        # CPU time of every thread over the timed steps; over the cores, no more than the step
+        assert 0 < r["cpu_floor_s"] < r["cpu_s_per_step"]
+        assert r["cpu_floor_s"] <= r["median_step_s"] * 1.5  # a floor of the mean step
     params = res["model"]["params"]
     for placement in ("nvme-opt", "nvme"):
         row = rows[("offload", placement)]
@@ -141,7 +144,8 @@ def test_practicality_is_reported_on_both_disk_placements_against_the_systems_ow
         return {"system": system, "placement": placement, "median_step_s": s,
                 "read_bytes_per_step": 1, "write_bytes_per_step": 1}
     rows = [row("offload", "none", 0.30), row("offload", "none", 0.40),
-            row("offload-int8", "none", 0.20), row("offload-int8", "nvme-opt", 0.35),
+            row("offload-int8", "none", 0.20),
+            {**row("offload-int8", "nvme-opt", 0.35), "cpu_floor_s": 0.32},
             row("offload-int8", "nvme", 0.60), row("offload", "nvme", 0.90),
             row("deepspeed", "none", 0.60), row("deepspeed", "nvme-opt", 2.0)]
     practicality(rows)
@@ -150,6 +154,9 @@ def test_practicality_is_reported_on_both_disk_placements_against_the_systems_ow
     assert got[("offload-int8", "nvme")] == pytest.approx(0.5)
     assert got[("deepspeed", "nvme-opt")] == pytest.approx(0.3)
     assert got[("offload", "none")] is None
+    limits = {(r["system"], r["placement"]): r.get("practicality_cpu_limit") for r in rows}
+    assert limits[("offload-int8", "nvme-opt")] == pytest.approx(0.30 / 0.32)
+    assert limits[("offload-int8", "nvme")] is None  # no CPU floor in that row
     checks = {t["target"].split(" practicality")[0]: t["met"]
               for t in compressed_targets({(r["system"], r["placement"]): r for r in rows})
               if "practicality" in t["target"]}
