@@ -695,7 +695,7 @@ def render(result: dict) -> None:
                 limit = r.get("practicality_cpu_limit")
                 con.print(f"{r['system']} {r['placement']}: practicality (no-offload step / "
                           f"this step) {r['practicality']:.2f}" + (
-                              "" if limit is None else f"; its CPU work alone allows at most "
+                              "" if limit is None else f"; its CPU time alone allows at most "
                               f"{limit:.2f} (CPU floor {r['cpu_floor_s']:.3f} s)"))
             if r.get("mixed_s") is not None:
                 con.print(f"{r['system']} {r['placement']}: forced bytes at the probed mixed "

@@ -48,7 +48,7 @@ def practicality(rows: list[dict]) -> None:
     nvme): the system's fastest none step (offload fp32's, for offload's forms of
     the moments) over the row's step ([Note: practicality]); and, where the row has
     its CPU floor (`cpu_floor_s`), `practicality_cpu_limit`: that none step over the
-    floor, the most practicality a step doing the row's CPU work could reach."""
+    floor, the most practicality a step consuming the row's CPU time could reach."""
     def base(system: str) -> str:
         return "offload" if system.startswith("offload") else system
     none: dict[str, float] = {}
@@ -59,7 +59,7 @@ def practicality(rows: list[dict]) -> None:
     for r in rows:
         if r["placement"] in DISK_PLACEMENTS and r["median_step_s"] and base(r["system"]) in none:
             r["practicality"] = none[base(r["system"])] / r["median_step_s"]
-            if r.get("cpu_floor_s"):  # the most the row's own CPU work allows
+            if r.get("cpu_floor_s"):  # the most the row's CPU time allows
                 r["practicality_cpu_limit"] = none[base(r["system"])] / r["cpu_floor_s"]
 
 

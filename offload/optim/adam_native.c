@@ -25,7 +25,11 @@
  * and the baseline, chosen at load time (target_clones; x86-64 only: elsewhere
  * the build fails and the optional extension is left out). offload_adam_block
  * updates one block per call; offload_adam_claim lets several threads share a
- * whole chunk, one call each.
+ * whole chunk, one call each. With `src` (not NULL and not the master), the
+ * master's current values are read from `src`, and `master` receives the new
+ * ones (a partition updated into a fresh buffer, its old version kept): each
+ * tile is copied from `src` as its work starts, while the tile is in L1, rather
+ * than the caller copying the whole buffer in a pass of its own.
  */
 #include <stdint.h>
 #include <string.h>
@@ -64,6 +68,8 @@ typedef struct {
 
 typedef struct {
     float *master;
+    const float *src;    /* the master's current values: `master` itself, or read from
+                          * here tile by tile into `master` before its update */
     const float *grad;
     void *m, *v;
     float *m_scale, *v_scale;
@@ -551,6 +557,8 @@ INLINE int64_t tile(const block_args *a, const offload_run *runs, int64_t nruns,
     float mb[TILE], vb[TILE], sq[TILE];
     int64_t k = t1 - t0;
     int busy = 0;
+    if (a->src != a->master)  /* elements no run updates keep src's values too */
+        memcpy(a->master + t0, a->src + t0, 4 * (size_t)k);
     while (ri < nruns && runs[ri].hi <= t0) ri++;
     for (int64_t j = ri; j < nruns && runs[j].lo < t1; j++) busy |= !runs[j].skip;
     float *m = mb, *v = vb;
@@ -619,10 +627,11 @@ INLINE int64_t tile(const block_args *a, const offload_run *runs, int64_t nruns,
 /* `isa` caps the code paths: 0 none of the optional ones, 1 the AVX2 stream, 2 also
  * the AVX-512 loop and codecs (each where the CPU has it). The clone that runs is
  * still the CPU's; the paths give the same bits, and tests compare them. */
-INLINE block_args make_args(float *master, const float *grad, void *m, void *v,
-                            float *m_scale, float *v_scale, int32_t state, void *out,
+INLINE block_args make_args(float *master, const float *src, const float *grad, void *m,
+                            void *v, float *m_scale, float *v_scale, int32_t state, void *out,
                             int32_t out_dtype, float grad_scale, int64_t first, int32_t isa) {
-    block_args a = {master, grad, m, v, m_scale, v_scale, out, state, out_dtype,
+    block_args a = {master, src ? src : master, grad, m, v, m_scale, v_scale, out, state,
+                    out_dtype,
                     grad_scale != 1.0f, grad_scale,
                     isa >= 1 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c"),
                     isa >= 2 && __builtin_cpu_supports("avx512f")
@@ -646,13 +655,14 @@ INLINE void fence(const block_args *a) {
 
 /* The update of elements [0, n) of one block. For int8 state, element 0 is the
  * first of a QBLOCK and m_scale / v_scale point at its scale. `first`: element 0's
- * index in its partition; `isa`: as make_args. Returns 0. */
+ * index in its partition; `isa`: as make_args; `src`: where the master's current
+ * values are (NULL: in `master`). Returns 0. */
 EXPORT __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 int offload_adam_block(int64_t n, float *master, const float *grad, void *m, void *v,
                        float *m_scale, float *v_scale, int32_t state, void *out,
                        int32_t out_dtype, float grad_scale, const offload_run *runs,
-                       int64_t nruns, int64_t first, int32_t isa) {
-    block_args a = make_args(master, grad, m, v, m_scale, v_scale, state, out, out_dtype,
+                       int64_t nruns, int64_t first, int32_t isa, const float *src) {
+    block_args a = make_args(master, src, grad, m, v, m_scale, v_scale, state, out, out_dtype,
                              grad_scale, first, isa);
     span(&a, runs, nruns, 0, 0, n);
     fence(&a);
@@ -668,9 +678,9 @@ EXPORT __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default
 int64_t offload_adam_claim(int64_t n, float *master, const float *grad, void *m, void *v,
                            float *m_scale, float *v_scale, int32_t state, void *out,
                            int32_t out_dtype, float grad_scale, const offload_run *runs,
-                           int64_t nruns, int64_t first, int32_t isa, int64_t unit,
-                           int64_t *next) {
-    block_args a = make_args(master, grad, m, v, m_scale, v_scale, state, out, out_dtype,
+                           int64_t nruns, int64_t first, int32_t isa, const float *src,
+                           int64_t unit, int64_t *next) {
+    block_args a = make_args(master, src, grad, m, v, m_scale, v_scale, state, out, out_dtype,
                              grad_scale, first, isa);
     int64_t ri = 0, done = 0;
     for (;;) {
@@ -685,4 +695,5 @@ int64_t offload_adam_claim(int64_t n, float *master, const float *grad, void *m,
 }
 
 /* 1 when this build can be called at all (the loader's handshake). */
-EXPORT int offload_adam_abi(void) { return 3; } /* 2: offload_adam_claim; 3: first, isa, key */
+EXPORT int offload_adam_abi(void) { return 4; } /* 2: offload_adam_claim; 3: first, isa, key;
+                                                  4: src */

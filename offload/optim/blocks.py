@@ -176,15 +176,21 @@ class BlockUpdater:
     # -- the update ----------------------------------------------------------------
     def update(self, runs: list[Run], base: int, master: torch.Tensor, grad: torch.Tensor,
                exp_avg: Moment, exp_avg_sq: Moment, out: torch.Tensor | None,
-               grad_scale: float) -> None:
+               grad_scale: float, src: torch.Tensor | None = None) -> None:
         """Elements [base, base + n) of a partition: `master`, `exp_avg`, `exp_avg_sq`
         and `out` (the compute-dtype copy, or None) are their views (n elements,
         base a multiple of QBLOCK where the moments are int8), `grad` the whole
         partition's gradient. `runs`: (first element, elements, hyper-parameters or
-        None to leave alone, update count) in partition coordinates."""
+        None to leave alone, update count) in partition coordinates. `src`: the
+        master's current values where they are not in `master` (n elements, read
+        only; `master` receives the new ones): the native kernel reads them tile by
+        tile as it goes, the other paths copy them into `master` first."""
         n = master.numel()
         nb = -(-n // self.block)
-        if (out is None and grad_scale == 1.0 and exp_avg.scale is None
+        if src is not None and self.native is None:
+            master.copy_(src)
+            src = None
+        if (out is None and grad_scale == 1.0 and exp_avg.scale is None and src is None
                 and exp_avg.data.dtype == torch.float32 and self._whole is not None
                 and len(runs) == 1 and runs[0][2] is not None
                 and runs[0][0] <= base and runs[0][0] + runs[0][1] >= base + n):
@@ -199,7 +205,7 @@ class BlockUpdater:
             todo = [(max(a, base) - base, min(a + k, base + n) - base, h, st)
                     for a, k, h, st in runs if max(a, base) < min(a + k, base + n)]
             claim = self.native.claimer(master, grad[base:base + n], exp_avg, exp_avg_sq,
-                                        out, grad_scale, todo, first=base)
+                                        out, grad_scale, todo, first=base, src=src)
             self._each(lambda w: claim())
             return
 
@@ -207,7 +213,7 @@ class BlockUpdater:
             lo = b * self.block
             hi = min(n, lo + self.block)
             self._block(w, runs, base, lo, hi, master, grad, exp_avg, exp_avg_sq, out,
-                        grad_scale)
+                        grad_scale, src)
         if nb <= 1 or self.threads == 1:
             for b in range(nb):
                 block(self._main, b)
@@ -223,8 +229,10 @@ class BlockUpdater:
 
     def _block(self, w: _Worker, runs: list[Run], base: int, lo: int, hi: int,
                master: torch.Tensor, grad: torch.Tensor, exp_avg: Moment, exp_avg_sq: Moment,
-               out: torch.Tensor | None, grad_scale: float) -> None:
-        """One cache block [lo, hi) of the chunk: decode, update each run, encode."""
+               out: torch.Tensor | None, grad_scale: float,
+               src: torch.Tensor | None = None) -> None:
+        """One cache block [lo, hi) of the chunk: decode, update each run, encode
+        (`src`, native kernel only: as in `update`)."""
         todo = [(max(a, base + lo), min(a + k, base + hi), h, st) for a, k, h, st in runs
                 if max(a, base + lo) < min(a + k, base + hi)]
         if self.native is not None:
@@ -232,7 +240,7 @@ class BlockUpdater:
             self.native.block(master[lo:hi], grad[at:base + hi], exp_avg[lo:hi],
                               exp_avg_sq[lo:hi], None if out is None else out[lo:hi],
                               grad_scale, [(i - at, j - at, h, st) for i, j, h, st in todo],
-                              first=at)
+                              first=at, src=None if src is None else src[lo:hi])
             return
         ma, va = exp_avg[lo:hi], exp_avg_sq[lo:hi]
         coded = ma.data.dtype != torch.float32

@@ -49,7 +49,7 @@ ENV_SWITCH = "OFFLOAD_NATIVE_ADAM"
 ISA_SWITCH = "OFFLOAD_NATIVE_ISA"
 ISAS = {"baseline": 0, "avx2": 1, "avx512": 2}  # adam_native.c make_args' `isa`
 _LIB_STEM = "_adam_native"
-_ABI = 3  # offload_adam_abi() of the C file this module calls
+_ABI = 4  # offload_adam_abi() of the C file this module calls
 CLAIM_UNIT = 1 << 16  # elements per unit a thread claims in `NativeAdam.claimer` (64 tiles)
 _TILE = 4 * QBLOCK  # adam_native.c's TILE
 _STATE = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
@@ -99,7 +99,7 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
     args = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
             ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32,
             ctypes.c_void_p, ctypes.c_int32, ctypes.c_float, ctypes.POINTER(_Run),
-            ctypes.c_int64, ctypes.c_int64, ctypes.c_int32]
+            ctypes.c_int64, ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p]
     lib.offload_adam_block.restype = ctypes.c_int
     lib.offload_adam_block.argtypes = args
     lib.offload_adam_claim.restype = ctypes.c_int64
@@ -144,6 +144,11 @@ def _check(name: str, t: torch.Tensor, dtypes, n: int) -> None:
                          f"{t.numel()} on {t.device} (contiguous: {t.is_contiguous()})")
 
 
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two contiguous fp32 tensors share any byte."""
+    return a.data_ptr() < b.data_ptr() + 4 * b.numel() and b.data_ptr() < a.data_ptr() + 4 * a.numel()
+
+
 class NativeAdam:
     """The native kernel's calls; stateless, so one serves every thread. `isa`:
     the code paths it may take, one of `ISAS` (default `OFFLOAD_NATIVE_ISA`, else
@@ -164,7 +169,7 @@ class NativeAdam:
 
     def block(self, master: torch.Tensor, grad: torch.Tensor, exp_avg: Moment,
               exp_avg_sq: Moment, out: torch.Tensor | None, grad_scale: float,
-              runs: list[BlockRun], first: int = 0) -> None:
+              runs: list[BlockRun], first: int = 0, src: torch.Tensor | None = None) -> None:
         """Updates elements [0, n) of a block in place (n = master.numel()): `grad`,
         the moments and `out` (compute-dtype copy of the new master, or None) are
         views of the same n elements; an int8 moment's first element is the first of a
@@ -172,12 +177,16 @@ class NativeAdam:
         are None keeps its weights and moments (its master is still copied to `out`),
         and elements outside every run are not written (int8 codes of a block that a
         run updates aside: the whole block is coded again, as `codec.encode` does).
-        `first`: the partition's index of element 0 (bf16 moments' rounding)."""
-        self._fn(*self._args(master, grad, exp_avg, exp_avg_sq, out, grad_scale, runs, first))
+        `first`: the partition's index of element 0 (bf16 moments' rounding).
+        `src`: the master's current values, when they are not in `master`: `master`
+        receives the new ones (and `src`'s values where no run updates), `src` is only
+        read; the same bits as copying `src` into `master` first."""
+        self._fn(*self._args(master, grad, exp_avg, exp_avg_sq, out, grad_scale, runs, first,
+                             src))
 
     def claimer(self, master: torch.Tensor, grad: torch.Tensor, exp_avg: Moment,
                 exp_avg_sq: Moment, out: torch.Tensor | None, grad_scale: float,
-                runs: list[BlockRun], first: int = 0,
+                runs: list[BlockRun], first: int = 0, src: torch.Tensor | None = None,
                 unit: int = CLAIM_UNIT) -> Callable[[], int]:
         """The update of `block`'s arguments (here a whole chunk) shared between
         threads: checks them once and returns a function that every thread calls
@@ -186,17 +195,21 @@ class NativeAdam:
         returns how many it updated. The tensors must outlive the calls."""
         if unit < 1 or unit % _TILE:
             raise ValueError(f"unit {unit} must be a positive multiple of {_TILE}")
-        args = self._args(master, grad, exp_avg, exp_avg_sq, out, grad_scale, runs, first)
+        args = self._args(master, grad, exp_avg, exp_avg_sq, out, grad_scale, runs, first, src)
         nxt = ctypes.c_int64(0)
         claim, ref = self._claim, ctypes.byref(nxt)
         return lambda: claim(*args, unit, ref)
 
     def _args(self, master: torch.Tensor, grad: torch.Tensor, exp_avg: Moment,
               exp_avg_sq: Moment, out: torch.Tensor | None, grad_scale: float,
-              runs: list[BlockRun], first: int) -> tuple:
+              runs: list[BlockRun], first: int, src: torch.Tensor | None = None) -> tuple:
         """The C call's arguments, after checking every one."""
         n = master.numel()
         _check("master", master, (torch.float32,), n)
+        if src is not None:
+            _check("src", src, (torch.float32,), n)
+            if _overlap(src, master) and src.data_ptr() != master.data_ptr():
+                raise ValueError("src overlaps master without being it")
         _check("grad", grad, (torch.float32,), n)
         state = exp_avg.data.dtype
         if state not in _STATE:
@@ -237,4 +250,5 @@ class NativeAdam:
         return (n, master.data_ptr(), grad.data_ptr(), exp_avg.data.data_ptr(),
                 exp_avg_sq.data.data_ptr(), scales[0], scales[1], _STATE[state],
                 None if out is None else out.data_ptr(), 0 if out is None else _OUT[out.dtype],
-                grad_scale, arr, len(runs), first, ISAS[self.isa])
+                grad_scale, arr, len(runs), first, ISAS[self.isa],
+                None if src is None else src.data_ptr())

@@ -613,11 +613,13 @@ class CpuAdam(StateAccess):
         return [(lo, n, h, st) for lo, n, h, st, _ in runs]
 
     def _apply(self, runs: list, base: int, m: torch.Tensor, g: torch.Tensor, a: Moment,
-               s: Moment, o: torch.Tensor | None, grad_scale: float) -> None:
+               s: Moment, o: torch.Tensor | None, grad_scale: float,
+               src: torch.Tensor | None = None) -> None:
         """The update of elements [base, base + m.numel()) (`m`, `a`, `s`, `o` are their
         views; `g` the whole partition's gradient) by `runs` (see `_runs`), one cache
-        block at a time ([Note: blocks on worker threads] in blocks.py)."""
-        self.kernel.update(runs, base, m, g, a, s, o, grad_scale)
+        block at a time ([Note: blocks on worker threads] in blocks.py). `src`: the
+        master's current values where `m` is a fresh buffer (`masters` of `update`)."""
+        self.kernel.update(runs, base, m, g, a, s, o, grad_scale, src)
 
     def _count_segments(self, part: PartitionState, runs: list, final: bool) -> None:
         """Advances the update count of each segment that had a gradient."""
@@ -651,11 +653,9 @@ class CpuAdam(StateAccess):
             self._round.add(p.pid)
             m, a, s = p.host
             m, o = _master_and_out(m, out.get(p.pid))
-            if p.pid in mins:
-                m.copy_(mins[p.pid])
             with self.recorder.span("optim:update", cat="compute", track="optim",
                                     partition=str(p.pid), elems=p.numel):
-                self._apply(runs[p.pid], 0, m, g[p.pid], a, s, o, grad_scale)
+                self._apply(runs[p.pid], 0, m, g[p.pid], a, s, o, grad_scale, mins.get(p.pid))
             p.step += 1
             self._count_segments(p, runs[p.pid], final)
             done.append(p.pid)
@@ -665,9 +665,9 @@ class CpuAdam(StateAccess):
         def compute(p, _i, lo, n, m, a, s) -> None:
             o = out.get(p.pid)
             m, o = _master_and_out(m, None if o is None else o[lo:lo + n])
-            if p.pid in mins:
-                m.copy_(mins[p.pid][lo:lo + n])
-            self._apply(runs[p.pid], lo, m, g[p.pid], a, s, o, grad_scale)
+            src = mins.get(p.pid)
+            self._apply(runs[p.pid], lo, m, g[p.pid], a, s, o, grad_scale,
+                        None if src is None else src[lo:lo + n])
         then = self._parts.get(next_pid) if next_pid is not None else None
         if then is not None and (then.tier is not Tier.NVME or then.pid in g
                                  or then.pid in self._round):

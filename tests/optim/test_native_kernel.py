@@ -374,3 +374,40 @@ def test_claimed_units_on_threads_equal_one_call(state_dtype, out):
     _assert_same(mine + (outs[0],), (p, m, v, outs[1]), exact=True)
     with pytest.raises(ValueError, match="multiple of 1024"):
         k.claimer(p, g, m, v, None, 1.0, runs, unit=1000)
+
+
+@needs_native
+@pytest.mark.parametrize("isa", list(native_mod.ISAS))
+@pytest.mark.parametrize("state_dtype", ["fp32", "bf16", "int8"])
+@pytest.mark.parametrize("claim", [False, True], ids=["block", "claimer"])
+def test_a_master_read_from_src_gives_the_bits_of_copying_it_first(isa, state_dtype, claim):
+    """`src`: the master's current values elsewhere (a partition updated into a fresh
+    buffer). `master` gets what copying `src` into it and updating gives, elements no
+    run updates included (skipped runs and gaps); `src` is only read."""
+    import threading
+
+    n = 9 * 1024 + 77
+    runs = [(0, 1500, ADAMW, 2), (1500, 3000, None, 5), (3000, 6000, ADAM, 0),
+            (6100, n - 3, ADAMW, 9)]  # [6000, 6100) and [n - 3, n): in no run
+    gen = torch.Generator().manual_seed(11)
+    src, g = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+    m, v = _state(state_dtype, n, gen)
+    k = native_mod.NativeAdam(isa)
+    ref = (src.clone(), clone_moment(m), clone_moment(v), torch.zeros(n, dtype=torch.bfloat16))
+    k.block(ref[0], g, ref[1], ref[2], ref[3], 1.0, runs, first=5)
+    before = src.clone()
+    mine = (torch.full((n,), float("nan")), m, v, torch.zeros(n, dtype=torch.bfloat16))
+    if claim:
+        job = k.claimer(mine[0], g, m, v, mine[3], 1.0, runs, first=5, src=src, unit=1024)
+        threads = [threading.Thread(target=job) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    else:
+        k.block(mine[0], g, m, v, mine[3], 1.0, runs, first=5, src=src)
+    _assert_same(mine, ref, exact=True)
+    assert torch.equal(src, before)
+    with pytest.raises(ValueError, match="src overlaps"):
+        fm, fv = _state("fp32", n - 1, gen)
+        k.block(src[1:], g[1:], fm, fv, None, 1.0, [(0, n - 1, ADAMW, 2)], src=src[:-1])
