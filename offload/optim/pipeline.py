@@ -160,8 +160,9 @@ class SwapPipeline:
         """A slot for a new read or fill, by `mode`:
         "try": an idle one or None, never waiting;
         "wait": else the one with the oldest write (waiting for it to leave the
-        buffer), else one whose read is not in `protect` (a prefetch the current
-        work does not need, dropped), else None;
+        buffer), else the newest read not in `protect` (a prefetch the current
+        work does not need, dropped: prefetches are issued in the order they are
+        needed, so the one issued last is needed last), else None;
         "must": else the one holding the newest read (dropped: it is read again
         when its turn comes; only prefetches can fill every buffer this way)."""
         self._ensure_slots()
@@ -173,7 +174,7 @@ class SwapPipeline:
         writing = [s for s in self._slots if s.key is None and not s.busy]
         if writing:
             return self._reap(min(writing, key=lambda s: s.write_seq))
-        for key in list(self._reads):
+        for key in reversed(self._reads):
             if key not in protect:
                 return self._drop(key)
         if mode == "must" and self._reads:

@@ -96,6 +96,26 @@ def test_prefetch_reads_early_and_changes_nothing(swap, pool):
     assert nvme.prefetch("p0") >= 1
 
 
+def test_an_update_that_needs_buffers_drops_the_prefetch_needed_last(swap, pool):
+    """Prefetches are issued in the order they will be needed. When an update of a
+    partition nobody prefetched finds every buffer holding one, it takes the newest
+    first: the reads needed soonest stay, and the next update finds them done."""
+    g = torch.Generator().manual_seed(5)
+    masters = {pid: torch.randn(3 * CHUNK, generator=g) for pid in ("p0", "p1", "p2")}
+    numels = {pid: m.numel() for pid, m in masters.items()}
+    host = make_opt(_cfg(), masters)
+    nvme = make_opt(_cfg(), masters, "nvme", swap, pool)
+    grads = grads_for(numels, 0)
+    assert nvme.prefetch("p2") == 2 and nvme.prefetch("p0") == 1  # every buffer holds one
+    nvme.update({"p1": grads["p1"]})
+    assert nvme._pipeline.prefetched() == ["p2"]  # p0's read (issued last) gave way first
+    nvme.update({"p2": grads["p2"]})
+    nvme.update({"p0": grads["p0"]})
+    nvme.commit()
+    host.step(grads)
+    _assert_same_state(host, nvme, numels)
+
+
 def _fail_writes_after(opt: CpuAdam, swap: SwapSpace, n_updates: int):
     """After `n_updates` chunk updates, every further write fails for real (EBADF):
     the swap file's fd is swapped for a read-only one, as tests/io/test_swap.py does."""
