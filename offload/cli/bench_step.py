@@ -41,7 +41,9 @@ Peak RSS is the worker's VmHWM: over the whole run, and over the steps alone
 step (`cpu_s_per_step`) are the worker's process CPU time (user + system, every
 thread) over the timed steps; `cpu_floor_s`, that over the cores the worker
 may run on, is a floor for the row's mean step: CPU time cannot exceed wall
-time times the cores.
+time times the cores (give or take a few milliseconds by which the CPU clock
+may lag threads running when it is read: nothing beside steps of 0.1 s and
+more).
 
 The lower bound of a placement that moves bytes to the disk is
 max(fastest no-offload step, R / read rate, W / write rate), where R and W are
