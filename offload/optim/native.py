@@ -146,7 +146,8 @@ def _check(name: str, t: torch.Tensor, dtypes, n: int) -> None:
 
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether two contiguous fp32 tensors share any byte."""
-    return a.data_ptr() < b.data_ptr() + 4 * b.numel() and b.data_ptr() < a.data_ptr() + 4 * a.numel()
+    return (a.data_ptr() < b.data_ptr() + 4 * b.numel()
+            and b.data_ptr() < a.data_ptr() + 4 * a.numel())
 
 
 class NativeAdam:
