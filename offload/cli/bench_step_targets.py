@@ -57,10 +57,11 @@ def practicality(rows: list[dict]) -> None:
             none[r["system"]] = min(none.get(r["system"], r["median_step_s"]),
                                     r["median_step_s"])
     for r in rows:
-        if r["placement"] in DISK_PLACEMENTS and r["median_step_s"] and base(r["system"]) in none:
-            r["practicality"] = none[base(r["system"])] / r["median_step_s"]
+        step = none.get(base(r["system"]))
+        if r["placement"] in DISK_PLACEMENTS and r["median_step_s"] and step is not None:
+            r["practicality"] = step / r["median_step_s"]
             if r.get("cpu_floor_s"):  # the most the row's CPU time allows
-                r["practicality_cpu_limit"] = none[base(r["system"])] / r["cpu_floor_s"]
+                r["practicality_cpu_limit"] = step / r["cpu_floor_s"]
 
 
 def compressed_targets(get: dict) -> list[dict]:
