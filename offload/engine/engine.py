@@ -63,11 +63,13 @@ from .grad_slots import GradSlots
 from .model_weights import ModelWeights
 from .params_view import RegisteredParams
 from .rank_order import RankOrder
+from .in_place import update_in_place
 from .step import StagedParams, StepFailedError
 from .tensor_parallel import GradSquares, TensorParallel
 from .training_checkpoint import CheckpointSave
 from .training_checkpoint import save_checkpoint as _save_checkpoint
 from .units import Group, Unit, output_tensors, static_order
+from .working_set import working_set
 from .warm import WarmMemory
 
 log = logging.getLogger(__name__)
@@ -113,6 +115,8 @@ class OffloadEngine(ModelWeights, nn.Module):
         self._spans = UnitSpans(recorder)  # per-unit spans and use waits (docs/trace.md)
         self.dtype = _DTYPES[cfg.engine.dtype]
         self.device = store.device
+        # host bytes early updates' gradients may be counted in, beside what a step needs
+        self._holdable = cfg.store.host_budget - working_set(cfg, groups, self.dtype).host
         self.trace = AccessTrace(static_order(units))  # step 1 follows the modules' order
         self.micro_step = 0   # backward calls, all steps
         self.global_step = 0  # optimizer steps taken
@@ -127,9 +131,11 @@ class OffloadEngine(ModelWeights, nn.Module):
         self.master_is_param = self.dtype == torch.float32 and not (
             self._param_tier is Tier.DEVICE and self.device.type != "cpu")
         self._states = [_GroupState(g, self.dtype, self.device) for g in groups]
-        # room for the groups gathered at once: a unit's, the next ones fetched ahead
-        largest = max((g.padded for g in groups), default=0) * self.dtype.itemsize
-        self._warm = WarmMemory(self.device, (cfg.engine.prefetch_depth + 2) * largest)
+        # what is gathered at once: two units' groups, and one gathered ahead across ranks
+        size = [sum(groups[g].padded for g in u.needs) * self.dtype.itemsize for u in units]
+        ahead = max((g.padded for g in groups), default=0) * self.dtype.itemsize
+        self._warm = WarmMemory(self.device, 2 * max(size, default=0)
+                                + (ahead if comm.world > 1 else 0))
         self._reductions: list[Pending] = []
         self._has_grad: set[int] = set()
         self.grad_slots = GradSlots(comm)  # [Note: parameters without a gradient]
@@ -372,15 +378,16 @@ class OffloadEngine(ModelWeights, nn.Module):
         never enters the store). Otherwise it is accumulated in its grad partition
         and `step()` updates every group once the global norm is known."""
         if self._last_micro_step() and self._early_allowed():
-            grad = None  # None: the update takes the partition earlier micro-steps summed
+            grad = hold = None  # None: the update takes what earlier micro-steps summed
             if ("g", gid) in self.store:
                 self._accumulate(gid, shard_grad)
             else:
                 grad = shard_grad.cpu()
+                hold = self._hold(grad, f"the gradient of group {gid} for its early update")
             self._has_grad.add(gid)
             self.pending_updates.add(gid, reads_master=self.master_is_param)
             self._early.append(self._updater.submit(self._update_group, gid, grad, None,
-                                                    self.grad_slots.active(gid)))
+                                                    self.grad_slots.active(gid), hold))
             # Backpressure: each queued update holds its gradient; backward waits for slow
             # (I/O-bound) updates rather than piling them up.
             live = [f for f in self._early if not f.done()]
@@ -388,6 +395,17 @@ class OffloadEngine(ModelWeights, nn.Module):
                 futures_wait(live[:len(live) - EARLY_UPDATES_IN_FLIGHT])
             return
         self._accumulate(gid, shard_grad)
+
+    def _hold(self, grad: torch.Tensor, what: str) -> Any:
+        """Counts `grad` in the host tier's budget ([Note: held memory] in store.py);
+        None where no room can be made, or where that would eat into the minimum
+        working set (an update must find room for its partitions beside it)."""
+        try:
+            return self.store.hold(grad.numel() * grad.element_size(), Tier.HOST,
+                                   kind="grad", what=what, within=self._holdable)
+        except BudgetExceededError as e:
+            log.debug("%s is held outside the budgets: %s", what, e)
+            return None
 
     def _early_allowed(self) -> bool:
         """Early updates need no global value (no clipping, no loss scale) and NVMe state,
@@ -425,15 +443,19 @@ class OffloadEngine(ModelWeights, nn.Module):
             self.store.free(key)
 
     def _update_group(self, gid: int, grad: torch.Tensor | None, norm: float | None,
-                      active: list[bool] | None = None) -> None:
+                      active: list[bool] | None = None, hold: Any = None) -> None:
         """Adam on group `gid` with `grad` (None: its stored, accumulated gradient), in
         the open step: the new compute-dtype partition is staged beside the old one
         and the optimizer keeps its previous state until the step commits
         ([Note: all or nothing] in step.py). In fp32 the partition is the master
         (`master_is_param`): the optimizer reads the current one and writes the new
         one into the staged partition. `active`: which segments had a gradient
-        (default: as known now).
+        (default: as known now); `hold`: the budget's count of `grad`, released when
+        the update ends.
         """
+        if hold is not None:
+            with hold:
+                return self._update_group(gid, grad, norm, active)
         if active is None:
             active = self.grad_slots.active(gid)
         if grad is None:
@@ -483,50 +505,6 @@ class OffloadEngine(ModelWeights, nn.Module):
         if cpu and Tier.DEVICE in self.store.info(pkey).valid:
             return Tier.DEVICE  # HOST memory handed over to DEVICE
         return Tier.HOST
-
-    def _update_in_place(self, gids: list[int], norm: float | None) -> bool:
-        """The step's updates of host optimizer state, in place and final: every gradient
-        and parameter partition is made resident and pinned first (what can fail), so
-        no previous version is kept ([Note: all or nothing]). False (nothing changed;
-        no I/O where the budgets alone cannot hold them) when they do not all fit in
-        memory at once: the caller then stages the updates."""
-        where = {k: self._grad_where if k[0] == "g" else self._memory_tier(k)
-                 for gid in gids for k in (("g", gid), ("p", gid))}
-        if not self.store.could_hold(where):
-            return False
-        pinned: list = []
-        try:
-            for key, to in where.items():
-                self.store.fetch(key, to=to, pin=True).wait()
-                pinned.append(key)
-        except BaseException as e:
-            for key in pinned:
-                self.store.unpin(key)
-            if not isinstance(e, BudgetExceededError):
-                raise
-            log.debug("step: updates staged, the groups do not fit in memory at once (%s)", e)
-            return False
-        try:
-            scale = self._grad_divisor
-            gpu = self.device.type != "cpu"
-            for gid in gids:
-                pkey = ("p", gid)
-                self._update_order.append(gid)
-                grad = self.store.get(("g", gid), self._grad_where).cpu()
-                with self.store.modify(pkey, self._memory_tier(pkey)) as p:
-                    out = torch.empty(p.numel(), dtype=p.dtype) if p.device.type != "cpu" else p
-                    self.optimizer.update({gid: grad}, params_out={gid: out}, loss_scale=scale,
-                                          grad_norm=norm, found_inf=False, final=True,
-                                          active={gid: self.grad_slots.active(gid)},
-                                          schedule_step=self.global_step)
-                    if out is not p:  # a GPU-resident partition takes the new values
-                        p.copy_(out, non_blocking=gpu)
-        finally:
-            for key in pinned:
-                self.store.unpin(key)
-        for gid in gids:
-            self.store.free(("g", gid))
-        return True
 
     # -- the user's loop ----------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -653,7 +631,7 @@ class OffloadEngine(ModelWeights, nn.Module):
             return False
         self.pending_updates.add(*gids, reads_master=self.master_is_param)
         in_place = (self.cfg.engine.optimizer == "host" and not self.staged
-                    and self._update_in_place(gids, norm))
+                    and update_in_place(self, gids, norm))
         if not in_place:
             for gid in gids:
                 self._update_group(gid, None, norm)

@@ -21,7 +21,7 @@ leaves every one of them as it was:
     and rolls the round back.
 An update that runs when nothing after it can fail (`step()` with host
 optimizer state whose inputs and outputs are all pinned in memory first:
-`OffloadEngine._update_in_place`) keeps no previous version and costs nothing.
+`update_in_place` in in_place.py) keeps no previous version and costs nothing.
 """
 
 from __future__ import annotations

@@ -9,6 +9,12 @@ pointer is swapped into the group's persistent storage and back
 (`UntypedStorage._swap_data_ptr_`), so the storage object autograd's saved
 views hold stays the same. CUDA's caching allocator already reuses memory;
 there, and where torch lacks the swap, storage is resized as before.
+
+The limit counts the gathered storage and the kept storage together: what a
+step has gathered at once (a unit's groups and the next unit's, gathered
+before those are freed, and the one gathered ahead across ranks) is all the
+memory it needs, and the storage kept beyond it was host memory outside every
+budget (at 2B parameters, 128 MiB kept beside 32-64 MiB gathered).
 """
 
 from __future__ import annotations
@@ -24,7 +30,8 @@ __all__ = ["WarmMemory"]
 
 class WarmMemory:
     """Freed gather storage kept for reuse on a CPU device; see [Note: warm gather
-    memory]. Holds at most `limit` bytes; the oldest buffers go first."""
+    memory]. Keeps freed storage while it and the storage handed out stay within
+    `limit` bytes; the oldest buffers go first."""
 
     def __init__(self, device: torch.device, limit: int) -> None:
         self.enabled = (device.type == "cpu"
@@ -35,6 +42,7 @@ class WarmMemory:
         self.limit = limit
         self._free: list[torch.UntypedStorage] = []  # oldest first
         self._held = 0  # bytes in _free
+        self._out = 0  # bytes handed out by `fill`, not yet drained
 
     def fill(self, storage: torch.UntypedStorage, nbytes: int) -> None:
         """Gives the empty `storage` `nbytes` (or more) of memory."""
@@ -48,6 +56,7 @@ class WarmMemory:
             self._held -= buf.nbytes()
         else:
             buf = torch.UntypedStorage(nbytes)
+        self._out += buf.nbytes()
         storage._swap_data_ptr_(buf)  # storage takes the memory, buf the empty pointer
 
     def drain(self, storage: torch.UntypedStorage) -> None:
@@ -57,9 +66,10 @@ class WarmMemory:
             return
         buf = torch.UntypedStorage(0)
         storage._swap_data_ptr_(buf)
+        self._out = max(0, self._out - buf.nbytes())
         self._free.append(buf)
         self._held += buf.nbytes()
-        while self._held > self.limit:
+        while self._free and self._held + self._out > self.limit:
             self._held -= self._free.pop(0).nbytes()
 
     def clear(self) -> None:

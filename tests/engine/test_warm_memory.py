@@ -41,6 +41,21 @@ def test_freed_gather_memory_is_reused_and_bounded():
     assert warm._free == []
 
 
+@pytest.mark.skipif(not SWAP, reason=f"torch {torch.__version__} has no "
+                    "UntypedStorage._swap_data_ptr_: gathers allocate afresh")
+def test_the_limit_counts_gathered_and_kept_storage_together():
+    warm = WarmMemory(torch.device("cpu"), limit=2 << 20)
+    flats = [torch.empty(1 << 18) for _ in range(3)]  # 1 MiB each
+    for t in flats:
+        t.untyped_storage().resize_(0)
+        warm.fill(t.untyped_storage(), 1 << 20)
+    kept = []
+    for t in flats:
+        warm.drain(t.untyped_storage())
+        kept.append(sum(b.nbytes() for b in warm._free))
+    assert kept == [0, 1 << 20, 2 << 20]  # 2 MiB gathered: none kept; then room for more
+
+
 def test_cuda_device_resizes_instead():
     warm = WarmMemory(torch.device("cuda"), limit=1 << 20)
     assert not warm.enabled
