@@ -69,7 +69,6 @@ from .tensor_parallel import GradSquares, TensorParallel
 from .training_checkpoint import CheckpointSave
 from .training_checkpoint import save_checkpoint as _save_checkpoint
 from .units import Group, Unit, output_tensors, static_order
-from .working_set import working_set
 from .warm import WarmMemory
 
 log = logging.getLogger(__name__)
@@ -115,8 +114,6 @@ class OffloadEngine(ModelWeights, nn.Module):
         self._spans = UnitSpans(recorder)  # per-unit spans and use waits (docs/trace.md)
         self.dtype = _DTYPES[cfg.engine.dtype]
         self.device = store.device
-        # host bytes early updates' gradients may be counted in, beside what a step needs
-        self._holdable = cfg.store.host_budget - working_set(cfg, groups, self.dtype).host
         self.trace = AccessTrace(static_order(units))  # step 1 follows the modules' order
         self.micro_step = 0   # backward calls, all steps
         self.global_step = 0  # optimizer steps taken
@@ -378,16 +375,15 @@ class OffloadEngine(ModelWeights, nn.Module):
         never enters the store). Otherwise it is accumulated in its grad partition
         and `step()` updates every group once the global norm is known."""
         if self._last_micro_step() and self._early_allowed():
-            grad = hold = None  # None: the update takes what earlier micro-steps summed
+            grad = None  # None: the update takes what earlier micro-steps summed
             if ("g", gid) in self.store:
                 self._accumulate(gid, shard_grad)
             else:
                 grad = shard_grad.cpu()
-                hold = self._hold(grad, f"the gradient of group {gid} for its early update")
             self._has_grad.add(gid)
             self.pending_updates.add(gid, reads_master=self.master_is_param)
             self._early.append(self._updater.submit(self._update_group, gid, grad, None,
-                                                    self.grad_slots.active(gid), hold))
+                                                    self.grad_slots.active(gid)))
             # Backpressure: each queued update holds its gradient; backward waits for slow
             # (I/O-bound) updates rather than piling them up.
             live = [f for f in self._early if not f.done()]
@@ -395,17 +391,6 @@ class OffloadEngine(ModelWeights, nn.Module):
                 futures_wait(live[:len(live) - EARLY_UPDATES_IN_FLIGHT])
             return
         self._accumulate(gid, shard_grad)
-
-    def _hold(self, grad: torch.Tensor, what: str) -> Any:
-        """Counts `grad` in the host tier's budget ([Note: held memory] in store.py);
-        None where no room can be made, or where that would eat into the minimum
-        working set (an update must find room for its partitions beside it)."""
-        try:
-            return self.store.hold(grad.numel() * grad.element_size(), Tier.HOST,
-                                   kind="grad", what=what, within=self._holdable)
-        except BudgetExceededError as e:
-            log.debug("%s is held outside the budgets: %s", what, e)
-            return None
 
     def _early_allowed(self) -> bool:
         """Early updates need no global value (no clipping, no loss scale) and NVMe state,
@@ -443,19 +428,15 @@ class OffloadEngine(ModelWeights, nn.Module):
             self.store.free(key)
 
     def _update_group(self, gid: int, grad: torch.Tensor | None, norm: float | None,
-                      active: list[bool] | None = None, hold: Any = None) -> None:
+                      active: list[bool] | None = None) -> None:
         """Adam on group `gid` with `grad` (None: its stored, accumulated gradient), in
         the open step: the new compute-dtype partition is staged beside the old one
         and the optimizer keeps its previous state until the step commits
         ([Note: all or nothing] in step.py). In fp32 the partition is the master
         (`master_is_param`): the optimizer reads the current one and writes the new
         one into the staged partition. `active`: which segments had a gradient
-        (default: as known now); `hold`: the budget's count of `grad`, released when
-        the update ends.
+        (default: as known now).
         """
-        if hold is not None:
-            with hold:
-                return self._update_group(gid, grad, norm, active)
         if active is None:
             active = self.grad_slots.active(gid)
         if grad is None:

@@ -109,24 +109,3 @@ def test_exception_in_forward_then_training_goes_on_at_the_minimum(tmp_path):
         engine.close()
         ref.close()
 
-
-def test_early_updates_count_their_gradients_in_the_host_budget(tmp_path):
-    """The fp32 gradient an early update takes from backward is counted in the host
-    tier while it waits for and runs its update ([Note: held memory]), then given back."""
-    from offload.store import footprint
-    from offload.trace import TraceRecorder
-    from offload.trace.chrome import to_chrome_trace
-
-    cfg = _cfg(tmp_path, "nvme", "nvme", "nvme", "fp32")  # no clipping: updates run early
-    rec = TraceRecorder(enabled=True)
-    engine = offload.initialize(_model(), cfg, recorder=rec)
-    try:
-        _train(engine, torch.float32, steps=2)
-        group = footprint(engine.groups[0].shard * 4)
-        assert "grad" not in engine.store.stats().tiers["HOST"].by_kind
-        engine.store.audit()
-    finally:
-        engine.close()
-    counted = {e["args"].get("grad", 0) for e in to_chrome_trace(rec)["traceEvents"]
-               if e.get("name") == "tier:HOST" and e.get("ph") == "C"}
-    assert group in counted and counted <= {0, group, 2 * group}, sorted(counted)
