@@ -60,10 +60,10 @@ from ..trace import NULL_RECORDER, TraceRecorder, UnitSpans
 from .eviction import PendingUpdates, sooner_than
 from .forward_prefetch import ForwardOnlyPrefetch
 from .grad_slots import GradSlots
+from .in_place import update_in_place
 from .model_weights import ModelWeights
 from .params_view import RegisteredParams
 from .rank_order import RankOrder
-from .in_place import update_in_place
 from .step import StagedParams, StepFailedError
 from .tensor_parallel import GradSquares, TensorParallel
 from .training_checkpoint import CheckpointSave
@@ -375,7 +375,7 @@ class OffloadEngine(ModelWeights, nn.Module):
         never enters the store). Otherwise it is accumulated in its grad partition
         and `step()` updates every group once the global norm is known."""
         if self._last_micro_step() and self._early_allowed():
-            grad = None  # None: the update takes what earlier micro-steps summed
+            grad = None  # None: the update takes the partition earlier micro-steps summed
             if ("g", gid) in self.store:
                 self._accumulate(gid, shard_grad)
             else:

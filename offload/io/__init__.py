@@ -8,7 +8,7 @@ import logging
 from ..config import ConfigError, IoConfig
 from ..trace import NULL_RECORDER, TraceRecorder
 from . import hugepages
-from .buffers import BufferPool, HostBuffer, PoolReservation, host_copy
+from .buffers import BufferPool, HostBuffer, host_copy
 from .engine import AioEngine, IoEngine, Segment, ThreadEngine, libaio_status
 from .errors import (CorruptionError, IoError, PoolExhaustedError, SwapFullError, SwapLockedError,
                      SwapPathError)
@@ -27,7 +27,7 @@ __all__ = [
     "IoEngine", "IoError", "IoHandle", "PoolExhaustedError", "ReadHandle", "Segment",
     "SwapDir", "SwapExtent", "SwapFullError", "SwapLockedError", "SwapPathError", "SwapSpace",
     "SwitchIntervalHold", "ThreadEngine", "check_swap_dirs", "gather", "hold_switch_interval",
-    "PoolReservation", "host_copy", "libaio_status", "make_engine", "open_swap", "probe_direct",
+    "host_copy", "libaio_status", "make_engine", "open_swap", "probe_direct",
 ]
 
 

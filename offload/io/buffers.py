@@ -253,24 +253,6 @@ class HostBuffer:
                 f"address={self.address:#x}, pinned={self.pinned})")
 
 
-class PoolReservation:
-    """Bytes of memory held outside a `BufferPool` that its budget counts until
-    `release()` (idempotent; also when the pool is closed)."""
-
-    __slots__ = ("_pool", "nbytes", "tag")
-
-    def __init__(self, pool: BufferPool, nbytes: int, tag: str) -> None:
-        self._pool = pool
-        self.nbytes = nbytes  # page-rounded
-        self.tag = tag
-
-    def release(self) -> None:
-        self._pool._unreserve(self)
-
-    def __repr__(self) -> str:
-        return f"PoolReservation(tag={self.tag!r}, nbytes={self.nbytes})"
-
-
 class BufferPool:
     """Aligned host buffers under a hard byte budget; thread safe.
 
@@ -301,7 +283,6 @@ class BufferPool:
         self._blocks: dict[int, _Block] = {}       # every block mapped, by address
         self._cached: list[_Block] = []            # released blocks, oldest first
         self._out: dict[int, HostBuffer] = {}     # handles out, by id()
-        self._reservations: dict[int, PoolReservation] = {}  # memory counted, not mapped
         self._held = self._cached_bytes = self._pending = 0
         self._peak = self._allocs = self._reuses = self._waits = self._evictions = 0
         self._finalizer = weakref.finalize(self, _destroy_all, self._blocks)
@@ -341,10 +322,25 @@ class BufferPool:
             raise ValueError(f"buffer size must be positive, got {nbytes} bytes")
         capacity = _round_up(nbytes, self._alignment)
         footprint = _round_up(capacity, _PAGE) + max(0, self._alignment - _PAGE)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        waited = False
         with self._cond:
-            evict = self._room_for(nbytes, capacity, footprint, tag, timeout)
-            if isinstance(evict, _Block):
-                return self._hand_out(evict, nbytes, tag, reused=True)
+            while True:
+                self._check_open()
+                block = self._take_cached(capacity)
+                if block is not None:
+                    return self._hand_out(block, nbytes, tag, reused=True)
+                evict = self._plan_eviction(footprint)
+                if evict is not None:
+                    break
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if footprint > self._budget or (remaining is not None and remaining <= 0):
+                    raise PoolExhaustedError(
+                        self._exhausted_message(nbytes, capacity, footprint, tag, timeout))
+                if not waited:
+                    waited = True
+                    self._waits += 1
+                self._cond.wait(remaining)
             for victim in evict:
                 self._cached.remove(victim)
                 self._blocks.pop(victim.address, None)
@@ -355,59 +351,6 @@ class BufferPool:
             reserved = footprint + sum(v.footprint for v in evict)
             self._pending += reserved
         return self._map_new(evict, reserved, capacity, nbytes, tag)
-
-    def _room_for(self, nbytes: int, capacity: int, footprint: int, tag: str,
-                  timeout: float | None, reuse: bool = True) -> _Block | list[_Block]:
-        """Under the lock: a cached block of `capacity` bytes (with `reuse`), or the cached
-        blocks to drop so that `footprint` more bytes fit, waiting up to `timeout`."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        waited = False
-        while True:
-            self._check_open()
-            block = self._take_cached(capacity) if reuse else None
-            if block is not None:
-                return block
-            evict = self._plan_eviction(footprint)
-            if evict is not None:
-                return evict
-            remaining = None if deadline is None else deadline - time.monotonic()
-            if footprint > self._budget or (remaining is not None and remaining <= 0):
-                raise PoolExhaustedError(
-                    self._exhausted_message(nbytes, capacity, footprint, tag, timeout))
-            if not waited:
-                waited = True
-                self._waits += 1
-            self._cond.wait(remaining)
-
-    def reserve(self, nbytes: int, *, tag: str = "",
-                timeout: float | None = 0.0) -> PoolReservation:
-        """Counts `nbytes` of host memory held outside the pool (a tensor the caller
-        allocated) against the budget until `release()`, dropping cached buffers to
-        make room as `alloc` does, so that the pool's mappings and that memory stay
-        within the budget together. Raises `PoolExhaustedError` as `alloc` does."""
-        if nbytes <= 0:
-            raise ValueError(f"reservation size must be positive, got {nbytes} bytes")
-        footprint = _round_up(nbytes, _PAGE)
-        with self._cond:
-            evict = self._room_for(nbytes, footprint, footprint, tag, timeout, reuse=False)
-            for victim in evict:
-                self._cached.remove(victim)
-                self._blocks.pop(victim.address, None)
-                self._cached_bytes -= victim.footprint
-                self._evictions += 1
-            self._held += footprint
-            self._peak = max(self._peak, self._held)
-            res = PoolReservation(self, footprint, tag)
-            self._reservations[id(res)] = res
-        for victim in evict:  # unmapped off the lock, as alloc does; counted as held
-            victim.destroy()
-        return res
-
-    def _unreserve(self, res: PoolReservation) -> None:
-        with self._cond:
-            if self._reservations.pop(id(res), None) is res:
-                self._held -= res.nbytes
-                self._cond.notify_all()
 
     def _map_new(self, evict: list[_Block], reserved: int, capacity: int, nbytes: int,
                  tag: str) -> HostBuffer:
@@ -488,10 +431,6 @@ class BufferPool:
             g = groups[buf.tag or "<untagged>"]
             g[0] += 1
             g[1] += buf._block.footprint if buf._block is not None else 0
-        for res in self._reservations.values():
-            g = groups[f"{res.tag or '<untagged>'} (reserved)"]
-            g[0] += 1
-            g[1] += res.nbytes
         rows = sorted(groups.items(), key=lambda kv: -kv[1][1])
         return "; ".join(f"{tag!r}: {n} buffer(s), {b} bytes" for tag, (n, b) in rows) or "none"
 
@@ -524,7 +463,6 @@ class BufferPool:
             for buf in self._out.values():
                 buf._block = None
             self._out.clear()
-            self._reservations.clear()
             self._cached.clear()
             self._held = self._cached_bytes = 0
             self._closed = True

@@ -55,15 +55,14 @@ from typing import Callable, Hashable, Iterator
 import torch
 
 from ..config import OffloadConfig, load_config
-from ..io import (BufferPool, IoEngine, PoolExhaustedError, PoolReservation, SwapSpace,
-                  host_copy, make_engine)
+from ..io import BufferPool, IoEngine, SwapSpace, host_copy, make_engine
 from ..trace import NULL_RECORDER, TraceRecorder
 from .budget import BudgetExceededError, StoreStats
 from .copy import DeviceTier, resolve_device
 from .executor import MoveExecutor, UserClaim
 from .moves import MoveHandle, Step, needs_of, plan_evict, plan_fetch
 from .policy import EvictionPolicy, LruPolicy
-from .record import IN_FLIGHT, PartitionRecord, RecordInfo, Residency, Tier, footprint
+from .record import IN_FLIGHT, PartitionRecord, RecordInfo, Residency, Tier
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +118,6 @@ class TieredStore(MoveExecutor):
                          policy=policy if policy is not None else LruPolicy(), recorder=recorder)
         self._owns_engine, self._owns_pool = owns_engine, owns_pool
         self._ledgers: dict[str, _NvmeLedger] = {}  # [Note: optimizer extents]
-        self._holds: dict[int, MemoryHold] = {}  # [Note: held memory]
         try:
             for kind in self._cfg.swap_kinds:
                 self._swap(kind)  # open and lock now: a second job on these paths fails here
@@ -243,51 +241,6 @@ class TieredStore(MoveExecutor):
                 raise
             self._start(move, rec)
         return move
-
-    def hold(self, nbytes: int, tier: Tier | str = Tier.HOST, *, kind: str = "grad",
-             what: str = "memory held outside the store",
-             within: int | None = None) -> MemoryHold:
-        """Charges `nbytes` of `tier`'s budget (HOST or DEVICE) for memory the caller
-        holds outside any record, a tensor of its own, until `release()` on the
-        result: the store evicts to make room as a put would, and where the tier's
-        memory is the host buffer pool the pool drops cached buffers to keep its
-        mappings and that memory within its budget together ([Note: held memory]).
-        `within`: the most bytes this tier's holds of `kind` may count together (room
-        a caller keeps for other needs). Raises `BudgetExceededError` (naming `what`)
-        when no room can be made or `within` would be passed; then nothing is charged."""
-        tier = _tier(tier)
-        if tier is Tier.NVME:
-            raise ValueError("hold() counts memory: HOST or DEVICE, not NVME")
-        n = footprint(nbytes)
-        with self._cond:
-            self._check_open()
-            held = sum(h.nbytes for h in self._holds.values() if (h.tier, h.kind) == (tier, kind))
-            if within is not None and held + n > within:
-                raise BudgetExceededError(f"{what} ({n} bytes) would take the {kind} held in "
-                                          f"{tier} to {held + n} bytes, over {within}")
-            self._reserve({tier: n}, set(), what)
-            self._charge(tier, kind, n)
-            h = MemoryHold(self, tier, kind, n)
-            self._holds[id(h)] = h
-        if tier is Tier.HOST or self._dev.hand_over:
-            try:
-                h._pooled = self._pool.reserve(n, tag=kind, timeout=self._cfg.wait_timeout)
-            except BaseException as e:
-                h.release()
-                if isinstance(e, PoolExhaustedError):
-                    raise BudgetExceededError(f"cannot make room for {what}: {e}") from e
-                raise
-        return h
-
-    def _unhold(self, h: MemoryHold) -> None:
-        with self._cond:
-            if self._holds.pop(id(h), None) is not h:
-                return
-            self._acct.refund(h.tier, h.kind, h.nbytes)
-            self._emit_tier(h.tier)
-            self._cond.notify_all()
-        if h._pooled is not None:
-            h._pooled.release()
 
     def could_hold(self, where: dict[Hashable, Tier]) -> bool:
         """False when the copies `where` names (key -> tier) could never be resident
@@ -538,8 +491,6 @@ class TieredStore(MoveExecutor):
             for move in self._moves:
                 for t in move.reserved:
                     expected[t][move.kind] = expected[t].get(move.kind, 0) + move.rec.footprint
-            for h in self._holds.values():
-                expected[h.tier][h.kind] = expected[h.tier].get(h.kind, 0) + h.nbytes
             for kind, ledger in self._ledgers.items():
                 if ledger.held:
                     expected[Tier.NVME][kind] = expected[Tier.NVME].get(kind, 0) + ledger.held
@@ -604,12 +555,6 @@ class TieredStore(MoveExecutor):
                 rec.valid.clear()
                 rec.state = Residency.FREED
             self._records.clear()
-            holds, self._holds = list(self._holds.values()), {}
-            for h in holds:
-                self._acct.refund(h.tier, h.kind, h.nbytes)
-        for h in holds:
-            if h._pooled is not None:
-                h._pooled.release()
         self.log_stats()
         self._close_io(keep)
 
@@ -636,43 +581,6 @@ class TieredStore(MoveExecutor):
 
     def __repr__(self) -> str:
         return f"TieredStore(device={self.device}, partitions={len(self._records)})"
-
-
-class MemoryHold:
-    """Bytes of a tier's budget counted for memory outside the store (`TieredStore.hold`)
-    until `release()` (idempotent; a no-op once the store is closed).
-
-    [Note: held memory]
-    Some memory of training state is a tensor the store does not own: the fp32
-    gradient an early update takes from backward (offload/engine/engine.py,
-    [Note: early update]) exists for a moment beside every record. Copying it
-    into a record would cost a pass over its bytes on the critical path; counting
-    it costs nothing. A hold charges its bytes to a tier, evicting as a put would,
-    and, where that tier's memory comes from the host buffer pool (HOST, and
-    DEVICE on a CPU), reserves them in the pool too, which unmaps cached buffers
-    to make room: released records' buffers stay mapped in the pool's cache
-    otherwise, so a charge alone would not lower what the process holds."""
-
-    __slots__ = ("_store", "tier", "kind", "nbytes", "_pooled")
-
-    def __init__(self, store: TieredStore, tier: Tier, kind: str, nbytes: int) -> None:
-        self._store = store
-        self.tier = tier
-        self.kind = kind
-        self.nbytes = nbytes
-        self._pooled: PoolReservation | None = None
-
-    def release(self) -> None:
-        self._store._unhold(self)
-
-    def __enter__(self) -> MemoryHold:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
-
-    def __repr__(self) -> str:
-        return f"MemoryHold({self.tier}, {self.kind}, {self.nbytes} B)"
 
 
 class _NvmeLedger:

@@ -108,4 +108,3 @@ def test_exception_in_forward_then_training_goes_on_at_the_minimum(tmp_path):
     finally:
         engine.close()
         ref.close()
-

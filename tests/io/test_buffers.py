@@ -297,23 +297,3 @@ def test_populate_faults_pages_in_and_keeps_the_bytes():
     assert populate(fresh)
     assert rss() - r0 >= 60 << 20  # resident now, though nothing wrote it
     assert int(fresh.sum()) == 0  # anonymous memory: zeros, untouched by populate
-
-
-def test_a_reservation_counts_outside_memory_and_unmaps_cached_buffers():
-    with BufferPool(16 * KIB, pin=False) as p:
-        a, b = p.alloc(8 * KIB), p.alloc(8 * KIB)
-        a.release()  # 8 KiB cached, 8 held: full
-        res = p.reserve(5000, tag="grad")  # page-rounded to 8 KiB: drops the cached block
-        s = p.stats()
-        assert (s.held_bytes, s.cached_bytes, s.evictions) == (16 * KIB, 0, 1)
-        with pytest.raises(PoolExhaustedError, match=r"'grad \(reserved\)': 1 buffer"):
-            p.alloc(4 * KIB, timeout=0)
-        res.release()
-        res.release()  # idempotent
-        assert p.stats().held_bytes == 8 * KIB
-        p.alloc(8 * KIB, timeout=0).release()
-        b.release()
-        with pytest.raises(PoolExhaustedError):
-            p.reserve(20 * KIB, timeout=0)
-        with pytest.raises(ValueError):
-            p.reserve(0)

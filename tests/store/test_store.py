@@ -91,30 +91,6 @@ def test_budget_is_hard_and_error_lists_residents(make_store):
     s.audit()
 
 
-def test_a_hold_counts_memory_outside_the_store_and_evicts_for_it(make_store):
-    s = make_store(device_pages=2, host_pages=3)
-    for k in "abc":
-        s.put(k, page_tensor(ord(k)), tier="HOST")
-    pool = s.buffer_pool.stats()
-    h = s.hold(PAGE + 1, H, kind="grad", what="a gradient")  # two pages: two records leave
-    st = s.stats()
-    assert st.tiers["HOST"].used == 3 * PAGE and st.tiers["HOST"].by_kind["grad"] == 2 * PAGE
-    assert sum(s.info(k).valid == {N} for k in "abc") == 2
-    assert s.buffer_pool.stats().held_bytes == pool.held_bytes  # two buffers out, two pages in
-    s.audit()
-    s.pin(next(k for k in "abc" if H in s.info(k).valid))
-    with pytest.raises(BudgetExceededError, match="another gradient"):
-        s.hold(PAGE, H, what="another gradient")
-    h.release()
-    h.release()  # idempotent
-    assert "grad" not in s.stats().tiers["HOST"].by_kind
-    s.audit()
-    s.hold(PAGE, D)  # a CPU device tier is pool memory too
-    with pytest.raises(ValueError, match="NVME"):
-        s.hold(PAGE, N)
-    s.audit()
-
-
 def test_lru_evicts_least_recently_used_and_writes_it_down(make_store):
     s = make_store(host_pages=2)
     s.put("a", page_tensor(1), tier="HOST")
