@@ -10,7 +10,8 @@ measured; each group's update, on the update thread where updates run early;
 the optimizer's chunks streamed from NVMe; the commit) and computes:
 
   * bytes_planned: the plan's reads and writes (`make_plan`, farthest-next-use
-    eviction under the memory the budgets leave the streamed partitions, fetches
+    eviction under the memory the budgets leave the streamed partitions, as the
+    two tiers hold them record by record (`packed_budget`), fetches
     no earlier than the engine's look-ahead) plus the optimizer's state, read
     and written once per step whatever the budget;
   * bytes_lru: the same trace under least-recently-used eviction with on-demand
@@ -38,8 +39,9 @@ memory: parameters on NVMe get it as the store's memory for them
 working set; `store.host_budget` holds the host's minimum working set and the
 gradients stored there), the optimizer's state on NVMe gets it as
 `io.buffer_budget` (its chunk buffers; at least 4 MiB). What the placement
-keeps in memory otherwise has room. The planner's budget is the store's two
-memory tiers together (the device tier plus the host tier); gradients stored in
+keeps in memory otherwise has room. The planner's budget is what the store's two
+memory tiers (the device tier and the host tier) hold of the plan's records
+together, each record whole in one tier (`packed_budget`); gradients stored in
 the host tier take their bytes of it from their backward to their update
 (`Use.reserved`), and the plan's records get the rest.
 """
@@ -152,8 +154,9 @@ def predict(row: dict[str, Any], job: dict[str, Any], m: dict[str, Any]) -> dict
                          between=[Use((), (), "loss", "loss", prof["between_s"])],
                          commit_s=prof["commit_s"], grads_reserved=True,
                          staged=commit_stages(p, row["dtype"], shards, job["planner_budget"]))
-    plan = plan_step(step, job["planner_budget"], cfg["engine"]["prefetch_depth"], buffers)
-    lru_r, lru_w = lru_step_bytes(step, job["planner_budget"])
+    tiers = (cfg["store"]["device_budget"], cfg["store"]["host_budget"])
+    plan = plan_step(step, tiers, cfg["engine"]["prefetch_depth"], buffers)
+    lru_r, lru_w = lru_step_bytes(step, tiers)
     d = m["disk"]
     probed = Rates(d["read_Bps"], d["write_Bps"], d["mixed_Bps"])
     reached = run_rates(prof["disk"], probed)

@@ -19,7 +19,9 @@ simulated like any other (offload.planner.plan, .simulate):
     its elements over the measured Adam rate of its state dtype; gradients homed on NVMe are
     written at backward and read at the update;
   * memory for the streamed records is what the budgets leave once every
-    partition homed in memory is counted, plus the pipeline's chunk buffers.
+    partition homed in memory is counted, plus the pipeline's chunk buffers;
+    where that memory spans two tiers, the plan's single budget is what the two
+    hold record by record ([Note: two tiers, one budget]).
 The disk serves reads and writes at the rates probed for the configuration's
 block size and queue depth. What limits the step is the largest of compute
 (forward and backward), CPU (Adam) and exposed I/O (disk).
@@ -47,7 +49,7 @@ from .sizes import state_elem_bytes
 
 __all__ = ["Budgets", "Candidate", "Machine", "ModelledStep", "Scored", "Space", "StepShape",
            "UnitUse", "calibrate", "calibration_key", "chunk_elems", "commit_stages",
-           "lru_step_bytes", "model_of", "modelled_step", "plan_step", "ranked", "score",
+           "lru_step_bytes", "model_of", "modelled_step", "packed_budget", "plan_step", "ranked", "score",
            "search", "shortfall", "state_elem_bytes", "steady_records"]
 
 MiB = 1 << 20
@@ -171,10 +173,10 @@ def model_of(shape: StepShape, c: Candidate) -> ModelBytes:
 
 
 def _memory(shape: StepShape, c: Candidate, budgets: Budgets,
-            device: str) -> tuple[int, int, int] | None:
-    """(store host budget, store device budget, bytes left for streamed records), or
-    None when the budgets cannot hold what the placement homes in memory or its minimum
-    working set."""
+            device: str) -> tuple[int, int, tuple[int, int]] | None:
+    """(store host budget, store device budget, bytes each tier leaves for streamed
+    records), or None when the budgets cannot hold what the placement homes in memory
+    or its minimum working set."""
     p = c.placement
     tb = tier_bytes(model_of(shape, c), p, device=device)
     kinds = kind_bytes(model_of(shape, c))
@@ -190,8 +192,7 @@ def _memory(shape: StepShape, c: Candidate, budgets: Budgets,
         (G if stored and p.grads in ("host", "nvme") else 0)
     if budgets.device < max(min_dev, dev_home) or store_host < max(min_host, host_home):
         return None
-    free = (budgets.device - dev_home) + (store_host - host_home)
-    return store_host, budgets.device, free
+    return store_host, budgets.device, (budgets.device - dev_home, store_host - host_home)
 
 
 def _records(shards: Sequence[tuple[int, bool]], dtype: str, p: Placement) -> dict:
@@ -401,20 +402,51 @@ def steady_records(step: ModelledStep, budget: int) -> dict:
     return dict(step.records)
 
 
-def plan_step(step: ModelledStep, budget: int, prefetch_depth: int, buffers: int) -> Plan:
-    """The plan of a modelled step under `budget` bytes for its records (`make_plan`),
-    parameter fetches issued no earlier than the engine's look-ahead of
-    `prefetch_depth` uses, and the optimizer's NVMe state streamed through `buffers`
-    chunk buffers. Raises ValueError when a use needs more than `budget` at once."""
-    plan = make_plan(step.uses, steady_records(step, budget), max(budget, 1), steady=True)
+def packed_budget(step: ModelledStep, tiers: Sequence[int]) -> int:
+    """The bytes of `step`'s records that memory tiers of `tiers` bytes each are sure to
+    hold together, a record whole in one tier ([Note: two tiers, one budget]); at
+    least 1."""
+    sizes = {r.nbytes for r in step.records.values()}
+    total = sum(max(t, 0) for t in tiers)
+    if len(tiers) < 2 or not sizes:
+        return max(total, 1)
+    if len(sizes) == 1:
+        (s,) = sizes
+        return max(sum(max(t, 0) // s for t in tiers) * s, 1)
+    return max(total - (len(tiers) - 1) * max(sizes), 1)
+
+
+# [Note: two tiers, one budget]
+# The plan walks one budget, but the memory its records live in is two tiers (device
+# and host: the device is the CPU too), and a record sits whole in one of them. Their
+# sum over-promises: three 40 MB records do not fit tiers of 60 MB each, and a plan
+# that counts 120 MB keeps a record the store must evict, which then comes back from
+# NVMe as bytes the plan never counted. What two tiers of D and H bytes surely hold,
+# records at most L bytes each: any set of at most D + H - L bytes (fill the device
+# until a record does not fit: it then holds more than D - L, and the rest, less than
+# H, fits the host); records all of one size s: (D // s + H // s) records, exactly.
+# The engine's eviction fills tiers the same way (a record goes down only when its
+# tier is full), so the plan keeps what the store can keep, and never more.
+
+
+def plan_step(step: ModelledStep, tiers: Sequence[int], prefetch_depth: int,
+              buffers: int) -> Plan:
+    """The plan of a modelled step (`make_plan`) with memory tiers of `tiers` bytes for
+    its records (`packed_budget`), parameter fetches issued no earlier than the
+    engine's look-ahead of `prefetch_depth` uses, and the optimizer's NVMe state
+    streamed through `buffers` chunk buffers. Raises ValueError when a use needs more
+    than that budget at once."""
+    budget = packed_budget(step, tiers)
+    plan = make_plan(step.uses, steady_records(step, budget), budget, steady=True)
     return _stream_state(_limit_lookahead(plan, prefetch_depth), step.streams, buffers)
 
 
-def lru_step_bytes(step: ModelledStep, budget: int) -> tuple[int, int]:
+def lru_step_bytes(step: ModelledStep, tiers: Sequence[int]) -> tuple[int, int]:
     """(read, written) bytes of the same step with on-demand fetches and least-recently-
-    used eviction of its records (`lru_bytes`), plus the optimizer's streamed state."""
-    read, written = lru_bytes(step.uses, steady_records(step, budget), max(budget, 1),
-                              steady=True)
+    used eviction of its records (`lru_bytes`) under the same budget as `plan_step`,
+    plus the optimizer's streamed state."""
+    budget = packed_budget(step, tiers)
+    read, written = lru_bytes(step.uses, steady_records(step, budget), budget, steady=True)
     moved = sum(b for _, _, b in step.streams)
     return read + moved, written + moved
 
@@ -432,7 +464,7 @@ def score(shape: StepShape, c: Candidate, budgets: Budgets, machine: Machine) ->
     if p.optimizer == "nvme" and not chunk_elems(c.buffer_budget, c.buffers,
                                                   state_dtype=c.state_dtype):
         return None
-    step = _uses(shape, c, machine, commit_stages(p, shape.dtype, shape.shards, mem[2]))
+    step = _uses(shape, c, machine, commit_stages(p, shape.dtype, shape.shards, sum(mem[2])))
     fb, adam = step.compute_s, step.adam_s
     try:
         plan = plan_step(step, mem[2], c.prefetch_depth, c.buffers)

@@ -1,14 +1,19 @@
 """The tuner's search: scored by the simulator, bounded by the budgets and the disk,
 and its candidates' keys are configurations the library accepts."""
 
+import itertools
+
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from offload.config import load_config
-from offload.planner import Rates
+from offload.planner import Rates, RecordSpec, Use, make_plan
 from offload.planner.estimate import PLACEMENTS, Placement, tier_bytes
 from offload.planner.search import (Budgets, Candidate, Machine, Space, StepShape, calibrate,
-                                    calibration_key, candidates, chunk_elems, score, search,
-                                    shortfall)
+                                    calibration_key, candidates, chunk_elems, ModelledStep,
+                                    packed_budget, plan_step, score, search, shortfall,
+                                    steady_records)
 
 MiB = 1 << 20
 N = 1 << 20  # elements per group
@@ -172,3 +177,65 @@ def test_tune_offers_compressed_moments_where_they_win():
     roomy = search([SHAPE], Space(), Budgets(4096 * MiB, 4096 * MiB), _machine(), DEFAULTS)[0]
     assert compressed_offers(roomy, [SHAPE], Budgets(4096 * MiB, 4096 * MiB), _machine(),
                              Space()) == []  # all in memory: nothing to win
+
+
+def _fits_tiers(sizes, tiers):
+    """Whether records of `sizes` fit two tiers, each record whole in one."""
+    d, h = tiers
+    total = sum(sizes)
+    return any(sum(s for s, bit in zip(sizes, bits) if bit) <= d
+               and total - sum(s for s, bit in zip(sizes, bits) if bit) <= h
+               for bits in itertools.product((0, 1), repeat=len(sizes)))
+
+
+@st.composite
+def _two_tier_steps(draw):
+    sizes = draw(st.lists(st.integers(1, 4), min_size=2, max_size=6))
+    records = {f"r{k}": RecordSpec(s) for k, s in enumerate(sizes)}
+    keys = st.sampled_from(sorted(records))
+    uses = [Use((k,), (k,) if draw(st.booleans()) else ())
+            for k in draw(st.lists(keys, min_size=1, max_size=12))]
+    tiers = tuple(draw(st.integers(max(sizes), 3 * max(sizes))) for _ in range(2))
+    return ModelledStep(uses, records, [], 0.0, 0.0), tiers
+
+
+def _resident_at(uses, resident, ops):
+    """The records resident or in flight at each use when `ops` run from `resident`
+    (which ends as the step leaves it)."""
+    by_at = {}
+    for op in ops:
+        by_at.setdefault(op.at, []).append(op)
+    for i, use in enumerate(uses):
+        for op in by_at.get(i, ()):
+            if op.op == "evict":
+                resident.discard(op.key)
+            elif op.op == "fetch":
+                resident.add(op.key)
+        assert set(use.keys) <= resident
+        yield i, set(resident)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_two_tier_steps())
+def test_a_plan_over_two_tiers_fits_them_record_by_record(case):
+    """What the plan keeps in memory at every use of a loop of steps fits the device and
+    host tiers with each record whole in one of them, so the store never has to evict
+    what the plan keeps ([Note: two tiers, one budget])."""
+    step, tiers = case
+    plan = plan_step(step, tiers, prefetch_depth=len(step.uses), buffers=2)
+    records = steady_records(step, plan.budget)
+    size = {k: r.nbytes for k, r in step.records.items()}
+    resident = {k for k, r in records.items() if r.resident}
+    assert _fits_tiers([size[k] for k in resident], tiers)
+    first = make_plan(step.uses, records, plan.budget)  # the step before the steady one
+    for ops in (first.ops, plan.ops):
+        for i, held in _resident_at(step.uses, resident, ops):
+            assert _fits_tiers([size[k] for k in held], tiers), (i, held, tiers)
+
+
+def test_equal_records_fill_both_tiers():
+    step = ModelledStep([Use(("a",))], {k: RecordSpec(40) for k in "abc"}, [], 0.0, 0.0)
+    assert packed_budget(step, (60, 60)) == 80       # two of three 40-byte records
+    assert packed_budget(step, (80, 40)) == 120      # all three
+    step.records["d"] = RecordSpec(10)
+    assert packed_budget(step, (80, 40)) == 80       # mixed sizes: the sum less the largest
