@@ -64,7 +64,7 @@ from .in_place import update_in_place
 from .model_weights import ModelWeights
 from .params_view import RegisteredParams
 from .rank_order import RankOrder
-from .step import StagedParams, StepFailedError
+from .step import StagedParams, StepFailedError, staged_key
 from .tensor_parallel import GradSquares, TensorParallel
 from .training_checkpoint import CheckpointSave
 from .training_checkpoint import save_checkpoint as _save_checkpoint
@@ -318,7 +318,11 @@ class OffloadEngine(ModelWeights, nn.Module):
             if any(not self._states[gid].gathered for gid in unit.needs):
                 self._rank_order.check_unit(unit, backward=True)
             self._spans.backward_begin(unit.name)
+            early_master = (self.master_is_param and self._last_micro_step()
+                            and self._early_allowed())
             for gid in unit.needs:
+                if early_master:
+                    self.pending_updates.expect(gid)
                 st = self._states[gid]
                 if not st.gathered:  # the saved views see the refilled storage; a
                     self.trace.record(gid)  # recomputation re-binds in its forward hook
@@ -464,6 +468,27 @@ class OffloadEngine(ModelWeights, nn.Module):
             if masters is not None:
                 self.store.unpin(pkey)
         self._count_opt_bytes(res.bytes_read, res.bytes_written)
+        if masters is not None:
+            self._new_takes_old_room(gid)
+
+    def _new_takes_old_room(self, gid: int) -> None:
+        """On a CPU device, once group `gid`'s update has staged its new partition:
+        drops a clean old copy in DEVICE and hands the new one up into its room
+        ([Note: the new copy takes the old one's room] in eviction.py)."""
+        if self.device.type != "cpu" or gid not in self.staged:
+            return
+        pkey, skey = ("p", gid), staged_key(gid)
+        old, new = self.store.info(pkey), self.store.info(skey)
+        if (Tier.DEVICE not in old.valid or old.dirty or old.pins or old.busy
+                or Tier.DEVICE in new.valid or new.busy):
+            return
+        try:  # a saving, not a need: a copy pinned or room taken meanwhile skips it
+            self.store.evict(pkey, to=Tier.NVME).wait()  # clean: drops the memory copies
+            if self.store.fits_sparing(skey, Tier.DEVICE, sooner_than(
+                    self.trace, gid, self.staged, self.pending_updates)):
+                self.store.fetch(skey, to=Tier.DEVICE).wait()
+        except RuntimeError as e:  # BudgetExceededError among them
+            log.debug("group %d: new partition stays in HOST (%s)", gid, e)
 
     @property
     def _grad_divisor(self) -> float:

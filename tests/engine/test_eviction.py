@@ -38,9 +38,11 @@ def test_next_use_moves_fewer_bytes_than_lru_with_the_same_numbers(tmp_path):
     lru, w_lru = _run(tmp_path, "lru")
     nxt, w_nxt = _run(tmp_path, "next-use")
     # steady state (the last step): parameter copies the step is done with leave
-    # before gradients the update still needs (LRU writes those down and reads them back)
+    # before gradients the update still needs (LRU writes those down and reads them
+    # back): 1.89 MB against LRU's 2.43 (3.24 before [Note: the new copy takes the old
+    # one's room] spared LRU some of that)
     (r_lru, w_l), (r_nxt, w_n) = lru[-1], nxt[-1]
-    assert r_nxt + w_n <= 0.75 * (r_lru + w_l), (lru, nxt)
+    assert r_nxt + w_n <= 0.8 * (r_lru + w_l), (lru, nxt)
     assert w_lru.keys() == w_nxt.keys()
     for k in w_lru:
         assert torch.equal(w_lru[k], w_nxt[k]), k
@@ -123,6 +125,15 @@ def test_a_staged_partition_takes_over_its_groups_next_use():
     assert not sooner_than(trace, 0, staged, pending)(("p", 2))
     pending.read_master(1)
     assert nu(("p", 1)) == 1 + 1                 # read: its next use is its backward
+    # group 0's backward runs: its early update, queued once its gradient is reduced,
+    # reads its parameters right after the updates queued before it
+    pending.expect(0)
+    assert nu(("p", 0)) == 1 and nu(("g", 0)) == 1 + 3
+    pending.add(0, reads_master=True)
+    assert not pending.expected(0) and nu(("p", 0)) == 1
+    pending.expect(2)
+    pending.clear()
+    assert not pending.expected(2)
 
 
 def test_the_update_loop_keeps_its_inputs_ahead_of_the_next_forward():
@@ -171,3 +182,42 @@ def test_the_update_loop_keeps_the_inputs_of_the_next_updates(tmp_path):
     d = {k: v.bytes - (before[k].bytes if k in before else 0) for k, v in after.items()}
     moved = sum(v for k, v in d.items() if "NVME" in k)
     assert moved <= 7.5 * layer, {k: v / layer for k, v in d.items()}
+
+
+def _param_reads(tmp_path, host_layers: int, device_layers: int) -> float:
+    """Parameter partitions read from NVMe in steps 2-4, in layers: 8 layers streaming,
+    optimizer state on NVMe (early updates: each group's update runs beside the
+    backward of the next), a CPU device; budgets in layers."""
+    footprint = 264 * 1024  # one layer's partition, aligned
+    cfg = {"engine": {"params": "nvme", "grads": "host", "optimizer": "nvme", "group_size": 1},
+           "io": {"paths": [str(tmp_path)], "buffer_budget": "8MiB"},
+           "store": {"host_budget": host_layers * footprint,
+                     "device_budget": device_layers * footprint, "device": "cpu"}}
+    torch.manual_seed(0)
+    with offload.initialize(Stack(layers=8), cfg) as e:
+        for step in range(4):
+            if step == 1:
+                before = e.store.stats().moves["NVME->HOST"].bytes
+            e.backward(e(torch.randn(8, 256)).square().mean())
+            e.step()
+        read = e.store.stats().moves["NVME->HOST"].bytes - before
+    return read / (256 * 257 * 4)
+
+
+def test_a_running_backward_keeps_the_master_its_update_reads_next(tmp_path):
+    """[Note: the updates' order]: while a group's backward runs, its early update is
+    about to read its parameters as the master. Counted as needed only by the next
+    step, they were evicted by the prefetch for the next backward and read straight
+    back: 14.4-15.4 layers a step with two layers of each tier, 10.3-11.3 kept."""
+    reads = _param_reads(tmp_path, 2, 2)
+    assert reads <= 3 * 12.5, reads / 3
+
+
+def test_the_new_partition_takes_the_old_ones_room(tmp_path):
+    """[Note: the new copy takes the old one's room]: the updates' new partitions
+    (staged in HOST) move up into the DEVICE room of the clean old copies no step
+    reads again, rather than HOST writing them to NVMe while DEVICE holds those:
+    9.25 layers read a step with two layers of HOST and four of DEVICE, 6.2-7.2
+    with it, the plan's 6 for this trace."""
+    reads = _param_reads(tmp_path, 2, 4)
+    assert reads <= 3 * 8, reads / 3
