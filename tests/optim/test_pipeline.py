@@ -485,3 +485,35 @@ def test_lr_schedule_sees_the_committed_step(swap, pool):
     assert seen == [0, 0, 1]
     _assert_same_state(ref, nvme, numels)
     nvme.close()
+
+
+def test_host_rounds_copy_into_the_last_rounds_buffers_and_still_roll_back():
+    """[Note: the copies' buffers]: each round's rollback copy of the host state goes
+    into the buffers of the round before (committed or rolled back), and a rollback
+    after several rounds still gives the last committed state exactly."""
+    masters = _masters(46, count=2)
+    numels = {pid: m.numel() for pid, m in masters.items()}
+    ref = make_opt(_cfg(), masters)
+    opt = make_opt(_cfg(), masters)
+
+    from offload.optim.codec import Moment
+
+    def buffers() -> set[int]:
+        return {t.data_ptr() for _, copies in opt._backups.values() for c in copies
+                for t in ((c.data, c.scale) if isinstance(c, Moment) else (c,))
+                if t is not None}
+    seen = []
+    for k in range(3):
+        grads = grads_for(numels, k)
+        ref.step(grads)
+        opt.update(grads)
+        seen.append(buffers())
+        opt.commit()
+    assert seen[1] == seen[0] == seen[2], "a round's copies took fresh memory"
+    opt.update(grads_for(numels, 9))
+    assert buffers() == seen[0]
+    opt.rollback()
+    _assert_same_state(ref, opt, numels)
+    ref.step(grads_for(numels, 4))
+    opt.step(grads_for(numels, 4))
+    _assert_same_state(ref, opt, numels)
