@@ -7,10 +7,21 @@ and moving it there before it is needed.
 """
 
 from .config import ConfigError, OffloadConfig, load_config
-from .engine import (CheckpointCorruptError, CheckpointError, OffloadEngine, StepFailedError,
-                     initialize)
 
 __version__ = "0.1.0"
+
+_ENGINE = ("CheckpointCorruptError", "CheckpointError", "OffloadEngine", "StepFailedError",
+           "initialize")
+
+
+def __getattr__(name: str):
+    """The engine's names, imported on first use: `offload` itself, and the CLI with
+    it, start without importing torch (`offload --help`, `offload view` and every
+    refusal of a bad flag answer in a fraction of a second)."""
+    if name in _ENGINE:
+        from . import engine
+        return getattr(engine, name)
+    raise AttributeError(f"module 'offload' has no attribute {name!r}")
 
 __all__ = ["CheckpointCorruptError", "CheckpointError", "ConfigError", "OffloadConfig",
            "OffloadEngine", "StepFailedError", "initialize", "load_config", "__version__"]

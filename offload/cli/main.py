@@ -4,55 +4,65 @@ work lives in the sub-command modules and the layers below them."""
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import sys
+from typing import Sequence
 
-from . import (bench_adam, bench_checkpoint, bench_comm, bench_io, bench_oversized, bench_plan,
-               bench_step, bench_store, bench_tune, checkpoint, demo, estimate, tune, view)
 from .args import CommandParser, run_command
 
+COMMANDS = (
+    ("demo", "run the main job on an embedded default"),
+    ("view", "a self-contained HTML report of trace files (timeline, tier occupancy, "
+     "prefetch outcomes, summary)"),
+    ("estimate", "bytes per kind and per tier of a model's training state, for every "
+     "placement"),
+    ("tune", "choose a whole configuration from measurements and the step simulator; "
+     "write it as TOML"))
+BENCHES = (
+    ("io", "engines vs dd/fio with O_DIRECT: GB/s and ratio"),
+    ("store", "host -> NVMe -> host through the store vs the raw engine"),
+    ("step", "one training step: offload vs DeepSpeed ZeRO-3, per placement"),
+    ("oversized", "a model whose training state is twice the machine's RAM, two steps "
+     "from NVMe (long; not part of make test)"),
+    ("adam", "CPU Adam update vs torch and the memory-bandwidth bound"),
+    ("checkpoint", "save and resume of a >= 2 GiB training state vs the disk's O_DIRECT "
+     "rate; stall of a background save"),
+    ("comm", "communication hidden behind compute: data parallel (serial, overlap) and "
+     "tensor parallel (tp, domino), exposed seconds from the trace"),
+    ("tune", "offload tune's written configuration vs the best of a sweep of the same "
+     "space; tune's time"),
+    ("plan", "the planner's bytes and the simulator's step against real steps at tight "
+     "budgets (bytes moved, planned, LRU's; predicted and measured step)"))
 
-def build_parser() -> argparse.ArgumentParser:
+
+def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     """The `offload` parser; every sub-command's flags are checked as they are parsed
-    (offload/cli/args.py), and a bad one is one line on stderr with exit code 2."""
+    (offload/cli/args.py), and a bad one is one line on stderr with exit code 2.
+
+    With `argv`, only the module of the sub-command it names is imported (the others
+    are listed with their help line): `offload --help`, `offload view` or `offload
+    config` start without importing torch. Without it, every sub-command is built."""
+    words = None if argv is None else [a for a in argv if not a.startswith("-")]
+
+    def wanted(*path: str) -> bool:
+        return words is None or words[:len(path)] == list(path)
     p = CommandParser(prog="offload", description="Train models whose training "
                       "state is far larger than accelerator memory.")
     p.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = p.add_subparsers(dest="command", required=True)
-
-    for name, module, what in (
-            ("demo", demo, "run the main job on an embedded default"),
-            ("view", view, "a self-contained HTML report of trace files (timeline, tier "
-             "occupancy, prefetch outcomes, summary)"),
-            ("estimate", estimate, "bytes per kind and per tier of a model's training state, "
-             "for every placement"),
-            ("tune", tune, "choose a whole configuration from measurements and the step "
-             "simulator; write it as TOML")):
-        _command(sub, name, module, what)
+    for name, what in COMMANDS:
+        _command(sub, name, name, what, wanted(name))
 
     bench = sub.add_parser("bench", help="benchmarks against the disk or a peer, interleaved")
     bsub = bench.add_subparsers(dest="bench", required=True)
-    for name, module, what in (
-            ("io", bench_io, "engines vs dd/fio with O_DIRECT: GB/s and ratio"),
-            ("store", bench_store, "host -> NVMe -> host through the store vs the raw engine"),
-            ("step", bench_step, "one training step: offload vs DeepSpeed ZeRO-3, per "
-             "placement"),
-            ("oversized", bench_oversized, "a model whose training state is twice the "
-             "machine's RAM, two steps from NVMe (long; not part of make test)"),
-            ("adam", bench_adam, "CPU Adam update vs torch and the memory-bandwidth bound"),
-            ("checkpoint", bench_checkpoint, "save and resume of a >= 2 GiB training state vs "
-             "the disk's O_DIRECT rate; stall of a background save"),
-            ("comm", bench_comm, "communication hidden behind compute: data parallel (serial, "
-             "overlap) and tensor parallel (tp, domino), exposed seconds from the trace"),
-            ("tune", bench_tune, "offload tune's written configuration vs the best of a sweep "
-             "of the same space; tune's time"),
-            ("plan", bench_plan, "the planner's bytes and the simulator's step against real "
-             "steps at tight budgets (bytes moved, planned, LRU's; predicted and measured "
-             "step)")):
-        _command(bsub, name, module, what)
+    for name, what in BENCHES:
+        _command(bsub, name, f"bench_{name}", what, wanted("bench", name))
 
     ck = sub.add_parser("checkpoint", help="inspect a training checkpoint, export its weights")
-    checkpoint.add_arguments(ck.add_subparsers(dest="checkpoint", required=True))
+    ck_sub = ck.add_subparsers(dest="checkpoint", required=True)
+    if wanted("checkpoint"):
+        _module("checkpoint").add_arguments(ck_sub)
 
     cfg = sub.add_parser("config", help="print every configuration key with its default")
     cfg.add_argument("--markdown", action="store_true", help="as the table in docs/configuration.md")
@@ -60,11 +70,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _command(sub, name: str, module, what: str) -> None:
-    """Sub-command `name`: `module.add_arguments` gives its flags, `module.run` runs it."""
+def _module(name: str):
+    return importlib.import_module(f"{__package__}.{name}")
+
+
+def _command(sub, name: str, module: str, what: str, load: bool) -> None:
+    """Sub-command `name`: `module.add_arguments` gives its flags, `module.run` runs it
+    (the module is imported only where `load`)."""
     p = sub.add_parser(name, help=what)
-    module.add_arguments(p)
-    p.set_defaults(func=module.run)
+    if load:
+        mod = _module(module)
+        mod.add_arguments(p)
+        p.set_defaults(func=mod.run)
 
 
 def _print_config(args: argparse.Namespace) -> int:
@@ -94,7 +111,8 @@ def _prog(args: argparse.Namespace) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args, extra = build_parser().parse_known_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args, extra = build_parser(argv).parse_known_args(argv)
     if extra:
         print(f"{_prog(args)}: unrecognized arguments: {' '.join(extra)}; see "
               f"'{_prog(args)} --help'", file=sys.stderr)

@@ -93,6 +93,7 @@ def test_tune_writes_a_config_that_initialize_takes_unchanged(work):
         engine.close()
 
 
+@pytest.mark.slow  # 23 s; the default suite runs tune in test_tune_writes_a_config_...
 def test_tune_table_with_progress_bars(work):
     out = _tune(work, "--swap", str(work / "swap"), "--host-budget", "256MiB",
                 "--device-budget", "64MiB", "--top", "3")

@@ -68,7 +68,8 @@ def _two_ranks(tmp_path, tag, cfg, resume=None, save=None, out=None):
     spawn(_worker, str(tmp_path / f"init-{tag}"), cfg, resume, save, out)
 
 
-@pytest.mark.parametrize("placement", [("host", "host", "host"), ("nvme", "nvme", "nvme")])
+@pytest.mark.parametrize("placement", [
+    pytest.param(("host", "host", "host"), marks=pytest.mark.slow), ("nvme", "nvme", "nvme")])
 def test_reshard_1_to_2_and_2_to_1(tmp_path, engine_cfg, placement):
     batches = lm_batches(BATCHES)
     torch.manual_seed(0)

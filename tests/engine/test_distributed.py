@@ -73,7 +73,8 @@ def _sometimes_worker(rank: int, world: int, init_file: str, out: str, cfg: dict
         engine.close()
 
 
-@pytest.mark.parametrize("params,optimizer", [("device", "host"), ("nvme", "nvme")])
+@pytest.mark.parametrize("params,optimizer", [
+    pytest.param("device", "host", marks=pytest.mark.slow), ("nvme", "nvme")])
 def test_two_ranks_parameters_used_by_one_rank_and_param_groups(tmp_path, engine_cfg, params,
                                                                 optimizer):
     """One group holds every parameter; `b` runs on rank 0 only and `never` on no rank:
@@ -163,7 +164,8 @@ def _backward_diverging_worker(rank: int, world: int, init_file: str, out: str,
         engine.close()
 
 
-@pytest.mark.parametrize("group_size", [100, 100_000], ids=["unit-each", "one-unit"])
+@pytest.mark.parametrize("group_size", [100, pytest.param(100_000, marks=pytest.mark.slow)],
+                         ids=["unit-each", "one-unit"])
 def test_ranks_whose_backward_differs_raise_instead_of_hanging(tmp_path, engine_cfg,
                                                                group_size):
     """The same forward on both ranks, but rank 1's loss does not use `aux`'s output.

@@ -169,11 +169,14 @@ def test_tensor_parallel_matches_one_process(tmp_path):
 
 
 @pytest.mark.distributed
-def test_data_and_tensor_parallel_match_one_process(tmp_path):
+@pytest.mark.parametrize("cases", [
+    pytest.param([("gpt", "host", 2, 0.05)], id="clipped"),
+    pytest.param([("gpt", "nvme", 2, 0.0), ("llama", "host", 2, 0.0)], id="nvme-llama",
+                 marks=pytest.mark.slow)])  # 4 ranks on 2 cores: the default suite's time
+def test_data_and_tensor_parallel_match_one_process(tmp_path, cases):
     """DP = 2 x TP = 2 (4 ranks): ZeRO-3 over the DP pairs, TP inside each pair; with
     gradient-norm clipping (a norm of 0.05 clips every step here), each weight
     counted once: sliced weights over all ranks, replicated ones over DP."""
-    cases = [("gpt", "nvme", 2, 0.0), ("llama", "host", 2, 0.0), ("gpt", "host", 2, 0.05)]
     got = _run(tmp_path, 4, 2, cases)
     for case, r in got.items():
         _compare(r["sd"], _reference(case[0], case[3]), case)

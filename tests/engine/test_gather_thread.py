@@ -22,7 +22,7 @@ def _worker(rank: int, world: int, init_file: str, out: str, cfgs: dict) -> None
             torch.save(results, out)
 
 
-@pytest.mark.parametrize("placement", ["host", "nvme"])
+@pytest.mark.parametrize("placement", [pytest.param("host", marks=pytest.mark.slow), "nvme"])
 def test_gather_thread_trains_the_same(tmp_path, engine_cfg, placement):
     cfgs = {}
     for on in (False, True):

@@ -336,6 +336,7 @@ def test_the_checks_catch_a_request_and_an_error(browser, demo, tmp_path) -> Non
         page.close()
 
 
+@pytest.mark.slow  # a torchrun job and a browser: 23 s of the default suite
 @pytest.mark.distributed
 def test_two_ranks_of_a_torchrun_job_share_one_aligned_timeline(browser, tmp_path) -> None:
     summary = run_demo(tmp_path, "--nproc", "2")
