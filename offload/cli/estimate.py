@@ -13,7 +13,7 @@ import argparse
 from typing import Any
 
 from ..config import EngineConfig, IoConfig, OffloadConfig, format_bytes
-from ..optim.codec import STATE_DTYPES
+from ..planner.sizes import STATE_DTYPES
 from ..planner.estimate import (KINDS, PLACEMENTS, ModelBytes, kind_bytes, parse_placement,
                                 tier_bytes)
 from .args import UsageError, byte_size, integer

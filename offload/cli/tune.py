@@ -26,7 +26,7 @@ from contextlib import contextmanager
 from typing import Any, Iterator
 
 from ..config import EngineConfig, IoConfig, OptimConfig, format_bytes, load_config
-from ..optim.codec import STATE_DTYPES
+from ..planner.sizes import STATE_DTYPES
 from ..planner.estimate import PLACEMENTS, Placement
 from ..planner.search import (Budgets, Candidate, Machine, Space, StepShape, candidates, score,
                               search, shortfall)
