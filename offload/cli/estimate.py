@@ -13,9 +13,9 @@ import argparse
 from typing import Any
 
 from ..config import EngineConfig, IoConfig, OffloadConfig, format_bytes
-from ..planner.sizes import STATE_DTYPES
 from ..planner.estimate import (KINDS, PLACEMENTS, ModelBytes, kind_bytes, parse_placement,
                                 tier_bytes)
+from ..planner.sizes import STATE_DTYPES
 from .args import UsageError, byte_size, integer
 from .benchutil import emit
 from .model_arg import MeasuredModel, add_model_arguments, measure_model, model_spec

@@ -26,10 +26,10 @@ from contextlib import contextmanager
 from typing import Any, Iterator
 
 from ..config import EngineConfig, IoConfig, OptimConfig, format_bytes, load_config
-from ..planner.sizes import STATE_DTYPES
 from ..planner.estimate import PLACEMENTS, Placement
 from ..planner.search import (Budgets, Candidate, Machine, Space, StepShape, candidates, score,
                               search, shortfall)
+from ..planner.sizes import STATE_DTYPES
 from .args import (UsageError, byte_size, choice_list, directory, integer, number, output_file,
                    value_list)
 from .estimate import minimum

@@ -116,11 +116,11 @@ class _SpareBuffers:
     """[Note: the copies' buffers] A host partition's update first copies its state
     (the round's rollback copy). Fresh memory for each copy cost page faults: a
     clone of 4 MiB took 15 ms on the development machine, a copy into memory
-    touched before 0.85 ms, and with host optimizer state those clones were a
-    quarter of a 8 x Linear(1024, 1024) step. So the copies' buffers outlive
-    the round (committed or rolled back) and the next round copies into them:
-    the copy of the host state is held between steps too, where the round
-    holds it anyway at its end."""
+    touched before 0.85 ms, and with host optimizer state those clones were
+    about half of `step()` for 8 x Linear(1024, 1024), parameters streaming.
+    So the copies' buffers outlive the round (committed or rolled back) and the
+    next round copies into them: the copy of the host state is held between
+    steps too, where the round holds it anyway at its end."""
 
     def __init__(self) -> None:
         self._free: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
