@@ -55,7 +55,7 @@ from ..config import OffloadConfig
 from ..io import hold_switch_interval
 from ..optim import CpuAdam, OptimStepError
 from ..planner import AccessTrace
-from ..store import BudgetExceededError, Tier, TieredStore
+from ..store import BudgetExceededError, Tier, TieredStore, footprint
 from ..trace import NULL_RECORDER, TraceRecorder, UnitSpans
 from .eviction import PendingUpdates, sooner_than
 from .forward_prefetch import ForwardOnlyPrefetch
@@ -70,12 +70,13 @@ from .training_checkpoint import CheckpointSave
 from .training_checkpoint import save_checkpoint as _save_checkpoint
 from .units import Group, Unit, output_tensors, static_order
 from .warm import WarmMemory
+from .working_set import working_set
 
 log = logging.getLogger(__name__)
 
 __all__ = ["OffloadEngine"]
 
-EARLY_UPDATES_IN_FLIGHT = 1  # groups whose gradients wait for the update thread, at most
+EARLY_UPDATES_IN_FLIGHT = 1  # early updates holding a gradient, at most
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _TIERS = {"device": Tier.DEVICE, "host": Tier.HOST, "nvme": Tier.NVME}
 
@@ -128,6 +129,11 @@ class OffloadEngine(ModelWeights, nn.Module):
         self.master_is_param = self.dtype == torch.float32 and not (
             self._param_tier is Tier.DEVICE and self.device.type != "cpu")
         self._states = [_GroupState(g, self.dtype, self.device) for g in groups]
+        # an early update's gradient is a HOST record where HOST has room for it beside
+        # the minimum working set ([Note: the gradient's fp32 copy is a record])
+        grads = [footprint(g.shard * 4) for g in groups if g.requires_grad]
+        self._early_grads_stored = bool(grads) and cfg.store.host_budget >= (
+            working_set(cfg, groups, self.dtype).host + max(grads))
         # what is gathered at once: two units' groups, and one gathered ahead across ranks
         size = [sum(groups[g].padded for g in u.needs) * self.dtype.itemsize for u in units]
         ahead = max((g.padded for g in groups), default=0) * self.dtype.itemsize
@@ -337,16 +343,18 @@ class OffloadEngine(ModelWeights, nn.Module):
                 self._refuse_plain_backward()
             grad = flat.grad
             flat.grad = None
-            # summed across ranks in engine.reduce_dtype, accumulated in fp32
-            full = grad.to(_DTYPES[self.cfg.engine.reduce_dtype] if self.comm.world > 1
-                           else torch.float32)
-            del grad
             gid = st.group.gid
-            if self.comm.world > 1:
+            if self.comm.world > 1:  # summed across ranks in engine.reduce_dtype
+                full = grad.to(_DTYPES[self.cfg.engine.reduce_dtype])
+                del grad
                 self._rank_order.check_grad(gid)  # [Note: ranks run the same units]
                 self.grad_slots.share(gid, len(st.group.slots))
+                out_dtype = torch.float32
+            else:  # [Note: the gradient's fp32 copy is a record]
+                full, out_dtype = grad, grad.dtype
+                del grad
             pending, out = self.comm.reduce_scatter_mean(full, async_op=True,
-                                                         out_dtype=torch.float32)
+                                                         out_dtype=out_dtype)
             inner = pending.finish
 
             def finish() -> None:
@@ -379,20 +387,20 @@ class OffloadEngine(ModelWeights, nn.Module):
         never enters the store). Otherwise it is accumulated in its grad partition
         and `step()` updates every group once the global norm is known."""
         if self._last_micro_step() and self._early_allowed():
-            grad = None  # None: the update takes the partition earlier micro-steps summed
+            # Backpressure: each update holds its gradient; backward waits for slow
+            # (I/O-bound) ones before handing over the next rather than piling them up
+            live = [f for f in self._early if not f.done()]
+            if len(live) >= EARLY_UPDATES_IN_FLIGHT:
+                futures_wait(live[:len(live) - EARLY_UPDATES_IN_FLIGHT + 1])
+            grad = None  # None: the update takes its stored partition
             if ("g", gid) in self.store:
                 self._accumulate(gid, shard_grad)
-            else:
-                grad = shard_grad.cpu()
+            elif not (self._early_grads_stored and self._put_early_grad(gid, shard_grad)):
+                grad = shard_grad.to("cpu", torch.float32)  # the update holds its own copy
             self._has_grad.add(gid)
             self.pending_updates.add(gid, reads_master=self.master_is_param)
             self._early.append(self._updater.submit(self._update_group, gid, grad, None,
                                                     self.grad_slots.active(gid)))
-            # Backpressure: each queued update holds its gradient; backward waits for slow
-            # (I/O-bound) updates rather than piling them up.
-            live = [f for f in self._early if not f.done()]
-            if len(live) > EARLY_UPDATES_IN_FLIGHT:
-                futures_wait(live[:len(live) - EARLY_UPDATES_IN_FLIGHT])
             return
         self._accumulate(gid, shard_grad)
 
@@ -406,13 +414,42 @@ class OffloadEngine(ModelWeights, nn.Module):
         key = ("g", gid)
         self._has_grad.add(gid)
         if key not in self.store:
-            self.store.put(key, shard_grad.cpu(), kind="grad", tier=self._grad_tier)
+            self._put_grad(gid, shard_grad, self._grad_tier)
             return
         self.store.fetch(key, to=self._grad_where).wait()
         with self.store.modify(key, self._grad_where) as g:
             g.add_(shard_grad.to(g.device))
         if self._grad_tier is Tier.NVME:
             self.store.evict(key)
+
+    def _put_grad(self, gid: int, shard_grad: torch.Tensor, tier: Tier) -> None:
+        """Stores `shard_grad` (any float dtype; the sum of a world of 1 is the unit's
+        own gradient in the compute dtype) as the fp32 grad partition of `gid`, home
+        `tier`: converted straight into the record's memory.
+
+        [Note: the gradient's fp32 copy is a record]
+        A gradient leaves backward in the compute dtype, and the optimizer reads it
+        in fp32. Converting the whole unit's gradient into a tensor of its own first
+        kept a second, unbudgeted fp32 copy alive for as long as the update that
+        read it: in `bench oversized` (64 MiB per MLP weight) that copy, and the next
+        unit's beside it, were what put peak RSS above the budgets. With a world of
+        1 there is no reduction, so the conversion writes into the record the store
+        allocates under its budgets, and an early update reads its gradient from
+        there (HOST: never NVMe; when HOST has no room, the update keeps a copy of
+        its own as before). bf16/fp16 to fp32 is exact, so the numbers are those of
+        converting first."""
+        with self.store.create(("g", gid), shard_grad.numel(), torch.float32, kind="grad",
+                               tier=tier) as t:
+            t.copy_(shard_grad.reshape(-1))
+
+    def _put_early_grad(self, gid: int, shard_grad: torch.Tensor) -> bool:
+        """Stores an early update's gradient in HOST; False when no room can be made."""
+        try:
+            self._put_grad(gid, shard_grad, Tier.HOST)
+        except BudgetExceededError as e:
+            log.debug("early update of group %d keeps its own gradient: %s", gid, e)
+            return False
+        return True
 
     @property
     def _grad_where(self) -> Tier:
@@ -421,10 +458,11 @@ class OffloadEngine(ModelWeights, nn.Module):
 
     @contextlib.contextmanager
     def _stored_grad(self, gid: int) -> Iterator[torch.Tensor]:
-        """The accumulated gradient of `gid` (pinned, no copy on a CPU host); the
-        partition is freed afterwards."""
+        """The stored gradient of `gid` (pinned, no copy on a CPU host); the partition is
+        freed afterwards."""
         key = ("g", gid)
-        grad = self.store.fetch(key, to=self._grad_where, pin=True).wait()
+        where = Tier.HOST if self.store.info(key).home is Tier.HOST else self._grad_where
+        grad = self.store.fetch(key, to=where, pin=True).wait()
         try:
             yield grad.cpu()
         finally:

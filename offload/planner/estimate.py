@@ -20,13 +20,16 @@ gradient partitions (fp32), Pg the largest parameter partition.
     (`engine.prefetch_depth`, at least 1): the reads in flight, each charged
     to HOST until it is handed up (the first step prefetches along the
     modules' order while every parameter is still on NVMe).
-    On a GPU the copies are distinct, so these add up.
+    On a GPU the copies are distinct, so these add up. Where updates run
+    early, their gradients are HOST records ([Note: the gradient's fp32 copy
+    is a record] in offload/engine/engine.py), one at a time: plus the
+    largest gradient partition.
   * NVME: P for parameters homed there, G for stored gradients homed there,
     and NVMe optimizer state twice: its extents count in the NVME ledger
     ([Note: optimizer extents] in offload/store/store.py), and a step writes
     the new version beside the old one until it commits.
-Gradients are not stored where updates run early: NVMe optimizer state, no
-clipping, no fp16 loss scale, no accumulation.
+Gradients are not stored in their home tier where updates run early: NVMe
+optimizer state, no clipping, no fp16 loss scale, no accumulation.
 The optimizer's own state is not a store record: masters (fp32 training: the
 parameter is the master) and Adam's two moments live in host memory (the
 `optimizer` figures, outside the store's ledger) or in the optimizer's swap
@@ -152,6 +155,8 @@ def tier_bytes(m: ModelBytes, p: Placement, *, device: str = "cpu", buffer_budge
                   P if p.optimizer == "nvme" and p.params != "device" else 0,
                   Pg * max(1, prefetch_depth) if p.params == "nvme" else 0]
     host = max(host_terms) if device == "cpu" else sum(host_terms)
+    if not stored:  # an early update's gradient in HOST (see the Note)
+        host += max((_footprint(n * 4) for n, t in m.shards if t), default=0)
     nvme = (P if p.params == "nvme" else 0) + (G if p.grads == "nvme" and stored else 0)
     state = kinds["master"] + kinds["exp_avg"] + kinds["exp_avg_sq"]
     if p.optimizer == "nvme":

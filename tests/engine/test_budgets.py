@@ -108,3 +108,35 @@ def test_exception_in_forward_then_training_goes_on_at_the_minimum(tmp_path):
     finally:
         engine.close()
         ref.close()
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_an_early_updates_gradient_is_a_host_record_where_host_has_room(tmp_path, dtype):
+    """[Note: the gradient's fp32 copy is a record] With room beside the minimum working
+    set, an early update reads its gradient from a HOST record, counted in HOST's
+    budget; at the minimum it keeps its own copy. Both give the same numbers."""
+    from offload.store import footprint
+    from offload.trace import TraceRecorder
+
+    dt = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    _, groups = build_units(_model(), 64 * 65, 1)  # a group: one Linear(64, 64)
+    grad_bytes = max(footprint(g.shard * 4) for g in groups)
+    states, grads_held = [], []
+    for extra in (grad_bytes, 0):
+        cfg = _cfg(tmp_path, "nvme", "nvme", "nvme", dtype)
+        device, host = _minimum(cfg, dt)
+        cfg["store"].update(device_budget=device, host_budget=host + extra)
+        rec = TraceRecorder(enabled=True)
+        engine = offload.initialize(_model(), cfg, recorder=rec)
+        try:
+            states.append(_train(engine, dt))
+            assert engine.store.stats().evictions > 0  # the budgets were really tight
+        finally:
+            engine.close()
+        held = [e.args.get("grad", 0) for e in rec.events()
+                if e.phase == "C" and e.name == "tier:HOST"]
+        assert held and max(held) <= host + extra
+        grads_held.append(max(held))
+    assert grads_held[0] >= grad_bytes and grads_held[1] == 0
+    for k in states[1]:
+        assert torch.equal(states[0][k], states[1][k]), k
