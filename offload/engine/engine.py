@@ -52,7 +52,7 @@ from torch import nn
 
 from ..comm import Collectives, GatherIssuer, Pending
 from ..config import OffloadConfig
-from ..io import hold_switch_interval
+from ..io import hold_switch_interval, host_copy
 from ..optim import CpuAdam, OptimStepError
 from ..planner import AccessTrace
 from ..store import BudgetExceededError, Tier, TieredStore, footprint
@@ -384,7 +384,8 @@ class OffloadEngine(ModelWeights, nn.Module):
         micro-step's gradient goes straight to a background thread that runs the
         group's update while backward goes on, so the optimizer state's NVMe traffic
         hides behind backward compute (without gradient accumulation the gradient
-        never enters the store). Otherwise it is accumulated in its grad partition
+        is a HOST record where HOST has room: [Note: the gradient's fp32 copy is a
+        record]). Otherwise it is accumulated in its grad partition
         and `step()` updates every group once the global norm is known."""
         if self._last_micro_step() and self._early_allowed():
             # Backpressure: each update holds its gradient; backward waits for slow
@@ -440,7 +441,7 @@ class OffloadEngine(ModelWeights, nn.Module):
         converting first."""
         with self.store.create(("g", gid), shard_grad.numel(), torch.float32, kind="grad",
                                tier=tier) as t:
-            t.copy_(shard_grad.reshape(-1))
+            host_copy(t, shard_grad.reshape(-1))  # one memcpy where no conversion
 
     def _put_early_grad(self, gid: int, shard_grad: torch.Tensor) -> bool:
         """Stores an early update's gradient in HOST; False when no room can be made."""
