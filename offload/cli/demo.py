@@ -239,11 +239,10 @@ def _check_fits(plan: DemoPlan) -> None:
 
 def _largest_group(model: GPTConfig, group_size: int, world: int) -> int:
     """Elements of the largest gathered group, from the engine's own partitioning."""
-    import torch
-
+    from ..engine.meta import meta_device
     from ..engine.units import build_units
 
-    with torch.device("meta"):
+    with meta_device():
         net = GPT(model)
     _, groups = build_units(net, group_size, world)
     return max(g.padded for g in groups)

@@ -135,7 +135,9 @@ class MeasuredModel:
 def _build_meta(spec: ModelSpec):
     import torch
 
-    with torch.device("meta"):
+    from ..engine.meta import meta_device
+
+    with meta_device():
         try:
             model = spec.build()
         except Exception as e:  # the user's code or config: report, not a traceback

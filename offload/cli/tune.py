@@ -98,9 +98,9 @@ def record(spec, sizes: list[int], flops_rate: float, device: str, tick) -> list
 def _largest_linear(mm: MeasuredModel) -> tuple[int, int]:
     from torch import nn
 
-    import torch
+    from ..engine.meta import meta_device
 
-    with torch.device("meta"):
+    with meta_device():
         model = mm.spec.build()
     lin = [m for m in model.modules() if isinstance(m, nn.Linear)]
     if not lin:

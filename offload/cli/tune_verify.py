@@ -20,7 +20,9 @@ __all__ = ["measure_config", "measure_rounds", "measure_warm", "spread", "steadi
 def _batch(spec: ModelSpec, device: str) -> tuple[dict, Any]:
     import torch
 
-    with torch.device("meta"):
+    from ..engine.meta import meta_device
+
+    with meta_device():
         meta = spec.build()
     batch, loss_of = example_batch(meta, spec, "cpu")
     g = torch.Generator().manual_seed(0)

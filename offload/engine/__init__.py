@@ -18,6 +18,7 @@ from ..io import hugepages
 from ..store import NextUsePolicy, TieredStore
 from ..trace import NULL_RECORDER, TraceRecorder
 from .checkpoint import SafetensorsCheckpoint
+from .meta import meta_device
 from .absent import AbsentWeight
 from .checkpoint_reader import CheckpointReader
 from .engine import _DTYPES, _TIERS, OffloadEngine
@@ -105,7 +106,7 @@ def initialize(model: nn.Module | Callable[[], nn.Module],
     cfg = load_config(config)
     _report_huge_pages()
     if not isinstance(model, nn.Module):
-        with torch.device("meta"):
+        with meta_device():
             model = model()
     if not isinstance(model, nn.Module):
         raise ConfigError(f"initialize(model): expected an nn.Module or a function that builds "
