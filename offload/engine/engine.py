@@ -20,7 +20,8 @@ per parameter: autograd then sums them with one SplitBackward (a single
 flat-sized gradient) where slices would each zero-fill a flat-sized gradient
 and AccumulateGrad would add them up.
 
-[Note: warm gather memory] is in warm.py.
+[Note: warm gather memory] and [Note: gathered weights borrow the record] are in
+warm.py.
 
 [Note: what lives where]
 The compute-dtype parameter partition (`("p", gid)`) and the fp32 gradient
@@ -69,7 +70,7 @@ from .tensor_parallel import GradSquares, TensorParallel
 from .training_checkpoint import CheckpointSave
 from .training_checkpoint import save_checkpoint as _save_checkpoint
 from .units import Group, Unit, output_tensors, static_order
-from .warm import WarmMemory
+from .warm import WarmMemory, borrow, give_back
 from .working_set import working_set
 
 log = logging.getLogger(__name__)
@@ -86,7 +87,7 @@ def _in_backward() -> bool:
 
 
 class _GroupState:
-    __slots__ = ("group", "flat", "gathered", "active", "pending")
+    __slots__ = ("group", "flat", "gathered", "active", "pending", "borrowed")
 
     def __init__(self, group: Group, dtype: torch.dtype, device: torch.device) -> None:
         self.group = group
@@ -96,6 +97,8 @@ class _GroupState:
         self.gathered = False
         self.active = 0
         self.pending: Pending | None = None  # an all-gather in flight into `flat`
+        self.borrowed = False  # `flat` holds the pinned record's memory: [Note: gathered
+        # weights borrow the record] in warm.py
 
 
 class OffloadEngine(ModelWeights, nn.Module):
@@ -132,12 +135,18 @@ class OffloadEngine(ModelWeights, nn.Module):
         # an early update's gradient is a HOST record where HOST has room for it beside
         # the minimum working set ([Note: the gradient's fp32 copy is a record])
         grads = [footprint(g.shard * 4) for g in groups if g.requires_grad]
+        need = working_set(cfg, groups, self.dtype)
         self._early_grads_stored = bool(grads) and cfg.store.host_budget >= (
-            working_set(cfg, groups, self.dtype).host + max(grads))
+            need.host + max(grads))
         # what is gathered at once: two units' groups, and one gathered ahead across ranks
         size = [sum(groups[g].padded for g in u.needs) * self.dtype.itemsize for u in units]
         ahead = max((g.padded for g in groups), default=0) * self.dtype.itemsize
-        self._warm = WarmMemory(self.device, 2 * max(size, default=0)
+        pinned = max((sum(footprint(groups[g].shard * self.dtype.itemsize) for g in u.needs)
+                      for u in units), default=0)
+        self._borrow = (comm.world == 1 and tp is None and self.device.type == "cpu"
+                        and hasattr(torch.UntypedStorage, "_swap_data_ptr_")
+                        and cfg.store.device_budget >= need.device + 3 * pinned)
+        self._warm = WarmMemory(self.device, 0 if self._borrow else 2 * max(size, default=0)
                                 + (ahead if comm.world > 1 else 0))
         self._reductions: list[Pending] = []
         self._has_grad: set[int] = set()
@@ -203,6 +212,15 @@ class OffloadEngine(ModelWeights, nn.Module):
         """
         key = ("p", st.group.gid)
         fetch = self.store.fetch(key, to=Tier.DEVICE, pin=True)
+        if self._borrow:  # [Note: gathered weights borrow the record] in warm.py
+            record = fetch.wait()  # pinned from here on
+            try:
+                borrow(st.flat.untyped_storage(), record)
+            except BaseException:
+                self.store.unpin(key)
+                raise
+            st.borrowed = st.gathered = True
+            return
         try:
             self._warm.fill(st.flat.untyped_storage(), st.group.padded * st.flat.element_size())
             # `.data` has its own version counter: refilling the storage must not look
@@ -221,9 +239,18 @@ class OffloadEngine(ModelWeights, nn.Module):
 
     def _free(self, st: _GroupState) -> None:
         if st.gathered:
-            self._warm.drain(st.flat.untyped_storage())
+            if st.borrowed:
+                give_back(st.flat.untyped_storage())
+                self._return(st)
+            else:
+                self._warm.drain(st.flat.untyped_storage())
             st.gathered = False
             self.unbind(st.group.gid)
+
+    def _return(self, st: _GroupState) -> None:
+        """Drops the pin of a borrowed record (its memory is no longer `flat`'s)."""
+        st.borrowed = False
+        self.store.unpin(("p", st.group.gid))
 
     def unbind(self, gid: int) -> None:
         """Points the group's module attributes back at their registered stand-ins
@@ -628,6 +655,8 @@ class OffloadEngine(ModelWeights, nn.Module):
         fresh = torch.empty(st.group.padded, dtype=st.flat.dtype, device=st.flat.device)
         fresh.untyped_storage().resize_(0)
         st.flat.data = fresh
+        if st.borrowed:  # the old storage keeps the pool's mapping; the record moves on
+            self._return(st)
         st.gathered = False
         self.unbind(st.group.gid)
 

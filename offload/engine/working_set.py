@@ -4,7 +4,10 @@
 Above these budgets a step only waits for room (the store evicts, and waits
 for moves and for other threads' pins); below them some move could never
 find room, so `initialize` refuses the budget up front. Gathered full weights
-live in the compute device's own allocator, outside the store's budgets. What
+live in the compute device's own allocator, outside the store's budgets (with
+one rank on a CPU device they are the pinned DEVICE records themselves, where
+the device budget has room for three units' partitions beyond this minimum:
+[Note: gathered weights borrow the record] in warm.py). What
 one thread must hold at once, per rank (threads wait for each other's pins,
 so each need must fit on its own):
   * a gather: the largest parameter partition arriving in DEVICE, through
