@@ -97,8 +97,8 @@ class _GroupState:
         self.gathered = False
         self.active = 0
         self.pending: Pending | None = None  # an all-gather in flight into `flat`
-        self.borrowed = False  # `flat` holds the pinned record's memory: [Note: gathered
-        # weights borrow the record] in warm.py
+        self.borrowed = 0  # bytes of the pinned record whose memory `flat` holds:
+        # [Note: gathered weights borrow the record] in warm.py
 
 
 class OffloadEngine(ModelWeights, nn.Module):
@@ -143,10 +143,14 @@ class OffloadEngine(ModelWeights, nn.Module):
         ahead = max((g.padded for g in groups), default=0) * self.dtype.itemsize
         pinned = max((sum(footprint(groups[g].shard * self.dtype.itemsize) for g in u.needs)
                       for u in units), default=0)
-        self._borrow = (comm.world == 1 and tp is None and self.device.type == "cpu"
-                        and hasattr(torch.UntypedStorage, "_swap_data_ptr_")
-                        and cfg.store.device_budget >= need.device + 3 * pinned)
-        self._warm = WarmMemory(self.device, 0 if self._borrow else 2 * max(size, default=0)
+        # bytes of records borrowed at once, at most ([Note: gathered weights borrow the
+        # record] in warm.py): room beyond the working set, else none
+        self._borrow_room = 3 * pinned if (
+            comm.world == 1 and tp is None and self.device.type == "cpu"
+            and hasattr(torch.UntypedStorage, "_swap_data_ptr_")
+            and cfg.store.device_budget >= need.device + 3 * pinned) else 0
+        self._borrowed = 0  # bytes of records borrowed now
+        self._warm = WarmMemory(self.device, 2 * max(size, default=0)
                                 + (ahead if comm.world > 1 else 0))
         self._reductions: list[Pending] = []
         self._has_grad: set[int] = set()
@@ -212,14 +216,15 @@ class OffloadEngine(ModelWeights, nn.Module):
         """
         key = ("p", st.group.gid)
         fetch = self.store.fetch(key, to=Tier.DEVICE, pin=True)
-        if self._borrow:  # [Note: gathered weights borrow the record] in warm.py
-            record = fetch.wait()  # pinned from here on
-            try:
-                borrow(st.flat.untyped_storage(), record)
+        room = footprint(st.group.shard * self.dtype.itemsize)
+        if st.group.requires_grad and self._borrowed + room <= self._borrow_room:
+            try:  # [Note: gathered weights borrow the record] in warm.py
+                borrow(st.flat.untyped_storage(), fetch.wait())
             except BaseException:
                 self.store.unpin(key)
                 raise
-            st.borrowed = st.gathered = True
+            st.borrowed, st.gathered = room, True
+            self._borrowed += room
             return
         try:
             self._warm.fill(st.flat.untyped_storage(), st.group.padded * st.flat.element_size())
@@ -249,7 +254,8 @@ class OffloadEngine(ModelWeights, nn.Module):
 
     def _return(self, st: _GroupState) -> None:
         """Drops the pin of a borrowed record (its memory is no longer `flat`'s)."""
-        st.borrowed = False
+        self._borrowed -= st.borrowed
+        st.borrowed = 0
         self.store.unpin(("p", st.group.gid))
 
     def unbind(self, gid: int) -> None:

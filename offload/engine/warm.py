@@ -27,13 +27,18 @@ cores, the gather's copy was about 15% of the main thread's samples in a
 `none` step of the bench model) and the gathered memory outside the budgets.
 Safe because nothing changes a parameter record while its group is gathered:
 updates during backward write a staged new version, in-place updates run in
-`step()` after every group was freed, and the commit's `replace` refuses
-pinned records. The storage holds the record's memory through a NumPy view
+`step()` after every group was freed, and backward's end frees (and
+unpins) every group before the commit switches records in. The storage holds the record's memory through a NumPy view
 of the record's tensor, so the pool's mapping outlives any view autograd or
-a traceback keeps ([Note: orphaned gathers] in engine.py). The engine
-borrows only where the device budget holds the minimum working set and three
-of the largest unit's partitions besides (the unit in use, a parent around
-it, the next one), as pinned records can no longer leave DEVICE to make room.
+a traceback keeps ([Note: orphaned gathers] in engine.py; once the record
+is unpinned such a view may read another record's bytes, never unmapped
+memory). Pinned records cannot leave DEVICE to make room, so the engine
+borrows only within an allowance: where the device budget holds the minimum
+working set and three of the largest unit's partitions besides, up to those
+three units' bytes at once. Groups gathered beyond it (several at once in
+backward: nested units, tied weights, a checkpoint recomputation that stopped
+early) and frozen groups (gathered from a unit's start to the end of
+backward) are copied as before.
 """
 
 from __future__ import annotations

@@ -1,8 +1,10 @@
 """One rank on a CPU device: a gathered group's weights are its pinned DEVICE record's
 memory, not a copy ([Note: gathered weights borrow the record] in engine/warm.py)."""
 
+import pytest
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 import offload
 from offload.config import load_config
@@ -29,11 +31,12 @@ def _inside(ptr: int, spans) -> bool:
 
 
 def test_weights_in_forward_and_backward_are_the_records_memory(engine_cfg):
+    """A stack of layers (one unit each, one or two gathered at a time): every use of a
+    layer's weight, forward and backward, reads its record's memory."""
     cfg = engine_cfg("nvme", optimizer="nvme")
-    engine = offload.initialize(TiedTwice(), cfg)
+    engine = offload.initialize(_Stack("train"), cfg)
     seen = {"forward": [], "backward": []}
-
-    lin = engine.module.l1
+    lin = engine.module.layers[3].lin
 
     def look(kind, weight):
         # (a view of the group's storage: its pointer is the storage's now)
@@ -42,18 +45,78 @@ def test_weights_in_forward_and_backward_are_the_records_memory(engine_cfg):
     def forward(module, args):
         w = module.weight
         look("forward", w)
-        # the weight's gradient is made inside l1's backward, while it is gathered again
+        # the weight's gradient is made inside the layer's backward, while it is gathered
         w.register_hook(lambda grad: look("backward", w))
     lin.register_forward_pre_hook(forward)
     try:
-        for x, y in lm_batches(3, seed=1):
-            logits = engine(x)
-            engine.backward(nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten()))
+        for step in range(3):
+            x = torch.randn(4, 48, generator=torch.Generator().manual_seed(step))
+            engine.backward(engine(x).pow(2).mean())
             engine.step()
-        assert seen["forward"] and all(seen["forward"]), seen
-        assert seen["backward"] and all(seen["backward"]), seen
+        assert len(seen["forward"]) == 3 and all(seen["forward"]), seen
+        assert len(seen["backward"]) == 3 and all(seen["backward"]), seen
         # every pin was given back: each record can leave DEVICE again
         for g in engine.groups:
+            engine.store.evict(("p", g.gid))
+    finally:
+        engine.close()
+
+
+def _at_the_threshold(cfg, build):
+    """`cfg` with the smallest device budget at which the engine borrows: the minimum
+    working set plus three of the largest unit's partitions."""
+    probe = offload.initialize(build(), cfg)
+    need = working_set(load_config(cfg), probe.groups, torch.float32).device
+    largest = max(sum(footprint(probe.groups[g].shard * 4) for g in u.needs)
+                  for u in probe.units)
+    probe.close()
+    cfg["store"]["device_budget"] = need + 3 * largest
+    return cfg
+
+
+class _Layer(nn.Module):
+    def __init__(self, d: int = 48) -> None:
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+
+    def forward(self, h):
+        return torch.tanh(self.lin(h))
+
+
+class _Stack(nn.Module):
+    """Eight layers after a trainable input layer: frozen, or each in a checkpoint that
+    torch's recomputation stops early (the unit's post-hook never runs), so in backward
+    many groups stay gathered at once."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.inp = nn.Linear(48, 48)
+        self.layers = nn.ModuleList(_Layer() for _ in range(8))
+        if how == "frozen":
+            self.layers.requires_grad_(False)
+
+    def forward(self, x):
+        h = self.inp(x)
+        for layer in self.layers:
+            h = checkpoint(layer, h, use_reentrant=False) if self.how == "checkpoint" \
+                else layer(h)
+        return h
+
+
+@pytest.mark.parametrize("how", ["frozen", "checkpoint"])
+def test_groups_gathered_beyond_the_allowance_are_copied(engine_cfg, how):
+    """Borrowing stops at three units' bytes: the groups gathered beyond them are
+    copies, so pinned records never take the room the working set needs."""
+    cfg = _at_the_threshold(engine_cfg("nvme", optimizer="nvme"), lambda: _Stack(how))
+    engine = offload.initialize(_Stack(how), cfg)
+    try:
+        assert engine._borrow_room > 0
+        for step in range(2):
+            x = torch.randn(4, 48, generator=torch.Generator().manual_seed(step))
+            engine.backward(engine(x).pow(2).mean())
+            engine.step()
+        for g in engine.groups:  # every pin was given back
             engine.store.evict(("p", g.gid))
     finally:
         engine.close()
@@ -71,7 +134,7 @@ def test_a_device_budget_without_room_for_the_pins_copies_instead(engine_cfg):
     cfg["store"]["device_budget"] = need + 2 * largest  # room for 2 pinned units, not 3
     engine = offload.initialize(TiedTwice(), cfg)
     try:
-        assert not engine._borrow
+        assert engine._borrow_room == 0
         losses = []
         for x, y in lm_batches(4, seed=2):
             loss = nn.functional.cross_entropy(engine(x).flatten(0, 1), y.flatten())
