@@ -18,11 +18,11 @@ from ..io import hugepages
 from ..store import NextUsePolicy, TieredStore
 from ..trace import NULL_RECORDER, TraceRecorder
 from .checkpoint import SafetensorsCheckpoint
-from .meta import meta_device
 from .absent import AbsentWeight
 from .checkpoint_reader import CheckpointReader
 from .engine import _DTYPES, _TIERS, OffloadEngine
 from .eviction import next_use_of
+from .meta import meta_device
 from .param_groups import assign_param_groups, segments_of
 from .step import StepFailedError
 from .tensor_parallel import TensorParallel, full_state_dict

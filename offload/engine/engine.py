@@ -70,7 +70,7 @@ from .tensor_parallel import GradSquares, TensorParallel
 from .training_checkpoint import CheckpointSave
 from .training_checkpoint import save_checkpoint as _save_checkpoint
 from .units import Group, Unit, output_tensors, static_order
-from .warm import WarmMemory, borrow, give_back
+from .warm import Borrowing, WarmMemory, borrow, give_back
 from .working_set import working_set
 
 log = logging.getLogger(__name__)
@@ -141,15 +141,10 @@ class OffloadEngine(ModelWeights, nn.Module):
         # what is gathered at once: two units' groups, and one gathered ahead across ranks
         size = [sum(groups[g].padded for g in u.needs) * self.dtype.itemsize for u in units]
         ahead = max((g.padded for g in groups), default=0) * self.dtype.itemsize
-        pinned = max((sum(footprint(groups[g].shard * self.dtype.itemsize) for g in u.needs)
-                      for u in units), default=0)
-        # bytes of records borrowed at once, at most ([Note: gathered weights borrow the
-        # record] in warm.py): room beyond the working set, else none
-        self._borrow_room = 3 * pinned if (
-            comm.world == 1 and tp is None and self.device.type == "cpu"
-            and hasattr(torch.UntypedStorage, "_swap_data_ptr_")
-            and cfg.store.device_budget >= need.device + 3 * pinned) else 0
-        self._borrowed = 0  # bytes of records borrowed now
+        unit = max((sum(footprint(groups[g].shard * self.dtype.itemsize) for g in u.needs)
+                    for u in units), default=0)
+        self._borrowing = Borrowing(self.device, comm.world == 1 and tp is None,
+                                    cfg.store.device_budget - need.device, unit)
         self._warm = WarmMemory(self.device, 2 * max(size, default=0)
                                 + (ahead if comm.world > 1 else 0))
         self._reductions: list[Pending] = []
@@ -217,14 +212,14 @@ class OffloadEngine(ModelWeights, nn.Module):
         key = ("p", st.group.gid)
         fetch = self.store.fetch(key, to=Tier.DEVICE, pin=True)
         room = footprint(st.group.shard * self.dtype.itemsize)
-        if st.group.requires_grad and self._borrowed + room <= self._borrow_room:
+        if st.group.requires_grad and self._borrowing.take(room):
             try:  # [Note: gathered weights borrow the record] in warm.py
                 borrow(st.flat.untyped_storage(), fetch.wait())
             except BaseException:
+                self._borrowing.give(room)
                 self.store.unpin(key)
                 raise
             st.borrowed, st.gathered = room, True
-            self._borrowed += room
             return
         try:
             self._warm.fill(st.flat.untyped_storage(), st.group.padded * st.flat.element_size())
@@ -254,7 +249,7 @@ class OffloadEngine(ModelWeights, nn.Module):
 
     def _return(self, st: _GroupState) -> None:
         """Drops the pin of a borrowed record (its memory is no longer `flat`'s)."""
-        self._borrowed -= st.borrowed
+        self._borrowing.give(st.borrowed)
         st.borrowed = 0
         self.store.unpin(("p", st.group.gid))
 

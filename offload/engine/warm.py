@@ -28,9 +28,9 @@ cores, the gather's copy was about 15% of the main thread's samples in a
 Safe because nothing changes a parameter record while its group is gathered:
 updates during backward write a staged new version, in-place updates run in
 `step()` after every group was freed, and backward's end frees (and
-unpins) every group before the commit switches records in. The storage holds the record's memory through a NumPy view
-of the record's tensor, so the pool's mapping outlives any view autograd or
-a traceback keeps ([Note: orphaned gathers] in engine.py; once the record
+unpins) every group before the commit switches records in. The storage holds
+the record's memory through a NumPy view of the record's tensor, so the
+pool's mapping outlives any view autograd or a traceback keeps ([Note: orphaned gathers] in engine.py; once the record
 is unpinned such a view may read another record's bytes, never unmapped
 memory). Pinned records cannot leave DEVICE to make room, so the engine
 borrows only within an allowance: where the device budget holds the minimum
@@ -49,7 +49,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-__all__ = ["WarmMemory", "borrow", "give_back"]
+__all__ = ["Borrowing", "WarmMemory", "borrow", "give_back"]
 
 
 class WarmMemory:
@@ -111,3 +111,27 @@ def borrow(storage: torch.UntypedStorage, record: torch.Tensor) -> None:
 def give_back(storage: torch.UntypedStorage) -> None:
     """Empties a storage that `borrow` filled; the record's memory is its own again."""
     storage._swap_data_ptr_(torch.UntypedStorage(0))
+
+
+class Borrowing:
+    """The bytes of records gathers may borrow at once, and those borrowed now
+    ([Note: gathered weights borrow the record])."""
+
+    def __init__(self, device: torch.device, one_rank: bool, spare: int, unit: int) -> None:
+        """`spare`: the device budget beyond the minimum working set; `unit`: the
+        largest unit's partitions. Borrowing is on for one rank on a CPU device (a torch
+        that swaps storage pointers) where `spare` holds three such units."""
+        on = (one_rank and device.type == "cpu" and spare >= 3 * unit
+              and hasattr(torch.UntypedStorage, "_swap_data_ptr_"))
+        self.room = 3 * unit if on else 0
+        self.held = 0
+
+    def take(self, nbytes: int) -> bool:
+        """True (and counted) if `nbytes` more fit the allowance."""
+        if not self.room or self.held + nbytes > self.room:
+            return False
+        self.held += nbytes
+        return True
+
+    def give(self, nbytes: int) -> None:
+        self.held -= nbytes

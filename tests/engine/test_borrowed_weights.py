@@ -62,15 +62,15 @@ def test_weights_in_forward_and_backward_are_the_records_memory(engine_cfg):
         engine.close()
 
 
-def _at_the_threshold(cfg, build):
-    """`cfg` with the smallest device budget at which the engine borrows: the minimum
-    working set plus three of the largest unit's partitions."""
+def _at_the_threshold(cfg, build, units: int = 3):
+    """`cfg` with the device budget at the minimum working set plus `units` of the
+    largest unit's partitions (3: the smallest at which the engine borrows)."""
     probe = offload.initialize(build(), cfg)
     need = working_set(load_config(cfg), probe.groups, torch.float32).device
     largest = max(sum(footprint(probe.groups[g].shard * 4) for g in u.needs)
                   for u in probe.units)
     probe.close()
-    cfg["store"]["device_budget"] = need + 3 * largest
+    cfg["store"]["device_budget"] = need + units * largest
     return cfg
 
 
@@ -111,7 +111,7 @@ def test_groups_gathered_beyond_the_allowance_are_copied(engine_cfg, how):
     cfg = _at_the_threshold(engine_cfg("nvme", optimizer="nvme"), lambda: _Stack(how))
     engine = offload.initialize(_Stack(how), cfg)
     try:
-        assert engine._borrow_room > 0
+        assert engine._borrowing.room > 0
         for step in range(2):
             x = torch.randn(4, 48, generator=torch.Generator().manual_seed(step))
             engine.backward(engine(x).pow(2).mean())
@@ -125,16 +125,10 @@ def test_groups_gathered_beyond_the_allowance_are_copied(engine_cfg, how):
 def test_a_device_budget_without_room_for_the_pins_copies_instead(engine_cfg):
     """Where the device budget holds little more than the minimum working set, pinned
     records could leave no room to make: the engine copies as before, and trains."""
-    cfg = engine_cfg("nvme", optimizer="nvme")
-    probe = offload.initialize(TiedTwice(), cfg)
-    need = working_set(load_config(cfg), probe.groups, torch.float32).device
-    largest = max(sum(footprint(probe.groups[g].shard * 4) for g in u.needs)
-                  for u in probe.units)
-    probe.close()
-    cfg["store"]["device_budget"] = need + 2 * largest  # room for 2 pinned units, not 3
+    cfg = _at_the_threshold(engine_cfg("nvme", optimizer="nvme"), TiedTwice, units=2)
     engine = offload.initialize(TiedTwice(), cfg)
     try:
-        assert engine._borrow_room == 0
+        assert engine._borrowing.room == 0
         losses = []
         for x, y in lm_batches(4, seed=2):
             loss = nn.functional.cross_entropy(engine(x).flatten(0, 1), y.flatten())
