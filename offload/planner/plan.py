@@ -11,8 +11,9 @@ ones it modifies. Records live on NVMe unless resident; memory holds at most
 the resident record whose next use is farthest away (uses wrap around to the
 next step's, so the plan is the steady state of a loop of steps), clean
 copies before dirty ones among equals: a clean copy is dropped, a dirty one
-is written back first. Each fetch is then issued as early as the budget
-allows (at the earliest point from which its bytes fit until its use, after
+is written back first, issued right after the record's last use and naming
+the use whose room it makes (which cannot start before it is done). Each
+fetch is then issued as early as the budget allows (at the earliest point from which its bytes fit until its use, after
 the record's own previous use) and no earlier than the fetch before it (the
 disk serves them in order). The result lists every operation with the point
 of the trace it is issued at and the one it is needed at, the bytes read and
@@ -89,13 +90,17 @@ class Use:
 @dataclass(frozen=True)
 class PlanOp:
     """One operation: `op` is "fetch", "write-back" or "evict"; `at` the index of the
-    use it is issued before; `needed_at` the use that needs a fetched record."""
+    use it is issued before; `needed_at` the use that needs a fetched record, or the
+    room a write-back or eviction makes (the simulator's use waits for that room);
+    `follows`, of a write-back: the last use of what it writes, whose end it waits for
+    (None: none in the step)."""
 
     op: str
     key: Hashable
     nbytes: int
     at: int
     needed_at: int | None = None
+    follows: int | None = None
 
 
 @dataclass
@@ -193,10 +198,11 @@ def _walk(uses: Sequence[Use], size: dict, nxt: _NextUse, budget: int, resident:
                 victim = max(resident - need, key=lambda r: (nxt.after(r, i), r not in dirty))
                 end = last.get(victim, -1)
                 if victim in dirty:
-                    plan.ops.append(PlanOp("write-back", victim, size[victim], end + 1))
+                    plan.ops.append(PlanOp("write-back", victim, size[victim], end + 1, i,
+                                           end if end >= 0 else None))
                     plan.bytes_written += size[victim]
                     dirty.discard(victim)
-                plan.ops.append(PlanOp("evict", victim, size[victim], end + 1))
+                plan.ops.append(PlanOp("evict", victim, size[victim], end + 1, i))
                 resident.discard(victim)
                 used -= size[victim]
                 for t in range(end + 1, i + 1):  # free from just after its last use

@@ -35,6 +35,7 @@ thread (`Use.lane`), gradients stored in memory as reserves of the budget
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import itertools
 from dataclasses import dataclass, field
@@ -371,26 +372,57 @@ def _stream_state(plan: Plan, streams: list[tuple[int, tuple, int]], buffers: in
     for n, (i, key, nbytes) in enumerate(streams):
         first = streams[max(0, n - max(0, buffers - 1))][0]
         fetch = PlanOp("fetch", key, nbytes, min(first, i), i)
-        ops += [fetch, PlanOp("write-back", key, nbytes, i + 1)]
+        ops += [fetch, PlanOp("write-back", key, nbytes, i + 1, follows=i)]
         by_use.setdefault(i, []).append(fetch)
     moved = sum(b for _, _, b in streams)
     return Plan(ops, plan.budget, plan.held, plan.bytes_read + moved,
                 plan.bytes_written + moved, by_use)
 
 
-def _limit_lookahead(plan: Plan, depth: int) -> Plan:
-    """Parameter fetches issued no earlier than the engine issues them: `depth` uses
-    ahead (its look-ahead over the previous step's order)."""
-    ops = []
+def _limit_lookahead(plan: Plan, uses: Sequence[Use], depth: int) -> Plan:
+    """Parameter fetches issued no earlier than the engine issues them: for a unit's
+    forward or backward, when the unit `depth` units before it starts (its look-ahead
+    over the previous step's order of units; the loss, the updates' chunks and the
+    commit are no units); for an update, at the update (the update loop fetches on
+    demand)."""
+    units = [i for i, u in enumerate(uses) if u.kind in ("forward", "backward")]
+    held, ops = list(plan.held), []
     for op in plan.ops:
         if op.op == "fetch" and op.key[0] == "p":
-            op = dataclasses.replace(op, at=max(op.at, op.needed_at - depth))
+            j = op.needed_at
+            if uses[j].kind in ("forward", "backward"):
+                earliest = units[max(0, bisect.bisect_left(units, j) - depth)]
+            else:
+                earliest = j
+            for t in range(op.at, earliest):  # not in flight before it is issued
+                held[t] -= op.nbytes
+            op = dataclasses.replace(op, at=max(op.at, earliest))
         ops.append(op)
     by_use: dict[int, list] = {}
     for op in ops:
         if op.op == "fetch":
             by_use.setdefault(op.needed_at, []).append(op)
-    return Plan(ops, plan.budget, plan.held, plan.bytes_read, plan.bytes_written, by_use)
+    return Plan(ops, plan.budget, held, plan.bytes_read, plan.bytes_written, by_use)
+
+
+def _write_on_demand(plan: Plan) -> Plan:
+    """Evictions, and the write-backs of dirty victims, issued where the engine's store
+    makes them: when a tier lacks room for a fetch (at the point the fetch is issued)
+    or a put (at the use that puts), not right after the victim's last use. The use at
+    that point waits for the write ([Note: the simulated step]); the victim's bytes
+    stay held until then."""
+    issue = {i: min(op.at for op in ops) for i, ops in plan.fetches_by_use.items()}
+    held, ops = list(plan.held), []
+    for op in plan.ops:
+        if op.op in ("write-back", "evict") and op.needed_at is not None:
+            at = min(issue.get(op.needed_at, op.needed_at), op.needed_at)
+            if op.op == "evict":
+                for t in range(op.at, at):
+                    held[t] += op.nbytes
+            op = dataclasses.replace(op, at=max(op.at, at), needed_at=max(op.at, at))
+        ops.append(op)
+    return Plan(ops, plan.budget, held, plan.bytes_read, plan.bytes_written,
+                plan.fetches_by_use)
 
 
 def steady_records(step: ModelledStep, budget: int) -> dict:
@@ -432,13 +464,15 @@ def packed_budget(step: ModelledStep, tiers: Sequence[int]) -> int:
 def plan_step(step: ModelledStep, tiers: Sequence[int], prefetch_depth: int,
               buffers: int) -> Plan:
     """The plan of a modelled step (`make_plan`) with memory tiers of `tiers` bytes for
-    its records (`packed_budget`), parameter fetches issued no earlier than the
-    engine's look-ahead of `prefetch_depth` uses, and the optimizer's NVMe state
-    streamed through `buffers` chunk buffers. Raises ValueError when a use needs more
-    than that budget at once."""
+    its records (`packed_budget`), as the engine executes it: parameter fetches issued
+    no earlier than its look-ahead of `prefetch_depth` uses, write-backs where the
+    room is needed (`_write_on_demand`), and the optimizer's NVMe state streamed
+    through `buffers` chunk buffers. Raises ValueError when a use needs more than that
+    budget at once."""
     budget = packed_budget(step, tiers)
     plan = make_plan(step.uses, steady_records(step, budget), budget, steady=True)
-    return _stream_state(_limit_lookahead(plan, prefetch_depth), step.streams, buffers)
+    plan = _write_on_demand(_limit_lookahead(plan, step.uses, prefetch_depth))
+    return _stream_state(plan, step.streams, buffers)
 
 
 def lru_step_bytes(step: ModelledStep, tiers: Sequence[int]) -> tuple[int, int]:

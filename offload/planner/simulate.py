@@ -3,26 +3,33 @@ trace in the format of a measured one (pure computation: no tensors, files or th
 
 [Note: the simulated step]
 Compute runs the uses one after the other, each taking its `compute_s`. The
-disk serves the plan's operations in the order they are issued, one at a
-time: an operation issued before use i starts no earlier than use i starts
-(and, for a write-back, no earlier than the end of the last use of what it
-writes), and takes its bytes over the rate of its kind: reads at `read_Bps`,
-writes at `write_Bps`, and both at `mixed_Bps` when a read and a write are
-queued together (the disk's rate for interleaved traffic, measured by the
-same probe; an operation that follows one of the other kind on a busy disk
-counts as queued with it). A use starts when the use before it on its lane
-ended and every fetch it needs has arrived. Uses run on the "compute" lane
-unless they name another (`Use.lane`: the engine's update thread, which runs
-each group's update beside backward): such a use starts no earlier than the
+simulation advances in time: the next use it runs is the one that can start
+first among those whose predecessors have run (the use before it on its
+lane, and the uses it follows), so the disk receives the plan's operations in
+the order of time they are issued, not of the trace (an update lane's later
+chunk comes before the next backward in the trace, but is issued after it
+when the update before it runs long). The disk serves them one at a time in
+that order: an operation issued before use i starts no earlier than use i
+starts (and, for a write-back, no earlier than the end of the last use of
+what it writes, `PlanOp.follows`), and takes its bytes over the rate of its
+kind: reads at `read_Bps`, writes at `write_Bps`, and both at `mixed_Bps`
+when a read and a write are queued together (the disk's rate for interleaved
+traffic, measured by the same probe; an operation that follows one of the
+other kind on a busy disk counts as queued with it). A use starts when the
+use before it on its lane ended, every fetch it needs has arrived and every
+write-back that makes its room (`PlanOp.needed_at`) is done: a tier holds a
+dirty copy until its bytes are on NVMe. Uses run on the "compute" lane unless
+they name another (`Use.lane`: the engine's update thread, which runs each
+group's update beside backward): such a use starts no earlier than the
 compute use before it in the trace (which produced its input), and a compute
 use waits for every other lane's use issued before the compute use preceding
-it (the engine lets one update queue behind backward, no more), a "commit" for
-all of them. The time a compute use waits for its fetches is exposed I/O. An
-eviction frees its bytes when its write-back (if any) is done. The step ends
-when every lane's last use ended and the disk is idle. The prediction carries the same events
-and tier counters a measured trace does (compute spans, fetches from issue
-to arrival, NVMe reads and writes, waits, the memory tier's occupancy), so
-`offload view` draws the two side by side.
+it (the engine lets one update queue behind backward, no more), a "commit"
+for all of them. The time a compute use waits for its fetches or its room is
+exposed I/O. The step ends when every lane's last use ended and the disk is
+idle. The prediction carries the same events and tier counters a measured
+trace does (compute spans, fetches from issue to arrival, NVMe reads and
+writes, waits, the memory tier's occupancy), so `offload view` draws the two
+side by side.
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from .plan import Plan, Use
+from .plan import Plan, PlanOp, Use
 
 __all__ = ["Prediction", "Rates", "simulate"]
 
@@ -100,6 +107,65 @@ class Prediction:
         return {"traceEvents": out, "displayTimeUnit": "ms", "metadata": meta}
 
 
+class _Schedule:
+    """Which use runs next, and from when it may start before its own I/O ([Note: the
+    simulated step])."""
+
+    def __init__(self, uses: Sequence[Use], io: Sequence[PlanOp]) -> None:
+        self.uses = uses
+        self.after: list[set[int]] = [set() for _ in uses]  # uses that must have run first
+        for op in io:
+            if op.needed_at is not None and op.at < op.needed_at:
+                self.after[op.needed_at].add(op.at)  # the one that issues its fetch or room
+            if op.op == "write-back" and op.follows is not None and op.follows < op.at:
+                self.after[op.at].add(op.follows)    # a write-back follows the last use
+        self.lanes: dict[str, list[int]] = {}
+        self.prev: list[int] = []         # the compute use before each use (-1: none)
+        self.sides_before: list[int] = []  # how many other lanes' uses come before it
+        self.side_order: list[int] = []
+        for i, use in enumerate(uses):
+            compute = self.lanes.get("compute")
+            self.prev.append(compute[-1] if compute else -1)
+            self.sides_before.append(len(self.side_order))
+            self.lanes.setdefault(use.lane, []).append(i)
+            if use.lane != "compute":
+                self.side_order.append(i)
+        self.side_ended = [0.0]           # latest end among the first k of side_order
+        self.head = {lane: 0 for lane in self.lanes}
+        self.end: list[float | None] = [None] * len(uses)
+
+    def _sides_done(self, k: int) -> float | None:
+        """The latest end among the other lanes' first k uses (None: not all ran)."""
+        done, order = self.side_ended, self.side_order
+        while len(done) <= k and self.end[order[len(done) - 1]] is not None:
+            done.append(max(done[-1], self.end[order[len(done) - 1]]))
+        return done[k] if len(done) > k else None
+
+    def _base(self, i: int) -> float | None:
+        """When use i may start, before its I/O (None: what it follows has not run)."""
+        use, p = self.uses[i], self.prev[i]
+        if any(self.end[j] is None for j in self.after[i]):
+            return None
+        now = 0.0 if p < 0 else self.end[p]
+        if now is None:
+            return None
+        if use.lane == "compute":  # backpressure: the other lanes' uses queued before the
+            k = self.sides_before[i if use.kind == "commit" else max(p, 0)]  # compute use
+            done = self._sides_done(k)  # before this one (all, for the commit) ended
+            return None if done is None else max(now, done)
+        pos = self.head[use.lane]  # after the compute use before it, in its lane's order
+        return max(self.end[self.lanes[use.lane][pos - 1]] if pos else 0.0, now)
+
+    def next(self) -> tuple[int, float]:
+        """(index, base) of the use that can start first (the lowest index among equals)."""
+        ready = [(base, lane[k]) for name, k in self.head.items()
+                 for lane in [self.lanes[name]] if k < len(lane)
+                 for base in [self._base(lane[k])] if base is not None]
+        base, i = min(ready)
+        self.head[self.uses[i].lane] += 1
+        return i, base
+
+
 def simulate(plan: Plan, uses: Sequence[Use], rates: Rates) -> Prediction:
     """The predicted step of `plan` over `uses` at `rates` ([Note: the simulated step])."""
     if len(plan.held) != len(uses):
@@ -110,27 +176,17 @@ def simulate(plan: Plan, uses: Sequence[Use], rates: Rates) -> Prediction:
     issued_by: dict[int, list] = {}
     for op in io:
         issued_by.setdefault(op.at, []).append(op)
+    sched = _Schedule(uses, io)
     arrival: dict[tuple, float] = {}
+    room: dict[int, list[tuple[str, float]]] = {}  # use -> (key, end) of its write-backs
     pred = Prediction(0.0, 0.0, 0.0)
     disk_free, last_kind = 0.0, ""
-    now = 0.0                      # end of the latest use of the compute lane
-    prev = -1                      # index of the compute lane's latest use
-    side: list[tuple[int, float]] = []  # (index, end) of the other lanes' uses
-    side_done = side_end = 0.0     # latest end among those before `prev`; among all
-    waited = 0                     # how many of `side` side_done has taken in
-    lane_free: dict[str, float] = {}
-    end_of_use: list[float] = []
-    for i, use in enumerate(uses):
-        if use.lane == "compute":  # backpressure: the other lanes' uses queued before the
-            while waited < len(side) and side[waited][0] < prev:  # compute use before
-                side_done = max(side_done, side[waited][1])      # this one are done
-                waited += 1
-            base = max(now, side_end if use.kind == "commit" else side_done)
-        else:  # after the compute use before it (it produced its input), in its lane's order
-            base = max(lane_free.get(use.lane, 0.0), now)
+    for _ in range(len(uses)):
+        i, base = sched.next()
+        use = uses[i]
         for op in issued_by.get(i, ()):  # issued when use i is about to start
-            start = max(disk_free, base if op.op == "fetch" else
-                        (end_of_use[op.at - 1] if op.at > 0 else 0.0))
+            start = max(disk_free, base, sched.end[op.follows]
+                        if op.op == "write-back" and op.follows is not None else 0.0)
             kind = "read" if op.op == "fetch" else "write"
             queued_kinds = {o.op for o in issued_by.get(i, ())}
             together = len(queued_kinds) > 1 or (last_kind not in ("", kind)
@@ -141,32 +197,44 @@ def simulate(plan: Plan, uses: Sequence[Use], rates: Rates) -> Prediction:
                                 {"key": str(op.key), "bytes": op.nbytes}))
             pred.events.append((op.op, "plan", "plan", start, start,
                                 {"key": str(op.key), "at": op.at}))
+            if op.op == "write-back" and op.needed_at is not None:
+                room.setdefault(op.needed_at, []).append((str(op.key), disk_free))
             if op.op == "fetch":
                 arrival[(op.key, op.needed_at)] = disk_free
                 pred.events.append(("fetch", "fetch", "fetches", start, disk_free,
                                     {"key": str(op.key), "bytes": op.nbytes,
                                      "needed_at": op.needed_at}))
-        ready = max([base] + [arrival[(op.key, i)] for op in plan.fetches_by_use.get(i, ())])
-        if ready > base:
-            late = [str(op.key) for op in plan.fetches_by_use.get(i, ())
-                    if arrival[(op.key, i)] > base]
-            name = "wait:gather" if use.lane == "compute" else "optim:wait_read"
-            pred.events.append((name, "wait", use.lane, base, ready,
-                                {"key": late[0], "keys": late, "use": i}))
-            if use.lane == "compute":
-                pred.exposed_io_s += ready - base
-        start, end = ready, ready + use.compute_s
+        ready = _wait(pred, plan, use, i, base, room.get(i, ()), arrival)
+        end = ready + use.compute_s
         pred.compute_s += use.compute_s
         pred.events.append((use.label or f"{use.kind} {i}", "compute", use.lane,
-                            start, end, {"use": i, "kind": use.kind}))
-        pred.occupancy.append((start, plan.held[i]))
-        if use.lane == "compute":
-            now, prev = end, i
-        else:
-            lane_free[use.lane] = end
-            side.append((i, end))
-            side_end = max(side_end, end)
-        end_of_use.append(end)
-    pred.step_s = max(now, disk_free, side_end)
+                            ready, end, {"use": i, "kind": use.kind}))
+        pred.occupancy.append((ready, plan.held[i]))
+        sched.end[i] = end
+    pred.events.sort(key=lambda e: e[3])
+    pred.occupancy.sort()
+    pred.step_s = max([disk_free] + [e for e in sched.end if e is not None])
     pred.occupancy.append((pred.step_s, plan.held[-1] if plan.held else 0))
     return pred
+
+
+def _wait(pred: Prediction, plan: Plan, use: Use, i: int, base: float,
+          room: Sequence[tuple[str, float]], arrival: dict[tuple, float]) -> float:
+    """When use i starts: after the write-backs that make its room, then its fetches;
+    records the waits (exposed I/O on the compute lane)."""
+    freed = max([base] + [end for _, end in room])
+    if freed > base:  # its room is still being written
+        late = [k for k, end in room if end > base]
+        track = "thread:MainThread" if use.lane == "compute" else use.lane  # as the store's
+        pred.events.append(("wait:budget", "wait", track, base, freed,      # waits are
+                            {"key": late[0], "keys": late, "use": i}))     # recorded
+    ready = max([freed] + [arrival[(op.key, i)] for op in plan.fetches_by_use.get(i, ())])
+    if ready > freed:
+        late = [str(op.key) for op in plan.fetches_by_use.get(i, ())
+                if arrival[(op.key, i)] > freed]
+        name = "wait:gather" if use.lane == "compute" else "optim:wait_read"
+        pred.events.append((name, "wait", use.lane, freed, ready,
+                            {"key": late[0], "keys": late, "use": i}))
+    if use.lane == "compute":
+        pred.exposed_io_s += ready - base
+    return ready

@@ -241,18 +241,26 @@ def union_length(intervals: Iterable[tuple[float, float]],
     return total
 
 
-def intersect_length(xs: list[tuple[float, float]], ys: list[tuple[float, float]]) -> float:
-    """Time covered by both of two disjoint sorted interval lists (from :func:`union`)."""
+def intersection(xs: list[tuple[float, float]], ys: list[tuple[float, float]]
+                 ) -> list[tuple[float, float]]:
+    """The intervals covered by both of two disjoint sorted interval lists (from
+    :func:`union`), sorted."""
     i = j = 0
-    total = 0.0
+    out = []
     while i < len(xs) and j < len(ys):
         a, b = max(xs[i][0], ys[j][0]), min(xs[i][1], ys[j][1])
-        total += max(0.0, b - a)
+        if b > a:
+            out.append((a, b))
         if xs[i][1] < ys[j][1]:
             i += 1
         else:
             j += 1
-    return total
+    return out
+
+
+def intersect_length(xs: list[tuple[float, float]], ys: list[tuple[float, float]]) -> float:
+    """Time covered by both of two disjoint sorted interval lists (from :func:`union`)."""
+    return sum(b - a for a, b in intersection(xs, ys))
 
 
 # -- steps ---------------------------------------------------------------------------------------

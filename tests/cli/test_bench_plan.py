@@ -48,3 +48,24 @@ def test_bench_plan_flags_are_checked(offload_cli):
     rc, _, err = offload_cli(["bench", "plan", "--fractions", "30"])
     assert rc == 2
     assert "--fractions" in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_wait_with_no_request_in_flight_stays_in_the_compute_seconds():
+    """The step's profile takes out of a unit's compute seconds the waits that overlap a
+    request to the disk (I/O the simulator predicts), not the store's hand-off waits
+    with nothing in flight, which the simulator has no model of."""
+    from offload.cli.bench_plan_run import step_profile
+    from offload.trace.recorder import TraceEvent
+
+    def x(name, t0, t1, track="compute"):
+        return TraceEvent("X", t0, t1 - t0, 0, name, "compute", track, None)
+    events = [x("forward:u", 0, 1000), x("wait:gather", 100, 300),
+              x("wait:budget", 500, 700, "thread:MainThread"),
+              TraceEvent("b", 400, 0, 7, "write", "io", "io:nvme", {"bytes": 4096}),
+              TraceEvent("e", 650, 0, 7, "write", "io", "io:nvme", None),
+              x("optimizer step", 1000, 1200)]
+    (use,) = step_profile(events, 0, 1200, {"u": [0]})["uses"]
+    assert use["waited_s"] == pytest.approx(150e-9)      # [500, 650] of the second wait
+    assert use["compute_s"] == pytest.approx(850e-9)
+    (kept,) = step_profile(events, 0, 1200, {"u": [0]}, streamed=False)["uses"]
+    assert kept["compute_s"] == pytest.approx(1000e-9)   # parameters in memory: no disk

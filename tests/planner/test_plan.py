@@ -321,3 +321,50 @@ def test_a_fresh_write_is_not_fetched_and_leaves_no_previous_version_behind():
     assert max(plan.held) <= 1
     reading = make_plan([Use(u.keys, u.writes, u.kind) for u in uses], records, 1, steady=True)
     assert [op for op in reading.ops if op.op == "fetch" and op.needed_at == 2]  # reads it
+
+
+def test_a_use_waits_for_the_write_that_makes_its_room():
+    """A dirty record that must leave for a use's record is written first: with the
+    write-back issued where the room is needed (as the store evicts), that use waits
+    for the write, then for its own read."""
+    import dataclasses
+
+    uses = [Use(("a",), ("a",), compute_s=1.0), Use(("b",), compute_s=1.0)]
+    plan = make_plan(uses, {"a": RecordSpec(10), "b": RecordSpec(10)}, 10)
+    (wb,) = [op for op in plan.ops if op.op == "write-back"]
+    assert (wb.key, wb.at, wb.needed_at, wb.follows) == ("a", 1, 1, 0)
+    rates = Rates(read_Bps=10, write_Bps=10)  # a second per record either way
+    pred = simulate(plan, uses, rates)
+    waits = {e[0]: (e[3], e[4]) for e in pred.events if e[1] == "wait"}
+    # a is read over [0, 1] and used until 2; then written over [2, 3] for b's room,
+    # b read over [3, 4] behind it, and used until 5
+    assert waits["wait:budget"] == pytest.approx((2.0, 3.0))
+    assert waits["wait:gather"] == pytest.approx((3.0, 4.0))
+    assert pred.step_s == pytest.approx(5.0)
+    assert pred.exposed_io_s == pytest.approx(1.0 + 2.0)
+    # a write that does not make room for anything is nobody's wait
+    loose = dataclasses.replace(plan, ops=[dataclasses.replace(op, needed_at=None)
+                                           if op.op == "write-back" else op
+                                           for op in plan.ops])
+    assert not [e for e in simulate(loose, uses, rates).events if e[0] == "wait:budget"]
+
+
+def test_the_disk_serves_operations_in_the_order_of_time_they_are_issued():
+    """An update lane whose long first update delays its second one's read: that read
+    is issued later in time than the next backward's fetch, so it queues behind it,
+    not ahead of it, though it comes first in the trace."""
+    uses = [Use((), kind="backward", compute_s=1.0),
+            Use((), kind="update", compute_s=5.0, lane="update"),
+            Use(("s",), kind="update", compute_s=0.1, lane="update"),
+            Use(("p",), kind="backward", compute_s=1.0),
+            Use((), kind="commit", compute_s=0.0)]
+    plan = make_plan(uses, {"s": RecordSpec(100), "p": RecordSpec(1)}, 101)
+    assert {op.key: op.at for op in plan.ops if op.op == "fetch"} == {"s": 0, "p": 0}
+    import dataclasses
+    plan = dataclasses.replace(plan, ops=[dataclasses.replace(op, at=op.needed_at)
+                                          for op in plan.ops])  # each at its use
+    pred = simulate(plan, uses, Rates(read_Bps=100, write_Bps=100))
+    start = {e[5]["use"]: e[3] for e in pred.events if e[1] == "compute"}
+    assert start[3] == pytest.approx(1.01)   # p (1 byte) read at 1 s, before s at 6 s
+    assert start[2] == pytest.approx(7.0)    # s read over [6, 7]
+    assert pred.step_s == pytest.approx(7.1)

@@ -239,3 +239,28 @@ def test_equal_records_fill_both_tiers():
     assert packed_budget(step, (80, 40)) == 120      # all three
     step.records["d"] = RecordSpec(10)
     assert packed_budget(step, (80, 40)) == 80       # mixed sizes: the sum less the largest
+
+
+def test_the_plan_executed_as_the_engine_does_prefetch_by_units_and_evict_on_demand():
+    """plan_step issues a parameter fetch when the unit `prefetch_depth` units before
+    its use starts (updates' chunks between are no units), and a dirty victim's
+    write-back where the fetch that needs its room is issued, not right after the
+    victim's last use: that is when the engine's store evicts."""
+    from offload.planner.search import ModelledStep
+
+    p = [("p", g) for g in range(3)]
+    uses = [Use((p[0],), kind="forward"), Use((p[1],), (p[1],), kind="forward"),
+            Use((p[0],), kind="forward"), Use((), kind="update", lane="update"),
+            Use((), kind="update", lane="update"), Use((p[0],), kind="forward"),
+            Use((p[2],), kind="forward")]
+    step = ModelledStep(uses, {k: RecordSpec(1) for k in p}, [], 0.0, 0.0)
+    eager = make_plan(uses, step.records, 2, steady=True)
+    (wb,) = [op for op in eager.ops if op.op == "write-back"]
+    assert (wb.key, wb.at, wb.needed_at) == (p[1], 2, 6)   # right after its last use
+    plan = plan_step(step, (2,), prefetch_depth=1, buffers=2)
+    ops = {(op.op, op.key): op for op in plan.ops}
+    assert ops["fetch", p[2]].at == 5                      # one unit ahead, not at use 5
+    assert ops["write-back", p[1]].at == ops["write-back", p[1]].needed_at == 5
+    assert ops["evict", p[1]].at == 5 and plan.held[2:5] == [2, 2, 2]
+    deeper = plan_step(step, (2,), prefetch_depth=2, buffers=2)
+    assert {(op.op, op.key): op.at for op in deeper.ops}["fetch", p[2]] == 2
