@@ -465,7 +465,8 @@ def plan_step(step: ModelledStep, tiers: Sequence[int], prefetch_depth: int,
               buffers: int) -> Plan:
     """The plan of a modelled step (`make_plan`) with memory tiers of `tiers` bytes for
     its records (`packed_budget`), as the engine executes it: parameter fetches issued
-    no earlier than its look-ahead of `prefetch_depth` uses, write-backs where the
+    no earlier than its look-ahead of `prefetch_depth` units (`_limit_lookahead`),
+    write-backs where the
     room is needed (`_write_on_demand`), and the optimizer's NVMe state streamed
     through `buffers` chunk buffers. Raises ValueError when a use needs more than that
     budget at once."""
