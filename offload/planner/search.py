@@ -380,23 +380,32 @@ def _stream_state(plan: Plan, streams: list[tuple[int, tuple, int]], buffers: in
 
 
 def _limit_lookahead(plan: Plan, uses: Sequence[Use], depth: int) -> Plan:
-    """Parameter fetches issued no earlier than the engine issues them: for a unit's
-    forward or backward, when the unit `depth` units before it starts (its look-ahead
-    over the previous step's order of units; the loss, the updates' chunks and the
-    commit are no units); for an update, at the update (the update loop fetches on
-    demand)."""
+    """Parameter fetches issued when the engine issues them: for a unit's forward or
+    backward, when the unit `depth` units before it starts (its look-ahead over the
+    previous step's order of units; the loss, the updates' chunks and the commit are
+    no units), or once the copies evicted for its room have had their last use if
+    that is later ([Note: prefetch room] in offload/engine/eviction.py: the prefetch
+    evicts what is needed after it); for an update, at the update (the update loop
+    fetches on demand). The plan's own order of fetches does not hold it back."""
     units = [i for i, u in enumerate(uses) if u.kind in ("forward", "backward")]
+    freed: dict[int, int] = {}  # use -> when the last copy evicted for its room left
+    for op in plan.ops:
+        if op.op == "evict" and op.needed_at is not None:
+            freed[op.needed_at] = max(freed.get(op.needed_at, 0), op.at)
     held, ops = list(plan.held), []
     for op in plan.ops:
         if op.op == "fetch" and op.key[0] == "p":
             j = op.needed_at
             if uses[j].kind in ("forward", "backward"):
-                earliest = units[max(0, bisect.bisect_left(units, j) - depth)]
+                at = units[max(0, bisect.bisect_left(units, j) - depth)]
+                at = max(at, freed[j]) if j in freed else max(at, op.at)
             else:
-                earliest = j
-            for t in range(op.at, earliest):  # not in flight before it is issued
+                at = max(j, op.at)
+            for t in range(op.at, at):  # not in flight before it is issued
                 held[t] -= op.nbytes
-            op = dataclasses.replace(op, at=max(op.at, earliest))
+            for t in range(at, op.at):  # issued earlier, evicting for it then
+                held[t] += op.nbytes
+            op = dataclasses.replace(op, at=at)
         ops.append(op)
     by_use: dict[int, list] = {}
     for op in ops:

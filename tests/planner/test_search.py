@@ -264,3 +264,21 @@ def test_the_plan_executed_as_the_engine_does_prefetch_by_units_and_evict_on_dem
     assert ops["evict", p[1]].at == 5 and plan.held[2:5] == [2, 2, 2]
     deeper = plan_step(step, (2,), prefetch_depth=2, buffers=2)
     assert {(op.op, op.key): op.at for op in deeper.ops}["fetch", p[2]] == 2
+
+
+def test_a_prefetch_makes_its_room_when_the_look_ahead_reaches_it():
+    """The plan issues fetches in order, so p0's (needed at use 6) waits for p4's,
+    which has no room until use 5; the engine prefetches p0 when its look-ahead of
+    two units reaches it, at use 4, evicting p2 (not used again this step) then."""
+    from offload.planner.search import ModelledStep
+
+    seq = [4, 2, 5, 2, 3, 4, 0]
+    uses = [Use((("p", g),), kind="forward") for g in seq]
+    records = {("p", g): RecordSpec(1) for g in seq}
+    eager = make_plan(uses, records, 2, steady=True)
+    assert {(op.op, op.key): op.at for op in eager.ops}["fetch", ("p", 0)] == 5
+    plan = plan_step(ModelledStep(uses, records, [], 0.0, 0.0), (2,), prefetch_depth=2,
+                     buffers=2)
+    at = {(op.op, op.key): op.at for op in plan.ops}
+    assert at["fetch", ("p", 0)] == at["evict", ("p", 2)] == 4
+    assert at["fetch", ("p", 4)] == 5 and max(plan.held) <= 2
