@@ -13,11 +13,12 @@ next step's, so the plan is the steady state of a loop of steps), clean
 copies before dirty ones among equals: a clean copy is dropped, a dirty one
 is written back first, issued right after the record's last use and naming
 the use whose room it makes (which cannot start before it is done). Each
-fetch is then issued as early as the budget allows (at the earliest point from which its bytes fit until its use, after
-the record's own previous use) and no earlier than the fetch before it (the
-disk serves them in order). The result lists every operation with the point
-of the trace it is issued at and the one it is needed at, the bytes read and
-written, and the bytes held at every point, which never exceed the budget.
+fetch is then issued as early as the budget allows (at the earliest point
+from which its bytes fit until its use, after the record's own previous use)
+and no earlier than the fetch before it (the disk serves them in order). The
+result lists every operation with the point of the trace it is issued at and
+the one it is needed at, the bytes read and written, and the bytes held at
+every point, which never exceed the budget.
 `lru_bytes` is the same walk with on-demand fetches and least-recently-used
 eviction: the baseline a plan is measured against.
 

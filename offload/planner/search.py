@@ -403,9 +403,11 @@ def _limit_lookahead(plan: Plan, uses: Sequence[Use], depth: int) -> Plan:
                 at = max(j, op.at)
             for t in range(op.at, at):  # not in flight before it is issued
                 held[t] -= op.nbytes
-            for t in range(at, op.at):  # issued earlier, evicting for it then
-                held[t] += op.nbytes
-            op = dataclasses.replace(op, at=at)
+            early = op.at  # issued earlier only while the budget has room for it
+            while early > at and held[early - 1] + op.nbytes <= plan.budget:
+                early -= 1
+                held[early] += op.nbytes
+            op = dataclasses.replace(op, at=max(at, early))
         ops.append(op)
     by_use: dict[int, list] = {}
     for op in ops:
@@ -419,16 +421,27 @@ def _write_on_demand(plan: Plan) -> Plan:
     makes them: when a tier lacks room for a fetch (at the point the fetch is issued)
     or a put (at the use that puts), not right after the victim's last use. The use at
     that point waits for the write ([Note: the simulated step]); the victim's bytes
-    stay held until then."""
+    stay held until then, so one is moved only where the budget has room for it that
+    long and its record is not fetched back in between."""
     issue = {i: min(op.at for op in ops) for i, ops in plan.fetches_by_use.items()}
-    held, ops = list(plan.held), []
+    fetched: dict = {}  # key -> points its fetches are issued at
     for op in plan.ops:
-        if op.op in ("write-back", "evict") and op.needed_at is not None:
-            at = min(issue.get(op.needed_at, op.needed_at), op.needed_at)
-            if op.op == "evict":
-                for t in range(op.at, at):
+        if op.op == "fetch":
+            fetched.setdefault(op.key, []).append(op.at)
+    held, moved = list(plan.held), {}
+    for op in plan.ops:  # where each victim leaves: at the need, where the budget
+        if op.op == "evict" and op.needed_at is not None:  # holds it until then and
+            at = max(op.at, min(issue.get(op.needed_at, op.needed_at), op.needed_at))
+            if all(held[t] + op.nbytes <= plan.budget for t in range(op.at, at)) and \
+                    not any(op.at <= f < at for f in fetched.get(op.key, ())):  # it is
+                for t in range(op.at, at):                      # not fetched back first
                     held[t] += op.nbytes
-            op = dataclasses.replace(op, at=max(op.at, at), needed_at=max(op.at, at))
+                moved[(op.key, op.at)] = at
+    ops = []
+    for op in plan.ops:
+        at = moved.get((op.key, op.at)) if op.needed_at is not None else None
+        if op.op in ("write-back", "evict") and at is not None:
+            op = dataclasses.replace(op, at=at, needed_at=at)
         ops.append(op)
     return Plan(ops, plan.budget, held, plan.bytes_read, plan.bytes_written,
                 plan.fetches_by_use)
@@ -475,10 +488,9 @@ def plan_step(step: ModelledStep, tiers: Sequence[int], prefetch_depth: int,
     """The plan of a modelled step (`make_plan`) with memory tiers of `tiers` bytes for
     its records (`packed_budget`), as the engine executes it: parameter fetches issued
     no earlier than its look-ahead of `prefetch_depth` units (`_limit_lookahead`),
-    write-backs where the
-    room is needed (`_write_on_demand`), and the optimizer's NVMe state streamed
-    through `buffers` chunk buffers. Raises ValueError when a use needs more than that
-    budget at once."""
+    write-backs where the room is needed (`_write_on_demand`), and the optimizer's
+    NVMe state streamed through `buffers` chunk buffers. Raises ValueError when a use
+    needs more than that budget at once."""
     budget = packed_budget(step, tiers)
     plan = make_plan(step.uses, steady_records(step, budget), budget, steady=True)
     plan = _write_on_demand(_limit_lookahead(plan, step.uses, prefetch_depth))

@@ -5,10 +5,11 @@ trace in the format of a measured one (pure computation: no tensors, files or th
 Compute runs the uses one after the other, each taking its `compute_s`. The
 simulation advances in time: the next use it runs is the one that can start
 first among those whose predecessors have run (the use before it on its
-lane, and the uses it follows), so the disk receives the plan's operations in
-the order of time they are issued, not of the trace (an update lane's later
-chunk comes before the next backward in the trace, but is issued after it
-when the update before it runs long). The disk serves them one at a time in
+lane, and the uses it follows), so the disk receives the plan's operations
+nearly in the order of time they are issued rather than of the trace (an
+update lane's later chunk comes before the next backward in the trace, but is
+issued after it when the update before it runs long); a use that follows one
+starting later still runs after it. The disk serves them one at a time in
 that order: an operation issued before use i starts no earlier than use i
 starts (and, for a write-back, no earlier than the end of the last use of
 what it writes, `PlanOp.follows`), and takes its bytes over the rate of its

@@ -282,3 +282,30 @@ def test_a_prefetch_makes_its_room_when_the_look_ahead_reaches_it():
     at = {(op.op, op.key): op.at for op in plan.ops}
     assert at["fetch", ("p", 0)] == at["evict", ("p", 2)] == 4
     assert at["fetch", ("p", 4)] == 5 and max(plan.held) <= 2
+
+
+def test_the_plan_as_the_engine_executes_it_keeps_the_budget():
+    """Moving a prefetch earlier or an eviction later (to where the engine makes them)
+    never holds more than the budget, nor evicts a record after its fetch back."""
+    from offload.planner.search import ModelledStep
+
+    p = [("p", g) for g in range(6)]
+    cases = [  # (uses, records, tiers)
+        ([Use((p[3], p[5]), kind="backward", reserved=2), Use((), kind="update", reserved=2),
+          Use((p[1], p[4]), kind="backward", reserved=1)],
+         {p[g]: RecordSpec(1) for g in (1, 3, 4, 5)}, (4,)),
+        ([Use((p[5],), kind="forward"), Use((), kind="backward"), Use((p[4],), kind="update"),
+          Use((p[0], p[2], ("g", 0), ("g", 2)), kind="backward")],
+         {**{k: RecordSpec(1) for k in (p[0], p[2], p[4], ("g", 0), ("g", 2))},
+          p[5]: RecordSpec(3)}, (6,)),
+        ([Use((), kind="backward"), Use((p[4],), (p[4],), "update", previous=(p[4],)),
+          Use((p[5],), (p[5],), "update", fresh=(p[5],)), Use((p[3],), kind="backward")],
+         {p[3]: RecordSpec(1), p[4]: RecordSpec(3), p[5]: RecordSpec(3)}, (8,)),
+    ]
+    for uses, records, tiers in cases:
+        plan = plan_step(ModelledStep(uses, records, [], 0.0, 0.0), tiers, 2, 2)
+        assert max(plan.held) <= plan.budget, (plan.held, plan.budget)
+        for op in plan.ops:  # no record leaves between its fetch and the use of it
+            if op.op == "evict":
+                assert not [f for f in plan.ops if f.op == "fetch" and f.key == op.key
+                            and f.at < op.at <= f.needed_at], (op, plan.ops)
