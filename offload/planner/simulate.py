@@ -185,11 +185,11 @@ def simulate(plan: Plan, uses: Sequence[Use], rates: Rates) -> Prediction:
     for _ in range(len(uses)):
         i, base = sched.next()
         use = uses[i]
+        queued_kinds = {o.op for o in issued_by.get(i, ())}
         for op in issued_by.get(i, ()):  # issued when use i is about to start
             start = max(disk_free, base, sched.end[op.follows]
                         if op.op == "write-back" and op.follows is not None else 0.0)
             kind = "read" if op.op == "fetch" else "write"
-            queued_kinds = {o.op for o in issued_by.get(i, ())}
             together = len(queued_kinds) > 1 or (last_kind not in ("", kind)
                                                  and start <= disk_free)
             rate = mixed if together else (rates.read_Bps if kind == "read" else rates.write_Bps)
