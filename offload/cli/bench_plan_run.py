@@ -94,26 +94,30 @@ def step_profile(events: list[tuple], t0: int, t1: int, units: dict[str, list[in
             "waits_s": _waits_by_name(xs), "disk": _disk_busy(events, t0, t1)}
 
 
+def _requests(events: list[tuple], t0: int, t1: int) -> list[tuple[str, int, int, int]]:
+    """The I/O engine's requests in flight at some time in [t0, t1]: (name, begin, end,
+    bytes), paired by their async id."""
+    begins = {e[3]: e for e in events if e[0] == "b" and e[6].startswith("io:")}
+    return [(e[4], b[1], e[1], (b[7] or {}).get("bytes") or (e[7] or {}).get("bytes") or 0)
+            for e in events if e[0] == "e" and e[3] in begins
+            for b in [begins[e[3]]] if e[1] >= t0 and b[1] < t1]
+
+
 def _in_flight(events: list[tuple], t0: int, t1: int) -> list[tuple[int, int]]:
     """The time in the step at least one of the I/O engine's requests was in flight,
     as sorted disjoint intervals (`union`)."""
-    begins = {e[3]: e[1] for e in events if e[0] == "b" and e[6].startswith("io:")}
-    return union((max(begins[e[3]], t0), min(e[1], t1)) for e in events
-                 if e[0] == "e" and e[3] in begins and e[1] > t0 and begins[e[3]] < t1)
+    return union((max(b, t0), min(e, t1)) for _, b, e, _ in _requests(events, t0, t1))
 
 
 def _disk_busy(events: list[tuple], t0: int, t1: int) -> dict[str, float]:
     """The I/O engine's requests begun in the step: bytes read and written, and the
     seconds at least one read, one write, or any request was in flight."""
-    begins = {e[3]: e for e in events if e[0] == "b" and e[6].startswith("io:")
-              and t0 <= e[1] < t1}
     spans: dict[str, list[tuple[int, int]]] = {"read": [], "write": []}
     nbytes = {"read": 0, "write": 0}
-    for e in events:
-        if e[0] == "e" and e[3] in begins and e[4] in spans:
-            b = begins[e[3]]
-            spans[e[4]].append((b[1], e[1]))
-            nbytes[e[4]] += ((b[7] or {}).get("bytes") or (e[7] or {}).get("bytes") or 0)
+    for name, b, e, n in _requests(events, t0, t1):
+        if name in spans and b >= t0:
+            spans[name].append((b, e))
+            nbytes[name] += n
     return {"read_bytes": nbytes["read"], "write_bytes": nbytes["write"],
             "read_busy_s": union_length(spans["read"]) / 1e9,
             "write_busy_s": union_length(spans["write"]) / 1e9,

@@ -30,11 +30,12 @@ updates during backward write a staged new version, in-place updates run in
 `step()` after every group was freed, and backward's end frees (and
 unpins) every group before the commit switches records in. The storage holds
 the record's memory through a NumPy view of the record's tensor, so the
-pool's mapping outlives any view autograd or a traceback keeps ([Note: orphaned gathers] in engine.py; once the record
-is unpinned such a view may read another record's bytes, never unmapped
-memory). Pinned records cannot leave DEVICE to make room, so the engine
-borrows only within an allowance: where the device budget holds the minimum
-working set and three of the largest unit's partitions besides, up to those
+pool's mapping outlives any view autograd or a traceback keeps
+([Note: orphaned gathers] in engine.py; once the record is unpinned such a
+view may read another record's bytes, never unmapped memory). Pinned records
+cannot leave DEVICE to make room, so the engine borrows only within an
+allowance: where the device budget holds the minimum working set and three of
+the largest unit's partitions besides, up to those
 three units' bytes at once. Groups gathered beyond it (several at once in
 backward: nested units, tied weights, a checkpoint recomputation that stopped
 early) and frozen groups (gathered from a unit's start to the end of

@@ -185,8 +185,9 @@ def simulate(plan: Plan, uses: Sequence[Use], rates: Rates) -> Prediction:
     for _ in range(len(uses)):
         i, base = sched.next()
         use = uses[i]
-        queued_kinds = {o.op for o in issued_by.get(i, ())}
-        for op in issued_by.get(i, ()):  # issued when use i is about to start
+        issued = issued_by.get(i, ())
+        queued_kinds = {o.op for o in issued}
+        for op in issued:  # issued when use i is about to start
             start = max(disk_free, base, sched.end[op.follows]
                         if op.op == "write-back" and op.follows is not None else 0.0)
             kind = "read" if op.op == "fetch" else "write"
