@@ -349,14 +349,15 @@ typedef struct {
     int small, adamw, l2;
 } adam_vec;
 
-/* Lanes `l` of elements [i, i + 16): adam_loop's body; m, v fp32 or bf16
- * (`bf16m`), sq (sqrt(v_new)) written unless NULL, the copy into d (streamed
- * when `full`: all lanes, d + i 32-byte aligned). */
-AVX512_INLINE void adam16(int64_t i, __mmask16 l, int full, float *p, const float *g0,
-                          void *m, void *v, float *sq, uint16_t *d, const adam_vec *c,
-                          int copy, int bf16m, int scaled) {
+/* Lanes `l` of elements [i, i + 16): adam_loop's body, the master read from pin
+ * and written to p; m, v fp32 or bf16 (`bf16m`), sq (sqrt(v_new)) written unless
+ * NULL, the copy into d (streamed when `full`: all lanes, d + i 32-byte aligned;
+ * without a copy, p streamed when `full` and p is not pin: p + i 64-byte aligned). */
+AVX512_INLINE void adam16(int64_t i, __mmask16 l, int full, float *p, const float *pin,
+                          const float *g0, void *m, void *v, float *sq, uint16_t *d,
+                          const adam_vec *c, int copy, int bf16m, int scaled) {
     __m512 g = _mm512_maskz_loadu_ps(l, g0 + i);
-    __m512 x = _mm512_maskz_loadu_ps(l, p + i);
+    __m512 x = _mm512_maskz_loadu_ps(l, pin + i);
     __m512 mo = load16(m, i, l, bf16m), vo = load16(v, i, l, bf16m);
     if (scaled) g = _mm512_div_ps(g, c->gs);
     if (c->adamw) x = _mm512_mul_ps(x, c->decay);
@@ -376,32 +377,37 @@ AVX512_INLINE void adam16(int64_t i, __mmask16 l, int full, float *p, const floa
     store16(m, i, l, bf16m, mi, _mm512_and_si512(hash, _mm512_set1_epi32(0xffff)));
     store16(v, i, l, bf16m, vi, _mm512_srli_epi32(hash, 16));
     if (sq) _mm512_mask_storeu_ps(sq + i, l, root);
-    _mm512_mask_storeu_ps(p + i, l, pn);
+    if (full && p != pin && copy == COPY_NONE) _mm512_stream_ps(p + i, pn);
+    else _mm512_mask_storeu_ps(p + i, l, pn);
     if (copy == COPY_NONE) return;
     __m256i h = half16(pn, copy == COPY_FP16);
     if (full) _mm256_stream_si256((__m256i *)(d + i), h);
     else _mm256_mask_storeu_epi16(d + i, l, h);
 }
 
-AVX512_INLINE void adam_vec_loop(int64_t k, float *p, const float *g0, void *m, void *v,
-                                 float *sq, uint16_t *d, const adam_vec *c, int copy,
-                                 int bf16m, int scaled) {
+AVX512_INLINE void adam_vec_loop(int64_t k, float *p, const float *pin, const float *g0,
+                                 void *m, void *v, float *sq, uint16_t *d, const adam_vec *c,
+                                 int copy, int bf16m, int scaled) {
     /* with a copy: lanes up to d's first 32-byte boundary, then whole aligned
-     * vectors streamed, then the rest (d is 2-byte aligned: the head is < 16) */
-    int64_t head = copy ? (int64_t)((32 - ((uintptr_t)d & 31)) & 31) / 2 : 0;
+     * vectors streamed, then the rest (d is 2-byte aligned: the head is < 16);
+     * without one and p not pin, the same up to p's first 64-byte boundary */
+    int64_t head = copy ? (int64_t)((32 - ((uintptr_t)d & 31)) & 31) / 2
+                        : p != pin ? (int64_t)((64 - ((uintptr_t)p & 63)) & 63) / 4 : 0;
     head = head < k ? head : k;
-    if (head) adam16(0, lanes(head), 0, p, g0, m, v, sq, d, c, copy, bf16m, scaled);
+    if (head) adam16(0, lanes(head), 0, p, pin, g0, m, v, sq, d, c, copy, bf16m, scaled);
     int64_t i = head;
     for (; i + 16 <= k; i += 16)
-        adam16(i, (__mmask16)0xffff, 1, p, g0, m, v, sq, d, c, copy, bf16m, scaled);
-    if (i < k) adam16(i, lanes(k - i), 0, p, g0, m, v, sq, d, c, copy, bf16m, scaled);
+        adam16(i, (__mmask16)0xffff, 1, p, pin, g0, m, v, sq, d, c, copy, bf16m, scaled);
+    if (i < k) adam16(i, lanes(k - i), 0, p, pin, g0, m, v, sq, d, c, copy, bf16m, scaled);
 }
 
 /* k elements as adam_math, with m, v fp32 or bf16 (`bf16m`; in place either way,
  * bf16 rounded as to_bf16_sr, `index` element 0's partition index), sq as there or
- * NULL (not needed), and the new master's copy to d (`copy`).
+ * NULL (not needed), and the new master's copy to d (`copy`). The master's current
+ * values are read from `pin`: `p` itself, or where they are when `p` only receives
+ * the new ones ([Note: the master read in the loop]); so neither is `restrict`.
  * One loop per combination of the three (constants once inlined). */
-AVX512 static void adam_avx512(int64_t k, float *restrict p, const float *restrict g0,
+AVX512 static void adam_avx512(int64_t k, float *p, const float *pin, const float *restrict g0,
                                void *restrict m, void *restrict v, float *restrict sq,
                                uint16_t *restrict d, int copy, int bf16m,
                                const offload_run *r, int scaled, float gs, uint32_t index) {
@@ -422,8 +428,8 @@ AVX512 static void adam_avx512(int64_t k, float *restrict p, const float *restri
     c.small = fabsf(r->lerp_w) < 0.5f;
     c.adamw = r->weight_decay != 0.0f && r->decoupled;
     c.l2 = r->weight_decay != 0.0f && !r->decoupled;
-#define ADAM_VEC(C, B) (scaled ? adam_vec_loop(k, p, g0, m, v, sq, d, &c, C, B, 1) \
-                               : adam_vec_loop(k, p, g0, m, v, sq, d, &c, C, B, 0))
+#define ADAM_VEC(C, B) (scaled ? adam_vec_loop(k, p, pin, g0, m, v, sq, d, &c, C, B, 1) \
+                               : adam_vec_loop(k, p, pin, g0, m, v, sq, d, &c, C, B, 0))
 #define ADAM_VEC_C(B) (copy == COPY_BF16 ? ADAM_VEC(COPY_BF16, B) \
                        : copy == COPY_FP16 ? ADAM_VEC(COPY_FP16, B) : ADAM_VEC(COPY_NONE, B))
     if (bf16m) ADAM_VEC_C(1);
@@ -528,15 +534,43 @@ INLINE void run_span(const block_args *a, const offload_run *r, int64_t lo, int6
 INLINE void run_span_avx512(const block_args *a, const offload_run *r, int64_t lo, int64_t k,
                             void *m, void *v, int bf16m, float *sq) {
     if (r->skip) {
+        if (a->src != a->master) memcpy(a->master + lo, a->src + lo, 4 * (size_t)k);
         write_out(a, lo, k);
         return;
     }
     int copy = a->out_dtype == OUT_BF16 ? COPY_BF16
                : a->out_dtype == OUT_FP16 ? COPY_FP16 : COPY_NONE;
-    adam_avx512(k, a->master + lo, a->grad + lo, m, v, a->state == STATE_INT8 ? sq : NULL,
+    adam_avx512(k, a->master + lo, a->src + lo, a->grad + lo, m, v,
+                a->state == STATE_INT8 ? sq : NULL,
                 (uint16_t *)a->out + lo, copy, bf16m, r, a->scaled, a->grad_scale,
                 (uint32_t)(a->first + lo));
     if (a->out_dtype == OUT_FP32) write_out(a, lo, k);
+}
+
+/* [Note: the master read in the loop]
+ * With `src`, the master's current values are elsewhere and `master` receives
+ * the new ones. Copying a tile from `src` into `master` before its update
+ * stalled on memory for the copy's length (the tile's reads no longer overlap
+ * the update's arithmetic) and made the pass a third slower than an update in
+ * place (`offload bench adam`, int8 moments, 2 threads). The AVX-512 loop reads
+ * the master from `src` as it goes instead; only the elements no run updates
+ * (skipped runs, gaps between runs) are copied, so `master` ends the same.
+ * Where no compute-dtype copy rides on the loop, it also writes the new master
+ * with non-temporal stores from its first 64-byte boundary on: `master` holds
+ * nothing the pass reads, and a store through the cache would first read each
+ * line in (4 more bytes per element on a pass of 16 with int8 moments); `fence`
+ * orders them before the call returns. Both together took the pass from
+ * 0.91-0.92 to 1.19-1.26 Gelem/s with a partition-sized `master` (an update in
+ * place: 1.20-1.27), the same bits. */
+INLINE void copy_gaps(const block_args *a, const offload_run *runs, int64_t nruns,
+                      int64_t ri, int64_t t0, int64_t t1) {
+    int64_t at = t0;
+    for (int64_t j = ri; j < nruns && runs[j].lo < t1 && at < t1; j++) {
+        int64_t lo = runs[j].lo > at ? runs[j].lo : at;
+        if (lo > at) memcpy(a->master + at, a->src + at, 4 * (size_t)(lo - at));
+        at = runs[j].hi > at ? runs[j].hi : at;
+    }
+    if (at < t1) memcpy(a->master + at, a->src + at, 4 * (size_t)(t1 - at));
 }
 
 /* Elements of [t0, t1) that runs from `ri` on update. */
@@ -557,9 +591,11 @@ INLINE int64_t tile(const block_args *a, const offload_run *runs, int64_t nruns,
     float mb[TILE], vb[TILE], sq[TILE];
     int64_t k = t1 - t0;
     int busy = 0;
-    if (a->src != a->master)  /* elements no run updates keep src's values too */
+    if (a->src != a->master && !a->avx512)  /* elements no run updates keep src's values */
         memcpy(a->master + t0, a->src + t0, 4 * (size_t)k);
     while (ri < nruns && runs[ri].hi <= t0) ri++;
+    if (a->src != a->master && a->avx512)  /* [Note: the master read in the loop] */
+        copy_gaps(a, runs, nruns, ri, t0, t1);
     for (int64_t j = ri; j < nruns && runs[j].lo < t1; j++) busy |= !runs[j].skip;
     float *m = mb, *v = vb;
     if (a->state == STATE_FP32) {
@@ -649,7 +685,8 @@ INLINE int64_t span(const block_args *a, const offload_run *runs, int64_t nruns,
 }
 
 INLINE void fence(const block_args *a) {
-    if ((a->stream || a->avx512) && (a->out_dtype == OUT_BF16 || a->out_dtype == OUT_FP16))
+    if ((a->stream || a->avx512) && (a->out_dtype == OUT_BF16 || a->out_dtype == OUT_FP16
+                                     || a->src != a->master))
         _mm_sfence(); /* the streaming stores are visible before the caller goes on */
 }
 
