@@ -12,7 +12,10 @@ takes the fastest round (the best the memory gave), the rows the median.
 
 Rows "offload+bf16" / "+fp16" write the compute-dtype parameter in the same
 pass (the engine's mixed-precision step); "bf16 moments" / "int8 moments" keep
-the moments compressed (`optim.state_dtype`), decoded and encoded in the pass.
+the moments compressed (`optim.state_dtype`), decoded and encoded in the pass;
+"offload int8 moments, new master apart" reads the fp32 parameter as the master
+and writes the new one to a second buffer, as the engine's fp32 step does while
+it keeps the old version until the step commits.
 Where torchao or bitsandbytes import, their 8-bit AdamW runs as a peer.
 Where the native kernel is built (offload/optim/native.py), the "offload" rows
 run it (the plain fp32 row: torch's fused kernel, which "auto" keeps there),
@@ -84,6 +87,10 @@ def _impls(n: int, args: argparse.Namespace, notes: list[str]) -> dict[str, Call
         return opt
     ours = cpu_adam()
     small = {k: cpu_adam(k) for k in ("bf16", "int8")}  # moments encoded from m, v
+    # the fp32 parameter as the master, the new one written to a second buffer: the
+    # engine's step in fp32 training, which keeps the old version until the commit
+    into = cpu_adam("int8", master_is_param=True)
+    staged = torch.zeros(n)
     out = torch.empty(n, dtype=torch.bfloat16)
     out16 = torch.empty(n, dtype=torch.float16)
     step_t = torch.tensor(0.0)
@@ -107,6 +114,8 @@ def _impls(n: int, args: argparse.Namespace, notes: list[str]) -> dict[str, Call
              "offload int8 moments": lambda: small["int8"].step({"x": g}, final=True),
              "offload int8 moments+bf16": lambda: small["int8"].step(
                  {"x": g}, params_out={"x": out}, final=True),
+             "offload int8 moments, new master apart": lambda: into.step(
+                 {"x": g}, params_out={"x": staged}, masters={"x": p.data}, final=True),
              "torch AdamW fused": _torch_opt(p, m, v, fused=True),
              "torch AdamW foreach": _torch_opt(p, m, v, foreach=True),
              "torch._fused_adamw_": fused_direct,
