@@ -6,7 +6,40 @@ and moving it there before it is needed.
     loss = engine(batch); engine.backward(loss); engine.step()
 """
 
-from .config import ConfigError, OffloadConfig, load_config
+import os as _os
+import sys as _sys
+
+# [Note: OpenMP's wait policy]
+# After a parallel region, torch's OpenMP threads (libgomp) spin for a while
+# waiting for the next one. Where the optimizer's updates run beside backward
+# (optimizer state on NVMe: [Note: early update] in engine/engine.py) the
+# spinning threads take the cores the updates need, and a thread of the
+# backward's team preempted by an update keeps the rest of its team spinning at
+# the region's barrier: the bench step (6 x Linear(4096, 4096), int8 moments,
+# nvme-opt, 2 cores) spent 0.746 CPU s a step and took 0.433 s with the default
+# policy, 0.618 CPU s and 0.380 s with OMP_WAIT_POLICY=PASSIVE, its none step
+# 0.298 and 0.288 s (docs/benchmarks.md). libgomp reads the variable once, when
+# `import torch` loads it, so `import offload` sets it where torch is not loaded
+# yet and the environment does not name a policy; otherwise the engine says once
+# how to set it (`omp_wait_policy`).
+if "OMP_WAIT_POLICY" in _os.environ:
+    _OMP_POLICY = _os.environ["OMP_WAIT_POLICY"]
+elif "torch" in _sys.modules:
+    _OMP_POLICY = ""  # libgomp's default (spinning), read when torch was imported
+else:
+    _os.environ["OMP_WAIT_POLICY"] = _OMP_POLICY = "PASSIVE"
+
+
+def omp_wait_policy() -> str:
+    """The OpenMP wait policy this process's torch runs with, as far as offload can
+    tell: the `OMP_WAIT_POLICY` the environment named when offload was imported
+    (offload sets PASSIVE where neither it nor torch was there yet), or "" when
+    torch was imported first with none named (libgomp's default: threads spin
+    between parallel regions). [Note: OpenMP's wait policy]"""
+    return _OMP_POLICY
+
+
+from .config import ConfigError, OffloadConfig, load_config  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -24,4 +57,5 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'offload' has no attribute {name!r}")
 
 __all__ = ["CheckpointCorruptError", "CheckpointError", "ConfigError", "OffloadConfig",
-           "OffloadEngine", "StepFailedError", "initialize", "load_config", "__version__"]
+           "OffloadEngine", "StepFailedError", "initialize", "load_config", "omp_wait_policy",
+           "__version__"]
