@@ -586,7 +586,10 @@ def run_step_bench(args: argparse.Namespace, path: str, progress=None) -> dict:
             "nvme_budgets": {k: base[k] for k in ("host_budget", "device_budget",
                                                   "buffer_budget")},
             "io": {"block_size": base["block_size"], "queue_depth": base["queue_depth"]},
-            "disk": disk, "huge_pages": _huge_pages(), "none_step_s": t_none,
+            "disk": disk, "huge_pages": _huge_pages(),
+            # every worker, DeepSpeed's as well as offload's, inherits it: [Note: OpenMP's
+            # wait policy] in offload/__init__.py
+            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "none_step_s": t_none,
             "bytes_source": BYTES_SOURCE,
             "forced_bytes": {p: {"read": r, "write": w}
                              for (sd, p), (r, w) in forced.items() if sd == "fp32"},
