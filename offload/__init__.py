@@ -22,6 +22,10 @@ import sys as _sys
 # `import torch` loads it, so `import offload` sets it where torch is not loaded
 # yet and the environment does not name a policy; otherwise the engine says once
 # how to set it (`omp_wait_policy`).
+# Before torch's first CPU allocation, which reads it: [Note: huge pages] in
+# offload/io/hugepages.py (offload.io itself is imported later, with the engine).
+_os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+
 if "OMP_WAIT_POLICY" in _os.environ:
     _OMP_POLICY = _os.environ["OMP_WAIT_POLICY"]
 elif "torch" in _sys.modules:

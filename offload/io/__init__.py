@@ -20,8 +20,6 @@ from .switch import SwitchIntervalHold, hold_switch_interval
 
 log = logging.getLogger(__name__)
 
-hugepages.default_on()  # before torch's first large allocation: [Note: huge pages]
-
 __all__ = [
     "AioEngine", "BufferPool", "CorruptionError", "Extent", "ExtentAllocator", "HostBuffer",
     "IoEngine", "IoError", "IoHandle", "PoolExhaustedError", "ReadHandle", "Segment",

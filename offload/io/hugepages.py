@@ -14,9 +14,10 @@ environment variable THP_MEM_ALLOC_ENABLE is set: the fault count drops about
 
 torch reads the variable once, at its first CPU allocation (of any size),
 and turns huge pages on only for the value "1". So importing offload sets it
-to 1 unless the environment already names a value (any other value opts
-out), and `check()` reports at `initialize()` when it did not take effect: a
-process that made a tensor before importing offload. The kernel must allow
+to 1 (offload/__init__.py, which loads no torch) unless the environment
+already names a value (any other value opts out), and `check()` reports at
+`initialize()` when it did not take effect: a process that made a tensor
+before importing offload. The kernel must allow
 THP (`madvise` or `always` in /sys/kernel/mm/transparent_hugepage/enabled);
 with `always` glibc's mappings get huge pages without torch's help.
 """
@@ -27,11 +28,6 @@ import os
 
 ENV = "THP_MEM_ALLOC_ENABLE"
 _SYS = "/sys/kernel/mm/transparent_hugepage/enabled"
-
-
-def default_on() -> None:
-    """Asks torch for huge pages unless the environment already says yes or no."""
-    os.environ.setdefault(ENV, "1")
 
 
 def opted_out() -> bool:

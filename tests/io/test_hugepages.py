@@ -64,6 +64,18 @@ def test_import_turns_huge_pages_on():
     assert int(out["faults"]) < SMALL_FAULTS // 4  # 4 KiB pages would fault 16384 times
 
 
+@needs_thp
+def test_import_offload_alone_is_early_enough():
+    """A script that imports offload, then makes its model's tensors, then calls
+    `initialize` (which loads offload.io) still gets huge pages."""
+    r = _python("import os, offload, torch\n" + FAULTS.replace("import torch\n", "")
+                + "print('env', os.environ['THP_MEM_ALLOC_ENABLE'])\n")
+    assert r.returncode == 0, r.stderr
+    out = dict(line.split() for line in r.stdout.split("\n") if line)
+    assert out["env"] == "1"
+    assert int(out["faults"]) < SMALL_FAULTS // 4
+
+
 @pytest.mark.parametrize("value", ["0", "true"])  # torch takes only "1" as on
 def test_opting_out_is_kept_and_reported(value):
     r = _python("import os, offload\nfrom offload.io import hugepages\n"
