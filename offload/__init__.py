@@ -9,6 +9,10 @@ and moving it there before it is needed.
 import os as _os
 import sys as _sys
 
+# Before torch's first CPU allocation, which reads it: [Note: huge pages] in
+# offload/io/hugepages.py (offload.io itself is imported later, with the engine).
+_os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+
 # [Note: OpenMP's wait policy]
 # After a parallel region, torch's OpenMP threads (libgomp) spin for a while
 # waiting for the next one. Where the optimizer's updates run beside backward
@@ -17,15 +21,11 @@ import sys as _sys
 # backward's team preempted by an update keeps the rest of its team spinning at
 # the region's barrier: the bench step (6 x Linear(4096, 4096), int8 moments,
 # nvme-opt, 2 cores) spent 0.746 CPU s a step and took 0.433 s with the default
-# policy, 0.618 CPU s and 0.380 s with OMP_WAIT_POLICY=PASSIVE, its none step
-# 0.298 and 0.288 s (docs/benchmarks.md). libgomp reads the variable once, when
-# `import torch` loads it, so `import offload` sets it where torch is not loaded
-# yet and the environment does not name a policy; otherwise the engine says once
-# how to set it (`omp_wait_policy`).
-# Before torch's first CPU allocation, which reads it: [Note: huge pages] in
-# offload/io/hugepages.py (offload.io itself is imported later, with the engine).
-_os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
-
+# policy, 0.636 CPU s and 0.382 s with OMP_WAIT_POLICY=PASSIVE, its none step
+# 0.298 and 0.292 s (docs/benchmarks.md, bench step runs 9 and 10). libgomp reads
+# the variable once, when `import torch` loads it, so `import offload` sets it
+# where torch is not loaded yet and the environment does not name a policy;
+# otherwise the engine says once how to set it (`omp_wait_policy`).
 if "OMP_WAIT_POLICY" in _os.environ:
     _OMP_POLICY = _os.environ["OMP_WAIT_POLICY"]
 elif "torch" in _sys.modules:

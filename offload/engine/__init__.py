@@ -121,9 +121,6 @@ def initialize(model: nn.Module | Callable[[], nn.Module],
     """
     cfg = load_config(config)
     _report_huge_pages()
-    if cfg.engine.optimizer == "nvme" and (cfg.store.device == "cpu"
-                                          or not torch.cuda.is_available()):
-        _report_omp_wait_policy()  # updates run beside a backward on the same cores
     if not isinstance(model, nn.Module):
         with meta_device():
             model = model()
@@ -156,6 +153,8 @@ def initialize(model: nn.Module | Callable[[], nn.Module],
     # swap files are named by the rank in the whole job (DP ranks repeat over TP)
     store = TieredStore(cfg, rank=tp.mesh.world.rank if tp is not None else comm.rank,
                         recorder=recorder, policy=policy)
+    if cfg.engine.optimizer == "nvme" and store.device.type == "cpu":
+        _report_omp_wait_policy()  # updates run beside a backward on the same cores
     lineage = _Lineage(model)
     engine = None
     try:
