@@ -297,8 +297,9 @@ class OptimConfig:
         "as fast there), else fused where torch has a CPU kernel, else foreach")
     chunk_elems: int = _doc(0, "fp32 elements per chunk streamed from NVMe (each chunk moves "
                             "12 bytes per element each way, 8 in fp32 training where the "
-                            "parameter is the master); 0: derived from io.buffer_budget, "
-                            "buffers and buffer_share")
+                            "parameter is the master, with fp32 moments); 0: the largest power "
+                            "of two whose buffers, sized for the state a chunk holds, fit "
+                            "io.buffer_budget x buffer_share")
     buffers: int = _doc(6, "chunk buffers of the swap pipeline: 1 no overlap, 2 reads ahead, "
                         "3 or more read ahead while earlier chunks are written (more keep "
                         "more requests in flight)")

@@ -174,7 +174,7 @@ def mixed_bandwidth(path: Path, spec: BenchSpec, io: dict[str, Any]) -> float:
 
     ocfg = OptimConfig()
     kinds = 2 if spec.dtype == "fp32" else 3  # fp32: the parameter is the master
-    request = resolve_chunk_elems(ocfg, spec.io_buffers) * state_bytes(1, kinds)
+    request = resolve_chunk_elems(ocfg, spec.io_buffers, masters=kinds == 3) * state_bytes(1, kinds)
     probe = DiskProbe(IoConfig(**{**io, "paths": [str(path)]}), str(path),
                       min(spec.probe_bytes, GiB))
     try:

@@ -144,7 +144,8 @@ def predict(row: dict[str, Any], job: dict[str, Any], m: dict[str, Any]) -> dict
     cfg, prof = job["config"], m["profile"]
     p = _placement(row["placement"])
     buffers = OptimConfig().buffers
-    chunk = chunk_elems(cfg["io"]["buffer_budget"], buffers) if p.optimizer == "nvme" else 0
+    chunk = chunk_elems(cfg["io"]["buffer_budget"], buffers, master=row["dtype"] != "fp32") \
+        if p.optimizer == "nvme" else 0
     units = [UnitUse(u["kind"], tuple(u["gids"]), u["compute_s"], f"{u['kind']}:{u['unit']}")
              for u in prof["uses"]]
     early = early_updates(p, row["dtype"])

@@ -509,7 +509,7 @@ def _rounds(runs: dict[tuple[str, str], _Runs], work: str, base: dict, state: in
 
     # the nvme runs' optimizer traffic: chunks of 8 B/element (fp32: moments only)
     ocfg = OptimConfig()
-    request = resolve_chunk_elems(ocfg, base["buffer_budget"]) * 8
+    request = resolve_chunk_elems(ocfg, base["buffer_budget"], masters=False) * 8
     try:
         if any(p in DISK_PLACEMENTS for _, p in runs):
             disk_n = min(parse_bytes(args.disk_size, "--disk-size"), max(64 << 20, state))

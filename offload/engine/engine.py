@@ -183,7 +183,8 @@ class OffloadEngine(ModelWeights, nn.Module):
         self._opt = CpuAdam.open(self.cfg, rank=self.store.rank,  # its files: the store's
                                  nvme=self.cfg.engine.optimizer == "nvme", lr_lambda=lr_lambda,
                                  param_groups=param_groups, recorder=self.recorder,
-                                 store=self.store)  # the store's swap file and I/O engine
+                                 store=self.store,  # the store's swap file and I/O engine
+                                 masters=not self.master_is_param)  # chunk buffers' layout
 
     @property
     def optimizer(self) -> CpuAdam:

@@ -87,24 +87,26 @@ log = logging.getLogger(__name__)
 
 __all__ = ["CpuAdam", "StepResult", "resolve_chunk_elems"]
 
-def resolve_chunk_elems(cfg: OptimConfig, budget_bytes: int | None) -> int:
+def resolve_chunk_elems(cfg: OptimConfig, budget_bytes: int | None, masters: bool = True) -> int:
     """Elements per NVMe chunk: `cfg.chunk_elems`, or (when 0) the largest power of two
-    such that `cfg.buffers` chunk buffers (12 bytes/element with fp32 moments, see
-    `state_bytes`) take at most `cfg.buffer_share` of `budget_bytes`, within
-    [4096, 2**23] elements (`planner.sizes.auto_chunk_elems`).
+    such that `cfg.buffers` chunk buffers (`state_bytes`: 12 bytes/element with fp32
+    moments and a master, 8 without one) take at most `cfg.buffer_share` of
+    `budget_bytes`, within [4096, 2**23] elements (`planner.sizes.auto_chunk_elems`).
+    `masters`: whether chunks hold a master (False where every fp32 parameter is
+    its own master: fp32 training).
 
     Raises ValueError when an explicit size cannot fit the budget.
     """
     if budget_bytes is None:
         return cfg.chunk_elems or MAX_AUTO_CHUNK
     if cfg.chunk_elems:
-        need = cfg.buffers * state_bytes(cfg.chunk_elems, 3, cfg.state_dtype)
+        need = cfg.buffers * state_bytes(cfg.chunk_elems, 3 if masters else 2, cfg.state_dtype)
         if need > budget_bytes:
             raise ValueError(f"optim.chunk_elems={cfg.chunk_elems} x optim.buffers={cfg.buffers} "
                              f"needs {need} bytes of buffers, the pool holds {budget_bytes}; "
                              "lower them or raise io.buffer_budget")
         return cfg.chunk_elems
-    n = auto_chunk_elems(budget_bytes, cfg.buffers, cfg.buffer_share, cfg.state_dtype)
+    n = auto_chunk_elems(budget_bytes, cfg.buffers, cfg.buffer_share, cfg.state_dtype, masters)
     if not n:
         raise ValueError(f"io.buffer_budget={budget_bytes} bytes x optim.buffer_share="
                          f"{cfg.buffer_share} leaves under 4096 elements per chunk for "
@@ -182,6 +184,10 @@ class CpuAdam(StateAccess):
             from (`resolve_chunk_elems`; default the pool's whole budget); the
             engine passes io.buffer_budget, its share of the store's pool.
         lr_lambda: default schedule of every group, step -> lr multiplier.
+        masters: whether NVMe partitions may keep their own fp32 master. False
+            (fp32 training, every partition added with master_is_param) sizes the
+            pipeline's chunk buffers for the moments alone: larger chunks from
+            the same budget; adding an NVMe partition with a master then raises.
     Thread safe: calls serialise; `prefetch` (e.g. from the autograd thread) never waits.
     """
 
@@ -190,7 +196,7 @@ class CpuAdam(StateAccess):
                  swap: SwapSpace | None = None, pool: BufferPool | None = None,
                  lr_lambda: Callable[[int], float] | None = None,
                  recorder: TraceRecorder = NULL_RECORDER,
-                 buffer_budget: int | None = None) -> None:
+                 buffer_budget: int | None = None, masters: bool = True) -> None:
         cfg = config or OptimConfig()
         self.config = cfg
         self.decoupled = cfg.name == "adamw"
@@ -209,11 +215,12 @@ class CpuAdam(StateAccess):
         if (swap is None) != (pool is None):
             raise ValueError("pass both swap and pool (NVMe state) or neither (host state only)")
         self.swap = swap
+        self.masters = masters
         self.chunk_elems = resolve_chunk_elems(
-            cfg, None if pool is None else buffer_budget or pool.budget)
+            cfg, None if pool is None else buffer_budget or pool.budget, masters)
         self._pipeline = None if swap is None else SwapPipeline(
             swap, pool, chunk_elems=self.chunk_elems, buffers=cfg.buffers, recorder=recorder,
-            slot_bytes=state_bytes(self.chunk_elems, 3, self.state_dtype))
+            slot_bytes=state_bytes(self.chunk_elems, 3 if masters else 2, self.state_dtype))
         self.recorder = recorder
         self._parts: dict[Hashable, PartitionState] = {}
         self._round: set[Hashable] = set()  # updated in the open round ([Note: rounds])
@@ -231,7 +238,7 @@ class CpuAdam(StateAccess):
              lr_lambda: Callable[[int], float] | None = None,
              param_groups: Sequence[Mapping[str, Any]] | None = None,
              recorder: TraceRecorder = NULL_RECORDER,
-             store: TieredStore | None = None) -> "CpuAdam":
+             store: TieredStore | None = None, masters: bool = True) -> "CpuAdam":
         """A `CpuAdam` from the whole configuration. With `nvme`, its state lives in the
         swap file `offload-r<rank>-optim.swap` under `io.paths`, staged through a pool
         of `io.buffer_budget` bytes. Given a `store`, the swap file is the store's
@@ -239,10 +246,11 @@ class CpuAdam(StateAccess):
         engine (one engine queues against the disk) and its buffers come from the
         store's pool (one pool holds every host byte of training state). Without,
         the optimizer opens its own engine, swap file and pool. What it opens,
-        `close()` closes."""
+        `close()` closes. `masters`: as in `CpuAdam` (False: every partition will be
+        added with master_is_param, and NVMe chunk buffers hold moments alone)."""
         if not nvme:
             return cls(config.optim, lr_lambda=lr_lambda, param_groups=param_groups,
-                       recorder=recorder)
+                       recorder=recorder, masters=masters)
         engine = swap = pool = None
         try:
             if store is not None:
@@ -253,7 +261,7 @@ class CpuAdam(StateAccess):
                 pool = BufferPool(config.io.buffer_budget)
             opt = cls(config.optim, swap=swap, pool=pool, lr_lambda=lr_lambda,
                       param_groups=param_groups, recorder=recorder,
-                      buffer_budget=config.io.buffer_budget)
+                      buffer_budget=config.io.buffer_budget, masters=masters)
         except BaseException:
             for thing in () if store is not None else (pool, swap, engine):
                 if thing is not None:
@@ -316,6 +324,11 @@ class CpuAdam(StateAccess):
             if master.numel() == 0:
                 raise ValueError(f"partition {pid!r} is empty")
             segs = self._checked_segments(pid, master.numel(), segments, group)
+            if tier is Tier.NVME and not (master_is_param or self.masters):
+                raise ValueError(f"partition {pid!r} keeps its own master on NVMe, but this "
+                                 "optimizer's chunk buffers were sized without masters "
+                                 "(masters=False); add it with master_is_param=True or "
+                                 "build the optimizer with masters=True")
             layout = ChunkLayout(master.numel(), self.chunk_elems, 2 if master_is_param else 3,
                                  self.state_dtype)
             moments = [None if t is None else flat_tensor(t, f"partition {pid!r} {k}", master.numel(),

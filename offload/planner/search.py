@@ -344,8 +344,8 @@ def _uses(shape: StepShape, c: Candidate, machine: Machine, staged: bool = False
     host)."""
     p = c.placement
     item = DTYPE_BYTES[shape.dtype]
-    chunk = chunk_elems(c.buffer_budget, c.buffers, state_dtype=c.state_dtype) \
-        if p.optimizer == "nvme" else 0
+    chunk = chunk_elems(c.buffer_budget, c.buffers, state_dtype=c.state_dtype,
+                        master=shape.dtype != "fp32") if p.optimizer == "nvme" else 0
 
     def secs(gids: tuple[int, ...], s: float) -> float:
         extra = 0.0
@@ -518,7 +518,8 @@ def score(shape: StepShape, c: Candidate, budgets: Budgets, machine: Machine) ->
     if tb.total["nvme"] > machine.disk_free:
         return None
     if p.optimizer == "nvme" and not chunk_elems(c.buffer_budget, c.buffers,
-                                                  state_dtype=c.state_dtype):
+                                                  state_dtype=c.state_dtype,
+                                                  master=shape.dtype != "fp32"):
         return None
     step = _uses(shape, c, machine, commit_stages(p, shape.dtype, shape.shards, sum(mem[2])))
     fb, adam = step.compute_s, step.adam_s

@@ -49,10 +49,11 @@ def state_elem_bytes(master: bool, state_dtype: StateDtype) -> float:
 
 
 def auto_chunk_elems(buffer_budget: int, buffers: int, share: float = 0.5,
-                     state_dtype: StateDtype = "fp32") -> int:
+                     state_dtype: StateDtype = "fp32", master: bool = True) -> int:
     """Elements per NVMe chunk when `optim.chunk_elems` is 0: the largest power of two
-    such that `buffers` chunk buffers (sized for a chunk with its master) take at
-    most `share` of `buffer_budget`, at most `MAX_AUTO_CHUNK`; 0 when that leaves
-    fewer than 4096 elements."""
-    per = int(buffer_budget * share / (buffers * state_elem_bytes(True, state_dtype)))
+    such that `buffers` chunk buffers (sized for a chunk with its master, or
+    without where `master` is False: fp32 training, the parameter is the master)
+    take at most `share` of `buffer_budget`, at most `MAX_AUTO_CHUNK`; 0 when that
+    leaves fewer than 4096 elements."""
+    per = int(buffer_budget * share / (buffers * state_elem_bytes(master, state_dtype)))
     return 0 if per < MIN_CHUNK else min(MAX_AUTO_CHUNK, 1 << (per.bit_length() - 1))

@@ -59,12 +59,19 @@ def test_optimizer_buffers_stay_within_io_buffer_budget_of_the_shared_pool(tmp_p
     cfg = {"engine": {"params": "nvme", "grads": "host", "optimizer": "nvme"},
            "io": {"paths": [str(tmp_path / "swap")], "buffer_budget": "24MiB"},
            "store": {"host_budget": "256MiB", "device_budget": "256MiB", "device": "cpu"}}
-    with offload.initialize(nn.Sequential(nn.Linear(512, 512), nn.Linear(512, 512)), cfg) as e:
-        assert e.optimizer.chunk_elems == resolve_chunk_elems(OptimConfig(), 24 << 20)
-        e.backward(e(torch.randn(4, 512)).square().mean())
-        e.step()
-        slots = e.optimizer._pipeline.slot_bytes * e.optimizer._pipeline.nbuf
-        assert slots <= 24 << 20, slots
+    for dtype, masters in (("fp32", False), ("bf16", True)):
+        with offload.initialize(nn.Sequential(nn.Linear(512, 512), nn.Linear(512, 512)),
+                                {**cfg, "engine": {**cfg["engine"], "dtype": dtype}}) as e:
+            # fp32: the parameter is the master, chunk buffers hold the moments alone
+            assert e.optimizer.chunk_elems == resolve_chunk_elems(OptimConfig(), 24 << 20,
+                                                                  masters=masters)
+            e.backward(e(torch.randn(4, 512, dtype=e.dtype)).float().square().mean())
+            e.step()
+            slots = e.optimizer._pipeline.slot_bytes * e.optimizer._pipeline.nbuf
+            assert slots <= 24 << 20, slots
+    # 24 MiB x 0.5 / 6 buffers: 8 B/element (moments only) gives 2**18, 12 B 2**17
+    assert resolve_chunk_elems(OptimConfig(), 24 << 20, masters=False) == 1 << 18
+    assert resolve_chunk_elems(OptimConfig(), 24 << 20) == 1 << 17
 
 
 def test_the_nvme_budget_counts_the_optimizers_state(tmp_path, engine_cfg):

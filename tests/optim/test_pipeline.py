@@ -236,6 +236,43 @@ def test_chunk_size_follows_the_host_budget():
         resolve_chunk_elems(cfg, 1 << 16)
     with pytest.raises(ValueError, match="chunk_elems"):
         resolve_chunk_elems(OptimConfig(chunk_elems=1 << 20), 1 << 20)
+    # without masters (fp32 training) a chunk is 8 B/element: the same budget, twice the chunk
+    assert resolve_chunk_elems(cfg, 64 << 20, masters=False) == 1 << 20  # 32 MiB / 3 / 8 B
+    explicit = OptimConfig(buffers=3, chunk_elems=1 << 20)  # 3 x 8 MiB fit 30 MiB, 3 x 12 do not
+    assert resolve_chunk_elems(explicit, 30 << 20, masters=False) == 1 << 20
+    with pytest.raises(ValueError, match="chunk_elems"):
+        resolve_chunk_elems(explicit, 30 << 20)
+
+
+def test_an_optimizer_without_masters_sizes_its_buffers_for_the_moments(swap, pool):
+    """masters=False: chunk buffers hold the moments alone (larger chunks from the same
+    budget), the update matches a host optimizer keeping the master, and a partition
+    that would keep its own master on NVMe is refused before anything is written."""
+    cfg = OptimConfig(buffers=2, block_elems=1024, lr=1e-2, weight_decay=0.1)
+    lean = CpuAdam(cfg, swap=swap, pool=pool, masters=False, buffer_budget=1 << 20)
+    full = CpuAdam(cfg, swap=swap, pool=pool, buffer_budget=1 << 20)
+    assert lean.chunk_elems == 2 * full.chunk_elems == 1 << 15  # 512 KiB / 2 / 8 B
+    assert lean._pipeline.slot_bytes == 8 * lean.chunk_elems
+    used = swap.used_bytes
+    with pytest.raises(ValueError, match="master_is_param"):
+        lean.add_partition("own", torch.zeros(100), tier="nvme")
+    assert lean.partitions == [] and swap.used_bytes == used
+    numels = {"p": 3 * lean.chunk_elems + 17, "q": 1000}
+    masters = {k: torch.randn(n, generator=torch.Generator().manual_seed(1))
+               for k, n in numels.items()}
+    ref = make_opt(cfg, masters)
+    params = {k: m.clone() for k, m in masters.items()}
+    for k, p in params.items():
+        lean.add_partition(k, p, tier="nvme", master_is_param=True)
+    for step in range(3):
+        grads = grads_for(numels, step, scale=4.0)
+        ref.step(grads)
+        lean.step(grads, params_out=params)
+    for k in numels:
+        want, got = ref.partition_state(k), lean.partition_state(k)
+        assert torch.equal(params[k], want["master"])
+        for name in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(got[name], want[name]), (k, name)
 
 
 def test_mixed_tiers_in_one_optimizer(swap, pool):

@@ -99,8 +99,10 @@ def test_chunk_elems_matches_the_optimizer():
     for budget in (4 * MiB, 64 * MiB, 1024 * MiB):
         for buffers in (2, 6):
             for sd in ("fp32", "bf16", "int8"):
-                assert chunk_elems(budget, buffers, state_dtype=sd) == resolve_chunk_elems(
-                    OptimConfig(buffers=buffers, state_dtype=sd), budget)
+                for master in (True, False):
+                    assert chunk_elems(budget, buffers, state_dtype=sd, master=master) == \
+                        resolve_chunk_elems(OptimConfig(buffers=buffers, state_dtype=sd),
+                                            budget, masters=master)
 
 
 def test_calibration_scales_by_class_and_reorders():
