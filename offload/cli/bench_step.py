@@ -507,7 +507,10 @@ def _rounds(runs: dict[tuple[str, str], _Runs], work: str, base: dict, state: in
     probes: list[dict] = []
     from ..optim import resolve_chunk_elems
 
-    # the nvme runs' optimizer traffic: chunks of 8 B/element (fp32: moments only)
+    # the nvme runs' optimizer traffic: chunks of 8 B/element (fp32: moments only; with
+    # --device cuda, nvme-opt's parameters stay on the GPU and its chunks also hold a
+    # master, so its requests are 12 B/element of a shorter chunk: this probe
+    # sizes for the nvme runs)
     ocfg = OptimConfig()
     request = resolve_chunk_elems(ocfg, base["buffer_budget"], masters=False) * 8
     try:

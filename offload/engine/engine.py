@@ -56,6 +56,7 @@ from ..config import OffloadConfig
 from ..io import hold_switch_interval, host_copy
 from ..optim import CpuAdam, OptimStepError
 from ..planner import AccessTrace
+from ..planner.sizes import keeps_master
 from ..store import BudgetExceededError, Tier, TieredStore, footprint
 from ..trace import NULL_RECORDER, TraceRecorder, UnitSpans
 from .eviction import PendingUpdates, sooner_than
@@ -129,8 +130,8 @@ class OffloadEngine(ModelWeights, nn.Module):
         self._grad_tier, self._param_tier = _TIERS[cfg.engine.grads], _TIERS[cfg.engine.params]
         # fp32 partitions the CPU optimizer can update where they are: see [Note: what
         # lives where]; on a GPU, DEVICE-homed ones keep a master on the CPU side
-        self.master_is_param = self.dtype == torch.float32 and not (
-            self._param_tier is Tier.DEVICE and self.device.type != "cpu")
+        self.master_is_param = not keeps_master(cfg.engine.dtype, cfg.engine.params,
+                                                self.device.type)
         self._states = [_GroupState(g, self.dtype, self.device) for g in groups]
         # an early update's gradient is a HOST record where HOST has room for it beside
         # the minimum working set ([Note: the gradient's fp32 copy is a record])

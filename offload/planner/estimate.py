@@ -30,8 +30,8 @@ gradient partitions (fp32), Pg the largest parameter partition.
     the new version beside the old one until it commits.
 Gradients are not stored in their home tier where updates run early: NVMe
 optimizer state, no clipping, no fp16 loss scale, no accumulation.
-The optimizer's own state is not a store record: masters (fp32 training: the
-parameter is the master) and Adam's two moments live in host memory (the
+The optimizer's own state is not a store record: masters (none where the
+parameter is the master, `sizes.keeps_master`) and Adam's two moments live in host memory (the
 `optimizer` figures, outside the store's ledger) or in the optimizer's swap
 space (in the ledger, above), and its chunk pipeline stages through
 io.buffer_budget.
@@ -42,7 +42,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
-from .sizes import moment_bytes
+from .sizes import keeps_master, moment_bytes
 
 __all__ = ["KINDS", "PLACEMENTS", "Placement", "ModelBytes", "TierBytes", "kind_bytes",
            "parse_placement", "tier_bytes"]
@@ -100,16 +100,18 @@ class ModelBytes:
     state_dtype: str = "fp32"  # the Adam moments' form (optim.state_dtype)
 
 
-def kind_bytes(m: ModelBytes) -> dict[str, int]:
+def kind_bytes(m: ModelBytes, master: bool | None = None) -> dict[str, int]:
     """Bytes per rank of each kind of partition (4 KiB-rounded as stored); `master` is 0
-    in fp32 training, where the parameter partition is the master; each moment in
+    where the parameter partition is the master (`master`: whether the optimizer keeps
+    one, `sizes.keeps_master`; default: unless the training is fp32); each moment in
     `m.state_dtype`'s form (fp32 4 bytes per element, bf16 2, int8 1 and a scale per
     block: [Note: compressed moments] in offload/optim/codec.py)."""
     item = DTYPE_BYTES[m.dtype]
     train = [n for n, t in m.shards if t]
     out = {"param": sum(_footprint(n * item) for n, _ in m.shards),
            "grad": sum(_footprint(n * 4) for n in train),
-           "master": 0 if m.dtype == "fp32" else sum(_footprint(n * 4) for n in train)}
+           "master": sum(_footprint(n * 4) for n in train)
+           if (m.dtype != "fp32" if master is None else master) else 0}
     out["exp_avg"] = out["exp_avg_sq"] = sum(
         _footprint(moment_bytes(m.state_dtype, n) // 2) for n in train)
     return out
@@ -143,7 +145,7 @@ def tier_bytes(m: ModelBytes, p: Placement, *, device: str = "cpu", buffer_budge
     """Bytes per rank each tier holds for placement `p` ([Note: what each tier holds]).
     `device`: "cpu" or "cuda" (the store's compute device); `prefetch_depth`: the
     engine's look-ahead (its default, 2)."""
-    kinds = kind_bytes(m)
+    kinds = kind_bytes(m, keeps_master(m.dtype, p.params, device))
     P, G = kinds["param"], kinds["grad"]
     item = DTYPE_BYTES[m.dtype]
     Pg = max((_footprint(n * item) for n, _ in m.shards), default=0)

@@ -46,7 +46,7 @@ from .estimate import (DTYPE_BYTES, PLACEMENTS, ModelBytes, Placement, _footprin
 from .plan import Plan, PlanOp, RecordSpec, Use, lru_bytes, make_plan, previous_key
 from .simulate import Rates, simulate
 from .sizes import auto_chunk_elems as chunk_elems
-from .sizes import state_elem_bytes
+from .sizes import keeps_master, state_elem_bytes
 
 __all__ = ["Budgets", "Candidate", "Machine", "ModelledStep", "Scored", "Space", "StepShape",
            "UnitUse", "calibrate", "calibration_key", "chunk_elems", "commit_stages",
@@ -240,7 +240,7 @@ def modelled_step(units: Sequence[UnitUse], shards: Sequence[tuple[int, bool]], 
                   update_order: Sequence[int] | None = None,
                   between: Sequence[Use] = (), commit_s: float = 0.0,
                   grads_reserved: bool = False, state_dtype: str = "fp32",
-                  staged: bool = False) -> ModelledStep:
+                  staged: bool = False, master: bool | None = None) -> ModelledStep:
     """The access trace of one step ([Note: the modelled step]) from its unit uses in
     order (forward and backward, each with its compute seconds as given): each group's
     update after the backward of its unit where updates run early (on `update_lane`:
@@ -253,8 +253,9 @@ def modelled_step(units: Sequence[UnitUse], shards: Sequence[tuple[int, bool]], 
     plan's budget from their backward to their update (`Use.reserved`); `state_dtype`:
     the form of Adam's moments in the chunks (`adam_eps` is that form's rate);
     `staged`: each update keeps its parameters' previous version until the commit
-    (`commit_stages`, [Note: previous versions] in plan.py)."""
-    state_b = state_elem_bytes(dtype != "fp32", state_dtype)
+    (`commit_stages`, [Note: previous versions] in plan.py); `master`: whether chunks
+    hold an fp32 master (`sizes.keeps_master`; default: unless dtype is fp32)."""
+    state_b = state_elem_bytes(dtype != "fp32" if master is None else master, state_dtype)
     early = early_updates(placement, dtype)
     records = _records(shards, dtype, placement)
     uses: list[Use] = []
@@ -344,8 +345,9 @@ def _uses(shape: StepShape, c: Candidate, machine: Machine, staged: bool = False
     host)."""
     p = c.placement
     item = DTYPE_BYTES[shape.dtype]
+    master = keeps_master(shape.dtype, p.params, machine.device)
     chunk = chunk_elems(c.buffer_budget, c.buffers, state_dtype=c.state_dtype,
-                        master=shape.dtype != "fp32") if p.optimizer == "nvme" else 0
+                        master=master) if p.optimizer == "nvme" else 0
 
     def secs(gids: tuple[int, ...], s: float) -> float:
         extra = 0.0
@@ -360,7 +362,7 @@ def _uses(shape: StepShape, c: Candidate, machine: Machine, staged: bool = False
     return modelled_step(units, shape.shards, shape.dtype, p, chunk,
                          machine.adam_rate(c.state_dtype),
                          chunk_overhead_s=machine.chunk_overhead_s, state_dtype=c.state_dtype,
-                         staged=staged)
+                         staged=staged, master=master)
 
 
 def _stream_state(plan: Plan, streams: list[tuple[int, tuple, int]], buffers: int) -> Plan:
@@ -517,9 +519,9 @@ def score(shape: StepShape, c: Candidate, budgets: Budgets, machine: Machine) ->
                     buffer_budget=c.buffer_budget, prefetch_depth=c.prefetch_depth)
     if tb.total["nvme"] > machine.disk_free:
         return None
-    if p.optimizer == "nvme" and not chunk_elems(c.buffer_budget, c.buffers,
-                                                  state_dtype=c.state_dtype,
-                                                  master=shape.dtype != "fp32"):
+    if p.optimizer == "nvme" and not chunk_elems(
+            c.buffer_budget, c.buffers, state_dtype=c.state_dtype,
+            master=keeps_master(shape.dtype, p.params, machine.device)):
         return None
     step = _uses(shape, c, machine, commit_stages(p, shape.dtype, shape.shards, sum(mem[2])))
     fb, adam = step.compute_s, step.adam_s

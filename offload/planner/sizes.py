@@ -14,13 +14,22 @@ from __future__ import annotations
 from typing import Literal
 
 __all__ = ["MAX_AUTO_CHUNK", "QBLOCK", "STATE_DTYPES", "StateDtype", "auto_chunk_elems",
-           "moment_bytes", "state_bytes", "state_elem_bytes"]
+           "keeps_master", "moment_bytes", "state_bytes", "state_elem_bytes"]
 
 StateDtype = Literal["fp32", "bf16", "int8"]
 STATE_DTYPES = ("fp32", "bf16", "int8")
 QBLOCK = 256  # elements per int8 scale
 MAX_AUTO_CHUNK = 1 << 23  # elements: 96 MiB per buffer; larger only lengthens fill and drain
 MIN_CHUNK = 4096
+
+
+def keeps_master(dtype: str, params: str, device: str) -> bool:
+    """Whether the optimizer keeps an fp32 master apart from the parameter partition:
+    in bf16/fp16 training, and in fp32 training where the parameters live in the
+    device tier of a GPU (the CPU optimizer cannot update them there). Otherwise the
+    fp32 parameter partition is the master (the engine's `master_is_param`).
+    `dtype`: engine.dtype; `params`: engine.params; `device`: "cpu" or "cuda"."""
+    return dtype != "fp32" or (params == "device" and device != "cpu")
 
 
 def moment_bytes(state_dtype: StateDtype, n: int) -> int:

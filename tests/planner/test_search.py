@@ -311,3 +311,27 @@ def test_the_plan_as_the_engine_executes_it_keeps_the_budget():
             if op.op == "evict":
                 assert not [f for f in plan.ops if f.op == "fetch" and f.key == op.key
                             and f.at < op.at <= f.needed_at], (op, plan.ops)
+
+
+def test_fp32_parameters_on_a_gpu_keep_a_master_in_the_plan_and_the_estimate():
+    """One rule for where the optimizer keeps an fp32 master (`keeps_master`, which the
+    engine's master_is_param follows): in fp32 training the parameter is the master,
+    except for parameters in a GPU's device tier, which the CPU optimizer cannot
+    update in place. The estimate counts that master's bytes, and the search streams
+    and sizes NVMe chunks with it (12 bytes per element of state, not 8)."""
+    from offload.planner.sizes import keeps_master
+
+    assert not keeps_master("fp32", "device", "cpu")
+    assert not keeps_master("fp32", "nvme", "cuda") and not keeps_master("fp32", "host", "cuda")
+    assert keeps_master("fp32", "device", "cuda")
+    assert all(keeps_master(d, p, dev) for d in ("bf16", "fp16")
+               for p in ("device", "host", "nvme") for dev in ("cpu", "cuda"))
+    p = Placement("device", "host", "nvme")
+    elems = sum(n for n, _ in SHAPE.shards)
+    cpu, gpu = (tier_bytes(SHAPE.model, p, device=d).optimizer["nvme"] for d in ("cpu", "cuda"))
+    assert (cpu, gpu) == (8 * elems, 12 * elems)
+    budgets = Budgets(host=256 * MiB, device=128 * MiB)
+    c = Candidate(p, N, 2, 6, 64 * MiB, 4 * MiB, 32, 0, 0)
+    on_cpu = score(SHAPE, c, budgets, _machine())
+    on_gpu = score(SHAPE, c, budgets, Machine(_machine().disk, adam_eps=1e9, copy_Bps=1e10))
+    assert on_gpu.bytes_read == pytest.approx(1.5 * on_cpu.bytes_read, rel=0.01)
