@@ -140,11 +140,13 @@ def predict(row: dict[str, Any], job: dict[str, Any], m: dict[str, Any]) -> dict
     from ..planner.estimate import early_updates
     from ..planner.search import (UnitUse, chunk_elems, commit_stages, lru_step_bytes,
                                   modelled_step, plan_step)
+    from ..planner.sizes import keeps_master
 
     cfg, prof = job["config"], m["profile"]
     p = _placement(row["placement"])
     buffers = OptimConfig().buffers
-    chunk = chunk_elems(cfg["io"]["buffer_budget"], buffers, master=row["dtype"] != "fp32") \
+    master = keeps_master(row["dtype"], p.params, "cpu")  # the rows run on the CPU
+    chunk = chunk_elems(cfg["io"]["buffer_budget"], buffers, master=master) \
         if p.optimizer == "nvme" else 0
     units = [UnitUse(u["kind"], tuple(u["gids"]), u["compute_s"], f"{u['kind']}:{u['unit']}")
              for u in prof["uses"]]
@@ -154,7 +156,8 @@ def predict(row: dict[str, Any], job: dict[str, Any], m: dict[str, Any]) -> dict
                          prof["adam_eps"] or 1e9, update_lane="update" if early else "compute",
                          between=[Use((), (), "loss", "loss", prof["between_s"])],
                          commit_s=prof["commit_s"], grads_reserved=True,
-                         staged=commit_stages(p, row["dtype"], shards, job["planner_budget"]))
+                         staged=commit_stages(p, row["dtype"], shards, job["planner_budget"]),
+                         master=master)
     tiers = (cfg["store"]["device_budget"], cfg["store"]["host_budget"])
     plan = plan_step(step, tiers, cfg["engine"]["prefetch_depth"], buffers)
     lru_r, lru_w = lru_step_bytes(step, tiers)

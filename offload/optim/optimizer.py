@@ -87,6 +87,11 @@ log = logging.getLogger(__name__)
 
 __all__ = ["CpuAdam", "StepResult", "resolve_chunk_elems"]
 
+def _slot_bytes(chunk_elems: int, masters: bool, state_dtype: str) -> int:
+    """Bytes of one chunk buffer: a chunk's state, with its master where `masters`."""
+    return state_bytes(chunk_elems, 3 if masters else 2, state_dtype)
+
+
 def resolve_chunk_elems(cfg: OptimConfig, budget_bytes: int | None, masters: bool = True) -> int:
     """Elements per NVMe chunk: `cfg.chunk_elems`, or (when 0) the largest power of two
     such that `cfg.buffers` chunk buffers (`state_bytes`: 12 bytes/element with fp32
@@ -100,7 +105,7 @@ def resolve_chunk_elems(cfg: OptimConfig, budget_bytes: int | None, masters: boo
     if budget_bytes is None:
         return cfg.chunk_elems or MAX_AUTO_CHUNK
     if cfg.chunk_elems:
-        need = cfg.buffers * state_bytes(cfg.chunk_elems, 3 if masters else 2, cfg.state_dtype)
+        need = cfg.buffers * _slot_bytes(cfg.chunk_elems, masters, cfg.state_dtype)
         if need > budget_bytes:
             raise ValueError(f"optim.chunk_elems={cfg.chunk_elems} x optim.buffers={cfg.buffers} "
                              f"needs {need} bytes of buffers, the pool holds {budget_bytes}; "
@@ -220,7 +225,7 @@ class CpuAdam(StateAccess):
             cfg, None if pool is None else buffer_budget or pool.budget, masters)
         self._pipeline = None if swap is None else SwapPipeline(
             swap, pool, chunk_elems=self.chunk_elems, buffers=cfg.buffers, recorder=recorder,
-            slot_bytes=state_bytes(self.chunk_elems, 3 if masters else 2, self.state_dtype))
+            slot_bytes=_slot_bytes(self.chunk_elems, masters, self.state_dtype))
         self.recorder = recorder
         self._parts: dict[Hashable, PartitionState] = {}
         self._round: set[Hashable] = set()  # updated in the open round ([Note: rounds])

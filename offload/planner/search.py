@@ -240,7 +240,7 @@ def modelled_step(units: Sequence[UnitUse], shards: Sequence[tuple[int, bool]], 
                   update_order: Sequence[int] | None = None,
                   between: Sequence[Use] = (), commit_s: float = 0.0,
                   grads_reserved: bool = False, state_dtype: str = "fp32",
-                  staged: bool = False, master: bool | None = None) -> ModelledStep:
+                  staged: bool = False, master: bool) -> ModelledStep:
     """The access trace of one step ([Note: the modelled step]) from its unit uses in
     order (forward and backward, each with its compute seconds as given): each group's
     update after the backward of its unit where updates run early (on `update_lane`:
@@ -254,8 +254,8 @@ def modelled_step(units: Sequence[UnitUse], shards: Sequence[tuple[int, bool]], 
     the form of Adam's moments in the chunks (`adam_eps` is that form's rate);
     `staged`: each update keeps its parameters' previous version until the commit
     (`commit_stages`, [Note: previous versions] in plan.py); `master`: whether chunks
-    hold an fp32 master (`sizes.keeps_master`; default: unless dtype is fp32)."""
-    state_b = state_elem_bytes(dtype != "fp32" if master is None else master, state_dtype)
+    hold an fp32 master (`sizes.keeps_master`)."""
+    state_b = state_elem_bytes(master, state_dtype)
     early = early_updates(placement, dtype)
     records = _records(shards, dtype, placement)
     uses: list[Use] = []
