@@ -93,6 +93,32 @@ class StagedParams:
             yield values
         self._puts[gid] = None  # stored on return: nothing to wait for
 
+    def take(self, gid: int, tier: Tier) -> bool:
+        """Makes the clean copy in `tier` (memory) of group `gid`'s current partition its
+        staged record, holding the current values, for the update to overwrite in
+        place ([Note: split] in offload/store/store.py); False, changing nothing,
+        where that copy is not clean or another thread pins the partition. Then
+        `with staged.in_place(gid, tier) as t:` updates it. [Note: the update in the
+        old copy's memory] in engine.py"""
+        if gid in self._puts:
+            raise RuntimeError(f"group {gid} already has new parameters in this step")
+        return self._store.split(("p", gid), staged_key(gid), tier)
+
+    @contextlib.contextmanager
+    def in_place(self, gid: int, tier: Tier) -> Iterator[torch.Tensor]:
+        """`with staged.in_place(gid, tier) as t:` after `take`: `t` is the staged
+        record's memory, to be updated in place. If the block raises, the staged
+        record is freed: the group's partition is as it was, its other copy
+        holding the current values."""
+        key = staged_key(gid)
+        try:
+            with self._store.modify(key, tier) as values:
+                yield values
+        except BaseException:
+            self._store.free(key)
+            raise
+        self._puts[gid] = None
+
     def ready(self) -> None:
         """Waits until every staged record is stored; raises the first failure."""
         for handle in self._puts.values():

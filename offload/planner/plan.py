@@ -35,7 +35,10 @@ lists it in `drops` (the commit) frees it without a write. A partition the
 update writes without reading it (`fresh`: the master is kept apart, so the
 update only writes the compute-dtype copy) is not fetched where it is not
 resident: the new version takes room, dirty, and the old one, already on NVMe
-only, leaves no previous version in memory.
+only, leaves no previous version in memory. A partition the update reads (its
+own fp32 master) keeps a previous version only where it is dirty: a clean copy
+is overwritten in place, its NVMe copy being the old version ([Note: the
+update in the old copy's memory] in offload/engine/engine.py).
 """
 
 from __future__ import annotations
@@ -173,10 +176,13 @@ def make_plan(uses: Sequence[Use], records: Mapping[Hashable, RecordSpec],
     return _walk(uses, size, nxt, budget, resident, dirty) if steady else plan
 
 
-def _kept(use: Use, present: Container[Hashable]) -> list[Hashable]:
-    """The records whose previous version `use` keeps ([Note: previous versions]): a
-    fresh one absent from memory leaves none (its old version is on NVMe only)."""
-    return [k for k in use.previous if k in present or k not in use.fresh]
+def _kept(use: Use, present: Container[Hashable], dirty: Container[Hashable]
+          ) -> list[Hashable]:
+    """The records whose previous version `use` keeps in memory ([Note: previous
+    versions]): a fresh one that is resident, and one the update reads that is dirty
+    (its only copy in memory); a fresh one absent from memory and a clean one the
+    update reads (its NVMe copy is the old version) leave none."""
+    return [k for k in use.previous if (k in present if k in use.fresh else k in dirty)]
 
 
 def _walk(uses: Sequence[Use], size: dict, nxt: _NextUse, budget: int, resident: set,
@@ -209,7 +215,7 @@ def _walk(uses: Sequence[Use], size: dict, nxt: _NextUse, budget: int, resident:
                 for t in range(end + 1, i + 1):  # free from just after its last use
                     held[t] -= size[victim]
         make_room(0)  # the reserve grew
-        kept = _kept(use, resident)
+        kept = _kept(use, resident, dirty)
         for k in dict.fromkeys(use.keys):
             if k in resident:
                 continue
@@ -281,7 +287,7 @@ def _lru_walk(uses: Sequence[Use], size: dict, budget: int, recent: dict, dirty:
                 del recent[victim]
                 used -= size[victim]
         make_room(0)  # the reserve grew
-        kept = _kept(use, recent)
+        kept = _kept(use, recent, dirty)
         for k in dict.fromkeys(use.keys):
             if k not in recent:
                 make_room(size[k])

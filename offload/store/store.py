@@ -81,6 +81,14 @@ def _tier(value: Tier | str | int) -> Tier:
     return Tier(value)
 
 
+def _memory_tier(value: Tier | str | int, what: str) -> Tier:
+    """`value` as a tier, refused (ValueError) unless DEVICE or HOST."""
+    tier = _tier(value)
+    if tier is Tier.NVME:
+        raise ValueError(f"{what} needs a copy in DEVICE or HOST; fetch it there first")
+    return tier
+
+
 class TieredStore(MoveExecutor):
     """Partitions in three tiers under hard budgets; every move returns a handle.
 
@@ -325,9 +333,7 @@ class TieredStore(MoveExecutor):
         [Note: no data lost]); the partition is held away from moves until the
         block ends. Its copy in `tier` must be valid: fetch it there first.
         """
-        tier = _tier(tier)
-        if tier is Tier.NVME:
-            raise ValueError("modify needs a copy in DEVICE or HOST; fetch it there first")
+        tier = _memory_tier(tier, "modify")
         claim = UserClaim("modify")
         with self._cond:
             self._check_open()
@@ -412,6 +418,43 @@ class TieredStore(MoveExecutor):
             self._records[key] = new
             self._policy.touched(key, new.top)
             self._unclaim(new, claim)
+
+    def split(self, key: Hashable, into: Hashable, tier: Tier | str) -> bool:
+        """Moves the copy of `key` in `tier` (HOST or DEVICE), without a copy of its
+        bytes, to a new partition `into` of the same kind, dtype, size and home, whose
+        only copy it then is; `key` keeps its other copies and its value.
+
+        [Note: split] The memory changes owner, not tier: nothing is charged or
+        released, and no budget can be exceeded. The copy must be clean (another
+        tier holds `key`'s value), so `key` loses nothing; a caller that writes the
+        new partition in place (`modify`) and then frees it on failure leaves
+        `key` as it was. The calling thread's pins of `key` stay with `key`.
+        Waits for a move of `key` in flight. Returns False, changing nothing, when
+        the copy is not there or not clean, or another thread pins `key`; raises
+        when `into` is stored.
+        """
+        tier = _memory_tier(tier, "split")
+        claim = UserClaim("split")
+        with self._cond:
+            self._check_open()
+            if into in self._records:
+                raise KeyError(f"partition {into!r} is already stored; free it first")
+            rec = self._claim(key, claim, "split")
+            try:
+                me = threading.get_ident()
+                if (any(t != me for t in self._pinners.get(key, ()))
+                        or tier not in rec.valid or len(rec.valid) < 2):
+                    return False
+                memory = rec.drop(tier)
+            finally:
+                self._unclaim(rec, claim)
+            new = PartitionRecord(into, rec.kind, rec.dtype, rec.numel, rec.home)
+            new.place(tier, memory)
+            self._records[into] = new
+            self._policy.touched(into, tier)
+            self._emit_tier(tier)
+            self._cond.notify_all()
+        return True
 
     def wait_all(self, timeout: float | None = None) -> None:
         """Blocks until no move is in flight (errors stay with their handles)."""

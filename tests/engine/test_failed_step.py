@@ -95,6 +95,52 @@ def test_corrupted_optimizer_chunk_fails_the_step_and_changes_nothing(
         ref.close()
 
 
+def test_a_failure_half_way_through_an_update_in_place_changes_nothing(tmp_path):
+    """[Note: the update in the old copy's memory]: with fp32 parameters streaming from
+    NVMe, an update overwrites the copy it read this step in place, chunk by chunk. A
+    corrupted chunk late in one group's optimizer state fails the update after its
+    first chunks were written over: the NVMe copy still holds the old values, and the
+    step's failure leaves every byte as before; training then matches a run that
+    never failed."""
+    from .test_prefetch import Stack
+
+    def cfg(name):
+        return {"engine": {"params": "nvme", "grads": "host", "optimizer": "nvme",
+                           "group_size": 1},
+                "optim": {"lr": 1e-2, "weight_decay": 0.1, "chunk_elems": 4096},
+                "io": {"paths": [str(tmp_path / name)], "buffer_budget": "8MiB"},
+                "store": {"host_budget": "2560KiB", "device_budget": "2304KiB",
+                          "device": "cpu"}}
+
+    torch.manual_seed(0)
+    model = Stack(dim=512, layers=6)
+    data = [(torch.randn(8, 512), torch.randn(8, 512)) for _ in range(4)]
+
+    def step(e, b):
+        e.backward((e(b[0]) - b[1]).square().mean())
+        return e.step()
+
+    with offload.initialize(copy.deepcopy(model), cfg("a")) as engine, \
+            offload.initialize(copy.deepcopy(model), cfg("ref")) as ref:
+        for b in data[:2]:
+            assert step(engine, b) and step(ref, b)
+        before = snapshot(engine)
+        part = engine.optimizer.partition(3)  # updated third, read from NVMe this step
+        assert part.layout.n_chunks > 8
+        path = engine.optimizer._pipeline.swap.paths[0]
+        where = part.extents[part.layout.n_chunks - 1].offset + 8
+        flip_byte(path, where)
+        engine.backward((engine(data[2][0]) - data[2][1]).square().mean())
+        with pytest.raises(StepFailedError) as err:
+            engine.step()
+        assert 3 in err.value.groups
+        flip_byte(path, where)
+        assert_same(snapshot(engine), before)
+        for b in data[2:]:
+            assert step(engine, b) and step(ref, b)
+        assert_same(snapshot(engine), snapshot(ref))
+
+
 class RaisesInBackward(nn.Module):
     """Wraps a block; its backward raises while `armed`."""
 

@@ -43,6 +43,8 @@ def _replay(uses, records, plan):
         for k in use.previous:  # the version before this use stays beside the new one
             if k not in resident and k in use.fresh:
                 continue  # written whole; the old version is on NVMe only
+            if k not in use.fresh and k not in dirty:
+                continue  # clean: updated in place, the old version is on NVMe
             size[previous_key(k)] = size[k]
             resident.add(previous_key(k))
             if k in dirty:

@@ -318,3 +318,48 @@ def test_moves_finish_even_if_an_io_callback_is_lost(make_store, monkeypatch):
     for i in range(4):
         assert torch.equal(s.fetch(i, D if i % 2 else H).wait(timeout=10), page_tensor(i))
     s.audit()
+
+
+def test_split_moves_a_clean_copy_to_a_new_record_without_charge_or_copy(make_store):
+    """[Note: split]: the memory of a clean copy changes owner; the old record keeps its
+    NVMe copy (the value), the new one is dirty in that tier, budgets unchanged."""
+    s = make_store(host_pages=1, device_pages=1)
+    ref = page_tensor(5)
+    s.put("a", ref, tier="NVME").wait()
+    view = s.fetch("a", H).wait()
+    used = {t: v.used for t, v in s.stats().tiers.items()}
+    assert s.split("a", "b", H)
+    assert s.info("a").valid == {N} and s.info("b").valid == {H} and s.info("b").dirty
+    assert s.get("b", H).data_ptr() == view.data_ptr()  # the same memory, no copy
+    assert {t: v.used for t, v in s.stats().tiers.items()} == used
+    with s.modify("b", H) as t:
+        t.add_(1)
+    assert torch.equal(s.get("b", H), ref + 1)
+    s.free("b")  # the failed step's path: the old record still reads the old value
+    assert torch.equal(s.fetch("a", H).wait(), ref)
+    s.audit()
+
+
+def test_split_refuses_a_dirty_copy_and_another_threads_pin(make_store):
+    import threading
+    s = make_store()
+    ref = page_tensor(6)
+    s.put("a", ref, tier="HOST")  # dirty: its only copy
+    assert not s.split("a", "b", H) and "b" not in s
+    s.put("c", ref, tier="NVME").wait()
+    s.fetch("c", H).wait()
+    assert not s.split("c", "d", D)  # no copy there
+    t = threading.Thread(target=s.pin, args=("c",))
+    t.start()
+    t.join()
+    assert not s.split("c", "d", H) and s.info("c").valid == {H, N}
+    s.unpin("c")
+    s.pin("c")  # the caller's own pin stays with the old record
+    assert s.split("c", "d", H)
+    assert s.info("c").pins == 1 and s.info("c").valid == {N}
+    s.unpin("c")
+    with pytest.raises(KeyError, match="already stored"):
+        s.split("c", "d", H)
+    with pytest.raises(ValueError, match="DEVICE or HOST"):
+        s.split("c", "e", N)
+    s.audit()
