@@ -1,4 +1,4 @@
-"""Property tests: random put / fetch / evict / modify / free / pin sequences under tiny
+"""Property tests: random put / fetch / evict / modify / split / free / pin sequences under tiny
 budgets over all three tiers, checked after every step against a reference copy; and the
 same driven by two threads at once."""
 
@@ -111,6 +111,22 @@ class StoreMachine(RuleBasedStateMachine):
             t.add_(1)
         self.ref[key] = self.ref[key] + 1
         assert self.store.info(key).valid == {tier}
+
+    @precondition(lambda self: self.ref and len(self.ref) < 6)
+    @rule(data=st.data(), tier=UP)
+    def split(self, data, tier):
+        key = data.draw(st.sampled_from(sorted(self.ref)))
+        into = data.draw(st.sampled_from(sorted(set(range(6)) - set(self.ref))))
+        before = self.store.info(key)
+        done = self.store.split(key, into, tier)
+        assert done == (tier in before.valid and len(before.valid) > 1), before
+        after = self.store.info(key)
+        if not done:
+            assert into not in self.store and after.valid == before.valid
+            return
+        assert after.valid == before.valid - {tier} and after.pins == before.pins
+        assert self.store.info(into).valid == {tier}
+        self.ref[into] = self.ref[key].clone()
 
     @precondition(lambda self: self.ref)
     @rule(data=st.data())
