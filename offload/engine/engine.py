@@ -526,7 +526,7 @@ class OffloadEngine(ModelWeights, nn.Module):
                 self.pending_updates.read_master(gid)
             masters = {gid: old.cpu()}
         try:
-            if masters is not None and self._stage_in_place(gid, where):
+            if masters is not None and self.staged.take(gid, where):
                 staged = self.staged.in_place(gid, where)
                 masters = None  # the new values overwrite the current ones, read in the pass
             else:
@@ -544,28 +544,6 @@ class OffloadEngine(ModelWeights, nn.Module):
         self._count_opt_bytes(res.bytes_read, res.bytes_written)
         if masters is not None:
             self._new_takes_old_room(gid)
-
-    def _stage_in_place(self, gid: int, where: Tier) -> bool:
-        """Makes the copy in `where` of group `gid`'s current partition (fp32, its
-        master) the staged record, for the update to write the new values over the
-        current ones, where that copy is CPU memory and clean, and the partition is
-        homed on NVMe (whose copy holds the current values for a failed step to go
-        back to); False otherwise.
-
-        [Note: the update in the old copy's memory]
-        The commit keeps a group's current partition until the step succeeds
-        ([Note: all or nothing]). Where that partition is a clean copy in memory
-        beside its NVMe one (read from NVMe this step), the NVMe copy already is
-        the previous version: the memory copy becomes the staged record
-        (`StagedParams.take`) and the update overwrites it in place, so an update
-        holds one partition of memory instead of the current one and the new one
-        (the commit frees the old extent; a failed step frees the staged record
-        and reads the NVMe copy again). A dirty copy (the group's only one, updated
-        and kept in memory by the previous step) is still read and staged beside."""
-        if self._param_tier is not Tier.NVME or (where is not Tier.HOST
-                                                 and self.device.type != "cpu"):
-            return False  # homed in memory, the old copy would have to stay there
-        return self.staged.take(gid, where)
 
     def _new_takes_old_room(self, gid: int) -> None:
         """On a CPU device, once group `gid`'s update has staged its new partition:

@@ -94,14 +94,29 @@ class StagedParams:
         self._puts[gid] = None  # stored on return: nothing to wait for
 
     def take(self, gid: int, tier: Tier) -> bool:
-        """Makes the clean copy in `tier` (memory) of group `gid`'s current partition its
-        staged record, holding the current values, for the update to overwrite in
-        place ([Note: split] in offload/store/store.py); False, changing nothing,
-        where that copy is not clean or another thread pins the partition. Then
-        `with staged.in_place(gid, tier) as t:` updates it. [Note: the update in the
-        old copy's memory] in engine.py"""
+        """Makes the copy in `tier` of group `gid`'s current partition (fp32, its master)
+        the staged record, holding the current values, for the update to overwrite
+        in place (then `with staged.in_place(gid, tier) as t:`); False, changing
+        nothing, unless the partition is homed on NVMe, that copy is CPU memory and
+        clean, and no other thread pins it.
+
+        [Note: the update in the old copy's memory]
+        The commit keeps a group's current partition until the step succeeds
+        ([Note: all or nothing]). Where that partition is a clean copy in memory
+        beside its NVMe one (read from NVMe this step), the NVMe copy already is
+        the previous version: the memory copy becomes the staged record
+        (`TieredStore.split`, no copy) and the update overwrites it in place, so
+        an update holds one partition of memory instead of the current one and the
+        new one (the commit frees the old extent; a failed step frees the staged
+        record and reads the NVMe copy again). A dirty copy (the group's only one,
+        updated and kept in memory by the previous step) is still read and staged
+        beside, and so is a partition homed in memory, whose old copy would have
+        to stay there."""
         if gid in self._puts:
             raise RuntimeError(f"group {gid} already has new parameters in this step")
+        if self._home is not Tier.NVME or (tier is not Tier.HOST
+                                           and self._store.device.type != "cpu"):
+            return False
         return self._store.split(("p", gid), staged_key(gid), tier)
 
     @contextlib.contextmanager

@@ -38,7 +38,7 @@ resident: the new version takes room, dirty, and the old one, already on NVMe
 only, leaves no previous version in memory. A partition the update reads (its
 own fp32 master) keeps a previous version only where it is dirty: a clean copy
 is overwritten in place, its NVMe copy being the old version ([Note: the
-update in the old copy's memory] in offload/engine/engine.py).
+update in the old copy's memory] in offload/engine/step.py).
 """
 
 from __future__ import annotations

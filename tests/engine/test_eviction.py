@@ -99,7 +99,7 @@ def test_a_deeper_look_ahead_never_evicts_what_is_needed_sooner(tmp_path):
 
 
 def test_an_update_in_place_reads_each_partition_once_a_step(tmp_path):
-    """[Note: the update in the old copy's memory] in engine.py: an fp32 update of a
+    """[Note: the update in the old copy's memory] in step.py: an fp32 update of a
     partition read from NVMe this step writes over that copy instead of holding a new
     one beside it, so the step reads each of its 6 layers once (7 with the new
     version beside the old: one more than memory holds at the updates)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 
 import pytest
 import torch
@@ -341,7 +342,6 @@ def test_split_moves_a_clean_copy_to_a_new_record_without_charge_or_copy(make_st
 
 
 def test_split_refuses_a_dirty_copy_and_another_threads_pin(make_store):
-    import threading
     s = make_store()
     ref = page_tensor(6)
     s.put("a", ref, tier="HOST")  # dirty: its only copy
