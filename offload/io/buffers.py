@@ -113,6 +113,33 @@ def _cuda_call(name: str, *args: int) -> None:
                            "CUDA error may be reported here (rerun with CUDA_LAUNCH_BLOCKING=1)")
 
 
+# [Note: huge-page buffers]
+# A direct read or write of a buffer reaches the virtual disk as a list of
+# physically contiguous segments: with 4 KiB pages a 4 MiB request is up to
+# 1024 of them, and the block layer splits it wherever it passes the queue's
+# segment limit (254 on this project's virtio disk), so how many requests the
+# disk sees, and how fast it serves them, depends on how fragmented physical
+# memory was when the buffer was faulted in. On 2 MiB transparent huge pages
+# the same request is two segments. A 1 GiB O_DIRECT probe, 4 MiB requests at
+# queue depth 32, alternating one buffer of each kind in one process, moved
+# writes at 5.5-5.8 GB/s against 3.4-3.7, reads at 2.3-2.8 against 1.8-1.9
+# and mixed traffic at 2.9-3.5 against 2.3-2.4. So a block of a huge page or
+# more is aligned to 2 MiB and advised MADV_HUGEPAGE before it is touched
+# (kernel THP mode `madvise` or `always`; elsewhere the advice fails and the
+# block keeps small pages). The alignment over-maps up to 2 MiB of address
+# space that is never touched, so it is not resident and not counted: the
+# bytes a block may make resident stay its page-rounded capacity.
+_HUGE = 2 << 20
+_MADV_HUGEPAGE = 14
+
+
+def _advise_huge(address: int, nbytes: int) -> bool:
+    """Asks for transparent huge pages over [address, address + nbytes); False where
+    the kernel or C library refuses (the range keeps small pages)."""
+    fn = _madvise()
+    return fn is not None and fn(address, nbytes, _MADV_HUGEPAGE) == 0
+
+
 class _Block:
     """One mapping: `capacity` aligned bytes at `address`, pinned or not."""
 
@@ -121,11 +148,17 @@ class _Block:
     def __init__(self, capacity: int, alignment: int, pin: bool) -> None:
         # mmap returns page-aligned memory; over-map only when alignment exceeds a page.
         self.footprint = _round_up(capacity, _PAGE) + max(0, alignment - _PAGE)
-        self.mapping = mmap.mmap(-1, self.footprint, **_MAP_FLAGS)
+        huge = capacity >= _HUGE
+        if huge:
+            alignment = max(alignment, _HUGE)  # [Note: huge-page buffers]
+        self.mapping = mmap.mmap(-1, _round_up(capacity, _PAGE) + max(0, alignment - _PAGE),
+                                 **_MAP_FLAGS)
         base = torch.frombuffer(self.mapping, dtype=torch.uint8)
         skip = -base.data_ptr() % alignment
         self.tensor = base[skip:skip + capacity]
         self.address = self.tensor.data_ptr()
+        if huge:
+            _advise_huge(self.address, _round_up(capacity, _PAGE))
         self.capacity = capacity
         self.pinned = False
         if pin:

@@ -13,6 +13,7 @@ import torch
 
 from offload.io.buffers import BufferPool, HostBuffer, PoolStats
 from offload.io.errors import PoolExhaustedError
+from offload.io.hugepages import kernel_mode as hugepages_mode
 
 KIB = 1024
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -297,3 +298,40 @@ def test_populate_faults_pages_in_and_keeps_the_bytes():
     assert populate(fresh)
     assert rss() - r0 >= 60 << 20  # resident now, though nothing wrote it
     assert int(fresh.sum()) == 0  # anonymous memory: zeros, untouched by populate
+
+
+def _vma(address: int) -> dict[str, str]:
+    """The /proc/self/smaps fields of the mapping that holds `address`."""
+    fields: dict[str, str] = {}
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= address < hi
+            elif inside:
+                key, _, value = line.partition(":")
+                fields[key] = value.strip()
+    return fields
+
+
+@pytest.mark.skipif(hugepages_mode() in ("never", "unavailable"),
+                    reason="the kernel's transparent huge pages are off")
+def test_large_buffers_ask_for_huge_pages_without_counting_the_alignment():
+    """A block of 2 MiB or more is 2 MiB aligned and advised MADV_HUGEPAGE
+    ([Note: huge-page buffers]); the pool counts its page-rounded size, not the
+    alignment's slack, so a budget of exactly the buffer still fits it."""
+    pool = BufferPool(6 << 20, pin=False)
+    try:
+        big = pool.alloc(6 << 20)
+        assert big.address % (2 << 20) == 0
+        big.tensor.fill_(7)
+        assert "hg" in _vma(big.address)["VmFlags"].split()
+        assert pool.stats().held_bytes == 6 << 20
+        big.release()
+        small = pool.alloc(64 * KIB)
+        assert "hg" not in _vma(small.address)["VmFlags"].split()
+        small.release()
+    finally:
+        pool.close(force=True)
