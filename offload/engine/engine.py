@@ -794,7 +794,8 @@ class OffloadEngine(ModelWeights, nn.Module):
         moves = self.store.stats().moves
         with self._io_lock:
             opt_r, opt_w = self._opt_bytes
-        return moves["NVME->HOST"].bytes + opt_r, moves["HOST->NVME"].bytes + opt_w
+        read = moves["NVME->HOST"].bytes + moves["NVME->DEVICE"].bytes
+        return read + opt_r, moves["HOST->NVME"].bytes + opt_w
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drops the gradients of the step in progress, as torch does: updates that

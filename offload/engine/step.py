@@ -117,21 +117,25 @@ class StagedParams:
         if self._home is not Tier.NVME or (tier is not Tier.HOST
                                            and self._store.device.type != "cpu"):
             return False
-        return self._store.split(("p", gid), staged_key(gid), tier)
+        return self._store.split(("p", gid), staged_key(gid), tier, pin=True)
 
     @contextlib.contextmanager
     def in_place(self, gid: int, tier: Tier) -> Iterator[torch.Tensor]:
         """`with staged.in_place(gid, tier) as t:` after `take`: `t` is the staged
         record's memory, to be updated in place. If the block raises, the staged
         record is freed: the group's partition is as it was, its other copy
-        holding the current values."""
+        holding the current values. `take` pinned the record, so that nothing (a
+        prefetch making room) moves it out of `tier` in between; the pin is given
+        back here."""
         key = staged_key(gid)
         try:
             with self._store.modify(key, tier) as values:
                 yield values
         except BaseException:
+            self._store.unpin(key)
             self._store.free(key)
             raise
+        self._store.unpin(key)
         self._puts[gid] = None
 
     def ready(self) -> None:

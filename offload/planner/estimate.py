@@ -16,11 +16,12 @@ gradient partitions (fp32), Pg the largest parameter partition.
     by handing its memory over) the largest of: P for parameters homed there;
     G for stored gradients homed on HOST or NVMe (they are summed in HOST);
     P for updates staged in HOST (NVMe optimizer state, parameters not on
-    DEVICE); for parameters streamed from NVMe, Pg times the look-ahead
-    (`engine.prefetch_depth`, at least 1): the reads in flight, each charged
-    to HOST until it is handed up (the first step prefetches along the
-    modules' order while every parameter is still on NVMe).
-    On a GPU the copies are distinct, so these add up. Where updates run
+    DEVICE). A read from NVMe lands in DEVICE memory there ([Note: CPU device
+    tier] in offload/store/copy.py). On a GPU the copies are distinct, so these
+    add up, and for parameters streamed from NVMe HOST also holds Pg times the
+    look-ahead (`engine.prefetch_depth`, at least 1): the reads in flight,
+    each staged in HOST until it is copied up (the first step prefetches along
+    the modules' order while every parameter is still on NVMe). Where updates run
     early, their gradients are HOST records ([Note: the gradient's fp32 copy
     is a record] in offload/engine/engine.py), one at a time: plus the
     largest gradient partition.
@@ -155,7 +156,7 @@ def tier_bytes(m: ModelBytes, p: Placement, *, device: str = "cpu", buffer_budge
     host_terms = [P if p.params == "host" else 0,
                   G if stored and p.grads in ("host", "nvme") else 0,
                   P if p.optimizer == "nvme" and p.params != "device" else 0,
-                  Pg * max(1, prefetch_depth) if p.params == "nvme" else 0]
+                  Pg * max(1, prefetch_depth) if p.params == "nvme" and device != "cpu" else 0]
     host = max(host_terms) if device == "cpu" else sum(host_terms)
     if not stored:  # an early update's gradient in HOST (see the Note)
         host += max((_footprint(n * 4) for n, t in m.shards if t), default=0)

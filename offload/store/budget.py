@@ -97,8 +97,9 @@ class Accounting:
         if self._tiers[Tier.DEVICE].budget <= 0 or self._tiers[Tier.HOST].budget <= 0:
             raise ValueError(f"DEVICE and HOST need positive budgets, got {budgets}")
         self._moves: dict[str, list] = {f"{a}->{b}": [0, 0, 0, 0.0, 0] for a, b in
-                                        ((Tier.NVME, Tier.HOST), (Tier.HOST, Tier.NVME),
-                                         (Tier.HOST, Tier.DEVICE), (Tier.DEVICE, Tier.HOST))}
+                                        ((Tier.NVME, Tier.HOST), (Tier.NVME, Tier.DEVICE),
+                                         (Tier.HOST, Tier.NVME), (Tier.HOST, Tier.DEVICE),
+                                         (Tier.DEVICE, Tier.HOST))}
         self.wait_seconds = 0.0
         self.waits = 0
         self.evictions = self.drops = self.writes = 0

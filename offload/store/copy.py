@@ -13,7 +13,12 @@ stops being valid (a later eviction hands it back, again without a copy). The
 accounting shows it: such moves count their `bytes` but 0 `copied_bytes` in
 `StoreStats.moves["HOST->DEVICE"]` and `["DEVICE->HOST"]`. Since DEVICE
 buffers then come from the store's BufferPool, that pool's budget is the HOST
-and DEVICE budgets together.
+and DEVICE budgets together. For the same reason a fetch from NVMe to DEVICE
+reads straight into DEVICE memory (`Step.READ_DEVICE`, counted in
+`moves["NVME->DEVICE"]`) instead of reading into HOST and handing over: it
+needs room in DEVICE only, where the hand-over needed room in both tiers for
+the read's length, and a full HOST tier made the fetch evict a HOST copy that
+was not in the way.
 
 [Note: copy streams]
 On CUDA, HOST->DEVICE copies run on one dedicated stream and DEVICE->HOST

@@ -30,7 +30,8 @@ log = logging.getLogger(__name__)
 
 __all__ = ["MoveExecutor", "UserClaim"]
 
-_MEMORY_STEPS = frozenset({Step.READ, Step.WRITE, Step.H2D, Step.D2H})
+_MEMORY_STEPS = frozenset({Step.READ, Step.READ_DEVICE, Step.WRITE, Step.H2D, Step.D2H})
+_READS = frozenset({Step.READ, Step.READ_DEVICE})
 
 
 class UserClaim:
@@ -409,8 +410,8 @@ class MoveExecutor:
                                             "bytes": rec.nbytes})
         began = False
         try:
-            if step is Step.READ:
-                rec.begin_read(memory)
+            if step in _READS:
+                rec.begin_read(memory, step.dst)
                 began = True
                 waitable = self._swap(rec.kind).read(rec.copies[Tier.NVME], memory, rec.nbytes)
             elif step is Step.WRITE:
@@ -441,7 +442,7 @@ class MoveExecutor:
 
     @staticmethod
     def _abort(rec: PartitionRecord, step: Step) -> object:
-        if step is Step.READ:
+        if step in _READS:
             return rec.abort_read()
         if step is Step.WRITE:
             return rec.abort_write()
@@ -507,7 +508,7 @@ class MoveExecutor:
             self._release(step.dst, rec, self._abort(rec, step))
             self._step_failed(move, rec, step, error)
             return
-        if step is Step.READ:
+        if step in _READS:
             rec.finish_read()
         elif step is Step.WRITE:
             rec.finish_write()

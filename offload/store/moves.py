@@ -1,7 +1,9 @@
 """Moves between tiers: the steps of a fetch or an eviction (pure planning) and their handle.
 
 A move is a short chain of steps over one record, e.g. fetching a partition
-from NVMe to a GPU is READ (NVME->HOST) then H2D (HOST->DEVICE). The store
+from NVMe to a GPU is READ (NVME->HOST) then H2D (HOST->DEVICE); to a CPU
+device, one READ_DEVICE (NVME->DEVICE, see [Note: CPU device tier] in
+copy.py). The store
 reserves every step's destination before the first step starts, so a move in
 flight never waits for memory: it finishes on its own, which is what lets
 callers wait for in-flight moves to free budget (see [Note: making room] in
@@ -32,6 +34,7 @@ class Step(enum.Enum):
     """One step of a move; `src`/`dst` are the tiers it moves bytes between."""
 
     READ = _StepInfo(Tier.NVME, Tier.HOST, True)
+    READ_DEVICE = _StepInfo(Tier.NVME, Tier.DEVICE, True)  # into DEVICE memory (CPU device)
     WRITE = _StepInfo(Tier.HOST, Tier.NVME, True)
     H2D = _StepInfo(Tier.HOST, Tier.DEVICE, True)        # a copy (CUDA)
     D2H = _StepInfo(Tier.DEVICE, Tier.HOST, True)
@@ -61,6 +64,10 @@ def _copy_to(valid: set[Tier], to: Tier, hand_over: bool, steps: list[Step]) -> 
     if to in valid:
         return
     if to is Tier.DEVICE:
+        if hand_over and Tier.HOST not in valid and Tier.NVME in valid:
+            steps.append(Step.READ_DEVICE)  # see [Note: CPU device tier] in copy.py
+            valid.add(to)
+            return
         if Tier.HOST not in valid:
             _copy_to(valid, Tier.HOST, hand_over, steps)
         steps.append(Step.HAND_H2D if hand_over else Step.H2D)

@@ -15,6 +15,7 @@ or the transfer in flight:
     state        valid (top first)        memory in flight
     NVME         {NVME}                   -
     READING      {NVME}                   HOST buffer: destination of an NVMe read
+                                          (DEVICE on a CPU device: [Note: CPU device tier])
     HOST         {HOST, [NVME]}           -
     WRITING      {[DEVICE], HOST}         NVME extent: destination of a write
     COPYING_H2D  {HOST, [NVME]}           DEVICE buffer: destination of a copy
@@ -70,7 +71,7 @@ class Residency(enum.Enum):
     """A record's state: the top valid tier at rest, or the transfer in flight."""
 
     NVME = "NVME"
-    READING = "READING"          # NVME -> HOST in flight
+    READING = "READING"          # NVME -> HOST (or DEVICE, on a CPU device) in flight
     HOST = "HOST"
     WRITING = "WRITING"          # HOST -> NVME in flight
     COPYING_H2D = "COPYING_H2D"  # HOST -> DEVICE in flight
@@ -196,23 +197,30 @@ class PartitionRecord:
         self.valid = {tier}
         self._rest()
 
-    def begin_read(self, buffer: object) -> None:
-        """NVME -> READING: `buffer` (HOST) is the read's destination."""
+    def begin_read(self, buffer: object, to: Tier = Tier.HOST) -> None:
+        """NVME -> READING: `buffer` (in `to`: HOST, or DEVICE where the device's memory
+        is host memory) is the read's destination."""
         self._expect(Residency.NVME)
-        self._expect_free_slot(Tier.HOST)
-        self.copies[Tier.HOST] = buffer
+        if to is Tier.NVME:
+            raise ValueError(f"partition {self.key!r}: a read lands in HOST or DEVICE, not NVME")
+        self._expect_free_slot(to)
+        self.copies[to] = buffer
         self.state = Residency.READING
 
-    def finish_read(self) -> None:
-        """READING -> HOST: the read completed and its checksum matched."""
+    @property
+    def reading_into(self) -> Tier:
+        """The tier a READING record's read lands in."""
         self._expect(Residency.READING)
-        self.valid.add(Tier.HOST)
+        return next(t for t in self.copies if t not in self.valid)
+
+    def finish_read(self) -> None:
+        """READING -> HOST (or DEVICE): the read completed and its checksum matched."""
+        self.valid.add(self.reading_into)
         self._rest()
 
     def abort_read(self) -> object:
-        """READING -> NVME: the read failed; returns the HOST buffer to release."""
-        self._expect(Residency.READING)
-        buffer = self.copies.pop(Tier.HOST)
+        """READING -> NVME: the read failed; returns its destination buffer to release."""
+        buffer = self.copies.pop(self.reading_into)
         self._rest()
         return buffer
 

@@ -68,8 +68,8 @@ log = logging.getLogger(__name__)
 
 __all__ = ["TieredStore"]
 
-_DEST = {Residency.READING: Tier.HOST, Residency.WRITING: Tier.NVME,
-         Residency.COPYING_H2D: Tier.DEVICE, Residency.COPYING_D2H: Tier.HOST}
+_DEST = {Residency.WRITING: Tier.NVME, Residency.COPYING_H2D: Tier.DEVICE,
+         Residency.COPYING_D2H: Tier.HOST}  # a read's: `reading_into`
 
 
 def _tier(value: Tier | str | int) -> Tier:
@@ -419,7 +419,8 @@ class TieredStore(MoveExecutor):
             self._policy.touched(key, new.top)
             self._unclaim(new, claim)
 
-    def split(self, key: Hashable, into: Hashable, tier: Tier | str) -> bool:
+    def split(self, key: Hashable, into: Hashable, tier: Tier | str, *,
+              pin: bool = False) -> bool:
         """Moves the copy of `key` in `tier` (HOST or DEVICE), without a copy of its
         bytes, to a new partition `into` of the same kind, dtype, size and home, whose
         only copy it then is; `key` keeps its other copies and its value.
@@ -428,7 +429,9 @@ class TieredStore(MoveExecutor):
         released, and no budget can be exceeded. The copy must be clean (another
         tier holds `key`'s value), so `key` loses nothing; a caller that writes the
         new partition in place (`modify`) and then frees it on failure leaves
-        `key` as it was. The calling thread's pins of `key` stay with `key`.
+        `key` as it was. The calling thread's pins of `key` stay with `key`; with
+        `pin`, `into` is born pinned by the calling thread (`unpin` it when done), so
+        no eviction can move it out of `tier` before the caller modifies it there.
         Waits for a move of `key` in flight. Returns False, changing nothing, when
         the copy is not there or not clean, or another thread pins `key`; raises
         when `into` is stored.
@@ -451,6 +454,8 @@ class TieredStore(MoveExecutor):
             new = PartitionRecord(into, rec.kind, rec.dtype, rec.numel, rec.home)
             new.place(tier, memory)
             self._records[into] = new
+            if pin:
+                self._add_pin(new, threading.get_ident())
             self._policy.touched(into, tier)
             self._emit_tier(tier)
             self._cond.notify_all()
@@ -560,7 +565,11 @@ class TieredStore(MoveExecutor):
             raise RuntimeError(f"{rec!r}: valid tiers must be a non-empty subset of held "
                                f"tiers {sorted(t.name for t in rec.copies)}")
         extra = set(rec.copies) - rec.valid
-        want = {_DEST[rec.state]} if rec.state in IN_FLIGHT else set()
+        want = set()
+        if rec.state is Residency.READING:
+            want = {rec.reading_into}
+        elif rec.state in IN_FLIGHT:
+            want = {_DEST[rec.state]}
         if extra != want:
             raise RuntimeError(f"{rec!r}: holds memory in {sorted(t.name for t in extra)} "
                                f"beyond its valid copies, expected {sorted(t.name for t in want)}")

@@ -47,7 +47,7 @@ _SECTION_LABELS = {"compute": "compute", "waits": "waits", "fetches": "fetches",
                    "copies": "copies", "nvme": "NVMe",
                    "optimizer": "CPU Adam", "comm": "collectives", "plan": "plan",
                    "other": "other"}
-_MOVE_ORDER = ("NVME->HOST", "HOST->DEVICE", "DEVICE->HOST", "HOST->NVME")
+_MOVE_ORDER = ("NVME->HOST", "NVME->DEVICE", "HOST->DEVICE", "DEVICE->HOST", "HOST->NVME")
 
 
 class ReportInputError(Exception):

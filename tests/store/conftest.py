@@ -22,7 +22,8 @@ def store_config(path, *, device_pages: int = 4, host_pages: int = 4, nvme_pages
                   block_size=64 << 10, queue_depth=8, threads=2)
     store = StoreConfig(device=device, device_budget=device_pages * PAGE,
                         host_budget=host_pages * PAGE, nvme_budget=nvme_pages * PAGE,
-                        wait_timeout=30.0, swap_kinds=["param"], **store_kw)
+                        wait_timeout=store_kw.pop("wait_timeout", 30.0),
+                        swap_kinds=["param"], **store_kw)
     return OffloadConfig(io=io, store=store)
 
 

@@ -41,6 +41,19 @@ def test_read_then_copy_then_drops():
         r.drop(N)
 
 
+def test_a_read_into_device_memory():
+    """On a CPU device a read lands in DEVICE memory ([Note: CPU device tier])."""
+    r = _rec()
+    r.begin_read("devbuf", D)
+    assert r.state is Residency.READING and r.reading_into is D and set(r.copies) == {N, D}
+    assert r.abort_read() == "devbuf" and r.state is Residency.NVME and r.copies.keys() == {N}
+    r.begin_read("devbuf", D)
+    r.finish_read()
+    assert r.state is Residency.DEVICE and r.valid == {D, N} and not r.dirty
+    with pytest.raises(ValueError, match="HOST or DEVICE"):
+        _rec().begin_read("buf", N)
+
+
 def test_wrong_start_state_raises_with_values():
     r = _rec(Tier.HOST)
     with pytest.raises(RuntimeError, match="partition 'k' is HOST, expected NVME"):
@@ -87,7 +100,7 @@ def test_release_all_and_freed():
 
 @pytest.mark.parametrize("valid,to,hand_over,steps", [
     ({N}, D, False, [Step.READ, Step.H2D]),
-    ({N}, D, True, [Step.READ, Step.HAND_H2D]),
+    ({N}, D, True, [Step.READ_DEVICE]),  # into DEVICE memory: [Note: CPU device tier]
     ({H, N}, D, False, [Step.H2D]),
     ({D}, H, False, [Step.D2H]),
     ({D}, H, True, [Step.HAND_D2H]),

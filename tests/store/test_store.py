@@ -363,3 +363,52 @@ def test_split_refuses_a_dirty_copy_and_another_threads_pin(make_store):
     with pytest.raises(ValueError, match="DEVICE or HOST"):
         s.split("c", "e", N)
     s.audit()
+
+
+def test_split_with_pin_keeps_the_new_record_where_it_is(make_store):
+    """split(pin=True): the new record is born pinned by the caller, so a fetch that
+    needs its tier's room cannot move it out before the caller modifies it there
+    (an update in place: [Note: the update in the old copy's memory] in
+    offload/engine/step.py); unpinned, the same fetch hands it down."""
+    for pin in (True, False):
+        s = make_store(host_pages=2, device_pages=1, wait_timeout=0.5)
+        s.put("a", page_tensor(1), tier="NVME").wait()
+        s.put("c", page_tensor(2), tier="NVME").wait()
+        s.fetch("a", D).wait()
+        assert s.split("a", "b", D, pin=pin)
+        assert s.info("b").pins == int(pin)
+        if pin:
+            with pytest.raises(BudgetExceededError):
+                s.fetch("c", D).wait()
+            with s.modify("b", D) as t:
+                t.add_(1)
+            s.unpin("b")
+            assert torch.equal(s.get("b", D), page_tensor(1) + 1)
+        else:
+            s.fetch("c", D).wait()
+            assert s.info("b").valid == {H}
+        s.audit()
+        s.close()
+
+
+def test_a_read_to_the_cpu_device_needs_no_host_room(make_store):
+    """On a CPU device a fetch from NVMe to DEVICE reads straight into DEVICE memory
+    ([Note: CPU device tier]): with HOST full of dirty copies it evicts none of them,
+    writes nothing, and counts the read as NVME->DEVICE."""
+    s = make_store(host_pages=2, device_pages=2)
+    if s.device.type != "cpu":
+        pytest.skip("a read lands in DEVICE memory only where it is host memory")
+    s.put("c", page_tensor(3), tier="NVME").wait()  # written from HOST, then released
+    s.put("a", page_tensor(1), tier="HOST").wait()
+    s.put("b", page_tensor(2), tier="HOST").wait()  # HOST full, both dirty
+    writes = s.stats().moves["HOST->NVME"].moves
+    assert torch.equal(s.fetch("c", D).wait(), page_tensor(3))
+    assert s.info("a").valid == {H} and s.info("b").valid == {H}
+    assert s.info("c").valid == {D, N}
+    st = s.stats()
+    assert st.moves["HOST->NVME"].moves == writes
+    assert st.moves["NVME->DEVICE"].moves == 1 and st.moves["NVME->HOST"].moves == 0
+    assert st.tiers["HOST"].used == 2 * PAGE and st.tiers["DEVICE"].used == PAGE
+    s.evict("c", H).wait()  # handed down: HOST must make room now, by writing one back
+    assert torch.equal(s.get("c", H), page_tensor(3))
+    s.audit()
