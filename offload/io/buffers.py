@@ -133,11 +133,12 @@ _HUGE = 2 << 20
 _MADV_HUGEPAGE = 14
 
 
-def _advise_huge(address: int, nbytes: int) -> bool:
-    """Asks for transparent huge pages over [address, address + nbytes); False where
-    the kernel or C library refuses (the range keeps small pages)."""
+def _advise_huge(address: int, nbytes: int) -> None:
+    """Asks for transparent huge pages over [address, address + nbytes); where the
+    kernel or C library refuses, the range keeps small pages."""
     fn = _madvise()
-    return fn is not None and fn(address, nbytes, _MADV_HUGEPAGE) == 0
+    if fn is not None:
+        fn(address, nbytes, _MADV_HUGEPAGE)
 
 
 class _Block:
@@ -147,18 +148,17 @@ class _Block:
 
     def __init__(self, capacity: int, alignment: int, pin: bool) -> None:
         # mmap returns page-aligned memory; over-map only when alignment exceeds a page.
-        self.footprint = _round_up(capacity, _PAGE) + max(0, alignment - _PAGE)
-        huge = capacity >= _HUGE
-        if huge:
-            alignment = max(alignment, _HUGE)  # [Note: huge-page buffers]
-        self.mapping = mmap.mmap(-1, _round_up(capacity, _PAGE) + max(0, alignment - _PAGE),
-                                 **_MAP_FLAGS)
+        pages = _round_up(capacity, _PAGE)
+        self.footprint = pages + max(0, alignment - _PAGE)
+        huge = capacity >= _HUGE  # [Note: huge-page buffers]: the slack is not counted
+        mapped_alignment = max(alignment, _HUGE) if huge else alignment
+        self.mapping = mmap.mmap(-1, pages + max(0, mapped_alignment - _PAGE), **_MAP_FLAGS)
         base = torch.frombuffer(self.mapping, dtype=torch.uint8)
-        skip = -base.data_ptr() % alignment
+        skip = -base.data_ptr() % mapped_alignment
         self.tensor = base[skip:skip + capacity]
         self.address = self.tensor.data_ptr()
         if huge:
-            _advise_huge(self.address, _round_up(capacity, _PAGE))
+            _advise_huge(self.address, pages)
         self.capacity = capacity
         self.pinned = False
         if pin:
