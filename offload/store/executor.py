@@ -297,7 +297,8 @@ class MoveExecutor:
         # A clean copy on a CPU device tier is handed down to HOST when HOST has room
         # now: it costs no copy, and the next fetch finds it there instead of on disk.
         keep = (tier is Tier.DEVICE and self._dev.hand_over and Tier.HOST not in rec.valid
-                and self._acct.fits({Tier.HOST: rec.footprint}))
+                and (self._acct.fits({Tier.HOST: rec.footprint})
+                     or self._host_goes_first(rec, exclude)))
         if len(rec.valid) > 1 and not keep:
             self._release(tier, rec, rec.drop(tier))
             self._acct.evictions += 1
@@ -307,9 +308,7 @@ class MoveExecutor:
         lower = tier.lower
         steps = plan_evict(rec.valid, lower, self._dev.hand_over)
         needs = needs_of(steps, rec.footprint)
-        if keep:
-            pass  # fits HOST as checked above: never evicts there to keep a clean copy
-        elif not self._acct.fits(needs):
+        if not self._acct.fits(needs):
             self._make_room(needs, exclude | {rec.key}, victims)
             if not self._acct.fits(needs):
                 return 0
@@ -329,6 +328,63 @@ class MoveExecutor:
         victims.append(move)
         self._start(move, rec)
         return rec.footprint
+
+    # [Note: a hand-over swaps]
+    # On a CPU device a fetch of a HOST copy to a full DEVICE tier hands the copy up
+    # (no bytes copied) once the DEVICE victims the policy chose have left. A
+    # victim that has to go down to HOST (its only copy, or a clean one worth
+    # keeping) needs room there, which the copy going up is about to give: waiting
+    # for it is impossible and making other room costs a write or a drop. So where
+    # the victims fit in HOST once the copy has left it, both hand-overs happen at
+    # once, under the lock: no budget is exceeded when it is released, no byte moves.
+    def _swap_up(self, rec: PartitionRecord) -> bool:
+        """Hands `rec` (HOST) up to DEVICE and the DEVICE copies the policy gives up in
+        its place down to HOST, together; False (nothing changed) unless DEVICE is
+        short of room, no eviction there is in flight, and every victim is a resting
+        copy with no HOST copy that fits HOST once `rec` has left it."""
+        short = rec.footprint - self._acct.room(Tier.DEVICE)
+        if short <= 0 or self._acct.releasing(Tier.DEVICE) or Tier.HOST not in rec.valid:
+            return False
+        cands = {k: c for k, c in self._candidates(Tier.DEVICE, {rec.key}).items()
+                 if Tier.HOST not in self._records[k].copies}
+        if not cands:
+            return False
+        down = [self._records[k] for k in self._policy.choose(Tier.DEVICE, short,
+                                                                list(cands.values()))]
+        if (any(v.key not in cands for v in down) or sum(v.footprint for v in down) < short
+                or sum(v.footprint for v in down) > self._acct.room(Tier.HOST) + rec.footprint):
+            return False
+        for v in down:
+            self._acct.refund(Tier.DEVICE, v.kind, v.footprint)
+        self._acct.refund(Tier.HOST, rec.kind, rec.footprint)
+        self._acct.charge(Tier.DEVICE, rec.kind, rec.footprint)
+        rec.hand_over(Tier.DEVICE)
+        self._handed(rec, Tier.HOST, Tier.DEVICE)
+        for v in down:
+            self._acct.charge(Tier.HOST, v.kind, v.footprint)
+            v.hand_over(Tier.HOST)
+            self._handed(v, Tier.DEVICE, Tier.HOST)
+            self._acct.evictions += 1
+            self._rec.instant("evict swap", "store", "store:policy",
+                              {"key": str(v.key), "tier": "DEVICE", "bytes": v.footprint})
+        for t in (Tier.DEVICE, Tier.HOST):
+            self._emit_tier(t)
+        return True
+
+    def _host_goes_first(self, rec: PartitionRecord, exclude: set[Hashable]) -> bool:
+        """Whether the policy, choosing in HOST among its copies and `rec`'s clean DEVICE
+        copy as if it were there, would give up another first: DEVICE and HOST are one
+        memory on a CPU device, so the copy needed last should leave, wherever it is.
+        True also while HOST room for it is on its way (an eviction there in flight,
+        perhaps the one this choice started): the copy waits for it."""
+        if self._acct.room(Tier.HOST) + self._acct.releasing(Tier.HOST) >= rec.footprint:
+            return True
+        cands = self._candidates(Tier.HOST, exclude | {rec.key})
+        if not cands:
+            return False
+        me = Candidate(rec.key, rec.kind, rec.footprint, True)
+        order = self._policy.choose(Tier.HOST, rec.footprint, [me, *cands.values()])
+        return bool(order) and order[0] != rec.key
 
     def _no_room_message(self, needs: dict[Tier, int], what: str) -> str:
         parts = []
@@ -362,7 +418,9 @@ class MoveExecutor:
     def _plan(self, move: MoveHandle, rec: PartitionRecord, steps: list[Step]) -> None:
         """Sets `move`'s steps and reserves their memory (may evict and wait)."""
         move.steps = steps
-        if steps:
+        if steps == [Step.HAND_H2D] and self._swap_up(rec):
+            move.index = 1  # the step is done: [Note: a hand-over swaps]
+        elif steps:
             needs = needs_of(steps, rec.footprint)
             self._reserve(needs, {rec.key}, f"{move.op} of {rec.key!r} to {move.dst}")
             self._allocate(move, rec, needs, {s.dst for s in steps if s in _MEMORY_STEPS})
@@ -393,13 +451,17 @@ class MoveExecutor:
             rec.hand_over(dst)
             move.reserved.pop(dst)  # the bytes reserved in `dst` now hold the handed-over copy
             self._release(src, rec, None)
-            self._acct.moved(src, dst, rec.nbytes, 0, 0.0)
-            args = {"key": str(rec.key), "bytes": rec.nbytes, "copied": 0}
-            self._rec.async_end(self._rec.async_begin(f"{src}->{dst}", "store",
-                                                      f"store:{src}->{dst}", args), args)
+            self._handed(rec, src, dst)
         else:
             self._release(step.src, rec, rec.drop(step.src))
             self._acct.drops += 1
+
+    def _handed(self, rec: PartitionRecord, src: Tier, dst: Tier) -> None:
+        """Counts and traces a hand-over of `rec` from `src` to `dst` (no bytes copied)."""
+        self._acct.moved(src, dst, rec.nbytes, 0, 0.0)
+        args = {"key": str(rec.key), "bytes": rec.nbytes, "copied": 0}
+        self._rec.async_end(self._rec.async_begin(f"{src}->{dst}", "store",
+                                                  f"store:{src}->{dst}", args), args)
 
     def _begin_async(self, move: MoveHandle, rec: PartitionRecord, step: Step) -> None:
         memory = move.reserved.pop(step.dst)

@@ -412,3 +412,54 @@ def test_a_read_to_the_cpu_device_needs_no_host_room(make_store):
     s.evict("c", H).wait()  # handed down: HOST must make room now, by writing one back
     assert torch.equal(s.get("c", H), page_tensor(3))
     s.audit()
+
+
+def test_a_fetch_up_from_a_full_host_swaps_with_the_device_copy_it_displaces(make_store):
+    """On a CPU device, DEVICE and HOST full of only copies: fetching the HOST one to
+    DEVICE hands it up and the DEVICE one down into its room at once ([Note: a
+    hand-over swaps]): nothing is written, no byte is copied."""
+    s = make_store(device_pages=1, host_pages=1)
+    if s.device.type != "cpu":
+        pytest.skip("hand-overs happen where DEVICE memory is host memory")
+    for key, seed, tier in (("v", 1, D), ("x", 2, H)):
+        s.put(key, page_tensor(seed), tier="NVME").wait()
+        s.fetch(key, tier).wait()
+        with s.modify(key, tier) as t:  # its only copy
+            t += 1
+    before = s.stats()
+    assert torch.equal(s.fetch("x", D).wait(), page_tensor(2) + 1)
+    assert s.info("x").valid == {D} and s.info("v").valid == {H}
+    assert torch.equal(s.get("v", H), page_tensor(1) + 1)
+    st = s.stats()
+    assert st.writes == before.writes
+    for d in ("HOST->DEVICE", "DEVICE->HOST"):
+        assert st.moves[d].moves == before.moves[d].moves + 1
+        assert st.moves[d].copied_bytes == before.moves[d].copied_bytes
+    s.audit()
+
+
+def test_a_clean_device_copy_needed_sooner_goes_down_and_the_host_one_leaves(make_store):
+    """On a CPU device, DEVICE and HOST are one memory: making DEVICE room, a clean copy
+    there needed sooner than a HOST one goes down to HOST (no copy), and the HOST one,
+    needed last, leaves (written: it is dirty) instead of the clean one dropped."""
+    from offload.store import NextUsePolicy
+
+    policy = NextUsePolicy()
+    policy.follow({"c": 1, "h": 5, "y": 0}.get)
+    s = make_store(device_pages=1, host_pages=1, policy=policy)
+    if s.device.type != "cpu":
+        pytest.skip("hand-overs happen where DEVICE memory is host memory")
+    s.put("c", page_tensor(1), tier="NVME").wait()
+    s.fetch("c", D).wait()  # clean: NVMe holds it too
+    s.put("y", page_tensor(3), tier="NVME").wait()
+    s.put("h", page_tensor(2), tier="NVME").wait()
+    s.fetch("h", H).wait()
+    with s.modify("h", H) as t:  # dirty
+        t += 1
+    writes = s.stats().writes
+    assert torch.equal(s.fetch("y", D).wait(), page_tensor(3))
+    s.wait_all()
+    assert s.info("c").valid == {H, N} and torch.equal(s.get("c", H), page_tensor(1))
+    assert s.info("h").valid == {N} and s.stats().writes == writes + 1
+    assert torch.equal(s.fetch("h", H).wait(), page_tensor(2) + 1)
+    s.audit()
