@@ -38,22 +38,20 @@ read or written.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import math
 import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
 from ..comm import Collectives, GatherIssuer, Pending
 from ..config import OffloadConfig
-from ..io import hold_switch_interval, host_copy
+from ..io import hold_switch_interval
 from ..optim import CpuAdam, OptimStepError
 from ..planner import AccessTrace
 from ..planner.sizes import keeps_master
@@ -62,12 +60,13 @@ from ..trace import NULL_RECORDER, TraceRecorder, UnitSpans
 from .eviction import PendingUpdates, sooner_than
 from .forward_prefetch import ForwardOnlyPrefetch
 from .grad_slots import GradSlots
+from .grads import GradPartitions
 from .in_place import update_in_place
 from .model_weights import ModelWeights
 from .params_view import RegisteredParams
 from .rank_order import RankOrder
 from .step import StagedParams, StepFailedError, staged_key
-from .tensor_parallel import GradSquares, TensorParallel
+from .tensor_parallel import TensorParallel
 from .training_checkpoint import CheckpointSave
 from .training_checkpoint import save_checkpoint as _save_checkpoint
 from .units import Group, Unit, output_tensors, static_order
@@ -102,7 +101,7 @@ class _GroupState:
         # [Note: gathered weights borrow the record] in warm.py
 
 
-class OffloadEngine(ModelWeights, nn.Module):
+class OffloadEngine(ModelWeights, GradPartitions, nn.Module):
     """The wrapped model; built by `offload.initialize`. Call it like the model."""
 
     def __init__(self, model: nn.Module, cfg: OffloadConfig, units: list[Unit],
@@ -441,65 +440,6 @@ class OffloadEngine(ModelWeights, nn.Module):
         return (self.loss_scale == 1.0 and self.optimizer.early_update_allowed()
                 and self.cfg.engine.optimizer == "nvme")
 
-    def _accumulate(self, gid: int, shard_grad: torch.Tensor) -> None:
-        key = ("g", gid)
-        self._has_grad.add(gid)
-        if key not in self.store:
-            self._put_grad(gid, shard_grad, self._grad_tier)
-            return
-        self.store.fetch(key, to=self._grad_where).wait()
-        with self.store.modify(key, self._grad_where) as g:
-            g.add_(shard_grad.to(g.device))
-        if self._grad_tier is Tier.NVME:
-            self.store.evict(key)
-
-    def _put_grad(self, gid: int, shard_grad: torch.Tensor, tier: Tier) -> None:
-        """Stores `shard_grad` (any float dtype; the sum of a world of 1 is the unit's
-        own gradient in the compute dtype) as the fp32 grad partition of `gid`, home
-        `tier`: converted straight into the record's memory.
-
-        [Note: the gradient's fp32 copy is a record]
-        A gradient leaves backward in the compute dtype, and the optimizer reads it
-        in fp32. Converting the whole unit's gradient into a tensor of its own first
-        kept a second, unbudgeted fp32 copy alive for as long as the update that
-        read it: in `bench oversized` (64 MiB per MLP weight) that copy, and the next
-        unit's beside it, were what put peak RSS above the budgets. With a world of
-        1 there is no reduction, so the conversion writes into the record the store
-        allocates under its budgets, and an early update reads its gradient from
-        there (HOST: never NVMe; when HOST has no room, the update keeps a copy of
-        its own as before). bf16/fp16 to fp32 is exact, so the numbers are those of
-        converting first."""
-        with self.store.create(("g", gid), shard_grad.numel(), torch.float32, kind="grad",
-                               tier=tier) as t:
-            host_copy(t, shard_grad.reshape(-1))  # one memcpy where no conversion
-
-    def _put_early_grad(self, gid: int, shard_grad: torch.Tensor) -> bool:
-        """Stores an early update's gradient in HOST; False when no room can be made."""
-        try:
-            self._put_grad(gid, shard_grad, Tier.HOST)
-        except BudgetExceededError as e:
-            log.debug("early update of group %d keeps its own gradient: %s", gid, e)
-            return False
-        return True
-
-    @property
-    def _grad_where(self) -> Tier:
-        """Where grad partitions are read and summed: their home, or HOST for NVMe."""
-        return Tier.HOST if self._grad_tier is Tier.NVME else self._grad_tier
-
-    @contextlib.contextmanager
-    def _stored_grad(self, gid: int) -> Iterator[torch.Tensor]:
-        """The stored gradient of `gid` (pinned, no copy on a CPU host); the partition is
-        freed afterwards."""
-        key = ("g", gid)
-        where = Tier.HOST if self.store.info(key).home is Tier.HOST else self._grad_where
-        grad = self.store.fetch(key, to=where, pin=True).wait()
-        try:
-            yield grad.cpu()
-        finally:
-            self.store.unpin(key)
-            self.store.free(key)
-
     def _update_group(self, gid: int, grad: torch.Tensor | None, norm: float | None,
                       active: list[bool] | None = None) -> None:
         """Adam on group `gid` with `grad` (None: its stored, accumulated gradient), in
@@ -754,25 +694,6 @@ class OffloadEngine(ModelWeights, nn.Module):
         self._next_update = dict(zip(order, order[1:]))  # each update reads the next's ahead
         if order and self.cfg.engine.optimizer == "nvme":
             self.optimizer.prefetch(order[0])
-
-    def _grad_norm(self, gids: list[int], scale: float) -> tuple[float | None, bool]:
-        need = self.cfg.optim.max_grad_norm > 0 or self.cfg.engine.dtype == "fp16"
-        if not need:
-            return None, False
-        squares = GradSquares(self.comm, self.tp)  # sharded weights counted over TP
-        for gid in gids:
-            squares.add(self.groups[gid], self.store.fetch(("g", gid), to=self._grad_where).wait())
-            if self._grad_tier is Tier.NVME:
-                self.store.evict(("g", gid))
-        total = squares.total()
-        norm = math.sqrt(total) / scale if math.isfinite(total) else float("inf")
-        return norm, not math.isfinite(norm)
-
-    def _drop_grads(self, gids: list[int]) -> None:
-        for gid in gids:
-            self.store.free(("g", gid))
-        self._has_grad.clear()
-        self.grad_slots.clear()
 
     def _after_overflow(self) -> None:
         e = self.cfg.engine

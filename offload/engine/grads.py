@@ -1,0 +1,108 @@
+"""`GradPartitions`: the engine's fp32 gradient partitions, records in the store.
+
+Each group's reduced gradient is accumulated in its partition ("g", gid)
+between backward and step (or handed to an early update, [Note: early
+update] in engine.py), read for the global norm and by the update, and freed
+once the update read it. A mixin of `OffloadEngine`: it reads the engine's
+store, groups, collectives and configuration, and keeps no state of its own
+beyond the engine's `_has_grad` and `grad_slots`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from typing import Iterator
+
+import torch
+
+from ..io import host_copy
+from ..store import BudgetExceededError, Tier
+from .tensor_parallel import GradSquares
+
+log = logging.getLogger(__name__)
+
+__all__ = ["GradPartitions"]
+
+
+class GradPartitions:
+    """Storing, summing, reading and dropping the step's gradient partitions."""
+
+    def _accumulate(self, gid: int, shard_grad: torch.Tensor) -> None:
+        key = ("g", gid)
+        self._has_grad.add(gid)
+        if key not in self.store:
+            self._put_grad(gid, shard_grad, self._grad_tier)
+            return
+        self.store.fetch(key, to=self._grad_where).wait()
+        with self.store.modify(key, self._grad_where) as g:
+            g.add_(shard_grad.to(g.device))
+        if self._grad_tier is Tier.NVME:
+            self.store.evict(key)
+
+    def _put_grad(self, gid: int, shard_grad: torch.Tensor, tier: Tier) -> None:
+        """Stores `shard_grad` (any float dtype; the sum of a world of 1 is the unit's
+        own gradient in the compute dtype) as the fp32 grad partition of `gid`, home
+        `tier`: converted straight into the record's memory.
+
+        [Note: the gradient's fp32 copy is a record]
+        A gradient leaves backward in the compute dtype, and the optimizer reads it
+        in fp32. Converting the whole unit's gradient into a tensor of its own first
+        kept a second, unbudgeted fp32 copy alive for as long as the update that
+        read it: in `bench oversized` (64 MiB per MLP weight) that copy, and the next
+        unit's beside it, were what put peak RSS above the budgets. With a world of
+        1 there is no reduction, so the conversion writes into the record the store
+        allocates under its budgets, and an early update reads its gradient from
+        there (HOST: never NVMe; when HOST has no room, the update keeps a copy of
+        its own as before). bf16/fp16 to fp32 is exact, so the numbers are those of
+        converting first."""
+        with self.store.create(("g", gid), shard_grad.numel(), torch.float32, kind="grad",
+                               tier=tier) as t:
+            host_copy(t, shard_grad.reshape(-1))  # one memcpy where no conversion
+
+    def _put_early_grad(self, gid: int, shard_grad: torch.Tensor) -> bool:
+        """Stores an early update's gradient in HOST; False when no room can be made."""
+        try:
+            self._put_grad(gid, shard_grad, Tier.HOST)
+        except BudgetExceededError as e:
+            log.debug("early update of group %d keeps its own gradient: %s", gid, e)
+            return False
+        return True
+
+    @property
+    def _grad_where(self) -> Tier:
+        """Where grad partitions are read and summed: their home, or HOST for NVMe."""
+        return Tier.HOST if self._grad_tier is Tier.NVME else self._grad_tier
+
+    @contextlib.contextmanager
+    def _stored_grad(self, gid: int) -> Iterator[torch.Tensor]:
+        """The stored gradient of `gid` (pinned, no copy on a CPU host); the partition is
+        freed afterwards."""
+        key = ("g", gid)
+        where = Tier.HOST if self.store.info(key).home is Tier.HOST else self._grad_where
+        grad = self.store.fetch(key, to=where, pin=True).wait()
+        try:
+            yield grad.cpu()
+        finally:
+            self.store.unpin(key)
+            self.store.free(key)
+
+    def _grad_norm(self, gids: list[int], scale: float) -> tuple[float | None, bool]:
+        need = self.cfg.optim.max_grad_norm > 0 or self.cfg.engine.dtype == "fp16"
+        if not need:
+            return None, False
+        squares = GradSquares(self.comm, self.tp)  # sharded weights counted over TP
+        for gid in gids:
+            squares.add(self.groups[gid], self.store.fetch(("g", gid), to=self._grad_where).wait())
+            if self._grad_tier is Tier.NVME:
+                self.store.evict(("g", gid))
+        total = squares.total()
+        norm = math.sqrt(total) / scale if math.isfinite(total) else float("inf")
+        return norm, not math.isfinite(norm)
+
+    def _drop_grads(self, gids: list[int]) -> None:
+        for gid in gids:
+            self.store.free(("g", gid))
+        self._has_grad.clear()
+        self.grad_slots.clear()
