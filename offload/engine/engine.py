@@ -283,14 +283,18 @@ class OffloadEngine(ModelWeights, GradPartitions, nn.Module):
             if st.gathered or st.pending is not None:
                 continue
             gather = i == 0 and self.comm.world > 1  # a collective: every rank issues it
+            if not gather:
+                info = self.store.info(("p", gid))
+                if info.busy or Tier.DEVICE in info.valid:  # on its way or there
+                    continue
             sooner = sooner_than(self.trace, gid, self.staged, self.pending_updates)
             if not gather and not self.store.fits_sparing(("p", gid), Tier.DEVICE, sooner):
                 return  # the groups after it are needed later still: [Note: prefetch room]
             try:
                 if gather:
                     self._start_gather(st, async_op=True)
-                else:
-                    self.store.fetch(("p", gid), to=Tier.DEVICE)
+                elif self.store.prefetch(("p", gid), to=Tier.DEVICE) is None:
+                    return  # its room is on its way: the next unit asks again
             except BudgetExceededError as e:  # no room now: the use fetches on demand
                 log.debug("prefetch of group %d skipped: %s", gid, e)
                 return

@@ -10,7 +10,11 @@ later still). With a 6-layer MLP streaming from NVMe, a device tier of two
 layers and a look-ahead of three, a step read 31 layer copies for its 12 uses;
 sparing, 10. Each group fetched ahead still holds room that would otherwise
 keep a copy (without look-ahead the same step read 7, all on demand): the
-look-ahead trades those bytes for reads that overlap compute.
+look-ahead trades those bytes for reads that overlap compute. A prefetch runs
+on the compute thread, in a unit's hook, so it never waits
+(`TieredStore.prefetch`): a group whose fetch is in flight is skipped, and
+one whose room is still being made (a dirty copy's write) is asked for again
+at the next unit.
 
 The engine's records are keyed ("p", gid) for a group's parameter partition,
 ("p", gid, "staged") for its new partition until the step commits ([Note: all

@@ -337,22 +337,31 @@ class MoveExecutor:
     # for it is impossible and making other room costs a write or a drop. So where
     # the victims fit in HOST once the copy has left it, both hand-overs happen at
     # once, under the lock: no budget is exceeded when it is released, no byte moves.
-    def _swap_up(self, rec: PartitionRecord) -> bool:
-        """Hands `rec` (HOST) up to DEVICE and the DEVICE copies the policy gives up in
-        its place down to HOST, together; False (nothing changed) unless DEVICE is
-        short of room, no eviction there is in flight, and every victim is a resting
-        copy with no HOST copy that fits HOST once `rec` has left it."""
+    def _swap_victims(self, rec: PartitionRecord) -> list[PartitionRecord]:
+        """The DEVICE copies `_swap_up` would hand down for `rec`; empty where it would not
+        swap: unless DEVICE is short of room, no eviction there is in flight, and every
+        victim is a resting copy with no HOST copy that fits HOST once `rec` has left
+        it."""
         short = rec.footprint - self._acct.room(Tier.DEVICE)
         if short <= 0 or self._acct.releasing(Tier.DEVICE) or Tier.HOST not in rec.valid:
-            return False
+            return []
         cands = {k: c for k, c in self._candidates(Tier.DEVICE, {rec.key}).items()
                  if Tier.HOST not in self._records[k].copies}
         if not cands:
-            return False
+            return []
         down = [self._records[k] for k in self._policy.choose(Tier.DEVICE, short,
                                                                 list(cands.values()))]
         if (any(v.key not in cands for v in down) or sum(v.footprint for v in down) < short
                 or sum(v.footprint for v in down) > self._acct.room(Tier.HOST) + rec.footprint):
+            return []
+        return down
+
+    def _swap_up(self, rec: PartitionRecord) -> bool:
+        """Hands `rec` (HOST) up to DEVICE and the DEVICE copies the policy gives up in
+        its place down to HOST, together; False (nothing changed) where
+        `_swap_victims` finds none."""
+        down = self._swap_victims(rec)
+        if not down:
             return False
         for v in down:
             self._acct.refund(Tier.DEVICE, v.kind, v.footprint)

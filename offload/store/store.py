@@ -235,19 +235,43 @@ class TieredStore(MoveExecutor):
         move of `key` in flight. Raises `BudgetExceededError` when no room can
         be made; the record is then unchanged.
         """
+        with self._cond:
+            return self._fetch(key, _tier(to), pin)
+
+    def prefetch(self, key: Hashable, to: Tier | str = Tier.DEVICE) -> MoveHandle | None:
+        """`fetch(key, to)` where it starts without waiting; else None. None when `key`
+        has a move in flight (it is on its way), or when its room is not free now:
+        the evictions that make it are started (a dirty copy's write) and a later
+        call finds the room. A prefetch on the compute thread, which must not wait
+        for one, calls this ([Note: prefetch room] in offload/engine/eviction.py)."""
         to = _tier(to)
         with self._cond:
             self._check_open()
-            move = self._new_move("fetch", key, to)
-            rec = self._claim(key, move, "fetch")
-            try:
-                self._bind(move, rec)
-                move.pin = pin
-                self._plan(move, rec, plan_fetch(rec.valid, to, self._dev.hand_over))
-            except BaseException:
-                self._unclaim(rec, move)
-                raise
-            self._start(move, rec)
+            rec = self._record(key)
+            if rec.claim is not None:
+                return None
+            steps = plan_fetch(rec.valid, to, self._dev.hand_over)
+            needs = needs_of(steps, rec.footprint)
+            if (steps and not self._acct.fits(needs)
+                    and not (steps == [Step.HAND_H2D] and self._swap_victims(rec))):
+                self._make_room(needs, {key}, [])
+                if not self._acct.fits(needs):
+                    return None
+            return self._fetch(key, to, False)
+
+    def _fetch(self, key: Hashable, to: Tier, pin: bool) -> MoveHandle:
+        """`fetch`, the lock held."""
+        self._check_open()
+        move = self._new_move("fetch", key, to)
+        rec = self._claim(key, move, "fetch")
+        try:
+            self._bind(move, rec)
+            move.pin = pin
+            self._plan(move, rec, plan_fetch(rec.valid, to, self._dev.hand_over))
+        except BaseException:
+            self._unclaim(rec, move)
+            raise
+        self._start(move, rec)
         return move
 
     def could_hold(self, where: dict[Hashable, Tier]) -> bool:

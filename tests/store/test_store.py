@@ -463,3 +463,25 @@ def test_a_clean_device_copy_needed_sooner_goes_down_and_the_host_one_leaves(mak
     assert s.info("h").valid == {N} and s.stats().writes == writes + 1
     assert torch.equal(s.fetch("h", H).wait(), page_tensor(2) + 1)
     s.audit()
+
+
+def test_prefetch_never_waits(make_store):
+    """`prefetch` starts a fetch that needs no wait and otherwise returns None at once:
+    where its room needs a dirty copy written first (that write is started, and a
+    later call finds the room), and for a partition whose move is in flight."""
+    pages = 4096  # 16 MiB: its write takes milliseconds
+    s = make_store(device_pages=pages, host_pages=pages)
+    s.put("c", page_tensor(3, pages), tier="NVME").wait()
+    s.put("a", page_tensor(1, pages), tier="NVME").wait()
+    s.fetch("a", H).wait()
+    with s.modify("a", H) as t:  # HOST full of a dirty copy
+        t += 1
+    writes = s.stats().writes
+    assert s.prefetch("c", H) is None  # room: a written first, not waited for
+    assert s.info("a").busy and s.prefetch("a", H) is None  # in flight: on its way
+    s.wait_all()
+    assert s.stats().writes == writes + 1 and s.info("a").valid == {N}
+    assert torch.equal(s.prefetch("c", H).wait(), page_tensor(3, pages))
+    assert s.prefetch("c", H).wait() is not None  # there already: nothing to move
+    assert torch.equal(s.fetch("a", D).wait(), page_tensor(1, pages) + 1)
+    s.audit()
