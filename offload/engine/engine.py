@@ -58,7 +58,7 @@ from ..planner.sizes import keeps_master
 from ..store import BudgetExceededError, Tier, TieredStore, footprint
 from ..trace import NULL_RECORDER, TraceRecorder, UnitSpans
 from .eviction import PendingUpdates, sooner_than
-from .forward_prefetch import ForwardOnlyPrefetch
+from .forward_prefetch import ForwardOnlyPrefetch, arriving
 from .grad_slots import GradSlots
 from .grads import GradPartitions
 from .in_place import update_in_place
@@ -283,10 +283,8 @@ class OffloadEngine(ModelWeights, GradPartitions, nn.Module):
             if st.gathered or st.pending is not None:
                 continue
             gather = i == 0 and self.comm.world > 1  # a collective: every rank issues it
-            if not gather:
-                info = self.store.info(("p", gid))
-                if info.busy or Tier.DEVICE in info.valid:  # on its way or there
-                    continue
+            if not gather and arriving(self.store, ("p", gid)):
+                continue
             sooner = sooner_than(self.trace, gid, self.staged, self.pending_updates)
             if not gather and not self.store.fits_sparing(("p", gid), Tier.DEVICE, sooner):
                 return  # the groups after it are needed later still: [Note: prefetch room]

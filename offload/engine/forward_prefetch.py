@@ -15,14 +15,21 @@ demand. A guess that proves wrong costs bandwidth, never correctness.
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from typing import Callable, Hashable
 
 from ..store import BudgetExceededError, Tier, TieredStore
 from .units import Unit
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ForwardOnlyPrefetch"]
+__all__ = ["ForwardOnlyPrefetch", "arriving"]
+
+
+def arriving(store: TieredStore, key: Hashable) -> bool:
+    """True where `key` is valid in DEVICE or has a move in flight (on its way): a
+    prefetch of it has nothing to start, and must not wait for the move."""
+    info = store.info(key)
+    return info.busy or Tier.DEVICE in info.valid
 
 
 class ForwardOnlyPrefetch:
@@ -48,8 +55,7 @@ class ForwardOnlyPrefetch:
             key = ("p", gid)
             if busy(gid):
                 continue
-            info = self._store.info(key)
-            if info.busy or Tier.DEVICE in info.valid:  # on its way or there: no waiting
+            if arriving(self._store, key):  # no waiting
                 continue
             try:
                 self._store.fetch(key, to=Tier.DEVICE)

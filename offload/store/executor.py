@@ -294,11 +294,11 @@ class MoveExecutor:
         """Drops `rec`'s clean copy in `tier`, or starts writing its dirty one down without
         waiting; returns the bytes freed or on their way (0: no room below yet)."""
         args = {"key": str(rec.key), "tier": tier.name, "bytes": rec.footprint}
-        # A clean copy on a CPU device tier is handed down to HOST when HOST has room
-        # now: it costs no copy, and the next fetch finds it there instead of on disk.
+        # A clean copy on a CPU device tier is handed down to HOST where HOST has room,
+        # or the policy would rather give up a HOST copy: it costs no copy, and the next
+        # fetch finds it there instead of on disk.
         keep = (tier is Tier.DEVICE and self._dev.hand_over and Tier.HOST not in rec.valid
-                and (self._acct.fits({Tier.HOST: rec.footprint})
-                     or self._host_goes_first(rec, exclude)))
+                and self._host_goes_first(rec, exclude))
         if len(rec.valid) > 1 and not keep:
             self._release(tier, rec, rec.drop(tier))
             self._acct.evictions += 1
@@ -349,12 +349,12 @@ class MoveExecutor:
                  if Tier.HOST not in self._records[k].copies}
         if not cands:
             return []
-        down = [self._records[k] for k in self._policy.choose(Tier.DEVICE, short,
-                                                                list(cands.values()))]
-        if (any(v.key not in cands for v in down) or sum(v.footprint for v in down) < short
-                or sum(v.footprint for v in down) > self._acct.room(Tier.HOST) + rec.footprint):
+        keys = self._policy.choose(Tier.DEVICE, short, list(cands.values()))
+        if any(k not in cands for k in keys):
             return []
-        return down
+        down = [self._records[k] for k in keys]
+        freed = sum(v.footprint for v in down)
+        return down if short <= freed <= self._acct.room(Tier.HOST) + rec.footprint else []
 
     def _swap_up(self, rec: PartitionRecord) -> bool:
         """Hands `rec` (HOST) up to DEVICE and the DEVICE copies the policy gives up in
@@ -381,11 +381,12 @@ class MoveExecutor:
         return True
 
     def _host_goes_first(self, rec: PartitionRecord, exclude: set[Hashable]) -> bool:
-        """Whether the policy, choosing in HOST among its copies and `rec`'s clean DEVICE
-        copy as if it were there, would give up another first: DEVICE and HOST are one
-        memory on a CPU device, so the copy needed last should leave, wherever it is.
-        True also while HOST room for it is on its way (an eviction there in flight,
-        perhaps the one this choice started): the copy waits for it."""
+        """Whether `rec`'s clean DEVICE copy should go down to HOST rather than be dropped:
+        True where HOST has room for it, now or on its way (an eviction there in
+        flight, perhaps the one this choice started: the copy waits for it), or
+        where the policy, choosing in HOST among its copies and this one as if it
+        were there, would give up another first: DEVICE and HOST are one memory on
+        a CPU device, so the copy needed last should leave, wherever it is."""
         if self._acct.room(Tier.HOST) + self._acct.releasing(Tier.HOST) >= rec.footprint:
             return True
         cands = self._candidates(Tier.HOST, exclude | {rec.key})
