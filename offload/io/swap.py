@@ -223,6 +223,9 @@ class SwapSpace:
         self._lock = threading.Lock()
         self._alloc = ExtentAllocator(0, DIRECT_ALIGN)
         self._sums: dict[int, tuple[int, int] | None] = {}  # extent offset -> (nbytes, xxh3)
+        # extent offset -> (nbytes, xxh3, handle) of its last write until `_sums` has it:
+        # [Note: a write is readable once it is done]
+        self._writes: dict[int, tuple[int, int, IoHandle]] = {}
         self._files: list[_SwapFile] = []
         # charged for every extent alloc() reserves and refunded when it is freed: the
         # store's NVME budget ([Note: optimizer extents] in offload/store/store.py)
@@ -291,6 +294,7 @@ class SwapSpace:
         with self._lock:
             self._alloc.free(Extent(extent.offset, extent.length))
             self._sums.pop(extent.offset, None)
+            self._writes.pop(extent.offset, None)
         if counted and self.ledger is not None:
             self.ledger.refund(extent.length)
 
@@ -367,13 +371,36 @@ class SwapSpace:
         handle = self.engine.submit("write", self._segments(extent.offset, span,
                                                             _address(buffer)), keepalive=buffer)
         digest = xxhash.xxh3_64_intdigest(_view(buffer, nbytes)) if self.checksum else 0
-        handle.add_done_callback(lambda h: self._record(extent, nbytes, digest, h))
+        with self._lock:
+            if extent.offset in self._sums:
+                self._writes[extent.offset] = (nbytes, digest, handle)
+        handle.add_done_callback(lambda h, offset=extent.offset: self._record(offset, h))
         return handle
 
-    def _record(self, extent: SwapExtent, nbytes: int, digest: int, h: IoHandle) -> None:
+    # [Note: a write is readable once it is done]
+    # A handle is done (its `wait()` returns) before its callbacks run, on the
+    # engine's thread, so `_record` may not have run yet when the writer goes on
+    # and reads the extent back (the optimizer's commit waits for its writes,
+    # installs their extents, and the next step's read-ahead reads them at once).
+    # The extent's last write is therefore kept until recorded, and a read of an
+    # extent whose write is done records it first; only a write still in flight
+    # or failed leaves it unreadable.
+
+    def _record(self, offset: int, h: IoHandle) -> None:
         with self._lock:
-            if extent.offset in self._sums and h.error is None:
-                self._sums[extent.offset] = (nbytes, digest)
+            write = self._writes.get(offset)
+            if write is not None and write[2] is h:  # else a later write took its place
+                self._settle(offset)
+
+    def _settle(self, offset: int) -> tuple[int, int] | None:
+        """The extent's checksum record, taking its last write's once that is done (and
+        succeeded); the lock held."""
+        write = self._writes.get(offset)
+        if write is not None and write[2].done():
+            del self._writes[offset]
+            if write[2].error is None and offset in self._sums:
+                self._sums[offset] = write[:2]
+        return self._sums.get(offset)
 
     def read(self, extent: SwapExtent, buffer: object, nbytes: int | None = None) -> ReadHandle:
         """Reads what was last written to `extent` into `buffer`; returns the handle.
@@ -384,7 +411,7 @@ class SwapSpace:
         with self._lock:
             if extent.offset not in self._sums:
                 raise ValueError(f"extent {extent} is not allocated in swap {self.name}")
-            rec = self._sums[extent.offset]
+            rec = self._settle(extent.offset)
         if rec is None:
             raise IoError("read", self._files[0].path, extent.offset, extent.length, _errno.EIO,
                           "this extent holds no completed write (never written, still being "

@@ -265,3 +265,29 @@ def test_close_is_idempotent_and_stops_the_exit_hook(engine, tmp_path):
     sw.close(keep=True)
     sw.close()  # nothing left to do: the kept files stay
     assert sorted(os.listdir(tmp_path)) == ["offload-twice.swap", "offload-twice.swap.lock"]
+
+
+def test_a_write_is_readable_as_soon_as_its_wait_returns(engine, pool, tmp_path, monkeypatch):
+    """[Note: a write is readable once it is done]: the engine's thread runs a write's
+    callbacks after `wait()` has returned to the writer, so the one that records the
+    write may not have run when the writer reads the extent back (held back here)."""
+    import time
+
+    with SwapSpace([str(tmp_path)], "t", engine, grow_step=1 << 20) as sw:
+        record = sw._record
+
+        def late(offset, handle):
+            time.sleep(0.2)
+            record(offset, handle)
+        monkeypatch.setattr(sw, "_record", late)
+        n = 65536
+        src, dst = pool.alloc(n), pool.alloc(n)
+        _fill(src, n, 7)
+        ext = sw.alloc(n)
+        sw.write(ext, src, n).wait()
+        sw.read(ext, dst).wait()
+        np.testing.assert_array_equal(dst.numpy()[:n], src.numpy()[:n])
+        _fill(src, n, 8)  # a later write's record takes the place of the earlier one's
+        sw.write(ext, src, n).wait()
+        sw.read(ext, dst).wait()
+        np.testing.assert_array_equal(dst.numpy()[:n], src.numpy()[:n])
