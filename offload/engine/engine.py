@@ -277,21 +277,28 @@ class OffloadEngine(ModelWeights, GradPartitions, nn.Module):
     def _prefetch(self) -> None:
         """Follows the plan: the next group's all-gather starts now (it runs behind this
         unit's compute), the groups after it start moving towards DEVICE, each only
-        where room can be made without evicting a copy needed no later than it."""
+        where room can be made without evicting a copy needed no later than it, or
+        else into HOST ([Note: staging in HOST] in eviction.py)."""
         for i, gid in enumerate(self.trace.upcoming(self.cfg.engine.prefetch_depth)):
             st = self._states[gid]
             if st.gathered or st.pending is not None:
                 continue
             gather = i == 0 and self.comm.world > 1  # a collective: every rank issues it
-            if not gather and arriving(self.store, ("p", gid)):
+            key = ("p", gid)
+            if not gather and arriving(self.store, key):
                 continue
             sooner = sooner_than(self.trace, gid, self.staged, self.pending_updates)
-            if not gather and not self.store.fits_sparing(("p", gid), Tier.DEVICE, sooner):
-                return  # the groups after it are needed later still: [Note: prefetch room]
+            to = Tier.DEVICE
+            if not gather and not self.store.fits_sparing(key, Tier.DEVICE, sooner):
+                if not self.store.fits_sparing(key, Tier.HOST, sooner):
+                    return  # the groups after it are needed later still: [Note: prefetch room]
+                if Tier.HOST in self.store.info(key).valid:
+                    continue  # staged already
+                to = Tier.HOST
             try:
                 if gather:
                     self._start_gather(st, async_op=True)
-                elif self.store.prefetch(("p", gid), to=Tier.DEVICE) is None:
+                elif self.store.prefetch(key, to=to) is None:
                     return  # its room is on its way: the next unit asks again
             except BudgetExceededError as e:  # no room now: the use fetches on demand
                 log.debug("prefetch of group %d skipped: %s", gid, e)

@@ -16,6 +16,16 @@ on the compute thread, in a unit's hook, so it never waits
 one whose room is still being made (a dirty copy's write) is asked for again
 at the next unit.
 
+[Note: staging in HOST]
+Where DEVICE cannot take a group without evicting a copy needed sooner (a
+device tier of one or two groups) but HOST can, the group is read from NVMe
+into HOST ahead of its use; the use then only moves it up (a copy over the
+bus on a GPU, a hand-over on a CPU device), not from the disk. The plan
+counts the memory tiers as one budget, so it already issues such a fetch
+that early. With 6 x Linear(256, 256) streaming from NVMe, a device tier of
+one group, HOST room for four, and a look-ahead of three, each step after the
+first fetched two uses on demand at the use; staged, none.
+
 The engine's records are keyed ("p", gid) for a group's parameter partition,
 ("p", gid, "staged") for its new partition until the step commits ([Note: all
 or nothing] in step.py) and ("g", gid) for its gradient. `next_use_of(trace,

@@ -3,6 +3,7 @@ group finds its fetch issued ahead of it (not on demand at the use), read from t
 event trace as the report reads it (`prefetch_outcomes`)."""
 
 import collections
+import copy
 
 import pytest
 import torch
@@ -131,3 +132,39 @@ def test_every_step_diverging_from_the_trace_keeps_torchs_numbers(tmp_path, para
         got = e.state_dict()
     for name, p in ref.named_parameters():  # a layer used twice sums its two gradients in
         torch.testing.assert_close(got[name], p.detach(), atol=1e-5, rtol=0)  # another order
+
+
+def test_a_group_device_has_no_room_for_is_staged_in_host_ahead_of_its_use(tmp_path):
+    """[Note: staging in HOST]: a device tier of one group, HOST room for four. Without
+    staging, two uses a step (one in the forward, one in the backward) found their
+    group on NVMe: DEVICE could not take it ahead without evicting a copy needed
+    sooner. The batch makes each unit's compute outlast a dirty copy's write, so
+    the room a prefetch starts making is there by the next unit."""
+    cfg = {"engine": {"params": "nvme", "grads": "host", "optimizer": "host",
+                      "group_size": 1, "prefetch_depth": 3},
+           "io": {"paths": [str(tmp_path / "swap")], "buffer_budget": "8MiB"},
+           "store": {"host_budget": "1100KiB", "device_budget": "300KiB", "device": "cpu"}}
+    torch.manual_seed(0)
+    model = Stack()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.01)
+    rec = TraceRecorder(enabled=True)
+    with offload.initialize(model, cfg, recorder=rec) as e:
+        for step in range(4):
+            x = torch.randn(2048, 256)
+            rec.clear()
+            loss = e(x).square().mean()
+            e.backward(loss)
+            e.step()
+            (rt,) = parse_trace(to_chrome_trace(rec))
+            ref_loss = ref(x).square().mean()
+            ref_loss.backward()
+            opt.step()
+            opt.zero_grad()
+            torch.testing.assert_close(loss.detach(), ref_loss.detach(), rtol=1e-5, atol=1e-6)
+            uses = [u for u in prefetch_outcomes(rt) if u.key.startswith("('p'")]
+            staged = [s for s in rt.spans if s.is_async and s.name == "NVME->HOST"
+                      and str(s.args.get("key")).startswith("('p'")]
+            if step:
+                assert [(u.key, u.outcome) for u in uses if u.outcome == "on demand"] == []
+                assert len(uses) == 12 and staged
