@@ -526,10 +526,9 @@ class MoveExecutor:
         self._queue.put((move, index, waitable))
 
     # [Note: lost callbacks]
-    # `IoHandle.add_done_callback` can drop a callback registered while the engine
-    # is finishing the handle (offload/io/handle.py: `_finish` swaps the callback
-    # list, releases its lock, and only then sets `_done`; a callback added in
-    # between lands in the new list and is never called). So the completion
+    # A handle runs its callbacks one after another on the thread that finishes
+    # it; one that raises leaves the ones after it uncalled, and a move whose
+    # callback is never called would stay in flight for ever. So the completion
     # thread does not rely on callbacks alone: while I/O is in flight it wakes
     # every 50 ms and sweeps `_in_io` for handles that are done. A step reached
     # both ways is finished once (`_complete_one` skips the second).
