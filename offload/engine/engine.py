@@ -290,10 +290,10 @@ class OffloadEngine(ModelWeights, GradPartitions, nn.Module):
             sooner = sooner_than(self.trace, gid, self.staged, self.pending_updates)
             to = Tier.DEVICE
             if not gather and not self.store.fits_sparing(key, Tier.DEVICE, sooner):
+                if Tier.HOST in self.store.info(key).valid:
+                    continue  # staged already: its use hands it up
                 if not self.store.fits_sparing(key, Tier.HOST, sooner):
                     return  # the groups after it are needed later still: [Note: prefetch room]
-                if Tier.HOST in self.store.info(key).valid:
-                    continue  # staged already
                 to = Tier.HOST
             try:
                 if gather:
