@@ -24,7 +24,8 @@ from typing import Any, Callable, Sequence
 from ..config import ConfigError, format_bytes, parse_bytes
 
 __all__ = ["CommandParser", "UsageError", "byte_size", "choice_list", "count", "directory",
-           "existing_directory", "integer", "number", "output_file", "parse_count", "run_command", "value_list"]
+           "existing_directory", "integer", "missing_directories", "number", "output_file",
+           "parse_count", "remove_directories", "run_command", "value_list"]
 
 
 class UsageError(Exception):
@@ -208,6 +209,29 @@ def _directory_problem(path: str) -> str | None:
         return f"cannot be created: {ancestor} is a file"
     why = _writable(ancestor)
     return f"cannot be created: {ancestor} {why}" if why else None
+
+
+def missing_directories(path: str) -> list[str]:
+    """The directories that `os.makedirs(path)` would create, deepest first: what a
+    command that fails (or only needs them for a while) removes again."""
+    out = []
+    p = os.path.abspath(path)
+    while not os.path.exists(p):
+        out.append(p)
+        p = os.path.dirname(p)
+    return out
+
+
+def remove_directories(dirs: Sequence[str]) -> None:
+    """Removes `dirs` (deepest first, as `missing_directories` lists them) while they
+    are empty: one that holds anything stops the walk up (it is not only ours)."""
+    for d in dirs:
+        try:
+            os.rmdir(d)
+        except FileNotFoundError:
+            continue
+        except OSError:
+            return
 
 
 def directory(purpose: str = "directory") -> Callable[[str], str]:

@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..config import format_bytes
-from .args import UsageError, byte_size, directory, existing_directory
+from .args import (UsageError, byte_size, directory, existing_directory, missing_directories,
+                   remove_directories)
 
 if TYPE_CHECKING:
     from ..engine.checkpoint_reader import CheckpointReader
@@ -148,12 +149,17 @@ def export_safetensors(reader: CheckpointReader, out: str | os.PathLike, *,
 def run_export(args: argparse.Namespace) -> int:
     from ..engine.training_checkpoint import CheckpointError
     reader = _open(args.path)
+    created = missing_directories(args.to)
+    files = None
     try:
         files = export_safetensors(reader, args.to, dtype=args.dtype,
                                    shard_size=args.shard_size)
     except CheckpointError as e:
         print(f"offload checkpoint export: {' '.join(str(e).split())}", file=sys.stderr)
         return 1
+    finally:
+        if files is None:  # a failed export leaves no directory it made (its shards are gone)
+            remove_directories(created)
     if args.config:
         for name in _CONFIGS:
             src = Path(args.config) / name

@@ -26,6 +26,9 @@ from .args import UsageError, integer
 __all__ = ["ModelSpec", "MeasuredModel", "add_model_arguments", "model_spec", "measure_model"]
 
 DTYPES = ("fp32", "bf16", "fp16")
+# far above any real micro-batch, and low enough that batch x seq x a layer's width (up to
+# 65536) x 4 bytes fits torch's 64-bit sizes; a wider batch is refused by `_zeros`
+MAX_BATCH, MAX_SEQ = 1 << 20, 1 << 24
 
 
 @dataclass(frozen=True)
@@ -64,10 +67,11 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                    "returning an nn.Module")
     p.add_argument("--hf-config", default=None, help="a Hugging Face config.json (or a "
                    "directory holding one), instead of MODEL")
-    p.add_argument("--batch", type=integer(1, example=8), default=8,
-                   help="rows per micro-batch (default 8)")
-    p.add_argument("--seq", type=integer(1, example=512), default=None,
-                   help="tokens per row (default 512 for a model with an embedding)")
+    p.add_argument("--batch", type=integer(1, MAX_BATCH, example=8), default=8,
+                   help=f"rows per micro-batch, 1..{MAX_BATCH} (default 8)")
+    p.add_argument("--seq", type=integer(1, MAX_SEQ, example=512), default=None,
+                   help=f"tokens per row, 1..{MAX_SEQ} (default 512 for a model with an "
+                   "embedding)")
     p.add_argument("--dtype", choices=DTYPES, default="bf16",
                    help="compute dtype: fp32, bf16 or fp16 (default bf16)")
 
@@ -157,8 +161,7 @@ def example_batch(model: Any, spec: ModelSpec, device: Any) -> tuple[dict, Calla
     first = next((m for m in model.modules() if isinstance(m, (nn.Embedding, nn.Linear))),
                  None)
     if spec.source == "hf" or isinstance(first, nn.Embedding):
-        seq = spec.seq or 512
-        ids = torch.zeros(spec.batch, seq, dtype=torch.long, device=device)
+        ids = _zeros(spec, (spec.batch, spec.seq or 512), torch.long, device)
         if spec.source == "hf":
             return {"input_ids": ids, "labels": ids}, lambda out: out.loss
         return {"input": ids}, lambda out: out.float().square().mean()
@@ -167,8 +170,22 @@ def example_batch(model: Any, spec: ModelSpec, device: Any) -> tuple[dict, Calla
                          "shape from; give a model whose first layer is one")
     shape = (spec.batch, spec.seq, first.in_features) if spec.seq else \
         (spec.batch, first.in_features)
-    x = torch.zeros(shape, device=device)
-    return {"input": x}, lambda out: out.float().square().mean()
+    return {"input": _zeros(spec, shape, torch.float32, device)}, \
+        lambda out: out.float().square().mean()
+
+
+def _zeros(spec: ModelSpec, shape: tuple, dtype: Any, device: Any) -> Any:
+    """The batch tensor; a shape torch refuses (too many elements, or too many bytes
+    where it is allocated) is a bad --batch/--seq, not a traceback."""
+    import torch
+
+    try:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    except (RuntimeError, OverflowError, MemoryError) as e:
+        raise UsageError(f"--batch/--seq: a batch of shape {tuple(shape)} for {spec.target} "
+                         f"cannot be made on the {device} device ({type(e).__name__}: "
+                         f"{str(e).splitlines()[0] if str(e) else ''}); give a smaller "
+                         "--batch or --seq") from None
 
 
 def call(model: Any, batch: dict) -> Any:

@@ -185,9 +185,10 @@ def tune(args: argparse.Namespace, quiet: bool = False,
     t0 = time.perf_counter() if t0 is None else t0
     budgets = Budgets(args.host_budget, args.device_budget)
     space = Space(state_dtypes=tuple(args.state_dtype))
+    # a batch the model cannot take fails here: before the bars, and before --swap is made
+    base = measure_model(spec, EngineConfig().group_size)
     os.makedirs(args.swap, exist_ok=True)
     with _bar(quiet) as progress:
-        base = measure_model(spec, EngineConfig().group_size)
         sizes = group_sizes(base.params, args.group_sizes)
         with _phase(progress, "record step (meta)", len(sizes)) as tick:
             shapes = record(spec, sizes, 1.0, device, tick)  # unit "seconds" in FLOPs

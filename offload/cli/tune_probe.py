@@ -13,6 +13,7 @@ from typing import Callable
 
 from ..config import IoConfig
 from ..planner import Rates
+from .args import missing_directories, remove_directories
 from .benchutil import DiskProbe
 
 __all__ = ["DiskRates", "MachineProbe", "probe_adam", "probe_copy", "probe_disk",
@@ -53,21 +54,27 @@ class MachineProbe:
 def probe_disk(directory: str, nbytes: int, grid=IO_GRID,
                tick: Callable[[], None] | None = None) -> list[DiskRates]:
     """Write, read and mixed rates of `nbytes` under `directory` for each (block size,
-    queue depth) of `grid`, through offload's I/O engine as the swap traffic goes."""
+    queue depth) of `grid`, through offload's I/O engine as the swap traffic goes.
+    The directories it creates for the probe file are removed again (not one that
+    was there before, such as the swap directory itself)."""
+    created = missing_directories(directory)
     os.makedirs(directory, exist_ok=True)
     out = []
-    for bs, qd in grid:
-        probe = DiskProbe(IoConfig(paths=[directory], block_size=bs, queue_depth=qd,
-                                   buffer_budget=max(bs, IoConfig().buffer_budget)),
-                          directory, max(nbytes, 4 * bs * qd))
-        try:
-            w, r = probe.measure()
-            mixed = probe.measure_mixed(bs, max(1, qd // 4), seconds=0.5)
-            out.append(DiskRates(bs, qd, r, w, mixed, probe.engine.name))
-        finally:
-            probe.close()
-        if tick:
-            tick()
+    try:
+        for bs, qd in grid:
+            probe = DiskProbe(IoConfig(paths=[directory], block_size=bs, queue_depth=qd,
+                                       buffer_budget=max(bs, IoConfig().buffer_budget)),
+                              directory, max(nbytes, 4 * bs * qd))
+            try:
+                w, r = probe.measure()
+                mixed = probe.measure_mixed(bs, max(1, qd // 4), seconds=0.5)
+                out.append(DiskRates(bs, qd, r, w, mixed, probe.engine.name))
+            finally:
+                probe.close()
+            if tick:
+                tick()
+    finally:
+        remove_directories(created)
     return out
 
 

@@ -93,6 +93,22 @@ def test_export_safetensors_loads_back(saved, tmp_path, offload_cli, dtype, shar
     assert rc == 2 and "already holds safetensors files" in err
 
 
+
+def test_export_of_a_damaged_checkpoint_leaves_no_new_directory(saved, tmp_path, offload_cli):
+    ck, _ = saved
+    chunk = ck / "param" / "l2.weight" / "c" / "0" / "0"  # after emb and l1: a shard is begun
+    data = bytearray(chunk.read_bytes())
+    data[7] ^= 1
+    chunk.write_bytes(bytes(data))
+    rc, _, err = offload_cli(["checkpoint", "export", str(ck), "--to",
+                              str(tmp_path / "out" / "hf"), "--shard-size", "4KB"])
+    assert rc == 1 and "param/l2.weight" in err, err
+    assert not (tmp_path / "out").exists()
+    (tmp_path / "mine").mkdir()  # a --to that was there before stays, empty
+    rc, _, err = offload_cli(["checkpoint", "export", str(ck), "--to", str(tmp_path / "mine")])
+    assert rc == 1, err
+    assert list((tmp_path / "mine").iterdir()) == []
+
 def test_bench_checkpoint_small(tmp_path, offload_cli):
     rc, out, err = offload_cli(["bench", "checkpoint", "--params", "300K", "--dim", "256",
                                 "--batch", "8", "--path", str(tmp_path), "--json"])

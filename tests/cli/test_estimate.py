@@ -22,6 +22,9 @@ MODELS = textwrap.dedent("""
 
     def mlp():
         return nn.Sequential(*[nn.Linear(256, 256) for _ in range(6)])
+
+    def wide():
+        return nn.Sequential(nn.Linear(1 << 20, 4))
     """)
 TIERS = {"device": "DEVICE", "host": "HOST", "nvme": "NVME"}
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -129,6 +132,12 @@ def test_estimate_table_of_a_module_function(models):
     (["tinymodels:mlp", "--placement", "disk/host/nvme"], "--placement: 'disk/host/nvme'"),
     (["tinymodels:mlp", "--world", "0"], "--world: '0' is not positive"),
     ([], "MODEL: missing"),
+    (["tinymodels:mlp", "--batch", str(1 << 63)], f"--batch: '{1 << 63}' is out of range "
+     "1..1048576; give e.g. 8"),
+    (["tinymodels:mlp", "--seq", str(1 << 63)], f"--seq: '{1 << 63}' is out of range "
+     "1..16777216; give e.g. 512"),
+    (["tinymodels:wide", "--batch", "1048576", "--seq", "16777216"], "--batch/--seq: a batch "
+     "of shape (1048576, 16777216, 1048576) for tinymodels:wide cannot be made"),
 ])
 def test_bad_model_argument_is_one_line_exit_2(models, argv, words):
     out = subprocess.run(OFFLOAD + ["estimate", *argv], capture_output=True, text=True,

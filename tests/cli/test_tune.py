@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import offload
+from offload.cli.tune_probe import probe_disk
 from offload.cli.tune_verify import spread, steadiest_fastest
 from offload.config import load_config
 
@@ -21,6 +22,9 @@ MODELS = textwrap.dedent("""
 
     def mlp():
         return nn.Sequential(*[nn.Linear(256, 256) for _ in range(6)])
+
+    def wide():
+        return nn.Sequential(nn.Linear(1 << 20, 4))
     """)
 MiB = 1 << 20
 
@@ -101,8 +105,7 @@ def test_tune_table_with_progress_bars(work):
     for phase in ("probe disk", "record step", "search"):
         assert phase in out.stderr
     assert "step s" in out.stdout and "tokens/s" in out.stdout and "limit" in out.stdout
-    assert not (work / "swap" / ".offload-tune-probe").exists() or \
-        not os.listdir(work / "swap" / ".offload-tune-probe")
+    assert not (work / "swap" / ".offload-tune-probe").exists()
 
 
 def test_impossible_budgets_say_what_is_missing_in_which_tier(work):
@@ -121,9 +124,32 @@ def test_impossible_budgets_say_what_is_missing_in_which_tier(work):
     (["--swap", "/etc/hosts"], "--swap: '/etc/hosts' exists and is not a directory"),
     (["--swap", "SWAP", "--verify", "-1"], "--verify: '-1' is below 0"),
     (["--swap", "SWAP", "--host-budget", "lots"], "--host-budget: 'lots' is not a byte size"),
+    (["--swap", "SWAP", "--batch", str(1 << 63)], f"--batch: '{1 << 63}' is out of range"),
+    (["--swap", "SWAP", "--seq", str(1 << 63)], f"--seq: '{1 << 63}' is out of range"),
 ])
 def test_bad_flags_are_one_line_exit_2(work, argv, words):
     argv = [str(work / "swap") if a == "SWAP" else a for a in argv]
     out = _tune(work, *argv, timeout=120)
     assert out.returncode == 2
     assert words in out.stderr and out.stderr.count("\n") == 1, out.stderr
+    assert not (work / "swap").exists()
+
+
+def test_a_batch_the_model_cannot_take_creates_no_swap_directory(work):
+    out = subprocess.run(OFFLOAD + ["tune", "tinymodels:wide", "--swap", str(work / "swap"),
+                                    "--batch", "1048576", "--seq", "16777216"],
+                         capture_output=True, text=True, timeout=120, cwd=work,
+                         env={**os.environ, "PYTHONPATH": ROOT})
+    assert out.returncode == 2
+    assert out.stderr.startswith("offload tune: --batch/--seq: a batch of shape") and \
+        out.stderr.count("\n") == 1, out.stderr
+    assert not (work / "swap").exists()
+
+
+def test_disk_probe_removes_only_the_directories_it_made(tmp_path):
+    swap = tmp_path / "swap"
+    swap.mkdir()
+    rates = probe_disk(str(swap / ".offload-tune-probe" / "sub"), 8 * MiB,
+                       grid=((1 * MiB, 8),))
+    assert len(rates) == 1 and rates[0].read_Bps > 0
+    assert swap.is_dir() and list(swap.iterdir()) == []
