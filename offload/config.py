@@ -571,9 +571,17 @@ def load_config(source: OffloadConfig | dict | str | os.PathLike | None = None) 
     if isinstance(source, dict):
         return _from_dict(OffloadConfig, source, "")
     path = Path(source)
+    if path.is_dir():
+        raise ConfigError(f"config file {path} is a directory; give the path of a .toml or "
+                          ".json file")
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
-    text = path.read_text()
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text ({e}); save the config as UTF-8") from e
+    except OSError as e:
+        raise ConfigError(f"config file {path} cannot be read: {e.strerror}") from e
     if path.suffix == ".toml":
         import tomllib
         try:

@@ -134,6 +134,13 @@ def test_bad_files(tmp_path):
     y.write_text("io: {}")
     with pytest.raises(ConfigError, match="use .toml or .json"):
         load_config(y)
+    with pytest.raises(ConfigError, match="is a directory; give the path of a .toml"):
+        load_config(tmp_path)
+    latin = tmp_path / "latin.toml"
+    latin.write_bytes(b'[io]\npaths = ["/tmp/caf\xe9"]\n')  # Latin-1, not UTF-8
+    with pytest.raises(ConfigError, match=r"latin\.toml: not UTF-8 text .* save the config as "
+                                          "UTF-8"):
+        load_config(latin)
 
 
 def test_parse_bytes():

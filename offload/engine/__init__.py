@@ -28,7 +28,7 @@ from .step import StepFailedError
 from .tensor_parallel import TensorParallel, full_state_dict
 from .training_checkpoint import CheckpointCorruptError, CheckpointError
 from .units import Group, build_units
-from .working_set import check_budgets
+from .working_set import check_budgets, check_disk
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +41,8 @@ __all__ = ["CheckpointCorruptError", "CheckpointError", "CheckpointReader", "Off
 # `__dict__` (as torch's composable APIs mark the modules they were applied to), so
 # a second `initialize` on the model, on a part of it, or on the engine itself is
 # refused instead of wrapping an empty shell. The mark outlives `close()`: the
-# model's weights stay in the closed engine (`state_dict()` has them).
+# model's weights went into the engine and leave with its closing (its methods
+# raise then), so save them first (`state_dict()`, `save_pretrained()`).
 _WRAPPED = "_offload_wrapped"
 
 
@@ -121,6 +122,12 @@ def initialize(model: nn.Module | Callable[[], nn.Module],
     """
     cfg = load_config(config)
     _report_huge_pages()
+    if not isinstance(model, nn.Module) and not callable(model):
+        raise ConfigError(f"initialize(model): expected an nn.Module or a function that builds "
+                          f"one, got {type(model).__name__}")
+    if lr_lambda is not None and not callable(lr_lambda):
+        raise ConfigError(f"initialize(lr_lambda): {lr_lambda!r} is not callable; give a "
+                          "function of the step returning the lr multiplier, as LambdaLR takes")
     if not isinstance(model, nn.Module):
         with meta_device():
             model = model()
@@ -142,6 +149,7 @@ def initialize(model: nn.Module | Callable[[], nn.Module],
                                 whole=tp.blocks if tp is not None else [])
     hyper, slot_groups = assign_param_groups(groups, cfg.optim, param_groups)
     check_budgets(cfg, groups, _DTYPES[cfg.engine.dtype])  # before any file is made
+    check_disk(cfg, groups, _DTYPES[cfg.engine.dtype])
     if resumed is not None:
         resumed.check(groups, _DTYPES[cfg.engine.dtype])
     gathers = None  # [Note: gather thread] in offload/comm/gather_thread.py

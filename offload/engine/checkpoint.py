@@ -12,10 +12,27 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any, Callable, TypeVar
 
 import torch
 
 __all__ = ["SafetensorsCheckpoint"]
+
+_T = TypeVar("_T")
+
+
+def _weight_map(index: Path) -> dict[str, str]:
+    """The {tensor: shard file} map of transformers' `model.safetensors.index.json`."""
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"checkpoint index {index} is not a transformers safetensors index "
+                         f"(JSON with a \"weight_map\": {type(e).__name__}: {e}); fix or "
+                         "remove it") from e
+    if not isinstance(weight_map, dict):
+        raise ValueError(f"checkpoint index {index}: \"weight_map\" is not a mapping of "
+                         "tensor names to shard files; fix or remove it")
+    return weight_map
 
 
 class SafetensorsCheckpoint:
@@ -23,17 +40,16 @@ class SafetensorsCheckpoint:
 
     def __init__(self, path: str | os.PathLike) -> None:
         try:
-            from safetensors import safe_open
+            from safetensors import SafetensorError, safe_open
         except ImportError as e:
             raise ImportError("reading a checkpoint needs safetensors: pip install "
                               "'offload[hf]'") from e
-        self._open = safe_open
+        self._open, self._error = safe_open, SafetensorError
         p = Path(path)
         if p.is_dir():
             index = p / "model.safetensors.index.json"
             if index.is_file():
-                weight_map = json.loads(index.read_text())["weight_map"]
-                files = {name: p / f for name, f in weight_map.items()}
+                files = {name: p / f for name, f in _weight_map(index).items()}
             else:
                 shards = sorted(p.glob("*.safetensors"))
                 if not shards:
@@ -41,14 +57,22 @@ class SafetensorsCheckpoint:
                                             "file")
                 files = {}
                 for f in shards:
-                    with safe_open(str(f), framework="pt") as h:
-                        files.update({k: f for k in h.keys()})
+                    files.update({k: f for k in self._read(f, lambda h: h.keys())})
         elif p.is_file():
-            with safe_open(str(p), framework="pt") as h:
-                files = {k: p for k in h.keys()}
+            files = {k: p for k in self._read(p, lambda h: h.keys())}
         else:
             raise FileNotFoundError(f"checkpoint {p} does not exist")
         self.files = files
+
+    def _read(self, f: Path, what: Callable[[Any], _T]) -> _T:
+        """`what(handle)` of safetensors file `f`; a file that is not one is named."""
+        try:
+            with self._open(str(f), framework="pt") as h:
+                return what(h)
+        except self._error as e:
+            raise ValueError(f"checkpoint {f} is not a valid safetensors file ({e}); pass "
+                             "a .safetensors file, or a directory of them as transformers' "
+                             "save_pretrained writes") from e
 
     def resolve(self, fqn: str) -> str | None:
         """The checkpoint's name for model parameter `fqn` (prefixes tolerated)."""
@@ -64,7 +88,6 @@ class SafetensorsCheckpoint:
         for fqn in fqns:
             name = self.resolve(fqn)
             if name is not None:
-                with self._open(str(self.files[name]), framework="pt") as h:
-                    return h.get_tensor(name)
+                return self._read(self.files[name], lambda h: h.get_tensor(name))
         raise KeyError(f"checkpoint has no tensor for parameter {fqns[0]} (nor {fqns[1:]}); "
                        f"it holds e.g. {sorted(self.files)[:5]}")

@@ -29,6 +29,34 @@ log = logging.getLogger(__name__)
 
 __all__ = ["ModelWeights"]
 
+# The dtypes `save_pretrained(dtype=...)` writes, under torch's and the config's names:
+# floating dtypes with a safetensors code (a cast to an integer dtype truncates the
+# weights, nearly all to zero).
+_EXPORT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
+                  "fp64": torch.float64}
+
+
+def _export_dtype(dtype: Any) -> torch.dtype | None:
+    """`save_pretrained`'s `dtype` as a torch dtype (None: each tensor's own)."""
+    if dtype is None:
+        return None
+    if isinstance(dtype, str) and dtype in _EXPORT_DTYPES:
+        return _EXPORT_DTYPES[dtype]
+    if isinstance(dtype, torch.dtype) and dtype in _EXPORT_DTYPES.values():
+        return dtype
+    raise ValueError(f"save_pretrained: dtype={dtype!r} cannot be written; pass None (each "
+                     f"tensor's own dtype), one of {list(_EXPORT_DTYPES)} or "
+                     f"{list(_EXPORT_DTYPES.values())}")
+
+
+def _shard_limit(max_shard_size: Any) -> int:
+    """`save_pretrained`'s `max_shard_size` in bytes (an int or a string such as "5GB")."""
+    limit = parse_bytes(max_shard_size, "save_pretrained: max_shard_size")
+    if limit <= 0:
+        raise ValueError(f"save_pretrained: max_shard_size={max_shard_size!r} is not a "
+                         "positive size; pass bytes or a string such as '5GB'")
+    return limit
+
 
 def _load_problem(state_dict: Mapping[str, Any], entries: list, missing: list[str],
                   strict: bool) -> str | None:
@@ -56,6 +84,15 @@ class ModelWeights:
         one registered stand-in per original parameter, full shape, compute dtype,
         its `requires_grad` ([Note: registered parameters] in params_view.py)."""
         return self.module.named_parameters(prefix, recurse, remove_duplicate)
+
+    def _check_open(self) -> None:
+        """Raises a clear error where a closed engine is used: its state is gone."""
+        if self._closed:
+            raise RuntimeError(
+                "this OffloadEngine is closed (close() ran, or its `with` block ended): its "
+                "partitions, optimizer state and swap files are gone; save what you need "
+                "(state_dict(), save_pretrained(), save_checkpoint()) before closing, and "
+                "resume a new engine from a checkpoint")
 
     def _check_between_steps(self, what: str) -> None:
         self._check_no_forward(what)
@@ -85,6 +122,7 @@ class ModelWeights:
         `store.host_budget`; for more, select fewer modules per block or stream
         with `named_weights()`. Forward passes inside the block use the weights as
         they were when it began."""
+        self._check_open()
         groups = self._summonable(modules, writable, "full_weights")
         need = sum(g.padded * 4 for g in groups)
         if need > self.cfg.store.host_budget:
@@ -104,6 +142,7 @@ class ModelWeights:
         modules until the next iteration, which writes them back (`writable`)
         first. Leaving the loop early (break, an error) discards the current
         group's edits; groups done before it stay written."""
+        self._check_open()
         for g in self._summonable(modules, writable, "full_weights_by_group"):
             with summoned(self, [g], writable) as named:
                 yield named
@@ -121,6 +160,7 @@ class ModelWeights:
         weights are in memory at a time; a tied parameter (or one of a module
         registered under several names) appears under each name. Every rank takes
         part (the shards are all-gathered)."""
+        self._check_open()
         names = self._slot_names()
         for g in self.groups:
             full = read_group(self, g)
@@ -146,6 +186,7 @@ class ModelWeights:
         every name it is registered under. Gathered group by group; with
         `rank0_only` (default) only rank 0 keeps the weights, the other ranks
         return an empty dict. Every rank calls it."""
+        self._check_open()
         keep = not rank0_only or self.comm.rank == 0
         entries = list(state_entries(self.module))
         values: dict[tuple[int, int], torch.Tensor] = {}
@@ -173,6 +214,7 @@ class ModelWeights:
         weights (a rank whose dict is refused makes every rank raise, before any
         collective). Returns torch's (missing_keys, unexpected_keys); `assign` is
         accepted for torch's signature."""
+        self._check_open()
         self._check_between_steps("load_state_dict")
         entries = list(state_entries(self.module))
         missing = [n for n, _, _ in entries if n not in state_dict]
@@ -213,6 +255,7 @@ class ModelWeights:
         """The wrapped model's `generate` (Hugging Face), its weights streamed from their
         tiers unit by unit; run under `torch.no_grad()` it leaves the training plan
         alone."""
+        self._check_open()
         try:
             out = self.module.generate(*args, **kwargs)
         except BaseException:
@@ -223,17 +266,22 @@ class ModelWeights:
 
     def save_pretrained(self, save_directory: str | os.PathLike,
                         max_shard_size: int | str = "5GB",
-                        dtype: torch.dtype | None = None) -> list[Path]:
+                        dtype: torch.dtype | str | None = None) -> list[Path]:
         """Writes the model as Hugging Face does: safetensors shards with an index (every
         parameter under its first name, tied ones once; persistent buffers), in each
-        parameter's original dtype (or `dtype`), plus `config.json` and
+        parameter's original dtype (or `dtype`: torch.float32, bfloat16, float16 or
+        float64, or "fp32", "bf16", "fp16" as the config names them), in shards of at most
+        `max_shard_size` bytes (an int, or a string such as "5GB"), plus `config.json` and
         `generation_config.json` when the model has them, so
         `AutoModel*.from_pretrained(save_directory)` loads it. Streamed: one group's
         full weights and one tensor beyond the budgets are in memory at a time.
         Every rank calls it; rank 0 writes, and on a failure there (a directory
         that holds shards, a full disk) every rank still takes part in every
-        all-gather before rank 0 raises. Returns the files written."""
-        limit = parse_bytes(max_shard_size, "max_shard_size")
+        all-gather before rank 0 raises. Bad arguments raise `ValueError` on every
+        rank before anything is created. Returns the files written."""
+        self._check_open()
+        limit = _shard_limit(max_shard_size)
+        dtype = _export_dtype(dtype)
         specs, order = self._export_specs(dtype)
         out = Path(save_directory)
         stream = self._export_stream(order, dtype)

@@ -16,7 +16,7 @@ from typing import Any, Mapping, Sequence
 
 from torch import nn
 
-from ..config import ConfigError, OptimConfig
+from ..config import ConfigError, OptimConfig, ParamGroupConfig
 from .units import Group
 
 __all__ = ["assign_param_groups", "segments_of"]
@@ -43,10 +43,25 @@ def _entries(cfg: OptimConfig, given: Sequence[Mapping[str, Any]] | None
         params = g["params"]
         params = [params] if isinstance(params, (str, nn.Parameter)) else list(params)
         over = {key: g[key] for key in _HYPER if key in g}
+        _check_hyper(where, over)
         if "betas" in over:
             over["betas"] = tuple(over["betas"])
         out.append((where, params, over))
     return out
+
+
+def _check_hyper(where: str, over: Mapping[str, Any]) -> None:
+    """Refuses a given group's hyper-parameters as `optim.param_groups` refuses them in a
+    config (type, range, finite; naming `where`), and an `lr_lambda` not callable."""
+    if "lr_lambda" in over and not callable(over["lr_lambda"]):
+        raise ConfigError(f"{where}.lr_lambda: {over['lr_lambda']!r} is not callable; give a "
+                          "function of the step returning the lr multiplier, as LambdaLR takes")
+    values = {k: (list(v) if k == "betas" and isinstance(v, (tuple, list)) else v)
+              for k, v in over.items() if k != "lr_lambda"}
+    try:
+        ParamGroupConfig(params=["*"], **values)
+    except ConfigError as e:
+        raise ConfigError(str(e).replace("optim.param_groups[]", where)) from None
 
 
 def assign_param_groups(groups: list[Group], cfg: OptimConfig,

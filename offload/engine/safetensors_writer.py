@@ -24,6 +24,8 @@ from typing import Iterable
 
 import torch
 
+from ..files import check_directory
+
 __all__ = ["TensorSpec", "plan_shards", "write_shards", "INDEX"]
 
 INDEX = "model.safetensors.index.json"
@@ -91,6 +93,10 @@ def write_shards(out: str | os.PathLike, specs: list[TensorSpec],
     already holds safetensors files is refused). Returns the files written.
     [Note: streamed shards]"""
     out = Path(out)
+    if not max_shard_size > 0:  # else one shard per tensor
+        raise ValueError(f"safetensors: max_shard_size must be a positive number of bytes, "
+                         f"got {max_shard_size!r}")
+    check_directory(out, "safetensors")
     out.mkdir(parents=True, exist_ok=True)
     if any(out.glob("*.safetensors")) or (out / INDEX).exists():
         raise FileExistsError(f"{out} already holds safetensors files; give an empty "

@@ -86,6 +86,7 @@ from typing import Any, Callable, NamedTuple
 import numpy as np
 import torch
 
+from ..files import check_directory
 from ..io import host_copy
 from ..store import Tier
 from .checkpoint_chunks import ChunkFiles, InPlace, Shard, chunk_key, syncfs
@@ -681,6 +682,7 @@ def save_checkpoint(engine: Any, path: str | os.PathLike, extra: dict[str, Any] 
     if path.exists():
         raise CheckpointError(f"save_checkpoint: {path} exists; a checkpoint is never "
                               "overwritten: save each under its own name (e.g. step-<n>)")
+    check_directory(path.parent, "save_checkpoint")
     handle = CheckpointSave(path)
     if blocking:
         t0 = time.perf_counter()

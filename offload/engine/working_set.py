@@ -28,15 +28,25 @@ accumulated gradients) can be written one tier down when room is short.
 
 from __future__ import annotations
 
+import errno
+import logging
+import os
+import shutil
 from dataclasses import dataclass
 
 import torch
 
 from ..config import ConfigError, OffloadConfig, format_bytes
+from ..io import SwapPathError
+from ..optim import resolve_chunk_elems
+from ..planner.sizes import keeps_master, moment_bytes
 from ..store import footprint
+from ..store.copy import resolve_device
 from .units import Group
 
-__all__ = ["WorkingSet", "check_budgets", "working_set"]
+log = logging.getLogger(__name__)
+
+__all__ = ["WorkingSet", "check_budgets", "check_disk", "nvme_bytes_placed", "working_set"]
 
 
 @dataclass(frozen=True)
@@ -86,7 +96,11 @@ def working_set(cfg: OffloadConfig, groups: list[Group], dtype: torch.dtype) -> 
 
 def check_budgets(cfg: OffloadConfig, groups: list[Group], dtype: torch.dtype) -> WorkingSet:
     """Raises `ConfigError` naming the key, its value and the minimum when a memory
-    budget is below the working set; returns the working set."""
+    budget is below the working set, or when the optimizer's NVMe chunk buffers do
+    not fit `io.buffer_budget`; returns the working set."""
+    if cfg.engine.optimizer == "nvme":
+        resolve_chunk_elems(cfg.optim, cfg.io.buffer_budget, keeps_master(
+            cfg.engine.dtype, cfg.engine.params, resolve_device(cfg.store.device).type))
     need = working_set(cfg, groups, dtype)
     for key, have, want, why in (
             ("store.device_budget", cfg.store.device_budget, need.device, need.device_why),
@@ -99,3 +113,69 @@ def check_budgets(cfg: OffloadConfig, groups: list[Group], dtype: torch.dtype) -
                 f"must hold {why} at once; raise {key} to at least {want} bytes, or lower "
                 "engine.group_size to make partitions smaller")
     return need
+
+
+def nvme_bytes_placed(cfg: OffloadConfig, groups: list[Group], dtype: torch.dtype,
+                      device_type: str) -> dict[str, int]:
+    """Bytes per rank that `initialize` writes to NVMe, by swap space ("param",
+    "optim"): parameter partitions where engine.params is nvme, moments (and fp32
+    masters where they are apart) where engine.optimizer is. A lower bound: chunk
+    padding is not counted."""
+    out: dict[str, int] = {}
+    if cfg.engine.params == "nvme":
+        out["param"] = sum(footprint(g.shard * dtype.itemsize) for g in groups)
+    if cfg.engine.optimizer == "nvme":
+        master = keeps_master(cfg.engine.dtype, cfg.engine.params, device_type)
+        out["optim"] = sum(moment_bytes(cfg.optim.state_dtype, g.shard)
+                           + (4 * g.shard if master else 0) for g in groups if g.requires_grad)
+    return {k: v for k, v in out.items() if v}
+
+
+def _existing(path: str) -> str:
+    """`path`, or its nearest ancestor that exists (a swap directory is made later)."""
+    path = os.path.abspath(path)
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    return path
+
+
+def check_disk(cfg: OffloadConfig, groups: list[Group], dtype: torch.dtype) -> None:
+    """Refuses, before any file is made, a placement whose NVMe state at `initialize`
+    cannot fit `store.nvme_budget`, `io.max_swap_size` (per swap space) or the free
+    space of each `io.paths` directory (its share of the stripes, times the ranks of
+    this node); warns where a step's second version of it may not fit ([Note: all or
+    nothing] in step.py)."""
+    placed = nvme_bytes_placed(cfg, groups, dtype, resolve_device(cfg.store.device).type)
+    total = sum(placed.values())
+    if not total:
+        return
+    how = ("keep less on NVMe (engine.params or engine.optimizer \"host\", or "
+           "optim.state_dtype \"bf16\" or \"int8\")")
+    if cfg.store.nvme_budget and total > cfg.store.nvme_budget:
+        raise ConfigError(
+            f"store.nvme_budget: {format_bytes(cfg.store.nvme_budget)} is below the "
+            f"{format_bytes(total)} ({total} bytes) of state per rank this model places on "
+            f"NVMe; raise it to at least {total} bytes (0: no limit), or {how}")
+    for kind, n in placed.items():
+        if cfg.io.max_swap_size and n > cfg.io.max_swap_size:
+            raise ConfigError(
+                f"io.max_swap_size: {format_bytes(cfg.io.max_swap_size)} is below the "
+                f"{format_bytes(n)} ({n} bytes) of {kind} state per rank this model places "
+                f"on NVMe; raise it to at least {n} bytes (0: no limit), or {how}")
+    ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+    share = -(-total // len(cfg.io.paths)) * ranks  # every swap file stripes over the paths
+    for i, path in enumerate(cfg.io.paths):
+        free = shutil.disk_usage(_existing(path)).free
+        if free < share:
+            raise SwapPathError(
+                errno.ENOSPC,
+                f"io.paths[{i}]: {path} has {format_bytes(free)} free, and this model places "
+                f"at least {format_bytes(share)} of state on NVMe there ({ranks} rank(s) of "
+                f"this node); free disk space, add a directory on another disk to io.paths, "
+                f"or {how}", path)
+        if free < 2 * share:
+            log.warning(
+                "io.paths[%d]: %s has %s free for %s of NVMe state: a step keeps the previous "
+                "version of what it updates until it commits, so a step may fail for want of "
+                "space (the state stays as it was)", i, path, format_bytes(free),
+                format_bytes(share))

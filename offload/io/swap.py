@@ -299,14 +299,25 @@ class SwapSpace:
             self.ledger.refund(extent.length)
 
     def _grow(self, need: int) -> None:
-        n = len(self._files)
-        unit = self.stripe * n
-        new_cap = _round_up(max(self._alloc.required_capacity(need),
-                                self.capacity + self.grow_step), unit)
-        if self.max_size and new_cap > self.max_size:
+        """Grows by io.grow_step, or by what `need` takes if more; where that step does
+        not fit (io.max_swap_size, the disk), by only what `need` takes."""
+        unit = self.stripe * len(self._files)
+        least = _round_up(self._alloc.required_capacity(need), unit)
+        step = _round_up(self.capacity + self.grow_step, unit)
+        if step > least and (not self.max_size or step <= self.max_size):
+            try:
+                return self._reserve(step, need)
+            except SwapFullError:
+                pass  # the least may still fit the disk
+        if self.max_size and least > self.max_size:
             raise SwapFullError("alloc", self._files[0].path, self.capacity, need, _errno.ENOSPC,
                                 f"io.max_swap_size={self.max_size} bytes would be exceeded "
                                 f"({self.used_bytes} in use); raise it or keep less on NVMe")
+        self._reserve(least, need)
+
+    def _reserve(self, new_cap: int, need: int) -> None:
+        """Extends every file to its share of `new_cap` bytes, or none of them."""
+        n = len(self._files)
         per_file = new_cap // n
         done: list[_SwapFile] = []
         for f in self._files:

@@ -69,7 +69,7 @@ from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterable, Mapping, Se
 
 import torch
 
-from ..config import OffloadConfig, OptimConfig
+from ..config import ConfigError, OffloadConfig, OptimConfig
 from ..io import BufferPool, SwapSpace, make_engine, open_swap
 from ..planner.sizes import MAX_AUTO_CHUNK, auto_chunk_elems
 from ..trace import NULL_RECORDER, TraceRecorder
@@ -100,22 +100,22 @@ def resolve_chunk_elems(cfg: OptimConfig, budget_bytes: int | None, masters: boo
     `masters`: whether chunks hold a master (False where every fp32 parameter is
     its own master: fp32 training).
 
-    Raises ValueError when an explicit size cannot fit the budget.
+    Raises ConfigError (a ValueError) when the chunks cannot fit the budget.
     """
     if budget_bytes is None:
         return cfg.chunk_elems or MAX_AUTO_CHUNK
     if cfg.chunk_elems:
         need = cfg.buffers * _slot_bytes(cfg.chunk_elems, masters, cfg.state_dtype)
         if need > budget_bytes:
-            raise ValueError(f"optim.chunk_elems={cfg.chunk_elems} x optim.buffers={cfg.buffers} "
-                             f"needs {need} bytes of buffers, the pool holds {budget_bytes}; "
-                             "lower them or raise io.buffer_budget")
+            raise ConfigError(f"optim.chunk_elems={cfg.chunk_elems} x optim.buffers={cfg.buffers} "
+                              f"needs {need} bytes of buffers, the pool holds {budget_bytes}; "
+                              "lower them or raise io.buffer_budget")
         return cfg.chunk_elems
     n = auto_chunk_elems(budget_bytes, cfg.buffers, cfg.buffer_share, cfg.state_dtype, masters)
     if not n:
-        raise ValueError(f"io.buffer_budget={budget_bytes} bytes x optim.buffer_share="
-                         f"{cfg.buffer_share} leaves under 4096 elements per chunk for "
-                         f"{cfg.buffers} buffers; raise the budget or set optim.chunk_elems")
+        raise ConfigError(f"io.buffer_budget={budget_bytes} bytes x optim.buffer_share="
+                          f"{cfg.buffer_share} leaves under 4096 elements per chunk for "
+                          f"{cfg.buffers} buffers; raise the budget or set optim.chunk_elems")
     return n
 
 

@@ -40,6 +40,7 @@ from typing import NamedTuple
 
 import torch
 
+from ..config import ConfigError
 from ..io import BufferPool, HostBuffer
 from .record import footprint
 
@@ -53,12 +54,12 @@ def resolve_device(name: str) -> torch.device:
     dev = torch.device(name)
     if dev.type == "cuda":
         if not torch.cuda.is_available():
-            raise RuntimeError(f"store.device = {name!r} but CUDA is not available "
+            raise ConfigError(f"store.device = {name!r} but CUDA is not available "
                                "(torch.cuda.is_available() is False); use 'auto' or 'cpu'")
         if dev.index is None:
             dev = torch.device("cuda", torch.cuda.current_device())
     elif dev.type != "cpu":
-        raise ValueError(f"store.device {name!r}: only cpu and cuda are supported")
+        raise ConfigError(f"store.device {name!r}: only cpu and cuda are supported")
     return dev
 
 

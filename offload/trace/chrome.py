@@ -28,6 +28,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from offload.files import check_directory
 from offload.trace.analysis import (COMPUTE_TRACK, FETCH, TIER_COUNTER_PREFIX, parse_trace,
                                     prefetch_outcomes)
 from offload.trace.recorder import (ASYNC_BEGIN, ASYNC_END, COMPLETE, COUNTER, INSTANT,
@@ -232,6 +233,7 @@ def write_chrome_trace(path: str | os.PathLike[str], *sources: Source,
 def write_trace_dict(path: str | os.PathLike[str], trace: Mapping[str, Any]) -> Path:
     """Write an already-built trace dict to ``path`` atomically (see :func:`write_chrome_trace`)."""
     target = Path(path)
+    check_directory(target.parent, "write_chrome_trace")
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     try:

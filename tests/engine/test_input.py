@@ -154,3 +154,97 @@ def test_with_block_closes_the_engine_also_on_an_error(engine_cfg, tmp_path):
             raise RuntimeError("a failing loop")
     assert os.listdir(tmp_path / "swap") == []
     assert sys.getswitchinterval() == before
+
+
+@pytest.mark.parametrize("group, match", [
+    ({"lr": math.nan}, r"param_groups\[0\]\.lr: nan is not a finite number"),
+    ({"lr": -1.0}, r"param_groups\[0\]\.lr: -1\.0 is negative"),
+    ({"betas": (0.9, 1.5)}, r"param_groups\[0\]\.betas: \[0\.9, 1\.5\] must be two numbers"),
+    ({"eps": 0.0}, r"param_groups\[0\]\.eps: 0\.0 must be positive"),
+    ({"weight_decay": "0.1"}, r"param_groups\[0\]\.weight_decay: '0\.1' does not match"),
+    ({"lr_lambda": 3}, r"param_groups\[0\]\.lr_lambda: 3 is not callable")])
+def test_bad_param_groups_given_to_initialize_are_refused_before_any_file(
+        engine_cfg, tmp_path, group, match):
+    """The hyper-parameters of `initialize(param_groups=...)` are checked as the config's
+    `optim.param_groups` are, before anything is made: a NaN lr would otherwise train
+    the weights to NaN, a beta of 1.5 fail only at the first step."""
+    model = TiedTwice()
+    with pytest.raises(ConfigError, match=match):
+        offload.initialize(model, engine_cfg("nvme", "nvme", "nvme"),
+                           param_groups=[{"params": ["*.bias"], **group}])
+    assert not (tmp_path / "swap").exists()
+    assert len(list(model.parameters())) > 0  # the model is untouched
+
+
+@pytest.mark.parametrize("model, kwargs, match", [
+    (5, {}, r"initialize\(model\): expected an nn\.Module .* got int"),
+    (None, {"lr_lambda": 0.5}, r"initialize\(lr_lambda\): 0\.5 is not callable")])
+def test_a_model_or_schedule_of_the_wrong_kind_is_named(engine_cfg, tmp_path, model, kwargs,
+                                                        match):
+    with pytest.raises(ConfigError, match=match):
+        offload.initialize(TiedTwice() if model is None else model, engine_cfg("nvme"),
+                           **kwargs)
+    assert not (tmp_path / "swap").exists()
+
+
+def test_chunk_buffers_larger_than_the_buffer_budget_are_refused_before_any_file(
+        engine_cfg, tmp_path):
+    cfg = engine_cfg("nvme", "nvme", "nvme")
+    cfg["optim"]["chunk_elems"] = 1 << 22  # 6 buffers of 4M elements: 128+ MiB of 32 MiB
+    with pytest.raises(ConfigError, match=r"optim\.chunk_elems=4194304 x optim\.buffers=6 .* "
+                                          r"raise io\.buffer_budget"):
+        offload.initialize(TiedTwice(), cfg)
+    assert not (tmp_path / "swap").exists()
+
+
+def test_a_closed_engine_says_it_is_closed(engine_cfg, tmp_path):
+    """After close() (or its `with` block) every method that needs the state raises,
+    saying so, instead of a KeyError about a partition or a forward that names a
+    unit; closing again does nothing."""
+    engine = offload.initialize(TiedTwice(), engine_cfg("nvme", "nvme", "nvme"))
+    _step(engine)
+    engine.close()
+    x, y = lm_batches(1)[0]
+    calls = {"forward": lambda: engine(x), "backward": lambda: engine.backward(torch.ones(())),
+             "step": engine.step, "zero_grad": engine.zero_grad,
+             "save_checkpoint": lambda: engine.save_checkpoint(tmp_path / "ck"),
+             "state_dict": engine.state_dict,
+             "load_state_dict": lambda: engine.load_state_dict({}),
+             "save_pretrained": lambda: engine.save_pretrained(tmp_path / "hf"),
+             "full_weights": lambda: engine.full_weights().__enter__(),
+             "named_weights": lambda: next(engine.named_weights())}
+    for name, call in calls.items():
+        with pytest.raises(RuntimeError, match="this OffloadEngine is closed"):
+            call()
+    assert not (tmp_path / "ck").exists() and not (tmp_path / "hf").exists()
+    engine.close()
+
+
+@pytest.mark.parametrize("key, value, match", [
+    ("nvme_budget", "1MiB", r"store\.nvme_budget: 1\.0 MiB is below the .* raise it to at least"),
+    ("max_swap_size", "1MiB", r"io\.max_swap_size: 1\.0 MiB is below the .* of \w+ state")])
+def test_nvme_state_beyond_a_disk_limit_is_refused_before_any_file(engine_cfg, tmp_path, key,
+                                                                    value, match):
+    """What `initialize` places on NVMe (here 16 MiB of fp32 parameters, master and
+    moments) is checked against `store.nvme_budget` and `io.max_swap_size` before a
+    swap file is made, rather than failing at the first write of the step."""
+    cfg = engine_cfg("nvme", "host", "nvme")
+    cfg["store" if key == "nvme_budget" else "io"][key] = value
+    with pytest.raises(ConfigError, match=match):
+        offload.initialize(torch.nn.Sequential(torch.nn.Linear(512, 512),
+                                               torch.nn.Linear(512, 512)), cfg)
+    assert not (tmp_path / "swap").exists()
+
+
+def test_a_swap_directory_too_small_for_the_state_is_refused_before_any_file(
+        engine_cfg, small_fs):
+    """A file system with less free space than the state placed on NVMe (25 MiB) is named, with
+    its free space and the fixes, before any swap file is made."""
+    where = os.path.join(small_fs(8), "swap")
+    cfg = engine_cfg("nvme", "host", "nvme")
+    cfg["io"]["paths"] = [where]
+    with pytest.raises(SwapPathError, match=r"io\.paths\[0\]: .* free, and this model places "
+                                            r"at least .* free disk space"):
+        offload.initialize(torch.nn.Sequential(torch.nn.Linear(1024, 1024),
+                                               torch.nn.Linear(1024, 1024)), cfg)
+    assert not os.path.exists(where)

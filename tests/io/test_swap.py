@@ -181,6 +181,46 @@ def test_out_of_space_is_clear_and_loses_nothing(name, tmp_path):
     assert res["intact"] and res["size"] == 1 << 20
 
 
+_GROW = textwrap.dedent("""
+    import json, os, resource, sys
+    from offload.io import BufferPool, SwapSpace, SwapFullError, ThreadEngine, AioEngine
+    eng = (AioEngine if sys.argv[2] == "aio" else ThreadEngine)(block_size=1 << 16)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (2 << 20, resource.RLIM_INFINITY))
+    sw = SwapSpace([sys.argv[1]], "grow", eng, grow_step=8 << 20)
+    out = {"sizes": []}
+    try:
+        for _ in range(3):
+            sw.alloc(1 << 20)
+            out["sizes"].append(os.path.getsize(sw.paths[0]))
+    except SwapFullError as e:
+        out["error"] = str(e)
+    sw.close(); eng.close()
+    print(json.dumps(out))
+""")
+
+
+@pytest.mark.parametrize("name", ENGINES)
+def test_growth_falls_back_to_what_is_needed_when_the_grow_step_does_not_fit(name, tmp_path):
+    """A disk (here a file-size limit) with room for the extents but not for
+    io.grow_step more grows the file by only what each extent needs."""
+    out = subprocess.run([sys.executable, "-c", _GROW, str(tmp_path), name],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    res = json.loads(out.stdout)
+    assert res["sizes"] == [1 << 20, 2 << 20], res
+    assert "cannot reserve swap space" in res["error"], res
+
+
+def test_a_grow_step_over_max_swap_size_still_grows_to_what_is_needed(engine, tmp_path):
+    sw = SwapSpace([str(tmp_path)], "m", engine, grow_step=4 << 20, max_size=2 << 20)
+    sw.alloc(1 << 20)
+    sw.alloc(1 << 20)
+    assert sw.capacity == 2 << 20
+    with pytest.raises(SwapFullError, match="io.max_swap_size"):
+        sw.alloc(1 << 20)
+    sw.close()
+
+
 _HOLDER = textwrap.dedent("""
     import sys, time
     from offload.io import SwapSpace, ThreadEngine

@@ -1,0 +1,116 @@
+"""Bad arguments to the writers (`save_pretrained`, `save_checkpoint`, `write_chrome_trace`)
+and a bad `initialize(checkpoint=...)` file raise an error naming the argument or
+file, before anything is created."""
+
+import re
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+import offload
+from offload.trace import TraceRecorder
+from offload.trace.chrome import write_chrome_trace
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 4))
+
+
+@pytest.fixture
+def engine(tmp_path):
+    with offload.initialize(_model(), {"io": {"paths": [str(tmp_path / "swap")]}}) as e:
+        yield e
+
+
+def test_save_pretrained_takes_the_configs_dtype_names(engine, tmp_path):
+    engine.save_pretrained(tmp_path / "out", dtype="bf16")
+    saved = load_file(tmp_path / "out" / "model.safetensors")
+    want = _model().state_dict()
+    assert {k: v.dtype for k, v in saved.items()} == {k: torch.bfloat16 for k in want}
+    for k, v in want.items():
+        torch.testing.assert_close(saved[k], v.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("dtype, match", [
+    (torch.int8, r"dtype=torch.int8 cannot be written"),
+    ("int8", r"dtype='int8' cannot be written"),
+    ("float16", r"dtype='float16' cannot be written.*'fp16'"),
+])
+def test_save_pretrained_refuses_other_dtypes_before_writing(engine, tmp_path, dtype, match):
+    out = tmp_path / "out"
+    with pytest.raises(ValueError, match=r"save_pretrained: " + match):
+        engine.save_pretrained(out, dtype=dtype)
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("size, match", [
+    (-1, r"max_shard_size=-1 is not a positive size"),
+    (0, r"max_shard_size=0 is not a positive size"),
+    ("0.1B", r"max_shard_size='0.1B' is not a positive size"),
+    ("5 parsecs", r"max_shard_size: cannot read '5 parsecs' as a byte size"),
+])
+def test_save_pretrained_refuses_bad_shard_sizes_before_writing(engine, tmp_path, size, match):
+    out = tmp_path / "out"
+    with pytest.raises(ValueError, match=match):
+        engine.save_pretrained(out, max_shard_size=size)
+    assert not out.exists()
+
+
+def test_save_pretrained_reads_shard_sizes_as_the_config_does(engine, tmp_path):
+    files = engine.save_pretrained(tmp_path / "out", max_shard_size="100B")  # weight: 256 B
+    assert sorted(f.name for f in files) == ["model-00001-of-00002.safetensors",
+                                             "model-00002-of-00002.safetensors",
+                                             "model.safetensors.index.json"]
+
+
+@pytest.mark.parametrize("in_directory", [False, True])
+def test_a_garbage_checkpoint_file_is_named(tmp_path, in_directory):
+    bad = tmp_path / "shards" / "model.safetensors"
+    bad.parent.mkdir()
+    bad.write_bytes(b"not a safetensors file at all")
+    swap = tmp_path / "swap"
+    with pytest.raises(ValueError, match=re.escape(f"checkpoint {bad} is not a valid "
+                                                   "safetensors file")):
+        offload.initialize(_model(), {"io": {"paths": [str(swap)]}},
+                           checkpoint=bad.parent if in_directory else bad)
+    assert not swap.exists()
+
+
+def test_a_garbage_checkpoint_index_is_named(tmp_path):
+    (tmp_path / "model.safetensors.index.json").write_text("{not json")
+    with pytest.raises(ValueError, match=r"checkpoint index \S+model.safetensors.index.json "
+                                         r"is not a transformers safetensors index"):
+        offload.initialize(_model(), {"io": {"paths": [str(tmp_path / "swap")]}},
+                           checkpoint=tmp_path)
+
+
+@pytest.mark.parametrize("under", ["", "deeper/"])
+def test_save_checkpoint_under_a_file_names_the_file(engine, tmp_path, under):
+    f = tmp_path / "a_file"
+    f.write_text("x")
+    with pytest.raises(FileExistsError, match=re.escape(f"save_checkpoint: {f} is a file, "
+                                                        "not a directory")):
+        engine.save_checkpoint(tmp_path / "a_file" / under / "ck")
+    assert f.read_text() == "x"
+
+
+def test_save_pretrained_under_a_file_names_the_file(engine, tmp_path):
+    f = tmp_path / "a_file"
+    f.write_text("x")
+    for out in (f, f / "out"):
+        with pytest.raises(FileExistsError, match=re.escape(f"{f} is a file, not a directory")):
+            engine.save_pretrained(out)
+    assert f.read_text() == "x"
+
+
+def test_chrome_trace_under_a_file_names_the_file(tmp_path):
+    f = tmp_path / "a_file"
+    f.write_text("x")
+    for target in (f / "trace.json", f / "deeper" / "trace.json"):
+        with pytest.raises(FileExistsError, match=re.escape(f"write_chrome_trace: {f} is a "
+                                                            "file, not a directory")):
+            write_chrome_trace(target, TraceRecorder(enabled=True))
+    assert f.read_text() == "x"
