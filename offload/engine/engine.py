@@ -38,6 +38,7 @@ read or written.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -65,12 +66,12 @@ from .in_place import update_in_place
 from .model_weights import ModelWeights
 from .params_view import RegisteredParams
 from .rank_order import RankOrder
-from .step import StagedParams, StepFailedError, staged_key
+from .step import StagedParams, StepFailedError, staged_key, uninterrupted
 from .tensor_parallel import TensorParallel
 from .training_checkpoint import CheckpointSave
 from .training_checkpoint import save_checkpoint as _save_checkpoint
 from .units import Group, Unit, output_tensors, static_order
-from .warm import Borrowing, WarmMemory, borrow, give_back
+from .warm import Borrowing, WarmMemory, borrow, give_back, kept_view, unborrow
 from .working_set import working_set
 
 log = logging.getLogger(__name__)
@@ -87,7 +88,7 @@ def _in_backward() -> bool:
 
 
 class _GroupState:
-    __slots__ = ("group", "flat", "gathered", "active", "pending", "borrowed")
+    __slots__ = ("group", "flat", "gathered", "active", "pending", "borrowed", "views")
 
     def __init__(self, group: Group, dtype: torch.dtype, device: torch.device) -> None:
         self.group = group
@@ -99,6 +100,7 @@ class _GroupState:
         self.pending: Pending | None = None  # an all-gather in flight into `flat`
         self.borrowed = 0  # bytes of the pinned record whose memory `flat` holds:
         # [Note: gathered weights borrow the record] in warm.py
+        self.views: list[torch.Tensor] = []  # bound: [Note: kept weights] in warm.py
 
 
 class OffloadEngine(ModelWeights, GradPartitions, nn.Module):
@@ -146,7 +148,9 @@ class OffloadEngine(ModelWeights, GradPartitions, nn.Module):
         self._borrowing = Borrowing(self.device, comm.world == 1 and tp is None,
                                     cfg.store.device_budget - need.device, unit)
         self._warm = WarmMemory(self.device, 2 * max(size, default=0)
-                                + (ahead if comm.world > 1 else 0))
+                                + (ahead if comm.world > 1 else 0), ahead)
+        self._kept_warned: set[int] = set()  # [Note: kept weights] in warm.py
+        self._closed = False
         self._reductions: list[Pending] = []
         self._has_grad: set[int] = set()
         self.grad_slots = GradSlots(comm)  # [Note: parameters without a gradient]
@@ -212,13 +216,17 @@ class OffloadEngine(ModelWeights, GradPartitions, nn.Module):
         """
         key = ("p", st.group.gid)
         fetch = self.store.fetch(key, to=Tier.DEVICE, pin=True)
+
+        def unpin() -> None:  # a fetch that failed never pinned: its own error stands
+            if fetch.settle():
+                self.store.unpin(key)
         room = footprint(st.group.shard * self.dtype.itemsize)
         if st.group.requires_grad and self._borrowing.take(room):
             try:  # [Note: gathered weights borrow the record] in warm.py
                 borrow(st.flat.untyped_storage(), fetch.wait())
             except BaseException:
                 self._borrowing.give(room)
-                self.store.unpin(key)
+                unpin()
                 raise
             st.borrowed, st.gathered = room, True
             return
@@ -227,9 +235,9 @@ class OffloadEngine(ModelWeights, GradPartitions, nn.Module):
             # `.data` has its own version counter: refilling the storage must not look
             # like an in-place change to the views autograd saved (they see the same bytes)
             pending = self._gathers.all_gather(st.flat.data, fetch.wait, async_op=async_op,
-                                               on_error=lambda: self.store.unpin(key))
+                                               on_error=unpin)
         except BaseException:
-            self.store.unpin(key)
+            unpin()
             raise
 
         def finish() -> None:
@@ -240,13 +248,42 @@ class OffloadEngine(ModelWeights, GradPartitions, nn.Module):
 
     def _free(self, st: _GroupState) -> None:
         if st.gathered:
-            if st.borrowed:
-                give_back(st.flat.untyped_storage())
+            self.unbind(st.group.gid)
+            kept = kept_view(st.views)  # [Note: kept weights] in warm.py
+            if kept is not None:
+                self._leave_with_kept(st, kept)
+            elif st.borrowed:
+                give_back(st.flat.untyped_storage(), self._warm)
                 self._return(st)
             else:
                 self._warm.drain(st.flat.untyped_storage())
             st.gathered = False
-            self.unbind(st.group.gid)
+        st.views.clear()
+
+    def _leave_with_kept(self, st: _GroupState, kept: int) -> None:
+        """The gathered storage stays with the view kept ([Note: kept weights] in
+        warm.py), a borrowed record's memory copied first; `flat` takes a fresh one."""
+        storage = st.flat.untyped_storage()
+        if st.group.gid not in self._kept_warned:
+            self._kept_warned.add(st.group.gid)
+            log.warning(
+                "a tensor bound to parameter %r inside a unit's forward is still referenced "
+                "after the unit: its group's gathered weights (%.1f MiB) stay allocated "
+                "outside the memory budgets while it is; keep a .clone() instead, or read "
+                "engine.full_weights()", st.group.slots[kept % len(st.group.slots)].names[0],
+                storage.nbytes() / 2**20)
+        if st.borrowed:
+            unborrow(storage)
+            self._return(st)
+        else:
+            self._warm.disown(storage.nbytes())
+        self._fresh_storage(st)
+
+    def _fresh_storage(self, st: _GroupState) -> None:
+        """`flat` takes a new storage without memory; the old one goes with its last view."""
+        fresh = torch.empty(st.group.padded, dtype=st.flat.dtype, device=st.flat.device)
+        fresh.untyped_storage().resize_(0)
+        st.flat.data = fresh
 
     def _return(self, st: _GroupState) -> None:
         """Drops the pin of a borrowed record (its memory is no longer `flat`'s)."""
@@ -273,6 +310,7 @@ class OffloadEngine(ModelWeights, GradPartitions, nn.Module):
                     view.register_hook(self.grad_slots.hook(st.group.gid, i))
                 for module, name in slot.uses:  # before _parameters: [Note: registered
                     module.__dict__[name] = view  # parameters] in params_view.py
+                st.views.append(view)
 
     def _prefetch(self) -> None:
         """Follows the plan: the next group's all-gather starts now (it runs behind this
@@ -537,6 +575,7 @@ class OffloadEngine(ModelWeights, GradPartitions, nn.Module):
 
     # -- the user's loop ----------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._check_open()
         try:
             with self.recorder.span("forward", cat="compute", track="compute"):
                 return self.module(*args, **kwargs)
@@ -553,6 +592,7 @@ class OffloadEngine(ModelWeights, GradPartitions, nn.Module):
         that raises leaves every partition as it was before the step, and drops
         the step's gradients (run its micro-batches again).
         """
+        self._check_open()
         if self._backwards >= self.cfg.engine.grad_accum_steps:
             raise RuntimeError(f"backward: {self._backwards} backward call(s) since the last "
                                "step(), and engine.grad_accum_steps is "
@@ -609,12 +649,11 @@ class OffloadEngine(ModelWeights, GradPartitions, nn.Module):
         place, they would point at freed memory, and printing the traceback would
         crash the interpreter. After an error, the group's flat tensor takes a fresh,
         empty storage instead; the old one goes with its last view."""
-        fresh = torch.empty(st.group.padded, dtype=st.flat.dtype, device=st.flat.device)
-        fresh.untyped_storage().resize_(0)
-        st.flat.data = fresh
+        self._fresh_storage(st)
         if st.borrowed:  # the old storage keeps the pool's mapping; the record moves on
             self._return(st)
         st.gathered = False
+        st.views.clear()
         self.unbind(st.group.gid)
 
     def step(self) -> bool:
@@ -627,6 +666,7 @@ class OffloadEngine(ModelWeights, GradPartitions, nn.Module):
         step's gradients are dropped, and `StepFailedError` names the groups and
         the cause; remove the cause and run the step's micro-batches again.
         """
+        self._check_open()
         if self._backwards == 0 or self._backwards % self.cfg.engine.grad_accum_steps:
             return False
         with self.recorder.span("optimizer step", cat="compute", track="compute"):
@@ -661,19 +701,21 @@ class OffloadEngine(ModelWeights, GradPartitions, nn.Module):
             self._after_overflow()
             return False
         self.pending_updates.add(*gids, reads_master=self.master_is_param)
-        in_place = (self.cfg.engine.optimizer == "host" and not self.staged
-                    and update_in_place(self, gids, norm))
-        if not in_place:
-            for gid in gids:
-                self._update_group(gid, None, norm)
-        self.pending_updates.clear()
-        self.staged.ready()
-        self.optimizer.commit(grad_norm=norm)  # all or nothing; rolled back if it raises
-        self.staged.switch()
-        self._has_grad.clear()
-        self.grad_slots.clear()
-        self._after_good_step()
-        self.global_step += 1
+        with contextlib.ExitStack() as final:  # [Note: no interrupt mid-commit] in step.py
+            in_place = (self.cfg.engine.optimizer == "host" and not self.staged
+                        and update_in_place(self, gids, norm, final))
+            if not in_place:
+                for gid in gids:
+                    self._update_group(gid, None, norm)
+            self.pending_updates.clear()
+            self.staged.ready()
+            final.enter_context(uninterrupted())
+            self.optimizer.commit(grad_norm=norm)  # all or nothing; rolled back if it raises
+            self.staged.switch()
+            self._has_grad.clear()
+            self.grad_slots.clear()
+            self._after_good_step()
+            self.global_step += 1
         self._prefetch_state()
         return True
 
@@ -685,15 +727,17 @@ class OffloadEngine(ModelWeights, GradPartitions, nn.Module):
         errors = [cause] + [f.exception() for f in self._early]  # waits for them
         self._early = []
         self.pending_updates.clear()
-        undone = set(self.staged.discard()) | set(self.optimizer.rollback())
-        for e in errors:
-            if isinstance(e, OptimStepError):
-                undone.update(e.unchanged)
-        undone = sorted(undone)
-        self._drop_grads([g.gid for g in self.groups if ("g", g.gid) in self.store])
-        self._update_order = []
-        self._backwards = 0
-        return undone
+        undone = set(self.staged.discard())
+        try:
+            undone |= set(self.optimizer.rollback())
+        finally:  # a round that cannot be undone (see in_place.py) still ends the step
+            for e in errors:
+                if isinstance(e, OptimStepError):
+                    undone.update(e.unchanged)
+            self._drop_grads([g.gid for g in self.groups if ("g", g.gid) in self.store])
+            self._update_order = []
+            self._backwards = 0
+        return sorted(undone)
 
     def _prefetch_state(self) -> None:
         """Starts reading the optimizer state of the group this step updated first: the
@@ -732,6 +776,7 @@ class OffloadEngine(ModelWeights, GradPartitions, nn.Module):
         already ran for them in the background are undone, so the next `step()`
         changes nothing. step() clears gradients itself; calling this at any point
         is safe. `set_to_none` is accepted for torch's signature."""
+        self._check_open()
         self._abort_step()
 
     # -- checkpoints (docs/checkpoints.md) -- begin
@@ -744,6 +789,7 @@ class OffloadEngine(ModelWeights, GradPartitions, nn.Module):
         is written while training goes on, and the next `step()` waits for the save
         before it changes anything ([Note: saving in the background]).
         `offload.initialize(model, config, resume=path)` resumes."""
+        self._check_open()
         self.wait_for_checkpoint()  # one save at a time
         self._saving = _save_checkpoint(self, path, extra, blocking=blocking)
         return self._saving
@@ -771,7 +817,12 @@ class OffloadEngine(ModelWeights, GradPartitions, nn.Module):
     # -- checkpoints -- end
 
     def close(self) -> None:
-        """Removes the hooks, closes the optimizer and the store (and their swap files)."""
+        """Removes the hooks, closes the optimizer and the store (and their swap files).
+        The engine is unusable afterwards (its methods raise); closing again does
+        nothing."""
+        if self._closed:
+            return
+        self._closed = True
         self.wait_for_checkpoint(raise_error=False)
         self._updater.shutdown(wait=True)
         self._gathers.close()

@@ -8,12 +8,14 @@ can change the partitions in place and the step needs no staged copies
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import TYPE_CHECKING
 
 import torch
 
 from ..store import BudgetExceededError
+from .step import uninterrupted
 
 if TYPE_CHECKING:
     from .engine import OffloadEngine
@@ -23,12 +25,14 @@ log = logging.getLogger(__name__)
 __all__ = ["update_in_place"]
 
 
-def update_in_place(engine: OffloadEngine, gids: list[int], norm: float | None) -> bool:
+def update_in_place(engine: OffloadEngine, gids: list[int], norm: float | None,
+                    final: contextlib.ExitStack) -> bool:
     """The step's updates of host optimizer state, in place and final: every gradient
     and parameter partition is made resident and pinned first (what can fail), so
-    no previous version is kept ([Note: all or nothing]). False (nothing changed;
-    no I/O where the budgets alone cannot hold them) when they do not all fit in
-    memory at once: the caller then stages the updates."""
+    no previous version is kept ([Note: all or nothing]); from the first update on,
+    the step is `uninterrupted` until `final` closes, at its end. False (nothing
+    changed; no I/O where the budgets alone cannot hold them) when they do not all
+    fit in memory at once: the caller then stages the updates."""
     where = {k: engine._grad_where if k[0] == "g" else engine._memory_tier(k)
              for gid in gids for k in (("g", gid), ("p", gid))}
     if not engine.store.could_hold(where):
@@ -45,6 +49,7 @@ def update_in_place(engine: OffloadEngine, gids: list[int], norm: float | None) 
             raise
         log.debug("step: updates staged, the groups do not fit in memory at once (%s)", e)
         return False
+    final.enter_context(uninterrupted())
     try:
         scale = engine._grad_divisor
         gpu = engine.device.type != "cpu"

@@ -19,6 +19,8 @@ leaves every one of them as it was:
     only then switches the staged records in (`TieredStore.replace`, no I/O,
     cannot fail half way); a failure before that discards every staged record
     and rolls the round back.
+Past the point where no previous version is kept (the first update in place,
+the optimizer's commit) the step runs to its end `uninterrupted`.
 An update that runs when nothing after it can fail (`step()` with host
 optimizer state whose inputs and outputs are all pinned in memory first:
 `update_in_place` in in_place.py) keeps no previous version and costs nothing.
@@ -28,6 +30,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import signal
+import threading
 from typing import Hashable, Iterator
 
 import torch
@@ -36,7 +40,29 @@ from ..store import MoveHandle, Tier, TieredStore
 
 log = logging.getLogger(__name__)
 
-__all__ = ["StagedParams", "StepFailedError", "staged_key"]
+__all__ = ["StagedParams", "StepFailedError", "staged_key", "uninterrupted"]
+
+
+@contextlib.contextmanager
+def uninterrupted() -> Iterator[None]:
+    """[Note: no interrupt mid-commit] Ctrl-C (SIGINT) raises KeyboardInterrupt at
+    whatever line the main thread runs: between two groups' updates in place, or
+    between the optimizer's commit and the parameters' switch, it would leave a
+    step half applied with no previous version to go back to. Inside this block a
+    SIGINT is only noted; at its end the handler that was installed gets it (by
+    default, KeyboardInterrupt raised after the step completed). Off the main
+    thread, where Python delivers no signals, it does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    old = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
+    if caught:
+        signal.raise_signal(signal.SIGINT)
 
 
 def staged_key(gid: int) -> Hashable:
@@ -139,10 +165,18 @@ class StagedParams:
         self._puts[gid] = None
 
     def ready(self) -> None:
-        """Waits until every staged record is stored; raises the first failure."""
+        """Waits until every staged record is stored; raises the first failure, or
+        RuntimeError where a switch would be refused (a group's partition still
+        pinned), before anything commits."""
         for handle in self._puts.values():
             if handle is not None:
                 handle.wait()
+        for gid in self._puts:
+            pins = self._store.info(("p", gid)).pins
+            if pins:
+                raise RuntimeError(f"group {gid}'s parameter partition is pinned {pins} "
+                                   "time(s) at the step's commit (a forward still running "
+                                   "on another thread?): the step cannot switch it")
 
     def switch(self) -> list[int]:
         """Makes each staged record (`ready` first) its group's parameter partition;

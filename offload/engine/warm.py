@@ -45,12 +45,40 @@ backward) are copied as before.
 from __future__ import annotations
 
 import logging
+import mmap
+import sys
 
 import torch
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Borrowing", "WarmMemory", "borrow", "give_back"]
+__all__ = ["Borrowing", "WarmMemory", "ZeroPages", "borrow", "empty", "give_back", "kept_view",
+           "unborrow"]
+
+_MAP_NORESERVE = 0x4000  # Linux (x86-64, arm64): no swap space reserved for the mapping
+
+
+class ZeroPages:
+    """Storage that reads as zeros and holds no memory, for freed gathers; see [Note:
+    freed gathers read zeros]."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = max(nbytes, mmap.PAGESIZE)
+        self._map = mmap.mmap(-1, self.nbytes,
+                              flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE)
+
+    def storage(self, nbytes: int) -> torch.UntypedStorage:
+        """`nbytes` (at most `self.nbytes`) of the mapping; the storage keeps it mapped."""
+        return torch.frombuffer(self._map, dtype=torch.uint8,
+                                count=nbytes).untyped_storage()
+
+
+def empty(storage: torch.UntypedStorage) -> torch.UntypedStorage:
+    """Takes `storage`'s memory out (returned, as a storage), leaving it with none."""
+    out = torch.UntypedStorage(0)
+    if storage.nbytes():
+        storage._swap_data_ptr_(out)
+    return out
 
 
 class WarmMemory:
@@ -58,12 +86,14 @@ class WarmMemory:
     memory]. Keeps freed storage while it and the storage handed out stay within
     `limit` bytes; the oldest buffers go first."""
 
-    def __init__(self, device: torch.device, limit: int) -> None:
+    def __init__(self, device: torch.device, limit: int, largest: int) -> None:
+        """`largest`: the bytes of the largest group's storage."""
         self.enabled = (device.type == "cpu"
                         and hasattr(torch.UntypedStorage, "_swap_data_ptr_"))
         if device.type == "cpu" and not self.enabled:
             log.info("torch %s has no UntypedStorage._swap_data_ptr_: gathered weights are "
                      "allocated afresh each time", torch.__version__)
+        self.zeros = ZeroPages(largest) if self.enabled else None
         self.limit = limit
         self._free: list[torch.UntypedStorage] = []  # oldest first
         self._held = 0  # bytes in _free
@@ -82,6 +112,7 @@ class WarmMemory:
         else:
             buf = torch.UntypedStorage(nbytes)
         self._out += buf.nbytes()
+        empty(storage)  # its window of zero pages
         storage._swap_data_ptr_(buf)  # storage takes the memory, buf the empty pointer
 
     def drain(self, storage: torch.UntypedStorage) -> None:
@@ -89,13 +120,27 @@ class WarmMemory:
         if not self.enabled:
             storage.resize_(0)
             return
-        buf = torch.UntypedStorage(0)
-        storage._swap_data_ptr_(buf)
+        buf = self.vacate(storage)
         self._out = max(0, self._out - buf.nbytes())
         self._free.append(buf)
         self._held += buf.nbytes()
         while self._free and self._held + self._out > self.limit:
             self._held -= self._free.pop(0).nbytes()
+
+    def vacate(self, storage: torch.UntypedStorage) -> torch.UntypedStorage:
+        """Takes `storage`'s memory out (returned) and gives it zero pages of its size in
+        its place ([Note: freed gathers read zeros]); where that is off, no memory."""
+        if self.zeros is None or not storage.nbytes():
+            return empty(storage)
+        n = storage.nbytes()
+        out = self.zeros.storage(n) if n <= self.zeros.nbytes else torch.UntypedStorage(0)
+        storage._swap_data_ptr_(out)
+        return out
+
+    def disown(self, nbytes: int) -> None:
+        """`nbytes` handed out by `fill` stay with a kept tensor ([Note: kept
+        weights]), never to come back."""
+        self._out = max(0, self._out - nbytes)
 
     def clear(self) -> None:
         self._free.clear()
@@ -106,12 +151,44 @@ def borrow(storage: torch.UntypedStorage, record: torch.Tensor) -> None:
     """The empty `storage` takes `record`'s memory, without a copy ([Note: gathered
     weights borrow the record]); the memory stays mapped while `storage` holds it."""
     held = record.detach().view(torch.uint8).numpy()  # shares the bytes, keeps `record`
+    empty(storage)  # its window of zero pages
     storage._swap_data_ptr_(torch.frombuffer(held, dtype=torch.uint8).untyped_storage())
 
 
-def give_back(storage: torch.UntypedStorage) -> None:
-    """Empties a storage that `borrow` filled; the record's memory is its own again."""
-    storage._swap_data_ptr_(torch.UntypedStorage(0))
+def give_back(storage: torch.UntypedStorage, warm: WarmMemory) -> None:
+    """Empties a storage that `borrow` filled (zero pages in its place, [Note: freed
+    gathers read zeros]); the record's memory is its own again."""
+    warm.vacate(storage)
+
+
+def unborrow(storage: torch.UntypedStorage) -> None:
+    """A storage that `borrow` filled takes a copy of the record's memory, its own: the
+    record's memory is free to go back (a view of the storage is kept, [Note: kept
+    weights])."""
+    own = torch.UntypedStorage(storage.nbytes(), device=storage.device)
+    own.copy_(storage)
+    storage._swap_data_ptr_(own)  # `own` now holds the record's memory: dropped
+
+
+def kept_view(views: list[torch.Tensor]) -> int | None:
+    """[Note: kept weights] A module attribute bound inside a unit (`self.saved =
+    self.weight` in a forward, a hook's list) may be kept past it, as torch allows;
+    freeing the storage under it would leave it reading zeros, or freed memory
+    where the storage is resized. The engine asks, once it unbound the views of a
+    group's gather, whether one is still referenced; if so, the storage stays with
+    it, with its values, and the group's flat tensor takes a fresh one: the memory
+    stays allocated, outside the budgets, until the view goes (a warning names the
+    parameter once). Autograd's saved views are not counted: it holds them from
+    C++, not as Python references. Tensors derived from a view (a slice, `.t()`)
+    are not seen: they read zeros ([Note: freed gathers read zeros]).
+
+    Returns the index in `views` of one still referenced elsewhere, or None."""
+    i = -1
+    for v in views:  # references: `views`, `v` and getrefcount's argument
+        i += 1
+        if sys.getrefcount(v) > 3:
+            return i
+    return None
 
 
 class Borrowing:

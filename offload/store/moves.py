@@ -196,6 +196,18 @@ class MoveHandle:
             raise self._error
         return self._result
 
+    def settle(self) -> bool:
+        """Waits until the move finished, through interrupts (a KeyboardInterrupt while
+        waiting is dropped: the caller is already unwinding from one, or from the
+        move's own error); True if it succeeded. A fetch with `pin` holds its pin only
+        once it succeeded, so whoever gives the pin back settles the fetch first."""
+        while not self._done.is_set():
+            try:
+                self._done.wait()
+            except KeyboardInterrupt:
+                continue
+        return self._error is None
+
     def _finish(self, result: torch.Tensor | None, error: BaseException | None) -> None:
         self._result = result
         self._error = error

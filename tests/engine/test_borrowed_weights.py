@@ -38,15 +38,18 @@ def test_weights_in_forward_and_backward_are_the_records_memory(engine_cfg):
     seen = {"forward": [], "backward": []}
     lin = engine.module.layers[3].lin
 
-    def look(kind, weight):
-        # (a view of the group's storage: its pointer is the storage's now)
-        seen[kind].append(_inside(weight.data_ptr(), _record_spans(engine)))
+    def look(kind, storage):
+        # (the group's storage: its pointer is the memory it holds now)
+        seen[kind].append(_inside(storage.data_ptr(), _record_spans(engine)))
 
     def forward(module, args):
         w = module.weight
-        look("forward", w)
-        # the weight's gradient is made inside the layer's backward, while it is gathered
-        w.register_hook(lambda grad: look("backward", w))
+        look("forward", w.untyped_storage())
+        # the weight's gradient is made inside the layer's backward, while it is gathered;
+        # the hook holds the storage, not `w`: a view kept past the unit would keep a
+        # copy of the weights ([Note: kept weights] in the engine)
+        storage = w.untyped_storage()
+        w.register_hook(lambda grad: look("backward", storage))
     lin.register_forward_pre_hook(forward)
     try:
         for step in range(3):

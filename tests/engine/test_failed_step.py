@@ -46,6 +46,22 @@ def train_step(engine, batch) -> bool:
     return engine.step()
 
 
+def with_reference(model: nn.Module, cfg: dict):
+    """An engine on a copy of `model` and the run that never fails: a second engine on
+    another copy, with swap files of its own."""
+    engine = offload.initialize(copy.deepcopy(model), cfg)
+    ref = offload.initialize(copy.deepcopy(model), {**cfg, "io": {
+        **cfg["io"], "paths": [cfg["io"]["paths"][0] + "-ref"]}})
+    return engine, ref
+
+
+def trains_on_as(engine, ref, batches) -> None:
+    """Both train on `batches`; the engine ends bit-identical to the reference."""
+    for b in batches:
+        assert train_step(engine, b) and train_step(ref, b)
+    assert_same(snapshot(engine), snapshot(ref))
+
+
 PLACEMENTS = [  # params, grads, optimizer, dtype, optim.state_dtype (the moments' form)
     ("nvme", "host", "nvme", "fp32", "fp32"),  # the parameter is the master, from NVMe state
     ("host", "host", "nvme", "bf16", "fp32"),
@@ -66,9 +82,7 @@ def test_corrupted_optimizer_chunk_fails_the_step_and_changes_nothing(
     batches = lm_batches(4)
     cfg = engine_cfg(params, grads, optimizer, dtype=dtype)
     cfg["optim"]["state_dtype"] = state_dtype
-    engine = offload.initialize(copy.deepcopy(ref_model), cfg)
-    ref = offload.initialize(copy.deepcopy(ref_model), {**cfg, "io": {
-        **cfg["io"], "paths": [cfg["io"]["paths"][0] + "-ref"]}})
+    engine, ref = with_reference(ref_model, cfg)
     try:
         for b in batches[:2]:
             train_step(engine, b)
@@ -87,9 +101,7 @@ def test_corrupted_optimizer_chunk_fails_the_step_and_changes_nothing(
         assert 0 in err.value.groups and len(err.value.groups) > 1  # others had run
         flip_byte(path, where)  # the cause removed (and the state readable again)
         assert_same(snapshot(engine), before)
-        for b in batches[2:]:
-            assert train_step(engine, b) and train_step(ref, b)
-        assert_same(snapshot(engine), snapshot(ref))
+        trains_on_as(engine, ref, batches[2:])
     finally:
         engine.close()
         ref.close()
@@ -291,3 +303,101 @@ def test_disk_full_during_the_step_changes_nothing(engine_cfg, small_fs, params,
     finally:
         engine.close()
         ref.close()
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_corrupted_parameter_on_nvme_is_reported_and_the_forward_can_run_again(
+        engine_cfg, dtype):
+    """A parameter partition read from NVMe with a flipped byte fails the forward with
+    the CorruptionError that names it (nothing else is held on its behalf: no pin of a
+    fetch that never landed); with the byte restored, training goes on and matches a
+    run that never failed."""
+    torch.manual_seed(0)
+    model = TiedTwice()
+    batches = lm_batches(4)
+    cfg = engine_cfg("nvme", "host", "host", dtype=dtype, group_size=600)
+    engine, ref = with_reference(model, cfg)
+    try:
+        assert train_step(engine, batches[0]) and train_step(ref, batches[0])
+        before = snapshot(engine)
+        key = ("p", engine.groups[-1].gid)
+        engine.store.evict(key, Tier.NVME).wait()
+        assert engine.store.info(key).valid == {Tier.NVME}
+        path = engine.store.swap_paths("param")[0]
+        where = engine.store.info(key).extent[0] + 8
+        flip_byte(path, where)
+        x, y = batches[1]
+        for _ in range(2):  # and again: the failed read left nothing behind
+            with pytest.raises(CorruptionError, match="checksum mismatch"):
+                engine(x)
+        flip_byte(path, where)
+        assert_same(snapshot(engine), before)
+        trains_on_as(engine, ref, batches[1:])
+    finally:
+        engine.close()
+        ref.close()
+
+
+@pytest.mark.parametrize("optimizer,at", [("host", "update"), ("nvme", "switch"),
+                                          ("host", "switch")])
+def test_ctrl_c_past_the_point_of_no_return_completes_the_step_first(engine_cfg, optimizer,
+                                                                      at):
+    """[Note: no interrupt mid-commit]: a SIGINT that arrives after the first update in
+    place (`update`: host state, pinned in memory, no previous version), or between
+    the optimizer's commit and the parameters' switch (`switch`), is delivered once
+    the step completed: KeyboardInterrupt, with every partition at the step's new
+    state, and training goes on as in a run that was never interrupted."""
+    import signal
+
+    torch.manual_seed(0)
+    model = TiedTwice()
+    batches = lm_batches(4)
+    cfg = engine_cfg("host", "host", optimizer, group_size=600)
+    engine, ref = with_reference(model, cfg)
+    hit = []
+
+    def interrupting(fn):
+        def call(*args, **kwargs):
+            if not hit:
+                hit.append(kwargs.get("final"))
+                signal.raise_signal(signal.SIGINT)
+            return fn(*args, **kwargs)
+        return call
+    try:
+        assert train_step(engine, batches[0]) and train_step(ref, batches[0])
+        x, y = batches[1]
+        engine.backward(lm_loss(engine(x), y))
+        if at == "update":
+            engine.optimizer.update = interrupting(engine.optimizer.update)
+        else:
+            engine.staged.switch = interrupting(engine.staged.switch)
+        with pytest.raises(KeyboardInterrupt):
+            engine.step()
+        assert hit == [True if at == "update" else None]  # "update": it ran in place
+        assert train_step(ref, batches[1])
+        assert_same(snapshot(engine), snapshot(ref))
+        trains_on_as(engine, ref, batches[2:])
+    finally:
+        engine.close()
+        ref.close()
+
+
+def test_a_partition_held_at_the_commit_fails_the_step_before_anything_commits(engine_cfg):
+    """A group's parameter partition pinned when the step commits (here by hand; a
+    forward left running on another thread would) cannot be switched to its new
+    version: the step fails before the optimizer commits, and changes nothing."""
+    torch.manual_seed(0)
+    batches = lm_batches(3)
+    with offload.initialize(TiedTwice(), engine_cfg("host", "host", "nvme",
+                                                    group_size=600)) as engine:
+        assert train_step(engine, batches[0])
+        before = snapshot(engine)
+        key = ("p", engine.groups[0].gid)
+        x, y = batches[1]
+        engine.backward(lm_loss(engine(x), y))
+        engine.store.pin(key)
+        with pytest.raises(StepFailedError, match="pinned 1 time"):
+            engine.step()
+        engine.store.unpin(key)
+        assert_same(snapshot(engine), before)
+        assert train_step(engine, batches[1])
