@@ -40,7 +40,6 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -367,8 +366,7 @@ def run(args: argparse.Namespace) -> int:
         f"{format_bytes(free)} free; removed at the end")
     if args.malloc == "tuned" and not tune_malloc():
         say("  (could not fix the malloc mmap threshold: not glibc)")
-    old = signal.signal(signal.SIGTERM, _exit_on_sigterm)  # so `finally` removes the swap files
-    try:
+    try:  # SIGTERM raises SystemExit (offload/cli/main.py): `finally` removes the swap files
         result = run_oversized(spec, say)
     except BaseException as e:  # Ctrl-C may arrive wrapped (the optimizer's OptimStepError)
         code = signal_exit_code(e)
@@ -376,18 +374,12 @@ def run(args: argparse.Namespace) -> int:
             raise
         print("interrupted; swap files removed", file=sys.stderr)
         return code
-    finally:
-        signal.signal(signal.SIGTERM, old)
     result.update(_verdict(spec, result, ram))
     if args.json:
         print(json.dumps(result, indent=2))
     else:
         render(spec, result)
     return 0 if result["rss_ok"] else 1
-
-
-def _exit_on_sigterm(signum: int, frame: Any) -> None:
-    raise SystemExit(128 + signum)
 
 
 def _verdict(spec: BenchSpec, r: dict[str, Any], ram: int) -> dict[str, Any]:

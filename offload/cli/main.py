@@ -6,8 +6,10 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import signal
 import sys
-from typing import Sequence
+import threading
+from typing import Any, Sequence
 
 from .args import CommandParser, run_command
 
@@ -124,11 +126,24 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(message)s",
                         handlers=[RichHandler(console=Console(stderr=True), show_path=False)])
+    # SIGTERM's default action ends the process where it stands, leaving the swap and
+    # probe files a command removes on its way out: SystemExit(143) unwinds instead
+    term = None
+    if (threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL):
+        term = signal.signal(signal.SIGTERM, _exit_on_signal)
     try:
         return run_command(args.func, args, _prog(args))
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    finally:
+        if term is not None:
+            signal.signal(signal.SIGTERM, term)
+
+
+def _exit_on_signal(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
 
 
 if __name__ == "__main__":

@@ -46,3 +46,27 @@ def test_bad_bench_path_is_clear(tmp_path):
     assert out.returncode == 2 and out.stderr == (
         f"offload bench io: --path: '{f}' exists and is not a directory; give a writable "
         "directory on the disk to measure\n")
+
+
+def test_sigterm_stops_a_command_and_its_files_go(tmp_path):
+    """SIGTERM (what `kill`, a scheduler or torchrun sends) ends a command through its
+    cleanup: `bench io`'s data files are removed and it exits 143, where the default
+    action would end the process and leave them."""
+    import signal
+    import time
+    p = subprocess.Popen(OFFLOAD + ["bench", "io", "--path", str(tmp_path), "--size", "64MiB",
+                                    "--repeat", "50", "--engines", "threads",
+                                    "--block-sizes", "1MiB", "--queue-depths", "4"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "offload-bench.dat").exists():
+            assert p.poll() is None and time.monotonic() < deadline, p.stderr.read()
+            time.sleep(0.05)
+        time.sleep(0.5)  # inside its rounds of reads and writes
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(timeout=120) == 128 + signal.SIGTERM
+    finally:
+        p.kill()
+        p.wait()
+    assert os.listdir(tmp_path) == []
