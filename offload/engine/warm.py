@@ -178,15 +178,18 @@ def kept_view(views: list[torch.Tensor]) -> int | None:
     group's gather, whether one is still referenced; if so, the storage stays with
     it, with its values, and the group's flat tensor takes a fresh one: the memory
     stays allocated, outside the budgets, until the view goes (a warning names the
-    parameter once). Autograd's saved views are not counted: it holds them from
-    C++, not as Python references. Tensors derived from a view (a slice, `.t()`)
-    are not seen: they read zeros ([Note: freed gathers read zeros]).
+    parameter once). Autograd's saved views (`x * self.weight` saves the view
+    itself) are not counted: C++ holds them, which torch shows as one reference
+    to the Python object however many C++ holders there are (while the tensor's
+    use count is above one); they read the weights again when the backward
+    gathers them. Tensors derived from a view (a slice, `.t()`) are not seen:
+    they read zeros ([Note: freed gathers read zeros]).
 
     Returns the index in `views` of one still referenced elsewhere, or None."""
     i = -1
-    for v in views:  # references: `views`, `v` and getrefcount's argument
+    for v in views:  # references: `views`, `v`, getrefcount's argument, C++ holders
         i += 1
-        if sys.getrefcount(v) > 3:
+        if sys.getrefcount(v) - (v._use_count() > 1) > 3:
             return i
     return None
 

@@ -2,9 +2,17 @@
 unit gathered; printing every frame's locals (as pytest and debuggers do) must not crash
 the interpreter. Run in a child process: a crash there fails the test, not the suite."""
 
+import logging
 import subprocess
 import sys
 import textwrap
+
+import torch
+
+import offload
+from offload.engine.warm import kept_view
+
+from .models import TiedTwice, lm_batches, lm_loss
 
 CHILD = textwrap.dedent("""
     import sys, tempfile
@@ -135,3 +143,23 @@ def test_tensors_kept_from_a_units_weights_do_not_crash():
         for line in out.splitlines():
             if line.startswith("derived"):
                 assert line.split()[2] == "0.0", out  # '2.weight' only derived: zeros
+
+
+def test_weights_autograd_saves_are_not_taken_for_kept(engine_cfg, caplog):
+    """`h * self.scale` makes autograd save the weight's view itself (C++ holds it,
+    which torch shows as a reference to its Python object): not a weight the user
+    kept ([Note: kept weights]), so no warning, and the gathered memory is given
+    back after the unit as for any other."""
+    with caplog.at_level(logging.WARNING, logger="offload"), \
+            offload.initialize(TiedTwice(), engine_cfg("host")) as engine:
+        for x, y in lm_batches(2):
+            engine.backward(lm_loss(engine(x), y))
+            engine.step()
+    assert not [r for r in caplog.records if "still referenced" in r.getMessage()]
+    flat = torch.ones(8, requires_grad=True) * 1
+    views = [flat[:4]]
+    out = torch.randn(4, requires_grad=True) * views[0]  # saves views[0]
+    assert kept_view(views) is None
+    kept = views[0]
+    assert kept_view(views) == 0
+    del out, kept
