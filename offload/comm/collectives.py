@@ -15,16 +15,21 @@ collective and records nothing.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
 
 from ..trace import NULL_RECORDER, AsyncToken, TraceRecorder
 
-__all__ = ["Collectives", "Pending"]
+__all__ = ["Collectives", "Pending", "RankFailedError"]
+
+
+class RankFailedError(RuntimeError):
+    """Another rank failed the operation this rank was in ([Note: ranks agree])."""
 
 
 @dataclass
@@ -158,3 +163,30 @@ class Collectives:
     def barrier(self) -> None:
         if self.world > 1:
             dist.barrier(group=self.group)
+
+    def agree(self, error: BaseException | None, what: str) -> None:
+        """[Note: ranks agree] Where each rank runs its part of `what` (a step's updates,
+        a checkpoint's writes) and a failure on one must stop every rank before any
+        commits, each calls this once at the same point with its outcome, in place
+        of a barrier: it raises `error` on the rank that failed (after telling the
+        others), and RankFailedError on the others; returns where every rank got
+        this far without one. (A rank that never gets here, e.g. killed, leaves the
+        others waiting for the process group's timeout.)"""
+        (failed,) = self.sum_scalars([0.0 if error is None else 1.0])
+        if error is not None:
+            raise error
+        if failed:
+            raise RankFailedError(f"{what}: {int(failed)} other rank(s) of {self.world} failed "
+                                  "(their error says why); this rank's part was undone with "
+                                  "theirs")
+
+    @contextlib.contextmanager
+    def together(self, what: str) -> Iterator[None]:
+        """Runs the block's part on every rank, then `agree`s on its outcome: the
+        block's error raises here, RankFailedError where another rank's block failed."""
+        error = None
+        try:
+            yield
+        except Exception as e:
+            error = e
+        self.agree(error, what)

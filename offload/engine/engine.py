@@ -38,7 +38,6 @@ read or written.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import threading
@@ -62,7 +61,7 @@ from .eviction import PendingUpdates, sooner_than
 from .forward_prefetch import ForwardOnlyPrefetch, arriving
 from .grad_slots import GradSlots
 from .grads import GradPartitions
-from .in_place import update_in_place
+from .in_place import pin_in_place, unpin_all, update_in_place
 from .model_weights import ModelWeights
 from .params_view import RegisteredParams
 from .rank_order import RankOrder
@@ -153,6 +152,7 @@ class OffloadEngine(ModelWeights, GradPartitions, nn.Module):
         self._closed = False
         self._reductions: list[Pending] = []
         self._has_grad: set[int] = set()
+        self.param_group_of: dict[tuple[int, int], int] = {}  # (gid, slot) -> optimizer group
         self.grad_slots = GradSlots(comm)  # [Note: parameters without a gradient]
         self._hooks: list[Any] = []
         self._opt: CpuAdam | None = None
@@ -690,9 +690,8 @@ class OffloadEngine(ModelWeights, GradPartitions, nn.Module):
         self.trace.finish()
         early, self._early = self._early, []
         errors = [f.exception() for f in early]  # waits for every one of them
-        failed = next((e for e in errors if e is not None), None)
-        if failed is not None:
-            raise failed
+        # [Note: ranks agree] in collectives.py: before the step's first collective
+        self.comm.agree(next((e for e in errors if e is not None), None), "step()")
         gids = [g for g in sorted(self._has_grad) if ("g", g) in self.store]
         scale = self._grad_divisor
         norm, found_inf = self._grad_norm(gids, scale)
@@ -701,16 +700,27 @@ class OffloadEngine(ModelWeights, GradPartitions, nn.Module):
             self._after_overflow()
             return False
         self.pending_updates.add(*gids, reads_master=self.master_is_param)
-        with contextlib.ExitStack() as final:  # [Note: no interrupt mid-commit] in step.py
-            in_place = (self.cfg.engine.optimizer == "host" and not self.staged
-                        and update_in_place(self, gids, norm, final))
-            if not in_place:
+        pinned, error = None, None
+        try:  # what can fail: every rank's part of it, before any rank commits
+            if self.cfg.engine.optimizer == "host" and not self.staged:
+                pinned = pin_in_place(self, gids)
+            if pinned is None:
                 for gid in gids:
                     self._update_group(gid, None, norm)
-            self.pending_updates.clear()
             self.staged.ready()
-            final.enter_context(uninterrupted())
-            self.optimizer.commit(grad_norm=norm)  # all or nothing; rolled back if it raises
+            self.optimizer.durable(grad_norm=norm)
+        except Exception as e:
+            error = e
+        try:
+            self.comm.agree(error, "step()")
+        except BaseException:
+            unpin_all(self, pinned or [])
+            raise
+        with uninterrupted():  # [Note: no interrupt mid-commit] in step.py
+            if pinned is not None:
+                update_in_place(self, gids, norm, pinned)
+            self.pending_updates.clear()
+            self.optimizer.commit(grad_norm=norm)  # its writes are durable: cannot fail
             self.staged.switch()
             self._has_grad.clear()
             self.grad_slots.clear()

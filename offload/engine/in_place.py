@@ -8,48 +8,56 @@ can change the partitions in place and the step needs no staged copies
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from typing import TYPE_CHECKING
 
 import torch
 
 from ..store import BudgetExceededError
-from .step import uninterrupted
 
 if TYPE_CHECKING:
     from .engine import OffloadEngine
 
 log = logging.getLogger(__name__)
 
-__all__ = ["update_in_place"]
+__all__ = ["pin_in_place", "unpin_all", "update_in_place"]
 
 
-def update_in_place(engine: OffloadEngine, gids: list[int], norm: float | None,
-                    final: contextlib.ExitStack) -> bool:
-    """The step's updates of host optimizer state, in place and final: every gradient
-    and parameter partition is made resident and pinned first (what can fail), so
-    no previous version is kept ([Note: all or nothing]); from the first update on,
-    the step is `uninterrupted` until `final` closes, at its end. False (nothing
-    changed; no I/O where the budgets alone cannot hold them) when they do not all
-    fit in memory at once: the caller then stages the updates."""
+def pin_in_place(engine: OffloadEngine, gids: list[int]) -> list | None:
+    """Makes every gradient and parameter partition of `gids` resident and pinned, the
+    part of updating in place that can fail; returns the pinned keys for
+    `update_in_place`, or None (nothing pinned; no I/O where the budgets alone cannot
+    hold them) when they do not all fit in memory at once: the caller then stages
+    the updates. Raises (nothing pinned) on another failure."""
     where = {k: engine._grad_where if k[0] == "g" else engine._memory_tier(k)
              for gid in gids for k in (("g", gid), ("p", gid))}
     if not engine.store.could_hold(where):
-        return False
+        return None
     pinned: list = []
     try:
         for key, to in where.items():
             engine.store.fetch(key, to=to, pin=True).wait()
             pinned.append(key)
     except BaseException as e:
-        for key in pinned:
-            engine.store.unpin(key)
+        unpin_all(engine, pinned)
         if not isinstance(e, BudgetExceededError):
             raise
         log.debug("step: updates staged, the groups do not fit in memory at once (%s)", e)
-        return False
-    final.enter_context(uninterrupted())
+        return None
+    return pinned
+
+
+def unpin_all(engine: OffloadEngine, pinned: list) -> None:
+    for key in pinned:
+        engine.store.unpin(key)
+
+
+def update_in_place(engine: OffloadEngine, gids: list[int], norm: float | None,
+                    pinned: list) -> None:
+    """The step's updates of host optimizer state, in place and final, over the
+    partitions `pin_in_place` pinned: nothing here can fail, so no previous version
+    is kept ([Note: all or nothing]); the caller runs it `uninterrupted`, once every
+    rank's step got this far ([Note: ranks agree] in offload/comm/collectives.py)."""
     try:
         scale = engine._grad_divisor
         gpu = engine.device.type != "cpu"
@@ -66,8 +74,6 @@ def update_in_place(engine: OffloadEngine, gids: list[int], norm: float | None,
                 if out is not p:  # a GPU-resident partition takes the new values
                     p.copy_(out, non_blocking=gpu)
     finally:
-        for key in pinned:
-            engine.store.unpin(key)
+        unpin_all(engine, pinned)
     for gid in gids:
         engine.store.free(("g", gid))
-    return True

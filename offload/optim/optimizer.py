@@ -488,6 +488,19 @@ class CpuAdam(StateAccess):
         with self._lock:
             return [p for p in self._parts if p in self._round]
 
+    def durable(self, grad_norm: float | None = None) -> None:
+        """Waits for the open round's NVMe writes, so that `commit` after it cannot fail.
+
+        Raises:
+            OptimStepError: a write failed; the whole round was rolled back.
+        """
+        with self._lock:
+            try:
+                if self._pipeline is not None:
+                    self._pipeline.durable()
+            except Exception as e:
+                raise self._failed_round(e, grad_norm) from e
+
     def commit(self, grad_norm: float | None = None) -> None:
         """Commits the round: every update since the last commit becomes the partitions'
         state, all together ([Note: rounds]). Waits for the NVMe writes.

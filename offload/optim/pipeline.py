@@ -322,10 +322,7 @@ class SwapPipeline:
         their committed version) and raises that write's error."""
         rewrites = list(self._pending.values())
         try:
-            with self.recorder.span("optim:wait_durable", cat="wait", track="optim"):
-                for rw in rewrites:
-                    for h in rw.writes:
-                        h.wait()  # raises the IoError of a failed write
+            self.durable()
         except BaseException:
             self.rollback()
             raise
@@ -333,6 +330,14 @@ class SwapPipeline:
         for rw in rewrites:  # no I/O from here on: the switch cannot fail half way
             rw.part.commit(self.swap, rw.new, rw.part.step + 1)
         return [rw.part.pid for rw in rewrites]
+
+    def durable(self) -> None:
+        """Waits for every pending write; raises the IoError of one that failed (nothing
+        is installed or freed: `commit` or `rollback` follows)."""
+        with self.recorder.span("optim:wait_durable", cat="wait", track="optim"):
+            for rw in list(self._pending.values()):
+                for h in rw.writes:
+                    h.wait()
 
     def rollback(self) -> list[Hashable]:
         """Waits for every transfer, frees the new extents of every pending partition
