@@ -13,7 +13,6 @@ import argparse
 import json
 import math
 import os
-import shutil
 import sys
 from pathlib import Path
 
@@ -117,11 +116,15 @@ def run_info(args: argparse.Namespace) -> int:
 
 
 def export_safetensors(reader: CheckpointReader, out: str | os.PathLike, *,
-                       dtype: str = "saved", shard_size: int = 5 * 10**9) -> list[Path]:
+                       dtype: str = "saved", shard_size: int = 5 * 10**9,
+                       config: str | os.PathLike | None = None) -> list[Path]:
     """Writes the weights as safetensors shards (`model.safetensors`, or
     `model-0000i-of-0000n.safetensors` with `model.safetensors.index.json`), one
     tensor in memory at a time, as `engine.save_pretrained` writes them; tied
-    weights are written once, under their first name. Returns the files."""
+    weights are written once, under their first name; with `config`, that
+    directory's config.json (and generation_config.json) beside them. All or
+    nothing: a failure (an `OSError` of the disk keeps its errno and names the file
+    and the fix) leaves no file of them in `out`. Returns the files."""
     import torch
 
     from ..engine.safetensors_writer import TensorSpec, write_shards
@@ -140,8 +143,11 @@ def export_safetensors(reader: CheckpointReader, out: str | os.PathLike, *,
             kind, dt = kind_and_dtype(t)
             flat = reader.read_range(kind, name, 0, math.prod(t["shape"]))
             yield name, flat.to(TORCH_DTYPES[dt]).reshape(t["shape"])
+    copies = {} if config is None else {
+        name: Path(config) / name for name in _CONFIGS if (Path(config) / name).is_file()}
     try:
-        return write_shards(out, specs, tensors(), shard_size)
+        return write_shards(out, specs, tensors(), shard_size, copies=copies,
+                            elsewhere="give another --to")
     except FileExistsError as e:
         raise UsageError(f"--to: {e}") from e
 
@@ -153,19 +159,13 @@ def run_export(args: argparse.Namespace) -> int:
     files = None
     try:
         files = export_safetensors(reader, args.to, dtype=args.dtype,
-                                   shard_size=args.shard_size)
-    except CheckpointError as e:
+                                   shard_size=args.shard_size, config=args.config)
+    except (CheckpointError, OSError) as e:  # a damaged checkpoint, a full disk: the machine's
         print(f"offload checkpoint export: {' '.join(str(e).split())}", file=sys.stderr)
         return 1
     finally:
-        if files is None:  # a failed export leaves no directory it made (its shards are gone)
+        if files is None:  # a failed export leaves no directory it made (its files are gone)
             remove_directories(created)
-    if args.config:
-        for name in _CONFIGS:
-            src = Path(args.config) / name
-            if src.is_file():
-                shutil.copyfile(src, Path(args.to) / name)
-                files.append(Path(args.to) / name)
     for f in files:
         print(f)
     return 0

@@ -46,6 +46,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import stat
 import struct
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -139,20 +140,34 @@ class Shard(NamedTuple):
 def read_index(path: str, slots: int) -> list[tuple[int, int]]:
     """The (offset, length) of each of the `slots` chunk slots of the shard file at
     `path`, its index's checksum verified; (MISSING, MISSING) for a slot with no
-    chunk. Raises `ChunkFileError` for a missing file or a damaged index."""
+    chunk. Raises `ChunkFileError` for a missing, unreadable or not regular file
+    or a damaged index."""
+    if slots < 1:
+        raise ChunkFileError(path, f"cannot have {slots} chunk slots (its array's metadata "
+                             "is damaged)")
     n = slots * ENTRY + CRC_BYTES
     try:
         fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError:
         raise ChunkFileError(path, "is missing") from None
+    except OSError as e:
+        raise ChunkFileError(path, f"cannot be opened ({e.strerror})") from e
     try:
-        size = os.fstat(fd).st_size
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ChunkFileError(path, "is a directory, not a shard file"
+                                 if stat.S_ISDIR(st.st_mode) else "is not a regular file")
+        size = st.st_size
         if size < n:
             raise ChunkFileError(path, f"has {size} bytes, less than its index of {slots} "
                                  f"chunk slots ({n} bytes)")
         raw = os.pread(fd, n, size - n)
+    except OSError as e:
+        raise ChunkFileError(path, f"cannot be read ({e.strerror})") from e
     finally:
         os.close(fd)
+    if len(raw) != n:  # the file shrank under us
+        raise ChunkFileError(path, f"gave {len(raw)} bytes of its {n}-byte index")
     want = int.from_bytes(raw[-CRC_BYTES:], "little")
     got = _crc32c(memoryview(raw)[:-CRC_BYTES])
     if got != want:
@@ -518,6 +533,8 @@ class ChunkFiles:
             fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if self.direct else 0))
         except FileNotFoundError:
             raise ChunkFileError(path, "is missing", i) from None
+        except OSError as e:
+            raise ChunkFileError(path, f"cannot be opened ({e.strerror})", i) from e
         direct = self._direct(dest, offset, nbytes)
         # direct: the whole blocks into `dest`, the rest (the checksum and the bytes
         # of the last partial block) into a small buffer; else the chunk from the

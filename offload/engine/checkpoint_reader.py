@@ -23,6 +23,19 @@ from .units import Group, Slot
 
 __all__ = ["CheckpointReader"]
 
+_HYPER = ("lr", "betas", "eps", "weight_decay")  # what the commit record keeps per group
+
+
+def _hyper_value(key: str, v: Any) -> Any:
+    """A hyper-parameter as restored and compared (JSON gives betas as a list)."""
+    return tuple(float(b) for b in v) if key == "betas" else float(v)
+
+
+def _describe(groups: list[dict[str, Any]]) -> str:
+    return "; ".join(f"group {k}: " + ", ".join(f"{key}={_hyper_value(key, g[key])}"
+                                                for key in ("lr", "weight_decay") if key in g)
+                     for k, g in enumerate(groups))
+
 
 def _chunk_in(out: torch.Tensor | None, dtype: torch.dtype, a: int, b: int, ce: int,
               k: int) -> torch.Tensor | None:
@@ -40,14 +53,24 @@ class CheckpointReader:
     tensors, read by element range with every chunk's checksum verified."""
 
     def __init__(self, path: str | os.PathLike) -> None:
+        """`path`: the checkpoint directory (or its commit record, `checkpoint.json`)."""
         p = Path(path).absolute()
-        if not p.is_dir():
+        if p.name == RECORD and p.is_file():  # the record inside: its directory is meant
+            p = p.parent
+        if not p.exists():
             raise CheckpointError(f"checkpoint {p} does not exist")
+        if not p.is_dir():
+            raise CheckpointError(f"checkpoint {p} is a file, not a checkpoint directory: pass "
+                                  f"the directory save_checkpoint wrote (it holds {RECORD})")
         if not is_committed(p):
             raise CheckpointError(f"{p} is not a committed checkpoint: it has no {RECORD} or "
                                   f"its name ends in {PARTIAL} (a save that did not finish, "
                                   "or not a checkpoint)")
-        rec = _read_json(p / RECORD)
+        try:
+            rec = _read_json(p / RECORD)
+        except OSError as e:
+            raise CheckpointCorruptError(f"checkpoint file {p / RECORD} cannot be read "
+                                         f"({e.strerror})") from e
         if rec.get("format") != FORMAT:
             raise CheckpointError(f"checkpoint {p}: format {rec.get('format')!r}, this "
                                   f"version reads {FORMAT!r}")
@@ -56,6 +79,9 @@ class CheckpointReader:
         self.tensors: dict[str, dict[str, Any]] = rec["tensors"]
         self._alias = {a: name for name, t in self.tensors.items()
                        for a in [name] + list(t["aliases"])}
+        # what `restore` applies, checked before the first group is read (`_prepare`):
+        # the saved hyper-parameters per engine group and this rank's RNG states
+        self._restoring: tuple[list[dict[str, Any]], dict[str, Any]] | None = None
         self._arrays: dict = {}
         self._files: ChunkFiles | None = None
         self._chunks: dict[tuple[str, str], tuple[int, int]] = {}  # (kind, name) ->
@@ -122,6 +148,9 @@ class CheckpointReader:
                 raise CheckpointError(f"checkpoint {self.path}: group {g['gid']} is covered "
                                       f"only up to element {covered} of {g['numel']} by the "
                                       f"ranks' ranges {spans}")
+        for r in range(world):  # their RNG states are restored last: find a loss first
+            if not self._rank_path(r).is_file():
+                raise self._rank_damaged(r, "is missing")
 
     def _array(self, kind: str, name: str):
         """The array through tensorstore (for tests and tools that want its view)."""
@@ -141,17 +170,27 @@ class CheckpointReader:
         key = (kind, name)
         if key not in self._chunks:
             meta = self.path / kind / name / "zarr.json"
+            stored = _stored_shape(tuple(self.tensors[name]["shape"]))
             try:
                 m = json.loads(meta.read_text())
+                if m["shape"] != stored:
+                    raise ValueError(f"its shape {m['shape']} is not the commit record's "
+                                     f"{stored}")
                 shard = m["chunk_grid"]["configuration"]["chunk_shape"]
                 codec = m["codecs"][0]
                 if codec["name"] != "sharding_indexed":
                     raise ValueError(f"its codec is {codec['name']!r}, not sharding_indexed")
                 chunk = codec["configuration"]["chunk_shape"]
-                if (len(chunk) != len(shard) or shard[0] % chunk[0]
-                        or list(shard[1:]) != list(chunk[1:])):
-                    raise ValueError(f"shards of {shard} are not whole rows of chunks of {chunk}")
-            except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
+                for what, s in (("shard", shard), ("chunk", chunk)):
+                    if (not isinstance(s, list) or len(s) != len(stored)
+                            or any(type(d) is not int or d < 1 for d in s)):
+                        raise ValueError(f"its {what} shape {s} is not {len(stored)} positive "
+                                         "integers")
+                if (shard[0] % chunk[0] or list(shard[1:]) != list(chunk[1:])
+                        or list(chunk[1:]) != stored[1:]):
+                    raise ValueError(f"shards of {shard} are not whole rows of chunks of "
+                                     f"{chunk}, whole rows of the array's {stored}")
+            except (OSError, ValueError, KeyError, TypeError, IndexError, ArithmeticError) as e:
                 raise CheckpointCorruptError(f"checkpoint {self.path}: array {kind}/{name}: "
                                              f"no readable shard and chunk shape in {meta} "
                                              f"({e})") from e
@@ -274,6 +313,7 @@ class CheckpointReader:
         `slots`: the partition's parameter ranges and the parameter of each (None:
         padding), as `param_groups.segments_of` gives them; each range resumes at its
         parameter's own update count (padding's is 0: it never has a gradient)."""
+        self._prepare(engine)  # a mismatch is found before any state is read
         rank = engine.comm.rank
         with engine.store.create(("p", g.gid), g.shard, engine.dtype, kind="param",
                                  tier=engine._param_tier) as param:  # read in place: no copy
@@ -299,29 +339,142 @@ class CheckpointReader:
                     0 if s is None else self._param_steps.get(self.name_of(g.slots[s]), step)
                     for s in slots])  # padding never has a gradient: its count stays 0
 
+    def _prepare(self, engine: Any) -> None:
+        """Checks, once, what `restore` will apply, before anything of the engine
+        changes: the saved hyper-parameters matched to the engine's optimizer groups
+        (`_matched_hyper`) and this rank's rank file (rank 0's where the checkpoint
+        had fewer ranks)."""
+        if self._restoring is None:
+            rank = engine.comm.rank
+            hyper = (self._hyper_by_members(engine) if all(
+                "params" in g for g in self.record["param_groups"])
+                else self._matched_hyper(engine.optimizer.param_groups))
+            own = self._rank_file(rank if rank < self.record["world"] else 0)
+            self._restoring = (hyper, own["rng"])
+
+    def _hyper_by_members(self, engine: Any) -> list[dict[str, Any]]:
+        """The saved hyper-parameters for each of the engine's optimizer groups, the
+        saved group with the same parameters (by the checkpoint's names, whatever the
+        order the groups are listed in); CheckpointError naming the first group that
+        has no such saved group."""
+        mine: list[set[str]] = [set() for _ in engine.optimizer.param_groups]
+        for g in engine.groups:
+            if g.requires_grad:
+                for i, s in enumerate(g.slots):
+                    mine[engine.param_group_of.get((g.gid, i), 0)].add(self.name_of(s))
+        saved = self.record["param_groups"]
+        by_members = {frozenset(g["params"]): g for g in saved}
+        out = []
+        for k, names in enumerate(mine):
+            theirs = by_members.get(frozenset(names))
+            if theirs is None:
+                near = max(saved, key=lambda g: len(names & set(g["params"])))
+                extra = sorted(names - set(near["params"]))[:3]
+                lacking = sorted(set(near["params"]) - names)[:3]
+                raise CheckpointError(
+                    f"checkpoint {self.path}: optimizer group {k} of this engine ("
+                    f"{'the default group' if k == 0 else f'param_groups[{k - 1}]'}, "
+                    f"{len(names)} parameters) holds other parameters than every group of "
+                    f"the save (the nearest adds {extra}, lacks {lacking}); resume with the "
+                    "param_groups of the save (any order), then change them through "
+                    "engine.optimizer.param_groups[k]")
+            out.append({key: _hyper_value(key, theirs[key]) for key in _HYPER if key in theirs})
+        return out
+
+    def _matched_hyper(self, mine: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The saved hyper-parameters for each of the engine's optimizer groups `mine`,
+        for a checkpoint whose commit record does not list each group's parameters.
+
+        Such a record keeps each group's values, not which parameters it held,
+        so only group 0 (the optim section's values and every parameter no group
+        names) is known to be the same group in both; it gets the saved values, as
+        torch's `load_state_dict` gives them. A given group (1, 2, ...) matched by
+        its place could be another group listed in another order, so its saved
+        values must equal the engine's (restoring them then changes nothing); where
+        they differ, or the number of groups does, CheckpointError says what differs
+        rather than give one group's values to another."""
+        saved = self.record["param_groups"]
+        fix = ("resume with the param_groups of the save (initialize(param_groups=...) or "
+               "optim.param_groups), in its order and with its values; change a value "
+               "after initialize through engine.optimizer.param_groups[k]")
+        if len(saved) != len(mine):
+            raise CheckpointError(
+                f"checkpoint {self.path} was saved with {len(saved)} optimizer param groups "
+                f"({_describe(saved)}), this engine has {len(mine)} ({_describe(mine)}); the "
+                f"saved hyper-parameters cannot be matched to these groups: {fix}")
+        differ = []
+        for k in range(1, len(saved)):
+            keys = [key for key in _HYPER if key in saved[k] and _hyper_value(
+                key, saved[k][key]) != _hyper_value(key, mine[k][key])]
+            if keys:
+                differ.append(f"param_groups[{k - 1}] (optimizer group {k}): " + ", ".join(
+                    f"{key} saved {_hyper_value(key, saved[k][key])}, given "
+                    f"{_hyper_value(key, mine[k][key])}" for key in keys))
+        if differ:
+            raise CheckpointError(
+                f"checkpoint {self.path}: {'; '.join(differ)}. The checkpoint does not record "
+                "which parameters each group held, so groups are matched by their place and "
+                f"a changed value cannot be told from groups listed in another order: {fix}")
+        return [{key: _hyper_value(key, g[key]) for key in _HYPER if key in g} for g in saved]
+
+    def _rank_path(self, r: int) -> Path:
+        return self.path / "ranks" / f"{r}.json"
+
+    def _rank_damaged(self, r: int, why: str) -> CheckpointCorruptError:
+        return CheckpointCorruptError(
+            f"checkpoint {self.path}: rank file {self._rank_path(r)} {why} (rank {r} of "
+            f"{self.record['world']} wrote it); the checkpoint is damaged: resume from another")
+
+    def _rank_file(self, r: int) -> dict[str, Any]:
+        """ranks/<r>.json, its sha256 checked and its content compared with the commit
+        record's copy; CheckpointCorruptError naming the file where it is missing,
+        unreadable, changed or another save's."""
+        p = self._rank_path(r)
+        try:
+            obj = _read_json(p)
+        except FileNotFoundError:
+            raise self._rank_damaged(r, "is missing") from None
+        except OSError as e:
+            raise self._rank_damaged(r, f"cannot be read ({e.strerror})") from e
+        entry = next((x for x in self.record["ranks"] if x.get("rank") == r), None)
+        if entry is None:
+            raise self._rank_damaged(r, "has no entry in the commit record")
+        differ = [k for k, v in entry.items() if obj.get(k) != v] + [
+            k for k in ("rng",) if not isinstance(obj.get(k), dict)]
+        if differ:
+            raise self._rank_damaged(r, f"does not match the commit record ({', '.join(differ)}"
+                                     " differ): it is another save's")
+        return obj
+
     def restore(self, engine: Any) -> None:
         """The engine's counters, loss scale, hyper-parameters and this rank's RNG states
-        (rank 0's where the checkpoint had fewer ranks)."""
+        (rank 0's where the checkpoint had fewer ranks); CheckpointError, before any of
+        them changes, where the saved param groups do not match the engine's
+        (`_matched_hyper`) or the rank file is damaged."""
+        self._prepare(engine)
+        hyper, rng = self._restoring
         rec = self.record
         engine.global_step = int(rec["global_step"])
         engine.micro_step = int(rec["micro_step"])
         engine.loss_scale = float(rec["loss_scale"])
         engine._good_steps = int(rec["good_steps"])
         engine.optimizer.steps = engine.global_step  # committed rounds: one per step
-        saved = rec["param_groups"]
-        if len(saved) == len(engine.optimizer.param_groups):
-            for mine, theirs in zip(engine.optimizer.param_groups, saved):
-                mine.update(theirs)
-                mine["betas"] = tuple(mine["betas"])
-        rank = engine.comm.rank
-        own = self.path / "ranks" / f"{rank if rank < rec['world'] else 0}.json"
-        set_rng_state(_read_json(own)["rng"])
+        for mine, theirs in zip(engine.optimizer.param_groups, hyper):
+            mine.update(theirs)
+        set_rng_state(rng)
 
     def verify(self, progress: Callable[[str], None] | None = None) -> list[str]:
-        """Reads every chunk of every array (one chunk in memory at a time) and checks
-        its checksum; returns the problems found, each naming the array and chunk
-        (empty: intact). `progress(array)` is called before each array."""
+        """Checks every rank file (`ranks/<r>.json`: present, its sha256, as the commit
+        record lists it), then reads every chunk of every array (one chunk in memory
+        at a time) and checks its checksum; returns the problems found, each naming
+        the file, or the array and chunk (empty: intact). `progress(array)` is called
+        before each array."""
         problems = []
+        for r in range(self.record["world"]):
+            try:
+                self._rank_file(r)
+            except CheckpointError as e:
+                problems.append(str(e))
         for name, t in self.tensors.items():
             n = math.prod(t["shape"])
             for kind in t["kinds"]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import tempfile
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping
 
@@ -95,11 +96,15 @@ class ModelWeights:
                 "resume a new engine from a checkpoint")
 
     def _check_between_steps(self, what: str) -> None:
+        """Refuses `what`, a change of committed state, inside a step; else waits for a
+        save in the background to have read it ([Note: saving in the background] in
+        training_checkpoint.py)."""
         self._check_no_forward(what)
         if self._backwards or self._early or len(self.staged):
             raise RuntimeError(f"{what}: a step is in progress ({self._backwards} backward "
                                "call(s) since the last step); call engine.step() or "
                                "engine.zero_grad() first")
+        self.wait_for_checkpoint(raise_error=False)
 
     def _check_no_forward(self, what: str) -> None:
         running = [st.group.gid for st in self._states if st.active]
@@ -289,14 +294,15 @@ class ModelWeights:
             for _ in stream:
                 pass  # the all-gathers pair up with rank 0's
             return []
-        try:
-            files = write_shards(out, specs, stream, limit)
-        except BaseException:
-            if self.comm.world > 1:
-                for _ in stream:  # what the failed write left: its all-gathers
-                    pass
-            raise
-        return files + self._save_configs(out, dtype)
+        with tempfile.TemporaryDirectory(prefix="offload-config-") as staged:
+            copies = self._save_configs(Path(staged), dtype)  # written with the shards
+            try:
+                return write_shards(out, specs, stream, limit, copies=copies)
+            except BaseException:
+                if self.comm.world > 1:
+                    for _ in stream:  # what the failed write left: its all-gathers
+                        pass
+                raise
 
     def _export_specs(self, dtype: torch.dtype | None) -> tuple[list[TensorSpec], list]:
         """What is written, in the order it is produced: parameters group by group, then
@@ -327,17 +333,19 @@ class ModelWeights:
         for name, t in order:
             yield name, t.to(dtype) if dtype and t.is_floating_point() else t
 
-    def _save_configs(self, out: Path, dtype: torch.dtype | None) -> list[Path]:
-        files = []
+    def _save_configs(self, into: Path, dtype: torch.dtype | None) -> dict[str, Path]:
+        """The model's `config.json` and `generation_config.json` (Hugging Face), written
+        into `into`: {name: file}."""
+        files = {}
         config = getattr(self.module, "config", None)
         if config is not None and hasattr(config, "save_pretrained"):
             dtypes = {d for row in self.registered.dtypes for d in row}
             if dtype is not None or len(dtypes) == 1:
                 config.dtype = dtype or dtypes.pop()
-            config.save_pretrained(out)
-            files.append(out / "config.json")
+            config.save_pretrained(into)
+            files["config.json"] = into / "config.json"
         gen = getattr(self.module, "generation_config", None)
         if gen is not None and hasattr(gen, "save_pretrained"):
-            gen.save_pretrained(out)
-            files.append(out / "generation_config.json")
+            gen.save_pretrained(into)
+            files["generation_config.json"] = into / "generation_config.json"
         return files

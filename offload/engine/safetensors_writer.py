@@ -7,23 +7,37 @@ budgets. The format is a little-endian u64 header length, a JSON header
 ({name: {"dtype", "shape", "data_offsets"}} and "__metadata__") padded with
 spaces to 8 bytes, then the tensors' bytes back to back. Every shape and
 dtype is known before a byte is written, so the header is written first and
-each tensor is appended as it arrives: one tensor in memory at a time. Files
-are written under a `.partial` name and renamed once all of them are whole;
-on a failure the partial files are removed.
+each tensor is appended as it arrives: one tensor in memory at a time.
+
+[Note: all or nothing]
+A failed write must leave the directory as it found it: shards renamed to
+their final names beside a missing or empty index look complete to a loader,
+and a re-run is refused ("already holds safetensors files"). So every file
+(the shards, the index, the copies such as config.json) is written under a
+`.partial` name and fsynced, and only when all are whole are they renamed to
+their final names and the directory fsynced. Any failure on the way (a
+full disk, an error of the tensors' source, Ctrl-C, a rename) removes every
+`.partial` file, every final name already made, and the directories the call
+created. An `OSError` of one of our own writes is raised again with its
+errno, naming the file, the bytes needed and free, and the fix.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import io
 import json
 import math
 import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable, Iterator, Mapping
 
 import torch
 
+from ..config import format_bytes
 from ..files import check_directory
 
 __all__ = ["TensorSpec", "plan_shards", "write_shards", "INDEX"]
@@ -75,66 +89,178 @@ def _header(specs: list[TensorSpec], metadata: dict[str, str]) -> bytes:
     return raw + b" " * (-len(raw) % 8)
 
 
-def _append(f, spec: TensorSpec, name: str, t: torch.Tensor) -> None:
+def _append(write: Callable[[bytes | memoryview], None], spec: TensorSpec, name: str,
+            t: torch.Tensor) -> None:
     if name != spec.name or tuple(t.shape) != spec.shape or t.dtype != spec.dtype:
         raise ValueError(f"safetensors: expected tensor {spec.name!r} {spec.shape} "
                          f"{spec.dtype}, got {name!r} {tuple(t.shape)} {t.dtype}")
     if spec.nbytes:
         data = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-        f.write(memoryview(data.numpy()))
+        write(memoryview(data.numpy()))
+
+
+_PARTIAL = ".partial"
+_COPY_CHUNK = 1 << 20  # bytes read at a time from a file copied beside the shards
+
+
+class _Staging:
+    """The files and directories one `write_shards` call makes in `out`: written
+    under `.partial` names, made final together by `commit`, or all removed by
+    `discard`. [Note: all or nothing]"""
+
+    def __init__(self, out: Path, need: int, elsewhere: str):
+        self.out, self.need, self.elsewhere = out, need, elsewhere
+        self.created: list[Path] = []  # deepest first
+        self.partial: list[Path] = []
+        self.final: list[Path] = []
+        self.failure: tuple[OSError, Path] | None = None  # our own write that failed
+
+    def _do(self, path: Path, fn: Callable, *args):
+        try:
+            return fn(*args)
+        except OSError as e:
+            self.failure = (e, path)
+            raise
+
+    def mkdir(self) -> None:
+        p = self.out.absolute()
+        while not p.exists():
+            self.created.append(p)
+            p = p.parent
+        self._do(self.out, self.out.mkdir, 0o777, True, True)
+
+    @contextlib.contextmanager
+    def file(self, name: str) -> Iterator[Callable[[bytes | memoryview], None]]:
+        """`name.partial`, opened for `write(bytes)`; fsynced when the block ends
+        without an error (a full disk may show only then)."""
+        path = self.out / (name + _PARTIAL)
+        f = self._do(path, open, path, "wb", 0)  # unbuffered: close has nothing to flush
+        self.partial.append(path)
+        try:
+            yield lambda data: self._write(f, path, data)
+            self._do(path, os.fsync, f.fileno())
+        finally:
+            with contextlib.suppress(OSError):
+                f.close()
+
+    def _write(self, f: io.FileIO, path: Path, data: bytes | memoryview) -> None:
+        view = memoryview(data)
+        while view:  # a raw write may take part of it (then the rest fails with ENOSPC)
+            view = view[self._do(path, f.write, view):]
+
+    def commit(self) -> list[Path]:
+        for path in self.partial:
+            final = path.with_name(path.name[:-len(_PARTIAL)])
+            self._do(final, os.replace, path, final)
+            self.final.append(final)
+        fd = self._do(self.out, os.open, self.out, os.O_RDONLY)
+        try:
+            self._do(self.out, os.fsync, fd)  # the renames survive a crash
+        finally:
+            os.close(fd)
+        return self.final
+
+    def discard(self) -> None:
+        for path in self.partial + self.final:
+            with contextlib.suppress(OSError):  # the first error is the one to report
+                path.unlink(missing_ok=True)
+        for d in self.created:  # while empty: one that holds anything is not only ours
+            try:
+                d.rmdir()
+            except FileNotFoundError:
+                continue
+            except OSError:
+                break
+
+    def error(self, e: OSError, path: Path) -> OSError:
+        """`e` (one of our writes failed, the files are discarded) as the error a user
+        can act on, its errno kept."""
+        if path.name.endswith(_PARTIAL):
+            path = path.with_name(path.name[:-len(_PARTIAL)])
+        text = f"safetensors: cannot write {path}: {e.strerror or e}; "
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            try:
+                st = os.statvfs(next(p for p in (self.out, *self.out.parents) if p.exists()))
+                free = f", {format_bytes(st.f_bavail * st.f_frsize)} is free there"
+            except (OSError, StopIteration):
+                free = ""
+            text += (f"the files need {format_bytes(self.need)}{free}: free space on that "
+                     f"file system or {self.elsewhere}")
+        else:
+            text += self.elsewhere
+        text += " (the files written so far were removed)"
+        return OSError(text) if e.errno is None else OSError(e.errno, text)  # a subclass by errno
+
+
+def _index(names: list[str], shards: list[list[TensorSpec]], specs: list[TensorSpec]) -> bytes:
+    weight_map = {s.name: fname for fname, shard in zip(names, shards) for s in shard}
+    return json.dumps({"metadata": {"total_size": sum(s.nbytes for s in specs)},
+                       "weight_map": weight_map}, indent=1).encode()
 
 
 def write_shards(out: str | os.PathLike, specs: list[TensorSpec],
                  tensors: Iterable[tuple[str, torch.Tensor]], max_shard_size: int,
-                 metadata: dict[str, str] | None = None) -> list[Path]:
+                 metadata: dict[str, str] | None = None, *,
+                 copies: Mapping[str, str | os.PathLike] | None = None,
+                 elsewhere: str = "write to another directory") -> list[Path]:
     """Writes `tensors` ((name, tensor) in the order of `specs`, produced one at a time)
     as `model.safetensors`, or `model-0000i-of-0000n.safetensors` shards with a
     `model.safetensors.index.json`, into the directory `out` (created; one that
-    already holds safetensors files is refused). Returns the files written.
-    [Note: streamed shards]"""
+    already holds safetensors files is refused), with each file of `copies`
+    ({name in out: source file}, e.g. config.json) copied beside them. Returns the
+    files written. All or nothing: on any failure no final-named file is left and
+    the directories made are removed; a failed write of ours raises `OSError` with
+    its errno, naming the file and the fix (`elsewhere`: how to choose another
+    directory). [Note: streamed shards] [Note: all or nothing]"""
     out = Path(out)
     if not max_shard_size > 0:  # else one shard per tensor
         raise ValueError(f"safetensors: max_shard_size must be a positive number of bytes, "
                          f"got {max_shard_size!r}")
     check_directory(out, "safetensors")
-    out.mkdir(parents=True, exist_ok=True)
-    if any(out.glob("*.safetensors")) or (out / INDEX).exists():
-        raise FileExistsError(f"{out} already holds safetensors files; give an empty "
-                              "directory (or remove them)")
     shards = plan_shards(specs, max_shard_size)
     n = len(shards)
     names = ["model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
              for i in range(n)]
     meta = {"format": "pt", **(metadata or {})}
-    stream = iter(tensors)
-    partial: list[Path] = []
+    heads = [_header(shard, meta) for shard in shards]  # a dtype without a code: before any file
+    index = _index(names, shards, specs) if n > 1 else None
+    copies = {name: Path(src) for name, src in (copies or {}).items()}
+    need = (sum(8 + len(h) + sum(s.nbytes for s in shard) for h, shard in zip(heads, shards))
+            + len(index or b"") + sum(src.stat().st_size for src in copies.values()))
+    staging = _Staging(out, need, elsewhere)
     try:
-        for fname, shard in zip(names, shards):
-            path = out / (fname + ".partial")
-            partial.append(path)
-            with open(path, "wb") as f:
-                head = _header(shard, meta)
-                f.write(struct.pack("<Q", len(head)))
-                f.write(head)
-                for spec in shard:
-                    item = next(stream, None)
-                    if item is None:
-                        raise ValueError(f"safetensors: the tensors ended before {spec.name!r}")
-                    _append(f, spec, *item)
-                    del item
-        files = []
-        for path in partial:
-            final = path.with_name(path.name[:-len(".partial")])
-            os.replace(path, final)
-            files.append(final)
-    except BaseException:
-        for path in partial:
-            path.unlink(missing_ok=True)
+        staging.mkdir()
+        if any(out.glob("*.safetensors")) or (out / INDEX).exists():
+            raise FileExistsError(f"{out} already holds safetensors files; give an empty "
+                                  "directory (or remove them)")
+        _write_all(staging, zip(names, heads, shards), iter(tensors), index, copies)
+        return staging.commit()
+    except BaseException as e:
+        staging.discard()
+        if staging.failure is not None and staging.failure[0] is e:
+            raise staging.error(e, staging.failure[1]) from e
         raise
-    if n > 1:
-        weight_map = {s.name: fname for fname, shard in zip(names, shards) for s in shard}
-        index = out / INDEX
-        index.write_text(json.dumps({"metadata": {"total_size": sum(s.nbytes for s in specs)},
-                                     "weight_map": weight_map}, indent=1))
-        files.append(index)
-    return files
+
+
+def _write_all(staging: _Staging, shards: Iterable[tuple[str, bytes, list[TensorSpec]]],
+               stream: Iterator[tuple[str, torch.Tensor]], index: bytes | None,
+               copies: dict[str, Path]) -> None:
+    """Every file under its `.partial` name: each shard's header, then its tensors as
+    they arrive; the index; the copies."""
+    for fname, head, shard in shards:
+        with staging.file(fname) as write:
+            write(struct.pack("<Q", len(head)))
+            write(head)
+            for spec in shard:
+                item = next(stream, None)
+                if item is None:
+                    raise ValueError(f"safetensors: the tensors ended before {spec.name!r}")
+                _append(write, spec, *item)
+                del item
+    if index is not None:
+        with staging.file(INDEX) as write:
+            write(index)
+    for name, src in copies.items():
+        with open(src, "rb") as s, staging.file(name) as write:
+            while chunk := s.read(_COPY_CHUNK):  # an error reading `src` is its own
+                write(chunk)

@@ -57,11 +57,11 @@ NVMe optimizer state, may run early updates, which write new optimizer state
 to fresh extents and new parameters to staged records, keeping the previous
 versions readable ([Note: all or nothing] in step.py), and the thread reads
 exactly those (`CpuAdam.read_state_chunks` reads the committed version). The
-first thing that changes a committed version is `step()`: in-place updates of
-host state, the optimizer's commit, the switch of staged parameters. So
-`step()` begins by waiting for the save (`OffloadEngine.wait_for_checkpoint`);
-that wait is the save's stall, zero when the save finishes within the next
-forward and backward. With several ranks the thread's barriers use a process
+first thing that changes a committed version is `step()` (in-place updates of
+host state, the optimizer's commit, the switch of staged parameters),
+`load_state_dict` or `full_weights(writable=True)`. So each begins by waiting
+for the save (`OffloadEngine.wait_for_checkpoint`); that wait is the save's
+stall, zero when the save finishes within the next forward and backward. With several ranks the thread's barriers use a process
 group of their own (gloo), created at the call, so they never interleave with
 the training's collectives.
 """
@@ -69,6 +69,7 @@ the training's collectives.
 from __future__ import annotations
 
 import base64
+import errno
 import hashlib
 import json
 import logging
@@ -81,7 +82,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -90,6 +91,8 @@ from ..files import check_directory
 from ..io import host_copy
 from ..store import Tier
 from .checkpoint_chunks import ChunkFiles, InPlace, Shard, chunk_key, syncfs
+from .checkpoint_publish import (LOCK, PARTIAL, RECORD, PartialLock, is_committed, partial_of,
+                                 prune, remove_partials)
 from .units import Group, Slot
 
 log = logging.getLogger(__name__)
@@ -98,8 +101,6 @@ __all__ = ["CheckpointError", "CheckpointCorruptError", "CheckpointSave", "save_
            "flat_boxes", "RECORD", "FORMAT"]
 
 FORMAT = "offload-checkpoint/2"  # /1: a file per chunk, no shards
-RECORD = "checkpoint.json"
-PARTIAL = ".partial"
 CHUNK_ELEMS = 1 << 20  # elements per chunk (at most one row more): 4 MiB of fp32
 SHARD_CHUNKS = 64  # chunks per shard file at most, when one rank saves: 256 MiB of fp32
 KINDS = ("param", "master", "exp_avg", "exp_avg_sq")
@@ -314,36 +315,6 @@ def _read_json(p: Path) -> dict[str, Any]:
     return obj
 
 
-def is_committed(p: Path) -> bool:
-    return (p / RECORD).is_file() and not p.name.endswith(PARTIAL)
-
-
-def _remove_partials(parent: Path) -> None:
-    """Removes directories a killed save left in `parent` ([Note: publishing a checkpoint])."""
-    for d in parent.glob(f".*{PARTIAL}"):
-        if d.is_dir():
-            log.info("removing partial checkpoint %s (a save that did not finish)", d)
-            shutil.rmtree(d, ignore_errors=True)
-
-
-def _prune(parent: Path, keep: int, newest: Path) -> None:
-    """Keeps the `keep` committed checkpoints of `parent` with the highest steps."""
-    found = []
-    for d in parent.iterdir():
-        if d.is_dir() and is_committed(d):
-            try:
-                rec = json.loads((d / RECORD).read_text())
-            except (OSError, ValueError):
-                continue
-            if rec.get("format") == FORMAT:
-                found.append((rec.get("global_step", 0), d.stat().st_mtime, d))
-    found.sort(key=lambda t: (t[0], t[1]))
-    for _step, _t, d in found[:max(0, len(found) - keep)]:
-        if d != newest:
-            log.info("removing checkpoint %s (engine.keep_checkpoints=%d)", d, keep)
-            shutil.rmtree(d, ignore_errors=True)
-
-
 # -- RNG -------------------------------------------------------------------------------
 def _b64(t: torch.Tensor) -> str:
     return base64.b64encode(t.numpy().tobytes()).decode()
@@ -548,19 +519,23 @@ class _GroupWriter:
             f.result()
         self.bytes += data.nbytes
 
-    def finish(self, barrier: Callable[[], None], world: int) -> None:
-        """Checks this rank's chunks are all written (started); then writes the shared
-        chunks, one rank at a time."""
+    def check(self) -> None:
+        """Checks this rank's chunks are all written (started)."""
         if self.open:
             raise RuntimeError(f"checkpoint of group {self.g.gid}: chunks left incomplete: "
                                f"{ {k: (c.k, c.filled, c.numel) for k, c in self.open.items()} }")
+
+    def finish(self, comm: Any) -> None:
+        """Writes the chunks ranks share, one rank at a time, every rank agreeing after
+        each turn."""
+        world = comm.world
         if world == 1:
             return
         for turn in range(world):
-            if turn == self.rank:
-                for kind, s, x, data in self.shared:
-                    self._put(kind, s, x, data)
-            barrier()
+            with comm.together("save_checkpoint"):
+                if turn == self.rank:
+                    for kind, s, x, data in self.shared:
+                        self._put(kind, s, x, data)
         self.shared.clear()
 
 
@@ -606,13 +581,58 @@ class _SaveJob:
 
     def __init__(self, engine: Any, path: Path, extra: dict[str, Any], comm: Any) -> None:
         self.engine, self.path, self.comm = engine, path, comm
-        self.tmp = path.parent / f".{path.name}{PARTIAL}"
+        self.tmp = partial_of(path)
         self.table = _tensor_table(engine)
         self.rng = rng_state()
         self.param_steps = _param_steps(engine)
         self.record = _record(engine, self.table, extra)
 
     def run(self) -> None:
+        """Writes and publishes the checkpoint; a failure on any rank fails the save on
+        every rank ([Note: ranks agree] in offload/comm/collectives.py), removes its
+        partial directory (on rank 0, which made it) and raises CheckpointError naming
+        the path, the cause and the fix."""
+        self.lock: PartialLock | None = None
+        try:
+            self._run()
+        except Exception as e:
+            if self.lock is not None:
+                shutil.rmtree(self.tmp, ignore_errors=True)
+            if isinstance(e, CheckpointError):
+                raise
+            fix = ("free disk space or save elsewhere; " if getattr(e, "errno", None)
+                   in (errno.ENOSPC, errno.EDQUOT) else "")
+            raise CheckpointError(
+                f"save_checkpoint: writing {self.path} failed ({type(e).__name__}: {e}); "
+                f"{fix}nothing was published and the checkpoints already in "
+                f"{self.path.parent} are untouched") from e
+        finally:
+            if self.lock is not None:
+                self.lock.release()
+
+    def _start(self) -> dict:
+        """Rank 0: the partial directory, locked, and its arrays ([Note: partial
+        directories] in checkpoint_publish.py)."""
+        parent, tmp = self.path.parent, self.tmp
+        parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self.lock = PartialLock(tmp, wait=False)
+        except BlockingIOError:
+            raise CheckpointError(f"save_checkpoint: another save of {self.path} is in "
+                                  "progress; save each under its own name") from None
+        remove_partials(parent)  # those no save is writing
+        shutil.rmtree(tmp, ignore_errors=True)  # a killed save of this name (locked now)
+        tmp.mkdir()
+        (tmp / "ranks").mkdir()
+        context, futs = _context(), []
+        for name, t in self.table.items():
+            for kind, dtype in t["kinds"].items():
+                futs.append(((kind, name), _ts().open(
+                    _spec(tmp, kind, name, tuple(t["shape"]), dtype, self.comm.world),
+                    create=True, context=context)))
+        return {key: f.result() for key, f in futs}
+
+    def _run(self) -> None:
         engine, comm, tmp, path = self.engine, self.comm, self.tmp, self.path
         rank = comm.rank
         parent = path.parent
@@ -620,46 +640,41 @@ class _SaveJob:
         with engine.recorder.span("checkpoint save", cat="checkpoint", track="checkpoint",
                                   path=str(path)) as span:
             arrays: dict = {}
-            context = _context()
-            if rank == 0:
-                parent.mkdir(parents=True, exist_ok=True)
-                _remove_partials(parent)
-                tmp.mkdir()
-                (tmp / "ranks").mkdir()
-                futs = []
-                for name, t in self.table.items():
-                    for kind, dtype in t["kinds"].items():
-                        futs.append(((kind, name), _ts().open(
-                            _spec(tmp, kind, name, tuple(t["shape"]), dtype, comm.world),
-                            create=True, context=context)))
-                for key, f in futs:
-                    arrays[key] = f.result()
-            comm.barrier()
-            written, steps = _write_partitions(engine, comm, tmp, arrays, context, self.table)
-            _write_json(tmp / "ranks" / f"{rank}.json", {
-                "rank": rank, "steps": {str(k): v for k, v in steps.items()},
-                "param_steps": self.param_steps, "rng": self.rng,
-                "writes": {str(g.gid): [rank * g.shard, (rank + 1) * g.shard]
-                           for g in engine.groups},
-                "bytes": written})
-            comm.barrier()
-            if rank == 0:
-                ranks = []
-                for r in range(comm.world):
-                    mine = _read_json(tmp / "ranks" / f"{r}.json")
-                    ranks.append({k: mine[k] for k in ("rank", "steps", "param_steps", "writes",
-                                                       "bytes")})
-                _write_json(tmp / RECORD, {**self.record, "ranks": ranks})
-                _fsync_tree(tmp)
-                os.rename(tmp, path)
-                _fsync_path(parent)
-                keep = engine.cfg.engine.keep_checkpoints
-                if keep:
-                    _prune(parent, keep, path)
-            comm.barrier()
+            with comm.together("save_checkpoint"):
+                if rank == 0:
+                    arrays = self._start()
+            written, steps = _write_partitions(engine, comm, tmp, arrays, _context(),
+                                               self.table)
+            with comm.together("save_checkpoint"):
+                _write_json(tmp / "ranks" / f"{rank}.json", {
+                    "rank": rank, "steps": {str(k): v for k, v in steps.items()},
+                    "param_steps": self.param_steps, "rng": self.rng,
+                    "writes": {str(g.gid): [rank * g.shard, (rank + 1) * g.shard]
+                               for g in engine.groups},
+                    "bytes": written})
+            with comm.together("save_checkpoint"):
+                if rank == 0:
+                    self._publish()
             span.set(bytes=written)
         log.info("checkpoint %s: step %d, %d bytes from rank %d in %.2f s", path,
                  self.record["global_step"], written, rank, time.perf_counter() - t0)
+
+    def _publish(self) -> None:
+        """Rank 0: the commit record, durable, then the rename ([Note: publishing a
+        checkpoint]) and the pruning of older checkpoints."""
+        tmp, path, parent = self.tmp, self.path, self.path.parent
+        ranks = []
+        for r in range(self.comm.world):
+            mine = _read_json(tmp / "ranks" / f"{r}.json")
+            ranks.append({k: mine[k] for k in ("rank", "steps", "param_steps", "writes",
+                                               "bytes")})
+        _write_json(tmp / RECORD, {**self.record, "ranks": ranks})
+        _fsync_tree(tmp)
+        os.rename(tmp, path)
+        _fsync_path(parent)
+        keep = self.engine.cfg.engine.keep_checkpoints
+        if keep:
+            prune(parent, keep, path, FORMAT)
 
 
 def save_checkpoint(engine: Any, path: str | os.PathLike, extra: dict[str, Any] | None = None,
@@ -676,9 +691,14 @@ def save_checkpoint(engine: Any, path: str | os.PathLike, extra: dict[str, Any] 
     path = Path(path).absolute()
     extra = {} if extra is None else extra
     try:
-        json.dumps(extra)
-    except TypeError as e:
-        raise CheckpointError(f"save_checkpoint: extra must be JSON-serialisable: {e}") from e
+        json.dumps(extra, sort_keys=True)  # as the commit record is written
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"save_checkpoint: extra must be JSON-serialisable, with keys "
+                              f"of one type (strings): {e}") from e
+    if path.name.endswith(PARTIAL) or path.name.endswith(PARTIAL + LOCK):
+        raise CheckpointError(f"save_checkpoint: {path} ends in {PARTIAL!r}, the name of a "
+                              "save in progress (removed by the next save); choose another "
+                              "name")
     if path.exists():
         raise CheckpointError(f"save_checkpoint: {path} exists; a checkpoint is never "
                               "overwritten: save each under its own name (e.g. step-<n>)")
@@ -730,36 +750,46 @@ def _write_partitions(engine: Any, comm: Any, root: Path, arrays: dict, context,
     (bytes written, each group's step count) once every write is done."""
     written = 0
     steps = {}
-    rank, world = comm.rank, comm.world
+    rank = comm.rank
     # a chunk per kind may be open while its group's ranges arrive, one more per slot edge
     with ChunkFiles(root, _max_chunk_bytes(table), held=len(KINDS) + 1) as files:
         for g in engine.groups:
             w = _GroupWriter(root, g, rank, arrays, context, files, table)
-            key = ("p", g.gid)
-            p = engine.store.fetch(key, to=Tier.HOST, pin=True).wait()
-            try:
-                w.write(0, {"param": p.cpu()})
-            finally:
-                engine.store.unpin(key)
-            if g.requires_grad:
-                steps[g.gid] = engine.optimizer.read_state_chunks(
-                    g.gid, lambda lo, _n, ts: w.write(lo, ts))
-            w.finish(comm.barrier, world)
+            with comm.together("save_checkpoint"):  # [Note: ranks agree]
+                key = ("p", g.gid)
+                p = engine.store.fetch(key, to=Tier.HOST, pin=True).wait()
+                try:
+                    w.write(0, {"param": p.cpu()})
+                finally:
+                    engine.store.unpin(key)
+                if g.requires_grad:
+                    steps[g.gid] = engine.optimizer.read_state_chunks(
+                        g.gid, lambda lo, _n, ts: w.write(lo, ts))
+                w.check()
+            w.finish(comm)
             written += w.bytes
-        files.finish()
+        with comm.together("save_checkpoint"):
+            files.finish()
     return written, steps
 
 
 def _record(engine: Any, table: dict, extra: dict) -> dict[str, Any]:
     from .. import __version__
+    members: list[list[str]] = [[] for _ in engine.optimizer.param_groups]
+    for g in engine.groups:  # each optimizer group's parameters, by their table names
+        if g.requires_grad:
+            for i, s in enumerate(g.slots):
+                members[engine.param_group_of.get((g.gid, i), 0)].append(s.fqn)
     return {"format": FORMAT, "version": __version__, "created": time.time(),
             "world": engine.comm.world, "dtype": engine.cfg.engine.dtype,
             "global_step": engine.global_step, "micro_step": engine.micro_step,
             "loss_scale": engine.loss_scale, "good_steps": engine._good_steps,
             "config": asdict(engine.cfg),
-            "param_groups": [{k: (list(v) if isinstance(v, tuple) else v) for k, v in grp.items()
-                              if k in ("lr", "betas", "eps", "weight_decay")}
-                             for grp in engine.optimizer.param_groups],
+            "param_groups": [{**{k: (list(v) if isinstance(v, tuple) else v)
+                                 for k, v in grp.items()
+                                 if k in ("lr", "betas", "eps", "weight_decay")},
+                              "params": members[k]}
+                             for k, grp in enumerate(engine.optimizer.param_groups)],
             "groups": [{"gid": g.gid, "numel": g.numel, "shard": g.shard,
                         "requires_grad": g.requires_grad} for g in engine.groups],
             "tensors": table, "extra": extra}

@@ -1,5 +1,6 @@
 """Checkpoints of the whole training state: save, resume, layout, checks on load."""
 
+import errno
 import json
 import os
 import time
@@ -241,9 +242,47 @@ def test_background_save_holds_the_state_of_the_call(tmp_path, engine_cfg, param
     assert {"checkpoint save", "checkpoint wait"} <= names  # the trace shows the save
 
 
+@pytest.mark.parametrize("change", ["load_state_dict", "full_weights"])
+def test_a_weight_change_waits_for_a_background_save(tmp_path, engine_cfg, change):
+    """`load_state_dict` and `full_weights(writable=True)` change committed weights, as
+    `step()` does: a save in the background is let finish first, so it holds the
+    weights as of its call, not the new ones (nor a mix, nor a chunk changed under its
+    write)."""
+    cfg = engine_cfg("host", "host", "host")
+    cfg["io"]["paths"] = [str(tmp_path / "a")]
+    ck = tmp_path / "ck"
+    start = ChunkFiles._start_chunk
+
+    def slow_start(self, *args):  # a slow disk: the save outlasts the call that follows
+        time.sleep(0.02)
+        return start(self, *args)
+    torch.manual_seed(0)
+    with offload.initialize(Dropped(), cfg) as a:
+        _train(a, lm_batches(1))
+        want = a.state_dict()
+        ChunkFiles._start_chunk = slow_start
+        try:
+            handle = a.save_checkpoint(ck, blocking=False)
+            assert not handle.done()
+            if change == "load_state_dict":
+                a.load_state_dict({k: torch.zeros_like(v) for k, v in want.items()})
+            else:
+                with a.full_weights(writable=True) as w, torch.no_grad():
+                    for t in w.values():
+                        t.zero_()
+            assert handle.done() and handle.stalled > 0
+        finally:
+            ChunkFiles._start_chunk = start
+        assert not a.state_dict()["l1.weight"].any()
+    cfg["io"]["paths"] = [str(tmp_path / "b")]
+    with offload.initialize(Dropped, cfg, resume=ck) as b:
+        _assert_identical(b.state_dict(), want)
+
+
 def test_failed_background_save_does_not_fail_training(tmp_path, engine_cfg, small_fs):
     """A save onto a disk too full for it (a real file system) fails on its own handle
-    while training goes on; the next save, with room, removes the partial one."""
+    while training goes on, naming the path and the fix, and removes what it wrote;
+    the next save, with room, succeeds."""
     cfg = _cfg(engine_cfg, tmp_path, "a", "host", "host", "host", "fp32")
     disk = Path(small_fs(24))
     ballast = disk / "ballast"
@@ -258,9 +297,11 @@ def test_failed_background_save_does_not_fail_training(tmp_path, engine_cfg, sma
         saving = e.save_checkpoint(disk / "ck" / "a", blocking=False)
         train(e)  # the step goes on; the save's error stays with its handle
         assert e.global_step == 2
-        with pytest.raises(OSError, match="No space left"):
+        with pytest.raises(offload.CheckpointError, match=r"writing .*/ck/a failed .*No space "
+                                                          r"left.* free disk space") as err:
             saving.wait()
-        assert (disk / "ck" / ".a.partial").is_dir()
+        assert err.value.__cause__.errno == errno.ENOSPC
+        assert sorted(p.name for p in (disk / "ck").iterdir()) == []  # the space is back
         ballast.unlink()
-        e.save_checkpoint(disk / "ck" / "b")  # removes the partial one
+        e.save_checkpoint(disk / "ck" / "b")
     assert sorted(p.name for p in (disk / "ck").iterdir()) == ["b"]

@@ -24,22 +24,29 @@ def _step(engine, batch):
     engine.step()
 
 
+def _paused_save(cfg: dict, root: Path, pause: str) -> subprocess.Popen:
+    """A process (tests/engine/checkpoint_child.py) that saved ROOT/step-2 and now stands
+    still in its save of ROOT/step-3, at `pause`; the caller kills it."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    child = subprocess.Popen([sys.executable, "-m", "tests.engine.checkpoint_child",
+                              json.dumps(cfg), str(root), pause], cwd=REPO, env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    line = child.stdout.readline()
+    if line.strip() != "PAUSED":
+        child.kill()
+        pytest.fail(f"{line!r} {child.stderr.read()}")
+    return child
+
+
 @pytest.mark.parametrize("pause", ["write", "rename"])
 def test_kill_9_mid_save_leaves_the_previous_checkpoint(tmp_path, engine_cfg, pause):
     cfg = engine_cfg("nvme", "nvme", "nvme", dtype="bf16")
     cfg["io"]["paths"] = [str(tmp_path / "swap-child")]
     root = tmp_path / "ckpt"
     root.mkdir()
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    child = subprocess.Popen([sys.executable, "-m", "tests.engine.checkpoint_child",
-                              json.dumps(cfg), str(root), pause], cwd=REPO, env=env,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        line = child.stdout.readline()
-        assert line.strip() == "PAUSED", (line, child.stderr.read() if child.poll() else "")
-    finally:
-        child.send_signal(signal.SIGKILL)
-        child.wait()
+    child = _paused_save(cfg, root, pause)
+    child.send_signal(signal.SIGKILL)
+    child.wait()
     assert child.returncode == -signal.SIGKILL
     partial = root / f".step-3{PARTIAL}"
     assert partial.is_dir() and not (root / "step-3").exists()
@@ -74,3 +81,88 @@ def test_keep_last_k(tmp_path, engine_cfg):
             engine.save_checkpoint(root / f"step-{i + 1}")
     assert sorted(p.name for p in root.iterdir()) == ["not-a-checkpoint", "step-3", "step-4"]
     assert json.loads((root / "step-4" / RECORD).read_text())["global_step"] == 4
+
+
+def test_a_save_in_progress_in_another_process_is_left_alone(tmp_path, engine_cfg):
+    """[Note: partial directories]: two trainings save into one parent; one's save in
+    progress (its `.partial` directory) is not removed by the other's save, which
+    removes it only once its process is gone."""
+    cfg = engine_cfg("host", "host", "host")
+    cfg["io"]["paths"] = [str(tmp_path / "swap-child")]
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    child = _paused_save(cfg, root, "write")
+    partial = root / f".step-3{PARTIAL}"
+    try:
+        cfg["io"]["paths"] = [str(tmp_path / "swap-other")]
+        with offload.initialize(TiedTwice(), cfg) as other:
+            _step(other, lm_batches(1)[0])
+            other.save_checkpoint(root / "other-1")
+            assert partial.is_dir()  # still being written
+            child.send_signal(signal.SIGKILL)
+            child.wait()
+            other.save_checkpoint(root / "other-2")
+    finally:
+        child.kill()
+        child.wait()
+    assert sorted(p.name for p in root.iterdir()) == ["other-1", "other-2", "step-2",
+                                                      "want.pt"]
+
+
+_KILLED_IN_PRUNE = """
+import os, signal, sys
+from pathlib import Path
+import torch
+import offload
+import offload.engine.checkpoint_publish as publish
+from tests.engine.models import TiedTwice, lm_batches, lm_loss
+
+root, cfg = Path(sys.argv[1]), {"engine": {"params": "host", "grads": "host",
+    "optimizer": "host", "keep_checkpoints": 1}, "io": {"paths": [sys.argv[2]]},
+    "store": {"device": "cpu"}}
+engine = offload.initialize(TiedTwice(), cfg)
+for i, (x, y) in enumerate(lm_batches(2)):
+    engine.backward(lm_loss(engine(x), y))
+    engine.step()
+    if i == 1:
+        rmtree = publish.shutil.rmtree
+
+        def killed(path, ignore_errors=False):  # a checkpoint's removal cut after a file
+            if not (Path(path) / "checkpoint.json").is_file():
+                return rmtree(path, ignore_errors=ignore_errors)
+            (Path(path) / "checkpoint.json").unlink()
+            os.kill(os.getpid(), signal.SIGKILL)
+        publish.shutil.rmtree = killed
+    engine.save_checkpoint(root / f"step-{i + 1}")
+"""
+
+
+def test_a_prune_killed_half_way_leaves_nothing_behind(tmp_path, engine_cfg):
+    """`keep_checkpoints`: a process killed while it removes an old checkpoint leaves
+    a `.partial` directory (the old one is renamed before it is removed), which the
+    next save removes, never a damaged directory under a checkpoint's name."""
+    root = tmp_path / "ckpt"
+    out = subprocess.run([sys.executable, "-c", _KILLED_IN_PRUNE, str(root),
+                          str(tmp_path / "swap")], cwd=REPO, capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
+    assert out.returncode == -signal.SIGKILL, out.stderr
+    assert sorted(p.name for p in root.iterdir() if p.is_dir()) == [f".step-1{PARTIAL}",
+                                                                    "step-2"]
+    cfg = engine_cfg("host", "host", "host", keep_checkpoints=1)
+    with offload.initialize(TiedTwice(), cfg) as engine:
+        _step(engine, lm_batches(1)[0])
+        engine.save_checkpoint(root / "step-3")  # (global step 1: step-2 stays the newest)
+    assert sorted(p.name for p in root.iterdir()) == ["step-2", "step-3"]
+
+
+@pytest.mark.parametrize("name, extra, match", [
+    ("run.partial", None, r"ends in '\.partial', the name of a save in progress"),
+    ("ck", {"epoch": 1, 7: "x"}, r"extra must be JSON-serialisable, with keys of one type")])
+def test_a_save_refused_up_front_writes_nothing(tmp_path, engine_cfg, name, extra, match):
+    """A name the next save would take for a killed one, or an `extra` the commit
+    record cannot hold (it is written with sorted keys), is refused before any file."""
+    with offload.initialize(TiedTwice(), engine_cfg("host", "host", "host")) as engine:
+        _step(engine, lm_batches(1)[0])
+        with pytest.raises(offload.CheckpointError, match=match):
+            engine.save_checkpoint(tmp_path / "ckpt" / name, extra=extra)
+    assert not (tmp_path / "ckpt").exists()

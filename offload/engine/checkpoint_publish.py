@@ -1,0 +1,127 @@
+"""The directories of a checkpoint's parent: saves in progress, killed saves, pruning
+([Note: publishing a checkpoint] in training_checkpoint.py).
+
+[Note: partial directories]
+A save writes into `.<name>.partial` and renames it when done; a save killed
+part way leaves that directory, which a later save into the same parent removes.
+Several saves may share a parent at once (two jobs of a sweep, two engines of a
+process), so a `.partial` directory is removed only when no save is writing it:
+the save that writes it holds an exclusive `flock` on `.<name>.partial.lock`
+beside it from before the directory exists until it is renamed or removed, and
+the lock goes with the process however it ends (SIGKILL included). A remover
+takes that lock without waiting; held, the directory is left alone. Pruning a
+checkpoint renames it to a `.partial` name first, so a prune killed half way
+leaves a directory the next save removes, never a damaged one under its name.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+__all__ = ["LOCK", "PARTIAL", "RECORD", "PartialLock", "is_committed", "prune",
+           "remove_partials"]
+
+RECORD = "checkpoint.json"
+PARTIAL = ".partial"
+LOCK = ".lock"
+
+
+def partial_of(path: Path) -> Path:
+    """The directory a save of `path` writes until it is published."""
+    return path.parent / f".{path.name}{PARTIAL}"
+
+
+class PartialLock:
+    """The lock a save holds on its `.partial` directory ([Note: partial directories])."""
+
+    def __init__(self, partial: Path, wait: bool) -> None:
+        """Takes the lock; without `wait`, raises BlockingIOError where it is held."""
+        self.path = partial.with_name(partial.name + LOCK)
+        while True:
+            fd = os.open(self.path, os.O_CREAT | os.O_RDWR, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+                if os.fstat(fd).st_ino == os.stat(self.path).st_ino:
+                    break
+            except FileNotFoundError:  # removed by its holder meanwhile: open it anew
+                pass
+            except BaseException:
+                os.close(fd)
+                raise
+            os.close(fd)
+        self._fd: int | None = fd
+
+    def release(self) -> None:
+        """Removes the lock file and gives the lock back (the directory is gone or
+        published by now)."""
+        if self._fd is None:
+            return
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+        os.close(self._fd)
+        self._fd = None
+
+
+def is_committed(p: Path) -> bool:
+    return (p / RECORD).is_file() and not p.name.endswith(PARTIAL)
+
+
+def remove_partials(parent: Path) -> None:
+    """Removes the `.partial` directories of `parent` that no save is writing (and the
+    lock files killed saves left)."""
+    found = {d for d in parent.glob(f".*{PARTIAL}") if d.is_dir()}
+    found |= {f.with_name(f.name[:-len(LOCK)]) for f in parent.glob(f".*{PARTIAL}{LOCK}")}
+    for d in sorted(found):
+        try:
+            lock = PartialLock(d, wait=False)
+        except BlockingIOError:  # a save in progress, in this process or another
+            continue
+        except OSError as e:  # a parent we may not write to: nothing to clean up here
+            log.debug("cannot lock %s: %s", d, e)
+            continue
+        try:
+            log.info("removing partial checkpoint %s (a save that did not finish)", d)
+            shutil.rmtree(d, ignore_errors=True)
+        finally:
+            lock.release()
+
+
+def prune(parent: Path, keep: int, newest: Path, fmt: str) -> None:
+    """Keeps the `keep` committed checkpoints of `parent` (format `fmt`) with the highest
+    steps; each other one is renamed to a `.partial` name, then removed."""
+    found = []
+    for d in parent.iterdir():
+        if d.is_dir() and is_committed(d):
+            try:
+                rec = json.loads((d / RECORD).read_text())
+            except (OSError, ValueError):
+                continue
+            if rec.get("format") == fmt:
+                found.append((rec.get("global_step", 0), d.stat().st_mtime, d))
+    found.sort(key=lambda t: (t[0], t[1]))
+    for _step, _t, d in found[:max(0, len(found) - keep)]:
+        if d == newest:
+            continue
+        log.info("removing checkpoint %s (engine.keep_checkpoints=%d)", d, keep)
+        doomed = partial_of(d)
+        try:
+            lock = PartialLock(doomed, wait=False)
+        except OSError as e:
+            log.warning("cannot remove checkpoint %s: %s", d, e)
+            continue
+        try:
+            os.rename(d, doomed)
+            shutil.rmtree(doomed, ignore_errors=True)
+        except OSError as e:
+            log.warning("cannot remove checkpoint %s: %s", d, e)
+        finally:
+            lock.release()

@@ -1,0 +1,208 @@
+"""Reading a damaged or mismatched checkpoint: every problem is a CheckpointError that
+names the file or what differs, raised before any state is read; never a raw
+OSError or ZeroDivisionError, never one group's hyper-parameters given to another."""
+
+import itertools
+import json
+import re
+import shutil
+
+import pytest
+import torch
+
+import offload
+from offload.engine import CheckpointReader
+
+from .models import TiedTwice, lm_batches, lm_loss
+
+L1 = {"params": ["l1.*"], "lr": 1e-3}
+L2 = {"params": ["l2.*"], "lr": 1e-5}
+_swaps = itertools.count()
+
+
+def _cfg(swap):
+    return {"engine": {"params": "host", "grads": "host", "optimizer": "host", "dtype": "fp32",
+                       "group_size": 3000},
+            "optim": {"lr": 1e-2, "weight_decay": 0.1, "chunk_elems": 4096},
+            "io": {"paths": [str(swap)], "buffer_budget": "32MiB", "grow_step": "4MiB"},
+            "store": {"host_budget": "64MiB", "device_budget": "64MiB", "device": "cpu"}}
+
+
+def _train_and_save(engine, batches, names, root):
+    for (x, y), name in zip(batches, names):
+        engine.backward(lm_loss(engine(x), y))
+        engine.step()
+        engine.save_checkpoint(root / name)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """Checkpoints `step-1` and `step-2` of one run, and `grouped` (one step) of a run
+    with param_groups [L1, L2]; tests damage copies of them (`copy`)."""
+    root = tmp_path_factory.mktemp("saved")
+    torch.manual_seed(0)
+    with offload.initialize(TiedTwice(), _cfg(root / "swap-a")) as e:
+        _train_and_save(e, lm_batches(2), ["step-1", "step-2"], root)
+    with offload.initialize(TiedTwice(), _cfg(root / "swap-b"), param_groups=[L1, L2]) as e:
+        _train_and_save(e, lm_batches(1), ["grouped"], root)
+    return root
+
+
+@pytest.fixture
+def copy(saved, tmp_path):
+    def make(name="step-1"):
+        ck = tmp_path / f"{name}-{next(_swaps)}"
+        shutil.copytree(saved / name, ck)
+        return ck
+    return make
+
+
+def _resume(ck, tmp_path, **kw):
+    return offload.initialize(TiedTwice, _cfg(tmp_path / f"swap-{next(_swaps)}"), resume=ck,
+                              **kw)
+
+
+def _damage_a_chunk(ck):
+    """Flips a byte of a chunk: an error raised for something else proves that the
+    check ran before this chunk was read."""
+    shard = ck / "exp_avg_sq" / "l1.weight" / "c" / "0" / "0"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 3] ^= 0x10
+    shard.write_bytes(bytes(data))
+
+
+def test_param_groups_are_matched_by_their_parameters(copy, tmp_path):
+    """The record lists each group's parameters: the save's groups listed in another
+    order (with other values) get each its own saved hyper-parameters, as torch's
+    `load_state_dict` restores them."""
+    with _resume(copy("grouped"), tmp_path, param_groups=[{**L2, "lr": 0.5}, L1]) as e:
+        assert [g["lr"] for g in e.optimizer.param_groups] == [1e-2, 1e-5, 1e-3]
+
+
+@pytest.mark.parametrize("given, match", [
+    (None, r"optimizer group 0 of this engine \(the default group, \d+ parameters\) holds "
+           r"other parameters than every group of the save \(the nearest adds \['l1\.bias'"),
+    ([{"params": ["l1.weight"], "lr": 1e-3}, L2], r"optimizer group 0 .* lacks \[\]"),
+    ([L1], r"optimizer group 0 .*the nearest adds \['l2\.bias', 'l2\.weight'\]")])
+def test_other_param_groups_are_refused_before_any_state_is_read(copy, tmp_path, given,
+                                                                 match):
+    """Groups that hold other parameters than the save's (none given, a group split or
+    left out) would drop or invent hyper-parameters: refused, naming the difference,
+    before a chunk is read (a damaged one would be reported otherwise)."""
+    ck = copy("grouped")
+    _damage_a_chunk(ck)
+    with pytest.raises(offload.CheckpointError, match=match) as info:
+        _resume(ck, tmp_path, **({} if given is None else {"param_groups": given}))
+    assert not isinstance(info.value, offload.CheckpointCorruptError)
+
+
+def _without_members(ck):
+    """The commit record as a save that did not list each group's parameters wrote it."""
+    from offload.engine.training_checkpoint import RECORD, _read_json, _write_json
+    rec = _read_json(ck / RECORD)
+    for g in rec["param_groups"]:
+        del g["params"]
+    del rec["sha256"]
+    _write_json(ck / RECORD, rec)
+    return ck
+
+
+def test_param_groups_of_a_record_without_members_are_matched_by_place(copy, tmp_path):
+    """Without the members, only values that agree can be matched: [L2, L1] where
+    [L1, L2] were saved would give l2's lr to l1, and is refused; so is another number
+    of groups. The save's order restores the save's values."""
+    ck = _without_members(copy("grouped"))
+    _damage_a_chunk(ck)
+    with pytest.raises(offload.CheckpointError,
+                       match=r"param_groups\[0\] \(optimizer group 1\): lr saved 0\.001, "
+                             r"given 1e-05; param_groups\[1\] \(optimizer group 2\): lr saved "
+                             r"1e-05, given 0\.001\..* in its order and with its values") as info:
+        _resume(ck, tmp_path, param_groups=[L2, L1])
+    assert not isinstance(info.value, offload.CheckpointCorruptError)
+    with pytest.raises(offload.CheckpointError,
+                       match=r"saved with 3 optimizer param groups \(group 0: lr=0\.01, "
+                             r"weight_decay=0\.1; group 1: lr=0\.001.*this engine has 1 "):
+        _resume(ck, tmp_path)
+    with _resume(_without_members(copy("grouped")), tmp_path, param_groups=[L1, L2]) as e:
+        assert [g["lr"] for g in e.optimizer.param_groups] == [1e-2, 1e-3, 1e-5]
+
+
+@pytest.mark.parametrize("edit", ["chunk shape [0, 32]", "shard shape [-48, 32]"])
+def test_damaged_array_metadata_is_a_corrupt_error_naming_the_file(copy, tmp_path, edit):
+    """A zero or negative extent in an array's zarr.json (it carries no checksum) was
+    a ZeroDivisionError or an OSError (EINVAL)."""
+    ck = copy()
+    meta = ck / "exp_avg" / "l1.weight" / "zarr.json"  # l1.weight: (48, 32)
+    m = json.loads(meta.read_text())
+    if edit.startswith("chunk"):
+        m["codecs"][0]["configuration"]["chunk_shape"] = [0, 32]
+    else:
+        m["chunk_grid"]["configuration"]["chunk_shape"] = [-48, 32]
+    meta.write_text(json.dumps(m))
+    shape = edit.split(" [")[0]
+    want = (rf"array exp_avg/l1\.weight: no readable shard and chunk shape in .*"
+            rf"exp_avg/l1\.weight/zarr\.json \(its {shape} \[.*\] is not 2 positive integers\)")
+    with pytest.raises(offload.CheckpointCorruptError, match=want):
+        _resume(ck, tmp_path)
+    problems = CheckpointReader(ck).verify()
+    assert len(problems) == 1 and "exp_avg/l1.weight/zarr.json" in problems[0]
+
+
+def test_shard_file_replaced_by_a_directory_is_a_corrupt_error(copy, tmp_path):
+    """Was an IsADirectoryError from reading the shard's index."""
+    ck = copy()
+    shard = ck / "exp_avg" / "l1.weight" / "c" / "0" / "0"
+    shard.unlink()
+    shard.mkdir()
+    with pytest.raises(offload.CheckpointCorruptError,
+                       match=r"array exp_avg/l1\.weight, chunk \(0, 0\): cannot be read back "
+                             r"intact \(is a directory, not a shard file; file .*exp_avg/"
+                             r"l1\.weight/c/0/0\)"):
+        _resume(ck, tmp_path)
+    problems = CheckpointReader(ck).verify()
+    assert len(problems) == 1 and "is a directory, not a shard file" in problems[0]
+
+
+def test_missing_rank_file_is_found_before_any_state_is_read(copy, tmp_path):
+    """Was a raw FileNotFoundError once the whole state had been read, and `verify`
+    (`offload checkpoint info`) called the checkpoint intact."""
+    ck = copy()
+    (ck / "ranks" / "0.json").unlink()
+    problems = CheckpointReader(ck).verify()
+    assert len(problems) == 1 and "ranks/0.json is missing (rank 0 of 1" in problems[0]
+    _damage_a_chunk(ck)
+    with pytest.raises(offload.CheckpointCorruptError,
+                       match=r"rank file .*ranks/0\.json is missing \(rank 0 of 1 wrote it\)"):
+        _resume(ck, tmp_path)
+
+
+@pytest.mark.parametrize("damage", ["edited", "another save's"])
+def test_changed_rank_file_is_found_by_verify_and_before_any_state_is_read(copy, saved,
+                                                                           tmp_path, damage):
+    """An edited rank file fails its sha256; one copied from another save (its sha256
+    intact) differs from the commit record's copy of it."""
+    ck = copy()
+    rank = ck / "ranks" / "0.json"
+    if damage == "edited":
+        rank.write_text(rank.read_text().replace('"rank": 0', '"rank": 1'))
+        want = r"ranks/0\.json does not match its sha256"
+    else:
+        shutil.copyfile(saved / "step-2" / "ranks" / "0.json", rank)
+        want = r"ranks/0\.json does not match the commit record \(.*steps.*\): it is another"
+    problems = CheckpointReader(ck).verify()
+    assert len(problems) == 1 and re.search(want, problems[0]), problems
+    _damage_a_chunk(ck)
+    with pytest.raises(offload.CheckpointCorruptError, match=want):
+        _resume(ck, tmp_path)
+
+
+def test_resume_takes_the_commit_record_for_its_directory(copy, tmp_path):
+    """resume="ck/checkpoint.json" said "does not exist"; another file inside is
+    refused as not a directory."""
+    ck = copy()
+    with _resume(ck / "checkpoint.json", tmp_path) as e:
+        assert e.global_step == 1
+    with pytest.raises(offload.CheckpointError,
+                       match=r"ranks/0\.json is a file, not a checkpoint directory: pass the "
+                             r"directory save_checkpoint wrote \(it holds checkpoint\.json\)"):
+        _resume(ck / "ranks" / "0.json", tmp_path)
