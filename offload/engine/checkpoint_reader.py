@@ -19,6 +19,7 @@ from .training_checkpoint import (_DTYPE_NAMES, FORMAT, PARTIAL, RECORD, TORCH_D
                                   CheckpointCorruptError, CheckpointError,
                                   _context, _max_chunk_bytes, _rank_range, _read_json, _spec,
                                   _stored_shape, _ts, is_committed, set_rng_state)
+from .checkpoint_buffers import BUFFERS, check_buffers, decode_buffers, restore_buffers
 from .units import Group, Slot
 
 __all__ = ["CheckpointReader"]
@@ -350,7 +351,27 @@ class CheckpointReader:
                 "params" in g for g in self.record["param_groups"])
                 else self._matched_hyper(engine.optimizer.param_groups))
             own = self._rank_file(rank if rank < self.record["world"] else 0)
-            self._restoring = (hyper, own["rng"])
+            buffers = self._buffers()
+            problem = None if buffers is None else check_buffers(engine.module, buffers)
+            if problem is not None:
+                raise CheckpointError(f"checkpoint {self.path}: {problem}; resume with the "
+                                      "model the checkpoint was saved from")
+            self._restoring = (hyper, own["rng"], buffers)
+
+    def _buffers(self) -> dict[str, torch.Tensor] | None:
+        """The module buffers the save kept (checkpoint_buffers.py); None where it kept
+        none (a checkpoint written before they were saved)."""
+        p = self.path / BUFFERS
+        if not p.exists():
+            return None
+        try:
+            return decode_buffers(_read_json(p), str(p))
+        except OSError as e:
+            raise CheckpointCorruptError(f"checkpoint {self.path}: {p} cannot be read "
+                                         f"({e.strerror}); resume from another") from e
+        except ValueError as e:
+            raise CheckpointCorruptError(f"checkpoint {self.path}: {e}; resume from "
+                                         "another") from e
 
     def _hyper_by_members(self, engine: Any) -> list[dict[str, Any]]:
         """The saved hyper-parameters for each of the engine's optimizer groups, the
@@ -452,7 +473,7 @@ class CheckpointReader:
         them changes, where the saved param groups do not match the engine's
         (`_matched_hyper`) or the rank file is damaged."""
         self._prepare(engine)
-        hyper, rng = self._restoring
+        hyper, rng, buffers = self._restoring
         rec = self.record
         engine.global_step = int(rec["global_step"])
         engine.micro_step = int(rec["micro_step"])
@@ -462,6 +483,8 @@ class CheckpointReader:
         for mine, theirs in zip(engine.optimizer.param_groups, hyper):
             mine.update(theirs)
         set_rng_state(rng)
+        if buffers is not None:
+            restore_buffers(engine.module, buffers)
 
     def verify(self, progress: Callable[[str], None] | None = None) -> list[str]:
         """Checks every rank file (`ranks/<r>.json`: present, its sha256, as the commit
@@ -475,6 +498,10 @@ class CheckpointReader:
                 self._rank_file(r)
             except CheckpointError as e:
                 problems.append(str(e))
+        try:
+            self._buffers()
+        except CheckpointError as e:
+            problems.append(str(e))
         for name, t in self.tensors.items():
             n = math.prod(t["shape"])
             for kind in t["kinds"]:

@@ -90,6 +90,7 @@ import torch
 from ..files import check_directory
 from ..io import host_copy
 from ..store import Tier
+from .checkpoint_buffers import BUFFERS, capture_buffers, encode_buffers
 from .checkpoint_chunks import ChunkFiles, InPlace, Shard, chunk_key, syncfs
 from .checkpoint_publish import (LOCK, PARTIAL, RECORD, PartialLock, is_committed, partial_of,
                                  prune, remove_partials)
@@ -586,6 +587,7 @@ class _SaveJob:
         self.rng = rng_state()
         self.param_steps = _param_steps(engine)
         self.record = _record(engine, self.table, extra)
+        self.buffers = capture_buffers(engine.module) if comm.rank == 0 else {}
 
     def run(self) -> None:
         """Writes and publishes the checkpoint; a failure on any rank fails the save on
@@ -663,6 +665,7 @@ class _SaveJob:
         """Rank 0: the commit record, durable, then the rename ([Note: publishing a
         checkpoint]) and the pruning of older checkpoints."""
         tmp, path, parent = self.tmp, self.path, self.path.parent
+        _write_json(tmp / BUFFERS, encode_buffers(self.buffers))
         ranks = []
         for r in range(self.comm.world):
             mine = _read_json(tmp / "ranks" / f"{r}.json")

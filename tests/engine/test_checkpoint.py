@@ -305,3 +305,62 @@ def test_failed_background_save_does_not_fail_training(tmp_path, engine_cfg, sma
         ballast.unlink()
         e.save_checkpoint(disk / "ck" / "b")
     assert sorted(p.name for p in (disk / "ck").iterdir()) == ["b"]
+
+
+def _bn_model() -> nn.Module:
+    return nn.Sequential(nn.Linear(32, 32), nn.BatchNorm1d(32), nn.Linear(32, 8))
+
+
+def test_module_buffers_are_saved_and_restored(tmp_path, engine_cfg):
+    """BatchNorm's running statistics and batch count are part of the training state:
+    a resumed model evaluates as the saved one (a background save holds them as of
+    its call, though the next forward changes them)."""
+    cfg = engine_cfg("host", "host", "host")
+    cfg["io"]["paths"] = [str(tmp_path / "a")]
+    torch.manual_seed(0)
+    data = [torch.randn(16, 32) * 3 + 1 for _ in range(4)]
+    probe = torch.randn(4, 32)
+    with offload.initialize(_bn_model(), cfg) as a:
+        for x in data[:2]:
+            a.backward(a(x).square().mean())
+            a.step()
+        want = {k: v.clone() for k, v in a.state_dict().items()}
+        saving = a.save_checkpoint(tmp_path / "ck", blocking=False)
+        a.backward(a(data[2]).square().mean())  # running statistics change now
+        a.step()
+        saving.wait()
+    assert int(want["1.num_batches_tracked"]) == 2
+    cfg["io"]["paths"] = [str(tmp_path / "b")]
+    torch.manual_seed(1)  # other initial values: all of them come from the checkpoint
+    with offload.initialize(_bn_model(), cfg, resume=tmp_path / "ck") as b:
+        _assert_identical(b.state_dict(), want)
+        b.eval()
+        got = b(probe).detach()
+    ref = _bn_model()
+    ref.load_state_dict(want)
+    assert torch.equal(got, ref.eval()(probe).detach())
+
+
+def test_buffers_that_do_not_match_are_refused_before_any_state_is_read(tmp_path,
+                                                                         engine_cfg):
+    cfg = engine_cfg("host", "host", "host")
+    cfg["io"]["paths"] = [str(tmp_path / "a")]
+    with offload.initialize(_bn_model(), cfg) as a:
+        a.backward(a(torch.randn(8, 32)).square().mean())
+        a.step()
+        a.save_checkpoint(tmp_path / "ck")
+    other = nn.Sequential(nn.Linear(32, 32), nn.LayerNorm(32), nn.Linear(32, 8))
+    other[1].register_buffer("scale", torch.ones(32))
+    cfg["io"]["paths"] = [str(tmp_path / "b")]
+    with pytest.raises(offload.CheckpointError, match=r"the model's buffers differ from the "
+                                                      r"checkpoint's .*\['1\.scale'\]"):
+        offload.initialize(other, cfg, resume=tmp_path / "ck")
+    record = tmp_path / "ck" / "buffers.json"
+    edited = json.loads(record.read_text())
+    edited["1.running_mean"]["shape"] = [31]
+    record.write_text(json.dumps(edited))
+    with pytest.raises(offload.CheckpointCorruptError, match=r"buffers\.json does not match "
+                                                             r"its sha256"):
+        offload.initialize(_bn_model(), cfg, resume=tmp_path / "ck")
+    from offload.engine import CheckpointReader
+    assert any("buffers.json" in p for p in CheckpointReader(tmp_path / "ck").verify())
