@@ -28,7 +28,8 @@ from .step import StepFailedError
 from .tensor_parallel import TensorParallel, full_state_dict
 from .training_checkpoint import CheckpointCorruptError, CheckpointError
 from .units import Group, build_units
-from .working_set import check_budgets, check_disk
+from .rank_agreement import RankAgreement, config_section, model_sections
+from .working_set import check_budgets, check_disk, disk_share
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +60,26 @@ def _refuse_wrapped(model: nn.Module) -> None:
                 f"OffloadEngine ({where} gave its parameters to that engine); train with that "
                 "engine, or build a fresh model (load the old engine's state_dict() into it "
                 "for its weights)")
+
+
+def _model_of(model: nn.Module | Callable[[], nn.Module],
+              lr_lambda: Callable[[int], float] | None) -> nn.Module:
+    """`model`, or the model the function builds (under the meta device); refuses what
+    is not a model, a model wrapped before, and an `lr_lambda` that is not callable."""
+    if not isinstance(model, nn.Module) and not callable(model):
+        raise ConfigError(f"initialize(model): expected an nn.Module or a function that builds "
+                          f"one, got {type(model).__name__}")
+    if lr_lambda is not None and not callable(lr_lambda):
+        raise ConfigError(f"initialize(lr_lambda): {lr_lambda!r} is not callable; give a "
+                          "function of the step returning the lr multiplier, as LambdaLR takes")
+    if not isinstance(model, nn.Module):
+        with meta_device():
+            model = model()
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"initialize(model): expected an nn.Module or a function that builds "
+                          f"one, got {type(model).__name__}")
+    _refuse_wrapped(model)
+    return model
 
 
 @functools.cache
@@ -120,38 +141,41 @@ def initialize(model: nn.Module | Callable[[], nn.Module],
     `progress(done, total)` is called after each group is placed.
     Under torch.distributed (torchrun), each rank keeps 1/world of every group.
     """
-    cfg = load_config(config)
-    _report_huge_pages()
-    if not isinstance(model, nn.Module) and not callable(model):
-        raise ConfigError(f"initialize(model): expected an nn.Module or a function that builds "
-                          f"one, got {type(model).__name__}")
-    if lr_lambda is not None and not callable(lr_lambda):
-        raise ConfigError(f"initialize(lr_lambda): {lr_lambda!r} is not callable; give a "
-                          "function of the step returning the lr multiplier, as LambdaLR takes")
-    if not isinstance(model, nn.Module):
-        with meta_device():
-            model = model()
-    if not isinstance(model, nn.Module):
-        raise ConfigError(f"initialize(model): expected an nn.Module or a function that builds "
-                          f"one, got {type(model).__name__}")
-    _refuse_wrapped(model)
-    if checkpoint is not None and resume is not None:
-        raise ConfigError("initialize: pass checkpoint (initial weights) or resume (a whole "
-                          "training state), not both")
-    _materialise_buffers(model, cfg.engine.seed)
-    ckpt = SafetensorsCheckpoint(checkpoint) if checkpoint is not None else None
-    resumed = CheckpointReader(resume) if resume is not None else None
+    # [Note: ranks agree at initialize] in rank_agreement.py: each block's refusal on one
+    # rank is raised on every rank at the next settle, before any swap file is made
+    agreement = RankAgreement()
+    with agreement.refusals():
+        cfg = load_config(config)
+        _report_huge_pages()
+        model = _model_of(model, lr_lambda)
+        if checkpoint is not None and resume is not None:
+            raise ConfigError("initialize: pass checkpoint (initial weights) or resume (a "
+                              "whole training state), not both")
+        ckpt = SafetensorsCheckpoint(checkpoint) if checkpoint is not None else None
+        resumed = CheckpointReader(resume) if resume is not None else None
+        _materialise_buffers(model, cfg.engine.seed,
+                             resumed.buffer_names() if resumed is not None else set())
+    agreement.settle(lambda: [config_section(cfg)])  # the whole job, before its mesh is built
     # [Note: ZeRO-3 over DP, tensor parallelism over TP] in tensor_parallel.py
     tp = TensorParallel.setup(model, cfg, restored=ckpt is not None or resumed is not None,
                               recorder=recorder)
     comm = tp.mesh.dp if tp is not None else Collectives(recorder=recorder)
-    units, groups = build_units(model, cfg.engine.group_size, comm.world,
-                                whole=tp.blocks if tp is not None else [])
-    hyper, slot_groups = assign_param_groups(groups, cfg.optim, param_groups)
-    check_budgets(cfg, groups, _DTYPES[cfg.engine.dtype])  # before any file is made
-    check_disk(cfg, groups, _DTYPES[cfg.engine.dtype])
-    if resumed is not None:
-        resumed.check(groups, _DTYPES[cfg.engine.dtype])
+    dtype, share = _DTYPES[cfg.engine.dtype], None
+    with agreement.refusals():
+        units, groups = build_units(model, cfg.engine.group_size, comm.world,
+                                    whole=tp.blocks if tp is not None else [])
+        hyper, slot_groups = assign_param_groups(groups, cfg.optim, param_groups)
+        check_budgets(cfg, groups, dtype)  # before any file is made
+        if resumed is not None:
+            resumed.check(groups, dtype)
+        share = disk_share(cfg, groups, dtype)
+    # data-parallel ranks hold the same layout; tensor-parallel ranks differ in slices
+    shares = agreement.settle(lambda: model_sections(groups, units, hyper, slot_groups),
+                              within=tp.mesh.dp_groups if tp is not None else None,
+                              extra=share)
+    with agreement.refusals():
+        check_disk(cfg, groups, dtype, shares if agreement.world > 1 else None)
+    agreement.settle()
     gathers = None  # [Note: gather thread] in offload/comm/gather_thread.py
     if cfg.comm.gather_thread and comm.world > 1:
         dp_groups = tp.mesh.dp_groups if tp is not None else [list(range(comm.world))]
@@ -170,7 +194,7 @@ def initialize(model: nn.Module | Callable[[], nn.Module],
         if policy is not None:
             policy.follow(next_use_of(engine.trace, engine.staged, engine.pending_updates))
         engine._attach_optimizer(lr_lambda, hyper)
-        dtype = _DTYPES[cfg.engine.dtype]
+        engine.param_group_of = slot_groups  # a checkpoint records each group's members
         deferred = []  # the user's real tensors stay in the model until nothing can fail
         for g in groups:
             was_meta = any(sl.param.is_meta for sl in g.slots)
@@ -275,10 +299,15 @@ def _has_own_init(model: nn.Module) -> bool:
     return callable(getattr(model, "_init_weights", None))
 
 
-def _materialise_buffers(model: nn.Module, seed: int) -> None:
-    """Buffers left on meta by a model built there (rotary `inv_freq`, BERT's
-    `position_ids`) are made on the CPU and filled by the model's own
+def _materialise_buffers(model: nn.Module, seed: int, saved: set[str]) -> None:
+    """Buffers left on meta by a model built there are made on the CPU: those named in
+    `saved` (the checkpoint resumed from holds them) as zeros it overwrites, the others
+    (rotary `inv_freq`, BERT's `position_ids`) filled by the model's own
     `_init_weights`, as transformers fills them when it loads a model."""
+    for prefix, m in model.named_modules():
+        for name, b in m._buffers.items():
+            if b is not None and b.is_meta and f"{prefix}.{name}".lstrip(".") in saved:
+                m._buffers[name] = torch.zeros_like(b, device="cpu")
     owners = [m for m in model.modules()
               if any(b is not None and b.is_meta for b in m._buffers.values())]
     if not owners:

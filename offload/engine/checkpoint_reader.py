@@ -358,6 +358,10 @@ class CheckpointReader:
                                       "model the checkpoint was saved from")
             self._restoring = (hyper, own["rng"], buffers)
 
+    def buffer_names(self) -> set[str]:
+        """The names of the module buffers the checkpoint holds."""
+        return set(self._buffers() or {})
+
     def _buffers(self) -> dict[str, torch.Tensor] | None:
         """The module buffers the save kept (checkpoint_buffers.py); None where it kept
         none (a checkpoint written before they were saved)."""

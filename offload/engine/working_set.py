@@ -32,6 +32,7 @@ import errno
 import logging
 import os
 import shutil
+import socket
 from dataclasses import dataclass
 
 import torch
@@ -46,7 +47,8 @@ from .units import Group
 
 log = logging.getLogger(__name__)
 
-__all__ = ["WorkingSet", "check_budgets", "check_disk", "nvme_bytes_placed", "working_set"]
+__all__ = ["DiskShare", "WorkingSet", "check_budgets", "check_disk", "disk_share",
+           "nvme_bytes_placed", "working_set"]
 
 
 @dataclass(frozen=True)
@@ -139,12 +141,79 @@ def _existing(path: str) -> str:
     return path
 
 
-def check_disk(cfg: OffloadConfig, groups: list[Group], dtype: torch.dtype) -> None:
+@dataclass(frozen=True)
+class DiskShare:
+    """What one rank places on the file systems of its `io.paths` at `initialize`.
+
+    `host`: the kernel the rank runs on (its boot id: the same in every container of
+    one machine, different on another; the host name where there is none).
+    `placed`: per `io.paths` entry, (the `st_dev` of its file system, bytes placed
+    there): the rank's NVMe state striped evenly over its paths."""
+
+    host: str
+    placed: tuple[tuple[int, int], ...]
+
+
+def _this_host() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
+            return "boot:" + f.read().strip()
+    except OSError:
+        return "host:" + socket.gethostname()
+
+
+def disk_share(cfg: OffloadConfig, groups: list[Group], dtype: torch.dtype) -> DiskShare:
+    """This rank's `DiskShare`: bytes `nvme_bytes_placed` puts in each `io.paths` entry."""
+    total = sum(nvme_bytes_placed(cfg, groups, dtype,
+                                  resolve_device(cfg.store.device).type).values())
+    share = -(-total // len(cfg.io.paths))  # every swap file stripes over the paths
+    return DiskShare(_this_host(), tuple((os.stat(_existing(p)).st_dev, share)
+                                         for p in cfg.io.paths))
+
+
+def _ranks_from_launcher() -> int:
+    """Ranks on this node as the launcher says (torchrun, Open MPI), else 1."""
+    for var in ("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE"):
+        try:
+            return max(1, int(os.environ.get(var, "")))
+        except ValueError:
+            continue
+    return 1
+
+
+def _demand(me: DiskShare, i: int, peers: list[DiskShare] | None) -> tuple[int, int]:
+    """(bytes placed at `initialize` on the file system of this rank's io.paths[i], by
+    how many ranks). [Note: ranks sharing a disk]"""
+    dev, share = me.placed[i]
+    if peers is None:
+        ranks = _ranks_from_launcher()
+        return share * ranks, ranks
+    here = [[b for d, b in p.placed if d == dev and b] for p in peers if p.host == me.host]
+    return sum(map(sum, here)), max(1, sum(1 for parts in here if parts))
+
+
+def check_disk(cfg: OffloadConfig, groups: list[Group], dtype: torch.dtype,
+               peers: list[DiskShare] | None = None) -> None:
     """Refuses, before any file is made, a placement whose NVMe state at `initialize`
     cannot fit `store.nvme_budget`, `io.max_swap_size` (per swap space) or the free
-    space of each `io.paths` directory (its share of the stripes, times the ranks of
-    this node); warns where a step's second version of it may not fit ([Note: all or
-    nothing] in step.py)."""
+    space of each `io.paths` directory (its share of the stripes, and every other
+    rank's on the same file system); warns where a step's second version of it may
+    not fit ([Note: all or nothing] in step.py).
+
+    `peers`: every rank's `DiskShare` (this one's included), gathered by
+    `initialize` where the job has several ranks; None: one rank.
+
+    [Note: ranks sharing a disk]
+    Ranks of one machine may swap to one file system (one directory, or one
+    directory each on the same disk), or each to its own disk (one NVMe drive per
+    GPU). With `peers`, the state on a file system is what every rank on this
+    kernel (boot id) places on that `st_dev`, whatever launched them (torchrun,
+    torch.multiprocessing, srun, mpirun) and whether or not they share a disk. With
+    one rank in the process group (or none), this process may still be one of
+    several on the node that a launcher started to train apart: LOCAL_WORLD_SIZE
+    (torchrun), else OMPI_COMM_WORLD_LOCAL_SIZE (Open MPI), else 1, counted as
+    sharing every path. Containers on one machine with their own overlay file
+    systems have distinct `st_dev`s and are counted apart."""
     placed = nvme_bytes_placed(cfg, groups, dtype, resolve_device(cfg.store.device).type)
     total = sum(placed.values())
     if not total:
@@ -162,20 +231,20 @@ def check_disk(cfg: OffloadConfig, groups: list[Group], dtype: torch.dtype) -> N
                 f"io.max_swap_size: {format_bytes(cfg.io.max_swap_size)} is below the "
                 f"{format_bytes(n)} ({n} bytes) of {kind} state per rank this model places "
                 f"on NVMe; raise it to at least {n} bytes (0: no limit), or {how}")
-    ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
-    share = -(-total // len(cfg.io.paths)) * ranks  # every swap file stripes over the paths
+    me = disk_share(cfg, groups, dtype)
     for i, path in enumerate(cfg.io.paths):
         free = shutil.disk_usage(_existing(path)).free
-        if free < share:
+        need, ranks = _demand(me, i, peers)
+        if free < need:
             raise SwapPathError(
                 errno.ENOSPC,
                 f"io.paths[{i}]: {path} has {format_bytes(free)} free, and this model places "
-                f"at least {format_bytes(share)} of state on NVMe there ({ranks} rank(s) of "
-                f"this node); free disk space, add a directory on another disk to io.paths, "
-                f"or {how}", path)
-        if free < 2 * share:
+                f"at least {format_bytes(need)} of state on NVMe on its file system ({ranks} "
+                f"rank(s) of this node write there); free disk space, add a directory on "
+                f"another disk to io.paths, or {how}", path)
+        if free < 2 * need:
             log.warning(
-                "io.paths[%d]: %s has %s free for %s of NVMe state: a step keeps the previous "
-                "version of what it updates until it commits, so a step may fail for want of "
-                "space (the state stays as it was)", i, path, format_bytes(free),
-                format_bytes(share))
+                "io.paths[%d]: %s has %s free for %s of NVMe state (%d rank(s) of this node): "
+                "a step keeps the previous version of what it updates until it commits, so a "
+                "step may fail for want of space (the state stays as it was)", i, path,
+                format_bytes(free), format_bytes(need), ranks)
