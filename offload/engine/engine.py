@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -179,7 +180,8 @@ class OffloadEngine(ModelWeights, GradPartitions, nn.Module):
         self._ahead = ForwardOnlyPrefetch(units, store, cfg.engine.prefetch_depth)
         for unit in units:
             self._hooks.append(unit.module.register_forward_pre_hook(self._make_pre(unit)))
-            self._hooks.append(unit.module.register_forward_hook(self._make_post(unit)))
+            self._hooks.append(unit.module.register_forward_hook(self._make_post(unit),
+                                                                 always_call=True))
 
     # -- the optimizer ----------------------------------------------------------------
     def _attach_optimizer(self, lr_lambda: Callable[[int], float] | None = None,
@@ -366,13 +368,21 @@ class OffloadEngine(ModelWeights, GradPartitions, nn.Module):
 
     def _make_post(self, unit: Unit) -> Callable:
         def post(module: nn.Module, args: Any, out: Any) -> Any:
+            # registered with always_call: also after the unit's forward (or a hook) raised,
+            # also where the model is called directly, not through the engine
+            failed = out is None and sys.exc_info()[1] is not None
             backward = _in_backward()
             self._spans.forward_end(unit.name, backward)
             for gid in unit.needs:
                 st = self._states[gid]
-                st.active -= 1
+                st.active = max(0, st.active - 1)
                 if st.active == 0 and not backward:
-                    self._free(st)
+                    if failed and st.gathered:
+                        self._orphan(st)  # the traceback's frames hold its views
+                    else:
+                        self._free(st)
+            if failed:
+                return None
             if torch.is_grad_enabled() and not backward:
                 for t in output_tensors(out):
                     if t.requires_grad:
@@ -658,8 +668,9 @@ class OffloadEngine(ModelWeights, GradPartitions, nn.Module):
 
     def step(self) -> bool:
         """The optimizer step over every partition; returns False if it was skipped
-        (fp16 overflow), if no backward ran since the last step, or if this is not
-        the last micro-step of `grad_accum_steps`.
+        (fp16 overflow; with clipping on, a gradient norm that is not finite, in every
+        dtype, with a warning), if no backward ran since the last step, or if this is
+        not the last micro-step of `grad_accum_steps`.
 
         All or nothing ([Note: all or nothing] in step.py): on a failure every
         parameter, master, moment and step count is as before the step, the
@@ -763,6 +774,11 @@ class OffloadEngine(ModelWeights, GradPartitions, nn.Module):
         if e.dtype == "fp16" and not e.loss_scale:
             self.loss_scale = max(e.min_loss_scale, self.loss_scale / 2)
             log.info("fp16 overflow: step skipped, loss scale now %g", self.loss_scale)
+        elif e.dtype != "fp16":  # docs/engine.md: non-finite gradients
+            log.warning("step %d skipped: the gradients' norm is not finite (inf or NaN "
+                        "gradients, e.g. from an inf in the batch); every weight, moment and "
+                        "step count is unchanged (torch's clip_grad_norm_ and AdamW would write "
+                        "NaN into the weights)", self.global_step + 1)
         self._good_steps = 0
 
     def _after_good_step(self) -> None:

@@ -401,3 +401,28 @@ def test_a_partition_held_at_the_commit_fails_the_step_before_anything_commits(e
         engine.store.unpin(key)
         assert_same(snapshot(engine), before)
         assert train_step(engine, batches[1])
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_a_non_finite_gradient_norm_skips_the_step_with_a_warning(engine_cfg, dtype, caplog):
+    """With clipping on, an inf in the batch makes the norm inf: the step is skipped (not
+    only in fp16), the state is exactly as before, a warning says so, and the next
+    batch trains."""
+    import logging
+    torch.manual_seed(0)
+    cfg = engine_cfg("device", "host", "host", dtype=dtype)
+    cfg["optim"]["max_grad_norm"] = 1.0
+    with offload.initialize(nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1)),
+                            cfg) as engine:
+        before = snapshot(engine)
+        kind = torch.float32 if dtype == "fp32" else torch.bfloat16
+        x, y = torch.randn(4, 8, dtype=kind), torch.randn(4, 1, dtype=kind)
+        x[0, 0] = float("inf")
+        engine.backward(nn.functional.mse_loss(engine(x), y))
+        with caplog.at_level(logging.WARNING, logger="offload"):
+            assert engine.step() is False
+        assert "step 1 skipped: the gradients' norm is not finite" in caplog.text
+        assert_same(snapshot(engine), before)
+        x[0, 0] = 0.0
+        engine.backward(nn.functional.mse_loss(engine(x), y))
+        assert engine.step() and engine.global_step == 1
