@@ -23,6 +23,7 @@ from .checkpoint_reader import CheckpointReader
 from .engine import _DTYPES, _TIERS, OffloadEngine
 from .eviction import next_use_of
 from .meta import meta_device
+from .model_weights import guard_casts
 from .param_groups import assign_param_groups, segments_of
 from .step import StepFailedError
 from .tensor_parallel import TensorParallel, full_state_dict
@@ -230,6 +231,7 @@ def initialize(model: nn.Module | Callable[[], nn.Module],
                 if b is not None and b.device != store.device:
                     m._buffers[name] = b.to(store.device)
         model.__dict__[_WRAPPED] = True  # [Note: wrapped modules]
+        guard_casts(model, engine.dtype, engine.device)
     except BaseException:
         if engine is not None:
             engine.close()  # removes its hooks and closes the store

@@ -75,6 +75,32 @@ def _load_problem(state_dict: Mapping[str, Any], entries: list, missing: list[st
     return None
 
 
+def refuse_cast(fn: Any, dtype: torch.dtype, device: torch.device) -> None:
+    """[Note: casts refused] `Module._apply(fn)` (what `.to`, `.half`, `.cpu` call) would
+    convert the model's buffers and then fail at its first parameter, a stand-in with
+    no weights: refused first, unless `fn` changes neither dtype nor device."""
+    probe = torch.zeros(1, dtype=dtype, device=device)
+    out = fn(probe)
+    if isinstance(out, torch.Tensor) and out.dtype == dtype and out.device == probe.device:
+        return
+    raise RuntimeError(
+        f"the model's weights live in the engine's store as {dtype} on {device}: converting "
+        f"the model (.to, .half, .float, .cuda, .cpu, ...) to "
+        f"{getattr(out, 'dtype', '?')} on {getattr(out, 'device', '?')} is refused, nothing "
+        "was changed; set engine.dtype and store.device in the config instead")
+
+
+def guard_casts(model: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+    """Makes `model.half()` / `model.to(...)` on the wrapped model itself refuse first
+    ([Note: casts refused]): an instance attribute in place of `Module._apply`."""
+    plain = model._apply
+
+    def _apply(fn: Any, recurse: bool = True) -> Any:
+        refuse_cast(fn, dtype, device)
+        return plain(fn, recurse)
+    model.__dict__["_apply"] = _apply
+
+
 class ModelWeights:
     """Parameters, full weights, state dicts, generation and export of the engine's model."""
 
@@ -85,6 +111,14 @@ class ModelWeights:
         one registered stand-in per original parameter, full shape, compute dtype,
         its `requires_grad` ([Note: registered parameters] in params_view.py)."""
         return self.module.named_parameters(prefix, recurse, remove_duplicate)
+
+    def _apply(self, fn: Any, recurse: bool = True) -> Any:  # type: ignore[override]
+        """`engine.to(...)`, `.half()`, `.float()`, `.cpu()`...: a no-op where `fn` keeps
+        the engine's dtype and device (tried on a probe tensor first); else refused
+        before anything changes, as the weights live in the store in `engine.dtype`
+        on `store.device`. [Note: casts refused]"""
+        refuse_cast(fn, self.dtype, self.device)
+        return self
 
     def _check_open(self) -> None:
         """Raises a clear error where a closed engine is used: its state is gone."""

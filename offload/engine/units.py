@@ -14,7 +14,7 @@ group that meets it; every unit whose modules use it lists that group in its
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, is_dataclass
 from functools import cached_property
 from typing import Any, Iterable
 
@@ -156,16 +156,26 @@ def static_order(units: list[Unit]) -> list[int]:
             + [g for u in reversed(ends) for g in u.needs])
 
 
-def output_tensors(obj: Any) -> Iterable[torch.Tensor]:
-    """The tensors in a module's output: nested in dicts, lists, tuples and
-    transformers' `ModelOutput`."""
+def output_tensors(obj: Any, _seen: set[int] | None = None) -> Iterable[torch.Tensor]:
+    """The tensors in a module's output: nested in dicts, lists, tuples, transformers'
+    `ModelOutput`, dataclasses and the attributes of other plain objects (a tensor
+    missed here would let a backward through the unit run on freed weights)."""
     if isinstance(obj, torch.Tensor):
         yield obj
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from output_tensors(v)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from output_tensors(v)
+        return
+    seen = set() if _seen is None else _seen
+    if id(obj) in seen or isinstance(obj, (str, bytes, int, float, bool, type(None), nn.Module)):
+        return
+    seen.add(id(obj))
+    if isinstance(obj, dict):
+        values: Iterable[Any] = obj.values()
+    elif isinstance(obj, (list, tuple, set, frozenset)):
+        values = obj
     elif hasattr(obj, "to_tuple"):  # transformers' ModelOutput
-        yield from output_tensors(obj.to_tuple())
+        values = obj.to_tuple()
+    elif is_dataclass(obj):
+        values = [getattr(obj, f.name) for f in fields(obj)]
+    else:
+        values = getattr(obj, "__dict__", {}).values()
+    for v in values:
+        yield from output_tensors(v, seen)

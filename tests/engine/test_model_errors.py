@@ -7,6 +7,7 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 import torch
 
 import offload
@@ -163,3 +164,56 @@ def test_weights_autograd_saves_are_not_taken_for_kept(engine_cfg, caplog):
     kept = views[0]
     assert kept_view(views) == 0
     del out, kept
+
+
+def test_an_error_in_the_model_called_directly_leaves_the_engine_usable(engine_cfg):
+    """The model object itself (as `model.generate` calls it) raising inside a unit: the
+    unit's gathered weights are given back as after an error through the engine, so
+    nothing stays "in use" and changing the weights between steps works."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(4)])
+    with offload.initialize(model, engine_cfg("host", group_size=300)) as engine:
+        want = engine.state_dict()
+        x = torch.randn(2, 16)
+        with torch.no_grad():
+            expected = engine(x)
+
+        def boom(module, args):
+            raise ValueError("bad input")
+        handle = model[2].register_forward_pre_hook(boom)
+        with pytest.raises(ValueError, match="bad input"), torch.no_grad():
+            model(x)
+        handle.remove()
+        assert [st.active for st in engine._states] == [0] * len(engine._states)
+        engine.load_state_dict(want)  # refused while a unit looked in use
+        with torch.no_grad():
+            assert torch.equal(engine(x), expected)
+
+
+def test_a_cast_of_the_model_is_refused_before_anything_changes(engine_cfg):
+    """[Note: casts refused]: `.half()` / `.to(dtype)` on the engine or on the wrapped
+    model used to convert the buffers before failing at the first parameter; now it
+    is refused first, and a call that changes nothing (`.float()`, `.to("cpu")` of an
+    fp32 CPU engine) is a no-op."""
+    class Scale(torch.nn.Module):  # a buffer-only module first, as a rotary cache
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("s", torch.full((8,), 1.0 / 3.0))
+
+        def forward(self, x):
+            return x * self.s
+    model = torch.nn.Sequential(Scale(), torch.nn.Linear(8, 4))
+    with offload.initialize(model, engine_cfg("host", group_size=300)) as engine:
+        x = torch.randn(2, 8)
+        with torch.no_grad():
+            want = engine(x)
+        for cast in (lambda: engine.half(), lambda: model.half(),
+                     lambda: engine.to(torch.float64), lambda: model.to(torch.bfloat16)):
+            with pytest.raises(RuntimeError, match=r"converting the model .* is refused, "
+                                                   r"nothing was changed; set engine\.dtype"):
+                cast()
+            assert model[0].s.dtype == torch.float32
+        assert engine.float() is engine and engine.to("cpu") is engine
+        model.to("cpu")
+        with torch.no_grad():
+            assert torch.equal(engine(x), want)
