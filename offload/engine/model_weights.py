@@ -215,6 +215,15 @@ class ModelWeights:
             where = self.registered.locate(t) if is_param else None
             if where is not None:
                 names.setdefault(where, []).append(name)
+        for g in self.groups:
+            for i, slot in enumerate(g.slots):
+                if (g.gid, i) not in names:
+                    raise RuntimeError(
+                        f"parameter {slot.fqn!r} was replaced after initialize (a new "
+                        "nn.Parameter assigned to its module): the set of parameters is "
+                        "fixed at initialize and training did not see the new one; assign "
+                        "the original back, and change values inside `with "
+                        "engine.full_weights(writable=True)`")
         return names
 
     # -- state dicts --------------------------------------------------------------

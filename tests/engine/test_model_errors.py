@@ -217,3 +217,19 @@ def test_a_cast_of_the_model_is_refused_before_anything_changes(engine_cfg):
         model.to("cpu")
         with torch.no_grad():
             assert torch.equal(engine(x), want)
+
+
+def test_a_parameter_replaced_after_initialize_is_named(engine_cfg):
+    """Assigning a new nn.Parameter to a module is not seen by training; reading the
+    full weights then named the slot as a bare KeyError, now the parameter and the fix."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    with offload.initialize(model, engine_cfg("host", group_size=300)) as engine:
+        original = model[1].weight
+        model[1].weight = torch.nn.Parameter(torch.zeros(2, 8))
+        with pytest.raises(RuntimeError, match=r"parameter '1\.weight' was replaced after "
+                                               r"initialize .*full_weights\(writable=True\)"):
+            with engine.full_weights():
+                pass
+        model[1].weight = original
+        with engine.full_weights() as w:
+            assert set(w) == {"0.weight", "0.bias", "1.weight", "1.bias"}
