@@ -64,6 +64,7 @@ from .grad_slots import GradSlots
 from .grads import GradPartitions
 from .in_place import pin_in_place, unpin_all, update_in_place
 from .model_weights import ModelWeights
+from .one_thread import OneThread
 from .params_view import RegisteredParams
 from .rank_order import RankOrder
 from .step import StagedParams, StepFailedError, staged_key, uninterrupted
@@ -153,6 +154,7 @@ class OffloadEngine(ModelWeights, GradPartitions, nn.Module):
         self._closed = False
         self._reductions: list[Pending] = []
         self._has_grad: set[int] = set()
+        self._one_thread = OneThread()  # [Note: one thread at a time] in one_thread.py
         self.param_group_of: dict[tuple[int, int], int] = {}  # (gid, slot) -> optimizer group
         self.grad_slots = GradSlots(comm)  # [Note: parameters without a gradient]
         self._hooks: list[Any] = []
@@ -182,6 +184,9 @@ class OffloadEngine(ModelWeights, GradPartitions, nn.Module):
             self._hooks.append(unit.module.register_forward_pre_hook(self._make_pre(unit)))
             self._hooks.append(unit.module.register_forward_hook(self._make_post(unit),
                                                                  always_call=True))
+        # [Note: one thread at a time] in one_thread.py: around the root module's unit hooks
+        self._hooks.append(model.register_forward_pre_hook(self._root_pre, prepend=True))
+        self._hooks.append(model.register_forward_hook(self._root_post, always_call=True))
 
     # -- the optimizer ----------------------------------------------------------------
     def _attach_optimizer(self, lr_lambda: Callable[[int], float] | None = None,
@@ -343,6 +348,14 @@ class OffloadEngine(ModelWeights, GradPartitions, nn.Module):
             except BudgetExceededError as e:  # no room now: the use fetches on demand
                 log.debug("prefetch of group %d skipped: %s", gid, e)
                 return
+
+    def _root_pre(self, module: nn.Module, args: Any) -> None:
+        if not _in_backward():  # [Note: one thread at a time] in one_thread.py
+            self._one_thread.enter()
+
+    def _root_post(self, module: nn.Module, args: Any, out: Any) -> None:
+        if not _in_backward():
+            self._one_thread.leave()
 
     def _make_pre(self, unit: Unit) -> Callable:
         def pre(module: nn.Module, args: Any) -> None:
@@ -586,12 +599,13 @@ class OffloadEngine(ModelWeights, GradPartitions, nn.Module):
     # -- the user's loop ----------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._check_open()
-        try:
-            with self.recorder.span("forward", cat="compute", track="compute"):
-                return self.module(*args, **kwargs)
-        except BaseException:  # the step's state is untouched: a forward changes none
-            self._release_gathered(orphan=True)
-            raise
+        with self._one_thread.held():  # [Note: one thread at a time]
+            try:
+                with self.recorder.span("forward", cat="compute", track="compute"):
+                    return self.module(*args, **kwargs)
+            except BaseException:  # the step's state is untouched: a forward changes none
+                self._release_gathered(orphan=True)
+                raise
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of `loss` (scaled for fp16); gradients land in the grad partitions.
@@ -603,6 +617,10 @@ class OffloadEngine(ModelWeights, GradPartitions, nn.Module):
         the step's gradients (run its micro-batches again).
         """
         self._check_open()
+        with self._one_thread.held():  # [Note: one thread at a time]
+            self._backward(loss)
+
+    def _backward(self, loss: torch.Tensor) -> None:
         if self._backwards >= self.cfg.engine.grad_accum_steps:
             raise RuntimeError(f"backward: {self._backwards} backward call(s) since the last "
                                "step(), and engine.grad_accum_steps is "

@@ -304,12 +304,13 @@ class ModelWeights:
         tiers unit by unit; run under `torch.no_grad()` it leaves the training plan
         alone."""
         self._check_open()
-        try:
-            out = self.module.generate(*args, **kwargs)
-        except BaseException:
-            self._release_gathered(orphan=True)  # [Note: orphaned gathers] in engine.py
-            raise
-        self._release_gathered()
+        with self._one_thread.held():  # [Note: one thread at a time] in one_thread.py
+            try:
+                out = self.module.generate(*args, **kwargs)
+            except BaseException:
+                self._release_gathered(orphan=True)  # [Note: orphaned gathers] in engine.py
+                raise
+            self._release_gathered()
         return out
 
     def save_pretrained(self, save_directory: str | os.PathLike,

@@ -233,3 +233,47 @@ def test_a_parameter_replaced_after_initialize_is_named(engine_cfg):
         model[1].weight = original
         with engine.full_weights() as w:
             assert set(w) == {"0.weight", "0.bias", "1.weight", "1.bias"}
+
+
+def test_a_second_thread_is_refused_while_the_model_runs(engine_cfg):
+    """[Note: one thread at a time]: a forward (or the model called directly) on a
+    second thread while the first thread's forward is inside the model would share
+    and free its gathered weights (wrong outputs, before); it is refused before it
+    touches anything, and the first forward's result is right."""
+    import threading
+
+    class Waits(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 8)
+            self.inside, self.go = threading.Event(), threading.Event()
+
+        def forward(self, x):
+            if not self.inside.is_set():
+                self.inside.set()
+                assert self.go.wait(30)
+            return self.lin(x)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), Waits(), torch.nn.Linear(8, 2))
+    ref = [m for m in model.modules()]
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        want = torch.nn.Sequential(ref[1], ref[2].lin, ref[4])(x)
+    with offload.initialize(model, engine_cfg("host", group_size=100)) as engine:
+        got = {}
+
+        def first():
+            with torch.no_grad():
+                got["y"] = engine(x)
+        t = threading.Thread(target=first)
+        t.start()
+        assert model[1].inside.wait(30)
+        for call in (lambda: engine(x), lambda: model(x)):
+            with pytest.raises(RuntimeError, match="running on another thread: one thread at "
+                                                   "a time runs it"), torch.no_grad():
+                call()
+        model[1].go.set()
+        t.join(30)
+        assert torch.equal(got["y"], want)
+        with torch.no_grad():  # and the engine is free again
+            assert torch.equal(engine(x), want)
