@@ -4,6 +4,7 @@ verified, and the placement of a rank's partitions on resume."""
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -351,7 +352,7 @@ class CheckpointReader:
                 "params" in g for g in self.record["param_groups"])
                 else self._matched_hyper(engine.optimizer.param_groups))
             own = self._rank_file(rank if rank < self.record["world"] else 0)
-            buffers = self._buffers()
+            buffers = self._saved_buffers
             problem = None if buffers is None else check_buffers(engine.module, buffers)
             if problem is not None:
                 raise CheckpointError(f"checkpoint {self.path}: {problem}; resume with the "
@@ -360,9 +361,10 @@ class CheckpointReader:
 
     def buffer_names(self) -> set[str]:
         """The names of the module buffers the checkpoint holds."""
-        return set(self._buffers() or {})
+        return set(self._saved_buffers or {})
 
-    def _buffers(self) -> dict[str, torch.Tensor] | None:
+    @functools.cached_property
+    def _saved_buffers(self) -> dict[str, torch.Tensor] | None:
         """The module buffers the save kept (checkpoint_buffers.py); None where it kept
         none (a checkpoint written before they were saved)."""
         p = self.path / BUFFERS
@@ -503,7 +505,7 @@ class CheckpointReader:
             except CheckpointError as e:
                 problems.append(str(e))
         try:
-            self._buffers()
+            self._saved_buffers
         except CheckpointError as e:
             problems.append(str(e))
         for name, t in self.tensors.items():

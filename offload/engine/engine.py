@@ -72,7 +72,7 @@ from .tensor_parallel import TensorParallel
 from .training_checkpoint import CheckpointSave
 from .training_checkpoint import save_checkpoint as _save_checkpoint
 from .units import Group, Unit, output_tensors, static_order
-from .warm import Borrowing, WarmMemory, borrow, give_back, kept_view, unborrow
+from .warm import Borrowing, WarmMemory, borrow, kept_view, unborrow
 from .working_set import working_set
 
 log = logging.getLogger(__name__)
@@ -260,7 +260,7 @@ class OffloadEngine(ModelWeights, GradPartitions, nn.Module):
             if kept is not None:
                 self._leave_with_kept(st, kept)
             elif st.borrowed:
-                give_back(st.flat.untyped_storage(), self._warm)
+                self._warm.vacate(st.flat.untyped_storage())  # the record's memory goes back
                 self._return(st)
             else:
                 self._warm.drain(st.flat.untyped_storage())
@@ -729,19 +729,16 @@ class OffloadEngine(ModelWeights, GradPartitions, nn.Module):
             self._after_overflow()
             return False
         self.pending_updates.add(*gids, reads_master=self.master_is_param)
-        pinned, error = None, None
-        try:  # what can fail: every rank's part of it, before any rank commits
-            if self.cfg.engine.optimizer == "host" and not self.staged:
-                pinned = pin_in_place(self, gids)
-            if pinned is None:
-                for gid in gids:
-                    self._update_group(gid, None, norm)
-            self.staged.ready()
-            self.optimizer.durable(grad_norm=norm)
-        except Exception as e:
-            error = e
-        try:
-            self.comm.agree(error, "step()")
+        pinned = None
+        try:  # what can fail, every rank's part of it, before any rank commits
+            with self.comm.together("step()"):
+                if self.cfg.engine.optimizer == "host" and not self.staged:
+                    pinned = pin_in_place(self, gids)
+                if pinned is None:
+                    for gid in gids:
+                        self._update_group(gid, None, norm)
+                self.staged.ready()
+                self.optimizer.durable(grad_norm=norm)
         except BaseException:
             unpin_all(self, pinned or [])
             raise

@@ -21,7 +21,7 @@ With one rank on a CPU device, "gathering" a group is a copy of its DEVICE
 record, which already is the whole group in host memory. There the engine
 does not copy: the group's persistent storage takes the record's memory
 itself (`borrow`), and the record stays pinned in DEVICE until the group is
-freed, when the storage is emptied (`give_back`) and the pin dropped. This
+freed, when the storage is emptied (`WarmMemory.vacate`) and the pin dropped. This
 saves a copy of every parameter at each forward and backward use (at 2
 cores, the gather's copy was about 15% of the main thread's samples in a
 `none` step of the bench model) and the gathered memory outside the budgets.
@@ -52,7 +52,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Borrowing", "WarmMemory", "ZeroPages", "borrow", "empty", "give_back", "kept_view",
+__all__ = ["Borrowing", "WarmMemory", "ZeroPages", "borrow", "empty", "kept_view",
            "unborrow"]
 
 _MAP_NORESERVE = 0x4000  # Linux (x86-64, arm64): no swap space reserved for the mapping
@@ -153,12 +153,6 @@ def borrow(storage: torch.UntypedStorage, record: torch.Tensor) -> None:
     held = record.detach().view(torch.uint8).numpy()  # shares the bytes, keeps `record`
     empty(storage)  # its window of zero pages
     storage._swap_data_ptr_(torch.frombuffer(held, dtype=torch.uint8).untyped_storage())
-
-
-def give_back(storage: torch.UntypedStorage, warm: WarmMemory) -> None:
-    """Empties a storage that `borrow` filled (zero pages in its place, [Note: freed
-    gathers read zeros]); the record's memory is its own again."""
-    warm.vacate(storage)
 
 
 def unborrow(storage: torch.UntypedStorage) -> None:

@@ -509,11 +509,9 @@ class CpuAdam(StateAccess):
             OptimStepError: a write failed; the whole round was rolled back.
         """
         with self._lock:
-            try:
-                if self._pipeline is not None:
-                    self._pipeline.commit()
-            except Exception as e:
-                raise self._failed_round(e, grad_norm) from e
+            self.durable(grad_norm)
+            if self._pipeline is not None:
+                self._pipeline.commit()  # its writes are durable: installs, cannot fail
             if self._round:
                 self.steps += 1
             self._drop_backups()
