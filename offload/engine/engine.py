@@ -71,7 +71,7 @@ from .step import StagedParams, StepFailedError, staged_key, uninterrupted
 from .tensor_parallel import TensorParallel
 from .training_checkpoint import CheckpointSave
 from .training_checkpoint import save_checkpoint as _save_checkpoint
-from .units import Group, Unit, output_tensors, static_order
+from .units import Group, Unit, hooks_last, output_tensors, static_order
 from .warm import Borrowing, WarmMemory, borrow, kept_view, unborrow
 from .working_set import working_set
 
@@ -180,13 +180,17 @@ class OffloadEngine(ModelWeights, GradPartitions, nn.Module):
         # [Note: registered parameters] in params_view.py
         self.registered = RegisteredParams(model, groups, units, self.dtype, self.device)
         self._ahead = ForwardOnlyPrefetch(units, store, cfg.engine.prefetch_depth)
+        # [Note: our forward hooks run last] in units.py
+        self._last_hooks: dict[int, list[int]] = {}  # id(module) -> its post hooks' ids
         for unit in units:
             self._hooks.append(unit.module.register_forward_pre_hook(self._make_pre(unit)))
             self._hooks.append(unit.module.register_forward_hook(self._make_post(unit),
                                                                  always_call=True))
+            self._last_hooks.setdefault(id(unit.module), []).append(self._hooks[-1].id)
         # [Note: one thread at a time] in one_thread.py: around the root module's unit hooks
         self._hooks.append(model.register_forward_pre_hook(self._root_pre, prepend=True))
         self._hooks.append(model.register_forward_hook(self._root_post, always_call=True))
+        self._last_hooks.setdefault(id(model), []).append(self._hooks[-1].id)
 
     # -- the optimizer ----------------------------------------------------------------
     def _attach_optimizer(self, lr_lambda: Callable[[int], float] | None = None,
@@ -359,6 +363,7 @@ class OffloadEngine(ModelWeights, GradPartitions, nn.Module):
 
     def _make_pre(self, unit: Unit) -> Callable:
         def pre(module: nn.Module, args: Any) -> None:
+            hooks_last(module, self._last_hooks[id(module)])
             if not _in_backward():  # a recomputation repeats the backward's order
                 self._rank_order.check_unit(unit, backward=False)  # see rank_order.py
             # a forward without autograd (evaluation, generate) is not part of a

@@ -21,7 +21,8 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
-__all__ = ["Slot", "Group", "Unit", "build_units", "output_tensors", "static_order", "SHARD_ALIGN"]
+__all__ = ["Slot", "Group", "Unit", "build_units", "hooks_last", "output_tensors", "static_order",
+           "SHARD_ALIGN"]
 
 SHARD_ALIGN = 2048  # elements: 4 KiB of a 2-byte dtype, 8 KiB of fp32
 
@@ -179,3 +180,16 @@ def output_tensors(obj: Any, _seen: set[int] | None = None) -> Iterable[torch.Te
         values = getattr(obj, "__dict__", {}).values()
     for v in values:
         yield from output_tensors(v, seen)
+
+
+def hooks_last(module: nn.Module, hook_ids: list[int]) -> None:
+    """[Note: our forward hooks run last] A unit's forward hook gives its weights back,
+    so a forward hook the user registers on the unit's module after `initialize` (torch
+    runs them in registration order) would find them gone. Each call, the unit's forward
+    pre-hook moves the engine's forward hooks of `module` to the end of its hook order:
+    torch reads that order only after the forward returns. A hook registered with
+    `prepend=True` still runs before them."""
+    hooks = module._forward_hooks
+    for hid in hook_ids:
+        if hid in hooks:
+            hooks.move_to_end(hid)
