@@ -20,6 +20,14 @@ full disk, an error of the tensors' source, Ctrl-C, a rename) removes every
 `.partial` file, every final name already made, and the directories the call
 created. An `OSError` of one of our own writes is raised again with its
 errno, naming the file, the bytes needed and free, and the fix.
+
+A process killed while writing (SIGKILL, a lost node) leaves its `.partial`
+files. A call holds an exclusive `flock` on `.safetensors.partial.lock` in the
+directory while it writes (the lock goes with the process however it ends,
+as [Note: partial directories] in checkpoint_publish.py), so a second export
+into the same directory is refused rather than writing over the first's
+files, and the call that holds it removes the `.partial` files of shards,
+index and copies that a killed call left.
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ import torch
 
 from ..config import format_bytes
 from ..files import check_directory
+from .checkpoint_publish import PartialLock
 
 __all__ = ["TensorSpec", "plan_shards", "write_shards", "INDEX"]
 
@@ -114,6 +123,7 @@ class _Staging:
         self.partial: list[Path] = []
         self.final: list[Path] = []
         self.failure: tuple[OSError, Path] | None = None  # our own write that failed
+        self.lock: PartialLock | None = None
 
     def _do(self, path: Path, fn: Callable, *args):
         try:
@@ -122,12 +132,26 @@ class _Staging:
             self.failure = (e, path)
             raise
 
-    def mkdir(self) -> None:
+    def mkdir(self, copies: Iterable[str]) -> None:
+        """Makes `out`, takes its lock and removes the `.partial` files a killed call
+        left there (of shards, the index and `copies`)."""
         p = self.out.absolute()
         while not p.exists():
             self.created.append(p)
             p = p.parent
         self._do(self.out, self.out.mkdir, 0o777, True, True)
+        try:
+            self.lock = self._do(self.out, PartialLock, self.out / ".safetensors.partial", False)
+        except BlockingIOError:
+            self.failure = None
+            raise FileExistsError(
+                f"safetensors: another export is writing into {self.out} now; wait for it "
+                f"to finish, or {self.elsewhere}") from None
+        stale = [*self.out.glob(f"model*.safetensors{_PARTIAL}"),
+                 *(self.out / (name + _PARTIAL) for name in (INDEX, *copies))]
+        for path in stale:
+            if path.is_file():
+                path.unlink()
 
     @contextlib.contextmanager
     def file(self, name: str) -> Iterator[Callable[[bytes | memoryview], None]]:
@@ -158,12 +182,19 @@ class _Staging:
             self._do(self.out, os.fsync, fd)  # the renames survive a crash
         finally:
             os.close(fd)
+        self._unlock()
         return self.final
+
+    def _unlock(self) -> None:
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
 
     def discard(self) -> None:
         for path in self.partial + self.final:
             with contextlib.suppress(OSError):  # the first error is the one to report
                 path.unlink(missing_ok=True)
+        self._unlock()
         for d in self.created:  # while empty: one that holds anything is not only ours
             try:
                 d.rmdir()
@@ -229,7 +260,7 @@ def write_shards(out: str | os.PathLike, specs: list[TensorSpec],
             + len(index or b"") + sum(src.stat().st_size for src in copies.values()))
     staging = _Staging(out, need, elsewhere)
     try:
-        staging.mkdir()
+        staging.mkdir(copies)
         if any(out.glob("*.safetensors")) or (out / INDEX).exists():
             raise FileExistsError(f"{out} already holds safetensors files; give an empty "
                                   "directory (or remove them)")

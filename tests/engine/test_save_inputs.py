@@ -3,6 +3,8 @@ and a bad `initialize(checkpoint=...)` file raise an error naming the argument o
 file, before anything is created."""
 
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -114,3 +116,45 @@ def test_chrome_trace_under_a_file_names_the_file(tmp_path):
                                                             "file, not a directory")):
             write_chrome_trace(target, TraceRecorder(enabled=True))
     assert f.read_text() == "x"
+
+
+def test_save_pretrained_removes_what_a_killed_export_left(engine, tmp_path):
+    """A killed export's `.partial` files (another shard count than this one's, the
+    index, a copy) are removed; a user's own `.partial` file is not ours to remove."""
+    out = tmp_path / "out"
+    out.mkdir()
+    left = ["model-00002-of-00003.safetensors.partial", "model.safetensors.partial",
+            "model.safetensors.index.json.partial"]
+    for name in left:
+        (out / name).write_bytes(b"\0" * 4096)
+    (out / "notes.txt.partial").write_text("mine")
+    (out / ".safetensors.partial.lock").touch()  # the lock file a killed export left
+    engine.save_pretrained(out)
+    assert sorted(p.name for p in out.iterdir()) == ["model.safetensors", "notes.txt.partial"]
+    saved = load_file(out / "model.safetensors")
+    for k, v in _model().state_dict().items():
+        torch.testing.assert_close(saved[k], v)
+
+
+def test_save_pretrained_refuses_a_directory_another_export_is_writing(engine, tmp_path):
+    """Another process holds the directory's lock (an export in progress): the call is
+    refused, naming the directory, and touches none of the other export's files."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "model.safetensors.partial").write_bytes(b"x" * 100)  # the other export's
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_CREAT "
+         "| os.O_RDWR); fcntl.flock(fd, fcntl.LOCK_EX); print('held', flush=True); "
+         "sys.stdin.read()", str(out / ".safetensors.partial.lock")],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        with pytest.raises(FileExistsError, match=re.escape(f"another export is writing "
+                                                            f"into {out}")):
+            engine.save_pretrained(out)
+        assert (out / "model.safetensors.partial").read_bytes() == b"x" * 100
+        assert not (out / "model.safetensors").exists()
+    finally:
+        holder.communicate("")
+    engine.save_pretrained(out)  # its lock given back: the directory is free again
+    assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"]
