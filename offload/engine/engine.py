@@ -71,7 +71,7 @@ from .step import StagedParams, StepFailedError, staged_key, uninterrupted
 from .tensor_parallel import TensorParallel
 from .training_checkpoint import CheckpointSave
 from .training_checkpoint import save_checkpoint as _save_checkpoint
-from .units import Group, Unit, hooks_last, output_tensors, static_order
+from .units import Group, Unit, eager, hooks_last, output_tensors, static_order
 from .warm import Borrowing, WarmMemory, borrow, kept_view, unborrow
 from .working_set import working_set
 
@@ -180,16 +180,16 @@ class OffloadEngine(ModelWeights, GradPartitions, nn.Module):
         # [Note: registered parameters] in params_view.py
         self.registered = RegisteredParams(model, groups, units, self.dtype, self.device)
         self._ahead = ForwardOnlyPrefetch(units, store, cfg.engine.prefetch_depth)
-        # [Note: our forward hooks run last] in units.py
+        # [Note: our forward hooks run last], [Note: torch.compile] in units.py
         self._last_hooks: dict[int, list[int]] = {}  # id(module) -> its post hooks' ids
         for unit in units:
-            self._hooks.append(unit.module.register_forward_pre_hook(self._make_pre(unit)))
-            self._hooks.append(unit.module.register_forward_hook(self._make_post(unit),
+            self._hooks.append(unit.module.register_forward_pre_hook(eager(self._make_pre(unit))))
+            self._hooks.append(unit.module.register_forward_hook(eager(self._make_post(unit)),
                                                                  always_call=True))
             self._last_hooks.setdefault(id(unit.module), []).append(self._hooks[-1].id)
         # [Note: one thread at a time] in one_thread.py: around the root module's unit hooks
-        self._hooks.append(model.register_forward_pre_hook(self._root_pre, prepend=True))
-        self._hooks.append(model.register_forward_hook(self._root_post, always_call=True))
+        self._hooks.append(model.register_forward_pre_hook(eager(self._root_pre), prepend=True))
+        self._hooks.append(model.register_forward_hook(eager(self._root_post), always_call=True))
         self._last_hooks.setdefault(id(model), []).append(self._hooks[-1].id)
 
     # -- the optimizer ----------------------------------------------------------------
@@ -602,6 +602,7 @@ class OffloadEngine(ModelWeights, GradPartitions, nn.Module):
         return Tier.HOST
 
     # -- the user's loop ----------------------------------------------------------------
+    @torch.compiler.disable(recursive=False)  # [Note: torch.compile] in units.py
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._check_open()
         with self._one_thread.held():  # [Note: one thread at a time]

@@ -16,12 +16,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, is_dataclass
 from functools import cached_property
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
 
-__all__ = ["Slot", "Group", "Unit", "build_units", "hooks_last", "output_tensors", "static_order",
+__all__ = ["Slot", "Group", "Unit", "build_units", "eager", "hooks_last", "output_tensors", "static_order",
            "SHARD_ALIGN"]
 
 SHARD_ALIGN = 2048  # elements: 4 KiB of a 2-byte dtype, 8 KiB of fp32
@@ -193,3 +193,13 @@ def hooks_last(module: nn.Module, hook_ids: list[int]) -> None:
     for hid in hook_ids:
         if hid in hooks:
             hooks.move_to_end(hid)
+
+
+def eager(hook: Callable) -> Callable:
+    """[Note: torch.compile] A unit's hooks gather, bind, free and move records: work
+    on the store that torch.compile cannot trace (it failed inside them, deep in
+    dynamo). Each hook, and the engine's own `forward` frame, is left out of
+    compilation, so `torch.compile(engine)`, a model compiled before `initialize`
+    (its names then start with `_orig_mod.`, as torch's own) and compiled blocks all
+    run: the graphs break at the units' hooks, which run eagerly."""
+    return torch.compiler.disable(hook)
