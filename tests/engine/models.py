@@ -52,3 +52,11 @@ def lm_batches(steps: int, vocab: int = 64, batch: int = 4, seq: int = 9, seed: 
 
 def lm_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))
+
+
+def assert_weights_as_torch(engine, ref: nn.Module, atol: float) -> None:
+    """The engine's full weights equal `ref`'s parameters, name by name."""
+    with engine.full_weights() as w:
+        for n, q in ref.named_parameters():
+            torch.testing.assert_close(w[n], q.detach(), atol=atol, rtol=0,
+                                       msg=lambda m: f"{n}: {m}")

@@ -10,6 +10,8 @@ from torch import nn
 
 import offload
 
+from .models import assert_weights_as_torch
+
 
 def _stack() -> nn.Module:
     torch.manual_seed(0)
@@ -54,9 +56,7 @@ def test_compiled_engine_trains_as_torch(engine_cfg, group_size):
         _train_both(engine, compiled, ref)
         if group_size > 1100:  # the model's forward between its one unit's hooks
             assert backend.graphs >= 1
-        with engine.full_weights() as w:
-            for n, q in ref.named_parameters():
-                torch.testing.assert_close(w[n], q.detach(), atol=1e-6, rtol=0)
+        assert_weights_as_torch(engine, ref, atol=1e-6)
     finally:
         engine.close()
 

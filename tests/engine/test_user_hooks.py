@@ -9,6 +9,7 @@ from torch import nn
 
 import offload
 
+from .models import assert_weights_as_torch
 from .test_model_params import IDS, PLACEMENTS
 
 
@@ -56,9 +57,7 @@ def test_forward_hooks_registered_after_initialize_read_the_weights(engine_cfg, 
         assert len(seen) == len(seen_ref) == 4
         for got, want in zip(seen, seen_ref):
             torch.testing.assert_close(got, want, atol=2e-6, rtol=0)
-        with engine.full_weights() as w:
-            for n, q in ref.named_parameters():
-                torch.testing.assert_close(w[n], q.detach(), atol=2e-6, rtol=0)
+        assert_weights_as_torch(engine, ref, atol=2e-6)
     finally:
         engine.close()
 
