@@ -4,7 +4,8 @@ Reads Chrome-trace files written by offload (one per rank of a job, or one
 holding several ranks; a simulator's prediction marked ``"kind": "predicted"``
 in its metadata), writes one self-contained HTML page and prints its path.
 Bad input (a missing, unreadable or malformed trace, an output path that
-cannot be written) is one line on stderr and exit code 2.
+cannot be written, or that holds a file other than a report, which is never
+replaced) is one line on stderr and exit code 2.
 """
 
 from __future__ import annotations
@@ -42,11 +43,12 @@ def run(args: argparse.Namespace) -> int:
     if problem:
         return _fail(problem)
     try:
-        path = write_report(args.traces, out, title=args.title)
+        path = write_report(args.traces, out, title=args.title, replace_only_reports=True)
     except ReportInputError as e:
         return _fail(str(e))
     except OSError as e:
-        return _fail(f"{out}: cannot write the report ({e.strerror or e})")
+        return _fail(f"{out}: cannot write the report ({e.strerror or e}); name a place "
+                     "that can be written with -o")
     print(path)
     if args.open and not open_in_browser(path):
         print("offload view: no browser found here; open the file above in one",

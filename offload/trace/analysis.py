@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = ["Instant", "RankTrace", "Span", "Step", "TraceFormatError", "UseOutcome",
-           "byte_count", "bytes_moved", "exposed_time", "intersect_length", "parse_trace", "prefetch_outcomes",
+           "byte_count", "bytes_moved", "exposed_time", "finite", "intersect_length",
+           "parse_trace", "prefetch_outcomes",
            "steps_of", "tier_occupancy", "union", "union_length"]
 
 COMPUTE_TRACK = "compute"
@@ -29,6 +30,12 @@ USE_WAIT = "wait:gather"          # the engine: the compute waits for a group's 
 OPTIM_UPDATE = "optim:update"     # the CPU optimizer computing one chunk
 FETCH = "fetch"                   # the store: one fetch, from its issue to its arrival
 TIER_COUNTER_PREFIX = "tier:"
+# Timestamps and durations beyond this many microseconds (about 31,700 years) come from
+# no clock; refusing them keeps every sum and difference of times finite.
+MAX_TIME_US = 1e18
+# Byte counts and counter samples beyond this come from no machine: they are left out, so
+# that sums of them stay finite (JSON allows integers of any length).
+MAX_VALUE = float(2**63)
 
 
 class TraceFormatError(ValueError):
@@ -101,16 +108,34 @@ class RankTrace:
         return (lo, hi) if lo <= hi else (0.0, 0.0)
 
 
+def finite(value: Any, limit: float = MAX_VALUE) -> float | None:
+    """``value`` as a float when it is a number (not a bool) of magnitude at most
+    ``limit``; None otherwise (NaN, infinities, integers no float holds)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        f = float(value)
+    except OverflowError:
+        return None
+    return f if math.isfinite(f) and abs(f) <= limit else None
+
+
 def _number(ev: Mapping[str, Any], key: str, where: str) -> float:
-    value = ev.get(key)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise TraceFormatError(f"{where}: event {_short(ev)} has {key}={value!r}, expected a "
-                               "finite number")
-    return float(value)
+    value = finite(ev.get(key), MAX_TIME_US)
+    if value is None:
+        raise TraceFormatError(f"{where}: event {_short(ev)} has {key}={_cut(ev.get(key), 40)}, "
+                               f"expected a finite number of microseconds up to {MAX_TIME_US:.0e}")
+    return value
+
+
+def _cut(value: Any, n: int) -> str:
+    """``repr(value)`` in at most ``n`` characters (an integer may have thousands of digits)."""
+    text = repr(value)
+    return text if len(text) <= n else text[:n - 3] + "..."
 
 
 def _short(ev: Mapping[str, Any]) -> str:
-    text = repr(dict(ev))
+    text = "{" + ", ".join(f"{k!r}: {_cut(v, 40)}" for k, v in ev.items()) + "}"
     return text if len(text) < 120 else text[:117] + "..."
 
 
@@ -158,8 +183,10 @@ class _Reader:
     def rank_of(self, pid: Any) -> RankTrace:
         rt = self.ranks.get(pid)
         if rt is None:
-            if isinstance(pid, bool) or not isinstance(pid, int):
-                raise TraceFormatError(f"{self.source}: pid {pid!r} is not an integer rank")
+            if isinstance(pid, bool) or not isinstance(pid, int) or not -2**63 <= pid < 2**63:
+                raise TraceFormatError(f"{self.source}: pid {_cut(pid, 40)} is not an integer "
+                                       "rank; offload reads the traces it writes (one "
+                                       "process per rank, docs/trace.md)")
             rt = self.ranks[pid] = RankTrace(
                 rank=pid, name=self.names.get(pid, f"rank {pid}"), source=self.source,
                 predicted=self.meta.get("kind") == "predicted", metadata=dict(self.meta))
@@ -188,8 +215,8 @@ class _Reader:
                 brt.spans.append(Span(bts, max(ts, bts), name, cat, btrack, {**bargs, **args},
                                       is_async=True))
         elif ph == "C":
-            values = {k: float(v) for k, v in args.items() if isinstance(v, (int, float))
-                      and not isinstance(v, bool) and math.isfinite(v)}
+            values = {k: f for k, f in ((k, finite(v)) for k, v in args.items())
+                      if f is not None}
             rt.counters.setdefault(name, []).append((ts, values))
         else:
             rt.instants.append(Instant(ts, name, cat, track, args))
@@ -205,14 +232,19 @@ class _Reader:
             rinfo = info.get(str(pid))
             rt.info = dict(rinfo) if isinstance(rinfo, Mapping) else {}
             anchor = anchors.get(str(pid))
-            if isinstance(anchor, Mapping) and isinstance(anchor.get("perf_counter_ns"), int) \
-                    and isinstance(anchor.get("time_ns"), int) and anchor.get("time_ns"):
+            if isinstance(anchor, Mapping) and _clock_ns(anchor.get("perf_counter_ns")) \
+                    and _clock_ns(anchor.get("time_ns")) and anchor["time_ns"]:
                 rt.anchor_ns = (anchor["perf_counter_ns"], anchor["time_ns"])
             rt.spans.sort(key=lambda s: (s.start, -s.end))
             rt.instants.sort(key=lambda i: i.ts)
             for samples in rt.counters.values():
                 samples.sort(key=lambda p: p[0])
         return [self.ranks[k] for k in sorted(self.ranks)]
+
+
+def _clock_ns(value: Any) -> bool:
+    """Whether ``value`` can be a clock's reading in nanoseconds (an int64 >= 0)."""
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**63
 
 
 # -- interval arithmetic -------------------------------------------------------------------------
@@ -360,9 +392,10 @@ def bytes_moved(rt: RankTrace, step: Step) -> dict[str, Any]:
 
 
 def byte_count(value: Any) -> int:
-    """``value`` as a count of bytes: 0 unless it is a finite, non-negative number."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) \
-            or not math.isfinite(value) or value < 0:
+    """``value`` as a count of bytes: 0 unless it is a finite, non-negative number
+    below 2**63."""
+    f = finite(value)
+    if f is None or f < 0:
         return 0
     return int(value)
 

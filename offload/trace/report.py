@@ -17,11 +17,14 @@ number, its first step moved to start with the measured one.
 
 from __future__ import annotations
 
+import base64
 import datetime
 import gzip
+import hashlib
 import json
-import math
 import os
+import re
+import stat
 import tempfile
 import zlib
 from collections.abc import Iterable, Sequence
@@ -32,11 +35,11 @@ from typing import Any
 from offload.trace.analysis import (COLLECTIVES, FETCH, OPTIM_UPDATE, PHASES, USE_WAIT,
                                     RankTrace, Span, Step, TraceFormatError, byte_count,
                                     bytes_moved,
-                                    exposed_time, is_collective_wait, parse_trace,
+                                    exposed_time, finite, is_collective_wait, parse_trace,
                                     prefetch_outcomes, steps_of, tier_occupancy)
 
-__all__ = ["ReportInputError", "build_model", "default_report_path", "load_traces",
-           "render_html", "write_report"]
+__all__ = ["ReportInputError", "build_model", "default_report_path", "is_report",
+           "load_traces", "render_html", "write_report"]
 
 MODEL_VERSION = 1
 MAX_ROWS = 4            # rows per lane: overlapping events beyond this share the last row
@@ -47,11 +50,14 @@ _SECTION_LABELS = {"compute": "compute", "waits": "waits", "fetches": "fetches",
                    "copies": "copies", "nvme": "NVMe",
                    "optimizer": "CPU Adam", "comm": "collectives", "plan": "plan",
                    "other": "other"}
+GENERATOR = '<meta name="generator" content="offload view">'  # marks a page as a report
+_HEAD_BYTES = 64 << 10  # is_report reads this much: the head, with the style, of a report
 _MOVE_ORDER = ("NVME->HOST", "NVME->DEVICE", "HOST->DEVICE", "DEVICE->HOST", "HOST->NVME")
 
 
 class ReportInputError(Exception):
-    """A trace file cannot be read; ``str()`` is one line naming the file and why."""
+    """A trace file cannot be read, or the report's path would replace a file it must not;
+    ``str()`` is one line naming the file, why, and what to do."""
 
 
 # -- reading -------------------------------------------------------------------------------------
@@ -101,8 +107,16 @@ def _read_json(path: Path) -> Any:
     except UnicodeDecodeError:
         raise ReportInputError(f"{path}: not a trace file (not UTF-8 text)") from None
     except json.JSONDecodeError as e:
+        if raw.lstrip()[:1] == b"<":
+            raise ReportInputError(f"{path}: is HTML or XML (such as a report), not a trace; "
+                                   "pass the .trace.json file the run wrote") from None
+        if not raw.strip():
+            raise ReportInputError(f"{path}: the file is empty; was the run that writes it "
+                                   "stopped before it finished?") from None
         raise ReportInputError(f"{path}: not valid JSON ({e.msg} at line {e.lineno} column "
                                f"{e.colno}); is the file complete?") from None
+    except (ValueError, RecursionError) as e:  # a number of over 4300 digits, deep nesting
+        raise ReportInputError(f"{path}: not a trace file ({str(e)[:80]})") from None
     return trace
 
 
@@ -290,18 +304,21 @@ def _disk(info: dict[str, Any]) -> dict[str, float]:
     out = {}
     if isinstance(disk, dict):
         for k in ("read_Bps", "write_Bps"):
-            v = disk.get(k)
-            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) \
-                    and v > 0:
-                out[k] = float(v)
+            v = finite(disk.get(k))
+            if v is not None and v > 0:
+                out[k] = v
     return out
 
 
+def _host(info: dict[str, Any]) -> str | None:
+    """The host the rank ran on, where the trace says it as text."""
+    host = info.get("host")
+    return host if isinstance(host, str) and host else None
+
+
 def _reference_step(info: dict[str, Any]) -> float | None:
-    v = info.get("reference_step_s")
-    if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 and math.isfinite(v):
-        return float(v)
-    return None
+    v = finite(info.get("reference_step_s"))
+    return v if v is not None and v > 0 else None
 
 
 def _prefetch(rt: RankTrace, steps: list[Step], origin: float,
@@ -356,7 +373,7 @@ def build_model(ranks: list[RankTrace], *, title: str = "",
         label = f"rank {rt.rank}" + (" (predicted)" if rt.predicted else "")
         steps = steps_of(rt)
         groups.append({"id": gid, "label": label, "rank": rt.rank, "predicted": rt.predicted,
-                       "process": rt.name, "host": rt.info.get("host"), "source": rt.source,
+                       "process": rt.name, "host": _host(rt.info), "source": rt.source,
                        "lanes": _group_lanes(rt, gid, origin, strings)})
         steps_out.extend({"group": gid, "label": s.label, "start": _r(s.start - origin),
                           "end": _r(s.end - origin)} for s in steps)
@@ -395,7 +412,13 @@ def _asset(name: str) -> str:
     return resources.files("offload.trace").joinpath("assets", name).read_text(encoding="utf-8")
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
 def _escape_html(text: str) -> str:
+    """``text`` for an element's content; a lone surrogate (a file name's byte that is not
+    UTF-8, as Python decodes it) becomes U+FFFD, as UTF-8 cannot hold it."""
+    text = _SURROGATE.sub("\ufffd", text)
     return (text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
             .replace('"', "&quot;"))
 
@@ -407,16 +430,36 @@ def render_html(model: dict[str, Any]) -> str:
     # all (it can only occur inside JSON strings, where \u003c is the same character)
     data = data.replace("<", "\\u003c")
     title = _escape_html(model.get("title", "offload trace report"))
+    script = f"\n{_asset('report.js')}\n"
+    # The page runs this one script and nothing else: not even an event handler in markup
+    # that a name from the trace might smuggle into the DOM ('unsafe-inline' would allow it)
+    digest = base64.b64encode(hashlib.sha256(script.encode("utf-8")).digest()).decode()
     return (
-        "<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n"
+        f"<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n{GENERATOR}\n"
         "<meta http-equiv=\"Content-Security-Policy\" content=\"default-src 'none'; "
-        "script-src 'unsafe-inline'; style-src 'unsafe-inline'\">\n"
+        f"script-src 'sha256-{digest}'; style-src 'unsafe-inline'\">\n"
         "<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">\n"
         f"<title>{title}</title>\n<style>\n{_asset('report.css')}\n</style>\n</head>\n"
         "<body>\n<noscript>This report draws with JavaScript; enable it to see the "
         "panels.</noscript>\n<div id=\"app\"></div>\n"
         f"<script type=\"application/json\" id=\"report-data\">{data}</script>\n"
-        f"<script>\n{_asset('report.js')}\n</script>\n</body>\n</html>\n")
+        f"<script>{script}</script>\n</body>\n</html>\n")
+
+
+def is_report(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` is a regular file holding a report this module wrote (one that
+    ``offload view`` may replace without losing anything of the user's)."""
+    try:
+        with open(path, "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                return False
+            head = f.read(_HEAD_BYTES)
+    except OSError:
+        return False
+    # reports written before the generator tag have the model's script in their head
+    return head.startswith(b"<!DOCTYPE html>") and (
+        GENERATOR.encode() in head or b'<script type="application/json" id="report-data">'
+        in head)
 
 
 def default_report_path(trace: str | os.PathLike[str]) -> Path:
@@ -433,12 +476,15 @@ def default_report_path(trace: str | os.PathLike[str]) -> Path:
 
 
 def write_report(paths: Sequence[str | os.PathLike[str]], out: str | os.PathLike[str] | None = None,
-                 *, title: str = "") -> Path:
+                 *, title: str = "", replace_only_reports: bool = False) -> Path:
     """Reads ``paths``, writes the report to ``out`` (default beside the first trace)
-    atomically, returns its path. Raises :class:`ReportInputError` for bad input and
-    ``OSError`` when ``out`` cannot be written."""
-    ranks = load_traces(paths)
+    atomically, returns its path. Raises :class:`ReportInputError` for bad input, before
+    anything is written: a trace that cannot be read, an ``out`` that is one of the
+    traces or not a regular file, or (with ``replace_only_reports``) a file with
+    something in it other than a report; ``OSError`` when ``out`` cannot be written."""
     target = Path(out) if out is not None else default_report_path(paths[0])
+    _check_output(target, paths, replace_only_reports)
+    ranks = load_traces(paths)
     model = build_model(ranks, title=title or _title(paths),
                         sources=[Path(p).name for p in paths])
     html = render_html(model).encode("utf-8")
@@ -447,6 +493,8 @@ def write_report(paths: Sequence[str | os.PathLike[str]], out: str | os.PathLike
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(html)
+            f.flush()
+            os.fsync(f.fileno())  # the rename then never leaves an empty report after a crash
         os.chmod(tmp, 0o644)
         os.replace(tmp, target)
     except BaseException:
@@ -456,6 +504,29 @@ def write_report(paths: Sequence[str | os.PathLike[str]], out: str | os.PathLike
             pass
         raise
     return target
+
+
+def _check_output(target: Path, paths: Sequence[str | os.PathLike[str]],
+                  replace_only_reports: bool) -> None:
+    """Raises :class:`ReportInputError` when writing ``target`` would replace a file the
+    report must not: one of its traces, a device or pipe, or (``replace_only_reports``)
+    a file with something in it other than a report."""
+    for p in paths:
+        try:
+            same = target.exists() and os.path.samefile(target, p)
+        except OSError:  # a trace that cannot be found is reported when it is read
+            same = False
+        if same or os.path.abspath(target) == os.path.abspath(p):
+            raise ReportInputError(f"{target}: is one of the traces ({p}); the report would "
+                                   "replace it. Name the report otherwise (-o), such as "
+                                   f"{default_report_path(p)}")
+    if target.exists() and not target.is_file() and not target.is_dir():
+        raise ReportInputError(f"{target}: is not a regular file; name the report (-o) a "
+                               "new .html file")
+    if replace_only_reports and target.is_file() and target.stat().st_size \
+            and not is_report(target):
+        raise ReportInputError(f"{target}: exists and is not a report of offload view; "
+                               "remove it, or name the report otherwise (-o)")
 
 
 def _title(paths: Sequence[str | os.PathLike[str]]) -> str:

@@ -143,3 +143,83 @@ def test_demo_writes_the_report_beside_its_trace_and_prints_its_path(tmp_path: P
     info = json.loads(trace.read_text())["metadata"]["info"]["0"]
     assert info["disk"]["read_Bps"] > 0 and info["reference_step_s"] > 0
     assert set(info["tier_budgets"]) == {"DEVICE", "HOST", "NVME"}
+
+
+def test_a_file_that_is_not_a_report_is_not_replaced(tmp_path: Path) -> None:
+    trace = _trace(tmp_path / "t.json")
+    notes = tmp_path / "notes.html"
+    notes.write_text("<p>my notes</p>")
+    line = _bad(tmp_path, str(trace), "-o", str(notes))
+    assert f"{notes}: exists and is not a report" in line and "-o" in line
+    assert notes.read_text() == "<p>my notes</p>"
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    assert "is not a regular file" in _bad(tmp_path, str(trace), "-o", str(fifo))
+    assert "is not a regular file" in _bad(tmp_path, str(trace), "-o", "/dev/null")
+    assert Path("/dev/null").is_char_device()
+    # a report, or an empty file, is replaced
+    for out in (tmp_path / "t.report.html", tmp_path / "empty.html"):
+        out.touch()
+        assert _run(str(trace), "-o", str(out)).returncode == 0
+        assert _run(str(trace), "-o", str(out)).returncode == 0
+        assert out.read_text(encoding="utf-8").startswith("<!DOCTYPE html>")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "empty.html", "notes.html", "pipe", "t.json", "t.report.html"]
+
+
+def test_the_report_never_replaces_its_trace(tmp_path: Path) -> None:
+    trace = _trace(tmp_path / "t.json")
+    before = trace.read_bytes()
+    line = _bad(tmp_path, str(trace), "-o", str(trace))
+    assert f"{trace}: is one of the traces" in line and "t.report.html" in line
+    assert trace.read_bytes() == before
+
+
+def test_numbers_no_trace_holds_are_one_line(tmp_path: Path) -> None:
+    big = tmp_path / "big.json"
+    big.write_text('{"traceEvents": [{"ph": "X", "ts": 1' + "0" * 400 + ', "pid": 0}]}')
+    assert "big.json: event" in _bad(tmp_path, str(big))
+    digits = tmp_path / "digits.json"
+    digits.write_text('{"traceEvents": [], "x": 1' + "0" * 5000 + "}")
+    assert "digits.json: not a trace file" in _bad(tmp_path, str(digits))
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 100_000 + "]" * 100_000)
+    assert "deep.json: not a trace file" in _bad(tmp_path, str(deep))
+    empty = tmp_path / "empty.json"
+    empty.write_text("")
+    assert "empty.json: the file is empty" in _bad(tmp_path, str(empty))
+    assert not list(tmp_path.glob("*.html"))
+
+
+def test_a_trace_whose_name_is_not_utf8(tmp_path: Path) -> None:
+    trace = _trace(tmp_path / "t.json")
+    odd = os.fsencode(tmp_path) + b"/run\xff.trace.json"
+    os.rename(trace, odd)
+    out = subprocess.run(VIEW + [odd], capture_output=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    report = os.fsencode(tmp_path) + b"/run\xff.report.html"
+    assert out.stdout.strip() == report
+    assert b"<title>offload trace report: run\xef\xbf\xbd.trace.json</title>" in \
+        Path(os.fsdecode(report)).read_bytes()
+
+
+def test_a_failed_write_leaves_the_old_report_whole_and_no_partial_file(tmp_path: Path) -> None:
+    import resource
+    import signal
+
+    trace = _trace(tmp_path / "t.json")
+    assert _run(str(trace)).returncode == 0
+    report = tmp_path / "t.report.html"
+    before = report.read_bytes()
+    limit = len(before) // 2
+
+    def small_files() -> None:  # the disk fills up half-way through the new report
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    out = subprocess.run(VIEW + [str(trace), "--title", "new"], capture_output=True, text=True,
+                         timeout=60, preexec_fn=small_files)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert f"{report}: cannot write the report" in out.stderr
+    assert report.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.json", "t.report.html"]

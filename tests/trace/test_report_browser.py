@@ -23,35 +23,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from offload.trace.headless import BrowserError, HeadlessChromium, find_chromium
+
+from .browser import RENDERED, browser  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.browser
 
-CHROMIUM = find_chromium()
-try:
-    import websocket  # noqa: F401
-    WS_WHY = None
-except ImportError as e:
-    WS_WHY = f"the websocket-client package is missing ({e}); pip install -e '.[dev]'"
-
-if CHROMIUM is None:
-    pytest.skip("no Chromium here and scripts/install-chromium.sh could not install it "
-                "(apt-get install chromium); the report's browser tests need one",
-                allow_module_level=True)
-if WS_WHY:
-    pytest.skip(WS_WHY, allow_module_level=True)
-
-RENDERED = "document.documentElement.dataset.rendered === 'true'"
-
-
-@pytest.fixture(scope="module")
-def browser():
-    try:
-        b = HeadlessChromium.start(CHROMIUM)
-    except BrowserError as e:
-        pytest.skip(f"Chromium is installed but does not start here: {e}")
-    yield b
-    b.close()
 
 
 def run_demo(tmp: Path, *extra: str) -> dict:

@@ -344,7 +344,11 @@
     tip.style.left = x + "px"; tip.style.top = y + "px";
   }
   function hideTip() { tip.style.display = "none"; }
-  function esc(t) { return String(t).replace(/&/g, "&amp;").replace(/</g, "&lt;").replace(/>/g, "&gt;"); }
+  // every text from the trace that showTip puts into innerHTML goes through esc
+  function esc(t) {
+    return String(t).replace(/&/g, "&amp;").replace(/</g, "&lt;").replace(/>/g, "&gt;")
+      .replace(/"/g, "&quot;").replace(/'/g, "&#39;");
+  }
   function tierOf(lane) {
     if (lane.section === "copies" && lane.label.indexOf("->") > 0) return lane.label;
     if (lane.section === "nvme") return "NVME";
@@ -469,7 +473,7 @@
   }
   function tierTip(ev, tier, canvas, width) {
     var rect = canvas.getBoundingClientRect(), t = view.t0 + (ev.clientX - rect.left) / width * (view.t1 - view.t0);
-    var parts = ["<b>" + tier.tier + "</b> at " + fmtTime(t)];
+    var parts = ["<b>" + esc(tier.tier) + "</b> at " + fmtTime(t)];
     tier.series.forEach(function (s) {
       var i = lowerBound(s.t, t + 1e-9) - 1;
       if (i < 0) return;
