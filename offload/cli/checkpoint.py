@@ -152,8 +152,25 @@ def export_safetensors(reader: CheckpointReader, out: str | os.PathLike, *,
         raise UsageError(f"--to: {e}") from e
 
 
+def _check_copies(to: str, config: str | None) -> None:
+    """Refuses a --config copy that would replace a different file of that name already
+    in --to (the user's own config.json): found before anything is written."""
+    for name in _CONFIGS if config else ():
+        src, dst = Path(config) / name, Path(to) / name
+        if not src.is_file() or not (dst.exists() or dst.is_symlink()):
+            continue
+        try:
+            if dst.is_file() and (src.samefile(dst) or src.read_bytes() == dst.read_bytes()):
+                continue
+        except OSError:
+            pass
+        raise UsageError(f"--to: {dst} exists and is not the --config file {src}; give an "
+                         "empty --to, or remove it")
+
+
 def run_export(args: argparse.Namespace) -> int:
     from ..engine.training_checkpoint import CheckpointError
+    _check_copies(args.to, args.config)
     reader = _open(args.path)
     created = missing_directories(args.to)
     files = None

@@ -18,11 +18,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import json
 import os
 import shutil
+import sys
+import tempfile
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import Any, Iterator
 
 from ..config import EngineConfig, IoConfig, OptimConfig, format_bytes, load_config
@@ -30,13 +33,13 @@ from ..planner.estimate import PLACEMENTS, Placement
 from ..planner.search import (Budgets, Candidate, Machine, Space, StepShape, candidates, score,
                               search, shortfall)
 from ..planner.sizes import STATE_DTYPES
-from .args import (UsageError, byte_size, choice_list, directory, integer, number, output_file,
-                   value_list)
+from .args import (UsageError, byte_size, choice_list, directory, integer, missing_directories,
+                   number, output_file, remove_directories, value_list)
 from .estimate import minimum
 from .model_arg import MeasuredModel, add_model_arguments, measure_model, model_spec
 from .tune_probe import MachineProbe, probe_adam, probe_copy, probe_disk, probe_matmul
 
-__all__ = ["add_arguments", "calibration_picks", "run", "tune", "to_toml"]
+__all__ = ["add_arguments", "calibration_picks", "run", "tune", "to_toml", "write_config"]
 
 MiB, GiB = 1 << 20, 1 << 30
 UNIT_OVERHEAD_S = 5e-4  # hooks and the gather's bookkeeping per unit use (see docs/tuning.md)
@@ -46,6 +49,12 @@ CHUNK_OVERHEAD_S = 5e-4  # per optimizer chunk streamed from NVMe (see docs/tuni
 CALIBRATE_END, VERIFY_END, FINAL_END = 0.45, 0.6, 0.75
 FINAL_ROUNDS, FINAL_STEPS = 4, 3  # rounds of the finalists, timed steps each
 PER_CLASS = 2  # finalists of one class: its knobs (I/O, prefetch, buffers) matter too
+HEADER = "written by offload tune"  # the first line of the files --write writes (after "# ")
+
+
+class MachineError(Exception):
+    """A condition of the machine, not of the flags (a disk that refuses the probe's
+    writes): one line, exit code 1."""
 
 
 def _bar(quiet: bool):
@@ -117,7 +126,14 @@ def probe_machine(args, spec, mm: MeasuredModel, device: str, progress) -> Machi
     seconds = {}
     t = time.perf_counter()
     with _phase(progress, "probe disk", 4) as tick:
-        disk = probe_disk(os.path.join(args.swap, ".offload-tune-probe"), size, tick=tick)
+        try:  # a quarter of the free space at most: the swap's disk may be nearly full
+            disk = probe_disk(os.path.join(args.swap, ".offload-tune-probe"), size, tick=tick,
+                              limit=free // 4)
+        except OSError as e:
+            raise MachineError(
+                f"--swap: the disk probe cannot write under {os.path.abspath(args.swap)} "
+                f"({e.strerror or e}; {format_bytes(free)} was free there): free space on "
+                "that disk or give --swap on another (the probe's files were removed)") from e
     seconds["disk"] = time.perf_counter() - t
     t = time.perf_counter()
     with _phase(progress, "probe host, adam, compute", 3) as tick:
@@ -182,6 +198,10 @@ def tune(args: argparse.Namespace, quiet: bool = False,
 
     spec = model_spec(args)
     device = default_device(args.device)
+    if device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device: 'cuda' is not available to torch here "
+                         "(torch.cuda.is_available() is False); give --device cpu, or run "
+                         "where a GPU is visible")
     t0 = time.perf_counter() if t0 is None else t0
     budgets = Budgets(args.host_budget, args.device_budget)
     space = Space(state_dtypes=tuple(args.state_dtype))
@@ -196,12 +216,11 @@ def tune(args: argparse.Namespace, quiet: bool = False,
             raise UsageError(f"--group-sizes: every group size makes a module that is never "
                              f"called (e.g. a ModuleList) a unit of {spec.target}; give other "
                              "sizes, e.g. smaller ones")
-        # nothing fits: say so before minutes of probing
+        # nothing fits: say so before minutes of probing. Only memory decides that here:
+        # a disk too full for everything on NVMe leaves the placements in memory
         free = shutil.disk_usage(args.swap).free
-        miss = shortfall(min(shapes, key=lambda s: s.group_size), budgets,
-                         Machine({}, 1.0, float(device != "cpu"), 0.0, free),
-                         min(space.buffer_budgets))
-        if miss:
+        miss = _shortfall(shapes, budgets, device, free, space)
+        if miss.keys() & {"device", "host"}:
             _impossible(miss, budgets)
         probe = probe_machine(args, spec, base, device, progress)
         shapes = [dataclasses.replace(s, units=tuple((g, f / probe.flops) for g, f in s.units))
@@ -215,7 +234,7 @@ def tune(args: argparse.Namespace, quiet: bool = False,
         with _phase(progress, "search", total) as tick:
             ranked = search(shapes, space, budgets, machine, defaults, progress=tick)
         if not ranked:
-            _impossible({}, budgets)
+            _impossible(_shortfall(shapes, budgets, device, probe.disk_free, space), budgets)
         ranked, factors, runs = calibrate_by_real_steps(ranked, spec, args, device, progress,
                                                         t0 + 60 * args.minutes * CALIBRATE_END)
     best_cfg = config_of(ranked[0], spec, args.swap, device)
@@ -258,6 +277,14 @@ def compressed_offers(best, shapes: list[StepShape], budgets: Budgets, machine: 
     return out
 
 
+def _shortfall(shapes: list[StepShape], budgets: Budgets, device: str, free: int,
+               space: Space) -> dict[str, int]:
+    """The bytes missing per tier for everything on NVMe at the finest grouping."""
+    return shortfall(min(shapes, key=lambda s: s.group_size), budgets,
+                     Machine({}, 1.0, float(device != "cpu"), 0.0, free),
+                     min(space.buffer_budgets))
+
+
 def _impossible(miss: dict[str, int], budgets: Budgets) -> None:
     flags = {"host": "--host-budget", "device": "--device-budget", "nvme": "--swap"}
     parts = [f"{tier}: {format_bytes(n)} missing" for tier, n in miss.items()]
@@ -287,7 +314,7 @@ def render(result: dict[str, Any], top: int) -> None:
     for i, r in enumerate(result["results"][:top], 1):
         t.add_row(str(i), r["placement"], f"{r['group_size'] / 1e6:.2f}M",
                   str(r["prefetch_depth"]),
-                  f"{r['buffers']} x {format_bytes(r['buffer_budget'])}",
+                  f"{r['buffers']} in {format_bytes(r['buffer_budget'])}",
                   f"{r['block_size'] >> 20}MiB x {r['queue_depth']}",
                   f"{r['predicted_step_s']:.3f}", f"{r['tokens_per_s']:.0f}",
                   *(format_bytes(r["peak"][x]) for x in ("device", "host", "nvme")),
@@ -481,8 +508,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    type=value_list(integer(1, example=4194304)),
                    help="comma list of engine.group_size values to search (default: 3 "
                    "from the model's size)")
-    p.add_argument("--write", type=output_file(), default=None,
-                   help="write the best configuration as TOML here, e.g. offload.toml")
+    p.add_argument("--write", type=toml_file, default=None,
+                   help="write the best configuration as TOML here, e.g. offload.toml (a "
+                   "file tune did not write is refused unless --force)")
+    p.add_argument("--force", action="store_true",
+                   help="let --write replace an existing file that offload tune did not write")
     p.add_argument("--verify", type=integer(0, example=2), default=0,
                    help="run the best K configurations for real and compare (default 0)")
     p.add_argument("--calibrate", type=integer(0, example=12), default=12,
@@ -503,7 +533,97 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
+def toml_file(text: str) -> str:
+    """--write: a writable file whose name ends in .toml (`offload.initialize` reads a
+    config file by its suffix)."""
+    path = output_file()(text)
+    if not path.endswith(".toml"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a .toml file name (initialize "
+                                         "reads a config by its suffix); give e.g. offload.toml")
+    return path
+
+
+def _written_by_tune(path: str) -> bool:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return f.readline().startswith(f"# {HEADER}")
+    except OSError:
+        return False
+
+
+def check_write(path: str | None, force: bool) -> None:
+    """Refuses to replace an existing file that tune did not write (the user's own
+    config), unless `force`: before any work, and again before the rename."""
+    if path and os.path.lexists(path) and not force and not _written_by_tune(path):
+        raise UsageError(f"--write: {path!r} exists and was not written by offload tune; "
+                         "give another file name, or --force to replace it")
+
+
+def write_config(path: str, text: str) -> str:
+    """Writes the TOML `text` to `path` as a whole or not at all: into a temporary file
+    beside it, fsynced and checked by `load_config`, then renamed over it (over a
+    symlink's target), so a full disk or Ctrl-C leaves the old file or none, never a
+    part of one. Makes the missing directories (removed again when it fails).
+    Returns the path written."""
+    import tomllib
+
+    load_config(tomllib.loads(text))  # what initialize will read: refused before a byte
+    target = os.path.realpath(path)
+    parent = os.path.dirname(target)
+    created = missing_directories(parent)
+    tmp = None
+    try:
+        os.makedirs(parent, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=parent, prefix=f".{os.path.basename(target)}.",
+                                   suffix=".partial")
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, _mode(target))
+        os.replace(tmp, target)
+        tmp = None
+        dfd = os.open(parent, os.O_RDONLY)
+        try:
+            os.fsync(dfd)  # the rename itself is durable
+        finally:
+            os.close(dfd)
+    except BaseException:
+        if tmp is not None:
+            with suppress(OSError):
+                os.unlink(tmp)
+        remove_directories(created)
+        raise
+    return target
+
+
+def _mode(path: str) -> int:
+    """The mode the written file gets: the old file's, else what open() would give."""
+    try:
+        return os.stat(path).st_mode & 0o7777
+    except OSError:
+        umask = os.umask(0)
+        os.umask(umask)
+        return 0o666 & ~umask
+
+
 def run(args: argparse.Namespace) -> int:
+    """`offload tune`; the swap directory it makes is removed again (while empty) when
+    it fails or is interrupted, and kept when it succeeds (the config names it)."""
+    check_write(args.write, args.force)
+    created = missing_directories(args.swap)
+    rc = 1
+    try:
+        rc = _run(args)
+    except MachineError as e:
+        print(f"offload tune: {' '.join(str(e).split())}", file=sys.stderr)
+    finally:
+        if rc != 0:
+            remove_directories(created)
+    return rc
+
+
+def _run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     result = tune(args, quiet=args.json, t0=t0)
     spec = model_spec(args)
@@ -518,13 +638,21 @@ def run(args: argparse.Namespace) -> int:
     result["seconds"] = time.perf_counter() - t0
     if args.write:
         row = result["results"][result["chosen"] - 1] if result["chosen"] else None
-        header = (f"written by offload tune for {spec.describe()}"
+        header = (f"{HEADER} for {spec.describe()}"
                   + (f": #{result['chosen']} of the ranking, predicted step "
                      f"{row['predicted_step_s']:.3f} s" if row else "")
                   + "\nload with offload.initialize(model, \"" + os.path.basename(args.write)
                   + "\")")
-        with open(args.write, "w") as f:
-            f.write(to_toml(result["best"], header))
+        check_write(args.write, args.force)  # a file that appeared while tune ran
+        try:
+            write_config(args.write, to_toml(result["best"], header))
+        except OSError as e:
+            fix = "free space there or give" if e.errno in (errno.ENOSPC, errno.EDQUOT) \
+                else "give"
+            print(f"offload tune: --write: cannot write {os.path.abspath(args.write)} "
+                  f"({e.strerror or e}): {fix} another --write (nothing was written; an "
+                  "old file is unchanged)", file=sys.stderr)
+            return 1
         load_config(args.write)
         result["written"] = os.path.abspath(args.write)
     if args.json:

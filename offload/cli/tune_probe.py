@@ -6,7 +6,9 @@ Adam rate, and the compute device's matrix-multiply rate at the model's shape.""
 from __future__ import annotations
 
 import os
+import shutil
 import statistics
+import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -52,30 +54,45 @@ class MachineProbe:
 
 
 def probe_disk(directory: str, nbytes: int, grid=IO_GRID,
-               tick: Callable[[], None] | None = None) -> list[DiskRates]:
+               tick: Callable[[], None] | None = None,
+               limit: int | None = None) -> list[DiskRates]:
     """Write, read and mixed rates of `nbytes` under `directory` for each (block size,
-    queue depth) of `grid`, through offload's I/O engine as the swap traffic goes.
-    The directories it creates for the probe file are removed again (not one that
-    was there before, such as the swap directory itself)."""
+    queue depth) of `grid`, through offload's I/O engine as the swap traffic goes:
+    at least 4 x block size x queue depth bytes, so the queue fills, but at most
+    `limit` bytes (a share of the disk's free space). The probe's file lives in a
+    folder of its own under `directory`, removed with whatever is in it however the
+    probe ends (a full disk, Ctrl-C), as are the directories it creates for it (not
+    one that was there before, such as the swap directory itself)."""
     created = missing_directories(directory)
-    os.makedirs(directory, exist_ok=True)
     out = []
     try:
-        for bs, qd in grid:
-            probe = DiskProbe(IoConfig(paths=[directory], block_size=bs, queue_depth=qd,
-                                       buffer_budget=max(bs, IoConfig().buffer_budget)),
-                              directory, max(nbytes, 4 * bs * qd))
-            try:
-                w, r = probe.measure()
-                mixed = probe.measure_mixed(bs, max(1, qd // 4), seconds=0.5)
-                out.append(DiskRates(bs, qd, r, w, mixed, probe.engine.name))
-            finally:
-                probe.close()
-            if tick:
-                tick()
+        os.makedirs(directory, exist_ok=True)
+        scratch = tempfile.mkdtemp(prefix=".offload-probe-", dir=directory)
+        try:
+            for bs, qd in grid:
+                size = max(nbytes, 4 * bs * qd)
+                if limit is not None:
+                    size = max(4096, min(size, limit))
+                out.append(_probe_one(scratch, bs, qd, size))
+                if tick:
+                    tick()
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
     finally:
         remove_directories(created)
     return out
+
+
+def _probe_one(directory: str, bs: int, qd: int, nbytes: int) -> DiskRates:
+    probe = DiskProbe(IoConfig(paths=[directory], block_size=bs, queue_depth=qd,
+                               buffer_budget=max(bs, IoConfig().buffer_budget)),
+                      directory, nbytes)
+    try:
+        w, r = probe.measure()
+        mixed = probe.measure_mixed(bs, max(1, qd // 4), seconds=0.5)
+        return DiskRates(bs, qd, r, w, mixed, probe.engine.name)
+    finally:
+        probe.close()
 
 
 def probe_copy(device: str, nbytes: int = 64 * MiB) -> float:

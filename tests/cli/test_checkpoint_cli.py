@@ -109,6 +109,29 @@ def test_export_of_a_damaged_checkpoint_leaves_no_new_directory(saved, tmp_path,
     assert rc == 1, err
     assert list((tmp_path / "mine").iterdir()) == []
 
+def test_export_does_not_replace_the_users_config_in_to(saved, tmp_path, offload_cli):
+    ck, _ = saved
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "gpt2"}')
+    out = tmp_path / "hf"
+    out.mkdir()
+    (out / "config.json").write_text('{"model_type": "llama", "mine": true}')
+    rc, stdout, err = offload_cli(["checkpoint", "export", str(ck), "--to", str(out),
+                                   "--config", str(model)])
+    assert rc == 2 and stdout == "", err
+    assert err.startswith(f"offload checkpoint export: --to: {out / 'config.json'} exists")
+    assert err.count("\n") == 1 and "--config" in err
+    assert (out / "config.json").read_text() == '{"model_type": "llama", "mine": true}'
+    assert sorted(p.name for p in out.iterdir()) == ["config.json"]
+    # the same bytes (a re-export beside its own copy, or --config naming --to) are no loss
+    (out / "config.json").write_text('{"model_type": "gpt2"}')
+    rc, _, err = offload_cli(["checkpoint", "export", str(ck), "--to", str(out),
+                              "--config", str(model)])
+    assert rc == 0, err
+    assert (out / "config.json").read_text() == '{"model_type": "gpt2"}'
+
+
 def test_bench_checkpoint_small(tmp_path, offload_cli):
     rc, out, err = offload_cli(["bench", "checkpoint", "--params", "300K", "--dim", "256",
                                 "--batch", "8", "--path", str(tmp_path), "--json"])
