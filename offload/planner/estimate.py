@@ -100,6 +100,10 @@ class ModelBytes:
     activations_checkpointed: int = 0
     state_dtype: str = "fp32"  # the Adam moments' form (optim.state_dtype)
 
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPE_BYTES:
+            raise ValueError(f"dtype {self.dtype!r} is not one of {tuple(DTYPE_BYTES)}")
+
 
 def kind_bytes(m: ModelBytes, master: bool | None = None) -> dict[str, int]:
     """Bytes per rank of each kind of partition (4 KiB-rounded as stored); `master` is 0

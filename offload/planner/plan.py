@@ -10,7 +10,9 @@ ones it modifies. Records live on NVMe unless resident; memory holds at most
 `make_plan` walks the uses in order and, when a record is missing, evicts
 the resident record whose next use is farthest away (uses wrap around to the
 next step's, so the plan is the steady state of a loop of steps), clean
-copies before dirty ones among equals: a clean copy is dropped, a dirty one
+copies before dirty ones among equals, then the first in `records`' order (never
+a set's, whose order changes with the process's string hashing, so the same
+inputs give the same plan everywhere): a clean copy is dropped, a dirty one
 is written back first, issued right after the record's last use and naming
 the use whose room it makes (which cannot start before it is done). Each
 fetch is then issued as early as the budget allows (at the earliest point
@@ -63,6 +65,10 @@ class RecordSpec:
     nbytes: int
     resident: bool = False
     dirty: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.nbytes >= 0:  # NaN too
+            raise ValueError(f"nbytes must be a number of bytes >= 0, got {self.nbytes}")
 
 
 @dataclass(frozen=True)
@@ -124,19 +130,38 @@ class Plan:
 
 
 def _check(uses: Sequence[Use], records: Mapping[Hashable, RecordSpec], budget: int) -> None:
-    if budget <= 0:
-        raise ValueError(f"budget {budget} must be positive")
+    if not budget >= 0:  # NaN too
+        raise ValueError(f"budget {budget} must be a number of bytes >= 0")
+    previous = {previous_key(k) for k in records}
     for i, use in enumerate(uses):
         unknown = [k for k in use.keys if k not in records]
         if unknown:
             raise ValueError(f"use {i} names records {unknown[:4]} that are not described")
-        stray = [k for k in (*use.writes, *use.previous, *use.fresh) if k not in use.keys]
+        stray = [k for k in use.writes if k not in use.keys]
         if stray:
             raise ValueError(f"use {i} writes {stray[:4]}, which it does not use")
-        need = sum(records[k].nbytes for k in set(use.keys) | set(use.previous)) + use.reserved
+        for field_, what in (("previous", "keeps the previous version of"),
+                             ("fresh", "overwrites")):
+            stray = [k for k in getattr(use, field_) if k not in use.writes]
+            if stray:
+                raise ValueError(f"use {i} {what} {stray[:4]}{' whole' * (field_ == 'fresh')}"
+                                 f", which it does not write (Use.{field_} is a part of "
+                                 "Use.writes)")
+        for pk in use.drops:  # a drop frees without a write: only a previous version may go
+            if pk not in previous:
+                raise ValueError(f"use {i} drops {pk!r}, which is no previous version "
+                                 "(previous_key(k) of a record k): a drop frees it unwritten")
+        if not use.reserved >= 0:
+            raise ValueError(f"use {i} ({use.kind} {use.label}) reserves {use.reserved} "
+                             "bytes; a reserve is a number of bytes >= 0")
+        keys = dict.fromkeys(use.keys)
+        need = sum(records[k].nbytes for k in keys) + use.reserved
         if need > budget:
+            big = sorted(keys, key=lambda k: -records[k].nbytes)[:4]
+            names = ", ".join(f"{k!r} ({records[k].nbytes} bytes)" for k in big)
             raise ValueError(f"use {i} ({use.kind} {use.label}) needs {need} bytes at once, "
-                             f"more than the budget of {budget}")
+                             f"more than the budget of {budget}: records {names}"
+                             f"{'' if len(keys) <= 4 else ', ...'}, reserved {use.reserved}")
     start = sum(r.nbytes for r in records.values() if r.resident)
     if start > budget:
         raise ValueError(f"the records resident at the start hold {start} bytes, more than "
@@ -166,7 +191,10 @@ def make_plan(uses: Sequence[Use], records: Mapping[Hashable, RecordSpec],
     """The plan of one step ([Note: the plan]). `steady`: the plan of the step that
     follows this one in a loop (it starts with what the first left resident and
     dirty), instead of the first. Raises ValueError when a use needs more than
-    `budget` at once, or a use names an unknown record."""
+    `budget` at once (its records, its reserve and, where the walk keeps them, the
+    previous versions of what it updates), a use names an unknown record, `previous`
+    or `fresh` names a record the use does not write, `drops` names anything but a
+    previous version, or a budget or reserve is not a number of bytes >= 0."""
     _check(uses, records, budget)
     size = {k: r.nbytes for k, r in records.items()}
     nxt = _NextUse(uses)
@@ -174,6 +202,18 @@ def make_plan(uses: Sequence[Use], records: Mapping[Hashable, RecordSpec],
     dirty = {k for k, r in records.items() if r.dirty and r.resident}
     plan = _walk(uses, size, nxt, budget, resident, dirty)
     return _walk(uses, size, nxt, budget, resident, dirty) if steady else plan
+
+
+def _too_big(i: int, use: Use, need: set, size: Mapping[Hashable, int], short: int,
+             budget: int) -> None:
+    """Raises the ValueError of a use whose records, with the previous versions it keeps
+    ([Note: previous versions]) and its reserve, do not fit the budget at once."""
+    held = sorted(((size[k], k) for k in need if k in size), key=lambda t: -t[0])
+    names = ", ".join(f"{k!r} ({n} bytes)" for n, k in held[:4])
+    raise ValueError(f"use {i} ({use.kind} {use.label}) needs {short} bytes more than the "
+                     f"budget of {budget} leaves: its records {names}, reserved "
+                     f"{use.reserved}; the previous versions it keeps count beside their "
+                     "records")
 
 
 def _kept(use: Use, present: Container[Hashable], dirty: Container[Hashable]
@@ -189,6 +229,7 @@ def _walk(uses: Sequence[Use], size: dict, nxt: _NextUse, budget: int, resident:
           dirty: set) -> Plan:
     """make_plan's walk from `resident` and `dirty`, which it leaves as the step ends."""
     last = {k: -1 for k in resident}     # last use of each resident record (-1: none yet)
+    rank = {k: n for n, k in enumerate(size)}  # ties go by the records' order, not a set's
     held = [0] * len(uses)
     plan = Plan([], budget, held)
     prev_issue = 0
@@ -202,7 +243,10 @@ def _walk(uses: Sequence[Use], size: dict, nxt: _NextUse, budget: int, resident:
             """Evicts until `n` more bytes fit."""
             nonlocal used
             while used + n > room:
-                victim = max(resident - need, key=lambda r: (nxt.after(r, i), r not in dirty))
+                victims = resident - need
+                if not victims:
+                    _too_big(i, use, need, size, n - (room - used), budget)
+                victim = max(victims, key=lambda r: (nxt.after(r, i), r not in dirty, -rank[r]))
                 end = last.get(victim, -1)
                 if victim in dirty:
                     plan.ops.append(PlanOp("write-back", victim, size[victim], end + 1, i,
@@ -238,7 +282,10 @@ def _walk(uses: Sequence[Use], size: dict, nxt: _NextUse, budget: int, resident:
             plan.bytes_read += size[k]
         for k in kept:  # [Note: previous versions]
             pk = previous_key(k)
+            if pk in resident:  # an earlier update of the step keeps the step's own
+                continue
             size[pk] = size[k]
+            rank.setdefault(pk, len(rank))
             make_room(size[pk])
             resident.add(pk)
             used += size[pk]
@@ -280,7 +327,10 @@ def _lru_walk(uses: Sequence[Use], size: dict, budget: int, recent: dict, dirty:
         def make_room(n: int) -> None:
             nonlocal used, written
             while used + n > room:
-                victim = min((r for r in recent if r not in need), key=recent.__getitem__)
+                victims = [r for r in recent if r not in need]
+                if not victims:
+                    _too_big(i, use, need, size, n - (room - used), budget)
+                victim = min(victims, key=recent.__getitem__)
                 if victim in dirty:
                     written += size[victim]
                     dirty.discard(victim)
@@ -296,6 +346,8 @@ def _lru_walk(uses: Sequence[Use], size: dict, budget: int, recent: dict, dirty:
             recent[k] = i
         for k in kept:
             pk = previous_key(k)
+            if pk in recent:  # an earlier update of the step keeps the step's own
+                continue
             size[pk] = size[k]
             make_room(size[pk])
             recent[pk] = i

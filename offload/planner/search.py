@@ -89,6 +89,19 @@ class Machine:
     chunk_overhead_s: float = 0.0
     adam_eps_by_state: Mapping[str, float] = field(default_factory=dict)  # other than fp32
 
+    def __post_init__(self) -> None:
+        rates = {"adam_eps": self.adam_eps, **{f"adam_eps_by_state[{k!r}]": v
+                                              for k, v in self.adam_eps_by_state.items()}}
+        for name, v in rates.items():
+            if not 0 < v:  # NaN too
+                raise ValueError(f"Machine.{name} must be a positive rate, got {v}")
+        if not self.copy_Bps >= 0:  # 0: the device is the CPU
+            raise ValueError(f"Machine.copy_Bps must be >= 0, got {self.copy_Bps}")
+        for name in ("unit_overhead_s", "chunk_overhead_s"):
+            v = getattr(self, name)
+            if not 0 <= v < float("inf"):
+                raise ValueError(f"Machine.{name} must be finite and >= 0, got {v}")
+
     def adam_rate(self, state_dtype: str) -> float:
         """Adam elements/s with moments in `state_dtype` (measured, else the fp32 rate)."""
         return self.adam_eps_by_state.get(state_dtype, self.adam_eps)
@@ -529,12 +542,24 @@ def score(shape: StepShape, c: Candidate, budgets: Budgets, machine: Machine) ->
         plan = plan_step(step, mem[2], c.prefetch_depth, c.buffers)
     except ValueError:  # a unit's partitions do not fit what the budgets leave
         return None
-    pred = simulate(plan, step.uses, machine.disk[(c.block_size, c.queue_depth)])
+    pred = simulate(plan, step.uses, _disk_rates(machine, c))
     parts = {"compute": fb, "CPU": adam, "disk": pred.exposed_io_s}
     peak = {"device": min(tb.total["device"], budgets.device),
             "host": min(tb.total["host"], budgets.host), "nvme": tb.total["nvme"]}
     return Scored(c, pred.step_s, fb, adam, pred.exposed_io_s, peak, plan.bytes_read,
                   plan.bytes_written, max(parts, key=parts.get))
+
+
+def _disk_rates(machine: Machine, c: Candidate) -> Rates:
+    """The disk's rates at the candidate's block size and queue depth; a placement that
+    keeps everything in memory moves nothing to or from NVMe and needs none."""
+    rates = machine.disk.get((c.block_size, c.queue_depth))
+    if rates is not None:
+        return rates
+    if "nvme" not in (c.placement.params, c.placement.grads, c.placement.optimizer):
+        return Rates(float("inf"), float("inf"))  # no disk traffic to time
+    raise ValueError(f"no disk rates measured for block size {c.block_size}, queue depth "
+                     f"{c.queue_depth} (measured: {sorted(machine.disk)})")
 
 
 def candidates(shape: StepShape, space: Space, budgets: Budgets,

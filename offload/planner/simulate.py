@@ -56,8 +56,9 @@ class Rates:
         for k in ("read_Bps", "write_Bps"):
             if not getattr(self, k) > 0:
                 raise ValueError(f"{k} must be positive, got {getattr(self, k)}")
-        if self.mixed_Bps < 0:
-            raise ValueError(f"mixed_Bps must be >= 0, got {self.mixed_Bps}")
+        if not self.mixed_Bps >= 0:  # NaN too
+            raise ValueError(f"mixed_Bps must be >= 0 (0: the slower of the two), got "
+                             f"{self.mixed_Bps}")
 
 
 @dataclass
@@ -169,8 +170,7 @@ class _Schedule:
 
 def simulate(plan: Plan, uses: Sequence[Use], rates: Rates) -> Prediction:
     """The predicted step of `plan` over `uses` at `rates` ([Note: the simulated step])."""
-    if len(plan.held) != len(uses):
-        raise ValueError(f"the plan covers {len(plan.held)} uses, the trace has {len(uses)}")
+    _check(plan, uses)
     mixed = rates.mixed_Bps or min(rates.read_Bps, rates.write_Bps)
     io = sorted((op for op in plan.ops if op.op != "evict"),
                 key=lambda op: (op.at, op.op != "write-back"))
@@ -218,6 +218,23 @@ def simulate(plan: Plan, uses: Sequence[Use], rates: Rates) -> Prediction:
     pred.step_s = max([disk_free] + [e for e in sched.end if e is not None])
     pred.occupancy.append((pred.step_s, plan.held[-1] if plan.held else 0))
     return pred
+
+
+def _check(plan: Plan, uses: Sequence[Use]) -> None:
+    """Raises ValueError where the plan does not fit the trace or a use takes no time
+    a clock could show."""
+    if len(plan.held) != len(uses):
+        raise ValueError(f"the plan covers {len(plan.held)} uses, the trace has {len(uses)}")
+    for i, use in enumerate(uses):
+        if not 0 <= use.compute_s < float("inf"):
+            raise ValueError(f"use {i} ({use.kind} {use.label}) takes {use.compute_s} "
+                             "seconds; a use's compute_s is finite and >= 0")
+    for i, ops in plan.fetches_by_use.items():
+        for op in ops:
+            if not (0 <= op.at <= i < len(uses)):
+                raise ValueError(f"the fetch of {op.key!r} is issued at use {op.at} and "
+                                 f"needed at use {i}: a fetch is issued at or before its "
+                                 f"use, within the trace's {len(uses)} uses")
 
 
 def _wait(pred: Prediction, plan: Plan, use: Use, i: int, base: float,

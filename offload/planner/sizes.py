@@ -64,5 +64,7 @@ def auto_chunk_elems(buffer_budget: int, buffers: int, share: float = 0.5,
     without where `master` is False: fp32 training, the parameter is the master)
     take at most `share` of `buffer_budget`, at most `MAX_AUTO_CHUNK`; 0 when that
     leaves fewer than 4096 elements."""
+    if buffers < 1:
+        raise ValueError(f"buffers must be at least 1 (optim.buffers), got {buffers}")
     per = int(buffer_budget * share / (buffers * state_elem_bytes(master, state_dtype)))
     return 0 if per < MIN_CHUNK else min(MAX_AUTO_CHUNK, 1 << (per.bit_length() - 1))
