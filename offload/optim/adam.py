@@ -27,14 +27,14 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
-from typing import Iterable, Literal
+from typing import Any, Iterable, Literal
 
 import torch
 
 log = logging.getLogger(__name__)
 
 __all__ = ["AdamHyper", "AdamKernel", "GradScaling", "fused_status", "grad_sq_sum",
-           "resolve_scaling"]
+           "hyper_error", "resolve_scaling"]
 
 KernelName = Literal["auto", "native", "fused", "foreach"]  # "native": native.py
 
@@ -49,6 +49,37 @@ class AdamHyper:
     eps: float
     weight_decay: float
     decoupled: bool  # True: AdamW (decay the weights); False: Adam (decay added to the grad)
+
+    def __post_init__(self) -> None:
+        bad = hyper_error(self.lr, (self.beta1, self.beta2), self.eps, self.weight_decay,
+                          scheduled=True)
+        if bad:
+            raise ValueError(bad)
+
+
+def hyper_error(lr: Any, betas: Any, eps: Any, weight_decay: Any, *,
+                scheduled: bool = False) -> str | None:
+    """What is wrong with Adam's hyper-parameters, or None: the values torch.optim.AdamW
+    accepts (lr, eps, weight_decay >= 0; each beta in [0, 1)), and finite. A beta of 1
+    divides by zero in the bias correction, one above 1 or a negative value grows the
+    moments without bound; torch raises ValueError for them, and so do we.
+    `scheduled`: `lr` is a group's rate times its schedule's multiplier, which torch's
+    LambdaLR lets go below 0 (only a NaN or inf is refused then: it spoils every weight)."""
+    try:
+        b = tuple(float(x) for x in betas)
+        vals = {"lr": float(lr), "eps": float(eps), "weight_decay": float(weight_decay)}
+    except (TypeError, ValueError) as e:
+        return f"hyper-parameters must be numbers ({e}): lr {lr!r}, betas {betas!r}, " \
+               f"eps {eps!r}, weight_decay {weight_decay!r}"
+    if len(b) != 2:
+        return f"betas {betas!r} must be two numbers (beta1, beta2) in [0, 1), e.g. (0.9, 0.999)"
+    for i, x in enumerate(b):
+        if not 0.0 <= x < 1.0:
+            return f"beta{i + 1} {x} (betas {b}) is not in [0, 1); e.g. (0.9, 0.999)"
+    for k, x in vals.items():
+        if not (math.isfinite(x) and (x >= 0.0 or (k == "lr" and scheduled))):
+            return f"{k} {x} must be a finite number" + ("" if scheduled and k == "lr" else " >= 0")
+    return None
 
 
 def fused_status() -> tuple[bool, str]:

@@ -205,24 +205,30 @@ INLINE void decode_v8(float *restrict d, const uint8_t *restrict c, float s, int
     }
 }
 
-INLINE float clamp_scale(float s) {
+/* A block's scale max / top, within [tiny, FLT_MAX / top]: an inf in the block
+ * leaves the top scale (codec.py's _SCALE_MAX, [Note: compressed moments]: a NaN or
+ * an inf stays in its element); `top` is 127.0f or 255.0f. */
+INLINE float clamp_scale(float s, float top) {
     const float tiny = 1.17549435e-38f; /* torch.finfo(float32).tiny */
-    return s < tiny ? tiny : s;  /* a NaN stays NaN, as clamp_(min=) leaves it */
+    const float most = 3.40282347e38f / top; /* FLT_MAX / top, rounded in fp32 */
+    s = s < tiny ? tiny : s;
+    return s > most ? most : s;
 }
 
-/* max over non-negative floats, compared as their bit patterns (vectorises
- * without -ffast-math; NaN, whose bits are above inf's, wins as in amax). */
+/* max over |x|, compared as bit patterns (vectorises without -ffast-math); a NaN,
+ * whose bits are above inf's, is left out (as codec.encode's masked amax). */
 INLINE float max_abs(const float *restrict x, int64_t k) {
     uint32_t mx = 0;
     for (int64_t i = 0; i < k; i++) {
         uint32_t u = f2u(x[i]) & 0x7fffffffu;
+        u = u > 0x7f800000u ? 0u : u;
         mx = u > mx ? u : mx;
     }
     return u2f(mx);
 }
 
 INLINE void encode_m8(int8_t *restrict c, float *scale, const float *restrict x, int64_t k) {
-    float s = clamp_scale(max_abs(x, k) / 127.0f);
+    float s = clamp_scale(max_abs(x, k) / 127.0f, 127.0f);
     float inv = 1.0f / s;
     *scale = s;
     for (int64_t i = 0; i < k; i++) {
@@ -234,7 +240,7 @@ INLINE void encode_m8(int8_t *restrict c, float *scale, const float *restrict x,
 
 /* `r` holds sqrt(v) (the update computes it anyway). */
 INLINE void encode_v8(uint8_t *restrict c, float *scale, const float *restrict r, int64_t k) {
-    float s = clamp_scale(max_abs(r, k) / 255.0f);
+    float s = clamp_scale(max_abs(r, k) / 255.0f, 255.0f);
     float inv = 1.0f / s;
     *scale = s;
     for (int64_t i = 0; i < k; i++) {
@@ -460,13 +466,14 @@ AVX512 static void decode8_avx512(float *restrict mb, float *restrict vb,
     }
 }
 
-/* max_abs over [i0, end) (bit patterns of |x|, as max_abs) */
+/* max_abs over [i0, end) (bit patterns of |x|, NaN left out, as max_abs) */
 AVX512_INLINE float max_abs16(const float *x, int64_t i0, int64_t end) {
     __m512i mx = _mm512_setzero_si512();
-    const __m512i abs = _mm512_set1_epi32(0x7fffffff);
+    const __m512i abs = _mm512_set1_epi32(0x7fffffff), inf = _mm512_set1_epi32(0x7f800000);
     for (int64_t i = i0; i < end; i += 16) {
         __m512i u = _mm512_castps_si512(_mm512_maskz_loadu_ps(lanes(end - i), x + i));
-        mx = _mm512_max_epu32(mx, _mm512_and_si512(u, abs));
+        u = _mm512_and_si512(u, abs);
+        mx = _mm512_mask_max_epu32(mx, _mm512_cmple_epu32_mask(u, inf), mx, u);
     }
     return u2f(_mm512_reduce_max_epu32(mx));
 }
@@ -485,8 +492,8 @@ AVX512 static void encode8_avx512(int8_t *restrict mc, uint8_t *restrict vc, flo
                                   const float *restrict sq, int64_t k) {
     for (int64_t b = 0; b < k; b += QBLOCK) {
         int64_t end = k - b < QBLOCK ? k : b + QBLOCK;
-        float s = clamp_scale(max_abs16(mb, b, end) / 127.0f);
-        float t = clamp_scale(max_abs16(sq, b, end) / 255.0f);
+        float s = clamp_scale(max_abs16(mb, b, end) / 127.0f, 127.0f);
+        float t = clamp_scale(max_abs16(sq, b, end) / 255.0f, 255.0f);
         ms[b / QBLOCK] = s;
         vs[b / QBLOCK] = t;
         const __m512 inv_m = _mm512_set1_ps(1.0f / s), inv_v = _mm512_set1_ps(1.0f / t);

@@ -25,6 +25,17 @@ measurement that chose it over a linear code of v. Rounding is to nearest;
 sqrt(v) is the correctly rounded fp32 square root, the same on every CPU, so
 the native kernel (native.py) and this module give the same codes bit for bit.
 
+A NaN or an inf in a block stays in its element, as in an fp32 moment: a NaN is
+left out of the block's max (it codes to 0), and the scale is at most FLT_MAX /
+127 (exp_avg) or FLT_MAX / 255 (exp_avg_sq), so an inf codes to the top code and
+decodes to about FLT_MAX, or inf once squared. Before, the block's scale became
+NaN or inf, each of its codes decoded to NaN or inf, and all 256 weights went to
+NaN at the next step, where torch's Adam spoils one (a NaN or inf gradient) or
+none (a gradient whose square overflows exp_avg_sq: that weight stops moving).
+The block's other elements then code against the huge scale, as against any
+outlier (most round to 0); the weights' NaN are those of fp32 moments, tested in
+tests/optim/test_int8_non_finite.py.
+
 Decoding and encoding happen inside the update's pass over memory, one cache
 block at a time (blocks.py): decode a block into fp32 scratch, update, encode
 back, while the block is in cache. A block of `QBLOCK` elements is coded as a
@@ -84,6 +95,10 @@ _TINY = torch.finfo(torch.float32).tiny
 _STORED = {"fp32": torch.float32, "bf16": torch.bfloat16}
 _CODE_MAX = {"exp_avg": 127.0, "exp_avg_sq": 255.0}
 _CODE_DTYPE = {"exp_avg": torch.int8, "exp_avg_sq": torch.uint8}
+# the largest scale: FLT_MAX / top in fp32 (adam_native.c's clamp_scale), where an inf
+# in the block leaves it ([Note: compressed moments], "A NaN or an inf")
+_SCALE_MAX = {k: float(torch.tensor(torch.finfo(torch.float32).max) / top)
+              for k, top in _CODE_MAX.items()}
 
 
 class Moment(NamedTuple):
@@ -201,14 +216,15 @@ def encode(x: torch.Tensor, m: Moment, tmp: torch.Tensor) -> None:
         return
     top = _CODE_MAX[m.kind]
     src = _sqrt(x, tmp) if m.kind == "exp_avg_sq" else torch.abs(x, out=tmp)
+    src.masked_fill_(torch.isnan(src), 0.0)  # a NaN is left out of the scale (it codes to 0)
     for rows, sl in _rows(src):
         torch.amax(rows, dim=1, out=m.scale[sl])
     if m.kind == "exp_avg":
         src.copy_(x)  # (torch.aminmax would spare the |x| pass but runs 6x slower)
-    m.scale.div_(top).clamp_(min=_TINY)
+    m.scale.div_(top).clamp_(min=_TINY, max=_SCALE_MAX[m.kind])
     for rows, sl in _rows(src):
         rows.mul_(m.scale[sl].reciprocal().unsqueeze(1))
-    src.round_()
+    src.round_().clamp_(min=-top if m.kind == "exp_avg" else 0.0, max=top)  # an inf: top
     m.data.copy_(src)
 
 
@@ -282,17 +298,26 @@ def moment_from_dict(state: dict, kind: str, state_dtype: StateDtype, n: int,
                          f"{getattr(t, 'shape', type(t).__name__)}")
     t = t.detach().reshape(-1).contiguous()
     scale = state.get(kind + "_scale")
-    if state_dtype == "int8" and t.dtype == _CODE_DTYPE[kind] and scale is not None:
+    if t.dtype in (torch.int8, torch.uint8):
+        # codes of the other signedness would decode to other values (exp_avg's -1 as 255)
+        if t.dtype != _CODE_DTYPE[kind]:
+            raise ValueError(f"{what}[{kind!r}]: {kind} is coded as {_CODE_DTYPE[kind]}, "
+                             f"not {t.dtype} ([Note: compressed moments])")
+        if scale is None:
+            raise ValueError(f"{what}[{kind!r}] holds 8-bit codes without {kind + '_scale'!r}")
+        if not isinstance(scale, torch.Tensor) or not scale.is_floating_point():
+            raise ValueError(f"{what}[{kind + '_scale'!r}]: expected a float tensor, got "
+                             f"{getattr(scale, 'dtype', type(scale).__name__)}")
         scale = scale.detach().reshape(-1).to(torch.float32).contiguous()
         if scale.numel() != _scales(n):
             raise ValueError(f"{what}[{kind + '_scale'!r}]: {scale.numel()} scales, "
                              f"{_scales(n)} needed for {n} elements")
-        return Moment(t, scale, kind)
+        if state_dtype == "int8":
+            return Moment(t, scale, kind)
+        return decode(Moment(t, scale, kind), torch.empty(n, dtype=torch.float32))
+    if not t.is_floating_point():
+        raise ValueError(f"{what}[{kind!r}]: expected floating-point values or 8-bit codes, "
+                         f"got {t.dtype}")
     if state_dtype in _STORED and t.dtype == _STORED[state_dtype] and scale is None:
         return Moment(t, None, kind)
-    if t.dtype in (torch.int8, torch.uint8):
-        if scale is None:
-            raise ValueError(f"{what}[{kind!r}] holds 8-bit codes without {kind + '_scale'!r}")
-        src = Moment(t, scale.detach().reshape(-1).to(torch.float32).contiguous(), kind)
-        return decode(src, torch.empty(n, dtype=torch.float32))
     return t.to(torch.float32)

@@ -18,7 +18,7 @@ releases the GIL for the call, so blocks.py's worker threads run it in
 parallel; `NativeAdam.claimer` instead gives each thread one call over a whole
 chunk, the threads claiming units of it from a counter inside C (no return to
 Python, nor the GIL, between blocks). The C side trusts its arguments: `NativeAdam.block` checks every
-tensor's dtype, size, device and contiguity, and the runs' bounds, before
+tensor's dtype, size, device, contiguity and alignment, and the runs' bounds, before
 calling, and raises instead. `OFFLOAD_NATIVE_ADAM=0` in the environment turns
 it off (torch's kernels run instead, as where the library is absent).
 `OFFLOAD_NATIVE_ISA=baseline` (or `avx2`) keeps the kernel off its AVX-512
@@ -134,7 +134,7 @@ def _check(name: str, t: torch.Tensor, dtypes, n: int) -> None:
     # one test of the common case first: this runs for every block (several per
     # thread and chunk), while the kernel's own time is a few hundred microseconds
     if (isinstance(t, torch.Tensor) and t.dtype in dtypes and t.is_cpu and t.is_contiguous()
-            and t.numel() == n):
+            and t.numel() == n and not t.data_ptr() % t.element_size()):
         return
     if not isinstance(t, torch.Tensor) or t.dtype not in dtypes:
         raise ValueError(f"{name}: expected a tensor of {[str(d) for d in dtypes]}, got "
@@ -142,6 +142,11 @@ def _check(name: str, t: torch.Tensor, dtypes, n: int) -> None:
     if t.device.type != "cpu" or not t.is_contiguous() or t.numel() != n:
         raise ValueError(f"{name}: expected a contiguous CPU tensor of {n} elements, got "
                          f"{t.numel()} on {t.device} (contiguous: {t.is_contiguous()})")
+    # the kernel's vector stores need each element at a multiple of its size (its
+    # streaming stores fault otherwise); torch's allocations always are, a tensor
+    # over a foreign buffer (torch.frombuffer with an odd offset) may not be
+    raise ValueError(f"{name}: its address {t.data_ptr():#x} is not aligned to its "
+                     f"{t.element_size()}-byte elements; pass a copy (t.clone())")
 
 
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:

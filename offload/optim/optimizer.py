@@ -73,7 +73,7 @@ from ..config import ConfigError, OffloadConfig, OptimConfig
 from ..io import BufferPool, SwapSpace, make_engine, open_swap
 from ..planner.sizes import MAX_AUTO_CHUNK, auto_chunk_elems
 from ..trace import NULL_RECORDER, TraceRecorder
-from .adam import AdamHyper, resolve_scaling
+from .adam import AdamHyper, hyper_error, resolve_scaling
 from .blocks import BlockUpdater
 from .codec import Moment, copy_moment, encode, new_moment, zero_moment
 from .pipeline import OptimStepError, SwapPipeline
@@ -149,6 +149,16 @@ class _SpareBuffers:
                     self._free.setdefault((t.numel(), t.dtype), []).append(t.reshape(-1))
 
 
+def _check_group(k: int, group: Mapping[str, Any], lr: float | None = None) -> None:
+    """Raises ValueError where param group `k`'s values are ones torch.optim.AdamW refuses
+    (`adam.hyper_error`); `lr`: the rate after the schedule's multiplier, where known."""
+    bad = hyper_error(group["lr"] if lr is None else lr, group["betas"], group["eps"],
+                      group["weight_decay"], scheduled=lr is not None)
+    if bad:
+        raise ValueError(f"param_groups[{k}]: {bad}"
+                         + ("" if lr is None else " (lr times the schedule's multiplier)"))
+
+
 def _master_and_out(master: torch.Tensor | None, out: torch.Tensor | None
                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(the tensor Adam updates as the master, the copy it also writes): where no master
@@ -214,7 +224,9 @@ class CpuAdam(StateAccess):
             if unknown:
                 raise ValueError(f"param_groups[{k}]: unknown keys {sorted(unknown)}; known: "
                                  f"{sorted(defaults)} (partitions join with add_partition)")
-            self.param_groups.append({**defaults, **g, "params": []})
+            grp = {**defaults, **g, "params": []}
+            _check_group(k, grp)
+            self.param_groups.append(grp)
         self.state_dtype = cfg.state_dtype
         self.kernel = BlockUpdater(cfg.kernel, cfg.block_elems)
         if (swap is None) != (pool is None):
@@ -651,9 +663,11 @@ class CpuAdam(StateAccess):
 
     def _hyper(self, group: int, schedule_step: int) -> AdamHyper:
         grp = self.param_groups[group]
+        _check_group(group, grp)  # its values may have been written since
         lr = float(grp["lr"])
         if grp["lr_lambda"] is not None:
             lr *= float(grp["lr_lambda"](schedule_step))
+            _check_group(group, grp, lr)
         b1, b2 = grp["betas"]
         return AdamHyper(lr, float(b1), float(b2), float(grp["eps"]),
                          float(grp["weight_decay"]), self.decoupled)
@@ -666,6 +680,7 @@ class CpuAdam(StateAccess):
             raise ValueError(f"active of {part.pid!r}: {len(active)} flags, the partition has "
                              f"{len(part.segments)} segments")
         k = self.steps if schedule_step is None else schedule_step
+        hypers: dict[int, AdamHyper] = {}  # one per group: segments may be many
         runs: list[list] = []
         for i, seg in enumerate(part.segments):
             on = active is None or bool(active[i])
@@ -673,7 +688,9 @@ class CpuAdam(StateAccess):
             if runs and runs[-1][4] == key:
                 runs[-1][1] += seg.n
             else:
-                runs.append([seg.lo, seg.n, self._hyper(seg.group, k) if on else None,
+                if on and seg.group not in hypers:
+                    hypers[seg.group] = self._hyper(seg.group, k)
+                runs.append([seg.lo, seg.n, hypers[seg.group] if on else None,
                              part.seg_steps[i], key])
         return [(lo, n, h, st) for lo, n, h, st, _ in runs]
 

@@ -17,6 +17,7 @@ from typing import Any, Callable, Hashable, Mapping
 
 import torch
 
+from .adam import hyper_error
 from .codec import Moment, copy_moment, decode, encode, moment_from_dict, moment_to_dict, \
     new_moment
 from .state import PartitionState, Tier
@@ -29,7 +30,8 @@ _OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 def flat_tensor(t: torch.Tensor, what: str, numel: int,
                 dtypes: tuple[torch.dtype, ...]) -> torch.Tensor:
-    """`t` as a 1-D view, checked: a contiguous CPU tensor of `dtypes`, `numel` elements."""
+    """`t` as a 1-D view, checked: a contiguous CPU tensor of `dtypes`, `numel` elements,
+    each at a multiple of its size."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{what}: expected a torch.Tensor, got {type(t).__name__}")
     if t.device.type != "cpu" or t.dtype not in dtypes or not t.is_contiguous():
@@ -37,6 +39,9 @@ def flat_tensor(t: torch.Tensor, what: str, numel: int,
                          f"needed, got {t.dtype} on {t.device} (contiguous={t.is_contiguous()})")
     if t.numel() != numel:
         raise ValueError(f"{what}: {t.numel()} elements, the partition has {numel}")
+    if t.data_ptr() % t.element_size():  # native.py's kernel cannot take it ([Note: native kernel])
+        raise ValueError(f"{what}: its address {t.data_ptr():#x} is not aligned to its "
+                         f"{t.element_size()}-byte elements; pass a copy (t.clone())")
     return t.view(-1)
 
 
@@ -193,6 +198,8 @@ class StateAccess:
             raise ValueError(f"state of partition {part.pid!r}: step {step} is negative")
         what = f"state[{part.pid!r}]"
         t = state.get("master")
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise TypeError(f"{what}['master']: expected a torch.Tensor, got {type(t).__name__}")
         tensors = {"master": None if t is None else flat_tensor(
             t.detach().to(torch.float32).contiguous(), f"{what}['master']", part.numel,
             (torch.float32,))}
@@ -227,6 +234,9 @@ class StateAccess:
                     raise ValueError(f"param_groups[{k}] holds partitions "
                                      f"{list(theirs.get('params', ()))[:8]}, this optimizer "
                                      f"{mine['params'][:8]}")
+                bad = hyper_error(*(theirs.get(key, mine[key]) for key in _HYPER_KEYS))
+                if bad:
+                    raise ValueError(f"state_dict param_groups[{k}]: {bad}")
             for pid, st in states.items():
                 part = self.partition(pid)
                 self._checked_seg_steps(part, st, self._checked_state(part, st)[0])
