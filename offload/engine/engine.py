@@ -38,6 +38,7 @@ read or written.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import sys
@@ -63,6 +64,7 @@ from .forward_prefetch import ForwardOnlyPrefetch, arriving
 from .grad_slots import GradSlots
 from .grads import GradPartitions
 from .in_place import pin_in_place, unpin_all, update_in_place
+from .interrupts import SafeInterrupts
 from .model_weights import ModelWeights
 from .one_thread import OneThread
 from .params_view import RegisteredParams
@@ -155,6 +157,9 @@ class OffloadEngine(ModelWeights, GradPartitions, nn.Module):
         self._reductions: list[Pending] = []
         self._has_grad: set[int] = set()
         self._one_thread = OneThread()  # [Note: one thread at a time] in one_thread.py
+        # [Note: Ctrl-C at a safe point] in interrupts.py
+        self._interrupts = SafeInterrupts(self._interrupted_twice)
+        self._broken: str | None = None
         self.param_group_of: dict[tuple[int, int], int] = {}  # (gid, slot) -> optimizer group
         self.grad_slots = GradSlots(comm)  # [Note: parameters without a gradient]
         self._hooks: list[Any] = []
@@ -355,14 +360,21 @@ class OffloadEngine(ModelWeights, GradPartitions, nn.Module):
 
     def _root_pre(self, module: nn.Module, args: Any) -> None:
         if not _in_backward():  # [Note: one thread at a time] in one_thread.py
+            self._check_open()
             self._one_thread.enter()
+            self._interrupts.direct_enter()  # [Note: Ctrl-C at a safe point]
 
     def _root_post(self, module: nn.Module, args: Any, out: Any) -> None:
         if not _in_backward():
             self._one_thread.leave()
+            self._interrupts.direct_leave(failed=out is None and sys.exc_info()[1] is not None)
+
+    def _interrupted_twice(self, where: str) -> None:
+        self._broken = where
 
     def _make_pre(self, unit: Unit) -> Callable:
         def pre(module: nn.Module, args: Any) -> None:
+            self._interrupts.safe_point()  # [Note: Ctrl-C at a safe point] in interrupts.py
             hooks_last(module, self._last_hooks[id(module)])
             if not _in_backward():  # a recomputation repeats the backward's order
                 self._rank_order.check_unit(unit, backward=False)  # see rank_order.py
@@ -423,6 +435,7 @@ class OffloadEngine(ModelWeights, GradPartitions, nn.Module):
     def _make_pre_backward(self, unit: Unit) -> Callable:
         def hook(grad: torch.Tensor) -> None:
             self._refuse_plain_backward()
+            self._interrupts.safe_point()  # [Note: Ctrl-C at a safe point] in interrupts.py
             # once per unit and backward: the hook fires for each output with a gradient,
             # and that number may differ between ranks; only the first gathers
             if any(not self._states[gid].gathered for gid in unit.needs):
@@ -602,10 +615,11 @@ class OffloadEngine(ModelWeights, GradPartitions, nn.Module):
         return Tier.HOST
 
     # -- the user's loop ----------------------------------------------------------------
-    @torch.compiler.disable(recursive=False)  # [Note: torch.compile] in units.py
+    @functools.partial(eager, recursive=False)  # [Note: torch.compile] in units.py
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._check_open()
-        with self._one_thread.held():  # [Note: one thread at a time]
+        # [Note: one thread at a time], [Note: Ctrl-C at a safe point]
+        with self._one_thread.held(), self._interrupts.held():
             try:
                 with self.recorder.span("forward", cat="compute", track="compute"):
                     return self.module(*args, **kwargs)
@@ -623,7 +637,8 @@ class OffloadEngine(ModelWeights, GradPartitions, nn.Module):
         the step's gradients (run its micro-batches again).
         """
         self._check_open()
-        with self._one_thread.held():  # [Note: one thread at a time]
+        # [Note: one thread at a time], [Note: Ctrl-C at a safe point]
+        with self._one_thread.held(), self._interrupts.held():
             self._backward(loss)
 
     def _backward(self, loss: torch.Tensor) -> None:
@@ -704,9 +719,11 @@ class OffloadEngine(ModelWeights, GradPartitions, nn.Module):
         self._check_open()
         if self._backwards == 0 or self._backwards % self.cfg.engine.grad_accum_steps:
             return False
-        with self.recorder.span("optimizer step", cat="compute", track="compute"):
+        with (self._interrupts.held(),  # [Note: Ctrl-C at a safe point] in interrupts.py
+              self.recorder.span("optimizer step", cat="compute", track="compute")):
             try:
                 done = self._step()
+                self._backwards = 0  # before a Ctrl-C noted in the step is raised
             except BaseException as e:
                 undone = self._abort_step(e)
                 if not isinstance(e, Exception):
@@ -717,7 +734,6 @@ class OffloadEngine(ModelWeights, GradPartitions, nn.Module):
                     "weights, Adam moments, step counts) and the step's gradients were "
                     "dropped: fix the cause and run the step's micro-batches again",
                     undone) from e
-        self._backwards = 0
         return done
 
     def _step(self) -> bool:
@@ -777,6 +793,8 @@ class OffloadEngine(ModelWeights, GradPartitions, nn.Module):
                 if isinstance(e, OptimStepError):
                     undone.update(e.unchanged)
             self._drop_grads([g.gid for g in self.groups if ("g", g.gid) in self.store])
+            for st in self._states:  # a gradient hook stopped before it took the .grad
+                st.flat.grad = None  # (an error, Ctrl-C): the next backward adds to it
             self._update_order = []
             self._backwards = 0
         return sorted(undone)
@@ -824,7 +842,8 @@ class OffloadEngine(ModelWeights, GradPartitions, nn.Module):
         changes nothing. step() clears gradients itself; calling this at any point
         is safe. `set_to_none` is accepted for torch's signature."""
         self._check_open()
-        self._abort_step()
+        with self._interrupts.held():  # [Note: Ctrl-C at a safe point] in interrupts.py
+            self._abort_step()
 
     # -- checkpoints (docs/checkpoints.md) -- begin
     def save_checkpoint(self, path: str | os.PathLike, extra: dict[str, Any] | None = None,

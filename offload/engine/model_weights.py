@@ -121,7 +121,14 @@ class ModelWeights:
         return self
 
     def _check_open(self) -> None:
-        """Raises a clear error where a closed engine is used: its state is gone."""
+        """Raises a clear error where a closed engine is used: its state is gone, or one a
+        second Ctrl-C interrupted inside its own code ([Note: Ctrl-C at a safe point])."""
+        if self._broken is not None and not self._closed:
+            raise RuntimeError(
+                f"a second Ctrl-C interrupted this engine inside its own code ({self._broken}):"
+                " its state in memory may be inconsistent; do not save from it: close it "
+                "(engine.close()) and resume a new engine from the last checkpoint "
+                "(offload.initialize(model, config, resume=path))")
         if self._closed:
             raise RuntimeError(
                 "this OffloadEngine is closed (close() ran, or its `with` block ended): its "
@@ -304,7 +311,8 @@ class ModelWeights:
         tiers unit by unit; run under `torch.no_grad()` it leaves the training plan
         alone."""
         self._check_open()
-        with self._one_thread.held():  # [Note: one thread at a time] in one_thread.py
+        # [Note: one thread at a time] in one_thread.py, [Note: Ctrl-C at a safe point]
+        with self._one_thread.held(), self._interrupts.held():
             try:
                 out = self.module.generate(*args, **kwargs)
             except BaseException:

@@ -14,6 +14,8 @@ group that meets it; every unit whose modules use it lists that group in its
 
 from __future__ import annotations
 
+import functools
+import sys
 from dataclasses import dataclass, field, fields, is_dataclass
 from functools import cached_property
 from typing import Any, Callable, Iterable
@@ -195,11 +197,24 @@ def hooks_last(module: nn.Module, hook_ids: list[int]) -> None:
             hooks.move_to_end(hid)
 
 
-def eager(hook: Callable) -> Callable:
+def eager(fn: Callable, recursive: bool = True) -> Callable:
     """[Note: torch.compile] A unit's hooks gather, bind, free and move records: work
     on the store that torch.compile cannot trace (it failed inside them, deep in
-    dynamo). Each hook, and the engine's own `forward` frame, is left out of
-    compilation, so `torch.compile(engine)`, a model compiled before `initialize`
-    (its names then start with `_orig_mod.`, as torch's own) and compiled blocks all
-    run: the graphs break at the units' hooks, which run eagerly."""
-    return torch.compiler.disable(hook)
+    dynamo). Each hook, and the engine's own `forward` frame (`recursive=False`: what
+    it calls still compiles), is left out of compilation, so `torch.compile(engine)`,
+    a model compiled before `initialize` (its names then start with `_orig_mod.`, as
+    torch's own) and compiled blocks all run: the graphs break at the units' hooks,
+    which run eagerly. `torch.compiler.disable` imports the compiler (seconds, and
+    what a process that never compiles should not load): it is applied at the first
+    call after something else imported it."""
+    disabled = None
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        nonlocal disabled
+        if "torch._dynamo" not in sys.modules:
+            return fn(*args, **kwargs)
+        if disabled is None:
+            disabled = torch.compiler.disable(fn, recursive=recursive)
+        return disabled(*args, **kwargs)
+    return call

@@ -1,0 +1,225 @@
+"""Ctrl-C anywhere in a training step ([Note: Ctrl-C at a safe point] in
+engine/interrupts.py), and an error as a gradient hook starts.
+
+A SIGINT runs the installed handler at whatever line the main thread runs.
+`sys.settrace` runs it at one chosen line of offload's code instead, with that
+line's frame, as Python would for a signal arriving there: each case is one exact
+point. After it, the engine keeps working, and its weights equal those of an
+engine that ran only the steps that committed."""
+
+import copy
+import random
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import offload
+
+OFFLOAD = str(Path(offload.__file__).parent)
+
+
+class _At:
+    """At the `nth` line event of offload's code in this thread (None: counts them), or
+    at the start of the first function whose code `where(code)` accepts: `times`
+    SIGINTs (the installed handler called with that line's frame), or raises `error`
+    there instead."""
+
+    def __init__(self, nth: int | None = None, where=None, times: int = 1,
+                 error: type[BaseException] | None = None) -> None:
+        self.nth, self.where, self.times, self.error = nth, where, times, error
+        self.lines, self.fired = 0, None
+
+    def __enter__(self) -> "_At":
+        sys.settrace(self._call)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        sys.settrace(None)
+
+    def _call(self, frame, event, arg):
+        if not frame.f_code.co_filename.startswith(OFFLOAD) or self.fired is not None:
+            return None
+        if self.where is not None and self.where(frame.f_code):
+            self._fire(frame)
+        return self._line
+
+    def _line(self, frame, event, arg):
+        if event != "line" or self.fired is not None:
+            return None
+        self.lines += 1
+        if self.nth is not None and self.lines >= self.nth:
+            self._fire(frame)
+        return self._line
+
+    def _fire(self, frame) -> None:
+        self.fired = f"{Path(frame.f_code.co_filename).name}:{frame.f_lineno} " \
+                     f"{frame.f_code.co_name}"
+        if self.error is not None:
+            raise self.error(self.fired)
+        for _ in range(self.times):
+            handler = signal.getsignal(signal.SIGINT)
+            if callable(handler):
+                handler(signal.SIGINT, frame)  # raises here, or notes it for later
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(4)])
+
+
+def _engine(engine_cfg, placement, model, swap: Path):
+    cfg = engine_cfg(*placement, group_size=4200)
+    # a move left waiting by an interrupt fails the test in seconds, not 300
+    cfg["store"].update(host_budget="128KiB", device_budget="128KiB", wait_timeout=5.0)
+    cfg["io"]["paths"] = [str(swap)]
+    return offload.initialize(copy.deepcopy(model), cfg)
+
+
+def _step(engine, x, direct: bool = False) -> None:
+    engine.backward((engine.module(x) if direct else engine(x)).pow(2).mean())
+    engine.step()
+
+
+def _weights(engine) -> dict[str, torch.Tensor]:
+    with engine.full_weights() as w:
+        return {n: t.clone() for n, t in w.items()}
+
+
+def _interrupted_then_as_replayed(engine_cfg, tmp_path, placement, at: _At,
+                                  direct: bool = False) -> None:
+    """Two clean steps, one step with `at` (the model called directly where `direct`),
+    two clean steps; the weights equal an engine's that ran the committed steps only."""
+    model = _model()
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.randn(8, 64, generator=g) for _ in range(5)]
+    engine = _engine(engine_cfg, placement, model, tmp_path / "swap")
+    try:
+        for x in xs[:2]:
+            _step(engine, x)
+        try:
+            with at:
+                _step(engine, xs[2], direct)
+        except (KeyboardInterrupt, RuntimeError):
+            engine.zero_grad()
+        assert at.fired, "no line of offload's ran"
+        committed = [0, 1] + [2] * (engine.global_step == 3) + [3, 4]
+        for x in xs[3:]:
+            _step(engine, x)
+        got = _weights(engine)
+    finally:
+        engine.close()
+    replay = _engine(engine_cfg, placement, model, tmp_path / "replay")
+    try:
+        for i in committed:
+            _step(replay, xs[i])
+        want = _weights(replay)
+    finally:
+        replay.close()
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], atol=0, rtol=0,
+                                   msg=lambda m: f"{n} after {at.fired}: {m}")
+
+
+PLACEMENTS = [("host", "host", "host"), ("nvme", "nvme", "nvme")]
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS, ids=["host", "nvme"])
+def test_an_error_as_a_gradient_hook_starts(engine_cfg, tmp_path, placement):
+    """The hook that takes a group's accumulated `.grad` fails before it takes it (a
+    reduction's error): the next backward must not add to that gradient."""
+    at = _At(where=lambda code: code.co_name == "hook" and code.co_varnames[:1] == ("flat",),
+             error=RuntimeError)
+    _interrupted_then_as_replayed(engine_cfg, tmp_path, placement, at)
+    assert at.fired.startswith("engine.py")
+
+
+def _lines_of_a_step(engine_cfg, placement, swap: Path) -> int:
+    engine = _engine(engine_cfg, placement, _model(), swap)
+    try:
+        x = torch.randn(8, 64)
+        for _ in range(2):
+            _step(engine, x)
+        with _At() as count:
+            _step(engine, x)
+        return count.lines
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS, ids=["host", "nvme"])
+def test_ctrl_c_at_lines_spread_over_a_step(engine_cfg, tmp_path, placement):
+    """Lines drawn over the whole of a step's forward, backward and optimizer step, the
+    store's bookkeeping included (a move registered and not yet queued, a pin taken
+    and not yet recorded)."""
+    total = _lines_of_a_step(engine_cfg, placement, tmp_path / "count")
+    for i, nth in enumerate(sorted(random.Random(0).sample(range(1, total), 16))):
+        _interrupted_then_as_replayed(engine_cfg, tmp_path / str(i), placement, _At(nth))
+
+
+def test_ctrl_c_in_the_model_called_directly(engine_cfg, tmp_path):
+    """Called directly (`engine.module(x)`, as `generate` calls it), the model's
+    cleanup runs in a forward hook torch skips for a KeyboardInterrupt: the interrupt
+    waits for the forward's end, and nothing stays "in use"."""
+    model = _model()
+    engine = _engine(engine_cfg, PLACEMENTS[0], model, tmp_path / "swap")
+    hits = []
+
+    def ctrl_c(module, args):
+        if not hits:
+            hits.append(module)
+            signal.raise_signal(signal.SIGINT)  # Ctrl-C in the model's own code
+    engine.module[1].register_forward_pre_hook(ctrl_c)
+    try:
+        x = torch.randn(8, 64)
+        with pytest.raises(KeyboardInterrupt):
+            engine.module(x)
+        assert hits
+        _weights(engine)  # refused while a unit is in use
+        with torch.no_grad():
+            torch.testing.assert_close(engine.module(x), model(x), atol=1e-6, rtol=0)
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        engine.close()
+
+
+def test_a_second_ctrl_c_is_obeyed_and_the_engine_says_it_cannot_be_trusted(engine_cfg,
+                                                                            tmp_path):
+    engine = _engine(engine_cfg, PLACEMENTS[0], _model(), tmp_path / "swap")
+    x = torch.randn(8, 64)
+    try:
+        _step(engine, x)
+        at = _At(where=lambda code: code.co_filename.endswith("store.py")
+                 and code.co_name == "fetch", times=2)
+        with pytest.raises(KeyboardInterrupt), at:
+            _step(engine, x)
+        for call in (lambda: engine(x), engine.step, engine.state_dict,
+                     lambda: engine.save_checkpoint(tmp_path / "ckpt")):
+            with pytest.raises(RuntimeError, match=r"a second Ctrl-C interrupted this engine "
+                                                   r"inside its own code \(.*store\.py"):
+                call()
+        assert not (tmp_path / "ckpt").exists()
+    finally:
+        engine.close()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_program_with_its_own_sigint_handler_keeps_it(engine_cfg, tmp_path):
+    engine = _engine(engine_cfg, PLACEMENTS[0], _model(), tmp_path / "swap")
+    seen = []
+
+    def mine(signum, frame):
+        seen.append(signum)
+    engine.module[2].register_forward_pre_hook(
+        lambda m, a: seen.append(signal.getsignal(signal.SIGINT)))
+    old = signal.signal(signal.SIGINT, mine)
+    try:
+        _step(engine, torch.randn(8, 64))
+        assert seen == [mine]
+        assert signal.getsignal(signal.SIGINT) is mine
+    finally:
+        signal.signal(signal.SIGINT, old)
+        engine.close()
