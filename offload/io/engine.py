@@ -57,6 +57,23 @@ class _Sync(NamedTuple):
     fd: int
 
 
+_ADDRESS_END = 1 << (8 * ctypes.sizeof(ctypes.c_void_p))
+
+
+def _check_segment(seg: Segment, describe: str) -> None:
+    """Refuses a segment no file or memory can hold, before anything is submitted: an
+    address past the address space made the thread engine's worker raise where no
+    one saw it (the handle never finished), a negative length completed as a
+    transfer of negative bytes."""
+    if seg.offset < 0 or seg.length < 0:
+        raise ValueError(f"{describe}: offset ({seg.offset}) and length ({seg.length}) "
+                         "must be non-negative byte counts")
+    if seg.length and not 0 < seg.address <= _ADDRESS_END - seg.length:
+        raise ValueError(f"{describe}: address {seg.address:#x} with length {seg.length} "
+                         "is not host memory; pass the address of a live buffer "
+                         "(HostBuffer.address)")
+
+
 def libaio_status() -> tuple[bool, str]:
     """(usable, why): whether the libaio package and the system's libaio.so.1 load."""
     try:
@@ -107,6 +124,7 @@ class IoEngine(abc.ABC):
         fds = tuple(sorted({s.fd for s in segments})) if op == "write" and sync else ()
         blocks = []
         for seg in segments:
+            _check_segment(seg, describe)
             if self.direct and (seg.offset | seg.address | seg.length) % DIRECT_ALIGN:
                 raise ValueError(f"{describe}: O_DIRECT needs offset ({seg.offset}), address "
                                  f"({seg.address:#x}) and length ({seg.length}) aligned to "
@@ -193,10 +211,10 @@ class ThreadEngine(IoEngine):
 
     def _run_block(self, block: _Block) -> None:
         seg = block.seg
-        mv = memoryview((ctypes.c_char * seg.length).from_address(seg.address)).cast("B")
         done = 0
-        error = None
+        error: BaseException | None = None
         try:
+            mv = memoryview((ctypes.c_char * seg.length).from_address(seg.address)).cast("B")
             while done < seg.length:  # regular files only return short at EOF or on error
                 fn = os.preadv if block.handle.op == "read" else os.pwritev
                 n = fn(seg.fd, [mv[done:]], seg.offset + done)
@@ -205,6 +223,8 @@ class ThreadEngine(IoEngine):
                 done += n
         except OSError as e:
             error = IoError(block.handle.op, seg.path, seg.offset, seg.length, e.errno)
+        except Exception as e:  # the executor would swallow it and the handle never finish
+            error = e
         self._block_finished(block, error or self._check(block, done))
 
     def _sync(self, handle: IoHandle, fds: tuple[int, ...]) -> None:
@@ -258,6 +278,8 @@ class AioEngine(IoEngine):
     def _start(self, blocks: list[_Block]) -> None:
         made = [(self._make(b), b) for b in blocks]  # outside the lock: the reaper refills
         with self._cv:
+            if self._closed:  # close() ran since submit() looked: the reaper may be gone
+                raise RuntimeError(f"{self.name} engine is closed")
             self._pending.extend(made)
             failed = self._pump()
         self._complete(failed)

@@ -12,6 +12,7 @@ from both, every time it is waited on.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from typing import Callable
@@ -19,6 +20,8 @@ from typing import Callable
 from .errors import IoError
 
 __all__ = ["IoHandle"]
+
+log = logging.getLogger(__name__)
 
 
 class IoHandle:
@@ -74,7 +77,17 @@ class IoHandle:
             self._released.set()
             self._done.set()
         for cb in callbacks:
-            cb(self)
+            self._call(cb)
+
+    def _call(self, fn: Callable[[IoHandle], None]) -> None:
+        # A callback runs on the engine's completion thread: one that raised
+        # killed the AIO reaper (every later request hung) and skipped the
+        # callbacks after it (the swap space's checksum record among them).
+        try:
+            fn(self)
+        except Exception:
+            log.exception("%s: a done callback (%r) raised; the request itself is %s",
+                          self.describe, fn, "failed" if self._error else "done")
 
     @property
     def error(self) -> BaseException | None:
@@ -110,7 +123,7 @@ class IoHandle:
             if not self._done.is_set():
                 self._callbacks.append(fn)
                 return
-        fn(self)
+        fn(self)  # on the caller's thread: its exception is the caller's
 
     @property
     def seconds(self) -> float:

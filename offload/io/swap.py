@@ -22,11 +22,13 @@ import fcntl
 import logging
 import os
 import shutil
+import stat
 import threading
 import weakref
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
+import torch
 import xxhash
 
 from .engine import DIRECT_ALIGN, IoEngine, Segment
@@ -38,6 +40,10 @@ from .paths import check_swap_dirs, probe_direct
 log = logging.getLogger(__name__)
 
 __all__ = ["SwapExtent", "SwapLedger", "SwapSpace", "ReadHandle", "probe_direct"]
+
+
+# errnos of a reservation that did not fit (disk, quota, ulimit -f); others are failures
+_FULL = (_errno.ENOSPC, _errno.EDQUOT, _errno.EFBIG)
 
 
 def _round_up(n: int, m: int) -> int:
@@ -62,11 +68,50 @@ class SwapLedger(Protocol):
         """Counts `nbytes` fewer."""
 
 
+def _open_owned(path: str, flags: int) -> int:
+    """Opens (creating if missing) a swap or lock file, only where the name is a file
+    of its own: a symbolic link, or a second name of another file, would have been
+    truncated and overwritten through (the user's file lost), and a device or fifo
+    written to. Nothing is truncated here; the caller does it once this passed."""
+    try:
+        fd = os.open(path, flags | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    except OSError as e:
+        if e.errno == _errno.ELOOP:
+            raise SwapPathError(e.errno, f"{path} is a symbolic link; offload would "
+                                "overwrite the file it points to, so it refuses: remove the "
+                                "link, or give another io.paths directory", path) from None
+        raise SwapPathError(e.errno or _errno.EIO, f"cannot open swap file {path} "
+                            f"([Errno {e.errno}] {e.strerror}); remove what is there, or give "
+                            "another io.paths directory", path) from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise SwapPathError(_errno.EINVAL, f"{path} is not a regular file; offload would "
+                                "write into it, so it refuses: remove it, or give another "
+                                "io.paths directory", path)
+        if st.st_nlink > 1:
+            raise SwapPathError(_errno.EMLINK, f"{path} is one of {st.st_nlink} names of a "
+                                "file (a hard link); offload would overwrite the file under "
+                                "its other name, so it refuses: remove this name, or give "
+                                "another io.paths directory", path)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
 class _SwapFile:
     def __init__(self, path: str, direct: bool) -> None:
         self.path = path
         self.lock_path = path + ".lock"
-        self.lock_fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+        self.lock_fd = _open_owned(self.lock_path, os.O_RDWR)
         try:
             fcntl.flock(self.lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -83,36 +128,56 @@ class _SwapFile:
                 "job its own io.paths directory, or stop the other job") from None
         # The flock dies with its holder, so a lock left by a killed run is
         # free again: we hold it now and take the file over.
-        os.ftruncate(self.lock_fd, 0)
-        os.pwrite(self.lock_fd, f"{os.getpid()}\n".encode(), 0)
-        flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0)
         try:
-            self.fd = os.open(path, flags, 0o600)
-        except OSError:
-            self._unlock(remove=True)
+            os.ftruncate(self.lock_fd, 0)
+            os.pwrite(self.lock_fd, f"{os.getpid()}\n".encode(), 0)
+            self.fd = _open_owned(path, os.O_RDWR | (os.O_DIRECT if direct else 0))
+        except BaseException:
+            self._close_lock(remove=True, errors=[])
+            raise
+        try:
+            os.ftruncate(self.fd, 0)  # a killed run's bytes are no one's now
+        except BaseException:
+            os.close(self.fd)
+            self._close_lock(remove=True, errors=[])
             raise
         self.size = 0
 
-    def _unlock(self, remove: bool) -> None:
-        if remove:
-            try:
-                os.unlink(self.lock_path)
-            except FileNotFoundError:
-                pass
-        else:
-            os.ftruncate(self.lock_fd, 0)  # a kept lock file names no holder
-        os.close(self.lock_fd)
-
-    def close(self, remove: bool) -> None:
-        os.close(self.fd)
+    def _close_lock(self, remove: bool, errors: list[OSError]) -> None:
+        """Removes (or empties) the lock file and always closes its descriptor; what
+        fails is added to `errors`."""
         try:
             if remove:
-                try:
-                    os.unlink(self.path)
-                except FileNotFoundError:
-                    pass
-        finally:
-            self._unlock(remove)
+                _unlink(self.lock_path)
+            else:
+                os.ftruncate(self.lock_fd, 0)  # a kept lock file names no holder
+        except OSError as e:
+            errors.append(e)
+        try:
+            os.close(self.lock_fd)
+        except OSError as e:
+            errors.append(e)
+
+    def close(self, remove: bool) -> None:
+        """Closes both descriptors whatever else fails (a failing disk refuses the
+        unlinks: a descriptor left open kept the lock, so the next open in this
+        process was refused), then raises the first failure, naming the file."""
+        errors: list[OSError] = []
+        try:
+            os.close(self.fd)
+        except OSError as e:
+            errors.append(e)
+        if remove:
+            try:
+                _unlink(self.path)
+            except OSError as e:
+                errors.append(e)
+        self._close_lock(remove, errors)
+        if errors:
+            e = errors[0]
+            raise OSError(e.errno, f"closing swap file {self.path}: {e.filename or 'close'}: "
+                          f"{e.strerror}; check the disk (dmesg) and remove what is left of "
+                          f"{self.path} and {self.lock_path} by hand", self.path) from e
 
 
 def _close_files(files: list[_SwapFile], keep: bool) -> None:
@@ -166,29 +231,45 @@ class ReadHandle:
         return self._inner.nbytes
 
 
-def _address(buffer: object) -> int:
-    """Host address of a HostBuffer, a CPU torch tensor or a numpy array."""
-    if hasattr(buffer, "address"):
-        return int(buffer.address)
-    if hasattr(buffer, "data_ptr"):
-        return int(buffer.data_ptr())
-    if hasattr(buffer, "ctypes"):
-        return int(buffer.ctypes.data)
+def _host_span(buffer: object, *, into: bool) -> tuple[int, int]:
+    """(address, bytes) of the host memory `buffer` owns from its first byte: a
+    HostBuffer, a contiguous CPU torch tensor or a C-contiguous numpy array. `into`:
+    the bytes will be written (a read from swap), so a read-only array is refused.
+
+    The engine and the checksum address raw memory, so anything else is refused
+    here: a tensor of another device (its data_ptr is no host address: hashing it
+    crashed the interpreter), or an expanded or strided view (numel x itemsize bytes
+    from its data_ptr run past what it owns: a read overran the allocation)."""
+    if hasattr(buffer, "address") and hasattr(buffer, "capacity"):  # HostBuffer
+        return int(buffer.address), int(buffer.capacity)
+    if isinstance(buffer, torch.Tensor):
+        if buffer.device.type != "cpu":
+            raise ValueError(f"a {buffer.device.type} tensor has no host memory at its "
+                             "data_ptr; swap transfers need host memory: copy it to a "
+                             "HostBuffer from BufferPool")
+        if buffer.layout != torch.strided:
+            raise ValueError(f"a {buffer.layout} tensor has no dense bytes to transfer; "
+                             "pass a dense tensor (.to_dense()) or a HostBuffer")
+        if not buffer.is_contiguous():
+            raise ValueError(f"tensor of shape {tuple(buffer.shape)} and strides "
+                             f"{buffer.stride()} is not contiguous; swap transfers need "
+                             "contiguous host memory: pass .contiguous() or a HostBuffer")
+        return int(buffer.data_ptr()), buffer.numel() * buffer.element_size()
+    if hasattr(buffer, "ctypes") and hasattr(buffer, "flags"):  # numpy
+        if not buffer.flags.c_contiguous:
+            raise ValueError(f"array of shape {buffer.shape} and strides {buffer.strides} is "
+                             "not contiguous; swap transfers need contiguous host memory: "
+                             "pass np.ascontiguousarray(...) or a HostBuffer")
+        if into and not buffer.flags.writeable:
+            raise ValueError(f"array of shape {buffer.shape} is read-only and cannot take "
+                             "a read; pass a writable array or a HostBuffer")
+        return int(buffer.ctypes.data), int(buffer.nbytes)
     raise TypeError(f"cannot take the address of {type(buffer).__name__}; pass a HostBuffer")
 
 
-def _capacity(buffer: object) -> int:
-    """Bytes addressable from `_address(buffer)`."""
-    if hasattr(buffer, "capacity"):
-        return int(buffer.capacity)
-    if hasattr(buffer, "untyped_storage"):
-        return buffer.numel() * buffer.element_size()
-    return int(buffer.nbytes)
-
-
-def _view(buffer: object, nbytes: int) -> memoryview:
-    """The first `nbytes` of `buffer` as a memoryview (no copy)."""
-    return memoryview((ctypes.c_char * nbytes).from_address(_address(buffer))).cast("B")
+def _view(address: int, nbytes: int) -> memoryview:
+    """`nbytes` of host memory at `address` as a memoryview (no copy)."""
+    return memoryview((ctypes.c_char * nbytes).from_address(address)).cast("B")
 
 
 class SwapSpace:
@@ -221,6 +302,11 @@ class SwapSpace:
         self.max_size = max_size
         self.checksum = checksum
         self._lock = threading.Lock()
+        # [Note: closing with transfers in flight]
+        self._idle = threading.Condition(self._lock)  # notified as transfers start and end
+        self._starting = 0  # transfers between the closed check and their tracking
+        self._busy: set[IoHandle] = set()  # transfers the engine has not finished
+        self._closed = False
         self._alloc = ExtentAllocator(0, DIRECT_ALIGN)
         self._sums: dict[int, tuple[int, int] | None] = {}  # extent offset -> (nbytes, xxh3)
         # extent offset -> (nbytes, xxh3, handle) of its last write until `_sums` has it:
@@ -274,6 +360,7 @@ class SwapSpace:
             ledger.charge(length)  # outside self._lock: the ledger takes its owner's lock
         try:
             with self._lock:
+                self._check_open()
                 ext = self._alloc.alloc(nbytes)
                 if ext is None:
                     self._grow(nbytes)
@@ -330,6 +417,10 @@ class SwapSpace:
                     except OSError as undo:  # the file only stays longer than used
                         log.warning("could not shrink %s back to %d bytes: %s", g.path,
                                     g.size, undo)
+                if e.errno not in _FULL:
+                    raise IoError("alloc", f.path, f.size, per_file - f.size, e.errno,
+                                  "cannot reserve swap space: the disk failed, not full; "
+                                  "check the disk (dmesg) and the path") from None
                 free = shutil.disk_usage(os.path.dirname(f.path)).free
                 raise SwapFullError(
                     "alloc", f.path, f.size, per_file - f.size, e.errno,
@@ -359,34 +450,79 @@ class SwapSpace:
             pos += take
         return segs
 
-    def _check_range(self, extent: SwapExtent, nbytes: int, buffer: object) -> int:
+    def _check_range(self, extent: SwapExtent, nbytes: int, buffer: object, *,
+                     into: bool) -> tuple[int, int]:
+        """(span, address): the bytes a transfer of `nbytes` moves, and where."""
         if not 0 < nbytes <= extent.length:
             raise ValueError(f"{nbytes} bytes do not fit extent {extent}")
         span = _round_up(nbytes, DIRECT_ALIGN)
-        cap = _capacity(buffer)
+        address, cap = _host_span(buffer, into=into)
         if cap < span:
             raise ValueError(f"buffer of {cap} bytes cannot take {span} bytes "
                              f"({nbytes} rounded to {DIRECT_ALIGN}); allocate it from BufferPool")
-        return span
+        return span, address
 
     def write(self, extent: SwapExtent, buffer: object, nbytes: int) -> IoHandle:
         """Writes the first `nbytes` of `buffer` to `extent`; returns the handle.
 
-        The buffer must stay unchanged until `handle.wait_released()`.
+        The buffer must stay unchanged until `handle.wait_released()`. A write refused
+        here (it raises) moved nothing: the extent still reads back its last write.
         """
-        span = self._check_range(extent, nbytes, buffer)
+        span, address = self._check_range(extent, nbytes, buffer, into=False)
         with self._lock:
             if extent.offset not in self._sums:
                 raise ValueError(f"extent {extent} is not allocated in swap {self.name}")
+            before = self._sums[extent.offset]
             self._sums[extent.offset] = None  # unreadable until this write succeeds
-        handle = self.engine.submit("write", self._segments(extent.offset, span,
-                                                            _address(buffer)), keepalive=buffer)
-        digest = xxhash.xxh3_64_intdigest(_view(buffer, nbytes)) if self.checksum else 0
+        try:
+            handle, _ = self._submit("write", extent.offset, span, address, buffer)
+        except BaseException:
+            with self._lock:  # nothing was written: the last write is still there
+                if extent.offset in self._sums and self._sums[extent.offset] is None:
+                    self._sums[extent.offset] = before
+            raise
+        digest = xxhash.xxh3_64_intdigest(_view(address, nbytes)) if self.checksum else 0
         with self._lock:
             if extent.offset in self._sums:
                 self._writes[extent.offset] = (nbytes, digest, handle)
         handle.add_done_callback(lambda h, offset=extent.offset: self._record(offset, h))
         return handle
+
+    # [Note: closing with transfers in flight]
+    # Closing a swap file's descriptor under a transfer still queued on it failed
+    # the transfer (EBADF) or, once the number was reused by a file opened
+    # meanwhile, wrote into that file. So every transfer is tracked from the check
+    # that the space is open (`_starting`) until the engine finishes it (`_busy`),
+    # and `close()` marks the space closed, then waits for both to drain before it
+    # closes a file. The engine finishes every request it accepted, failed or not.
+
+    def _check_open(self) -> None:
+        """The lock held."""
+        if self._closed:
+            raise RuntimeError(f"swap {self.name} is closed")
+
+    def _submit(self, op: str, offset: int, span: int, address: int,
+                buffer: object) -> tuple[IoHandle, list[Segment]]:
+        with self._lock:
+            self._check_open()
+            self._starting += 1
+            segments = self._segments(offset, span, address)
+        handle = None
+        try:
+            handle = self.engine.submit(op, segments, keepalive=buffer)
+        finally:
+            with self._lock:
+                self._starting -= 1
+                if handle is not None and not handle.done():
+                    self._busy.add(handle)
+                self._idle.notify_all()
+        handle.add_done_callback(self._finished)
+        return handle, segments
+
+    def _finished(self, handle: IoHandle) -> None:
+        with self._lock:
+            self._busy.discard(handle)
+            self._idle.notify_all()
 
     # [Note: a write is readable once it is done]
     # A handle is done (its `wait()` returns) before its callbacks run, on the
@@ -420,6 +556,7 @@ class SwapSpace:
         written, and `IoError` if the extent's last write failed.
         """
         with self._lock:
+            self._check_open()
             if extent.offset not in self._sums:
                 raise ValueError(f"extent {extent} is not allocated in swap {self.name}")
             rec = self._settle(extent.offset)
@@ -431,25 +568,31 @@ class SwapSpace:
         nbytes = written if nbytes is None else nbytes
         if nbytes != written:
             raise ValueError(f"extent {extent} holds {written} bytes, asked to read {nbytes}")
-        span = self._check_range(extent, nbytes, buffer)
-        inner = self.engine.submit("read", self._segments(extent.offset, span, _address(buffer)),
-                                   keepalive=buffer)
+        span, address = self._check_range(extent, nbytes, buffer, into=True)
+        inner, segments = self._submit("read", extent.offset, span, address, buffer)
         if not self.checksum:
             return ReadHandle(inner, None)
+        first = segments[0]
 
         def verify() -> None:
-            actual = xxhash.xxh3_64_intdigest(_view(buffer, nbytes))
+            actual = xxhash.xxh3_64_intdigest(_view(address, nbytes))
             if actual != digest:
-                seg = self._segments(extent.offset, span, 0)[0]
-                raise CorruptionError(seg.path, seg.offset, nbytes, digest, actual)
+                raise CorruptionError(first.path, first.offset, nbytes, digest, actual)
         return ReadHandle(inner, verify)
 
     def close(self, keep: bool = False) -> None:
-        """Closes (and unless `keep`, removes) the swap files. Transfers must be done.
-        Idempotent."""
+        """Closes (and unless `keep`, removes) the swap files, once the transfers in
+        flight finished ([Note: closing with transfers in flight]). Idempotent. Later
+        alloc, write and read raise; free still returns extents, so owners may tear
+        down in any order."""
         with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            while self._starting or self._busy:
+                self._idle.wait()
             if not self._finalizer.detach():
-                return  # closed before
+                return  # the finalizer ran (interpreter exit)
             files = list(self._files)
             self._files.clear()
         _close_files(files, keep)
