@@ -23,7 +23,7 @@ from .checkpoint_reader import CheckpointReader
 from .engine import _DTYPES, _TIERS, OffloadEngine
 from .eviction import next_use_of
 from .meta import meta_device
-from .model_weights import guard_casts
+from .model_weights import guard_casts, guard_resize
 from .param_groups import assign_param_groups, segments_of
 from .step import StepFailedError
 from .tensor_parallel import TensorParallel, full_state_dict
@@ -232,6 +232,10 @@ def initialize(model: nn.Module | Callable[[], nn.Module],
                     m._buffers[name] = b.to(store.device)
         model.__dict__[_WRAPPED] = True  # [Note: wrapped modules]
         guard_casts(model, engine.dtype, engine.device)
+        guard_resize(model)
+        if comm.world > 1:  # [Note: generation on several ranks] in model_weights.py
+            for m in model.modules():
+                m.__dict__["_is_fsdp_managed_module"] = True
     except BaseException:
         if engine is not None:
             engine.close()  # removes its hooks and closes the store

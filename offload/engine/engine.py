@@ -642,6 +642,8 @@ class OffloadEngine(ModelWeights, GradPartitions, nn.Module):
             self._backward(loss)
 
     def _backward(self, loss: torch.Tensor) -> None:
+        if self._backwards == 0:  # what trains is fixed at initialize
+            self.registered.check_trainable(self.module)
         if self._backwards >= self.cfg.engine.grad_accum_steps:
             raise RuntimeError(f"backward: {self._backwards} backward call(s) since the last "
                                "step(), and engine.grad_accum_steps is "

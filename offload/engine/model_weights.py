@@ -101,6 +101,24 @@ def guard_casts(model: nn.Module, dtype: torch.dtype, device: torch.device) -> N
     model.__dict__["_apply"] = _apply
 
 
+def guard_resize(model: nn.Module) -> None:
+    """transformers' `resize_token_embeddings` on the wrapped model refuses before it
+    changes anything: it would set `config.vocab_size` and the embedding's
+    `num_embeddings` first and fail at the weights (fixed in shape at `initialize`),
+    leaving a model whose config no longer matches its weights."""
+    if not callable(getattr(type(model), "resize_token_embeddings", None)):
+        return
+
+    def resize_token_embeddings(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(
+            "resize_token_embeddings after offload.initialize is refused, nothing was "
+            "changed: the parameters' shapes are fixed at initialize (their partitions, "
+            "optimizer state and swap files are laid out for them); resize the model "
+            "before offload.initialize, or load engine.state_dict() into a fresh model, "
+            "resize that and initialize again")
+    model.__dict__["resize_token_embeddings"] = resize_token_embeddings
+
+
 class ModelWeights:
     """Parameters, full weights, state dicts, generation and export of the engine's model."""
 
@@ -242,6 +260,7 @@ class ModelWeights:
         `rank0_only` (default) only rank 0 keeps the weights, the other ranks
         return an empty dict. Every rank calls it."""
         self._check_open()
+        self._slot_names()  # a parameter replaced after initialize is named, not returned
         keep = not rank0_only or self.comm.rank == 0
         entries = list(state_entries(self.module))
         values: dict[tuple[int, int], torch.Tensor] = {}
@@ -309,10 +328,19 @@ class ModelWeights:
     def generate(self, *args: Any, **kwargs: Any) -> Any:
         """The wrapped model's `generate` (Hugging Face), its weights streamed from their
         tiers unit by unit; run under `torch.no_grad()` it leaves the training plan
-        alone."""
+        alone.
+
+        [Note: generation on several ranks] Every rank gathers each unit's weights
+        together, so a rank whose sequences end first must go on running forwards
+        until all have ended: transformers' `synced_gpus`, which it turns on by
+        itself for models it knows are sharded (ZeRO-3, FSDP). On several ranks it
+        is on here unless the call says otherwise, and `initialize` marks the model
+        as sharded (`_is_fsdp_managed_module`) for `model.generate` called directly."""
         self._check_open()
         # [Note: one thread at a time] in one_thread.py, [Note: Ctrl-C at a safe point]
         with self._one_thread.held(), self._interrupts.held():
+            if self.comm.world > 1:  # [Note: generation on several ranks]
+                kwargs.setdefault("synced_gpus", True)
             try:
                 out = self.module.generate(*args, **kwargs)
             except BaseException:

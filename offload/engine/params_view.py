@@ -75,6 +75,28 @@ class RegisteredParams:
         """(gid, slot index) of a registered stand-in; None for any other tensor."""
         return self._where.get(id(p))
 
+    def check_trainable(self, model: nn.Module) -> None:
+        """Raises where what trains differs from `initialize`'s: a stand-in whose
+        `requires_grad` was flipped (the step would still update it, or never would),
+        or a trainable parameter added since (an adapter: the step would never
+        update it). torch's optimizer follows neither change either, but a torch user
+        sees no `.grad` or an unused optimizer; here nothing would show it."""
+        for name, p in model.named_parameters():
+            where = self._where.get(id(p))
+            if where is None:
+                if p.requires_grad:
+                    raise RuntimeError(
+                        f"parameter {name!r} was added to the model after initialize: the "
+                        "engine does not hold it and no step would update it; add it (or "
+                        "the adapter) before offload.initialize, or set its requires_grad "
+                        "to False")
+            elif p.requires_grad != self.groups[where[0]].requires_grad:
+                raise RuntimeError(
+                    f"parameter {name!r}: requires_grad was set to {p.requires_grad} after "
+                    f"initialize, which fixed it at {not p.requires_grad} (the step would "
+                    "not follow the change); set it back, or freeze and unfreeze before "
+                    "offload.initialize")
+
 
 def state_entries(module: nn.Module, prefix: str = ""
                   ) -> Iterator[tuple[str, torch.Tensor, bool]]:
