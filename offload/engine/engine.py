@@ -38,6 +38,7 @@ read or written.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -859,7 +860,9 @@ class OffloadEngine(ModelWeights, GradPartitions, nn.Module):
         `offload.initialize(model, config, resume=path)` resumes."""
         self._check_open()
         self.wait_for_checkpoint()  # one save at a time
-        self._saving = _save_checkpoint(self, path, extra, blocking=blocking)
+        # a blocking save is one engine call: [Note: Ctrl-C at a safe point] in interrupts.py
+        with self._interrupts.held() if blocking else contextlib.nullcontext():
+            self._saving = _save_checkpoint(self, path, extra, blocking=blocking)
         return self._saving
 
     def wait_for_checkpoint(self, *, raise_error: bool = True) -> None:

@@ -5,7 +5,8 @@ calls undo what they started. Inside the engine's and the store's own
 bookkeeping it is not: a move registered and not yet queued waits forever, a
 pin taken and not yet recorded is never given back, and the engine is unusable
 or trains on wrong state. So while an engine call runs (`engine(...)`,
-`backward`, `step`, `zero_grad`, `generate`, the model called directly), the
+`backward`, `step`, `zero_grad`, `generate`, the model called directly,
+`state_dict`, `load_state_dict`, `save_pretrained`, a blocking save), the
 engine's SIGINT handler looks at the line it interrupted: in offload's code it
 notes the interrupt and returns, and the KeyboardInterrupt is raised at the next
 safe point instead: the start of the next unit's hook, or the end of the call.
@@ -26,16 +27,17 @@ whole either way.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import signal
 import sysconfig
 import threading
 from types import FrameType
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
-__all__ = ["SafeInterrupts"]
+__all__ = ["SafeInterrupts", "guarded"]
 
 _OFFLOAD = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 # code that runs on behalf of its caller: a frame of it belongs to whoever called it
@@ -139,3 +141,14 @@ class SafeInterrupts:
                 self._on_forced(f"{frame.f_code.co_filename}:{frame.f_lineno}")
             raise KeyboardInterrupt
         self._pending = True
+
+
+def guarded(method: Callable) -> Callable:
+    """An engine method run as one engine call: a Ctrl-C inside it comes at its end
+    ([Note: Ctrl-C at a safe point]); the engine keeps its `SafeInterrupts` as
+    `_interrupts`."""
+    @functools.wraps(method)
+    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with self._interrupts.held():
+            return method(self, *args, **kwargs)
+    return call

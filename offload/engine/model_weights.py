@@ -23,6 +23,7 @@ from torch.nn.modules.module import _IncompatibleKeys
 
 from ..config import parse_bytes
 from .full_weights import groups_of, read_group, slot_tensors, summoned, write_group
+from .interrupts import guarded
 from .params_view import state_entries
 from .safetensors_writer import TensorSpec, write_shards
 
@@ -252,6 +253,7 @@ class ModelWeights:
         return names
 
     # -- state dicts --------------------------------------------------------------
+    @guarded  # [Note: Ctrl-C at a safe point] in interrupts.py
     def state_dict(self, *args: Any, rank0_only: bool = True,  # type: ignore[override]
                    **kwargs: Any) -> dict[str, torch.Tensor]:
         """The model's full state as torch's `state_dict()` holds it: every parameter
@@ -278,6 +280,7 @@ class ModelWeights:
             out[name] = values[where] if where is not None else t.detach()
         return out
 
+    @guarded  # [Note: Ctrl-C at a safe point] in interrupts.py
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True,
                         assign: bool = False) -> _IncompatibleKeys:  # type: ignore[override]
         """Loads what `state_dict()` (or torch's, of the plain model) returns: weights into
@@ -349,6 +352,7 @@ class ModelWeights:
             self._release_gathered()
         return out
 
+    @guarded  # [Note: Ctrl-C at a safe point] in interrupts.py
     def save_pretrained(self, save_directory: str | os.PathLike,
                         max_shard_size: int | str = "5GB",
                         dtype: torch.dtype | str | None = None) -> list[Path]:

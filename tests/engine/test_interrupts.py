@@ -29,8 +29,9 @@ class _At:
     there instead."""
 
     def __init__(self, nth: int | None = None, where=None, times: int = 1,
-                 error: type[BaseException] | None = None) -> None:
+                 error: type[BaseException] | None = None, within: str = "") -> None:
         self.nth, self.where, self.times, self.error = nth, where, times, error
+        self.within = OFFLOAD + within  # counts the lines of this part of offload only
         self.lines, self.fired = 0, None
 
     def __enter__(self) -> "_At":
@@ -50,6 +51,8 @@ class _At:
     def _line(self, frame, event, arg):
         if event != "line" or self.fired is not None:
             return None
+        if not frame.f_code.co_filename.startswith(self.within):
+            return self._line
         self.lines += 1
         if self.nth is not None and self.lines >= self.nth:
             self._fire(frame)
@@ -223,3 +226,49 @@ def test_a_program_with_its_own_sigint_handler_keeps_it(engine_cfg, tmp_path):
     finally:
         signal.signal(signal.SIGINT, old)
         engine.close()
+
+
+@pytest.mark.parametrize("op", ["save_checkpoint", "load_state_dict", "state_dict"])
+def test_ctrl_c_in_a_call_between_steps_comes_at_its_end(engine_cfg, tmp_path, op):
+    """A blocking save, a load, a state dict: a SIGINT at sampled lines of the store's
+    code (its moves' bookkeeping) raises when the call ends; the weights are as before
+    (the load's own values), and training, a save and its resume go on."""
+    def call(engine, sub: Path):
+        if op == "save_checkpoint":
+            engine.save_checkpoint(sub / "ckpt")
+        elif op == "load_state_dict":
+            engine.load_state_dict(engine.state_dict())
+        else:
+            engine.state_dict()
+    x = torch.randn(8, 64)
+    engine = _engine(engine_cfg, PLACEMENTS[1], _model(), tmp_path / "count")
+    try:
+        _step(engine, x)
+        _weights(engine)  # as below
+        with _At(within="/store/") as count:
+            call(engine, tmp_path)
+    finally:
+        engine.close()
+    for i, nth in enumerate(sorted(random.Random(1).sample(range(1, count.lines * 9 // 10), 8))):
+        sub = tmp_path / str(i)
+        engine = _engine(engine_cfg, PLACEMENTS[1], _model(), sub / "swap")
+        try:
+            _step(engine, x)
+            before = _weights(engine)
+            at = _At(nth, within="/store/")
+            with pytest.raises(KeyboardInterrupt), at:
+                call(engine, sub)
+            after = _weights(engine)
+            for n in before:
+                assert torch.equal(after[n], before[n]), (n, at.fired)
+            _step(engine, x)
+            engine.save_checkpoint(sub / "again")
+            want = _weights(engine)
+        finally:
+            engine.close()
+        cfg = engine_cfg(*PLACEMENTS[1], group_size=4200)
+        cfg["io"]["paths"] = [str(sub / "resumed")]
+        with offload.initialize(_model(), cfg, resume=sub / "again") as resumed:
+            got = _weights(resumed)
+        for n in want:
+            assert torch.equal(got[n], want[n]), (n, at.fired)
