@@ -32,6 +32,11 @@ class UsageError(Exception):
     """A flag's value the command cannot use (found before any work starts)."""
 
 
+class DamageError(Exception):
+    """Damaged input the flags point at (a checkpoint whose files fail their checks):
+    one line, exit code 1, as a condition of the files rather than of the flags."""
+
+
 class CommandParser(argparse.ArgumentParser):
     """An ArgumentParser whose errors are one line, '<prog>: <flag>: <what>; <fix>',
     with exit code 2 (argparse prints the usage first; that is what --help is for)."""
@@ -48,12 +53,16 @@ class CommandParser(argparse.ArgumentParser):
 
 def run_command(func: Callable[[argparse.Namespace], int], args: argparse.Namespace,
                 prog: str) -> int:
-    """Runs a sub-command; a `UsageError` or `ConfigError` is one line and exit code 2."""
+    """Runs a sub-command; a `UsageError` or `ConfigError` is one line and exit code 2, a
+    `DamageError` one line and exit code 1."""
     try:
         return func(args)
     except (UsageError, ConfigError) as e:
         print(f"{prog}: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
+    except DamageError as e:
+        print(f"{prog}: {' '.join(str(e).split())}", file=sys.stderr)
+        return 1
 
 
 def _typed(name: str, fn: Callable[[str], Any]) -> Callable[[str], Any]:

@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..config import format_bytes
-from .args import (UsageError, byte_size, directory, existing_directory, missing_directories,
-                   remove_directories)
+from .args import (DamageError, UsageError, byte_size, directory, existing_directory,
+                   missing_directories, remove_directories)
 
 if TYPE_CHECKING:
     from ..engine.checkpoint_reader import CheckpointReader
@@ -36,9 +36,11 @@ RECORD = "checkpoint.json"  # the commit record (offload/engine/training_checkpo
 def _open(path: str) -> "CheckpointReader":
     """The checkpoint at `path` (the engine, and torch, are imported only now)."""
     from ..engine.checkpoint_reader import CheckpointReader
-    from ..engine.training_checkpoint import CheckpointError
+    from ..engine.training_checkpoint import CheckpointCorruptError, CheckpointError
     try:
         return CheckpointReader(path)
+    except CheckpointCorruptError as e:  # damage, exit code 1 (docs/cli.md)
+        raise DamageError(str(e)) from e
     except CheckpointError as e:
         raise UsageError(str(e)) from e
 

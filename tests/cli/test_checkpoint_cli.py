@@ -109,6 +109,7 @@ def test_export_of_a_damaged_checkpoint_leaves_no_new_directory(saved, tmp_path,
     assert rc == 1, err
     assert list((tmp_path / "mine").iterdir()) == []
 
+
 def test_export_does_not_replace_the_users_config_in_to(saved, tmp_path, offload_cli):
     ck, _ = saved
     model = tmp_path / "model"
@@ -143,3 +144,17 @@ def test_bench_checkpoint_small(tmp_path, offload_cli):
     b = r["background"]
     assert b["seconds"] > 0 and 0 <= b["stalled"] <= b["seconds"] and b["steps_during"] >= 1
     assert not (tmp_path / "ckpt").exists()  # the checkpoints are removed
+
+
+@pytest.mark.parametrize("command", ["info", "export"])
+def test_a_damaged_commit_record_is_exit_code_1(saved, tmp_path, offload_cli, command):
+    """checkpoint.json fails its checksum: damage, not a flag's fault (exit code 1, one
+    line naming the file), as a damaged chunk is."""
+    ck, _ = saved
+    record = ck / "checkpoint.json"
+    record.write_text(record.read_text().replace('"global_step": ', '"global_step": 1'))
+    argv = ["checkpoint", command, str(ck)] + (["--to", str(tmp_path / "hf")]
+                                               if command == "export" else [])
+    rc, _, err = offload_cli(argv)
+    assert rc == 1 and str(record) in err and err.count("\n") == 1, (rc, err)
+    assert not (tmp_path / "hf").exists()
