@@ -3,9 +3,13 @@ imports from the rest of offload)."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import tempfile
 from pathlib import Path
+from typing import BinaryIO, Callable
 
-__all__ = ["check_directory"]
+__all__ = ["check_directory", "fsync_directory", "replace_atomically"]
 
 
 def check_directory(path: Path, what: str) -> None:
@@ -18,3 +22,41 @@ def check_directory(path: Path, what: str) -> None:
         if p.exists() or p.is_symlink():
             raise FileExistsError(f"{what}: {p} is a file, not a directory; give a path "
                                   "under a directory")
+
+
+def fsync_directory(directory: Path) -> None:
+    """Makes the renames in `directory` durable; a file system that refuses to open or
+    sync a directory is left as it is."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def replace_atomically(target: Path, write: Callable[[BinaryIO], None],
+                       mode: int | None = None) -> None:
+    """Writes `target` as a whole or not at all: `write(f)` fills a temporary file
+    beside it, which is fsynced, given `mode` and renamed over `target`, and the
+    directory is fsynced; readers see the old file or the whole new one, a crash
+    never leaves an empty one. On any failure (a full disk, Ctrl-C) the temporary
+    file is removed and `target` is as it was."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        if mode is not None:
+            os.chmod(tmp, mode)
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    fsync_directory(target.parent)

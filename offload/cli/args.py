@@ -57,12 +57,9 @@ def run_command(func: Callable[[argparse.Namespace], int], args: argparse.Namesp
     `DamageError` one line and exit code 1."""
     try:
         return func(args)
-    except (UsageError, ConfigError) as e:
+    except (UsageError, ConfigError, DamageError) as e:
         print(f"{prog}: {' '.join(str(e).split())}", file=sys.stderr)
-        return 2
-    except DamageError as e:
-        print(f"{prog}: {' '.join(str(e).split())}", file=sys.stderr)
-        return 1
+        return 1 if isinstance(e, DamageError) else 2
 
 
 def _typed(name: str, fn: Callable[[str], Any]) -> Callable[[str], Any]:

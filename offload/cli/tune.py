@@ -23,12 +23,13 @@ import json
 import os
 import shutil
 import sys
-import tempfile
 import time
-from contextlib import contextmanager, suppress
+from pathlib import Path
+from contextlib import contextmanager
 from typing import Any, Iterator
 
 from ..config import EngineConfig, IoConfig, OptimConfig, format_bytes, load_config
+from ..files import replace_atomically
 from ..planner.estimate import PLACEMENTS, Placement
 from ..planner.search import (Budgets, Candidate, Machine, Space, StepShape, candidates, score,
                               search, shortfall)
@@ -571,27 +572,11 @@ def write_config(path: str, text: str) -> str:
     target = os.path.realpath(path)
     parent = os.path.dirname(target)
     created = missing_directories(parent)
-    tmp = None
     try:
         os.makedirs(parent, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=parent, prefix=f".{os.path.basename(target)}.",
-                                   suffix=".partial")
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, _mode(target))
-        os.replace(tmp, target)
-        tmp = None
-        dfd = os.open(parent, os.O_RDONLY)
-        try:
-            os.fsync(dfd)  # the rename itself is durable
-        finally:
-            os.close(dfd)
+        replace_atomically(Path(target), lambda f: f.write(text.encode("utf-8")),
+                           mode=_mode(target))
     except BaseException:
-        if tmp is not None:
-            with suppress(OSError):
-                os.unlink(tmp)
         remove_directories(created)
         raise
     return target

@@ -92,7 +92,7 @@ from ..io import host_copy
 from ..store import Tier
 from .checkpoint_buffers import BUFFERS, capture_buffers, encode_buffers
 from .checkpoint_chunks import ChunkFiles, InPlace, Shard, chunk_key, syncfs
-from .checkpoint_publish import (LOCK, PARTIAL, RECORD, PartialLock, is_committed, partial_of,
+from .checkpoint_publish import (LOCK, PARTIAL, RECORD, PartialLock, partial_of,
                                  prune, remove_partials)
 from .units import Group, Slot
 
@@ -637,7 +637,6 @@ class _SaveJob:
     def _run(self) -> None:
         engine, comm, tmp, path = self.engine, self.comm, self.tmp, self.path
         rank = comm.rank
-        parent = path.parent
         t0 = time.perf_counter()
         with engine.recorder.span("checkpoint save", cat="checkpoint", track="checkpoint",
                                   path=str(path)) as span:

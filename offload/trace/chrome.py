@@ -23,12 +23,11 @@ import json
 import math
 import numbers
 import os
-import tempfile
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from offload.files import check_directory
+from offload.files import check_directory, replace_atomically
 from offload.trace.analysis import (COMPUTE_TRACK, FETCH, TIER_COUNTER_PREFIX, parse_trace,
                                     prefetch_outcomes)
 from offload.trace.recorder import (ASYNC_BEGIN, ASYNC_END, COMPLETE, COUNTER, INSTANT,
@@ -235,24 +234,14 @@ def write_trace_dict(path: str | os.PathLike[str], trace: Mapping[str, Any]) -> 
     target = Path(path)
     check_directory(target.parent, "write_chrome_trace")
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    try:
-        with os.fdopen(fd, "wb") as raw:
-            if target.name.endswith(".gz"):
-                with gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as gz:
-                    gz.write(_encode(trace))
-            else:
-                raw.write(_encode(trace))
-            raw.flush()
-            os.fsync(raw.fileno())
-        os.replace(tmp_name, target)
-    except BaseException:
-        try:
-            os.unlink(tmp_name)
-        except FileNotFoundError:
-            pass
-        raise
-    _fsync_dir(target.parent)
+
+    def write(raw) -> None:
+        if target.name.endswith(".gz"):
+            with gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as gz:
+                gz.write(_encode(trace))
+        else:
+            raw.write(_encode(trace))
+    replace_atomically(target, write)
     return target
 
 
@@ -260,18 +249,6 @@ def _encode(trace: Mapping[str, Any]) -> bytes:
     return json.dumps(trace, separators=(",", ":"), allow_nan=False).encode("utf-8")
 
 
-def _fsync_dir(directory: Path) -> None:
-    # Makes the rename durable; some filesystems refuse to open a directory, which is fine.
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def load_chrome_trace(path: str | os.PathLike[str]) -> dict[str, Any]:

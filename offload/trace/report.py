@@ -25,13 +25,13 @@ import json
 import os
 import re
 import stat
-import tempfile
 import zlib
 from collections.abc import Iterable, Sequence
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from offload.files import replace_atomically
 from offload.trace.analysis import (COLLECTIVES, FETCH, OPTIM_UPDATE, PHASES, USE_WAIT,
                                     RankTrace, Span, Step, TraceFormatError, byte_count,
                                     bytes_moved,
@@ -488,21 +488,7 @@ def write_report(paths: Sequence[str | os.PathLike[str]], out: str | os.PathLike
     model = build_model(ranks, title=title or _title(paths),
                         sources=[Path(p).name for p in paths])
     html = render_html(model).encode("utf-8")
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp",
-                               dir=target.parent if str(target.parent) else ".")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(html)
-            f.flush()
-            os.fsync(f.fileno())  # the rename then never leaves an empty report after a crash
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, target)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
+    replace_atomically(target, lambda f: f.write(html), mode=0o644)
     return target
 
 
