@@ -22,6 +22,7 @@ from .absent import AbsentWeight
 from .checkpoint_reader import CheckpointReader
 from .engine import _DTYPES, _TIERS, OffloadEngine
 from .eviction import next_use_of
+from .lr_scheduler import make_scheduler
 from .meta import meta_device
 from .model_weights import guard_casts, guard_resize
 from .param_groups import assign_param_groups, segments_of
@@ -118,6 +119,7 @@ def initialize(model: nn.Module | Callable[[], nn.Module],
                resume: str | os.PathLike | None = None,
                lr_lambda: Callable[[int], float] | None = None,
                param_groups: Sequence[Mapping[str, Any]] | None = None,
+               lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
                recorder: TraceRecorder = NULL_RECORDER,
                progress: Callable[[int, int], None] | None = None) -> OffloadEngine:
     """Partitions `model` into groups, places each rank's partitions in their home
@@ -139,6 +141,9 @@ def initialize(model: nn.Module | Callable[[], nn.Module],
     `model` or names or fnmatch patterns, "lr", "betas", "eps", "weight_decay",
     "lr_lambda"}; replaces `optim.param_groups`. Parameters named by no group
     train with the `optim` section's values.
+    `lr_scheduler(optimizer) -> scheduler` (a torch or transformers scheduler of the
+    optimizer it is given): `engine.step()` steps it after each step that commits,
+    and checkpoints save and resume it (docs/engine.md#learning-rate-schedules).
     `progress(done, total)` is called after each group is placed.
     Under torch.distributed (torchrun), each rank keeps 1/world of every group.
     """
@@ -224,6 +229,12 @@ def initialize(model: nn.Module | Callable[[], nn.Module],
         store.wait_all()
         if resumed is not None:
             resumed.restore(engine)  # counters, loss scale, hyper-parameters, RNG
+            engine.resumed_extra = dict(resumed.extra)
+        if lr_scheduler is not None:  # [Note: the engine's scheduler] in lr_scheduler.py
+            engine.lr_scheduler = make_scheduler(
+                lr_scheduler, engine.optimizer,
+                resumed.record.get("lr_scheduler") if resumed is not None else None,
+                resumed is not None)
         for g in deferred:
             _drop_params(g, engine)
         for m in model.modules():

@@ -64,6 +64,7 @@ from .eviction import PendingUpdates, sooner_than
 from .forward_prefetch import ForwardOnlyPrefetch, arriving
 from .grad_slots import GradSlots
 from .grads import GradPartitions
+from .hyper_watch import HyperWatch
 from .in_place import pin_in_place, unpin_all, update_in_place
 from .interrupts import SafeInterrupts
 from .model_weights import ModelWeights
@@ -168,6 +169,9 @@ class OffloadEngine(ModelWeights, GradPartitions, nn.Module):
         # one thread: early updates run in the order backward produced the gradients
         self._updater = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-update")
         self._early: list[Future] = []
+        self._hyper_watch = HyperWatch()  # [Note: values written between backward and step]
+        self.lr_scheduler: Any = None  # [Note: the engine's scheduler] in lr_scheduler.py
+        self.resumed_extra: dict[str, Any] = {}  # the `extra` of the checkpoint resumed from
         self.pending_updates = PendingUpdates()  # [Note: the updates' order] in eviction.py
         # the open step's new partitions ([Note: all or nothing] in step.py)
         self.staged = StagedParams(store, self._param_tier)
@@ -206,6 +210,7 @@ class OffloadEngine(ModelWeights, GradPartitions, nn.Module):
                                  param_groups=param_groups, recorder=self.recorder,
                                  store=self.store,  # the store's swap file and I/O engine
                                  masters=not self.master_is_param)  # chunk buffers' layout
+        self._opt.set_zero_grad_hook(self.zero_grad)  # optimizer.zero_grad(), as torch's
 
     @property
     def optimizer(self) -> CpuAdam:
@@ -527,7 +532,7 @@ class OffloadEngine(ModelWeights, GradPartitions, nn.Module):
         """Early updates need no global value (no clipping, no loss scale) and NVMe state,
         which keeps its previous version for free (fresh extents; [Note: all or nothing])."""
         return (self.loss_scale == 1.0 and self.optimizer.early_update_allowed()
-                and self.cfg.engine.optimizer == "nvme")
+                and self.cfg.engine.optimizer == "nvme" and self._hyper_watch.early)
 
     def _update_group(self, gid: int, grad: torch.Tensor | None, norm: float | None,
                       active: list[bool] | None = None) -> None:
@@ -653,6 +658,8 @@ class OffloadEngine(ModelWeights, GradPartitions, nn.Module):
                                "to accumulate more micro-batches")
         if self.loss_scale != 1.0:
             loss = loss * self.loss_scale
+        if self._last_micro_step():
+            self._hyper_watch.backward_begins(self.optimizer)
         try:
             with self.recorder.span("backward", cat="compute", track="compute"):
                 self._in_backward = True
@@ -709,7 +716,8 @@ class OffloadEngine(ModelWeights, GradPartitions, nn.Module):
         self.unbind(st.group.gid)
 
     def step(self) -> bool:
-        """The optimizer step over every partition; returns False if it was skipped
+        """The optimizer step over every partition, then `lr_scheduler.step()` where
+        initialize was given one; returns False if it was skipped
         (fp16 overflow; with clipping on, a gradient norm that is not finite, in every
         dtype, with a warning), if no backward ran since the last step, or if this is
         not the last micro-step of `grad_accum_steps`.
@@ -737,13 +745,16 @@ class OffloadEngine(ModelWeights, GradPartitions, nn.Module):
                     "weights, Adam moments, step counts) and the step's gradients were "
                     "dropped: fix the cause and run the step's micro-batches again",
                     undone) from e
+        if done and self.lr_scheduler is not None:
+            self.lr_scheduler.step()
         return done
 
     def _step(self) -> bool:
         self.wait_for_checkpoint(raise_error=False)  # nothing changes before it has read
         self.trace.finish()
         early, self._early = self._early, []
-        errors = [f.exception() for f in early]  # waits for every one of them
+        errors = [self._hyper_watch.step_begins(self.optimizer, bool(early))]
+        errors += [f.exception() for f in early]  # waits for every one of them
         # [Note: ranks agree] in collectives.py: before the step's first collective
         self.comm.agree(next((e for e in errors if e is not None), None), "step()")
         gids = [g for g in sorted(self._has_grad) if ("g", g) in self.store]
@@ -800,6 +811,7 @@ class OffloadEngine(ModelWeights, GradPartitions, nn.Module):
                 st.flat.grad = None  # (an error, Ctrl-C): the next backward adds to it
             self._update_order = []
             self._backwards = 0
+            self._hyper_watch.forget()
         return sorted(undone)
 
     def _prefetch_state(self) -> None:

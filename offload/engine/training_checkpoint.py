@@ -94,6 +94,7 @@ from .checkpoint_buffers import BUFFERS, capture_buffers, encode_buffers
 from .checkpoint_chunks import ChunkFiles, InPlace, Shard, chunk_key, syncfs
 from .checkpoint_publish import (LOCK, PARTIAL, RECORD, PartialLock, partial_of,
                                  prune, remove_partials)
+from .lr_scheduler import scheduler_state
 from .units import Group, Slot
 
 log = logging.getLogger(__name__)
@@ -697,6 +698,10 @@ def save_checkpoint(engine: Any, path: str | os.PathLike, extra: dict[str, Any] 
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"save_checkpoint: extra must be JSON-serialisable, with keys "
                               f"of one type (strings): {e}") from e
+    try:
+        scheduler_state(getattr(engine, "lr_scheduler", None))
+    except ValueError as e:
+        raise CheckpointError(f"save_checkpoint: {e}") from e
     if path.name.endswith(PARTIAL) or path.name.endswith(PARTIAL + LOCK):
         raise CheckpointError(f"save_checkpoint: {path} ends in {PARTIAL!r}, the name of a "
                               "save in progress (removed by the next save); choose another "
@@ -794,4 +799,6 @@ def _record(engine: Any, table: dict, extra: dict) -> dict[str, Any]:
                              for k, grp in enumerate(engine.optimizer.param_groups)],
             "groups": [{"gid": g.gid, "numel": g.numel, "shard": g.shard,
                         "requires_grad": g.requires_grad} for g in engine.groups],
-            "tensors": table, "extra": extra}
+            "tensors": table, "extra": extra,
+            # [Note: the engine's scheduler] in lr_scheduler.py
+            "lr_scheduler": scheduler_state(getattr(engine, "lr_scheduler", None))}

@@ -44,7 +44,31 @@ step k: the number of committed rounds before this one (`steps`, 0 for the
 first), or the `schedule_step` the caller passes. Every update of a step uses
 lr * lr_lambda(k), whether or not the partition was updated in earlier steps:
 the same as LambdaLR stepped after each optimizer step. A scheduler of any
-other kind may instead write `param_groups[i]["lr"]`.
+other kind may instead write `param_groups[i]["lr"]`: torch's schedulers take
+the optimizer ([Note: what torch sees]).
+
+[Note: one set of values per round]
+Every update of a round uses each group's values as the round's first update
+of that group used them (lr after the schedule's multiplier, betas, eps,
+weight decay). A write between two updates of one round would train part of
+the step at one rate and the rest at another, which no torch step does; the
+engine updates groups during backward ([Note: early update] in engine.py), so
+a write between the last backward and `step()` is such a write. An update
+that would use other values than the round's earlier ones raises ValueError
+before it changes anything, and `durable()` (so `commit`) rolls back a round
+whose groups' values changed after they were used (OptimStepError).
+
+[Note: what torch sees]
+torch's LR schedulers (and transformers' schedules, built on LambdaLR) accept
+only a `torch.optim.Optimizer`, and use of it `param_groups` (a group's "lr",
+"initial_lr", "betas" for cyclic momentum), `defaults` and `step` (wrapped to
+check that the scheduler steps after it). So CpuAdam subclasses it without
+its `__init__`, which wants parameter tensors (a partition joins with
+`add_partition`; a group's "params" are partition ids): it keeps its own
+`param_groups`, `state_dict`/`load_state_dict` (snapshot.py) and `step`;
+`zero_grad` drops its owner's gradients (the engine's: `zero_grad_hook`),
+having none itself; torch's hooks and `add_param_group` are refused, as
+nothing would call them.
 
 [Note: segments]
 A partition is cut into segments (`add_partition(..., segments=...)`): the
@@ -64,6 +88,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterable, Mapping, Sequence
 
@@ -149,6 +174,37 @@ class _SpareBuffers:
                     self._free.setdefault((t.numel(), t.dtype), []).append(t.reshape(-1))
 
 
+_VALUE_NAMES = ("lr", "beta1", "beta2", "eps", "weight_decay", "lr_lambda")
+
+
+def _values(group: Mapping[str, Any]) -> tuple:
+    """A group's values, comparable with ==: numbers as floats (an lr may be a tensor)."""
+    def num(v: Any) -> Any:
+        try:
+            return float(v)
+        except (TypeError, ValueError):
+            return v  # refused by the update, naming it
+    betas = group["betas"]
+    b = tuple(betas) if isinstance(betas, (tuple, list)) and len(betas) == 2 else (betas, None)
+    return (num(group["lr"]), num(b[0]), num(b[1]), num(group["eps"]),
+            num(group["weight_decay"]), group["lr_lambda"])
+
+
+def value_change(used: tuple, now: tuple) -> str:
+    """What differs between two `_values`, e.g. "lr 0.01 -> 0.003"."""
+    return ", ".join(f"{n} {a!r} -> {b!r}" if n != "lr_lambda" else "lr_lambda replaced"
+                     for n, a, b in zip(_VALUE_NAMES, used, now) if a is not b and a != b)
+
+
+def _check_same(group: int, used: tuple, now: tuple) -> None:
+    """[Note: one set of values per round]"""
+    if value_change(used, now):
+        raise ValueError(f"param_groups[{group}] changed within one step "
+                         f"({value_change(used, now)}): updates of this step already used "
+                         "the first values; set a group's values before the step's updates "
+                         "begin")
+
+
 def _check_group(k: int, group: Mapping[str, Any], lr: float | None = None) -> None:
     """Raises ValueError where param group `k`'s values are ones torch.optim.AdamW refuses
     (`adam.hyper_error`); `lr`: the rate after the schedule's multiplier, where known."""
@@ -186,7 +242,7 @@ class StepResult:
     bytes_written: int = 0
 
 
-class CpuAdam(StateAccess):
+class CpuAdam(StateAccess, torch.optim.Optimizer):
     """Adam or AdamW (`config.name`) over flat fp32 partitions; see the module notes.
 
     Args:
@@ -218,6 +274,7 @@ class CpuAdam(StateAccess):
         self.max_grad_norm = cfg.max_grad_norm
         defaults = {"lr": cfg.lr, "betas": tuple(cfg.betas), "eps": cfg.eps,
                     "weight_decay": cfg.weight_decay, "lr_lambda": lr_lambda}
+        self.defaults = dict(defaults)  # [Note: what torch sees]
         self.param_groups: list[dict[str, Any]] = []
         for k, g in enumerate(param_groups or [{}]):
             unknown = set(g) - set(defaults)
@@ -245,6 +302,10 @@ class CpuAdam(StateAccess):
         # host partitions updated in the round: (step, copies of their state) before it
         self._backups: dict[Hashable, tuple[int, tuple]] = {}
         self._seg_backups: dict[Hashable, list[int]] = {}  # seg_steps before the round
+        # group -> its values the open round's updates used ([Note: one set of values
+        # per round])
+        self._round_values: dict[int, tuple] = {}
+        self._zero_grad_hook: Callable[[], Any] | None = None
         self._spare = _SpareBuffers()  # [Note: the copies' buffers]
         self.steps = 0  # committed rounds: the schedule's step ([Note: learning-rate schedule])
         self._lock = threading.RLock()
@@ -508,6 +569,8 @@ class CpuAdam(StateAccess):
         """
         with self._lock:
             try:
+                for group, used in self._round_values.items():
+                    _check_same(group, used, _values(self.param_groups[group]))
                 if self._pipeline is not None:
                     self._pipeline.durable()
             except Exception as e:
@@ -526,9 +589,11 @@ class CpuAdam(StateAccess):
                 self._pipeline.commit()  # its writes are durable: installs, cannot fail
             if self._round:
                 self.steps += 1
+            self._opt_called = True  # torch's schedulers check they step after this
             self._drop_backups()
             self._seg_backups.clear()
             self._round.clear()
+            self._round_values.clear()
             self._final.clear()
 
     def _drop_backups(self) -> None:
@@ -557,6 +622,7 @@ class CpuAdam(StateAccess):
             self._drop_backups()
             self._seg_backups.clear()
             self._round.clear()
+            self._round_values.clear()
             self._final.clear()
             if final:
                 raise RuntimeError(f"partition(s) {final[:8]} were updated with final=True: "
@@ -609,8 +675,14 @@ class CpuAdam(StateAccess):
             parts, g, out, mins = self._check_inputs(grads, params_out or {}, masters or {})
             if not parts:  # e.g. step() after every partition was updated early
                 return StepResult(False, (), grad_norm, 1.0, loss_scale, 0.0)
-            runs = {p.pid: self._runs(p, (active or {}).get(p.pid), schedule_step)
+            k = self.steps if schedule_step is None else schedule_step
+            hypers: dict[int, AdamHyper] = {}
+            runs = {p.pid: self._runs(p, (active or {}).get(p.pid), k, hypers)
                     for p in parts}  # checks `active` before anything changes
+            now = {group: _values(self.param_groups[group]) for group in hypers}
+            for group, v in now.items():  # [Note: one set of values per round]
+                if group in self._round_values:
+                    _check_same(group, self._round_values[group], v)
             whole = not self._round and len(parts) == len(self._parts)
             if not whole and self.max_grad_norm > 0 and grad_norm is None:
                 raise ValueError("update of part of a step with clipping on needs grad_norm "
@@ -630,6 +702,8 @@ class CpuAdam(StateAccess):
                 updated = self._run(parts, g, out, mins, sc.grad_scale, next_pid, final, runs)
             except Exception as e:
                 raise self._failed_round(e, sc.grad_norm, [p.pid for p in parts]) from e
+            for group, v in now.items():
+                self._round_values.setdefault(group, v)
             r1, w1 = self._io_counters()
             return StepResult(False, tuple(updated), sc.grad_norm, sc.clip_coef, sc.grad_scale,
                               time.perf_counter() - t0, r1 - r0, w1 - w0)
@@ -661,6 +735,11 @@ class CpuAdam(StateAccess):
                 raise ValueError(f"partition {p.pid!r} keeps its own master: pass no masters")
         return parts, g, out, mins
 
+    def values(self) -> list[tuple]:
+        """Each group's values as an update would read them now: lr, beta1, beta2, eps,
+        weight_decay, lr_lambda."""
+        return [_values(g) for g in self.param_groups]
+
     def _hyper(self, group: int, schedule_step: int) -> AdamHyper:
         grp = self.param_groups[group]
         _check_group(group, grp)  # its values may have been written since
@@ -672,15 +751,14 @@ class CpuAdam(StateAccess):
         return AdamHyper(lr, float(b1), float(b2), float(grp["eps"]),
                          float(grp["weight_decay"]), self.decoupled)
 
-    def _runs(self, part: PartitionState, active: Sequence[bool] | None,
-              schedule_step: int | None) -> list[tuple[int, int, AdamHyper | None, int]]:
+    def _runs(self, part: PartitionState, active: Sequence[bool] | None, k: int,
+              hypers: dict[int, AdamHyper]) -> list[tuple[int, int, AdamHyper | None, int]]:
         """(first element, elements, hyper-parameters or None to leave alone, segment
-        step) of the partition's update, neighbours merged ([Note: segments])."""
+        step) of the partition's update, neighbours merged ([Note: segments]); each
+        group's values at schedule step `k` are computed once, into `hypers`."""
         if active is not None and len(active) != len(part.segments):
             raise ValueError(f"active of {part.pid!r}: {len(active)} flags, the partition has "
                              f"{len(part.segments)} segments")
-        k = self.steps if schedule_step is None else schedule_step
-        hypers: dict[int, AdamHyper] = {}  # one per group: segments may be many
         runs: list[list] = []
         for i, seg in enumerate(part.segments):
             on = active is None or bool(active[i])
@@ -760,6 +838,35 @@ class CpuAdam(StateAccess):
         for p in nvme:
             self._count_segments(p, runs[p.pid], final=False)
         return done
+
+    # -- what torch's schedulers see ([Note: what torch sees]) -------------------------
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drops the gradients of the step in progress where an owner keeps them (the
+        engine's `zero_grad`); this optimizer keeps none (`update` takes them)."""
+        hook = self._zero_grad_hook() if self._zero_grad_hook is not None else None
+        if hook is not None:
+            hook()
+
+    def set_zero_grad_hook(self, method: Callable[[], Any]) -> None:
+        """`zero_grad()` calls the bound `method` while its object lives (held weakly)."""
+        self._zero_grad_hook = weakref.WeakMethod(method)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        raise TypeError("CpuAdam's groups are fixed when it is made: pass every group as "
+                        "param_groups (offload.initialize(..., param_groups=[...])), and add "
+                        "partitions with add_partition")
+
+    def _no_hooks(self, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError("CpuAdam does not run torch.optim.Optimizer's hooks; wrap "
+                        "engine.step() instead")
+
+    register_step_pre_hook = register_step_post_hook = _no_hooks
+    register_state_dict_pre_hook = register_state_dict_post_hook = _no_hooks
+    register_load_state_dict_pre_hook = register_load_state_dict_post_hook = _no_hooks
+
+    def __getstate__(self) -> dict[str, Any]:
+        raise TypeError("CpuAdam holds open files and threads and cannot be pickled; save "
+                        "state_dict() (or the engine's save_checkpoint)")
 
     # -- closing ----------------------------------------------------------------
     def close(self) -> None:

@@ -554,3 +554,57 @@ def test_host_rounds_copy_into_the_last_rounds_buffers_and_still_roll_back():
     ref.step(grads_for(numels, 4))
     opt.step(grads_for(numels, 4))
     _assert_same_state(ref, opt, numels)
+
+
+@pytest.mark.parametrize("tier", ["host", "nvme"])
+def test_a_round_uses_one_set_of_values_per_group(swap, pool, tier):
+    """[Note: one set of values per round]: an lr written between two updates of one
+    round is refused before the second changes anything, and one written after the
+    round's updates fails its commit, which rolls the whole round back."""
+    masters = _masters(71, 2)
+    numels = {pid: m.numel() for pid, m in masters.items()}
+    opt = make_opt(_cfg(3), masters, tier, swap, pool)
+    ref = make_opt(_cfg(3), masters)
+    p0, p1 = list(numels)[:2]
+    g = grads_for(numels, 0)
+    opt.update({p0: g[p0]})
+    opt.param_groups[0]["lr"] = 3e-3
+    with pytest.raises(ValueError, match=r"param_groups\[0\] changed within one step "
+                                         r"\(lr 0.01 -> 0.003\)"):
+        opt.update({p1: g[p1]})
+    _assert_same_state(opt, ref, [p1])
+    with pytest.raises(OptimStepError, match="changed within one step"):
+        opt.commit()
+    _assert_same_state(opt, ref, numels)  # the round was rolled back, p0 included
+    assert opt.steps == 0
+    opt.step(g)  # one set of values: steps as torch would at the new rate
+    ref.param_groups[0]["lr"] = 3e-3
+    ref.step(g)
+    _assert_same_state(opt, ref, numels)
+    opt.close()
+    ref.close()
+
+
+def test_torch_schedulers_take_the_optimizer():
+    """[Note: what torch sees]"""
+    masters = _masters(72, 1)
+    opt = make_opt(_cfg(3), masters)
+    ref = torch.optim.AdamW([torch.nn.Parameter(m.clone()) for m in masters.values()],
+                            lr=1e-2, weight_decay=0.1)
+    s = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=4)
+    s_ref = torch.optim.lr_scheduler.OneCycleLR(ref, max_lr=0.1, total_steps=4)
+    numels = {pid: m.numel() for pid, m in masters.items()}
+    for k in range(3):
+        g = grads_for(numels, k)
+        for p, gg in zip(ref.param_groups[0]["params"], g.values()):
+            p.grad = gg.clone()
+        ref.step()
+        opt.step(g)
+        s.step()
+        s_ref.step()
+        assert opt.param_groups[0]["lr"] == ref.param_groups[0]["lr"]
+        assert opt.param_groups[0]["betas"] == ref.param_groups[0]["betas"]
+    for p, pid in zip(ref.param_groups[0]["params"], numels):
+        torch.testing.assert_close(opt.partition_state(pid)["master"], p.detach(),
+                                   atol=1e-6, rtol=0)
+    opt.close()

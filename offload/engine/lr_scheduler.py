@@ -1,0 +1,83 @@
+"""An LR scheduler the engine steps and checkpoints (`initialize(..., lr_scheduler=)`).
+
+[Note: the engine's scheduler]
+A torch or transformers scheduler takes `engine.optimizer` ([Note: what torch
+sees] in optim/optimizer.py), and a loop may step it itself. Resuming one by
+hand has a trap: `initialize(resume=...)` restores each group's lr before the
+loop can make its scheduler, and making one writes its first rate (e.g. 0 at
+the start of a warm-up) over it; `scheduler.load_state_dict` then restores
+the scheduler but writes no rate, so the first step after a resume trains at
+the wrong one. (torch's loops avoid it by loading the optimizer's state after
+making the scheduler.) So `initialize` takes a factory, as DeepSpeed does:
+
+- it makes the scheduler once the optimizer's values are final (after a
+  resume restored them); `engine.lr_scheduler` is it;
+- `engine.step()` steps it after each step that commits (not after a skipped
+  one: fp16 overflow, a non-finite norm);
+- `save_checkpoint` saves its `state_dict()` in the commit record (it must be
+  JSON-serialisable, as `extra`), and a resume loads it, then puts back the
+  rates the checkpoint saved.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any, Callable
+
+import torch
+
+from ..config import ConfigError
+
+log = logging.getLogger(__name__)
+
+__all__ = ["make_scheduler", "scheduler_state"]
+
+
+def make_scheduler(factory: Callable[[torch.optim.Optimizer], Any],
+                   optimizer: torch.optim.Optimizer, saved: dict | None,
+                   resumed: bool) -> Any:
+    """`factory(optimizer)`, checked, with `saved` (its state in the checkpoint resumed
+    from) loaded. Raises ConfigError for something the engine cannot step."""
+    if not callable(factory):
+        raise ConfigError(f"initialize: lr_scheduler must be a function of the optimizer "
+                          f"(e.g. lambda opt: get_cosine_schedule_with_warmup(opt, 100, "
+                          f"1000)), not {type(factory).__name__}")
+    rates = [g["lr"] for g in optimizer.param_groups]  # as resumed: its first making writes
+    scheduler = factory(optimizer)
+    if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        raise ConfigError("initialize: lr_scheduler ReduceLROnPlateau needs a metric at each "
+                          "step, which engine.step() does not have; make it yourself from "
+                          "engine.optimizer and call its step(metric)")
+    missing = [m for m in ("step", "state_dict", "load_state_dict")
+               if not callable(getattr(scheduler, m, None))]
+    if missing or getattr(scheduler, "optimizer", optimizer) is not optimizer:
+        raise ConfigError(f"initialize: lr_scheduler(optimizer) returned "
+                          f"{type(scheduler).__name__}, "
+                          + (f"which lacks {', '.join(missing)}" if missing else
+                             "a scheduler of another optimizer")
+                          + "; return a torch.optim.lr_scheduler scheduler of the optimizer "
+                          "it is given")
+    if saved is not None:
+        scheduler.load_state_dict(saved)
+        for g, lr in zip(optimizer.param_groups, rates):
+            g["lr"] = lr
+    elif resumed:
+        log.warning("the checkpoint resumed from holds no lr_scheduler state (it was saved "
+                    "without one): the scheduler starts from its beginning")
+    return scheduler
+
+
+def scheduler_state(scheduler: Any) -> dict | None:
+    """The scheduler's state as the commit record holds it; CheckpointError-worthy
+    ValueError where it is not JSON-serialisable."""
+    if scheduler is None:
+        return None
+    state = scheduler.state_dict()
+    try:
+        return json.loads(json.dumps(state))
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"the lr_scheduler's state_dict() must be JSON-serialisable to be "
+                         f"saved in the checkpoint ({type(scheduler).__name__}: {e}); a "
+                         "LambdaLR's lambdas should be functions, not objects holding "
+                         "tensors") from e
