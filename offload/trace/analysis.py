@@ -13,13 +13,15 @@ lists them. [Note: prefetch outcome] says how a use of a record is classified.
 from __future__ import annotations
 
 import math
+from bisect import bisect_left, bisect_right
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import Any
 
 __all__ = ["Instant", "RankTrace", "Span", "Step", "TraceFormatError", "UseOutcome",
-           "byte_count", "bytes_moved", "exposed_time", "finite", "intersect_length",
-           "parse_trace", "prefetch_outcomes",
+           "StepIndex", "byte_count", "bytes_moved", "bytes_moved_per_step", "exposed_time",
+           "exposed_times", "finite", "intersect_length", "parse_trace", "prefetch_outcomes",
            "steps_of", "tier_occupancy", "union", "union_length"]
 
 COMPUTE_TRACK = "compute"
@@ -295,6 +297,23 @@ def intersect_length(xs: list[tuple[float, float]], ys: list[tuple[float, float]
     return sum(b - a for a, b in intersection(xs, ys))
 
 
+class _Covered:
+    """A disjoint sorted interval list (from :func:`union`) whose length inside any
+    window is two bisections, not a pass: a report of many steps asks it per step."""
+
+    def __init__(self, intervals: list[tuple[float, float]]) -> None:
+        self.starts = [a for a, _ in intervals]
+        self.ends = [b for _, b in intervals]
+        self.before = [0.0, *accumulate(b - a for a, b in intervals)]
+
+    def _upto(self, t: float) -> float:
+        k = bisect_right(self.starts, t)
+        return self.before[k] - max(0.0, self.ends[k - 1] - t) if k else 0.0
+
+    def within(self, a: float, b: float) -> float:
+        return max(0.0, self._upto(b) - self._upto(a)) if b > a else 0.0
+
+
 # -- steps ---------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Step:
@@ -308,6 +327,29 @@ class Step:
 
     def holds(self, t: float) -> bool:
         return self.start <= t <= self.end
+
+
+class StepIndex:
+    """Which of ``steps`` hold a time (``Step.holds``), by bisection over their starts:
+    a trace of many steps is classified in one pass, not one pass per step. Steps
+    may overlap (each holding the time is named)."""
+
+    def __init__(self, steps: list[Step]) -> None:
+        self.steps = steps
+        self._order = sorted(range(len(steps)), key=lambda i: steps[i].start)
+        self._starts = [steps[i].start for i in self._order]
+        self._reach = list(accumulate((steps[i].end for i in self._order), max))
+
+    def holding(self, t: float) -> list[int]:
+        """Indices into ``steps`` of the steps holding ``t``, in no set order."""
+        out = []
+        j = bisect_right(self._starts, t) - 1
+        while j >= 0 and self._reach[j] >= t:  # an earlier step may still reach t
+            i = self._order[j]
+            if self.steps[i].end >= t:
+                out.append(i)
+            j -= 1
+        return out
 
 
 def steps_of(rt: RankTrace) -> list[Step]:
@@ -337,28 +379,34 @@ def exposed_time(rt: RankTrace, step: Step) -> dict[str, float]:
     thread, and the part of the optimizer phase (``optimizer step`` spans) in which
     no CPU Adam update computes; less the collective waits inside them.
     """
+    return exposed_times(rt, [step])[0]
+
+
+def exposed_times(rt: RankTrace, steps: list[Step]) -> list[dict[str, float]]:
+    """:func:`exposed_time` of each of ``steps``: the rank's waits are gathered once."""
     comm = union((s.start, s.end) for s in rt.spans if is_collective_wait(s))
     io_parts = [(s.start, s.end) for s in rt.spans
                 if s.cat == "wait" and (s.name == USE_WAIT or (
                     s.track == MAIN_THREAD_TRACK and not is_collective_wait(s)))]
     updates = union((s.start, s.end) for s in rt.spans if s.name == OPTIM_UPDATE)
+    update_ends = [b for _, b in updates]
     for s in rt.spans:
         if s.name == "optimizer step" and s.cat == "compute":
-            io_parts.extend(_gaps((s.start, s.end), updates))
-    clip = [(step.start, step.end)]
+            io_parts.extend(_gaps((s.start, s.end), updates, update_ends))
     io = union(io_parts)
-    io_clipped = union((max(a, step.start), min(b, step.end)) for a, b in io)
-    comm_clipped = union((max(a, step.start), min(b, step.end)) for a, b in comm)
-    return {"comm": intersect_length(comm_clipped, clip),
-            "io": union_length(io_clipped) - intersect_length(io_clipped, comm_clipped)}
+    comm_at, io_at, both_at = _Covered(comm), _Covered(io), _Covered(intersection(io, comm))
+    return [{"comm": comm_at.within(st.start, st.end),
+             "io": io_at.within(st.start, st.end) - both_at.within(st.start, st.end)}
+            for st in steps]
 
 
-def _gaps(window: tuple[float, float], covered: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    """Parts of ``window`` not in the disjoint sorted ``covered``."""
+def _gaps(window: tuple[float, float], covered: list[tuple[float, float]],
+          ends: list[float]) -> list[tuple[float, float]]:
+    """Parts of ``window`` not in the disjoint sorted ``covered`` (``ends``: their ends)."""
     out, at = [], window[0]
-    for a, b in covered:
-        if b <= at or a >= window[1]:
-            continue
+    for a, b in covered[bisect_right(ends, at):]:
+        if a >= window[1]:
+            break
         if a > at:
             out.append((at, a))
         at = max(at, b)
@@ -373,22 +421,32 @@ def bytes_moved(rt: RankTrace, step: Step) -> dict[str, Any]:
     ones still in flight when the trace ended are left out): store moves by direction
     (``NVME->HOST`` ...), NVMe reads and writes of the I/O engines (``nvme_read``,
     ``nvme_write``) with the time each had a request in flight (``*_busy_us``)."""
-    moves: dict[str, int] = {}
-    busy: dict[str, list[tuple[float, float]]] = {"read": [], "write": []}
-    nvme = {"read": 0, "write": 0}
+    return bytes_moved_per_step(rt, [step])[0]
+
+
+def bytes_moved_per_step(rt: RankTrace, steps: list[Step]) -> list[dict[str, Any]]:
+    """:func:`bytes_moved` of each of ``steps``, in one pass over the rank's spans."""
+    moves: list[dict[str, int]] = [{} for _ in steps]
+    busy = [{"read": [], "write": []} for _ in steps]
+    nvme = [{"read": 0, "write": 0} for _ in steps]
+    index = StepIndex(steps)
     for s in rt.spans:
-        if not s.is_async or not step.holds(s.start) or s.args.get("error") \
-                or s.args.get("unfinished"):
+        if not s.is_async or s.args.get("error") or s.args.get("unfinished"):
+            continue
+        store = s.cat == "store" and "->" in s.name
+        if not (store or (s.cat == "io" and s.name in ("read", "write"))):
             continue
         n = byte_count(s.args.get("bytes"))
-        if s.cat == "store" and "->" in s.name:
-            moves[s.name] = moves.get(s.name, 0) + n
-        elif s.cat == "io" and s.name in nvme:
-            nvme[s.name] += n
-            busy[s.name].append((s.start, s.end))
-    return {"moves": dict(sorted(moves.items())), "nvme_read": nvme["read"],
-            "nvme_write": nvme["write"], "read_busy_us": union_length(busy["read"]),
-            "write_busy_us": union_length(busy["write"])}
+        for k in index.holding(s.start):
+            if store:
+                moves[k][s.name] = moves[k].get(s.name, 0) + n
+            else:
+                nvme[k][s.name] += n
+                busy[k][s.name].append((s.start, s.end))
+    return [{"moves": dict(sorted(m.items())), "nvme_read": v["read"],
+             "nvme_write": v["write"], "read_busy_us": union_length(b["read"]),
+             "write_busy_us": union_length(b["write"])}
+            for m, v, b in zip(moves, nvme, busy)]
 
 
 def byte_count(value: Any) -> int:
@@ -434,10 +492,15 @@ class UseOutcome:
 
 def prefetch_outcomes(rt: RankTrace) -> list[UseOutcome]:
     """One outcome per use of a record, in time order; see [Note: prefetch outcome]."""
-    fetches: dict[str, list[Span]] = {}
+    fetches: dict[str, list[Span]] = {}  # per record, the fetches that moved bytes
     for s in rt.spans:
-        if s.name == FETCH and s.cat == FETCH and not s.args.get("error"):
+        if s.name == FETCH and s.cat == FETCH and not s.args.get("error") \
+                and s.args.get("steps"):
             fetches.setdefault(str(s.args.get("key")), []).append(s)
+    starts: dict[str, list[float]] = {}
+    for key, mine in fetches.items():
+        mine.sort(key=lambda f: f.start)  # stable: spans come sorted already
+        starts[key] = [f.start for f in mine]
     out: list[UseOutcome] = []
     last_end: dict[str, float] = {}
     for u in rt.spans:
@@ -446,21 +509,20 @@ def prefetch_outcomes(rt: RankTrace) -> list[UseOutcome]:
         key = str(u.args.get("key"))
         after = last_end.get(key, -math.inf)
         last_end[key] = u.end
-        mine = fetches.get(key, ())
-        ahead = [f for f in mine if after <= f.start < u.start and f.args.get("steps")]
+        mine, at = fetches.get(key, []), starts.get(key, [])
+        i = bisect_left(at, u.start)  # mine[:i] began before the use
         waited = u.dur
-        if ahead:
-            f = ahead[-1]
+        if i and mine[i - 1].start >= after:  # the latest issued ahead, since the last use
+            f = mine[i - 1]
             if f.end <= u.start:
                 out.append(UseOutcome(key, u.start, u.end, "in time", u.start - f.end, waited,
                                       f.start, f.end))
             else:
                 out.append(UseOutcome(key, u.start, u.end, "late", 0.0, waited, f.start, f.end))
             continue
-        inside = [f for f in mine if u.start <= f.start <= u.end and f.args.get("steps")]
-        if inside:
+        if i < len(mine) and mine[i].start <= u.end:  # the first issued inside it
             out.append(UseOutcome(key, u.start, u.end, "on demand", 0.0, waited,
-                                  inside[0].start, inside[0].end))
+                                  mine[i].start, mine[i].end))
         else:
             out.append(UseOutcome(key, u.start, u.end, "resident", 0.0, waited, None, None))
     return out

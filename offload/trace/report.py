@@ -33,10 +33,10 @@ from typing import Any
 
 from offload.files import replace_atomically
 from offload.trace.analysis import (COLLECTIVES, FETCH, OPTIM_UPDATE, PHASES, USE_WAIT,
-                                    RankTrace, Span, Step, TraceFormatError, byte_count,
-                                    bytes_moved,
-                                    exposed_time, finite, is_collective_wait, parse_trace,
-                                    prefetch_outcomes, steps_of, tier_occupancy)
+                                    RankTrace, Span, Step, StepIndex, TraceFormatError,
+                                    byte_count, bytes_moved_per_step, exposed_times, finite,
+                                    is_collective_wait, parse_trace, prefetch_outcomes,
+                                    steps_of, tier_occupancy)
 
 __all__ = ["ReportInputError", "build_model", "default_report_path", "is_report",
            "load_traces", "render_html", "write_report"]
@@ -280,22 +280,29 @@ def _group_lanes(rt: RankTrace, gid: str, origin: float, strings: _Strings) -> l
     return lanes
 
 
-def _step_summary(rt: RankTrace, step: Step) -> dict[str, Any]:
-    exposed = exposed_time(rt, step)
-    moved = bytes_moved(rt, step)
-    phases = {p: sum(s.dur for s in rt.spans if s.name == p and s.cat == "compute"
-                     and step.holds(s.start)) for p in PHASES}
-    out: dict[str, Any] = {
-        "label": step.label, "start": step.start, "step_us": step.dur,
-        "phases_us": phases, "exposed_io_us": exposed["io"], "exposed_comm_us": exposed["comm"],
-        "moves": moved["moves"], "nvme_read": moved["nvme_read"],
-        "nvme_write": moved["nvme_write"], "read_busy_us": moved["read_busy_us"],
-        "write_busy_us": moved["write_busy_us"],
-    }
-    for op in ("read", "write"):
-        n, busy = moved[f"nvme_{op}"], moved[f"{op}_busy_us"]
-        out[f"{op}_GBps_busy"] = n / busy / 1e3 if busy > 0 else None
-        out[f"{op}_GBps_step"] = n / step.dur / 1e3 if step.dur > 0 else None
+def _step_summaries(rt: RankTrace, steps: list[Step]) -> list[dict[str, Any]]:
+    """Each step's figures; each pass over the rank's spans serves every step."""
+    index = StepIndex(steps)
+    phases = [dict.fromkeys(PHASES, 0.0) for _ in steps]
+    for s in rt.spans:
+        if s.name in PHASES and s.cat == "compute":
+            for k in index.holding(s.start):
+                phases[k][s.name] += s.dur
+    out = []
+    for step, exposed, moved, ph in zip(steps, exposed_times(rt, steps),
+                                        bytes_moved_per_step(rt, steps), phases):
+        row: dict[str, Any] = {
+            "label": step.label, "start": step.start, "step_us": step.dur,
+            "phases_us": ph, "exposed_io_us": exposed["io"],
+            "exposed_comm_us": exposed["comm"], "moves": moved["moves"],
+            "nvme_read": moved["nvme_read"], "nvme_write": moved["nvme_write"],
+            "read_busy_us": moved["read_busy_us"], "write_busy_us": moved["write_busy_us"],
+        }
+        for op in ("read", "write"):
+            n, busy = moved[f"nvme_{op}"], moved[f"{op}_busy_us"]
+            row[f"{op}_GBps_busy"] = n / busy / 1e3 if busy > 0 else None
+            row[f"{op}_GBps_step"] = n / step.dur / 1e3 if step.dur > 0 else None
+        out.append(row)
     return out
 
 
@@ -328,14 +335,16 @@ def _prefetch(rt: RankTrace, steps: list[Step], origin: float,
              _r(u.slack_us), _r(u.waited_us),
              None if u.issued is None else _r(u.issued - origin),
              None if u.arrived is None else _r(u.arrived - origin)] for u in uses]
-    totals = []
-    for st in steps:
-        t: dict[str, Any] = {"label": st.label}
-        for o in OUTCOMES:
-            mine = [u for u in uses if u.outcome == o and st.holds(u.use)]
-            t[o] = {"count": len(mine), "slack_us": sum(u.slack_us for u in mine),
-                    "waited_us": sum(u.waited_us for u in mine)}
-        totals.append(t)
+    totals: list[dict[str, Any]] = [
+        {"label": st.label, **{o: {"count": 0, "slack_us": 0.0, "waited_us": 0.0}
+                               for o in OUTCOMES}} for st in steps]
+    index = StepIndex(steps)
+    for u in uses:
+        for k in index.holding(u.use):
+            t = totals[k][u.outcome]
+            t["count"] += 1
+            t["slack_us"] += u.slack_us
+            t["waited_us"] += u.waited_us
     has_fetches = any(s.name == FETCH and s.cat == FETCH for s in rt.spans)
     return {"uses": rows, "totals": totals, "hasFetches": has_fetches}
 
@@ -380,7 +389,7 @@ def build_model(ranks: list[RankTrace], *, title: str = "",
         summary.append({"group": gid, "label": label, "rank": rt.rank,
                         "predicted": rt.predicted, "disk": _disk(rt.info),
                         "reference_step_s": _reference_step(rt.info),
-                        "steps": [_step_summary(rt, s) for s in steps]})
+                        "steps": _step_summaries(rt, steps)})
         prefetch.append({"group": gid, "label": label, **_prefetch(rt, steps, origin, strings)})
     for s in summary:
         for st in s["steps"]:
