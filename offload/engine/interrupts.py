@@ -6,7 +6,8 @@ bookkeeping it is not: a move registered and not yet queued waits forever, a
 pin taken and not yet recorded is never given back, and the engine is unusable
 or trains on wrong state. So while an engine call runs (`engine(...)`,
 `backward`, `step`, `zero_grad`, `generate`, the model called directly,
-`state_dict`, `load_state_dict`, `save_pretrained`, a blocking save), the
+`state_dict`, `load_state_dict`, `save_pretrained`, a blocking save, the
+gathering and the write-back of a `full_weights` block: `around_user_block`), the
 engine's SIGINT handler looks at the line it interrupted: in offload's code it
 notes the interrupt and returns, and the KeyboardInterrupt is raised at the next
 safe point instead: the start of the next unit's hook, or the end of the call.
@@ -30,14 +31,15 @@ import contextlib
 import functools
 import os
 import signal
+import sys
 import sysconfig
 import threading
 from types import FrameType
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, ContextManager, Iterator
 
 import torch
 
-__all__ = ["SafeInterrupts", "guarded"]
+__all__ = ["SafeInterrupts", "around_user_block", "guarded"]
 
 _OFFLOAD = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 # code that runs on behalf of its caller: a frame of it belongs to whoever called it
@@ -152,3 +154,29 @@ def guarded(method: Callable) -> Callable:
         with self._interrupts.held():
             return method(self, *args, **kwargs)
     return call
+
+
+@contextlib.contextmanager
+def around_user_block(interrupts: SafeInterrupts, cm: ContextManager[Any]) -> Iterator[Any]:
+    """`with cm:` where `cm`'s entry and exit are the engine's work (a Ctrl-C inside
+    them comes at their end, as in an engine call) and the block between is the
+    user's code (one there comes at once): `engine.full_weights()`."""
+    entered = False
+    try:
+        with interrupts.held():
+            value = cm.__enter__()
+            entered = True
+    except BaseException:
+        if entered:  # a Ctrl-C noted on the way in: out again (nothing written), then it
+            with interrupts.held():
+                cm.__exit__(*sys.exc_info())
+        raise
+    try:
+        yield value
+    except BaseException as e:
+        with interrupts.held():
+            if cm.__exit__(type(e), e, e.__traceback__):
+                return
+        raise
+    with interrupts.held():
+        cm.__exit__(None, None, None)

@@ -23,7 +23,7 @@ from torch.nn.modules.module import _IncompatibleKeys
 
 from ..config import parse_bytes
 from .full_weights import groups_of, read_group, slot_tensors, summoned, write_group
-from .interrupts import guarded
+from .interrupts import around_user_block, guarded
 from .params_view import state_entries
 from .safetensors_writer import TensorSpec, write_shards
 
@@ -188,14 +188,15 @@ class ModelWeights:
         with `named_weights()`. Forward passes inside the block use the weights as
         they were when it began."""
         self._check_open()
-        groups = self._summonable(modules, writable, "full_weights")
+        with self._interrupts.held():  # [Note: Ctrl-C at a safe point] in interrupts.py
+            groups = self._summonable(modules, writable, "full_weights")
         need = sum(g.padded * 4 for g in groups)
         if need > self.cfg.store.host_budget:
             raise ValueError(f"full_weights: the selected weights take {need} bytes in fp32, "
                              f"more than store.host_budget ({self.cfg.store.host_budget}); "
                              "pass fewer modules (e.g. one layer per block), or go group by "
                              "group with engine.full_weights_by_group()")
-        with summoned(self, groups, writable) as named:
+        with around_user_block(self._interrupts, summoned(self, groups, writable)) as named:
             yield named
 
     def full_weights_by_group(self, modules: Iterable[nn.Module | str] | nn.Module | str
@@ -208,8 +209,10 @@ class ModelWeights:
         first. Leaving the loop early (break, an error) discards the current
         group's edits; groups done before it stay written."""
         self._check_open()
-        for g in self._summonable(modules, writable, "full_weights_by_group"):
-            with summoned(self, [g], writable) as named:
+        with self._interrupts.held():
+            groups = self._summonable(modules, writable, "full_weights_by_group")
+        for g in groups:
+            with around_user_block(self._interrupts, summoned(self, [g], writable)) as named:
                 yield named
 
     def _summonable(self, modules: Any, writable: bool, what: str) -> list:
@@ -228,8 +231,9 @@ class ModelWeights:
         self._check_open()
         names = self._slot_names()
         for g in self.groups:
-            full = read_group(self, g)
-            for i, t in enumerate(slot_tensors(self, g, full)):
+            with self._interrupts.held():  # the caller's loop body runs between groups
+                tensors = slot_tensors(self, g, read_group(self, g))
+            for i, t in enumerate(tensors):
                 for name in names[(g.gid, i)]:
                     yield name, t
 

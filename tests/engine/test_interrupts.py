@@ -7,6 +7,7 @@ line's frame, as Python would for a signal arriving there: each case is one exac
 point. After it, the engine keeps working, and its weights equal those of an
 engine that ran only the steps that committed."""
 
+import contextlib
 import copy
 import random
 import signal
@@ -261,6 +262,63 @@ def test_ctrl_c_in_a_call_between_steps_comes_at_its_end(engine_cfg, tmp_path, o
             after = _weights(engine)
             for n in before:
                 assert torch.equal(after[n], before[n]), (n, at.fired)
+            _step(engine, x)
+            engine.save_checkpoint(sub / "again")
+            want = _weights(engine)
+        finally:
+            engine.close()
+        cfg = engine_cfg(*PLACEMENTS[1], group_size=4200)
+        cfg["io"]["paths"] = [str(sub / "resumed")]
+        with offload.initialize(_model(), cfg, resume=sub / "again") as resumed:
+            got = _weights(resumed)
+        for n in want:
+            assert torch.equal(got[n], want[n]), (n, at.fired)
+
+
+@pytest.mark.parametrize("op", ["read", "writable", "by_group", "named_weights"])
+def test_ctrl_c_in_a_full_weights_block_s_own_work_comes_at_its_end(engine_cfg, tmp_path, op):
+    """`with engine.full_weights(...)` (also group by group, and `named_weights()`): a
+    SIGINT at sampled lines of the store's code as it gathers or writes back weights
+    raises when that part ends. The weights are then as before the block or, where the
+    write-back was under way, as the block left them (never part of a group), and
+    training, a save and its resume go on."""
+    writable = op in ("writable", "by_group")
+
+    def block(engine):
+        if op == "named_weights":
+            dict(engine.named_weights())
+            return
+        blocks = (engine.full_weights_by_group(writable=True) if op == "by_group"
+                  else [engine.full_weights(writable=writable)])
+        for b in blocks:
+            with (b if op != "by_group" else contextlib.nullcontext(b)) as w:
+                if writable:
+                    for t in w.values():
+                        t.data.add_(1.0)
+    x = torch.randn(8, 64)
+    engine = _engine(engine_cfg, PLACEMENTS[1], _model(), tmp_path / "count")
+    try:
+        _step(engine, x)
+        _weights(engine)  # as below
+        with _At(within="/store/") as count:
+            block(engine)
+    finally:
+        engine.close()
+    for i, nth in enumerate(sorted(random.Random(2).sample(range(1, count.lines * 9 // 10), 8))):
+        sub = tmp_path / str(i)
+        engine = _engine(engine_cfg, PLACEMENTS[1], _model(), sub / "swap")
+        try:
+            _step(engine, x)
+            before = _weights(engine)
+            at = _At(nth, within="/store/")
+            with pytest.raises(KeyboardInterrupt), at:
+                block(engine)
+            after = _weights(engine)
+            edited = {n for n in before if torch.equal(after[n], before[n] + 1.0)}
+            same = {n for n in before if torch.equal(after[n], before[n])}
+            assert same | edited == set(before), at.fired  # each parameter whole
+            assert not edited if not writable else (
+                op == "by_group" or not same or not edited), at.fired
             _step(engine, x)
             engine.save_checkpoint(sub / "again")
             want = _weights(engine)
