@@ -73,7 +73,9 @@ class MoveExecutor:
         self._moves: set[MoveHandle] = set()  # moves holding reserved memory
         self._active = 0                       # moves started and not finished
         self._planning = 0                     # threads inside _reserve
-        self._closing = False
+        self._closing = False                  # set by close(): no new work is taken
+        self._closed = False                   # close() released everything
+        self._close_lock = threading.Lock()    # one close() at a time
         self._swaps: dict[str, SwapSpace] = {}
         self._kinds_seen: dict[Tier, set[str]] = {t: set() for t in Tier}
         self._queue: queue.SimpleQueue[tuple | None] = queue.SimpleQueue()
@@ -90,8 +92,16 @@ class MoveExecutor:
     def _record(self, key: Hashable) -> PartitionRecord:
         rec = self._records.get(key)
         if rec is None:
+            self._check_open()  # a closed store forgot every key: say why
             raise KeyError(f"partition {key!r} is not stored")
         return rec
+
+    @staticmethod
+    def _own_put(held: object) -> bool:
+        """True when `held` is a put whose bytes the calling thread is still writing (its
+        `create` block is open): only that thread can finish it."""
+        return (isinstance(held, MoveHandle) and held.op == "put" and not held.active
+                and held.owner == threading.get_ident())
 
     def _claim(self, key: Hashable, claim: object, what: str) -> PartitionRecord:
         """Waits until no move or user block holds `key`, then holds it for `claim`."""
@@ -106,6 +116,9 @@ class MoveExecutor:
             if isinstance(held, UserClaim) and held.thread is threading.current_thread():
                 raise RuntimeError(f"{what} of partition {key!r}: this thread holds it in a "
                                    f"{held.what} block; leave the block first")
+            if self._own_put(held):
+                raise RuntimeError(f"{what} of partition {key!r}: this thread is still writing "
+                                   "its bytes in a create block; leave the block first")
             self._wait(deadline, "busy", f"{what} of {key!r} behind {held!r}")
 
     def _unclaim(self, rec: PartitionRecord, claim: object) -> None:
@@ -245,9 +258,9 @@ class MoveExecutor:
                         from failed.error
                 if self._make_room(needs, exclude, victims):
                     continue
-                if self._active or self._moves:  # moves in flight (or a put copying its
-                    self._wait(deadline, "budget", what)  # bytes in) finish on their own
-                    idle = 0
+                if self._active or any(not self._own_put(m) for m in self._moves):
+                    self._wait(deadline, "budget", what)  # moves in flight (or another
+                    idle = 0                              # thread's put) finish on their own
                 elif self._held_elsewhere(needs):  # another thread's pins come back
                     self._wait(deadline, "budget", what)
                     idle = 0
@@ -407,9 +420,13 @@ class MoveExecutor:
                 + (f", pinned x{r.pins}" if r.pins else "") + (", busy" if r.claim else "") + ")"
                 for r in residents[:16])
             more = f"; and {len(residents) - 16} more" if len(residents) > 16 else ""
+            puts = [f"{m.key!r} ({m.rec.footprint} B)" for m in self._moves
+                    if m.op == "put" and not m.active and t in m.reserved]
+            held = f"; reserved by puts still writing their bytes: {', '.join(puts)}" \
+                if puts else ""
             parts.append(f"{t} holds {self._acct.used(t)} of {self._acct.budget(t)} bytes "
                          f"({self._acct.releasing(t)} being released), needs {n} more; "
-                         f"resident: {shown or 'nothing'}{more}")
+                         f"resident: {shown or 'nothing'}{more}{held}")
         return (f"cannot make room for {what}: " + " | ".join(parts) + ". Unpin or free "
                 "partitions, or raise the budget (store.device_budget, store.host_budget, "
                 "store.nvme_budget)")
@@ -455,6 +472,15 @@ class MoveExecutor:
             move.index += 1
         self._finish_move(move, rec, None)
 
+    # [Note: a pin keeps its copy]
+    # `evict` refuses a pinned partition and the policy never picks one, but `pin`
+    # takes no claim, so a pin can arrive while an eviction (or an NVME put) of the
+    # partition is writing it down. Its view was taken from a copy the move's later
+    # drop step would release, and the buffer would be lent to another partition
+    # while the pinner still writes through the view. So a drop step leaves a
+    # pinned record's copy in place: the write made it clean, nothing is lost, and
+    # the move still succeeds. Hand-overs keep their memory, so they need no such care.
+
     def _do_sync(self, move: MoveHandle, rec: PartitionRecord, step: Step) -> None:
         if step in (Step.HAND_H2D, Step.HAND_D2H):  # see [Note: CPU device tier]
             src, dst = step.src, step.dst
@@ -462,6 +488,8 @@ class MoveExecutor:
             move.reserved.pop(dst)  # the bytes reserved in `dst` now hold the handed-over copy
             self._release(src, rec, None)
             self._handed(rec, src, dst)
+        elif rec.pins:  # pinned after the move started: [Note: a pin keeps its copy]
+            log.debug("%s of partition %r keeps its %s copy: pinned", move.op, rec.key, step.src)
         else:
             self._release(step.src, rec, rec.drop(step.src))
             self._acct.drops += 1
@@ -618,14 +646,20 @@ class MoveExecutor:
             self._active -= 1
         if rec.claim is move:
             rec.claim = None
-        if unregister:  # a put that never placed its first copy
-            self._records.pop(rec.key, None)
+        if unregister and self._records.get(rec.key) is rec:  # a put that never placed
+            del self._records[rec.key]                          # its first copy: its pins
+            self._pinners.pop(rec.key, None)                    # go with it
         result = None
         if error is None and move.op == "fetch":
-            if move.pin:
-                self._add_pin(rec, move.owner)
-            self._policy.touched(rec.key, move.dst)
-            result = self._view(rec, move.dst)
+            try:  # the policy's error is the fetch's: the handle finishes, with no pin
+                self._policy.touched(rec.key, move.dst)
+            except BaseException as e:
+                log.exception("eviction policy failed on the fetch of %r", rec.key)
+                error = e
+            else:
+                if move.pin:
+                    self._add_pin(rec, move.owner)
+                result = self._view(rec, move.dst)
         move._finish(result, error)
         if move.op == "fetch" and self._rec.enabled:  # issue -> arrival: prefetch outcomes
             self._rec.async_end(self._rec.async_begin("fetch", "fetch", "fetch", {

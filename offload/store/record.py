@@ -33,6 +33,7 @@ ones that give memory up return it for the caller (the store) to release.
 from __future__ import annotations
 
 import enum
+import operator
 from dataclasses import dataclass
 from typing import Hashable
 
@@ -122,6 +123,13 @@ class PartitionRecord:
 
     def __init__(self, key: Hashable, kind: str, dtype: torch.dtype, numel: int,
                  home: Tier) -> None:
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"partition {key!r}: dtype must be a torch.dtype (e.g. "
+                            f"torch.float32), got {dtype!r}")
+        try:
+            numel = operator.index(numel)
+        except TypeError:
+            raise TypeError(f"partition {key!r}: numel must be an int, got {numel!r}") from None
         if numel <= 0:
             raise ValueError(f"partition {key!r}: numel must be positive, got {numel}")
         self.key = key

@@ -78,7 +78,28 @@ def _tier(value: Tier | str | int) -> Tier:
             return Tier[value.upper()]
         except KeyError:
             raise ValueError(f"unknown tier {value!r}; use DEVICE, HOST or NVME") from None
-    return Tier(value)
+    try:
+        return Tier(value)
+    except ValueError:
+        raise ValueError(f"unknown tier {value!r}; use DEVICE, HOST or NVME") from None
+
+
+def _flat_source(key: Hashable, tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor`'s value as a 1-D dense tensor to copy from; raises, naming `key`, for
+    tensors whose bytes are not their value."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"put({key!r}) needs a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.is_meta:
+        raise ValueError(f"put({key!r}): the tensor is on the meta device and holds no data; "
+                         "materialise it first, or write its bytes in `create`")
+    if tensor.layout is not torch.strided or tensor.is_nested:
+        raise ValueError(f"put({key!r}): a {tensor.layout} tensor has no flat bytes to store; "
+                         "convert it with .to_dense() first")
+    if tensor.is_quantized:
+        raise ValueError(f"put({key!r}): a quantized tensor's scale and zero point would be "
+                         "lost; store tensor.int_repr() and its quantization parameters")
+    # A conjugate or negative view's bytes are not its value: resolve (copies if set).
+    return tensor.detach().resolve_conj().resolve_neg().reshape(-1)
 
 
 def _memory_tier(value: Tier | str | int, what: str) -> Tier:
@@ -161,11 +182,10 @@ class TieredStore(MoveExecutor):
         NVMe when the store evicts it, as a modified partition would be.
         Raises KeyError if `key` is stored, `BudgetExceededError` if no room.
         """
-        if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"put({key!r}) needs a torch.Tensor, got {type(tensor).__name__}")
-        with self._creating(key, tensor.numel(), tensor.dtype, kind, tier, cache,
+        src = _flat_source(key, tensor)
+        with self._creating(key, src.numel(), src.dtype, kind, tier, cache,
                             write) as (new, move):
-            host_copy(new, tensor.detach().reshape(-1))
+            host_copy(new, src)
         return move
 
     @contextlib.contextmanager
@@ -217,14 +237,22 @@ class TieredStore(MoveExecutor):
             yield self._dev.view(move.reserved[first], rec.dtype, rec.numel), move
         except BaseException as e:
             with self._cond:
-                self._finish_move(move, rec, e, unregister=True)
+                if self._closed:  # the block closed the store: close released everything
+                    move._finish(None, e)
+                else:
+                    self._finish_move(move, rec, e, unregister=True)
             raise
         with self._cond:
+            if self._closed:
+                error = RuntimeError(f"put of {key!r}: the store was closed inside its create "
+                                     "block; nothing is stored")
+                move._finish(None, error)
+                raise error
             rec.place(first, move.reserved.pop(first))
-            self._policy.touched(key, first)
             move.steps = ([Step.WRITE] if cache else [Step.WRITE, Step.DROP_HOST]) \
                 if tier is Tier.NVME and write else []
-            self._start(move, rec)
+            self._start(move, rec)  # first: the move runs even if the policy raises
+            self._policy.touched(key, first)
 
     def fetch(self, key: Hashable, to: Tier | str = Tier.DEVICE, *,
               pin: bool = False) -> MoveHandle:
@@ -606,33 +634,57 @@ class TieredStore(MoveExecutor):
 
     # -- closing ----------------------------------------------------------------------
     def close(self, keep_files: bool | None = None) -> None:
-        """Waits for moves in flight, releases all memory, removes the swap files
-        (unless `keep_files`, default store.keep_swap_files). Idempotent."""
+        """Waits for moves in flight and for other threads' `create` and `modify` blocks,
+        then releases all memory and removes the swap files (unless `keep_files`,
+        default store.keep_swap_files). From the moment it is called the store takes
+        no new work. A `create` block of the calling thread stores nothing: it raises
+        when it ends. Raises RuntimeError when the wait passes store.wait_timeout: the
+        store then stays closing, and a later `close` waits again and finishes the
+        job. Idempotent once done."""
         keep = self._cfg.keep_swap_files if keep_files is None else keep_files
-        with self._cond:
-            if self._closing:
-                return
-            self._closing = True
-            self._cond.notify_all()
-            deadline = time.monotonic() + self._cfg.wait_timeout
-            while self._active and time.monotonic() < deadline:
-                self._cond.wait(max(0.0, deadline - time.monotonic()))
-            stuck = self._active
-        if stuck:
-            raise RuntimeError(f"store close: {stuck} move(s) still in flight after "
-                               f"{self._cfg.wait_timeout} s; their buffers are not released")
-        self._queue.put(None)
-        self._worker.join()
-        with self._cond:
-            for rec in self._records.values():
-                for t, memory in rec.copies.items():
-                    self._release(t, rec, memory)
-                rec.copies.clear()
-                rec.valid.clear()
-                rec.state = Residency.FREED
-            self._records.clear()
-        self.log_stats()
-        self._close_io(keep)
+        with self._close_lock:
+            with self._cond:
+                if self._closed:
+                    return
+                self._closing = True
+                self._cond.notify_all()
+                deadline = time.monotonic() + self._cfg.wait_timeout
+                while (self._active or self._open_blocks()) and time.monotonic() < deadline:
+                    self._cond.wait(max(0.0, deadline - time.monotonic()))
+                stuck = ([f"{self._active} move(s)"] if self._active else []) \
+                    + self._open_blocks()
+            if stuck:
+                raise RuntimeError(f"store close: {', '.join(stuck)} still in flight after "
+                                   f"{self._cfg.wait_timeout} s; their buffers are not "
+                                   "released; call close again once they end")
+            self._queue.put(None)
+            self._worker.join()
+            with self._cond:
+                for rec in self._records.values():
+                    for t, memory in rec.copies.items():
+                        self._release(t, rec, memory)
+                    rec.copies.clear()
+                    rec.valid.clear()
+                    rec.state = Residency.FREED
+                self._records.clear()
+                self._closed = True
+            self.log_stats()
+            self._close_io(keep)
+
+    def _open_blocks(self) -> list[str]:
+        """The `create` and `modify` blocks other threads hold open now (a `free`,
+        `replace` or `split` never holds its claim off the lock). The calling thread's
+        own are left out: waiting for them would never end."""
+        me = threading.get_ident()
+        found = []
+        for rec in self._records.values():
+            held = rec.claim
+            if isinstance(held, UserClaim) and held.thread.ident != me:
+                found.append(f"a {held.what} block of partition {rec.key!r}")
+            elif (isinstance(held, MoveHandle) and held.op == "put" and not held.active
+                  and held.owner != me):
+                found.append(f"the create block of partition {rec.key!r}")
+        return found
 
     def _close_io(self, keep: bool) -> None:
         errors = []
