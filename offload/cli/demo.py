@@ -210,6 +210,9 @@ def build_plan(args: argparse.Namespace) -> DemoPlan:
         trace=None if args.trace in ("", "none") else Path(args.trace).absolute(),
         trace_step=min(args.trace_step, args.steps), seed=args.seed, group_size=d.group_size)
     _check_fits(plan)
+    if plan.trace is not None:  # before any work: the run is minutes long
+        from .view_demo import check_outputs
+        check_outputs(plan.trace, world)
     load_config(plan.config(plan.swap_root, direct=True))  # every value, before any work
     return plan
 

@@ -10,11 +10,16 @@
   writes its trace (rank 0 to `--trace`, rank r beside it as
   NAME.rank<r>.trace.json) and, once all have, rank 0 writes the HTML report of
   all of them beside its trace.
+* `check_outputs`: before any work, that those files replace nothing but an
+  earlier trace or report (a name given to `--trace` may be the user's file).
 """
 
 from __future__ import annotations
 
+import gzip
 import logging
+import os
+import stat
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -27,7 +32,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["probe_disk", "record_run_facts", "reference_step_seconds", "start_traced_step",
+__all__ = ["check_outputs", "probe_disk", "record_run_facts", "reference_step_seconds", "start_traced_step",
            "trace_path_for_rank", "write_traced_step"]
 
 PROBE_BYTES = 32 << 20       # written then read by the disk probe
@@ -111,6 +116,37 @@ def start_traced_step(recorder: TraceRecorder, store: Any) -> None:
     """Starts recording, beginning with each tier's occupancy."""
     recorder.enabled = True
     _sample_tiers(recorder, store)
+
+
+def _is_trace(path: Path) -> bool:
+    """Whether `path` is a regular file holding a Chrome trace as offload writes them."""
+    try:
+        with open(path, "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                return False
+            head = f.read(64)
+            if head.startswith(b"\x1f\x8b"):
+                f.seek(0)
+                with gzip.GzipFile(fileobj=f) as gz:
+                    head = gz.read(64)
+    except (OSError, EOFError):
+        return False
+    return head.startswith(b'{"traceEvents":')
+
+
+def check_outputs(trace: Path, world: int) -> None:
+    """Raises UsageError, naming the file, where writing the demo's traces (one per
+    rank) or its report would replace something other than an earlier trace or
+    report: the run is minutes long, and the file may be the user's."""
+    from ..trace.report import default_report_path, is_report
+    from .args import UsageError
+    for path, ok, what in [(trace_path_for_rank(trace, r), _is_trace, "trace")
+                           for r in range(world)] + [
+            (default_report_path(trace), is_report, "report")]:
+        if os.path.lexists(path) and not ok(path):
+            raise UsageError(f"--trace: the demo would replace {path} with its {what}, and "
+                             f"that file is not a {what} offload wrote; move it, or give "
+                             "--trace another name (or --trace none)")
 
 
 def trace_path_for_rank(trace: Path, rank: int) -> Path:

@@ -16,6 +16,7 @@ def _objects(stdout: str) -> list[dict]:
 def test_tiny_run_learns_traces_and_cleans_up(tmp_path):
     swap, trace = tmp_path / "swap", tmp_path / "step.trace.json"
     swap.mkdir()
+    trace.write_text('{"traceEvents":[]}')  # an earlier run's trace is replaced
     out = subprocess.run(DEMO + ["--tiny", "--steps", "8", "--swap-dir", str(swap),
                                  "--trace", str(trace), "--json"],
                          capture_output=True, text=True, timeout=120)
@@ -73,6 +74,22 @@ def test_refusals_are_clear_and_touch_nothing(tmp_path):
                          capture_output=True, text=True, timeout=120)
     assert out.returncode != 0 and "--device-budget" in out.stderr
     assert "Traceback" not in out.stderr and os.listdir(tmp_path) == []
+
+
+def test_trace_and_report_replace_only_earlier_ones(tmp_path):
+    """--trace names a file the user keeps (or its report's name does): refused before
+    any work, naming it, and nothing is written."""
+    notes, page = tmp_path / "notes.json", tmp_path / "run.report.html"
+    notes.write_text('{"mine": 1}')
+    page.write_text("<html>my page</html>")
+    for trace, kept in ((notes, notes), (tmp_path / "run.trace.json", page)):
+        out = subprocess.run(DEMO + ["--tiny", "--swap-dir", str(tmp_path / "swap"),
+                                     "--trace", str(trace)],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode != 0 and str(kept) in out.stderr and "--trace" in out.stderr
+        assert "Traceback" not in out.stderr
+    assert notes.read_text() == '{"mine": 1}' and page.read_text() == "<html>my page</html>"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.json", "run.report.html"]
 
 
 def test_help_lists_the_knobs():
