@@ -66,6 +66,15 @@ class CheckpointReader:
             raise CheckpointError(f"checkpoint {p} is a file, not a checkpoint directory: pass "
                                   f"the directory save_checkpoint wrote (it holds {RECORD})")
         if not is_committed(p):
+            try:  # shorter names first: step-20 before step-100
+                inside = sorted((d.name for d in p.iterdir() if d.is_dir() and is_committed(d)),
+                                key=lambda n: (len(n), n))
+            except OSError:
+                inside = []
+            if inside and not (p / RECORD).exists():  # the parent save_checkpoint was given
+                raise CheckpointError(f"{p} is not a checkpoint but holds {len(inside)}: "
+                                      f"{', '.join(inside[-4:])}; pass one of them (e.g. "
+                                      f"{p / inside[-1]})")
             raise CheckpointError(f"{p} is not a committed checkpoint: it has no {RECORD} or "
                                   f"its name ends in {PARTIAL} (a save that did not finish, "
                                   "or not a checkpoint)")
@@ -108,11 +117,17 @@ class CheckpointReader:
         """Refuses a model whose tensors (names, shapes), compute dtype or trainable
         set differ from the checkpoint's, naming the first tensor that differs, and a
         checkpoint whose ranks' ranges do not cover every group."""
-        seen = set()
+        seen: dict[str, str] = {}  # checkpoint name -> the model parameter read from it
         for g in groups:
             for s in g.slots:
                 name = self.name_of(s)
                 t = self.tensors[name]
+                if name in seen:  # weights tied in the save, separate parameters here
+                    raise CheckpointError(
+                        f"checkpoint {self.path}: tensor {name!r} holds weights that were "
+                        f"tied in the save ({', '.join(t['aliases'])}), the model has "
+                        f"{seen[name]!r} and {s.fqn!r} as separate parameters; tie them as "
+                        "the saved model did (one Parameter under every name)")
                 if tuple(t["shape"]) != tuple(s.shape):
                     raise CheckpointError(f"checkpoint {self.path}: tensor {name!r} has shape "
                                           f"{tuple(t['shape'])}, the model's {s.fqn!r} "
@@ -130,8 +145,15 @@ class CheckpointReader:
                                           f"{'trainable' if t['requires_grad'] else 'frozen'}"
                                           f", the model's {s.fqn!r} is "
                                           f"{'trainable' if g.requires_grad else 'frozen'}")
-                seen.add(name)
-        unused = sorted(set(self.tensors) - seen)
+                seen[name] = s.fqn
+        unused = sorted(set(self.tensors) - set(seen))
+        tied = {a: s.fqn for g in groups for s in g.slots for a in s.names if a in unused}
+        if tied:  # separate in the save, one parameter here
+            a, fqn = next(iter(sorted(tied.items())))
+            raise CheckpointError(f"checkpoint {self.path}: tensor {a!r} was saved as a "
+                                  f"parameter of its own, the model ties it to {fqn!r}; "
+                                  "resume with the weights untied, as the saved model had "
+                                  "them")
         if unused:
             raise CheckpointError(f"checkpoint {self.path}: tensors {unused[:8]} are not in "
                                   "the model")
@@ -315,7 +337,18 @@ class CheckpointReader:
         where the engine keeps it, as `initialize` places a fresh one. `segments` and
         `slots`: the partition's parameter ranges and the parameter of each (None:
         padding), as `param_groups.segments_of` gives them; each range resumes at its
-        parameter's own update count (padding's is 0: it never has a gradient)."""
+        parameter's own update count (padding's is 0: it never has a gradient).
+
+        Every rank calls this for every group, in the same order, and the ranks agree
+        on each group's outcome ([Note: ranks agree] in offload/comm/collectives.py):
+        each reads chunks of its own, so damage one rank finds (a chunk, its rank
+        file) fails the resume on every rank, never leaving the others to train from
+        this checkpoint while it resumes from another or stops."""
+        with engine.comm.together(f"initialize(resume={self.path}), group {g.gid}"):
+            self._place_group(engine, g, segments, slots)
+
+    def _place_group(self, engine: Any, g: Group, segments: list | None,
+                     slots: list | None) -> None:
         self._prepare(engine)  # a mismatch is found before any state is read
         rank = engine.comm.rank
         with engine.store.create(("p", g.gid), g.shard, engine.dtype, kind="param",
@@ -369,10 +402,21 @@ class CheckpointReader:
         """The module buffers the save kept (checkpoint_buffers.py); None where it kept
         none (a checkpoint written before they were saved)."""
         p = self.path / BUFFERS
-        if not p.exists():
+        want = self.record.get("buffers_sha256")  # None: a save that did not record it
+        if want is None and not p.exists():
             return None
         try:
-            return decode_buffers(_read_json(p), str(p))
+            obj = _read_json(p)
+            if want is not None and obj["sha256"] != want:
+                raise CheckpointCorruptError(f"checkpoint {self.path}: {p} is not the one "
+                                             "its commit record lists (another save's); "
+                                             "resume from another")
+            return decode_buffers(obj, str(p))
+        except FileNotFoundError:
+            raise CheckpointCorruptError(f"checkpoint {self.path}: {p} is missing (the "
+                                         "model's buffers: BatchNorm statistics and the "
+                                         "like); the checkpoint is damaged: resume from "
+                                         "another") from None
         except OSError as e:
             raise CheckpointCorruptError(f"checkpoint {self.path}: {p} cannot be read "
                                          f"({e.strerror}); resume from another") from e

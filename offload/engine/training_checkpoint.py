@@ -79,6 +79,7 @@ import random
 import shutil
 import threading
 import time
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
@@ -87,6 +88,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+from ..comm import RankFailedError
 from ..files import check_directory
 from ..io import host_copy
 from ..store import Tier
@@ -603,8 +605,10 @@ class _SaveJob:
                 shutil.rmtree(self.tmp, ignore_errors=True)
             if isinstance(e, CheckpointError):
                 raise
-            fix = ("free disk space or save elsewhere; " if getattr(e, "errno", None)
-                   in (errno.ENOSPC, errno.EDQUOT) else "")
+            code = getattr(e, "errno", None)
+            fix = ("free disk space or save elsewhere; " if code in (errno.ENOSPC, errno.EDQUOT)
+                   else "save to a directory this process may write; "
+                   if code in (errno.EROFS, errno.EACCES, errno.EPERM) else "")
             raise CheckpointError(
                 f"save_checkpoint: writing {self.path} failed ({type(e).__name__}: {e}); "
                 f"{fix}nothing was published and the checkpoints already in "
@@ -665,13 +669,17 @@ class _SaveJob:
         """Rank 0: the commit record, durable, then the rename ([Note: publishing a
         checkpoint]) and the pruning of older checkpoints."""
         tmp, path, parent = self.tmp, self.path, self.path.parent
-        _write_json(tmp / BUFFERS, encode_buffers(self.buffers))
+        buffers = encode_buffers(self.buffers)
+        _write_json(tmp / BUFFERS, buffers)
         ranks = []
         for r in range(self.comm.world):
             mine = _read_json(tmp / "ranks" / f"{r}.json")
             ranks.append({k: mine[k] for k in ("rank", "steps", "param_steps", "writes",
                                                "bytes")})
-        _write_json(tmp / RECORD, {**self.record, "ranks": ranks})
+        # the record names the buffers file it goes with: one missing or another
+        # save's is damage, not a checkpoint without buffers
+        _write_json(tmp / RECORD, {**self.record, "ranks": ranks,
+                                   "buffers_sha256": _digest(buffers)})
         _fsync_tree(tmp)
         os.rename(tmp, path)
         _fsync_path(parent)
@@ -680,19 +688,12 @@ class _SaveJob:
             prune(parent, keep, path, FORMAT)
 
 
-def save_checkpoint(engine: Any, path: str | os.PathLike, extra: dict[str, Any] | None = None,
-                    *, blocking: bool = True) -> CheckpointSave:
-    """Writes the engine's whole training state to the checkpoint directory `path`
-    ([Note: checkpoint layout], [Note: publishing a checkpoint]); every rank calls
-    it, between steps. With `blocking=False` the tensors are written by a thread
-    while training goes on ([Note: saving in the background]). Returns the save's
-    handle (done when blocking)."""
+def _check_save(engine: Any, path: Path, extra: dict[str, Any]) -> None:
+    """Refuses a save that cannot be written as asked, before anything is."""
     check_between_steps(engine)
     if getattr(engine, "tp", None) is not None:  # its files would hold one TP slice per DP rank
         raise CheckpointError("save_checkpoint: not supported with tp.size > 1 yet; save the "
                               "full weights with offload.engine.full_state_dict(engine)")
-    path = Path(path).absolute()
-    extra = {} if extra is None else extra
     try:
         json.dumps(extra, sort_keys=True)  # as the commit record is written
     except (TypeError, ValueError) as e:
@@ -710,6 +711,47 @@ def save_checkpoint(engine: Any, path: str | os.PathLike, extra: dict[str, Any] 
         raise CheckpointError(f"save_checkpoint: {path} exists; a checkpoint is never "
                               "overwritten: save each under its own name (e.g. step-<n>)")
     check_directory(path.parent, "save_checkpoint")
+
+
+def _agree_to_save(comm: Any, path: Path, refused: BaseException | None) -> None:
+    """Every rank calls `save_checkpoint`; a refusal on one (its own `extra`, a step
+    open there) is raised on every rank ([Note: ranks agree] in
+    offload/comm/collectives.py), where the others would wait for it at the save's
+    first barrier; so is a checkpoint name that differs between the ranks (each
+    would write into a directory of its own). Names, not whole paths, are compared:
+    nodes may mount a shared file system at different places."""
+    if comm.world == 1:
+        if refused is not None:
+            raise refused
+        return
+    mine = float(zlib.crc32(path.name.encode()))
+    failed, total = comm.sum_scalars([0.0 if refused is None else 1.0, mine])
+    if refused is not None:
+        raise refused
+    if failed:
+        raise RankFailedError(f"save_checkpoint: {int(failed)} other rank(s) of {comm.world} "
+                              "refused the save (their error says why); nothing was written")
+    if total != mine * comm.world:
+        raise CheckpointError(f"save_checkpoint: the ranks gave different names (this rank: "
+                              f"{path}); every rank saves its part of one checkpoint: give "
+                              "them the same name (e.g. step-<engine.global_step>)")
+
+
+def save_checkpoint(engine: Any, path: str | os.PathLike, extra: dict[str, Any] | None = None,
+                    *, blocking: bool = True) -> CheckpointSave:
+    """Writes the engine's whole training state to the checkpoint directory `path`
+    ([Note: checkpoint layout], [Note: publishing a checkpoint]); every rank calls
+    it, between steps. With `blocking=False` the tensors are written by a thread
+    while training goes on ([Note: saving in the background]). Returns the save's
+    handle (done when blocking)."""
+    path = Path(path).absolute()
+    extra = {} if extra is None else extra
+    refused = None
+    try:
+        _check_save(engine, path, extra)
+    except Exception as e:
+        refused = e
+    _agree_to_save(engine.comm, path, refused)
     handle = CheckpointSave(path)
     if blocking:
         t0 = time.perf_counter()
