@@ -275,3 +275,47 @@ def test_engine_scheduler_refusals(engine_cfg, tmp_path):
         with pytest.raises(offload.engine.CheckpointError, match="JSON-serialisable"):
             engine.save_checkpoint(tmp_path / "ck")
     assert not (tmp_path / "ck").exists()
+
+
+def _warmup(opt):
+    """A module-level factory: spawned ranks import it by name."""
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda k: min(1.0, (k + 1) / 4))
+
+
+def _resume_on_two_ranks(rank, world, init_file, cfg, resume, out):
+    from .ranks import gloo_group
+    from .test_checkpoint_reshard import Wide
+    with gloo_group(rank, world, init_file):
+        with offload.initialize(Wide, cfg, lr_scheduler=_warmup, resume=resume) as e:
+            for x, y in lm_batches(STEPS)[3:]:
+                e.backward(lm_loss(e(x), y))
+                e.step()
+            sd = e.state_dict()
+            if rank == 0:
+                torch.save({"sd": sd, "lr": e.lr_scheduler.get_last_lr()}, out)
+
+
+@pytest.mark.distributed
+def test_engine_scheduler_resumes_on_two_ranks_as_one_ran_on(engine_cfg, tmp_path):
+    """One rank saves with the scheduler at step 3 of its warm-up; two resume and
+    finish: bit for bit the uninterrupted one-rank run (every rank trains on the whole
+    batch, so the ranks' mean gradient is each one's)."""
+    from .ranks import spawn
+    from .test_checkpoint_reshard import Wide
+    batches = lm_batches(STEPS)
+    cfg = engine_cfg("nvme", "nvme", "nvme", dtype="bf16")
+    torch.manual_seed(0)
+    with offload.initialize(Wide(), cfg, lr_scheduler=_warmup) as ref:
+        for k, (x, y) in enumerate(batches):
+            ref.backward(lm_loss(ref(x), y))
+            ref.step()
+            if k == 2:
+                ref.save_checkpoint(tmp_path / "ck")
+        want, want_lr = ref.state_dict(), ref.lr_scheduler.get_last_lr()
+    cfg["io"]["paths"] = [str(tmp_path / "two")]
+    spawn(_resume_on_two_ranks, str(tmp_path / "init"), cfg, str(tmp_path / "ck"),
+          str(tmp_path / "out.pt"))
+    got = torch.load(tmp_path / "out.pt")
+    assert got["lr"] == want_lr
+    for k, v in want.items():
+        assert torch.equal(got["sd"][k], v), k
