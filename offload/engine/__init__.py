@@ -237,10 +237,13 @@ def initialize(model: nn.Module | Callable[[], nn.Module],
                 resumed is not None)
         for g in deferred:
             _drop_params(g, engine)
+        moved: dict[int, torch.Tensor] = {}  # a buffer several modules share stays one
         for m in model.modules():
             for name, b in m._buffers.items():
                 if b is not None and b.device != store.device:
-                    m._buffers[name] = b.to(store.device)
+                    if id(b) not in moved:
+                        moved[id(b)] = b.to(store.device)
+                    m._buffers[name] = moved[id(b)]
         model.__dict__[_WRAPPED] = True  # [Note: wrapped modules]
         guard_casts(model, engine.dtype, engine.device)
         guard_resize(model)
@@ -320,11 +323,23 @@ def _materialise_buffers(model: nn.Module, seed: int, saved: set[str]) -> None:
     """Buffers left on meta by a model built there are made on the CPU: those named in
     `saved` (the checkpoint resumed from holds them) as zeros it overwrites, the others
     (rotary `inv_freq`, BERT's `position_ids`) filled by the model's own
-    `_init_weights`, as transformers fills them when it loads a model."""
+    `_init_weights`, as transformers fills them when it loads a model. A buffer that
+    several modules share stays one tensor (the save may name it once)."""
+    names: dict[int, list[str]] = {}  # a buffer shared by several modules: all its names
     for prefix, m in model.named_modules():
         for name, b in m._buffers.items():
-            if b is not None and b.is_meta and f"{prefix}.{name}".lstrip(".") in saved:
-                m._buffers[name] = torch.zeros_like(b, device="cpu")
+            if b is not None and b.is_meta:
+                names.setdefault(id(b), []).append(f"{prefix}.{name}".lstrip("."))
+    made: dict[int, torch.Tensor] = {}  # one CPU tensor per meta one: sharing is kept
+
+    def fresh(b: torch.Tensor) -> torch.Tensor:
+        if id(b) not in made:
+            made[id(b)] = torch.zeros_like(b, device="cpu")
+        return made[id(b)]
+    for m in model.modules():
+        for name, b in m._buffers.items():
+            if b is not None and b.is_meta and any(n in saved for n in names[id(b)]):
+                m._buffers[name] = fresh(b)
     owners = [m for m in model.modules()
               if any(b is not None and b.is_meta for b in m._buffers.values())]
     if not owners:
@@ -339,7 +354,7 @@ def _materialise_buffers(model: nn.Module, seed: int, saved: set[str]) -> None:
         for m in owners:
             for name, b in m._buffers.items():
                 if b is not None and b.is_meta:
-                    m._buffers[name] = torch.zeros_like(b, device="cpu")
+                    m._buffers[name] = fresh(b)
             model._init_weights(m)
 
 

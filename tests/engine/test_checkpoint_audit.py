@@ -302,3 +302,38 @@ def test_a_save_one_rank_refuses_is_refused_on_every_rank(tmp_path, engine_cfg):
     assert outcomes[1] == ["extra must be JSON-serialisable, with keys of one type (strings)",
                            "the ranks gave different names (this rank", "saved"]
     assert sorted(p.name for p in root.iterdir()) == ["c"]
+
+
+class _SharedScale(nn.Module):
+    """Two layers share one buffer (one tensor registered in both)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+        scale = torch.arange(4.0)
+        self.a.register_buffer("scale", scale)
+        self.b.register_buffer("scale", scale)
+
+    def forward(self, x):
+        return self.b(self.a(x) * self.a.scale) * self.b.scale
+
+
+def test_a_buffer_two_modules_share_resumes_shared_into_a_meta_built_model(engine_cfg,
+                                                                           tmp_path):
+    """The save may name a shared buffer once; a model built on meta for the resume gets
+    it under every name, as one tensor again (a later in-place change reaches both)."""
+    cfg = engine_cfg()
+    model = _SharedScale()
+    with offload.initialize(model, cfg) as e:
+        model.a.scale.mul_(3.0)  # through one name: the other sees it
+        e.backward(e(torch.randn(2, 4)).sum())
+        e.step()
+        e.save_checkpoint(tmp_path / "ck")
+        want = e.state_dict()
+    cfg["io"]["paths"] = [str(tmp_path / "resumed")]
+    with offload.initialize(_SharedScale, cfg, resume=tmp_path / "ck") as e:
+        m = e.module
+        assert m.a.scale is m.b.scale
+        got = e.state_dict()
+    for k, v in want.items():
+        assert torch.equal(got[k], v), k
