@@ -335,3 +335,15 @@ def test_large_buffers_ask_for_huge_pages_without_counting_the_alignment():
         small.release()
     finally:
         pool.close(force=True)
+
+
+def test_host_copy_of_a_conjugate_or_negative_view_copies_its_value():
+    from offload.io import host_copy
+    z = torch.complex(torch.randn(1000), torch.randn(1000))
+    for src in (z.conj(), torch._neg_view(z)):
+        dst = torch.empty_like(z)
+        host_copy(dst, src)
+        assert torch.equal(dst, src.resolve_conj().resolve_neg())
+    dst = torch.zeros_like(z).conj()  # into a conjugate view: its value is written
+    host_copy(dst, z)
+    assert torch.equal(dst, z)
