@@ -4,7 +4,9 @@ imports from the rest of offload)."""
 from __future__ import annotations
 
 import contextlib
+import gzip
 import os
+import stat
 import tempfile
 from pathlib import Path
 from typing import BinaryIO, Callable
@@ -60,3 +62,22 @@ def replace_atomically(target: Path, write: Callable[[BinaryIO], None],
             os.unlink(tmp)
         raise
     fsync_directory(target.parent)
+
+
+def regular_file_head(path: str | os.PathLike[str], n: int,
+                      gunzip: bool = False) -> bytes | None:
+    """The first `n` bytes of `path` (decompressed where `gunzip` and the file is
+    gzip), or None where it is not a regular file or cannot be read: what a writer
+    looks at before it replaces a file it may only replace if it wrote it."""
+    try:
+        with open(path, "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                return None
+            head = f.read(n)
+            if gunzip and head.startswith(b"\x1f\x8b"):
+                f.seek(0)
+                with gzip.GzipFile(fileobj=f) as gz:
+                    head = gz.read(n)
+    except (OSError, EOFError):
+        return None
+    return head

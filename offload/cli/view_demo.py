@@ -16,13 +16,13 @@
 
 from __future__ import annotations
 
-import gzip
 import logging
 import os
-import stat
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from ..files import regular_file_head
 
 if TYPE_CHECKING:
     import torch
@@ -120,18 +120,8 @@ def start_traced_step(recorder: TraceRecorder, store: Any) -> None:
 
 def _is_trace(path: Path) -> bool:
     """Whether `path` is a regular file holding a Chrome trace as offload writes them."""
-    try:
-        with open(path, "rb") as f:
-            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-                return False
-            head = f.read(64)
-            if head.startswith(b"\x1f\x8b"):
-                f.seek(0)
-                with gzip.GzipFile(fileobj=f) as gz:
-                    head = gz.read(64)
-    except (OSError, EOFError):
-        return False
-    return head.startswith(b'{"traceEvents":')
+    head = regular_file_head(path, 64, gunzip=True)
+    return head is not None and head.startswith(b'{"traceEvents":')
 
 
 def check_outputs(trace: Path, world: int) -> None:

@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 
 from ..optim import CpuAdam
-from ..optim.optimizer import value_change
+from ..optim.torch_view import value_change
 
 log = logging.getLogger(__name__)
 
@@ -54,8 +54,8 @@ class HyperWatch:
         before, self._before = self._before, None
         if before is None:
             return None
-        changed = [f"param_groups[{g}]: {value_change(b, n)}"
-                   for g, (b, n) in enumerate(zip(before, opt.values())) if value_change(b, n)]
+        diffs = (value_change(b, n) for b, n in zip(before, opt.values()))
+        changed = [f"param_groups[{g}]: {d}" for g, d in enumerate(diffs) if d]
         if not changed:
             return None
         self.early = False

@@ -583,13 +583,14 @@ class _SaveJob:
     called; the tensors are read when `run` reaches them (their state as of the call:
     [Note: saving in the background])."""
 
-    def __init__(self, engine: Any, path: Path, extra: dict[str, Any], comm: Any) -> None:
+    def __init__(self, engine: Any, path: Path, extra: dict[str, Any],
+                 scheduler: dict | None, comm: Any) -> None:
         self.engine, self.path, self.comm = engine, path, comm
         self.tmp = partial_of(path)
         self.table = _tensor_table(engine)
         self.rng = rng_state()
         self.param_steps = _param_steps(engine)
-        self.record = _record(engine, self.table, extra)
+        self.record = _record(engine, self.table, extra, scheduler)
         self.buffers = capture_buffers(engine.module) if comm.rank == 0 else {}
 
     def run(self) -> None:
@@ -688,8 +689,9 @@ class _SaveJob:
             prune(parent, keep, path, FORMAT)
 
 
-def _check_save(engine: Any, path: Path, extra: dict[str, Any]) -> None:
-    """Refuses a save that cannot be written as asked, before anything is."""
+def _check_save(engine: Any, path: Path, extra: dict[str, Any]) -> dict | None:
+    """Refuses a save that cannot be written as asked, before anything is; returns the
+    engine's LR scheduler's state, as the commit record will hold it."""
     check_between_steps(engine)
     if getattr(engine, "tp", None) is not None:  # its files would hold one TP slice per DP rank
         raise CheckpointError("save_checkpoint: not supported with tp.size > 1 yet; save the "
@@ -700,7 +702,7 @@ def _check_save(engine: Any, path: Path, extra: dict[str, Any]) -> None:
         raise CheckpointError(f"save_checkpoint: extra must be JSON-serialisable, with keys "
                               f"of one type (strings): {e}") from e
     try:
-        scheduler_state(getattr(engine, "lr_scheduler", None))
+        scheduler = scheduler_state(getattr(engine, "lr_scheduler", None))
     except ValueError as e:
         raise CheckpointError(f"save_checkpoint: {e}") from e
     if path.name.endswith(PARTIAL) or path.name.endswith(PARTIAL + LOCK):
@@ -711,6 +713,7 @@ def _check_save(engine: Any, path: Path, extra: dict[str, Any]) -> None:
         raise CheckpointError(f"save_checkpoint: {path} exists; a checkpoint is never "
                               "overwritten: save each under its own name (e.g. step-<n>)")
     check_directory(path.parent, "save_checkpoint")
+    return scheduler
 
 
 def _agree_to_save(comm: Any, path: Path, refused: BaseException | None) -> None:
@@ -746,16 +749,16 @@ def save_checkpoint(engine: Any, path: str | os.PathLike, extra: dict[str, Any] 
     handle (done when blocking)."""
     path = Path(path).absolute()
     extra = {} if extra is None else extra
-    refused = None
+    refused = scheduler = None
     try:
-        _check_save(engine, path, extra)
+        scheduler = _check_save(engine, path, extra)
     except Exception as e:
         refused = e
     _agree_to_save(engine.comm, path, refused)
     handle = CheckpointSave(path)
     if blocking:
         t0 = time.perf_counter()
-        _SaveJob(engine, path, extra, engine.comm).run()
+        _SaveJob(engine, path, extra, scheduler, engine.comm).run()
         handle.seconds = handle.stalled = time.perf_counter() - t0
         handle._done.set()
         return handle
@@ -764,7 +767,7 @@ def save_checkpoint(engine: Any, path: str | os.PathLike, extra: dict[str, Any] 
         import torch.distributed as dist
         from ..comm import Collectives
         comm = Collectives(dist.new_group(backend="gloo"))
-    job = _SaveJob(engine, path, extra, comm)
+    job = _SaveJob(engine, path, extra, scheduler, comm)
     handle._thread = threading.Thread(target=handle._run, args=(job,),
                                       name="offload-checkpoint", daemon=True)
     handle._thread.start()
@@ -822,7 +825,7 @@ def _write_partitions(engine: Any, comm: Any, root: Path, arrays: dict, context,
     return written, steps
 
 
-def _record(engine: Any, table: dict, extra: dict) -> dict[str, Any]:
+def _record(engine: Any, table: dict, extra: dict, scheduler: dict | None) -> dict[str, Any]:
     from .. import __version__
     members: list[list[str]] = [[] for _ in engine.optimizer.param_groups]
     for g in engine.groups:  # each optimizer group's parameters, by their table names
@@ -843,4 +846,4 @@ def _record(engine: Any, table: dict, extra: dict) -> dict[str, Any]:
                         "requires_grad": g.requires_grad} for g in engine.groups],
             "tensors": table, "extra": extra,
             # [Note: the engine's scheduler] in lr_scheduler.py
-            "lr_scheduler": scheduler_state(getattr(engine, "lr_scheduler", None))}
+            "lr_scheduler": scheduler}

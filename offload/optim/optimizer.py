@@ -45,7 +45,7 @@ first), or the `schedule_step` the caller passes. Every update of a step uses
 lr * lr_lambda(k), whether or not the partition was updated in earlier steps:
 the same as LambdaLR stepped after each optimizer step. A scheduler of any
 other kind may instead write `param_groups[i]["lr"]`: torch's schedulers take
-the optimizer ([Note: what torch sees]).
+the optimizer ([Note: what torch sees] in torch_view.py).
 
 [Note: one set of values per round]
 Every update of a round uses each group's values as the round's first update
@@ -57,18 +57,6 @@ a write between the last backward and `step()` is such a write. An update
 that would use other values than the round's earlier ones raises ValueError
 before it changes anything, and `durable()` (so `commit`) rolls back a round
 whose groups' values changed after they were used (OptimStepError).
-
-[Note: what torch sees]
-torch's LR schedulers (and transformers' schedules, built on LambdaLR) accept
-only a `torch.optim.Optimizer`, and use of it `param_groups` (a group's "lr",
-"initial_lr", "betas" for cyclic momentum), `defaults` and `step` (wrapped to
-check that the scheduler steps after it). So CpuAdam subclasses it without
-its `__init__`, which wants parameter tensors (a partition joins with
-`add_partition`; a group's "params" are partition ids): it keeps its own
-`param_groups`, `state_dict`/`load_state_dict` (snapshot.py) and `step`;
-`zero_grad` drops its owner's gradients (the engine's: `zero_grad_hook`),
-having none itself; torch's hooks and `add_param_group` are refused, as
-nothing would call them.
 
 [Note: segments]
 A partition is cut into segments (`add_partition(..., segments=...)`): the
@@ -88,7 +76,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterable, Mapping, Sequence
 
@@ -104,6 +91,7 @@ from .codec import Moment, copy_moment, encode, new_moment, zero_moment
 from .pipeline import OptimStepError, SwapPipeline
 from .snapshot import _OUT_DTYPES, StateAccess, flat_tensor
 from .state import ChunkLayout, PartitionState, Segment, Tier, optim_tier, state_bytes
+from .torch_view import TorchOptimizerView, check_same, group_values
 
 if TYPE_CHECKING:
     from ..store import TieredStore
@@ -174,37 +162,6 @@ class _SpareBuffers:
                     self._free.setdefault((t.numel(), t.dtype), []).append(t.reshape(-1))
 
 
-_VALUE_NAMES = ("lr", "beta1", "beta2", "eps", "weight_decay", "lr_lambda")
-
-
-def _values(group: Mapping[str, Any]) -> tuple:
-    """A group's values, comparable with ==: numbers as floats (an lr may be a tensor)."""
-    def num(v: Any) -> Any:
-        try:
-            return float(v)
-        except (TypeError, ValueError):
-            return v  # refused by the update, naming it
-    betas = group["betas"]
-    b = tuple(betas) if isinstance(betas, (tuple, list)) and len(betas) == 2 else (betas, None)
-    return (num(group["lr"]), num(b[0]), num(b[1]), num(group["eps"]),
-            num(group["weight_decay"]), group["lr_lambda"])
-
-
-def value_change(used: tuple, now: tuple) -> str:
-    """What differs between two `_values`, e.g. "lr 0.01 -> 0.003"."""
-    return ", ".join(f"{n} {a!r} -> {b!r}" if n != "lr_lambda" else "lr_lambda replaced"
-                     for n, a, b in zip(_VALUE_NAMES, used, now) if a is not b and a != b)
-
-
-def _check_same(group: int, used: tuple, now: tuple) -> None:
-    """[Note: one set of values per round]"""
-    if value_change(used, now):
-        raise ValueError(f"param_groups[{group}] changed within one step "
-                         f"({value_change(used, now)}): updates of this step already used "
-                         "the first values; set a group's values before the step's updates "
-                         "begin")
-
-
 def _check_group(k: int, group: Mapping[str, Any], lr: float | None = None) -> None:
     """Raises ValueError where param group `k`'s values are ones torch.optim.AdamW refuses
     (`adam.hyper_error`); `lr`: the rate after the schedule's multiplier, where known."""
@@ -242,7 +199,7 @@ class StepResult:
     bytes_written: int = 0
 
 
-class CpuAdam(StateAccess, torch.optim.Optimizer):
+class CpuAdam(StateAccess, TorchOptimizerView):
     """Adam or AdamW (`config.name`) over flat fp32 partitions; see the module notes.
 
     Args:
@@ -305,7 +262,6 @@ class CpuAdam(StateAccess, torch.optim.Optimizer):
         # group -> its values the open round's updates used ([Note: one set of values
         # per round])
         self._round_values: dict[int, tuple] = {}
-        self._zero_grad_hook: Callable[[], Any] | None = None
         self._spare = _SpareBuffers()  # [Note: the copies' buffers]
         self.steps = 0  # committed rounds: the schedule's step ([Note: learning-rate schedule])
         self._lock = threading.RLock()
@@ -570,7 +526,7 @@ class CpuAdam(StateAccess, torch.optim.Optimizer):
         with self._lock:
             try:
                 for group, used in self._round_values.items():
-                    _check_same(group, used, _values(self.param_groups[group]))
+                    check_same(group, used, group_values(self.param_groups[group]))
                 if self._pipeline is not None:
                     self._pipeline.durable()
             except Exception as e:
@@ -679,10 +635,10 @@ class CpuAdam(StateAccess, torch.optim.Optimizer):
             hypers: dict[int, AdamHyper] = {}
             runs = {p.pid: self._runs(p, (active or {}).get(p.pid), k, hypers)
                     for p in parts}  # checks `active` before anything changes
-            now = {group: _values(self.param_groups[group]) for group in hypers}
+            now = {group: group_values(self.param_groups[group]) for group in hypers}
             for group, v in now.items():  # [Note: one set of values per round]
                 if group in self._round_values:
-                    _check_same(group, self._round_values[group], v)
+                    check_same(group, self._round_values[group], v)
             whole = not self._round and len(parts) == len(self._parts)
             if not whole and self.max_grad_norm > 0 and grad_norm is None:
                 raise ValueError("update of part of a step with clipping on needs grad_norm "
@@ -738,7 +694,7 @@ class CpuAdam(StateAccess, torch.optim.Optimizer):
     def values(self) -> list[tuple]:
         """Each group's values as an update would read them now: lr, beta1, beta2, eps,
         weight_decay, lr_lambda."""
-        return [_values(g) for g in self.param_groups]
+        return [group_values(g) for g in self.param_groups]
 
     def _hyper(self, group: int, schedule_step: int) -> AdamHyper:
         grp = self.param_groups[group]
@@ -838,35 +794,6 @@ class CpuAdam(StateAccess, torch.optim.Optimizer):
         for p in nvme:
             self._count_segments(p, runs[p.pid], final=False)
         return done
-
-    # -- what torch's schedulers see ([Note: what torch sees]) -------------------------
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Drops the gradients of the step in progress where an owner keeps them (the
-        engine's `zero_grad`); this optimizer keeps none (`update` takes them)."""
-        hook = self._zero_grad_hook() if self._zero_grad_hook is not None else None
-        if hook is not None:
-            hook()
-
-    def set_zero_grad_hook(self, method: Callable[[], Any]) -> None:
-        """`zero_grad()` calls the bound `method` while its object lives (held weakly)."""
-        self._zero_grad_hook = weakref.WeakMethod(method)
-
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        raise TypeError("CpuAdam's groups are fixed when it is made: pass every group as "
-                        "param_groups (offload.initialize(..., param_groups=[...])), and add "
-                        "partitions with add_partition")
-
-    def _no_hooks(self, *args: Any, **kwargs: Any) -> Any:
-        raise TypeError("CpuAdam does not run torch.optim.Optimizer's hooks; wrap "
-                        "engine.step() instead")
-
-    register_step_pre_hook = register_step_post_hook = _no_hooks
-    register_state_dict_pre_hook = register_state_dict_post_hook = _no_hooks
-    register_load_state_dict_pre_hook = register_load_state_dict_post_hook = _no_hooks
-
-    def __getstate__(self) -> dict[str, Any]:
-        raise TypeError("CpuAdam holds open files and threads and cannot be pickled; save "
-                        "state_dict() (or the engine's save_checkpoint)")
 
     # -- closing ----------------------------------------------------------------
     def close(self) -> None:

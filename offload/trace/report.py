@@ -24,14 +24,13 @@ import hashlib
 import json
 import os
 import re
-import stat
 import zlib
 from collections.abc import Iterable, Sequence
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from offload.files import replace_atomically
+from offload.files import regular_file_head, replace_atomically
 from offload.trace.analysis import (COLLECTIVES, FETCH, OPTIM_UPDATE, PHASES, USE_WAIT,
                                     RankTrace, Span, Step, StepIndex, TraceFormatError,
                                     byte_count, bytes_moved_per_step, exposed_times, finite,
@@ -458,12 +457,8 @@ def render_html(model: dict[str, Any]) -> str:
 def is_report(path: str | os.PathLike[str]) -> bool:
     """Whether ``path`` is a regular file holding a report this module wrote (one that
     ``offload view`` may replace without losing anything of the user's)."""
-    try:
-        with open(path, "rb") as f:
-            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-                return False
-            head = f.read(_HEAD_BYTES)
-    except OSError:
+    head = regular_file_head(path, _HEAD_BYTES)
+    if head is None:
         return False
     # reports written before the generator tag have the model's script in their head
     return head.startswith(b"<!DOCTYPE html>") and (

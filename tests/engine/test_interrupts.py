@@ -7,7 +7,6 @@ line's frame, as Python would for a signal arriving there: each case is one exac
 point. After it, the engine keeps working, and its weights equal those of an
 engine that ran only the steps that committed."""
 
-import contextlib
 import copy
 import random
 import signal
@@ -241,6 +240,17 @@ def test_ctrl_c_in_a_call_between_steps_comes_at_its_end(engine_cfg, tmp_path, o
             engine.load_state_dict(engine.state_dict())
         else:
             engine.state_dict()
+
+    def unchanged(before, after, at):
+        for n in before:
+            assert torch.equal(after[n], before[n]), (n, at.fired)
+    _interrupted_at_store_lines(engine_cfg, tmp_path, call, unchanged, seed=1)
+
+
+def _interrupted_at_store_lines(engine_cfg, tmp_path, call, check, seed: int) -> None:
+    """`call(engine, dir)` with a SIGINT at 8 sampled lines of the store's code, each on
+    a fresh engine after one step: it raises KeyboardInterrupt, `check(before, after,
+    at)` judges the weights, and training, a save and its resume go on."""
     x = torch.randn(8, 64)
     engine = _engine(engine_cfg, PLACEMENTS[1], _model(), tmp_path / "count")
     try:
@@ -250,7 +260,8 @@ def test_ctrl_c_in_a_call_between_steps_comes_at_its_end(engine_cfg, tmp_path, o
             call(engine, tmp_path)
     finally:
         engine.close()
-    for i, nth in enumerate(sorted(random.Random(1).sample(range(1, count.lines * 9 // 10), 8))):
+    lines = range(1, count.lines * 9 // 10)
+    for i, nth in enumerate(sorted(random.Random(seed).sample(lines, 8))):
         sub = tmp_path / str(i)
         engine = _engine(engine_cfg, PLACEMENTS[1], _model(), sub / "swap")
         try:
@@ -259,9 +270,7 @@ def test_ctrl_c_in_a_call_between_steps_comes_at_its_end(engine_cfg, tmp_path, o
             at = _At(nth, within="/store/")
             with pytest.raises(KeyboardInterrupt), at:
                 call(engine, sub)
-            after = _weights(engine)
-            for n in before:
-                assert torch.equal(after[n], before[n]), (n, at.fired)
+            check(before, _weights(engine), at)
             _step(engine, x)
             engine.save_checkpoint(sub / "again")
             want = _weights(engine)
@@ -284,49 +293,25 @@ def test_ctrl_c_in_a_full_weights_block_s_own_work_comes_at_its_end(engine_cfg, 
     training, a save and its resume go on."""
     writable = op in ("writable", "by_group")
 
-    def block(engine):
+    def edit(w):
+        for t in w.values():
+            t.data.add_(1.0)
+
+    def block(engine, _dir):
         if op == "named_weights":
             dict(engine.named_weights())
-            return
-        blocks = (engine.full_weights_by_group(writable=True) if op == "by_group"
-                  else [engine.full_weights(writable=writable)])
-        for b in blocks:
-            with (b if op != "by_group" else contextlib.nullcontext(b)) as w:
+        elif op == "by_group":
+            for w in engine.full_weights_by_group(writable=True):
+                edit(w)
+        else:
+            with engine.full_weights(writable=writable) as w:
                 if writable:
-                    for t in w.values():
-                        t.data.add_(1.0)
-    x = torch.randn(8, 64)
-    engine = _engine(engine_cfg, PLACEMENTS[1], _model(), tmp_path / "count")
-    try:
-        _step(engine, x)
-        _weights(engine)  # as below
-        with _At(within="/store/") as count:
-            block(engine)
-    finally:
-        engine.close()
-    for i, nth in enumerate(sorted(random.Random(2).sample(range(1, count.lines * 9 // 10), 8))):
-        sub = tmp_path / str(i)
-        engine = _engine(engine_cfg, PLACEMENTS[1], _model(), sub / "swap")
-        try:
-            _step(engine, x)
-            before = _weights(engine)
-            at = _At(nth, within="/store/")
-            with pytest.raises(KeyboardInterrupt), at:
-                block(engine)
-            after = _weights(engine)
-            edited = {n for n in before if torch.equal(after[n], before[n] + 1.0)}
-            same = {n for n in before if torch.equal(after[n], before[n])}
-            assert same | edited == set(before), at.fired  # each parameter whole
-            assert not edited if not writable else (
-                op == "by_group" or not same or not edited), at.fired
-            _step(engine, x)
-            engine.save_checkpoint(sub / "again")
-            want = _weights(engine)
-        finally:
-            engine.close()
-        cfg = engine_cfg(*PLACEMENTS[1], group_size=4200)
-        cfg["io"]["paths"] = [str(sub / "resumed")]
-        with offload.initialize(_model(), cfg, resume=sub / "again") as resumed:
-            got = _weights(resumed)
-        for n in want:
-            assert torch.equal(got[n], want[n]), (n, at.fired)
+                    edit(w)
+
+    def whole(before, after, at):
+        edited = {n for n in before if torch.equal(after[n], before[n] + 1.0)}
+        same = {n for n in before if torch.equal(after[n], before[n])}
+        assert same | edited == set(before), at.fired  # each parameter whole
+        assert not edited if not writable else (
+            op == "by_group" or not same or not edited), at.fired
+    _interrupted_at_store_lines(engine_cfg, tmp_path, block, whole, seed=2)
