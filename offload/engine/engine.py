@@ -75,7 +75,7 @@ from .step import StagedParams, StepFailedError, staged_key, uninterrupted
 from .tensor_parallel import TensorParallel
 from .training_checkpoint import CheckpointSave
 from .training_checkpoint import save_checkpoint as _save_checkpoint
-from .units import Group, Unit, eager, hooks_last, output_tensors, static_order
+from .units import NOT_PICKLABLE, EngineHook, Group, Unit, eager, hooks_last, output_tensors, static_order
 from .warm import Borrowing, WarmMemory, borrow, kept_view, unborrow
 from .working_set import working_set
 
@@ -193,13 +193,13 @@ class OffloadEngine(ModelWeights, GradPartitions, nn.Module):
         # [Note: our forward hooks run last], [Note: torch.compile] in units.py
         self._last_hooks: dict[int, list[int]] = {}  # id(module) -> its post hooks' ids
         for unit in units:
-            self._hooks.append(unit.module.register_forward_pre_hook(eager(self._make_pre(unit))))
-            self._hooks.append(unit.module.register_forward_hook(eager(self._make_post(unit)),
+            self._hooks.append(unit.module.register_forward_pre_hook(EngineHook(self._make_pre(unit))))
+            self._hooks.append(unit.module.register_forward_hook(EngineHook(self._make_post(unit)),
                                                                  always_call=True))
             self._last_hooks.setdefault(id(unit.module), []).append(self._hooks[-1].id)
         # [Note: one thread at a time] in one_thread.py: around the root module's unit hooks
-        self._hooks.append(model.register_forward_pre_hook(eager(self._root_pre), prepend=True))
-        self._hooks.append(model.register_forward_hook(eager(self._root_post), always_call=True))
+        self._hooks.append(model.register_forward_pre_hook(EngineHook(self._root_pre), prepend=True))
+        self._hooks.append(model.register_forward_hook(EngineHook(self._root_post), always_call=True))
         self._last_hooks.setdefault(id(model), []).append(self._hooks[-1].id)
 
     # -- the optimizer ----------------------------------------------------------------
@@ -626,6 +626,8 @@ class OffloadEngine(ModelWeights, GradPartitions, nn.Module):
         self._check_open()
         # [Note: one thread at a time], [Note: Ctrl-C at a safe point]
         with self._one_thread.held(), self._interrupts.held():
+            if torch.is_grad_enabled():
+                self._spans.step_begin()
             try:
                 with self.recorder.span("forward", cat="compute", track="compute"):
                     return self.module(*args, **kwargs)
@@ -648,6 +650,7 @@ class OffloadEngine(ModelWeights, GradPartitions, nn.Module):
             self._backward(loss)
 
     def _backward(self, loss: torch.Tensor) -> None:
+        self._spans.step_begin()  # the model may have been called without the engine
         if self._backwards == 0:  # what trains is fixed at initialize
             self.registered.check_trainable(self.module)
         if self._backwards >= self.cfg.engine.grad_accum_steps:
@@ -730,24 +733,31 @@ class OffloadEngine(ModelWeights, GradPartitions, nn.Module):
         self._check_open()
         if self._backwards == 0 or self._backwards % self.cfg.engine.grad_accum_steps:
             return False
-        with (self._interrupts.held(),  # [Note: Ctrl-C at a safe point] in interrupts.py
-              self.recorder.span("optimizer step", cat="compute", track="compute")):
-            try:
-                done = self._step()
-                self._backwards = 0  # before a Ctrl-C noted in the step is raised
-            except BaseException as e:
-                undone = self._abort_step(e)
-                if not isinstance(e, Exception):
-                    raise
-                raise StepFailedError(
-                    f"step {self.global_step + 1} failed ({type(e).__name__}: {e}); groups "
-                    f"{undone} are at their state before the step (parameters, master "
-                    "weights, Adam moments, step counts) and the step's gradients were "
-                    "dropped: fix the cause and run the step's micro-batches again",
-                    undone) from e
-        if done and self.lr_scheduler is not None:
-            self.lr_scheduler.step()
-        return done
+        number, error = self.global_step + 1, None
+        try:
+            with (self._interrupts.held(),  # [Note: Ctrl-C at a safe point] in interrupts.py
+                  self.recorder.span("optimizer step", cat="compute", track="compute")):
+                try:
+                    done = self._step()
+                    self._backwards = 0  # before a Ctrl-C noted in the step is raised
+                except BaseException as e:
+                    undone = self._abort_step(e)
+                    if not isinstance(e, Exception):
+                        raise
+                    raise StepFailedError(
+                        f"step {number} failed ({type(e).__name__}: {e}); groups "
+                        f"{undone} are at their state before the step (parameters, master "
+                        "weights, Adam moments, step counts) and the step's gradients were "
+                        "dropped: fix the cause and run the step's micro-batches again",
+                        undone) from e
+            if done and self.lr_scheduler is not None:
+                self.lr_scheduler.step()
+            return done
+        except BaseException as e:
+            error = type(e.__cause__ or e).__name__
+            raise
+        finally:
+            self._spans.step_end(number, error)  # the report's card of this step
 
     def _step(self) -> bool:
         self.wait_for_checkpoint(raise_error=False)  # nothing changes before it has read
@@ -858,6 +868,8 @@ class OffloadEngine(ModelWeights, GradPartitions, nn.Module):
         is safe. `set_to_none` is accepted for torch's signature."""
         self._check_open()
         with self._interrupts.held():  # [Note: Ctrl-C at a safe point] in interrupts.py
+            if self._backwards:
+                self._spans.step_drop()  # the next micro-batch starts the step again
             self._abort_step()
 
     # -- checkpoints (docs/checkpoints.md) -- begin
@@ -920,6 +932,9 @@ class OffloadEngine(ModelWeights, GradPartitions, nn.Module):
 
     def __enter__(self) -> "OffloadEngine":
         return self
+
+    def __reduce_ex__(self, protocol: Any) -> Any:  # torch.save(engine), copy.deepcopy(engine)
+        raise TypeError(NOT_PICKLABLE)
 
     def __exit__(self, *exc: object) -> None:
         self.close()

@@ -23,8 +23,8 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
-__all__ = ["Slot", "Group", "Unit", "build_units", "eager", "hooks_last", "output_tensors", "static_order",
-           "SHARD_ALIGN"]
+__all__ = ["Slot", "Group", "Unit", "build_units", "eager", "EngineHook", "hooks_last", "output_tensors",
+           "static_order", "SHARD_ALIGN", "NOT_PICKLABLE"]
 
 SHARD_ALIGN = 2048  # elements: 4 KiB of a 2-byte dtype, 8 KiB of fp32
 
@@ -218,3 +218,33 @@ def eager(fn: Callable, recursive: bool = True) -> Callable:
             disabled = torch.compiler.disable(fn, recursive=recursive)
         return disabled(*args, **kwargs)
     return call
+
+
+NOT_PICKLABLE = (
+    "a model given to offload.initialize (or its engine) cannot be pickled, so torch.save(model) and "
+    "sending it to another process do not work: its weights live in the engine's partitions, not in "
+    "the model. Save the weights with engine.save_pretrained(dir) or torch.save(engine.state_dict(), "
+    "path) (full weights, on rank 0), or the training state with engine.save_checkpoint(dir)")
+
+
+class EngineHook:
+    """A hook the engine registers on the user's modules, left out of compilation
+    (`eager`). Pickling one (torch.save(model), multiprocessing) raises `TypeError`
+    with the way to save ([Note: registered parameters] in params_view.py): a plain
+    closure would fail with pickle's "Can't pickle local object", which names
+    nothing the user wrote. `copy.deepcopy` keeps the hook itself, as it keeps a
+    function; the model's stand-in parameters refuse a copy with their own error."""
+
+    __slots__ = ("_call",)
+
+    def __init__(self, fn: Callable) -> None:
+        self._call = eager(fn)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._call(*args, **kwargs)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise TypeError(NOT_PICKLABLE)
+
+    def __deepcopy__(self, memo: dict) -> "EngineHook":
+        return self

@@ -352,10 +352,22 @@ class StepIndex:
         return out
 
 
+def _outermost(spans: list[Span]) -> list[Span]:
+    """``spans`` less each one that lies within another, in their order."""
+    inner, reach = set(), -math.inf
+    for i in sorted(range(len(spans)), key=lambda i: (spans[i].start, -spans[i].end)):
+        if spans[i].end <= reach:
+            inner.add(i)
+        reach = max(reach, spans[i].end)
+    return [s for i, s in enumerate(spans) if i not in inner]
+
+
 def steps_of(rt: RankTrace) -> list[Step]:
     """The rank's steps: its ``step`` spans, else the extent of the phase spans
-    (forward, backward, optimizer step), else the extent of the whole trace."""
-    marked = [s for s in rt.spans if s.name == "step" and s.cat == "compute"]
+    (forward, backward, optimizer step), else the extent of the whole trace. A
+    ``step`` span inside another (the engine's own, inside a loop's mark) is not a
+    step of its own: the outer one, the loop's, names it."""
+    marked = _outermost([s for s in rt.spans if s.name == "step" and s.cat == "compute"])
     if marked:
         return [Step(f"step {s.args.get('step', i + 1)}", s.start, s.end)
                 for i, s in enumerate(marked)]

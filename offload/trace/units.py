@@ -59,12 +59,36 @@ class UnitSpans:
     """Open spans of one engine's units; hook threads call it one at a time (the
     forward runs on one thread, and backward hooks run in order)."""
 
-    __slots__ = ("_rec", "_forward", "_backward")
+    __slots__ = ("_rec", "_forward", "_backward", "_step")
 
     def __init__(self, recorder: TraceRecorder) -> None:
         self._rec = recorder
         self._forward: dict[str, list[int]] = {}    # unit -> start times of open forwards
         self._backward: tuple[str, int] | None = None  # the unit whose backward is open
+        self._step: int | None = None  # start of the step in progress, if recorded
+
+    def step_begin(self) -> None:
+        """A forward with gradients (or a backward) of a step: the first one since the
+        last ``step_end`` starts the step's span."""
+        if self._step is None and self._rec.enabled:
+            self._step = _now_ns()
+
+    def step_drop(self) -> None:
+        """The step's micro-batches were dropped (zero_grad): the next one starts it."""
+        self._step = None
+
+    def step_end(self, step: int, error: str | None = None) -> None:
+        """Records the ``step`` span, from ``step_begin`` to now, with ``step`` (the
+        step's number) and the ``error`` that failed it: each step has its card in
+        the report without the loop marking it (a loop's own ``step`` span around it
+        is the one the report reads)."""
+        if self._step is None:
+            return  # began while the recorder was off
+        t0, self._step = self._step, None
+        args: dict[str, Any] = {"step": step}
+        if error is not None:
+            args["error"] = error
+        self._rec.complete("step", t0, _now_ns(), cat="compute", track=TRACK, args=args)
 
     def forward_begin(self, unit: str) -> None:
         if self._rec.enabled:

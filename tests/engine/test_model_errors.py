@@ -277,3 +277,27 @@ def test_a_second_thread_is_refused_while_the_model_runs(engine_cfg):
         assert torch.equal(got["y"], want)
         with torch.no_grad():  # and the engine is free again
             assert torch.equal(engine(x), want)
+
+
+def test_pickling_the_model_or_the_engine_names_the_way_to_save(engine_cfg):
+    """`torch.save(model)` failed with pickle's "Can't pickle local object
+    'OffloadEngine._make_post.<locals>.post'"; the model and the engine now refuse with
+    the ways to save that work, and the engine trains on afterwards."""
+    import copy
+    import io
+    import pickle
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    with offload.initialize(model, engine_cfg("host", group_size=100)) as engine:
+        x = torch.randn(2, 8)
+        for save in (lambda: torch.save(model, io.BytesIO()), lambda: pickle.dumps(model),
+                     lambda: torch.save(engine, io.BytesIO()), lambda: copy.deepcopy(engine)):
+            with pytest.raises(TypeError, match=r"cannot be pickled.*engine\.save_pretrained"
+                                                r"\(dir\) or torch\.save\(engine\.state_dict"):
+                save()
+        with pytest.raises(RuntimeError, match=r"parameter '0\.weight'.*full_weights"):
+            copy.deepcopy(model)  # the stand-ins' own error, as before
+        engine.backward(engine(x).sum())
+        assert engine.step()
+        torch.save(engine.state_dict(), io.BytesIO())
