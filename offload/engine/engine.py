@@ -69,7 +69,7 @@ from .in_place import pin_in_place, unpin_all, update_in_place
 from .interrupts import SafeInterrupts
 from .model_weights import ModelWeights
 from .one_thread import OneThread
-from .params_view import RegisteredParams
+from .params_view import RegisteredParams, point_weight_list
 from .rank_order import RankOrder
 from .step import StagedParams, StepFailedError, staged_key, uninterrupted
 from .tensor_parallel import TensorParallel
@@ -319,6 +319,7 @@ class OffloadEngine(ModelWeights, GradPartitions, nn.Module):
         for slot in self.groups[gid].slots:
             for module, name in slot.uses:
                 module.__dict__.pop(name, None)
+                point_weight_list(module, name)  # [Note: RNN weight lists] in params_view.py
 
     def _bind(self, st: _GroupState) -> None:
         """Points every module attribute of the group's parameters at fresh views of `flat`."""

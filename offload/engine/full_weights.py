@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from ..store import Tier
+from .params_view import point_weight_list
 from .units import Group
 
 if TYPE_CHECKING:
@@ -128,6 +129,7 @@ def summoned(engine: "OffloadEngine", groups: list[Group], writable: bool
         for i, (slot, value) in enumerate(zip(g.slots, values[g.gid])):
             for (module, attr) in slot.uses:
                 module._parameters[attr] = value
+                point_weight_list(module, attr)  # [Note: RNN weight lists] in params_view.py
             for name in names[(g.gid, i)]:
                 named[name] = value
     ok = False

@@ -20,6 +20,15 @@ entry is removed and `module.weight` is the registered stand-in again.
 The engine keeps its trainable state in its partitions, never in these
 stand-ins: they are views for the user, not state (nothing is trained,
 checkpointed or counted through them).
+
+[Note: RNN weight lists]
+torch's RNN modules (LSTM, GRU, RNN) also keep their weights in a list,
+`_flat_weights`, refreshed from the attributes at each forward. Left alone,
+the list would hold the original parameters after `initialize` and, after
+each forward, the unit's gathered views: memory outside the budgets, kept
+until the module's next forward. Wherever the engine sets such an attribute
+behind `__setattr__` (registering, unbinding), `point_weight_list` points the
+list's entry at what the attribute now is.
 """
 
 from __future__ import annotations
@@ -32,7 +41,16 @@ from torch import nn
 from .absent import AbsentWeight, absent_message
 from .units import Group, Unit
 
-__all__ = ["RegisteredParams", "state_entries"]
+__all__ = ["RegisteredParams", "point_weight_list", "state_entries"]
+
+
+def point_weight_list(module: nn.Module, name: str) -> None:
+    """[Note: RNN weight lists]: the entry of attribute `name` in the module's list of
+    weights (torch's RNN modules) becomes what `module.name` is now."""
+    names = getattr(module, "_flat_weights_names", None)
+    weights = module.__dict__.get("_flat_weights")
+    if names and isinstance(weights, list) and name in names and len(weights) == len(names):
+        weights[names.index(name)] = getattr(module, name)
 
 
 class RegisteredParams:
@@ -70,6 +88,7 @@ class RegisteredParams:
         for slot, p in zip(self.groups[gid].slots, self.stand_ins[gid]):
             for module, name in slot.uses:
                 module._parameters[name] = p
+                point_weight_list(module, name)
 
     def locate(self, p: torch.Tensor) -> tuple[int, int] | None:
         """(gid, slot index) of a registered stand-in; None for any other tensor."""
