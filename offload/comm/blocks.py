@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -49,10 +50,9 @@ class BlockKind(ABC):
     def matches(self, block: nn.Module) -> bool:
         return all(_get(block, p) is not None for p in (*self.norms, *self.columns, *self.rows))
 
-    def prepare(self, block: nn.Module, tp_size: int) -> list[float]:
-        """Checks that the heads split evenly and sets what the attention reads
-        (local head counts); returns the dropout probabilities to apply after the
-        attention's and the MLP's reductions."""
+    def check(self, block: nn.Module, tp_size: int) -> None:
+        """Raises `ValueError` if `block` cannot be cut over `tp_size` ranks (its heads do
+        not split evenly); changes nothing."""
         for path in self.heads:
             owner, _, attr = path.rpartition(".")
             mod = _get(block, owner) if owner else block
@@ -60,6 +60,14 @@ class BlockKind(ABC):
             if n % tp_size:
                 raise ValueError(f"{self.name} block: {path} = {n} is not a multiple of "
                                  f"tp.size = {tp_size}; heads are split evenly over TP ranks")
+
+    def prepare(self, block: nn.Module, tp_size: int,
+                undo: list[Callable[[], None]] | None = None) -> list[float]:
+        """`check`s the block and sets what the attention reads (local head counts);
+        returns the dropout probabilities to apply after the attention's and the
+        MLP's reductions. What it changes in `block` it undoes with the functions
+        it appends to `undo` (run last first)."""
+        self.check(block, tp_size)
         return [0.0, 0.0]
 
     @abstractmethod
@@ -82,24 +90,34 @@ class GptBlock(BlockKind):
 
 
 class LlamaBlock(BlockKind):
-    def prepare(self, block: nn.Module, tp_size: int) -> list[float]:
+    def check(self, block: nn.Module, tp_size: int) -> None:
         cfg = block.self_attn.config
         for key in ("num_attention_heads", "num_key_value_heads"):
             if getattr(cfg, key) % tp_size:
                 raise ValueError(f"Llama block: {key} = {getattr(cfg, key)} is not a multiple "
                                  f"of tp.size = {tp_size}; heads are split evenly over TP ranks")
-        return [0.0, 0.0]  # the attention reads its local heads from q_proj's width
+        # the attention reads its local heads from q_proj's width: prepare changes nothing
 
     def attention(self, block: nn.Module, h: torch.Tensor, kwargs: dict) -> torch.Tensor:
         return block.self_attn(hidden_states=h, **kwargs)[0]
 
 
 class Gpt2Block(BlockKind):
-    def prepare(self, block: nn.Module, tp_size: int) -> list[float]:
-        super().prepare(block, tp_size)
+    def check(self, block: nn.Module, tp_size: int) -> None:
+        super().check(block, tp_size)
         if hasattr(block, "crossattention"):
             raise ValueError("GPT-2 block with cross-attention: not supported with tp.size > 1")
+
+    def prepare(self, block: nn.Module, tp_size: int,
+                undo: list[Callable[[], None]] | None = None) -> list[float]:
+        self.check(block, tp_size)
         attn = block.attn
+        if undo is not None:
+            old = (attn.split_size, attn.num_heads, attn.resid_dropout, block.mlp.dropout)
+
+            def restore() -> None:
+                attn.split_size, attn.num_heads, attn.resid_dropout, block.mlp.dropout = old
+            undo.append(restore)
         attn.split_size //= tp_size  # the local q/k/v widths
         attn.num_heads //= tp_size
         drops = [attn.resid_dropout.p, block.mlp.dropout.p]

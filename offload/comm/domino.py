@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -37,7 +37,7 @@ from torch import nn
 from ..trace import NULL_RECORDER, TraceRecorder
 from .blocks import BlockKind, kind_of
 from .collectives import Collectives
-from .tensor_parallel import ColumnParallel, RowParallel, ShardSpec
+from .tensor_parallel import ColumnParallel, RowParallel, ShardSpec, check_cut
 
 __all__ = ["DominoBlock", "TensorParallelPlan", "parallelize"]
 
@@ -65,9 +65,7 @@ class DominoBlock(nn.Module):
     def __init__(self, block: nn.Module, kind: BlockKind, pieces: int, dropouts: list[float],
                  recorder: TraceRecorder = NULL_RECORDER) -> None:
         super().__init__()
-        if any(p is not None for p in block._parameters.values()):
-            raise ValueError(f"{type(block).__name__} has parameters of its own: not a block "
-                             "tensor parallelism knows")
+        self.check(block)
         for name, child in block.named_children():
             self.add_module(name, child)
         self.kind = kind
@@ -76,6 +74,12 @@ class DominoBlock(nn.Module):
         self.recorder = recorder
         self.signature = inspect.signature(block.forward)
         self.block_type = type(block).__name__
+
+    @staticmethod
+    def check(block: nn.Module) -> None:
+        if any(p is not None for p in block._parameters.values()):
+            raise ValueError(f"{type(block).__name__} has parameters of its own: not a block "
+                             "tensor parallelism knows")
 
     def _arguments(self, args: tuple, kwargs: dict) -> tuple[torch.Tensor, dict]:
         bound = self.signature.bind(*args, **kwargs).arguments
@@ -138,23 +142,57 @@ class TensorParallelPlan:
     pieces: int
     blocks: list[DominoBlock] = field(default_factory=list)
     sharded: dict[str, ShardSpec] = field(default_factory=dict)
+    undo_log: list[Callable[[], None]] | None = field(default=None, repr=False)
 
     def unshard(self, name: str, shards: list[torch.Tensor]) -> torch.Tensor:
         """The full tensor `name` from every TP rank's value (replicated: rank 0's)."""
         spec = self.sharded.get(name)
         return shards[0] if spec is None else spec.unshard(shards)
 
+    def undo(self) -> None:
+        """[Note: undoing parallelize] Puts the model back as `parallelize` found it:
+        its original blocks and Linear layers (which still hold the full weights:
+        the slices are copies) and what `BlockKind.prepare` changed. Possible while
+        the plan keeps its undo log: always inside `parallelize` (a block that
+        cannot be cut leaves the model as it was), after it only with
+        `keep_undo=True`, until `commit`. Doing it twice does nothing."""
+        if self.undo_log is None:
+            raise RuntimeError("TensorParallelPlan.undo: parallelize kept no undo log "
+                               "(call it with keep_undo=True)")
+        while self.undo_log:
+            self.undo_log.pop()()
+        self.blocks.clear()
+        self.sharded.clear()
 
-def _replace(root: nn.Module, path: str, new: nn.Module) -> None:
+    def commit(self) -> None:
+        """Drops the undo log, and with it the original layers' full weights."""
+        self.undo_log = None
+
+
+def _replace(root: nn.Module, path: str, new: nn.Module,
+             undo: list[Callable[[], None]] | None) -> None:
     owner, _, attr = path.rpartition(".")
-    setattr(root.get_submodule(owner) if owner else root, attr, new)
+    mod = root.get_submodule(owner) if owner else root
+    if undo is not None:
+        old = getattr(mod, attr)
+        undo.append(lambda: setattr(mod, attr, old))
+    setattr(mod, attr, new)
 
 
 def parallelize(model: nn.Module, tp: Collectives, pieces: int, *,
-                recorder: TraceRecorder = NULL_RECORDER) -> TensorParallelPlan:
+                recorder: TraceRecorder = NULL_RECORDER,
+                keep_undo: bool = False) -> TensorParallelPlan:
     """Makes every known transformer block of `model` tensor-parallel over `tp`, in
     place: its column and row layers keep this rank's slices, and the block runs
-    as a `DominoBlock` of `pieces` pieces. Raises `ValueError` if it finds no block."""
+    as a `DominoBlock` of `pieces` pieces. Raises `ValueError` (naming the layer
+    where one cannot be cut) if it finds no block, a block already cut, or one it
+    cannot cut, and leaves `model` as it was then. `keep_undo`: the plan keeps
+    what `undo` needs, the original layers with their full weights, until
+    `commit` ([Note: undoing parallelize]); without it they are freed."""
+    if any(isinstance(m, DominoBlock) for m in model.modules()):
+        raise ValueError(f"{type(model).__name__} already has tensor-parallel blocks "
+                         "(DominoBlock), cut by an earlier initialize that failed: build the "
+                         "model again (its cut layers hold one rank's slices)")
     plan = TensorParallelPlan(tp, pieces)
     found = [(name, m, kind) for name, m in model.named_modules()
              if name and (kind := kind_of(m)) is not None]
@@ -162,19 +200,41 @@ def parallelize(model: nn.Module, tp: Collectives, pieces: int, *,
         raise ValueError(f"tp.size = {tp.world}: {type(model).__name__} has no transformer "
                          "block tensor parallelism knows (GPT-style Block, Llama-style "
                          "decoder layer, GPT-2 block)")
-    for name, block, kind in found:
-        dropouts = kind.prepare(block, tp.world)
-        for path, parts in kind.columns.items():
-            layer = ColumnParallel(block.get_submodule(path), tp, parts=parts, recorder=recorder)
-            _replace(block, path, layer)
-            plan.sharded[f"{name}.{path}.weight"] = layer.spec
-            if layer.bias is not None:
-                plan.sharded[f"{name}.{path}.bias"] = ShardSpec(0, parts)
-        for path in kind.rows:
-            layer = RowParallel(block.get_submodule(path), tp, recorder=recorder)
-            _replace(block, path, layer)
-            plan.sharded[f"{name}.{path}.weight"] = layer.spec
-        wrapped = DominoBlock(block, kind, pieces, dropouts, recorder)
-        _replace(model, name, wrapped)
-        plan.blocks.append(wrapped)
+    for name, block, kind in found:  # every refusal before anything changes
+        DominoBlock.check(block)
+        kind.check(block, tp.world)
+        for path, column in [(p, True) for p in kind.columns] + [(p, False) for p in kind.rows]:
+            try:
+                check_cut(block.get_submodule(path), column, kind.columns.get(path, 1),
+                          tp.world)
+            except (TypeError, ValueError) as e:
+                raise type(e)(f"{name}.{path}: {e}") from e
+    if keep_undo:
+        plan.undo_log = []
+    try:
+        for name, block, kind in found:
+            _parallelize_block(plan, model, name, block, kind, recorder)
+    except BaseException:  # with keep_undo; else only what the checks cannot foresee
+        if plan.undo_log is not None:
+            plan.undo()
+        raise
     return plan
+
+
+def _parallelize_block(plan: TensorParallelPlan, model: nn.Module, name: str,
+                       block: nn.Module, kind: BlockKind, recorder: TraceRecorder) -> None:
+    tp, undo = plan.tp, plan.undo_log
+    dropouts = kind.prepare(block, tp.world, undo)
+    for path, parts in kind.columns.items():
+        layer = ColumnParallel(block.get_submodule(path), tp, parts=parts, recorder=recorder)
+        _replace(block, path, layer, undo)
+        plan.sharded[f"{name}.{path}.weight"] = layer.spec
+        if layer.bias is not None:
+            plan.sharded[f"{name}.{path}.bias"] = ShardSpec(0, parts)
+    for path in kind.rows:
+        layer = RowParallel(block.get_submodule(path), tp, recorder=recorder)
+        _replace(block, path, layer, undo)
+        plan.sharded[f"{name}.{path}.weight"] = layer.spec
+    wrapped = DominoBlock(block, kind, plan.pieces, dropouts, recorder)
+    _replace(model, name, wrapped, undo)
+    plan.blocks.append(wrapped)

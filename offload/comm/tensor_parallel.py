@@ -31,7 +31,7 @@ from torch import nn
 from ..trace import NULL_RECORDER, TraceRecorder
 from .collectives import Collectives, Pending
 
-__all__ = ["ColumnParallel", "RowParallel", "ShardSpec"]
+__all__ = ["ColumnParallel", "RowParallel", "ShardSpec", "check_cut"]
 
 
 @dataclass(frozen=True)
@@ -43,11 +43,15 @@ class ShardSpec:
     dim: int
     parts: int = 1
 
+    def check(self, shape: torch.Size | tuple[int, ...], size: int) -> None:
+        """Raises `ValueError` where a tensor of `shape` cannot be cut over `size` ranks."""
+        if shape[self.dim] % (self.parts * size):
+            raise ValueError(f"cannot cut {self.parts} x {size} slices of {tuple(shape)} "
+                             f"along dim {self.dim}: not a multiple")
+
     def shard(self, full: torch.Tensor, rank: int, size: int) -> torch.Tensor:
         """Rank `rank`'s slice of `full` (a copy)."""
-        if full.shape[self.dim] % (self.parts * size):
-            raise ValueError(f"cannot cut {self.parts} x {size} slices of {tuple(full.shape)} "
-                             f"along dim {self.dim}: not a multiple")
+        self.check(full.shape, size)
         blocks = full.chunk(self.parts, dim=self.dim)
         return torch.cat([b.chunk(size, dim=self.dim)[rank] for b in blocks],
                          dim=self.dim).clone()
@@ -69,6 +73,23 @@ def _layout(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, bool]
                     "made tensor-parallel")
 
 
+def check_cut(module: nn.Module, column: bool, parts: int, size: int) -> None:
+    """Raises what `ColumnParallel(module, parts=parts)` (`column`) or `RowParallel(module)`
+    would raise over `size` ranks, making nothing: a layer that is no Linear
+    (`TypeError`), meta weights or widths that do not split (`ValueError`)."""
+    weight, bias, transposed = _layout(module)
+    if weight.is_meta:
+        raise ValueError(_META)
+    out_dim, in_dim = (1, 0) if transposed else (0, 1)
+    ShardSpec(out_dim if column else in_dim, parts if column else 1).check(weight.shape, size)
+    if column and bias is not None:
+        ShardSpec(0, parts).check(bias.shape, size)
+
+
+_META = ("tensor parallelism slices real weights: build the model on the CPU before "
+         "offload.initialize (meta parameters cannot be cut)")
+
+
 class _ParallelLinear(nn.Module):
     """Shared by both kinds: this rank's slice as parameters, in the module's layout."""
 
@@ -77,8 +98,7 @@ class _ParallelLinear(nn.Module):
         super().__init__()
         weight, bias, self.transposed = _layout(module)
         if weight.is_meta:
-            raise ValueError("tensor parallelism slices real weights: build the model on the "
-                             "CPU before offload.initialize (meta parameters cannot be cut)")
+            raise ValueError(_META)
         self.spec = spec
         self.tp = tp
         self.recorder = recorder

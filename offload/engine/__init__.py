@@ -113,6 +113,21 @@ def _report_huge_pages() -> None:
         log.warning(why)
 
 
+@contextlib.contextmanager
+def _cut_undone_on_failure(tp: TensorParallel | None) -> Iterator[None]:
+    """A refusal after tensor parallelism cut the model's blocks puts the model back as
+    the user gave it (its original layers, with their full weights); success frees
+    the originals."""
+    try:
+        yield
+    except BaseException:
+        if tp is not None:
+            tp.plan.undo()
+        raise
+    if tp is not None:
+        tp.plan.commit()
+
+
 def initialize(model: nn.Module | Callable[[], nn.Module],
                config: OffloadConfig | dict | str | None = None, *,
                checkpoint: str | os.PathLike | None = None,
@@ -164,103 +179,104 @@ def initialize(model: nn.Module | Callable[[], nn.Module],
     agreement.settle(lambda: [config_section(cfg)])  # the whole job, before its mesh is built
     # [Note: ZeRO-3 over DP, tensor parallelism over TP] in tensor_parallel.py
     tp = TensorParallel.setup(model, cfg, restored=ckpt is not None or resumed is not None,
-                              recorder=recorder)
-    comm = tp.mesh.dp if tp is not None else Collectives(recorder=recorder)
-    dtype, share = _DTYPES[cfg.engine.dtype], None
-    with agreement.refusals():
-        units, groups = build_units(model, cfg.engine.group_size, comm.world,
-                                    whole=tp.blocks if tp is not None else [])
-        hyper, slot_groups = assign_param_groups(groups, cfg.optim, param_groups)
-        check_budgets(cfg, groups, dtype)  # before any file is made
-        if resumed is not None:
-            resumed.check(groups, dtype)
-        share = disk_share(cfg, groups, dtype)
-    # data-parallel ranks hold the same layout; tensor-parallel ranks differ in slices
-    shares = agreement.settle(lambda: model_sections(groups, units, hyper, slot_groups),
-                              within=tp.mesh.dp_groups if tp is not None else None,
-                              extra=share)
-    with agreement.refusals():
-        check_disk(cfg, groups, dtype, shares if agreement.world > 1 else None)
-    agreement.settle()
-    gathers = None  # [Note: gather thread] in offload/comm/gather_thread.py
-    if cfg.comm.gather_thread and comm.world > 1:
-        dp_groups = tp.mesh.dp_groups if tp is not None else [list(range(comm.world))]
-        gathers = GatherIssuer(comm, gather_group(comm, dp_groups))
-    # store.policy "next-use": the copy the step needs last leaves first (eviction.py)
-    policy = NextUsePolicy() if cfg.store.policy == "next-use" else None
-    # swap files are named by the rank in the whole job (DP ranks repeat over TP)
-    store = TieredStore(cfg, rank=tp.mesh.world.rank if tp is not None else comm.rank,
-                        recorder=recorder, policy=policy)
-    if cfg.engine.optimizer == "nvme" and store.device.type == "cpu":
-        _report_omp_wait_policy()  # updates run beside a backward on the same cores
-    lineage = _Lineage(model)
-    engine = None
-    try:
-        engine = OffloadEngine(model, cfg, units, groups, store, comm, recorder, tp, gathers)
-        if policy is not None:
-            policy.follow(next_use_of(engine.trace, engine.staged, engine.pending_updates))
-        engine._attach_optimizer(lr_lambda, hyper)
-        engine.param_group_of = slot_groups  # a checkpoint records each group's members
-        deferred = []  # the user's real tensors stay in the model until nothing can fail
-        for g in groups:
-            was_meta = any(sl.param.is_meta for sl in g.slots)
-            segments, slots = segments_of(g, comm.rank, slot_groups)
-            if g.requires_grad:
-                engine.grad_slots.segment_slots[g.gid] = slots
-            if resumed is not None:  # the whole state of the group, read by name
-                resumed.place_group(engine, g, segments, slots)
-            else:
-                full = _materialise(model, g, cfg.engine.seed, ckpt, lineage)
-                shard = full[comm.rank * g.shard:(comm.rank + 1) * g.shard]
-                store.put(("p", g.gid), shard.to(dtype), kind="param",
-                          tier=_TIERS[cfg.engine.params])
-                if g.requires_grad:  # NVMe state is written now: never all masters at once
-                    shared = engine.master_is_param  # fp32: the stored shard is the master
-                    engine.optimizer.add_partition(g.gid, shard if shared else shard.clone(),
-                                                   tier=cfg.engine.optimizer,
-                                                   master_is_param=shared, segments=segments)
-                del full, shard
-            if was_meta:  # a materialised meta group is freed at once: no process holds all
+                              recorder=recorder, keep_undo=True)
+    with _cut_undone_on_failure(tp):  # [Note: undoing parallelize] in offload/comm/domino.py
+        comm = tp.mesh.dp if tp is not None else Collectives(recorder=recorder)
+        dtype, share = _DTYPES[cfg.engine.dtype], None
+        with agreement.refusals():
+            units, groups = build_units(model, cfg.engine.group_size, comm.world,
+                                        whole=tp.blocks if tp is not None else [])
+            hyper, slot_groups = assign_param_groups(groups, cfg.optim, param_groups)
+            check_budgets(cfg, groups, dtype)  # before any file is made
+            if resumed is not None:
+                resumed.check(groups, dtype)
+            share = disk_share(cfg, groups, dtype)
+        # data-parallel ranks hold the same layout; tensor-parallel ranks differ in slices
+        shares = agreement.settle(lambda: model_sections(groups, units, hyper, slot_groups),
+                                  within=tp.mesh.dp_groups if tp is not None else None,
+                                  extra=share)
+        with agreement.refusals():
+            check_disk(cfg, groups, dtype, shares if agreement.world > 1 else None)
+        agreement.settle()
+        gathers = None  # [Note: gather thread] in offload/comm/gather_thread.py
+        if cfg.comm.gather_thread and comm.world > 1:
+            dp_groups = tp.mesh.dp_groups if tp is not None else [list(range(comm.world))]
+            gathers = GatherIssuer(comm, gather_group(comm, dp_groups))
+        # store.policy "next-use": the copy the step needs last leaves first (eviction.py)
+        policy = NextUsePolicy() if cfg.store.policy == "next-use" else None
+        # swap files are named by the rank in the whole job (DP ranks repeat over TP)
+        store = TieredStore(cfg, rank=tp.mesh.world.rank if tp is not None else comm.rank,
+                            recorder=recorder, policy=policy)
+        if cfg.engine.optimizer == "nvme" and store.device.type == "cpu":
+            _report_omp_wait_policy()  # updates run beside a backward on the same cores
+        lineage = _Lineage(model)
+        engine = None
+        try:
+            engine = OffloadEngine(model, cfg, units, groups, store, comm, recorder, tp, gathers)
+            if policy is not None:
+                policy.follow(next_use_of(engine.trace, engine.staged, engine.pending_updates))
+            engine._attach_optimizer(lr_lambda, hyper)
+            engine.param_group_of = slot_groups  # a checkpoint records each group's members
+            deferred = []  # the user's real tensors stay in the model until nothing can fail
+            for g in groups:
+                was_meta = any(sl.param.is_meta for sl in g.slots)
+                segments, slots = segments_of(g, comm.rank, slot_groups)
+                if g.requires_grad:
+                    engine.grad_slots.segment_slots[g.gid] = slots
+                if resumed is not None:  # the whole state of the group, read by name
+                    resumed.place_group(engine, g, segments, slots)
+                else:
+                    full = _materialise(model, g, cfg.engine.seed, ckpt, lineage)
+                    shard = full[comm.rank * g.shard:(comm.rank + 1) * g.shard]
+                    store.put(("p", g.gid), shard.to(dtype), kind="param",
+                              tier=_TIERS[cfg.engine.params])
+                    if g.requires_grad:  # NVMe state is written now: never all masters at once
+                        shared = engine.master_is_param  # fp32: the stored shard is the master
+                        engine.optimizer.add_partition(g.gid, shard if shared else shard.clone(),
+                                                       tier=cfg.engine.optimizer,
+                                                       master_is_param=shared, segments=segments)
+                    del full, shard
+                if was_meta:  # a materialised meta group is freed at once: no process holds all
+                    _drop_params(g, engine)
+                else:
+                    deferred.append(g)
+                if progress is not None:
+                    progress(g.gid + 1, len(groups))
+            store.wait_all()
+            if resumed is not None:
+                resumed.restore(engine)  # counters, loss scale, hyper-parameters, RNG
+                engine.resumed_extra = dict(resumed.extra)
+            if lr_scheduler is not None:  # [Note: the engine's scheduler] in lr_scheduler.py
+                engine.lr_scheduler = make_scheduler(
+                    lr_scheduler, engine.optimizer,
+                    resumed.record.get("lr_scheduler") if resumed is not None else None,
+                    resumed is not None)
+            for g in deferred:
                 _drop_params(g, engine)
-            else:
-                deferred.append(g)
-            if progress is not None:
-                progress(g.gid + 1, len(groups))
-        store.wait_all()
-        if resumed is not None:
-            resumed.restore(engine)  # counters, loss scale, hyper-parameters, RNG
-            engine.resumed_extra = dict(resumed.extra)
-        if lr_scheduler is not None:  # [Note: the engine's scheduler] in lr_scheduler.py
-            engine.lr_scheduler = make_scheduler(
-                lr_scheduler, engine.optimizer,
-                resumed.record.get("lr_scheduler") if resumed is not None else None,
-                resumed is not None)
-        for g in deferred:
-            _drop_params(g, engine)
-        moved: dict[int, torch.Tensor] = {}  # a buffer several modules share stays one
-        for m in model.modules():
-            for name, b in m._buffers.items():
-                if b is not None and b.device != store.device:
-                    if id(b) not in moved:
-                        moved[id(b)] = b.to(store.device)
-                    m._buffers[name] = moved[id(b)]
-        model.__dict__[_WRAPPED] = True  # [Note: wrapped modules]
-        guard_casts(model, engine.dtype, engine.device)
-        guard_resize(model)
-        if comm.world > 1:  # [Note: generation on several ranks] in model_weights.py
+            moved: dict[int, torch.Tensor] = {}  # a buffer several modules share stays one
             for m in model.modules():
-                m.__dict__["_is_fsdp_managed_module"] = True
-    except BaseException:
-        if engine is not None:
-            engine.close()  # removes its hooks and closes the store
-        else:
-            store.close()
-            if gathers is not None:
-                gathers.close()
-        raise
-    finally:
-        if resumed is not None:
-            resumed.close()
+                for name, b in m._buffers.items():
+                    if b is not None and b.device != store.device:
+                        if id(b) not in moved:
+                            moved[id(b)] = b.to(store.device)
+                        m._buffers[name] = moved[id(b)]
+            model.__dict__[_WRAPPED] = True  # [Note: wrapped modules]
+            guard_casts(model, engine.dtype, engine.device)
+            guard_resize(model)
+            if comm.world > 1:  # [Note: generation on several ranks] in model_weights.py
+                for m in model.modules():
+                    m.__dict__["_is_fsdp_managed_module"] = True
+        except BaseException:
+            if engine is not None:
+                engine.close()  # removes its hooks and closes the store
+            else:
+                store.close()
+                if gathers is not None:
+                    gathers.close()
+            raise
+        finally:
+            if resumed is not None:
+                resumed.close()
     total = sum(g.numel for g in groups)
     log.info("offload: %d parameters in %d groups over %d units, world %d, %s compute, "
              "params on %s, grads on %s, optimizer state on %s", total, len(groups), len(units),

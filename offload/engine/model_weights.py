@@ -378,7 +378,7 @@ class ModelWeights:
         specs, order = self._export_specs(dtype)
         out = Path(save_directory)
         stream = self._export_stream(order, dtype)
-        if self.comm.rank != 0:
+        if (self.comm.rank if self.tp is None else self.tp.mesh.world.rank) != 0:
             for _ in stream:
                 pass  # the all-gathers pair up with rank 0's
             return []
@@ -399,7 +399,10 @@ class ModelWeights:
         names = self._slot_names()
         for g in self.groups:
             for i, (slot, orig) in enumerate(zip(g.slots, self.registered.dtypes[g.gid])):
-                specs.append(TensorSpec(names[(g.gid, i)][0], tuple(slot.shape), dtype or orig))
+                name = names[(g.gid, i)][0]
+                shape = tuple(slot.shape) if self.tp is None else self.tp.full_shape(
+                    name, tuple(slot.shape))  # tensor parallelism: the whole weight
+                specs.append(TensorSpec(name, shape, dtype or orig))
         seen: set[int] = set()
         for name, t, is_param in state_entries(self.module):
             if is_param and self.registered.locate(t) is not None or id(t) in seen:
@@ -416,7 +419,10 @@ class ModelWeights:
         for g in self.groups:
             full = read_group(self, g)
             for i, t in enumerate(slot_tensors(self, g, full)):
-                yield names[(g.gid, i)][0], t.to(dtype) if dtype else t
+                name = names[(g.gid, i)][0]
+                if self.tp is not None:  # every TP rank's slice, put together
+                    t = self.tp.full(name, t, self.device)
+                yield name, t.to(dtype) if dtype else t
             del full
         for name, t in order:
             yield name, t.to(dtype) if dtype and t.is_floating_point() else t

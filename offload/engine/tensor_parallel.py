@@ -46,10 +46,14 @@ class TensorParallel:
 
     @classmethod
     def setup(cls, model: nn.Module, cfg: OffloadConfig, *, restored: bool,
-              recorder: TraceRecorder = NULL_RECORDER) -> "TensorParallel | None":
+              recorder: TraceRecorder = NULL_RECORDER,
+              keep_undo: bool = False) -> "TensorParallel | None":
         """None for `tp.size = 1`; else the mesh, with `model`'s blocks made
         tensor-parallel in place. `restored`: weights come from a checkpoint
-        (refused: checkpoints hold full tensors, a rank holds slices)."""
+        (refused: checkpoints hold full tensors, a rank holds slices). A refusal
+        leaves `model` as it was; `keep_undo`: `plan.undo()` can put it back later
+        too, until `plan.commit()` ([Note: undoing parallelize] in
+        offload/comm/domino.py)."""
         if cfg.tp.size == 1:
             return None
         if restored:
@@ -58,8 +62,9 @@ class TensorParallel:
                               "the model on the CPU before offload.initialize")
         try:
             mesh = ParallelMesh.build(cfg.tp.size, recorder=recorder)
-            plan = parallelize(model, mesh.tp, cfg.domino.pieces, recorder=recorder)
-        except ValueError as e:
+            plan = parallelize(model, mesh.tp, cfg.domino.pieces, recorder=recorder,
+                               keep_undo=keep_undo)
+        except (TypeError, ValueError) as e:  # a layer that is no Linear is a TypeError
             raise ConfigError(f"tp.size: {e}") from e
         return cls(mesh, plan)
 
@@ -69,6 +74,25 @@ class TensorParallel:
 
     def sharded(self, name: str) -> bool:
         return name in self.plan.sharded
+
+    def full_shape(self, name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The shape of the whole tensor `name` whose slice on this rank is `shape`."""
+        spec = self.plan.sharded.get(name)
+        if spec is None:
+            return tuple(shape)
+        return tuple(n * self.mesh.tp.world if d == spec.dim else n for d, n in enumerate(shape))
+
+    def full(self, name: str, value: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """The whole tensor `name` (on the CPU) from this rank's `value`: its TP slices
+        all-gathered and put together where it is cut, else `value`. Every rank of the
+        TP group calls it, for the same names in the same order."""
+        import torch.distributed as dist
+        if not self.sharded(name):
+            return value
+        mine = value.to(device).contiguous()  # NCCL gathers device tensors
+        shards = [torch.empty_like(mine) for _ in range(self.mesh.tp.world)]
+        dist.all_gather(shards, mine, group=self.mesh.tp.group)
+        return self.plan.unshard(name, [s.cpu() for s in shards])
 
 
 class GradSquares:
@@ -111,18 +135,8 @@ class GradSquares:
 def full_state_dict(engine: "OffloadEngine") -> dict[str, Any]:
     """The model's full weights on every rank: the engine's state dict (gathered over
     DP), its TP slices put together. Every rank calls it; for tests and export."""
-    import torch.distributed as dist
     sd = engine.state_dict(rank0_only=False)
     tp = getattr(engine, "tp", None)
     if tp is None:
         return sd
-    out = {}
-    for name, value in sd.items():
-        if not tp.sharded(name):
-            out[name] = value
-            continue
-        mine = value.to(engine.device).contiguous()  # NCCL gathers device tensors
-        shards = [torch.empty_like(mine) for _ in range(tp.mesh.tp.world)]
-        dist.all_gather(shards, mine, group=tp.mesh.tp.group)
-        out[name] = tp.plan.unshard(name, [s.cpu() for s in shards])
-    return out
+    return {name: tp.full(name, value, engine.device) for name, value in sd.items()}

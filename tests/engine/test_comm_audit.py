@@ -1,0 +1,250 @@
+"""Audit of tensor parallelism's refusals and of what they leave behind (tp.size = 2 on
+two gloo ranks): a model that cannot be cut is left as it was, with a ConfigError
+naming tp.size and the layer; an initialize that fails after the cut does not turn
+the retry into a TypeError; export under TP.
+
+The two ranks are spawned once (module fixture) and run every case; each test
+reads its case's outcome (starting processes is most of the time on 2 cores)."""
+
+import glob
+import os
+
+import pytest
+import torch
+from torch import nn
+
+import offload
+from offload.config import ConfigError
+
+from .ranks import process_group, spawn
+from .test_domino import VOCAB, _config, _model
+
+pytestmark = pytest.mark.distributed
+
+
+def _llama(intermediate: int) -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(
+        hidden_size=32, intermediate_size=intermediate, num_attention_heads=4,
+        num_key_value_heads=2, num_hidden_layers=2, vocab_size=VOCAB,
+        max_position_embeddings=32, attn_implementation="sdpa"))
+
+
+class _Wrapped(nn.Module):
+    """A Linear behind a wrapper (as LoRA adapters put it): no layer TP can cut."""
+
+    def __init__(self, inner: nn.Linear) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x)
+
+
+def _state(model: nn.Module) -> dict:
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def _outcome(fn) -> dict:
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the test looks at which
+        return {"error": type(e).__name__, "config_error": isinstance(e, ConfigError),
+                "message": str(e)}
+    return {"error": None}
+
+
+def _unchanged(model: nn.Module, before: dict) -> dict:
+    from offload.comm.domino import DominoBlock
+    from offload.comm.tensor_parallel import ColumnParallel, RowParallel
+    after = model.state_dict()
+    return {"cut": any(isinstance(m, (DominoBlock, ColumnParallel, RowParallel))
+                       for m in model.modules()),
+            "same": set(after) == set(before) and all(
+                after[k].shape == v.shape and torch.equal(after[k], v)
+                for k, v in before.items())}
+
+
+def _init_and_close(model: nn.Module, cfg: dict) -> None:
+    with offload.initialize(model, cfg):
+        pass
+
+
+def _case_uncuttable_width(d: str) -> dict:
+    """Llama whose MLP width (63) does not split over 2 ranks: before the fix its
+    attention layers were already cut when the MLP's refusal came."""
+    model = _llama(63)
+    before = _state(model)
+    out = _outcome(lambda: _init_and_close(model, _config(os.path.join(d, "w"), 2, "host")))
+    return out | _unchanged(model, before)
+
+
+def _case_not_a_linear(d: str) -> dict:
+    """The second block's MLP input layer is wrapped: a TypeError traceback from the
+    middle of the cut before the fix, the first block already cut."""
+    model = _model("gpt")
+    model.blocks[1].mlp.fc = _Wrapped(model.blocks[1].mlp.fc)
+    before = _state(model)
+    out = _outcome(lambda: _init_and_close(model, _config(os.path.join(d, "l"), 2, "host")))
+    return out | _unchanged(model, before)
+
+
+def _budget_failure(d: str, model: nn.Module, name: str) -> dict:
+    """initialize refused after the cut: a host budget below the working set."""
+    cfg = _config(os.path.join(d, name), 2, "host")
+    cfg["store"]["host_budget"] = "8KiB"
+    return _outcome(lambda: _init_and_close(model, cfg))
+
+
+def _case_retry(d: str) -> dict:
+    """A ConfigError for the budget, then the same model with the budget fixed."""
+    model = _model("gpt")
+    first = _budget_failure(d, model, "r1")
+    second = _outcome(lambda: _init_and_close(model, _config(os.path.join(d, "r2"), 2, "host")))
+    return {"first": first, "second": second}
+
+
+def _case_restored(d: str) -> dict:
+    """A ConfigError for the budget: the model as it was, and a retry that trains."""
+    model = _model("gpt")
+    before = _state(model)
+    first = _budget_failure(d, model, "s1")
+    state = _unchanged(model, before)
+    second = _outcome(lambda: _init_and_close(model, _config(os.path.join(d, "s2"), 2, "host")))
+    return {"first": first, "second": second} | state
+
+
+def _case_undo(d: str) -> dict:
+    """TensorParallel.setup(keep_undo=True) then plan.undo(), for GPT-2 (whose attention
+    `prepare` changes): the model as it was, and its forward the original's."""
+    from offload.engine.tensor_parallel import TensorParallel
+    model, ref = _model("gpt2"), _model("gpt2")
+    before = _state(model)
+    tp = TensorParallel.setup(model, offload.load_config(_config(os.path.join(d, "u"), 2,
+                                                                  "host")),
+                              restored=False, keep_undo=True)
+    cut = _unchanged(model, before)["cut"]
+    tp.plan.undo()
+    x = torch.randint(0, VOCAB, (4, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        same_output = torch.equal(model(x).logits, ref(x).logits)
+    return {"cut_before_undo": cut, "same_output": same_output} | _unchanged(model, before)
+
+
+def _case_save_pretrained(d: str, rank: int) -> dict:
+    """save_pretrained under tp.size = 2: what every rank did, and (rank 0) the shapes
+    of what was written against the full model's."""
+    out_dir = os.path.join(d, "export")
+    cfg = _config(os.path.join(d, "e"), 2, "host")
+    written: dict = {}
+
+    def run() -> None:
+        with offload.initialize(_model("gpt2"), cfg) as engine:
+            engine.save_pretrained(out_dir)
+
+    out = _outcome(run)
+    torch.distributed.barrier()
+    want = _model("gpt2").state_dict()
+    out["max_diff"] = None
+    if rank == 0:
+        from safetensors.torch import load_file
+        from transformers import GPT2LMHeadModel
+        for f in glob.glob(os.path.join(out_dir, "*.safetensors")):
+            written.update({k: tuple(v.shape) for k, v in load_file(f).items()})
+        if out["error"] is None:  # what from_pretrained reads is the model that was saved
+            got = GPT2LMHeadModel.from_pretrained(out_dir).state_dict()
+            out["max_diff"] = max((got[k] - v).abs().max().item() for k, v in want.items())
+    full = {k: tuple(v.shape) for k, v in want.items()}
+    out["wrong_shapes"] = sorted(k for k, s in written.items() if k in full and full[k] != s)
+    out["written"] = len(written)
+    return out
+
+
+def _worker(rank: int, world: int, init_file: str, out: str) -> None:
+    d = os.path.dirname(init_file)
+    with process_group(rank, world, init_file):
+        cases = {"width": lambda: _case_uncuttable_width(d),
+                 "linear": lambda: _case_not_a_linear(d),
+                 "retry": lambda: _case_retry(d),
+                 "restored": lambda: _case_restored(d),
+                 "undo": lambda: _case_undo(d),
+                 "save_pretrained": lambda: _case_save_pretrained(d, rank)}
+        results = {}
+        for name, case in cases.items():  # one case's crash fails its test only
+            try:
+                results[name] = case()
+            except Exception as e:  # noqa: BLE001
+                results[name] = {"crash": repr(e)}
+        torch.save(results, f"{out}.{rank}")
+
+
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory) -> list:
+    d = tmp_path_factory.mktemp("comm-audit")
+    out = str(d / "out")
+    spawn(_worker, str(d / "init"), out)
+    return [torch.load(f"{out}.{r}") for r in range(2)]
+
+
+def test_uncuttable_width_leaves_model_as_it_was(outcomes):
+    """Before: ConfigError 'cannot cut ... (63, 32)' naming no layer, and the model left
+    with its attention cut (ColumnParallel slices in place of q/k/v)."""
+    for r in outcomes:
+        got = r["width"]
+        assert got["config_error"], got
+        assert "tp.size" in got["message"] and "mlp.gate_proj" in got["message"], got
+        assert not got["cut"] and got["same"], got
+
+
+def test_layer_that_is_no_linear_is_a_config_error(outcomes):
+    """Before: TypeError 'is not an nn.Linear or a Conv1D' from the middle of the cut,
+    no tp.size in it, and the first block already cut."""
+    for r in outcomes:
+        got = r["linear"]
+        assert got["config_error"], got
+        assert "tp.size" in got["message"] and "blocks.1.mlp.fc" in got["message"], got
+        assert not got["cut"] and got["same"], got
+
+
+def test_retry_after_failed_initialize_is_a_clear_error(outcomes):
+    """An initialize refused after the cut (a ConfigError the user fixes), then the
+    same model again: before, TypeError 'ColumnParallel is not an nn.Linear or a
+    Conv1D'. Now the retry works or is a ConfigError naming tp.size saying what to
+    do."""
+    for r in outcomes:
+        first, second = r["retry"]["first"], r["retry"]["second"]
+        assert first["config_error"] and "store.host_budget" in first["message"], first
+        if second["error"] is not None:
+            assert second["config_error"], second
+            assert "tp.size" in second["message"] and "build the model" in second["message"]
+
+
+def test_plan_undo_puts_the_model_back(outcomes):
+    """What the fix of the next test needs: the cut can be undone (layers, blocks and
+    GPT-2's local head counts), and the model then computes what it did."""
+    for r in outcomes:
+        got = r["undo"]
+        assert got["cut_before_undo"], got
+        assert not got["cut"] and got["same"] and got["same_output"], got
+
+
+def test_failed_initialize_puts_the_model_back(outcomes):
+    """A failed initialize leaves the user's model as it found it (as without TP), so
+    the model still runs in plain torch and the retry with the fixed config works."""
+    for r in outcomes:
+        got = r["restored"]
+        assert got["first"]["config_error"], got
+        assert not got["cut"] and got["same"], got
+        assert got["second"]["error"] is None, got
+
+
+def test_save_pretrained_under_tensor_parallel(outcomes):
+    """What save_pretrained writes under tp.size = 2 is the whole model: transformers'
+    from_pretrained reads back the weights it was given, and one rank writes. Before:
+    the q/k/v, MLP and projection weights were written at half their width, and rank 1
+    raced rank 0 for the directory."""
+    got = outcomes[0]["save_pretrained"]
+    assert got["written"] > 0 and got["wrong_shapes"] == [], got
+    assert got["max_diff"] == 0.0, got
+    assert outcomes[1]["save_pretrained"]["error"] is None, outcomes[1]
