@@ -6,7 +6,7 @@ to be on the device (an NVMe read, a host-to-device copy): the hook, and the
 compute behind it, stand still meanwhile. With the gather thread the hook only
 queues the request; one thread, in queue order, waits for each shard and issues
 its all-gather. Order is what keeps ranks matched: requests are queued in
-the hooks' order, the same on every rank ([Note: gather order] in the engine),
+the hooks' order, the same on every rank ([Note: gather order] in engine/gathering.py),
 and one thread issues them first in, first out, so every rank issues its
 all-gathers in one order. They go over their own process group (a second
 communicator of the same ranks: with NCCL its own stream) so that they never

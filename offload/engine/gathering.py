@@ -1,0 +1,198 @@
+"""Gathering a group's full weights for its unit, binding them to the modules, and
+giving them back: the engine's part between the store's partitions and the model's
+forward and backward (a mixin of `OffloadEngine`).
+
+[Note: gather order] below; [Note: gathered weights borrow the record] and
+[Note: kept weights] in warm.py; [Note: registered parameters] in params_view.py.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ..comm import Pending
+from ..store import BudgetExceededError, Tier, footprint
+from .eviction import sooner_than
+from .forward_prefetch import arriving
+from .params_view import point_weight_list
+from .units import Group
+from .warm import borrow, kept_view, unborrow
+
+log = logging.getLogger(__name__)
+
+__all__ = ["GatheredWeights", "GroupState", "in_backward"]
+
+
+def in_backward() -> bool:
+    """Whether this thread runs inside autograd's backward."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class GroupState:
+    """One group's gathered weights: the flat buffer, its views and its all-gather."""
+
+    __slots__ = ("group", "flat", "gathered", "active", "pending", "borrowed", "views")
+
+    def __init__(self, group: Group, dtype: torch.dtype, device: torch.device) -> None:
+        self.group = group
+        self.flat = torch.empty(group.padded, dtype=dtype, device=device)
+        self.flat.untyped_storage().resize_(0)
+        self.flat.requires_grad_(group.requires_grad)
+        self.gathered = False
+        self.active = 0
+        self.pending: Pending | None = None  # an all-gather in flight into `flat`
+        self.borrowed = 0  # bytes of the pinned record whose memory `flat` holds:
+        # [Note: gathered weights borrow the record] in warm.py
+        self.views: list[torch.Tensor] = []  # bound: [Note: kept weights] in warm.py
+
+
+class GatheredWeights:
+    """Gathers, binds and frees the groups' full weights (mixed into `OffloadEngine`)."""
+
+    def _gather(self, st: GroupState) -> None:
+        """Makes the group's full weights valid in `flat` (waits for them)."""
+        with self._spans.use(("p", st.group.gid)):
+            if st.pending is None and not st.gathered:
+                self._start_gather(st, async_op=False)
+            if st.pending is not None:
+                pending, st.pending = st.pending, None
+                pending.wait()
+
+    def _start_gather(self, st: GroupState, async_op: bool) -> None:
+        """Fetches the shard to DEVICE and starts the all-gather into `flat`.
+
+        [Note: gather order] Every rank must issue all-gathers in the same
+        order, so they are requested only from the module hooks' thread, in use
+        order or in the plan's order, never from I/O completion callbacks (and
+        issued there, or in that order by [Note: gather thread]).
+        """
+        key = ("p", st.group.gid)
+        fetch = self.store.fetch(key, to=Tier.DEVICE, pin=True)
+
+        def unpin() -> None:  # a fetch that failed never pinned: its own error stands
+            if fetch.settle():
+                self.store.unpin(key)
+        room = footprint(st.group.shard * self.dtype.itemsize)
+        if st.group.requires_grad and self._borrowing.take(room):
+            try:  # [Note: gathered weights borrow the record] in warm.py
+                borrow(st.flat.untyped_storage(), fetch.wait())
+            except BaseException:
+                self._borrowing.give(room)
+                unpin()
+                raise
+            st.borrowed, st.gathered = room, True
+            return
+        try:
+            self._warm.fill(st.flat.untyped_storage(), st.group.padded * st.flat.element_size())
+            # `.data` has its own version counter: refilling the storage must not look
+            # like an in-place change to the views autograd saved (they see the same bytes)
+            pending = self._gathers.all_gather(st.flat.data, fetch.wait, async_op=async_op,
+                                               on_error=unpin)
+        except BaseException:
+            unpin()
+            raise
+
+        def finish() -> None:
+            self.store.unpin(key)
+            st.gathered = True
+        pending.finish = finish
+        st.pending = pending
+
+    def _free(self, st: GroupState) -> None:
+        if st.gathered:
+            self.unbind(st.group.gid)
+            kept = kept_view(st.views)  # [Note: kept weights] in warm.py
+            if kept is not None:
+                self._leave_with_kept(st, kept)
+            elif st.borrowed:
+                self._warm.vacate(st.flat.untyped_storage())  # the record's memory goes back
+                self._return(st)
+            else:
+                self._warm.drain(st.flat.untyped_storage())
+            st.gathered = False
+        st.views.clear()
+
+    def _leave_with_kept(self, st: GroupState, kept: int) -> None:
+        """The gathered storage stays with the view kept ([Note: kept weights] in
+        warm.py), a borrowed record's memory copied first; `flat` takes a fresh one."""
+        storage = st.flat.untyped_storage()
+        if st.group.gid not in self._kept_warned:
+            self._kept_warned.add(st.group.gid)
+            log.warning(
+                "a tensor bound to parameter %r inside a unit's forward is still referenced "
+                "after the unit: its group's gathered weights (%.1f MiB) stay allocated "
+                "outside the memory budgets while it is; keep a .clone() instead, or read "
+                "engine.full_weights()", st.group.slots[kept % len(st.group.slots)].names[0],
+                storage.nbytes() / 2**20)
+        if st.borrowed:
+            unborrow(storage)
+            self._return(st)
+        else:
+            self._warm.disown(storage.nbytes())
+        self._fresh_storage(st)
+
+    def _fresh_storage(self, st: GroupState) -> None:
+        """`flat` takes a new storage without memory; the old one goes with its last view."""
+        fresh = torch.empty(st.group.padded, dtype=st.flat.dtype, device=st.flat.device)
+        fresh.untyped_storage().resize_(0)
+        st.flat.data = fresh
+
+    def _return(self, st: GroupState) -> None:
+        """Drops the pin of a borrowed record (its memory is no longer `flat`'s)."""
+        self._borrowing.give(st.borrowed)
+        st.borrowed = 0
+        self.store.unpin(("p", st.group.gid))
+
+    def unbind(self, gid: int) -> None:
+        """Points the group's module attributes back at their registered stand-ins
+        ([Note: registered parameters]): a use outside the unit raises, naming it."""
+        for slot in self.groups[gid].slots:
+            for module, name in slot.uses:
+                module.__dict__.pop(name, None)
+                point_weight_list(module, name)  # [Note: RNN weight lists] in params_view.py
+
+    def _bind(self, st: GroupState) -> None:
+        """Points every module attribute of the group's parameters at fresh views of `flat`."""
+        # Views made while autograd is off (a backward hook, no_grad) would cut the
+        # weights out of the graph of an activation-checkpoint recomputation.
+        with torch.set_grad_enabled(torch.is_grad_enabled() or in_backward()):
+            pieces = st.flat.split(st.group.split_sizes)  # [Note: one split per use]
+            for i, (slot, piece) in enumerate(zip(st.group.slots, pieces)):
+                view = piece.view(slot.shape)
+                if view.requires_grad:  # [Note: parameters without a gradient]
+                    view.register_hook(self.grad_slots.hook(st.group.gid, i))
+                for module, name in slot.uses:  # before _parameters: [Note: registered
+                    module.__dict__[name] = view  # parameters] in params_view.py
+                st.views.append(view)
+
+    def _prefetch(self) -> None:
+        """Follows the plan: the next group's all-gather starts now (it runs behind this
+        unit's compute), the groups after it start moving towards DEVICE, each only
+        where room can be made without evicting a copy needed no later than it, or
+        else into HOST ([Note: staging in HOST] in eviction.py)."""
+        for i, gid in enumerate(self.trace.upcoming(self.cfg.engine.prefetch_depth)):
+            st = self._states[gid]
+            if st.gathered or st.pending is not None:
+                continue
+            gather = i == 0 and self.comm.world > 1  # a collective: every rank issues it
+            key = ("p", gid)
+            if not gather and arriving(self.store, key):
+                continue
+            sooner = sooner_than(self.trace, gid, self.staged, self.pending_updates)
+            to = Tier.DEVICE
+            if not gather and not self.store.fits_sparing(key, Tier.DEVICE, sooner):
+                if Tier.HOST in self.store.info(key).valid:
+                    continue  # staged already: its use hands it up
+                if not self.store.fits_sparing(key, Tier.HOST, sooner):
+                    return  # the groups after it are needed later still: [Note: prefetch room]
+                to = Tier.HOST
+            try:
+                if gather:
+                    self._start_gather(st, async_op=True)
+                elif self.store.prefetch(key, to=to) is None:
+                    return  # its room is on its way: the next unit asks again
+            except BudgetExceededError as e:  # no room now: the use fetches on demand
+                log.debug("prefetch of group %d skipped: %s", gid, e)
+                return
