@@ -234,6 +234,8 @@ def _walk(uses: Sequence[Use], size: dict, nxt: _NextUse, budget: int, resident:
     plan = Plan([], budget, held)
     prev_issue = 0
     used = sum(size[k] for k in resident)  # bytes of the resident records
+    gone: dict[Hashable, tuple[int, bool]] = {}  # record -> (its eviction's op, written)
+    fetched: list[tuple[int, int, tuple[int, bool] | None]] = []  # (op, own floor, left)
     for i, use in enumerate(uses):
         held[i] += used + use.reserved
         need = set(use.keys) | {previous_key(k) for k in use.previous}
@@ -248,12 +250,14 @@ def _walk(uses: Sequence[Use], size: dict, nxt: _NextUse, budget: int, resident:
                     _too_big(i, use, need, size, n - (room - used), budget)
                 victim = max(victims, key=lambda r: (nxt.after(r, i), r not in dirty, -rank[r]))
                 end = last.get(victim, -1)
-                if victim in dirty:
+                wrote = victim in dirty
+                if wrote:
                     plan.ops.append(PlanOp("write-back", victim, size[victim], end + 1, i,
                                            end if end >= 0 else None))
                     plan.bytes_written += size[victim]
                     dirty.discard(victim)
                 plan.ops.append(PlanOp("evict", victim, size[victim], end + 1, i))
+                gone[victim] = (len(plan.ops) - 1, wrote)
                 resident.discard(victim)
                 used -= size[victim]
                 for t in range(end + 1, i + 1):  # free from just after its last use
@@ -266,11 +270,19 @@ def _walk(uses: Sequence[Use], size: dict, nxt: _NextUse, budget: int, resident:
             make_room(size[k])
             resident.add(k)
             used += size[k]
+            left = gone.pop(k, None)  # (its eviction in plan.ops, whether it was written)
             if k in use.fresh:  # written whole: room, no read
                 held[i] += size[k]
                 continue
+            own = last.get(k, -1) + 1  # after its previous use: where it left, if it did
+            if left is not None and not (left[1] and k in use.previous) and \
+                    all(held[t] + size[k] <= budget for t in range(own, i)):
+                _stay(plan, left, k, size[k], own, i)  # [Note: no round trips]
+                if left[1]:
+                    dirty.add(k)
+                continue
             issue = i
-            floor = max(prev_issue, last.get(k, -1) + 1)
+            floor = max(prev_issue, own)
             while issue > floor and held[issue - 1] + size[k] <= budget:
                 issue -= 1
             for t in range(issue, i + 1):
@@ -278,7 +290,7 @@ def _walk(uses: Sequence[Use], size: dict, nxt: _NextUse, budget: int, resident:
             prev_issue = issue
             op = PlanOp("fetch", k, size[k], issue, i)
             plan.ops.append(op)
-            plan.fetches_by_use.setdefault(i, []).append(op)
+            fetched.append((len(plan.ops) - 1, own, left))
             plan.bytes_read += size[k]
         for k in kept:  # [Note: previous versions]
             pk = previous_key(k)
@@ -301,7 +313,73 @@ def _walk(uses: Sequence[Use], size: dict, nxt: _NextUse, budget: int, resident:
                 resident.discard(pk)
                 used -= size[pk]
             dirty.discard(pk)
+            gone.pop(pk, None)
+    _hoist(plan, fetched)
     return plan
+
+
+def _stay(plan: Plan, left: tuple[int, bool], key: Hashable, nbytes: int, start: int,
+          end: int) -> None:
+    """`key` stays in memory from `start` (where it left) through use `end` instead of
+    leaving there and being read back: its eviction, and its write-back if it was
+    written, are undone ([Note: no round trips])."""
+    n, wrote = left
+    plan.ops[n] = None  # type: ignore[call-overload]  # removed below, in _hoist
+    if wrote:
+        back = plan.ops[n - 1]
+        if back is None or back.op != "write-back" or back.key != key:
+            raise RuntimeError(f"plan: the eviction of {key!r} at op {n} follows {back}, "
+                               "expected its write-back")
+        plan.ops[n - 1] = None  # type: ignore[call-overload]
+        plan.bytes_written -= nbytes
+    for t in range(start, end + 1):
+        plan.held[t] += nbytes
+
+
+def _hoist(plan: Plan, fetched: list[tuple[int, int, tuple[int, bool] | None]]) -> None:
+    """Issues each fetch as early as the finished plan allows: the walk placed it
+    before the evictions of later uses freed room from the victims' last uses on. In
+    the fetches' order, none before the one ahead of it nor its record's previous use;
+    a clean record whose bytes now fit from where it left until its use stays instead
+    (undoing a written one would leave it dirty later in the walk: it is read no
+    earlier than the use after the one it left at). [Note: no round trips]"""
+    prev, held, budget = 0, plan.held, plan.budget
+    for n, own, left in fetched:
+        op = plan.ops[n]
+        at = op.at
+        if left is not None and plan.ops[left[0]] is not None:
+            if not left[1] and all(held[t] + op.nbytes <= budget for t in range(own, at)):
+                plan.ops[n] = plan.ops[left[0]] = None  # type: ignore[call-overload]
+                plan.bytes_read -= op.nbytes
+                for t in range(own, at):
+                    held[t] += op.nbytes
+                continue
+            own += left[1]  # not read back at the point it was written out
+        while at > max(prev, own) and held[at - 1] + op.nbytes <= budget:
+            at -= 1
+            held[at] += op.nbytes
+        if at != op.at:
+            plan.ops[n] = op = PlanOp("fetch", op.key, op.nbytes, at, op.needed_at)
+        prev = at
+    plan.ops[:] = [op for op in plan.ops if op is not None]
+    plan.fetches_by_use = {}
+    for op in plan.ops:
+        if op.op == "fetch":
+            plan.fetches_by_use.setdefault(op.needed_at, []).append(op)
+
+
+# [Note: no round trips]
+# The walk decides victims use by use, and an eviction at a later use frees its victim's
+# bytes from the victim's last use on, at points the walk has passed. So a record that
+# left at one use may, by the time it is needed again, fit beside everything the plan
+# holds from where it left until then: it stays (its eviction, and its write-back if
+# it was dirty, are undone, with no read), rather than leave and be read back; but a
+# written one stays only where the use does not keep its previous version (it would
+# then keep a dirty record's, whose room the use did not make). And a
+# fetch placed before a later eviction freed room can then be issued earlier: after the
+# walk, each fetch moves up into the room the finished plan leaves, in the fetches'
+# order. Both only ever lower the bytes moved and move reads earlier; the plan still
+# holds at most the budget at every use (tests/planner/test_planner_audit.py).
 
 
 def lru_bytes(uses: Sequence[Use], records: Mapping[Hashable, RecordSpec],

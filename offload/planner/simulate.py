@@ -229,6 +229,11 @@ def _check(plan: Plan, uses: Sequence[Use]) -> None:
         if not 0 <= use.compute_s < float("inf"):
             raise ValueError(f"use {i} ({use.kind} {use.label}) takes {use.compute_s} "
                              "seconds; a use's compute_s is finite and >= 0")
+    for op in plan.ops:  # an operation no use issues would be lost, or fail to index
+        if not 0 <= op.at < len(uses):
+            raise ValueError(f"the {op.op} of {op.key!r} is issued at use {op.at}: an "
+                             f"operation is issued before one of the trace's {len(uses)} "
+                             "uses (a write after the last one: before the commit)")
     for i, ops in plan.fetches_by_use.items():
         for op in ops:
             if not (0 <= op.at <= i < len(uses)):

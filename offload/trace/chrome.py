@@ -23,13 +23,14 @@ import json
 import math
 import numbers
 import os
+import zlib
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 from offload.files import check_directory, replace_atomically
-from offload.trace.analysis import (COMPUTE_TRACK, FETCH, TIER_COUNTER_PREFIX, parse_trace,
-                                    prefetch_outcomes)
+from offload.trace.analysis import (COMPUTE_TRACK, FETCH, TIER_COUNTER_PREFIX, TraceFormatError,
+                                    parse_trace, prefetch_outcomes)
 from offload.trace.recorder import (ASYNC_BEGIN, ASYNC_END, COMPLETE, COUNTER, INSTANT,
                                     TraceEvent, TraceRecorder, TraceSnapshot, as_snapshot)
 
@@ -252,15 +253,46 @@ def _encode(trace: Mapping[str, Any]) -> bytes:
 
 
 def load_chrome_trace(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Read a trace file written by :func:`write_chrome_trace` (plain or ``.gz``)."""
+    """Read a trace file written by :func:`write_chrome_trace` (plain or ``.gz``).
+
+    Raises :class:`~offload.trace.analysis.TraceFormatError` (a ValueError) naming the
+    file when it is not one: truncated or corrupted (JSON, gzip, UTF-8), no trace
+    object, or written in a newer format than this reads; ``OSError`` when it cannot
+    be read at all (missing, a directory).
+    """
     target = Path(path)
-    opener = gzip.open if target.name.endswith(".gz") else open
-    with opener(target, "rt", encoding="utf-8") as f:
-        trace = json.load(f)
+    raw = target.read_bytes()
+    try:
+        if target.name.endswith(".gz") or raw[:2] == b"\x1f\x8b":
+            raw = gzip.decompress(raw)
+        trace = json.loads(raw.decode("utf-8"))
+    except (OSError, EOFError, zlib.error) as e:
+        raise TraceFormatError(f"{target}: not a readable gzip file ({e}); is the file "
+                               "complete?") from None
+    except UnicodeDecodeError:
+        raise TraceFormatError(f"{target}: not a trace file (not UTF-8 text)") from None
+    except json.JSONDecodeError as e:
+        what = "the file is empty" if not raw.strip() else \
+            f"not valid JSON ({e.msg} at line {e.lineno} column {e.colno})"
+        raise TraceFormatError(f"{target}: {what}; is the file complete?") from None
+    except (ValueError, RecursionError) as e:  # a number of over 4300 digits, deep nesting
+        raise TraceFormatError(f"{target}: not a trace file ({str(e)[:80]})") from None
     if not isinstance(trace, dict) or not isinstance(trace.get("traceEvents"), list):
-        raise ValueError(f"{target} is not a Chrome trace object: expected a JSON object "
-                         "with a 'traceEvents' list")
+        raise TraceFormatError(f"{target} is not a Chrome trace object: expected a JSON "
+                               "object with a 'traceEvents' list")
+    meta = trace.get("metadata")
+    version = meta.get("format_version") if isinstance(meta, dict) else None
+    if version is not None and (isinstance(version, bool) or not isinstance(version, int)
+                                or version > FORMAT_VERSION):
+        raise TraceFormatError(f"{target}: written in trace format {_short(version)}; this "
+                               f"offload reads format {FORMAT_VERSION} and before: read it "
+                               "with the offload that wrote it")
     return trace
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def merge_chrome_traces(paths: Iterable[str | os.PathLike[str]]) -> dict[str, Any]:
@@ -279,6 +311,8 @@ def merge_chrome_traces(paths: Iterable[str | os.PathLike[str]]) -> dict[str, An
         trace = load_chrome_trace(path)
         remap: dict[tuple[str, Any], str] = {}
         for ev in trace["traceEvents"]:
+            if not isinstance(ev, dict):
+                raise TraceFormatError(f"{path}: trace event {_short(ev)} is not an object")
             if ev.get("ph") == "M":
                 key = (ev.get("name"), ev.get("pid"), ev.get("tid"))
                 if key not in seen_meta:
@@ -292,17 +326,35 @@ def merge_chrome_traces(paths: Iterable[str | os.PathLike[str]]) -> dict[str, An
                     next_async += 1
                 ev = {**ev, "id": remap[key]}
             events.append(ev)
-        _merge_metadata(merged_meta, trace.get("metadata") or {})
-    events.sort(key=lambda e: (e.get("ts", 0.0), -e.get("dur", 0.0)))
+        meta = trace.get("metadata") or {}
+        if not isinstance(meta, dict):
+            raise TraceFormatError(f"{path}: its metadata is {_short(meta)}, not an object")
+        _merge_metadata(merged_meta, meta, path)
+    events.sort(key=lambda e: (_number(e.get("ts")), -_number(e.get("dur"))))
     return {"traceEvents": meta_events + events, "displayTimeUnit": "ms",
             "metadata": merged_meta}
 
 
-def _merge_metadata(into: dict[str, Any], meta: Mapping[str, Any]) -> None:
+def _number(value: Any) -> float:
+    """A timestamp or duration to sort by: 0 where there is none, or it is no number."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and \
+        math.isfinite(value)
+    return float(value) if ok else 0.0
+
+
+def _merge_metadata(into: dict[str, Any], meta: Mapping[str, Any],
+                    path: str | os.PathLike[str] = "<trace>") -> None:
     for key, value in meta.items():
         if key in ("dropped_events", "unmatched_async_begins", "orphan_async_ends_dropped"):
-            into[key] = into.get(key, 0) + int(value)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TraceFormatError(f"{path}: metadata {key} is {_short(value)}, not a "
+                                       "count")
+            into[key] = into.get(key, 0) + value
         elif key == "ranks":
+            if not isinstance(value, list) or not all(
+                    isinstance(r, int) and not isinstance(r, bool) for r in value):
+                raise TraceFormatError(f"{path}: metadata ranks is {_short(value)}, not a "
+                                       "list of ranks")
             into[key] = sorted(set(into.get(key, [])) | set(value))
         elif key in ("dropped_events_by_rank", "clock_anchors", "info") \
                 and isinstance(value, Mapping):
