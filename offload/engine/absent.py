@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["AbsentWeight", "absent_message"]
+__all__ = ["AbsentWeight", "absent_grad_message", "absent_message"]
 
 
 def absent_message(name: str, unit: str) -> str:
@@ -41,16 +41,27 @@ def absent_message(name: str, unit: str) -> str:
             "(self.head.weight = self.wte.weight) and call the child module")
 
 
+def absent_grad_message(name: str) -> str:
+    return (f"the gradient of parameter {name!r} is not in its .grad: the engine reduces "
+            "gradients into its partitions (summed over ranks and micro-batches), where "
+            "engine.step() reads them. To clip them as torch.nn.utils.clip_grad_norm_ does, "
+            "set optim.max_grad_norm in the config (the global 2-norm over every rank); "
+            "engine.zero_grad() drops them ([Note: absent gradients] in "
+            "offload/engine/params_view.py)")
+
+
 class AbsentWeight(torch.Tensor):
     """A parameter's stand-in while its group is not gathered; see [Note: absent weights]."""
 
     message: str
+    is_grad: bool  # a gradient's stand-in: its message names the fix for the whole call
 
     @staticmethod
     def __new__(cls, shape: torch.Size, dtype: torch.dtype, device: torch.device,
-                message: str) -> "AbsentWeight":
+                message: str, is_grad: bool = False) -> "AbsentWeight":
         t = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=device)
         t.message = message
+        t.is_grad = is_grad
         return t
 
     __torch_function__ = torch._C._disabled_torch_function_impl
@@ -60,10 +71,10 @@ class AbsentWeight(torch.Tensor):
                            kwargs: dict | None = None) -> Any:
         if func is torch.ops.aten.detach.default:  # nn.Parameter(stand-in), state_dict
             src = args[0]
-            return AbsentWeight(src.shape, src.dtype, src.device, src.message)
-        for a in tree_leaves((args, kwargs or {})):
-            if isinstance(a, AbsentWeight):
-                raise RuntimeError(a.message)
+            return AbsentWeight(src.shape, src.dtype, src.device, src.message, src.is_grad)
+        absent = [a for a in tree_leaves((args, kwargs or {})) if isinstance(a, AbsentWeight)]
+        if absent:  # an optimizer's update of a parameter by its gradient: the gradient's
+            raise RuntimeError(max(absent, key=lambda a: a.is_grad).message)
         raise RuntimeError(f"{func} got an absent weight")
 
     # conversions and storage reads that torch does not dispatch (safetensors and

@@ -522,6 +522,7 @@ class OffloadEngine(ModelWeights, GradPartitions, GatheredWeights, nn.Module):
             self._release_gathered()
         self._backwards += 1
         self.micro_step += 1
+        self.registered.show_grads()  # [Note: absent gradients] in params_view.py
 
     def _release_gathered(self, orphan: bool = False) -> None:
         """No forward runs now: frees what is still gathered (frozen groups; groups of a
@@ -593,6 +594,8 @@ class OffloadEngine(ModelWeights, GradPartitions, GatheredWeights, nn.Module):
             raise
         finally:
             self._spans.step_end(number, error)  # the report's card of this step
+            if not self._backwards:  # the step used (or dropped) the gradients
+                self.registered.hide_grads()
 
     def _step(self) -> bool:
         self.wait_for_checkpoint(raise_error=False)  # nothing changes before it has read
@@ -656,6 +659,7 @@ class OffloadEngine(ModelWeights, GradPartitions, GatheredWeights, nn.Module):
                 st.flat.grad = None  # (an error, Ctrl-C): the next backward adds to it
             self._update_order = []
             self._backwards = 0
+            self.registered.hide_grads()
             self._hyper_watch.forget()
         return sorted(undone)
 

@@ -21,6 +21,17 @@ The engine keeps its trainable state in its partitions, never in these
 stand-ins: they are views for the user, not state (nothing is trained,
 checkpointed or counted through them).
 
+[Note: absent gradients]
+The gradients are reduced into the engine's partitions (over every rank, in
+host memory or on NVMe), never into the parameters' `.grad`. Left None, a
+loop written for torch would clip with `torch.nn.utils.clip_grad_norm_`
+(which skips parameters without a gradient and returns 0) and silently train
+unclipped. Between a backward and the step that uses its gradients, each
+trainable parameter's `.grad` is therefore an `AbsentWeight` that raises,
+on any computation, an error naming `optim.max_grad_norm`; `p.grad is None`
+is False, as in torch after a backward, and `model.zero_grad()` sets it to
+None as torch does (the engine's gradients are dropped by `engine.zero_grad()`).
+
 [Note: RNN weight lists]
 torch's RNN modules (LSTM, GRU, RNN) also keep their weights in a list,
 `_flat_weights`, refreshed from the attributes at each forward. Left alone,
@@ -38,7 +49,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from .absent import AbsentWeight, absent_message
+from .absent import AbsentWeight, absent_grad_message, absent_message
 from .units import Group, Unit
 
 __all__ = ["RegisteredParams", "point_weight_list", "state_entries"]
@@ -69,15 +80,19 @@ class RegisteredParams:
         self.stand_ins: list[list[nn.Parameter]] = []
         self.dtypes: list[list[torch.dtype]] = []
         self._where: dict[int, tuple[int, int]] = {}  # id(stand-in) -> (gid, slot)
+        self._grads: list[tuple[nn.Parameter, AbsentWeight]] = []  # [Note: absent gradients]
         for g in groups:
             row = []
             for i, s in enumerate(g.slots):
+                name = first.get(id(s.param), s.fqn)
                 absent = AbsentWeight(s.shape, dtype, device,
-                                      absent_message(first.get(id(s.param), s.fqn),
-                                                     unit_of.get(g.gid, "?")))
+                                      absent_message(name, unit_of.get(g.gid, "?")))
                 p = nn.Parameter(absent, requires_grad=g.requires_grad)
                 self._where[id(p)] = (g.gid, i)
                 row.append(p)
+                if g.requires_grad:
+                    self._grads.append((p, AbsentWeight(s.shape, dtype, device,
+                                                        absent_grad_message(name), True)))
             self.stand_ins.append(row)
             self.dtypes.append([s.param.dtype if s.param is not None else dtype
                                 for s in g.slots])
@@ -89,6 +104,18 @@ class RegisteredParams:
             for module, name in slot.uses:
                 module._parameters[name] = p
                 point_weight_list(module, name)
+
+    def show_grads(self) -> None:
+        """[Note: absent gradients] After a backward: each trainable parameter's `.grad`
+        is a stand-in that names where its gradient is."""
+        for p, g in self._grads:
+            p.grad = g
+
+    def hide_grads(self) -> None:
+        """After the step (or its gradients dropped): `.grad` is None again, as torch's
+        after `zero_grad()`."""
+        for p, _ in self._grads:
+            p.grad = None
 
     def locate(self, p: torch.Tensor) -> tuple[int, int] | None:
         """(gid, slot index) of a registered stand-in; None for any other tensor."""

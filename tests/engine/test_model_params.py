@@ -356,3 +356,39 @@ def test_recurrent_modules_train_as_torch_and_keep_no_gathered_weights(engine_cf
         for k, v in ref.state_dict().items():
             torch.testing.assert_close(sd[k], v, atol=1e-5, rtol=0, msg=lambda m: f"{k}: {m}")
     assert not [r for r in caplog.records if "still referenced" in r.getMessage()]
+
+
+def test_torch_clipping_and_torch_optimizers_raise_instead_of_doing_nothing(engine_cfg):
+    """[Note: absent gradients] `.grad` was None after a backward, so
+    torch.nn.utils.clip_grad_norm_ returned 0 and clipped nothing, and a torch
+    optimizer over the parameters updated nothing: both silently. Between a backward
+    and its step each trainable `.grad` now names optim.max_grad_norm; after the
+    step, a failed step or zero_grad it is None again; training matches an engine
+    that never saw the calls."""
+    torch.manual_seed(0)
+    a = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
+    a[1].requires_grad_(False)
+    b = copy.deepcopy(a)
+    x = torch.randn(4, 8)
+    cfg = engine_cfg("host", group_size=100, grad_accum_steps=2)
+    other = copy.deepcopy(cfg)
+    other["io"]["paths"] = [cfg["io"]["paths"][0] + "-b"]
+    with offload.initialize(a, cfg) as ea, offload.initialize(b, other) as eb:
+        opt = torch.optim.SGD(a.parameters(), lr=1.0)
+        for _ in range(2):
+            for _ in range(2):
+                ea.backward(ea(x).square().sum())
+                eb.backward(eb(x).square().sum())
+                assert [p.grad is not None for p in a.parameters()] == [True, True, False, False]
+                for call in (lambda: nn.utils.clip_grad_norm_(a.parameters(), 1.0),
+                             lambda: opt.step()):
+                    with pytest.raises(RuntimeError, match=r"gradient of parameter '0\.weight' "
+                                                           r".*optim\.max_grad_norm"):
+                        call()
+            assert ea.step() and eb.step()
+            assert all(p.grad is None for p in a.parameters())
+        ea.backward(ea(x).sum())
+        ea.zero_grad()
+        assert all(p.grad is None for p in a.parameters())
+        sa, sb = ea.state_dict(), eb.state_dict()
+        assert all(torch.equal(sa[k], sb[k]) for k in sb)
