@@ -266,16 +266,17 @@ def existing_directory(holding: str, purpose: str) -> Callable[[str], str]:
     return _typed("directory", parse)
 
 
-def output_file(none: Sequence[str] = ()) -> Callable[[str], str]:
+def output_file(none: Sequence[str] = (), *, example: str = "out.json") -> Callable[[str], str]:
     """A file that can be written (its directory exists or can be created and is
-    writable; it is not a directory), or one of `none` (returned as given)."""
+    writable; it is not a directory), or one of `none` (returned as given); `example`
+    is the file name the fix offers."""
     def parse(text: str) -> str:
         if text in none:
             return text
         p = os.path.abspath(text)
         if not text.strip() or os.path.isdir(p):
-            raise _bad(text, "is a directory, not a file", "give a file name such as "
-                       "'out.json'" + (f", or '{none[0]}'" if none else ""))
+            raise _bad(text, "is a directory, not a file", f"give a file name such as "
+                       f"'{example}'" + (f", or '{none[0]}'" if none else ""))
         if os.path.exists(p) and not os.access(p, os.W_OK):
             raise _bad(text, "exists and cannot be written", "give another file name")
         parent = os.path.dirname(p)

@@ -55,10 +55,11 @@ from ..optim.native import native_status
 from ..optim.state import state_bytes as optim_state_bytes
 from .args import (CommandParser, UsageError, byte_size, count, directory, integer, parse_count,
                    run_command)
-from .benchutil import emit, progress_printer
+from .benchutil import check_memory, emit, progress_printer
 
 ADAM_BYTES = 28     # fp32 bytes an Adam step moves per element (16 read, 12 written)
 STREAM_BYTES = 32   # bytes per element of the bound's streaming kernel
+MEMORY_PER_ELEM = 56  # host bytes per element the rows hold at once (54 measured)
 LR, BETAS, EPS, WD = 1e-3, (0.9, 0.999), 1e-8, 0.01
 # Seconds between rows. After a parallel region, torch's OpenMP threads spin for a
 # while before they sleep (libgomp: about 5 ms of a core, measured here), taking a
@@ -358,6 +359,9 @@ def run_adam_bench(args: argparse.Namespace, progress=None) -> dict:
     n = parse_count(str(args.elements))
     if n is None or n < 1 or args.rounds < 1:
         raise UsageError("--elements and --rounds must be positive; give e.g. --elements 20M")
+    # every row's arrays at once (parameter, gradient, moments, their bf16 and int8
+    # forms, the outputs): about 54 bytes per element, measured
+    check_memory("offload bench adam", "--elements", str(args.elements), MEMORY_PER_ELEM * n)
     notes: list[str] = []
     impls = _impls(n, args, notes)
     times = _interleaved(impls, args.rounds, progress)

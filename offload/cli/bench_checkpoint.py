@@ -34,8 +34,9 @@ import torch
 from torch import nn
 
 from ..config import format_bytes
-from .args import CommandParser, count, directory, integer, parse_count, run_command
-from .benchutil import emit, progress_printer, scratch_dir, vm_hwm
+from .args import (CommandParser, count, directory, integer, missing_directories, parse_count,
+                   remove_directories, run_command)
+from .benchutil import check_memory, emit, progress_printer, scratch_dir, vm_hwm
 
 TARGET_RATE = 0.8
 TARGET_STALL = 0.1
@@ -211,10 +212,43 @@ def add_arguments(p) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
 
+MEMORY_PER_PARAM = 16  # host placement: fp32 parameter, gradient and both moments
+
+
+def _check_room(args) -> None:
+    """Refuses --params the disk or the memory cannot hold, before minutes of building:
+    one line naming --params, exit code 1 (as the other benchmarks' disk checks)."""
+    params = parse_count(args.params)
+    layers = max(1, round(params / (args.dim * args.dim)))
+    n = layers * args.dim * args.dim
+    size = 12 * n  # one checkpoint: master, exp_avg, exp_avg_sq in fp32
+    need = (args.repeats + 1) * size  # the blocking saves and the background one
+    where = os.path.abspath(args.path or os.getcwd())
+    while not os.path.exists(where):
+        where = os.path.dirname(where)
+    free = shutil.disk_usage(where).free
+    if need > free:
+        raise SystemExit(f"offload bench checkpoint: --params: {args.params!r} needs about "
+                         f"{format_bytes(need)} of disk ({args.repeats + 1} checkpoints of "
+                         f"{format_bytes(size)}), {where} has {format_bytes(free)} free; "
+                         "lower --params or --repeats, or give --path on a bigger disk")
+    check_memory("offload bench checkpoint", "--params", args.params, MEMORY_PER_PARAM * n)
+
+
 def run(args) -> int:
+    _check_room(args)
     with scratch_dir(args.path) as path:
-        result = run_checkpoint_bench(path, parse_count(args.params), args.dim, args.batch,
-                                      args.accum, args.repeats, progress_printer(args.json))
+        # the engines' swap directories (and --path's own, where this run makes it) are
+        # removed again: the checkpoints and the dd file are removed by the run itself
+        made = [missing_directories(os.path.join(path, name))
+                for name in ["swap-a"] + [f"swap-b{i}" for i in range(args.repeats)]]
+        try:
+            result = run_checkpoint_bench(path, parse_count(args.params), args.dim,
+                                          args.batch, args.accum, args.repeats,
+                                          progress_printer(args.json))
+        finally:
+            for dirs in made:
+                remove_directories(dirs)
     return emit(result, args.json, render)
 
 

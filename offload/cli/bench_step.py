@@ -770,7 +770,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     with scratch_dir(args.path) as path:
         result = run_step_bench(args, path, progress_printer(args.json))
-    return emit(result, args.json, render)
+    rc = emit(result, args.json, render)
+    # a row with no measurement is a failed run: offload's own (or every row) is the
+    # command's failure, not exit code 0 (a missing peer, DeepSpeed, is only a note)
+    rows = result["results"]
+    failed = [r for r in rows if r["median_step_s"] is None
+              and (r["system"] == "offload" or all(x["median_step_s"] is None for x in rows))]
+    for r in failed:
+        print(f"offload bench step: {r['system']} {r['placement']}: no step measured "
+              f"({r['note'] or 'no round ran'})", file=sys.stderr)
+    return 1 if failed else rc
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,7 +15,8 @@ from typing import Any, Callable, Iterator, NamedTuple
 from ..config import IoConfig
 
 __all__ = ["scratch_dir", "emit", "progress_printer", "vm_hwm", "reset_hwm", "proc_io",
-           "swap_rates", "DiskProbe", "forced_param_reads"]
+           "swap_rates", "DiskProbe", "forced_param_reads", "available_memory",
+           "check_memory"]
 
 
 @contextlib.contextmanager
@@ -58,6 +59,33 @@ def vm_hwm() -> int:
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) * 1024
     raise RuntimeError("/proc/self/status has no VmHWM line")
+
+
+def available_memory() -> int | None:
+    """Bytes of memory the machine can give a new allocation now (MemAvailable), or
+    None where that cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_memory(prog: str, flag: str, value: str, need: int) -> None:
+    """Refuses a run whose arrays need more memory than is available, before it starts:
+    one line naming the flag and the fix, exit code 1 (a condition of the machine)."""
+    from ..config import format_bytes
+
+    free = available_memory()
+    if free is not None and need > free:
+        raise SystemExit(f"{prog}: {flag}: {value!r} needs about {format_bytes(need)} of "
+                         f"memory, {format_bytes(free)} is available here; lower {flag}")
 
 
 def reset_hwm() -> bool:

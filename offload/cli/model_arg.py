@@ -8,7 +8,9 @@ directory or PYTHONPATH). The model is built under `torch.device("meta")`:
 nothing is materialised. A batch is `--batch` rows of `--seq` tokens for a
 model whose first parameterised module is an embedding (Hugging Face models
 are), else `--batch` rows (of `--seq` positions when `--seq` is given) of the
-first Linear's input features.
+first Linear's input features. A Hugging Face config's context
+(`max_position_embeddings`, GPT-2's `n_positions`) bounds `--seq` and, where it is
+shorter than 512, is the default.
 """
 
 from __future__ import annotations
@@ -71,7 +73,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"rows per micro-batch, 1..{MAX_BATCH} (default 8)")
     p.add_argument("--seq", type=integer(1, MAX_SEQ, example=512), default=None,
                    help=f"tokens per row, 1..{MAX_SEQ} (default 512 for a model with an "
-                   "embedding)")
+                   "embedding, or a Hugging Face model's context where shorter; at most "
+                   "that context)")
     p.add_argument("--dtype", choices=DTYPES, default="bf16",
                    help="compute dtype: fp32, bf16 or fp16 (default bf16)")
 
@@ -100,7 +103,7 @@ def model_spec(args: argparse.Namespace) -> ModelSpec:
         if not isinstance(data, dict) or "model_type" not in data:
             raise UsageError(f"{flag}: {path} has no model_type; give a Hugging Face "
                              "config.json")
-        return ModelSpec("hf", path, args.batch, args.seq, args.dtype)
+        return ModelSpec("hf", path, args.batch, _hf_seq(data, args.seq), args.dtype)
     if text.count(":") != 1 or not all(text.split(":")):
         raise UsageError(f"MODEL: {text!r} is neither an existing config file or directory nor "
                          "module:function; give e.g. ./config.json or mymodels:build")
@@ -116,6 +119,29 @@ def model_spec(args: argparse.Namespace) -> ModelSpec:
         raise UsageError(f"MODEL: module {mod_name!r} has no function {fn_name!r}; give "
                          "module:function returning an nn.Module")
     return ModelSpec("function", text, args.batch, args.seq, args.dtype)
+
+
+# the keys a Hugging Face config names its context length by (GPT-2's n_positions is
+# what transformers maps max_position_embeddings to)
+_POSITION_KEYS = ("max_position_embeddings", "n_positions", "n_ctx", "max_sequence_length",
+                  "seq_length")
+DEFAULT_SEQ = 512
+
+
+def _hf_seq(config: dict, seq: int | None) -> int | None:
+    """--seq checked against the model's context (a longer batch cannot run: a real step
+    of a model with position embeddings fails), and the default (512) cut to it."""
+    key = next((k for k in _POSITION_KEYS if isinstance(config.get(k), int)
+                and not isinstance(config.get(k), bool) and config[k] > 0), None)
+    if key is None:
+        return seq
+    limit = config[key]
+    if seq is None:
+        return min(DEFAULT_SEQ, limit)
+    if seq > limit:
+        raise UsageError(f"--seq: {seq} is above the model's {key} ({limit}): a longer row "
+                         f"cannot run; give at most {limit}")
+    return seq
 
 
 @dataclass
@@ -161,7 +187,7 @@ def example_batch(model: Any, spec: ModelSpec, device: Any) -> tuple[dict, Calla
     first = next((m for m in model.modules() if isinstance(m, (nn.Embedding, nn.Linear))),
                  None)
     if spec.source == "hf" or isinstance(first, nn.Embedding):
-        ids = _zeros(spec, (spec.batch, spec.seq or 512), torch.long, device)
+        ids = _zeros(spec, (spec.batch, spec.seq or DEFAULT_SEQ), torch.long, device)
         if spec.source == "hf":
             return {"input_ids": ids, "labels": ids}, lambda out: out.loss
         return {"input": ids}, lambda out: out.float().square().mean()

@@ -441,9 +441,17 @@ def _calibration_runs(picks: list, spec, args, device: str, tick, deadline: floa
 
     configs = [config_of(s, spec, args.swap, device) for s in picks]
     got = measure_warm(spec, configs, tick, deadline=deadline, steps=3, warm=warm)
-    return [{"config": c, "measured_step_s": m["step_s"], "simulated_step_s": s.simulated_s,
+    runs = [{"config": c, "measured_step_s": m["step_s"], "simulated_step_s": s.simulated_s,
              "class": calibration_key(s.candidate)}
             for s, c, m in zip(picks, configs, got) if m and "step_s" in m]
+    errors = [m["error"] for m in got if m and "error" in m]
+    if warm and errors and not runs:
+        # not one real step ran: a configuration written now would be one that cannot
+        # train (the model, or its batch shape, fails for real where it ran on meta)
+        raise UsageError(f"MODEL: every real step of {spec.describe()} failed ({errors[0]}; "
+                         f"{len(errors)} of {len(configs)} configurations); check the model "
+                         "and --batch/--seq (nothing was written)")
+    return runs
 
 
 def final_rounds(result: dict[str, Any], spec, n: int, quiet: bool,
@@ -537,7 +545,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def toml_file(text: str) -> str:
     """--write: a writable file whose name ends in .toml (`offload.initialize` reads a
     config file by its suffix)."""
-    path = output_file()(text)
+    path = output_file(example="offload.toml")(text)
     if not path.endswith(".toml"):
         raise argparse.ArgumentTypeError(f"{text!r} is not a .toml file name (initialize "
                                          "reads a config by its suffix); give e.g. offload.toml")
