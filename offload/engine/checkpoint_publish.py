@@ -100,13 +100,15 @@ def prune(parent: Path, keep: int, newest: Path, fmt: str) -> None:
     steps; each other one is renamed to a `.partial` name, then removed."""
     found = []
     for d in parent.iterdir():
-        if d.is_dir() and is_committed(d):
-            try:
-                rec = json.loads((d / RECORD).read_text())
-            except (OSError, ValueError):
+        try:  # another process may prune the same parent: an entry can vanish
+            if not (d.is_dir() and is_committed(d)):
                 continue
-            if rec.get("format") == fmt:
-                found.append((rec.get("global_step", 0), d.stat().st_mtime, d))
+            rec = json.loads((d / RECORD).read_text())
+            step = rec.get("global_step", 0) if isinstance(rec, dict) else None
+            if rec.get("format") == fmt and isinstance(step, int):  # not another program's
+                found.append((step, d.stat().st_mtime, d))
+        except (OSError, ValueError, AttributeError):
+            continue
     found.sort(key=lambda t: (t[0], t[1]))
     for _step, _t, d in found[:max(0, len(found) - keep)]:
         if d == newest:

@@ -682,11 +682,21 @@ class _SaveJob:
         _write_json(tmp / RECORD, {**self.record, "ranks": ranks,
                                    "buffers_sha256": _digest(buffers)})
         _fsync_tree(tmp)
-        os.rename(tmp, path)
-        _fsync_path(parent)
+        os.rename(tmp, path)  # published: what fails from here on says so
+        try:
+            _fsync_path(parent)
+        except OSError as e:
+            raise CheckpointError(
+                f"save_checkpoint: {path} is published, complete and readable, but making "
+                f"its name durable failed ({e}): it may be lost if the machine loses power "
+                "before the file system writes it back") from e
         keep = self.engine.cfg.engine.keep_checkpoints
         if keep:
-            prune(parent, keep, path, FORMAT)
+            try:
+                prune(parent, keep, path, FORMAT)
+            except OSError as e:  # the save stands: only the clean-up of older ones failed
+                log.warning("checkpoint %s was saved, but removing older checkpoints of %s "
+                            "(engine.keep_checkpoints=%d) failed: %s", path, parent, keep, e)
 
 
 def _check_save(engine: Any, path: Path, extra: dict[str, Any]) -> dict | None:

@@ -166,3 +166,25 @@ def test_a_save_refused_up_front_writes_nothing(tmp_path, engine_cfg, name, extr
         with pytest.raises(offload.CheckpointError, match=match):
             engine.save_checkpoint(tmp_path / "ckpt" / name, extra=extra)
     assert not (tmp_path / "ckpt").exists()
+
+
+def test_keep_last_k_passes_over_directories_of_other_programs(tmp_path, engine_cfg, caplog):
+    """Pruning read every directory with a commit record as one of ours: a record that
+    is a JSON list, or whose step is no number, failed the save after its checkpoint
+    was published, saying "nothing was published". Such directories are now left
+    alone, and the save succeeds."""
+    cfg = engine_cfg("host", "host", "host", keep_checkpoints=1)
+    root = tmp_path / "ckpt"
+    for name, record in (("a-list", []), ("a-string-step", {"format": None, "global_step": "x"})):
+        (root / name).mkdir(parents=True)
+        (root / name / RECORD).write_text(json.dumps(record))
+    fmt = None
+    with offload.initialize(TiedTwice(), cfg) as engine:
+        for i, batch in enumerate(lm_batches(3)):
+            _step(engine, batch)
+            engine.save_checkpoint(root / f"step-{i + 1}")
+            if fmt is None:  # a record of our format whose step is no number
+                fmt = json.loads((root / "step-1" / RECORD).read_text())["format"]
+                (root / "a-string-step" / RECORD).write_text(
+                    json.dumps({"format": fmt, "global_step": "x"}))
+    assert sorted(p.name for p in root.iterdir()) == ["a-list", "a-string-step", "step-3"]
