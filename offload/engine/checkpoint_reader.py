@@ -18,10 +18,10 @@ from ..io.buffers import mapped_empty
 from .checkpoint_buffers import BUFFERS, check_buffers, decode_buffers, restore_buffers
 from .checkpoint_chunks import MISSING, CRC_BYTES, ChunkFileError, ChunkFiles, chunk_key, read_index
 from .checkpoint_publish import is_committed
-from .training_checkpoint import (_DTYPE_NAMES, FORMAT, PARTIAL, RECORD, TORCH_DTYPES,
-                                  CheckpointCorruptError, CheckpointError,
-                                  _context, _max_chunk_bytes, _rank_range, _read_json, _spec,
-                                  _stored_shape, _ts, set_rng_state)
+from .checkpoint_files import (CheckpointCorruptError, CheckpointError, _read_json,
+                               set_rng_state)
+from .training_checkpoint import (_DTYPE_NAMES, FORMAT, PARTIAL, RECORD, TORCH_DTYPES, _context,
+                                  _max_chunk_bytes, _rank_range, _spec, _stored_shape, _ts)
 from .units import Group, Slot
 
 __all__ = ["CheckpointReader"]

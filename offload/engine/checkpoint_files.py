@@ -1,0 +1,116 @@
+"""A checkpoint's errors, and the small files of a save: JSON written with its
+sha256 and fsynced, the fsync of a directory tree before it is published
+([Note: publishing a checkpoint] in training_checkpoint.py), and the RNG states
+a resume puts back."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import os
+import random
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from .checkpoint_chunks import syncfs
+
+__all__ = ["CheckpointError", "CheckpointCorruptError", "IO_THREADS", "rng_state",
+           "set_rng_state"]
+
+IO_THREADS = 16  # files written, read or fsynced at once
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be written, opened or used with this model."""
+
+
+class CheckpointCorruptError(CheckpointError):
+    """A checkpoint's bytes do not match their checksums (or cannot be decoded)."""
+
+
+# -- durability ------------------------------------------------------------------------
+def _fsync_path(p: Path) -> None:
+    fd = os.open(p, os.O_RDONLY | (os.O_DIRECTORY if p.is_dir() else 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(root: Path) -> None:
+    """Makes every file and directory under `root` durable: one `syncfs` of its file
+    system where the C library has it, else an fsync of every file (several at
+    once: the disk writes them back in parallel), then of every directory, deepest
+    first, `root` last."""
+    if syncfs(root):
+        return
+    files, dirs = [], []
+    for dirpath, _dirs, names in os.walk(root, topdown=False):
+        files += [Path(dirpath, f) for f in names]
+        dirs.append(Path(dirpath))
+    with ThreadPoolExecutor(IO_THREADS, thread_name_prefix="offload-fsync") as pool:
+        list(pool.map(_fsync_path, files))
+    for d in dirs:
+        _fsync_path(d)
+
+
+def _digest(obj: Any) -> str:
+    body = {k: v for k, v in obj.items() if k != "sha256"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def _write_json(p: Path, obj: Any) -> None:
+    """Writes `obj` with its sha256 (`_read_json` checks it) and fsyncs the file."""
+    obj = {**obj, "sha256": _digest(obj)}
+    with open(p, "w") as f:
+        json.dump(obj, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _read_json(p: Path) -> dict[str, Any]:
+    """A file `_write_json` wrote; CheckpointCorruptError when it was damaged."""
+    try:
+        obj = json.loads(p.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CheckpointCorruptError(f"checkpoint file {p} is not valid JSON: {e}") from e
+    if not isinstance(obj, dict) or obj.get("sha256") != _digest(obj):
+        raise CheckpointCorruptError(f"checkpoint file {p} does not match its sha256: it was "
+                                     "changed after the save")
+    return obj
+
+
+# -- RNG -------------------------------------------------------------------------------
+def _b64(t: torch.Tensor) -> str:
+    return base64.b64encode(t.numpy().tobytes()).decode()
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's RNG states: torch CPU (and CUDA where initialised), Python, NumPy."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    version, pystate, pygauss = random.getstate()
+    out = {"torch": _b64(torch.get_rng_state()),
+           "python": [version, list(pystate), pygauss],
+           "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(gauss)]}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["cuda"] = [_b64(s) for s in torch.cuda.get_rng_state_all()]
+    return out
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    def tensor(s: str) -> torch.Tensor:
+        return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8)
+    torch.set_rng_state(tensor(state["torch"]))
+    version, pystate, pygauss = state["python"]
+    random.setstate((version, tuple(pystate), pygauss))
+    kind, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, gauss))
+    if "cuda" in state and torch.cuda.is_available():
+        states = [tensor(s) for s in state["cuda"]]
+        if len(states) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(states)
