@@ -170,8 +170,18 @@ def _check_copies(to: str, config: str | None) -> None:
                          "empty --to, or remove it")
 
 
+def _check_outside(to: str, checkpoint: str) -> None:
+    """Refuses a --to inside the checkpoint: a published checkpoint is never changed
+    (its size, as `info` reports it, would count the export)."""
+    dst, src = Path(to).resolve(), Path(checkpoint).resolve()
+    if dst == src or src in dst.parents:
+        raise UsageError(f"--to: {to} is inside the checkpoint {checkpoint}, which a save "
+                         "published and nothing changes; give a directory outside it")
+
+
 def run_export(args: argparse.Namespace) -> int:
     from ..engine.training_checkpoint import CheckpointError
+    _check_outside(args.to, args.path)
     _check_copies(args.to, args.config)
     reader = _open(args.path)
     created = missing_directories(args.to)

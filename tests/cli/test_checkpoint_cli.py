@@ -158,3 +158,15 @@ def test_a_damaged_commit_record_is_exit_code_1(saved, tmp_path, offload_cli, co
     rc, _, err = offload_cli(argv)
     assert rc == 1 and str(record) in err and err.count("\n") == 1, (rc, err)
     assert not (tmp_path / "hf").exists()
+
+
+def test_export_into_the_checkpoint_is_refused(saved, offload_cli):
+    """`--to CK` (or a folder inside it) wrote model.safetensors into a published
+    checkpoint, whose size `info` then counted; it is refused, nothing written."""
+    ck, _ = saved
+    before = sorted(p.relative_to(ck) for p in ck.rglob("*"))
+    for to in (ck, ck / "hf", ck / "param"):
+        rc, stdout, err = offload_cli(["checkpoint", "export", str(ck), "--to", str(to)])
+        assert rc == 2 and stdout == "", err
+        assert "inside the checkpoint" in err and err.count("\n") == 1, err
+    assert sorted(p.relative_to(ck) for p in ck.rglob("*")) == before
