@@ -38,7 +38,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    out = Path(args.output) if args.output else default_report_path(args.traces[0])
+    if args.output is not None and not args.output.strip():
+        return _fail("-o: an empty name; give the report's file name, e.g. -o run.html, or "
+                     "leave -o out to write it beside the first trace")
+    out = Path(args.output) if args.output is not None else default_report_path(args.traces[0])
     problem = _bad_output(out)
     if problem:
         return _fail(problem)

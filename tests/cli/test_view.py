@@ -106,6 +106,8 @@ def test_bad_output_paths(tmp_path: Path) -> None:
     assert "is not a directory" in _bad(tmp_path, str(trace), "-o", str(afile / "r.html"))
     # a directory that refuses new files, even to root
     assert "cannot write the report" in _bad(tmp_path, str(trace), "-o", "/proc/r.html")
+    assert "-o: an empty name" in _bad(tmp_path, str(trace), "-o", "")  # not the default
+    assert not list(tmp_path.glob("*.report.html"))
 
 
 def test_open_hands_the_file_to_the_browser(tmp_path: Path) -> None:
