@@ -109,6 +109,10 @@ class OffloadEngine(ModelWeights, GradPartitions, GatheredWeights, nn.Module):
         self.trace = AccessTrace(static_order(units))  # step 1 follows the modules' order
         self.micro_step = 0   # backward calls, all steps
         self.global_step = 0  # optimizer steps taken
+        # the last committed step's global gradient 2-norm before clipping, over every
+        # rank (what torch's clip_grad_norm_ returns), where the step computed it
+        # (optim.max_grad_norm > 0, or fp16); else None
+        self.grad_norm: float | None = None
         self._backwards = 0   # backward calls since the last step (or zero_grad)
         self._in_backward = False  # engine.backward() is running: [Note: backward runs here]
         e = cfg.engine  # fp16: a fixed loss scale, or dynamic scaling's first one
@@ -636,6 +640,7 @@ class OffloadEngine(ModelWeights, GradPartitions, GatheredWeights, nn.Module):
             self.grad_slots.clear()
             self._after_good_step()
             self.global_step += 1
+            self.grad_norm = norm
         self._prefetch_state()
         return True
 

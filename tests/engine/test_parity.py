@@ -129,8 +129,11 @@ def test_accumulation_is_the_mean_over_micro_batches(engine_cfg, clip, optimizer
                 engine.backward(lm_loss(engine(x), y))
                 (lm_loss(ref(x), y) / 2).backward()
                 assert engine.step() is (k == 1)  # steps on the last micro-batch only
-            if clip:
-                nn.utils.clip_grad_norm_(ref.parameters(), clip)
+            if clip:  # engine.grad_norm: the norm torch's clipping returns
+                want = nn.utils.clip_grad_norm_(ref.parameters(), clip).item()
+                assert engine.grad_norm == pytest.approx(want, rel=1e-5)
+            else:
+                assert engine.grad_norm is None
             opt.step()
             opt.zero_grad()
         _compare(engine, ref, atol=2e-6)
