@@ -62,6 +62,7 @@ from ..store import Tier, TieredStore, footprint
 from ..trace import NULL_RECORDER, TraceRecorder, UnitSpans
 from .eviction import PendingUpdates, sooner_than
 from .forward_prefetch import ForwardOnlyPrefetch
+from .full_weights import params_from_masters
 from .gathering import GatheredWeights, GroupState, in_backward
 from .grad_slots import GradSlots
 from .grads import GradPartitions
@@ -196,6 +197,7 @@ class OffloadEngine(ModelWeights, GradPartitions, GatheredWeights, nn.Module):
                                  store=self.store,  # the store's swap file and I/O engine
                                  masters=not self.master_is_param)  # chunk buffers' layout
         self._opt.set_zero_grad_hook(self.zero_grad)  # optimizer.zero_grad(), as torch's
+        self._opt.set_load_hook(self._params_from_masters)  # optimizer.load_state_dict()
 
     @property
     def optimizer(self) -> CpuAdam:
@@ -676,6 +678,9 @@ class OffloadEngine(ModelWeights, GradPartitions, GatheredWeights, nn.Module):
         self._next_update = dict(zip(order, order[1:]))  # each update reads the next's ahead
         if order and self.cfg.engine.optimizer == "nvme":
             self.optimizer.prefetch(order[0])
+
+    def _params_from_masters(self, gids: list[int]) -> None:
+        params_from_masters(self, gids)
 
     def _after_overflow(self) -> None:
         e = self.cfg.engine

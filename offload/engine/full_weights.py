@@ -68,13 +68,19 @@ def write_group(engine: "OffloadEngine", g: Group, full: torch.Tensor) -> None:
         raise ValueError(f"group {g.gid}: full buffer has {full.numel()} elements, "
                          f"expected {g.padded}")
     rank = engine.comm.rank
-    shard = full[rank * g.shard:(rank + 1) * g.shard]
+    _write_param(engine, g, full[rank * g.shard:(rank + 1) * g.shard], master=True)
+
+
+def _write_param(engine: "OffloadEngine", g: Group, shard: torch.Tensor, master: bool) -> None:
+    """This rank's fp32 `shard` of group `g` into its compute-dtype parameter partition
+    (in every tier: its only copy is the new one, written to NVMe where that is its
+    home), and into its master (`master`) where the optimizer keeps one apart."""
     key = ("p", g.gid)
     where = engine._memory_tier(key)
     engine.store.fetch(key, to=where, pin=True).wait()  # what can fail (room) comes first
     try:
         opt = engine.optimizer
-        if g.requires_grad and opt.has_master(g.gid):
+        if master and g.requires_grad and opt.has_master(g.gid):
             state = opt.partition_state(g.gid)
             state["master"] = shard
             opt.load_partition_state(g.gid, state)
@@ -84,6 +90,19 @@ def write_group(engine: "OffloadEngine", g: Group, full: torch.Tensor) -> None:
         engine.store.unpin(key)
     if engine._param_tier is Tier.NVME:
         engine.store.evict(key).wait()
+
+
+def params_from_masters(engine: "OffloadEngine", gids: Iterable[int]) -> None:
+    """After `engine.optimizer.load_state_dict`: each loaded group that keeps its own
+    fp32 master (bf16/fp16 compute) takes its compute-dtype parameters from it, so
+    the forward runs the weights `state_dict()` reports (DeepSpeed's load of fp32
+    partitions does the same). Groups whose master is the parameter are untouched."""
+    opt = engine.optimizer
+    for gid in gids:
+        g = engine.groups[gid]
+        if g.requires_grad and opt.has_master(gid):
+            shard = opt.read_master(gid, torch.empty(g.shard, dtype=torch.float32))
+            _write_param(engine, g, shard, master=False)
 
 
 def groups_of(engine: "OffloadEngine", modules: Iterable[nn.Module | str] | None) -> list[Group]:

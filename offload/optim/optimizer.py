@@ -91,7 +91,7 @@ from .codec import Moment, copy_moment, encode, new_moment, zero_moment
 from .pipeline import OptimStepError, SwapPipeline
 from .snapshot import _OUT_DTYPES, StateAccess, flat_tensor
 from .state import ChunkLayout, PartitionState, Segment, Tier, optim_tier, state_bytes
-from .torch_view import TorchOptimizerView, check_same, group_values
+from .torch_view import TorchOptimizerView, check_same, group_values, unsupported_option
 
 if TYPE_CHECKING:
     from ..store import TieredStore
@@ -165,8 +165,9 @@ class _SpareBuffers:
 def _check_group(k: int, group: Mapping[str, Any], lr: float | None = None) -> None:
     """Raises ValueError where param group `k`'s values are ones torch.optim.AdamW refuses
     (`adam.hyper_error`); `lr`: the rate after the schedule's multiplier, where known."""
-    bad = hyper_error(group["lr"] if lr is None else lr, group["betas"], group["eps"],
-                      group["weight_decay"], scheduled=lr is not None)
+    bad = unsupported_option(group) or hyper_error(
+        group["lr"] if lr is None else lr, group["betas"], group["eps"],
+        group["weight_decay"], scheduled=lr is not None)
     if bad:
         raise ValueError(f"param_groups[{k}]: {bad}"
                          + ("" if lr is None else " (lr times the schedule's multiplier)"))
@@ -472,7 +473,7 @@ class CpuAdam(StateAccess, TorchOptimizerView):
         finally:
             self._lock.release()
 
-    def step(self, grads: Mapping[Hashable, torch.Tensor], *,
+    def step(self, grads: Mapping[Hashable, torch.Tensor] | None = None, *,
              params_out: Mapping[Hashable, torch.Tensor] | None = None, loss_scale: float = 1.0,
              grad_norm: float | None = None, found_inf: bool | None = None,
              skip: Iterable[Hashable] = (),
@@ -497,6 +498,10 @@ class CpuAdam(StateAccess, TorchOptimizerView):
             OptimStepError: a failure part way; the round was rolled back (see its
                 `unchanged`), every partition is at its previous version.
         """
+        if grads is None or callable(grads):  # torch's `optimizer.step()` / `step(closure)`
+            raise TypeError("CpuAdam.step takes the gradients of its partitions, which the "
+                            "engine holds: in a training loop call engine.step() (after "
+                            "engine.backward(loss)), not engine.optimizer.step()")
         with self._lock:
             skip = set(skip)
             missing = [p for p in self._parts

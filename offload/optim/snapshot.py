@@ -13,6 +13,7 @@ to the same codes, so the round trip loses nothing.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable, Hashable, Mapping
 
 import torch
@@ -21,10 +22,12 @@ from .adam import hyper_error
 from .codec import Moment, copy_moment, decode, encode, moment_from_dict, moment_to_dict, \
     new_moment
 from .state import PartitionState, Tier
+from .torch_view import unsupported_option
 
 __all__ = ["StateAccess"]
 
 _HYPER_KEYS = ("lr", "betas", "eps", "weight_decay")
+_NOT_SAVED = ("params", "lr_lambda")  # a group's keys a state dict does not carry
 _OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -48,6 +51,14 @@ def flat_tensor(t: torch.Tensor, what: str, numel: int,
 class StateAccess:
     """The reading and loading half of `CpuAdam` (a mixin: it uses the optimizer's
     lock, partitions, pipeline and round)."""
+
+    _load_hook: weakref.WeakMethod | None = None
+
+    def set_load_hook(self, method: Callable[[list[Hashable]], Any]) -> None:
+        """`load_state_dict` calls the bound `method(pids)` with the partitions it loaded,
+        after loading them (held weakly): the engine rebuilds the compute-dtype
+        parameters of those that keep their own master."""
+        self._load_hook = weakref.WeakMethod(method)
 
     def _committed_host(self, part: PartitionState) -> tuple[int, tuple]:
         """(step, (master, exp_avg, exp_avg_sq)) of a host partition's committed version."""
@@ -213,10 +224,13 @@ class StateAccess:
     def state_dict(self) -> dict[str, Any]:
         """torch-style: {"state": {pid: partition_state(pid)}, "param_groups": [{"lr",
         "betas", "eps", "weight_decay", "params": [pids]}], "steps": committed rounds}.
-        `lr_lambda` is not saved (as LambdaLR does not save its lambdas)."""
+        A group's other keys (those a scheduler wrote: "initial_lr", OneCycleLR's
+        "max_lr", ...) are saved as torch saves them, so a scheduler made with
+        `last_epoch` after a load finds them. `lr_lambda` is not saved (as LambdaLR
+        does not save its lambdas)."""
         with self._lock:
-            groups = [{**{k: g[k] for k in _HYPER_KEYS}, "params": list(g["params"])}
-                      for g in self.param_groups]
+            groups = [{**{k: v for k, v in g.items() if k not in _NOT_SAVED},
+                       "params": list(g["params"])} for g in self.param_groups]
             return {"state": {pid: self.partition_state(pid) for pid in self._parts},
                     "param_groups": groups, "steps": self.steps}
 
@@ -234,7 +248,8 @@ class StateAccess:
                     raise ValueError(f"param_groups[{k}] holds partitions "
                                      f"{list(theirs.get('params', ()))[:8]}, this optimizer "
                                      f"{mine['params'][:8]}")
-                bad = hyper_error(*(theirs.get(key, mine[key]) for key in _HYPER_KEYS))
+                bad = unsupported_option(theirs) or hyper_error(
+                    *(theirs.get(key, mine[key]) for key in _HYPER_KEYS))
                 if bad:
                     raise ValueError(f"state_dict param_groups[{k}]: {bad}")
             for pid, st in states.items():
@@ -244,9 +259,13 @@ class StateAccess:
                 raise ValueError(f"partitions {self.round[:8]} were updated in the open "
                                  "round; commit() or rollback() before loading state")
             for mine, theirs in zip(self.param_groups, groups):
-                mine.update({k: theirs[k] for k in _HYPER_KEYS if k in theirs})
+                # every saved key, as torch's load_state_dict (a scheduler's too)
+                mine.update({k: v for k, v in theirs.items() if k not in _NOT_SAVED})
                 mine["betas"] = tuple(mine["betas"])
             for pid, st in states.items():
                 self.load_partition_state(pid, st)
             self.steps = int(state_dict.get("steps", self.steps))
             self._round.clear()
+        hook = self._load_hook() if self._load_hook is not None else None
+        if hook is not None:  # outside the lock: it reads the masters back
+            hook(list(states))

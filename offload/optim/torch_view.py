@@ -20,7 +20,8 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-__all__ = ["TorchOptimizerView", "check_same", "group_values", "value_change"]
+__all__ = ["TorchOptimizerView", "check_same", "group_values", "unsupported_option",
+           "value_change"]
 
 
 _VALUE_NAMES = ("lr", "beta1", "beta2", "eps", "weight_decay", "lr_lambda")
@@ -37,6 +38,23 @@ def group_values(group: Mapping[str, Any]) -> tuple:
     b = tuple(betas) if isinstance(betas, (tuple, list)) and len(betas) == 2 else (betas, None)
     return (num(group["lr"]), num(b[0]), num(b[1]), num(group["eps"]),
             num(group["weight_decay"]), group["lr_lambda"])
+
+
+# torch.optim.AdamW's options that change its numbers and that CpuAdam does not run:
+# `initialize` and the config refuse them as unknown keys; a value written into
+# `param_groups` later (torch's AdamW reads them at every step), or a loaded state
+# dict's, is refused here, naming the key, where it would otherwise be ignored.
+# (foreach, fused, capturable and differentiable change how torch computes, not what.)
+_UNSUPPORTED = ("amsgrad", "maximize")
+
+
+def unsupported_option(group: Mapping[str, Any]) -> str | None:
+    """What torch option `group` turns on that CpuAdam does not run, or None."""
+    on = [k for k in _UNSUPPORTED if group.get(k)]
+    if not on:
+        return None
+    return (f"{', '.join(f'{k}={group[k]!r}' for k in on)}: CpuAdam runs plain Adam/AdamW "
+            f"(no {' or '.join(on)}); remove the key or set it False")
 
 
 def value_change(used: tuple, now: tuple) -> str:
