@@ -6,12 +6,16 @@ fix. Byte sizes accept ints or strings such as "512MiB", "1GiB", "4k".
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
+import fractions
 import functools
 import json
 import math
 import os
 import re
+import stat
+import threading
 import types
 import typing
 from dataclasses import dataclass, field
@@ -23,6 +27,11 @@ __all__ = ["CommConfig", "ConfigError", "DominoConfig", "EngineConfig", "IoConfi
            "TensorParallelConfig", "load_config", "parse_bytes", "format_bytes"]
 
 PAGE = 4096
+# the largest byte count a file offset (off_t) or a size passed to the kernel can hold
+MAX_BYTES = (1 << 63) - 1
+# the longest wait threading's locks and conditions take (longer ones raise OverflowError)
+MAX_WAIT_S = 1e9
+assert MAX_WAIT_S <= threading.TIMEOUT_MAX
 
 
 class ConfigError(ValueError):
@@ -38,20 +47,47 @@ _UNITS = {
 }
 
 
-def parse_bytes(value: int | str, key: str = "size") -> int:
-    """Parses a byte count: an int, or a string like "4KiB", "1.5GiB", "512M" (binary)."""
+def _shown(value: Any) -> str:
+    """`repr(value)`, but an integer too long to print (Python refuses past 4300 digits)
+    by its size."""
+    if isinstance(value, int) and value.bit_length() > 128:
+        return f"an integer of about {int(value.bit_length() * math.log10(2)) + 1} digits"
+    return repr(value)
+
+
+def parse_bytes(value: int | str, key: str = "size", *, whole: bool = False) -> int:
+    """Parses a byte count: an int, or a string like "4KiB", "1.5GiB", "512M" (binary).
+    A string is read exactly (no float rounding) and rounded down to a whole byte. With
+    `whole` (every config key), a string that names a fraction of a byte ("0.5",
+    "4096.5", "0.0001k") is refused rather than rounded (to 0, which means "no limit"
+    for several keys). Counts above `MAX_BYTES` are refused: no file offset or
+    allocation can be that large."""
     if isinstance(value, bool):
         raise ConfigError(f"{key}: expected a byte size, got {value!r}")
+    n: int | None = None
     if isinstance(value, int):
-        return value
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    if isinstance(value, str):
+        n = value
+    elif isinstance(value, float) and value.is_integer():
+        n = int(value)
+    elif isinstance(value, str):
         m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
         if m and m.group(2).lower() in _UNITS:
-            return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-    raise ConfigError(f"{key}: cannot read {value!r} as a byte size; write an integer number "
-                      "of bytes or a string such as '256MiB' or '2GiB'")
+            unit = m.group(2).lower()
+            if len(m.group(1)) > 64:  # no size needs more digits; keeps Fraction cheap
+                raise ConfigError(f"{key}: {value[:40]!r}... has too many digits for a byte "
+                                  "size; give a size such as '256MiB'")
+            exact = fractions.Fraction(m.group(1)) * _UNITS[unit]
+            n = math.floor(exact)
+            if whole and exact != n and (unit in ("", "b") or n == 0):
+                raise ConfigError(f"{key}: {value!r} is not a whole number of bytes; give an "
+                                  "integer number of bytes or a size such as '512KiB'")
+    if n is None:
+        raise ConfigError(f"{key}: cannot read {value!r} as a byte size; write an integer number "
+                          "of bytes or a string such as '256MiB' or '2GiB'")
+    if n > MAX_BYTES:
+        raise ConfigError(f"{key}: {_shown(value)} is larger than any file or memory can be "
+                          f"({MAX_BYTES} bytes); give a size such as '256MiB'")
+    return n
 
 
 def format_bytes(n: float) -> str:
@@ -63,8 +99,8 @@ def format_bytes(n: float) -> str:
     raise AssertionError("unreachable")
 
 
-def _bytes_field(default: int | str, doc: str) -> Any:
-    return field(default=parse_bytes(default), metadata={"bytes": True, "doc": doc})
+def _bytes_field(default: int | str, doc: str, **kw: Any) -> Any:
+    return field(default=parse_bytes(default), metadata={"bytes": True, "doc": doc, **kw})
 
 
 def _doc(default: Any, doc: str, **kw: Any) -> Any:
@@ -83,7 +119,7 @@ def _normalise(section: Any, prefix: str) -> None:
         key = f"{prefix}.{f.name}"
         value = getattr(section, f.name)
         if f.metadata.get("bytes"):
-            value = parse_bytes(value, key)
+            value = parse_bytes(value, key, whole=True)
         else:
             value = _check_type(key, value, hints[f.name])
         for i, x in enumerate(value if isinstance(value, list) else [value]):
@@ -132,28 +168,31 @@ class IoConfig:
     engine: Literal["auto", "aio", "threads"] = _doc(
         "auto", "aio: Linux AIO through libaio; threads: os.preadv/pwritev in a thread pool; "
         "auto: aio where libaio loads and the file system takes O_DIRECT, else threads")
-    block_size: int = _bytes_field("4MiB", "bytes per I/O request submitted to the kernel")
-    queue_depth: int = _doc(32, "I/O requests kept in flight per engine")
-    threads: int = _doc(4, "worker threads of the thread engine")
+    block_size: int = _bytes_field("4MiB", "bytes per I/O request submitted to the kernel",
+                                   allowed="a multiple of 4096 (at least 4096)")
+    queue_depth: int = _doc(32, "I/O requests kept in flight per engine", allowed="1..1024")
+    threads: int = _doc(4, "worker threads of the thread engine", allowed="1..256")
     direct: bool = _doc(True, "open swap files with O_DIRECT (bypass the page cache)")
     sync_writes: bool = _doc(False, "true: a write completes only after fdatasync, on stable "
                              "storage; false: when the device has taken it (swap files hold "
                              "scratch state that does not outlive the process, and O_DIRECT "
                              "reads see every completed write)")
     checksum: bool = _doc(True, "record an xxh3-64 of each written extent and verify it on read")
-    stripe_size: int = _bytes_field("1MiB", "bytes per stripe unit when several paths are given")
+    stripe_size: int = _bytes_field("1MiB", "bytes per stripe unit when several paths are given",
+                                    allowed="a multiple of 4096 (at least 4096)")
     grow_step: int = _bytes_field("256MiB", "bytes by which a swap file is preallocated "
-                                  "(fallocate) each time it must grow")
+                                  "(fallocate) each time it must grow",
+                                  allowed="a multiple of io.stripe_size")
     max_swap_size: int = _bytes_field(0, "upper bound on the swap bytes per rank; 0: the disk's "
-                                      "free space")
+                                      "free space", allowed=">= 0")
     buffer_budget: int = _bytes_field("1GiB", "bytes of page-aligned (pinned with CUDA) host "
-                                      "staging buffers")
+                                      "staging buffers", allowed="at least io.block_size")
     switch_interval: float = _doc(0.0005, "seconds: Python's thread switch interval "
                                   "(sys.setswitchinterval) while an engine is open, restored "
                                   "on close; I/O completions run on Python threads and wait "
                                   "up to this long behind a thread busy in Python (Python's "
                                   "default, 0.005, halved the disk rate of a busy process); "
-                                  "0 leaves it alone")
+                                  "0 leaves it alone", allowed="0..1")
 
     def __post_init__(self) -> None:
         if isinstance(self.paths, (list, tuple)):  # pathlib.Path entries are paths too
@@ -194,24 +233,26 @@ class StoreConfig:
     device: str = _doc("auto", "compute device of the DEVICE tier: auto (cuda if available, "
                        "else cpu), cpu (the CPU acts as the device under its own budget), cuda "
                        "or cuda:N")
-    device_budget: int = _bytes_field("4GiB", "bytes of partitions the DEVICE tier may hold")
+    device_budget: int = _bytes_field("4GiB", "bytes of partitions the DEVICE tier may hold",
+                                      allowed="at least 4096")
     host_budget: int = _bytes_field("16GiB", "bytes of page-aligned (pinned with CUDA) host "
                                     "memory the HOST tier may hold; the store's own pool, apart "
-                                    "from io.buffer_budget")
+                                    "from io.buffer_budget", allowed="at least 4096")
     nvme_budget: int = _bytes_field(0, "bytes of swap extents the NVME tier may hold, the "
                                     "optimizer's state (both versions while a step is open) "
                                     "included; 0: bounded only by io.max_swap_size (per kind) "
-                                    "and the disk")
+                                    "and the disk", allowed=">= 0")
     policy: Literal["next-use", "lru"] = _doc(
         "next-use", "eviction policy when a tier is full: next-use evicts the unpinned partition "
         "the step's access trace needs last (clean copies first among equals; least recently "
         "used while the step has left the trace); lru the least recently used one")
     wait_timeout: float = _doc(300.0, "seconds a move may wait for other transfers to free "
-                               "budget before it fails")
+                               "budget before it fails", allowed="> 0, at most 1e9")
     keep_swap_files: bool = _doc(False, "keep the swap files when the store closes "
                                  "(default: remove them)")
     swap_kinds: list[str] = _doc(_KINDS, "partition kinds whose swap files are opened and locked "
-                                 "when the store starts; other kinds open on first use")
+                                 "when the store starts; other kinds open on first use",
+                                 allowed="names of letters, digits, '_', '.' or '-', each once")
 
     def __post_init__(self) -> None:
         _normalise(self, "store")
@@ -228,6 +269,10 @@ class StoreConfig:
         if not self.wait_timeout > 0:
             raise ConfigError(f"store.wait_timeout: {self.wait_timeout} s must be positive; "
                               "use e.g. 300")
+        if self.wait_timeout > MAX_WAIT_S:  # longer waits raise OverflowError in threading
+            raise ConfigError(f"store.wait_timeout: {self.wait_timeout} s is more than a lock "
+                              f"can wait; use at most {MAX_WAIT_S:.0e} s (about 31 years), "
+                              "e.g. 300")
         for i, kind in enumerate(self.swap_kinds):
             if not re.fullmatch(r"[A-Za-z0-9_.-]+", kind):
                 raise ConfigError(f"store.swap_kinds[{i}]: {kind!r} cannot be part of a file "
@@ -281,14 +326,15 @@ class OptimConfig:
     name: Literal["adamw", "adam"] = _doc(
         "adamw", "adamw: decoupled weight decay (torch.optim.AdamW); adam: weight decay added "
         "to the gradient (torch.optim.Adam)")
-    lr: float = _doc(1e-3, "learning rate, before the schedule's multiplier")
+    lr: float = _doc(1e-3, "learning rate, before the schedule's multiplier", allowed=">= 0")
     betas: list[float] = _doc([0.9, 0.999], "Adam's (beta1, beta2): decay of the first and "
-                              "second moment")
-    eps: float = _doc(1e-8, "added to the denominator sqrt(v_hat) for stability")
-    weight_decay: float = _doc(0.01, "weight decay coefficient (per step, times lr for adamw)")
+                              "second moment", allowed="two numbers in [0, 1)")
+    eps: float = _doc(1e-8, "added to the denominator sqrt(v_hat) for stability", allowed="> 0")
+    weight_decay: float = _doc(0.01, "weight decay coefficient (per step, times lr for adamw)",
+                               allowed=">= 0")
     max_grad_norm: float = _doc(0.0, "clip the global gradient 2-norm to this (as "
                                 "torch.nn.utils.clip_grad_norm_); 0: no clipping",
-                                fix="e.g. 1.0, or 0 for no clipping")
+                                fix="e.g. 1.0, or 0 for no clipping", allowed=">= 0")
     kernel: Literal["auto", "native", "fused", "foreach"] = _doc(
         "auto", "native: offload's C kernel (one pass over memory, compressed moments and the "
         "compute-dtype copy included; built by pip install where gcc is present); fused: "
@@ -299,15 +345,15 @@ class OptimConfig:
                             "12 bytes per element each way, 8 in fp32 training where the "
                             "parameter is the master, with fp32 moments); 0: the largest power "
                             "of two whose buffers, sized for the state a chunk holds, fit "
-                            "io.buffer_budget x buffer_share")
+                            "io.buffer_budget x buffer_share", allowed="0 or a multiple of 1024")
     buffers: int = _doc(6, "chunk buffers of the swap pipeline: 1 no overlap, 2 reads ahead, "
                         "3 or more read ahead while earlier chunks are written (more keep "
-                        "more requests in flight)")
+                        "more requests in flight)", allowed="1..16")
     buffer_share: float = _doc(0.5, "fraction of io.buffer_budget the pipeline's buffers may "
-                               "take when chunk_elems = 0")
+                               "take when chunk_elems = 0", allowed="(0, 1]")
     block_elems: int = _doc(1048576, "elements per update-kernel call; one block of the four "
                             "fp32 arrays stays in cache for the compute-dtype copy (with "
-                            "several threads, at most 524288 per thread)")
+                            "several threads, at most 524288 per thread)", allowed="at least 1024")
     state_dtype: Literal["fp32", "bf16", "int8"] = _doc(
         "fp32", "form of Adam's moments in every tier (host, NVMe, state_dict): fp32 (8 bytes "
         "per parameter), bf16 (4), int8 (about 2: 8-bit codes, one fp32 scale per 256); "
@@ -355,24 +401,28 @@ class EngineConfig:
     optimizer: Literal["host", "nvme"] = _doc(
         "host", "where fp32 master weights and Adam moments live (nvme: streamed in chunks)")
     group_size: int = _doc(1 << 22, "parameters per group: a module whose subtree holds at "
-                           "most this many parameters is gathered as one unit")
-    grad_accum_steps: int = _doc(1, "micro-steps (backward calls) per optimizer step")
-    prefetch_depth: int = _doc(2, "groups fetched ahead of use once an access trace exists")
+                           "most this many parameters is gathered as one unit", allowed=">= 1")
+    grad_accum_steps: int = _doc(1, "micro-steps (backward calls) per optimizer step",
+                                 allowed=">= 1")
+    prefetch_depth: int = _doc(2, "groups fetched ahead of use once an access trace exists",
+                               allowed=">= 0")
     loss_scale: float = _doc(0.0, "fp16 only: a fixed loss scale, or 0 for dynamic scaling",
-                             fix="e.g. 1024, or 0 for dynamic scaling")
-    initial_loss_scale: float = _doc(65536.0, "fp16 dynamic scaling: the first scale")
+                             fix="e.g. 1024, or 0 for dynamic scaling", allowed=">= 0")
+    initial_loss_scale: float = _doc(65536.0, "fp16 dynamic scaling: the first scale",
+                                     allowed="> 0")
     loss_scale_window: int = _doc(1000, "fp16 dynamic scaling: steps without overflow "
-                                  "before the scale doubles")
-    min_loss_scale: float = _doc(1.0, "fp16 dynamic scaling: the scale never drops below this")
+                                  "before the scale doubles", allowed=">= 1")
+    min_loss_scale: float = _doc(1.0, "fp16 dynamic scaling: the scale never drops below this",
+                                 allowed="> 0, at most engine.initial_loss_scale")
     seed: int = _doc(0, "seed of the per-group RNG used to initialise a meta-device model, the "
-                     "same on every rank")
+                     "same on every rank", allowed="0..4294967295")
     check_rank_order: bool = _doc(True, "with several ranks: before each unit's forward and "
                                   "backward, check that every rank runs the same unit (one "
                                   "all-reduce of two numbers); ranks that run different "
                                   "modules raise instead of hanging in an all-gather")
     keep_checkpoints: int = _doc(0, "committed checkpoints kept in a save's directory (the "
                                  "highest steps; older ones are removed after a save); 0 "
-                                 "keeps all")
+                                 "keeps all", allowed=">= 0")
     reduce_dtype: Literal["fp32", "bf16", "fp16"] = _doc(
         "fp32", "with several ranks: the dtype gradients are reduced across ranks in (bf16: "
         "half the bytes of fp32 on the wire); each rank's reduced slice is accumulated in "
@@ -380,7 +430,7 @@ class EngineConfig:
     reductions_in_flight: int = _doc(2, "with several ranks: gradient reductions kept in "
                                      "flight behind the backward of the next groups (each "
                                      "holds a group's gradient until it completes); 0 waits "
-                                     "for each when it is issued")
+                                     "for each when it is issued", allowed=">= 0")
 
     def __post_init__(self) -> None:
         _normalise(self, "engine")
@@ -437,7 +487,8 @@ class TensorParallelConfig:
     data-parallel ranks of the DP x TP mesh."""
 
     size: int = _doc(1, "ranks per tensor-parallel group; must divide the world size; 1: no "
-                     "tensor parallelism (every rank is a data-parallel rank)")
+                     "tensor parallelism (every rank is a data-parallel rank)",
+                     allowed=">= 1")
 
     def __post_init__(self) -> None:
         _normalise(self, "tp")
@@ -524,11 +575,17 @@ def _check_type(key: str, value: Any, tp: Any) -> Any:
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        if abs(value) > 1 << 63:  # no count here is near this; keeps messages printable
+            raise ConfigError(f"{key}: {_shown(value)} is out of range (beyond 2^63); give "
+                              "a value as docs/configuration.md lists, e.g. the default")
         return value
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{key}: expected a number, got {value!r}")
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:  # an int beyond any float (JSON integers are unbounded)
+            return math.inf  # refused by _normalise, naming the key and a finite value
     if tp is str:
         if not isinstance(value, str):
             raise ConfigError(f"{key}: expected a string, got {value!r}")
@@ -540,7 +597,7 @@ def _from_dict(cls: type, data: Any, prefix: str) -> Any:
     if isinstance(data, cls):  # a section made directly, perhaps changed since: check it again
         data.__post_init__()
         return data
-    if not isinstance(data, dict):
+    if not isinstance(data, collections.abc.Mapping):
         raise ConfigError(f"{prefix or 'config'}: expected a table of keys, got {data!r}")
     hints = _hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
@@ -551,50 +608,94 @@ def _from_dict(cls: type, data: Any, prefix: str) -> Any:
             known = ", ".join(sorted(fields))
             raise ConfigError(f"{key}: unknown key; known keys here: {known}")
         if fields[name].metadata.get("bytes"):
-            kwargs[name] = parse_bytes(value, key)
+            kwargs[name] = parse_bytes(value, key, whole=True)
         else:
             kwargs[name] = _check_type(key, value, hints[name])
     try:
         return cls(**kwargs)
-    except ConfigError:
+    except ConfigError as e:
+        # a list entry checks itself under a generic name ("optim.param_groups[]"): name it
+        generic = re.sub(r"\[[0-9]+\]$", "[]", prefix)
+        msg = str(e)
+        if generic != prefix and msg.startswith(generic):
+            raise ConfigError(prefix + msg[len(generic):]) from e
         raise
     except (TypeError, ValueError) as e:
         raise ConfigError(f"{prefix or 'config'}: {e}") from e
 
 
+def _json_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object whose keys are each given once (json.loads keeps the last silently)."""
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise ConfigError(f"{k!r} is given twice in one table; give each key once")
+        out[k] = v
+    return out
+
+
 def load_config(source: OffloadConfig | dict | str | os.PathLike | None = None) -> OffloadConfig:
-    """Builds an `OffloadConfig` from an instance, a dict, or a .toml/.json file path."""
+    """Builds an `OffloadConfig` from an instance, a dict (any mapping), or a .toml/.json
+    file path."""
     if source is None:
         return OffloadConfig()
     if isinstance(source, OffloadConfig):
         return source.validate()
-    if isinstance(source, dict):
+    if isinstance(source, collections.abc.Mapping):
         return _from_dict(OffloadConfig, source, "")
+    if not isinstance(source, (str, os.PathLike)) or isinstance(source, bytes):
+        hint = ""
+        if dataclasses.is_dataclass(source) and not isinstance(source, type):
+            section = next((f.name for f in dataclasses.fields(OffloadConfig)
+                            if _hints(OffloadConfig)[f.name] is type(source)), None)
+            if section:
+                hint = f"; for one section, give OffloadConfig({section}=...)"
+        raise ConfigError(f"config: expected an OffloadConfig, a dict, or the path of a .toml "
+                          f"or .json file, got {type(source).__name__}{hint}")
     path = Path(source)
-    if path.is_dir():
+    try:
+        kind = path.stat().st_mode
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except (OSError, ValueError) as e:  # a name too long, a NUL byte, no permission
+        raise ConfigError(f"config file {path!r} cannot be read: "
+                          f"{getattr(e, 'strerror', None) or e}") from e
+    if stat.S_ISDIR(kind):
         raise ConfigError(f"config file {path} is a directory; give the path of a .toml or "
                           ".json file")
-    if not path.is_file():
-        raise ConfigError(f"config file {path} does not exist")
+    if not stat.S_ISREG(kind):
+        raise ConfigError(f"config file {path} is not a regular file; give the path of a "
+                          ".toml or .json file")
+    suffix = path.suffix.lower()
+    if suffix not in (".toml", ".json"):
+        raise ConfigError(f"{path}: unknown config format {path.suffix!r}; use .toml or .json")
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8-sig")  # a byte order mark (Windows) is skipped
     except UnicodeDecodeError as e:
         raise ConfigError(f"{path}: not UTF-8 text ({e}); save the config as UTF-8") from e
     except OSError as e:
         raise ConfigError(f"config file {path} cannot be read: {e.strerror}") from e
-    if path.suffix == ".toml":
-        import tomllib
+    if suffix == ".toml":
+        try:
+            import tomllib
+        except ImportError:  # Python 3.10: the same parser is the tomli package
+            try:
+                import tomli as tomllib
+            except ImportError:
+                raise ConfigError(f"{path}: reading TOML on Python 3.10 needs the tomli "
+                                  "package (pip install tomli; Python 3.11 has it built in); "
+                                  "or give the config as .json") from None
         try:
             data = tomllib.loads(text)
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{path}: not valid TOML: {e}") from e
-    elif path.suffix == ".json":
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path}: not valid JSON: {e}") from e
     else:
-        raise ConfigError(f"{path}: unknown config format {path.suffix!r}; use .toml or .json")
+        try:
+            data = json.loads(text, object_pairs_hook=_json_object)
+        except (json.JSONDecodeError, ValueError) as e:  # ValueError: an int too long
+            raise ConfigError(f"{path}: not valid JSON: {e}") from e
+        except ConfigError as e:
+            raise ConfigError(f"{path}: {e}") from e
     return _from_dict(OffloadConfig, data, "")
 
 
@@ -610,6 +711,11 @@ def config_reference(cls: type = OffloadConfig, prefix: str = "") -> list[tuple[
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         if f.metadata.get("bytes"):
             default = format_bytes(default) if default else "0"
-        rows.append((key, json.dumps(default) if not isinstance(default, str) else default,
-                     f.metadata.get("doc", "")))
+        doc = f.metadata.get("doc", "")
+        tp = _hints(cls)[f.name]
+        if typing.get_origin(tp) is Literal:
+            doc += "; one of: " + ", ".join(typing.get_args(tp))
+        if f.metadata.get("allowed"):
+            doc += "; allowed: " + f.metadata["allowed"]
+        rows.append((key, json.dumps(default) if not isinstance(default, str) else default, doc))
     return rows

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import logging
 import os
@@ -166,7 +167,8 @@ def initialize(model: nn.Module | Callable[[], nn.Module],
     # rank is raised on every rank at the next settle, before any swap file is made
     agreement = RankAgreement()
     with agreement.refusals():
-        cfg = load_config(config)
+        # the engine's own copy: the caller's object, changed or reused later, changes nothing
+        cfg = copy.deepcopy(load_config(config))
         _report_huge_pages()
         model = _model_of(model, lr_lambda)
         if checkpoint is not None and resume is not None:
