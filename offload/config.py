@@ -24,7 +24,7 @@ from typing import Any, Literal
 
 __all__ = ["CommConfig", "ConfigError", "DominoConfig", "EngineConfig", "IoConfig",
            "OffloadConfig", "OptimConfig", "ParamGroupConfig", "StoreConfig",
-           "TensorParallelConfig", "load_config", "parse_bytes", "format_bytes"]
+           "TensorParallelConfig", "load_config", "parse_bytes", "format_bytes", "toml_loads"]
 
 PAGE = 4096
 # the largest byte count a file offset (off_t) or a size passed to the kernel can hold
@@ -634,6 +634,25 @@ def _json_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def toml_loads(text: str, where: str = "config") -> dict[str, Any]:
+    """TOML `text` as a dict (Python 3.11's tomllib; on 3.10 the tomli package, the same
+    parser, which offload requires there); `ConfigError` naming `where` if it is not
+    valid TOML."""
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        try:
+            import tomli as tomllib
+        except ImportError:
+            raise ConfigError(f"{where}: reading TOML on Python 3.10 needs the tomli package "
+                              "(pip install tomli; Python 3.11 has it built in); or give the "
+                              "config as .json") from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{where}: not valid TOML: {e}") from e
+
+
 def load_config(source: OffloadConfig | dict | str | os.PathLike | None = None) -> OffloadConfig:
     """Builds an `OffloadConfig` from an instance, a dict (any mapping), or a .toml/.json
     file path."""
@@ -676,19 +695,7 @@ def load_config(source: OffloadConfig | dict | str | os.PathLike | None = None) 
     except OSError as e:
         raise ConfigError(f"config file {path} cannot be read: {e.strerror}") from e
     if suffix == ".toml":
-        try:
-            import tomllib
-        except ImportError:  # Python 3.10: the same parser is the tomli package
-            try:
-                import tomli as tomllib
-            except ImportError:
-                raise ConfigError(f"{path}: reading TOML on Python 3.10 needs the tomli "
-                                  "package (pip install tomli; Python 3.11 has it built in); "
-                                  "or give the config as .json") from None
-        try:
-            data = tomllib.loads(text)
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"{path}: not valid TOML: {e}") from e
+        data = toml_loads(text, str(path))
     else:
         try:
             data = json.loads(text, object_pairs_hook=_json_object)

@@ -142,9 +142,9 @@ def _setting(model: dict, budget: dict, work: str, args, progress) -> dict[str, 
 
     res = tuned["results"]
     picks = _sweep(res, args.sweep, tuned["chosen"])
-    import tomllib
+    from ..config import toml_loads
 
-    configs = {"tuned": tomllib.loads(Path(toml).read_text())}
+    configs = {"tuned": toml_loads(Path(toml).read_text(), str(toml))}
     configs.update({f"#{i + 1}": res[i]["config"] for i in picks})
     spec = ModelSpec("hf" if model["argv"][0].endswith("bench") else "function",
                      model["argv"][0], tuned["batch"], None, tuned["dtype"]).__dict__

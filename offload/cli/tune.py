@@ -28,7 +28,7 @@ from pathlib import Path
 from contextlib import contextmanager
 from typing import Any, Iterator
 
-from ..config import EngineConfig, IoConfig, OptimConfig, format_bytes, load_config
+from ..config import EngineConfig, IoConfig, OptimConfig, format_bytes, load_config, toml_loads
 from ..files import replace_atomically
 from ..planner.estimate import PLACEMENTS, Placement
 from ..planner.search import (Budgets, Candidate, Machine, Space, StepShape, candidates, score,
@@ -574,9 +574,7 @@ def write_config(path: str, text: str) -> str:
     symlink's target), so a full disk or Ctrl-C leaves the old file or none, never a
     part of one. Makes the missing directories (removed again when it fails).
     Returns the path written."""
-    import tomllib
-
-    load_config(tomllib.loads(text))  # what initialize will read: refused before a byte
+    load_config(toml_loads(text, path))  # what initialize will read: refused before a byte
     target = os.path.realpath(path)
     parent = os.path.dirname(target)
     created = missing_directories(parent)
