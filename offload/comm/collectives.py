@@ -69,6 +69,16 @@ class Collectives:
         self.world = dist.get_world_size(group) if self.distributed else 1
         self.backend = dist.get_backend(group) if self.distributed else "none"
 
+    def destroy(self) -> None:
+        """Frees this process's part of `group`, a group the caller made for its own use
+        (never the job's default group): a training that makes engines or saves again
+        and again does not pile up communicators (sockets, threads, GPU memory)."""
+        if self.group is None or not (dist.is_available() and dist.is_initialized()):
+            return
+        group, self.group = self.group, None
+        if group is not dist.GroupMember.WORLD:
+            dist.destroy_process_group(group)
+
     def all_gather(self, full: torch.Tensor, shard: torch.Tensor, *, async_op: bool = False) -> Pending:
         """Fills the flat `full` (world x shard numel) with every rank's `shard`."""
         if full.numel() != shard.numel() * self.world:

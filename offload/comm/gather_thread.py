@@ -69,6 +69,7 @@ class GatherIssuer:
     def close(self) -> None:
         if self._thread is not None:
             self._thread.shutdown(wait=True)
+            self.comm.destroy()  # its own group, made by `gather_group`
 
 
 def gather_group(comm: Collectives, groups: list[list[int]]) -> Collectives:

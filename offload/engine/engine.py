@@ -168,6 +168,7 @@ class OffloadEngine(ModelWeights, GradPartitions, GatheredWeights, nn.Module):
         self._switch = hold_switch_interval(cfg.io.switch_interval)
         self._opt_bytes = [0, 0]  # optimizer-state bytes read, written (all steps)
         self._saving: CheckpointSave | None = None  # a checkpoint written in the background
+        self._save_comm: Collectives | None = None  # background saves' own group (ranks > 1)
         for st in self._states:
             if st.group.requires_grad:
                 self._hooks.append(st.flat.register_post_accumulate_grad_hook(
@@ -770,6 +771,8 @@ class OffloadEngine(ModelWeights, GradPartitions, GatheredWeights, nn.Module):
         self.wait_for_checkpoint(raise_error=False)
         self._updater.shutdown(wait=True)
         self._gathers.close()
+        if self._save_comm is not None:
+            self._save_comm.destroy()
         for h in self._hooks:
             h.remove()
         self._hooks.clear()

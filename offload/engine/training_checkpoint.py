@@ -679,9 +679,11 @@ def save_checkpoint(engine: Any, path: str | os.PathLike, extra: dict[str, Any] 
         return handle
     comm = engine.comm
     if comm.world > 1:  # its barriers must not interleave with training's collectives
-        import torch.distributed as dist
-        from ..comm import Collectives
-        comm = Collectives(dist.new_group(backend="gloo"))
+        if engine._save_comm is None:  # one group for every background save, freed at close
+            import torch.distributed as dist
+            from ..comm import Collectives
+            engine._save_comm = Collectives(dist.new_group(backend="gloo"))
+        comm = engine._save_comm
     job = _SaveJob(engine, path, extra, scheduler, comm)
     handle._thread = threading.Thread(target=handle._run, args=(job,),
                                       name="offload-checkpoint", daemon=True)

@@ -1,0 +1,45 @@
+"""Process groups an engine makes for itself (the gather thread's, background saves')
+are freed when it closes: a job that makes engines, or saves, again and again does
+not pile up communicators (sockets and threads with gloo, GPU memory with NCCL)."""
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from .ranks import process_group, spawn
+
+pytestmark = pytest.mark.distributed
+
+
+def _groups() -> int:
+    return len(dist.distributed_c10d._world.pg_map)
+
+
+def _worker(rank: int, world: int, init_file: str, d: str) -> None:
+    import offload
+    with process_group(rank, world, init_file):
+        before = _groups()
+        counts = []
+        for run in range(2):
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 4))
+            cfg = {"engine": {"params": "host", "grads": "host", "optimizer": "host",
+                              "group_size": 300},
+                   "comm": {"gather_thread": True},
+                   "io": {"paths": [os.path.join(d, f"swap-{rank}")], "buffer_budget": "8MiB",
+                          "grow_step": "4MiB"},
+                   "store": {"host_budget": "64MiB", "device_budget": "64MiB", "device": "cpu"}}
+            with offload.initialize(model, cfg) as engine:
+                for i in range(3):
+                    engine.backward(engine(torch.randn(4, 16)).sum())
+                    engine.step()
+                    engine.save_checkpoint(os.path.join(d, f"run{run}-{i}"), blocking=False)
+                engine.wait_for_checkpoint()
+            counts.append(_groups())
+        assert counts == [before, before], (before, counts)
+
+
+def test_an_engines_own_groups_are_freed_when_it_closes(tmp_path):
+    spawn(_worker, str(tmp_path / "init"), str(tmp_path))
