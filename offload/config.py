@@ -431,9 +431,20 @@ class EngineConfig:
                                      "flight behind the backward of the next groups (each "
                                      "holds a group's gradient until it completes); 0 waits "
                                      "for each when it is issued", allowed=">= 0")
+    whole_modules: list[str] = _doc([], "modules (names as model.named_modules() gives them) "
+                                    "each gathered as one unit with all its children, whatever "
+                                    "its size: a module whose own forward reads a child's "
+                                    "weight (F.linear(h, self.wte.weight)), as FSDP wraps a "
+                                    "module with its children", allowed="names of modules, "
+                                    "each once")
 
     def __post_init__(self) -> None:
         _normalise(self, "engine")
+        for i, name in enumerate(self.whole_modules):
+            if not name or self.whole_modules.index(name) != i:
+                raise ConfigError(f"engine.whole_modules[{i}]: {name!r} is "
+                                  f"{'empty' if not name else 'given twice'}; list each "
+                                  "module's name (from model.named_modules()) once")
         if self.group_size < 1:
             raise ConfigError(f"engine.group_size: {self.group_size} must be >= 1")
         if self.grad_accum_steps < 1:

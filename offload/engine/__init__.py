@@ -114,6 +114,20 @@ def _report_huge_pages() -> None:
         log.warning(why)
 
 
+def _whole_modules(model: nn.Module, names: list[str]) -> list[nn.Module]:
+    """The modules `engine.whole_modules` names, each kept as one unit."""
+    found = dict(model.named_modules(remove_duplicate=False))
+    out = []
+    for i, name in enumerate(names):
+        if name not in found:
+            near = [n for n in found if n and (n.endswith(name) or name in n)][:5]
+            raise ConfigError(f"engine.whole_modules[{i}]: {type(model).__name__} has no module "
+                              f"{name!r}; give names as model.named_modules() lists them"
+                              + (f", e.g. {', '.join(map(repr, near))}" if near else ""))
+        out.append(found[name])
+    return out
+
+
 @contextlib.contextmanager
 def _cut_undone_on_failure(tp: TensorParallel | None) -> Iterator[None]:
     """A refusal after tensor parallelism cut the model's blocks puts the model back as
@@ -187,7 +201,8 @@ def initialize(model: nn.Module | Callable[[], nn.Module],
         dtype, share = _DTYPES[cfg.engine.dtype], None
         with agreement.refusals():
             units, groups = build_units(model, cfg.engine.group_size, comm.world,
-                                        whole=tp.blocks if tp is not None else [])
+                                        whole=_whole_modules(model, cfg.engine.whole_modules)
+                                        + (tp.blocks if tp is not None else []))
             hyper, slot_groups = assign_param_groups(groups, cfg.optim, param_groups)
             check_budgets(cfg, groups, dtype)  # before any file is made
             if resumed is not None:

@@ -36,9 +36,11 @@ def absent_message(name: str, unit: str) -> str:
             "(or engine.state_dict(); to save the model, engine.save_pretrained(dir)). "
             "Call that unit (or the whole engine), not a module inside it; a "
             "parent that reads a child unit's weight in its own forward (e.g. a tied head as "
-            "F.linear(h, self.wte.weight)) needs both in one unit: raise engine.group_size "
-            "so the parent's subtree is one unit, or share the parameter by assignment "
-            "(self.head.weight = self.wte.weight) and call the child module")
+            "F.linear(h, self.wte.weight)) needs both in one unit: list the parent's name in "
+            "engine.whole_modules (for the model itself, raise engine.group_size above its "
+            "parameter count), "
+            "or share the parameter by assignment (self.head.weight = self.wte.weight) and "
+            "call the child module")
 
 
 def absent_grad_message(name: str) -> str:

@@ -6,6 +6,7 @@ import logging
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -301,3 +302,49 @@ def test_pickling_the_model_or_the_engine_names_the_way_to_save(engine_cfg):
         engine.backward(engine(x).sum())
         assert engine.step()
         torch.save(engine.state_dict(), io.BytesIO())
+
+
+class _ReadsChild(torch.nn.Module):
+    """A block whose own forward reads its child's weight (a tied projection)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(16, 16)
+        self.mix = torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.mix(torch.tanh(self.proj(x))) + torch.nn.functional.linear(x, self.proj.weight)
+
+
+def test_whole_modules_keeps_a_parent_that_reads_its_childs_weight_in_one_unit(engine_cfg):
+    """At a group size that makes each Linear a unit of its own, the block's read of
+    proj.weight raises, naming engine.whole_modules; listing the block there gathers
+    it with its children as one unit, and it trains as torch. A name the model does
+    not have is refused before anything is made, with names it has."""
+    import copy
+
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(_ReadsChild(), torch.nn.Linear(16, 4))
+    x = torch.randn(4, 16)
+    with offload.initialize(copy.deepcopy(ref), engine_cfg("host", group_size=300)) as engine:
+        with pytest.raises(RuntimeError, match=r"parameter '0\.proj\.weight'.*whole_modules"):
+            engine(x)
+    cfg = engine_cfg("host", group_size=300, whole_modules=["0"])
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    with offload.initialize(copy.deepcopy(ref), cfg) as engine:
+        assert [u.name for u in engine.units].count("0") == 1
+        for _ in range(3):
+            engine.backward(engine(x).square().mean())
+            engine.step()
+            opt.zero_grad()
+            ref(x).square().mean().backward()
+            opt.step()
+        sd = engine.state_dict()
+        for k, v in ref.state_dict().items():
+            torch.testing.assert_close(sd[k], v, atol=2e-6, rtol=0, msg=lambda m: f"{k}: {m}")
+    bad = engine_cfg("host", group_size=300, whole_modules=["proj"])
+    with pytest.raises(offload.ConfigError, match=r"engine\.whole_modules\[0\]: Sequential has "
+                                                  r"no module 'proj'.*'0\.proj'"):
+        offload.initialize(copy.deepcopy(ref), bad)
+    swap = Path(bad["io"]["paths"][0])
+    assert not swap.exists() or not list(swap.iterdir())  # refused before any swap file
