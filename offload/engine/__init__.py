@@ -30,7 +30,7 @@ from .param_groups import assign_param_groups, segments_of
 from .step import StepFailedError
 from .tensor_parallel import TensorParallel, full_state_dict
 from .training_checkpoint import CheckpointCorruptError, CheckpointError
-from .units import Group, build_units
+from .units import Group, Slot, build_units
 from .rank_agreement import RankAgreement, config_section, model_sections
 from .working_set import check_budgets, check_disk, disk_share
 
@@ -191,7 +191,10 @@ def initialize(model: nn.Module | Callable[[], nn.Module],
         ckpt = SafetensorsCheckpoint(checkpoint) if checkpoint is not None else None
         resumed = CheckpointReader(resume) if resume is not None else None
         _materialise_buffers(model, cfg.engine.seed,
-                             resumed.buffer_names() if resumed is not None else set())
+                             resumed.buffer_names() if resumed is not None
+                             else _saved_buffers(model, ckpt))
+        if ckpt is not None:
+            _load_buffers(model, ckpt)
     agreement.settle(lambda: [config_section(cfg)])  # the whole job, before its mesh is built
     # [Note: ZeRO-3 over DP, tensor parallelism over TP] in tensor_parallel.py
     tp = TensorParallel.setup(model, cfg, restored=ckpt is not None or resumed is not None,
@@ -204,6 +207,8 @@ def initialize(model: nn.Module | Callable[[], nn.Module],
                                         whole=_whole_modules(model, cfg.engine.whole_modules)
                                         + (tp.blocks if tp is not None else []))
             hyper, slot_groups = assign_param_groups(groups, cfg.optim, param_groups)
+            if ckpt is not None:
+                _check_checkpoint_covers(ckpt, groups, checkpoint)
             check_budgets(cfg, groups, dtype)  # before any file is made
             if resumed is not None:
                 resumed.check(groups, dtype)
@@ -352,6 +357,38 @@ def _has_own_init(model: nn.Module) -> bool:
     return callable(getattr(model, "_init_weights", None))
 
 
+def _persistent_buffers(model: nn.Module) -> Iterator[tuple[str, nn.Module, str]]:
+    """(full name, module, attribute) of each persistent buffer (what a state dict and
+    save_pretrained hold), under every name it is registered under."""
+    for prefix, m in model.named_modules(remove_duplicate=False):
+        for name, b in m._buffers.items():
+            if b is not None and name not in m._non_persistent_buffers_set:
+                yield f"{prefix}.{name}".lstrip("."), m, name
+
+
+def _saved_buffers(model: nn.Module, ckpt: SafetensorsCheckpoint | None) -> set[str]:
+    """Names of the persistent buffers `ckpt` holds (none without one)."""
+    if ckpt is None:
+        return set()
+    return {fqn for fqn, _, _ in _persistent_buffers(model) if ckpt.resolve(fqn) is not None}
+
+
+def _load_buffers(model: nn.Module, ckpt: SafetensorsCheckpoint) -> None:
+    """The persistent buffers `checkpoint=` holds (BatchNorm statistics, BART's
+    final_logits_bias), as transformers' from_pretrained loads them; the others keep
+    the model's values."""
+    with torch.no_grad():
+        for fqn, m, name in _persistent_buffers(model):
+            t = ckpt.find(fqn)
+            if t is None:
+                continue
+            b = m._buffers[name]
+            if tuple(t.shape) != tuple(b.shape):
+                raise ValueError(f"checkpoint tensor for buffer {fqn} has shape "
+                                 f"{tuple(t.shape)}, the model's is {tuple(b.shape)}")
+            b.copy_(t.to(b.dtype))
+
+
 def _materialise_buffers(model: nn.Module, seed: int, saved: set[str]) -> None:
     """Buffers left on meta by a model built there are made on the CPU: those named in
     `saved` (the checkpoint resumed from holds them) as zeros it overwrites, the others
@@ -391,6 +428,29 @@ def _materialise_buffers(model: nn.Module, seed: int, saved: set[str]) -> None:
             model._init_weights(m)
 
 
+def _in_checkpoint(ckpt: SafetensorsCheckpoint, s: Slot) -> bool:
+    return any(ckpt.resolve(n) is not None for n in s.names)
+
+
+def _check_checkpoint_covers(ckpt: SafetensorsCheckpoint, groups: list[Group],
+                             where: str | os.PathLike) -> None:
+    """[Note: weights a checkpoint lacks] As transformers' from_pretrained, parameters
+    `checkpoint=` does not hold (a new task head, new adapters) are initialised as the
+    model initialises them, and named in one warning; a checkpoint that holds none of
+    the model's parameters is another model's, and is refused."""
+    slots = [s for g in groups for s in g.slots]
+    missing = [s.fqn for s in slots if not _in_checkpoint(ckpt, s)]
+    if slots and len(missing) == len(slots):
+        raise ValueError(f"checkpoint {where} holds none of the model's parameters (e.g. "
+                         f"{missing[0]!r}); it holds e.g. {sorted(ckpt.files)[:5]}: give the "
+                         "checkpoint of this model")
+    if missing:
+        log.warning("offload: %d of the model's %d parameters are not in checkpoint %s and "
+                    "are initialised as the model does (train them, e.g. a new head): %s%s",
+                    len(missing), len(slots), where, ", ".join(missing[:10]),
+                    " ..." if len(missing) > 10 else "")
+
+
 def _materialise(model: nn.Module, g: Group, seed: int,
                  ckpt: SafetensorsCheckpoint | None, lineage: _Lineage) -> torch.Tensor:
     """The group's full fp32 flat buffer (padded), initialising meta parameters.
@@ -403,17 +463,23 @@ def _materialise(model: nn.Module, g: Group, seed: int,
     Parameters of other groups are still meta there (untouched) or already
     handed to the engine. Other models use `reset_parameters`."""
     full = torch.zeros(g.padded, dtype=torch.float32)
+    fresh = list(g.slots)  # the slots the model initialises: [Note: weights a checkpoint lacks]
     if ckpt is not None:
+        fresh = []
         for s in g.slots:
+            if not _in_checkpoint(ckpt, s):
+                fresh.append(s)
+                continue
             t = ckpt.get(s.names)
             if tuple(t.shape) != tuple(s.shape):
                 raise ValueError(f"checkpoint tensor for {s.fqn} has shape {tuple(t.shape)}, "
                                  f"the model expects {tuple(s.shape)}")
             full[s.offset:s.offset + s.numel].copy_(t.reshape(-1))
-        return full
-    if any(s.param.is_meta for s in g.slots):
+        if not fresh:
+            return full
+    if any(s.param.is_meta for s in fresh):
         owners: list[nn.Module] = []
-        for s in g.slots:
+        for s in fresh:
             mod = s.uses[0][0]
             if not any(mod is o for o in owners):
                 owners.append(mod)
@@ -430,7 +496,7 @@ def _materialise(model: nn.Module, g: Group, seed: int,
                 with torch.no_grad():
                     for mod in lineage.with_ancestors(owners):
                         model._init_weights(mod)
-    for s in g.slots:
+    for s in fresh:
         mod, name = s.uses[0]
         p = mod._parameters[name]
         if tuple(p.shape) != tuple(s.shape):

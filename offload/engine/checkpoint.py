@@ -83,6 +83,12 @@ class SafetensorsCheckpoint:
                 return name
         return None
 
+    def find(self, fqn: str) -> torch.Tensor | None:
+        """The tensor stored for `fqn` (prefixes tolerated), or None if there is none."""
+        name = self.resolve(fqn)
+        return None if name is None else self._read(self.files[name],
+                                                    lambda h: h.get_tensor(name))
+
     def get(self, fqns: list[str]) -> torch.Tensor:
         """Reads the tensor stored under any of `fqns` (the names of tied uses)."""
         for fqn in fqns:

@@ -247,12 +247,29 @@ def test_lr_schedule_hook(engine_cfg):
         engine.close()
 
 
-def test_missing_checkpoint_tensor_is_named(engine_cfg, tmp_path):
+def test_missing_checkpoint_tensors_are_initialised_and_named(engine_cfg, tmp_path, caplog):
+    """[Note: weights a checkpoint lacks] What the checkpoint holds is loaded, the rest
+    keeps the model's init, named in a warning; a checkpoint holding none of the
+    model's parameters is refused, leaving nothing behind."""
+    import logging
     safetensors = pytest.importorskip("safetensors.torch")
     safetensors.save_file({"emb.weight": torch.zeros(64, 32)}, str(tmp_path / "m.safetensors"))
-    with pytest.raises(KeyError, match="no tensor for parameter"):
+    torch.manual_seed(3)
+    model = TiedTwice()
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    with caplog.at_level(logging.WARNING, logger="offload"), \
+            offload.initialize(model, engine_cfg("host"),
+                               checkpoint=tmp_path / "m.safetensors") as engine:
+        sd = engine.state_dict()
+    assert not sd["emb.weight"].any()
+    assert all(torch.equal(sd[k], v) for k, v in want.items() if k not in ("emb.weight",
+                                                                            "head.weight"))
+    assert any("not in checkpoint" in r.getMessage() and "l1.weight" in r.getMessage()
+               for r in caplog.records), [r.getMessage() for r in caplog.records]
+    safetensors.save_file({"other.weight": torch.zeros(3)}, str(tmp_path / "o.safetensors"))
+    with pytest.raises(ValueError, match="holds none of the model's parameters"):
         offload.initialize(lambda: TiedTwice(), engine_cfg("host"),
-                           checkpoint=tmp_path / "m.safetensors")
+                           checkpoint=tmp_path / "o.safetensors")
     assert not list((tmp_path / "swap").glob("*.swap"))  # nothing left behind
 
 
