@@ -477,16 +477,17 @@ def _materialise(model: nn.Module, g: Group, seed: int,
             full[s.offset:s.offset + s.numel].copy_(t.reshape(-1))
         if not fresh:
             return full
-    if any(s.param.is_meta for s in fresh):
+    meta = [s for s in fresh if s.param.is_meta]  # a real (CPU) weight keeps its values
+    if meta:
         owners: list[nn.Module] = []
-        for s in fresh:
+        for s in meta:
             mod = s.uses[0][0]
             if not any(mod is o for o in owners):
                 owners.append(mod)
         with torch.random.fork_rng(devices=[]), _scratch_for_absent(lineage.with_ancestors(owners)):
             torch.manual_seed(seed * 1_000_003 + g.gid)
             for mod in owners:
-                mod.to_empty(device="cpu", recurse=False)
+                _unset_on_cpu(mod)
                 if hasattr(mod, "reset_parameters"):
                     mod.reset_parameters()
                 elif not _has_own_init(model):
@@ -502,8 +503,29 @@ def _materialise(model: nn.Module, g: Group, seed: int,
         if tuple(p.shape) != tuple(s.shape):
             raise ValueError(f"parameter {s.fqn} changed shape from {tuple(s.shape)} to "
                              f"{tuple(p.shape)} during initialisation")
+        if any(s is m for m in meta) and torch.isnan(p.detach()).any():
+            raise ValueError(f"parameter {s.fqn} was built on meta and nothing initialised it "
+                             f"(neither {type(mod).__name__}.reset_parameters() nor the "
+                             "model's _init_weights sets it), so it has no values: build that "
+                             "module on the CPU (with torch.device('cpu'): ...), or give it a "
+                             "reset_parameters()")
         full[s.offset:s.offset + s.numel].copy_(p.detach().reshape(-1))
     return full
+
+
+def _unset_on_cpu(mod: nn.Module) -> None:
+    """[Note: meta initialisation] The module's meta parameters become CPU tensors of NaN
+    for its initialiser to fill (one it leaves is then refused, never trained as
+    whatever memory held); its buffers and real parameters keep their values."""
+    was_meta = [n for n, p in mod._parameters.items() if p is not None and p.is_meta]
+    kept = {n: p for n, p in mod._parameters.items() if n not in was_meta}
+    buffers = dict(mod._buffers)
+    mod.to_empty(device="cpu", recurse=False)  # through _apply: RNN weight lists follow
+    mod._buffers.update(buffers)
+    mod._parameters.update(kept)
+    with torch.no_grad():
+        for n in was_meta:
+            mod._parameters[n].fill_(float("nan"))
 
 
 def _drop_params(g: Group, engine: OffloadEngine) -> None:
