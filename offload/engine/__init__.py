@@ -27,6 +27,7 @@ from .lr_scheduler import make_scheduler
 from .meta import meta_device
 from .model_weights import guard_casts, guard_resize
 from .param_groups import assign_param_groups, segments_of
+from .params_view import point_weight_list
 from .step import StepFailedError
 from .tensor_parallel import TensorParallel, full_state_dict
 from .training_checkpoint import CheckpointCorruptError, CheckpointError
@@ -233,6 +234,7 @@ def initialize(model: nn.Module | Callable[[], nn.Module],
             _report_omp_wait_policy()  # updates run beside a backward on the same cores
         lineage = _Lineage(model)
         engine = None
+        originals: list[tuple[Slot, nn.Parameter]] = []
         try:
             engine = OffloadEngine(model, cfg, units, groups, store, comm, recorder, tp, gathers)
             if policy is not None:
@@ -240,6 +242,9 @@ def initialize(model: nn.Module | Callable[[], nn.Module],
             engine._attach_optimizer(lr_lambda, hyper)
             engine.param_group_of = slot_groups  # a checkpoint records each group's members
             deferred = []  # the user's real tensors stay in the model until nothing can fail
+            # meta parameters are handed over group by group: put back if initialize fails
+            originals = [(sl, sl.param) for g in groups for sl in g.slots
+                         if sl.param is not None and sl.param.is_meta]
             for g in groups:
                 was_meta = any(sl.param.is_meta for sl in g.slots)
                 segments, slots = segments_of(g, comm.rank, slot_groups)
@@ -295,6 +300,7 @@ def initialize(model: nn.Module | Callable[[], nn.Module],
                 store.close()
                 if gathers is not None:
                     gathers.close()
+            _put_back(originals)
             raise
         finally:
             if resumed is not None:
@@ -526,6 +532,18 @@ def _unset_on_cpu(mod: nn.Module) -> None:
     with torch.no_grad():
         for n in was_meta:
             mod._parameters[n].fill_(float("nan"))
+
+
+def _put_back(originals: list[tuple[Slot, nn.Parameter]]) -> None:
+    """After a failed initialize: the model's meta parameters, already handed over (or
+    made on the CPU), are the user's meta parameters again and its modules are not
+    marked as wrapped, so the model can be given to `initialize` again."""
+    for slot, p in originals:
+        for mod, name in slot.uses:
+            mod._parameters[name] = p
+            mod.__dict__.pop(name, None)
+            mod.__dict__.pop(_WRAPPED, None)
+            point_weight_list(mod, name)
 
 
 def _drop_params(g: Group, engine: OffloadEngine) -> None:

@@ -356,14 +356,6 @@ def test_hf_parameter_no_initialiser_touches_is_not_left_uninitialised(engine_cf
         _init(lambda: Toy(Cfg()), engine_cfg)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "offload/engine/__init__.py initialize: meta groups are dropped at once (_drop_params "
-    "puts AbsentWeight stand-ins in the user's model and marks its modules _WRAPPED), and "
-    "the except branch only closes the engine; so after a failed initialize the user's "
-    "meta model is refused as 'already wrapped by an OffloadEngine ... train with that "
-    "engine' though no engine was returned. On failure put the original meta Parameters "
-    "back (keep them per dropped slot) and clear the _WRAPPED marks, as "
-    "_cut_undone_on_failure does for tensor parallelism"))
 def test_meta_model_can_be_retried_after_a_failed_initialize(engine_cfg):
     class Bad(nn.Linear):
         def reset_parameters(self) -> None:
