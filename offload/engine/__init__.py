@@ -24,7 +24,7 @@ from .checkpoint_reader import CheckpointReader
 from .engine import _DTYPES, _TIERS, OffloadEngine
 from .eviction import next_use_of
 from .lr_scheduler import make_scheduler
-from .meta import meta_device
+from .meta import SkipMetaNormal, meta_device
 from .model_weights import guard_casts, guard_resize
 from .param_groups import assign_param_groups, segments_of
 from .params_view import point_weight_list
@@ -345,12 +345,19 @@ def _scratch_for_absent(mods: list[nn.Module]) -> Iterator[None]:
     parameters are in two groups, trainable and frozen, is initialised twice);
     what it writes there is discarded."""
     saved = []
-    for m in mods:
-        for name, v in list(m._parameters.items()):
-            if isinstance(v, AbsentWeight):
-                saved.append((m, name, v))
-                m._parameters[name] = nn.Parameter(torch.empty(v.shape, dtype=torch.float32),
-                                                   requires_grad=v.requires_grad)
+    inside, seen = {id(m) for m in mods}, set()
+    for top in mods:  # a rule may write below its module too (T5's root: self.shared)
+        for m in top.modules():
+            if id(m) in seen:
+                continue
+            seen.add(id(m))
+            for name, v in list(m._parameters.items()):
+                if isinstance(v, AbsentWeight):
+                    saved.append((m, name, v))
+                    m._parameters[name] = nn.Parameter(  # below: meta, no memory
+                        torch.empty(v.shape, dtype=torch.float32,
+                                    device="cpu" if id(m) in inside else "meta"),
+                        requires_grad=v.requires_grad)
     try:
         yield
     finally:
@@ -461,13 +468,16 @@ def _materialise(model: nn.Module, g: Group, seed: int,
                  ckpt: SafetensorsCheckpoint | None, lineage: _Lineage) -> torch.Tensor:
     """The group's full fp32 flat buffer (padded), initialising meta parameters.
 
-    [Note: meta initialisation] A transformers model is initialised by its own
-    `_init_weights`, called (after each module's `reset_parameters`, which
-    leaves no parameter uninitialised) on the group's modules and every module
-    above them, children first, as its `initialize_weights` would: a parent's
-    rule (GPT-2's scaled residual projections) overrides its children's.
-    Parameters of other groups are still meta there (untouched) or already
-    handed to the engine. Other models use `reset_parameters`."""
+    [Note: meta initialisation] Each module's `reset_parameters` (or
+    `_reset_parameters`, nn.MultiheadAttention's) runs on the group's modules and
+    every module above them, children first, as they run when the model is built
+    on the CPU: a parent's rule for its children (a zeroed residual projection)
+    overrides theirs. A transformers model is then initialised by its own
+    `_init_weights`, called on the same modules in the same order, as its
+    `initialize_weights` would: a parent's rule (GPT-2's scaled residual
+    projections) overrides its children's. Parameters of other groups are still
+    meta there (untouched: `normal_` skipped, [Note: normal_ on meta tensors] in
+    meta.py) or already handed to the engine (scratch while the rules run)."""
     full = torch.zeros(g.padded, dtype=torch.float32)
     fresh = list(g.slots)  # the slots the model initialises: [Note: weights a checkpoint lacks]
     if ckpt is not None:
@@ -490,18 +500,22 @@ def _materialise(model: nn.Module, g: Group, seed: int,
             mod = s.uses[0][0]
             if not any(mod is o for o in owners):
                 owners.append(mod)
-        with torch.random.fork_rng(devices=[]), _scratch_for_absent(lineage.with_ancestors(owners)):
+        mods = lineage.with_ancestors(owners)  # children first: [Note: meta initialisation]
+        with torch.random.fork_rng(devices=[]), _scratch_for_absent(mods), SkipMetaNormal():
             torch.manual_seed(seed * 1_000_003 + g.gid)
             for mod in owners:
                 _unset_on_cpu(mod)
-                if hasattr(mod, "reset_parameters"):
-                    mod.reset_parameters()
-                elif not _has_own_init(model):
+            for mod in mods:
+                init = getattr(mod, "reset_parameters", None) or \
+                    getattr(mod, "_reset_parameters", None)  # nn.MultiheadAttention's
+                if callable(init):
+                    init()
+                elif any(mod is o for o in owners) and not _has_own_init(model):
                     raise ValueError(f"cannot initialise meta parameters of {type(mod).__name__}: "
                                      "it has no reset_parameters(); build the model on the CPU")
-            if _has_own_init(model):  # [Note: meta initialisation]
+            if _has_own_init(model):
                 with torch.no_grad():
-                    for mod in lineage.with_ancestors(owners):
+                    for mod in mods:
                         model._init_weights(mod)
     for s in fresh:
         mod, name = s.uses[0]

@@ -25,12 +25,12 @@ from typing import Any, Iterator
 import torch
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["meta_device"]
+__all__ = ["SkipMetaNormal", "meta_device"]
 
 _FILLS = frozenset({torch.nn.init.normal_, torch.Tensor.normal_})
 
 
-class _SkipMetaNormal(TorchFunctionMode):
+class SkipMetaNormal(TorchFunctionMode):
     """Returns a meta tensor given to `normal_` unchanged; see [Note: normal_ on meta
     tensors]."""
 
@@ -48,5 +48,5 @@ class _SkipMetaNormal(TorchFunctionMode):
 def meta_device() -> Iterator[None]:
     """`torch.device("meta")` for building a model, without the import `normal_`
     would make there ([Note: normal_ on meta tensors])."""
-    with torch.device("meta"), _SkipMetaNormal():
+    with torch.device("meta"), SkipMetaNormal():
         yield
