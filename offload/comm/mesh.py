@@ -50,6 +50,11 @@ class ParallelMesh:
                    tp=Collectives(mesh.get_group("tp"), recorder=recorder, name="tp"),
                    world=Collectives(recorder=recorder))
 
+    def close(self) -> None:
+        """Frees the DP and TP groups the mesh made (`Collectives.destroy`)."""
+        self.dp.destroy()
+        self.tp.destroy()
+
     @property
     def dp_groups(self) -> list[list[int]]:
         """The ranks of every DP group of the job ([Note: mesh layout])."""

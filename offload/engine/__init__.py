@@ -139,6 +139,7 @@ def _cut_undone_on_failure(tp: TensorParallel | None) -> Iterator[None]:
     except BaseException:
         if tp is not None:
             tp.plan.undo()
+            tp.mesh.close()  # its groups (the engine's close, where it got that far, did)
         raise
     if tp is not None:
         tp.plan.commit()

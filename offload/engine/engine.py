@@ -773,6 +773,8 @@ class OffloadEngine(ModelWeights, GradPartitions, GatheredWeights, nn.Module):
         self._gathers.close()
         if self._save_comm is not None:
             self._save_comm.destroy()
+        if self.tp is not None:
+            self.tp.mesh.close()
         for h in self._hooks:
             h.remove()
         self._hooks.clear()

@@ -1,5 +1,5 @@
-"""Process groups an engine makes for itself (the gather thread's, background saves')
-are freed when it closes: a job that makes engines, or saves, again and again does
+"""Process groups an engine makes for itself (the gather thread's, background saves',
+tensor parallelism's mesh) are freed when it closes: a job that makes engines, or saves, again and again does
 not pile up communicators (sockets and threads with gloo, GPU memory with NCCL)."""
 
 import os
@@ -38,7 +38,17 @@ def _worker(rank: int, world: int, init_file: str, d: str) -> None:
                     engine.save_checkpoint(os.path.join(d, f"run{run}-{i}"), blocking=False)
                 engine.wait_for_checkpoint()
             counts.append(_groups())
-        assert counts == [before, before], (before, counts)
+        from offload.cli.gpt import GPT, GPTConfig
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(n_layer=2, d_model=32, n_head=4, vocab=64, max_seq=16))
+        cfg["tp"] = {"size": 2}  # the mesh's DP and TP groups
+        del cfg["comm"]
+        with offload.initialize(model, cfg) as engine:
+            x = torch.randint(0, 64, (2, 8))
+            engine.backward(engine(x).float().square().mean())
+            engine.step()
+        counts.append(_groups())
+        assert counts == [before] * 3, (before, counts)
 
 
 def test_an_engines_own_groups_are_freed_when_it_closes(tmp_path):
