@@ -26,12 +26,14 @@ is issued.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 from ..trace import NULL_RECORDER, TraceRecorder
@@ -68,6 +70,12 @@ class DominoBlock(nn.Module):
         self.check(block)
         for name, child in block.named_children():
             self.add_module(name, child)
+        # transformers' gradient_checkpointing_enable() sets these on every module that has
+        # `gradient_checkpointing`, as it set them on the block this one replaces
+        self.gradient_checkpointing = bool(getattr(block, "gradient_checkpointing", False))
+        func = getattr(block, "_gradient_checkpointing_func", None)
+        if func is not None:
+            self._gradient_checkpointing_func = func
         self.kind = kind
         self.pieces = pieces
         self.dropouts = dropouts
@@ -102,6 +110,16 @@ class DominoBlock(nn.Module):
         return x, rest
 
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """The block's forward, recomputed in backward where activation checkpointing is on
+        (transformers' `gradient_checkpointing_enable()`): every TP rank recomputes the
+        same blocks in the same order, so the recomputation's all-reduces pair up."""
+        if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+            func = getattr(self, "_gradient_checkpointing_func", None) or functools.partial(
+                torch.utils.checkpoint.checkpoint, use_reentrant=False)
+            return func(functools.partial(self._pieces, **kwargs), *args)
+        return self._pieces(*args, **kwargs)
+
+    def _pieces(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         x, rest = self._arguments(args, kwargs)
         kind, rec = self.kind, self.recorder
         batch = x.shape[0]

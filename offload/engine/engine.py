@@ -295,11 +295,18 @@ class OffloadEngine(ModelWeights, GradPartitions, GatheredWeights, nn.Module):
                 if early_master:
                     self.pending_updates.expect(gid)
                 st = self._states[gid]
-                if not st.gathered:  # the saved views see the refilled storage; a
-                    self.trace.record(gid)  # recomputation re-binds in its forward hook
+                if not st.gathered:  # the saved views see the refilled storage
+                    self.trace.record(gid)
                     self._gather(st)
+                if not self._bound(st):  # [Note: recomputation without the unit's hooks]
+                    self._bind(st)
             self._prefetch()
         return hook
+
+    def _bound(self, st: GroupState) -> bool:
+        """Whether the group's module attributes are views of its gathered weights."""
+        module, name = st.group.slots[0].uses[0]
+        return name in module.__dict__
 
     def _make_grad_hook(self, st: GroupState) -> Callable:
         def hook(flat: torch.Tensor) -> None:

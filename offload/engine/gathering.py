@@ -154,7 +154,14 @@ class GatheredWeights:
                 point_weight_list(module, name)  # [Note: RNN weight lists] in params_view.py
 
     def _bind(self, st: GroupState) -> None:
-        """Points every module attribute of the group's parameters at fresh views of `flat`."""
+        """Points every module attribute of the group's parameters at fresh views of `flat`.
+
+        [Note: recomputation without the unit's hooks] An activation-checkpoint
+        recomputation through the unit's module (`torch.utils.checkpoint` around a
+        block) re-binds in the unit's forward hook; one that calls the unit's
+        `forward` itself (transformers' checkpointed layers, a tensor-parallel block)
+        runs no hook, so the unit's backward hook binds the weights it gathers: the
+        recomputation's ops read views whose gradient hooks collect its gradients."""
         # Views made while autograd is off (a backward hook, no_grad) would cut the
         # weights out of the graph of an activation-checkpoint recomputation.
         with torch.set_grad_enabled(torch.is_grad_enabled() or in_backward()):

@@ -17,7 +17,8 @@ import offload
 from offload.config import ConfigError
 
 from .ranks import process_group, spawn
-from .test_domino import VOCAB, _config, _model
+from .models import lm_loss
+from .test_domino import VOCAB, _batches, _config, _logits, _model
 
 pytestmark = pytest.mark.distributed
 
@@ -161,6 +162,32 @@ def _case_save_pretrained(d: str, rank: int) -> dict:
     return out
 
 
+def _case_checkpointing(d: str) -> dict:
+    """GPT-2 under tp.size = 2 trained with transformers' gradient checkpointing, turned
+    on before initialize and after it, against training without: the same weights, and
+    a block's MLP run again in backward (its recomputation)."""
+    from offload.engine import full_state_dict
+    out: dict = {}
+    for when in ("off", "before", "after"):
+        model = _model("gpt2")
+        if when == "before":
+            model.gradient_checkpointing_enable()
+        with offload.initialize(model, _config(os.path.join(d, f"ck-{when}"), 2,
+                                               "host")) as engine:
+            if when == "after":
+                model.gradient_checkpointing_enable()
+            calls = []
+            model.transformer.h[0].mlp.register_forward_hook(lambda *a: calls.append(1))
+            for x, y in _batches()[:2]:
+                engine.backward(lm_loss(_logits(engine(x)), y))
+                engine.step()
+            out[when] = {"calls": len(calls), "weights": full_state_dict(engine)}
+    off = out["off"]["weights"]
+    return {"calls": {k: v["calls"] for k, v in out.items()},
+            "diff": {k: max((v["weights"][n] - off[n]).abs().max().item() for n in off)
+                     for k, v in out.items()}}
+
+
 def _worker(rank: int, world: int, init_file: str, out: str) -> None:
     d = os.path.dirname(init_file)
     with process_group(rank, world, init_file):
@@ -169,7 +196,8 @@ def _worker(rank: int, world: int, init_file: str, out: str) -> None:
                  "retry": lambda: _case_retry(d),
                  "restored": lambda: _case_restored(d),
                  "undo": lambda: _case_undo(d),
-                 "save_pretrained": lambda: _case_save_pretrained(d, rank)}
+                 "save_pretrained": lambda: _case_save_pretrained(d, rank),
+                 "checkpointing": lambda: _case_checkpointing(d)}
         results = {}
         for name, case in cases.items():  # one case's crash fails its test only
             try:
@@ -248,3 +276,16 @@ def test_save_pretrained_under_tensor_parallel(outcomes):
     assert got["written"] > 0 and got["wrong_shapes"] == [], got
     assert got["max_diff"] == 0.0, got
     assert outcomes[1]["save_pretrained"]["error"] is None, outcomes[1]
+
+
+def test_gradient_checkpointing_under_tensor_parallelism(outcomes):
+    """transformers' gradient_checkpointing_enable() set its flag on GPT-2's blocks, which
+    tensor parallelism replaces: it was silently off. The blocks now recompute in
+    backward, whether it is turned on before initialize or after, with the weights of
+    training without it."""
+    for r in outcomes:
+        got = r["checkpointing"]
+        assert "crash" not in got, got
+        # more MLP calls: the recomputation's (torch's may stop early, before the last piece)
+        assert got["calls"]["before"] == got["calls"]["after"] > got["calls"]["off"], got
+        assert max(got["diff"].values()) < 1e-6, got

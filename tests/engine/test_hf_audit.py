@@ -251,3 +251,36 @@ def test_checkpoint_dir_of_a_pretrained_body_with_a_new_head(engine_cfg, tmp_pat
     with pytest.raises(ValueError, match=r"holds none of the model's parameters"):
         offload.initialize(transformers.BertForSequenceClassification(_bert_config()),
                            _cfg(engine_cfg), checkpoint=tmp_path / "other")
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_checkpointed_layers_that_are_whole_units_train_as_torch(engine_cfg, reentrant):
+    """transformers' checkpointed decoder layers recompute by calling their forward
+    themselves, running no module hook: where a layer is one unit (group_size at
+    least its parameters) the recomputation found the weights absent and the
+    backward raised. The unit's backward hook now binds what it gathers
+    ([Note: recomputation without the unit's hooks]); training matches torch."""
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                                   num_key_value_heads=2, num_hidden_layers=2, vocab_size=64,
+                                   max_position_embeddings=32)
+    ref = transformers.LlamaForCausalLM(cfg)
+    model = copy.deepcopy(ref)
+    per_layer = sum(p.numel() for p in ref.model.layers[0].parameters())
+    kwargs = {"gradient_checkpointing_kwargs": {"use_reentrant": reentrant}}
+    model.gradient_checkpointing_enable(**kwargs)
+    ref.gradient_checkpointing_enable(**kwargs)
+    c = engine_cfg("host", group_size=per_layer)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    with offload.initialize(model, c) as engine:
+        assert "model.layers.0" in [u.name for u in engine.units]
+        for k in range(3):
+            x = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(k))
+            engine.backward(engine(input_ids=x, labels=x).loss)
+            engine.step()
+            opt.zero_grad()
+            ref(input_ids=x, labels=x).loss.backward()
+            opt.step()
+        sd = engine.state_dict()
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(sd[k], v, atol=2e-6, rtol=0, msg=lambda m: f"{k}: {m}")
