@@ -16,16 +16,7 @@ import offload
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
-VOCAB = 96
-
-
-def _llama(**kw):
-    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
-                                   num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, max_position_embeddings=32,
-                                   bos_token_id=None, eos_token_id=None, **kw)
-    return transformers.LlamaForCausalLM(cfg)
-
+from .test_hf_flows import VOCAB, _llama  # noqa: E402
 
 def _bart():
     cfg = transformers.BartConfig(vocab_size=VOCAB, d_model=32, encoder_layers=2,
