@@ -11,7 +11,8 @@ import tempfile
 from pathlib import Path
 from typing import BinaryIO, Callable
 
-__all__ = ["check_directory", "fsync_directory", "replace_atomically"]
+__all__ = ["check_directory", "existing_ancestor", "fsync_directory", "regular_file_head",
+           "replace_atomically"]
 
 
 def check_directory(path: Path, what: str) -> None:
@@ -81,3 +82,12 @@ def regular_file_head(path: str | os.PathLike[str], n: int,
     except (OSError, EOFError):
         return None
     return head
+
+
+def existing_ancestor(path: str | os.PathLike[str]) -> str:
+    """`path`, or its nearest ancestor that exists (a directory made later): where its
+    file system, free space or device can be read now."""
+    path = os.path.abspath(path)
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    return path

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from ..config import format_bytes
+from ..files import existing_ancestor
 from .args import (CommandParser, count, directory, integer, missing_directories, parse_count,
                    remove_directories, run_command)
 from .benchutil import check_memory, emit, progress_printer, scratch_dir, vm_hwm
@@ -223,9 +224,7 @@ def _check_room(args) -> None:
     n = layers * args.dim * args.dim
     size = 12 * n  # one checkpoint: master, exp_avg, exp_avg_sq in fp32
     need = (args.repeats + 1) * size  # the blocking saves and the background one
-    where = os.path.abspath(args.path or os.getcwd())
-    while not os.path.exists(where):
-        where = os.path.dirname(where)
+    where = existing_ancestor(args.path or os.getcwd())
     free = shutil.disk_usage(where).free
     if need > free:
         raise SystemExit(f"offload bench checkpoint: --params: {args.params!r} needs about "

@@ -393,7 +393,7 @@ def _load_buffers(model: nn.Module, ckpt: SafetensorsCheckpoint) -> None:
     the model's values."""
     with torch.no_grad():
         for fqn, m, name in _persistent_buffers(model):
-            t = ckpt.find(fqn)
+            t = ckpt.find([fqn])
             if t is None:
                 continue
             b = m._buffers[name]
@@ -442,10 +442,6 @@ def _materialise_buffers(model: nn.Module, seed: int, saved: set[str]) -> None:
             model._init_weights(m)
 
 
-def _in_checkpoint(ckpt: SafetensorsCheckpoint, s: Slot) -> bool:
-    return any(ckpt.resolve(n) is not None for n in s.names)
-
-
 def _check_checkpoint_covers(ckpt: SafetensorsCheckpoint, groups: list[Group],
                              where: str | os.PathLike) -> None:
     """[Note: weights a checkpoint lacks] As transformers' from_pretrained, parameters
@@ -453,7 +449,7 @@ def _check_checkpoint_covers(ckpt: SafetensorsCheckpoint, groups: list[Group],
     model initialises them, and named in one warning; a checkpoint that holds none of
     the model's parameters is another model's, and is refused."""
     slots = [s for g in groups for s in g.slots]
-    missing = [s.fqn for s in slots if not _in_checkpoint(ckpt, s)]
+    missing = [s.fqn for s in slots if all(ckpt.resolve(n) is None for n in s.names)]
     if slots and len(missing) == len(slots):
         raise ValueError(f"checkpoint {where} holds none of the model's parameters (e.g. "
                          f"{missing[0]!r}); it holds e.g. {sorted(ckpt.files)[:5]}: give the "
@@ -484,10 +480,10 @@ def _materialise(model: nn.Module, g: Group, seed: int,
     if ckpt is not None:
         fresh = []
         for s in g.slots:
-            if not _in_checkpoint(ckpt, s):
+            t = ckpt.find(s.names)
+            if t is None:
                 fresh.append(s)
                 continue
-            t = ckpt.get(s.names)
             if tuple(t.shape) != tuple(s.shape):
                 raise ValueError(f"checkpoint tensor for {s.fqn} has shape {tuple(t.shape)}, "
                                  f"the model expects {tuple(s.shape)}")
@@ -524,7 +520,7 @@ def _materialise(model: nn.Module, g: Group, seed: int,
         if tuple(p.shape) != tuple(s.shape):
             raise ValueError(f"parameter {s.fqn} changed shape from {tuple(s.shape)} to "
                              f"{tuple(p.shape)} during initialisation")
-        if any(s is m for m in meta) and torch.isnan(p.detach()).any():
+        if s.param.is_meta and torch.isnan(p.detach()).any():  # [Note: meta initialisation]
             raise ValueError(f"parameter {s.fqn} was built on meta and nothing initialised it "
                              f"(neither {type(mod).__name__}.reset_parameters() nor the "
                              "model's _init_weights sets it), so it has no values: build that "

@@ -83,17 +83,11 @@ class SafetensorsCheckpoint:
                 return name
         return None
 
-    def find(self, fqn: str) -> torch.Tensor | None:
-        """The tensor stored for `fqn` (prefixes tolerated), or None if there is none."""
-        name = self.resolve(fqn)
-        return None if name is None else self._read(self.files[name],
-                                                    lambda h: h.get_tensor(name))
-
-    def get(self, fqns: list[str]) -> torch.Tensor:
-        """Reads the tensor stored under any of `fqns` (the names of tied uses)."""
+    def find(self, fqns: list[str]) -> torch.Tensor | None:
+        """The tensor stored under any of `fqns` (the names of tied uses; prefixes
+        tolerated), or None where the checkpoint holds none of them."""
         for fqn in fqns:
             name = self.resolve(fqn)
             if name is not None:
                 return self._read(self.files[name], lambda h: h.get_tensor(name))
-        raise KeyError(f"checkpoint has no tensor for parameter {fqns[0]} (nor {fqns[1:]}); "
-                       f"it holds e.g. {sorted(self.files)[:5]}")
+        return None

@@ -303,11 +303,6 @@ class OffloadEngine(ModelWeights, GradPartitions, GatheredWeights, nn.Module):
             self._prefetch()
         return hook
 
-    def _bound(self, st: GroupState) -> bool:
-        """Whether the group's module attributes are views of its gathered weights."""
-        module, name = st.group.slots[0].uses[0]
-        return name in module.__dict__
-
     def _make_grad_hook(self, st: GroupState) -> Callable:
         def hook(flat: torch.Tensor) -> None:
             if not self._in_backward:
@@ -608,8 +603,6 @@ class OffloadEngine(ModelWeights, GradPartitions, GatheredWeights, nn.Module):
             raise
         finally:
             self._spans.step_end(number, error)  # the report's card of this step
-            if not self._backwards:  # the step used (or dropped) the gradients
-                self.registered.hide_grads()
 
     def _step(self) -> bool:
         self.wait_for_checkpoint(raise_error=False)  # nothing changes before it has read
@@ -648,6 +641,7 @@ class OffloadEngine(ModelWeights, GradPartitions, GatheredWeights, nn.Module):
             self.staged.switch()
             self._has_grad.clear()
             self.grad_slots.clear()
+            self.registered.hide_grads()
             self._after_good_step()
             self.global_step += 1
             self.grad_norm = norm

@@ -153,6 +153,11 @@ class GatheredWeights:
                 module.__dict__.pop(name, None)
                 point_weight_list(module, name)  # [Note: RNN weight lists] in params_view.py
 
+    def _bound(self, st: GroupState) -> bool:
+        """Whether the group's module attributes are views of its gathered weights."""
+        module, name = st.group.slots[0].uses[0]
+        return name in module.__dict__
+
     def _bind(self, st: GroupState) -> None:
         """Points every module attribute of the group's parameters at fresh views of `flat`.
 

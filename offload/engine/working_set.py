@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import ConfigError, OffloadConfig, format_bytes
+from ..files import existing_ancestor
 from ..io import SwapPathError
 from ..optim import resolve_chunk_elems
 from ..planner.sizes import keeps_master, moment_bytes
@@ -133,14 +134,6 @@ def nvme_bytes_placed(cfg: OffloadConfig, groups: list[Group], dtype: torch.dtyp
     return {k: v for k, v in out.items() if v}
 
 
-def _existing(path: str) -> str:
-    """`path`, or its nearest ancestor that exists (a swap directory is made later)."""
-    path = os.path.abspath(path)
-    while not os.path.exists(path) and os.path.dirname(path) != path:
-        path = os.path.dirname(path)
-    return path
-
-
 @dataclass(frozen=True)
 class DiskShare:
     """What one rank places on the file systems of its `io.paths` at `initialize`.
@@ -167,7 +160,7 @@ def disk_share(cfg: OffloadConfig, groups: list[Group], dtype: torch.dtype) -> D
     total = sum(nvme_bytes_placed(cfg, groups, dtype,
                                   resolve_device(cfg.store.device).type).values())
     share = -(-total // len(cfg.io.paths))  # every swap file stripes over the paths
-    return DiskShare(_this_host(), tuple((os.stat(_existing(p)).st_dev, share)
+    return DiskShare(_this_host(), tuple((os.stat(existing_ancestor(p)).st_dev, share)
                                          for p in cfg.io.paths))
 
 
@@ -233,7 +226,7 @@ def check_disk(cfg: OffloadConfig, groups: list[Group], dtype: torch.dtype,
                 f"on NVMe; raise it to at least {n} bytes (0: no limit), or {how}")
     me = disk_share(cfg, groups, dtype)
     for i, path in enumerate(cfg.io.paths):
-        free = shutil.disk_usage(_existing(path)).free
+        free = shutil.disk_usage(existing_ancestor(path)).free
         need, ranks = _demand(me, i, peers)
         if free < need:
             raise SwapPathError(

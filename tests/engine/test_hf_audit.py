@@ -183,17 +183,12 @@ def test_checkpoint_dir_loads_the_persistent_buffers_save_pretrained_wrote(engin
 
 
 @pytest.mark.xfail(strict=True, reason=(
-    "With engine.dtype bf16/fp16 a frozen group keeps only its compute-dtype partition: "
-    "full_weights(), state_dict(), save_pretrained() and checkpoints read it "
-    "(offload/engine/full_weights.py read_group: `g.requires_grad and opt.has_master` is "
-    "False, so it reads the bf16 ('p', gid) record), so an fp32 base frozen for LoRA comes "
-    "back rounded to bf16 (max error ~2e-4 here), although docs/model.md promises 'fp32 "
-    "masters, in each parameter's original dtype'. Fix: in offload/engine/__init__.py "
-    "initialize(), for a frozen group whose parameters are fp32 while engine.dtype is not, "
-    "keep the fp32 shard as a record of its own (e.g. ('m', gid), on the engine.optimizer "
-    "tier, never fetched by training) and have read_group/_write_param and the training "
-    "checkpoint read/write it; or, if the memory is not wanted, document that frozen "
-    "parameters are kept in the compute dtype and have save_pretrained/state_dict warn."))
+    "Documented limitation (docs/model.md, 'Freezing'): with engine.dtype bf16/fp16 a "
+    "frozen group has no fp32 master and keeps only its compute-dtype partition, so "
+    "full_weights(), state_dict(), save_pretrained() and checkpoints give an fp32 base "
+    "frozen for LoRA rounded to bf16 (max error ~2e-4 here). Keeping it exact would need "
+    "an fp32 record per frozen group (read_group/_write_param and the training checkpoint "
+    "reading it), at twice the frozen base's bytes."))
 def test_bf16_engine_keeps_frozen_fp32_weights_exact(engine_cfg):
     torch.manual_seed(0)
     ref = _with_lora(_llama())
