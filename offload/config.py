@@ -30,8 +30,7 @@ PAGE = 4096
 # the largest byte count a file offset (off_t) or a size passed to the kernel can hold
 MAX_BYTES = (1 << 63) - 1
 # the longest wait threading's locks and conditions take (longer ones raise OverflowError)
-MAX_WAIT_S = 1e9
-assert MAX_WAIT_S <= threading.TIMEOUT_MAX
+MAX_WAIT_S = min(1e9, threading.TIMEOUT_MAX)
 
 
 class ConfigError(ValueError):

@@ -14,7 +14,7 @@ to the same codes, so the round trip loses nothing.
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable, Hashable, Mapping
+from typing import Any, Callable, Hashable, Iterator, Mapping
 
 import torch
 
@@ -24,7 +24,7 @@ from .codec import Moment, copy_moment, decode, encode, moment_from_dict, moment
 from .state import PartitionState, Tier
 from .torch_view import unsupported_option
 
-__all__ = ["StateAccess"]
+__all__ = ["StateAccess", "StateView"]
 
 _HYPER_KEYS = ("lr", "betas", "eps", "weight_decay")
 _NOT_SAVED = ("params", "lr_lambda")  # a group's keys a state dict does not carry
@@ -48,11 +48,63 @@ def flat_tensor(t: torch.Tensor, what: str, numel: int,
     return t.view(-1)
 
 
+class StateView(Mapping):
+    """`CpuAdam.state`: torch's `optimizer.state`, read-only, keyed as `param_groups`'
+    "params" are (partition ids). `state[pid]` is `partition_state(pid)`: the committed
+    version's "step", "exp_avg", "exp_avg_sq" and "master" (host state: the live
+    tensors; NVMe state: read from the disk on each access, the partition's 12-16
+    bytes an element). Changing state goes through `load_state_dict`."""
+
+    def __init__(self, opt: "StateAccess") -> None:
+        self._opt = weakref.ref(opt)
+
+    def _owner(self) -> "StateAccess":
+        opt = self._opt()
+        if opt is None:
+            raise RuntimeError("the optimizer of this state view is gone")
+        return opt
+
+    def __getitem__(self, pid: Hashable) -> dict[str, torch.Tensor]:
+        opt = self._owner()
+        if isinstance(pid, torch.Tensor):
+            raise KeyError(
+                "engine.optimizer.state is keyed by partition ids, as its param_groups' "
+                "'params' are (each partition holds a slice of a group of parameters, "
+                "flattened); a model parameter is not a key. Iterate over "
+                "engine.optimizer.param_groups[k]['params'] for the keys")
+        if pid not in opt._parts:
+            raise KeyError(f"unknown partition {pid!r}; known: {list(opt._parts)[:8]}")
+        return opt.partition_state(pid)
+
+    def __contains__(self, pid: object) -> bool:
+        return not isinstance(pid, torch.Tensor) and pid in self._owner()._parts
+
+    def __iter__(self) -> Iterator[Hashable]:
+        return iter(list(self._owner()._parts))
+
+    def __len__(self) -> int:
+        return len(self._owner()._parts)
+
+    def __setitem__(self, pid: Hashable, value: Any) -> None:
+        raise TypeError("engine.optimizer.state is read-only: load state with "
+                        "engine.optimizer.load_state_dict (or load_partition_state)")
+
+    __delitem__ = __setitem__
+
+    def __repr__(self) -> str:
+        return f"<optimizer state of {len(self)} partitions>"
+
+
 class StateAccess:
     """The reading and loading half of `CpuAdam` (a mixin: it uses the optimizer's
     lock, partitions, pipeline and round)."""
 
     _load_hook: weakref.WeakMethod | None = None
+
+    @property
+    def state(self) -> StateView:
+        """torch's `optimizer.state`, read-only, keyed by partition id ([`StateView`])."""
+        return StateView(self)
 
     def set_load_hook(self, method: Callable[[list[Hashable]], Any]) -> None:
         """`load_state_dict` calls the bound `method(pids)` with the partitions it loaded,

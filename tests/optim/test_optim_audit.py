@@ -168,3 +168,46 @@ def test_bf16_optimizer_load_keeps_weights_and_forward_together(tmp_path, optimi
         with torch.no_grad():
             want = probe(batches[2][0]).float()
     torch.testing.assert_close(out, want, atol=1e-2, rtol=0)
+
+
+@pytest.mark.parametrize("optimizer", ["host", "nvme"])
+def test_optimizer_state_reads_as_torchs_keyed_as_its_param_groups(tmp_path, optimizer):
+    """Code that reads `optimizer.state[p]` for each `p` of `param_groups` (logging the
+    moments, a step count) raised AttributeError: the optimizer had no `state`. It
+    reads the committed state of each partition, as torch's AdamW's holds it."""
+    torch.manual_seed(0)
+    ref = TiedTwice()
+    model = copy.deepcopy(ref)
+    batches = lm_batches(3)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    for x, y in batches:
+        opt.zero_grad()
+        lm_loss(ref(x), y).backward()
+        opt.step()
+    with offload.initialize(model, _cfg(tmp_path, optimizer)) as engine:
+        for x, y in batches:
+            engine.backward(lm_loss(engine(x), y))
+            engine.step()
+        state = engine.optimizer.state
+        keys = [p for g in engine.optimizer.param_groups for p in g["params"]]
+        assert sorted(map(str, state)) == sorted(map(str, keys)) and len(state) == len(keys)
+        got = {k: state[k] for k in keys}
+        assert all(k in state for k in keys)
+        assert all(float(s["step"]) == 3 for s in got.values())
+        want = engine.optimizer.state_dict()["state"]
+        for k in keys:
+            for name in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(got[k][name], want[k][name])
+        # the moments are torch's: the partitions hold every element once, padding zero
+        for name in ("exp_avg", "exp_avg_sq"):
+            ours = sum(float(s[name].double().abs().sum()) for s in got.values())
+            theirs = sum(float(opt.state[p][name].double().abs().sum())
+                         for p in ref.parameters())
+            assert ours == pytest.approx(theirs, rel=1e-5)
+        with pytest.raises(KeyError, match="keyed by partition ids"):
+            state[next(model.parameters())]
+        assert next(model.parameters()) not in state
+        with pytest.raises(KeyError, match="unknown partition"):
+            state["nope"]
+        with pytest.raises(TypeError, match="load_state_dict"):
+            state[keys[0]] = {}
