@@ -87,7 +87,7 @@ from ..planner.sizes import MAX_AUTO_CHUNK, auto_chunk_elems
 from ..trace import NULL_RECORDER, TraceRecorder
 from .adam import AdamHyper, hyper_error, resolve_scaling
 from .blocks import BlockUpdater
-from .codec import Moment, copy_moment, encode, new_moment, zero_moment
+from .codec import Moment, SpareBuffers, copy_moment, encode, new_moment, zero_moment
 from .pipeline import OptimStepError, SwapPipeline
 from .snapshot import _OUT_DTYPES, StateAccess, flat_tensor
 from .state import ChunkLayout, PartitionState, Segment, Tier, optim_tier, state_bytes
@@ -130,36 +130,6 @@ def resolve_chunk_elems(cfg: OptimConfig, budget_bytes: int | None, masters: boo
                           f"{cfg.buffer_share} leaves under 4096 elements per chunk for "
                           f"{cfg.buffers} buffers; raise the budget or set optim.chunk_elems")
     return n
-
-
-class _SpareBuffers:
-    """[Note: the copies' buffers] A host partition's update first copies its state
-    (the round's rollback copy). Fresh memory for each copy cost page faults: a
-    clone of 4 MiB took 15 ms on the development machine, a copy into memory
-    touched before 0.85 ms, and with host optimizer state those clones were
-    about half of `step()` for 8 x Linear(1024, 1024), parameters streaming.
-    So the copies' buffers outlive the round (committed or rolled back) and the
-    next round copies into them: the copy of the host state is held between
-    steps too, where the round holds it anyway at its end."""
-
-    def __init__(self) -> None:
-        self._free: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
-
-    def copy(self, t: torch.Tensor) -> torch.Tensor:
-        free = self._free.get((t.numel(), t.dtype))
-        out = free.pop() if free else torch.empty(t.numel(), dtype=t.dtype)
-        return out.view(t.shape).copy_(t)
-
-    def copy_moment(self, m: Moment) -> Moment:
-        return Moment(self.copy(m.data), None if m.scale is None else self.copy(m.scale),
-                      m.kind)
-
-    def give(self, *copies: torch.Tensor | Moment | None) -> None:
-        """Takes back the buffers of copies no longer needed."""
-        for c in copies:
-            for t in (c.data, c.scale) if isinstance(c, Moment) else (c,):
-                if t is not None:
-                    self._free.setdefault((t.numel(), t.dtype), []).append(t.reshape(-1))
 
 
 def _check_group(k: int, group: Mapping[str, Any], lr: float | None = None) -> None:
@@ -263,7 +233,7 @@ class CpuAdam(StateAccess, TorchOptimizerView):
         # group -> its values the open round's updates used ([Note: one set of values
         # per round])
         self._round_values: dict[int, tuple] = {}
-        self._spare = _SpareBuffers()  # [Note: the copies' buffers]
+        self._spare = SpareBuffers()  # [Note: the copies' buffers]
         self.steps = 0  # committed rounds: the schedule's step ([Note: learning-rate schedule])
         self._lock = threading.RLock()
         self._owned: tuple = ()  # I/O objects `open` made for this optimizer, closed with it
