@@ -3,38 +3,45 @@ trace in the format of a measured one (pure computation: no tensors, files or th
 
 [Note: the simulated step]
 Compute runs the uses one after the other, each taking its `compute_s`. The
-simulation advances in time: the next use it runs is the one that can start
-first among those whose predecessors have run (the use before it on its
-lane, and the uses it follows), so the disk receives the plan's operations
-nearly in the order of time they are issued rather than of the trace (an
+simulation advances from event to event: the next is whichever comes first of
+a use that can start (among those whose predecessors have started: the use
+before it on its lane, and the uses it follows) and the disk ending an
+operation or an operation falling due. So the disk receives the plan's
+operations in the order of time they are issued rather than of the trace (an
 update lane's later chunk comes before the next backward in the trace, but is
 issued after it when the update before it runs long); a use that follows one
-starting later still runs after it. The disk serves them one at a time in
-that order: an operation issued before use i starts no earlier than use i
-starts (and, for a write-back, no earlier than the end of the last use of
-what it writes, `PlanOp.follows`), and takes its bytes over the rate of its
-kind: reads at `read_Bps`, writes at `write_Bps`, and both at `mixed_Bps`
-when a read and a write are queued together (the disk's rate for interleaved
-traffic, measured by the same probe; an operation that follows one of the
-other kind on a busy disk counts as queued with it). A use starts when the
-use before it on its lane ended, every fetch it needs has arrived and every
-write-back that makes its room (`PlanOp.needed_at`) is done: a tier holds a
-dirty copy until its bytes are on NVMe. Uses run on the "compute" lane unless
-they name another (`Use.lane`: the engine's update thread, which runs each
-group's update beside backward): such a use starts no earlier than the
-compute use before it in the trace (which produced its input), and a compute
-use waits for every other lane's use issued before the compute use preceding
-it (the engine lets one update queue behind backward, no more), a "commit"
-for all of them. The time a compute use waits for its fetches or its room is
-exposed I/O. The step ends when every lane's last use ended and the disk is
-idle. The prediction carries the same events and tier counters a measured
-trace does (compute spans, fetches from issue to arrival, NVMe reads and
-writes, waits, the memory tier's occupancy), so `offload view` draws the two
-side by side.
+starting later still runs after it. The disk serves them one at a time in the
+order they fall due: an operation issued before use i is due when use i is
+about to start, a write-back no earlier than the end of the last use of what
+it writes (`PlanOp.follows`), without holding back the use that issues it or
+the operations behind it (a chunk the update lane wrote is written back while
+the next backward runs, as the engine's update thread does), a fetch once the
+write-backs issued before it that make room are done (it may read into that
+room). The one being served moves at its kind's rate: reads at `read_Bps`,
+writes at `write_Bps`, and at `mixed_Bps` while an operation of the other kind
+is queued with it or where it follows one of the other kind without a pause
+(the disk's rate for interleaved traffic, measured by the same probe). A use
+starts when the use before it on its lane ended, every fetch it needs has
+arrived and every write-back that makes its room (`PlanOp.needed_at`) is done:
+a tier holds a dirty copy until its bytes are on NVMe. Uses run on the
+"compute" lane unless they name another (`Use.lane`: the engine's update
+thread, which runs each group's update beside backward): such a use starts no
+earlier than the compute use before it in the trace (which produced its
+input), and a compute use waits for every other lane's use issued before the
+compute use preceding it (the engine lets one update queue behind backward, no
+more), a "commit" for all of them. The time a compute use waits for its
+fetches or its room is exposed I/O. The step ends when every lane's last use
+ended and the disk is idle. The prediction carries the same events and tier
+counters a measured trace does (compute spans, fetches from issue to arrival,
+NVMe reads and writes, waits, the memory tier's occupancy), so `offload view`
+draws the two side by side.
 """
 
 from __future__ import annotations
 
+import heapq
+import math
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -119,8 +126,6 @@ class _Schedule:
         for op in io:
             if op.needed_at is not None and op.at < op.needed_at:
                 self.after[op.needed_at].add(op.at)  # the one that issues its fetch or room
-            if op.op == "write-back" and op.follows is not None and op.follows < op.at:
-                self.after[op.at].add(op.follows)    # a write-back follows the last use
         self.lanes: dict[str, list[int]] = {}
         self.prev: list[int] = []         # the compute use before each use (-1: none)
         self.sides_before: list[int] = []  # how many other lanes' uses come before it
@@ -156,56 +161,143 @@ class _Schedule:
             done = self._sides_done(k)  # before this one (all, for the commit) ended
             return None if done is None else max(now, done)
         pos = self.head[use.lane]  # after the compute use before it, in its lane's order
-        return max(self.end[self.lanes[use.lane][pos - 1]] if pos else 0.0, now)
+        before = self.end[self.lanes[use.lane][pos - 1]] if pos else 0.0
+        return None if before is None else max(before, now)
 
-    def next(self) -> tuple[int, float]:
-        """(index, base) of the use that can start first (the lowest index among equals)."""
+    def pending(self) -> bool:
+        """Whether a use has not been issued yet."""
+        return any(k < len(self.lanes[name]) for name, k in self.head.items())
+
+    def peek(self) -> tuple[float, int] | None:
+        """(base, index) of the use that can start first (the lowest index among equals);
+        None while every next use waits on one that has not ended."""
         ready = [(base, lane[k]) for name, k in self.head.items()
                  for lane in [self.lanes[name]] if k < len(lane)
                  for base in [self._base(lane[k])] if base is not None]
-        base, i = min(ready)
+        return min(ready) if ready else None
+
+    def take(self, i: int) -> None:
+        """Use i is issued: the next of its lane comes up."""
         self.head[self.uses[i].lane] += 1
-        return i, base
+
+
+class _Disk:
+    """The disk as the simulation sees it ([Note: the simulated step]): operations are
+    served one at a time in the order they fall due, each at its kind's rate, or at
+    `mixed_Bps` while an operation of the other kind is queued beside it or where it
+    follows one of the other kind without a pause; the rate changes as the queue does,
+    so the one being served keeps count of its bytes left.
+    A write-back falls due when the last use of its record ended, a fetch once every
+    write-back issued before it that makes room is done (the fetch may read into that
+    room), any other operation when it is issued."""
+
+    def __init__(self, rates: Rates) -> None:
+        self.rates = rates
+        self.mixed = rates.mixed_Bps or min(rates.read_Bps, rates.write_Bps)
+        self.now = 0.0
+        self.seq = 0
+        self.queue: deque[list] = deque()  # [op, bytes left, issued at, seq], in order due
+        self.due: list[tuple[float, int, PlanOp, float]] = []  # (due at, seq, op, issued)
+        self.after_use: dict[int, list[tuple[int, PlanOp, float]]] = {}  # use -> its writes
+        self.rooms: set[int] = set()       # write-backs that make room, not yet done
+        self.blocked: list[tuple[int, int, PlanOp, float]] = []  # fetches behind them
+        self.kinds = {"fetch": 0, "write-back": 0}  # queued operations of each kind
+        self.began = 0.0           # when the first in the queue began to be served
+        self.last = 0.0            # when the last operation ended
+        self.last_kind = ""        # and its kind
+
+    def rate(self) -> float:
+        """Bytes per second the first in the queue is served at."""
+        if self.kinds["fetch"] and self.kinds["write-back"]:
+            return self.mixed
+        if self.queue and self.began == self.last and self.last_kind not in (
+                "", self.queue[0][0].op):
+            return self.mixed  # it follows one of the other kind without a pause
+        return self.rates.read_Bps if self.kinds["fetch"] else self.rates.write_Bps
+
+    def issue(self, op: PlanOp, after: float | None, use: int | None = None) -> None:
+        """Issue `op` now: due at once, at `after` (a write-back whose record's last use
+        ends then), or when use `use` ends (one that has not run yet)."""
+        self.seq += 1
+        if op.op == "write-back" and op.needed_at is not None:
+            self.rooms.add(self.seq)
+        if op.op == "fetch" and self.rooms:
+            self.blocked.append((max(self.rooms), self.seq, op, self.now))
+        elif use is not None:
+            self.after_use.setdefault(use, []).append((self.seq, op, self.now))
+        else:
+            self._due(self.seq, op, self.now, after or 0.0)
+
+    def use_ended(self, use: int, end: float) -> None:
+        """Use `use` runs until `end`: the write-backs that follow it fall due then."""
+        for seq, op, issued in self.after_use.pop(use, ()):
+            self._due(seq, op, issued, end)
+
+    def _due(self, seq: int, op: PlanOp, issued: float, at: float) -> None:
+        if at > self.now:
+            heapq.heappush(self.due, (at, seq, op, issued))
+            return
+        if not self.queue:
+            self.began = self.now
+        self.kinds[op.op] += 1
+        self.queue.append([op, float(op.nbytes), issued, seq])
+
+    def _head_ends(self) -> float:
+        return self.now + self.queue[0][1] / self.rate() if self.queue else math.inf
+
+    def next_time(self) -> float:
+        """When the next operation ends or falls due (inf: none will)."""
+        return min(self.due[0][0] if self.due else math.inf, self._head_ends())
+
+    def advance(self, t: float) -> None:
+        """Serve the first in the queue until `t` (no event comes before it)."""
+        if t > self.now and self.queue:
+            self.queue[0][1] = max(0.0, self.queue[0][1] - (t - self.now) * self.rate())
+        self.now = max(self.now, t)
+
+    def step(self) -> list[tuple[PlanOp, float, float, float]]:
+        """Advance to the next event; the operation that ended there, if one did, as
+        (op, issued, service began, ended)."""
+        t = self.next_time()
+        ends = self._head_ends() <= t
+        self.advance(t)
+        ended = []
+        if ends:
+            op, _, issued, seq = self.queue.popleft()
+            self.kinds[op.op] -= 1
+            ended.append((op, issued, self.began, t))
+            self.began, self.last, self.last_kind = t, t, op.op
+            self.rooms.discard(seq)
+            first = min(self.rooms, default=math.inf)
+            for item in [b for b in self.blocked if b[0] < first]:
+                self.blocked.remove(item)
+                self._due(item[1], item[2], item[3], t)
+        while self.due and self.due[0][0] <= t:
+            _, seq, op, issued = heapq.heappop(self.due)
+            self._due(seq, op, issued, t)
+        return ended
 
 
 def simulate(plan: Plan, uses: Sequence[Use], rates: Rates) -> Prediction:
     """The predicted step of `plan` over `uses` at `rates` ([Note: the simulated step])."""
     _check(plan, uses)
-    mixed = rates.mixed_Bps or min(rates.read_Bps, rates.write_Bps)
     io = sorted((op for op in plan.ops if op.op != "evict"),
                 key=lambda op: (op.at, op.op != "write-back"))
     issued_by: dict[int, list] = {}
+    waiting = [0] * len(uses)  # operations each use waits for (its fetches, its room)
     for op in io:
         issued_by.setdefault(op.at, []).append(op)
+        if op.needed_at is not None:
+            waiting[op.needed_at] += 1
     sched = _Schedule(uses, io)
+    disk = _Disk(rates)
     arrival: dict[tuple, float] = {}
     room: dict[int, list[tuple[str, float]]] = {}  # use -> (key, end) of its write-backs
+    base_of: dict[int, float] = {}                 # issued uses not yet started
     pred = Prediction(0.0, 0.0, 0.0)
-    disk_free, last_kind = 0.0, ""
-    for _ in range(len(uses)):
-        i, base = sched.next()
-        use = uses[i]
-        issued = issued_by.get(i, ())
-        queued_kinds = {o.op for o in issued}
-        for op in issued:  # issued when use i is about to start
-            start = max(disk_free, base, sched.end[op.follows]
-                        if op.op == "write-back" and op.follows is not None else 0.0)
-            kind = "read" if op.op == "fetch" else "write"
-            together = len(queued_kinds) > 1 or (last_kind not in ("", kind)
-                                                 and start <= disk_free)
-            rate = mixed if together else (rates.read_Bps if kind == "read" else rates.write_Bps)
-            disk_free, last_kind = start + op.nbytes / rate, kind
-            pred.events.append((kind, "io", "io:nvme", start, disk_free,
-                                {"key": str(op.key), "bytes": op.nbytes}))
-            pred.events.append((op.op, "plan", "plan", start, start,
-                                {"key": str(op.key), "at": op.at}))
-            if op.op == "write-back" and op.needed_at is not None:
-                room.setdefault(op.needed_at, []).append((str(op.key), disk_free))
-            if op.op == "fetch":
-                arrival[(op.key, op.needed_at)] = disk_free
-                pred.events.append(("fetch", "fetch", "fetches", start, disk_free,
-                                    {"key": str(op.key), "bytes": op.nbytes,
-                                     "needed_at": op.needed_at}))
+
+    def run(i: int) -> None:  # use i has its fetches and its room: it runs
+        use, base = uses[i], base_of.pop(i)
         ready = _wait(pred, plan, use, i, base, room.get(i, ()), arrival)
         end = ready + use.compute_s
         pred.compute_s += use.compute_s
@@ -213,9 +305,47 @@ def simulate(plan: Plan, uses: Sequence[Use], rates: Rates) -> Prediction:
                             ready, end, {"use": i, "kind": use.kind}))
         pred.occupancy.append((ready, plan.held[i]))
         sched.end[i] = end
+        disk.use_ended(i, end)
+
+    while base_of or sched.pending() or disk.next_time() < math.inf:
+        ready = sched.peek()
+        if ready is not None and ready[0] <= disk.next_time():
+            base, i = ready
+            sched.take(i)
+            disk.advance(base)
+            base_of[i] = base
+            for op in issued_by.get(i, ()):  # issued when use i is about to start
+                pred.events.append((op.op, "plan", "plan", base, base,
+                                    {"key": str(op.key), "at": op.at}))
+                follows = op.follows if op.op == "write-back" else None
+                if follows is None:
+                    disk.issue(op, None)
+                else:
+                    disk.issue(op, sched.end[follows],
+                               use=follows if sched.end[follows] is None else None)
+            if not waiting[i]:
+                run(i)
+            continue
+        if disk.next_time() == math.inf:
+            raise ValueError("the plan's operations wait on one another: no use can start")
+        for op, issued, start, end in disk.step():
+            kind = "read" if op.op == "fetch" else "write"
+            pred.events.append((kind, "io", "io:nvme", start, end,
+                                {"key": str(op.key), "bytes": op.nbytes}))
+            if op.op == "fetch":
+                arrival[(op.key, op.needed_at)] = end
+                pred.events.append(("fetch", "fetch", "fetches", issued, end,
+                                    {"key": str(op.key), "bytes": op.nbytes,
+                                     "needed_at": op.needed_at}))
+            elif op.needed_at is not None:
+                room.setdefault(op.needed_at, []).append((str(op.key), end))
+            if op.needed_at is not None:
+                waiting[op.needed_at] -= 1
+                if not waiting[op.needed_at] and op.needed_at in base_of:
+                    run(op.needed_at)
     pred.events.sort(key=lambda e: e[3])
     pred.occupancy.sort()
-    pred.step_s = max([disk_free] + [e for e in sched.end if e is not None])
+    pred.step_s = max([disk.last] + [e for e in sched.end if e is not None])
     pred.occupancy.append((pred.step_s, plan.held[-1] if plan.held else 0))
     return pred
 

@@ -8,7 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from offload.planner import Rates, RecordSpec, Use, lru_bytes, make_plan, previous_key, simulate
+from offload.planner import (PlanOp, Rates, RecordSpec, Use, lru_bytes, make_plan,
+                             previous_key, simulate)
 from offload.trace import write_trace_dict
 from offload.trace.analysis import bytes_moved, exposed_time, parse_trace, steps_of
 
@@ -370,3 +371,30 @@ def test_the_disk_serves_operations_in_the_order_of_time_they_are_issued():
     assert start[3] == pytest.approx(1.01)   # p (1 byte) read at 1 s, before s at 6 s
     assert start[2] == pytest.approx(7.0)    # s read over [6, 7]
     assert pred.step_s == pytest.approx(7.1)
+
+
+def test_a_write_back_due_later_does_not_hold_up_the_disk_before_it():
+    """The update lane's chunk is written back once its update ends, the write issued
+    at the next backward in the trace, beside that backward's fetch. The disk serves
+    the fetch while the update still runs and the write when it falls due. The
+    simulator queued the fetch behind the write, as if the disk were busy until the
+    update ended: the backward waited for the whole update, and the MLP `both` rows
+    of `offload bench plan` came out 12-32% long."""
+    import dataclasses
+
+    uses = [Use((), kind="backward", compute_s=1.0),
+            Use(("s",), ("s",), kind="update", compute_s=5.0, lane="update"),
+            Use(("p",), kind="backward", compute_s=1.0),
+            Use((), kind="commit", compute_s=0.0)]
+    plan = make_plan(uses, {"s": RecordSpec(10, resident=True), "p": RecordSpec(10)}, 20)
+    (fetch,) = [op for op in plan.ops if op.op == "fetch"]
+    write = PlanOp("write-back", "s", 10, at=2, needed_at=None, follows=1)
+    plan = dataclasses.replace(plan, ops=[dataclasses.replace(fetch, at=2), write],
+                               bytes_written=10)
+    pred = simulate(plan, uses, Rates(read_Bps=10, write_Bps=10))  # a second a record
+    start = {e[5]["use"]: e[3] for e in pred.events if e[1] == "compute"}
+    assert start[2] == pytest.approx(2.0)   # p read over [1, 2], beside the update
+    assert start[3] == pytest.approx(6.0)   # the commit waits for the update
+    io = {e[0]: (e[3], e[4]) for e in pred.events if e[1] == "io"}
+    assert io == {"read": pytest.approx((1.0, 2.0)), "write": pytest.approx((6.0, 7.0))}
+    assert pred.step_s == pytest.approx(7.0) and pred.exposed_io_s == pytest.approx(1.0)

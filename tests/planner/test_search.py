@@ -78,7 +78,7 @@ def test_prefetch_depth_hides_parameter_reads():
                 device_budget=0)
     m = _machine(read=5e8)
     got = {d: score(SHAPE, Candidate(prefetch_depth=d, **base), budgets, m) for d in (0, 1, 4)}
-    assert got[0].exposed_io_s > got[1].exposed_io_s >= got[4].exposed_io_s
+    assert got[0].exposed_io_s > got[1].exposed_io_s >= got[4].exposed_io_s - 1e-12  # float
 
 
 def test_every_candidate_is_a_configuration_the_library_accepts(tmp_path):
