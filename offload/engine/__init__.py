@@ -66,6 +66,21 @@ def _refuse_wrapped(model: nn.Module) -> None:
                 "for its weights)")
 
 
+def _refuse_unsupported(model: nn.Module) -> None:
+    """Raises `ConfigError` for modules whose forward writes their own weights in place:
+    an embedding with `max_norm` renormalises the rows it looks up, which the gathered
+    weights (views of one flat buffer) refuse mid-forward, and whose new values would
+    reach no partition."""
+    for name, m in model.named_modules():
+        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.max_norm is not None:
+            raise ConfigError(
+                f"initialize(model): {name or type(model).__name__} is an "
+                f"{type(m).__name__} with max_norm={m.max_norm}, which rewrites its weight "
+                "in place inside forward; that is not supported. Set max_norm=None (clip "
+                "the rows' norms after each step with engine.full_weights(writable=True) "
+                "if you need them bounded)")
+
+
 def _model_of(model: nn.Module | Callable[[], nn.Module],
               lr_lambda: Callable[[int], float] | None) -> nn.Module:
     """`model`, or the model the function builds (under the meta device); refuses what
@@ -83,6 +98,7 @@ def _model_of(model: nn.Module | Callable[[], nn.Module],
         raise ConfigError(f"initialize(model): expected an nn.Module or a function that builds "
                           f"one, got {type(model).__name__}")
     _refuse_wrapped(model)
+    _refuse_unsupported(model)
     return model
 
 

@@ -77,7 +77,8 @@ from .step import StagedParams, StepFailedError, staged_key, uninterrupted
 from .tensor_parallel import TensorParallel
 from .training_checkpoint import CheckpointSave
 from .training_checkpoint import save_checkpoint as _save_checkpoint
-from .units import NOT_PICKLABLE, EngineHook, Group, Unit, eager, hooks_last, output_tensors, static_order
+from .units import (NOT_PICKLABLE, EngineHook, Group, Unit, copy_weight_views, eager, hooks_last,
+                    output_tensors, static_order)
 from .warm import Borrowing, WarmMemory
 from .working_set import working_set
 
@@ -250,6 +251,10 @@ class OffloadEngine(ModelWeights, GradPartitions, GatheredWeights, nn.Module):
             # also where the model is called directly, not through the engine
             failed = out is None and sys.exc_info()[1] is not None
             backward = in_backward()
+            if not failed and not backward:  # [Note: outputs that view the weights]
+                out = copy_weight_views(out, {
+                    self._states[gid].flat.untyped_storage().data_ptr()
+                    for gid in unit.needs if self._states[gid].gathered} - {0})
             self._spans.forward_end(unit.name, backward)
             for gid in unit.needs:
                 st = self._states[gid]

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 __all__ = ["Slot", "Group", "Unit", "build_units", "eager", "EngineHook", "hooks_last", "output_tensors",
-           "static_order", "SHARD_ALIGN", "NOT_PICKLABLE"]
+           "static_order", "SHARD_ALIGN", "NOT_PICKLABLE", "copy_weight_views"]
 
 SHARD_ALIGN = 2048  # elements: 4 KiB of a 2-byte dtype, 8 KiB of fp32
 
@@ -81,16 +81,32 @@ def _subtree_params(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
+# [Note: containers are not units] Their forward is never called (a ModuleList's
+# modules are called one by one, a ParameterList's parameters read by the parent), so
+# hooks on them would never gather; as FSDP's size-based auto-wrap excludes them.
+_MODULE_CONTAINERS = (nn.ModuleList, nn.ModuleDict)
+_PARAM_CONTAINERS = (nn.ParameterList, nn.ParameterDict)
+
+
+def _own_scope(module: nn.Module) -> list[nn.Module]:
+    """The modules whose direct parameters a unit that is not whole holds: its own and
+    those of its parameter containers."""
+    return [module] + [c for c in module.children() if isinstance(c, _PARAM_CONTAINERS)]
+
+
 def _choose(module: nn.Module, name: str, group_size: int,
             out: list[tuple[nn.Module, str, bool]], whole: frozenset[int]) -> None:
-    if _subtree_params(module) <= group_size or id(module) in whole:
+    if id(module) in whole or (_subtree_params(module) <= group_size
+                               and not isinstance(module, _MODULE_CONTAINERS)):
         if any(True for _ in module.parameters()):
             out.append((module, name, True))
         return
-    if any(p is not None for p in module._parameters.values()):
+    if any(p is not None for m in _own_scope(module) for p in m._parameters.values()):
         out.append((module, name, False))
     for child_name, child in module.named_children():
-        _choose(child, f"{name}.{child_name}" if name else child_name, group_size, out, whole)
+        if not isinstance(child, _PARAM_CONTAINERS):
+            _choose(child, f"{name}.{child_name}" if name else child_name, group_size, out,
+                    whole)
 
 
 def build_units(model: nn.Module, group_size: int, world: int,
@@ -110,7 +126,7 @@ def build_units(model: nn.Module, group_size: int, world: int,
     groups: list[Group] = []
     units: list[Unit] = []
     for module, name, whole in chosen:
-        scope = list(module.modules()) if whole else [module]
+        scope = list(module.modules()) if whole else _own_scope(module)
         fresh: dict[bool, list[Slot]] = {True: [], False: []}
         for mod in scope:
             for pname, p in mod._parameters.items():
@@ -182,6 +198,47 @@ def output_tensors(obj: Any, _seen: set[int] | None = None) -> Iterable[torch.Te
         values = getattr(obj, "__dict__", {}).values()
     for v in values:
         yield from output_tensors(v, seen)
+
+
+def copy_weight_views(obj: Any, storages: set[int]) -> Any:
+    """[Note: outputs that view the weights] A unit may return a view of its own gathered
+    weights (a learned position table's `self.weight[:n]`, a class token's
+    `self.tok.expand(b, -1, -1)`); the unit's post-hook then frees that storage, and the
+    view would read zeros or reused memory downstream, silently. Each such output
+    (`storages`: data pointers of the unit's gathered flat buffers) becomes a clone,
+    which autograd differentiates as the view; other outputs are left as they are.
+    Tuples are rebuilt; lists, dicts (`ModelOutput`), dataclasses and other objects
+    are changed in place."""
+    if not any(_views(t, storages) for t in output_tensors(obj)):
+        return obj
+    return _copy_views(obj, storages, set())
+
+
+def _views(t: torch.Tensor, storages: set[int]) -> bool:
+    return t.layout == torch.strided and t.untyped_storage().data_ptr() in storages
+
+
+def _copy_views(obj: Any, storages: set[int], seen: set[int]) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.clone() if _views(obj, storages) else obj
+    if id(obj) in seen or isinstance(obj, (str, bytes, int, float, bool, type(None), nn.Module)):
+        return obj
+    seen.add(id(obj))
+    if isinstance(obj, tuple):
+        items = [_copy_views(v, storages, seen) for v in obj]
+        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+    if isinstance(obj, list):
+        obj[:] = [_copy_views(v, storages, seen) for v in obj]
+    elif isinstance(obj, dict):
+        for k, v in list(obj.items()):
+            obj[k] = _copy_views(v, storages, seen)
+    elif is_dataclass(obj):
+        for f in fields(obj):
+            object.__setattr__(obj, f.name, _copy_views(getattr(obj, f.name), storages, seen))
+    else:
+        for k, v in list(getattr(obj, "__dict__", {}).items()):
+            setattr(obj, k, _copy_views(v, storages, seen))
+    return obj
 
 
 def hooks_last(module: nn.Module, hook_ids: list[int]) -> None:
