@@ -26,8 +26,8 @@ chunk's size.
 The commit record holds what is not a tensor: the format, the package
 version, the config, the world size, the engine's step counters and loss
 scale, the optimizer's hyper-parameters, every tensor's names, shape, dtypes
-and group, the groups' step counts (the schedule's position: `lr_lambda` is
-evaluated at a partition's step count), and the user's `extra`.
+and group, the groups' step counts (Adam's bias correction; `lr_lambda` is
+evaluated at the global step, also saved), and the user's `extra`.
 
 [Note: publishing a checkpoint]
 A save writes into `.<name>.partial` beside the target, makes every file and
@@ -604,6 +604,16 @@ class _SaveJob:
                             "(engine.keep_checkpoints=%d) failed: %s", path, parent, keep, e)
 
 
+def _keys_not_strings(value: Any) -> list[Any]:
+    """The dict keys in `value` (nested in dicts, lists, tuples) that are not str."""
+    if isinstance(value, dict):
+        return [k for k in value if not isinstance(k, str)] + [
+            k for v in value.values() for k in _keys_not_strings(v)]
+    if isinstance(value, (list, tuple)):
+        return [k for v in value for k in _keys_not_strings(v)]
+    return []
+
+
 def _check_save(engine: Any, path: Path, extra: dict[str, Any]) -> dict | None:
     """Refuses a save that cannot be written as asked, before anything is; returns the
     engine's LR scheduler's state, as the commit record will hold it."""
@@ -616,6 +626,11 @@ def _check_save(engine: Any, path: Path, extra: dict[str, Any]) -> dict | None:
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"save_checkpoint: extra must be JSON-serialisable, with keys "
                               f"of one type (strings): {e}") from e
+    keys = _keys_not_strings(extra)
+    if keys:  # JSON would write 1 as "1": resumed_extra would differ from extra
+        raise CheckpointError(f"save_checkpoint: extra has the key {keys[0]!r} "
+                              f"({type(keys[0]).__name__}); its keys (nested ones too) must "
+                              "be strings, as resumed_extra gives them back")
     try:
         scheduler = scheduler_state(getattr(engine, "lr_scheduler", None))
     except ValueError as e:
