@@ -144,6 +144,19 @@ class Collectives:
         work = dist.all_reduce(tensor, group=self.group, async_op=True)
         return self._then(work, None, async_op, token)
 
+    def broadcast_first(self, tensor: torch.Tensor) -> None:
+        """Sets `tensor` (on the CPU) to the value the group's first rank holds, in place,
+        as DDP syncs module states from rank 0; a world of 1 leaves it as it is."""
+        if self.world == 1:
+            return
+        src = dist.get_global_rank(self.group or dist.group.WORLD, 0)
+        sent = tensor.cuda() if self.backend == "nccl" else tensor  # NCCL sends device tensors
+        token = self._begin("broadcast", sent)
+        self._then(dist.broadcast(sent, src=src, group=self.group, async_op=True), None,
+                   False, token)
+        if sent is not tensor:
+            tensor.copy_(sent)
+
     def _begin(self, op: str, tensor: torch.Tensor) -> AsyncToken | None:
         if not self.recorder.enabled:
             return None

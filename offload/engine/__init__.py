@@ -81,6 +81,23 @@ def _refuse_unsupported(model: nn.Module) -> None:
                 "if you need them bounded)")
 
 
+def _refuse_for_dtype(model: nn.Module, dtype: str) -> None:
+    """Raises `ConfigError` for a BatchNorm with affine weights and running statistics
+    under bf16/fp16 compute: its weights are cast, its statistics stay fp32 (buffers
+    keep their dtype), and torch's batch_norm refuses the mix at the first forward."""
+    if dtype == "fp32":
+        return
+    for name, m in model.named_modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.affine \
+                and m.track_running_stats:
+            raise ConfigError(
+                f"engine.dtype={dtype!r}: {name or type(model).__name__} is a "
+                f"{type(m).__name__} with affine weights and running statistics, which "
+                f"torch's batch_norm cannot run with {dtype} weights and fp32 statistics; "
+                "train it with engine.dtype 'fp32', or use a norm without running "
+                "statistics (track_running_stats=False, nn.GroupNorm, nn.LayerNorm)")
+
+
 def _model_of(model: nn.Module | Callable[[], nn.Module],
               lr_lambda: Callable[[int], float] | None) -> nn.Module:
     """`model`, or the model the function builds (under the meta device); refuses what
@@ -203,6 +220,7 @@ def initialize(model: nn.Module | Callable[[], nn.Module],
         cfg = copy.deepcopy(load_config(config))
         _report_huge_pages()
         model = _model_of(model, lr_lambda)
+        _refuse_for_dtype(model, cfg.engine.dtype)
         if checkpoint is not None and resume is not None:
             raise ConfigError("initialize: pass checkpoint (initial weights) or resume (a "
                               "whole training state), not both")
@@ -259,6 +277,7 @@ def initialize(model: nn.Module | Callable[[], nn.Module],
             engine._attach_optimizer(lr_lambda, hyper)
             engine.param_group_of = slot_groups  # a checkpoint records each group's members
             deferred = []  # the user's real tensors stay in the model until nothing can fail
+            differs = None  # [Note: rank 0's weights]: a parameter this rank had otherwise
             # meta parameters are handed over group by group: put back if initialize fails
             originals = [(sl, sl.param) for g in groups for sl in g.slots
                          if sl.param is not None and sl.param.is_meta]
@@ -271,6 +290,10 @@ def initialize(model: nn.Module | Callable[[], nn.Module],
                     resumed.place_group(engine, g, segments, slots)
                 else:
                     full = _materialise(model, g, cfg.engine.seed, ckpt, lineage)
+                    if ckpt is None:  # [Note: rank 0's weights]
+                        real = not all(sl.param.is_meta for sl in g.slots)
+                        found = _from_first_rank(comm, g, full, real)
+                        differs = differs or found
                     shard = full[comm.rank * g.shard:(comm.rank + 1) * g.shard]
                     store.put(("p", g.gid), shard.to(dtype), kind="param",
                               tier=_TIERS[cfg.engine.params])
@@ -287,6 +310,10 @@ def initialize(model: nn.Module | Callable[[], nn.Module],
                 if progress is not None:
                     progress(g.gid + 1, len(groups))
             store.wait_all()
+            if differs is not None:
+                log.warning("initialize: rank %d's initial weights differ from rank 0's "
+                            "(first: %r); every rank trains from rank 0's, as under DDP",
+                            comm.rank, differs)
             if resumed is not None:
                 resumed.restore(engine)  # counters, loss scale, hyper-parameters, RNG
                 engine.resumed_extra = dict(resumed.extra)
@@ -328,6 +355,28 @@ def initialize(model: nn.Module | Callable[[], nn.Module],
              comm.world, cfg.engine.dtype, cfg.engine.params, cfg.engine.grads,
              cfg.engine.optimizer)
     return engine
+
+
+def _from_first_rank(comm: Collectives, g: Group, full: torch.Tensor, real: bool
+                     ) -> str | None:
+    """[Note: rank 0's weights] The user's weights are the (data-parallel) group's first
+    rank's, as DDP broadcasts rank 0's parameters when it wraps a model: ranks that
+    built the model after seeding each its own way (`manual_seed(seed + rank)`) would
+    otherwise each keep its own slice of its own weights, and train a model that no
+    rank built. A group whose parameters are meta on every rank (made from
+    `engine.seed`) is the same everywhere already, and so is a checkpoint's; one
+    real on some rank (`real`: all of this rank's are not meta; FSDP's
+    `sync_module_states` habit of building the model on rank 0 only) is sent from
+    rank 0. Every rank calls it for every group. Returns the first parameter of `g`
+    whose values on this rank were not rank 0's, or None."""
+    if comm.world == 1 or not comm.sum_scalars([float(real)])[0]:
+        return None
+    mine = full.clone() if comm.rank != 0 else None
+    comm.broadcast_first(full)
+    if mine is None or torch.equal(mine, full):
+        return None
+    return next((sl.fqn for sl in g.slots if not torch.equal(
+        mine[sl.offset:sl.offset + sl.numel], full[sl.offset:sl.offset + sl.numel])), "?")
 
 
 class _Lineage:

@@ -528,7 +528,8 @@ class CheckpointReader:
         rec = self.record
         engine.global_step = int(rec["global_step"])
         engine.micro_step = int(rec["micro_step"])
-        engine.loss_scale = float(rec["loss_scale"])
+        if not engine.cfg.engine.loss_scale:  # a fixed engine.loss_scale is the config's
+            engine.loss_scale = float(rec["loss_scale"])
         engine._good_steps = int(rec["good_steps"])
         engine.optimizer.steps = engine.global_step  # committed rounds: one per step
         for mine, theirs in zip(engine.optimizer.param_groups, hyper):

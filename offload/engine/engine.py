@@ -352,7 +352,7 @@ class OffloadEngine(ModelWeights, GradPartitions, GatheredWeights, nn.Module):
         """This rank's reduced gradient of `gid` for this micro-step.
 
         [Note: early update] Where the update of one group cannot depend on the
-        others (no clipping, no fp16 loss scale: `early_update_allowed`), the last
+        others (no clipping, not fp16: `_early_allowed`), the last
         micro-step's gradient goes straight to a background thread that runs the
         group's update while backward goes on, so the optimizer state's NVMe traffic
         hides behind backward compute (without gradient accumulation the gradient
@@ -378,9 +378,10 @@ class OffloadEngine(ModelWeights, GradPartitions, GatheredWeights, nn.Module):
         self._accumulate(gid, shard_grad)
 
     def _early_allowed(self) -> bool:
-        """Early updates need no global value (no clipping, no loss scale) and NVMe state,
-        which keeps its previous version for free (fresh extents; [Note: all or nothing])."""
-        return (self.loss_scale == 1.0 and self.optimizer.early_update_allowed()
+        """Early updates need no global value (no clipping, not fp16: its overflow check
+        reads every gradient, at any loss scale, 1 included) and NVMe state, which keeps
+        its previous version for free (fresh extents; [Note: all or nothing])."""
+        return (self.cfg.engine.dtype != "fp16" and self.optimizer.early_update_allowed()
                 and self.cfg.engine.optimizer == "nvme" and self._hyper_watch.early)
 
     def _update_group(self, gid: int, grad: torch.Tensor | None, norm: float | None,
@@ -694,7 +695,11 @@ class OffloadEngine(ModelWeights, GradPartitions, GatheredWeights, nn.Module):
         if e.dtype == "fp16" and not e.loss_scale:
             self.loss_scale = max(e.min_loss_scale, self.loss_scale / 2)
             log.info("fp16 overflow: step skipped, loss scale now %g", self.loss_scale)
-        elif e.dtype != "fp16":  # docs/engine.md: non-finite gradients
+        elif e.dtype == "fp16":  # a fixed scale never moves: say so, or no step ever may
+            log.warning("step %d skipped: fp16 gradients overflowed at the fixed "
+                        "engine.loss_scale %g (lower it, or set 0 for dynamic scaling)",
+                        self.global_step + 1, self.loss_scale)
+        else:  # docs/engine.md: non-finite gradients
             log.warning("step %d skipped: the gradients' norm is not finite (inf or NaN "
                         "gradients, e.g. from an inf in the batch); every weight, moment and "
                         "step count is unchanged (torch's clip_grad_norm_ and AdamW would write "

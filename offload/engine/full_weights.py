@@ -36,6 +36,7 @@ __all__ = ["read_group", "write_group", "slot_tensors", "groups_of", "summoned"]
 def read_group(engine: "OffloadEngine", g: Group) -> torch.Tensor:
     """The group's full padded fp32 flat buffer, on the CPU ([Note: full weights]).
     Collective: every rank calls it for the same groups in the same order."""
+    engine._rank_order.check_read(g.gid)  # [Note: ranks run the same units] in rank_order.py
     opt = engine.optimizer
     shard = torch.empty(g.shard, dtype=torch.float32)
     if g.requires_grad and opt.has_master(g.gid):

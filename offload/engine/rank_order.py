@@ -49,15 +49,32 @@ class RankOrder:
             self._check(1 + 2 * self._n + gid, f"the gradient reduction of group {gid} (unit "
                         f"{self._unit_of.get(gid, '?')!r})")
 
-    def _check(self, h: float, what: str) -> None:
+    def check_read(self, gid: int) -> None:
+        """Before the all-gather of group `gid`'s whole weights (state_dict, full_weights,
+        named_weights, save_pretrained, load_state_dict): numbers below zero, apart
+        from every block of a step, so a rank that reads the weights while another
+        trains (`if rank == 0: engine.state_dict()`, fine under DDP) raises on both
+        instead of pairing its all-gathers with the other's forward and waiting for
+        the process group's timeout."""
+        if self.enabled:
+            self._check(-1.0 - gid, f"the all-gather of group {gid}'s whole weights (state_dict, "
+                        "full_weights, named_weights, save_pretrained or load_state_dict)",
+                        "these gather every rank's shard: call them on every rank at the "
+                        "same point, not under `if rank == 0` (state_dict keeps the weights "
+                        "on rank 0 only, and save_pretrained writes on rank 0 only, by "
+                        "themselves)")
+
+    def _check(self, h: float, what: str, fix: str | None = None) -> None:
         """Raises RuntimeError on every rank if the ranks do not all contribute `h`."""
         total, squares = self._comm.sum_scalars([float(h), float(h) * h])
         if self._comm.world * squares != total * total:
             raise RuntimeError(
                 f"rank {self._comm.rank} runs {what} while another rank runs something else "
-                "at this point of the step: every rank must run the same modules in the same "
+                "at this point of the step (another module, or a collective such as "
+                "state_dict() that every rank must call): " + (fix or
+                "every rank must run the same modules in the same "
                 "order each step, forward and backward (as under DDP), so that their "
                 "all-gathers and reductions pair up. Run every module on every rank, and "
                 "let every rank's loss depend on the same modules (e.g. add an unused "
                 "branch's output times 0), or keep modules that may be skipped inside a "
-                "larger unit (raise engine.group_size) so the skip happens within one unit")
+                "larger unit (raise engine.group_size) so the skip happens within one unit"))

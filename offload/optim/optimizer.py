@@ -20,11 +20,13 @@ i.e. where nothing it depends on is still unknown:
   * no gradient clipping (optim.max_grad_norm = 0): the clip coefficient needs
     the global norm over every gradient; with clipping, an early update needs
     `grad_norm` passed in, which the engine knows only after backward;
-  * no fp16 loss scaling (loss_scale = 1, i.e. bf16 or fp32 gradients): with it
-    an overflow anywhere skips the whole step, so an early update needs
-    `found_inf` passed in, known only after backward.
+  * not fp16 training: there an overflow anywhere skips the whole step, at any
+    loss scale (1 included), so an early update needs `found_inf` passed in,
+    known only after backward.
 So bf16/fp32 training without clipping may update early; `early_update_allowed`
-answers it, and `update` refuses the other cases unless given the values.
+answers for clipping and a loss scale other than 1, `update` refuses those cases
+unless given the values, and the engine never updates fp16 training early
+(`OffloadEngine._early_allowed`): CpuAdam does not know the gradients' dtype.
 
 [Note: rounds]
 The updates between two commits form a round: each partition is updated at
