@@ -283,7 +283,8 @@ class OffloadEngine(ModelWeights, GradPartitions, GatheredWeights, nn.Module):
                 "a backward through the engine's model ran outside engine.backward() (e.g. "
                 "loss.backward()); call engine.backward(loss) instead: it counts the "
                 "micro-step for engine.grad_accum_steps, scales the loss for fp16 and waits "
-                "for the gradients' reduction")
+                "for the gradients' reduction. torch.autograd.grad through the model "
+                "(gradients of the inputs) is not supported (docs/model.md, Limits)")
 
     def _make_pre_backward(self, unit: Unit) -> Callable:
         def hook(grad: torch.Tensor) -> None:

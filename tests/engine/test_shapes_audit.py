@@ -293,3 +293,19 @@ def test_input_gradients_through_the_model_as_torch(engine_cfg):
         _compare(engine, ref)
     finally:
         engine.close()
+
+
+def test_input_gradients_through_the_model_say_they_are_not_supported(engine_cfg):
+    """Until they are (the xfail above), torch.autograd.grad through the model raises
+    an error that says so, not only that engine.backward should be called."""
+    engine = offload.initialize(Recurrent(), engine_cfg("host", group_size=100))
+    try:
+        x, y = _batches(1, (6, 8), (6, 1))[0]
+        xg = x.clone().requires_grad_(True)
+        with pytest.raises(RuntimeError, match=r"torch\.autograd\.grad through the model .*"
+                                               r"not supported"):
+            torch.autograd.grad(nn.functional.mse_loss(engine(xg), y), xg)
+        engine.backward(nn.functional.mse_loss(engine(x), y))
+        assert engine.step()
+    finally:
+        engine.close()
