@@ -331,6 +331,8 @@ def initialize(model: nn.Module | Callable[[], nn.Module],
                         if id(b) not in moved:
                             moved[id(b)] = b.to(store.device)
                         m._buffers[name] = moved[id(b)]
+            if comm.world > 1 and ckpt is None and resumed is None:
+                _buffers_from_first_rank(comm, model)  # [Note: rank 0's weights]
             model.__dict__[_WRAPPED] = True  # [Note: wrapped modules]
             guard_casts(model, engine.dtype, engine.device)
             guard_resize(model)
@@ -377,6 +379,40 @@ def _from_first_rank(comm: Collectives, g: Group, full: torch.Tensor, real: bool
         return None
     return next((sl.fqn for sl in g.slots if not torch.equal(
         mine[sl.offset:sl.offset + sl.numel], full[sl.offset:sl.offset + sl.numel])), "?")
+
+
+def _buffers_from_first_rank(comm: Collectives, model: nn.Module) -> None:
+    """[Note: rank 0's weights] Buffers too, as DDP broadcasts the module's buffers: a
+    buffer that differs from rank 0's (a mask or statistics made per rank) is replaced
+    by a tensor holding rank 0's values (the old tensor is left as it was), and one
+    warning names the first. Every rank calls it; a buffer shared by several modules
+    stays one."""
+    done: dict[int, torch.Tensor] = {}
+    first = None
+    for mname, m in model.named_modules():
+        for name, b in list(m._buffers.items()):
+            if b is None:
+                continue
+            if id(b) not in done:
+                got = b.clone()
+                comm.broadcast_first(got)
+                done[id(b)] = b if _same_values(got, b) else got
+                if first is None and done[id(b)] is got:
+                    first = f"{mname}.{name}" if mname else name
+            m._buffers[name] = done[id(b)]
+    if first is not None:
+        log.warning("initialize: rank %d's buffers differ from rank 0's (first: %r); every "
+                    "rank uses rank 0's, as under DDP", comm.rank, first)
+
+
+def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal elements, NaN where the other has NaN."""
+    if torch.equal(a, b):
+        return True
+    if not a.is_floating_point():
+        return False
+    nan = a.isnan()
+    return torch.equal(nan, b.isnan()) and torch.equal(a[~nan], b[~nan])
 
 
 class _Lineage:

@@ -227,3 +227,33 @@ def test_two_rank_checkpoint_continues_on_two_ranks_and_on_one(tmp_path):
     got = torch.load(tmp_path / "one0.pt")  # every row in one batch: sums in another order
     for k, v in want.items():
         torch.testing.assert_close(got[k], v, atol=1e-6, rtol=0, msg=k)
+
+
+# -- buffers that differ between ranks -------------------------------------------------------
+def _buffer_worker(rank: int, world: int, init_file: str, d: str) -> None:
+    _group(rank, world, init_file)
+    try:
+        model = _model()
+        model[1].register_buffer("shift", torch.full((64,), float(rank)))  # made per rank
+        model[1].register_buffer("mask", torch.tensor([float("nan"), 1.0]))  # the same
+        model[1].forward = lambda x, m=model[1]: torch.tanh(x + m.shift)
+        mask = model[1].mask
+        with offload.initialize(model, _cfg(os.path.join(d, f"swap{rank}"))) as e:
+            out = _train(e, _steps(1), rank)
+            torch.save({"shift": model[1].shift.clone(), "mask_kept": model[1].mask is mask,
+                        "sd": e.state_dict(rank0_only=False), "out": out},
+                       os.path.join(d, f"buf{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_buffers_that_differ_between_ranks_are_rank_zeros(tmp_path):
+    """DDP broadcasts rank 0's buffers as it does its parameters; each rank kept its own,
+    so ranks computed with different masks or statistics. A buffer already the same on
+    every rank (NaN included) keeps its tensor."""
+    spawn(_buffer_worker, str(tmp_path / "init"), str(tmp_path))
+    r0, r1 = (torch.load(tmp_path / f"buf{r}.pt") for r in range(2))
+    assert torch.equal(r0["shift"], torch.zeros(64)) and torch.equal(r1["shift"], r0["shift"])
+    assert r0["mask_kept"] and r1["mask_kept"]
+    for k in r0["sd"]:
+        torch.testing.assert_close(r0["sd"][k], r1["sd"][k], rtol=0, atol=0, equal_nan=True)
