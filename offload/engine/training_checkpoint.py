@@ -662,8 +662,10 @@ def _agree_to_save(comm: Any, path: Path, refused: BaseException | None) -> None
     if refused is not None:
         raise refused
     if failed:
-        raise RankFailedError(f"save_checkpoint: {int(failed)} other rank(s) of {comm.world} "
-                              "refused the save (their error says why); nothing was written")
+        raise RankFailedError(f"save_checkpoint: other ranks of {comm.world} refused the save "
+                              "or were not saving at this point (every rank calls "
+                              "save_checkpoint at the same point of the loop, not under `if "
+                              "rank == 0`; their error says why); nothing was written")
     if total != mine * comm.world:
         raise CheckpointError(f"save_checkpoint: the ranks gave different names (this rank: "
                               f"{path}); every rank saves its part of one checkpoint: give "
