@@ -59,6 +59,11 @@ class _Sync(NamedTuple):
 
 _ADDRESS_END = 1 << (8 * ctypes.sizeof(ctypes.c_void_p))
 
+# The engine whose completions the current thread runs (done callbacks included), so
+# that a call that would wait for this engine's transfers from here refuses instead
+# of waiting for itself (`IoEngine.on_completion_thread`).
+_completing = threading.local()
+
 
 def _check_segment(seg: Segment, describe: str) -> None:
     """Refuses a segment no file or memory can hold, before anything is submitted: an
@@ -156,6 +161,11 @@ class IoEngine(abc.ABC):
         return self.submit("write", [Segment(fd, path, offset, address, length)],
                            keepalive=keepalive, sync=sync)
 
+    def on_completion_thread(self) -> bool:
+        """True on a thread that completes this engine's requests (where done callbacks
+        run): waiting there for another of its transfers would wait for itself."""
+        return getattr(_completing, "engine", None) is self
+
     def close(self) -> None:
         self._closed = True
 
@@ -210,6 +220,7 @@ class ThreadEngine(IoEngine):
             self._pool.submit(self._run_block, b)
 
     def _run_block(self, block: _Block) -> None:
+        _completing.engine = self
         seg = block.seg
         done = 0
         error: BaseException | None = None
@@ -321,6 +332,7 @@ class AioEngine(IoEngine):
         return refused
 
     def _reap(self) -> None:
+        _completing.engine = self
         while True:
             with self._cv:
                 while self._inflight == 0 and not self._closed:

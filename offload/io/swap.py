@@ -20,6 +20,7 @@ import ctypes
 import errno as _errno
 import fcntl
 import logging
+import operator
 import os
 import shutil
 import stat
@@ -267,6 +268,35 @@ def _host_span(buffer: object, *, into: bool) -> tuple[int, int]:
     raise TypeError(f"cannot take the address of {type(buffer).__name__}; pass a HostBuffer")
 
 
+def _memory_owner(buffer: object) -> object:
+    """What keeps `buffer`'s bytes allocated: a HostBuffer's block tensor (over the
+    mapping; it stays mapped after a release or a pool's close), a tensor's storage
+    (a `t.set_()` or `del t` no longer frees it), or the array itself. Held by a
+    transfer until it is done and by a read's checksum check, which reads the bytes
+    on the caller's thread after the handle was finished: holding only the tensor,
+    `set_()` freed the storage under the transfer, and a HostBuffer released and its
+    pool closed before `wait()` unmapped what the check hashed (the interpreter
+    crashed)."""
+    if hasattr(buffer, "address") and hasattr(buffer, "capacity"):  # HostBuffer
+        return buffer.tensor
+    if isinstance(buffer, torch.Tensor):
+        return buffer.untyped_storage()
+    return buffer
+
+
+def _check_owned(owner: object, address: int, span: int, what: str) -> None:
+    """Raises if `owner` (from `_memory_owner`) no longer holds the `span` bytes at
+    `address`: a storage resized (`untyped_storage().resize_(0)`) freed or moved them,
+    and reading them would crash the interpreter."""
+    if isinstance(owner, torch.UntypedStorage):
+        lo = owner.data_ptr()
+        if not (lo <= address and address + span <= lo + owner.nbytes()):
+            raise ValueError(f"{what}: the tensor's storage was resized or freed while the "
+                             f"transfer was in flight ({span} B at {address:#x}, the storage "
+                             f"now {owner.nbytes()} B at {lo:#x}); keep a buffer's storage "
+                             "as it is until wait() returns")
+
+
 def _view(address: int, nbytes: int) -> memoryview:
     """`nbytes` of host memory at `address` as a memoryview (no copy)."""
     return memoryview((ctypes.c_char * nbytes).from_address(address)).cast("B")
@@ -450,9 +480,19 @@ class SwapSpace:
             pos += take
         return segs
 
+    def _check_extent(self, extent: SwapExtent) -> None:
+        """Refuses an extent `alloc` did not hand out as it is, the lock held: one made
+        up, freed, or given a longer length than reserved (a write through it ran over
+        the next extent and destroyed its bytes)."""
+        if extent.offset not in self._sums or \
+                Extent(extent.offset, extent.length) not in self._alloc:
+            raise ValueError(f"extent {extent} is not allocated in swap {self.name} (pass "
+                             "an extent from alloc(), as it was returned, until free())")
+
     def _check_range(self, extent: SwapExtent, nbytes: int, buffer: object, *,
                      into: bool) -> tuple[int, int]:
         """(span, address): the bytes a transfer of `nbytes` moves, and where."""
+        nbytes = operator.index(nbytes)  # a float or numpy count failed deep in the engine
         if not 0 < nbytes <= extent.length:
             raise ValueError(f"{nbytes} bytes do not fit extent {extent}")
         span = _round_up(nbytes, DIRECT_ALIGN)
@@ -470,8 +510,7 @@ class SwapSpace:
         """
         span, address = self._check_range(extent, nbytes, buffer, into=False)
         with self._lock:
-            if extent.offset not in self._sums:
-                raise ValueError(f"extent {extent} is not allocated in swap {self.name}")
+            self._check_extent(extent)
             before = self._sums[extent.offset]
             self._sums[extent.offset] = None  # unreadable until this write succeeds
         try:
@@ -509,7 +548,8 @@ class SwapSpace:
             segments = self._segments(offset, span, address)
         handle = None
         try:
-            handle = self.engine.submit(op, segments, keepalive=buffer)
+            handle = self.engine.submit(op, segments,
+                                        keepalive=(buffer, _memory_owner(buffer)))
         finally:
             with self._lock:
                 self._starting -= 1
@@ -557,8 +597,7 @@ class SwapSpace:
         """
         with self._lock:
             self._check_open()
-            if extent.offset not in self._sums:
-                raise ValueError(f"extent {extent} is not allocated in swap {self.name}")
+            self._check_extent(extent)
             rec = self._settle(extent.offset)
         if rec is None:
             raise IoError("read", self._files[0].path, extent.offset, extent.length, _errno.EIO,
@@ -573,8 +612,10 @@ class SwapSpace:
         if not self.checksum:
             return ReadHandle(inner, None)
         first = segments[0]
+        owner = _memory_owner(buffer)  # [Note: buffer lifetime]: the check reads the bytes
 
         def verify() -> None:
+            _check_owned(owner, address, span, f"read of {nbytes} B from {first.path}")
             actual = xxhash.xxh3_64_intdigest(_view(address, nbytes))
             if actual != digest:
                 raise CorruptionError(first.path, first.offset, nbytes, digest, actual)
@@ -588,6 +629,14 @@ class SwapSpace:
         with self._lock:
             if self._closed:
                 return
+            if (self._starting or self._busy) and self.engine.on_completion_thread():
+                # A done callback on the engine's thread: the transfers close() waits
+                # for need this thread (AIO's one reaper) to finish, so it hung for good.
+                raise RuntimeError(f"swap {self.name}: close() called on the "
+                                   f"{self.engine.name} engine's completion thread (from a "
+                                   f"done callback) with {len(self._busy) + self._starting} "
+                                   "transfer(s) in flight would wait for itself; close it "
+                                   "from another thread")
             self._closed = True
             while self._starting or self._busy:
                 self._idle.wait()
