@@ -66,36 +66,29 @@ def _refuse_wrapped(model: nn.Module) -> None:
                 "for its weights)")
 
 
-def _refuse_unsupported(model: nn.Module) -> None:
-    """Raises `ConfigError` for modules whose forward writes their own weights in place:
-    an embedding with `max_norm` renormalises the rows it looks up, which the gathered
-    weights (views of one flat buffer) refuse mid-forward, and whose new values would
-    reach no partition."""
+def _refuse_unsupported(model: nn.Module, dtype: str) -> None:
+    """Raises `ConfigError` naming the first module the engine cannot run as torch does:
+    an embedding with `max_norm` renormalises the rows it looks up in place inside
+    forward, which the gathered weights (views of one flat buffer) refuse, and whose new
+    values would reach no partition; a BatchNorm with affine weights and running
+    statistics under bf16/fp16 compute gets cast weights beside fp32 statistics
+    (buffers keep their dtype), a mix torch's batch_norm refuses at the first forward."""
     for name, m in model.named_modules():
+        where = name or type(model).__name__
         if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.max_norm is not None:
             raise ConfigError(
-                f"initialize(model): {name or type(model).__name__} is an "
-                f"{type(m).__name__} with max_norm={m.max_norm}, which rewrites its weight "
-                "in place inside forward; that is not supported. Set max_norm=None (clip "
-                "the rows' norms after each step with engine.full_weights(writable=True) "
-                "if you need them bounded)")
-
-
-def _refuse_for_dtype(model: nn.Module, dtype: str) -> None:
-    """Raises `ConfigError` for a BatchNorm with affine weights and running statistics
-    under bf16/fp16 compute: its weights are cast, its statistics stay fp32 (buffers
-    keep their dtype), and torch's batch_norm refuses the mix at the first forward."""
-    if dtype == "fp32":
-        return
-    for name, m in model.named_modules():
-        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.affine \
-                and m.track_running_stats:
+                f"initialize(model): {where} is an {type(m).__name__} with "
+                f"max_norm={m.max_norm}, which rewrites its weight in place inside forward; "
+                "that is not supported. Set max_norm=None (clip the rows' norms after each "
+                "step with engine.full_weights(writable=True) if you need them bounded)")
+        if dtype != "fp32" and isinstance(m, nn.modules.batchnorm._BatchNorm) \
+                and m.affine and m.track_running_stats:
             raise ConfigError(
-                f"engine.dtype={dtype!r}: {name or type(model).__name__} is a "
-                f"{type(m).__name__} with affine weights and running statistics, which "
-                f"torch's batch_norm cannot run with {dtype} weights and fp32 statistics; "
-                "train it with engine.dtype 'fp32', or use a norm without running "
-                "statistics (track_running_stats=False, nn.GroupNorm, nn.LayerNorm)")
+                f"engine.dtype={dtype!r}: {where} is a {type(m).__name__} with affine "
+                f"weights and running statistics, which torch's batch_norm cannot run with "
+                f"{dtype} weights and fp32 statistics; train it with engine.dtype 'fp32', or "
+                "use a norm without running statistics (track_running_stats=False, "
+                "nn.GroupNorm, nn.LayerNorm)")
 
 
 def _model_of(model: nn.Module | Callable[[], nn.Module],
@@ -115,7 +108,6 @@ def _model_of(model: nn.Module | Callable[[], nn.Module],
         raise ConfigError(f"initialize(model): expected an nn.Module or a function that builds "
                           f"one, got {type(model).__name__}")
     _refuse_wrapped(model)
-    _refuse_unsupported(model)
     return model
 
 
@@ -220,7 +212,7 @@ def initialize(model: nn.Module | Callable[[], nn.Module],
         cfg = copy.deepcopy(load_config(config))
         _report_huge_pages()
         model = _model_of(model, lr_lambda)
-        _refuse_for_dtype(model, cfg.engine.dtype)
+        _refuse_unsupported(model, cfg.engine.dtype)
         if checkpoint is not None and resume is not None:
             raise ConfigError("initialize: pass checkpoint (initial weights) or resume (a "
                               "whole training state), not both")
