@@ -144,7 +144,12 @@ class CheckpointReader:
                     raise CheckpointError(f"checkpoint {self.path}: tensor {name!r} was saved "
                                           f"{'trainable' if t['requires_grad'] else 'frozen'}"
                                           f", the model's {s.fqn!r} is "
-                                          f"{'trainable' if g.requires_grad else 'frozen'}")
+                                          f"{'trainable' if g.requires_grad else 'frozen'}"
+                                          "; resume with the parameters frozen as saved (to "
+                                          "change what trains, load that engine's "
+                                          "state_dict() into a fresh model with the new "
+                                          "requires_grad and initialize it: Adam's state "
+                                          "starts afresh)")
                 seen[name] = s.fqn
         unused = sorted(set(self.tensors) - set(seen))
         tied = {a: s.fqn for g in groups for s in g.slots for a in s.names if a in unused}

@@ -65,12 +65,13 @@ from .forward_prefetch import ForwardOnlyPrefetch
 from .full_weights import params_from_masters
 from .gathering import GatheredWeights, GroupState, in_backward
 from .grad_slots import GradSlots
-from .grads import GradPartitions
+from .grads import _DTYPES, GradPartitions
 from .hyper_watch import HyperWatch
 from .in_place import pin_in_place, unpin_all, update_in_place
 from .interrupts import SafeInterrupts
 from .model_weights import ModelWeights
 from .one_thread import OneThread
+from .owned import Owned
 from .params_view import RegisteredParams
 from .rank_order import RankOrder
 from .step import StagedParams, StepFailedError, staged_key, uninterrupted
@@ -78,7 +79,7 @@ from .tensor_parallel import TensorParallel
 from .training_checkpoint import CheckpointSave
 from .training_checkpoint import save_checkpoint as _save_checkpoint
 from .units import (NOT_PICKLABLE, EngineHook, Group, Unit, copy_weight_views, eager, hooks_last,
-                    output_tensors, static_order)
+                    output_tensors, static_order, weak_hook)
 from .warm import Borrowing, WarmMemory
 from .working_set import working_set
 
@@ -87,7 +88,6 @@ log = logging.getLogger(__name__)
 __all__ = ["OffloadEngine"]
 
 EARLY_UPDATES_IN_FLIGHT = 1  # early updates holding a gradient, at most
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _TIERS = {"device": Tier.DEVICE, "host": Tier.HOST, "nvme": Tier.NVME}
 
 
@@ -111,6 +111,11 @@ class OffloadEngine(ModelWeights, GradPartitions, GatheredWeights, nn.Module):
         self.trace = AccessTrace(static_order(units))  # step 1 follows the modules' order
         self.micro_step = 0   # backward calls, all steps
         self.global_step = 0  # optimizer steps taken
+        # [Note: a graph of older weights] A forward's graph is for the weights it
+        # gathered: a backward through it after they changed (a step, a load) would
+        # gather the new ones, so each change counts here and the backward of a forward
+        # made before it raises, as torch's version counters do.
+        self.weights_version = 0
         # the last committed step's global gradient 2-norm before clipping, over every
         # rank (what torch's clip_grad_norm_ returns), where the step computed it
         # (optim.max_grad_norm > 0, or fp16); else None
@@ -167,13 +172,16 @@ class OffloadEngine(ModelWeights, GradPartitions, GatheredWeights, nn.Module):
         self._io_lock = threading.Lock()
         # I/O completions and early updates are Python threads: [Note: switch interval]
         self._switch = hold_switch_interval(cfg.io.switch_interval)
+        # released by close(), or when collected unclosed: [Note: an engine dropped
+        # without close()] in owned.py
+        self._owned = Owned(self, self._updater, self._warm, store, self._switch)
         self._opt_bytes = [0, 0]  # optimizer-state bytes read, written (all steps)
         self._saving: CheckpointSave | None = None  # a checkpoint written in the background
         self._save_comm: Collectives | None = None  # background saves' own group (ranks > 1)
         for st in self._states:
             if st.group.requires_grad:
                 self._hooks.append(st.flat.register_post_accumulate_grad_hook(
-                    self._make_grad_hook(st)))
+                    weak_hook(self, OffloadEngine._on_grad, st.group.gid)))
         self._rank_order = RankOrder(comm, units, cfg.engine.check_rank_order)
         # [Note: registered parameters] in params_view.py
         self.registered = RegisteredParams(model, groups, units, self.dtype, self.device)
@@ -198,6 +206,7 @@ class OffloadEngine(ModelWeights, GradPartitions, GatheredWeights, nn.Module):
                                  param_groups=param_groups, recorder=self.recorder,
                                  store=self.store,  # the store's swap file and I/O engine
                                  masters=not self.master_is_param)  # chunk buffers' layout
+        self._owned.opt = self._opt
         self._opt.set_zero_grad_hook(self.zero_grad)  # optimizer.zero_grad(), as torch's
         self._opt.set_load_hook(self._params_from_masters)  # optimizer.load_state_dict()
 
@@ -267,9 +276,10 @@ class OffloadEngine(ModelWeights, GradPartitions, GatheredWeights, nn.Module):
             if failed:
                 return None
             if torch.is_grad_enabled() and not backward:
+                version = self.weights_version
                 for t in output_tensors(out):
                     if t.requires_grad:
-                        t.register_hook(self._make_pre_backward(unit))
+                        t.register_hook(self._make_pre_backward(unit, version))
             return out
         return post
 
@@ -286,9 +296,16 @@ class OffloadEngine(ModelWeights, GradPartitions, GatheredWeights, nn.Module):
                 "for the gradients' reduction. torch.autograd.grad through the model "
                 "(gradients of the inputs) is not supported (docs/model.md, Limits)")
 
-    def _make_pre_backward(self, unit: Unit) -> Callable:
+    def _make_pre_backward(self, unit: Unit, version: int) -> Callable:
         def hook(grad: torch.Tensor) -> None:
             self._refuse_plain_backward()
+            if version != self.weights_version:  # [Note: a graph of older weights]
+                raise RuntimeError(
+                    f"backward: the forward of {unit.name or 'the model'} ran before the "
+                    "weights changed (a step(), load_state_dict() or writable full_weights() "
+                    "since), so its gradient would mix the old activations with the new "
+                    "weights; run the forward again after the change (torch refuses such a "
+                    "graph too: its saved weights were modified in place)")
             self._interrupts.safe_point()  # [Note: Ctrl-C at a safe point] in interrupts.py
             # once per unit and backward: the hook fires for each output with a gradient,
             # and that number may differ between ranks; only the first gathers
@@ -307,43 +324,6 @@ class OffloadEngine(ModelWeights, GradPartitions, GatheredWeights, nn.Module):
                 if not self._bound(st):  # [Note: recomputation without the unit's hooks]
                     self._bind(st)
             self._prefetch()
-        return hook
-
-    def _make_grad_hook(self, st: GroupState) -> Callable:
-        def hook(flat: torch.Tensor) -> None:
-            if not self._in_backward:
-                flat.grad = None
-                self._refuse_plain_backward()
-            grad = flat.grad
-            flat.grad = None
-            gid = st.group.gid
-            if self.comm.world > 1:  # summed across ranks in engine.reduce_dtype
-                full = grad.to(_DTYPES[self.cfg.engine.reduce_dtype])
-                del grad
-                self._rank_order.check_grad(gid)  # [Note: ranks run the same units]
-                self.grad_slots.share(gid, len(st.group.slots))
-                out_dtype = torch.float32
-            else:  # [Note: the gradient's fp32 copy is a record]
-                full, out_dtype = grad, grad.dtype
-                del grad
-            pending, out = self.comm.reduce_scatter_mean(full, async_op=True,
-                                                         out_dtype=out_dtype)
-            inner = pending.finish
-
-            def finish() -> None:
-                if inner is not None:
-                    inner()
-                self._grad_ready(gid, out)
-            pending.finish = finish
-            self._reductions.append(pending)
-            # engine.reductions_in_flight stay in flight behind the next groups'
-            # backward; a synchronous one (a world of 1) finishes here.
-            keep = self.cfg.engine.reductions_in_flight
-            while self._reductions and (len(self._reductions) > keep
-                                        or self._reductions[0].work is None):
-                self._reductions.pop(0).wait()
-            if st.active == 0:
-                self._free(st)
         return hook
 
     def _last_micro_step(self) -> bool:
@@ -472,6 +452,18 @@ class OffloadEngine(ModelWeights, GradPartitions, GatheredWeights, nn.Module):
         return Tier.HOST
 
     # -- the user's loop ----------------------------------------------------------------
+    @property
+    def grad_accum_steps(self) -> int:
+        """Backward calls per optimizer step: the configuration's `engine.grad_accum_steps`,
+        fixed at initialize (assigning it raises, where it would be ignored)."""
+        return self.cfg.engine.grad_accum_steps
+
+    @grad_accum_steps.setter
+    def grad_accum_steps(self, value: Any) -> None:
+        raise AttributeError("grad_accum_steps is read from the configuration given to "
+                             "offload.initialize ({'engine': {'grad_accum_steps': N}}, or "
+                             "[engine] grad_accum_steps = N in a file), not set on the engine")
+
     @functools.partial(eager, recursive=False)  # [Note: torch.compile] in units.py
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._check_open()
@@ -502,8 +494,7 @@ class OffloadEngine(ModelWeights, GradPartitions, GatheredWeights, nn.Module):
 
     def _backward(self, loss: torch.Tensor) -> None:
         self._spans.step_begin()  # the model may have been called without the engine
-        if self._backwards == 0:  # what trains is fixed at initialize
-            self.registered.check_trainable(self.module)
+        self.registered.check_trainable(self.module)  # what trains is fixed at initialize
         if self._backwards >= self.cfg.engine.grad_accum_steps:
             raise RuntimeError(f"backward: {self._backwards} backward call(s) since the last "
                                "step(), and engine.grad_accum_steps is "
@@ -651,6 +642,7 @@ class OffloadEngine(ModelWeights, GradPartitions, GatheredWeights, nn.Module):
             self.registered.hide_grads()
             self._after_good_step()
             self.global_step += 1
+            self.weights_version += 1
             self.grad_norm = norm
         self._prefetch_state()
         return True
@@ -790,11 +782,7 @@ class OffloadEngine(ModelWeights, GradPartitions, GatheredWeights, nn.Module):
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
-        if self._opt is not None:
-            self._opt.close()
-        self._warm.clear()
-        self.store.close()
-        self._switch.release()  # the last engine to close restores Python's interval
+        self._owned.release()  # the optimizer, warm memory, store, switch interval
 
     def __enter__(self) -> "OffloadEngine":
         return self

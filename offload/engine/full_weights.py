@@ -87,6 +87,7 @@ def _write_param(engine: "OffloadEngine", g: Group, shard: torch.Tensor, master:
             opt.load_partition_state(g.gid, state)
         with engine.store.modify(key, where) as p:
             p.copy_(shard.to(p.dtype))
+        engine.weights_version += 1  # [Note: a graph of older weights] in engine.py
     finally:
         engine.store.unpin(key)
     if engine._param_tier is Tier.NVME:

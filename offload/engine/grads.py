@@ -5,7 +5,8 @@ between backward and step (or handed to an early update, [Note: early
 update] in engine.py), read for the global norm and by the update, and freed
 once the update read it. A mixin of `OffloadEngine`: it reads the engine's
 store, groups, collectives and configuration, and keeps no state of its own
-beyond the engine's `_has_grad` and `grad_slots`.
+beyond the engine's `_has_grad` and `grad_slots`; `_on_grad` starts each group's
+reduction as backward produces its gradient (the engine's `_reductions`).
 """
 
 from __future__ import annotations
@@ -25,9 +26,48 @@ log = logging.getLogger(__name__)
 
 __all__ = ["GradPartitions"]
 
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
 
 class GradPartitions:
     """Storing, summing, reading and dropping the step's gradient partitions."""
+
+    def _on_grad(self, gid: int, flat: torch.Tensor) -> None:
+        """The post-accumulate-grad hook of group `gid`'s flat weights (it holds neither
+        the engine nor the group: [Note: hooks on tensors hold the engine weakly])."""
+        st = self._states[gid]
+        if not self._in_backward:
+            flat.grad = None
+            self._refuse_plain_backward()
+        grad = flat.grad
+        flat.grad = None
+        if self.comm.world > 1:  # summed across ranks in engine.reduce_dtype
+            full = grad.to(_DTYPES[self.cfg.engine.reduce_dtype])
+            del grad
+            self._rank_order.check_grad(gid)  # [Note: ranks run the same units]
+            self.grad_slots.share(gid, len(st.group.slots))
+            out_dtype = torch.float32
+        else:  # [Note: the gradient's fp32 copy is a record]
+            full, out_dtype = grad, grad.dtype
+            del grad
+        pending, out = self.comm.reduce_scatter_mean(full, async_op=True,
+                                                     out_dtype=out_dtype)
+        inner = pending.finish
+
+        def finish() -> None:
+            if inner is not None:
+                inner()
+            self._grad_ready(gid, out)
+        pending.finish = finish
+        self._reductions.append(pending)
+        # engine.reductions_in_flight stay in flight behind the next groups'
+        # backward; a synchronous one (a world of 1) finishes here.
+        keep = self.cfg.engine.reductions_in_flight
+        while self._reductions and (len(self._reductions) > keep
+                                    or self._reductions[0].work is None):
+            self._reductions.pop(0).wait()
+        if st.active == 0:
+            self._free(st)
 
     def _accumulate(self, gid: int, shard_grad: torch.Tensor) -> None:
         key = ("g", gid)

@@ -141,7 +141,9 @@ class RegisteredParams:
                     f"parameter {name!r}: requires_grad was set to {p.requires_grad} after "
                     f"initialize, which fixed it at {not p.requires_grad} (the step would "
                     "not follow the change); set it back, or freeze and unfreeze before "
-                    "offload.initialize")
+                    "offload.initialize; to change what trains part way (progressive "
+                    "unfreezing), load engine.state_dict() into a fresh model with the new "
+                    "requires_grad and initialize that (Adam's state starts afresh)")
 
 
 def state_entries(module: nn.Module, prefix: str = ""

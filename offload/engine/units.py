@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import weakref
 from dataclasses import dataclass, field, fields, is_dataclass
 from functools import cached_property
 from typing import Any, Callable, Iterable
@@ -282,6 +283,24 @@ NOT_PICKLABLE = (
     "sending it to another process do not work: its weights live in the engine's partitions, not in "
     "the model. Save the weights with engine.save_pretrained(dir) or torch.save(engine.state_dict(), "
     "path) (full weights, on rank 0), or the training state with engine.save_checkpoint(dir)")
+
+
+def weak_hook(owner: Any, method: Callable, *args: Any) -> Callable:
+    """`method(owner, *args, *hook_args)` as a hook on a tensor that holds `owner` weakly.
+
+    [Note: hooks on tensors hold the engine weakly] A hook registered on a tensor
+    that lives as long as the engine (a group's flat parameter) closes a cycle,
+    engine -> tensor -> hook -> engine, that Python's collector cannot see through:
+    torch does not traverse a tensor's hooks while C++ also holds the tensor. An
+    engine dropped without `close()` was then never collected, and its finalizer
+    (which gives back the threads, the buffers and the swap files) never ran. Once
+    the engine is gone the hook does nothing."""
+    ref = weakref.ref(owner)
+
+    def hook(*hook_args: Any) -> Any:
+        obj = ref()
+        return None if obj is None else method(obj, *args, *hook_args)
+    return hook
 
 
 class EngineHook:

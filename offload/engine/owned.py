@@ -1,0 +1,64 @@
+"""What an engine gives back when it is closed, or collected without `close()`.
+
+[Note: an engine dropped without close()] A notebook that builds a second engine
+and drops the first without closing it must get the first one's threads, pinned
+buffers and swap files back, as a file dropped unclosed is closed. The parts below
+refer to nothing that refers to the engine (the store's completion thread holds the
+store, not the engine), so once the user's last reference to the engine, or to its
+model, goes, the engine is collected and a finalizer releases them. The hooks on
+the model's tensors hold the engine weakly for that ([Note: hooks on tensors hold
+the engine weakly] in units.py). What the finalizer leaves alone: communicators
+(destroying a process group is not for a collector's arbitrary moment; a job's
+ranks keep theirs until the process exits) and anything at interpreter exit, where
+the swap space's own finalizer removes the files as before.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+import weakref
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+__all__ = ["Owned"]
+
+
+class Owned:
+    """The engine's threads, optimizer, warm memory, store and switch-interval hold,
+    released once: by `close()` or when the engine is collected unclosed."""
+
+    __slots__ = ("updater", "opt", "warm", "store", "switch", "_finalizer")
+
+    def __init__(self, engine: Any, updater: ThreadPoolExecutor, warm: Any, store: Any,
+                 switch: Any) -> None:
+        self.updater, self.warm, self.store, self.switch = updater, warm, store, switch
+        self.opt: Any = None  # set when the optimizer is attached
+        self._finalizer = weakref.finalize(engine, _collected, self)
+        self._finalizer.atexit = False
+
+    def release(self) -> None:
+        """Releases every part, once (later calls do nothing)."""
+        self._finalizer.detach()
+        _release(self)
+
+
+def _release(owned: Owned) -> None:
+    owned.updater.shutdown(wait=True)
+    if owned.opt is not None:
+        owned.opt.close()
+    owned.warm.clear()
+    owned.store.close()
+    owned.switch.release()  # the last engine to close restores Python's interval
+
+
+def _collected(owned: Owned) -> None:
+    warnings.warn("an offload engine was collected without close(): its threads and swap "
+                  "files are released now; close() it, or use it as a context manager",
+                  ResourceWarning, stacklevel=2)
+    if threading.current_thread().name.startswith("offload-"):
+        # collected on one of the engine's own threads, which cannot wait for itself
+        threading.Thread(target=_release, args=(owned,), name="offload-release",
+                         daemon=True).start()
+    else:
+        _release(owned)
