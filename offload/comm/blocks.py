@@ -54,12 +54,23 @@ class BlockKind(ABC):
         """Raises `ValueError` if `block` cannot be cut over `tp_size` ranks (its heads do
         not split evenly); changes nothing."""
         for path in self.heads:
-            owner, _, attr = path.rpartition(".")
-            mod = _get(block, owner) if owner else block
-            n = getattr(mod, attr)
+            n = self.attribute(block, path)
             if n % tp_size:
                 raise ValueError(f"{self.name} block: {path} = {n} is not a multiple of "
                                  f"tp.size = {tp_size}; heads are split evenly over TP ranks")
+
+    def attribute(self, block: nn.Module, path: str) -> object:
+        """`block`'s attribute at `path` (e.g. `attn.n_head`), one this kind reads to run
+        the block cut; `ValueError` where it is absent: a block that has the layers'
+        names of this kind but is another model's (nanoGPT's blocks have GPT-2's
+        layer names) is refused, never run as this kind."""
+        owner, _, attr = path.rpartition(".")
+        mod = _get(block, owner) if owner else block
+        if mod is None or not hasattr(mod, attr):
+            raise ValueError(f"{type(block).__name__} has the layers of a {self.name} block "
+                             f"but no {path}, which tensor parallelism reads to run it: only "
+                             f"the blocks docs/domino.md lists can be cut")
+        return getattr(mod, attr)
 
     def prepare(self, block: nn.Module, tp_size: int,
                 undo: list[Callable[[], None]] | None = None) -> list[float]:
@@ -91,7 +102,7 @@ class GptBlock(BlockKind):
 
 class LlamaBlock(BlockKind):
     def check(self, block: nn.Module, tp_size: int) -> None:
-        cfg = block.self_attn.config
+        cfg = self.attribute(block, "self_attn.config")
         for key in ("num_attention_heads", "num_key_value_heads"):
             if getattr(cfg, key) % tp_size:
                 raise ValueError(f"Llama block: {key} = {getattr(cfg, key)} is not a multiple "
@@ -105,6 +116,7 @@ class LlamaBlock(BlockKind):
 class Gpt2Block(BlockKind):
     def check(self, block: nn.Module, tp_size: int) -> None:
         super().check(block, tp_size)
+        self.attribute(block, "attn.split_size")  # prepare cuts it with the heads
         if hasattr(block, "crossattention"):
             raise ValueError("GPT-2 block with cross-attention: not supported with tp.size > 1")
 

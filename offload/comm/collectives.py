@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from ..trace import NULL_RECORDER, AsyncToken, TraceRecorder
 
-__all__ = ["Collectives", "Pending", "RankFailedError"]
+__all__ = ["Collectives", "Pending", "RankFailedError", "same_values"]
 
 
 class RankFailedError(RuntimeError):
@@ -213,3 +213,14 @@ class Collectives:
         except Exception as e:
             error = e
         self.agree(error, what)
+
+
+def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal elements, NaN where the other has NaN (what a rank compares with rank 0's
+    weights and buffers after a broadcast: [Note: rank 0's weights])."""
+    if torch.equal(a, b):
+        return True
+    if not a.is_floating_point():
+        return False
+    nan = a.isnan()
+    return torch.equal(nan, b.isnan()) and torch.equal(a[~nan], b[~nan])

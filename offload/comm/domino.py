@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -38,10 +39,12 @@ from torch import nn
 
 from ..trace import NULL_RECORDER, TraceRecorder
 from .blocks import BlockKind, kind_of
-from .collectives import Collectives
+from .collectives import Collectives, same_values
 from .tensor_parallel import ColumnParallel, RowParallel, ShardSpec, check_cut
 
 __all__ = ["DominoBlock", "TensorParallelPlan", "parallelize"]
+
+log = logging.getLogger(__name__)
 
 
 def _split(value: Any, batch: int, pieces: int) -> list[Any]:
@@ -202,9 +205,10 @@ def parallelize(model: nn.Module, tp: Collectives, pieces: int, *,
                 keep_undo: bool = False) -> TensorParallelPlan:
     """Makes every known transformer block of `model` tensor-parallel over `tp`, in
     place: its column and row layers keep this rank's slices, and the block runs
-    as a `DominoBlock` of `pieces` pieces. Raises `ValueError` (naming the layer
-    where one cannot be cut) if it finds no block, a block already cut, or one it
-    cannot cut, and leaves `model` as it was then. `keep_undo`: the plan keeps
+    as a `DominoBlock` of `pieces` pieces, every parameter first set to the TP
+    group's first rank's values (`_weights_from_first_rank`). Raises `ValueError`
+    (naming the layer where one cannot be cut) if it finds no block, a block
+    already cut, or one it cannot cut, and leaves `model` as it was then. `keep_undo`: the plan keeps
     what `undo` needs, the original layers with their full weights, until
     `commit` ([Note: undoing parallelize]); without it they are freed."""
     if any(isinstance(m, DominoBlock) for m in model.modules()):
@@ -219,8 +223,11 @@ def parallelize(model: nn.Module, tp: Collectives, pieces: int, *,
                          "block tensor parallelism knows (GPT-style Block, Llama-style "
                          "decoder layer, GPT-2 block)")
     for name, block, kind in found:  # every refusal before anything changes
-        DominoBlock.check(block)
-        kind.check(block, tp.world)
+        try:
+            DominoBlock.check(block)
+            kind.check(block, tp.world)
+        except ValueError as e:
+            raise ValueError(f"{name}: {e}") from e
         for path, column in [(p, True) for p in kind.columns] + [(p, False) for p in kind.rows]:
             try:
                 check_cut(block.get_submodule(path), column, kind.columns.get(path, 1),
@@ -230,6 +237,7 @@ def parallelize(model: nn.Module, tp: Collectives, pieces: int, *,
     if keep_undo:
         plan.undo_log = []
     try:
+        _weights_from_first_rank(model, tp, plan.undo_log)
         for name, block, kind in found:
             _parallelize_block(plan, model, name, block, kind, recorder)
     except BaseException:  # with keep_undo; else only what the checks cannot foresee
@@ -237,6 +245,37 @@ def parallelize(model: nn.Module, tp: Collectives, pieces: int, *,
             plan.undo()
         raise
     return plan
+
+
+def _weights_from_first_rank(model: nn.Module, tp: Collectives,
+                             undo: list[Callable[[], None]] | None) -> None:
+    """[Note: rank 0's weights] in offload/engine/__init__.py, over the TP group, before
+    the cut: each rank cuts its slices from its own full weights and keeps its own
+    copy of the replicated ones, so ranks that built the model seeded each their own
+    way (`manual_seed(seed + rank)`) would train a model no rank built, with
+    replicated weights that differ between the TP ranks. Every parameter takes the
+    TP group's first rank's values, in place (as DDP does); the data-parallel
+    groups then take their first rank's, so every rank trains from rank 0's
+    weights. A warning names the first parameter that differed."""
+    if tp.world == 1:
+        return
+    first = None
+    for name, p in model.named_parameters():
+        if p.is_meta:  # made from engine.seed, alike on every rank
+            continue
+        got = p.detach().clone()
+        tp.broadcast_first(got)
+        if same_values(got, p.detach()):
+            continue
+        first = first or name
+        if undo is not None:
+            old = p.detach().clone()
+            undo.append(lambda p=p, old=old: p.data.copy_(old))
+        p.data.copy_(got)
+    if first is not None:
+        log.warning("initialize: rank %d's initial weights differ from those of the first "
+                    "rank of its tensor-parallel group (first: %r); every rank trains from "
+                    "rank 0's, as under DDP", tp.rank, first)
 
 
 def _parallelize_block(plan: TensorParallelPlan, model: nn.Module, name: str,

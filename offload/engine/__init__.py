@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from ..comm import Collectives, GatherIssuer
+from ..comm.collectives import same_values
 from ..comm.gather_thread import gather_group
 from ..config import ConfigError, OffloadConfig, load_config
 from ..io import hugepages
@@ -323,8 +324,10 @@ def initialize(model: nn.Module | Callable[[], nn.Module],
                         if id(b) not in moved:
                             moved[id(b)] = b.to(store.device)
                         m._buffers[name] = moved[id(b)]
-            if comm.world > 1 and ckpt is None and resumed is None:
-                _buffers_from_first_rank(comm, model)  # [Note: rank 0's weights]
+            # [Note: rank 0's weights]; buffers are never cut: every rank of the job, TP too
+            everyone = tp.mesh.world if tp is not None else comm
+            if everyone.world > 1 and ckpt is None and resumed is None:
+                _buffers_from_first_rank(everyone, model)
             model.__dict__[_WRAPPED] = True  # [Note: wrapped modules]
             guard_casts(model, engine.dtype, engine.device)
             guard_resize(model)
@@ -388,23 +391,13 @@ def _buffers_from_first_rank(comm: Collectives, model: nn.Module) -> None:
             if id(b) not in done:
                 got = b.clone()
                 comm.broadcast_first(got)
-                done[id(b)] = b if _same_values(got, b) else got
+                done[id(b)] = b if same_values(got, b) else got
                 if first is None and done[id(b)] is got:
                     first = f"{mname}.{name}" if mname else name
             m._buffers[name] = done[id(b)]
     if first is not None:
         log.warning("initialize: rank %d's buffers differ from rank 0's (first: %r); every "
                     "rank uses rank 0's, as under DDP", comm.rank, first)
-
-
-def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Equal elements, NaN where the other has NaN."""
-    if torch.equal(a, b):
-        return True
-    if not a.is_floating_point():
-        return False
-    nan = a.isnan()
-    return torch.equal(nan, b.isnan()) and torch.equal(a[~nan], b[~nan])
 
 
 class _Lineage:

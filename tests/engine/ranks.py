@@ -33,3 +33,23 @@ def spawn(worker: Callable, init_file: str, *args: object, world: int = 2) -> No
     one fails."""
     mp.start_processes(worker, args=(world, init_file, *args), nprocs=world, join=True,
                        start_method="spawn")
+
+
+def run_cases(cases: dict[str, Callable[[], object]], out: str) -> None:
+    """Runs each case on this rank and saves {name: its result, or {"crash": repr}} to
+    `out`: one case's crash fails its test only."""
+    results: dict[str, object] = {}
+    for name, case in cases.items():
+        try:
+            results[name] = case()
+        except Exception as e:  # noqa: BLE001
+            results[name] = {"crash": repr(e)}
+    torch.save(results, out)
+
+
+def spawn_cases(worker: Callable, d: str, world: int = 2) -> list:
+    """Runs worker(rank, world, init_file, out) on `world` processes (each calling
+    `run_cases(..., f"{out}.{rank}")`) and returns each rank's results."""
+    out = f"{d}/out"
+    spawn(worker, f"{d}/init", out, world=world)
+    return [torch.load(f"{out}.{r}") for r in range(world)]

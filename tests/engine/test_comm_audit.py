@@ -16,7 +16,7 @@ from torch import nn
 import offload
 from offload.config import ConfigError
 
-from .ranks import process_group, spawn
+from .ranks import process_group, run_cases, spawn_cases
 from .models import lm_loss
 from .test_domino import VOCAB, _batches, _config, _logits, _model
 
@@ -198,21 +198,12 @@ def _worker(rank: int, world: int, init_file: str, out: str) -> None:
                  "undo": lambda: _case_undo(d),
                  "save_pretrained": lambda: _case_save_pretrained(d, rank),
                  "checkpointing": lambda: _case_checkpointing(d)}
-        results = {}
-        for name, case in cases.items():  # one case's crash fails its test only
-            try:
-                results[name] = case()
-            except Exception as e:  # noqa: BLE001
-                results[name] = {"crash": repr(e)}
-        torch.save(results, f"{out}.{rank}")
+        run_cases(cases, f"{out}.{rank}")
 
 
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory) -> list:
-    d = tmp_path_factory.mktemp("comm-audit")
-    out = str(d / "out")
-    spawn(_worker, str(d / "init"), out)
-    return [torch.load(f"{out}.{r}") for r in range(2)]
+    return spawn_cases(_worker, str(tmp_path_factory.mktemp("comm-audit")))
 
 
 def test_uncuttable_width_leaves_model_as_it_was(outcomes):
