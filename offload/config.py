@@ -89,11 +89,15 @@ def parse_bytes(value: int | str, key: str = "size", *, whole: bool = False) -> 
     return n
 
 
-def format_bytes(n: float) -> str:
-    """Formats a byte count with a binary unit, e.g. 1536 -> '1.5 KiB'."""
+def format_bytes(n: float, up: bool = False) -> str:
+    """Formats a byte count with a binary unit, e.g. 1536 -> '1.5 KiB'. `up`: rounded up
+    to the tenth, not to the nearest (what a fix asks for must be at least what is
+    needed: 1 MiB + 8 KiB is "1.1 MiB", not the "1.0 MiB" just refused)."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+            if unit == "B":
+                return f"{math.ceil(n) if up else n:.0f} {unit}"
+            return f"{math.ceil(n * 10) / 10 if up else n:.1f} {unit}"
         n /= 1024
     raise AssertionError("unreachable")
 

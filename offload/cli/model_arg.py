@@ -108,6 +108,11 @@ def model_spec(args: argparse.Namespace) -> ModelSpec:
         raise UsageError(f"MODEL: {text!r} is neither an existing config file or directory nor "
                          "module:function; give e.g. ./config.json or mymodels:build")
     mod_name, fn_name = text.split(":")
+    if mod_name.endswith(".py") or os.sep in mod_name:  # a file's path, not a module's name
+        where, name = os.path.split(mod_name[:-3] if mod_name.endswith(".py") else mod_name)
+        raise UsageError(f"MODEL: {mod_name!r} is a file's path, not a module's name; give "
+                         f"{name}:{fn_name}" + (f" with PYTHONPATH={where}" if where else "")
+                         + " (module:function, as python -m names a module)")
     if "" not in sys.path and os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())  # as `python -m` would find the user's module
     try:
@@ -186,9 +191,13 @@ def example_batch(model: Any, spec: ModelSpec, device: Any) -> tuple[dict, Calla
 
     first = next((m for m in model.modules() if isinstance(m, (nn.Embedding, nn.Linear))),
                  None)
-    if spec.source == "hf" or isinstance(first, nn.Embedding):
-        ids = _zeros(spec, (spec.batch, spec.seq or DEFAULT_SEQ), torch.long, device)
-        if spec.source == "hf":
+    hf = spec.source == "hf" or _is_hf_model(model)
+    if hf or isinstance(first, nn.Embedding):
+        seq = spec.seq or DEFAULT_SEQ
+        if hf and spec.source != "hf":  # a function's Hugging Face model: its context
+            seq = _hf_seq(model.config.to_dict(), spec.seq) or DEFAULT_SEQ
+        ids = _zeros(spec, (spec.batch, seq), torch.long, device)
+        if hf:
             return {"input_ids": ids, "labels": ids}, lambda out: out.loss
         return {"input": ids}, lambda out: out.float().square().mean()
     if first is None:
@@ -198,6 +207,13 @@ def example_batch(model: Any, spec: ModelSpec, device: Any) -> tuple[dict, Calla
         (spec.batch, first.in_features)
     return {"input": _zeros(spec, shape, torch.float32, device)}, \
         lambda out: out.float().square().mean()
+
+
+def _is_hf_model(model: Any) -> bool:
+    """A transformers model (what a `module:function` may return as well as a config
+    names): it takes input_ids and labels and returns its loss, not a tensor."""
+    transformers = sys.modules.get("transformers")  # imported by whoever built it
+    return transformers is not None and isinstance(model, transformers.PreTrainedModel)
 
 
 def _zeros(spec: ModelSpec, shape: tuple, dtype: Any, device: Any) -> Any:

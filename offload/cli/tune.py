@@ -43,6 +43,7 @@ from .tune_probe import MachineProbe, probe_adam, probe_copy, probe_disk, probe_
 __all__ = ["add_arguments", "calibration_picks", "run", "tune", "to_toml", "write_config"]
 
 MiB, GiB = 1 << 20, 1 << 30
+DEFAULT_HOST, DEFAULT_DEVICE = 16 * GiB, 4 * GiB  # budgets where the machine has the memory
 UNIT_OVERHEAD_S = 5e-4  # hooks and the gather's bookkeeping per unit use (see docs/tuning.md)
 CHUNK_OVERHEAD_S = 5e-4  # per optimizer chunk streamed from NVMe (see docs/tuning.md)
 # [Note: the time budget] in docs/tuning.md: the fraction of --minutes after which each
@@ -166,13 +167,33 @@ def config_of(scored, spec, swap: str, device: str) -> dict[str, Any]:
     return keys
 
 
+def _toml_value(v: Any) -> str:
+    """A scalar or list as TOML. Strings are written by hand: JSON's escapes of a
+    character beyond the BMP are a surrogate pair, which TOML refuses (a swap path
+    with such a character made a file that does not load), and JSON leaves DEL raw."""
+    if isinstance(v, str):
+        return '"' + "".join(_toml_char(c) for c in v) + '"'
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    return json.dumps(v)  # numbers and booleans are written the same
+
+
+def _toml_char(c: str) -> str:
+    """One character of a TOML basic string."""
+    if c in '"\\':
+        return "\\" + c
+    if ord(c) < 0x20 or ord(c) == 0x7F:  # the control characters TOML wants escaped
+        return f"\\u{ord(c):04X}"
+    return c  # any other character (printable or not) may stand as itself
+
+
 def to_toml(cfg: dict[str, Any], header: str = "") -> str:
     """A configuration dict (sections of scalars and lists) as TOML text."""
     lines = [f"# {line}" for line in header.splitlines()]
     for section, values in cfg.items():
         lines += ["", f"[{section}]"]
         for k, v in values.items():
-            lines.append(f"{k} = {json.dumps(v)}")  # JSON scalars/lists of these are TOML
+            lines.append(f"{k} = {_toml_value(v)}")
     return "\n".join(lines).lstrip("\n") + "\n"
 
 
@@ -204,10 +225,11 @@ def tune(args: argparse.Namespace, quiet: bool = False,
                          "(torch.cuda.is_available() is False); give --device cpu, or run "
                          "where a GPU is visible")
     t0 = time.perf_counter() if t0 is None else t0
-    budgets = Budgets(args.host_budget, args.device_budget)
+    budgets = default_budgets(args.host_budget, args.device_budget, device)
     space = Space(state_dtypes=tuple(args.state_dtype))
     # a batch the model cannot take fails here: before the bars, and before --swap is made
     base = measure_model(spec, EngineConfig().group_size)
+    check_memory_budgets(budgets, device)
     os.makedirs(args.swap, exist_ok=True)
     with _bar(quiet) as progress:
         sizes = group_sizes(base.params, args.group_sizes)
@@ -255,6 +277,54 @@ def tune(args: argparse.Namespace, quiet: bool = False,
             "seconds": time.perf_counter() - t0, "torch": torch.__version__}
 
 
+def physical_memory() -> int | None:
+    """Bytes of the machine's memory (all of it, not what is free now), or None where
+    that cannot be read."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def default_budgets(host: int | None, dev: int | None, device: str) -> Budgets:
+    """The budgets given, and for those not given 16 GiB of host and 4 GiB of device
+    tier, or half and an eighth of a smaller machine's memory (on a CPU device both
+    tiers are host memory; on a GPU the device tier defaults to 4 GiB)."""
+    ram = physical_memory()
+    if host is None:
+        host = DEFAULT_HOST if ram is None else min(DEFAULT_HOST, ram // 2 // 4096 * 4096)
+    if dev is None:
+        dev = DEFAULT_DEVICE if ram is None or device != "cpu" else min(
+            DEFAULT_DEVICE, ram // 8 // 4096 * 4096)
+    return Budgets(host, dev)
+
+
+def check_memory_budgets(budgets: Budgets, device: str) -> None:
+    """Refuses budgets the machine cannot hold (`UsageError`): the search would put the
+    training state in memory that is not there, and the written configuration would
+    run out of memory instead of streaming from NVMe. On a CPU device both tiers are
+    host memory; on a GPU the device tier is the GPU's."""
+    import torch
+
+    ram = physical_memory()
+    if ram is not None:
+        if budgets.host > ram:
+            raise UsageError(f"--host-budget: {format_bytes(budgets.host)} is more than this "
+                             f"machine's memory ({format_bytes(ram)}); give at most "
+                             f"{format_bytes(ram)}, less what else runs here")
+        if device == "cpu" and budgets.host + budgets.device > ram:
+            raise UsageError(f"--host-budget and --device-budget: together "
+                             f"{format_bytes(budgets.host + budgets.device)}, more than this "
+                             f"machine's memory ({format_bytes(ram)}), which holds both tiers "
+                             "on a CPU device; lower them to at most that together")
+    if device.startswith("cuda") and torch.cuda.is_available():
+        gpu = torch.cuda.get_device_properties(torch.device(device)).total_memory
+        if budgets.device > gpu:
+            raise UsageError(f"--device-budget: {format_bytes(budgets.device)} is more than "
+                             f"the GPU's memory ({format_bytes(gpu)}); give at most "
+                             f"{format_bytes(gpu)}, less activations and workspace")
+
+
 def compressed_offers(best, shapes: list[StepShape], budgets: Budgets, machine: Machine,
                       space: Space, gain: float = 0.95) -> list[dict[str, Any]]:
     """The best configuration again with its Adam moments in each form the search was
@@ -289,8 +359,8 @@ def _shortfall(shapes: list[StepShape], budgets: Budgets, device: str, free: int
 def _impossible(miss: dict[str, int], budgets: Budgets) -> None:
     flags = {"host": "--host-budget", "device": "--device-budget", "nvme": "--swap"}
     parts = [f"{tier}: {format_bytes(n)} missing" for tier, n in miss.items()]
-    fixes = [f"raise {flags[t]} to at least {format_bytes(getattr(budgets, t) + n)}"
-             if t != "nvme" else f"give --swap on a disk with {format_bytes(n)} more free"
+    fixes = [f"raise {flags[t]} to at least {format_bytes(getattr(budgets, t) + n, up=True)}"
+             if t != "nvme" else f"give --swap on a disk with {format_bytes(n, up=True)} more free"
              for t, n in miss.items()]
     if not miss:
         parts, fixes = ["no configuration of the search space fits"], ["raise --host-budget"]
@@ -501,11 +571,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_arguments(p)
     p.add_argument("--swap", required=True, type=directory("swap directory on the NVMe"),
                    help="directory for swap files (probed, and written into the config)")
-    p.add_argument("--host-budget", type=byte_size(4096, example="16GiB"), default=16 * GiB,
+    p.add_argument("--host-budget", type=byte_size(4096, example="16GiB"), default=None,
                    help="host memory offload may use per rank: store, host optimizer state "
-                   "and I/O buffers (default 16GiB)")
-    p.add_argument("--device-budget", type=byte_size(4096, example="4GiB"), default=4 * GiB,
-                   help="the device tier per rank (default 4GiB)")
+                   "and I/O buffers (default 16GiB, or half the memory of a smaller machine)")
+    p.add_argument("--device-budget", type=byte_size(4096, example="4GiB"), default=None,
+                   help="the device tier per rank (default 4GiB, or an eighth of a smaller "
+                   "machine's memory on a CPU device)")
     p.add_argument("--device", choices=("cpu", "cuda"), default=None,
                    help="compute device (default: cuda where visible, else cpu)")
     p.add_argument("--minutes", type=number(0, above=True, example=3), default=3.0,
