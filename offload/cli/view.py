@@ -11,6 +11,7 @@ replaced) is one line on stderr and exit code 2.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import webbrowser
 from pathlib import Path
@@ -42,7 +43,8 @@ def run(args: argparse.Namespace) -> int:
         return _fail("-o: an empty name; give the report's file name, e.g. -o run.html, or "
                      "leave -o out to write it beside the first trace")
     out = Path(args.output) if args.output is not None else default_report_path(args.traces[0])
-    problem = _bad_output(out)
+    problem = _bad_output(out, dir_named=args.output is not None
+                          and args.output.endswith(("/", os.sep)))
     if problem:
         return _fail(problem)
     try:
@@ -52,6 +54,10 @@ def run(args: argparse.Namespace) -> int:
     except OSError as e:
         return _fail(f"{out}: cannot write the report ({e.strerror or e}); name a place "
                      "that can be written with -o")
+    except MemoryError:  # drawing the traces, after each was read
+        return _fail(f"{', '.join(args.traces)}: too large to draw in the memory this process "
+                     "may use; record fewer steps, or view them where there is more memory "
+                     "(nothing was written)")
     print(path)
     if args.open and not open_in_browser(path):
         print("offload view: no browser found here; open the file above in one",
@@ -59,9 +65,14 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _bad_output(out: Path) -> str | None:
+def _bad_output(out: Path, dir_named: bool = False) -> str | None:
+    """What is wrong with writing the report to ``out``; ``dir_named``: the name given
+    ends with a slash, so it names a directory (Path drops the slash)."""
     if out.is_dir():
         return f"{out}: is a directory; give -o a file name such as {out / 'report.html'}"
+    if dir_named:
+        return (f"{out}{os.sep}: names a directory, which does not exist; give -o a file "
+                f"name such as {out / 'report.html'} (its directory must exist)")
     parent = out.parent if str(out.parent) else Path(".")
     if parent.exists() and not parent.is_dir():
         return f"{out}: {parent} is not a directory"

@@ -23,11 +23,16 @@ if WS_WHY:
 RENDERED = "document.documentElement.dataset.rendered === 'true'"
 
 
-@pytest.fixture(scope="module")
-def browser():
+def start_browser() -> HeadlessChromium:
+    """A started Chromium; skips the test, saying why, where it does not start."""
     try:
-        b = HeadlessChromium.start(CHROMIUM)
+        return HeadlessChromium.start(CHROMIUM)
     except BrowserError as e:
         pytest.skip(f"Chromium is installed but does not start here: {e}")
+
+
+@pytest.fixture(scope="module")
+def browser():
+    b = start_browser()
     yield b
     b.close()

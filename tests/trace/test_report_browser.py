@@ -25,6 +25,7 @@ import pytest
 
 
 from .browser import RENDERED, browser  # noqa: F401 (a fixture)
+from .facts import prefetch_outcomes
 
 pytestmark = pytest.mark.browser
 
@@ -126,20 +127,7 @@ class TraceFacts:
         """In time / late / on demand / resident per use, by the rule in docs/trace.md."""
         fetches = [(b["args"]["key"], b["ts"], e["ts"], b["args"]["steps"])
                    for b, e in self.transfers("fetch", "fetch")]
-        counts = {"in time": 0, "late": 0, "on demand": 0, "resident": 0}
-        previous = {}
-        for u in sorted(self.spans(name="wait:gather"), key=lambda e: e["ts"]):
-            key, start, end = u["args"]["key"], u["ts"], u["ts"] + u["dur"]
-            after = previous.get(key, float("-inf"))
-            previous[key] = end
-            ahead = [f for f in fetches if f[0] == key and after <= f[1] < start and f[3]]
-            if ahead:
-                counts["in time" if max(ahead, key=lambda f: f[1])[2] <= start else "late"] += 1
-            elif any(f[0] == key and start <= f[1] <= end and f[3] for f in fetches):
-                counts["on demand"] += 1
-            else:
-                counts["resident"] += 1
-        return counts
+        return prefetch_outcomes(self.spans(name="wait:gather"), fetches)
 
 
 def dom(page, expression):
