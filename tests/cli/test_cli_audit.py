@@ -11,6 +11,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 OFFLOAD = [sys.executable, "-m", "offload.cli.main"]
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -83,6 +85,7 @@ BROKEN = textwrap.dedent("""
     """)
 
 
+@pytest.mark.slow  # real steps of every candidate: the default suite's time
 def test_tune_fails_when_every_real_step_fails(tmp_path):
     """Every calibration run raised: tune wrote an uncalibrated configuration of a model
     that cannot train, with exit code 0 and not a word about it."""

@@ -122,7 +122,8 @@ def _diverging_worker(rank: int, world: int, init_file: str, out: str, cfg: dict
         engine.close()
 
 
-@pytest.mark.parametrize("params,optimizer", [("device", "host"), ("nvme", "nvme")])
+@pytest.mark.parametrize("params,optimizer", [pytest.param("device", "host", marks=pytest.mark.slow),
+                                              ("nvme", "nvme")])
 def test_ranks_running_different_modules_raise_instead_of_hanging(tmp_path, engine_cfg, params,
                                                                   optimizer):
     """Rank 0 runs `b` (its own unit), rank 1 does not: both raise, naming the unit,

@@ -608,7 +608,7 @@ def _generate_worker(rank, world, init_file, tmp, prompts, eos, via):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("via", ["engine", "module"])
+@pytest.mark.parametrize("via", [pytest.param("engine", marks=pytest.mark.slow), "module"])
 def test_generate_on_two_ranks_where_one_finishes_first(tmp_path, via):
     """Each rank generates from its own prompt; rank 0's first token is the EOS. Under
     DeepSpeed ZeRO-3 or FSDP transformers sets `synced_gpus` so finished ranks keep

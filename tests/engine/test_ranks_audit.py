@@ -153,7 +153,8 @@ def _rank0_only_worker(rank: int, world: int, init_file: str, d: str, what: str)
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("what", ["state_dict", "save_pretrained", "full_weights"])
+@pytest.mark.parametrize("what", ["state_dict", pytest.param("save_pretrained", marks=pytest.mark.slow),
+                                  pytest.param("full_weights", marks=pytest.mark.slow)])
 def test_weights_read_on_rank_zero_only_raise_on_both_ranks(tmp_path, what):
     """Under DDP `if rank == 0: torch.save(model.state_dict())` works; here the read is a
     collective. It used to pair rank 0's all-gathers with rank 1's next forward and
@@ -183,7 +184,7 @@ def _parity_worker(rank: int, world: int, init_file: str, d: str, place: str, cl
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("place", ["host", "nvme"])
+@pytest.mark.parametrize("place", [pytest.param("host", marks=pytest.mark.slow), "nvme"])
 def test_uneven_accumulated_micro_batches_with_groups_schedule_and_clipping_match_ddp(
         tmp_path, place):
     clip = 0.05  # below every step's norm: each step clips
@@ -215,6 +216,7 @@ def _checkpoint_worker(rank: int, world: int, init_file: str, d: str, mode: str)
         dist.destroy_process_group()
 
 
+@pytest.mark.slow  # the default suite's time: test_checkpoint_reshard covers 2 -> 1 ranks
 def test_two_rank_checkpoint_continues_on_two_ranks_and_on_one(tmp_path):
     d = str(tmp_path)
     for mode, world in [("save", 2), ("two", 2), ("one", 1)]:
