@@ -154,6 +154,7 @@ class OffloadEngine(ModelWeights, GradPartitions, GatheredWeights, nn.Module):
         # [Note: Ctrl-C at a safe point] in interrupts.py
         self._interrupts = SafeInterrupts(self._interrupted_twice)
         self._broken: str | None = None
+        self._input_pass: int | None = None  # [Note: gradients of the inputs] in gathering.py
         self.param_group_of: dict[tuple[int, int], int] = {}  # (gid, slot) -> optimizer group
         self.grad_slots = GradSlots(comm)  # [Note: parameters without a gradient]
         self._hooks: list[Any] = []
@@ -293,12 +294,11 @@ class OffloadEngine(ModelWeights, GradPartitions, GatheredWeights, nn.Module):
                 "a backward through the engine's model ran outside engine.backward() (e.g. "
                 "loss.backward()); call engine.backward(loss) instead: it counts the "
                 "micro-step for engine.grad_accum_steps, scales the loss for fp16 and waits "
-                "for the gradients' reduction. torch.autograd.grad through the model "
-                "(gradients of the inputs) is not supported (docs/model.md, Limits)")
+                "for the gradients' reduction. torch.autograd.grad of the inputs through "
+                "the model works; of the weights, use engine.backward")
 
     def _make_pre_backward(self, unit: Unit, version: int) -> Callable:
         def hook(grad: torch.Tensor) -> None:
-            self._refuse_plain_backward()
             if version != self.weights_version:  # [Note: a graph of older weights]
                 raise RuntimeError(
                     f"backward: the forward of {unit.name or 'the model'} ran before the "
@@ -306,6 +306,9 @@ class OffloadEngine(ModelWeights, GradPartitions, GatheredWeights, nn.Module):
                     "since), so its gradient would mix the old activations with the new "
                     "weights; run the forward again after the change (torch refuses such a "
                     "graph too: its saved weights were modified in place)")
+            if not self._in_backward:  # [Note: gradients of the inputs] in gathering.py
+                self._input_gradient_pass(unit)
+                return
             self._interrupts.safe_point()  # [Note: Ctrl-C at a safe point] in interrupts.py
             # once per unit and backward: the hook fires for each output with a gradient,
             # and that number may differ between ranks; only the first gathers

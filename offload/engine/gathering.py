@@ -208,3 +208,38 @@ class GatheredWeights:
             except BudgetExceededError as e:  # no room now: the use fetches on demand
                 log.debug("prefetch of group %d skipped: %s", gid, e)
                 return
+
+    def _input_gradient_pass(self, unit) -> None:
+        """[Note: gradients of the inputs] A unit's backward that `engine.backward()` did
+        not start. `torch.autograd.grad(loss, inputs)` (adversarial examples,
+        saliency) runs the units' backward but no parameter's `AccumulateGrad`: the
+        unit's weights are gathered as for a backward, no micro-step is counted, no
+        gradient is reduced, and what was gathered is freed when autograd's pass
+        ends (a callback queued on it). A pass that would accumulate a parameter's
+        gradient (`loss.backward()`, or `autograd.grad` of the weights) is refused
+        before anything is gathered, as is `create_graph=True` (a gradient penalty's
+        second backward would read weights freed after the first)."""
+        trainable = [st.flat for st in self._states if st.flat.requires_grad]
+        if any(torch._C._will_engine_execute_node(
+                torch.autograd.graph.get_gradient_edge(flat).node) for flat in trainable):
+            self._refuse_plain_backward()
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                "torch.autograd.grad(..., create_graph=True) through the model (a gradient "
+                "penalty) is not supported: the second backward would need the weights "
+                "the first one gathered; torch.autograd.grad without create_graph (input "
+                "gradients: adversarial examples, saliency) is")
+        task = torch._C._current_graph_task_id()
+        if self._input_pass != task:  # once per pass: free its gathers at its end
+            self._input_pass = task
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_input_pass)
+        for gid in unit.needs:
+            st = self._states[gid]
+            if not st.gathered:
+                self._gather(st)
+            if not self._bound(st):
+                self._bind(st)
+
+    def _end_input_pass(self) -> None:
+        self._input_pass = None
+        self._release_gathered()
