@@ -364,13 +364,15 @@ def _outermost(spans: list[Span]) -> list[Span]:
 
 def steps_of(rt: RankTrace) -> list[Step]:
     """The rank's steps: its ``step`` spans, else the extent of the phase spans
-    (forward, backward, optimizer step), else the extent of the whole trace. A
-    ``step`` span inside another (the engine's own, inside a loop's mark) is not a
+    (forward, backward, optimizer step), else the extent of the whole trace; one
+    whose span holds an ``error`` is labelled failed, with it. A ``step`` span
+    inside another (the engine's own, inside a loop's mark) is not a
     step of its own: the outer one, the loop's, names it."""
     marked = _outermost([s for s in rt.spans if s.name == "step" and s.cat == "compute"])
-    if marked:
-        return [Step(f"step {s.args.get('step', i + 1)}", s.start, s.end)
-                for i, s in enumerate(marked)]
+    if marked:  # a step that failed says so: its retry has the same number
+        return [Step(f"step {s.args.get('step', i + 1)}"
+                     + (f" (failed: {s.args['error']})" if s.args.get("error") else ""),
+                     s.start, s.end) for i, s in enumerate(marked)]
     phases = [s for s in rt.spans if s.name in PHASES and s.cat == "compute"]
     lo, hi = ((min(s.start for s in phases), max(s.end for s in phases)) if phases
               else rt.extent())

@@ -330,3 +330,16 @@ def test_values_json_allows_but_a_trace_should_not_have_are_ignored(tmp_path: Pa
     assert data["occupancy"][0]["series"][0]["budget"] is None
     assert data["summary"][0]["steps"][0]["nvme_read"] == 0
     assert data["summary"][0]["disk"] == {} and data["summary"][0]["reference_step_s"] is None
+
+
+def test_a_failed_step_and_its_retry_are_told_apart(tmp_path: Path) -> None:
+    """A step that failed and the retry of its micro-batches carry one number; the
+    failed one's card says it failed, and with what."""
+    rec = _recorder()
+    rec.complete("step", 0, 1_000_000, cat="compute", track="compute",
+                 args={"step": 3, "error": "StepFailedError"})
+    rec.complete("step", 2_000_000, 3_000_000, cat="compute", track="compute",
+                 args={"step": 3})
+    path = write_chrome_trace(tmp_path / "retry.trace.json", rec)
+    (rt,) = parse_trace(load_chrome_trace(path), str(path))
+    assert [s.label for s in steps_of(rt)] == ["step 3 (failed: StepFailedError)", "step 3"]
