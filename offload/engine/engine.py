@@ -748,8 +748,12 @@ class OffloadEngine(ModelWeights, GradPartitions, GatheredWeights, nn.Module):
 
     def wait_for_checkpoint(self, *, raise_error: bool = True) -> None:
         """Waits for a save in the background to end; raises its error (with
-        `raise_error=False`, as `step()` waits, logs it: the save's handle keeps it)."""
-        saving, self._saving = self._saving, None
+        `raise_error=False`, as `step()` waits, logs it: the save's handle keeps it).
+
+        A wait cut short (Ctrl-C) leaves the save the engine's: the save still
+        reads the store and the optimizer, so `close()` and the calls that change
+        the state wait for it again."""
+        saving = self._saving
         if saving is None:
             return
         t0 = time.perf_counter()
@@ -766,6 +770,9 @@ class OffloadEngine(ModelWeights, GradPartitions, GatheredWeights, nn.Module):
             if raise_error:
                 raise
             log.error("checkpoint %s failed (training goes on): %s", saving.path, e)
+        finally:
+            if saving.done():  # ended, with or without an error: the engine is done with it
+                self._saving = None
     # -- checkpoints -- end
 
     def close(self) -> None:

@@ -73,6 +73,7 @@ import json
 import logging
 import math
 import os
+import re
 import shutil
 import threading
 import time
@@ -511,7 +512,7 @@ class _SaveJob:
                 shutil.rmtree(self.tmp, ignore_errors=True)
             if isinstance(e, CheckpointError):
                 raise
-            code = getattr(e, "errno", None)
+            code = _errno_of(e)
             fix = ("free disk space or save elsewhere; " if code in (errno.ENOSPC, errno.EDQUOT)
                    else "save to a directory this process may write; "
                    if code in (errno.EROFS, errno.EACCES, errno.EPERM) else "")
@@ -543,6 +544,13 @@ class _SaveJob:
                 futs.append(((kind, name), _ts().open(
                     _spec(tmp, kind, name, tuple(t["shape"]), dtype, self.comm.world),
                     create=True, context=context)))
+        # every open ends before the first error is raised: one still creating its
+        # array's files after the failed save removed the partial directory would
+        # leave it behind
+        errors = [f.exception() for _key, f in futs]
+        first = next((e for e in errors if e is not None), None)
+        if first is not None:
+            raise first
         return {key: f.result() for key, f in futs}
 
     def _run(self) -> None:
@@ -602,6 +610,16 @@ class _SaveJob:
             except OSError as e:  # the save stands: only the clean-up of older ones failed
                 log.warning("checkpoint %s was saved, but removing older checkpoints of %s "
                             "(engine.keep_checkpoints=%d) failed: %s", path, parent, keep, e)
+
+
+def _errno_of(e: BaseException) -> int | None:
+    """The errno of a save's failure: an OSError's own, or the one tensorstore names in
+    its message (`[os_error_code='28']`: a full disk met while it creates an array)."""
+    code = getattr(e, "errno", None)
+    if code is None:
+        found = re.search(r"os_error_code='(\d+)'", str(e))
+        code = int(found.group(1)) if found else None
+    return code
 
 
 def _keys_not_strings(value: Any) -> list[Any]:

@@ -174,10 +174,17 @@ class MoveExecutor:
 
     def _held_elsewhere(self, tiers: Iterable[Tier]) -> bool:
         """True when another thread pins, or holds in a `modify` block, a copy in one of
-        `tiers`: it will give it back, so a reservation waits for it rather than fail.
-        (Pins of the calling thread never count: waiting for them would never end.)"""
+        `tiers` or in a memory tier below one: it will give it back, so a reservation
+        waits for it rather than fail. (Pins of the calling thread never count: waiting
+        for them would never end.)
+
+        [Note: room below] A dirty victim in DEVICE leaves only by a write down to
+        HOST, which needs room there: where another thread pins that room (a
+        checkpoint save in the background reading a partition in HOST), making room
+        in DEVICE waits for the pin to come back as it waits for a pin in DEVICE."""
         me = threading.get_ident()
         tiers = set(tiers)
+        tiers |= {t.lower for t in tiers if t.lower is not None and t.lower is not Tier.NVME}
         for key, rec in self._records.items():
             if not tiers & set(rec.copies):
                 continue
