@@ -21,6 +21,8 @@ from torch import nn
 import offload
 from offload.cli.main import main
 
+from .disks import fill
+
 
 class LongNames(nn.Module):
     """Small layers under long names: an index of several file-system blocks, so some
@@ -38,27 +40,6 @@ class LongNames(nn.Module):
         return x
 
 
-def _fill(mnt: Path, free_blocks: int) -> None:
-    """Leaves about `free_blocks` blocks free on `mnt`, with one file of zeros."""
-    fill = mnt / "fill"
-    fill.unlink(missing_ok=True)
-    os.sync()  # blocks freed by the journal's last transaction count only once committed
-    st = os.statvfs(mnt)
-    n = st.f_bavail - free_blocks
-    while n > 0:
-        fd = os.open(fill, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-        try:
-            os.posix_fallocate(fd, 0, n * st.f_frsize)
-            break
-        except OSError as e:  # the fill's own extent blocks did not fit: a little less
-            if e.errno != errno.ENOSPC:
-                raise
-            n -= 1
-        finally:
-            os.close(fd)
-    os.sync()
-
-
 def _blocks(files: list[Path], block: int) -> int:
     return sum(-(-f.stat().st_size // block) for f in files)
 
@@ -68,7 +49,7 @@ def _sweep(mnt: Path, need: int, attempt) -> list[str]:
     to the first that succeeds (attempt returns None) and returns the errors seen."""
     errors = []
     for free in range(need // 2, need + 64):
-        _fill(mnt, free)
+        fill(mnt, free)
         error = attempt()
         if error is None:
             (mnt / "fill").unlink()
@@ -139,7 +120,7 @@ def test_cli_export_full_disk_no_traceback(tmp_path, engine_cfg, small_fs):
     with _engine(tmp_path, engine_cfg) as e:
         e.save_checkpoint(tmp_path / "ck")
     mnt = Path(small_fs(16))
-    _fill(mnt, 8)
+    fill(mnt, 8)
     out = mnt / "out"
     cmd = [sys.executable, "-m", "offload.cli.main", "checkpoint", "export",
            str(tmp_path / "ck"), "--to", str(out), "--shard-size", "4KB"]

@@ -6,8 +6,6 @@ and closing, saving again, a failed step and a full disk while a save is in
 flight neither hang nor change a number. Real swap files, real threads; the save
 is slowed (each chunk it starts) so that it overlaps the next forward and backward."""
 
-import errno
-import os
 import shutil
 import signal
 import threading
@@ -20,6 +18,8 @@ from torch import nn
 
 import offload
 from offload.engine.checkpoint_chunks import ChunkFiles
+
+from .disks import fill
 
 WAIT = 60.0  # seconds: a save not done by then is hung
 
@@ -270,27 +270,6 @@ def test_a_step_abandoned_while_a_save_is_in_flight_changes_neither(tmp_path, sl
         _assert_identical(_state(r), want)
 
 
-def _fill(mnt: Path, free_blocks: int) -> None:
-    """Leaves about `free_blocks` blocks free on `mnt`, with one file of zeros."""
-    fill = mnt / "fill"
-    fill.unlink(missing_ok=True)
-    os.sync()
-    st = os.statvfs(mnt)
-    n = st.f_bavail - free_blocks
-    while n > 0:
-        fd = os.open(fill, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-        try:
-            os.posix_fallocate(fd, 0, n * st.f_frsize)
-            break
-        except OSError as e:
-            if e.errno != errno.ENOSPC:
-                raise
-            n -= 1
-        finally:
-            os.close(fd)
-    os.sync()
-
-
 def _save_onto_a_filling_disk(tmp_path, small_fs, free_blocks: list[int]):
     """A background save onto a disk with `free` blocks left, for each amount: it is
     published whole or fails on its handle (ENOSPC, its partial directory gone);
@@ -302,7 +281,7 @@ def _save_onto_a_filling_disk(tmp_path, small_fs, free_blocks: list[int]):
     with offload.initialize(_model(), _cfg(tmp_path / "a", *PLACE)) as a:
         _train(a, xs[:2])
         for i, free in enumerate(free_blocks):
-            _fill(disk, free)
+            fill(disk, free)
             want = _state(a)
             ck = disk / "ck" / f"s{i}"
             h = a.save_checkpoint(ck, blocking=False)
