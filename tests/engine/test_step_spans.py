@@ -55,7 +55,8 @@ def test_each_step_is_one_span_holding_its_micro_batches(engine_cfg):
         assert [sum(t0 <= b0 and b1 <= t1 for b0, b1, _ in spans)
                 for t0, t1, _ in steps] == each, name
     (rt,) = parse_trace(to_chrome_trace(rec))
-    assert [s.label for s in steps_of(rt)] == ["step 1", "step 2", "step 3", "step 3"]
+    assert [s.label for s in steps_of(rt)] == ["step 1", "step 2", "step 3 (failed: ValueError)",
+                                              "step 3"]
 
 
 def test_a_loops_own_step_span_is_the_one_the_report_reads(engine_cfg):
