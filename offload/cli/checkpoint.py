@@ -23,6 +23,8 @@ from .args import (DamageError, UsageError, byte_size, directory, existing_direc
                    missing_directories, remove_directories)
 
 if TYPE_CHECKING:
+    import torch
+
     from ..engine.checkpoint_reader import CheckpointReader
 
 __all__ = ["add_arguments", "run_info", "run_export", "export_safetensors", "summary"]
@@ -123,7 +125,9 @@ def export_safetensors(reader: CheckpointReader, out: str | os.PathLike, *,
     """Writes the weights as safetensors shards (`model.safetensors`, or
     `model-0000i-of-0000n.safetensors` with `model.safetensors.index.json`), one
     tensor in memory at a time, as `engine.save_pretrained` writes them; tied
-    weights are written once, under their first name; with `config`, that
+    weights are written once, under their first name, and the module buffers the
+    checkpoint holds after them (as `engine.save_pretrained`); a conversion that would
+    make a finite value inf raises `UsageError`; with `config`, that
     directory's config.json (and generation_config.json) beside them. All or
     nothing: a failure (an `OSError` of the disk keeps its errno and names the file
     and the fix) leaves no file of them in `out`. Returns the files."""
@@ -139,12 +143,23 @@ def export_safetensors(reader: CheckpointReader, out: str | os.PathLike, *,
         return kind, _TORCH_DTYPES[dtype]
     specs = [TensorSpec(name, tuple(t["shape"]), getattr(torch, kind_and_dtype(t)[1]))
              for name, t in reader.tensors.items()]
+    # the persistent buffers (BatchNorm's statistics), after the parameters, as
+    # save_pretrained writes them: without them a loaded model computes otherwise
+    buffers = reader.buffers()
+
+    def buffer_dtype(b: torch.Tensor) -> torch.dtype:
+        if dtype == "saved" or not b.is_floating_point():
+            return b.dtype
+        return getattr(torch, _TORCH_DTYPES[dtype])
+    specs += [TensorSpec(name, tuple(b.shape), buffer_dtype(b)) for name, b in buffers.items()]
 
     def tensors():
         for name, t in reader.tensors.items():
             kind, dt = kind_and_dtype(t)
             flat = reader.read_range(kind, name, 0, math.prod(t["shape"]))
-            yield name, flat.to(TORCH_DTYPES[dt]).reshape(t["shape"])
+            yield name, _converted(name, flat, TORCH_DTYPES[dt], dtype).reshape(t["shape"])
+        for name, b in buffers.items():
+            yield name, _converted(name, b, buffer_dtype(b), dtype)
     copies = {} if config is None else {
         name: Path(config) / name for name in _CONFIGS if (Path(config) / name).is_file()}
     try:
@@ -152,6 +167,20 @@ def export_safetensors(reader: CheckpointReader, out: str | os.PathLike, *,
                             elsewhere="give another --to")
     except FileExistsError as e:
         raise UsageError(f"--to: {e}") from e
+
+
+def _converted(name: str, t: torch.Tensor, to: torch.dtype, asked: str) -> torch.Tensor:
+    """`t` in dtype `to`; UsageError where a value beyond `to`'s range would become inf
+    (fp32 or bf16 weights above 65504 written as fp16), so no weight is lost silently."""
+    import torch
+    out = t.to(to)
+    if (out.dtype != t.dtype and out.is_floating_point()
+            and int(torch.isinf(out).sum()) > int(torch.isinf(t).sum())):
+        big = t[torch.isfinite(t)].abs().max().item()
+        raise UsageError(f"--dtype {asked}: tensor {name!r} holds values beyond the range of "
+                         f"{str(to).removeprefix('torch.')} (up to {big:g}), which would be "
+                         "written as inf; give --dtype bf16 or fp32 (nothing was written)")
+    return out
 
 
 def _check_copies(to: str, config: str | None) -> None:

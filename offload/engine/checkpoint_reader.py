@@ -402,6 +402,12 @@ class CheckpointReader:
         """The names of the module buffers the checkpoint holds."""
         return set(self._saved_buffers or {})
 
+    def buffers(self) -> dict[str, torch.Tensor]:
+        """The module buffers the checkpoint holds, by their first `state_dict` name, in
+        the model's order (empty for a save that kept none); CheckpointCorruptError
+        where `buffers.json` is damaged."""
+        return dict(self._saved_buffers or {})
+
     @functools.cached_property
     def _saved_buffers(self) -> dict[str, torch.Tensor] | None:
         """The module buffers the save kept (checkpoint_buffers.py); None where it kept
