@@ -201,6 +201,9 @@ class IoConfig:
         if isinstance(self.paths, (list, tuple)):  # pathlib.Path entries are paths too
             self.paths = [os.fspath(p) if isinstance(p, os.PathLike) else p for p in self.paths]
         _normalise(self, "io")
+        # no shell reads a config file: "~/swap" made a directory named "~" under the
+        # current one (and `rm -rf ~` is how one removes it)
+        self.paths = [os.path.expanduser(p) for p in self.paths]
         _check_paths(self.paths)
         for key in ("block_size", "stripe_size"):
             v = getattr(self, key)

@@ -178,9 +178,9 @@ def _demand(me: DiskShare, i: int, peers: list[DiskShare] | None) -> tuple[int, 
     """(bytes placed at `initialize` on the file system of this rank's io.paths[i], by
     how many ranks). [Note: ranks sharing a disk]"""
     dev, share = me.placed[i]
-    if peers is None:
+    if peers is None:  # this rank's paths on that file system together, each rank alike
         ranks = _ranks_from_launcher()
-        return share * ranks, ranks
+        return sum(b for d, b in me.placed if d == dev) * ranks, ranks
     here = [[b for d, b in p.placed if d == dev and b] for p in peers if p.host == me.host]
     return sum(map(sum, here)), max(1, sum(1 for parts in here if parts))
 
@@ -226,7 +226,10 @@ def check_disk(cfg: OffloadConfig, groups: list[Group], dtype: torch.dtype,
                 f"on NVMe; raise it to at least {n} bytes (0: no limit), or {how}")
     me = disk_share(cfg, groups, dtype)
     for i, path in enumerate(cfg.io.paths):
-        free = shutil.disk_usage(existing_ancestor(path)).free
+        usage = shutil.disk_usage(existing_ancestor(path))
+        if not usage.total:  # no size reported (ramfs): nothing to judge it by
+            continue
+        free = usage.free
         need, ranks = _demand(me, i, peers)
         if free < need:
             raise SwapPathError(

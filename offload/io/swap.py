@@ -353,9 +353,9 @@ class SwapSpace:
                                     "a disk-backed file system, or set io.direct = false",
                                     d.path)
         try:
-            for d in paths:
-                self._files.append(_SwapFile(os.path.join(d, f"offload-{name}.swap"),
-                                             engine.direct))
+            for d in paths:  # absolute: close() removes these names after any os.chdir()
+                self._files.append(_SwapFile(os.path.join(os.path.abspath(d),
+                                                          f"offload-{name}.swap"), engine.direct))
         except BaseException:
             _close_files(self._files, keep=False)
             raise

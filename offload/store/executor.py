@@ -9,7 +9,9 @@ lock, the completion thread) and runs moves step by step; `TieredStore`
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import os
 import queue
 import threading
 import time
@@ -59,7 +61,9 @@ class MoveExecutor:
                  engine: IoEngine, pool: BufferPool, policy: EvictionPolicy,
                  recorder: TraceRecorder) -> None:
         self._cfg = cfg
-        self._iocfg = iocfg
+        # kinds beyond store.swap_kinds open on first use: relative io.paths are resolved
+        # now, so those land beside the others after an os.chdir()
+        self._iocfg = dataclasses.replace(iocfg, paths=[os.path.abspath(p) for p in iocfg.paths])
         self.rank = rank
         self._dev = dev
         self._engine = engine
