@@ -184,11 +184,14 @@ def test_validators_directly(tmp_path):
 
 @pytest.mark.parametrize("args, says", [
     (["demo", "--size", "0"], "offload demo: --size: '0' is not a positive count"),
-    (["demo", "--lr", "nan"], "offload demo: --lr: 'nan' is not a finite number"),
+    pytest.param(["demo", "--lr", "nan"], "offload demo: --lr: 'nan' is not a finite number",
+                 marks=pytest.mark.slow),  # the default suite's time: one case a command
     (["bench", "io", "--queue-depths", "0"], "offload bench io: --queue-depths: '0' is out of "
      "range 1..1024"),
-    (["bench", "io", "--repeat", "0"], "offload bench io: --repeat: '0' is not positive"),
-    (["bench", "io", "--engines", "foo"], "offload bench io: --engines: 'foo' is not one of"),
+    pytest.param(["bench", "io", "--repeat", "0"], "offload bench io: --repeat: '0' is not "
+                 "positive", marks=pytest.mark.slow),
+    pytest.param(["bench", "io", "--engines", "foo"], "offload bench io: --engines: 'foo' is not "
+                 "one of", marks=pytest.mark.slow),
 ])
 def test_real_process_refuses_with_one_line(args, says, tmp_path):
     out = subprocess.run(OFFLOAD + args, capture_output=True, text=True, timeout=120,

@@ -9,6 +9,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 BENCH = [sys.executable, "-m", "offload.cli.bench_step"]
 TINY = ["--dim", "256", "--layers", "2", "--batch", "4", "--steps", "2", "--warmup", "1",
         "--rounds", "1", "--system", "offload", "--disk-size", "8MiB"]
@@ -21,6 +23,7 @@ def _run(args, tmp_path, timeout=120):
                           capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.slow  # every placement, a process each: the default run has test_table_and_selection
 def test_json_rows_per_placement(tmp_path):
     out = _run(["--json"], tmp_path)
     assert out.returncode == 0, out.stderr

@@ -48,14 +48,14 @@ def _mlp():
 
 def test_tune_writes_a_config_that_initialize_takes_unchanged(work):
     out = _tune(work, "--swap", str(work / "swap"), "--host-budget", "12MiB",
-                "--device-budget", "1MiB", "--write", "offload.toml", "--verify", "2", "--json")
+                "--device-budget", "1MiB", "--write", "offload.toml", "--verify", "1", "--json")
     assert out.returncode == 0, out.stderr
     res = json.loads(out.stdout)
     steps = [r["predicted_step_s"] for r in res["results"]]
     # ranked best first; predictions within a microsecond tie and go by bytes moved
     rounded = [round(s, 6) for s in steps]
     assert rounded == sorted(rounded) and len(steps) == res["candidates"] > 1
-    assert len(res["verify"]) == 2 and all(v["measured_step_s"] > 0 for v in res["verify"])
+    assert len(res["verify"]) == 1 and all(v["measured_step_s"] > 0 for v in res["verify"])
     assert res["calibration_runs"] and res["calibration"]
     # calibration measures the best-predicted placement of each optimizer tier that fits
     assert {r["class"].split("@")[0].split("/")[2] for r in res["calibration_runs"]} == \

@@ -45,7 +45,8 @@ def _train_both(engine, call, ref, steps=3):
         opt.step()
 
 
-@pytest.mark.parametrize("group_size", [1100, 10**6], ids=["unit-per-layer", "one-unit"])
+@pytest.mark.parametrize("group_size", [1100, pytest.param(10**6, marks=pytest.mark.slow)],
+                         ids=["unit-per-layer", "one-unit"])
 def test_compiled_engine_trains_as_torch(engine_cfg, group_size):
     ref = _stack()
     engine = offload.initialize(copy.deepcopy(ref), engine_cfg("nvme", "host", "nvme",

@@ -48,7 +48,7 @@ for _ in range(2):  # said once per process
 @pytest.mark.parametrize("optimizer, policy, warned", [
     ("nvme", None, 1),  # updates beside backward, threads spinning: told once
     ("nvme", "PASSIVE", 0),
-    ("host", None, 0),  # no early updates: nothing to say
+    pytest.param("host", None, 0, marks=pytest.mark.slow),  # no early updates: nothing to say
 ])
 def test_the_engine_says_once_how_to_stop_the_spinning(tmp_path, optimizer, policy, warned):
     r = _run(TRAIN % optimizer, policy, str(tmp_path / "swap"))
