@@ -259,8 +259,20 @@ def existing_directory(holding: str, purpose: str) -> Callable[[str], str]:
         if not text.strip() or not os.path.exists(p):
             raise _bad(text, "does not exist", f"give a {purpose}")
         if not os.path.isdir(p):
+            if os.path.basename(p) == holding:  # the file itself: its directory is meant
+                raise _bad(text, f"is the {holding} file", f"give its directory, "
+                           f"{os.path.dirname(text) or '.'}")
             raise _bad(text, "is not a directory", f"give a {purpose}")
         if not os.path.isfile(os.path.join(p, holding)):
+            try:
+                inside = sorted(d for d in os.listdir(p)
+                                if os.path.isfile(os.path.join(p, d, holding)))
+            except OSError:  # unreadable: said as for any directory without it
+                inside = []
+            if inside:  # a parent of several (keep_checkpoints' step-N directories)
+                shown = ", ".join(inside[:4]) + (", ..." if len(inside) > 4 else "")
+                raise _bad(text, f"holds no {holding}, but {len(inside)} of its "
+                           f"subdirectories do ({shown})", "give one of them")
             raise _bad(text, f"holds no {holding}", f"give a {purpose}")
         return text
     return _typed("directory", parse)

@@ -211,3 +211,23 @@ def test_demo_trace_path_is_checked_before_step_one(tmp_path):
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "--trace:" in out.stderr and out.stdout == ""
     assert not (tmp_path / "swap").exists()
+
+
+def test_a_checkpoint_path_one_level_off_names_the_one_to_give(tmp_path):
+    """The record file itself, or the parent of keep_checkpoints' step directories, was
+    'holds no checkpoint.json'; the refusal names the directory to give."""
+    parse = cli_args.existing_directory("checkpoint.json", "checkpoint directory")
+    for step in ("step-1", "step-2"):
+        (tmp_path / step).mkdir()
+        (tmp_path / step / "checkpoint.json").write_text("{}")
+    assert parse(str(tmp_path / "step-1")) == str(tmp_path / "step-1")
+    with pytest.raises(argparse.ArgumentTypeError,
+                       match=r"2 of its subdirectories do \(step-1, step-2\); give one of them"):
+        parse(str(tmp_path))
+    with pytest.raises(argparse.ArgumentTypeError,
+                       match=rf"is the checkpoint.json file; give its directory, "
+                             rf"{tmp_path / 'step-2'}"):
+        parse(str(tmp_path / "step-2" / "checkpoint.json"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(argparse.ArgumentTypeError, match="holds no checkpoint.json; give a "):
+        parse(str(tmp_path / "empty"))
