@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import sys
 import time
@@ -52,7 +51,8 @@ from ..planner.estimate import DTYPE_BYTES
 from ..planner.sizes import state_bytes
 from .args import (CommandParser, UsageError, byte_size, count, directory, integer, parse_count,
                    run_command)
-from .benchutil import DiskProbe, forced_param_reads, proc_io, reset_hwm, swap_rates, vm_hwm
+from .benchutil import (DiskProbe, forced_param_reads, physical_memory, proc_io, reset_hwm,
+                        swap_rates, vm_hwm)
 from .demo import StepMeter, remove_swap_dir, signal_exit_code, swap_dir_for_run
 from .gpt import GPT, GPTConfig, ReversalTask, state_bytes_per_param
 
@@ -64,14 +64,10 @@ SWAP_FILES = 3                # parameters, gradients, optimizer state
 
 
 # -- sizes ---------------------------------------------------------------------------------------
-def ram_bytes() -> int:
-    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
 def parse_params(text: str, dtype: str) -> int:
     """'auto' (twice the RAM in training state, +5%), or '200M', '3B', '3e9'."""
     if text == "auto":
-        return int(2 * ram_bytes() / state_bytes_per_param(dtype) * 1.05)
+        return int(2 * physical_memory() / state_bytes_per_param(dtype) * 1.05)
     n = parse_count(text)
     if n is None or n < 1:
         raise UsageError(f"--params: {text!r} is not a count; give 'auto' or a count such as "
@@ -345,7 +341,7 @@ def _free(path: Path) -> int:
 
 def run(args: argparse.Namespace) -> int:
     spec = build_spec(args)
-    m, ram = spec.model, ram_bytes()
+    m, ram = spec.model, physical_memory()
     say = (lambda s: print(s, file=sys.stderr, flush=True)) if args.json else \
         (lambda s: print(s, flush=True))
     say(f"offload bench oversized: {m.params / 1e9:.2f}B parameters ({m.n_layer} layers, "

@@ -77,6 +77,15 @@ def available_memory() -> int | None:
         return None
 
 
+def physical_memory() -> int | None:
+    """Bytes of the machine's memory (all of it, not what is free now), or None where
+    that cannot be read."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
 def check_memory(prog: str, flag: str, value: str, need: int) -> None:
     """Refuses a run whose arrays need more memory than is available, before it starts:
     one line naming the flag and the fix, exit code 1 (a condition of the machine)."""

@@ -36,6 +36,7 @@ from ..planner.search import (Budgets, Candidate, Machine, Space, StepShape, can
 from ..planner.sizes import STATE_DTYPES
 from .args import (UsageError, byte_size, choice_list, directory, integer, missing_directories,
                    number, output_file, remove_directories, value_list)
+from .benchutil import physical_memory
 from .estimate import minimum
 from .model_arg import MeasuredModel, add_model_arguments, measure_model, model_spec
 from .tune_probe import MachineProbe, probe_adam, probe_copy, probe_disk, probe_matmul
@@ -275,15 +276,6 @@ def tune(args: argparse.Namespace, quiet: bool = False,
                         for s in ranked],
             "best": best_cfg, "offers": offers,
             "seconds": time.perf_counter() - t0, "torch": torch.__version__}
-
-
-def physical_memory() -> int | None:
-    """Bytes of the machine's memory (all of it, not what is free now), or None where
-    that cannot be read."""
-    try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
 
 
 def default_budgets(host: int | None, dev: int | None, device: str) -> Budgets:

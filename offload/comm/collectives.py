@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from ..trace import NULL_RECORDER, AsyncToken, TraceRecorder
 
-__all__ = ["Collectives", "Pending", "RankFailedError", "same_values"]
+__all__ = ["Collectives", "Pending", "RankFailedError"]
 
 
 class RankFailedError(RuntimeError):
@@ -157,6 +157,14 @@ class Collectives:
         if sent is not tensor:
             tensor.copy_(sent)
 
+    def first_rank_value(self, tensor: torch.Tensor) -> torch.Tensor | None:
+        """The first rank's value of `tensor` (a new tensor) where this rank's differs
+        from it, else None (`tensor` is not changed): [Note: rank 0's weights] in
+        offload/engine/__init__.py. Every rank of the group calls it."""
+        got = tensor.detach().clone()
+        self.broadcast_first(got)
+        return None if _same_values(got, tensor.detach()) else got
+
     def _begin(self, op: str, tensor: torch.Tensor) -> AsyncToken | None:
         if not self.recorder.enabled:
             return None
@@ -215,7 +223,7 @@ class Collectives:
         self.agree(error, what)
 
 
-def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Equal elements, NaN where the other has NaN (what a rank compares with rank 0's
     weights and buffers after a broadcast: [Note: rank 0's weights])."""
     if torch.equal(a, b):

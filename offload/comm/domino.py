@@ -39,7 +39,7 @@ from torch import nn
 
 from ..trace import NULL_RECORDER, TraceRecorder
 from .blocks import BlockKind, kind_of
-from .collectives import Collectives, same_values
+from .collectives import Collectives
 from .tensor_parallel import ColumnParallel, RowParallel, ShardSpec, check_cut
 
 __all__ = ["DominoBlock", "TensorParallelPlan", "parallelize"]
@@ -263,9 +263,8 @@ def _weights_from_first_rank(model: nn.Module, tp: Collectives,
     for name, p in model.named_parameters():
         if p.is_meta:  # made from engine.seed, alike on every rank
             continue
-        got = p.detach().clone()
-        tp.broadcast_first(got)
-        if same_values(got, p.detach()):
+        got = tp.first_rank_value(p)
+        if got is None:
             continue
         first = first or name
         if undo is not None:

@@ -13,7 +13,6 @@ import torch
 from torch import nn
 
 from ..comm import Collectives, GatherIssuer
-from ..comm.collectives import same_values
 from ..comm.gather_thread import gather_group
 from ..config import ConfigError, OffloadConfig, load_config
 from ..io import hugepages
@@ -389,10 +388,9 @@ def _buffers_from_first_rank(comm: Collectives, model: nn.Module) -> None:
             if b is None:
                 continue
             if id(b) not in done:
-                got = b.clone()
-                comm.broadcast_first(got)
-                done[id(b)] = b if same_values(got, b) else got
-                if first is None and done[id(b)] is got:
+                got = comm.first_rank_value(b)
+                done[id(b)] = b if got is None else got
+                if first is None and got is not None:
                     first = f"{mname}.{name}" if mname else name
             m._buffers[name] = done[id(b)]
     if first is not None:

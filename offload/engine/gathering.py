@@ -219,19 +219,19 @@ class GatheredWeights:
         gradient (`loss.backward()`, or `autograd.grad` of the weights) is refused
         before anything is gathered, as is `create_graph=True` (a gradient penalty's
         second backward would read weights freed after the first)."""
-        trainable = [st.flat for st in self._states if st.flat.requires_grad]
-        if any(torch._C._will_engine_execute_node(
-                torch.autograd.graph.get_gradient_edge(flat).node) for flat in trainable):
-            self._refuse_plain_backward()
-        if torch.is_grad_enabled():
-            raise RuntimeError(
-                "torch.autograd.grad(..., create_graph=True) through the model (a gradient "
-                "penalty) is not supported: the second backward would need the weights "
-                "the first one gathered; torch.autograd.grad without create_graph (input "
-                "gradients: adversarial examples, saliency) is")
         task = torch._C._current_graph_task_id()
-        if self._input_pass != task:  # once per pass: free its gathers at its end
-            self._input_pass = task
+        if self._input_pass != task:  # the pass's first unit: what it is is known now
+            if any(torch._C._will_engine_execute_node(
+                    torch.autograd.graph.get_gradient_edge(st.flat).node)
+                   for st in self._states if st.flat.requires_grad):
+                self._refuse_plain_backward()
+            if torch.is_grad_enabled():
+                raise RuntimeError(
+                    "torch.autograd.grad(..., create_graph=True) through the model (a "
+                    "gradient penalty) is not supported: the second backward would need the "
+                    "weights the first one gathered; torch.autograd.grad without "
+                    "create_graph (input gradients: adversarial examples, saliency) is")
+            self._input_pass = task  # free its gathers at its end
             torch.autograd.Variable._execution_engine.queue_callback(self._end_input_pass)
         for gid in unit.needs:
             st = self._states[gid]
