@@ -45,6 +45,10 @@ class CommandParser(argparse.ArgumentParser):
         m = re.match(r"argument (\S+?)(?:/\S+)?: (.*)", message, re.S)
         if m:
             message = f"{m.group(1)}: {m.group(2)}"
+            if m.group(2) == "expected one argument" and m.group(1).startswith("-"):
+                # argparse takes a value starting with '-' ('-1MiB') for another flag
+                message += (f"; give its value after it, or as {m.group(1)}=VALUE where the "
+                            "value starts with '-'")
         elif message.startswith(("unrecognized", "the following arguments")):
             message += f"; see '{self.prog} --help'"
         message = " ".join(message.split())

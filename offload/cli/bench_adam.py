@@ -48,13 +48,14 @@ from typing import Callable
 
 import torch
 
-from ..config import IoConfig, OptimConfig, parse_bytes
+from ..config import IoConfig, OptimConfig, format_bytes, parse_bytes
+from ..files import existing_ancestor
 from ..io import BufferPool, make_engine, open_swap
 from ..optim import CpuAdam, fused_status
 from ..optim.native import native_status
 from ..optim.state import state_bytes as optim_state_bytes
-from .args import (CommandParser, UsageError, byte_size, count, directory, integer, parse_count,
-                   run_command)
+from .args import (CommandParser, UsageError, byte_size, count, directory, integer,
+                   missing_directories, parse_count, remove_directories, run_command)
 from .benchutil import check_memory, emit, progress_printer
 
 ADAM_BYTES = 28     # fp32 bytes an Adam step moves per element (16 read, 12 written)
@@ -362,6 +363,8 @@ def run_adam_bench(args: argparse.Namespace, progress=None) -> dict:
     # every row's arrays at once (parameter, gradient, moments, their bf16 and int8
     # forms, the outputs): about 54 bytes per element, measured
     check_memory("offload bench adam", "--elements", str(args.elements), MEMORY_PER_ELEM * n)
+    if args.nvme:
+        _check_nvme_room(args.nvme, n, args.state_dtype)
     notes: list[str] = []
     impls = _impls(n, args, notes)
     times = _interleaved(impls, args.rounds, progress)
@@ -375,8 +378,28 @@ def run_adam_bench(args: argparse.Namespace, progress=None) -> dict:
             out["busy_results"] = _rows(_interleaved(impls, args.rounds, progress), n)[0]
     med = {k: statistics.median(t) for k, t in times.items()}
     if args.nvme:
-        out["nvme"] = _nvme(args.nvme, n, args, med["offload"], progress)
+        made = missing_directories(args.nvme)
+        try:
+            out["nvme"] = _nvme(args.nvme, n, args, med["offload"], progress)
+        except OSError as e:  # the disk refused the state: full, quota, file-size limit
+            raise SystemExit(f"offload bench adam: --nvme: {' '.join(str(e).split())}; give "
+                             "--nvme on a disk with room for the state, or lower --elements"
+                             ) from None
+        finally:
+            remove_directories(made)
     return out
+
+
+def _check_nvme_room(path: str, n: int, state_dtype: str) -> None:
+    """Refuses an --nvme whose disk cannot hold the state and the disk probe (at most as
+    large) before any row runs: one line, exit code 1 (a condition of the machine)."""
+    need = 2 * optim_state_bytes(n, 3, state_dtype)
+    free = shutil.disk_usage(existing_ancestor(path)).free
+    if need > free:
+        raise SystemExit(f"offload bench adam: --nvme: {path} has {format_bytes(free)} free, "
+                         f"the state on NVMe and the disk probe need about "
+                         f"{format_bytes(need)}; lower --elements or give --nvme on a bigger "
+                         "disk")
 
 
 def render(result: dict) -> None:

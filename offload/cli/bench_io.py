@@ -20,6 +20,7 @@ import time
 import numpy as np
 from dataclasses import dataclass, field
 
+from ..config import format_bytes
 from ..io import AioEngine, BufferPool, ThreadEngine, libaio_status, probe_direct
 from .args import (CommandParser, UsageError, byte_size, choice_list, directory, integer,
                    run_command, value_list)
@@ -87,10 +88,11 @@ def run_io_bench(path: str, size: int = 2 << 30, *, engines: tuple[str, ...] = (
     ok, why = probe_direct(path, "--path")
     if not ok:
         raise SystemExit(f"offload bench io: {why}; give --path on a disk-backed file system")
-    free = shutil.disk_usage(path).free
-    if free < 2 * size + (256 << 20):
-        raise SystemExit(f"offload bench io: {path} has {free / 2**30:.1f} GiB free, the "
-                         f"benchmark needs {2 * size / 2**30:.1f} GiB; pass a smaller --size")
+    free, need = shutil.disk_usage(path).free, 2 * size + (256 << 20)  # two files, a margin
+    if free < need:
+        raise SystemExit(f"offload bench io: --path: {path} has {format_bytes(free)} free, the "
+                         f"benchmark needs {format_bytes(need)}; pass a smaller --size or give "
+                         "--path on a disk with more free space")
     aio_ok, aio_why = libaio_status()
     if "aio" in engines and not aio_ok:
         print(f"note: skipping the aio engine: {aio_why}", file=sys.stderr)

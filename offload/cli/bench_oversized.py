@@ -311,8 +311,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--swap-dir", default="offload-swap", type=directory("swap directory"),
                    help="where swap files go; the run uses a new sub-directory and removes it "
                    "(default ./offload-swap)")
-    p.add_argument("--probe", default="1GiB", type=byte_size(1, example="1GiB"),
-                   help="bytes of the disk-bandwidth probe")
+    # the mixed probe keeps requests of at least 4KiB each way in halves of the file
+    p.add_argument("--probe", default="1GiB", type=byte_size(1 << 20, example="1GiB"),
+                   help="bytes of the disk-bandwidth probe, at least 1MiB (default 1GiB)")
     p.add_argument("--malloc", choices=["tuned", "default"], default="tuned",
                    help="tuned: freed buffers of 1 MiB or more go back to the OS at once "
                    "(see tune_malloc); default: glibc's own sliding threshold")

@@ -362,4 +362,9 @@ def run(args: argparse.Namespace) -> int:
     args.fractions = tuple(int(f) / 100 for f in args.fractions)
     with scratch_dir(args.path) as path:
         result = run_plan_bench(args, path, progress_printer(args.json))
-    return emit(result, args.json, render)
+    rc = emit(result, args.json, render)
+    # a configuration whose run failed measured nothing: the command failed with it
+    failed = [r for r in result["results"] if "error" in r]
+    for r in failed:
+        print(f"offload bench plan: {r['config']}: {r['error']}", file=sys.stderr)
+    return 1 if failed else rc

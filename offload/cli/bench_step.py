@@ -84,7 +84,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ..config import IoConfig, OptimConfig, parse_bytes
+from ..config import IoConfig, OptimConfig, format_bytes, parse_bytes
 from .args import (CommandParser, UsageError, byte_size, choice_list, directory, integer, number,
                    run_command)
 from .bench_step_targets import DISK_PLACEMENTS, SYSTEMS, practicality, targets
@@ -467,8 +467,10 @@ def _check_disk(path: str, need: int) -> None:
                          "--path on a disk-backed file system")
     free = shutil.disk_usage(path).free
     if free < need:
-        raise SystemExit(f"offload bench step: {path} has {free / GiB:.1f} GiB free, the nvme "
-                         f"placement needs {need / GiB:.1f} GiB; lower --dim or --layers")
+        raise SystemExit(f"offload bench step: --path: {os.path.dirname(path)} has "
+                         f"{format_bytes(free)} free, the nvme placements need "
+                         f"{format_bytes(need)}; lower --dim, --layers or --disk-size, or give "
+                         "--path on a disk with more free space")
 
 
 def _base_spec(args: argparse.Namespace) -> dict:

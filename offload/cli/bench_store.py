@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from ..config import IoConfig, OffloadConfig, StoreConfig
+from ..config import IoConfig, OffloadConfig, StoreConfig, format_bytes
 from ..io import BufferPool, make_engine, probe_direct
 from .args import CommandParser, UsageError, byte_size, directory, integer, run_command
 from .benchutil import emit, progress_printer, scratch_dir
@@ -73,10 +73,11 @@ def run_store_bench(path: str, partitions: int = 16, size: int = 64 << 20, round
     ok, why = probe_direct(path, "--path")
     if not ok:
         raise SystemExit(f"offload bench store: {why}; give --path on a disk-backed file system")
-    free = shutil.disk_usage(path).free
-    if free < total + (512 << 20):
-        raise SystemExit(f"offload bench store: {path} has {free / 2**30:.1f} GiB free, the "
-                         f"benchmark needs {total / 2**30:.1f} GiB; lower --partitions/--size")
+    free, need = shutil.disk_usage(path).free, total + (512 << 20)  # the swap file, a margin
+    if free < need:
+        raise SystemExit(f"offload bench store: --path: {path} has {format_bytes(free)} free, "
+                         f"the benchmark needs {format_bytes(need)}; lower --partitions/--size "
+                         "or give --path on a disk with more free space")
     iocfg = IoConfig(paths=[path], engine=engine)
     eng = make_engine(iocfg)
     cfg = OffloadConfig(io=iocfg, store=StoreConfig(device="cpu", device_budget=4096,

@@ -21,9 +21,23 @@ __all__ = ["scratch_dir", "emit", "progress_printer", "vm_hwm", "reset_hwm", "pr
 
 @contextlib.contextmanager
 def scratch_dir(path: str | None) -> Iterator[str]:
-    """`path`, or a temporary directory under the current one that is removed after."""
+    """`path`, made where it is missing, or a temporary directory under the current
+    one; either way what this made is removed after (`path`'s directories while they
+    are empty: the run removes its own files)."""
     if path is not None:
-        yield path
+        from .args import UsageError, missing_directories, remove_directories
+
+        made = missing_directories(path)
+        try:
+            os.makedirs(path, exist_ok=True)
+        except OSError as e:
+            remove_directories(made)
+            raise UsageError(f"--path: {path!r} cannot be created ({e.strerror}); give "
+                             "--path on a writable disk") from None
+        try:
+            yield path
+        finally:
+            remove_directories(made)
         return
     try:
         tmp = tempfile.mkdtemp(prefix=".offload-bench-", dir=os.getcwd())
