@@ -486,9 +486,10 @@ class CommConfig:
 
     gather_thread: bool = _doc(False, "with several data-parallel ranks: issue parameter "
                                "all-gathers from one communication thread, over a second "
-                               "process group of the same ranks (its own stream with NCCL), so "
-                               "a prefetch whose shard is still being read does not hold up "
-                               "the module hook; every rank issues them in the same order")
+                               "process group of the same ranks, so a prefetch whose shard "
+                               "is still being read does not hold up the module hook; every "
+                               "rank issues them in the same order. gloo only: refused with "
+                               "NCCL, whose collectives are asynchronous already")
 
     def __post_init__(self) -> None:
         _normalise(self, "comm")

@@ -17,6 +17,7 @@ from ..comm.gather_thread import gather_group
 from ..config import ConfigError, OffloadConfig, load_config
 from ..io import hugepages
 from ..store import NextUsePolicy, TieredStore
+from ..store.copy import resolve_device
 from ..trace import NULL_RECORDER, TraceRecorder
 from .checkpoint import SafetensorsCheckpoint
 from .absent import AbsentWeight
@@ -210,6 +211,9 @@ def initialize(model: nn.Module | Callable[[], nn.Module],
     with agreement.refusals():
         # the engine's own copy: the caller's object, changed or reused later, changes nothing
         cfg = copy.deepcopy(load_config(config))
+        device = resolve_device(cfg.store.device)
+        if device.type == "cuda":  # [Note: a GPU per rank] in offload/store/copy.py
+            torch.cuda.set_device(device)
         _report_huge_pages()
         model = _model_of(model, lr_lambda)
         _refuse_unsupported(model, cfg.engine.dtype)
@@ -250,6 +254,11 @@ def initialize(model: nn.Module | Callable[[], nn.Module],
         agreement.settle()
         gathers = None  # [Note: gather thread] in offload/comm/gather_thread.py
         if cfg.comm.gather_thread and comm.world > 1:
+            if comm.backend == "nccl":
+                raise ConfigError(
+                    "comm.gather_thread is for gloo: NCCL's collectives are asynchronous "
+                    "already, and two communicators driven from two threads can deadlock "
+                    "under NCCL; set comm.gather_thread = false")
             dp_groups = tp.mesh.dp_groups if tp is not None else [list(range(comm.world))]
             gathers = GatherIssuer(comm, gather_group(comm, dp_groups))
         # store.policy "next-use": the copy the step needs last leaves first (eviction.py)
@@ -264,75 +273,82 @@ def initialize(model: nn.Module | Callable[[], nn.Module],
         originals: list[tuple[Slot, nn.Parameter]] = []
         try:
             engine = OffloadEngine(model, cfg, units, groups, store, comm, recorder, tp, gathers)
-            if policy is not None:
-                policy.follow(next_use_of(engine.trace, engine.staged, engine.pending_updates))
-            engine._attach_optimizer(lr_lambda, hyper)
-            engine.param_group_of = slot_groups  # a checkpoint records each group's members
-            deferred = []  # the user's real tensors stay in the model until nothing can fail
-            differs = None  # [Note: rank 0's weights]: a parameter this rank had otherwise
-            # meta parameters are handed over group by group: put back if initialize fails
-            originals = [(sl, sl.param) for g in groups for sl in g.slots
-                         if sl.param is not None and sl.param.is_meta]
-            for g in groups:
-                was_meta = any(sl.param.is_meta for sl in g.slots)
-                segments, slots = segments_of(g, comm.rank, slot_groups)
-                if g.requires_grad:
-                    engine.grad_slots.segment_slots[g.gid] = slots
-                if resumed is not None:  # the whole state of the group, read by name
-                    resumed.place_group(engine, g, segments, slots)
-                else:
-                    full = _materialise(model, g, cfg.engine.seed, ckpt, lineage)
-                    if ckpt is None:  # [Note: rank 0's weights]
-                        real = not all(sl.param.is_meta for sl in g.slots)
-                        found = _from_first_rank(comm, g, full, real)
-                        differs = differs or found
-                    shard = full[comm.rank * g.shard:(comm.rank + 1) * g.shard]
-                    store.put(("p", g.gid), shard.to(dtype), kind="param",
-                              tier=_TIERS[cfg.engine.params])
-                    if g.requires_grad:  # NVMe state is written now: never all masters at once
-                        shared = engine.master_is_param  # fp32: the stored shard is the master
-                        engine.optimizer.add_partition(g.gid, shard if shared else shard.clone(),
-                                                       tier=cfg.engine.optimizer,
-                                                       master_is_param=shared, segments=segments)
-                    del full, shard
-                if was_meta:  # a materialised meta group is freed at once: no process holds all
+            # [Note: Ctrl-C at a safe point] in interrupts.py: one while the partitions
+            # are placed comes before the next group, and the engine is closed
+            with engine._interrupts.held():
+                if policy is not None:
+                    policy.follow(next_use_of(engine.trace, engine.staged, engine.pending_updates))
+                engine._attach_optimizer(lr_lambda, hyper)
+                engine.param_group_of = slot_groups  # a checkpoint records each group's members
+                deferred = []  # the user's real tensors stay in the model until nothing can fail
+                differs = None  # [Note: rank 0's weights]: a parameter this rank had otherwise
+                # meta parameters are handed over group by group: put back if initialize fails
+                originals = [(sl, sl.param) for g in groups for sl in g.slots
+                             if sl.param is not None and sl.param.is_meta]
+                for g in groups:
+                    engine._interrupts.safe_point()
+                    was_meta = any(sl.param.is_meta for sl in g.slots)
+                    segments, slots = segments_of(g, comm.rank, slot_groups)
+                    if g.requires_grad:
+                        engine.grad_slots.segment_slots[g.gid] = slots
+                    if resumed is not None:  # the whole state of the group, read by name
+                        resumed.place_group(engine, g, segments, slots)
+                    else:
+                        full = _materialise(model, g, cfg.engine.seed, ckpt, lineage)
+                        if ckpt is None:  # [Note: rank 0's weights]
+                            real = not all(sl.param.is_meta for sl in g.slots)
+                            found = _from_first_rank(comm, g, full, real)
+                            differs = differs or found
+                        shard = full[comm.rank * g.shard:(comm.rank + 1) * g.shard]
+                        store.put(("p", g.gid), shard.to(dtype), kind="param",
+                                  tier=_TIERS[cfg.engine.params])
+                        # NVMe state is written now: never all masters at once
+                        if g.requires_grad:
+                            shared = engine.master_is_param  # fp32: the stored shard is it
+                            engine.optimizer.add_partition(
+                                g.gid, shard if shared else shard.clone(),
+                                tier=cfg.engine.optimizer, master_is_param=shared,
+                                segments=segments)
+                        del full, shard
+                    # a materialised meta group is freed at once: no process holds all
+                    if was_meta:
+                        _drop_params(g, engine)
+                    else:
+                        deferred.append(g)
+                    if progress is not None:
+                        progress(g.gid + 1, len(groups))
+                store.wait_all()
+                if differs is not None:
+                    log.warning("initialize: rank %d's initial weights differ from rank 0's "
+                                "(first: %r); every rank trains from rank 0's, as under DDP",
+                                comm.rank, differs)
+                if resumed is not None:
+                    resumed.restore(engine)  # counters, loss scale, hyper-parameters, RNG
+                    engine.resumed_extra = dict(resumed.extra)
+                if lr_scheduler is not None:  # [Note: the engine's scheduler] in lr_scheduler.py
+                    engine.lr_scheduler = make_scheduler(
+                        lr_scheduler, engine.optimizer,
+                        resumed.record.get("lr_scheduler") if resumed is not None else None,
+                        resumed is not None)
+                for g in deferred:
                     _drop_params(g, engine)
-                else:
-                    deferred.append(g)
-                if progress is not None:
-                    progress(g.gid + 1, len(groups))
-            store.wait_all()
-            if differs is not None:
-                log.warning("initialize: rank %d's initial weights differ from rank 0's "
-                            "(first: %r); every rank trains from rank 0's, as under DDP",
-                            comm.rank, differs)
-            if resumed is not None:
-                resumed.restore(engine)  # counters, loss scale, hyper-parameters, RNG
-                engine.resumed_extra = dict(resumed.extra)
-            if lr_scheduler is not None:  # [Note: the engine's scheduler] in lr_scheduler.py
-                engine.lr_scheduler = make_scheduler(
-                    lr_scheduler, engine.optimizer,
-                    resumed.record.get("lr_scheduler") if resumed is not None else None,
-                    resumed is not None)
-            for g in deferred:
-                _drop_params(g, engine)
-            moved: dict[int, torch.Tensor] = {}  # a buffer several modules share stays one
-            for m in model.modules():
-                for name, b in m._buffers.items():
-                    if b is not None and b.device != store.device:
-                        if id(b) not in moved:
-                            moved[id(b)] = b.to(store.device)
-                        m._buffers[name] = moved[id(b)]
-            # [Note: rank 0's weights]; buffers are never cut: every rank of the job, TP too
-            everyone = tp.mesh.world if tp is not None else comm
-            if everyone.world > 1 and ckpt is None and resumed is None:
-                _buffers_from_first_rank(everyone, model)
-            model.__dict__[_WRAPPED] = True  # [Note: wrapped modules]
-            guard_casts(model, engine.dtype, engine.device)
-            guard_resize(model)
-            if comm.world > 1:  # [Note: generation on several ranks] in model_weights.py
+                moved: dict[int, torch.Tensor] = {}  # a buffer several modules share stays one
                 for m in model.modules():
-                    m.__dict__["_is_fsdp_managed_module"] = True
+                    for name, b in m._buffers.items():
+                        if b is not None and b.device != store.device:
+                            if id(b) not in moved:
+                                moved[id(b)] = b.to(store.device)
+                            m._buffers[name] = moved[id(b)]
+                # [Note: rank 0's weights]; buffers are never cut: every rank of the job, TP too
+                everyone = tp.mesh.world if tp is not None else comm
+                if everyone.world > 1 and ckpt is None and resumed is None:
+                    _buffers_from_first_rank(everyone, model)
+                model.__dict__[_WRAPPED] = True  # [Note: wrapped modules]
+                guard_casts(model, engine.dtype, engine.device)
+                guard_resize(model)
+                if comm.world > 1:  # [Note: generation on several ranks] in model_weights.py
+                    for m in model.modules():
+                        m.__dict__["_is_fsdp_managed_module"] = True
         except BaseException:
             if engine is not None:
                 engine.close()  # removes its hooks and closes the store

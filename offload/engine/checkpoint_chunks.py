@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import logging
 import os
 import stat
 import struct
@@ -55,10 +56,12 @@ from typing import Callable, NamedTuple, Sequence
 
 import torch
 
-from ..io import AioEngine, BufferPool, HostBuffer, IoEngine, IoHandle, Segment, ThreadEngine
-from ..io import libaio_status, probe_direct
+from ..io import AioEngine, AioSetupError, BufferPool, HostBuffer, IoEngine, IoHandle, Segment
+from ..io import ThreadEngine, libaio_status, probe_direct
 from ..io.buffers import populate
 from ..io.engine import DIRECT_ALIGN
+
+log = logging.getLogger(__name__)
 
 __all__ = ["ChunkFileError", "ChunkFiles", "CRC_BYTES", "Shard", "chunk_key", "read_index",
            "syncfs"]
@@ -252,6 +255,20 @@ def _opens_direct(path: Path) -> bool:
     return True
 
 
+def _allocate(fd: int, size: int) -> None:
+    """Gives a new shard file its `size` bytes: allocated on disk, or where the file
+    system has no fallocate (ext2, some network and FUSE file systems; glibc's
+    emulation writes through the O_DIRECT descriptor, which refuses it with EINVAL)
+    as a sparse file of that length, whose blocks its writes allocate; a full disk
+    then fails a chunk's write, and the save with it."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL) or size <= 0:
+            raise
+        os.ftruncate(fd, size)
+
+
 def _write_tail(path: str, data: memoryview, offset: int) -> None:
     """The last bytes of a shard file (its index), through the page cache (an O_DIRECT
     write of the padded block would leave the file too long, and cutting it back
@@ -284,8 +301,14 @@ class ChunkFiles:
         aio, _ = libaio_status()
         kw = dict(block_size=BLOCK, queue_depth=4 * depth, sync_writes=False,
                   direct=self.direct)
-        self.engine: IoEngine = (AioEngine(**kw) if aio and self.direct
-                                 else ThreadEngine(threads=depth, **kw))
+        self.engine: IoEngine | None = None
+        if aio and self.direct:
+            try:
+                self.engine = AioEngine(**kw)
+            except AioSetupError as e:  # slots other processes took since initialize
+                log.warning("checkpoint I/O on threads: %s", e)
+        if self.engine is None:
+            self.engine = ThreadEngine(threads=depth, **kw)
         # a chunk, its checksum, and a block more: a chunk another writer (tensorstore)
         # placed off the block boundary is read from the block it begins in
         self.capacity = _round_up(max_chunk_bytes + CRC_BYTES) + DIRECT_ALIGN
@@ -360,7 +383,7 @@ class ChunkFiles:
                 fd = os.open(shard.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC
                              | (os.O_DIRECT if self.direct else 0), 0o644)
                 try:
-                    os.posix_fallocate(fd, 0, shard.size)  # O_DIRECT writes stay inside it
+                    _allocate(fd, shard.size)  # O_DIRECT writes stay inside it
                     index = shard.index()
                     _write_tail(shard.path, memoryview(index), shard.size - len(index))
                 except BaseException:

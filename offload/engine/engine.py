@@ -59,6 +59,7 @@ from ..optim import CpuAdam, OptimStepError
 from ..planner import AccessTrace
 from ..planner.sizes import keeps_master
 from ..store import Tier, TieredStore, footprint
+from ..store.copy import bind_thread
 from ..trace import NULL_RECORDER, TraceRecorder, UnitSpans
 from .eviction import PendingUpdates, sooner_than
 from .forward_prefetch import ForwardOnlyPrefetch
@@ -148,6 +149,7 @@ class OffloadEngine(ModelWeights, GradPartitions, GatheredWeights, nn.Module):
                                 + (ahead if comm.world > 1 else 0), ahead)
         self._kept_warned: set[int] = set()  # [Note: kept weights] in warm.py
         self._closed = False
+        self._pid = os.getpid()  # [Note: an engine in a forked child] in model_weights.py
         self._reductions: list[Pending] = []
         self._has_grad: set[int] = set()
         self._one_thread = OneThread()  # [Note: one thread at a time] in one_thread.py
@@ -160,7 +162,8 @@ class OffloadEngine(ModelWeights, GradPartitions, GatheredWeights, nn.Module):
         self._hooks: list[Any] = []
         self._opt: CpuAdam | None = None
         # one thread: early updates run in the order backward produced the gradients
-        self._updater = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-update")
+        self._updater = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-update",
+                                           initializer=bind_thread, initargs=(store.device,))
         self._early: list[Future] = []
         self._hyper_watch = HyperWatch()  # [Note: values written between backward and step]
         self.lr_scheduler: Any = None  # [Note: the engine's scheduler] in lr_scheduler.py
@@ -626,7 +629,9 @@ class OffloadEngine(ModelWeights, GradPartitions, GatheredWeights, nn.Module):
             with self.comm.together("step()"):
                 if self.cfg.engine.optimizer == "host" and not self.staged:
                     pinned = pin_in_place(self, gids)
-                if pinned is None:
+                if pinned is not None:  # its updates cannot be undone: refuse bad values first
+                    self.optimizer.check_values(self.global_step)
+                else:
                     for gid in gids:
                         self._update_group(gid, None, norm)
                 self.staged.ready()
@@ -778,21 +783,27 @@ class OffloadEngine(ModelWeights, GradPartitions, GatheredWeights, nn.Module):
     def close(self) -> None:
         """Removes the hooks, closes the optimizer and the store (and their swap files).
         The engine is unusable afterwards (its methods raise); closing again does
-        nothing."""
-        if self._closed:
+        nothing, or finishes a close cut short (a second Ctrl-C, a store whose moves
+        did not end within store.wait_timeout). A Ctrl-C while it waits (for a save
+        in the background) comes at its end ([Note: Ctrl-C at a safe point])."""
+        if os.getpid() != self._pid:  # [Note: an engine in a forked child]
+            self._closed = True
             return
-        self._closed = True
-        self.wait_for_checkpoint(raise_error=False)
-        self._updater.shutdown(wait=True)
-        self._gathers.close()
-        if self._save_comm is not None:
-            self._save_comm.destroy()
-        if self.tp is not None:
-            self.tp.mesh.close()
-        for h in self._hooks:
-            h.remove()
-        self._hooks.clear()
-        self._owned.release()  # the optimizer, warm memory, store, switch interval
+        if self._owned.released:
+            return
+        self._closed = True  # every call is refused from here, even if this one is cut short
+        with self._interrupts.held():
+            self.wait_for_checkpoint(raise_error=False)
+            self._updater.shutdown(wait=True)
+            self._gathers.close()
+            if self._save_comm is not None:
+                self._save_comm.destroy()
+            if self.tp is not None:
+                self.tp.mesh.close()
+            for h in self._hooks:
+                h.remove()
+            self._hooks.clear()
+            self._owned.release()  # the optimizer, warm memory, store, switch interval
 
     def __enter__(self) -> "OffloadEngine":
         return self

@@ -7,7 +7,8 @@ pin taken and not yet recorded is never given back, and the engine is unusable
 or trains on wrong state. So while an engine call runs (`engine(...)`,
 `backward`, `step`, `zero_grad`, `generate`, the model called directly,
 `state_dict`, `load_state_dict`, `save_pretrained`, a blocking save, the
-gathering and the write-back of a `full_weights` block: `around_user_block`), the
+gathering and the write-back of a `full_weights` block: `around_user_block`,
+`close()`, `initialize` placing the partitions, a safe point before each group), the
 engine's SIGINT handler looks at the line it interrupted: in offload's code it
 notes the interrupt and returns, and the KeyboardInterrupt is raised at the next
 safe point instead: the start of the next unit's hook, or the end of the call.

@@ -16,13 +16,18 @@ making the scheduler.) So `initialize` takes a factory, as DeepSpeed does:
   one: fp16 overflow, a non-finite norm);
 - `save_checkpoint` saves its `state_dict()` in the commit record (it must be
   JSON-serialisable, as `extra`), and a resume loads it, then puts back the
-  rates the checkpoint saved.
+  values the checkpoint saved (lr, and betas: OneCycleLR's and CyclicLR's
+  momentum writes them too). JSON turns int keys into strings and tuples into
+  lists: the load gives them back their types as a freshly made scheduler's
+  state has them (MultiStepLR's milestones are a Counter of ints, and with
+  string keys it would never decay again).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+from collections import Counter
 from typing import Any, Callable
 
 import torch
@@ -32,6 +37,8 @@ from ..config import ConfigError
 log = logging.getLogger(__name__)
 
 __all__ = ["make_scheduler", "scheduler_state"]
+
+_VALUES = ("lr", "betas", "eps", "weight_decay")  # a group's values a checkpoint saves
 
 
 def make_scheduler(factory: Callable[[torch.optim.Optimizer], Any],
@@ -43,7 +50,8 @@ def make_scheduler(factory: Callable[[torch.optim.Optimizer], Any],
         raise ConfigError(f"initialize: lr_scheduler must be a function of the optimizer "
                           f"(e.g. lambda opt: get_cosine_schedule_with_warmup(opt, 100, "
                           f"1000)), not {type(factory).__name__}")
-    rates = [g["lr"] for g in optimizer.param_groups]  # as resumed: its first making writes
+    # as resumed: making the scheduler writes its first values over them
+    resumed_values = [{k: g[k] for k in _VALUES if k in g} for g in optimizer.param_groups]
     scheduler = factory(optimizer)
     if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
         raise ConfigError("initialize: lr_scheduler ReduceLROnPlateau needs a metric at each "
@@ -59,13 +67,28 @@ def make_scheduler(factory: Callable[[torch.optim.Optimizer], Any],
                           + "; return a torch.optim.lr_scheduler scheduler of the optimizer "
                           "it is given")
     if saved is not None:
-        scheduler.load_state_dict(saved)
-        for g, lr in zip(optimizer.param_groups, rates):
-            g["lr"] = lr
+        scheduler.load_state_dict(_as_saved(saved, scheduler.state_dict()))
+        for g, values in zip(optimizer.param_groups, resumed_values):
+            g.update(values)
     elif resumed:
         log.warning("the checkpoint resumed from holds no lr_scheduler state (it was saved "
                     "without one): the scheduler starts from its beginning")
     return scheduler
+
+
+def _as_saved(value: Any, like: Any) -> Any:
+    """`value` (a scheduler's state read back from JSON) with the types JSON lost put
+    back as `like` (a fresh scheduler's state) has them: non-string dict keys, a
+    Counter, tuples."""
+    if isinstance(value, dict) and isinstance(like, dict):
+        keys = {str(k): k for k in like}
+        out = {keys.get(k, k): _as_saved(v, like.get(keys.get(k, k)))
+               for k, v in value.items()}
+        return Counter(out) if isinstance(like, Counter) else out
+    if isinstance(value, list) and isinstance(like, (list, tuple)):
+        out = [_as_saved(v, like[i] if i < len(like) else None) for i, v in enumerate(value)]
+        return tuple(out) if isinstance(like, tuple) else out
+    return value
 
 
 def scheduler_state(scheduler: Any) -> dict | None:

@@ -141,7 +141,21 @@ class ModelWeights:
 
     def _check_open(self) -> None:
         """Raises a clear error where a closed engine is used: its state is gone, or one a
-        second Ctrl-C interrupted inside its own code ([Note: Ctrl-C at a safe point])."""
+        second Ctrl-C interrupted inside its own code ([Note: Ctrl-C at a safe point]),
+        or one in a forked child ([Note: an engine in a forked child])."""
+        # [Note: an engine in a forked child]
+        # A forked child (a DataLoader worker, multiprocessing, os.fork()) gets a copy
+        # of the engine without the threads that complete its transfers and gathers:
+        # a forward there hung for good, and its swap files and locks are the
+        # parent's. So every call in a child raises, and close() there only marks the
+        # child's copy closed, leaving the parent's files, threads and memory alone.
+        if os.getpid() != self._pid:
+            raise RuntimeError(
+                f"this OffloadEngine belongs to process {self._pid}, and this is a forked "
+                f"child of it (pid {os.getpid()}): the engine's I/O threads and swap files "
+                "are the parent's, and a child cannot use them; train in the parent, and "
+                "keep workers (DataLoader workers, multiprocessing) to data loading, or "
+                "initialize a new engine in the child with its own io.paths")
         if self._broken is not None and not self._closed:
             raise RuntimeError(
                 f"a second Ctrl-C interrupted this engine inside its own code ({self._broken}):"

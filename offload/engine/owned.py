@@ -15,6 +15,7 @@ the swap space's own finalizer removes the files as before.
 
 from __future__ import annotations
 
+import os
 import threading
 import warnings
 import weakref
@@ -28,31 +29,41 @@ class Owned:
     """The engine's threads, optimizer, warm memory, store and switch-interval hold,
     released once: by `close()` or when the engine is collected unclosed."""
 
-    __slots__ = ("updater", "opt", "warm", "store", "switch", "_finalizer")
+    __slots__ = ("updater", "opt", "warm", "store", "switch", "released", "_finalizer")
 
     def __init__(self, engine: Any, updater: ThreadPoolExecutor, warm: Any, store: Any,
                  switch: Any) -> None:
         self.updater, self.warm, self.store, self.switch = updater, warm, store, switch
         self.opt: Any = None  # set when the optimizer is attached
-        self._finalizer = weakref.finalize(engine, _collected, self)
+        self.released = False
+        self._finalizer = weakref.finalize(engine, _collected, self, os.getpid())
         self._finalizer.atexit = False
 
     def release(self) -> None:
-        """Releases every part, once (later calls do nothing)."""
-        self._finalizer.detach()
+        """Releases every part, once: later calls do nothing, or finish a release cut
+        short (a store whose moves did not end in time, a second Ctrl-C); until then
+        the finalizer still finishes it when the engine is collected."""
+        if self.released:
+            return
         _release(self)
+        self._finalizer.detach()
+        self.released = True
 
 
 def _release(owned: Owned) -> None:
+    """Each part once, so that a release cut short can run again."""
     owned.updater.shutdown(wait=True)
-    if owned.opt is not None:
-        owned.opt.close()
+    opt, owned.opt = owned.opt, None
+    if opt is not None:
+        opt.close()
     owned.warm.clear()
     owned.store.close()
     owned.switch.release()  # the last engine to close restores Python's interval
 
 
-def _collected(owned: Owned) -> None:
+def _collected(owned: Owned, pid: int) -> None:
+    if os.getpid() != pid:  # a forked child's copy: the parts are the parent's
+        return
     warnings.warn("an offload engine was collected without close(): its threads and swap "
                   "files are released now; close() it, or use it as a context manager",
                   ResourceWarning, stacklevel=2)

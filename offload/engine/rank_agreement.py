@@ -27,7 +27,7 @@ the values differ, every rank raises the same `ConfigError` naming the first
 key, parameter or group that differs and the ranks' values. Values travel as a
 digest first; only where digests differ are the descriptions gathered. Once per
 `initialize`, so the pickling of `all_gather_object` costs nothing that matters
-(with NCCL it needs `torch.cuda.set_device`, as torchrun jobs do).
+(with NCCL on this rank's GPU: [Note: a GPU per rank] in offload/store/copy.py).
 """
 
 from __future__ import annotations

@@ -88,6 +88,7 @@ import torch
 from ..comm import RankFailedError
 from ..files import check_directory
 from ..io import host_copy
+from ..io.errors import limit_hint
 from ..store import Tier
 from .checkpoint_buffers import BUFFERS, capture_buffers, encode_buffers
 from .checkpoint_chunks import ChunkFiles, InPlace, Shard, chunk_key
@@ -515,7 +516,8 @@ class _SaveJob:
             code = _errno_of(e)
             fix = ("free disk space or save elsewhere; " if code in (errno.ENOSPC, errno.EDQUOT)
                    else "save to a directory this process may write; "
-                   if code in (errno.EROFS, errno.EACCES, errno.EPERM) else "")
+                   if code in (errno.EROFS, errno.EACCES, errno.EPERM)
+                   else f"{limit_hint(code)}; " if limit_hint(code) else "")
             raise CheckpointError(
                 f"save_checkpoint: writing {self.path} failed ({type(e).__name__}: {e}); "
                 f"{fix}nothing was published and the checkpoints already in "
@@ -619,6 +621,8 @@ def _errno_of(e: BaseException) -> int | None:
     if code is None:
         found = re.search(r"os_error_code='(\d+)'", str(e))
         code = int(found.group(1)) if found else None
+    if code is None and os.strerror(errno.EMFILE) in str(e):  # tensorstore may name no code
+        code = errno.EMFILE
     return code
 
 
@@ -777,6 +781,12 @@ def _write_partitions(engine: Any, comm: Any, root: Path, arrays: dict, context,
     return written, steps
 
 
+def _number(v: Any) -> Any:
+    """A group's value as the record holds it: a tensor (torch.optim takes an lr as a
+    0-d tensor, which a scheduler fills in place) as its value now."""
+    return float(v) if isinstance(v, torch.Tensor) else v
+
+
 def _record(engine: Any, table: dict, extra: dict, scheduler: dict | None) -> dict[str, Any]:
     from .. import __version__
     members: list[list[str]] = [[] for _ in engine.optimizer.param_groups]
@@ -789,7 +799,8 @@ def _record(engine: Any, table: dict, extra: dict, scheduler: dict | None) -> di
             "global_step": engine.global_step, "micro_step": engine.micro_step,
             "loss_scale": engine.loss_scale, "good_steps": engine._good_steps,
             "config": asdict(engine.cfg),
-            "param_groups": [{**{k: (list(v) if isinstance(v, tuple) else v)
+            "param_groups": [{**{k: ([_number(x) for x in v] if isinstance(v, (tuple, list))
+                                     else _number(v))
                                  for k, v in grp.items()
                                  if k in ("lr", "betas", "eps", "weight_decay")},
                               "params": members[k]}

@@ -10,8 +10,8 @@ from ..trace import NULL_RECORDER, TraceRecorder
 from . import hugepages
 from .buffers import BufferPool, HostBuffer, host_copy
 from .engine import AioEngine, IoEngine, Segment, ThreadEngine, libaio_status
-from .errors import (CorruptionError, IoError, PoolExhaustedError, SwapFullError, SwapLockedError,
-                     SwapPathError)
+from .errors import (AioSetupError, CorruptionError, IoError, PoolExhaustedError, SwapFullError,
+                     SwapLockedError, SwapPathError)
 from .extents import Extent, ExtentAllocator
 from .handle import IoHandle, gather
 from .paths import SwapDir, check_swap_dirs, probe_direct
@@ -21,8 +21,8 @@ from .switch import SwitchIntervalHold, hold_switch_interval
 log = logging.getLogger(__name__)
 
 __all__ = [
-    "AioEngine", "BufferPool", "CorruptionError", "Extent", "ExtentAllocator", "HostBuffer",
-    "IoEngine", "IoError", "IoHandle", "PoolExhaustedError", "ReadHandle", "Segment",
+    "AioEngine", "AioSetupError", "BufferPool", "CorruptionError", "Extent", "ExtentAllocator",
+    "HostBuffer", "IoEngine", "IoError", "IoHandle", "PoolExhaustedError", "ReadHandle", "Segment",
     "SwapDir", "SwapExtent", "SwapFullError", "SwapLockedError", "SwapPathError", "SwapSpace",
     "SwitchIntervalHold", "ThreadEngine", "check_swap_dirs", "gather", "hold_switch_interval",
     "host_copy", "libaio_status", "make_engine", "open_swap", "probe_direct",
@@ -70,7 +70,12 @@ def make_engine(cfg: IoConfig, recorder: TraceRecorder = NULL_RECORDER) -> IoEng
     kw = dict(block_size=cfg.block_size, queue_depth=cfg.queue_depth,
               sync_writes=cfg.sync_writes, direct=direct, recorder=recorder)
     if name == "aio":
-        return AioEngine(**kw)
+        try:
+            return AioEngine(**kw)
+        except AioSetupError as e:
+            if cfg.engine != "auto":
+                raise
+            log.warning("auto: %s; using the thread engine", e)
     return ThreadEngine(threads=cfg.threads, **kw)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import logging
 import mmap
+import os
 import threading
 import time
 import weakref
@@ -146,9 +147,10 @@ def _advise_huge(address: int, nbytes: int) -> None:
 class _Block:
     """One mapping: `capacity` aligned bytes at `address`, pinned or not."""
 
-    __slots__ = ("mapping", "tensor", "address", "capacity", "footprint", "pinned")
+    __slots__ = ("mapping", "tensor", "address", "capacity", "footprint", "pinned", "gpu")
 
-    def __init__(self, capacity: int, alignment: int, pin: bool) -> None:
+    def __init__(self, capacity: int, alignment: int, gpu: int | None) -> None:
+        """`gpu`: the CUDA device whose context pins the block, None for no pinning."""
         # mmap returns page-aligned memory; over-map only when alignment exceeds a page.
         pages = _round_up(capacity, _PAGE)
         self.footprint = pages + max(0, alignment - _PAGE)
@@ -163,17 +165,30 @@ class _Block:
             _advise_huge(self.address, pages)
         self.capacity = capacity
         self.pinned = False
-        if pin:
-            _cuda_call("cudaHostRegister", self.address, capacity, 0)
+        self.gpu = gpu
+        if gpu is not None:
+            # on the pool's GPU, whichever thread maps the block: a thread still on GPU 0
+            # would make a context there ([Note: a GPU per rank] in offload/store/copy.py)
+            with torch.cuda.device(gpu):
+                _cuda_call("cudaHostRegister", self.address, capacity, 0)
             self.pinned = True
 
     def destroy(self) -> None:
         """Unpin and drop the pool's reference; views still alive keep the bytes mapped."""
         if self.pinned:
             self.pinned = False
-            _cuda_call("cudaHostUnregister", self.address)
+            with torch.cuda.device(self.gpu):
+                _cuda_call("cudaHostUnregister", self.address)
         self.tensor = None
         self.mapping = None
+
+
+def _destroy_unclosed(blocks: dict[int, _Block], pid: int) -> None:
+    """The finalizer of a pool never closed: unpins its blocks in the process that
+    pinned them only (a forked child has no CUDA context to unpin with: [Note: forked
+    children] in swap.py)."""
+    if os.getpid() == pid:
+        _destroy_all(blocks)
 
 
 def _destroy_all(blocks: dict[int, _Block], strict: bool = False) -> None:
@@ -295,8 +310,9 @@ class BufferPool:
         budget_bytes: most bytes mapped at once, held and cached together
             (pinned memory included: it is host memory).
         pin: register buffers with CUDA so copies to the GPU can be
-            non_blocking. None pins iff ``torch.cuda.is_available()``; True
-            without CUDA raises ValueError.
+            non_blocking (for the CUDA device current when the pool is made).
+            None pins iff ``torch.cuda.is_available()``; True without CUDA
+            raises ValueError.
         alignment: address and size granularity (bytes, a power of two);
             4096 suits O_DIRECT.
     """
@@ -311,6 +327,7 @@ class BufferPool:
             raise ValueError("pin=True asks for pinned host memory, but CUDA is absent "
                              "(torch.cuda.is_available() is False); use pin=None or pin=False")
         self._pin = cuda if pin is None else bool(pin)
+        self._gpu = torch.cuda.current_device() if self._pin else None  # the caller's GPU
         self._budget = budget_bytes
         self._alignment = alignment
         self._cond = threading.Condition(threading.Lock())
@@ -320,7 +337,7 @@ class BufferPool:
         self._out: dict[int, HostBuffer] = {}     # handles out, by id()
         self._held = self._cached_bytes = self._pending = 0
         self._peak = self._allocs = self._reuses = self._waits = self._evictions = 0
-        self._finalizer = weakref.finalize(self, _destroy_all, self._blocks)
+        self._finalizer = weakref.finalize(self, _destroy_unclosed, self._blocks, os.getpid())
 
     @property
     def pinned(self) -> bool:
@@ -394,7 +411,7 @@ class BufferPool:
         try:
             for victim in evict:
                 victim.destroy()
-            block = _Block(capacity, self._alignment, self._pin)
+            block = _Block(capacity, self._alignment, self._gpu)
         except BaseException:
             with self._cond:
                 self._pending -= reserved

@@ -18,14 +18,16 @@ from __future__ import annotations
 import abc
 import collections
 import ctypes
+import errno
 import logging
 import os
 import threading
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple, Sequence
 
 from ..trace import NULL_RECORDER, TraceRecorder
-from .errors import IoError
+from .errors import AioSetupError, IoError
 from .handle import IoHandle
 
 log = logging.getLogger(__name__)
@@ -164,7 +166,8 @@ class IoEngine(abc.ABC):
     def on_completion_thread(self) -> bool:
         """True on a thread that completes this engine's requests (where done callbacks
         run): waiting there for another of its transfers would wait for itself."""
-        return getattr(_completing, "engine", None) is self
+        ref = getattr(_completing, "engine", None)
+        return ref is not None and ref() is self
 
     def close(self) -> None:
         self._closed = True
@@ -220,7 +223,7 @@ class ThreadEngine(IoEngine):
             self._pool.submit(self._run_block, b)
 
     def _run_block(self, block: _Block) -> None:
-        _completing.engine = self
+        _completing.engine = weakref.ref(self)
         seg = block.seg
         done = 0
         error: BaseException | None = None
@@ -260,6 +263,13 @@ class AioEngine(IoEngine):
     One reaper thread blocks in io_getevents (a ctypes call, so the GIL is
     released while it waits), reaps completions, and refills the queue from
     the pending list so `queue_depth` blocks stay in flight.
+
+    [Note: an engine dropped without close()] The reaper holds the engine only
+    while requests are in flight: idle, it holds a weak reference and looks again
+    each second. So an engine its owner dropped unclosed (a checkpoint reader
+    that raised, a store collected) is collected, its thread ends and a finalizer
+    destroys its AIO context, which would otherwise hold the machine's AIO slots
+    (fs.aio-max-nr) until the process exits.
     """
 
     name = "aio"
@@ -271,12 +281,18 @@ class AioEngine(IoEngine):
             raise RuntimeError(f"AioEngine unavailable: {why}; or set io.engine = 'threads'")
         import libaio
         self._aio = libaio
-        self._ctx = libaio.AIOContext(self.queue_depth)
+        try:
+            self._ctx = libaio.AIOContext(self.queue_depth)
+        except OSError as e:  # libaio's own says only "io_queue_init"
+            raise AioSetupError(e.errno or errno.EAGAIN, self.queue_depth) from None
         self._cv = threading.Condition()
         self._pending: collections.deque[tuple[object, _Block | _Sync]] = collections.deque()
         self._tags: dict[int, tuple[object, _Block | _Sync]] = {}  # id(AIOBlock) -> in flight
         self._inflight = 0
-        self._reaper = threading.Thread(target=self._reap, name="offload-aio-reaper", daemon=True)
+        self._reaper = threading.Thread(target=_reap_while_referenced,
+                                        args=(weakref.ref(self), self._cv),
+                                        name="offload-aio-reaper", daemon=True)
+        self._finalizer = weakref.finalize(self, self._ctx.close)
         self._reaper.start()
 
     def _make(self, block: _Block) -> object:
@@ -331,25 +347,24 @@ class AioEngine(IoEngine):
             self._cv.notify()
         return refused
 
-    def _reap(self) -> None:
-        _completing.engine = self
-        while True:
-            with self._cv:
-                while self._inflight == 0 and not self._closed:
-                    self._cv.wait()
-                if self._inflight == 0 and self._closed:
-                    return
-            # Blocks in io_getevents with the GIL released; the timeout only
-            # bounds how late a close() is noticed, it is not a poll interval.
-            try:
-                events = self._ctx.getEvents(min_nr=1, nr=self.queue_depth, timeout=1.0)
-            except InterruptedError:
-                continue
-            with self._cv:
-                self._inflight -= len(events)
-                done = [(self._tags.pop(id(aio))[1], res) for aio, res, _ in events]
-                done += self._pump()
-            self._complete(done)
+    def _reap(self) -> bool:
+        """One round of the reaper, called with requests in flight or once closed: reaps
+        what completes; False once closed with nothing in flight."""
+        with self._cv:
+            if self._inflight == 0:
+                return not self._closed
+        # Blocks in io_getevents with the GIL released; the timeout only
+        # bounds how late a close() is noticed, it is not a poll interval.
+        try:
+            events = self._ctx.getEvents(min_nr=1, nr=self.queue_depth, timeout=1.0)
+        except InterruptedError:
+            return True
+        with self._cv:
+            self._inflight -= len(events)
+            done = [(self._tags.pop(id(aio))[1], res) for aio, res, _ in events]
+            done += self._pump()
+        self._complete(done)
+        return True
 
     def _complete(self, done: list[tuple[_Block | _Sync, int]]) -> None:
         for tag, res in done:
@@ -368,4 +383,24 @@ class AioEngine(IoEngine):
             self._closed = True
             self._cv.notify_all()
         self._reaper.join()
-        self._ctx.close()
+        self._finalizer()  # destroys the context, once
+
+
+def _reap_while_referenced(ref: weakref.ref, cv: threading.Condition) -> None:
+    """The reaper thread of an `AioEngine` ([Note: an engine dropped without close()]):
+    rounds of `_reap` while requests are in flight, until it is closed; idle, it
+    waits on the engine's condition holding only `ref`, and ends once the engine is
+    collected."""
+    _completing.engine = ref
+    while True:
+        with cv:
+            engine = ref()
+            if engine is None:
+                return
+            if not engine._inflight and not engine._closed:
+                engine = None
+                cv.wait(1.0)
+                continue
+        if not engine._reap():
+            return
+        engine = None

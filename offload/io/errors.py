@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno as _errno
 import os
+import resource
 
 from ..config import ConfigError
 
@@ -25,12 +26,67 @@ class IoError(OSError):
         msg = f"{op} of {length} bytes at offset {offset} in {self.path} failed: {reason}"
         if detail:
             msg += f" ({detail})"
+        if limit_hint(errno):
+            msg += f"; {limit_hint(errno)}"
         super().__init__(errno or _errno.EIO, msg)
         # OSError.__init__(errno, msg) sets strerror to msg; keep the path too.
         self.filename = self.path
 
     def __str__(self) -> str:  # OSError's default repeats "[Errno N]" before the message
         return self.strerror
+
+
+def limit_hint(code: int | None) -> str:
+    """For an errno that means a limit of this process or machine was met (open files,
+    file size), a clause naming the limit, its value and how to raise it; "" for any
+    other errno. Those failures are not a disk's or a path's fault, and a message
+    saying so sent users to check the disk."""
+    if code == _errno.EMFILE:
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        return (f"this process may hold only {soft} open files (RLIMIT_NOFILE, ulimit -n) "
+                "and holds that many; raise the limit where training starts (ulimit -n "
+                "65536; docker run --ulimit nofile=65536; LimitNOFILE= in a systemd unit)")
+    if code == _errno.ENFILE:
+        return ("the machine's open-file table is full (fs.file-max); close files of other "
+                "processes or raise it (sysctl -w fs.file-max=...)")
+    if code == _errno.EFBIG:
+        soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+        if soft == resource.RLIM_INFINITY:
+            return "the file system's largest file size is reached; give a directory on another"
+        return (f"files this process writes may not grow past {soft} bytes (RLIMIT_FSIZE, "
+                "ulimit -f); raise the limit where training starts (ulimit -f unlimited)")
+    return ""
+
+
+class AioSetupError(OSError):
+    """Linux AIO refused a new context (io_setup): the machine's AIO request slots
+    (fs.aio-max-nr, shared by every process) are used up, or the kernel has no AIO.
+    Carries the errno; the message names the limit and the fixes."""
+
+    def __init__(self, errno: int, queue_depth: int) -> None:
+        what = f"Linux AIO refused a queue of {queue_depth} requests (io_setup: " \
+               f"[Errno {errno}] {os.strerror(errno)})"
+        fix = "lower io.queue_depth, or set io.engine = 'threads' (or 'auto', which then uses it)"
+        if errno == _errno.EAGAIN:
+            used, most = _read_sysctl("fs/aio-nr"), _read_sysctl("fs/aio-max-nr")
+            msg = (f"{what}: the machine's AIO request slots are used up ({used} of "
+                   f"fs.aio-max-nr = {most} taken, by every process on it together, and a "
+                   f"queue takes about twice its depth); raise the limit as root (sysctl -w "
+                   f"fs.aio-max-nr=1048576), {fix}")
+        else:
+            msg = f"{what}; {fix}"
+        super().__init__(errno, msg)
+
+    def __str__(self) -> str:
+        return self.strerror
+
+
+def _read_sysctl(name: str) -> str:
+    try:
+        with open(f"/proc/sys/{name}") as f:
+            return f.read().strip()
+    except OSError:
+        return "?"
 
 
 class CorruptionError(IoError):

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 from ..config import ConfigError
 from .engine import DIRECT_ALIGN
-from .errors import SwapPathError
+from .errors import SwapPathError, limit_hint
 
 __all__ = ["SwapDir", "check_swap_dirs", "probe_direct"]
 
@@ -62,6 +62,8 @@ def _fix_for(err: int) -> str:
                 "give another directory")
     if err == _errno.ENOSPC:
         return "the disk is full; free space or give a directory on another disk"
+    if limit_hint(err):  # a limit of the process (open files), not of the directory
+        return limit_hint(err)
     return "give a directory on a local, writable disk"
 
 

@@ -20,6 +20,7 @@ import ctypes
 import errno as _errno
 import fcntl
 import logging
+import mmap
 import operator
 import os
 import shutil
@@ -33,7 +34,8 @@ import torch
 import xxhash
 
 from .engine import DIRECT_ALIGN, IoEngine, Segment
-from .errors import CorruptionError, IoError, SwapFullError, SwapLockedError, SwapPathError
+from .errors import (CorruptionError, IoError, SwapFullError, SwapLockedError, SwapPathError,
+                     limit_hint)
 from .extents import Extent, ExtentAllocator
 from .handle import IoHandle
 from .paths import check_swap_dirs, probe_direct
@@ -49,6 +51,37 @@ _FULL = (_errno.ENOSPC, _errno.EDQUOT, _errno.EFBIG)
 
 def _round_up(n: int, m: int) -> int:
     return (n + m - 1) // m * m
+
+
+# errnos of a file system without fallocate (ext2 and ext3 files, which have no
+# extents; some network and FUSE file systems): glibc then writes the blocks itself,
+# a byte at a time, which an O_DIRECT descriptor refuses with EINVAL
+_NO_FALLOCATE = (_errno.EOPNOTSUPP, _errno.EINVAL)
+_ZEROS = 1 << 20  # bytes per write where zeros are written instead
+
+
+def _preallocate(fd: int, offset: int, length: int) -> None:
+    """Reserves `length` bytes of the file at `offset` (both multiples of 4 KiB) on
+    disk: with fallocate, or, where the file system has none, by writing zeros, so a
+    full disk is still met here, before any data ([Note: no data lost])."""
+    try:
+        os.posix_fallocate(fd, offset, length)
+        return
+    except OSError as e:
+        if e.errno not in _NO_FALLOCATE or length <= 0:
+            raise
+    zeros = mmap.mmap(-1, min(length, _ZEROS))  # page-aligned, as O_DIRECT needs
+    try:
+        with memoryview(zeros) as view:
+            done = 0
+            while done < length:
+                n = os.pwrite(fd, view[:min(len(view), length - done)], offset + done)
+                if n <= 0:
+                    raise OSError(_errno.EIO, "a write of zeros reserving swap space moved "
+                                  "nothing")
+                done += n
+    finally:
+        zeros.close()
 
 
 @dataclass(frozen=True)
@@ -81,9 +114,9 @@ def _open_owned(path: str, flags: int) -> int:
             raise SwapPathError(e.errno, f"{path} is a symbolic link; offload would "
                                 "overwrite the file it points to, so it refuses: remove the "
                                 "link, or give another io.paths directory", path) from None
+        fix = limit_hint(e.errno) or "remove what is there, or give another io.paths directory"
         raise SwapPathError(e.errno or _errno.EIO, f"cannot open swap file {path} "
-                            f"([Errno {e.errno}] {e.strerror}); remove what is there, or give "
-                            "another io.paths directory", path) from None
+                            f"([Errno {e.errno}] {e.strerror}); {fix}", path) from None
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
@@ -193,6 +226,13 @@ def _close_files(files: list[_SwapFile], keep: bool) -> None:
             error = error or e
     if error is not None:
         raise error
+
+
+def _close_unclosed(files: list[_SwapFile], pid: int) -> None:
+    """The finalizer of a swap space never closed: removes its files, in the process
+    that opened them only ([Note: forked children])."""
+    if os.getpid() == pid:
+        _close_files(files, keep=False)
 
 
 class ReadHandle:
@@ -315,6 +355,19 @@ class SwapSpace:
     uncaught exception) through `weakref.finalize`. Only a process killed
     outright (SIGKILL) leaves them; the lock then dies with it, and the next run
     on the directory takes the files over.
+
+    [Note: forked children]
+    A forked child (a DataLoader worker, a multiprocessing child, `os.fork()`)
+    inherits the space: its descriptors, its finalizer and its state, but not the
+    threads that complete its transfers, and the files stay the parent's. A child
+    that left by `sys.exit()` ran the finalizer's exit hook and removed the
+    parent's swap and lock files from under it (the parent's training went on
+    through its descriptors, but its lock no longer guarded the names, and the
+    next job on the directory took them). So the space remembers the process that
+    opened it, and in any other one the finalizer and `close()` leave the files
+    as they are; the child's copies of the descriptors close when it exits, and
+    the lock stays the parent's (a flock belongs to the open file, which the
+    parent still holds).
     """
 
     def __init__(self, paths: list[str], name: str, engine: IoEngine, *,
@@ -327,6 +380,7 @@ class SwapSpace:
                              f"and grow_step {grow_step} a multiple of stripe_size")
         self.name = name
         self.engine = engine
+        self._pid = os.getpid()  # [Note: forked children]
         self.stripe = stripe_size
         self.grow_step = grow_step
         self.max_size = max_size
@@ -360,7 +414,7 @@ class SwapSpace:
             _close_files(self._files, keep=False)
             raise
         # [Note: nothing left behind]; holds the file list, never `self`
-        self._finalizer = weakref.finalize(self, _close_files, self._files, False)
+        self._finalizer = weakref.finalize(self, _close_unclosed, self._files, self._pid)
 
     @property
     def paths(self) -> list[str]:
@@ -439,7 +493,7 @@ class SwapSpace:
         done: list[_SwapFile] = []
         for f in self._files:
             try:
-                os.posix_fallocate(f.fd, f.size, per_file - f.size)
+                _preallocate(f.fd, f.size, per_file - f.size)
             except OSError as e:
                 for g in done + [f]:  # give back what this attempt reserved
                     try:
@@ -452,11 +506,12 @@ class SwapSpace:
                                   "cannot reserve swap space: the disk failed, not full; "
                                   "check the disk (dmesg) and the path") from None
                 free = shutil.disk_usage(os.path.dirname(f.path)).free
-                raise SwapFullError(
-                    "alloc", f.path, f.size, per_file - f.size, e.errno,
-                    f"cannot reserve swap space: {free} bytes free in {os.path.dirname(f.path)}; "
-                    "free disk space, add a directory to io.paths, or raise the file-size limit "
-                    "(ulimit -f)") from None
+                why = ("cannot reserve swap space" if limit_hint(e.errno)  # IoError adds it
+                       else f"cannot reserve swap space: {free} bytes free in "
+                            f"{os.path.dirname(f.path)}; free disk space, or add a directory "
+                            "to io.paths")
+                raise SwapFullError("alloc", f.path, f.size, per_file - f.size, e.errno,
+                                    why) from None
             done.append(f)
         for f in self._files:
             f.size = per_file
@@ -625,7 +680,11 @@ class SwapSpace:
         """Closes (and unless `keep`, removes) the swap files, once the transfers in
         flight finished ([Note: closing with transfers in flight]). Idempotent. Later
         alloc, write and read raise; free still returns extents, so owners may tear
-        down in any order."""
+        down in any order. In a forked child it closes nothing of the parent's
+        ([Note: forked children])."""
+        if os.getpid() != self._pid:  # the lock may have been held at the fork
+            self._closed = True
+            return
         with self._lock:
             if self._closed:
                 return

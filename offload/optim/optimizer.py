@@ -673,6 +673,16 @@ class CpuAdam(StateAccess, TorchOptimizerView):
         weight_decay, lr_lambda."""
         return [group_values(g) for g in self.param_groups]
 
+    def check_values(self, schedule_step: int | None = None) -> None:
+        """Raises ValueError where a group holding partitions has values an update
+        would refuse (at schedule step `schedule_step`, default `steps`): for a caller
+        whose updates keep no previous version (`final=True`), before any begins."""
+        with self._lock:
+            k = self.steps if schedule_step is None else schedule_step
+            for group, grp in enumerate(self.param_groups):
+                if grp["params"]:
+                    self._hyper(group, k)
+
     def _hyper(self, group: int, schedule_step: int) -> AdamHyper:
         grp = self.param_groups[group]
         _check_group(group, grp)  # its values may have been written since

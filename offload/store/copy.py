@@ -36,19 +36,22 @@ should run on that stream (or order itself after it).
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import torch
 
 from ..config import ConfigError
 from ..io import BufferPool, HostBuffer
+from .budget import BudgetExceededError
 from .record import footprint
 
-__all__ = ["DeviceBuffer", "DeviceTier", "resolve_device"]
+__all__ = ["DeviceBuffer", "DeviceTier", "bind_thread", "rank_gpu", "resolve_device"]
 
 
 def resolve_device(name: str) -> torch.device:
-    """`store.device` as a torch.device: auto is cuda when available, else cpu."""
+    """`store.device` as a torch.device: auto is cuda when available, else cpu; a cuda
+    device without an index is this rank's GPU (`rank_gpu`)."""
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     dev = torch.device(name)
@@ -57,10 +60,37 @@ def resolve_device(name: str) -> torch.device:
             raise ConfigError(f"store.device = {name!r} but CUDA is not available "
                                "(torch.cuda.is_available() is False); use 'auto' or 'cpu'")
         if dev.index is None:
-            dev = torch.device("cuda", torch.cuda.current_device())
+            dev = torch.device("cuda", rank_gpu(os.environ.get("LOCAL_RANK"),
+                                                torch.cuda.current_device(),
+                                                torch.cuda.device_count()))
     elif dev.type != "cpu":
         raise ConfigError(f"store.device {name!r}: only cpu and cuda are supported")
     return dev
+
+
+def rank_gpu(local_rank: str | None, current: int, count: int) -> int:
+    """The GPU of a process whose `store.device` names none.
+
+    [Note: a GPU per rank] torchrun starts one process per GPU and sets LOCAL_RANK,
+    but every process's current CUDA device is 0 until something sets it: NCCL then
+    finds two ranks on one GPU. A process still on device 0 takes GPU LOCAL_RANK when
+    that many are visible; one whose current device was set keeps it, and so does one
+    that sees fewer GPUs (CUDA_VISIBLE_DEVICES giving each rank its own GPU, seen as
+    0). `initialize` makes the choice the process's current device
+    (`torch.cuda.set_device`) before its first collective, and the engine's own
+    threads take it too (`bind_thread`)."""
+    if current == 0 and local_rank is not None and local_rank.isdigit() and (
+            int(local_rank) < count):
+        return int(local_rank)
+    return current
+
+
+def bind_thread(device: torch.device) -> None:
+    """Makes `device` the calling thread's CUDA device (nothing on a CPU device). A new
+    thread starts on GPU 0, where its first CUDA call would make a context on a GPU
+    the rank does not use: each engine thread that may touch CUDA calls this first."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
 
 
 class DeviceBuffer(NamedTuple):
@@ -88,7 +118,15 @@ class DeviceTier:
         """Memory for one DEVICE copy of `nbytes` bytes (the budget is charged by the caller)."""
         if not self.cuda:
             return self._pool.alloc(nbytes, tag=tag)
-        tensor = torch.empty(footprint(nbytes), dtype=torch.uint8, device=self.device)
+        try:
+            tensor = torch.empty(footprint(nbytes), dtype=torch.uint8, device=self.device)
+        except torch.OutOfMemoryError as e:
+            # the budget counts partitions only: activations, gathered weights and the
+            # allocator's own blocks share the GPU, and a prefetch meeting them skips
+            raise BudgetExceededError(
+                f"the GPU ran out of memory for {tag} ({nbytes} B) inside "
+                "store.device_budget: what else the GPU holds (activations, gathered "
+                f"weights) leaves less than the budget; lower store.device_budget ({e})") from e
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(self.device))
         return DeviceBuffer(tensor, ready)
@@ -119,10 +157,13 @@ class DeviceTier:
     def _copy(self, stream: torch.cuda.Stream, dst: torch.Tensor, src: torch.Tensor,
               nbytes: int, ready: torch.cuda.Event) -> torch.cuda.Event:
         n = footprint(nbytes)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        stream.wait_event(ready)
-        with torch.cuda.stream(stream):
-            dst[:n].copy_(src[:n], non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(stream)
+        # on this device: a stream context entered on a thread still on GPU 0 would put
+        # GPU 0's stream back at its exit, making a context there ([Note: a GPU per rank])
+        with torch.cuda.device(self.device):
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            stream.wait_event(ready)
+            with torch.cuda.stream(stream):
+                dst[:n].copy_(src[:n], non_blocking=True)
+                done = torch.cuda.Event()
+                done.record(stream)
         return done

@@ -10,20 +10,22 @@ lock, the completion thread) and runs moves step by step; `TieredStore`
 from __future__ import annotations
 
 import dataclasses
+import errno
 import logging
 import os
 import queue
 import threading
 import time
+import weakref
 from typing import Hashable, Iterable
 
 import torch
 
-from ..config import IoConfig, StoreConfig
+from ..config import IoConfig, StoreConfig, format_bytes
 from ..io import BufferPool, IoEngine, IoHandle, ReadHandle, SwapSpace, open_swap
 from ..trace import TraceRecorder
 from .budget import Accounting, BudgetExceededError
-from .copy import DeviceTier
+from .copy import DeviceTier, bind_thread
 from .moves import MoveHandle, Step, needs_of, plan_evict
 from .policy import Candidate, EvictionPolicy
 from .record import PartitionRecord, Tier
@@ -85,8 +87,9 @@ class MoveExecutor:
         self._queue: queue.SimpleQueue[tuple | None] = queue.SimpleQueue()
         self._in_io: dict[MoveHandle, tuple[int, object]] = {}  # moves waiting on an I/O handle
         self._pinners: dict[Hashable, list[int]] = {}  # key -> the thread of each pin
-        self._worker = threading.Thread(target=self._completion_loop, daemon=True,
-                                        name=f"offload-store-r{rank}")
+        self._worker = threading.Thread(target=_complete_while_referenced,
+                                        args=(weakref.ref(self), self._queue, dev.device),
+                                        daemon=True, name=f"offload-store-r{rank}")
 
     # -- claims, waits, views ---------------------------------------------------------
     def _check_open(self) -> None:
@@ -215,11 +218,31 @@ class MoveExecutor:
 
     def _alloc_memory(self, tier: Tier, rec: PartitionRecord) -> object:
         tag = f"{rec.kind}:{rec.key}"
-        if tier is Tier.HOST:
-            return self._pool.alloc(rec.nbytes, tag=tag)
-        if tier is Tier.DEVICE:
-            return self._dev.alloc(rec.nbytes, tag)
+        try:
+            if tier is Tier.HOST:
+                return self._pool.alloc(rec.nbytes, tag=tag)
+            if tier is Tier.DEVICE:
+                return self._dev.alloc(rec.nbytes, tag)
+        except OSError as e:  # the pool's mmap: ENOMEM under ulimit -v or a cgroup limit
+            if e.errno != errno.ENOMEM:
+                raise
+            raise self._unmappable(tier, tag, rec.nbytes, e) from e
         return self._swap(rec.kind).alloc(rec.nbytes, counted=False)  # charged by the move
+
+    def _unmappable(self, tier: Tier, tag: str, nbytes: int, e: OSError) -> MemoryError:
+        """The host memory the budgets promise cannot be mapped: a MemoryError that
+        names the budget keys to lower, not the pool's bare ENOMEM."""
+        keys = [f"store.host_budget = {format_bytes(self._cfg.host_budget)}",
+                f"io.buffer_budget = {format_bytes(self._iocfg.buffer_budget)}"]
+        if self._dev.device.type == "cpu":
+            keys.append(f"store.device_budget = {format_bytes(self._cfg.device_budget)} "
+                        "(the CPU is the device)")
+        return MemoryError(
+            f"cannot map {nbytes} bytes of host memory for partition {tag} in the "
+            f"{tier.name} tier ([Errno {e.errno}] {e.strerror}): this process may not map "
+            "as much as its host budgets allow (ulimit -v, a container's memory limit, or "
+            f"the machine's free memory); lower {', '.join(keys)} to fit beside the rest "
+            "of the process, or raise the limit")
 
     def _allocate(self, move: MoveHandle, rec: PartitionRecord, needs: dict[Tier, int],
                   memory: set[Tier]) -> None:
@@ -572,23 +595,23 @@ class MoveExecutor:
     # every 50 ms and sweeps `_in_io` for handles that are done. A step reached
     # both ways is finished once (`_complete_one` skips the second).
 
-    def _completion_loop(self) -> None:
-        """The completion thread: waits for each finished step off the lock (a read's
-        checksum is verified here), then finishes it and starts the next under the lock."""
-        while True:
-            try:
-                item = self._queue.get(timeout=0.05)
-            except queue.Empty:
-                if not self._in_io:
-                    continue
-                with self._cond:
-                    items = [(m, i, w) for m, (i, w) in self._in_io.items() if w.done()]
-            else:
-                if item is None:
-                    return
-                items = [item]
-            for move, index, waitable in items:
-                self._complete_one(move, index, waitable)
+    def _complete_round(self, item: tuple | None) -> bool:
+        """One round of the completion thread: finishes `item` (None: close() ended the
+        thread; `_SWEEP`: the steps in `_in_io` whose I/O is done) off the lock (a
+        read's checksum is verified here), then starts the next step under the lock.
+        False once the thread is to end."""
+        if item is None:
+            return False
+        if item is _SWEEP:
+            if not self._in_io:
+                return True
+            with self._cond:
+                items = [(m, i, w) for m, (i, w) in self._in_io.items() if w.done()]
+        else:
+            items = [item]
+        for move, index, waitable in items:
+            self._complete_one(move, index, waitable)
+        return True
 
     def _complete_one(self, move: MoveHandle, index: int, waitable: object) -> None:
         error = None
@@ -678,3 +701,25 @@ class MoveExecutor:
                     s.name for s in move.steps)}, ts_ns=int(move.t_start * 1e9)),
                 {"error": type(error).__name__} if error else None, ts_ns=int(move.t_done * 1e9))
         self._cond.notify_all()
+
+
+_SWEEP = ("sweep",)  # no item came within 50 ms: look for I/O done without its callback
+
+
+def _complete_while_referenced(ref: weakref.ref, items: queue.SimpleQueue,
+                               device: torch.device) -> None:
+    """The completion thread ([Note: lost callbacks]): rounds of `_complete_round`
+    until close() ends it. It holds the store only during a round, so a store dropped
+    without close() is collected, and the thread ends; its swap files, buffers and
+    I/O engine are then given back by their own finalizers ([Note: an engine dropped
+    without close()] in offload/io/engine.py)."""
+    bind_thread(device)  # it issues copies: [Note: a GPU per rank] in copy.py
+    while True:
+        try:
+            item = items.get(timeout=0.05)
+        except queue.Empty:
+            item = _SWEEP
+        store = ref()
+        if store is None or not store._complete_round(item):
+            return
+        store = None

@@ -50,6 +50,8 @@ import logging
 import re
 import threading
 import time
+import warnings
+import weakref
 from typing import Callable, Hashable, Iterator
 
 import torch
@@ -141,7 +143,9 @@ class TieredStore(MoveExecutor):
             engine = make_engine(cfg.io, recorder)
         if pool is None:
             extra = cfg.store.device_budget if device.type == "cpu" else 0
-            pool = BufferPool(cfg.store.host_budget + extra + cfg.io.buffer_budget, pin=None)
+            # pinned for a GPU only: a CPU device on a machine with one copies nothing to it
+            pool = BufferPool(cfg.store.host_budget + extra + cfg.io.buffer_budget,
+                              pin=device.type == "cuda")
         super().__init__(cfg.store, cfg.io, rank=rank, dev=DeviceTier(device, pool),
                          engine=engine, pool=pool,
                          policy=policy if policy is not None else LruPolicy(), recorder=recorder)
@@ -154,6 +158,13 @@ class TieredStore(MoveExecutor):
             self._close_io(keep=False)
             raise
         self._worker.start()
+        # collected unclosed: its parts give themselves back ([Note: lost callbacks] in
+        # executor.py); said as for a file left open (not at interpreter exit)
+        self._unclosed = weakref.finalize(
+            self, warnings.warn, "a TieredStore was collected without close(): its threads "
+            "and swap files are released now; close() it, or use it as a context manager",
+            ResourceWarning)
+        self._unclosed.atexit = False
         for t in Tier:
             recorder.declare_track(f"tier:{t.name}")
         recorder.set_info(tier_budgets={t.name: self._acct.budget(t) for t in Tier})
@@ -668,6 +679,7 @@ class TieredStore(MoveExecutor):
                     rec.state = Residency.FREED
                 self._records.clear()
                 self._closed = True
+            self._unclosed.detach()
             self.log_stats()
             self._close_io(keep)
 

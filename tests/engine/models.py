@@ -54,6 +54,17 @@ def lm_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))
 
 
+def lm_train(engine, batches) -> list[float]:
+    """One step of `engine` per (x, y) of `batches`; the losses."""
+    losses = []
+    for x, y in batches:
+        loss = lm_loss(engine(x), y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
 def assert_weights_as_torch(engine, ref: nn.Module, atol: float) -> None:
     """The engine's full weights equal `ref`'s parameters, name by name."""
     with engine.full_weights() as w:

@@ -17,7 +17,7 @@ from offload.engine.checkpoint_chunks import ChunkFiles
 from offload.engine.training_checkpoint import RECORD, flat_boxes
 from offload.trace import TraceRecorder
 
-from .models import TiedTwice, lm_batches, lm_loss
+from .models import TiedTwice, lm_batches, lm_loss, lm_train
 
 
 class Dropped(TiedTwice):
@@ -39,16 +39,6 @@ def _cfg(engine_cfg, tmp_path, name, params, grads, optimizer, dtype, **engine):
     cfg["optim"]["max_grad_norm"] = 0.05  # small enough that clipping acts
     cfg["io"]["paths"] = [str(tmp_path / name)]
     return cfg
-
-
-def _train(engine, batches):
-    losses = []
-    for x, y in batches:
-        loss = lm_loss(engine(x), y)
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-    return losses
 
 
 def _optim_state(engine):
@@ -82,16 +72,16 @@ def test_resume_continues_bit_identical(tmp_path, engine_cfg, params, grads, opt
     cfg["optim"]["state_dtype"] = state_dtype
     ck = tmp_path / "ckpt" / "step-3"
     with offload.initialize(Dropped(), cfg, lr_lambda=schedule) as a:
-        _train(a, batches[:3])
+        lm_train(a, batches[:3])
         a.save_checkpoint(ck, extra={"batch": 3})
-        want_losses = _train(a, batches[3:])
+        want_losses = lm_train(a, batches[3:])
         want, want_opt = a.state_dict(), _optim_state(a)
     torch.manual_seed(1234)  # resume restores the RNG: this seed must not matter
     cfg = _cfg(engine_cfg, tmp_path, "b", params, grads, optimizer, dtype)
     cfg["optim"]["state_dtype"] = state_dtype
     with offload.initialize(Dropped, cfg, lr_lambda=schedule, resume=ck) as b:
         assert b.global_step == 3
-        got_losses = _train(b, batches[3:])
+        got_losses = lm_train(b, batches[3:])
         assert got_losses == want_losses
         _assert_identical(b.state_dict(), want)
         _assert_identical(_optim_state(b), want_opt)
@@ -153,7 +143,7 @@ def test_layout_is_plain_zarr3_in_logical_shapes(tmp_path, engine_cfg):
     cfg = _cfg(engine_cfg, tmp_path, "a", "host", "host", "host", "bf16")
     ck = tmp_path / "ck"
     with offload.initialize(TiedTwice(), cfg) as e:
-        _train(e, lm_batches(1))
+        lm_train(e, lm_batches(1))
         e.save_checkpoint(ck)
         sd = e.state_dict()
         moments = e.optimizer.partition_state(e.groups[0].gid)
@@ -222,11 +212,11 @@ def test_background_save_holds_the_state_of_the_call(tmp_path, engine_cfg, param
     ChunkFiles._start_chunk = slow_start
     try:
         with offload.initialize(Dropped(), cfg, lr_lambda=schedule, recorder=rec) as a:
-            _train(a, batches[:3])
+            lm_train(a, batches[:3])
             want, want_opt = a.state_dict(), _optim_state(a)
             handle = a.save_checkpoint(ck, blocking=False)
             assert not handle.done()
-            _train(a, batches[3:])
+            lm_train(a, batches[3:])
             assert handle.done() and handle.wait() == ck
             assert 0 < handle.stalled < handle.seconds
             after = a.state_dict()
@@ -258,7 +248,7 @@ def test_a_weight_change_waits_for_a_background_save(tmp_path, engine_cfg, chang
         return start(self, *args)
     torch.manual_seed(0)
     with offload.initialize(Dropped(), cfg) as a:
-        _train(a, lm_batches(1))
+        lm_train(a, lm_batches(1))
         want = a.state_dict()
         ChunkFiles._start_chunk = slow_start
         try:

@@ -18,7 +18,7 @@ import offload
 import offload.engine.training_checkpoint as tc
 from offload.engine.checkpoint_chunks import CRC_BYTES
 
-from .models import TiedTwice, lm_batches, lm_loss
+from .models import TiedTwice, lm_batches, lm_train
 from .test_checkpoint import _assert_identical, _optim_state
 
 
@@ -26,12 +26,6 @@ def _cfg(engine_cfg, tmp_path, name, params="host", optimizer="host", dtype="fp3
     cfg = engine_cfg(params, "host", optimizer, dtype=dtype)
     cfg["io"]["paths"] = [str(tmp_path / name)]
     return cfg
-
-
-def _train(engine, batches):
-    for x, y in batches:
-        engine.backward(lm_loss(engine(x), y))
-        engine.step()
 
 
 def _state(engine):
@@ -54,7 +48,7 @@ def test_shard_files_are_zarr3_shards_of_exact_size(tmp_path, engine_cfg, small_
     torch.manual_seed(0)
     ck = tmp_path / "ck"
     with offload.initialize(TiedTwice(), _cfg(engine_cfg, tmp_path, "a", dtype=dtype)) as e:
-        _train(e, lm_batches(2))
+        lm_train(e, lm_batches(2))
         e.save_checkpoint(ck)
         sd = e.state_dict()
     meta = json.loads((ck / "exp_avg" / "emb.weight" / "zarr.json").read_text())
@@ -87,12 +81,12 @@ def test_checkpoint_of_zeros_loads(tmp_path, engine_cfg):
     with offload.initialize(TiedTwice(), _cfg(engine_cfg, tmp_path, "a")) as a:
         a.save_checkpoint(ck)
         want = _state(a)
-        _train(a, lm_batches(1))
+        lm_train(a, lm_batches(1))
         after = _state(a)
     assert all(f.stat().st_size > CRC_BYTES for f in (ck / "exp_avg_sq").rglob("c/*/*"))
     with offload.initialize(TiedTwice, _cfg(engine_cfg, tmp_path, "b"), resume=ck) as b:
         _assert_identical(_state(b), want)
-        _train(b, lm_batches(1))
+        lm_train(b, lm_batches(1))
         _assert_identical(_state(b), after)
 
 
@@ -105,13 +99,13 @@ def test_save_and_resume_without_o_direct(tmp_path, engine_cfg, no_direct_dir, s
     torch.manual_seed(0)
     ck = os.path.join(no_direct_dir, "ck")
     with offload.initialize(TiedTwice(), _cfg(engine_cfg, tmp_path, "a", "host", optimizer)) as a:
-        _train(a, batches[:3])
+        lm_train(a, batches[:3])
         a.save_checkpoint(ck)
-        _train(a, batches[3:])
+        lm_train(a, batches[3:])
         want = _state(a)
     with offload.initialize(TiedTwice, _cfg(engine_cfg, tmp_path, "b", "host", optimizer),
                             resume=ck) as b:
-        _train(b, batches[3:])
+        lm_train(b, batches[3:])
         _assert_identical(_state(b), want)
 
 

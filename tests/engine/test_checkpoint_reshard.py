@@ -15,7 +15,7 @@ import offload
 
 import offload.engine.training_checkpoint as tc
 
-from .models import lm_batches, lm_loss
+from .models import lm_batches, lm_train
 from .test_checkpoint import Dropped, schedule
 from .ranks import gloo_group, spawn
 
@@ -27,12 +27,6 @@ BATCHES = 6
 class Wide(Dropped):
     def __init__(self) -> None:
         super().__init__(vocab=128, dim=64, hidden=96)
-
-
-def _train(engine, batches):
-    for x, y in batches:
-        engine.backward(lm_loss(engine(x), y))
-        engine.step()
 
 
 def _cfg(engine_cfg, tmp_path, name, placement):
@@ -49,14 +43,14 @@ def _worker(rank, world, init_file, cfg, resume, save, out):
         if resume is None:  # steps 1-3 on two ranks, then save (and train on)
             tc.CHUNK_ELEMS = 1000  # 15 rows of emb.weight: the ranks meet inside a chunk
             with offload.initialize(Wide(), cfg, lr_lambda=schedule) as e:
-                _train(e, batches[:3])
+                lm_train(e, batches[:3])
                 # in the background, while the next step's collectives run
                 saving = e.save_checkpoint(save, blocking=False)
-                _train(e, batches[3:4])
+                lm_train(e, batches[3:4])
                 saving.wait()
         else:  # resume a one-rank checkpoint on two ranks: steps 4-6
             with offload.initialize(Wide, cfg, lr_lambda=schedule, resume=resume) as e:
-                _train(e, batches[3:])
+                lm_train(e, batches[3:])
                 sd = e.state_dict()
                 opt_bytes = sum(e.store.info(("p", g.gid)).numel for g in e.groups)
                 if rank == 0:
@@ -75,9 +69,9 @@ def test_reshard_1_to_2_and_2_to_1(tmp_path, engine_cfg, placement):
     torch.manual_seed(0)
     with offload.initialize(Wide(), _cfg(engine_cfg, tmp_path, "ref", placement),
                             lr_lambda=schedule) as ref:
-        _train(ref, batches[:3])
+        lm_train(ref, batches[:3])
         ref.save_checkpoint(tmp_path / "one-rank")
-        _train(ref, batches[3:])
+        lm_train(ref, batches[3:])
         want = ref.state_dict()
 
     # 1 -> 2
@@ -98,6 +92,6 @@ def test_reshard_1_to_2_and_2_to_1(tmp_path, engine_cfg, placement):
     assert emb.chunk_layout.read_chunk.shape == (15, 64)
     with offload.initialize(Wide, _cfg(engine_cfg, tmp_path, "c", placement),
                             lr_lambda=schedule, resume=tmp_path / "two-ranks") as e:
-        _train(e, batches[3:])
+        lm_train(e, batches[3:])
         for k, v in e.state_dict().items():
             assert torch.equal(v, want[k]), k

@@ -176,7 +176,7 @@ def test_out_of_space_is_clear_and_loses_nothing(name, tmp_path):
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     res = json.loads(out.stdout)
-    assert "cannot reserve swap space" in res["error"] and "io.paths" in res["error"]
+    assert "cannot reserve swap space" in res["error"] and "ulimit -f" in res["error"]
     assert "File too large" in res["error"]
     assert res["intact"] and res["size"] == 1 << 20
 

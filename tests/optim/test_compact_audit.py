@@ -16,7 +16,7 @@ from offload.optim import CpuAdam
 from offload.optim.codec import QBLOCK, Moment, decode, encode, new_moment
 from offload.planner.sizes import state_bytes
 
-from ..engine.models import TiedTwice, lm_batches, lm_loss
+from ..engine.models import TiedTwice, lm_batches, lm_loss, lm_train
 
 
 def _cfg(tmp_path, name, state_dtype, optimizer="nvme", dtype="fp32", **optim):
@@ -28,12 +28,6 @@ def _cfg(tmp_path, name, state_dtype, optimizer="nvme", dtype="fp32", **optim):
         "io": {"paths": [str(tmp_path / name)], "buffer_budget": "32MiB", "grow_step": "4MiB"},
         "store": {"host_budget": "64MiB", "device_budget": "64MiB", "device": "cpu"},
     }
-
-
-def _train(engine, batches):
-    for x, y in batches:
-        engine.backward(lm_loss(engine(x), y))
-        engine.step()
 
 
 def _decoded(engine) -> dict:
@@ -66,7 +60,7 @@ def test_resume_with_another_state_dtype_encodes_the_saved_moments(tmp_path, sav
     torch.manual_seed(0)
     ck = tmp_path / "ckpt"
     with offload.initialize(TiedTwice(), _cfg(tmp_path, "a", saved, dtype="bf16")) as a:
-        _train(a, batches[:2])
+        lm_train(a, batches[:2])
         a.save_checkpoint(ck)
         want_w = {k: v.clone() for k, v in a.state_dict().items()}
         want = _decoded(a)
@@ -82,7 +76,7 @@ def test_resume_with_another_state_dtype_encodes_the_saved_moments(tmp_path, sav
             assert torch.equal(got[pid][2], _recoded(eas, resumed, "exp_avg_sq"))
         assert b.optimizer.state[pid]["exp_avg"].dtype == {
             "fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8}[resumed]
-        _train(b, batches[2:])
+        lm_train(b, batches[2:])
         assert b.global_step == 4
 
 
@@ -95,7 +89,7 @@ def test_optimizer_state_dict_through_torch_save_into_another_form_and_tier(tmp_
     batches = lm_batches(3)
     torch.manual_seed(0)
     with offload.initialize(TiedTwice(), _cfg(tmp_path, "a", src[0], src[1], "bf16")) as a:
-        _train(a, batches[:2])
+        lm_train(a, batches[:2])
         buf = io.BytesIO()
         torch.save(a.optimizer.state_dict(), buf)
         want_w = {k: v.clone() for k, v in a.state_dict().items()}
@@ -112,7 +106,7 @@ def test_optimizer_state_dict_through_torch_save_into_another_form_and_tier(tmp_
             assert got[pid][0] == step
             assert torch.equal(got[pid][1], _recoded(ea, dst[0], "exp_avg"))
             assert torch.equal(got[pid][2], _recoded(eas, dst[0], "exp_avg_sq"))
-        _train(b, batches[2:])
+        lm_train(b, batches[2:])
 
 
 @pytest.mark.parametrize("state_dtype", ["bf16", "int8"])
@@ -124,7 +118,7 @@ def test_fp16_overflow_skips_the_step_and_leaves_compressed_state_byte_identical
     torch.manual_seed(0)
     with offload.initialize(TiedTwice(), _cfg(tmp_path, "a", state_dtype, "nvme",
                                               "fp16")) as e:
-        _train(e, batches[:1])
+        lm_train(e, batches[:1])
         before = {pid: {k: v.clone() for k, v in st.items()}
                   for pid, st in e.optimizer.state_dict()["state"].items()}
         x, y = batches[1]
@@ -135,7 +129,7 @@ def test_fp16_overflow_skips_the_step_and_leaves_compressed_state_byte_identical
             assert set(after[pid]) == set(st)
             for k, v in st.items():
                 assert torch.equal(after[pid][k], v), (pid, k)
-        _train(e, batches[2:])
+        lm_train(e, batches[2:])
 
 
 def _int8_opt():

@@ -3,6 +3,7 @@ swap files under tmp_path, real threads."""
 
 from __future__ import annotations
 
+import gc
 import os
 import threading
 import time
@@ -11,6 +12,7 @@ import warnings
 import pytest
 import torch
 
+from offload.io import libaio_status
 from offload.store import BudgetExceededError, Residency, Tier, TieredStore
 
 from .conftest import page_tensor, store_config
@@ -302,3 +304,38 @@ def test_a_policy_that_raises_fails_the_move_and_leaves_no_pin_or_claim(tmp_path
     s.audit()
     s.close()
     assert _swap_files(tmp_path / "swap") == []
+
+
+def _offload_threads(before: set) -> list[str]:
+    return sorted(t.name for t in threading.enumerate()
+                  if t.name.startswith("offload-") and t not in before)
+
+
+@pytest.mark.parametrize("engine", ["aio", "threads"])
+def test_a_store_dropped_without_close_gives_everything_back(tmp_path, engine):
+    """[Note: lost callbacks] A TieredStore (and its I/O engine) dropped unclosed was
+    kept alive by its own threads for the life of the process: its threads, swap
+    files and AIO context (fs.aio-max-nr slots) were never given back. Now it is
+    collected once unreferenced, with a ResourceWarning."""
+    if engine == "aio" and not libaio_status()[0]:
+        pytest.skip(libaio_status()[1])
+    before = set(threading.enumerate())
+    swap = tmp_path / "swap"
+    s = TieredStore(store_config(swap, engine=engine))
+    ref = torch.arange(4096, dtype=torch.float32)
+    s.put("a", ref, tier="NVME")
+    s.wait_all()
+    assert torch.equal(s.fetch("a", "HOST").wait(), ref)
+    assert _offload_threads(before) and _swap_files(swap)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        del s
+        deadline = time.monotonic() + 5
+        while (_offload_threads(before) or _swap_files(swap)) and time.monotonic() < deadline:
+            gc.collect()
+            time.sleep(0.05)
+    assert _offload_threads(before) == [] and _swap_files(swap) == []
+    assert any(issubclass(w.category, ResourceWarning) and "TieredStore" in str(w.message)
+               for w in caught)
+    with TieredStore(store_config(swap, engine=engine)) as again:  # the paths are free
+        again.put("a", ref, tier="NVME")
