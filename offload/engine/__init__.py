@@ -10,6 +10,7 @@ import os
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ..comm import Collectives, GatherIssuer
@@ -214,6 +215,7 @@ def initialize(model: nn.Module | Callable[[], nn.Module],
         device = resolve_device(cfg.store.device)
         if device.type == "cuda":  # [Note: a GPU per rank] in offload/store/copy.py
             torch.cuda.set_device(device)
+        _refuse_gather_thread_on_nccl(cfg)
         _report_huge_pages()
         model = _model_of(model, lr_lambda)
         _refuse_unsupported(model, cfg.engine.dtype)
@@ -254,11 +256,6 @@ def initialize(model: nn.Module | Callable[[], nn.Module],
         agreement.settle()
         gathers = None  # [Note: gather thread] in offload/comm/gather_thread.py
         if cfg.comm.gather_thread and comm.world > 1:
-            if comm.backend == "nccl":
-                raise ConfigError(
-                    "comm.gather_thread is for gloo: NCCL's collectives are asynchronous "
-                    "already, and two communicators driven from two threads can deadlock "
-                    "under NCCL; set comm.gather_thread = false")
             dp_groups = tp.mesh.dp_groups if tp is not None else [list(range(comm.world))]
             gathers = GatherIssuer(comm, gather_group(comm, dp_groups))
         # store.policy "next-use": the copy the step needs last leaves first (eviction.py)
@@ -367,6 +364,16 @@ def initialize(model: nn.Module | Callable[[], nn.Module],
              comm.world, cfg.engine.dtype, cfg.engine.params, cfg.engine.grads,
              cfg.engine.optimizer)
     return engine
+
+
+def _refuse_gather_thread_on_nccl(cfg: OffloadConfig) -> None:
+    """comm.gather_thread is for gloo: NCCL's collectives are asynchronous already, and
+    two NCCL communicators driven from two threads can deadlock."""
+    if (cfg.comm.gather_thread and dist.is_available() and dist.is_initialized()
+            and dist.get_world_size() > 1 and "nccl" in str(dist.get_backend_config())):
+        raise ConfigError("comm.gather_thread is for gloo: NCCL's collectives are "
+                          "asynchronous already, and two communicators driven from two "
+                          "threads can deadlock under NCCL; set comm.gather_thread = false")
 
 
 def _from_first_rank(comm: Collectives, g: Group, full: torch.Tensor, real: bool

@@ -53,9 +53,9 @@ class Owned:
 def _release(owned: Owned) -> None:
     """Each part once, so that a release cut short can run again."""
     owned.updater.shutdown(wait=True)
-    opt, owned.opt = owned.opt, None
-    if opt is not None:
-        opt.close()
+    if owned.opt is not None:
+        owned.opt.close()
+        owned.opt = None
     owned.warm.clear()
     owned.store.close()
     owned.switch.release()  # the last engine to close restores Python's interval

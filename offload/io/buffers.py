@@ -310,14 +310,16 @@ class BufferPool:
         budget_bytes: most bytes mapped at once, held and cached together
             (pinned memory included: it is host memory).
         pin: register buffers with CUDA so copies to the GPU can be
-            non_blocking (for the CUDA device current when the pool is made).
-            None pins iff ``torch.cuda.is_available()``; True without CUDA
-            raises ValueError.
+            non_blocking (for `device`, or the CUDA device current when the
+            pool is made). None pins iff ``torch.cuda.is_available()``; True
+            without CUDA raises ValueError.
         alignment: address and size granularity (bytes, a power of two);
             4096 suits O_DIRECT.
+        device: the CUDA device the pinned buffers are for.
     """
 
-    def __init__(self, budget_bytes: int, pin: bool | None = None, alignment: int = 4096) -> None:
+    def __init__(self, budget_bytes: int, pin: bool | None = None, alignment: int = 4096,
+                 device: torch.device | None = None) -> None:
         if budget_bytes <= 0:
             raise ValueError(f"buffer pool budget must be positive, got {budget_bytes} bytes")
         if alignment <= 0 or alignment & (alignment - 1):
@@ -327,7 +329,10 @@ class BufferPool:
             raise ValueError("pin=True asks for pinned host memory, but CUDA is absent "
                              "(torch.cuda.is_available() is False); use pin=None or pin=False")
         self._pin = cuda if pin is None else bool(pin)
-        self._gpu = torch.cuda.current_device() if self._pin else None  # the caller's GPU
+        # the GPU whose context pins the blocks: `device`'s, else the caller's current one
+        self._gpu = None if not self._pin else (
+            device.index if device is not None and device.type == "cuda"
+            and device.index is not None else torch.cuda.current_device())
         self._budget = budget_bytes
         self._alignment = alignment
         self._cond = threading.Condition(threading.Lock())

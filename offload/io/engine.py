@@ -292,7 +292,8 @@ class AioEngine(IoEngine):
         self._reaper = threading.Thread(target=_reap_while_referenced,
                                         args=(weakref.ref(self), self._cv),
                                         name="offload-aio-reaper", daemon=True)
-        self._finalizer = weakref.finalize(self, self._ctx.close)
+        self._pid = os.getpid()
+        self._finalizer = weakref.finalize(self, _destroy_context, self._ctx, self._pid)
         self._reaper.start()
 
     def _make(self, block: _Block) -> object:
@@ -379,6 +380,9 @@ class AioEngine(IoEngine):
     def close(self) -> None:
         if self._closed:
             return
+        if os.getpid() != self._pid:  # a forked child's copy: the context and the reaper
+            self._closed = True       # are the parent's ([Note: forked children] in swap.py)
+            return
         with self._cv:
             self._closed = True
             self._cv.notify_all()
@@ -392,15 +396,24 @@ def _reap_while_referenced(ref: weakref.ref, cv: threading.Condition) -> None:
     waits on the engine's condition holding only `ref`, and ends once the engine is
     collected."""
     _completing.engine = ref
+    engine = None
     while True:
         with cv:
-            engine = ref()
             if engine is None:
-                return
+                engine = ref()
+                if engine is None:
+                    return
             if not engine._inflight and not engine._closed:
-                engine = None
+                engine = None  # idle: the engine may be collected now
                 cv.wait(1.0)
                 continue
         if not engine._reap():
             return
-        engine = None
+
+
+def _destroy_context(ctx: object, pid: int) -> None:
+    """Destroys an AIO context in the process that made it: a forked child inherits
+    the engine but not the context, which the kernel refuses there
+    ([Note: forked children] in swap.py)."""
+    if os.getpid() == pid:
+        ctx.close()

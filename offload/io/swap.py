@@ -75,11 +75,12 @@ def _preallocate(fd: int, offset: int, length: int) -> None:
         with memoryview(zeros) as view:
             done = 0
             while done < length:
-                n = os.pwrite(fd, view[:min(len(view), length - done)], offset + done)
-                if n <= 0:
-                    raise OSError(_errno.EIO, "a write of zeros reserving swap space moved "
-                                  "nothing")
-                done += n
+                want = min(len(view), length - done)
+                if os.pwrite(fd, view[:want], offset + done) < want:
+                    # a regular file takes a write short only where the disk is full
+                    raise OSError(_errno.ENOSPC, os.strerror(_errno.ENOSPC))
+                done += want
+        os.fdatasync(fd)  # a file system that writes back later reports a full disk here
     finally:
         zeros.close()
 

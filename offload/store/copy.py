@@ -120,7 +120,7 @@ class DeviceTier:
             return self._pool.alloc(nbytes, tag=tag)
         try:
             tensor = torch.empty(footprint(nbytes), dtype=torch.uint8, device=self.device)
-        except torch.OutOfMemoryError as e:
+        except torch.cuda.OutOfMemoryError as e:
             # the budget counts partitions only: activations, gathered weights and the
             # allocator's own blocks share the GPU, and a prefetch meeting them skips
             raise BudgetExceededError(

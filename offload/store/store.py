@@ -145,7 +145,7 @@ class TieredStore(MoveExecutor):
             extra = cfg.store.device_budget if device.type == "cpu" else 0
             # pinned for a GPU only: a CPU device on a machine with one copies nothing to it
             pool = BufferPool(cfg.store.host_budget + extra + cfg.io.buffer_budget,
-                              pin=device.type == "cuda")
+                              pin=device.type == "cuda", device=device)
         super().__init__(cfg.store, cfg.io, rank=rank, dev=DeviceTier(device, pool),
                          engine=engine, pool=pool,
                          policy=policy if policy is not None else LruPolicy(), recorder=recorder)

@@ -144,6 +144,7 @@ def test_aio_contexts_used_up_name_the_limit_and_auto_falls_back(tmp_path, aio_m
     assert out["auto"] == "threads"
 
 
+@pytest.mark.slow  # lowers a machine-wide limit for a whole save: other processes' AIO fails
 def test_checkpoint_save_when_aio_contexts_run_out(tmp_path, aio_max_nr_restored):
     """AIO slots taken by other processes after initialize do not fail a checkpoint
     save: its chunk I/O falls back to threads, and the checkpoint loads."""
