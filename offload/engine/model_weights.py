@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
 
-from ..config import parse_bytes
+from ..config import format_bytes, parse_bytes
 from .full_weights import groups_of, read_group, slot_tensors, summoned, write_group
 from .interrupts import around_user_block, guarded
 from .params_view import state_entries
@@ -49,6 +49,19 @@ def _export_dtype(dtype: Any) -> torch.dtype | None:
     raise ValueError(f"save_pretrained: dtype={dtype!r} cannot be written; pass None (each "
                      f"tensor's own dtype), one of {list(_EXPORT_DTYPES)} or "
                      f"{list(_EXPORT_DTYPES.values())}")
+
+
+def available_memory() -> int | None:
+    """Bytes of host memory the machine can give a new allocation now (MemAvailable), or
+    None where that cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def _shard_limit(max_shard_size: Any) -> int:
@@ -278,10 +291,14 @@ class ModelWeights:
         (in its original dtype, from the fp32 masters) and persistent buffer, under
         every name it is registered under. Gathered group by group; with
         `rank0_only` (default) only rank 0 keeps the weights, the other ranks
-        return an empty dict. Every rank calls it."""
+        return an empty dict. Every rank calls it. The result is the whole model in
+        host memory, outside the budgets: where that is more than the memory
+        available on a rank that keeps it, every rank raises `MemoryError` first;
+        `named_weights()` and `save_pretrained()` stream instead."""
         self._check_open()
         self._slot_names()  # a parameter replaced after initialize is named, not returned
         keep = not rank0_only or self.comm.rank == 0
+        self._check_state_dict_fits(keep)
         entries = list(state_entries(self.module))
         values: dict[tuple[int, int], torch.Tensor] = {}
         for g in self.groups:
@@ -297,6 +314,37 @@ class ModelWeights:
             where = self.registered.locate(t)
             out[name] = values[where] if where is not None else t.detach()
         return out
+
+    def _check_state_dict_fits(self, keep: bool) -> None:
+        """Refuses a `state_dict` whose weights (all of them, outside the budgets) are more
+        than the memory available on a rank that keeps them, on every rank, before any
+        all-gather: a `MemoryError` naming the streaming calls, where gathering on
+        would end with the OOM killer."""
+        need, free = 0, None
+        if keep:
+            for g in self.groups:
+                dtypes = self.registered.dtypes[g.gid]
+                if torch.float32 in dtypes:  # its values are views of the padded fp32 buffer
+                    need += g.padded * 4
+                else:  # copies in their own dtype
+                    need += sum(s.numel * d.itemsize for s, d in zip(g.slots, dtypes))
+            need += max((g.padded * 4 for g in self.groups), default=0)  # the one being read
+            free = available_memory()
+        short = free is not None and need > free
+        if self.groups:  # every rank is here, not one under `if rank == 0` (whose sum
+            # would pair with another's forward): [Note: ranks run the same units]
+            self._rank_order.check_read(self.groups[0].gid)
+        (refused,) = self.comm.sum_scalars([1.0 if short else 0.0])
+        if short:
+            raise MemoryError(
+                f"state_dict: the model's weights take {format_bytes(need)} in memory at "
+                f"once, more than the {format_bytes(free)} available here (nothing was "
+                "gathered); stream them instead: engine.named_weights() yields one group's "
+                "weights at a time, engine.save_pretrained(dir) writes safetensors shards")
+        if refused:
+            raise MemoryError("state_dict: another rank has less memory available than the "
+                              "model's weights take (nothing was gathered); stream them with "
+                              "engine.named_weights() or engine.save_pretrained(dir)")
 
     @guarded  # [Note: Ctrl-C at a safe point] in interrupts.py
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True,

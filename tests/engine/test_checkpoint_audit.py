@@ -8,9 +8,9 @@ from torch import nn
 
 import offload
 
-from .models import TiedTwice, lm_batches, lm_loss
+from .models import TiedTwice, lm_batches, lm_loss, lm_train
 from .ranks import gloo_group, spawn
-from .test_checkpoint import Dropped, _assert_identical, _optim_state, _train, schedule
+from .test_checkpoint import Dropped, _assert_identical, schedule
 
 
 def _cfg(engine_cfg, tmp_path, name, placement=("host", "host", "host"), dtype="fp32",
@@ -24,9 +24,9 @@ def _reference(cfg, model, batches, ck, at=3, **kw):
     """Trains `model` on `batches`, saving at step `at`; the final state."""
     torch.manual_seed(0)
     with offload.initialize(model(), cfg, **kw) as a:
-        _train(a, batches[:at])
+        lm_train(a, batches[:at])
         a.save_checkpoint(ck)
-        losses = _train(a, batches[at:])
+        losses = lm_train(a, batches[at:])
         return losses, a.state_dict(), a.global_step
 
 
@@ -42,7 +42,7 @@ def test_resume_on_another_placement_continues_identically(tmp_path, engine_cfg,
     torch.manual_seed(7)
     with offload.initialize(Dropped, _cfg(engine_cfg, tmp_path, "b", resumed, "bf16"),
                             lr_lambda=schedule, resume=ck) as b:
-        assert _train(b, batches[3:]) == losses
+        assert lm_train(b, batches[3:]) == losses
         _assert_identical(b.state_dict(), want)
 
 
@@ -54,7 +54,7 @@ def test_resume_with_another_group_size_continues_identically(tmp_path, engine_c
     with offload.initialize(Dropped, _cfg(engine_cfg, tmp_path, "b", group_size=100000),
                             lr_lambda=schedule, resume=ck) as b:
         assert len(b.groups) == 1
-        assert _train(b, batches[3:]) == losses
+        assert lm_train(b, batches[3:]) == losses
         _assert_identical(b.state_dict(), want)
 
 
@@ -98,7 +98,7 @@ def test_frozen_parameters_resume_identically(tmp_path, engine_cfg, dtype):
                                  batches, ck)
     with offload.initialize(HalfFrozen, _cfg(engine_cfg, tmp_path, "b", dtype=dtype),
                             resume=ck) as b:
-        assert _train(b, batches[3:]) == losses
+        assert lm_train(b, batches[3:]) == losses
         _assert_identical(b.state_dict(), want)
 
 
@@ -138,7 +138,7 @@ def test_fp16_resumes_identically(tmp_path, engine_cfg):
                                     batches, ck)
     with offload.initialize(Dropped, _cfg(engine_cfg, tmp_path, "b", dtype="fp16"),
                             resume=ck) as b:
-        assert _train(b, batches[3:]) == losses
+        assert lm_train(b, batches[3:]) == losses
         _assert_identical(b.state_dict(), want)
         assert b.global_step == step
 
@@ -246,7 +246,7 @@ def test_save_onto_a_read_only_directory_says_what_to_do(tmp_path, engine_cfg):
         pytest.skip("cannot mount a read-only directory here")
     try:
         with offload.initialize(TiedTwice(), _cfg(engine_cfg, tmp_path, "a")) as e:
-            _train(e, lm_batches(1))
+            lm_train(e, lm_batches(1))
             with pytest.raises(offload.CheckpointError,
                                match=r"writing .*/ck/step-1 failed .*Read-only file system.*"
                                      r"save to a directory this process may write"):
@@ -268,7 +268,7 @@ def _save_worker(rank, world, init_file, cfg, root, out):
     try:
         torch.manual_seed(0)
         with offload.initialize(TiedTwice(), cfg) as e:
-            _train(e, lm_batches(1))
+            lm_train(e, lm_batches(1))
             for path, extra in ((f"{root}/a", {"pos": 1} if rank == 0 else {"pos": object()}),
                                 (f"{root}/b-{rank}", None), (f"{root}/c", None)):
                 try:
