@@ -99,6 +99,7 @@ def test_bench_comm_path_that_does_not_exist_yet(tmp_path):
 
 # -- the disk refuses the writes ------------------------------------------------------------------
 
+@pytest.mark.slow  # 7 s: bench adam runs its in-memory rows first
 def test_bench_adam_nvme_write_failure_is_one_line(tmp_path):
     """--nvme on a disk that refuses the state's writes (full, quota, file-size limit):
     one line naming --nvme and the fix, exit code 1, not a SwapFullError traceback; the
@@ -112,6 +113,7 @@ def test_bench_adam_nvme_write_failure_is_one_line(tmp_path):
     assert _tree(tmp_path) == []
 
 
+@pytest.mark.slow  # 5 s; bench plan's rows run by default in test_bench_plan.py
 def test_bench_plan_exit_code_when_a_configuration_failed(tmp_path):
     """Every configuration's run failed (its swap writes refused): the result is still
     printed, but the exit code is 1 and stderr names the configuration and its error,
@@ -151,6 +153,7 @@ def test_value_that_starts_with_a_dash_is_explained(tmp_path):
         "--size=VALUE" in line, line
 
 
+@pytest.mark.slow  # it passed before any change here: a guard, not a fix
 def test_every_bench_help_works(tmp_path):
     """`--help` of every sub-command prints its usage and exits 0 (one process: the
     parser is built as `offload <words> --help` builds it)."""

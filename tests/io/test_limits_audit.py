@@ -209,6 +209,7 @@ def test_few_open_files_name_ulimit_n(tmp_path):
     assert not out["published"]
 
 
+@pytest.mark.slow  # 3 s; the ulimit -f hint is checked by default in test_swap.py
 def test_small_file_size_limit_names_ulimit_f(tmp_path):
     """Under a file-size limit (ulimit -f; Python ignores SIGXFSZ, so writes fail with
     EFBIG) initialize refuses with SwapFullError, a step fails whole with a message
