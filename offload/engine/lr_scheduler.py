@@ -79,11 +79,20 @@ def make_scheduler(factory: Callable[[torch.optim.Optimizer], Any],
 def _as_saved(value: Any, like: Any) -> Any:
     """`value` (a scheduler's state read back from JSON) with the types JSON lost put
     back as `like` (a fresh scheduler's state) has them: non-string dict keys, a
-    Counter, tuples."""
+    Counter, tuples. A key `like` lacks (the factory of the resume made other
+    milestones) is an int again where `like`'s keys are ints."""
     if isinstance(value, dict) and isinstance(like, dict):
         keys = {str(k): k for k in like}
-        out = {keys.get(k, k): _as_saved(v, like.get(keys.get(k, k)))
-               for k, v in value.items()}
+        ints = isinstance(like, Counter) or (bool(like) and all(
+            isinstance(k, int) for k in like))
+
+        def key(k: Any) -> Any:
+            if k in keys:
+                return keys[k]
+            if ints and isinstance(k, str) and k.lstrip("-").isdigit():
+                return int(k)
+            return k
+        out = {key(k): _as_saved(v, like.get(key(k))) for k, v in value.items()}
         return Counter(out) if isinstance(like, Counter) else out
     if isinstance(value, list) and isinstance(like, (list, tuple)):
         out = [_as_saved(v, like[i] if i < len(like) else None) for i, v in enumerate(value)]

@@ -77,11 +77,17 @@ def test_engine_scheduler_resumed_from_a_checkpoint_trains_as_torch(engine_cfg, 
     """`initialize(lr_scheduler=factory)`: three steps, a save, a resume and three more
     train as six uninterrupted torch steps, for schedulers whose state holds more than
     numbers (MultiStepLR's milestones) and that write betas (OneCycleLR's momentum)."""
-    make = RESUMED[name]
+    ref, got, sd = _saved_and_resumed(engine_cfg(), tmp_path, RESUMED[name], RESUMED[name])
+    assert got == pytest.approx(_torch_run(ref, lm_batches(STEPS), RESUMED[name]))
+    _assert_as_torch(sd, ref)
+
+
+def _saved_and_resumed(cfg, tmp_path, make, make_again):
+    """(the torch model to compare with, the values each step trained with, the final
+    state dict) of three engine steps scheduled by `make`, a save, and a resume
+    scheduled by `make_again` for the rest."""
     ref, fresh = _init_model()
     batches = lm_batches(STEPS)
-    want = _torch_run(ref, batches, make)
-    cfg = engine_cfg()
     got = []
     with offload.initialize(fresh(), cfg, lr_scheduler=make) as engine:
         for x, y in batches[:3]:
@@ -89,14 +95,13 @@ def test_engine_scheduler_resumed_from_a_checkpoint_trains_as_torch(engine_cfg, 
             engine.backward(lm_loss(engine(x), y))
             engine.step()
         engine.save_checkpoint(tmp_path / "ck")
-    with offload.initialize(fresh(), cfg, lr_scheduler=make, resume=tmp_path / "ck") as engine:
+    with offload.initialize(fresh(), cfg, lr_scheduler=make_again,
+                            resume=tmp_path / "ck") as engine:
         for x, y in batches[3:]:
             got += _vals(engine.optimizer)
             engine.backward(lm_loss(engine(x), y))
             engine.step()
-        sd = engine.state_dict()
-    assert got == pytest.approx(want)
-    _assert_as_torch(sd, ref)
+        return ref, got, engine.state_dict()
 
 
 HAND = {
@@ -350,3 +355,13 @@ def test_tensor_lr_is_saved_and_resumed_as_its_value(engine_cfg, tmp_path):
         g = engine.optimizer.param_groups[0]
         assert float(g["lr"]) == pytest.approx(3e-3)
         assert tuple(map(float, g["betas"])) == pytest.approx((0.8, 0.99))
+
+
+def test_a_resume_whose_factory_changed_the_milestones_keeps_the_saved_ones(engine_cfg, tmp_path):
+    """As torch's `load_state_dict`, the saved MultiStepLR state wins over the one the
+    resume's factory makes: its milestones (JSON turned them into strings) decay the
+    rate at the saved steps, not never."""
+    make = RESUMED["multistep"]
+    other = lambda o: sched.MultiStepLR(o, milestones=[10], gamma=0.3)  # noqa: E731
+    ref, got, _ = _saved_and_resumed(engine_cfg(), tmp_path, make, other)
+    assert got == pytest.approx(_torch_run(ref, lm_batches(STEPS), make))
