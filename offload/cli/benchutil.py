@@ -13,10 +13,10 @@ import time
 from typing import Any, Callable, Iterator, NamedTuple
 
 from ..config import IoConfig
+from ..io.process import available_memory
 
 __all__ = ["scratch_dir", "emit", "progress_printer", "vm_hwm", "reset_hwm", "proc_io",
-           "swap_rates", "DiskProbe", "forced_param_reads", "available_memory",
-           "check_memory"]
+           "swap_rates", "DiskProbe", "forced_param_reads", "check_memory"]
 
 
 @contextlib.contextmanager
@@ -73,31 +73,6 @@ def vm_hwm() -> int:
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) * 1024
     raise RuntimeError("/proc/self/status has no VmHWM line")
-
-
-def available_memory() -> int | None:
-    """Bytes of memory the machine can give a new allocation now (MemAvailable), or
-    None where that cannot be read."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
-def physical_memory() -> int | None:
-    """Bytes of the machine's memory (all of it, not what is free now), or None where
-    that cannot be read."""
-    try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
 
 
 def check_memory(prog: str, flag: str, value: str, need: int) -> None:

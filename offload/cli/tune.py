@@ -30,13 +30,13 @@ from typing import Any, Iterator
 
 from ..config import EngineConfig, IoConfig, OptimConfig, format_bytes, load_config, toml_loads
 from ..files import replace_atomically
+from ..io.process import physical_memory
 from ..planner.estimate import PLACEMENTS, Placement
 from ..planner.search import (Budgets, Candidate, Machine, Space, StepShape, candidates, score,
                               search, shortfall)
 from ..planner.sizes import STATE_DTYPES
 from .args import (UsageError, byte_size, choice_list, directory, integer, missing_directories,
                    number, output_file, remove_directories, value_list)
-from .benchutil import physical_memory
 from .estimate import minimum
 from .model_arg import MeasuredModel, add_model_arguments, measure_model, model_spec
 from .tune_probe import MachineProbe, probe_adam, probe_copy, probe_disk, probe_matmul

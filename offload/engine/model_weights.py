@@ -22,6 +22,7 @@ from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
 
 from ..config import format_bytes, parse_bytes
+from ..io.process import available_memory
 from .full_weights import groups_of, read_group, slot_tensors, summoned, write_group
 from .interrupts import around_user_block, guarded
 from .params_view import state_entries
@@ -49,19 +50,6 @@ def _export_dtype(dtype: Any) -> torch.dtype | None:
     raise ValueError(f"save_pretrained: dtype={dtype!r} cannot be written; pass None (each "
                      f"tensor's own dtype), one of {list(_EXPORT_DTYPES)} or "
                      f"{list(_EXPORT_DTYPES.values())}")
-
-
-def available_memory() -> int | None:
-    """Bytes of host memory the machine can give a new allocation now (MemAvailable), or
-    None where that cannot be read."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
 
 
 def _shard_limit(max_shard_size: Any) -> int:

@@ -22,6 +22,8 @@ import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from ..io.process import in_owner
+
 __all__ = ["Owned"]
 
 
@@ -36,7 +38,8 @@ class Owned:
         self.updater, self.warm, self.store, self.switch = updater, warm, store, switch
         self.opt: Any = None  # set when the optimizer is attached
         self.released = False
-        self._finalizer = weakref.finalize(engine, _collected, self, os.getpid())
+        # in this process only: a forked child's copy leaves the parts to the parent
+        self._finalizer = weakref.finalize(engine, in_owner, os.getpid(), _collected, self)
         self._finalizer.atexit = False
 
     def release(self) -> None:
@@ -61,9 +64,7 @@ def _release(owned: Owned) -> None:
     owned.switch.release()  # the last engine to close restores Python's interval
 
 
-def _collected(owned: Owned, pid: int) -> None:
-    if os.getpid() != pid:  # a forked child's copy: the parts are the parent's
-        return
+def _collected(owned: Owned) -> None:
     warnings.warn("an offload engine was collected without close(): its threads and swap "
                   "files are released now; close() it, or use it as a context manager",
                   ResourceWarning, stacklevel=2)

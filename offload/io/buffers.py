@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from offload.io.errors import PoolExhaustedError
+from offload.io.process import in_owner
 
 logger = logging.getLogger(__name__)
 
@@ -183,14 +184,6 @@ class _Block:
         self.mapping = None
 
 
-def _destroy_unclosed(blocks: dict[int, _Block], pid: int) -> None:
-    """The finalizer of a pool never closed: unpins its blocks in the process that
-    pinned them only (a forked child has no CUDA context to unpin with: [Note: forked
-    children] in swap.py)."""
-    if os.getpid() == pid:
-        _destroy_all(blocks)
-
-
 def _destroy_all(blocks: dict[int, _Block], strict: bool = False) -> None:
     """Unpin and drop every block a pool still owns; a finaliser (strict=False) only
     logs failures, `close` (strict=True) raises the first after trying all."""
@@ -342,7 +335,9 @@ class BufferPool:
         self._out: dict[int, HostBuffer] = {}     # handles out, by id()
         self._held = self._cached_bytes = self._pending = 0
         self._peak = self._allocs = self._reuses = self._waits = self._evictions = 0
-        self._finalizer = weakref.finalize(self, _destroy_unclosed, self._blocks, os.getpid())
+        # unpinned in the process that pinned them only: a forked child has no CUDA context
+        self._finalizer = weakref.finalize(self, in_owner, os.getpid(), _destroy_all,
+                                           self._blocks)
 
     @property
     def pinned(self) -> bool:

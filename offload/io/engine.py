@@ -29,6 +29,7 @@ from typing import NamedTuple, Sequence
 from ..trace import NULL_RECORDER, TraceRecorder
 from .errors import AioSetupError, IoError
 from .handle import IoHandle
+from .process import in_owner
 
 log = logging.getLogger(__name__)
 
@@ -293,7 +294,8 @@ class AioEngine(IoEngine):
                                         args=(weakref.ref(self), self._cv),
                                         name="offload-aio-reaper", daemon=True)
         self._pid = os.getpid()
-        self._finalizer = weakref.finalize(self, _destroy_context, self._ctx, self._pid)
+        # the context is the making process's: the kernel refuses it in a forked child
+        self._finalizer = weakref.finalize(self, in_owner, self._pid, self._ctx.close)
         self._reaper.start()
 
     def _make(self, block: _Block) -> object:
@@ -410,10 +412,3 @@ def _reap_while_referenced(ref: weakref.ref, cv: threading.Condition) -> None:
         if not engine._reap():
             return
 
-
-def _destroy_context(ctx: object, pid: int) -> None:
-    """Destroys an AIO context in the process that made it: a forked child inherits
-    the engine but not the context, which the kernel refuses there
-    ([Note: forked children] in swap.py)."""
-    if os.getpid() == pid:
-        ctx.close()

@@ -39,6 +39,7 @@ from .errors import (CorruptionError, IoError, SwapFullError, SwapLockedError, S
 from .extents import Extent, ExtentAllocator
 from .handle import IoHandle
 from .paths import check_swap_dirs, probe_direct
+from .process import in_owner
 
 log = logging.getLogger(__name__)
 
@@ -229,13 +230,6 @@ def _close_files(files: list[_SwapFile], keep: bool) -> None:
         raise error
 
 
-def _close_unclosed(files: list[_SwapFile], pid: int) -> None:
-    """The finalizer of a swap space never closed: removes its files, in the process
-    that opened them only ([Note: forked children])."""
-    if os.getpid() == pid:
-        _close_files(files, keep=False)
-
-
 class ReadHandle:
     """A swap read whose bytes are checked against the write's checksum on `wait()`.
 
@@ -415,7 +409,8 @@ class SwapSpace:
             _close_files(self._files, keep=False)
             raise
         # [Note: nothing left behind]; holds the file list, never `self`
-        self._finalizer = weakref.finalize(self, _close_unclosed, self._files, self._pid)
+        self._finalizer = weakref.finalize(self, in_owner, self._pid, _close_files,
+                                           self._files, False)
 
     @property
     def paths(self) -> list[str]:
