@@ -146,6 +146,7 @@ def test_bench_checkpoint_params_beyond_the_disk_is_refused_at_once(tmp_path):
     assert not (tmp_path / "ck").exists()  # nothing made
 
 
+@pytest.mark.slow  # 4 s; the directories a bench made are checked by default through bench store
 def test_bench_checkpoint_leaves_no_directories_it_made(tmp_path):
     keep = tmp_path / "mine"
     keep.mkdir()

@@ -6,6 +6,8 @@ import signal
 import subprocess
 import sys
 
+import pytest
+
 DEMO = [sys.executable, "-m", "offload.cli.main", "demo"]
 
 
@@ -76,6 +78,7 @@ def test_refusals_are_clear_and_touch_nothing(tmp_path):
     assert "Traceback" not in out.stderr and os.listdir(tmp_path) == []
 
 
+@pytest.mark.slow  # 3.4 s; the demo's trace and report are checked by default above
 def test_trace_and_report_replace_only_earlier_ones(tmp_path):
     """--trace names a file the user keeps (or its report's name does): refused before
     any work, naming it, and nothing is written."""

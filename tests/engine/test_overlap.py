@@ -28,7 +28,7 @@ def _overlaps(spans, comm: str, phase: str) -> int:
     return sum(any(a < d < b for d in ends) for a, b in comms)
 
 
-@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("overlap", [True, pytest.param(False, marks=pytest.mark.slow)])  # 3 s
 def test_collectives_run_behind_compute(tmp_path, engine_cfg, overlap):
     cfg = engine_cfg("host", "host", "host", group_size=1500, check_rank_order=False,
                      **({} if overlap else {"prefetch_depth": 0, "reductions_in_flight": 0}))
