@@ -173,6 +173,8 @@ class GatheredWeights:
             pieces = st.flat.split(st.group.split_sizes)  # [Note: one split per use]
             for i, (slot, piece) in enumerate(zip(st.group.slots, pieces)):
                 view = piece.view(slot.shape)
+                if view.requires_grad and self.registered.frozen(st.group.gid, i):
+                    view = view.detach()  # [Note: freezing after initialize]
                 if view.requires_grad:  # [Note: parameters without a gradient]
                     view.register_hook(self.grad_slots.hook(st.group.gid, i))
                 for module, name in slot.uses:  # before _parameters: [Note: registered

@@ -40,6 +40,19 @@ each forward, the unit's gathered views: memory outside the budgets, kept
 until the module's next forward. Wherever the engine sets such an attribute
 behind `__setattr__` (registering, unbinding), `point_weight_list` points the
 list's entry at what the attribute now is.
+
+[Note: freezing after initialize]
+torch reads `requires_grad` when the forward builds the graph: a parameter
+frozen then gets no gradient, and its optimizer skips it (no weight decay, no
+moment decay, no step count) while keeping its moments for when it trains
+again. The engine does the same: when a unit binds its weights, a view of a
+parameter whose stand-in has `requires_grad` False is detached, so it has no
+gradient and its segments are left alone by the update ([Note: parameters
+without a gradient] in grad_slots.py); unfrozen, it trains on from its kept
+moments and step count. This covers what trained at initialize: a parameter
+frozen then has no optimizer state (nor an fp32 master), so unfreezing it
+raises at the next backward, naming the recipe for progressive unfreezing
+(initialize with all that will train trainable, then freeze what waits).
 """
 
 from __future__ import annotations
@@ -107,9 +120,10 @@ class RegisteredParams:
 
     def show_grads(self) -> None:
         """[Note: absent gradients] After a backward: each trainable parameter's `.grad`
-        is a stand-in that names where its gradient is."""
+        is a stand-in that names where its gradient is (a parameter frozen since
+        initialize has none, as in torch)."""
         for p, g in self._grads:
-            p.grad = g
+            p.grad = g if p.requires_grad else None
 
     def hide_grads(self) -> None:
         """After the step (or its gradients dropped): `.grad` is None again, as torch's
@@ -121,12 +135,19 @@ class RegisteredParams:
         """(gid, slot index) of a registered stand-in; None for any other tensor."""
         return self._where.get(id(p))
 
+    def frozen(self, gid: int, slot: int) -> bool:
+        """Whether a parameter that trained at initialize has `requires_grad` False now:
+        [Note: freezing after initialize]."""
+        return not self.stand_ins[gid][slot].requires_grad
+
     def check_trainable(self, model: nn.Module) -> None:
-        """Raises where what trains differs from `initialize`'s: a stand-in whose
-        `requires_grad` was flipped (the step would still update it, or never would),
-        or a trainable parameter added since (an adapter: the step would never
-        update it). torch's optimizer follows neither change either, but a torch user
-        sees no `.grad` or an unused optimizer; here nothing would show it."""
+        """Raises where what trains goes beyond `initialize`'s: a parameter frozen at
+        initialize whose `requires_grad` was set (the engine holds no optimizer state
+        for it, so no step would update it), or a trainable parameter added since (an
+        adapter: the step would never update it). torch's optimizer follows neither
+        change either, but a torch user sees no `.grad` or an unused optimizer; here
+        nothing would show it. Freezing a parameter that trained at initialize works
+        as in torch ([Note: freezing after initialize])."""
         for name, p in model.named_parameters():
             where = self._where.get(id(p))
             if where is None:
@@ -136,14 +157,15 @@ class RegisteredParams:
                         "engine does not hold it and no step would update it; add it (or "
                         "the adapter) before offload.initialize, or set its requires_grad "
                         "to False")
-            elif p.requires_grad != self.groups[where[0]].requires_grad:
+            elif p.requires_grad and not self.groups[where[0]].requires_grad:
                 raise RuntimeError(
-                    f"parameter {name!r}: requires_grad was set to {p.requires_grad} after "
-                    f"initialize, which fixed it at {not p.requires_grad} (the step would "
-                    "not follow the change); set it back, or freeze and unfreeze before "
-                    "offload.initialize; to change what trains part way (progressive "
-                    "unfreezing), load engine.state_dict() into a fresh model with the new "
-                    "requires_grad and initialize that (Adam's state starts afresh)")
+                    f"parameter {name!r}: requires_grad was set to True after initialize, "
+                    "where it was frozen, so the engine holds no optimizer state for it and "
+                    "no step would update it; set it back. For progressive unfreezing, "
+                    "initialize with every parameter that will train trainable, then freeze "
+                    "what waits (requires_grad_(False)) and unfreeze it when its turn comes, "
+                    "as in torch; or load engine.state_dict() into a fresh model with the "
+                    "new requires_grad and initialize that (Adam's state starts afresh)")
 
 
 def state_entries(module: nn.Module, prefix: str = ""

@@ -216,17 +216,56 @@ def test_rewinding_weights_and_optimizer_state_mid_training_trains_as_torch(engi
         _compare(engine, ref)
 
 
-def test_freezing_between_micro_batches_is_refused_as_docs_say(engine_cfg):
-    """docs/model.md: a `requires_grad` flipped after initialize makes the next backward
-    raise naming the parameter. Frozen between two micro-batches of one step, torch
-    would take only the first one's gradient for it; the engine takes both, silently."""
-    ref, _, engine = _pair(engine_cfg, PLACES[0], grad_accum_steps=2)
+@pytest.mark.parametrize("place", PLACES, ids=IDS)
+def test_freezing_between_micro_batches_trains_as_torch(engine_cfg, place):
+    """Frozen between two micro-batches of one step, torch takes only the first one's
+    gradient for it (the second forward's graph leaves it out); the engine reads
+    `requires_grad` when a unit binds its weights, so it does the same."""
+    ref, opt, engine = _pair(engine_cfg, place, grad_accum_steps=2)
     (x1, y1), (x2, y2) = _data(2)
     with engine:
+        opt.zero_grad()
+        (_loss(ref, x1, y1) / 2).backward()
+        ref.b.weight.requires_grad_(False)
+        (_loss(ref, x2, y2) / 2).backward()
+        opt.step()
         engine.backward(_loss(engine, x1, y1))
         engine.module.b.weight.requires_grad_(False)
-        with pytest.raises(RuntimeError, match=r"'b\.weight': requires_grad was set to False"):
-            engine.backward(_loss(engine, x2, y2))
+        engine.backward(_loss(engine, x2, y2))
+        assert engine.step()
+        _compare(engine, ref)
+
+
+@pytest.mark.parametrize("place", PLACES, ids=IDS)
+def test_progressive_unfreezing_trains_as_torch(engine_cfg, place):
+    """[Note: freezing after initialize] Everything trains for two steps, then a whole
+    layer and one parameter of another layer's group are frozen for two steps (torch's
+    AdamW skips them: no decay, no moment or step-count change), then unfrozen: they
+    train on from the moments and step counts they kept. Frozen parameters have no
+    `.grad`, as in torch."""
+    ref, opt, engine = _pair(engine_cfg, place)
+    data = _data(6)
+    with engine:
+        for i, (x, y) in enumerate(data):
+            if i in (2, 4):
+                for m in (ref, engine.module):
+                    m.b.requires_grad_(i == 4)
+                    m.a.bias.requires_grad_(i == 4)
+            opt.zero_grad()
+            _loss(ref, x, y).backward()
+            engine.backward(_loss(engine, x, y))
+            assert [p.grad is None for p in engine.module.parameters()] == \
+                [p.grad is None for p in ref.parameters()]
+            opt.step()
+            assert engine.step()
+            _compare(engine, ref)
+            if i == 1:
+                before = engine.state_dict()
+            if i == 3:  # the frozen ones did not move while frozen, the others did
+                after = engine.state_dict()
+                assert torch.equal(after["b.weight"], before["b.weight"])
+                assert torch.equal(after["a.bias"], before["a.bias"])
+                assert not torch.equal(after["a.weight"], before["a.weight"])
 
 
 def test_backward_through_a_forward_made_before_the_step_is_refused(engine_cfg):
