@@ -42,15 +42,17 @@ def _gpt2_dir(tmp_path: Path, positions: int) -> Path:
 
 # -- estimate / tune: the batch shape against the model's context --------------------------------
 
-def test_estimate_default_seq_fits_the_models_positions(tmp_path):
+def test_estimate_default_seq_fits_the_models_positions(tmp_path, monkeypatch, offload_cli):
     """A GPT-2 config with 64 positions: the default --seq (512) is more tokens than the
     model can take (a real step fails with an index error), so the figures were those of a
-    batch that cannot run. The default must be the model's context when it is shorter."""
+    batch that cannot run. The default must be the model's context when it is shorter.
+    (In this process: test_estimate_refuses_seq_above_the_models_positions runs one.)"""
     _gpt2_dir(tmp_path, 64)
-    out = _run(["estimate", "gpt2", "--batch", "1", "--placement", "nvme/host/nvme",
-                "--json"], tmp_path)
-    assert out.returncode == 0, out.stderr
-    assert json.loads(out.stdout)["tokens_per_batch"] == 64
+    monkeypatch.chdir(tmp_path)
+    rc, out, err = offload_cli(["estimate", "gpt2", "--batch", "1", "--placement",
+                                "nvme/host/nvme", "--json"])
+    assert rc == 0, err
+    assert json.loads(out)["tokens_per_batch"] == 64
 
 
 def test_estimate_refuses_seq_above_the_models_positions(tmp_path):

@@ -11,6 +11,8 @@ import pytest
 import torch
 
 import offload
+
+from .one_process import run_each
 from offload.cli.estimate import estimate
 from offload.cli.model_arg import ModelSpec, measure_model
 from offload.planner.estimate import PLACEMENTS
@@ -88,17 +90,18 @@ def test_tier_figures_within_ten_percent_of_a_real_step(models, dtype):
     assert not misses, misses
 
 
-def test_estimate_json_from_a_hf_config(models):
+def test_estimate_json_from_a_hf_config(models, offload_cli):
+    """In this process (models: its directory is the current one); the table of a
+    module function runs as a command of its own."""
     cfg = {"model_type": "gpt2", "n_layer": 2, "n_embd": 64, "n_head": 4, "vocab_size": 1000,
            "n_positions": 128, "bos_token_id": 0, "eos_token_id": 0}
     (models / "hf").mkdir()
     (models / "hf" / "config.json").write_text(json.dumps(cfg))
-    out = subprocess.run(OFFLOAD + ["estimate", "hf", "--batch", "2", "--seq", "32", "--world",
-                                    "2", "--placement", "nvme/host/nvme,device/device/host",
-                                    "--json"], capture_output=True, text=True, timeout=300,
-                         cwd=models, env=_env())
-    assert out.returncode == 0, out.stderr
-    res = json.loads(out.stdout)
+    rc, out, err = offload_cli(["estimate", "hf", "--batch", "2", "--seq", "32", "--world",
+                                "2", "--placement", "nvme/host/nvme,device/device/host",
+                                "--json"])
+    assert rc == 0, err
+    res = json.loads(out)
     assert res["params"] == sum(p.numel() for p in _gpt2(cfg).parameters())
     assert [r["placement"] for r in res["placements"]] == ["nvme/host/nvme", "device/device/host"]
     a = res["activations"]
@@ -124,7 +127,7 @@ def test_estimate_table_of_a_module_function(models):
     assert "exp_avg_sq" in out.stdout and "nvme/host/nvme" in out.stdout
 
 
-@pytest.mark.parametrize("argv,words", [
+BAD_ARGS = [
     (["nosuchmodule:build"], "MODEL: cannot import 'nosuchmodule'"),
     (["missing/config.json"], "MODEL: 'missing/config.json' is not a config.json"),
     (["--hf-config", "nope.json"], "--hf-config: 'nope.json' is not a config.json"),
@@ -138,13 +141,13 @@ def test_estimate_table_of_a_module_function(models):
      "1..16777216; give e.g. 512"),
     (["tinymodels:wide", "--batch", "1048576", "--seq", "16777216"], "--batch/--seq: a batch "
      "of shape (1048576, 16777216, 1048576) for tinymodels:wide cannot be made"),
-])
-def test_bad_model_argument_is_one_line_exit_2(models, argv, words):
-    out = subprocess.run(OFFLOAD + ["estimate", *argv], capture_output=True, text=True,
-                         timeout=300, cwd=models, env=_env())
-    assert out.returncode == 2
-    assert out.stderr.count("\n") == 1 and words in out.stderr, out.stderr
-    assert "Traceback" not in out.stderr
+]
+def test_bad_model_arguments_are_one_line_exit_2(models):
+    got = run_each([["estimate", *argv] for argv, _ in BAD_ARGS], models, _env())
+    for (argv, words), (rc, err) in zip(BAD_ARGS, got, strict=True):
+        assert rc == 2, (argv, rc, err)
+        assert err.count("\n") == 1 and words in err, (argv, err)
+        assert "Traceback" not in err, (argv, err)
 
 
 @pytest.mark.parametrize("state_dtype", ["fp32", "bf16", "int8"])

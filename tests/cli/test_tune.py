@@ -15,6 +15,8 @@ from offload.cli.tune_probe import probe_disk
 from offload.cli.tune_verify import spread, steadiest_fastest
 from offload.config import load_config
 
+from .one_process import run_each
+
 OFFLOAD = [sys.executable, "-m", "offload.cli.main"]
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MODELS = textwrap.dedent("""
@@ -121,19 +123,24 @@ def test_impossible_budgets_say_what_is_missing_in_which_tier(work):
     assert "Traceback" not in out.stderr
 
 
-@pytest.mark.parametrize("argv,words", [
+BAD_FLAGS = [
     ([], "--swap"),
     (["--swap", "/etc/hosts"], "--swap: '/etc/hosts' exists and is not a directory"),
     (["--swap", "SWAP", "--verify", "-1"], "--verify: '-1' is below 0"),
     (["--swap", "SWAP", "--host-budget", "lots"], "--host-budget: 'lots' is not a byte size"),
     (["--swap", "SWAP", "--batch", str(1 << 63)], f"--batch: '{1 << 63}' is out of range"),
     (["--swap", "SWAP", "--seq", str(1 << 63)], f"--seq: '{1 << 63}' is out of range"),
-])
-def test_bad_flags_are_one_line_exit_2(work, argv, words):
-    argv = [str(work / "swap") if a == "SWAP" else a for a in argv]
-    out = _tune(work, *argv, timeout=120)
-    assert out.returncode == 2
-    assert words in out.stderr and out.stderr.count("\n") == 1, out.stderr
+]
+
+
+def test_bad_flags_are_one_line_exit_2(work):
+    argvs = [["tune", "tinymodels:mlp", "--dtype", "fp32", "--device", "cpu", "--probe-size",
+              "8MiB", *(str(work / "swap") if a == "SWAP" else a for a in argv)]
+             for argv, _ in BAD_FLAGS]
+    got = run_each(argvs, work, {**os.environ, "PYTHONPATH": ROOT, "COLUMNS": "200"})
+    for (argv, words), (rc, err) in zip(BAD_FLAGS, got, strict=True):
+        assert rc == 2, (argv, rc, err)
+        assert words in err and err.count("\n") == 1, (argv, err)
     assert not (work / "swap").exists()
 
 

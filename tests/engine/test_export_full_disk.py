@@ -114,6 +114,8 @@ def test_cli_export_onto_a_full_disk(tmp_path, engine_cfg, small_fs, capsys):
     assert (out / "config.json").read_text() == (model_dir / "config.json").read_text()
 
 
+@pytest.mark.slow  # the default suite's time: test_cli_export_onto_a_full_disk runs the
+# same command through main() at every size that fails, one line and exit code 1 each
 def test_cli_export_full_disk_no_traceback(tmp_path, engine_cfg, small_fs):
     """As a user runs it: one line on stderr, exit code 1, and a re-run once there is
     space writes every file."""

@@ -228,7 +228,8 @@ def test_a_program_with_its_own_sigint_handler_keeps_it(engine_cfg, tmp_path):
         engine.close()
 
 
-@pytest.mark.parametrize("op", ["save_checkpoint", "load_state_dict", "state_dict"])
+@pytest.mark.parametrize("op", [  # state_dict's gathers: the full_weights cases below
+    "save_checkpoint", "load_state_dict", pytest.param("state_dict", marks=pytest.mark.slow)])
 def test_ctrl_c_in_a_call_between_steps_comes_at_its_end(engine_cfg, tmp_path, op):
     """A blocking save, a load, a state dict: a SIGINT at sampled lines of the store's
     code (its moves' bookkeeping) raises when the call ends; the weights are as before
@@ -284,7 +285,8 @@ def _interrupted_at_store_lines(engine_cfg, tmp_path, call, check, seed: int) ->
             assert torch.equal(got[n], want[n]), (n, at.fired)
 
 
-@pytest.mark.parametrize("op", ["read", "writable", "by_group", "named_weights"])
+@pytest.mark.parametrize("op", [  # "read": its gathers are "writable"'s first half
+    pytest.param("read", marks=pytest.mark.slow), "writable", "by_group", "named_weights"])
 def test_ctrl_c_in_a_full_weights_block_s_own_work_comes_at_its_end(engine_cfg, tmp_path, op):
     """`with engine.full_weights(...)` (also group by group, and `named_weights()`): a
     SIGINT at sampled lines of the store's code as it gathers or writes back weights

@@ -69,10 +69,19 @@ CHILD = textwrap.dedent("""
 """)
 
 
+def _children(script: str, *params: str) -> dict[str, subprocess.CompletedProcess]:
+    """{argument: its child's result} of `script` run once per argument, side by side."""
+    procs = {p: subprocess.Popen([sys.executable, "-c", script, p], stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True) for p in params}
+    done = {}
+    for p, proc in procs.items():
+        out, err = proc.communicate(timeout=300)
+        done[p] = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    return done
+
+
 def test_printing_the_traceback_of_an_error_in_forward_does_not_crash(tmp_path):
-    for params in ("device", "nvme"):
-        res = subprocess.run([sys.executable, "-c", CHILD, params], capture_output=True,
-                             text=True, timeout=300)
+    for params, res in _children(CHILD, "device", "nvme").items():
         assert res.returncode == 0, (params, res.returncode, res.stderr[-2000:])
         assert res.stdout.count("shown") == 2 and "ok" in res.stdout, res.stdout
 
@@ -131,9 +140,8 @@ def test_tensors_kept_from_a_units_weights_do_not_crash():
     past its unit keeps the values it had there (torch's weights before the step, here
     compared after it: the step's update differs), a tensor only derived from one reads
     zeros; neither crashes, and training matches torch AdamW."""
-    for params in ("host", "nvme"):  # a CPU device tier is host memory as "host" is
-        res = subprocess.run([sys.executable, "-c", KEPT, params], capture_output=True,
-                             text=True, timeout=300)
+    # a CPU device tier is host memory as "host" is
+    for params, res in _children(KEPT, "host", "nvme").items():
         assert res.returncode == 0, (params, res.returncode, res.stderr[-2000:])
         out = res.stdout
         assert "ok" in out and "trained True" in out, out
