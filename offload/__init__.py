@@ -47,8 +47,8 @@ from .config import ConfigError, OffloadConfig, load_config  # noqa: E402
 
 __version__ = "0.1.0"
 
-_ENGINE = ("CheckpointCorruptError", "CheckpointError", "OffloadEngine", "StepFailedError",
-           "initialize")
+_ENGINE = ("CheckpointCorruptError", "CheckpointError", "EngineBusyError", "OffloadEngine",
+           "StepFailedError", "initialize")
 
 
 def __getattr__(name: str):
@@ -60,6 +60,6 @@ def __getattr__(name: str):
         return getattr(engine, name)
     raise AttributeError(f"module 'offload' has no attribute {name!r}")
 
-__all__ = ["CheckpointCorruptError", "CheckpointError", "ConfigError", "OffloadConfig",
-           "OffloadEngine", "StepFailedError", "initialize", "load_config", "omp_wait_policy",
+__all__ = ["CheckpointCorruptError", "CheckpointError", "ConfigError", "EngineBusyError",
+           "OffloadConfig", "OffloadEngine", "StepFailedError", "initialize", "load_config", "omp_wait_policy",
            "__version__"]

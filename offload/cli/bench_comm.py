@@ -44,6 +44,7 @@ import tempfile
 import time
 from typing import Any
 
+from ..io.process import usable_cpus
 from .args import CommandParser, directory, integer, run_command
 from .benchutil import emit, scratch_dir
 
@@ -92,7 +93,7 @@ def _worker(rank: int, world: int, init: str, out: str, opts: dict[str, Any]) ->
     dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{init}",
                             rank=rank, world_size=world)
     try:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+        torch.set_num_threads(max(1, usable_cpus() // world))
         cfg = PRESETS[opts["size"]]
         task = ReversalTask(cfg.vocab - 1, cfg.max_seq // 2, opts["batch"] * world, seed=1)
         rows: dict[str, list[tuple[float, float, float]]] = {m: [] for m in modes(world)}
@@ -148,7 +149,7 @@ def run_comm_bench(nproc: int, steps: int, repeats: int, size: str, batch: int,
     result: dict[str, Any] = {"nproc": nproc, "size": size, "batch_per_rank": batch,
                               "steps": steps, "repeats": repeats,
                               "backend": "nccl" if torch.cuda.device_count() >= nproc
-                              else "gloo", "cpus": os.cpu_count(), "rows": []}
+                              else "gloo", "cpus": usable_cpus(), "rows": []}
     for mode, samples in rows.items():
         step, comm, exposed = (statistics.median(s[k] for s in samples) for k in range(3))
         result["rows"].append({"mode": mode, "step_s": step, "comm_s": comm,

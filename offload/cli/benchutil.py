@@ -13,7 +13,7 @@ import time
 from typing import Any, Callable, Iterator, NamedTuple
 
 from ..config import IoConfig
-from ..io.process import available_memory
+from ..io.process import available_memory, memory_limit_note
 
 __all__ = ["scratch_dir", "emit", "progress_printer", "vm_hwm", "reset_hwm", "proc_io",
            "swap_rates", "DiskProbe", "forced_param_reads", "check_memory"]
@@ -83,7 +83,8 @@ def check_memory(prog: str, flag: str, value: str, need: int) -> None:
     free = available_memory()
     if free is not None and need > free:
         raise SystemExit(f"{prog}: {flag}: {value!r} needs about {format_bytes(need)} of "
-                         f"memory, {format_bytes(free)} is available here; lower {flag}")
+                         f"memory, {format_bytes(free)} is available here"
+                         f"{memory_limit_note()}; lower {flag}")
 
 
 def reset_hwm() -> bool:

@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..config import PAGE, IoConfig, format_bytes, load_config, parse_bytes
+from ..io.process import usable_cpus
 from .args import (UsageError, byte_size, count, directory, integer, number, output_file,
                    parse_count)
 from .demo_view import DIR_PREFIX, Reporter, _free_bytes, print_header
@@ -624,7 +625,7 @@ def _relaunch(args: argparse.Namespace, plan: DemoPlan, reporter: Reporter) -> i
            f"--nproc_per_node={plan.world}", "-m", "offload.cli.main", "demo",
            *_child_argv(args)]
     env = {**os.environ, "OFFLOAD_DEMO_HEADER": "1", "OFFLOAD_DEMO_STOP_FILE": str(stop_file),
-           "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // plan.world))}
+           "OMP_NUM_THREADS": str(max(1, usable_cpus() // plan.world))}
     root_created = not plan.swap_root.exists()
     proc = subprocess.Popen(cmd, env=env, start_new_session=True)
     stopped_by = 0  # the exit code of a stop asked for here: 130 Ctrl-C, 143 SIGTERM

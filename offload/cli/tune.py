@@ -30,7 +30,7 @@ from typing import Any, Iterator
 
 from ..config import EngineConfig, IoConfig, OptimConfig, format_bytes, load_config, toml_loads
 from ..files import replace_atomically
-from ..io.process import physical_memory
+from ..io.process import memory_limit_note, physical_memory
 from ..planner.estimate import PLACEMENTS, Placement
 from ..planner.search import (Budgets, Candidate, Machine, Space, StepShape, candidates, score,
                               search, shortfall)
@@ -298,17 +298,18 @@ def check_memory_budgets(budgets: Budgets, device: str) -> None:
     host memory; on a GPU the device tier is the GPU's."""
     import torch
 
-    ram = physical_memory()
+    ram = physical_memory()  # the machine's, or a container's limit where lower
     if ram is not None:
+        note = memory_limit_note()
         if budgets.host > ram:
             raise UsageError(f"--host-budget: {format_bytes(budgets.host)} is more than this "
-                             f"machine's memory ({format_bytes(ram)}); give at most "
+                             f"machine's memory ({format_bytes(ram)}){note}; give at most "
                              f"{format_bytes(ram)}, less what else runs here")
         if device == "cpu" and budgets.host + budgets.device > ram:
             raise UsageError(f"--host-budget and --device-budget: together "
                              f"{format_bytes(budgets.host + budgets.device)}, more than this "
-                             f"machine's memory ({format_bytes(ram)}), which holds both tiers "
-                             "on a CPU device; lower them to at most that together")
+                             f"machine's memory ({format_bytes(ram)}){note}, which holds both "
+                             "tiers on a CPU device; lower them to at most that together")
     if device.startswith("cuda") and torch.cuda.is_available():
         gpu = torch.cuda.get_device_properties(torch.device(device)).total_memory
         if budgets.device > gpu:

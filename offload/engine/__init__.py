@@ -28,6 +28,7 @@ from .eviction import next_use_of
 from .lr_scheduler import make_scheduler
 from .meta import SkipMetaNormal, meta_device
 from .model_weights import guard_casts, guard_resize
+from .one_thread import EngineBusyError
 from .param_groups import assign_param_groups, segments_of
 from .params_view import point_weight_list
 from .step import StepFailedError
@@ -35,12 +36,12 @@ from .tensor_parallel import TensorParallel, full_state_dict
 from .training_checkpoint import CheckpointCorruptError, CheckpointError
 from .units import Group, Slot, build_units
 from .rank_agreement import RankAgreement, config_section, model_sections
-from .working_set import check_budgets, check_disk, disk_share
+from .working_set import check_budgets, check_disk, check_memory, disk_share
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CheckpointCorruptError", "CheckpointError", "CheckpointReader", "OffloadEngine",
-           "StepFailedError", "full_state_dict", "initialize"]
+__all__ = ["CheckpointCorruptError", "CheckpointError", "CheckpointReader", "EngineBusyError",
+           "OffloadEngine", "StepFailedError", "full_state_dict", "initialize"]
 
 # [Note: wrapped modules]
 # `initialize` takes a model's parameters into the engine's partitions: each module
@@ -244,6 +245,7 @@ def initialize(model: nn.Module | Callable[[], nn.Module],
             if ckpt is not None:
                 _check_checkpoint_covers(ckpt, groups, checkpoint)
             check_budgets(cfg, groups, dtype)  # before any file is made
+            check_memory(cfg, groups, dtype)  # before anything is placed
             if resumed is not None:
                 resumed.check(groups, dtype)
             share = disk_share(cfg, groups, dtype)

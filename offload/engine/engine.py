@@ -70,8 +70,9 @@ from .grads import _DTYPES, GradPartitions
 from .hyper_watch import HyperWatch
 from .in_place import pin_in_place, unpin_all, update_in_place
 from .interrupts import SafeInterrupts
+from .nested_grads import NestedGrads
 from .model_weights import ModelWeights
-from .one_thread import OneThread
+from .one_thread import EngineBusyError, OneThread, one_call
 from .owned import Owned
 from .params_view import RegisteredParams
 from .rank_order import RankOrder
@@ -152,6 +153,7 @@ class OffloadEngine(ModelWeights, GradPartitions, GatheredWeights, nn.Module):
         self._pid = os.getpid()  # [Note: an engine in a forked child] in model_weights.py
         self._reductions: list[Pending] = []
         self._has_grad: set[int] = set()
+        self._nested = NestedGrads()  # [Note: reentrant checkpoints inside a unit]
         self._one_thread = OneThread()  # [Note: one thread at a time] in one_thread.py
         # [Note: Ctrl-C at a safe point] in interrupts.py
         self._interrupts = SafeInterrupts(self._interrupted_twice)
@@ -223,7 +225,7 @@ class OffloadEngine(ModelWeights, GradPartitions, GatheredWeights, nn.Module):
     def _root_pre(self, module: nn.Module, args: Any) -> None:
         if not in_backward():  # [Note: one thread at a time] in one_thread.py
             self._check_open()
-            self._one_thread.enter()
+            self._one_thread.enter("the model's forward", direct=True)
             self._interrupts.direct_enter()  # [Note: Ctrl-C at a safe point]
 
     def _root_post(self, module: nn.Module, args: Any, out: Any) -> None:
@@ -318,6 +320,7 @@ class OffloadEngine(ModelWeights, GradPartitions, GatheredWeights, nn.Module):
             if any(not self._states[gid].gathered for gid in unit.needs):
                 self._rank_order.check_unit(unit, backward=True)
             self._spans.backward_begin(unit.name)
+            self._nested.began(unit.needs)  # [Note: reentrant checkpoints inside a unit]
             early_master = (self.master_is_param and self._last_micro_step()
                             and self._early_allowed())
             for gid in unit.needs:
@@ -473,8 +476,11 @@ class OffloadEngine(ModelWeights, GradPartitions, GatheredWeights, nn.Module):
     @functools.partial(eager, recursive=False)  # [Note: torch.compile] in units.py
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._check_open()
-        # [Note: one thread at a time], [Note: Ctrl-C at a safe point]
-        with self._one_thread.held(), self._interrupts.held():
+        # [Note: one thread at a time], [Note: Ctrl-C at a safe point]; inside a backward it
+        # is a checkpoint's recomputation, part of engine.backward()'s call
+        guard = (contextlib.nullcontext() if in_backward()
+                 else self._one_thread.held("engine(...)"))
+        with guard, self._interrupts.held():
             if torch.is_grad_enabled():
                 self._spans.step_begin()
             try:
@@ -495,12 +501,14 @@ class OffloadEngine(ModelWeights, GradPartitions, GatheredWeights, nn.Module):
         """
         self._check_open()
         # [Note: one thread at a time], [Note: Ctrl-C at a safe point]
-        with self._one_thread.held(), self._interrupts.held():
+        with self._one_thread.held("engine.backward()", outer=True, sealed=True), \
+                self._interrupts.held():
             self._backward(loss)
 
     def _backward(self, loss: torch.Tensor) -> None:
         self._spans.step_begin()  # the model may have been called without the engine
         self.registered.check_trainable(self.module)  # what trains is fixed at initialize
+        self.registered.check_frozen_agree(self.comm)  # [Note: freezing after initialize]
         if self._backwards >= self.cfg.engine.grad_accum_steps:
             raise RuntimeError(f"backward: {self._backwards} backward call(s) since the last "
                                "step(), and engine.grad_accum_steps is "
@@ -516,6 +524,7 @@ class OffloadEngine(ModelWeights, GradPartitions, GatheredWeights, nn.Module):
                 self._in_backward = True
                 try:
                     loss.backward()
+                    self._reduce_nested_grads()  # [Note: reentrant checkpoints inside a unit]
                 finally:
                     self._in_backward = False
                 self._spans.backward_end()
@@ -531,6 +540,7 @@ class OffloadEngine(ModelWeights, GradPartitions, GatheredWeights, nn.Module):
             self._release_gathered(orphan=True)
             raise
         finally:
+            self._drop_nested_grads()  # what a failed pass left
             self._reductions.clear()
             self._release_gathered()
         self._backwards += 1
@@ -567,6 +577,7 @@ class OffloadEngine(ModelWeights, GradPartitions, GatheredWeights, nn.Module):
         st.views.clear()
         self.unbind(st.group.gid)
 
+    @one_call("engine.step()", outer=True, sealed=True)  # [Note: one thread at a time]
     def step(self) -> bool:
         """The optimizer step over every partition, then `lr_scheduler.step()` where
         initialize was given one; returns False if it was skipped
@@ -723,6 +734,7 @@ class OffloadEngine(ModelWeights, GradPartitions, GatheredWeights, nn.Module):
         read = moves["NVME->HOST"].bytes + moves["NVME->DEVICE"].bytes
         return read + opt_r, moves["HOST->NVME"].bytes + opt_w
 
+    @one_call("engine.zero_grad()", outer=True, sealed=True)  # [Note: one thread at a time]
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drops the gradients of the step in progress, as torch does: updates that
         already ran for them in the background are undone, so the next `step()`
@@ -735,6 +747,7 @@ class OffloadEngine(ModelWeights, GradPartitions, GatheredWeights, nn.Module):
             self._abort_step()
 
     # -- checkpoints (docs/checkpoints.md) -- begin
+    @one_call("engine.save_checkpoint()", outer=True, sealed=True)  # [Note: one thread at a time]
     def save_checkpoint(self, path: str | os.PathLike, extra: dict[str, Any] | None = None,
                         *, blocking: bool = True) -> CheckpointSave:
         """Writes the whole training state (parameters, masters, moments, step counts,
@@ -791,7 +804,9 @@ class OffloadEngine(ModelWeights, GradPartitions, GatheredWeights, nn.Module):
             return
         if self._owned.released:
             return
-        self._closed = True  # every call is refused from here, even if this one is cut short
+        # [Note: one thread at a time]: not under another thread's call, nor inside one
+        with self._one_thread.held("engine.close()", outer=True, sealed=True):
+            self._closed = True  # every call is refused from here, even if this one is cut short
         with self._interrupts.held():
             self.wait_for_checkpoint(raise_error=False)
             self._updater.shutdown(wait=True)
@@ -811,5 +826,12 @@ class OffloadEngine(ModelWeights, GradPartitions, GatheredWeights, nn.Module):
     def __reduce_ex__(self, protocol: Any) -> Any:  # torch.save(engine), copy.deepcopy(engine)
         raise TypeError(NOT_PICKLABLE)
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        if exc is None:
+            self.close()
+            return
+        try:
+            self.close()
+        except EngineBusyError as e:  # the block's own error is the one to see
+            log.warning("the engine was not closed at the end of a `with` block that raised "
+                        "(%s); call engine.close() once the other call has returned", e)

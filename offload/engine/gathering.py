@@ -16,6 +16,7 @@ from ..comm import Pending
 from ..store import BudgetExceededError, Tier, footprint
 from .eviction import sooner_than
 from .forward_prefetch import arriving
+from .grad_slots import dense_grad, sparse_grad_use
 from .params_view import point_weight_list
 from .units import Group
 from .warm import borrow, kept_view, unborrow
@@ -178,7 +179,9 @@ class GatheredWeights:
                 if view.requires_grad:  # [Note: parameters without a gradient]
                     view.register_hook(self.grad_slots.hook(st.group.gid, i))
                 for module, name in slot.uses:  # before _parameters: [Note: registered
-                    module.__dict__[name] = view  # parameters] in params_view.py
+                    # parameters] in params_view.py; [Note: sparse gradients] in grad_slots.py
+                    module.__dict__[name] = dense_grad(view) if sparse_grad_use(module, name) \
+                        else view
                 st.views.append(view)
 
     def _prefetch(self) -> None:

@@ -12,18 +12,53 @@ parameter had a gradient (`active`; [Note: segments] in
 offload/optim/optimizer.py); the others keep their weights, moments and Adam
 step. A group none of whose parameters had a gradient is not updated at all
 (its flat gradient hook never fires).
+
+[Note: sparse gradients]
+`nn.Embedding(sparse=True)` and `nn.EmbeddingBag(sparse=True)` give their weight
+a sparse gradient, which the view of the group's flat buffer cannot pass on
+(autograd's view backward raised "reshape is not implemented for sparse
+tensors"; a tensor hook may not change a gradient's layout). Such a module's
+weight is bound as `dense_grad(view)`, an identity whose backward hands the
+gradient on dense: the flat gradient is dense anyway, and the engine's AdamW
+updates every row, as with `sparse=False` (torch's AdamW refuses sparse
+gradients; there is no lazy update of only the rows looked up, as torch's
+SparseAdam does).
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from typing import Any, Callable
 
 import torch
+from torch import nn
 
 from ..comm import Collectives
 
-__all__ = ["GradSlots"]
+__all__ = ["GradSlots", "dense_grad", "sparse_grad_use"]
+
+
+def sparse_grad_use(module: nn.Module, name: str) -> bool:
+    """Whether attribute `name` of `module` gets a sparse gradient ([Note: sparse
+    gradients])."""
+    return (name == "weight" and isinstance(module, (nn.Embedding, nn.EmbeddingBag))
+            and bool(module.sparse))
+
+
+class _DenseGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad.to_dense() if grad.layout != torch.strided else grad
+
+
+def dense_grad(view: torch.Tensor) -> torch.Tensor:
+    """`view` itself, whose gradient reaches the flat buffer dense ([Note: sparse
+    gradients])."""
+    return _DenseGrad.apply(view) if view.requires_grad else view
 
 
 class GradSlots:

@@ -39,6 +39,8 @@ class GradPartitions:
         if not self._in_backward:
             flat.grad = None
             self._refuse_plain_backward()
+        if self._nested.defer(gid):  # [Note: reentrant checkpoints inside a unit]
+            return  # the sum stays in flat.grad, the weights gathered
         grad = flat.grad
         flat.grad = None
         if self.comm.world > 1:  # summed across ranks in engine.reduce_dtype
@@ -68,6 +70,18 @@ class GradPartitions:
             self._reductions.pop(0).wait()
         if st.active == 0:
             self._free(st)
+
+    def _reduce_nested_grads(self) -> None:
+        """After the outer backward pass: reduces each group whose gradient came only from
+        passes nested in its unit's backward ([Note: reentrant checkpoints inside a unit]
+        in nested_grads.py)."""
+        for gid in self._nested.take():
+            self._on_grad(gid, self._states[gid].flat)
+
+    def _drop_nested_grads(self) -> None:
+        """A backward that failed: the sums nested passes left are dropped."""
+        for gid in self._nested.take():
+            self._states[gid].flat.grad = None
 
     def _accumulate(self, gid: int, shard_grad: torch.Tensor) -> None:
         key = ("g", gid)

@@ -22,9 +22,10 @@ from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
 
 from ..config import format_bytes, parse_bytes
-from ..io.process import available_memory
+from ..io.process import available_memory, memory_limit_note
 from .full_weights import groups_of, read_group, slot_tensors, summoned, write_group
 from .interrupts import around_user_block, guarded
+from .one_thread import one_call
 from .params_view import state_entries
 from .safetensors_writer import TensorSpec, write_shards
 
@@ -203,16 +204,19 @@ class ModelWeights:
         with `named_weights()`. Forward passes inside the block use the weights as
         they were when it began."""
         self._check_open()
-        with self._interrupts.held():  # [Note: Ctrl-C at a safe point] in interrupts.py
-            groups = self._summonable(modules, writable, "full_weights")
-        need = sum(g.padded * 4 for g in groups)
-        if need > self.cfg.store.host_budget:
-            raise ValueError(f"full_weights: the selected weights take {need} bytes in fp32, "
-                             f"more than store.host_budget ({self.cfg.store.host_budget}); "
-                             "pass fewer modules (e.g. one layer per block), or go group by "
-                             "group with engine.full_weights_by_group()")
-        with around_user_block(self._interrupts, summoned(self, groups, writable)) as named:
-            yield named
+        # the whole block: [Note: one thread at a time] in one_thread.py
+        with self._one_thread.held("engine.full_weights()", outer=writable):
+            with self._interrupts.held():  # [Note: Ctrl-C at a safe point] in interrupts.py
+                groups = self._summonable(modules, writable, "full_weights")
+            need = sum(g.padded * 4 for g in groups)
+            if need > self.cfg.store.host_budget:
+                raise ValueError(f"full_weights: the selected weights take {need} bytes in "
+                                 f"fp32, more than store.host_budget "
+                                 f"({self.cfg.store.host_budget}); pass fewer modules (e.g. one "
+                                 "layer per block), or go group by group with "
+                                 "engine.full_weights_by_group()")
+            with around_user_block(self._interrupts, summoned(self, groups, writable)) as named:
+                yield named
 
     def full_weights_by_group(self, modules: Iterable[nn.Module | str] | nn.Module | str
                               | None = None, *, writable: bool = False
@@ -224,10 +228,12 @@ class ModelWeights:
         first. Leaving the loop early (break, an error) discards the current
         group's edits; groups done before it stay written."""
         self._check_open()
-        with self._interrupts.held():
+        what = "engine.full_weights_by_group()"  # [Note: one thread at a time]: each group
+        with self._one_thread.held(what, outer=writable), self._interrupts.held():
             groups = self._summonable(modules, writable, "full_weights_by_group")
         for g in groups:
-            with around_user_block(self._interrupts, summoned(self, [g], writable)) as named:
+            with self._one_thread.held(what, outer=writable), \
+                    around_user_block(self._interrupts, summoned(self, [g], writable)) as named:
                 yield named
 
     def _summonable(self, modules: Any, writable: bool, what: str) -> list:
@@ -245,8 +251,8 @@ class ModelWeights:
         part (the shards are all-gathered)."""
         self._check_open()
         names = self._slot_names()
-        for g in self.groups:
-            with self._interrupts.held():  # the caller's loop body runs between groups
+        for g in self.groups:  # the caller's loop body runs between groups
+            with self._one_thread.held("engine.named_weights()"), self._interrupts.held():
                 tensors = slot_tensors(self, g, read_group(self, g))
             for i, t in enumerate(tensors):
                 for name in names[(g.gid, i)]:
@@ -272,6 +278,7 @@ class ModelWeights:
         return names
 
     # -- state dicts --------------------------------------------------------------
+    @one_call("engine.state_dict()")  # [Note: one thread at a time] in one_thread.py
     @guarded  # [Note: Ctrl-C at a safe point] in interrupts.py
     def state_dict(self, *args: Any, rank0_only: bool = True,  # type: ignore[override]
                    **kwargs: Any) -> dict[str, torch.Tensor]:
@@ -326,14 +333,16 @@ class ModelWeights:
         if short:
             raise MemoryError(
                 f"state_dict: the model's weights take {format_bytes(need)} in memory at "
-                f"once, more than the {format_bytes(free)} available here (nothing was "
-                "gathered); stream them instead: engine.named_weights() yields one group's "
-                "weights at a time, engine.save_pretrained(dir) writes safetensors shards")
+                f"once, more than the {format_bytes(free)} available here"
+                f"{memory_limit_note()} (nothing was gathered); stream them instead: "
+                "engine.named_weights() yields one group's weights at a time, "
+                "engine.save_pretrained(dir) writes safetensors shards")
         if refused:
             raise MemoryError("state_dict: another rank has less memory available than the "
                               "model's weights take (nothing was gathered); stream them with "
                               "engine.named_weights() or engine.save_pretrained(dir)")
 
+    @one_call("engine.load_state_dict()", outer=True, sealed=True)  # [Note: one thread at a time]
     @guarded  # [Note: Ctrl-C at a safe point] in interrupts.py
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True,
                         assign: bool = False) -> _IncompatibleKeys:  # type: ignore[override]
@@ -395,7 +404,7 @@ class ModelWeights:
         as sharded (`_is_fsdp_managed_module`) for `model.generate` called directly."""
         self._check_open()
         # [Note: one thread at a time] in one_thread.py, [Note: Ctrl-C at a safe point]
-        with self._one_thread.held(), self._interrupts.held():
+        with self._one_thread.held("engine.generate()"), self._interrupts.held():
             if self.comm.world > 1:  # [Note: generation on several ranks]
                 kwargs.setdefault("synced_gpus", True)
             try:
@@ -406,6 +415,7 @@ class ModelWeights:
             self._release_gathered()
         return out
 
+    @one_call("engine.save_pretrained()")  # [Note: one thread at a time] in one_thread.py
     @guarded  # [Note: Ctrl-C at a safe point] in interrupts.py
     def save_pretrained(self, save_directory: str | os.PathLike,
                         max_shard_size: int | str = "5GB",

@@ -57,13 +57,16 @@ raises at the next backward, naming the recipe for progressive unfreezing
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import torch
 from torch import nn
 
 from .absent import AbsentWeight, absent_grad_message, absent_message
 from .units import Group, Unit
+
+if TYPE_CHECKING:
+    from ..comm import Collectives
 
 __all__ = ["RegisteredParams", "point_weight_list", "state_entries"]
 
@@ -93,6 +96,7 @@ class RegisteredParams:
         self.stand_ins: list[list[nn.Parameter]] = []
         self.dtypes: list[list[torch.dtype]] = []
         self._where: dict[int, tuple[int, int]] = {}  # id(stand-in) -> (gid, slot)
+        self._names: dict[tuple[int, int], str] = {}  # (gid, slot) -> its first name
         self._grads: list[tuple[nn.Parameter, AbsentWeight]] = []  # [Note: absent gradients]
         for g in groups:
             row = []
@@ -102,6 +106,7 @@ class RegisteredParams:
                                       absent_message(name, unit_of.get(g.gid, "?")))
                 p = nn.Parameter(absent, requires_grad=g.requires_grad)
                 self._where[id(p)] = (g.gid, i)
+                self._names[(g.gid, i)] = name
                 row.append(p)
                 if g.requires_grad:
                     self._grads.append((p, AbsentWeight(s.shape, dtype, device,
@@ -135,10 +140,31 @@ class RegisteredParams:
         """(gid, slot index) of a registered stand-in; None for any other tensor."""
         return self._where.get(id(p))
 
+    def name(self, gid: int, slot: int) -> str:
+        """The parameter's name in the model (its first, where tied)."""
+        return self._names[(gid, slot)]
+
     def frozen(self, gid: int, slot: int) -> bool:
         """Whether a parameter that trained at initialize has `requires_grad` False now:
         [Note: freezing after initialize]."""
         return not self.stand_ins[gid][slot].requires_grad
+
+    def check_frozen_agree(self, comm: Collectives) -> None:
+        """Raises on every rank where a parameter is frozen on some ranks and trains on
+        others ([Note: freezing after initialize]): its update would average one rank's
+        gradient with another's zeros, or, frozen whole, a group's reduction would
+        wait for a rank that has none. One sum over ranks, before a backward."""
+        if comm.world == 1:
+            return
+        slots = [(g.gid, i) for g in self.groups if g.requires_grad for i in range(len(g.slots))]
+        counts = comm.sum_scalars([1.0 if self.frozen(*s) else 0.0 for s in slots])
+        split = [s for s, c in zip(slots, counts) if 0 < c < comm.world]
+        if split:
+            raise RuntimeError(
+                f"parameter {self.name(*split[0])!r} is frozen (requires_grad False) on "
+                f"{int(counts[slots.index(split[0])])} of {comm.world} ranks and trains on the "
+                "others: set the same requires_grad on every rank before the forward (as DDP "
+                "asks); this backward changed nothing")
 
     def check_trainable(self, model: nn.Module) -> None:
         """Raises where what trains goes beyond `initialize`'s: a parameter frozen at

@@ -89,6 +89,7 @@ from ..comm import RankFailedError
 from ..files import check_directory
 from ..io import host_copy
 from ..io.errors import limit_hint
+from ..io.process import usable_cpus
 from ..store import Tier
 from .checkpoint_buffers import BUFFERS, capture_buffers, encode_buffers
 from .checkpoint_chunks import ChunkFiles, InPlace, Shard, chunk_key
@@ -124,7 +125,7 @@ def _context():
     [Note: publishing a checkpoint]), and several are written or read at once."""
     return _ts().Context({"file_io_sync": False,
                           "file_io_concurrency": {"limit": IO_THREADS},
-                          "data_copy_concurrency": {"limit": max(1, os.cpu_count() or 1)}})
+                          "data_copy_concurrency": {"limit": usable_cpus()}})
 
 
 # -- geometry ------------------------------------------------------------------------

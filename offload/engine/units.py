@@ -89,6 +89,14 @@ _MODULE_CONTAINERS = (nn.ModuleList, nn.ModuleDict)
 _PARAM_CONTAINERS = (nn.ParameterList, nn.ParameterDict)
 
 
+# [Note: modules that read their children's weights] nn.MultiheadAttention's forward
+# passes `self.out_proj.weight` to F.multi_head_attention_forward without calling
+# `out_proj`, so `out_proj` as a unit of its own was never gathered when the attention
+# ran ("parameter 'out_proj.weight' is used outside the forward of unit ..."): such a
+# module is one unit whatever its size, as if listed in `engine.whole_modules`.
+_READS_CHILDREN = (nn.MultiheadAttention,)
+
+
 def _own_scope(module: nn.Module) -> list[nn.Module]:
     """The modules whose direct parameters a unit that is not whole holds: its own and
     those of its parameter containers."""
@@ -97,8 +105,8 @@ def _own_scope(module: nn.Module) -> list[nn.Module]:
 
 def _choose(module: nn.Module, name: str, group_size: int,
             out: list[tuple[nn.Module, str, bool]], whole: frozenset[int]) -> None:
-    if id(module) in whole or (_subtree_params(module) <= group_size
-                               and not isinstance(module, _MODULE_CONTAINERS)):
+    if id(module) in whole or isinstance(module, _READS_CHILDREN) or (
+            _subtree_params(module) <= group_size and not isinstance(module, _MODULE_CONTAINERS)):
         if any(True for _ in module.parameters()):
             out.append((module, name, True))
         return

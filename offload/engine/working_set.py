@@ -40,6 +40,7 @@ import torch
 from ..config import ConfigError, OffloadConfig, format_bytes
 from ..files import existing_ancestor
 from ..io import SwapPathError
+from ..io.process import available_memory, memory_limit_note
 from ..optim import resolve_chunk_elems
 from ..planner.sizes import keeps_master, moment_bytes
 from ..store import footprint
@@ -48,8 +49,8 @@ from .units import Group
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DiskShare", "WorkingSet", "check_budgets", "check_disk", "disk_share",
-           "nvme_bytes_placed", "working_set"]
+__all__ = ["DiskShare", "WorkingSet", "check_budgets", "check_disk", "check_memory",
+           "disk_share", "memory_bytes_placed", "nvme_bytes_placed", "working_set"]
 
 
 @dataclass(frozen=True)
@@ -116,6 +117,52 @@ def check_budgets(cfg: OffloadConfig, groups: list[Group], dtype: torch.dtype) -
                 f"must hold {why} at once; raise {key} to at least {want} bytes, or lower "
                 "engine.group_size to make partitions smaller")
     return need
+
+
+def memory_bytes_placed(cfg: OffloadConfig, groups: list[Group], dtype: torch.dtype,
+                        device_type: str) -> dict[str, int]:
+    """Bytes per rank of training state that `initialize` puts in this machine's memory
+    and keeps there, by where (a lower bound of what training holds in memory): the
+    host optimizer's moments (and its fp32 masters where they are apart), which no
+    budget covers, and the parameter partitions of engine.params "host" (or "device"
+    on a CPU device) up to that tier's budget, beyond which the store writes them to
+    NVMe."""
+    out: dict[str, int] = {}
+    params = sum(footprint(g.shard * dtype.itemsize) for g in groups)
+    if cfg.engine.params == "host":
+        out["engine.params = \"host\" (up to store.host_budget)"] = min(
+            params, cfg.store.host_budget)
+    elif cfg.engine.params == "device" and device_type == "cpu":
+        out["engine.params = \"device\" (up to store.device_budget)"] = min(
+            params, cfg.store.device_budget)
+    if cfg.engine.optimizer == "host":
+        master = keeps_master(cfg.engine.dtype, cfg.engine.params, device_type)
+        out["engine.optimizer = \"host\""] = sum(
+            moment_bytes(cfg.optim.state_dtype, g.shard) + (4 * g.shard if master else 0)
+            for g in groups if g.requires_grad)
+    return {k: v for k, v in out.items() if v}
+
+
+def check_memory(cfg: OffloadConfig, groups: list[Group], dtype: torch.dtype) -> None:
+    """Refuses, before anything is placed, a placement whose state in memory
+    (`memory_bytes_placed`, times the ranks the launcher started on this machine)
+    exceeds the memory available now, a container's limit included ([Note: container
+    memory limits] in offload/io/process.py): it would end in the OOM killer part way
+    through `initialize` or the first step, with no message."""
+    free = available_memory()
+    placed = memory_bytes_placed(cfg, groups, dtype, resolve_device(cfg.store.device).type)
+    ranks = _ranks_from_launcher()
+    need = sum(placed.values()) * ranks
+    if free is None or need <= free:
+        return
+    parts = ", ".join(f"{format_bytes(v)} for {k}" for k, v in placed.items())
+    per = f" per rank, x {ranks} ranks on this machine" if ranks > 1 else ""
+    raise ConfigError(
+        f"this placement keeps {format_bytes(need)} of training state in memory ({parts}"
+        f"{per}), more than the {format_bytes(free)} available now{memory_limit_note()}; "
+        "nothing was placed. Lower store.host_budget (parameters beyond it go to NVMe), put "
+        "the optimizer state on NVMe (engine.optimizer = \"nvme\", or optim.state_dtype "
+        "\"bf16\" or \"int8\" to shrink it), or free memory")
 
 
 def nvme_bytes_placed(cfg: OffloadConfig, groups: list[Group], dtype: torch.dtype,

@@ -42,6 +42,7 @@ from typing import Callable
 
 import torch
 
+from ..io.process import usable_cpus
 from .adam import AdamHyper, AdamKernel, KernelName, fused_status
 from .codec import QBLOCK, Moment, decode, encode, encode_stochastic, rounding_hash
 from .native import NativeAdam, native_status
@@ -79,11 +80,13 @@ def _native_for(kernel: KernelName | str) -> NativeAdam | None:
 
 class BlockUpdater:
     """Runs `update` over cache blocks on `threads` workers ([Note: blocks on worker
-    threads]). Calls must not overlap (the optimizer's lock serialises them)."""
+    threads]). Calls must not overlap (the optimizer's lock serialises them). `threads`
+    defaults to torch's intra-op count, lowered to a container's CPU quota, which
+    torch does not follow (`usable_cpus`)."""
 
     def __init__(self, kernel: KernelName = "auto", block_elems: int = 1 << 20,
                  threads: int | None = None) -> None:
-        self.threads = max(1, threads or torch.get_num_threads())
+        self.threads = max(1, threads or min(torch.get_num_threads(), usable_cpus()))
         blk = min(block_elems, MAX_THREAD_BLOCK) if self.threads > 1 else block_elems
         self.block = max(QBLOCK, blk // QBLOCK * QBLOCK)
         self.native = _native_for(kernel)

@@ -259,3 +259,55 @@ def test_buffers_that_differ_between_ranks_are_rank_zeros(tmp_path):
     assert r0["mask_kept"] and r1["mask_kept"]
     for k in r0["sd"]:
         torch.testing.assert_close(r0["sd"][k], r1["sd"][k], rtol=0, atol=0, equal_nan=True)
+
+
+# -- freezing after initialize on two ranks ----------------------------------------------
+def _freeze_worker(rank: int, world: int, init_file: str, d: str) -> None:
+    _group(rank, world, init_file)
+    try:
+        with offload.initialize(_model(), _cfg(os.path.join(d, f"swap{rank}"))) as e:
+            steps = _steps(3)
+            _train(e, steps[:1], rank)
+            before = e.state_dict(rank0_only=False)
+            e.module[4].requires_grad_(rank == 1)  # a whole group frozen on rank 0 only
+            error = None
+            try:
+                _train(e, steps[1:2], rank)
+            except RuntimeError as ex:
+                error = str(ex)
+            assert e.step() is False  # the failed step's micro-batches were dropped
+            same = all(torch.equal(v, before[k]) for k, v in e.state_dict(rank0_only=False).items())
+            e.module[4].requires_grad_(True)
+            e.module[2].bias.requires_grad_(False)  # on every rank: trains as torch
+            _train(e, steps[1:], rank)
+            torch.save({"error": error, "same": same, "sd": e.state_dict(rank0_only=False)},
+                       os.path.join(d, f"f{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_freezing_on_some_ranks_only_raises_on_all_and_on_all_trains_as_ddp(tmp_path):
+    """[Note: freezing after initialize] A layer frozen on one rank only would have
+    left the other rank's reduction of its group unpaired (a hang until the process
+    group's timeout), and a parameter of a group train on one rank's gradient
+    averaged with zeros: every rank raises before the backward, naming it, and the
+    step changes nothing. Frozen on both, the steps match DDP's (torch's AdamW
+    skipping the frozen bias)."""
+    spawn(_freeze_worker, str(tmp_path / "init"), str(tmp_path))
+    steps = _steps(3)
+    m = _model()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1)
+    for s, micro in enumerate(steps):
+        if s == 1:
+            m[2].bias.requires_grad_(False)
+        opt.zero_grad()
+        for per_rank in micro:
+            for x, y in per_rank:
+                (nn.functional.mse_loss(m(x), y) / (ACCUM * len(SIZES))).backward()
+        opt.step()
+    for r in range(2):
+        got = torch.load(tmp_path / f"f{r}.pt")
+        assert got["error"] is not None and "'4.weight' is frozen" in got["error"], got["error"]
+        assert got["same"]
+        for k, v in m.state_dict().items():
+            torch.testing.assert_close(got["sd"][k], v, atol=1e-6, rtol=0, msg=k)

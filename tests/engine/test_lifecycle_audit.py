@@ -1,0 +1,344 @@
+"""One engine used from several threads, and from inside its own calls, as notebooks,
+training scripts with metric threads and servers of a model in training use it
+([Note: one thread at a time] in offload/engine/one_thread.py): a call on a second
+thread while a forward or a step runs on the first is refused at once, naming that
+thread, and changes nothing; calls that change the training state are refused from
+inside another call on the same thread (a forward hook, an lr schedule, an autograd
+hook); a direct call of the model cut short by a KeyboardInterrupt does not keep the
+engine held. Each scenario runs its second party on a real thread with a join
+timeout, and the weights are checked against plain torch AdamW."""
+
+import copy
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+import offload
+from offload.engine.one_thread import EngineBusyError, OneThread
+
+JOIN = 30  # seconds: a hang fails the test instead of the suite
+
+
+class Gate(nn.Module):
+    """A Linear whose forward waits for `go` once `block` is set (and says it is inside)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.block = False
+
+    def forward(self, h):
+        if self.block:
+            self.block = False
+            GATE.inside.set()
+            assert GATE.go.wait(JOIN)
+        return self.lin(h)
+
+
+class _Events:
+    inside = go = threading.Event()
+
+
+GATE = _Events()
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 16)
+        self.gate = Gate()
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.head(self.gate(torch.tanh(self.a(x))))
+
+
+def _data(n: int):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(4, 8, generator=g), torch.randn(4, 4, generator=g)) for _ in range(n)]
+
+
+def _loss(model, x, y):
+    return nn.functional.mse_loss(model(x), y)
+
+
+def _setup(engine_cfg, lr_lambda=None):
+    """(reference model, its AdamW, the engine of a copy): one group per Linear."""
+    GATE.inside, GATE.go = threading.Event(), threading.Event()
+    torch.manual_seed(0)
+    ref = Net()
+    cfg = engine_cfg("host", "host", "host", group_size=200)
+    opt = torch.optim.AdamW(ref.parameters(), lr=cfg["optim"]["lr"],
+                            weight_decay=cfg["optim"]["weight_decay"])
+    return ref, opt, offload.initialize(copy.deepcopy(ref), cfg, lr_lambda=lr_lambda)
+
+
+def _torch_step(ref, opt, x, y):
+    opt.zero_grad()
+    _loss(ref, x, y).backward()
+    opt.step()
+
+
+def _compare(engine, ref):
+    got = engine.state_dict()
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(got[k], v, atol=1e-5, rtol=0, msg=lambda m: f"{k}: {m}")
+
+
+def _run(target):
+    """`target` on a new thread; (thread, its outcome dict)."""
+    out = {}
+
+    def body():
+        try:
+            out["value"] = target()
+        except BaseException as e:  # noqa: BLE001 - reported to the test
+            out["error"] = e
+    t = threading.Thread(target=body, name="trainer")
+    t.start()
+    return t, out
+
+
+def _on_thread_ok(target):
+    """Runs `target` on a new thread, which must end without an error."""
+    t, got = _run(target)
+    t.join(JOIN)
+    assert not t.is_alive() and "error" not in got, got
+
+
+def _step_as_torch(engine, ref, opt, x, y):
+    engine.backward(_loss(engine, x, y))
+    assert engine.step() is True
+    _torch_step(ref, opt, x, y)
+    _compare(engine, ref)
+
+
+def _others(engine, tmp_path, x, y):
+    """Every kind of engine call, for a second party to try."""
+    def full():
+        with engine.full_weights():
+            pass
+
+    def named():
+        return list(engine.named_weights())
+
+    def forward():
+        with torch.no_grad():
+            return engine(x)
+    return {"step": engine.step, "zero_grad": engine.zero_grad, "state_dict": engine.state_dict,
+            "full_weights": full, "named_weights": named, "forward": forward,
+            "model": lambda: engine.module(x), "backward": lambda: engine.backward(
+                _loss(engine.module, x, y)),
+            "save_checkpoint": lambda: engine.save_checkpoint(tmp_path / "ck"),
+            "load_state_dict": lambda: engine.load_state_dict(engine.module.state_dict()),
+            "close": engine.close}
+
+
+def test_calls_on_another_thread_during_a_forward_are_refused_and_change_nothing(
+        engine_cfg, tmp_path):
+    """An evaluation forward between backward and step on one thread, and a metrics
+    thread's step (or zero_grad, save, state_dict, close, ...): the step used to commit
+    in the middle of the forward (its first unit ran with the old weights, the rest with
+    the new ones) and a close pulled the store from under it. Now each is refused
+    naming the thread and its call; the forward and the step that follows are torch's."""
+    ref, opt, engine = _setup(engine_cfg)
+    (x, y), = _data(1)
+    with engine:
+        engine.backward(_loss(engine, x, y))
+        with torch.no_grad():
+            want = ref(x)  # the forward's weights: before the step
+        engine.module.gate.block = True
+        t, got = _run(_others(engine, tmp_path, x, y)["forward"])
+        assert GATE.inside.wait(JOIN)
+        try:
+            for name, call in _others(engine, tmp_path, x, y).items():
+                with pytest.raises(RuntimeError, match=r"on thread 'MainThread': this engine is "
+                                   r"running on another thread.*thread 'trainer' is in "
+                                   r"engine\(\.\.\.\).*Nothing was changed"):
+                    call()
+        finally:
+            GATE.go.set()
+            t.join(JOIN)
+        assert not t.is_alive() and "error" not in got
+        torch.testing.assert_close(got["value"], want, atol=1e-6, rtol=0)
+        assert engine.step() is True  # the step's gradients were kept
+        _torch_step(ref, opt, x, y)
+        _compare(engine, ref)
+
+
+def test_calls_on_another_thread_during_a_step_are_refused_and_the_step_commits(
+        engine_cfg, tmp_path):
+    """A step on the trainer thread (held in its lr schedule, user code inside the step)
+    and a server thread's forward, a second step, zero_grad, a save or close: the
+    second step ran beside the first (both committed, or the first failed with "partition
+    ... is pinned" and lost its gradients), a zero_grad or save made the step fail. Now
+    each is refused; the step commits once, as torch's."""
+    inside, go, state = threading.Event(), threading.Event(), {"block": False}
+
+    def lr_lambda(k):
+        if state["block"]:
+            state["block"] = False
+            inside.set()
+            assert go.wait(JOIN)
+        return 1.0
+    ref, opt, engine = _setup(engine_cfg, lr_lambda)
+    (x, y), = _data(1)
+    with engine:
+        engine.backward(_loss(engine, x, y))
+        state["block"] = True
+        t, got = _run(engine.step)
+        assert inside.wait(JOIN)
+        try:
+            for name, call in _others(engine, tmp_path, x, y).items():
+                with pytest.raises(RuntimeError, match=r"thread 'trainer' is in "
+                                   r"engine\.step\(\).*Nothing was changed"):
+                    call()
+        finally:
+            go.set()
+            t.join(JOIN)
+        assert not t.is_alive() and got == {"value": True}, got
+        assert engine.global_step == 1
+        _torch_step(ref, opt, x, y)
+        _compare(engine, ref)
+
+
+def test_state_changes_from_inside_a_call_on_the_same_thread_are_refused(engine_cfg):
+    """A step or zero_grad from the model's forward hook, a step from the lr schedule
+    inside a step, a backward or a step inside a
+    writable full_weights block (whose end writes the block's weights back):
+    each is refused saying to call it after the outer call returned, and training goes
+    on as torch's."""
+    seen: list[str] = []
+
+    def attempt(call):
+        try:
+            call()
+        except RuntimeError as e:
+            seen.append(str(e))
+    engine_box = {}
+
+    def lr_lambda(k):
+        if "engine" in engine_box:  # once: it is called for each group
+            attempt(engine_box.pop("engine").step)
+        return 1.0
+    ref, opt, engine = _setup(engine_cfg, lr_lambda)
+    engine_box["engine"] = engine
+    data = _data(2)
+    with engine:
+        x, y = data[0]
+        engine.backward(_loss(engine, x, y))
+        h = engine.module.head.register_forward_hook(
+            lambda m, a, o: (attempt(engine.step), attempt(engine.zero_grad)))
+        with torch.no_grad():
+            engine(x)
+        h.remove()
+        assert engine.step() is True  # the lr schedule's step inside was refused
+        _torch_step(ref, opt, x, y)
+        assert len(seen) == 3 and all("on the same thread" in s and "Nothing was changed"
+                                      in s for s in seen), seen
+        assert "engine.step() was called inside engine.step()" in seen[2]
+
+        x, y = data[1]
+        out = engine(x)
+        # a forward inside backward runs as a checkpoint's recomputation does: part
+        # of engine.backward(), not refused, and the step is torch's
+        out.register_hook(lambda g: attempt(lambda: engine(x)))
+        engine.backward(nn.functional.mse_loss(out, y))
+        assert len(seen) == 3, seen
+        assert engine.step() is True
+        _torch_step(ref, opt, x, y)
+        with engine.full_weights(writable=True):
+            attempt(lambda: engine.backward(_loss(engine, x, y)))
+            attempt(engine.step)
+        assert "engine.backward() was called inside engine.full_weights()" in seen[3]
+        assert "engine.step() was called inside engine.full_weights()" in seen[4]
+        _compare(engine, ref)
+
+
+def test_a_keyboard_interrupt_inside_the_model_called_directly_leaves_the_engine_free(
+        engine_cfg):
+    """torch skips the always-called forward hooks for a KeyboardInterrupt, so the end
+    of a direct call of the model that one interrupted never came: every other thread
+    was refused from then on as if the forward still ran. Now the next call finds the
+    call's frame gone and goes on, on this thread and on another."""
+    ref, opt, engine = _setup(engine_cfg)
+    (x, y), = _data(1)
+
+    class Stop(nn.Module):
+        def forward(self, h):
+            raise KeyboardInterrupt
+    with engine:
+        hook = engine.module.gate.register_forward_pre_hook(lambda m, a: Stop()(a[0]))
+        with pytest.raises(KeyboardInterrupt), torch.no_grad():
+            engine.module(x)
+        hook.remove()
+        _on_thread_ok(lambda: engine.state_dict())
+        _step_as_torch(engine, ref, opt, x, y)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_a_checkpoint_around_the_engine_call_recomputes_inside_backward(engine_cfg,
+                                                                        reentrant):
+    """`torch.utils.checkpoint(engine, x)` recomputes `engine(...)` inside
+    `engine.backward()`: a part of that call, not a second call nested in it."""
+    ref, opt, engine = _setup(engine_cfg)
+    (x, y), = _data(1)
+    with engine:
+        out = torch.utils.checkpoint.checkpoint(engine, x.requires_grad_(reentrant),
+                                                use_reentrant=reentrant)
+        engine.backward(nn.functional.mse_loss(out, y))
+        assert engine.step() is True
+        _torch_step(ref, opt, x, y)
+        _compare(engine, ref)
+
+
+def test_a_call_ended_on_another_thread_frees_the_engine(engine_cfg):
+    """A generator's `finally` runs on the thread that closes (or collects) it: a
+    `full_weights_by_group` loop left on one thread and closed on another kept the
+    engine held for ever, `close()` included."""
+    ref, opt, engine = _setup(engine_cfg)
+    (x, y), = _data(1)
+    with engine:
+        it = engine.full_weights_by_group()
+        next(it)
+        _on_thread_ok(it.close)
+        _step_as_torch(engine, ref, opt, x, y)
+
+
+def test_the_calls_of_a_thread_that_ended_inside_them_hold_nothing():
+    """A thread that ended inside a call (a generator it never closed, never
+    collected) no longer holds the engine: the next call from another thread goes on."""
+    guard = OneThread()
+    _on_thread_ok(lambda: guard.enter("engine.full_weights_by_group()"))
+    with guard.held("engine.state_dict()"):
+        pass
+    guard.enter("engine(...)")
+    t, got = _run(lambda: guard.enter("engine.step()", outer=True))
+    t.join(JOIN)
+    assert isinstance(got.get("error"), EngineBusyError), got
+
+
+def test_a_with_block_that_raises_while_another_thread_runs_keeps_its_own_error(
+        engine_cfg, caplog):
+    """`with engine:` whose block raises while a server thread's forward runs: the
+    exit's close() is refused, and that refusal used to replace the block's error.
+    The block's error comes out; a warning says the engine is still open."""
+    _, _, engine = _setup(engine_cfg)
+    (x, _), = _data(1)
+    engine.module.gate.block = True
+    t, got = _run(lambda: engine(x).detach())
+    assert GATE.inside.wait(JOIN)
+    try:
+        with pytest.raises(ValueError, match="the block's own"):
+            with engine:
+                raise ValueError("the block's own")
+        assert "the engine was not closed" in caplog.text
+    finally:
+        GATE.go.set()
+        t.join(JOIN)
+    assert not t.is_alive() and "error" not in got, got
+    engine.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        engine(x)
