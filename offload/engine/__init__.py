@@ -7,6 +7,7 @@ import copy
 import functools
 import logging
 import os
+import weakref
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
@@ -50,7 +51,9 @@ __all__ = ["CheckpointCorruptError", "CheckpointError", "CheckpointReader", "Eng
 # a second `initialize` on the model, on a part of it, or on the engine itself is
 # refused instead of wrapping an empty shell. The mark outlives `close()`: the
 # model's weights went into the engine and leave with its closing (its methods
-# raise then), so save them first (`state_dict()`, `save_pretrained()`).
+# raise then), so save them first (`state_dict()`, `save_pretrained()`). The mark
+# is a weak reference to the engine, so the refusal can say whether that engine
+# is still there to train with.
 _WRAPPED = "_offload_wrapped"
 
 
@@ -62,6 +65,16 @@ def _refuse_wrapped(model: nn.Module) -> None:
     for name, m in model.named_modules():
         if m.__dict__.get(_WRAPPED):
             where = f"its module {name!r}" if name else "it"
+            owner = m.__dict__[_WRAPPED]
+            owner = owner() if isinstance(owner, weakref.ref) else None
+            if owner is None or owner._closed:
+                raise ConfigError(
+                    f"initialize(model): {type(model).__name__} was already wrapped by an "
+                    f"OffloadEngine that is closed now ({where} gave its parameters to that "
+                    "engine, and they went with its closing): build a fresh model and load "
+                    "what was saved before closing (engine.save_pretrained(dir) or "
+                    "engine.state_dict()), or resume from a checkpoint "
+                    "(offload.initialize(fresh_model, config, resume=path))")
             raise ConfigError(
                 f"initialize(model): {type(model).__name__} was already wrapped by an "
                 f"OffloadEngine ({where} gave its parameters to that engine); train with that "
@@ -342,7 +355,7 @@ def initialize(model: nn.Module | Callable[[], nn.Module],
                 everyone = tp.mesh.world if tp is not None else comm
                 if everyone.world > 1 and ckpt is None and resumed is None:
                     _buffers_from_first_rank(everyone, model)
-                model.__dict__[_WRAPPED] = True  # [Note: wrapped modules]
+                model.__dict__[_WRAPPED] = weakref.ref(engine)  # [Note: wrapped modules]
                 guard_casts(model, engine.dtype, engine.device)
                 guard_resize(model)
                 if comm.world > 1:  # [Note: generation on several ranks] in model_weights.py
@@ -673,6 +686,6 @@ def _drop_params(g: Group, engine: OffloadEngine) -> None:
     engine.registered.register(g.gid)
     for s in g.slots:
         for mod, _ in s.uses:
-            mod.__dict__[_WRAPPED] = True  # [Note: wrapped modules]
+            mod.__dict__[_WRAPPED] = weakref.ref(engine)  # [Note: wrapped modules]
         s.param = None
     engine.unbind(g.gid)

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["AbsentWeight", "absent_grad_message", "absent_message"]
+__all__ = ["AbsentWeight", "absent_grad_message", "absent_message", "closed_message"]
 
 
 def absent_message(name: str, unit: str) -> str:
@@ -41,6 +41,15 @@ def absent_message(name: str, unit: str) -> str:
             "parameter count), "
             "or share the parameter by assignment (self.head.weight = self.wte.weight) and "
             "call the child module")
+
+
+def closed_message(name: str) -> str:
+    return (f"parameter {name!r} belonged to an OffloadEngine that is closed (close() ran, "
+            "or its `with` block ended): its weights went with the engine's partitions and "
+            "swap files, and this model holds none. Build a fresh model and load what was "
+            "saved before closing (engine.save_pretrained(dir) or engine.state_dict()), or "
+            "resume a new engine from a checkpoint (offload.initialize(fresh_model, config, "
+            "resume=path))")
 
 
 def absent_grad_message(name: str) -> str:

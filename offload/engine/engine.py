@@ -154,6 +154,8 @@ class OffloadEngine(ModelWeights, GradPartitions, GatheredWeights, nn.Module):
         self._reductions: list[Pending] = []
         self._has_grad: set[int] = set()
         self._nested = NestedGrads()  # [Note: reentrant checkpoints inside a unit]
+        self._gradless_gathered: set[int] = set()  # [Note: weights without a gradient in
+        # backward] in gathering.py
         self._one_thread = OneThread()  # [Note: one thread at a time] in one_thread.py
         # [Note: Ctrl-C at a safe point] in interrupts.py
         self._interrupts = SafeInterrupts(self._interrupted_twice)
@@ -321,6 +323,7 @@ class OffloadEngine(ModelWeights, GradPartitions, GatheredWeights, nn.Module):
                 self._rank_order.check_unit(unit, backward=True)
             self._spans.backward_begin(unit.name)
             self._nested.began(unit.needs)  # [Note: reentrant checkpoints inside a unit]
+            self._free_gradless(unit.needs)  # [Note: weights without a gradient in backward]
             early_master = (self.master_is_param and self._last_micro_step()
                             and self._early_allowed())
             for gid in unit.needs:
@@ -507,8 +510,15 @@ class OffloadEngine(ModelWeights, GradPartitions, GatheredWeights, nn.Module):
 
     def _backward(self, loss: torch.Tensor) -> None:
         self._spans.step_begin()  # the model may have been called without the engine
-        self.registered.check_trainable(self.module)  # what trains is fixed at initialize
-        self.registered.check_frozen_agree(self.comm)  # [Note: freezing after initialize]
+        try:  # what trains is fixed at initialize
+            self.registered.check_trainable(self.module)
+            refused = None
+        except RuntimeError as e:
+            refused = e
+        # [Note: freezing after initialize]; every rank learns whether one refused
+        self.registered.check_frozen_agree(self.comm, refused is not None)
+        if refused is not None:
+            raise refused
         if self._backwards >= self.cfg.engine.grad_accum_steps:
             raise RuntimeError(f"backward: {self._backwards} backward call(s) since the last "
                                "step(), and engine.grad_accum_steps is "
@@ -808,6 +818,7 @@ class OffloadEngine(ModelWeights, GradPartitions, GatheredWeights, nn.Module):
         with self._one_thread.held("engine.close()", outer=True, sealed=True):
             self._closed = True  # every call is refused from here, even if this one is cut short
         with self._interrupts.held():
+            self.registered.close()  # the model's stand-ins say the engine is closed
             self.wait_for_checkpoint(raise_error=False)
             self._updater.shutdown(wait=True)
             self._gathers.close()

@@ -102,6 +102,7 @@ class GatheredWeights:
         st.pending = pending
 
     def _free(self, st: GroupState) -> None:
+        self._gradless_gathered.discard(st.group.gid)
         if st.gathered:
             self.unbind(st.group.gid)
             kept = kept_view(st.views)  # [Note: kept weights] in warm.py
@@ -154,6 +155,31 @@ class GatheredWeights:
                 module.__dict__.pop(name, None)
                 point_weight_list(module, name)  # [Note: RNN weight lists] in params_view.py
 
+    def _gradless(self, st: GroupState) -> bool:
+        """Whether no gradient can reach the group in this backward: frozen, at
+        initialize or since ([Note: freezing after initialize] in params_view.py)."""
+        return not st.flat.requires_grad or all(
+            self.registered.frozen(st.group.gid, i) for i in range(len(st.group.slots)))
+
+    def _free_gradless(self, keep: list[int]) -> None:
+        """[Note: weights without a gradient in backward] A group that gets a gradient
+        is freed once it arrives (`_on_grad`); one that cannot (frozen) has no such
+        moment, and stayed gathered until the backward ended: with a frozen base (LoRA,
+        a frozen encoder) every layer's full weights at once, outside the budgets. At
+        each unit's backward, a frozen group gathered in this backward is freed once
+        nothing but the engine holds its storage: autograd releases a node's saved
+        tensors (views of it, `.t()` of a view) when the node has run, so no node that
+        reads it is left. A holder that stays (retain_graph, a view kept by the
+        model) keeps it gathered until the backward ends, as before."""
+        for gid in list(self._gradless_gathered):
+            st = self._states[gid]
+            if gid in keep or st.active or st.pending is not None or not st.gathered:
+                continue
+            # holders: `flat`, each bound view, and the storage object asked here
+            if torch._C._storage_Use_Count(st.flat.untyped_storage()._cdata) \
+                    <= 2 + len(st.views):
+                self._free(st)
+
     def _bound(self, st: GroupState) -> bool:
         """Whether the group's module attributes are views of its gathered weights."""
         module, name = st.group.slots[0].uses[0]
@@ -183,6 +209,8 @@ class GatheredWeights:
                     module.__dict__[name] = dense_grad(view) if sparse_grad_use(module, name) \
                         else view
                 st.views.append(view)
+        if in_backward() and self._gradless(st):  # [Note: weights without a gradient in
+            self._gradless_gathered.add(st.group.gid)  # backward]
 
     def _prefetch(self) -> None:
         """Follows the plan: the next group's all-gather starts now (it runs behind this

@@ -75,8 +75,14 @@ class GradPartitions:
         """After the outer backward pass: reduces each group whose gradient came only from
         passes nested in its unit's backward ([Note: reentrant checkpoints inside a unit]
         in nested_grads.py)."""
-        for gid in self._nested.take():
-            self._on_grad(gid, self._states[gid].flat)
+        gids = self._nested.take()
+        for i, gid in enumerate(gids):
+            try:
+                self._on_grad(gid, self._states[gid].flat)
+            except BaseException:  # the step fails: no sum may stay for the next backward
+                for rest in gids[i + 1:]:
+                    self._states[rest].flat.grad = None
+                raise
 
     def _drop_nested_grads(self) -> None:
         """A backward that failed: the sums nested passes left are dropped."""

@@ -78,30 +78,39 @@ def _load_problem(state_dict: Mapping[str, Any], entries: list, missing: list[st
     return None
 
 
-def refuse_cast(fn: Any, dtype: torch.dtype, device: torch.device) -> None:
+def refuse_cast(fn: Any, dtype: torch.dtype, device: torch.device, name: str = "") -> None:
     """[Note: casts refused] `Module._apply(fn)` (what `.to`, `.half`, `.cpu` call) would
     convert the model's buffers and then fail at its first parameter, a stand-in with
-    no weights: refused first, unless `fn` changes neither dtype nor device."""
+    no weights: refused first, unless `fn` changes neither dtype nor device. The same
+    holds for each of its modules, also where the model's own forward converts one
+    (SwitchTransformers' router runs `self.classifier.to(float32)`): without the
+    guard, that failed at the stand-in with "used outside the forward of unit"."""
     probe = torch.zeros(1, dtype=dtype, device=device)
     out = fn(probe)
     if isinstance(out, torch.Tensor) and out.dtype == dtype and out.device == probe.device:
         return
+    what = f"module {name!r}" if name else "the model"
     raise RuntimeError(
         f"the model's weights live in the engine's store as {dtype} on {device}: converting "
-        f"the model (.to, .half, .float, .cuda, .cpu, ...) to "
+        f"{what} (.to, .half, .float, .cuda, .cpu, ...) to "
         f"{getattr(out, 'dtype', '?')} on {getattr(out, 'device', '?')} is refused, nothing "
-        "was changed; set engine.dtype and store.device in the config instead")
+        "was changed; set engine.dtype and store.device in the config instead (where the "
+        "model's own forward converts a module to another dtype, train with engine.dtype "
+        "of that dtype, or configure the model to compute in engine.dtype)")
 
 
 def guard_casts(model: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
-    """Makes `model.half()` / `model.to(...)` on the wrapped model itself refuse first
-    ([Note: casts refused]): an instance attribute in place of `Module._apply`."""
-    plain = model._apply
+    """Makes `.half()` / `.to(...)` on the wrapped model or any of its modules refuse
+    first ([Note: casts refused]): an instance attribute in place of `Module._apply`."""
+    for name, mod in model.named_modules(remove_duplicate=False):
+        if "_apply" in mod.__dict__:  # a module under two names: guarded once
+            continue
+        plain = mod._apply
 
-    def _apply(fn: Any, recurse: bool = True) -> Any:
-        refuse_cast(fn, dtype, device)
-        return plain(fn, recurse)
-    model.__dict__["_apply"] = _apply
+        def _apply(fn: Any, recurse: bool = True, plain: Any = plain, name: str = name) -> Any:
+            refuse_cast(fn, dtype, device, name)
+            return plain(fn, recurse)
+        mod.__dict__["_apply"] = _apply
 
 
 def guard_resize(model: nn.Module) -> None:

@@ -93,9 +93,10 @@ class OneThread:
                     "thread an engine of its own")
         if outer or last.sealed:
             return (f"{what} was called inside {last.what} on the same thread (from a hook, "
-                    "a callback or an lr schedule): it would use or change the state that "
-                    f"call is in the middle of. Nothing was changed: call it after {last.what} "
-                    "has returned")
+                    "a callback or an lr schedule, or after a loop left a generator of it "
+                    "open: close it, or finish the loop): it would use or change the state "
+                    f"that call is in the middle of. Nothing was changed: call it after "
+                    f"{last.what} has returned")
         return None
 
     def _drop_finished(self) -> None:

@@ -62,7 +62,7 @@ from typing import TYPE_CHECKING, Iterator
 import torch
 from torch import nn
 
-from .absent import AbsentWeight, absent_grad_message, absent_message
+from .absent import AbsentWeight, absent_grad_message, absent_message, closed_message
 from .units import Group, Unit
 
 if TYPE_CHECKING:
@@ -136,6 +136,15 @@ class RegisteredParams:
         for p, _ in self._grads:
             p.grad = None
 
+    def close(self) -> None:
+        """At the engine's close: the stand-ins (and the gradients' shown since the last
+        backward) say that the engine is closed and its weights gone, rather than name
+        `engine.full_weights()`, which a closed engine refuses."""
+        for (gid, slot), name in self._names.items():
+            self.stand_ins[gid][slot].message = closed_message(name)
+        for p, g in self._grads:
+            g.message = closed_message(self._names[self._where[id(p)]])
+
     def locate(self, p: torch.Tensor) -> tuple[int, int] | None:
         """(gid, slot index) of a registered stand-in; None for any other tensor."""
         return self._where.get(id(p))
@@ -149,15 +158,24 @@ class RegisteredParams:
         [Note: freezing after initialize]."""
         return not self.stand_ins[gid][slot].requires_grad
 
-    def check_frozen_agree(self, comm: Collectives) -> None:
+    def check_frozen_agree(self, comm: Collectives, refused: bool = False) -> None:
         """Raises on every rank where a parameter is frozen on some ranks and trains on
         others ([Note: freezing after initialize]): its update would average one rank's
         gradient with another's zeros, or, frozen whole, a group's reduction would
-        wait for a rank that has none. One sum over ranks, before a backward."""
+        wait for a rank that has none. `refused`: this rank's `check_trainable`
+        refused the backward; the others then raise too instead of waiting for it.
+        One sum over ranks, before a backward."""
         if comm.world == 1:
             return
         slots = [(g.gid, i) for g in self.groups if g.requires_grad for i in range(len(g.slots))]
-        counts = comm.sum_scalars([1.0 if self.frozen(*s) else 0.0 for s in slots])
+        counts = comm.sum_scalars([1.0 if self.frozen(*s) else 0.0 for s in slots]
+                                  + [1.0 if refused else 0.0])
+        others = int(counts.pop())
+        if others and not refused:
+            raise RuntimeError(
+                f"{others} other rank(s) refused this backward (their error names the "
+                "parameter: a trainable set changed since initialize); this backward "
+                "changed nothing")
         split = [s for s, c in zip(slots, counts) if 0 < c < comm.world]
         if split:
             raise RuntimeError(

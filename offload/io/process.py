@@ -20,9 +20,10 @@ PROC_SELF = "/proc/self"
 # alone passes, and the allocation it let through ends with the cgroup's OOM killer
 # (SIGKILL, no message). So what a check compares against is the lower of
 # MemAvailable and the headroom of the process's memory cgroup and each cgroup above
-# it: limit (v2: memory.max and memory.high; v1: memory.limit_in_bytes) less usage
-# (memory.current; memory.usage_in_bytes), where the usage counts inactive file
-# cache as free, since the kernel reclaims it before it kills (as MemAvailable does).
+# it: limit (v2: memory.max; v1: memory.limit_in_bytes) less usage (memory.current;
+# memory.usage_in_bytes), where the usage counts file cache, active and inactive, as
+# free, since the kernel reclaims it before it kills (as MemAvailable does). memory.high
+# is not a limit here: above it the kernel throttles and reclaims, it does not kill.
 # The cgroup is found as the kernel shows it, /proc/self/cgroup under the mounts of
 # /proc/self/mountinfo, so it works with and without a cgroup namespace; `proc`
 # names another directory laid out like /proc/self.
@@ -31,7 +32,7 @@ PROC_SELF = "/proc/self"
 class CgroupMemory(NamedTuple):
     """The tightest memory limit over a process's cgroup and its ancestors."""
     limit: int  # bytes
-    free: int   # bytes: the limit less the usage (inactive file cache counted as free)
+    free: int   # bytes: the limit less the usage (file cache counted as free)
     file: str   # the file that sets the limit, to name in errors
 
 
@@ -98,16 +99,19 @@ def _read_int(path: str) -> int | None:
         return None
 
 
-def _inactive_file(d: str, key: str) -> int:
+def _file_cache(d: str, keys: tuple[str, ...]) -> int:
+    """Bytes of page cache the cgroup's memory.stat reports under `keys`: reclaimed
+    before the cgroup's OOM killer runs (MemAvailable counts it as available too)."""
+    total = 0
     try:
         with open(os.path.join(d, "memory.stat")) as f:
             for line in f:
                 name, _, value = line.partition(" ")
-                if name == key:
-                    return int(value)
+                if name in keys:
+                    total += int(value)
     except (OSError, ValueError):
         pass
-    return 0
+    return total
 
 
 def cgroup_memory(proc: str = PROC_SELF) -> CgroupMemory | None:
@@ -116,15 +120,15 @@ def cgroup_memory(proc: str = PROC_SELF) -> CgroupMemory | None:
     best: CgroupMemory | None = None
     unlimited = 1 << 60  # v1 writes "no limit" as a page-rounded LONG_MAX
     for d in _cgroup_dirs(proc, "memory"):
-        for limit_file, usage_file, stat_key in (
-                ("memory.max", "memory.current", "inactive_file"),
-                ("memory.high", "memory.current", "inactive_file"),
-                ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")):
+        for limit_file, usage_file, cache in (
+                ("memory.max", "memory.current", ("inactive_file", "active_file")),
+                ("memory.limit_in_bytes", "memory.usage_in_bytes",
+                 ("total_inactive_file", "total_active_file"))):
             limit = _read_int(os.path.join(d, limit_file))
             if limit is None or limit >= unlimited:
                 continue
             usage = _read_int(os.path.join(d, usage_file)) or 0
-            usage = max(0, usage - _inactive_file(d, stat_key))
+            usage = max(0, usage - _file_cache(d, cache))
             free = max(0, limit - usage)
             if best is None or free < best.free:
                 best = CgroupMemory(limit, free, os.path.join(d, limit_file))

@@ -136,6 +136,48 @@ def _open_owned(path: str, flags: int) -> int:
     return fd
 
 
+def _alive(pid: str) -> bool:
+    """Whether process `pid` (a lock file's text, digits) runs."""
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        pass  # another user's process
+    return True
+
+
+def _holders(path: str) -> list[int]:
+    """The other processes that have `path` open, as far as /proc shows them.
+
+    [Note: a lock kept by a killed job's child]
+    A flock belongs to the open file, which a forked child (a DataLoader worker, a
+    multiprocessing child) shares: when a job is killed (SIGKILL, the OOM killer) and
+    such a child lives on, the lock stays held while the file still names the dead
+    job's pid. "In use by pid N", with no process N, sent the user looking for a job
+    that was gone; the message names the processes holding the file instead."""
+    try:
+        st = os.stat(path)
+        pids = [d for d in os.listdir("/proc") if d.isdigit() and int(d) != os.getpid()]
+    except OSError:
+        return []
+    out = []
+    for pid in pids:
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue  # gone, or another user's
+        for fd in fds:
+            try:
+                s = os.stat(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if (s.st_dev, s.st_ino) == (st.st_dev, st.st_ino):
+                out.append(int(pid))
+                break
+    return sorted(out)
+
+
 def _unlink(path: str) -> None:
     try:
         os.unlink(path)
@@ -158,10 +200,22 @@ class _SwapFile:
                     f"swap file {path} is already open in this process (pid {owner}): another "
                     "engine, store or swap space here uses the same io.paths directory and "
                     "is still open; close it first (engine.close(), or a with block), or "
-                    "give each its own io.paths directory") from None
+                    "give each its own io.paths directory. An engine no longer bound to a "
+                    "name stays open while its model (or an output of its forward) is: "
+                    "`del` those and run gc.collect()") from None
+            holders = _holders(self.lock_path)
+            if not owner.isdigit() or _alive(owner) and (not holders or int(owner) in holders):
+                raise SwapLockedError(
+                    f"swap file {path} is in use by another live process (pid {owner}); give "
+                    "this job its own io.paths directory, or stop the other job") from None
+            # [Note: a lock kept by a killed job's child]
+            who = (f"pid {', '.join(map(str, holders))}" if holders
+                   else f"find it with `fuser -v {self.lock_path}`")
             raise SwapLockedError(
-                f"swap file {path} is in use by another live process (pid {owner}); give this "
-                "job its own io.paths directory, or stop the other job") from None
+                f"swap file {path} is locked by a process that pid {owner} (no longer "
+                f"running) started: {who}. A job killed while a DataLoader worker or another "
+                "child it forked lives on leaves the lock with that child; stop it and run "
+                "again, or give this job its own io.paths directory") from None
         # The flock dies with its holder, so a lock left by a killed run is
         # free again: we hold it now and take the file over.
         try:

@@ -315,6 +315,13 @@ GENERATE = {"beam": {"num_beams": 3, "num_return_sequences": 2},
             "scores": {"return_dict_in_generate": True, "output_scores": True}}
 
 
+def left_padded(x):
+    """The attention mask of a batch of two prompts, the second left-padded by 2."""
+    mask = torch.ones_like(x)
+    mask[1, :2] = 0
+    return mask
+
+
 @pytest.mark.parametrize("build", ["gpt2", "llama"])
 def test_generation_modes_and_kv_cache_match_torch(engine_cfg, build):
     """Beam search, beam sampling, no cache and scores, with a left-padded batch, through
@@ -324,8 +331,7 @@ def test_generation_modes_and_kv_cache_match_torch(engine_cfg, build):
     ref = BUILDS[build]()
     engine = offload.initialize(copy.deepcopy(ref), _cfg(engine_cfg, ("host", "host", "host")))
     x = _ids(1, seed=2, shape=(2, 5))[0]
-    mask = torch.ones_like(x)
-    mask[1, :2] = 0
+    mask = left_padded(x)
     try:
         engine.eval(), ref.eval()
         for mode, kw in GENERATE.items():

@@ -236,6 +236,37 @@ def test_freezing_between_micro_batches_trains_as_torch(engine_cfg, place):
         _compare(engine, ref)
 
 
+@pytest.mark.parametrize("when", ["initialize", "after"])
+def test_frozen_layers_are_given_back_once_their_backward_ran(engine_cfg, when):
+    """[Note: weights without a gradient in backward] Frozen layers (at initialize, or
+    since) get no gradient, whose arrival frees a trainable group's gathered weights:
+    they stayed gathered until the backward ended, every frozen layer at once. Now
+    none is left gathered when the backward reaches the model's input, and the steps
+    are torch's."""
+    torch.manual_seed(0)
+    ref = Net()
+    if when == "initialize":
+        ref.a.requires_grad_(False)
+        ref.b.requires_grad_(False)
+    model = copy.deepcopy(ref)
+    cfg = engine_cfg(*PLACES[0], group_size=300)  # a unit (and a group) per layer
+    opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad],
+                            lr=cfg["optim"]["lr"], weight_decay=cfg["optim"]["weight_decay"])
+    gathered = []
+    with offload.initialize(model, cfg) as engine:
+        for m in (ref, model):
+            m.a.requires_grad_(False)
+            m.b.requires_grad_(False)
+        for x, y in _data(2):
+            _torch_step(ref, opt, x, y)
+            x = x.clone().requires_grad_()  # the backward reaches the input: look then
+            x.register_hook(lambda g: gathered.append(
+                [st.group.gid for st in engine._states if st.gathered]))
+            assert _engine_step(engine, x, y)
+            _compare(engine, ref)
+    assert gathered == [[0], [0]]  # the first layer's, whose backward is running
+
+
 @pytest.mark.parametrize("place", PLACES, ids=IDS)
 def test_progressive_unfreezing_trains_as_torch(engine_cfg, place):
     """[Note: freezing after initialize] Everything trains for two steps, then a whole

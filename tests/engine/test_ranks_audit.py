@@ -269,6 +269,15 @@ def _freeze_worker(rank: int, world: int, init_file: str, d: str) -> None:
             steps = _steps(3)
             _train(e, steps[:1], rank)
             before = e.state_dict(rank0_only=False)
+            if rank == 0:  # an adapter added on one rank only: that rank refuses alone
+                e.module.add_module("extra", nn.Linear(1, 1))
+            added = None
+            try:
+                _train(e, steps[1:2], rank)
+            except RuntimeError as ex:
+                added = str(ex)
+            if rank == 0:
+                del e.module.extra
             e.module[4].requires_grad_(rank == 1)  # a whole group frozen on rank 0 only
             error = None
             try:
@@ -280,14 +289,17 @@ def _freeze_worker(rank: int, world: int, init_file: str, d: str) -> None:
             e.module[4].requires_grad_(True)
             e.module[2].bias.requires_grad_(False)  # on every rank: trains as torch
             _train(e, steps[1:], rank)
-            torch.save({"error": error, "same": same, "sd": e.state_dict(rank0_only=False)},
+            torch.save({"added": added, "error": error, "same": same,
+                        "sd": e.state_dict(rank0_only=False)},
                        os.path.join(d, f"f{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
 
 def test_freezing_on_some_ranks_only_raises_on_all_and_on_all_trains_as_ddp(tmp_path):
-    """[Note: freezing after initialize] A layer frozen on one rank only would have
+    """[Note: freezing after initialize] An adapter added on one rank only is refused on
+    that rank and, instead of a wait for it, on the other. A layer frozen on one rank
+    only would have
     left the other rank's reduction of its group unpaired (a hang until the process
     group's timeout), and a parameter of a group train on one rank's gradient
     averaged with zeros: every rank raises before the backward, naming it, and the
@@ -308,6 +320,9 @@ def test_freezing_on_some_ranks_only_raises_on_all_and_on_all_trains_as_ddp(tmp_
     for r in range(2):
         got = torch.load(tmp_path / f"f{r}.pt")
         assert got["error"] is not None and "'4.weight' is frozen" in got["error"], got["error"]
+        # the other rank used to wait in the frozen flags' sum until the timeout
+        assert ("'extra.weight' was added" if r == 0 else "1 other rank(s) refused") in \
+            (got["added"] or ""), got["added"]
         assert got["same"]
         for k, v in m.state_dict().items():
             torch.testing.assert_close(got["sd"][k], v, atol=1e-6, rtol=0, msg=k)

@@ -35,8 +35,9 @@ def _write(d, **files):
 
 def test_v2_limit_is_the_tightest_over_the_cgroup_and_its_parents(tmp_path):
     """cgroup v2 in a container with a cgroup namespace: the limit of the parent (a pod)
-    binds before the container's own, memory.high counts, and inactive file cache counts
-    as free."""
+    binds before the container's own, file cache (active and inactive: reclaimed before
+    the OOM killer runs) counts as free, and memory.high (throttling, no kill) is no
+    limit."""
     cg = tmp_path / "cg"
     proc = _proc(tmp_path, ["0::/pod/box"],
                  [f"41 31 0:38 / {cg} rw,relatime - cgroup2 cgroup2 rw"])
@@ -48,8 +49,14 @@ def test_v2_limit_is_the_tightest_over_the_cgroup_and_its_parents(tmp_path):
     assert got.file == str(cg / "pod" / "memory.max")
     assert available_memory(proc) == 100 * MiB
     assert physical_memory(proc) == 800 * MiB
+    # the box binds: 650 MiB used, 150 MiB of it file cache (a dataset read each epoch)
+    _write(cg / "pod", memory_current=str(600 * MiB))
+    _write(cg / "pod" / "box", memory_max=str(600 * MiB), memory_current=str(650 * MiB),
+           memory_stat=f"anon 1\ninactive_file {100 * MiB}\nactive_file {50 * MiB}")
+    got = cgroup_memory(proc)
+    assert (got.limit, got.free) == (600 * MiB, 100 * MiB), got
     _write(cg / "pod" / "box", memory_high=str(550 * MiB))  # throttled above 550 MiB
-    assert cgroup_memory(proc).free == 50 * MiB
+    assert cgroup_memory(proc).free == 100 * MiB
 
 
 def test_mount_points_of_any_bytes_and_odd_tables_fall_back_not_raise(tmp_path):
