@@ -9,12 +9,21 @@ model, goes, the engine is collected and a finalizer releases them. The hooks on
 the model's tensors hold the engine weakly for that ([Note: hooks on tensors hold
 the engine weakly] in units.py). What the finalizer leaves alone: communicators
 (destroying a process group is not for a collector's arbitrary moment; a job's
-ranks keep theirs until the process exits) and anything at interpreter exit, where
-the swap space's own finalizer removes the files as before.
+ranks keep theirs until the process exits).
+
+[Note: an engine open at interpreter exit] A script that ends without `close()`
+left the engine's threads at work (the store's completion thread, its copies and
+writes) while the interpreter shut down; one inside a torch call as the process's
+own destructors ran aborted it ("terminate called without an active exception",
+exit code 134), one run in ten here. At exit, before the finalizers that remove
+swap files, each engine still open in this process is released as by `close()`:
+its moves end (within store.wait_timeout) and its threads stop first.
 """
 
 from __future__ import annotations
 
+import atexit
+import logging
 import os
 import threading
 import warnings
@@ -26,12 +35,17 @@ from ..io.process import in_owner
 
 __all__ = ["Owned"]
 
+log = logging.getLogger(__name__)
+_OPEN: "weakref.WeakSet[Owned]" = weakref.WeakSet()  # [Note: an engine open at
+_exit_registered = False  # interpreter exit]
+
 
 class Owned:
     """The engine's threads, optimizer, warm memory, store and switch-interval hold,
     released once: by `close()` or when the engine is collected unclosed."""
 
-    __slots__ = ("updater", "opt", "warm", "store", "switch", "released", "_finalizer")
+    __slots__ = ("updater", "opt", "warm", "store", "switch", "released", "_finalizer", "_pid",
+                 "__weakref__")
 
     def __init__(self, engine: Any, updater: ThreadPoolExecutor, warm: Any, store: Any,
                  switch: Any) -> None:
@@ -39,8 +53,14 @@ class Owned:
         self.opt: Any = None  # set when the optimizer is attached
         self.released = False
         # in this process only: a forked child's copy leaves the parts to the parent
-        self._finalizer = weakref.finalize(engine, in_owner, os.getpid(), _collected, self)
+        self._pid = os.getpid()
+        self._finalizer = weakref.finalize(engine, in_owner, self._pid, _collected, self)
         self._finalizer.atexit = False
+        global _exit_registered
+        if not _exit_registered:  # after weakref's own exit hook: atexit runs this first
+            atexit.register(_release_open_at_exit)
+            _exit_registered = True
+        _OPEN.add(self)
 
     def release(self) -> None:
         """Releases every part, once: later calls do nothing, or finish a release cut
@@ -74,3 +94,14 @@ def _collected(owned: Owned) -> None:
                          daemon=True).start()
     else:
         _release(owned)
+
+
+def _release_open_at_exit() -> None:
+    """[Note: an engine open at interpreter exit]"""
+    for owned in list(_OPEN):
+        if owned._pid != os.getpid():
+            continue
+        try:
+            owned.release()
+        except BaseException as e:  # noqa: BLE001 - the exit goes on; the files' own
+            log.warning("an offload engine open at exit was not released: %s", e)  # go
