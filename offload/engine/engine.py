@@ -555,7 +555,7 @@ class OffloadEngine(ModelWeights, GradPartitions, GatheredWeights, nn.Module):
             self._release_gathered()
         self._backwards += 1
         self.micro_step += 1
-        self.registered.show_grads()  # [Note: absent gradients] in params_view.py
+        self.registered.show_grads(self.grad_slots.had)  # [Note: absent gradients]
 
     def _release_gathered(self, orphan: bool = False) -> None:
         """No forward runs now: frees what is still gathered (frozen groups; groups of a

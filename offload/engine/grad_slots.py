@@ -83,6 +83,10 @@ class GradSlots:
         counts = self._comm.sum_scalars([1.0 if i in seen else 0.0 for i in range(slots)])
         seen.update(i for i, c in enumerate(counts) if c > 0)
 
+    def had(self, gid: int, slot: int) -> bool:
+        """Whether the parameter in `slot` of `gid` had a gradient since the last step."""
+        return slot in self._seen.get(gid, ())
+
     def active(self, gid: int) -> list[bool]:
         """For each segment of the rank's partition of `gid`: its parameter had a gradient."""
         seen = self._seen.get(gid, set())

@@ -27,7 +27,8 @@ host memory or on NVMe), never into the parameters' `.grad`. Left None, a
 loop written for torch would clip with `torch.nn.utils.clip_grad_norm_`
 (which skips parameters without a gradient and returns 0) and silently train
 unclipped. Between a backward and the step that uses its gradients, each
-trainable parameter's `.grad` is therefore an `AbsentWeight` that raises,
+parameter that had a gradient (not frozen, and used by a forward since the last
+step, as torch's) has therefore a `.grad` that is an `AbsentWeight` that raises,
 on any computation, an error naming `optim.max_grad_norm`; `p.grad is None`
 is False, as in torch after a backward, and `model.zero_grad()` sets it to
 None as torch does (the engine's gradients are dropped by `engine.zero_grad()`).
@@ -57,7 +58,7 @@ raises at the next backward, naming the recipe for progressive unfreezing
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 from torch import nn
@@ -123,12 +124,13 @@ class RegisteredParams:
                 module._parameters[name] = p
                 point_weight_list(module, name)
 
-    def show_grads(self) -> None:
-        """[Note: absent gradients] After a backward: each trainable parameter's `.grad`
-        is a stand-in that names where its gradient is (a parameter frozen since
-        initialize has none, as in torch)."""
+    def show_grads(self, had: Callable[[int, int], bool]) -> None:
+        """[Note: absent gradients] After a backward: each parameter that had a gradient
+        in the step so far (`had(gid, slot)`) shows a stand-in `.grad` that names where
+        its gradient is; the others (frozen, or unused by the forwards) none, as in
+        torch."""
         for p, g in self._grads:
-            p.grad = g if p.requires_grad else None
+            p.grad = g if had(*self._where[id(p)]) else None
 
     def hide_grads(self) -> None:
         """After the step (or its gradients dropped): `.grad` is None again, as torch's

@@ -232,6 +232,8 @@ def test_freezing_between_micro_batches_trains_as_torch(engine_cfg, place):
         engine.backward(_loss(engine, x1, y1))
         engine.module.b.weight.requires_grad_(False)
         engine.backward(_loss(engine, x2, y2))
+        assert [p.grad is None for p in engine.module.parameters()] == \
+            [p.grad is None for p in ref.parameters()] == [False] * 6  # the first's, kept
         assert engine.step()
         _compare(engine, ref)
 
