@@ -2,11 +2,18 @@
 engines (threads always, aio where libaio loads) as a parametrised fixture."""
 
 import os
+import signal
 
 import pytest
 import torch
 
 from offload.io import AioEngine, ThreadEngine, libaio_status
+
+# A suite started in the background of a shell without job control inherits SIGINT
+# ignored (and passes that on to its children). The Ctrl-C tests stand for a user at a
+# terminal, where Python's own handler is in place: put it back for the whole run.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 AIO_OK, AIO_WHY = libaio_status()
 ENGINES = ["threads", pytest.param("aio", marks=pytest.mark.skipif(not AIO_OK, reason=AIO_WHY))]

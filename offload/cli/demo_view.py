@@ -85,10 +85,12 @@ class Reporter:
 
 def _plain_line(rec: StepRecord, plan: DemoPlan | None) -> str:
     total = f"/{plan.steps}" if plan else ""
+    dev_cap = f"/{_mib(plan.device_budget)}" if plan else ""
+    host_cap = f"/{_mib(plan.host_budget)}" if plan else ""
     return (f"step {rec.step}{total}  loss {rec.loss:.3f}  {rec.seconds:.2f} s  "
-            f"{rec.tokens_per_s:.0f} tok/s  read {_mib(rec.read)} write {_mib(rec.written)}  "
-            f"device {_mib(rec.device_peak)} host {_mib(rec.host_peak)} "
-            f"nvme {_mib(rec.nvme_used)}")
+            f"{rec.tokens_per_s:.0f} tok/s  NVMe read {_mib(rec.read)} write "
+            f"{_mib(rec.written)}  peak device {_mib(rec.device_peak)}{dev_cap} host "
+            f"{_mib(rec.host_peak)}{host_cap}  nvme {_mib(rec.nvme_used)}")
 
 
 def _progress(plan: DemoPlan, console: Any) -> Any:

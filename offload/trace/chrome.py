@@ -363,8 +363,16 @@ def _merge_metadata(into: dict[str, Any], meta: Mapping[str, Any],
             into.setdefault(key, value)
 
 
-def summarize(source: Source) -> dict[str, Any]:
+def summarize(source: Source | str | os.PathLike[str] | Mapping[str, Any]) -> dict[str, Any]:
     """Totals for tables: time per category, time and bytes per async name.
+
+    `source`: a recorder, a snapshot or raw events as elsewhere here, or a trace
+    file written by :func:`write_chrome_trace` (a path, plain or ``.gz``) or that
+    file's object as :func:`load_chrome_trace` returns it, so saved runs compare
+    as live ones do. A file's events are totalled over all of its ranks; the
+    ``occupancy:<TIER>`` counters the export adds are left out, as a recorder has
+    none. Raises :class:`~offload.trace.analysis.TraceFormatError` (a ValueError)
+    naming the file when it is not such a trace.
 
     Returns ``{"categories": {cat: {"count", "total_ns"}}, "async": {name:
     {"count", "in_flight", "total_ns", "total_bytes"}}, "instants": {name:
@@ -375,7 +383,12 @@ def summarize(source: Source) -> dict[str, Any]:
     from the end event or else the begin event; ``in_flight`` counts begins
     without an end.
     """
-    snap = as_snapshot(source)
+    if isinstance(source, (str, os.PathLike)):
+        snap = _file_snapshot(load_chrome_trace(source), str(source))
+    elif isinstance(source, Mapping):
+        snap = _file_snapshot(source, "<trace>")
+    else:
+        snap = as_snapshot(source)
     categories: dict[str, dict[str, int]] = {}
     async_stats: dict[str, dict[str, int]] = {}
     instants: dict[str, int] = {}
@@ -415,3 +428,39 @@ def _bytes_of(end_args: dict[str, Any] | None, begin_args: dict[str, Any] | None
         if args and "bytes" in args:
             return int(args["bytes"])
     return 0
+
+
+def _file_snapshot(trace: Mapping[str, Any], where: str) -> TraceSnapshot:
+    """The events of a written trace (`write_chrome_trace`'s object) as one snapshot:
+    times back in nanoseconds, async pairs keyed by (rank, category, id)."""
+    events = trace.get("traceEvents")
+    if not isinstance(events, list):
+        raise TraceFormatError(f"{where}: no traceEvents list; is it a trace that "
+                               "offload.trace.write_chrome_trace wrote?")
+    ids: dict[tuple[Any, Any, Any], int] = {}
+    out: list[TraceEvent] = []
+    for ev in events:
+        if not isinstance(ev, Mapping):
+            raise TraceFormatError(f"{where}: trace event {_short(ev)} is not an object")
+        phase = ev.get("ph")
+        if phase not in (COMPLETE, ASYNC_BEGIN, ASYNC_END, INSTANT, COUNTER):
+            continue  # metadata and flow arrows
+        name = ev.get("name")
+        if not isinstance(name, str) or (phase == COUNTER and name.startswith("occupancy:")):
+            continue
+        ts, dur = ev.get("ts"), ev.get("dur", 0)
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+                   for v in (ts, dur)):
+            raise TraceFormatError(f"{where}: trace event {_short(ev)} has no finite ts/dur")
+        async_id = 0
+        if phase in (ASYNC_BEGIN, ASYNC_END):
+            async_id = ids.setdefault((ev.get("pid"), ev.get("cat"), ev.get("id")), len(ids) + 1)
+        args = ev.get("args")
+        out.append(TraceEvent(phase, round(ts * 1000), round(dur * 1000) if phase == COMPLETE
+                              else 0, async_id, name, str(ev.get("cat", "")),
+                              str(ev.get("tid", "")), dict(args) if isinstance(args, Mapping)
+                              else None))
+    meta = trace.get("metadata")
+    dropped = meta.get("dropped_events", 0) if isinstance(meta, Mapping) else 0
+    return TraceSnapshot(rank=0, process_name=where, events=tuple(out), tracks=(),
+                         dropped=dropped if isinstance(dropped, int) else 0)

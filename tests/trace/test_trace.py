@@ -260,6 +260,37 @@ def test_summarize_totals() -> None:
     assert to_chrome_trace(rec)["metadata"]["unmatched_async_begins"] == 1
 
 
+def test_summarize_reads_a_written_trace_as_the_recorder(tmp_path: Path) -> None:
+    """A saved run totals as the live one did: from the file's path (plain or .gz),
+    from its loaded object, and over both ranks of a merged file; not a trace: an
+    error naming the file."""
+    rec = TraceRecorder(enabled=True, rank=0)
+    rec.complete("a", 10_000, 11_000, cat="compute", track="compute")
+    t = rec.async_begin("read", cat="io", args={"bytes": 100}, ts_ns=12_000)
+    rec.async_end(t, ts_ns=12_060)
+    rec.async_begin("write", cat="io", args={"bytes": 7}, ts_ns=13_000)
+    rec.instant("evict clean", track="store:policy")
+    rec.counter("tier:HOST", {"g": 5})
+    live = summarize(rec)
+    for name in ("run.trace.json", "run.trace.json.gz"):
+        path = write_chrome_trace(tmp_path / name, rec)
+        for source in (path, str(path), load_chrome_trace(path)):
+            s = summarize(source)
+            assert {k: s[k] for k in ("categories", "async", "instants", "counters")} == \
+                {k: live[k] for k in ("categories", "async", "instants", "counters")}
+            assert s["events"] == live["events"]
+    other = TraceRecorder(enabled=True, rank=1)
+    t = other.async_begin("read", cat="io", args={"bytes": 50}, ts_ns=12_000)  # same id as rank 0's
+    other.async_end(t, ts_ns=12_020)
+    both = summarize(write_chrome_trace(tmp_path / "both.trace.json", rec, other))
+    assert both["async"]["read"] == {"count": 2, "in_flight": 0, "total_ns": 80,
+                                     "total_bytes": 150}
+    bad = tmp_path / "notes.json"
+    bad.write_text('{"a": 1}')
+    with pytest.raises(ValueError, match="notes.json"):
+        summarize(bad)
+
+
 def test_raw_events_and_declared_track_order() -> None:
     events = [TraceEvent("X", 5_000, 1_000, 0, "late", "c", "b-track", None),
               ("X", 1_000, 2_000, 0, "early", "c", "a-track", {"k": 1})]
