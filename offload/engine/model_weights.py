@@ -246,6 +246,12 @@ class ModelWeights:
                 yield named
 
     def _summonable(self, modules: Any, writable: bool, what: str) -> list:
+        if self.registered.summoned:  # [Note: calls inside a full_weights block]
+            raise RuntimeError(
+                f"engine.{what}(): called inside a full_weights block (or an iteration "
+                "of full_weights_by_group), whose full weights stand in the modules "
+                "until it ends; select every module you need in the outer block (its "
+                "dict holds them all by name), or call this after the block")
         groups = groups_of(self, modules)
         if writable:
             self._check_between_steps(f"{what}(writable=True)")
@@ -272,7 +278,9 @@ class ModelWeights:
         order (tied parameters and modules registered under several names)."""
         names: dict[tuple[int, int], list[str]] = {}
         for name, t, is_param in state_entries(self.module):
-            where = self.registered.locate(t) if is_param else None
+            where = None
+            if is_param:  # a full weight of an open block: [Note: calls inside a full_...]
+                where = self.registered.locate(t) or self.registered.summoned.get(id(t))
             if where is not None:
                 names.setdefault(where, []).append(name)
         for g in self.groups:

@@ -97,6 +97,9 @@ class RegisteredParams:
         self.stand_ins: list[list[nn.Parameter]] = []
         self.dtypes: list[list[torch.dtype]] = []
         self._where: dict[int, tuple[int, int]] = {}  # id(stand-in) -> (gid, slot)
+        # id(full weight) -> (gid, slot) while a full_weights block registers it
+        # ([Note: calls inside a full_weights block] in full_weights.py)
+        self.summoned: dict[int, tuple[int, int]] = {}
         self._names: dict[tuple[int, int], str] = {}  # (gid, slot) -> its first name
         self._grads: list[tuple[nn.Parameter, AbsentWeight]] = []  # [Note: absent gradients]
         for g in groups:

@@ -242,6 +242,36 @@ def test_full_weights_inside_a_forward_is_refused(engine_cfg):
         engine.close()
 
 
+def test_calls_inside_a_read_only_full_weights_block(engine_cfg):
+    """[Note: calls inside a full_weights block]: state_dict and named_weights see the
+    block's full weights as the model's parameters (tied and frozen ones included)
+    and give what they give outside it; a second block inside is refused naming the
+    fix, and leaves the outer block's weights in place."""
+    engine, _ = _engine(engine_cfg, PLACEMENTS[2])
+    try:
+        x, y = _batches(1)[0]
+        engine.backward(_loss(engine(x), y))
+        engine.step()
+        outside = engine.state_dict()
+        streamed = dict(engine.named_weights())
+        with engine.full_weights() as w:
+            inside = engine.state_dict()
+            assert list(inside) == list(outside)
+            assert all(torch.equal(inside[k], outside[k]) for k in outside)
+            assert {k: v for k, v in engine.named_weights()}.keys() == streamed.keys()
+            assert all(torch.equal(t, streamed[k]) for k, t in engine.named_weights())
+            for nested in (lambda: engine.full_weights("emb").__enter__(),
+                           lambda: next(iter(engine.full_weights_by_group()))):
+                with pytest.raises(RuntimeError, match="inside a full_weights block.*outer "
+                                                       "block"):
+                    nested()
+            assert engine.module.emb.weight is w["emb.weight"]  # the outer block's, still
+            assert torch.equal(engine.module.frozen.weight, outside["frozen.weight"])
+        assert list(engine.state_dict()) == list(outside)
+    finally:
+        engine.close()
+
+
 def test_forward_without_autograd_fetches_the_next_units_ahead(engine_cfg):
     """[Note: forward-only prefetch]: with every parameter partition back on NVMe, when a
     unit of a no_grad pass starts, the groups of the units after it are on their way."""
