@@ -184,7 +184,9 @@ class IoConfig:
     stripe_size: int = _bytes_field("1MiB", "bytes per stripe unit when several paths are given",
                                     allowed="a multiple of 4096 (at least 4096)")
     grow_step: int = _bytes_field("256MiB", "bytes by which a swap file is preallocated "
-                                  "(fallocate) each time it must grow",
+                                  "(fallocate) each time it must grow; by only what it "
+                                  "needs where that would take more than half of the "
+                                  "disk's free space",
                                   allowed="a multiple of io.stripe_size")
     max_swap_size: int = _bytes_field(0, "upper bound on the swap bytes per rank; 0: the disk's "
                                       "free space", allowed=">= 0")

@@ -200,7 +200,7 @@ class DiskProbe:
         each way kept in flight for `seconds` (reads from the first half of the file,
         writes to the second), the traffic of the optimizer's chunk pipeline."""
         request = max(4096, min(request, self.n // (4 * depth)) // 4096 * 4096)
-        half = self.n // 2
+        half = self.n // 2 // 4096 * 4096  # O_DIRECT offsets: the file may be 4 KiB x odd
         span = half // request * request
         offsets = {"read": 0, "write": 0}
         moved = 0

@@ -85,7 +85,9 @@ class CheckpointReader:
                                          f"({e.strerror})") from e
         if rec.get("format") != FORMAT:
             raise CheckpointError(f"checkpoint {p}: format {rec.get('format')!r}, this "
-                                  f"version reads {FORMAT!r}")
+                                  f"version reads {FORMAT!r}; save it again with the "
+                                  "version of offload that wrote it, or export its weights "
+                                  "(offload checkpoint export) with that version")
         self.path = p
         self.record = rec
         self.tensors: dict[str, dict[str, Any]] = rec["tensors"]

@@ -521,11 +521,13 @@ class SwapSpace:
 
     def _grow(self, need: int) -> None:
         """Grows by io.grow_step, or by what `need` takes if more; where that step does
-        not fit (io.max_swap_size, the disk), by only what `need` takes."""
+        not fit (io.max_swap_size, the disk) or would take more than half of a disk's
+        free space, by only what `need` takes ([Note: growth on a nearly full disk])."""
         unit = self.stripe * len(self._files)
         least = _round_up(self._alloc.required_capacity(need), unit)
         step = _round_up(self.capacity + self.grow_step, unit)
-        if step > least and (not self.max_size or step <= self.max_size):
+        if step > least and (not self.max_size or step <= self.max_size) \
+                and self._leaves_room(step):
             try:
                 return self._reserve(step, need)
             except SwapFullError:
@@ -535,6 +537,27 @@ class SwapSpace:
                                 f"io.max_swap_size={self.max_size} bytes would be exceeded "
                                 f"({self.used_bytes} in use); raise it or keep less on NVMe")
         self._reserve(least, need)
+
+    def _leaves_room(self, new_cap: int) -> bool:
+        """[Note: growth on a nearly full disk]
+        A file grown a whole io.grow_step ahead of its need holds space the other swap
+        files (the store's other kinds, the optimizer's) may need next: on a disk with
+        room for the state but not for every file's step (256 MiB each by default), the
+        first files to grow took it and a later one failed for want of space. A step
+        is taken only where each file's growth is at most half of its disk's free
+        space; otherwise the file grows by what it needs."""
+        per_file = new_cap // len(self._files)
+        for f in self._files:
+            grow = per_file - f.size
+            if grow <= 0:
+                continue
+            try:
+                free = shutil.disk_usage(os.path.dirname(f.path)).free
+            except OSError:
+                continue  # the reservation itself reports a disk that fails
+            if grow > free // 2:
+                return False
+        return True
 
     def _reserve(self, new_cap: int, need: int) -> None:
         """Extends every file to its share of `new_cap` bytes, or none of them."""

@@ -166,3 +166,17 @@ def test_practicality_is_reported_on_both_disk_placements_against_the_systems_ow
               for t in compressed_targets({(r["system"], r["placement"]): r for r in rows})
               if "practicality" in t["target"]}
     assert checks == {"offload-int8 nvme-opt": True, "offload-int8 nvme": False}
+
+
+def test_the_mixed_probe_of_a_file_of_an_odd_count_of_pages(tmp_path):
+    """A probe size that is an odd multiple of 4 KiB (a quarter of some disk's free
+    space) once put the writes' half of the file at an offset O_DIRECT refuses."""
+    from offload.cli.benchutil import DiskProbe
+    from offload.config import IoConfig
+
+    probe = DiskProbe(IoConfig(paths=[str(tmp_path)]), str(tmp_path), 8 * 2**20 + 4096)
+    try:
+        probe.measure()
+        assert probe.measure_mixed(2**20, 2, seconds=0.05) > 0
+    finally:
+        probe.close()

@@ -70,3 +70,14 @@ def test_sigterm_stops_a_command_and_its_files_go(tmp_path):
         p.kill()
         p.wait()
     assert os.listdir(tmp_path) == []
+
+
+def test_a_reader_that_leaves_early_ends_the_command_quietly():
+    """`offload ... | head`: stdout's reader closes the pipe; the command stops with
+    the shell's code for SIGPIPE (141) and no traceback."""
+    p = subprocess.Popen(OFFLOAD + ["config", "--markdown"], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE)
+    assert p.stdout.read(16)
+    p.stdout.close()
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=60) == 141 and "Traceback" not in err and "Error" not in err, err

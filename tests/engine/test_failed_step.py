@@ -305,6 +305,36 @@ def test_disk_full_during_the_step_changes_nothing(engine_cfg, small_fs, params,
         ref.close()
 
 
+def test_state_that_fits_the_disk_trains_where_every_file_s_growth_step_would_not(
+        engine_cfg, small_fs):
+    """[Note: growth on a nearly full disk] in io/swap.py: 8 MiB of parameters, 8 of
+    gradients and 16 of moments on a 64 MiB file system, swap files growing by 32 MiB:
+    the first files to grow took a whole step each and the moments' file found no
+    room; now a step that would take more than half the free space is not taken, and
+    training matches the same run on a roomy disk."""
+    torch.manual_seed(3)
+    model = nn.Sequential(*[nn.Linear(512, 512) for _ in range(8)])
+    ref_model = copy.deepcopy(model)
+    cfg = engine_cfg("nvme", "nvme", "nvme", group_size=1 << 18)
+    cfg["io"].update(paths=[small_fs(64)], grow_step="32MiB")
+    cfg["optim"]["chunk_elems"] = 1 << 16
+    ref_cfg = engine_cfg("nvme", "nvme", "nvme", group_size=1 << 18)
+    ref_cfg["optim"]["chunk_elems"] = 1 << 16
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randn(4, 512, generator=g) for _ in range(3)]
+    engine = offload.initialize(model, cfg)
+    ref = offload.initialize(ref_model, ref_cfg)
+    try:
+        for x in batches:
+            for e in (engine, ref):
+                e.backward(e(x).square().mean())
+                assert e.step()
+        assert_same(snapshot(engine), snapshot(ref))
+    finally:
+        engine.close()
+        ref.close()
+
+
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 def test_corrupted_parameter_on_nvme_is_reported_and_the_forward_can_run_again(
         engine_cfg, dtype):
