@@ -55,6 +55,15 @@ class CommandParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: {message}\n")
 
 
+def table_console() -> Any:
+    """A rich Console for a command's tables on stdout: the terminal's width, else 160
+    columns, so a table piped to a file or another program is not wrapped or cut to
+    rich's default of 80."""
+    from rich.console import Console
+
+    return Console(width=None if sys.stdout.isatty() else 160)
+
+
 def run_command(func: Callable[[argparse.Namespace], int], args: argparse.Namespace,
                 prog: str) -> int:
     """Runs a sub-command; a `UsageError` or `ConfigError` is one line and exit code 2, a

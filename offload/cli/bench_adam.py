@@ -54,7 +54,7 @@ from ..io import BufferPool, make_engine, open_swap
 from ..optim import CpuAdam, fused_status
 from ..optim.native import native_status
 from ..optim.state import state_bytes as optim_state_bytes
-from .args import (CommandParser, UsageError, byte_size, count, directory, integer,
+from .args import (table_console, CommandParser, UsageError, byte_size, count, directory, integer,
                    missing_directories, parse_count, remove_directories, run_command)
 from .benchutil import check_memory, emit, progress_printer
 
@@ -404,10 +404,9 @@ def _check_nvme_room(path: str, n: int, state_dtype: str) -> None:
 
 def render(result: dict) -> None:
     """Prints the result as a rich table."""
-    from rich.console import Console
     from rich.table import Table
 
-    con = Console()
+    con = table_console()
     t = Table(title=f"offload bench adam: {result['elements'] / 1e6:.0f}M fp32 elements, "
                     f"{result['threads']} threads, median of {result['rounds']} interleaved rounds")
     busy = {r["impl"]: r for r in result.get("busy_results", [])}

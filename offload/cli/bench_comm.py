@@ -45,7 +45,7 @@ import time
 from typing import Any
 
 from ..io.process import usable_cpus
-from .args import CommandParser, directory, integer, run_command
+from .args import table_console, CommandParser, directory, integer, run_command
 from .benchutil import emit, scratch_dir
 
 TP = 2  # ranks per tensor-parallel group in the tp and domino modes
@@ -164,7 +164,6 @@ def run_comm_bench(nproc: int, steps: int, repeats: int, size: str, batch: int,
 
 
 def _render(r: dict[str, Any]) -> None:
-    from rich.console import Console
     from rich.table import Table
     t = Table(title=f"offload bench comm: {r['nproc']} ranks ({r['backend']}), GPT "
               f"{r['size']}, batch {r['batch_per_rank']} per rank, {r['cpus']} CPUs")
@@ -173,7 +172,7 @@ def _render(r: dict[str, Any]) -> None:
     for row in r["rows"]:
         t.add_row(row["mode"], f"{row['step_s']:.3f}", f"{row['comm_s']:.3f}",
                   f"{row['exposed_comm_s']:.3f}", f"{row['exposed_share']:.0%}")
-    con = Console()
+    con = table_console()
     con.print(t)
     con.print(f"overlap step / serial step: {r['overlap_vs_serial']:.2f} (medians of "
               f"{r['steps']} steps x {r['repeats']} runs per mode, interleaved)")

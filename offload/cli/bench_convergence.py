@@ -19,6 +19,7 @@ from typing import Callable
 
 import torch
 
+from .args import table_console
 from .gpt import GPT, GPTConfig, ReversalTask
 
 TAIL = 20  # steps averaged into the final loss
@@ -93,10 +94,9 @@ def run_convergence(steps: int, seeds: int, dtypes: tuple[str, ...],
 
 
 def render(result: dict) -> None:
-    from rich.console import Console
     from rich.table import Table
 
-    con = Console()
+    con = table_console()
     t = Table(title=f"final loss (mean of the last {result['tail']} of {result['steps']} "
                     "steps) by moment form")
     for col in ("model", "seed", "state_dtype", "first", "final", "x fp32", "s"):

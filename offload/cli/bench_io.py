@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from ..config import format_bytes
 from ..io import AioEngine, BufferPool, ThreadEngine, libaio_status, probe_direct
-from .args import (CommandParser, UsageError, byte_size, choice_list, directory, integer,
+from .args import (table_console, CommandParser, UsageError, byte_size, choice_list, directory, integer,
                    run_command, value_list)
 from .benchutil import emit, progress_printer, scratch_dir
 
@@ -169,10 +169,9 @@ def run_io_bench(path: str, size: int = 2 << 30, *, engines: tuple[str, ...] = (
 
 def render(result: dict) -> None:
     """Prints the result as a rich table."""
-    from rich.console import Console
     from rich.table import Table
 
-    con = Console()
+    con = table_console()
     t = Table(title=f"offload bench io: {result['size'] / 2**30:.2f} GiB, O_DIRECT, "
                     f"median of {result['repeat']} interleaved rounds, writes include fdatasync")
     for col in ("engine", "block", "qd", "write GB/s", "x ref", "read GB/s", "x ref"):

@@ -50,7 +50,7 @@ from ..io.process import physical_memory
 from ..planner import Rates
 from ..planner.estimate import DTYPE_BYTES
 from ..planner.sizes import state_bytes
-from .args import (CommandParser, UsageError, byte_size, count, directory, integer, parse_count,
+from .args import (table_console, CommandParser, UsageError, byte_size, count, directory, integer, parse_count,
                    run_command)
 from .benchutil import DiskProbe, forced_param_reads, proc_io, reset_hwm, swap_rates, vm_hwm
 from .demo import StepMeter, remove_swap_dir, signal_exit_code, swap_dir_for_run
@@ -396,7 +396,6 @@ def _verdict(spec: BenchSpec, r: dict[str, Any], ram: int) -> dict[str, Any]:
 
 
 def render(spec: BenchSpec, r: dict[str, Any]) -> None:
-    from rich.console import Console
     from rich.table import Table
 
     t = Table(title=f"offload bench oversized: {r['params'] / 1e9:.2f}B parameters, state "
@@ -411,7 +410,7 @@ def render(spec: BenchSpec, r: dict[str, Any]) -> None:
                   f"{s['proc_read'] / GiB:.1f}/{s['proc_written'] / GiB:.1f} GiB",
                   f"{s['bound_s']:.1f}", f"{s['seconds'] / s['bound_s']:.2f}",
                   f"{s['mixed_s']:.1f}", f"{s['seconds'] / s['mixed_s']:.2f}")
-    con = Console(width=None if sys.stdout.isatty() else 110)
+    con = table_console()
     con.print(t)
     ok = "[green]ok[/green]" if r["rss_ok"] else "[red]OVER[/red]"
     con.print(f"peak RSS: placing {format_bytes(r['init_peak_rss'])}, stepping "

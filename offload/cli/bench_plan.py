@@ -59,7 +59,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from .args import byte_size, choice_list, directory, integer
+from .args import table_console, byte_size, choice_list, directory, integer
 from .benchutil import emit, progress_printer, scratch_dir
 
 __all__ = ["add_arguments", "gpt", "jobs", "predict", "run", "run_plan_bench"]
@@ -298,10 +298,9 @@ def run_plan_bench(args, path: str, progress=None) -> dict[str, Any]:
 
 
 def render(result: dict[str, Any]) -> None:
-    from rich.console import Console
     from rich.table import Table
 
-    con = Console()
+    con = table_console()
     t = Table(title=f"offload bench plan: bytes per step (MB) and step seconds, planned and "
                     f"predicted against measured (median of {result['steps']} steps)")
     cols = ("config", "planned", "moved", "LRU", "moved/plan", "predicted s", "measured s",

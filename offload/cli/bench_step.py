@@ -85,7 +85,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..config import IoConfig, OptimConfig, format_bytes, parse_bytes
-from .args import (CommandParser, UsageError, byte_size, choice_list, directory, integer, number,
+from .args import (table_console, CommandParser, UsageError, byte_size, choice_list, directory, integer, number,
                    run_command)
 from .bench_step_targets import DISK_PLACEMENTS, SYSTEMS, practicality, targets
 from .benchutil import (DiskProbe, emit, forced_param_reads, proc_io, progress_printer,
@@ -649,10 +649,9 @@ def _fmt(v: float | None, spec: str) -> str:
 
 def render(result: dict) -> None:
     """Prints the result as a rich table."""
-    from rich.console import Console
     from rich.table import Table
 
-    con = Console()
+    con = table_console()
     m = result["model"]
     t = Table(title=f"offload bench step: {m['layers']} x Linear({m['dim']}, {m['dim']}) fp32, "
                     f"batch {m['batch']} on {result['device']}, {m['params'] / 1e6:.0f}M params "

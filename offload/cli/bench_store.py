@@ -25,7 +25,7 @@ import torch
 
 from ..config import IoConfig, OffloadConfig, StoreConfig, format_bytes
 from ..io import BufferPool, make_engine, probe_direct
-from .args import CommandParser, UsageError, byte_size, directory, integer, run_command
+from .args import table_console, CommandParser, UsageError, byte_size, directory, integer, run_command
 from .benchutil import emit, progress_printer, scratch_dir
 
 TARGET = 0.9
@@ -130,10 +130,9 @@ def _rows(times: dict[str, tuple[list[float], list[float]]], total: int) -> dict
 
 def render(result: dict) -> None:
     """Prints the result as a rich table."""
-    from rich.console import Console
     from rich.table import Table
 
-    con = Console()
+    con = table_console()
     n, size = result["partitions"], result["partition_size"]
     t = Table(title=f"offload bench store: {n} x {size / 2**20:.0f} MiB host -> NVMe -> host, "
                     f"{result['engine']} engine, median of {result['rounds']} interleaved rounds")

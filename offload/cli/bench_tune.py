@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .args import byte_size, directory, integer
+from .args import table_console, byte_size, directory, integer
 from .benchutil import emit, progress_printer, scratch_dir
 
 MiB = 1 << 20
@@ -203,10 +203,9 @@ def run_tune_bench(args, path: str, progress=None) -> dict[str, Any]:
 
 
 def render(result: dict[str, Any]) -> None:
-    from rich.console import Console
     from rich.table import Table
 
-    con = Console()
+    con = table_console()
     t = Table(title=f"offload bench tune: the written configuration against the best of a "
                     f"sweep of {result['sweep']} of the same space ({result['rounds']} "
                     f"interleaved rounds), medians of {result['ab_rounds']} interleaved A/B "

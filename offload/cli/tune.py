@@ -35,7 +35,7 @@ from ..planner.estimate import PLACEMENTS, Placement
 from ..planner.search import (Budgets, Candidate, Machine, Space, StepShape, candidates, score,
                               search, shortfall)
 from ..planner.sizes import STATE_DTYPES
-from .args import (UsageError, byte_size, choice_list, directory, integer, missing_directories,
+from .args import (table_console, UsageError, byte_size, choice_list, directory, integer, missing_directories,
                    number, output_file, remove_directories, value_list)
 from .estimate import minimum
 from .model_arg import MeasuredModel, add_model_arguments, measure_model, model_spec
@@ -362,10 +362,9 @@ def _impossible(miss: dict[str, int], budgets: Budgets) -> None:
 
 
 def render(result: dict[str, Any], top: int) -> None:
-    from rich.console import Console
     from rich.table import Table
 
-    con = Console()
+    con = table_console()
     t = Table(title=f"offload tune: {result['model']} ({result['params'] / 1e6:.1f}M params, "
                     f"{result['dtype']}, batch {result['batch']}), host budget "
                     f"{format_bytes(result['budgets']['host'])}, device budget "

@@ -81,3 +81,19 @@ def test_a_reader_that_leaves_early_ends_the_command_quietly():
     p.stdout.close()
     err = p.stderr.read().decode()
     assert p.wait(timeout=60) == 141 and "Traceback" not in err and "Error" not in err, err
+
+
+def test_tables_piped_to_another_program_are_not_cut_to_80_columns():
+    """A command's table read through a pipe (not a terminal): rich's default of 80
+    columns wrapped it and cut cells to '...' (offload tune's table)."""
+    code = ("from rich.table import Table\n"
+            "from offload.cli.args import table_console\n"
+            "t = Table()\n"
+            "for i in range(9):\n"
+            "    t.add_column(f'column {i}')\n"
+            "t.add_row(*[f'value {i} x' for i in range(9)])\n"
+            "table_console().print(t)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "\u2026" not in out.stdout and "value 8 x" in out.stdout, out.stdout
