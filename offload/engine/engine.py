@@ -527,7 +527,7 @@ class OffloadEngine(ModelWeights, GradPartitions, GatheredWeights, nn.Module):
                                "to accumulate more micro-batches")
         if self.loss_scale != 1.0:
             loss = loss * self.loss_scale
-        if self._last_micro_step():
+        if self._last_micro_step() and self._early_allowed():  # else nothing runs early
             self._hyper_watch.backward_begins(self.optimizer)
         try:
             with self.recorder.span("backward", cat="compute", track="compute"):
@@ -614,9 +614,11 @@ class OffloadEngine(ModelWeights, GradPartitions, GatheredWeights, nn.Module):
                     undone = self._abort_step(e)
                     if not isinstance(e, Exception):
                         raise
+                    which = (f"groups {undone} are at their state" if undone else
+                             "no update had begun: every group is at its state")
                     raise StepFailedError(
-                        f"step {number} failed ({type(e).__name__}: {e}); groups "
-                        f"{undone} are at their state before the step (parameters, master "
+                        f"step {number} failed ({type(e).__name__}: {e}); {which} "
+                        "before the step (parameters, master "
                         "weights, Adam moments, step counts) and the step's gradients were "
                         "dropped: fix the cause and run the step's micro-batches again",
                         undone) from e

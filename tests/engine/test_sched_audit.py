@@ -211,8 +211,10 @@ def test_a_schedule_reaching_nan_fails_the_step_and_changes_nothing(engine_cfg):
         before = snapshot(engine)
         x, y = batches[1]
         engine.backward(lm_loss(engine(x), y))
-        with pytest.raises(StepFailedError, match="lr nan"):
+        with pytest.raises(StepFailedError, match="lr nan") as e:
             engine.step()
+        assert e.value.groups == [] and "no update had begun: every group is at its " \
+            "state before the step" in str(e.value)  # not "groups [] are ..."
         assert_same(before, snapshot(engine))
 
 
