@@ -15,8 +15,9 @@ Typical use::
     write_chrome_trace("step.trace.json", rec)
 """
 
-from offload.trace.chrome import (load_chrome_trace, merge_chrome_traces, summarize,
-                                  to_chrome_trace, write_chrome_trace, write_trace_dict)
+from offload.trace.chrome import (TraceFormatError, load_chrome_trace, merge_chrome_traces,
+                                  summarize, to_chrome_trace, write_chrome_trace,
+                                  write_trace_dict)
 from offload.trace.recorder import (NULL_RECORDER, AsyncToken, TraceEvent, TraceRecorder,
                                     TraceSnapshot)
 from offload.trace.units import UnitSpans
@@ -26,6 +27,7 @@ __all__ = [
     "NULL_RECORDER",
     "TraceEvent",
     "TraceRecorder",
+    "TraceFormatError",
     "TraceSnapshot",
     "UnitSpans",
     "load_chrome_trace",

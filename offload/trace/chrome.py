@@ -34,8 +34,8 @@ from offload.trace.analysis import (COMPUTE_TRACK, FETCH, TIER_COUNTER_PREFIX, T
 from offload.trace.recorder import (ASYNC_BEGIN, ASYNC_END, COMPLETE, COUNTER, INSTANT,
                                     TraceEvent, TraceRecorder, TraceSnapshot, as_snapshot)
 
-__all__ = ["load_chrome_trace", "merge_chrome_traces", "summarize", "to_chrome_trace",
-           "write_chrome_trace", "write_trace_dict"]
+__all__ = ["TraceFormatError", "load_chrome_trace", "merge_chrome_traces", "summarize",
+           "to_chrome_trace", "write_chrome_trace", "write_trace_dict"]
 
 FORMAT_VERSION = 1
 _CLOCK = "time.perf_counter_ns (CLOCK_MONOTONIC on Linux), exported as microseconds"
@@ -257,8 +257,9 @@ def load_chrome_trace(path: str | os.PathLike[str]) -> dict[str, Any]:
 
     Raises :class:`~offload.trace.analysis.TraceFormatError` (a ValueError) naming the
     file when it is not one: truncated or corrupted (JSON, gzip, UTF-8), no trace
-    object, or written in a newer format than this reads; ``OSError`` when it cannot
-    be read at all (missing, a directory).
+    object, an event that is not an object, metadata that is not an object or whose
+    counts or ranks are not numbers, or written in a newer format than this reads;
+    ``OSError`` when it cannot be read at all (missing, a directory).
     """
     target = Path(path)
     raw = target.read_bytes()
@@ -287,6 +288,12 @@ def load_chrome_trace(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise TraceFormatError(f"{target}: written in trace format {_short(version)}; this "
                                f"offload reads format {FORMAT_VERSION} and before: read it "
                                "with the offload that wrote it")
+    bad = next((ev for ev in trace["traceEvents"] if not isinstance(ev, dict)), None)
+    if bad is not None:
+        raise TraceFormatError(f"{target}: trace event {_short(bad)} is not an object")
+    if meta is not None and not isinstance(meta, dict):
+        raise TraceFormatError(f"{target}: its metadata is {_short(meta)}, not an object")
+    _merge_metadata({}, meta or {}, target)  # checks its counts and ranks
     return trace
 
 
@@ -310,9 +317,7 @@ def merge_chrome_traces(paths: Iterable[str | os.PathLike[str]]) -> dict[str, An
     for path in paths:
         trace = load_chrome_trace(path)
         remap: dict[tuple[str, Any], str] = {}
-        for ev in trace["traceEvents"]:
-            if not isinstance(ev, dict):
-                raise TraceFormatError(f"{path}: trace event {_short(ev)} is not an object")
+        for ev in trace["traceEvents"]:  # objects: load_chrome_trace checked them
             if ev.get("ph") == "M":
                 key = (ev.get("name"), ev.get("pid"), ev.get("tid"))
                 if key not in seen_meta:
@@ -326,10 +331,7 @@ def merge_chrome_traces(paths: Iterable[str | os.PathLike[str]]) -> dict[str, An
                     next_async += 1
                 ev = {**ev, "id": remap[key]}
             events.append(ev)
-        meta = trace.get("metadata") or {}
-        if not isinstance(meta, dict):
-            raise TraceFormatError(f"{path}: its metadata is {_short(meta)}, not an object")
-        _merge_metadata(merged_meta, meta, path)
+        _merge_metadata(merged_meta, trace.get("metadata") or {}, path)
     events.sort(key=lambda e: (_number(e.get("ts")), -_number(e.get("dur"))))
     return {"traceEvents": meta_events + events, "displayTimeUnit": "ms",
             "metadata": merged_meta}

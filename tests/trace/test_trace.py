@@ -291,6 +291,31 @@ def test_summarize_reads_a_written_trace_as_the_recorder(tmp_path: Path) -> None
         summarize(bad)
 
 
+@pytest.mark.parametrize("damage", ["event", "count", "ranks", "metadata"])
+def test_a_written_trace_with_bad_events_or_metadata_is_refused_naming_it(
+        tmp_path: Path, damage: str) -> None:
+    """load_chrome_trace (and so summarize and merge) checks what the docs list: events
+    that are objects, metadata an object with numeric counts and ranks."""
+    from offload.trace import TraceFormatError
+
+    rec = TraceRecorder(enabled=True)
+    rec.complete("a", 0, 1000, cat="compute", track="compute")
+    trace = to_chrome_trace(rec)
+    if damage == "event":
+        trace["traceEvents"][1] = 5
+    elif damage == "count":
+        trace["metadata"]["dropped_events"] = "many"
+    elif damage == "ranks":
+        trace["metadata"]["ranks"] = ["zero"]
+    else:
+        trace["metadata"] = [1]
+    path = tmp_path / f"{damage}.trace.json"
+    path.write_text(json.dumps(trace))
+    for read in (load_chrome_trace, summarize, lambda p: merge_chrome_traces([p])):
+        with pytest.raises(TraceFormatError, match=f"{damage}.trace.json"):
+            read(path)
+
+
 def test_raw_events_and_declared_track_order() -> None:
     events = [TraceEvent("X", 5_000, 1_000, 0, "late", "c", "b-track", None),
               ("X", 1_000, 2_000, 0, "early", "c", "a-track", {"k": 1})]
