@@ -54,8 +54,8 @@ from ..io import BufferPool, make_engine, open_swap
 from ..optim import CpuAdam, fused_status
 from ..optim.native import native_status
 from ..optim.state import state_bytes as optim_state_bytes
-from .args import (table_console, CommandParser, UsageError, byte_size, count, directory, integer,
-                   missing_directories, parse_count, remove_directories, run_command)
+from .args import (CommandParser, UsageError, byte_size, count, directory, integer,
+                   missing_directories, parse_count, remove_directories, run_command, table_console)
 from .benchutil import check_memory, emit, progress_printer
 
 ADAM_BYTES = 28     # fp32 bytes an Adam step moves per element (16 read, 12 written)

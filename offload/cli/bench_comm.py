@@ -45,7 +45,7 @@ import time
 from typing import Any
 
 from ..io.process import usable_cpus
-from .args import table_console, CommandParser, directory, integer, run_command
+from .args import CommandParser, directory, integer, run_command, table_console
 from .benchutil import emit, scratch_dir
 
 TP = 2  # ranks per tensor-parallel group in the tp and domino modes

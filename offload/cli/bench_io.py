@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 
 from ..config import format_bytes
 from ..io import AioEngine, BufferPool, ThreadEngine, libaio_status, probe_direct
-from .args import (table_console, CommandParser, UsageError, byte_size, choice_list, directory, integer,
-                   run_command, value_list)
+from .args import (CommandParser, UsageError, byte_size, choice_list, directory, integer,
+                   run_command, table_console, value_list)
 from .benchutil import emit, progress_printer, scratch_dir
 
 MiB = 1 << 20

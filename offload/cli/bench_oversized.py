@@ -50,8 +50,8 @@ from ..io.process import physical_memory
 from ..planner import Rates
 from ..planner.estimate import DTYPE_BYTES
 from ..planner.sizes import state_bytes
-from .args import (table_console, CommandParser, UsageError, byte_size, count, directory, integer, parse_count,
-                   run_command)
+from .args import (CommandParser, UsageError, byte_size, count, directory, integer, parse_count,
+                   run_command, table_console)
 from .benchutil import DiskProbe, forced_param_reads, proc_io, reset_hwm, swap_rates, vm_hwm
 from .demo import StepMeter, remove_swap_dir, signal_exit_code, swap_dir_for_run
 from .gpt import GPT, GPTConfig, ReversalTask, state_bytes_per_param

@@ -59,7 +59,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from .args import table_console, byte_size, choice_list, directory, integer
+from .args import byte_size, choice_list, directory, integer, table_console
 from .benchutil import emit, progress_printer, scratch_dir
 
 __all__ = ["add_arguments", "gpt", "jobs", "predict", "run", "run_plan_bench"]

@@ -85,8 +85,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..config import IoConfig, OptimConfig, format_bytes, parse_bytes
-from .args import (table_console, CommandParser, UsageError, byte_size, choice_list, directory, integer, number,
-                   run_command)
+from .args import (CommandParser, UsageError, byte_size, choice_list, directory, integer, number,
+                   run_command, table_console)
 from .bench_step_targets import DISK_PLACEMENTS, SYSTEMS, practicality, targets
 from .benchutil import (DiskProbe, emit, forced_param_reads, proc_io, progress_printer,
                         reset_hwm, scratch_dir, vm_hwm)

@@ -25,7 +25,8 @@ import torch
 
 from ..config import IoConfig, OffloadConfig, StoreConfig, format_bytes
 from ..io import BufferPool, make_engine, probe_direct
-from .args import table_console, CommandParser, UsageError, byte_size, directory, integer, run_command
+from .args import (CommandParser, UsageError, byte_size, directory, integer, run_command,
+                   table_console)
 from .benchutil import emit, progress_printer, scratch_dir
 
 TARGET = 0.9

@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .args import table_console, byte_size, directory, integer
+from .args import byte_size, directory, integer, table_console
 from .benchutil import emit, progress_printer, scratch_dir
 
 MiB = 1 << 20

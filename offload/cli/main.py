@@ -140,7 +140,9 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except BrokenPipeError:  # stdout's reader left (`... --json | head`): as a shell tool
         # does, stop quietly; stdout goes to /dev/null so the exit's flush cannot fail
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
         return 128 + signal.SIGPIPE
     finally:
         if term is not None:

@@ -35,8 +35,8 @@ from ..planner.estimate import PLACEMENTS, Placement
 from ..planner.search import (Budgets, Candidate, Machine, Space, StepShape, candidates, score,
                               search, shortfall)
 from ..planner.sizes import STATE_DTYPES
-from .args import (table_console, UsageError, byte_size, choice_list, directory, integer, missing_directories,
-                   number, output_file, remove_directories, value_list)
+from .args import (UsageError, byte_size, choice_list, directory, integer, missing_directories,
+                   number, output_file, remove_directories, table_console, value_list)
 from .estimate import minimum
 from .model_arg import MeasuredModel, add_model_arguments, measure_model, model_spec
 from .tune_probe import MachineProbe, probe_adam, probe_copy, probe_disk, probe_matmul

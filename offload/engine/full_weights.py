@@ -24,7 +24,6 @@ import torch
 from torch import nn
 
 from ..store import Tier
-from .params_view import point_weight_list
 from .units import Group
 
 if TYPE_CHECKING:
@@ -131,18 +130,19 @@ def groups_of(engine: "OffloadEngine", modules: Iterable[nn.Module | str] | None
     return picked
 
 
-@contextlib.contextmanager
 # [Note: calls inside a full_weights block]
 # A block registers full weights in the modules where the stand-ins were, so code
 # that finds a parameter's group by its stand-in (`RegisteredParams.locate`) would
-# take them for parameters assigned since initialize. The block records them in
-# `RegisteredParams.summoned`, and what reads the model's names
+# take them for parameters assigned since initialize. The block puts them there
+# with `RegisteredParams.summon`, which records them until `register` puts the
+# stand-ins back, and what reads the model's names
 # (`_slot_names`: state_dict, named_weights, save_pretrained) maps a full weight
 # back to its group as it does a stand-in: those calls work inside a read-only
 # block. A second block inside the first is refused (its end would put the
 # stand-ins back under the outer block), naming the fix; inside a writable block
 # every other engine call is refused ([Note: one thread at a time] in
 # one_thread.py).
+@contextlib.contextmanager
 def summoned(engine: "OffloadEngine", groups: list[Group], writable: bool
              ) -> Iterator[dict[str, torch.Tensor]]:
     """Registers full-weight parameters in the modules for the block, then puts the
@@ -157,13 +157,9 @@ def summoned(engine: "OffloadEngine", groups: list[Group], writable: bool
         values[g.gid] = [nn.Parameter(t, requires_grad=g.requires_grad)
                          for t in slot_tensors(engine, g, fulls[g.gid])]
     named = {}
-    summoned = engine.registered.summoned
     for g in groups:
-        for i, (slot, value) in enumerate(zip(g.slots, values[g.gid])):
-            summoned[id(value)] = (g.gid, i)
-            for (module, attr) in slot.uses:
-                module._parameters[attr] = value
-                point_weight_list(module, attr)  # [Note: RNN weight lists] in params_view.py
+        engine.registered.summon(g.gid, values[g.gid])
+        for i, value in enumerate(values[g.gid]):
             for name in names[(g.gid, i)]:
                 named[name] = value
     ok = False
@@ -176,8 +172,6 @@ def summoned(engine: "OffloadEngine", groups: list[Group], writable: bool
         finally:
             for g in groups:
                 engine.registered.register(g.gid)
-                for value in values[g.gid]:
-                    summoned.pop(id(value), None)
     for gid, tensors in (edited or {}).items():
         g = engine.groups[gid]
         full = fulls[gid]

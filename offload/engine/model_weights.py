@@ -246,7 +246,7 @@ class ModelWeights:
                 yield named
 
     def _summonable(self, modules: Any, writable: bool, what: str) -> list:
-        if self.registered.summoned:  # [Note: calls inside a full_weights block]
+        if self.registered.summoned_weights:  # [Note: calls inside a full_weights block]
             raise RuntimeError(
                 f"engine.{what}(): called inside a full_weights block (or an iteration "
                 "of full_weights_by_group), whose full weights stand in the modules "
@@ -278,9 +278,8 @@ class ModelWeights:
         order (tied parameters and modules registered under several names)."""
         names: dict[tuple[int, int], list[str]] = {}
         for name, t, is_param in state_entries(self.module):
-            where = None
-            if is_param:  # a full weight of an open block: [Note: calls inside a full_...]
-                where = self.registered.locate(t) or self.registered.summoned.get(id(t))
+            # an open block's full weights too: [Note: calls inside a full_weights block]
+            where = self.registered.locate(t, summoned=True) if is_param else None
             if where is not None:
                 names.setdefault(where, []).append(name)
         for g in self.groups:

@@ -97,9 +97,10 @@ class RegisteredParams:
         self.stand_ins: list[list[nn.Parameter]] = []
         self.dtypes: list[list[torch.dtype]] = []
         self._where: dict[int, tuple[int, int]] = {}  # id(stand-in) -> (gid, slot)
-        # id(full weight) -> (gid, slot) while a full_weights block registers it
-        # ([Note: calls inside a full_weights block] in full_weights.py)
-        self.summoned: dict[int, tuple[int, int]] = {}
+        # id(full weight) -> (gid, slot) from `summon` until `register` ([Note: calls
+        # inside a full_weights block] in full_weights.py)
+        self._summoned: dict[int, tuple[int, int]] = {}
+        self.summoned_weights: dict[int, list[nn.Parameter]] = {}  # gid -> what `summon` put
         self._names: dict[tuple[int, int], str] = {}  # (gid, slot) -> its first name
         self._grads: list[tuple[nn.Parameter, AbsentWeight]] = []  # [Note: absent gradients]
         for g in groups:
@@ -121,8 +122,22 @@ class RegisteredParams:
 
     def register(self, gid: int) -> None:
         """Puts the group's stand-ins into every module attribute that held its
-        parameters (the originals are dropped by the caller)."""
-        for slot, p in zip(self.groups[gid].slots, self.stand_ins[gid]):
+        parameters (the originals, or the weights `summon` put there, are dropped by
+        the caller)."""
+        self._install(gid, self.stand_ins[gid])
+        for p in self.summoned_weights.pop(gid, ()):
+            del self._summoned[id(p)]
+
+    def summon(self, gid: int, weights: list[nn.Parameter]) -> None:
+        """Puts the group's full `weights` (one per slot) where its stand-ins are, until
+        `register(gid)`; `locate` finds them meanwhile ([Note: calls inside a
+        full_weights block] in full_weights.py)."""
+        self._install(gid, weights)
+        self.summoned_weights[gid] = weights
+        self._summoned.update((id(p), (gid, i)) for i, p in enumerate(weights))
+
+    def _install(self, gid: int, params: list[nn.Parameter]) -> None:
+        for slot, p in zip(self.groups[gid].slots, params):
             for module, name in slot.uses:
                 module._parameters[name] = p
                 point_weight_list(module, name)
@@ -150,9 +165,11 @@ class RegisteredParams:
         for p, g in self._grads:
             g.message = closed_message(self._names[self._where[id(p)]])
 
-    def locate(self, p: torch.Tensor) -> tuple[int, int] | None:
-        """(gid, slot index) of a registered stand-in; None for any other tensor."""
-        return self._where.get(id(p))
+    def locate(self, p: torch.Tensor, summoned: bool = False) -> tuple[int, int] | None:
+        """(gid, slot index) of a registered stand-in (or, with `summoned`, of a full
+        weight `summon` put in its place); None for any other tensor."""
+        where = self._where.get(id(p))
+        return self._summoned.get(id(p)) if where is None and summoned else where
 
     def name(self, gid: int, slot: int) -> str:
         """The parameter's name in the model (its first, where tied)."""

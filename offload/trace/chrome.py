@@ -30,7 +30,7 @@ from typing import Any
 
 from offload.files import check_directory, replace_atomically
 from offload.trace.analysis import (COMPUTE_TRACK, FETCH, TIER_COUNTER_PREFIX, TraceFormatError,
-                                    parse_trace, prefetch_outcomes)
+                                    finite, parse_trace, prefetch_outcomes)
 from offload.trace.recorder import (ASYNC_BEGIN, ASYNC_END, COMPLETE, COUNTER, INSTANT,
                                     TraceEvent, TraceRecorder, TraceSnapshot, as_snapshot)
 
@@ -38,6 +38,7 @@ __all__ = ["TraceFormatError", "load_chrome_trace", "merge_chrome_traces", "summ
            "to_chrome_trace", "write_chrome_trace", "write_trace_dict"]
 
 FORMAT_VERSION = 1
+OCCUPANCY_PREFIX = "occupancy:"  # the export's counter beside each tier's (_occupancy_counter)
 _CLOCK = "time.perf_counter_ns (CLOCK_MONOTONIC on Linux), exported as microseconds"
 _RESERVED_METADATA = frozenset((
     "generator", "format_version", "clock", "ranks", "dropped_events", "dropped_events_by_rank",
@@ -150,7 +151,7 @@ def _occupancy_counter(tier_counter: dict[str, Any], info: Mapping[str, Any]) ->
     budget = budgets.get(tier) if isinstance(budgets, Mapping) else None
     if isinstance(budget, (int, float)) and not isinstance(budget, bool) and budget > 0:
         args["budget"] = float(budget)
-    return {**tier_counter, "name": f"occupancy:{tier}", "args": args}
+    return {**tier_counter, "name": f"{OCCUPANCY_PREFIX}{tier}", "args": args}
 
 
 def _fetch_flows(meta_events: list[dict[str, Any]], events: list[dict[str, Any]],
@@ -448,11 +449,10 @@ def _file_snapshot(trace: Mapping[str, Any], where: str) -> TraceSnapshot:
         if phase not in (COMPLETE, ASYNC_BEGIN, ASYNC_END, INSTANT, COUNTER):
             continue  # metadata and flow arrows
         name = ev.get("name")
-        if not isinstance(name, str) or (phase == COUNTER and name.startswith("occupancy:")):
+        if not isinstance(name, str) or (phase == COUNTER and name.startswith(OCCUPANCY_PREFIX)):
             continue
-        ts, dur = ev.get("ts"), ev.get("dur", 0)
-        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-                   for v in (ts, dur)):
+        ts, dur = finite(ev.get("ts")), finite(ev.get("dur", 0))
+        if ts is None or dur is None:
             raise TraceFormatError(f"{where}: trace event {_short(ev)} has no finite ts/dur")
         async_id = 0
         if phase in (ASYNC_BEGIN, ASYNC_END):
