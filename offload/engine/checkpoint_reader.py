@@ -57,6 +57,9 @@ class CheckpointReader:
 
     def __init__(self, path: str | os.PathLike) -> None:
         """`path`: the checkpoint directory (or its commit record, `checkpoint.json`)."""
+        if not os.fspath(path):  # Path("") is the working directory: never what was meant
+            raise CheckpointError("the checkpoint path is empty; pass the directory "
+                                  f"save_checkpoint wrote (it holds {RECORD})")
         p = Path(path).absolute()
         if p.name == RECORD and p.is_file():  # the record inside: its directory is meant
             p = p.parent

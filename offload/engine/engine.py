@@ -489,9 +489,28 @@ class OffloadEngine(ModelWeights, GradPartitions, GatheredWeights, nn.Module):
             try:
                 with self.recorder.span("forward", cat="compute", track="compute"):
                     return self.module(*args, **kwargs)
-            except BaseException:  # the step's state is untouched: a forward changes none
+            except BaseException:  # a forward changes no state of the step
                 self._release_gathered(orphan=True)
+                if torch.is_grad_enabled() and not in_backward():
+                    self._abandon_window()
                 raise
+
+    def _abandon_window(self) -> None:
+        """[Note: a forward that raises between micro-batches] With gradient
+        accumulation, a forward that raises after some of the step's micro-batches
+        ran their backward leaves their gradients summed in the grad partitions; the
+        user's way back, running the step's micro-batches again, would count them
+        twice (and shift every later step's window by one). So such a forward
+        drops the step's gradients, as a backward that raises does: the step starts
+        over. Evaluation forwards (autograd off) and a forward after the window's
+        last backward (its gradients are whole: `step()` applies them) leave them."""
+        done, n = self._backwards, self.cfg.engine.grad_accum_steps
+        if not 0 < done < n:
+            return
+        self._abort_step()
+        log.warning("a forward raised after %d of the step's %d micro-batches: their "
+                    "gradients are dropped; run the step's micro-batches again from the "
+                    "first", done, n)
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of `loss` (scaled for fp16); gradients land in the grad partitions.

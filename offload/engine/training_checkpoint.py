@@ -665,7 +665,10 @@ def _check_save(engine: Any, path: Path, extra: dict[str, Any]) -> dict | None:
     if path.exists():
         raise CheckpointError(f"save_checkpoint: {path} exists; a checkpoint is never "
                               "overwritten: save each under its own name (e.g. step-<n>)")
-    check_directory(path.parent, "save_checkpoint")
+    try:
+        check_directory(path.parent, "save_checkpoint")
+    except FileExistsError as e:  # one error type for every refused save
+        raise CheckpointError(str(e)) from None
     return scheduler
 
 
@@ -702,10 +705,14 @@ def save_checkpoint(engine: Any, path: str | os.PathLike, extra: dict[str, Any] 
     it, between steps. With `blocking=False` the tensors are written by a thread
     while training goes on ([Note: saving in the background]). Returns the save's
     handle (done when blocking)."""
-    path = Path(path).absolute()
+    given = os.fspath(path)
+    path = Path(given).absolute()
     extra = {} if extra is None else extra
     refused = scheduler = None
     try:
+        if not given:  # Path("") is the working directory: never what was meant
+            raise CheckpointError("save_checkpoint: the path is empty; give the directory "
+                                  "to write the checkpoint to (e.g. 'checkpoints/step-100')")
         scheduler = _check_save(engine, path, extra)
     except Exception as e:
         refused = e

@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple, Sequence
 
 from ..trace import NULL_RECORDER, TraceRecorder
-from .errors import AioSetupError, IoError
+from .errors import AioSetupError, IoError, past_fsize_limit
 from .handle import IoHandle
 from .process import in_owner
 
@@ -186,7 +186,8 @@ class IoEngine(abc.ABC):
         if res < 0:
             return IoError(op, seg.path, seg.offset, seg.length, -res)
         if res != block.expect:
-            return IoError(op, seg.path, seg.offset, seg.length, None,
+            limit = op == "write" and past_fsize_limit(seg.offset + res)
+            return IoError(op, seg.path, seg.offset, seg.length, errno.EFBIG if limit else None,
                            f"{res} of {block.expect} bytes transferred"
                            + ("; the file ends before this range" if op == "read" else ""))
         return None

@@ -58,6 +58,14 @@ def limit_hint(code: int | None) -> str:
     return ""
 
 
+def past_fsize_limit(end: int) -> bool:
+    """Whether a write that stopped at byte `end` of its file met this process's file
+    size limit (RLIMIT_FSIZE): the kernel then writes up to the limit and returns a
+    short count, not EFBIG (which only a write wholly past it gets)."""
+    soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    return soft != resource.RLIM_INFINITY and end >= soft
+
+
 class AioSetupError(OSError):
     """Linux AIO refused a new context (io_setup): the machine's AIO request slots
     (fs.aio-max-nr, shared by every process) are used up, or the kernel has no AIO.

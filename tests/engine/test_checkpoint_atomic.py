@@ -168,6 +168,24 @@ def test_a_save_refused_up_front_writes_nothing(tmp_path, engine_cfg, name, extr
     assert not (tmp_path / "ckpt").exists()
 
 
+def test_an_empty_path_or_one_under_a_file_is_a_checkpoint_error(tmp_path, engine_cfg,
+                                                                    monkeypatch):
+    """"" would be the working directory (Path("") is "."): save and resume both name
+    the empty path; a path under a file is a CheckpointError like every other refused
+    save, naming the file."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "afile").write_text("x")
+    with offload.initialize(TiedTwice(), engine_cfg("host", "host", "host")) as engine:
+        _step(engine, lm_batches(1)[0])
+        with pytest.raises(offload.CheckpointError, match="the path is empty"):
+            engine.save_checkpoint("")
+        with pytest.raises(offload.CheckpointError, match=r"afile is a file, not a directory"):
+            engine.save_checkpoint(tmp_path / "afile" / "ck")
+    with pytest.raises(offload.CheckpointError, match="the checkpoint path is empty"):
+        offload.initialize(TiedTwice(), engine_cfg("host", "host", "host"), resume="")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "swap"]
+
+
 def test_keep_last_k_passes_over_directories_of_other_programs(tmp_path, engine_cfg, caplog):
     """Pruning read every directory with a commit record as one of ours: a record that
     is a JSON list, or whose step is no number, failed the save after its checkpoint

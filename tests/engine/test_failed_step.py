@@ -253,6 +253,41 @@ def test_training_loop_semantics_match_torch(engine_cfg):
         engine.close()
 
 
+def test_a_forward_that_raises_between_micro_batches_starts_the_step_over(engine_cfg,
+                                                                         caplog):
+    """grad_accum_steps=2: the second micro-batch's forward raises (a token outside the
+    vocabulary) after the first one's backward. The step's micro-batches run again from
+    the first give the run that never failed (the first one's gradient was dropped, not
+    counted twice); an evaluation forward that raises there keeps the window's
+    gradients."""
+    torch.manual_seed(0)
+    model = TiedTwice()
+    batches = lm_batches(6)
+    cfg = engine_cfg("nvme", "host", "nvme", group_size=600, grad_accum_steps=2)
+    engine, ref = with_reference(model, cfg)
+    bad = torch.full_like(batches[0][0], 10_000)
+    try:
+        for b in batches[:2]:
+            train_step(engine, b), train_step(ref, b)
+        before = snapshot(engine)
+        assert train_step(engine, batches[2]) is False
+        with pytest.raises(IndexError):
+            engine(bad)
+        assert "gradients are dropped" in caplog.text
+        assert engine.step() is False
+        assert_same(snapshot(engine), before)
+        assert [train_step(engine, b) for b in batches[2:4]] == [False, True]
+        assert train_step(engine, batches[4]) is False
+        with torch.no_grad(), pytest.raises(IndexError):
+            engine(bad)
+        assert train_step(engine, batches[5]) is True
+        assert [train_step(ref, b) for b in batches[2:]] == [False, True, False, True]
+        assert_same(snapshot(engine), snapshot(ref))
+    finally:
+        engine.close()
+        ref.close()
+
+
 def _fill(directory: str) -> str:
     """Takes every free block of the file system of `directory` (fallocate until the
     disk says ENOSPC, halving the request each time)."""

@@ -37,7 +37,7 @@ from offload.io import IoError
 from offload.store import TieredStore, Tier
 from tests.store.conftest import store_config, page_tensor
 
-path, engine = sys.argv[1], sys.argv[2]
+path, engine, limit = sys.argv[1], sys.argv[2], int(sys.argv[3])
 out = {}
 s = TieredStore(store_config(path, engine=engine, device_pages=8, host_pages=8))
 s.put("b", page_tensor(9, 4), tier="NVME").wait()        # holds swap bytes [0, 16 KiB)
@@ -48,7 +48,7 @@ with s.modify("a", Tier.HOST) as t:                      # dirty; its old extent
     t += 1
 s.put("c", ref_c, tier="DEVICE")                         # dirty on DEVICE
 soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
-resource.setrlimit(resource.RLIMIT_FSIZE, (16 << 10, hard))  # writes past 16 KiB fail (EFBIG)
+resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))  # writes past it fail
 for key in ("a", "c"):
     try:
         s.evict(key, Tier.NVME).wait()
@@ -74,12 +74,17 @@ print(json.dumps(out))
 
 
 @pytest.mark.parametrize("engine", ENGINES)
-def test_failed_write_keeps_previous_copy(tmp_path, engine):
-    r = _python(_WRITE_FAILS, str(tmp_path / "swap"), engine)
+@pytest.mark.parametrize("limit", [16 << 10, 20 << 10])  # 20 KiB: the writes stop short
+def test_failed_write_keeps_previous_copy(tmp_path, engine, limit):
+    """A write past the file size limit fails naming it, whether it starts past the
+    limit (EFBIG) or straddles it (the kernel writes up to the limit, a short count),
+    and the copy it was writing stays valid where it was."""
+    r = _python(_WRITE_FAILS, str(tmp_path / "swap"), engine, str(limit))
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout.strip().splitlines()[-1])
     for key in ("a", "c"):
         assert "File too large" in out[key + "_error"], out
+        assert f"past {limit} bytes (RLIMIT_FSIZE" in out[key + "_error"], out
         assert out[key + "_state"] == "HOST" and out[key + "_valid"] == ["HOST"], out
         assert out[key + "_host_ok"], out
         assert out[key + "_after"] == ["NVME"], out
