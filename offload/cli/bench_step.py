@@ -738,7 +738,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=integer(1, example=3), default=3,
                    help="interleaved rounds (default 3)")
     p.add_argument("--system", default="offload,deepspeed", type=choice_list(SYSTEMS),
-                   help="comma list of offload, deepspeed (default both)")
+                   help="comma list of offload, deepspeed, offload-bf16 and offload-int8 "
+                        "(offload with its moments in that form) (default offload,deepspeed)")
     p.add_argument("--placement", default=",".join(PLACEMENTS), type=choice_list(PLACEMENTS),
                    help="comma list of none, host, nvme-opt, nvme (default all)")
     p.add_argument("--path", default=None, type=directory("directory for the swap files"),

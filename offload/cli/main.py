@@ -88,10 +88,10 @@ def _command(sub, name: str, module: str, what: str, load: bool) -> None:
 
 
 def _print_config(args: argparse.Namespace) -> int:
-    from rich.console import Console
     from rich.table import Table
 
     from ..config import config_reference
+    from .args import table_console
 
     if args.markdown:
         print("| key | default | meaning |\n| --- | --- | --- |")
@@ -103,7 +103,7 @@ def _print_config(args: argparse.Namespace) -> int:
         t.add_column(col)
     for key, default, doc in config_reference():
         t.add_row(key, default, doc)
-    Console().print(t)
+    table_console().print(t)
     return 0
 
 

@@ -274,14 +274,19 @@ def load_chrome_trace(path: str | os.PathLike[str]) -> dict[str, Any]:
     except UnicodeDecodeError:
         raise TraceFormatError(f"{target}: not a trace file (not UTF-8 text)") from None
     except json.JSONDecodeError as e:
-        what = "the file is empty" if not raw.strip() else \
-            f"not valid JSON ({e.msg} at line {e.lineno} column {e.colno})"
-        raise TraceFormatError(f"{target}: {what}; is the file complete?") from None
+        if raw.lstrip()[:1] == b"<":
+            raise TraceFormatError(f"{target}: is HTML or XML (such as a report), not a "
+                                   "trace; pass the .trace.json file the run wrote") from None
+        if not raw.strip():
+            raise TraceFormatError(f"{target}: the file is empty; was the run that writes it "
+                                   "stopped before it finished?") from None
+        raise TraceFormatError(f"{target}: not valid JSON ({e.msg} at line {e.lineno} "
+                               f"column {e.colno}); is the file complete?") from None
     except (ValueError, RecursionError) as e:  # a number of over 4300 digits, deep nesting
         raise TraceFormatError(f"{target}: not a trace file ({str(e)[:80]})") from None
     if not isinstance(trace, dict) or not isinstance(trace.get("traceEvents"), list):
-        raise TraceFormatError(f"{target} is not a Chrome trace object: expected a JSON "
-                               "object with a 'traceEvents' list")
+        raise TraceFormatError(f"{target}: not a Chrome trace (expected a JSON object with "
+                               "a 'traceEvents' list)")
     meta = trace.get("metadata")
     version = meta.get("format_version") if isinstance(meta, dict) else None
     if version is not None and (isinstance(version, bool) or not isinstance(version, int)

@@ -19,12 +19,10 @@ from __future__ import annotations
 
 import base64
 import datetime
-import gzip
 import hashlib
 import json
 import os
 import re
-import zlib
 from collections.abc import Iterable, Sequence
 from importlib import resources
 from pathlib import Path
@@ -36,6 +34,7 @@ from offload.trace.analysis import (COLLECTIVES, FETCH, OPTIM_UPDATE, PHASES, US
                                     byte_count, bytes_moved_per_step, exposed_times, finite,
                                     is_collective_wait, parse_trace, prefetch_outcomes,
                                     steps_of, tier_occupancy)
+from offload.trace.chrome import load_chrome_trace
 
 __all__ = ["ReportInputError", "build_model", "default_report_path", "is_report",
            "load_traces", "render_html", "write_report"]
@@ -106,34 +105,18 @@ def _file_size(path: Path) -> str:
 
 
 def _parse_json_file(path: Path) -> Any:
+    """The trace object of `path`, checked as `load_chrome_trace` checks it (a newer
+    format, events that are not objects, bad metadata: refused, not drawn)."""
     try:
-        raw = path.read_bytes()
+        return load_chrome_trace(path)
     except FileNotFoundError:
         raise ReportInputError(f"{path}: no such file") from None
     except IsADirectoryError:
         raise ReportInputError(f"{path}: is a directory, not a trace file") from None
     except OSError as e:
         raise ReportInputError(f"{path}: cannot read it ({e.strerror or e})") from None
-    try:
-        if raw[:2] == b"\x1f\x8b":
-            raw = gzip.decompress(raw)
-        trace = json.loads(raw.decode("utf-8"))
-    except (OSError, EOFError, zlib.error) as e:
-        raise ReportInputError(f"{path}: not a readable gzip file ({e})") from None
-    except UnicodeDecodeError:
-        raise ReportInputError(f"{path}: not a trace file (not UTF-8 text)") from None
-    except json.JSONDecodeError as e:
-        if raw.lstrip()[:1] == b"<":
-            raise ReportInputError(f"{path}: is HTML or XML (such as a report), not a trace; "
-                                   "pass the .trace.json file the run wrote") from None
-        if not raw.strip():
-            raise ReportInputError(f"{path}: the file is empty; was the run that writes it "
-                                   "stopped before it finished?") from None
-        raise ReportInputError(f"{path}: not valid JSON ({e.msg} at line {e.lineno} column "
-                               f"{e.colno}); is the file complete?") from None
-    except (ValueError, RecursionError) as e:  # a number of over 4300 digits, deep nesting
-        raise ReportInputError(f"{path}: not a trace file ({str(e)[:80]})") from None
-    return trace
+    except TraceFormatError as e:
+        raise ReportInputError(str(e)) from None
 
 
 def _align(ranks: list[RankTrace]) -> None:

@@ -97,3 +97,6 @@ def test_tables_piped_to_another_program_are_not_cut_to_80_columns():
                          timeout=60)
     assert out.returncode == 0, out.stderr
     assert "\u2026" not in out.stdout and "value 8 x" in out.stdout, out.stdout
+    out = subprocess.run(OFFLOAD + ["config"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "engine.initial_loss_scale " in out.stdout, out.stderr
+    assert "\u2026" not in out.stdout, out.stdout

@@ -83,6 +83,12 @@ def test_corrupt_traces(tmp_path: Path) -> None:
     gz.write_bytes(gzip.compress(trace.read_bytes())[:60])
     assert "broken.json.gz: not a readable gzip file" in _bad(tmp_path, str(gz))
     assert "is a directory" in _bad(tmp_path, str(tmp_path))
+    data = json.loads(trace.read_text())  # checked as load_chrome_trace checks it
+    for name, meta, why in [("newer", {"format_version": 99}, "written in trace format 99"),
+                            ("ranks", {"ranks": ["zero"]}, "ranks")]:
+        (tmp_path / f"{name}.json").write_text(json.dumps({**data, "metadata": meta}))
+        line = _bad(tmp_path, str(tmp_path / f"{name}.json"))
+        assert f"{name}.json" in line and why in line, line
     # nothing was written for any of them
     assert not list(tmp_path.glob("*.html"))
 
