@@ -34,12 +34,14 @@ pool's mapping outlives any view autograd or a traceback keeps
 ([Note: orphaned gathers] in engine.py; once the record is unpinned such a
 view may read another record's bytes, never unmapped memory). Pinned records
 cannot leave DEVICE to make room, so the engine borrows only within an
-allowance: where the device budget holds the minimum working set and three of
-the largest unit's partitions besides, up to those
-three units' bytes at once. Groups gathered beyond it (several at once in
-backward: nested units, tied weights, a checkpoint recomputation that stopped
-early) and frozen groups (gathered from a unit's start to the end of
-backward) are copied as before.
+allowance: the whole units of the largest unit's partitions that the device
+budget holds beyond the minimum working set, at most three, up to those units'
+bytes at once (a budget of two units with a working set of one, as in the bench
+step's streaming placement, borrows one unit: each forward's gather, and the
+first of two gathered at once in backward). Groups gathered beyond it (several
+at once in backward: nested units, tied weights, a checkpoint recomputation
+that stopped early) and frozen groups (gathered from a unit's start to the end
+of backward) are copied as before.
 """
 
 from __future__ import annotations
@@ -195,10 +197,12 @@ class Borrowing:
     def __init__(self, device: torch.device, one_rank: bool, spare: int, unit: int) -> None:
         """`spare`: the device budget beyond the minimum working set; `unit`: the
         largest unit's partitions. Borrowing is on for one rank on a CPU device (a torch
-        that swaps storage pointers) where `spare` holds three such units."""
-        on = (one_rank and device.type == "cpu" and spare >= 3 * unit
+        that swaps storage pointers) where `spare` holds one such unit, for as many
+        units' bytes at once as it holds (at most three)."""
+        units = min(3, spare // unit) if unit > 0 else 0
+        on = (one_rank and device.type == "cpu" and units >= 1
               and hasattr(torch.UntypedStorage, "_swap_data_ptr_"))
-        self.room = 3 * unit if on else 0
+        self.room = units * unit if on else 0
         self.held = 0
 
     def take(self, nbytes: int) -> bool:

@@ -65,15 +65,16 @@ def test_weights_in_forward_and_backward_are_the_records_memory(engine_cfg):
         engine.close()
 
 
-def _at_the_threshold(cfg, build, units: int = 3):
+def _at_the_threshold(cfg, build, units: float = 1):
     """`cfg` with the device budget at the minimum working set plus `units` of the
-    largest unit's partitions (3: the smallest at which the engine borrows)."""
+    largest unit's partitions (1: the smallest at which the engine borrows, one unit's
+    bytes at once; 3 or more: three units' bytes)."""
     probe = offload.initialize(build(), cfg)
     need = working_set(load_config(cfg), probe.groups, torch.float32).device
     largest = max(sum(footprint(probe.groups[g].shard * 4) for g in u.needs)
                   for u in probe.units)
     probe.close()
-    cfg["store"]["device_budget"] = need + units * largest
+    cfg["store"]["device_budget"] = need + int(units * largest)
     return cfg
 
 
@@ -107,14 +108,17 @@ class _Stack(nn.Module):
         return h
 
 
+@pytest.mark.parametrize("units", [1, 2, 3])
 @pytest.mark.parametrize("how", ["frozen", "checkpoint"])
-def test_groups_gathered_beyond_the_allowance_are_copied(engine_cfg, how):
-    """Borrowing stops at three units' bytes: the groups gathered beyond them are
-    copies, so pinned records never take the room the working set needs."""
-    cfg = _at_the_threshold(engine_cfg("nvme", optimizer="nvme"), lambda: _Stack(how))
+def test_groups_gathered_beyond_the_allowance_are_copied(engine_cfg, how, units):
+    """Borrowing stops at the units' bytes the device budget holds beyond the working
+    set (at most three): the groups gathered beyond them are copies, so pinned records
+    never take the room the working set needs."""
+    cfg = _at_the_threshold(engine_cfg("nvme", optimizer="nvme"), lambda: _Stack(how), units)
     engine = offload.initialize(_Stack(how), cfg)
     try:
-        assert engine._borrowing.room > 0
+        assert engine._borrowing.room == units * max(
+            sum(footprint(engine.groups[g].shard * 4) for g in u.needs) for u in engine.units)
         for step in range(2):
             x = torch.randn(4, 48, generator=torch.Generator().manual_seed(step))
             engine.backward(engine(x).pow(2).mean())
@@ -126,9 +130,9 @@ def test_groups_gathered_beyond_the_allowance_are_copied(engine_cfg, how):
 
 
 def test_a_device_budget_without_room_for_the_pins_copies_instead(engine_cfg):
-    """Where the device budget holds little more than the minimum working set, pinned
-    records could leave no room to make: the engine copies as before, and trains."""
-    cfg = _at_the_threshold(engine_cfg("nvme", optimizer="nvme"), TiedTwice, units=2)
+    """Where the device budget holds less than one unit beyond the minimum working set,
+    pinned records could leave no room to make: the engine copies, and trains."""
+    cfg = _at_the_threshold(engine_cfg("nvme", optimizer="nvme"), TiedTwice, units=0.9)
     engine = offload.initialize(TiedTwice(), cfg)
     try:
         assert engine._borrowing.room == 0
