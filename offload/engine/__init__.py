@@ -88,7 +88,16 @@ def _refuse_unsupported(model: nn.Module, dtype: str) -> None:
     forward, which the gathered weights (views of one flat buffer) refuse, and whose new
     values would reach no partition; a BatchNorm with affine weights and running
     statistics under bf16/fp16 compute gets cast weights beside fp32 statistics
-    (buffers keep their dtype), a mix torch's batch_norm refuses at the first forward."""
+    (buffers keep their dtype), a mix torch's batch_norm refuses at the first forward;
+    a float64 or complex parameter would train in the compute dtype with fp32 masters,
+    its precision silently lost (and a float64 input refused by the first layer)."""
+    for name, p in model.named_parameters():
+        if p.dtype in (torch.float64, torch.complex64, torch.complex128):
+            raise ConfigError(
+                f"initialize(model): parameter {name!r} is {str(p.dtype).replace('torch.', '')}; "
+                "the engine computes in engine.dtype (fp32, bf16 or fp16) with fp32 master "
+                "weights, so it would not train at that precision: convert the model first "
+                "(model.float()), and its inputs")
     for name, m in model.named_modules():
         where = name or type(model).__name__
         if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.max_norm is not None:

@@ -29,6 +29,11 @@ class CheckpointError(RuntimeError):
     """A checkpoint cannot be written, opened or used with this model."""
 
 
+class CheckpointPathError(CheckpointError, FileExistsError):
+    """A checkpoint path under a file: a `CheckpointError` as every refused save is, and
+    the `FileExistsError` every other writer (save_pretrained, traces) raises there."""
+
+
 class CheckpointCorruptError(CheckpointError):
     """A checkpoint's bytes do not match their checksums (or cannot be decoded)."""
 

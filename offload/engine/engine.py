@@ -149,6 +149,7 @@ class OffloadEngine(ModelWeights, GradPartitions, GatheredWeights, nn.Module):
         self._warm = WarmMemory(self.device, 2 * max(size, default=0)
                                 + (ahead if comm.world > 1 else 0), ahead)
         self._kept_warned: set[int] = set()  # [Note: kept weights] in warm.py
+        self._warned_zero_fill = False  # zero_grad(set_to_none=False) said what it does
         self._closed = False
         self._pid = os.getpid()  # [Note: an engine in a forked child] in model_weights.py
         self._reductions: list[Pending] = []
@@ -770,8 +771,16 @@ class OffloadEngine(ModelWeights, GradPartitions, GatheredWeights, nn.Module):
         """Drops the gradients of the step in progress, as torch does: updates that
         already ran for them in the background are undone, so the next `step()`
         changes nothing. step() clears gradients itself; calling this at any point
-        is safe. `set_to_none` is accepted for torch's signature."""
+        is safe. Gradients are always dropped, never kept as zeros: with
+        `set_to_none=False` a parameter that gets no gradient in a later step is
+        left alone, where torch's AdamW would decay it (a warning says so, once)."""
         self._check_open()
+        if not set_to_none and not self._warned_zero_fill:
+            self._warned_zero_fill = True
+            log.warning("engine.zero_grad(set_to_none=False): the engine keeps no zero-filled "
+                        "gradients; a parameter without a gradient in a step is not updated, "
+                        "as after set_to_none=True (torch's AdamW would still apply weight "
+                        "decay and decay its moments)")
         with self._interrupts.held():  # [Note: Ctrl-C at a safe point] in interrupts.py
             if self._backwards:
                 self._spans.step_drop()  # the next micro-batch starts the step again

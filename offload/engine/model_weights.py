@@ -366,7 +366,7 @@ class ModelWeights:
         the fp32 masters and the parameter partitions in every tier, buffers into
         the modules. Keys and shapes are checked first (strict: missing or
         unexpected keys raise, as torch's); a tied parameter takes the value under
-        its first name present. Between steps; every rank calls it with the full
+        its last name present, as torch's (it copies each name in turn). Between steps; every rank calls it with the full
         weights (a rank whose dict is refused makes every rank raise, before any
         collective). Returns torch's (missing_keys, unexpected_keys); `assign` is
         accepted for torch's signature."""
@@ -389,7 +389,7 @@ class ModelWeights:
                 continue
             value = state_dict[name]
             if where is not None:
-                loaded.setdefault(where, value)
+                loaded[where] = value  # a later name of a tied parameter wins, as in torch
             else:
                 with torch.no_grad():
                     t.copy_(value)  # a buffer (or a parameter the engine does not hold)

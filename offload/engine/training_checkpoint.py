@@ -94,8 +94,8 @@ from ..store import Tier
 from .checkpoint_buffers import BUFFERS, capture_buffers, encode_buffers
 from .checkpoint_chunks import ChunkFiles, InPlace, Shard, chunk_key
 from .checkpoint_files import (IO_THREADS, CheckpointCorruptError, CheckpointError,
-                               _digest, _fsync_path, _fsync_tree, _read_json, _write_json,
-                               rng_state)
+                               CheckpointPathError, _digest, _fsync_path, _fsync_tree,
+                               _read_json, _write_json, rng_state)
 from .checkpoint_publish import (LOCK, PARTIAL, RECORD, PartialLock, partial_of,
                                  prune, remove_partials)
 from .lr_scheduler import scheduler_state
@@ -668,7 +668,7 @@ def _check_save(engine: Any, path: Path, extra: dict[str, Any]) -> dict | None:
     try:
         check_directory(path.parent, "save_checkpoint")
     except FileExistsError as e:  # one error type for every refused save
-        raise CheckpointError(str(e)) from None
+        raise CheckpointPathError(str(e)) from None
     return scheduler
 
 

@@ -134,10 +134,12 @@ def resolve_chunk_elems(cfg: OptimConfig, budget_bytes: int | None, masters: boo
     return n
 
 
-def _check_group(k: int, group: Mapping[str, Any], lr: float | None = None) -> None:
+def _check_group(k: int, group: Mapping[str, Any], decoupled: bool,
+                 lr: float | None = None) -> None:
     """Raises ValueError where param group `k`'s values are ones torch.optim.AdamW refuses
-    (`adam.hyper_error`); `lr`: the rate after the schedule's multiplier, where known."""
-    bad = unsupported_option(group) or hyper_error(
+    (`adam.hyper_error`) or asks what this optimizer does not run (`decoupled`: its
+    decay is AdamW's); `lr`: the rate after the schedule's multiplier, where known."""
+    bad = unsupported_option(group, decoupled) or hyper_error(
         group["lr"] if lr is None else lr, group["betas"], group["eps"],
         group["weight_decay"], scheduled=lr is not None)
     if bad:
@@ -212,7 +214,7 @@ class CpuAdam(StateAccess, TorchOptimizerView):
                 raise ValueError(f"param_groups[{k}]: unknown keys {sorted(unknown)}; known: "
                                  f"{sorted(defaults)} (partitions join with add_partition)")
             grp = {**defaults, **g, "params": []}
-            _check_group(k, grp)
+            _check_group(k, grp, self.decoupled)
             self.param_groups.append(grp)
         self.state_dtype = cfg.state_dtype
         self.kernel = BlockUpdater(cfg.kernel, cfg.block_elems)
@@ -685,11 +687,11 @@ class CpuAdam(StateAccess, TorchOptimizerView):
 
     def _hyper(self, group: int, schedule_step: int) -> AdamHyper:
         grp = self.param_groups[group]
-        _check_group(group, grp)  # its values may have been written since
+        _check_group(group, grp, self.decoupled)  # its values may have been written since
         lr = float(grp["lr"])
         if grp["lr_lambda"] is not None:
             lr *= float(grp["lr_lambda"](schedule_step))
-            _check_group(group, grp, lr)
+            _check_group(group, grp, self.decoupled, lr)
         b1, b2 = grp["betas"]
         return AdamHyper(lr, float(b1), float(b2), float(grp["eps"]),
                          float(grp["weight_decay"]), self.decoupled)

@@ -300,7 +300,7 @@ class StateAccess:
                     raise ValueError(f"param_groups[{k}] holds partitions "
                                      f"{list(theirs.get('params', ()))[:8]}, this optimizer "
                                      f"{mine['params'][:8]}")
-                bad = unsupported_option(theirs) or hyper_error(
+                bad = unsupported_option(theirs, self.decoupled) or hyper_error(
                     *(theirs.get(key, mine[key]) for key in _HYPER_KEYS))
                 if bad:
                     raise ValueError(f"state_dict param_groups[{k}]: {bad}")

@@ -48,13 +48,22 @@ def group_values(group: Mapping[str, Any]) -> tuple:
 _UNSUPPORTED = ("amsgrad", "maximize")
 
 
-def unsupported_option(group: Mapping[str, Any]) -> str | None:
-    """What torch option `group` turns on that CpuAdam does not run, or None."""
+def unsupported_option(group: Mapping[str, Any], decoupled: bool) -> str | None:
+    """What torch option `group` turns on that CpuAdam does not run, or None;
+    `decoupled`: whether it runs AdamW's decay (optim.name "adamw") or Adam's. torch's
+    Adam and AdamW read `decoupled_weight_decay` from each group at every step."""
     on = [k for k in _UNSUPPORTED if group.get(k)]
-    if not on:
-        return None
-    return (f"{', '.join(f'{k}={group[k]!r}' for k in on)}: CpuAdam runs plain Adam/AdamW "
-            f"(no {' or '.join(on)}); remove the key or set it False")
+    if on:
+        return (f"{', '.join(f'{k}={group[k]!r}' for k in on)}: CpuAdam runs plain "
+                f"Adam/AdamW (no {' or '.join(on)}); remove the key or set it False")
+    key = "decoupled_weight_decay"
+    if key in group and bool(group[key]) != decoupled:
+        name, other = ("adamw", "adam") if decoupled else ("adam", "adamw")
+        return (f"{key}={group[key]!r}: this optimizer is optim.name = {name!r} (weight "
+                f"decay {'decoupled from' if decoupled else 'added to'} the gradient) for "
+                f"every group; set optim.name = {other!r} in the configuration, or remove "
+                "the key")
+    return None
 
 
 def value_change(used: tuple, now: tuple) -> str:

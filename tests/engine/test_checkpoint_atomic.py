@@ -180,7 +180,7 @@ def test_an_empty_path_or_one_under_a_file_is_a_checkpoint_error(tmp_path, engin
         with pytest.raises(offload.CheckpointError, match="the path is empty"):
             engine.save_checkpoint("")
         with pytest.raises(offload.CheckpointError, match=r"afile is a file, not a directory"):
-            engine.save_checkpoint(tmp_path / "afile" / "ck")
+            engine.save_checkpoint(tmp_path / "afile" / "ck")  # (a FileExistsError too)
     with pytest.raises(offload.CheckpointError, match="the checkpoint path is empty"):
         offload.initialize(TiedTwice(), engine_cfg("host", "host", "host"), resume="")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "swap"]

@@ -364,3 +364,20 @@ def test_grad_accum_steps_is_read_from_the_engine_and_not_set_on_it(engine_cfg):
         with pytest.raises(AttributeError, match=r"'grad_accum_steps': N"):
             engine.grad_accum_steps = 4
         assert engine.grad_accum_steps == 2 == engine.cfg.engine.grad_accum_steps
+
+
+def test_zero_grad_set_to_none_false_says_once_that_it_drops(engine_cfg, caplog):
+    """Gradients are dropped whatever `set_to_none` says; with False torch keeps zeros
+    and its AdamW decays a parameter without a gradient, which the engine does not:
+    the call says so (once), and training is torch's with set_to_none=True."""
+    ref, opt, engine = _pair(engine_cfg, PLACES[0])
+    try:
+        for x, y in _data(3):
+            engine.zero_grad(set_to_none=False)
+            assert _engine_step(engine, x, y)
+            _torch_step(ref, opt, x, y)
+        said = [r for r in caplog.records if "set_to_none=False" in r.getMessage()]
+        assert len(said) == 1 and said[0].levelname == "WARNING", caplog.text
+        _compare(engine, ref)
+    finally:
+        engine.close()

@@ -207,6 +207,15 @@ def test_load_state_dict_takes_what_state_dict_gives(engine_cfg, placement):
         sd = engine.state_dict()
         for k, v in other.state_dict().items():
             assert torch.equal(sd[k], v), k
+        # each name its own value: a tied parameter takes its last name's, as in torch
+        apart = {k: torch.full_like(v, float(i)) if v.is_floating_point() else v
+                 for i, (k, v) in enumerate(other.state_dict().items())}
+        plain = copy.deepcopy(other)
+        plain.load_state_dict(apart)
+        engine.load_state_dict(apart)
+        sd = engine.state_dict()
+        for k, v in plain.state_dict().items():
+            assert torch.equal(sd[k], v), k
         engine.load_state_dict(before)  # its own
         res = engine.load_state_dict({"sometimes.bias": other.sometimes.bias,
                                       "extra": torch.zeros(1)}, strict=False)

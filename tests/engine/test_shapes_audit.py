@@ -264,6 +264,22 @@ def test_embedding_with_max_norm_is_refused_at_initialize_naming_it(engine_cfg):
         engine.step()
 
 
+def test_a_float64_model_is_refused_naming_the_parameter(engine_cfg):
+    """A float64 model trained silently in fp32 (its state_dict float64 tensors of fp32
+    values, a float64 input refused by the first layer); initialize refuses it, naming
+    a parameter and the fix, before anything is made. model.float() trains."""
+    model = MaxNormEmbedding()
+    model.emb.max_norm = None
+    model.double()
+    with pytest.raises(offload.ConfigError, match=r"parameter 'emb.weight' is float64.*"
+                                                  r"model.float\(\)"):
+        offload.initialize(model, engine_cfg("host", group_size=100))
+    assert model.emb.weight.dtype == torch.float64
+    with offload.initialize(model.float(), engine_cfg("host", group_size=100)) as engine:
+        engine.backward(engine(torch.tensor([[1, 2]])).sum())
+        assert engine.step()
+
+
 def test_input_gradients_through_the_model_as_torch(engine_cfg):
     """FGSM adversarial training: the input's gradient, then a step on the perturbed
     input."""

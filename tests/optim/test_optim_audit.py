@@ -88,16 +88,18 @@ def test_state_dict_keeps_what_a_scheduler_wrote_so_a_resume_runs_as_torch(tmp_p
         torch.testing.assert_close(got[k], v, atol=2e-6, rtol=0, msg=lambda m: f"{k}: {m}")
 
 
-@pytest.mark.parametrize("key", ["amsgrad", "maximize"])
-def test_amsgrad_or_maximize_written_into_param_groups_is_refused(tmp_path, key):
+@pytest.mark.parametrize("key,bad,good", [("amsgrad", True, False), ("maximize", True, False),
+                                          ("decoupled_weight_decay", False, True)])
+def test_amsgrad_or_maximize_written_into_param_groups_is_refused(tmp_path, key, bad, good):
     """initialize refuses amsgrad / maximize; written into engine.optimizer.param_groups
     afterwards (as torch.optim.AdamW reads them at every step) they were silently
-    ignored: plain AdamW ran. The step must fail naming the key, weights unchanged."""
+    ignored: plain AdamW ran. So was decoupled_weight_decay=False (torch's Adam decay
+    in an AdamW). The step must fail naming the key, weights unchanged."""
     torch.manual_seed(0)
     (x, y), = lm_batches(1)
     with offload.initialize(TiedTwice(), _cfg(tmp_path)) as engine:
         before = {k: v.clone() for k, v in engine.state_dict().items()}
-        engine.optimizer.param_groups[0][key] = True
+        engine.optimizer.param_groups[0][key] = bad
         engine.backward(lm_loss(engine(x), y))
         with pytest.raises(StepFailedError) as err:
             engine.step()
@@ -109,8 +111,8 @@ def test_amsgrad_or_maximize_written_into_param_groups_is_refused(tmp_path, key)
         after = engine.state_dict()
         for k, v in before.items():
             assert torch.equal(after[k], v), k
-        # False (torch's default, as in a state dict of torch's) is accepted
-        engine.optimizer.param_groups[0][key] = False
+        # torch's default for AdamW (as in a state dict of torch's) is accepted
+        engine.optimizer.param_groups[0][key] = good
         engine.zero_grad()
         engine.backward(lm_loss(engine(x), y))
         assert engine.step()
