@@ -299,7 +299,10 @@ class StateAccess:
                 if set(theirs.get("params", ())) != set(mine["params"]):
                     raise ValueError(f"param_groups[{k}] holds partitions "
                                      f"{list(theirs.get('params', ()))[:8]}, this optimizer "
-                                     f"{mine['params'][:8]}")
+                                     f"{mine['params'][:8]}: load what this optimizer's "
+                                     "state_dict() returned (a torch optimizer's names the "
+                                     "model's parameters, not the engine's partitions; "
+                                     "save_checkpoint / resume carry the whole state)")
                 bad = unsupported_option(theirs, self.decoupled) or hyper_error(
                     *(theirs.get(key, mine[key]) for key in _HYPER_KEYS))
                 if bad:

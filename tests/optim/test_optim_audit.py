@@ -213,3 +213,18 @@ def test_optimizer_state_reads_as_torchs_keyed_as_its_param_groups(tmp_path, opt
             state["nope"]
         with pytest.raises(TypeError, match="load_state_dict"):
             state[keys[0]] = {}
+
+
+def test_a_torch_optimizers_state_dict_is_refused_saying_what_to_load(tmp_path):
+    """torch.optim.AdamW's state dict (its params: the model's parameter indices) loaded
+    into engine.optimizer said only which partitions differ; it must say what to load."""
+    model = TiedTwice()
+    theirs = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    (x, y), = lm_batches(1)
+    lm_loss(model(x), y).backward()
+    theirs.step()
+    with offload.initialize(TiedTwice(), _cfg(tmp_path)) as engine:
+        before = copy.deepcopy(engine.optimizer.state_dict())
+        with pytest.raises(ValueError, match="load what this optimizer's state_dict"):
+            engine.optimizer.load_state_dict(theirs.state_dict())
+        assert engine.optimizer.state_dict()["param_groups"] == before["param_groups"]
