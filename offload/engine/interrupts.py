@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.util
 import os
 import signal
 import sys
@@ -43,10 +44,25 @@ import torch
 __all__ = ["SafeInterrupts", "around_user_block", "guarded"]
 
 _OFFLOAD = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-# code that runs on behalf of its caller: a frame of it belongs to whoever called it
+
+
+def _package_dir(name: str) -> str | None:
+    """The directory of an installed package, found without importing it."""
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        return None
+    places = list(spec.submodule_search_locations or ()) if spec is not None else []
+    return os.path.abspath(places[0]) + os.sep if places else None
+
+
+# code that runs on behalf of its caller: a frame of it belongs to whoever called it.
+# libaio's too: a KeyboardInterrupt inside its submit() after io_submit returned made it
+# forget requests the kernel took, whose completions then killed the reaper thread.
 _LIBRARIES = tuple({os.path.dirname(os.path.abspath(torch.__file__)) + os.sep,
                     sysconfig.get_paths()["stdlib"] + os.sep,
-                    sysconfig.get_paths()["platstdlib"] + os.sep, "<"})
+                    sysconfig.get_paths()["platstdlib"] + os.sep, "<",
+                    *filter(None, [_package_dir("libaio"), _package_dir("numpy")])})
 
 
 def in_offload(frame: FrameType | None) -> bool:

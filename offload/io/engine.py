@@ -380,6 +380,39 @@ class AioEngine(IoEngine):
             else:
                 self._block_finished(tag, self._check(tag, res))
 
+    def _lost(self, error: BaseException) -> None:
+        """[Note: a reaper that fails] Reaping raised (libaio lost track of requests
+        the kernel took: an exception raised inside its submit() after io_submit
+        returned, by a signal handler of the program's). Without its reaper no request
+        ever completes and every wait would last forever: the engine closes, its
+        context is destroyed (io_destroy returns once the kernel finished every request
+        it took, so no transfer lands in a buffer after this), and every request not
+        completed fails, naming the cause."""
+        log.error("the AIO engine's completion thread failed (%s: %s); its requests fail "
+                  "and the engine is closed", type(error).__name__, error)
+        with self._cv:
+            self._closed = True
+            tags = [tag for _, tag in self._tags.values()] + [tag for _, tag in self._pending]
+            self._tags.clear()
+            self._pending.clear()
+            self._inflight = 0
+            self._cv.notify_all()
+        try:
+            self._finalizer()
+        except Exception as e:  # the context is gone either way; the waits must end
+            log.debug("destroying the AIO context after its reaper failed: %s", e)
+        why = (f"the transfer's completion was lost ({type(error).__name__}: {error}); "
+               "the engine is closed: close the store or engine and resume")
+        for tag in tags:
+            if isinstance(tag, _Sync):
+                if tag.handle._block_done(IoError("fdatasync", tag.handle.describe, 0,
+                                                  tag.handle.nbytes, errno.EIO, why)):
+                    tag.handle._finish()
+            else:
+                seg = tag.seg
+                self._block_finished(tag, IoError(tag.handle.op, seg.path, seg.offset,
+                                                  seg.length, errno.EIO, why))
+
     def close(self) -> None:
         if self._closed:
             return
@@ -410,6 +443,11 @@ def _reap_while_referenced(ref: weakref.ref, cv: threading.Condition) -> None:
                 engine = None  # idle: the engine may be collected now
                 cv.wait(1.0)
                 continue
-        if not engine._reap():
+        try:
+            alive = engine._reap()
+        except Exception as e:  # [Note: a reaper that fails]
+            engine._lost(e)
+            return
+        if not alive:
             return
 

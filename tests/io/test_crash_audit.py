@@ -171,3 +171,44 @@ def test_closing_a_swap_space_from_a_done_callback_refuses_rather_than_hangs(nam
         assert not os.listdir(D), os.listdir(D)
         print("OK")
     """, tmp_path, name, timeout=40)
+
+
+def test_an_exception_inside_libaios_submit_fails_the_requests_rather_than_hangs(tmp_path):
+    # A signal handler of the program's that raises inside libaio's submit(), after
+    # io_submit returned, made libaio forget requests the kernel took: their completion
+    # killed the reaper thread (KeyError) and every later wait lasted forever. Here the
+    # exception is raised where such a handler would (a profile hook at that call).
+    out = run_child("""
+        import libaio
+        swap = SwapSpace([D], "t", engine(queue_depth=32), grow_step=1 << 20)
+        pool = BufferPool(64 << 20)
+        src = pool.alloc(4 << 20); src.tensor.fill_(7)
+        ext = swap.alloc(4 << 20)
+        armed = [True]
+        def prof(frame, event, arg):
+            if armed[0] and event == "call" and frame.f_code.co_name == "_raise_on_negative" \\
+                    and frame.f_back is not None and frame.f_back.f_code.co_name == "submit":
+                armed[0] = False
+                raise KeyboardInterrupt
+        sys.setprofile(prof)
+        try:
+            swap.write(ext, src, 4 << 20).wait(timeout=20)
+            print("no interrupt")
+        except KeyboardInterrupt:
+            pass
+        finally:
+            sys.setprofile(None)
+        time.sleep(0.5)  # the forgotten requests complete: the reaper fails
+        try:
+            h = swap.write(ext, src, 4 << 20)
+            h.wait(timeout=20)
+            print("second write done")
+        except TimeoutError:
+            print("HUNG")
+        except Exception as e:
+            print("failed:", type(e).__name__, e)
+        src.release(); swap.close(); pool.close()
+        print("OK")
+    """, tmp_path, "aio")
+    assert "HUNG" not in out and "no interrupt" not in out, out
+    assert "failed:" in out and ("completion was lost" in out or "is closed" in out), out
