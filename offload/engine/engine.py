@@ -150,6 +150,14 @@ class OffloadEngine(ModelWeights, GradPartitions, GatheredWeights, nn.Module):
                                 + (ahead if comm.world > 1 else 0), ahead)
         self._kept_warned: set[int] = set()  # [Note: kept weights] in warm.py
         self._warned_zero_fill = False  # zero_grad(set_to_none=False) said what it does
+        # [Note: zero_grad in the window] A loop written for Accelerate or a torch
+        # optimizer (step(); zero_grad() after every micro-batch) drops each micro-batch's
+        # gradient under grad_accum_steps > 1: step() waits for more, zero_grad() starts
+        # the step over, and nothing ever updates. Dropping is torch's meaning (and a
+        # micro-batch may be discarded on purpose), so it stays; a zero_grad() right
+        # after a step() that waited says so, once.
+        self._step_awaits_more = False  # the last step() waited for more micro-batches
+        self._warned_window_drop = False
         self._closed = False
         self._pid = os.getpid()  # [Note: an engine in a forked child] in model_weights.py
         self._reductions: list[Pending] = []
@@ -477,6 +485,23 @@ class OffloadEngine(ModelWeights, GradPartitions, GatheredWeights, nn.Module):
                              "offload.initialize ({'engine': {'grad_accum_steps': N}}, or "
                              "[engine] grad_accum_steps = N in a file), not set on the engine")
 
+    def __getattr__(self, name: str) -> Any:
+        """A public attribute the engine does not have is the wrapped model's, as
+        DeepSpeed's and FSDP's wrappers give it: `engine.config`, `generation_config`,
+        `can_generate()`, `main_input_name` of a Hugging Face model."""
+        try:
+            return super().__getattr__(name)  # nn.Module's: parameters, buffers, modules
+        except AttributeError:
+            model = self.__dict__.get("_modules", {}).get("module")
+            if model is None or name.startswith("_"):
+                raise
+        try:
+            return getattr(model, name)
+        except AttributeError:
+            raise AttributeError(f"'{type(self).__name__}' object has no attribute {name!r}, "
+                                 f"nor has the model it wraps ({type(model).__name__})"
+                                 ) from None
+
     @functools.partial(eager, recursive=False)  # [Note: torch.compile] in units.py
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._check_open()
@@ -530,6 +555,7 @@ class OffloadEngine(ModelWeights, GradPartitions, GatheredWeights, nn.Module):
 
     def _backward(self, loss: torch.Tensor) -> None:
         self._spans.step_begin()  # the model may have been called without the engine
+        self._step_awaits_more = False
         try:  # what trains is fixed at initialize
             self.registered.check_trainable(self.module)
             refused = None
@@ -622,6 +648,7 @@ class OffloadEngine(ModelWeights, GradPartitions, GatheredWeights, nn.Module):
         """
         self._check_open()
         if self._backwards == 0 or self._backwards % self.cfg.engine.grad_accum_steps:
+            self._step_awaits_more = self._backwards > 0  # [Note: zero_grad in the window]
             return False
         number, error = self.global_step + 1, None
         try:
@@ -631,6 +658,9 @@ class OffloadEngine(ModelWeights, GradPartitions, GatheredWeights, nn.Module):
                     done = self._step()
                     self._backwards = 0  # before a Ctrl-C noted in the step is raised
                 except BaseException as e:
+                    if self.global_step == number:  # it came after the commit: the step
+                        self._backwards = 0         # is applied, nothing to undo or claim
+                        raise
                     undone = self._abort_step(e)
                     if not isinstance(e, Exception):
                         raise
@@ -729,7 +759,12 @@ class OffloadEngine(ModelWeights, GradPartitions, GatheredWeights, nn.Module):
         order, self._update_order = self._update_order, []
         self._next_update = dict(zip(order, order[1:]))  # each update reads the next's ahead
         if order and self.cfg.engine.optimizer == "nvme":
-            self.optimizer.prefetch(order[0])
+            try:  # after the commit: a read-ahead that fails costs its time, never the step
+                self.optimizer.prefetch(order[0])
+            except Exception as e:
+                log.warning("reading the next step's first optimizer state ahead failed "
+                            "(%s: %s); the step is applied, that update reads it when it "
+                            "runs", type(e).__name__, e)
 
     def _params_from_masters(self, gids: list[int]) -> None:
         params_from_masters(self, gids)
@@ -775,6 +810,16 @@ class OffloadEngine(ModelWeights, GradPartitions, GatheredWeights, nn.Module):
         `set_to_none=False` a parameter that gets no gradient in a later step is
         left alone, where torch's AdamW would decay it (a warning says so, once)."""
         self._check_open()
+        if self._step_awaits_more and self._backwards and not self._warned_window_drop:
+            self._warned_window_drop = True  # [Note: zero_grad in the window]
+            log.warning(
+                "engine.zero_grad() after a step() that waited for more micro-batches (%d of "
+                "grad_accum_steps=%d ran) dropped their gradients: the step starts over, and "
+                "a loop that calls zero_grad() after every micro-batch never updates. step() "
+                "clears the gradients itself when it updates: leave zero_grad() out of the "
+                "loop, or call it only after a step() that returned True",
+                self._backwards, self.cfg.engine.grad_accum_steps)
+        self._step_awaits_more = False
         if not set_to_none and not self._warned_zero_fill:
             self._warned_zero_fill = True
             log.warning("engine.zero_grad(set_to_none=False): the engine keeps no zero-filled "
@@ -802,6 +847,7 @@ class OffloadEngine(ModelWeights, GradPartitions, GatheredWeights, nn.Module):
         # a blocking save is one engine call: [Note: Ctrl-C at a safe point] in interrupts.py
         with self._interrupts.held() if blocking else contextlib.nullcontext():
             self._saving = _save_checkpoint(self, path, extra, blocking=blocking)
+        self._owned.saving = self._saving  # [Note: an engine open at interpreter exit]
         return self._saving
 
     def wait_for_checkpoint(self, *, raise_error: bool = True) -> None:

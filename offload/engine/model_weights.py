@@ -11,6 +11,7 @@ engine's groups, store, optimizer and collectives, and keeps no state.
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import os
 import tempfile
@@ -510,7 +511,8 @@ class ModelWeights:
         config = getattr(self.module, "config", None)
         if config is not None and hasattr(config, "save_pretrained"):
             dtypes = {d for row in self.registered.dtypes for d in row}
-            if dtype is not None or len(dtypes) == 1:
+            if dtype is not None or len(dtypes) == 1:  # the files' dtype, on a copy: the
+                config = copy.deepcopy(config)  # live model's config stays as it was
                 config.dtype = dtype or dtypes.pop()
             config.save_pretrained(into)
             files["config.json"] = into / "config.json"

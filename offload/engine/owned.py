@@ -17,7 +17,10 @@ writes) while the interpreter shut down; one inside a torch call as the process'
 own destructors ran aborted it ("terminate called without an active exception",
 exit code 134), one run in ten here. At exit, before the finalizers that remove
 swap files, each engine still open in this process is released as by `close()`:
-its moves end (within store.wait_timeout) and its threads stop first.
+its moves end (within store.wait_timeout) and its threads stop first. A
+checkpoint still being saved in the background is waited for first, saying so
+(`close()` waits for it too): a script whose last line is a background save
+lost that checkpoint without a word.
 """
 
 from __future__ import annotations
@@ -44,13 +47,14 @@ class Owned:
     """The engine's threads, optimizer, warm memory, store and switch-interval hold,
     released once: by `close()` or when the engine is collected unclosed."""
 
-    __slots__ = ("updater", "opt", "warm", "store", "switch", "released", "_finalizer", "_pid",
-                 "__weakref__")
+    __slots__ = ("updater", "opt", "warm", "store", "switch", "saving", "released",
+                 "_finalizer", "_pid", "__weakref__")
 
     def __init__(self, engine: Any, updater: ThreadPoolExecutor, warm: Any, store: Any,
                  switch: Any) -> None:
         self.updater, self.warm, self.store, self.switch = updater, warm, store, switch
         self.opt: Any = None  # set when the optimizer is attached
+        self.saving: Any = None  # the engine's last checkpoint save (its handle)
         self.released = False
         # in this process only: a forked child's copy leaves the parts to the parent
         self._pid = os.getpid()
@@ -59,6 +63,9 @@ class Owned:
         global _exit_registered
         if not _exit_registered:  # after weakref's own exit hook: atexit runs this first
             atexit.register(_release_open_at_exit)
+            # threading's exit hooks run in reverse order, before atexit's: this one before
+            # concurrent.futures' (registered when it was imported) stops its pools
+            getattr(threading, "_register_atexit", atexit.register)(_wait_for_saves_at_exit)
             _exit_registered = True
         _OPEN.add(self)
 
@@ -94,6 +101,22 @@ def _collected(owned: Owned) -> None:
                          daemon=True).start()
     else:
         _release(owned)
+
+
+def _wait_for_saves_at_exit() -> None:
+    """[Note: an engine open at interpreter exit] Runs before the thread pools stop
+    taking work (a save writes through one), where `atexit` runs after."""
+    for owned in list(_OPEN):
+        saving = owned.saving
+        if owned._pid != os.getpid() or owned.released or saving is None or saving.done():
+            continue
+        log.warning("the interpreter exits while checkpoint %s is being saved in the "
+                    "background: waiting for it to finish (close the engine, or call "
+                    "engine.wait_for_checkpoint(), before the script ends)", saving.path)
+        try:
+            saving.wait()
+        except BaseException as e:  # noqa: BLE001 - said; the exit goes on
+            log.warning("the checkpoint save in the background failed: %s", e)
 
 
 def _release_open_at_exit() -> None:

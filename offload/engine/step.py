@@ -43,26 +43,38 @@ log = logging.getLogger(__name__)
 __all__ = ["StagedParams", "StepFailedError", "staged_key", "uninterrupted"]
 
 
+_HELD = tuple(getattr(signal, name) for name in (
+    "SIGINT", "SIGTERM", "SIGALRM", "SIGHUP", "SIGUSR1", "SIGUSR2", "SIGVTALRM", "SIGPROF")
+    if hasattr(signal, name))
+
+
 @contextlib.contextmanager
 def uninterrupted() -> Iterator[None]:
     """[Note: no interrupt mid-commit] Ctrl-C (SIGINT) raises KeyboardInterrupt at
     whatever line the main thread runs: between two groups' updates in place, or
     between the optimizer's commit and the parameters' switch, it would leave a
-    step half applied with no previous version to go back to. Inside this block a
-    SIGINT is only noted; at its end the handler that was installed gets it (by
-    default, KeyboardInterrupt raised after the step completed). Off the main
-    thread, where Python delivers no signals, it does nothing."""
+    step half applied with no previous version to go back to. So would a handler
+    of the program's that raises (a SIGALRM timeout, a SIGTERM handler calling
+    sys.exit). Inside this block SIGINT, and every other signal a Python handler
+    is installed for, is only noted; at its end the handler that was installed
+    gets it (by default, KeyboardInterrupt raised after the step completed). Off
+    the main thread, where Python delivers no signals, it does nothing."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     caught: list[int] = []
-    old = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    old = {sig: signal.getsignal(sig) for sig in _HELD}
+    held = [sig for sig, h in old.items()  # (None: a handler set outside Python, kept)
+            if callable(h) or (sig == signal.SIGINT and h is not None)]
+    for sig in held:
+        signal.signal(sig, lambda signum, frame: caught.append(signum))
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, old)
-    if caught:
-        signal.raise_signal(signal.SIGINT)
+        for sig in held:
+            signal.signal(sig, old[sig])
+    for sig in dict.fromkeys(caught):  # each once, in the order they came
+        signal.raise_signal(sig)
 
 
 def staged_key(gid: int) -> Hashable:

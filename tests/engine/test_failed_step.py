@@ -403,15 +403,18 @@ def test_corrupted_parameter_on_nvme_is_reported_and_the_forward_can_run_again(
         ref.close()
 
 
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGALRM"])
 @pytest.mark.parametrize("optimizer,at", [("host", "update"), ("nvme", "switch"),
                                           ("host", "switch")])
 def test_ctrl_c_past_the_point_of_no_return_completes_the_step_first(engine_cfg, optimizer,
-                                                                      at):
+                                                                      at, sig):
     """[Note: no interrupt mid-commit]: a SIGINT that arrives after the first update in
     place (`update`: host state, pinned in memory, no previous version), or between
     the optimizer's commit and the parameters' switch (`switch`), is delivered once
     the step completed: KeyboardInterrupt, with every partition at the step's new
-    state, and training goes on as in a run that was never interrupted."""
+    state, and training goes on as in a run that was never interrupted. So is a
+    signal whose handler (the program's own) raises: a SIGALRM timeout, which is
+    not reported as a step that failed and changed nothing."""
     import signal
 
     torch.manual_seed(0)
@@ -420,12 +423,17 @@ def test_ctrl_c_past_the_point_of_no_return_completes_the_step_first(engine_cfg,
     cfg = engine_cfg("host", "host", optimizer, group_size=600)
     engine, ref = with_reference(model, cfg)
     hit = []
+    expected = KeyboardInterrupt if sig == "SIGINT" else TimeoutError
+
+    def alarm(signum, frame):
+        raise TimeoutError("the program's own timeout")
+    before = signal.signal(signal.SIGALRM, alarm) if sig == "SIGALRM" else None
 
     def interrupting(fn):
         def call(*args, **kwargs):
             if not hit:
                 hit.append(kwargs.get("final"))
-                signal.raise_signal(signal.SIGINT)
+                signal.raise_signal(getattr(signal, sig))
             return fn(*args, **kwargs)
         return call
     try:
@@ -436,13 +444,15 @@ def test_ctrl_c_past_the_point_of_no_return_completes_the_step_first(engine_cfg,
             engine.optimizer.update = interrupting(engine.optimizer.update)
         else:
             engine.staged.switch = interrupting(engine.staged.switch)
-        with pytest.raises(KeyboardInterrupt):
+        with pytest.raises(expected):
             engine.step()
         assert hit == [True if at == "update" else None]  # "update": it ran in place
         assert train_step(ref, batches[1])
         assert_same(snapshot(engine), snapshot(ref))
         trains_on_as(engine, ref, batches[2:])
     finally:
+        if before is not None:
+            signal.signal(signal.SIGALRM, before)
         engine.close()
         ref.close()
 

@@ -6,6 +6,7 @@ The xfail(strict=True) tests are bugs found by the audit: each fails on the curr
 and says in its reason what to change. The others pin behaviour that works."""
 
 import copy
+import json
 
 import pytest
 import torch
@@ -270,3 +271,34 @@ def test_checkpointed_layers_that_are_whole_units_train_as_torch(engine_cfg, ree
         sd = engine.state_dict()
     for k, v in ref.state_dict().items():
         torch.testing.assert_close(sd[k], v, atol=2e-6, rtol=0, msg=lambda m: f"{k}: {m}")
+
+
+def test_an_export_in_another_dtype_leaves_the_models_config(engine_cfg, tmp_path):
+    """save_pretrained(dir, dtype="bf16") wrote bf16 into the live model's config (its
+    own object), where only the exported config.json should say it."""
+    engine = offload.initialize(_bart(), _cfg(engine_cfg))
+    try:
+        before = engine.module.config.to_dict().get("dtype")
+        engine.save_pretrained(tmp_path / "out", dtype="bf16")
+        assert engine.module.config.to_dict().get("dtype") == before
+    finally:
+        engine.close()
+    written = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert written["dtype"] == "bfloat16", written
+
+
+def test_the_models_public_attributes_are_the_engines(engine_cfg):
+    """engine.config (generation_config, can_generate(), main_input_name): the wrapped
+    model's, as DeepSpeed's and FSDP's wrappers give them; a name neither has is an
+    AttributeError naming both, and private names are never looked up in the model."""
+    model = _bart()
+    engine = offload.initialize(model, _cfg(engine_cfg))
+    try:
+        assert engine.config is model.config and engine.main_input_name == "input_ids"
+        assert engine.generation_config is model.generation_config and engine.can_generate()
+        with pytest.raises(AttributeError, match="nor has the model it wraps"):
+            engine.no_such_attribute
+        model._only_the_models = 1
+        assert not hasattr(engine, "_only_the_models")
+    finally:
+        engine.close()

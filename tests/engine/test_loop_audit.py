@@ -381,3 +381,25 @@ def test_zero_grad_set_to_none_false_says_once_that_it_drops(engine_cfg, caplog)
         _compare(engine, ref)
     finally:
         engine.close()
+
+
+def test_zero_grad_after_every_micro_batch_of_accumulation_warns(engine_cfg, caplog):
+    """Accelerate's loop (step(); zero_grad() after each micro-batch) under
+    grad_accum_steps=2 drops each window's first gradient and never updates: the first
+    such zero_grad() says so, once; a micro-batch discarded without a step() before
+    does not warn."""
+    ref, opt, engine = _pair(engine_cfg, PLACES[0], grad_accum_steps=2)
+    try:
+        x, y = _data(1)[0]
+        engine.backward(_loss(engine, x, y))
+        engine.zero_grad()  # a discarded micro-batch: torch's meaning, no warning
+        assert "never updates" not in caplog.text
+        for x, y in _data(4):
+            engine.backward(_loss(engine, x, y))
+            assert engine.step() is False
+            engine.zero_grad()
+        said = [r for r in caplog.records if "never updates" in r.getMessage()]
+        assert len(said) == 1 and said[0].levelname == "WARNING", caplog.text
+        assert engine.global_step == 0
+    finally:
+        engine.close()

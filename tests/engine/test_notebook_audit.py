@@ -171,6 +171,36 @@ def test_an_engine_dropped_while_it_saves_in_the_background_publishes_the_save(
         resumed.close()
 
 
+_SAVES_LAST = textwrap.dedent("""
+    import json, sys
+    import offload
+    from tests.engine.models import TiedTwice, lm_batches, lm_loss
+    engine = offload.initialize(TiedTwice(), json.loads(sys.argv[1]))
+    for i in range(2):
+        x, y = lm_batches(1, seed=i)[0]
+        engine.backward(lm_loss(engine(x), y))
+        engine.step()
+    engine.save_checkpoint(sys.argv[2], blocking=False)  # the script's last line
+""")
+
+
+def test_a_script_that_ends_on_a_background_save_publishes_it(engine_cfg, tmp_path):
+    """A script whose last line starts a background save, never closing its engine:
+    the save was lost without a word (the engine was released at exit under it); it
+    is waited for, and the checkpoint resumes."""
+    cfg = engine_cfg("nvme", "nvme", "nvme")
+    p = subprocess.run([sys.executable, "-c", _SAVES_LAST, json.dumps(cfg),
+                        str(tmp_path / "ck")], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": ROOT})
+    assert p.returncode == 0, p.stderr
+    assert not any(n.endswith(".swap") for n in os.listdir(tmp_path / "swap"))
+    resumed = offload.initialize(TiedTwice(), cfg, resume=tmp_path / "ck")
+    try:
+        assert resumed.global_step == 2
+    finally:
+        resumed.close()
+
+
 # A job's lock as a killed job with a live child leaves it: the job takes the swap
 # file's flock (as offload-r0-param.swap.lock is taken) and writes its pid, forks a
 # child that inherits the open file (a DataLoader worker), and is then killed.
