@@ -20,10 +20,12 @@ waits for the model's forward to end (one call of `generate`'s loop).
 A second Ctrl-C while one is noted raises at once wherever it lands (a wait
 that never ends can still be interrupted); the engine's state in memory may then
 be inconsistent, and every later call raises, saying so. The handler is
-installed only on the main thread (the only one Python delivers signals to) and
-only where Python's own handler is installed: a program with its own SIGINT
-handler keeps it. [Note: no interrupt mid-commit] in step.py keeps the commit
-whole either way.
+installed only on the main thread (the only one Python delivers signals to).
+A handler the program installed in Python for SIGINT or for a signal it uses to
+stop or time out (SIGTERM, SIGALRM, SIGHUP, SIGUSR1, SIGUSR2) is deferred the
+same way: one that raises (a timeout, `sys.exit`) left pins and moves half
+recorded as Ctrl-C did; it runs at the safe point, with no frame. [Note: no
+interrupt mid-commit] in step.py keeps the commit whole either way.
 """
 
 from __future__ import annotations
@@ -78,16 +80,24 @@ def in_offload(frame: FrameType | None) -> bool:
     return False
 
 
+# signals whose Python handler an engine call defers from its own code: Ctrl-C, and
+# those a program handles itself to stop or time out (not the profilers' timers, whose
+# handlers sample the line they interrupt)
+_DEFERRED = tuple(getattr(signal, name) for name in (
+    "SIGINT", "SIGTERM", "SIGALRM", "SIGHUP", "SIGUSR1", "SIGUSR2") if hasattr(signal, name))
+
+
 class SafeInterrupts:
-    """Defers Ctrl-C inside the engine's code to a safe point ([Note: Ctrl-C at a safe
-    point]). `on_forced(where)` runs when a second Ctrl-C interrupts the engine's code."""
+    """Defers Ctrl-C, and every signal the program handles in Python, inside the
+    engine's code to a safe point ([Note: Ctrl-C at a safe point]). `on_forced(where)`
+    runs when a second one interrupts the engine's code and its handler raises."""
 
     def __init__(self, on_forced: Callable[[str], None]) -> None:
         self._on_forced = on_forced
         self._depth = 0  # engine calls in progress on the main thread (`held`)
         self._direct = False  # a direct call of the model in progress, outside them
-        self._installed: bool | None = None  # our handler in place (None: not decided)
-        self._pending = False
+        self._installed: dict[int, Any] | None = None  # signal -> the program's handler
+        self._pending: list[int] = []  # signals noted, in the order they came
 
     @staticmethod
     def _main() -> bool:
@@ -97,21 +107,26 @@ class SafeInterrupts:
         """At the start of an outermost call (a direct call whose end torch skipped, for
         a KeyboardInterrupt of the model's, is over by now)."""
         self._direct = False
-        self._pending = False
+        self._pending = []
         if self._installed is None:
-            self._installed = signal.getsignal(signal.SIGINT) is signal.default_int_handler
-            if self._installed:
-                signal.signal(signal.SIGINT, self._handler)
+            self._installed = {sig: h for sig in _DEFERRED
+                               if callable(h := signal.getsignal(sig))}
+            for sig in self._installed:
+                signal.signal(sig, self._handler)
 
     def _uninstall(self, failed: bool) -> None:
-        """At the end of an outermost call: raises a noted interrupt unless the call
-        `failed` (its error is on its way already)."""
-        if self._installed:
-            signal.signal(signal.SIGINT, signal.default_int_handler)
-        self._installed = None
-        pending, self._pending = self._pending, False
-        if pending and not failed:
-            raise KeyboardInterrupt
+        """At the end of an outermost call: delivers the noted signals unless the call
+        `failed` (its error is on its way already; a KeyboardInterrupt noted then is
+        dropped, as before, and the program's other handlers still run)."""
+        installed, self._installed = self._installed or {}, None
+        for sig, handler in installed.items():
+            signal.signal(sig, handler)
+        pending, self._pending = self._pending, []
+        for sig in pending:
+            handler = installed.get(sig)
+            if failed and handler is signal.default_int_handler:
+                continue
+            _deliver(sig, handler)
 
     @contextlib.contextmanager
     def held(self) -> Iterator[None]:
@@ -147,19 +162,34 @@ class SafeInterrupts:
             self._uninstall(failed)
 
     def safe_point(self) -> None:
-        """Raises a noted interrupt: nothing of the engine's is half done here."""
-        if self._pending and not self._direct:
-            self._pending = False
-            raise KeyboardInterrupt
+        """Delivers the noted signals: nothing of the engine's is half done here."""
+        if self._direct:
+            return
+        while self._pending:
+            sig = self._pending.pop(0)
+            _deliver(sig, (self._installed or {}).get(sig))
 
     def _handler(self, signum: int, frame: FrameType | None) -> None:
+        handler = (self._installed or {}).get(signum)
         if not self._direct and not in_offload(frame):
-            raise KeyboardInterrupt
-        if self._pending:  # a second Ctrl-C: now, wherever it lands
-            if in_offload(frame):
-                self._on_forced(f"{frame.f_code.co_filename}:{frame.f_lineno}")
-            raise KeyboardInterrupt
-        self._pending = True
+            return _deliver(signum, handler, frame)
+        if signum in self._pending:  # a second one: now, wherever it lands
+            try:
+                _deliver(signum, handler, frame)
+            except BaseException:
+                if in_offload(frame):
+                    self._on_forced(f"{frame.f_code.co_filename}:{frame.f_lineno}")
+                raise
+            return
+        self._pending.append(signum)
+
+
+def _deliver(signum: int, handler: Any, frame: FrameType | None = None) -> None:
+    """Runs the program's handler of `signum` (Python's own for SIGINT raises
+    KeyboardInterrupt)."""
+    if handler is None or handler is signal.default_int_handler:
+        raise KeyboardInterrupt
+    handler(signum, frame)
 
 
 def guarded(method: Callable) -> Callable:

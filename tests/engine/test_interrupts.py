@@ -29,8 +29,10 @@ class _At:
     there instead."""
 
     def __init__(self, nth: int | None = None, where=None, times: int = 1,
-                 error: type[BaseException] | None = None, within: str = "") -> None:
+                 error: type[BaseException] | None = None, within: str = "",
+                 sig: int = signal.SIGINT) -> None:
         self.nth, self.where, self.times, self.error = nth, where, times, error
+        self.sig = sig
         self.within = OFFLOAD + within  # counts the lines of this part of offload only
         self.lines, self.fired = 0, None
 
@@ -64,9 +66,9 @@ class _At:
         if self.error is not None:
             raise self.error(self.fired)
         for _ in range(self.times):
-            handler = signal.getsignal(signal.SIGINT)
+            handler = signal.getsignal(self.sig)
             if callable(handler):
-                handler(signal.SIGINT, frame)  # raises here, or notes it for later
+                handler(self.sig, frame)  # raises here, or notes it for later
 
 
 def _model() -> nn.Module:
@@ -93,7 +95,7 @@ def _weights(engine) -> dict[str, torch.Tensor]:
 
 
 def _interrupted_then_as_replayed(engine_cfg, tmp_path, placement, at: _At,
-                                  direct: bool = False) -> None:
+                                  direct: bool = False, raised=()) -> None:
     """Two clean steps, one step with `at` (the model called directly where `direct`),
     two clean steps; the weights equal an engine's that ran the committed steps only."""
     model = _model()
@@ -106,7 +108,7 @@ def _interrupted_then_as_replayed(engine_cfg, tmp_path, placement, at: _At,
         try:
             with at:
                 _step(engine, xs[2], direct)
-        except (KeyboardInterrupt, RuntimeError):
+        except (KeyboardInterrupt, RuntimeError, *raised):
             engine.zero_grad()
         assert at.fired, "no line of offload's ran"
         committed = [0, 1] + [2] * (engine.global_step == 3) + [3, 4]
@@ -163,6 +165,24 @@ def test_ctrl_c_at_lines_spread_over_a_step(engine_cfg, tmp_path, placement):
         _interrupted_then_as_replayed(engine_cfg, tmp_path / str(i), placement, _At(nth))
 
 
+def test_a_programs_own_signal_handler_that_raises_at_lines_spread_over_a_step(
+        engine_cfg, tmp_path):
+    """A SIGALRM timeout of the program's (its handler raises) at lines drawn over a
+    step: in offload's code it is run at the next safe point, so no pin or move is
+    left half recorded (one was: every later step failed on a partition still pinned
+    at its commit), and the weights equal a run of the committed steps."""
+    def alarm(signum, frame):
+        raise TimeoutError("the program's own timeout")
+    before = signal.signal(signal.SIGALRM, alarm)
+    try:
+        total = _lines_of_a_step(engine_cfg, PLACEMENTS[1], tmp_path / "count")
+        for i, nth in enumerate(sorted(random.Random(1).sample(range(1, total), 40))):
+            _interrupted_then_as_replayed(engine_cfg, tmp_path / str(i), PLACEMENTS[1],
+                                          _At(nth, sig=signal.SIGALRM), raised=(TimeoutError,))
+    finally:
+        signal.signal(signal.SIGALRM, before)
+
+
 def test_ctrl_c_in_the_model_called_directly(engine_cfg, tmp_path):
     """Called directly (`engine.module(x)`, as `generate` calls it), the model's
     cleanup runs in a forward hook torch skips for a KeyboardInterrupt: the interrupt
@@ -211,17 +231,21 @@ def test_a_second_ctrl_c_is_obeyed_and_the_engine_says_it_cannot_be_trusted(engi
 
 
 def test_a_program_with_its_own_sigint_handler_keeps_it(engine_cfg, tmp_path):
+    """The program's own handler gets every SIGINT: at once in the model's code (a
+    hook of the model's), and it is the handler again after the call."""
     engine = _engine(engine_cfg, PLACEMENTS[0], _model(), tmp_path / "swap")
     seen = []
 
     def mine(signum, frame):
         seen.append(signum)
-    engine.module[2].register_forward_pre_hook(
-        lambda m, a: seen.append(signal.getsignal(signal.SIGINT)))
+    def interrupted(module, args):
+        signal.raise_signal(signal.SIGINT)
+        seen.append("after")
+    engine.module[2].register_forward_pre_hook(interrupted)
     old = signal.signal(signal.SIGINT, mine)
     try:
         _step(engine, torch.randn(8, 64))
-        assert seen == [mine]
+        assert seen == [signal.SIGINT, "after"]
         assert signal.getsignal(signal.SIGINT) is mine
     finally:
         signal.signal(signal.SIGINT, old)
