@@ -672,14 +672,16 @@ class OffloadEngine(ModelWeights, GradPartitions, GatheredWeights, nn.Module):
                         "weights, Adam moments, step counts) and the step's gradients were "
                         "dropped: fix the cause and run the step's micro-batches again",
                         undone) from e
-            if done and self.lr_scheduler is not None:
-                self.lr_scheduler.step()
             return done
         except BaseException as e:
             error = type(e.__cause__ or e).__name__
             raise
         finally:
-            self._spans.step_end(number, error)  # the report's card of this step
+            try:  # after each step that commits, an error raised after its commit included
+                if self.global_step == number and self.lr_scheduler is not None:
+                    self.lr_scheduler.step()
+            finally:
+                self._spans.step_end(number, error)  # the report's card of this step
 
     def _step(self) -> bool:
         self.wait_for_checkpoint(raise_error=False)  # nothing changes before it has read

@@ -24,7 +24,10 @@ installed only on the main thread (the only one Python delivers signals to).
 A handler the program installed in Python for SIGINT or for a signal it uses to
 stop or time out (SIGTERM, SIGALRM, SIGHUP, SIGUSR1, SIGUSR2) is deferred the
 same way: one that raises (a timeout, `sys.exit`) left pins and moves half
-recorded as Ctrl-C did; it runs at the safe point, with no frame. [Note: no
+recorded as Ctrl-C did; it runs at the safe point (given a frame of the
+engine's there). Only a second Ctrl-C is obeyed at once; another signal noted again
+stays noted, as the kernel merges a pending signal's repeats (a periodic
+timer). Each noted handler runs even where an earlier one raised. [Note: no
 interrupt mid-commit] in step.py keeps the commit whole either way.
 """
 
@@ -83,14 +86,14 @@ def in_offload(frame: FrameType | None) -> bool:
 # signals whose Python handler an engine call defers from its own code: Ctrl-C, and
 # those a program handles itself to stop or time out (not the profilers' timers, whose
 # handlers sample the line they interrupt)
-_DEFERRED = tuple(getattr(signal, name) for name in (
+DEFERRED_SIGNALS = tuple(getattr(signal, name) for name in (
     "SIGINT", "SIGTERM", "SIGALRM", "SIGHUP", "SIGUSR1", "SIGUSR2") if hasattr(signal, name))
 
 
 class SafeInterrupts:
     """Defers Ctrl-C, and every signal the program handles in Python, inside the
     engine's code to a safe point ([Note: Ctrl-C at a safe point]). `on_forced(where)`
-    runs when a second one interrupts the engine's code and its handler raises."""
+    runs when a second Ctrl-C interrupts the engine's code."""
 
     def __init__(self, on_forced: Callable[[str], None]) -> None:
         self._on_forced = on_forced
@@ -105,28 +108,44 @@ class SafeInterrupts:
 
     def _install(self) -> None:
         """At the start of an outermost call (a direct call whose end torch skipped, for
-        a KeyboardInterrupt of the model's, is over by now)."""
+        a KeyboardInterrupt of the model's, is over by now: what it noted besides a
+        Ctrl-C is delivered here, at a point where nothing is half done)."""
         self._direct = False
-        self._pending = []
-        if self._installed is None:
-            self._installed = {sig: h for sig in _DEFERRED
-                               if callable(h := signal.getsignal(sig))}
-            for sig in self._installed:
-                signal.signal(sig, self._handler)
+        stale, self._pending = self._pending, []
+        if self._installed is not None:  # that direct call's: its handlers are in place
+            self._deliver_all([sig for sig in stale if sig != signal.SIGINT])
+            return
+        self._installed = {sig: h for sig in DEFERRED_SIGNALS
+                           if callable(h := signal.getsignal(sig))}
+        for sig in self._installed:
+            signal.signal(sig, self._handler)
 
     def _uninstall(self, failed: bool) -> None:
         """At the end of an outermost call: delivers the noted signals unless the call
         `failed` (its error is on its way already; a KeyboardInterrupt noted then is
-        dropped, as before, and the program's other handlers still run)."""
-        installed, self._installed = self._installed or {}, None
+        dropped, as before, and the program's other handlers still run). A handler
+        the program replaced during the call stays as it set it."""
+        installed = self._installed or {}
         for sig, handler in installed.items():
-            signal.signal(sig, handler)
+            if signal.getsignal(sig) == self._handler:
+                signal.signal(sig, handler)
+        self._installed = None
         pending, self._pending = self._pending, []
-        for sig in pending:
-            handler = installed.get(sig)
-            if failed and handler is signal.default_int_handler:
-                continue
-            _deliver(sig, handler)
+        self._deliver_all([sig for sig in pending if not (
+            failed and installed.get(sig) is signal.default_int_handler)], installed)
+
+    def _deliver_all(self, sigs: list[int], installed: dict[int, Any] | None = None) -> None:
+        """Runs each noted signal's handler, every one even where an earlier raised; the
+        first error is raised after the last."""
+        installed = self._installed if installed is None else installed
+        frame, first = sys._getframe(2), None  # the engine's caller, for the handlers
+        for sig in dict.fromkeys(sigs):  # a signal noted twice is delivered once
+            try:
+                _deliver(sig, (installed or {}).get(sig), frame)
+            except BaseException as e:  # noqa: BLE001 - raised once all have run
+                first = first or e
+        if first is not None:
+            raise first
 
     @contextlib.contextmanager
     def held(self) -> Iterator[None]:
@@ -162,26 +181,25 @@ class SafeInterrupts:
             self._uninstall(failed)
 
     def safe_point(self) -> None:
-        """Delivers the noted signals: nothing of the engine's is half done here."""
-        if self._direct:
+        """Delivers the noted signals: nothing of the engine's is half done here. Only on
+        the main thread (a hook may run on autograd's device threads)."""
+        if self._direct or not self._pending or not self._main():
             return
-        while self._pending:
-            sig = self._pending.pop(0)
-            _deliver(sig, (self._installed or {}).get(sig))
+        pending, self._pending = self._pending, []
+        self._deliver_all(pending)
 
     def _handler(self, signum: int, frame: FrameType | None) -> None:
         handler = (self._installed or {}).get(signum)
         if not self._direct and not in_offload(frame):
             return _deliver(signum, handler, frame)
-        if signum in self._pending:  # a second one: now, wherever it lands
-            try:
-                _deliver(signum, handler, frame)
-            except BaseException:
-                if in_offload(frame):
-                    self._on_forced(f"{frame.f_code.co_filename}:{frame.f_lineno}")
-                raise
-            return
-        self._pending.append(signum)
+        if signum not in self._pending:
+            self._pending.append(signum)
+        elif signum == signal.SIGINT:  # a second Ctrl-C: now, wherever it lands
+            self._pending.remove(signum)
+            if in_offload(frame):
+                self._on_forced(f"{frame.f_code.co_filename}:{frame.f_lineno}")
+            _deliver(signum, handler, frame)
+        # another signal noted again: as the kernel merges a pending signal's repeats
 
 
 def _deliver(signum: int, handler: Any, frame: FrameType | None = None) -> None:

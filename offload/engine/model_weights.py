@@ -363,14 +363,14 @@ class ModelWeights:
     @guarded  # [Note: Ctrl-C at a safe point] in interrupts.py
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True,
                         assign: bool = False) -> _IncompatibleKeys:  # type: ignore[override]
-        """Loads what `state_dict()` (or torch's, of the plain model) returns: weights into
-        the fp32 masters and the parameter partitions in every tier, buffers into
-        the modules. Keys and shapes are checked first (strict: missing or
-        unexpected keys raise, as torch's); a tied parameter takes the value under
-        its last name present, as torch's (it copies each name in turn). Between steps; every rank calls it with the full
-        weights (a rank whose dict is refused makes every rank raise, before any
-        collective). Returns torch's (missing_keys, unexpected_keys); `assign` is
-        accepted for torch's signature."""
+        """Loads what `state_dict()` (or torch's, of the plain model) returns: weights into the
+        fp32 masters and the parameter partitions in every tier, buffers into the
+        modules. Keys and shapes are checked first (strict: missing or unexpected keys
+        raise, as torch's); a tied parameter takes the value under its last name
+        present, as torch's (it copies each name in turn). Between steps; every rank
+        calls it with the full weights (a rank whose dict is refused makes every rank
+        raise, before any collective). Returns torch's (missing_keys, unexpected_keys);
+        `assign` is accepted for torch's signature."""
         self._check_open()
         self._check_between_steps("load_state_dict")
         entries = list(state_entries(self.module))

@@ -115,6 +115,9 @@ def _wait_for_saves_at_exit() -> None:
                     "engine.wait_for_checkpoint(), before the script ends)", saving.path)
         try:
             saving.wait()
+        except KeyboardInterrupt:  # the user cut the wait short: the save is given up
+            log.warning("checkpoint %s abandoned: the exit did not wait for its save",
+                        saving.path)
         except BaseException as e:  # noqa: BLE001 - said; the exit goes on
             log.warning("the checkpoint save in the background failed: %s", e)
 

@@ -37,15 +37,11 @@ from typing import Hashable, Iterator
 import torch
 
 from ..store import MoveHandle, Tier, TieredStore
+from .interrupts import DEFERRED_SIGNALS
 
 log = logging.getLogger(__name__)
 
 __all__ = ["StagedParams", "StepFailedError", "staged_key", "uninterrupted"]
-
-
-_HELD = tuple(getattr(signal, name) for name in (
-    "SIGINT", "SIGTERM", "SIGALRM", "SIGHUP", "SIGUSR1", "SIGUSR2", "SIGVTALRM", "SIGPROF")
-    if hasattr(signal, name))
 
 
 @contextlib.contextmanager
@@ -55,15 +51,15 @@ def uninterrupted() -> Iterator[None]:
     between the optimizer's commit and the parameters' switch, it would leave a
     step half applied with no previous version to go back to. So would a handler
     of the program's that raises (a SIGALRM timeout, a SIGTERM handler calling
-    sys.exit). Inside this block SIGINT, and every other signal a Python handler
-    is installed for, is only noted; at its end the handler that was installed
+    sys.exit). Inside this block SIGINT, and each of `DEFERRED_SIGNALS` a Python
+    handler is installed for, is only noted; at its end the handler that was installed
     gets it (by default, KeyboardInterrupt raised after the step completed). Off
     the main thread, where Python delivers no signals, it does nothing."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     caught: list[int] = []
-    old = {sig: signal.getsignal(sig) for sig in _HELD}
+    old = {sig: signal.getsignal(sig) for sig in DEFERRED_SIGNALS}
     held = [sig for sig, h in old.items()  # (None: a handler set outside Python, kept)
             if callable(h) or (sig == signal.SIGINT and h is not None)]
     for sig in held:
@@ -73,8 +69,14 @@ def uninterrupted() -> Iterator[None]:
     finally:
         for sig in held:
             signal.signal(sig, old[sig])
-    for sig in dict.fromkeys(caught):  # each once, in the order they came
-        signal.raise_signal(sig)
+    first = None
+    for sig in dict.fromkeys(caught):  # each once, in the order they came, every one
+        try:
+            signal.raise_signal(sig)
+        except BaseException as e:  # noqa: BLE001 - raised once all have run
+            first = first or e
+    if first is not None:
+        raise first
 
 
 def staged_key(gid: int) -> Hashable:

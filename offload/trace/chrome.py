@@ -265,7 +265,7 @@ def load_chrome_trace(path: str | os.PathLike[str]) -> dict[str, Any]:
     target = Path(path)
     raw = target.read_bytes()
     try:
-        if target.name.endswith(".gz") or raw[:2] == b"\x1f\x8b":
+        if raw[:2] == b"\x1f\x8b":  # gzip's magic, whatever the name
             raw = gzip.decompress(raw)
         trace = json.loads(raw.decode("utf-8"))
     except (OSError, EOFError, zlib.error) as e:

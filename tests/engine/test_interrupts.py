@@ -117,16 +117,21 @@ def _interrupted_then_as_replayed(engine_cfg, tmp_path, placement, at: _At,
         got = _weights(engine)
     finally:
         engine.close()
-    replay = _engine(engine_cfg, placement, model, tmp_path / "replay")
+    _as_replayed(engine_cfg, tmp_path, placement, [xs[i] for i in committed], got, at.fired)
+
+
+def _as_replayed(engine_cfg, tmp_path, placement, batches, got, where="") -> None:
+    """`got` equals the weights of an engine that ran a step on each of `batches`."""
+    replay = _engine(engine_cfg, placement, _model(), tmp_path / "replay")
     try:
-        for i in committed:
-            _step(replay, xs[i])
+        for x in batches:
+            _step(replay, x)
         want = _weights(replay)
     finally:
         replay.close()
     for n in want:
         torch.testing.assert_close(got[n], want[n], atol=0, rtol=0,
-                                   msg=lambda m: f"{n} after {at.fired}: {m}")
+                                   msg=lambda m: f"{n} after {where}: {m}")
 
 
 PLACEMENTS = [("host", "host", "host"), ("nvme", "nvme", "nvme")]
@@ -341,3 +346,117 @@ def test_ctrl_c_in_a_full_weights_block_s_own_work_comes_at_its_end(engine_cfg, 
         assert not edited if not writable else (
             op == "by_group" or not same or not edited), at.fired
     _interrupted_at_store_lines(engine_cfg, tmp_path, block, whole, seed=2)
+
+
+def test_a_periodic_timer_in_the_engines_code_leaves_it_working(engine_cfg, tmp_path):
+    """A SIGALRM timer of the program's ticking every 0.2 ms through whole steps, its
+    handler raising at the 40th tick (a deadline): ticks noted again before a safe
+    point made that error count as a second Ctrl-C, and the engine refused all work
+    after it. It trains on, as an engine that ran the steps that committed."""
+    ticks = []
+
+    def tick(signum, frame):
+        ticks.append(signum)
+        if len(ticks) == 40:
+            raise TimeoutError("the program's deadline")
+    before = signal.signal(signal.SIGALRM, tick)
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.randn(8, 64, generator=g) for _ in range(6)]
+    engine = _engine(engine_cfg, PLACEMENTS[1], _model(), tmp_path / "swap")
+    committed = []
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.0002, 0.0002)
+        try:
+            for i, x in enumerate(xs):
+                try:
+                    _step(engine, x)
+                except TimeoutError:
+                    engine.zero_grad()
+                if engine.global_step > len(committed):
+                    committed.append(i)
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+        got = _weights(engine)
+    finally:
+        engine.close()
+        signal.signal(signal.SIGALRM, before)
+    assert len(ticks) >= 40
+    _as_replayed(engine_cfg, tmp_path, PLACEMENTS[1], [xs[i] for i in committed], got)
+
+
+def test_noted_signals_each_run_and_a_handler_replaced_meanwhile_stays(engine_cfg, tmp_path):
+    """A handler that installs another while it runs during a call (first SIGUSR2: a
+    softer one, then a harder one) leaves the program's choice in place after the call;
+    two signals noted in the engine's code after its last safe point both run at the
+    call's end, though the first raises (its error comes after the second ran)."""
+    seen = []
+
+    def first(signum, frame):
+        seen.append("usr1")
+        raise TimeoutError("the program's own")
+
+    def harder(signum, frame):
+        seen.append("harder")
+
+    def soft(signum, frame):
+        seen.append("usr2")
+        signal.signal(signal.SIGUSR2, harder)
+    old = {s: signal.signal(s, h) for s, h in ((signal.SIGUSR1, first),
+                                                (signal.SIGUSR2, soft))}
+    engine = _engine(engine_cfg, PLACEMENTS[0], _model(), tmp_path / "swap")
+
+    def in_the_model(module, args):
+        if not seen:
+            signal.raise_signal(signal.SIGUSR2)  # at once: the model's code
+    engine.module[1].register_forward_pre_hook(in_the_model)
+    try:
+        _step(engine, torch.randn(8, 64))
+        assert seen == ["usr2"] and signal.getsignal(signal.SIGUSR2) is harder
+        engine.backward(engine(torch.randn(8, 64)).pow(2).mean())
+        last = [_At(where=lambda code: code.co_name == "_prefetch_state", sig=sig)
+                for sig in (signal.SIGUSR1, signal.SIGUSR2)]
+
+        def both(frame, event, arg):
+            last[0]._call(frame, event, arg)
+            return last[1]._call(frame, event, arg)
+        sys.settrace(both)
+        try:
+            with pytest.raises(TimeoutError):
+                engine.step()
+        finally:
+            sys.settrace(None)
+        assert seen == ["usr2", "usr1", "harder"], seen
+        assert signal.getsignal(signal.SIGUSR1) is first
+        _step(engine, torch.randn(8, 64))  # the engine works on
+    finally:
+        engine.close()
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def test_a_step_applied_before_a_handlers_error_steps_the_scheduler(engine_cfg, tmp_path):
+    """A SIGALRM handler's error that comes after the step's commit: the step is
+    applied, and so is the LR scheduler's step (it fell one behind for good)."""
+    def alarm(signum, frame):
+        raise TimeoutError("the program's own timeout")
+    before = signal.signal(signal.SIGALRM, alarm)
+    cfg = engine_cfg("host", "host", "host", group_size=4200)
+    cfg["io"]["paths"] = [str(tmp_path / "swap")]
+    engine = offload.initialize(_model(), cfg, lr_scheduler=lambda opt:
+                                torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5))
+    try:
+        _step(engine, torch.randn(8, 64))
+        switch = engine.staged.switch
+
+        def late(*args, **kwargs):
+            signal.raise_signal(signal.SIGALRM)
+            return switch(*args, **kwargs)
+        engine.staged.switch = late
+        engine.backward(engine(torch.randn(8, 64)).pow(2).mean())
+        with pytest.raises(TimeoutError):
+            engine.step()
+        assert engine.global_step == 2
+        assert engine.lr_scheduler.last_epoch == 2
+    finally:
+        engine.close()
+        signal.signal(signal.SIGALRM, before)
