@@ -170,22 +170,24 @@ def test_ctrl_c_at_lines_spread_over_a_step(engine_cfg, tmp_path, placement):
         _interrupted_then_as_replayed(engine_cfg, tmp_path / str(i), placement, _At(nth))
 
 
+@pytest.mark.parametrize("sig", [signal.SIGALRM, signal.SIGINT], ids=["SIGALRM", "SIGINT"])
 def test_a_programs_own_signal_handler_that_raises_at_lines_spread_over_a_step(
-        engine_cfg, tmp_path):
-    """A SIGALRM timeout of the program's (its handler raises) at lines drawn over a
-    step: in offload's code it is run at the next safe point, so no pin or move is
-    left half recorded (one was: every later step failed on a partition still pinned
-    at its commit), and the weights equal a run of the committed steps."""
-    def alarm(signum, frame):
-        raise TimeoutError("the program's own timeout")
-    before = signal.signal(signal.SIGALRM, alarm)
+        engine_cfg, tmp_path, sig):
+    """A timeout or a Ctrl-C handler of the program's (it raises its own error) at
+    lines drawn over a step: in offload's code it is run at the next safe point, so
+    no pin or move is left half recorded (one was: every later step failed on a
+    partition still pinned at its commit), and the weights equal a run of the
+    committed steps."""
+    def mine(signum, frame):
+        raise TimeoutError("the program's own handler")
+    before = signal.signal(sig, mine)
     try:
         total = _lines_of_a_step(engine_cfg, PLACEMENTS[1], tmp_path / "count")
         for i, nth in enumerate(sorted(random.Random(1).sample(range(1, total), 40))):
             _interrupted_then_as_replayed(engine_cfg, tmp_path / str(i), PLACEMENTS[1],
-                                          _At(nth, sig=signal.SIGALRM), raised=(TimeoutError,))
+                                          _At(nth, sig=sig), raised=(TimeoutError,))
     finally:
-        signal.signal(signal.SIGALRM, before)
+        signal.signal(sig, before)
 
 
 def test_ctrl_c_in_the_model_called_directly(engine_cfg, tmp_path):
