@@ -485,23 +485,6 @@ class OffloadEngine(ModelWeights, GradPartitions, GatheredWeights, nn.Module):
                              "offload.initialize ({'engine': {'grad_accum_steps': N}}, or "
                              "[engine] grad_accum_steps = N in a file), not set on the engine")
 
-    def __getattr__(self, name: str) -> Any:
-        """A public attribute the engine does not have is the wrapped model's, as
-        DeepSpeed's and FSDP's wrappers give it: `engine.config`, `generation_config`,
-        `can_generate()`, `main_input_name` of a Hugging Face model."""
-        try:
-            return super().__getattr__(name)  # nn.Module's: parameters, buffers, modules
-        except AttributeError:
-            model = self.__dict__.get("_modules", {}).get("module")
-            if model is None or name.startswith("_"):
-                raise
-        try:
-            return getattr(model, name)
-        except AttributeError:
-            raise AttributeError(f"'{type(self).__name__}' object has no attribute {name!r}, "
-                                 f"nor has the model it wraps ({type(model).__name__})"
-                                 ) from None
-
     @functools.partial(eager, recursive=False)  # [Note: torch.compile] in units.py
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._check_open()

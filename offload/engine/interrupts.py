@@ -42,7 +42,7 @@ import sys
 import sysconfig
 import threading
 from types import FrameType
-from typing import Any, Callable, ContextManager, Iterator
+from typing import Any, Callable, ContextManager, Iterable, Iterator
 
 import torch
 
@@ -137,15 +137,10 @@ class SafeInterrupts:
     def _deliver_all(self, sigs: list[int], installed: dict[int, Any] | None = None) -> None:
         """Runs each noted signal's handler, every one even where an earlier raised; the
         first error is raised after the last."""
-        installed = self._installed if installed is None else installed
-        frame, first = sys._getframe(2), None  # the engine's caller, for the handlers
-        for sig in dict.fromkeys(sigs):  # a signal noted twice is delivered once
-            try:
-                _deliver(sig, (installed or {}).get(sig), frame)
-            except BaseException as e:  # noqa: BLE001 - raised once all have run
-                first = first or e
-        if first is not None:
-            raise first
+        handlers = (self._installed if installed is None else installed) or {}
+        frame = sys._getframe(2)  # the engine's caller, for the handlers
+        run_each(functools.partial(_deliver, sig, handlers.get(sig), frame)
+                 for sig in dict.fromkeys(sigs))  # a signal noted twice: delivered once
 
     @contextlib.contextmanager
     def held(self) -> Iterator[None]:
@@ -200,6 +195,19 @@ class SafeInterrupts:
                 self._on_forced(f"{frame.f_code.co_filename}:{frame.f_lineno}")
             _deliver(signum, handler, frame)
         # another signal noted again: as the kernel merges a pending signal's repeats
+
+
+def run_each(calls: Iterable[Callable[[], Any]]) -> None:
+    """Runs every call, even where an earlier one raised; raises the first error once
+    the last has run (noted signals' handlers: each one runs)."""
+    first = None
+    for call in calls:
+        try:
+            call()
+        except BaseException as e:  # noqa: BLE001 - raised once all have run
+            first = first or e
+    if first is not None:
+        raise first
 
 
 def _deliver(signum: int, handler: Any, frame: FrameType | None = None) -> None:

@@ -246,6 +246,23 @@ class ModelWeights:
                     around_user_block(self._interrupts, summoned(self, [g], writable)) as named:
                 yield named
 
+    def __getattr__(self, name: str) -> Any:
+        """A public attribute the engine does not have is the wrapped model's, as
+        DeepSpeed's and FSDP's wrappers give it: `engine.config`, `generation_config`,
+        `can_generate()`, `main_input_name` of a Hugging Face model."""
+        try:
+            return super().__getattr__(name)  # nn.Module's: parameters, buffers, modules
+        except AttributeError:
+            model = self.__dict__.get("_modules", {}).get("module")
+            if model is None or name.startswith("_"):
+                raise
+        try:
+            return getattr(model, name)
+        except AttributeError:
+            raise AttributeError(f"'{type(self).__name__}' object has no attribute {name!r}, "
+                                 f"nor has the model it wraps ({type(model).__name__})"
+                                 ) from None
+
     def _summonable(self, modules: Any, writable: bool, what: str) -> list:
         if self.registered.summoned_weights:  # [Note: calls inside a full_weights block]
             raise RuntimeError(

@@ -29,6 +29,7 @@ optimizer state whose inputs and outputs are all pinned in memory first:
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import signal
 import threading
@@ -37,7 +38,7 @@ from typing import Hashable, Iterator
 import torch
 
 from ..store import MoveHandle, Tier, TieredStore
-from .interrupts import DEFERRED_SIGNALS
+from .interrupts import DEFERRED_SIGNALS, run_each
 
 log = logging.getLogger(__name__)
 
@@ -69,14 +70,8 @@ def uninterrupted() -> Iterator[None]:
     finally:
         for sig in held:
             signal.signal(sig, old[sig])
-    first = None
-    for sig in dict.fromkeys(caught):  # each once, in the order they came, every one
-        try:
-            signal.raise_signal(sig)
-        except BaseException as e:  # noqa: BLE001 - raised once all have run
-            first = first or e
-    if first is not None:
-        raise first
+    run_each(functools.partial(signal.raise_signal, sig)  # each once, in the order
+             for sig in dict.fromkeys(caught))             # they came, every one
 
 
 def staged_key(gid: int) -> Hashable:

@@ -88,23 +88,6 @@ def load_traces(paths: Sequence[str | os.PathLike[str]]) -> list[RankTrace]:
 
 
 def _read_json(path: Path) -> Any:
-    try:
-        return _parse_json_file(path)
-    except MemoryError:  # the file, its text or its objects: a JSON event is ~10x its bytes
-        raise ReportInputError(f"{path}: too large to read in the memory this process may use "
-                               f"({_file_size(path)} on disk); record fewer steps, or view it "
-                               "where there is more memory") from None
-
-
-def _file_size(path: Path) -> str:
-    try:
-        n = path.stat().st_size
-    except OSError:
-        return "size unknown"
-    return f"{n / 1e6:.1f} MB" if n >= 100_000 else f"{n} bytes"
-
-
-def _parse_json_file(path: Path) -> Any:
     """The trace object of `path`, checked as `load_chrome_trace` checks it (a newer
     format, events that are not objects, bad metadata: refused, not drawn)."""
     try:
@@ -117,6 +100,18 @@ def _parse_json_file(path: Path) -> Any:
         raise ReportInputError(f"{path}: cannot read it ({e.strerror or e})") from None
     except TraceFormatError as e:
         raise ReportInputError(str(e)) from None
+    except MemoryError:  # the file, its text or its objects: a JSON event is ~10x its bytes
+        raise ReportInputError(f"{path}: too large to read in the memory this process may use "
+                               f"({_file_size(path)} on disk); record fewer steps, or view it "
+                               "where there is more memory") from None
+
+
+def _file_size(path: Path) -> str:
+    try:
+        n = path.stat().st_size
+    except OSError:
+        return "size unknown"
+    return f"{n / 1e6:.1f} MB" if n >= 100_000 else f"{n} bytes"
 
 
 def _align(ranks: list[RankTrace]) -> None:
