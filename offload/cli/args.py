@@ -105,6 +105,12 @@ def integer(min: int | None = None, max: int | None = None, *, multiple: int = 1
     return _typed("integer", parse)
 
 
+def ranks() -> Callable[[str], int]:
+    """`--nproc`: 1 to four processes per CPU core (at least 8); more would spend the
+    run starting processes, and their partitions' padding would dwarf the model."""
+    return integer(1, max(8, 4 * (os.cpu_count() or 1)), example=2)
+
+
 def number(min: float | None = None, *, above: bool = False, max: float | None = None,
            example: float = 1.0) -> Callable[[str], float]:
     """A finite float >= min (> min with `above`) and <= max."""

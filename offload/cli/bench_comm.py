@@ -45,7 +45,7 @@ import time
 from typing import Any
 
 from ..io.process import usable_cpus
-from .args import CommandParser, directory, integer, run_command, table_console
+from .args import CommandParser, directory, integer, ranks, run_command, table_console
 from .benchutil import emit, scratch_dir
 
 TP = 2  # ranks per tensor-parallel group in the tp and domino modes
@@ -183,7 +183,7 @@ def _render(r: dict[str, Any]) -> None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--nproc", type=integer(1, example=2), default=2,
+    p.add_argument("--nproc", type=ranks(), default=2,
                    help="ranks (processes), default 2")
     p.add_argument("--steps", type=integer(1, example=4), default=4,
                    help="measured steps per run (default 4)")

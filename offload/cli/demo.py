@@ -43,7 +43,7 @@ from typing import Any, Callable
 from ..config import PAGE, IoConfig, format_bytes, load_config, parse_bytes
 from ..io.process import usable_cpus
 from .args import (UsageError, byte_size, count, directory, integer, number, output_file,
-                   parse_count)
+                   parse_count, ranks)
 from .demo_view import DIR_PREFIX, Reporter, _free_bytes, print_header
 from .gpt import GPT, PRESETS, GPTConfig, ReversalTask, preset_for_params, state_bytes_per_param
 
@@ -556,7 +556,7 @@ _OPTIONS: list[tuple[str, dict[str, Any]]] = [
                           help=f"the step traced (default {TRACE_STEP})")),
     ("--seed", dict(type=integer(0, (1 << 32) - 1, example=0), default=0,
                     help="seed of the weights and the data (default 0)")),
-    ("--nproc", dict(type=integer(1, example=2), default=1,
+    ("--nproc", dict(type=ranks(), default=1,
                      help="processes (ranks): >1 runs under torchrun with gloo, each rank "
                      "holding 1/N of the state (default 1)")),
     ("--json", dict(action="store_true", help="print one JSON object per step and a summary "

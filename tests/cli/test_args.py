@@ -42,7 +42,8 @@ BAD = [
     (["demo", "--trace", "."], "--trace: '.' is a directory, not a file"),
     (["demo", "--trace-step", "0"], "--trace-step: '0' is not positive"),
     (["demo", "--seed", "-1"], "--seed: '-1' is out of range 0..4294967295"),
-    (["demo", "--nproc", "0"], "--nproc: '0' is not positive"),
+    (["demo", "--nproc", "0"], "--nproc: '0' is out of range 1.."),
+    (["demo", "--nproc", "99999"], "--nproc: '99999' is out of range 1.."),
     (["demo", "--tiny", "--params", "device"], "--device-budget: the partitions homed on "
      "device take"),
     (["bench", "io", "--path", FILE], "--path: '{file}' exists and is not a directory"),

@@ -76,6 +76,11 @@ def test_refusals_are_clear_and_touch_nothing(tmp_path):
                          capture_output=True, text=True, timeout=120)
     assert out.returncode != 0 and "--device-budget" in out.stderr
     assert "Traceback" not in out.stderr and os.listdir(tmp_path) == []
+    # more ranks than the host can start: the flag is named, not a budget it skews
+    out = subprocess.run(DEMO + ["--tiny", "--nproc", "99999", "--swap-dir", str(tmp_path)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "--nproc" in out.stderr and "budget" not in out.stderr
+    assert "Traceback" not in out.stderr and os.listdir(tmp_path) == []
 
 
 @pytest.mark.slow  # 3.4 s; the demo's trace and report are checked by default above
