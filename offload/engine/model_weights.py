@@ -63,6 +63,22 @@ def _shard_limit(max_shard_size: Any) -> int:
     return limit
 
 
+def _with_old_versions(model: nn.Module, state_dict: Mapping[str, Any]) -> Mapping[str, Any]:
+    """`state_dict` with what torch's modules add to a dict saved by an older version
+    of them: a BatchNorm's `num_batches_tracked`, absent before its version 2 (and in
+    a dict without `_metadata`), keeps the module's own, as torch's `load_state_dict`
+    fills it in; the key is then neither missing nor loaded."""
+    metadata = getattr(state_dict, "_metadata", None) or {}
+    added = {}
+    for prefix, module in model.named_modules():
+        key = f"{prefix}.num_batches_tracked" if prefix else "num_batches_tracked"
+        version = metadata.get(prefix, {}).get("version")
+        if (isinstance(module, nn.modules.batchnorm._NormBase) and key not in state_dict
+                and module.num_batches_tracked is not None and (version is None or version < 2)):
+            added[key] = module.num_batches_tracked
+    return {**state_dict, **added} if added else state_dict
+
+
 def _load_problem(state_dict: Mapping[str, Any], entries: list, missing: list[str],
                   strict: bool) -> str | None:
     """Why `load_state_dict` refuses `state_dict` (None: it does not)."""
@@ -391,6 +407,7 @@ class ModelWeights:
         self._check_open()
         self._check_between_steps("load_state_dict")
         entries = list(state_entries(self.module))
+        state_dict = _with_old_versions(self.module, state_dict)
         missing = [n for n, _, _ in entries if n not in state_dict]
         problem = _load_problem(state_dict, entries, missing, strict)
         (refused,) = self.comm.sum_scalars([1.0 if problem else 0.0])

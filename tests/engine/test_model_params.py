@@ -207,6 +207,14 @@ def test_load_state_dict_takes_what_state_dict_gives(engine_cfg, placement):
         sd = engine.state_dict()
         for k, v in other.state_dict().items():
             assert torch.equal(sd[k], v), k
+        # a dict saved before BatchNorm counted batches: torch keeps the module's count
+        old = {k: v for k, v in before.items() if k != "bn.num_batches_tracked"}
+        res = engine.load_state_dict(old)
+        assert not res.missing_keys and not res.unexpected_keys
+        sd = engine.state_dict()
+        assert torch.equal(sd["bn.num_batches_tracked"], other.bn.num_batches_tracked)
+        assert torch.equal(sd["bn.running_mean"], before["bn.running_mean"])
+        engine.load_state_dict(other.state_dict())
         # each name its own value: a tied parameter takes its last name's, as in torch
         apart = {k: torch.full_like(v, float(i)) if v.is_floating_point() else v
                  for i, (k, v) in enumerate(other.state_dict().items())}

@@ -5,6 +5,7 @@ that get no tokens, half-frozen modules, parameters of odd sizes, a module share
 by several blocks; and what torch does that the engine does not (yet)."""
 
 import copy
+import re
 
 import pytest
 import torch
@@ -278,6 +279,20 @@ def test_a_float64_model_is_refused_naming_the_parameter(engine_cfg):
     with offload.initialize(model.float(), engine_cfg("host", group_size=100)) as engine:
         engine.backward(engine(torch.tensor([[1, 2]])).sum())
         assert engine.step()
+
+
+def test_a_bf16_model_under_fp32_compute_is_told_so(engine_cfg, caplog):
+    """A model loaded in bf16 under the default engine.dtype computes in fp32 from then
+    on: initialize says so, naming a parameter and the setting; an fp32 model does not."""
+    model = MaxNormEmbedding()
+    model.emb.max_norm = None
+    with caplog.at_level("WARNING", logger="offload"):
+        offload.initialize(copy.deepcopy(model), engine_cfg("host", group_size=100)).close()
+        assert "engine.dtype" not in caplog.text
+        offload.initialize(model.to(torch.bfloat16),
+                           engine_cfg("host", group_size=100)).close()
+    assert re.search(r"parameters are bfloat16 \(first: 'emb.weight'\) and engine.dtype is "
+                     r"'fp32'.*set engine.dtype to 'bf16'", caplog.text), caplog.text
 
 
 def test_input_gradients_through_the_model_as_torch(engine_cfg):
