@@ -11,8 +11,8 @@ import tempfile
 from pathlib import Path
 from typing import BinaryIO, Callable
 
-__all__ = ["check_directory", "existing_ancestor", "fsync_directory", "regular_file_head",
-           "replace_atomically"]
+__all__ = ["check_directory", "existing_ancestor", "fsync_directory", "names_open_file",
+           "regular_file_head", "replace_atomically", "unlink_own"]
 
 
 def check_directory(path: Path, what: str) -> None:
@@ -25,6 +25,25 @@ def check_directory(path: Path, what: str) -> None:
         if p.exists() or p.is_symlink():
             raise FileExistsError(f"{what}: {p} is a file, not a directory; give a path "
                                   "under a directory")
+
+
+def names_open_file(path: str | os.PathLike[str], fd: int) -> bool:
+    """Whether `path` still names the file open as `fd`: a lock taken on a file its
+    holder removed (or a name another job created anew after the directory was
+    removed) locks, or would remove, nothing the name shows."""
+    try:
+        named, open_ = os.stat(path), os.fstat(fd)
+    except FileNotFoundError:
+        return False
+    return (named.st_dev, named.st_ino) == (open_.st_dev, open_.st_ino)
+
+
+def unlink_own(path: str | os.PathLike[str], fd: int) -> None:
+    """Removes `path` if it still names the file open as `fd` ([names_open_file]): a
+    file another job made under the same name after this one's was removed stays."""
+    if names_open_file(path, fd):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
 
 
 def fsync_directory(directory: Path) -> None:

@@ -23,6 +23,8 @@ import os
 import shutil
 from pathlib import Path
 
+from ..files import names_open_file, unlink_own
+
 log = logging.getLogger(__name__)
 
 __all__ = ["LOCK", "PARTIAL", "RECORD", "PartialLock", "is_committed", "prune",
@@ -48,10 +50,8 @@ class PartialLock:
             fd = os.open(self.path, os.O_CREAT | os.O_RDWR, 0o644)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
-                if os.fstat(fd).st_ino == os.stat(self.path).st_ino:
-                    break
-            except FileNotFoundError:  # removed by its holder meanwhile: open it anew
-                pass
+                if names_open_file(self.path, fd):
+                    break  # else removed by its holder meanwhile: open it anew
             except BaseException:
                 os.close(fd)
                 raise
@@ -63,10 +63,7 @@ class PartialLock:
         published by now)."""
         if self._fd is None:
             return
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+        unlink_own(self.path, self._fd)
         os.close(self._fd)
         self._fd = None
 

@@ -647,11 +647,11 @@ class OffloadEngine(ModelWeights, GradPartitions, GatheredWeights, nn.Module):
                     undone = self._abort_step(e)
                     if not isinstance(e, Exception):
                         raise
-                    which = (f"groups {undone} are at their state" if undone else
-                             "no update had begun: every group is at its state")
+                    which = (f"groups {undone} rolled back" if undone else
+                             "no update had begun")
                     raise StepFailedError(
-                        f"step {number} failed ({type(e).__name__}: {e}); {which} "
-                        "before the step (parameters, master "
+                        f"step {number} failed ({type(e).__name__}: {e}); {which}: every "
+                        "group is at its state before the step (parameters, master "
                         "weights, Adam moments, step counts) and the step's gradients were "
                         "dropped: fix the cause and run the step's micro-batches again",
                         undone) from e

@@ -33,6 +33,7 @@ from typing import Callable, Protocol
 import torch
 import xxhash
 
+from ..files import names_open_file, unlink_own
 from .engine import DIRECT_ALIGN, IoEngine, Segment
 from .errors import (CorruptionError, IoError, SwapFullError, SwapLockedError, SwapPathError,
                      limit_hint)
@@ -178,44 +179,24 @@ def _holders(path: str) -> list[int]:
     return sorted(out)
 
 
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-
-
 class _SwapFile:
     def __init__(self, path: str, direct: bool) -> None:
         self.path = path
         self.lock_path = path + ".lock"
-        self.lock_fd = _open_owned(self.lock_path, os.O_RDWR)
-        try:
-            fcntl.flock(self.lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            owner = os.pread(self.lock_fd, 64, 0).decode(errors="replace").strip() or "unknown"
+        while True:
+            self.lock_fd = _open_owned(self.lock_path, os.O_RDWR)
+            try:
+                fcntl.flock(self.lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                self._refuse_locked(path)
+            except BaseException:
+                os.close(self.lock_fd)
+                raise
+            if names_open_file(self.lock_path, self.lock_fd):
+                break
+            # its holder removed it as it closed, between our open and our lock: a lock
+            # on that file would keep no later job out, so the name's file is taken anew
             os.close(self.lock_fd)
-            if owner == str(os.getpid()):  # the file holds a pid only while it is locked
-                raise SwapLockedError(
-                    f"swap file {path} is already open in this process (pid {owner}): another "
-                    "engine, store or swap space here uses the same io.paths directory and "
-                    "is still open; close it first (engine.close(), or a with block), or "
-                    "give each its own io.paths directory. An engine no longer bound to a "
-                    "name stays open while its model (or an output of its forward) is: "
-                    "`del` those and run gc.collect()") from None
-            holders = _holders(self.lock_path)
-            if not owner.isdigit() or _alive(owner) and (not holders or int(owner) in holders):
-                raise SwapLockedError(
-                    f"swap file {path} is in use by another live process (pid {owner}); give "
-                    "this job its own io.paths directory, or stop the other job") from None
-            # [Note: a lock kept by a killed job's child]
-            who = (f"pid {', '.join(map(str, holders))}" if holders
-                   else f"find it with `fuser -v {self.lock_path}`")
-            raise SwapLockedError(
-                f"swap file {path} is locked by a process that pid {owner} (no longer "
-                f"running) started: {who}. A job killed while a DataLoader worker or another "
-                "child it forked lives on leaves the lock with that child; stop it and run "
-                "again, or give this job its own io.paths directory") from None
         # The flock dies with its holder, so a lock left by a killed run is
         # free again: we hold it now and take the file over.
         try:
@@ -233,12 +214,41 @@ class _SwapFile:
             raise
         self.size = 0
 
+    def _refuse_locked(self, path: str) -> None:
+        """Raises `SwapLockedError` for a lock file another holder has locked, naming
+        the holder (and closes our descriptor of it)."""
+        try:
+            owner = os.pread(self.lock_fd, 64, 0).decode(errors="replace").strip() or "unknown"
+        finally:
+            os.close(self.lock_fd)
+        if owner == str(os.getpid()):  # the file holds a pid only while it is locked
+            raise SwapLockedError(
+                f"swap file {path} is already open in this process (pid {owner}): another "
+                "engine, store or swap space here uses the same io.paths directory and "
+                "is still open; close it first (engine.close(), or a with block), or "
+                "give each its own io.paths directory. An engine no longer bound to a "
+                "name stays open while its model (or an output of its forward) is: "
+                "`del` those and run gc.collect()") from None
+        holders = _holders(self.lock_path)
+        if not owner.isdigit() or _alive(owner) and (not holders or int(owner) in holders):
+            raise SwapLockedError(
+                f"swap file {path} is in use by another live process (pid {owner}); give "
+                "this job its own io.paths directory, or stop the other job") from None
+        # [Note: a lock kept by a killed job's child]
+        who = (f"pid {', '.join(map(str, holders))}" if holders
+               else f"find it with `fuser -v {self.lock_path}`")
+        raise SwapLockedError(
+            f"swap file {path} is locked by a process that pid {owner} (no longer "
+            f"running) started: {who}. A job killed while a DataLoader worker or another "
+            "child it forked lives on leaves the lock with that child; stop it and run "
+            "again, or give this job its own io.paths directory") from None
+
     def _close_lock(self, remove: bool, errors: list[OSError]) -> None:
         """Removes (or empties) the lock file and always closes its descriptor; what
         fails is added to `errors`."""
         try:
             if remove:
-                _unlink(self.lock_path)
+                unlink_own(self.lock_path, self.lock_fd)
             else:
                 os.ftruncate(self.lock_fd, 0)  # a kept lock file names no holder
         except OSError as e:
@@ -253,15 +263,15 @@ class _SwapFile:
         unlinks: a descriptor left open kept the lock, so the next open in this
         process was refused), then raises the first failure, naming the file."""
         errors: list[OSError] = []
+        if remove:  # while open, so that a file made anew under its name stays
+            try:
+                unlink_own(self.path, self.fd)
+            except OSError as e:
+                errors.append(e)
         try:
             os.close(self.fd)
         except OSError as e:
             errors.append(e)
-        if remove:
-            try:
-                _unlink(self.path)
-            except OSError as e:
-                errors.append(e)
         self._close_lock(remove, errors)
         if errors:
             e = errors[0]

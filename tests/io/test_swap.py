@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -253,6 +254,49 @@ def test_same_process_second_open_is_refused(engine, tmp_path):
     with pytest.raises(SwapLockedError):
         SwapSpace([str(tmp_path)], "dup", engine)
     sw.close()
+
+
+def test_a_lock_its_holder_removes_as_it_is_taken_is_taken_anew(engine, tmp_path, monkeypatch):
+    """A job that opened the lock file just before its holder closed (removing it) went
+    on to lock the removed file: a third job then locked the name's new file and
+    emptied the swap file the second was using. The lock is the named file's."""
+    import fcntl
+    holder = [SwapSpace([str(tmp_path)], "race", engine)]
+    real = fcntl.flock
+
+    def flock(fd, op):  # the holder closes between this job's open and its lock
+        if holder:
+            holder.pop().close()
+        return real(fd, op)
+    monkeypatch.setattr(fcntl, "flock", flock)
+    second = SwapSpace([str(tmp_path)], "race", engine)
+    monkeypatch.undo()
+    with pytest.raises(SwapLockedError):
+        SwapSpace([str(tmp_path)], "race", engine)
+    second.close()
+    assert os.listdir(tmp_path) == []
+
+
+def test_close_leaves_files_made_anew_under_its_names(engine, pool, tmp_path):
+    """The directory removed under an open swap space and a new job's files made
+    there: the old one's close removed the new one's files, and its lock with them."""
+    d = tmp_path / "swap"
+    old = SwapSpace([str(d)], "re", engine)
+    old.alloc(4096)
+    shutil.rmtree(d)
+    new = SwapSpace([str(d)], "re", engine)
+    src, dst = pool.alloc(4096), pool.alloc(4096)
+    _fill(src, 4096, 3)
+    ext = new.alloc(4096)
+    new.write(ext, src, 4096).wait()
+    old.close()
+    assert sorted(os.listdir(d)) == ["offload-re.swap", "offload-re.swap.lock"]
+    with pytest.raises(SwapLockedError):
+        SwapSpace([str(d)], "re", engine)
+    new.read(ext, dst).wait()
+    np.testing.assert_array_equal(dst.numpy(), src.numpy())
+    new.close()
+    assert os.listdir(d) == []
 
 
 def test_close_keep_leaves_files(engine, tmp_path):
