@@ -516,7 +516,10 @@ class ModelWeights:
                 specs.append(TensorSpec(name, shape, dtype or orig))
         seen: set[int] = set()
         for name, t, is_param in state_entries(self.module):
-            if is_param and self.registered.locate(t) is not None or id(t) in seen:
+            # an open block's full weights are the groups' too ([Note: calls inside a
+            # full_weights block]): written twice, the file's offsets did not hold
+            if is_param and self.registered.locate(t, summoned=True) is not None \
+                    or id(t) in seen:
                 continue
             seen.add(id(t))
             order.append((name, t))

@@ -247,6 +247,11 @@ def write_shards(out: str | os.PathLike, specs: list[TensorSpec],
     if not max_shard_size > 0:  # else one shard per tensor
         raise ValueError(f"safetensors: max_shard_size must be a positive number of bytes, "
                          f"got {max_shard_size!r}")
+    seen: set[str] = set()
+    twice = [s.name for s in specs if s.name in seen or seen.add(s.name)]
+    if twice:  # a header cannot hold both: the second's bytes would follow unnamed
+        raise ValueError(f"safetensors: tensor name {twice[0]!r} given twice (nothing "
+                         "was written)")
     check_directory(out, "safetensors")
     shards = plan_shards(specs, max_shard_size)
     n = len(shards)

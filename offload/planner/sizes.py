@@ -46,7 +46,11 @@ def moment_bytes(state_dtype: StateDtype, n: int) -> int:
 
 def state_bytes(n: int, kinds: int = 3, state_dtype: StateDtype = "fp32") -> int:
     """Bytes of `n` elements' optimizer state as laid out in a chunk: the fp32 master
-    (`kinds` 3) and both moments in `state_dtype` form."""
+    (`kinds` 3; 2 without it) and both moments in `state_dtype` form."""
+    if kinds not in (2, 3):
+        raise ValueError(f"state_bytes: kinds is the number of tensors a partition's state "
+                         f"holds, 3 (master and both moments) or 2 (the moments), got "
+                         f"{kinds!r}")
     return (4 * n if kinds == 3 else 0) + moment_bytes(state_dtype, n)
 
 

@@ -8,6 +8,7 @@ import io
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from torch import nn
 
 import offload
@@ -259,11 +260,11 @@ def test_full_weights_inside_a_forward_is_refused(engine_cfg):
         engine.close()
 
 
-def test_calls_inside_a_read_only_full_weights_block(engine_cfg):
-    """[Note: calls inside a full_weights block]: state_dict and named_weights see the
-    block's full weights as the model's parameters (tied and frozen ones included)
-    and give what they give outside it; a second block inside is refused naming the
-    fix, and leaves the outer block's weights in place."""
+def test_calls_inside_a_read_only_full_weights_block(engine_cfg, tmp_path):
+    """[Note: calls inside a full_weights block]: state_dict, named_weights and
+    save_pretrained see the block's full weights as the model's parameters (tied and
+    frozen ones included) and give what they give outside it; a second block inside
+    is refused naming the fix, and leaves the outer block's weights in place."""
     engine, _ = _engine(engine_cfg, PLACEMENTS[2])
     try:
         x, y = _batches(1)[0]
@@ -277,6 +278,11 @@ def test_calls_inside_a_read_only_full_weights_block(engine_cfg):
             assert all(torch.equal(inside[k], outside[k]) for k in outside)
             assert {k: v for k, v in engine.named_weights()}.keys() == streamed.keys()
             assert all(torch.equal(t, streamed[k]) for k, t in engine.named_weights())
+            engine.save_pretrained(tmp_path / "inside")  # each weight once, its file valid
+            saved = load_file(tmp_path / "inside" / "model.safetensors")
+            assert {"emb.weight", "block.0.weight", "bn.running_mean"} <= saved.keys()
+            assert saved.keys() <= outside.keys()
+            assert all(torch.equal(v, outside[k]) for k, v in saved.items())
             for nested in (lambda: engine.full_weights("emb").__enter__(),
                            lambda: next(iter(engine.full_weights_by_group()))):
                 with pytest.raises(RuntimeError, match="inside a full_weights block.*outer "

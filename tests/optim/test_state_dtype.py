@@ -243,6 +243,9 @@ def test_planner_counts_the_smaller_records():
     assert state_bytes(n, 3, "int8") == 4 * n + 2 * n + 8 * (n // 256)
     assert moved["bf16"] <= moved["fp32"] * 8 // 12  # and more of them fit the budget
     assert moved["int8"] < 0.51 * moved["fp32"]
+    assert state_bytes(n, 2, "int8") == 2 * n + 8 * (n // 256)  # the parameter as master
+    with pytest.raises(ValueError, match="kinds .* 3 .* or 2"):  # a list of kinds read as 2
+        state_bytes(n, ("master", "exp_avg", "exp_avg_sq"), "int8")
 
 
 def test_block_workers_end_when_idle_and_start_again(monkeypatch):
