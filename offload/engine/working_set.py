@@ -63,11 +63,18 @@ class WorkingSet:
     host_why: str
 
 
+def _early_updates(cfg: OffloadConfig) -> bool:
+    """Whether a group's update may run as soon as its gradient is reduced, the gradient
+    never stored ([Note: early update] in engine.py)."""
+    e = cfg.engine
+    return (e.optimizer == "nvme" and cfg.optim.max_grad_norm == 0 and e.dtype != "fp16"
+            and e.grad_accum_steps == 1)
+
+
 def working_set(cfg: OffloadConfig, groups: list[Group], dtype: torch.dtype) -> WorkingSet:
     """The minimum working set of DEVICE and HOST ([Note: minimum working set])."""
     e = cfg.engine
-    early = (e.optimizer == "nvme" and cfg.optim.max_grad_norm == 0 and e.dtype != "fp16"
-             and e.grad_accum_steps == 1)
+    early = _early_updates(cfg)
     trainable = [g for g in groups if g.requires_grad]
     param = max((footprint(g.shard * dtype.itemsize) for g in groups), default=0)
     grad = max((footprint(g.shard * 4) for g in trainable), default=0)
@@ -256,15 +263,22 @@ def check_disk(cfg: OffloadConfig, groups: list[Group], dtype: torch.dtype,
     systems have distinct `st_dev`s and are counted apart."""
     placed = nvme_bytes_placed(cfg, groups, dtype, resolve_device(cfg.store.device).type)
     total = sum(placed.values())
-    if not total:
+    # in a step also the optimizer state's new version beside the old ([Note: all or
+    # nothing] in step.py) and the gradients homed on NVMe: the budget's ledger counts both
+    grads = sum(footprint(g.shard * 4) for g in groups if g.requires_grad) \
+        if cfg.engine.grads == "nvme" and not _early_updates(cfg) else 0
+    step = total + placed.get("optim", 0) + grads
+    if not step:
         return
-    how = ("keep less on NVMe (engine.params or engine.optimizer \"host\", or "
-           "optim.state_dtype \"bf16\" or \"int8\")")
-    if cfg.store.nvme_budget and total > cfg.store.nvme_budget:
+    how = ("keep less on NVMe (engine.params, engine.grads or engine.optimizer \"host\", "
+           "or optim.state_dtype \"bf16\" or \"int8\")")
+    if cfg.store.nvme_budget and step > cfg.store.nvme_budget:
         raise ConfigError(
             f"store.nvme_budget: {format_bytes(cfg.store.nvme_budget)} is below the "
-            f"{format_bytes(total)} ({total} bytes) of state per rank this model places on "
-            f"NVMe; raise it to at least {total} bytes (0: no limit), or {how}")
+            f"{format_bytes(step)} ({step} bytes) per rank this model keeps on NVMe during "
+            f"a step ({format_bytes(total)} of state placed at initialize, the optimizer "
+            "state's new version beside the old while a step is open, gradients homed on "
+            f"NVMe); raise it to at least {step} bytes (0: no limit), or {how}")
     for kind, n in placed.items():
         if cfg.io.max_swap_size and n > cfg.io.max_swap_size:
             raise ConfigError(
