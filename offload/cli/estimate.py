@@ -100,10 +100,13 @@ def render(result: dict[str, Any]) -> None:
     for r in result["placements"]:
         t.add_row(r["placement"], *(format_bytes(r["per_rank"][x]) for x in TIERS),
                   *(format_bytes(r["per_node"][x]) for x in TIERS),
-                  format_bytes(r["minimum"]["device"]), format_bytes(r["minimum"]["host"]))
+                  format_bytes(r["minimum"]["device"], up=True),
+                  format_bytes(r["minimum"]["host"], up=True))
     con.print(t)
     con.print("min: the least store budget per rank that trains at all (the rest streams); "
-              "the other columns hold everything where the placement puts it")
+              "the other columns hold everything where the placement puts it. nvme: the "
+              "state's bytes; each swap file (params, grads, optimizer) takes disk in steps "
+              "of io.grow_step (256 MiB by default)")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -119,7 +119,7 @@ def check_budgets(cfg: OffloadConfig, groups: list[Group], dtype: torch.dtype) -
         if have < want:
             raise ConfigError(
                 f"{key}: {format_bytes(have)} ({have} bytes) is below this model's minimum "
-                f"working set of {format_bytes(want)} ({want} bytes) per rank for "
+                f"working set of {format_bytes(want, up=True)} ({want} bytes) per rank for "
                 f"engine.params={cfg.engine.params}, engine.grads={cfg.engine.grads}: it "
                 f"must hold {why} at once; raise {key} to at least {want} bytes, or lower "
                 "engine.group_size to make partitions smaller")

@@ -125,6 +125,21 @@ def test_estimate_table_of_a_module_function(models):
                          env=_env())
     assert out.returncode == 0, out.stderr
     assert "exp_avg_sq" in out.stdout and "nvme/host/nvme" in out.stdout
+    # the "min" columns are budgets that train: rounded up, never below the minimum
+    js = subprocess.run(OFFLOAD + ["estimate", "tinymodels:mlp", "--dtype", "fp32", "--json"],
+                        capture_output=True, text=True, timeout=300, cwd=models, env=_env())
+    units = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
+    rows = {}
+    for line in out.stdout.splitlines():
+        cells = [c.strip() for c in line.split("\u2502") if c.strip()]
+        if cells and cells[0].count("/") == 2 and cells[0][0] != "p":
+            rows[cells[0]] = [float(c.split()[0]) * units[c.split()[1]] for c in cells[-2:]]
+    placements = json.loads(js.stdout)["placements"]
+    assert placements and len(rows) == len(placements)
+    for r in placements:
+        shown = rows[r["placement"]]
+        need = [r["minimum"]["device"], r["minimum"]["host"]]
+        assert all(s >= n and s < n + (1 << 20) for s, n in zip(shown, need)), (shown, need)
 
 
 BAD_ARGS = [
