@@ -101,7 +101,8 @@ class Collectives:
 
         The sum runs in `full_grad`'s dtype (the bytes on the wire); the slice is
         `out_dtype` (default the same), divided by the world size in that dtype, so a
-        bf16 reduction gives an fp32 mean without a second rounding. The slice is
+        bf16 reduction gives an fp32 mean without a second rounding; an fp16 one is
+        divided before the sum, which could overflow where the mean does not. The slice is
         valid once the handle is waited on. `full_grad` may be overwritten; with a
         world of 1 the slice is `full_grad` itself (no copy; `out_dtype` must be its
         dtype). See [Note: reduce-scatter on gloo].
@@ -117,6 +118,12 @@ class Collectives:
             return Pending(None), full_grad
         n = full_grad.numel() // self.world
         out = torch.empty(n, dtype=out_dtype, device=full_grad.device)
+        # fp16's range ends at 65504: a sum of ranks' finite gradients overflowed where
+        # their mean did not, and the step was skipped as an overflow; divided first,
+        # as DDP's fp16 compression hook does
+        after = 1.0 if full_grad.dtype == torch.float16 else float(self.world)
+        if after == 1.0:
+            full_grad.div_(self.world)
         token = self._begin("reduce-scatter", full_grad)
         if self.backend == "nccl":
             red = out if out_dtype == full_grad.dtype else torch.empty(
@@ -126,13 +133,13 @@ class Collectives:
             def finish_nccl() -> None:
                 if red is not out:
                     out.copy_(red)
-                out.div_(self.world)
+                out.div_(after)
             return self._then(work, finish_nccl, async_op, token), out
         work = dist.all_reduce(full_grad, group=self.group, async_op=True)
         lo = self.rank * n
 
         def finish() -> None:
-            out.copy_(full_grad[lo:lo + n]).div_(self.world)
+            out.copy_(full_grad[lo:lo + n]).div_(after)
         return self._then(work, finish, async_op, token), out
 
     def all_reduce_sum(self, tensor: torch.Tensor, *, async_op: bool = False) -> Pending:

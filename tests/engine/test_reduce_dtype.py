@@ -56,3 +56,22 @@ def test_bf16_reduction_halves_the_bytes_and_keeps_the_training(tmp_path, engine
     for k, v in fp32["sd"].items():
         diff = (bf16["sd"][k].float() - v.float()).abs()
         assert diff.max() <= 4e-3, (k, diff.max())
+
+
+def _fp16_worker(rank: int, world: int, init_file: str, out: str) -> None:
+    from offload.comm import Collectives
+    with gloo_group(rank, world, init_file):
+        comm = Collectives()
+        full = torch.full((4,), 40000.0, dtype=torch.float16)  # finite; two of them not
+        pending, mean = comm.reduce_scatter_mean(full, out_dtype=torch.float32)
+        pending.wait()
+        if rank == 0:
+            torch.save(mean, out)
+
+
+def test_fp16_reduction_of_finite_gradients_stays_finite(tmp_path):
+    """fp16 ends at 65504: each rank's gradient of 40000 summed to inf before the mean
+    was taken, and a step of finite gradients was skipped as an overflow."""
+    out = str(tmp_path / "mean.pt")
+    spawn(_fp16_worker, str(tmp_path / "init"), out)
+    assert torch.equal(torch.load(out), torch.full((2,), 40000.0))
