@@ -62,7 +62,8 @@ def add_arguments(sub: argparse._SubParsersAction) -> None:
                      help="the directory to write (created; existing shards are refused)")
     exp.add_argument("--dtype", choices=["saved", "fp32", "bf16", "fp16"], default="saved",
                      help="saved: the parameters in the compute dtype they were trained in; "
-                          "fp32: the fp32 master weights (where distinct)")
+                          "fp32, bf16, fp16: converted from the fp32 master weights where "
+                          "the checkpoint has them, else from the parameters")
     exp.add_argument("--shard-size", type=byte_size(1, example="5GB"), default="5GB",
                      help="bytes per shard at most (a larger tensor has a shard of its own)")
     exp.add_argument("--config", type=existing_directory(
@@ -139,7 +140,8 @@ def export_safetensors(reader: CheckpointReader, out: str | os.PathLike, *,
     def kind_and_dtype(t: dict) -> tuple[str, str]:
         if dtype == "saved":
             return "param", t["kinds"]["param"]
-        kind = "master" if dtype == "fp32" and "master" in t["kinds"] else "param"
+        # the fp32 master where there is one: an fp16 copy made bf16 was rounded twice
+        kind = "master" if "master" in t["kinds"] else "param"
         return kind, _TORCH_DTYPES[dtype]
     specs = [TensorSpec(name, tuple(t["shape"]), getattr(torch, kind_and_dtype(t)[1]))
              for name, t in reader.tensors.items()]

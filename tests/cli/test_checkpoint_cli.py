@@ -62,7 +62,8 @@ def test_info_refuses_what_is_not_a_checkpoint(tmp_path, offload_cli):
                    "give a checkpoint directory (written by engine.save_checkpoint)\n")
 
 
-@pytest.mark.parametrize("dtype,shard_size", [("fp32", "5GB"), ("saved", "4KB")])
+@pytest.mark.parametrize("dtype,shard_size", [("fp32", "5GB"), ("saved", "4KB"),
+                                              ("fp16", "5GB")])
 def test_export_safetensors_loads_back(saved, tmp_path, offload_cli, dtype, shard_size):
     ck, sd = saved
     out = tmp_path / "hf"
@@ -80,7 +81,9 @@ def test_export_safetensors_loads_back(saved, tmp_path, offload_cli, dtype, shar
             got.update({k: h.get_tensor(k) for k in h.keys()})
     assert set(got) == set(sd) - {"head.weight"}  # tied: written once
     for k, v in got.items():
-        want = sd[k] if dtype == "fp32" else sd[k].to(torch.bfloat16)
+        # fp16 from the fp32 master, not from the bf16 parameter (rounded twice)
+        want = sd[k].to({"fp32": torch.float32, "saved": torch.bfloat16,
+                         "fp16": torch.float16}[dtype])
         assert v.dtype == want.dtype and torch.equal(v, want), k
     # the exported weights start a new run (initialize's checkpoint=)
     cfg = {"engine": {"params": "host", "grads": "host", "group_size": 3000},
