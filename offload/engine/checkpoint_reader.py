@@ -544,8 +544,10 @@ class CheckpointReader:
         rec = self.record
         engine.global_step = int(rec["global_step"])
         engine.micro_step = int(rec["micro_step"])
-        if not engine.cfg.engine.loss_scale:  # a fixed engine.loss_scale is the config's
-            engine.loss_scale = float(rec["loss_scale"])
+        e = engine.cfg.engine
+        if not e.loss_scale:  # a fixed engine.loss_scale is the config's; a dynamic one
+            saved = float(rec["loss_scale"])  # keeps to this run's floor
+            engine.loss_scale = max(e.min_loss_scale, saved) if e.dtype == "fp16" else saved
         engine._good_steps = int(rec["good_steps"])
         engine.optimizer.steps = engine.global_step  # committed rounds: one per step
         for mine, theirs in zip(engine.optimizer.param_groups, hyper):

@@ -156,6 +156,23 @@ def test_resume_keeps_the_configured_fixed_loss_scale(engine_cfg, tmp_path):
         assert resumed.step() is True and resumed.loss_scale == 1024.0
     finally:
         resumed.close()
+    # dynamic again, with a floor above the saved scale: the floor holds from the start
+    # (the first overflow's max(floor, scale / 2) raised the scale 2x before)
+    cfg = engine_cfg("host", dtype="fp16", min_loss_scale=2.0 ** 15)
+    cfg["io"]["paths"] = [str(tmp_path / "swap3")]
+    with offload.initialize(TiedTwice(), cfg, resume=tmp_path / "ck") as resumed:
+        assert resumed.loss_scale == 2.0 ** 15
+
+
+def test_loss_scaling_keys_outside_fp16_are_said_to_be_unused(engine_cfg, caplog):
+    """engine.loss_scale (and dynamic scaling's keys) apply to fp16 only: with bf16 a
+    set one was ignored without a word."""
+    with caplog.at_level(logging.WARNING, logger="offload"):
+        offload.initialize(TiedTwice(), engine_cfg("host", dtype="bf16")).close()
+        assert "loss scaling" not in caplog.text
+        offload.initialize(TiedTwice(), engine_cfg("host", dtype="bf16",
+                                                   loss_scale=1024.0)).close()
+    assert "engine.loss_scale: loss scaling is for engine.dtype 'fp16'" in caplog.text
 
 
 def test_fixed_loss_scale_overflow_is_not_silent(engine_cfg, caplog):
