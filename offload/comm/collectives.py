@@ -121,9 +121,10 @@ class Collectives:
         # fp16's range ends at 65504: a sum of ranks' finite gradients overflowed where
         # their mean did not, and the step was skipped as an overflow; divided first,
         # as DDP's fp16 compression hook does
-        after = 1.0 if full_grad.dtype == torch.float16 else float(self.world)
-        if after == 1.0:
+        first = full_grad.dtype == torch.float16
+        if first:
             full_grad.div_(self.world)
+        after = 1 if first else self.world
         token = self._begin("reduce-scatter", full_grad)
         if self.backend == "nccl":
             red = out if out_dtype == full_grad.dtype else torch.empty(
@@ -133,13 +134,16 @@ class Collectives:
             def finish_nccl() -> None:
                 if red is not out:
                     out.copy_(red)
-                out.div_(after)
+                if after > 1:
+                    out.div_(after)
             return self._then(work, finish_nccl, async_op, token), out
         work = dist.all_reduce(full_grad, group=self.group, async_op=True)
         lo = self.rank * n
 
         def finish() -> None:
-            out.copy_(full_grad[lo:lo + n]).div_(after)
+            out.copy_(full_grad[lo:lo + n])
+            if after > 1:
+                out.div_(after)
         return self._then(work, finish, async_op, token), out
 
     def all_reduce_sum(self, tensor: torch.Tensor, *, async_op: bool = False) -> Pending:

@@ -7,6 +7,7 @@ import copy
 import functools
 import logging
 import os
+import re
 import weakref
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
@@ -90,7 +91,9 @@ def _refuse_unsupported(model: nn.Module, dtype: str) -> None:
     statistics under bf16/fp16 compute gets cast weights beside fp32 statistics
     (buffers keep their dtype), a mix torch's batch_norm refuses at the first forward;
     a float64 or complex parameter would train in the compute dtype with fp32 masters,
-    its precision silently lost (and a float64 input refused by the first layer)."""
+    its precision silently lost (and a float64 input refused by the first layer).
+    bf16/fp16 parameters under another compute dtype are only warned of: they train,
+    in that dtype."""
     for name, p in model.named_parameters():
         if p.dtype in (torch.float64, torch.complex64, torch.complex128):
             raise ConfigError(
@@ -275,7 +278,7 @@ def initialize(model: nn.Module | Callable[[], nn.Module],
                                         + (tp.blocks if tp is not None else []))
             hyper, slot_groups = assign_param_groups(groups, cfg.optim, param_groups)
             if ckpt is not None:
-                _check_checkpoint_covers(ckpt, groups, checkpoint)
+                _check_checkpoint_covers(ckpt, model, groups, checkpoint)
             check_budgets(cfg, groups, dtype)  # before any file is made
             check_memory(cfg, groups, dtype)  # before anything is placed
             if resumed is not None:
@@ -583,8 +586,8 @@ def _materialise_buffers(model: nn.Module, seed: int, saved: set[str]) -> None:
             model._init_weights(m)
 
 
-def _check_checkpoint_covers(ckpt: SafetensorsCheckpoint, groups: list[Group],
-                             where: str | os.PathLike) -> None:
+def _check_checkpoint_covers(ckpt: SafetensorsCheckpoint, model: nn.Module,
+                             groups: list[Group], where: str | os.PathLike) -> None:
     """[Note: weights a checkpoint lacks] As transformers' from_pretrained, parameters
     `checkpoint=` does not hold (a new task head, new adapters) are initialised as the
     model initialises them, and named in one warning; a checkpoint that holds none of
@@ -595,11 +598,28 @@ def _check_checkpoint_covers(ckpt: SafetensorsCheckpoint, groups: list[Group],
         raise ValueError(f"checkpoint {where} holds none of the model's parameters (e.g. "
                          f"{missing[0]!r}); it holds e.g. {sorted(ckpt.files)[:5]}: give the "
                          "checkpoint of this model")
+    for s in slots:  # shapes and dtypes from the headers, before any group is read
+        ckpt.check(s.fqn, s.names, tuple(s.shape))
+    names = [n for s in slots for n in s.names] + [f for f, _, _ in _persistent_buffers(model)]
+    used = {ckpt.resolve(n) for n in names}
+    ignored = getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []  # as HF's
+    unused = sorted(k for k in ckpt.files
+                    if k not in used and not any(re.search(p, k) for p in ignored))
     if missing:
         log.warning("offload: %d of the model's %d parameters are not in checkpoint %s and "
-                    "are initialised as the model does (train them, e.g. a new head): %s%s",
+                    "are initialised as the model does (train them, e.g. a new head): %s%s%s",
                     len(missing), len(slots), where, ", ".join(missing[:10]),
-                    " ..." if len(missing) > 10 else "")
+                    " ..." if len(missing) > 10 else "",
+                    f"; and {len(unused)} of its tensors match no name of the model (e.g. "
+                    f"{', '.join(map(repr, unused[:3]))}): a head the model replaces, or "
+                    "names of another layout of this model (transformers converts some as it "
+                    "loads them: experts merged, tensors renamed); for the latter, load the "
+                    "model with transformers' from_pretrained and pass it to initialize "
+                    "without checkpoint=" if unused else "")
+    elif unused:
+        log.warning("offload: %d tensors of checkpoint %s match no parameter or buffer of "
+                    "the model and are not loaded: %s%s", len(unused), where,
+                    ", ".join(unused[:10]), " ..." if len(unused) > 10 else "")
 
 
 def _materialise(model: nn.Module, g: Group, seed: int,

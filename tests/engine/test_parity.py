@@ -273,6 +273,67 @@ def test_missing_checkpoint_tensors_are_initialised_and_named(engine_cfg, tmp_pa
     assert not list((tmp_path / "swap").glob("*.swap"))  # nothing left behind
 
 
+def _shards(d, first: dict, second: dict) -> None:
+    """`first` and `second` as two shards of `d` with transformers' index."""
+    import json
+
+    from safetensors.torch import save_file
+    d.mkdir()
+    index = {}
+    for name, part in (("a.safetensors", first), ("b.safetensors", second)):
+        save_file(part, str(d / name))
+        index.update({k: name for k in part})
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": index}))
+
+
+def test_checkpoint_files_are_checked_before_any_weight_is_read(engine_cfg, tmp_path, caplog):
+    """Every shard's header is read first: a missing shard, an index naming a tensor its
+    shard lacks, a wrong shape or a non-float dtype in the last shard were found only as
+    its group was reached (every earlier group read and written to swap by then), or
+    not at all (an int tensor was cast); each is refused naming the tensor and file."""
+    import logging
+    import traceback
+    pytest.importorskip("safetensors")
+    torch.manual_seed(8)
+    sd = {k: v for k, v in TiedTwice().state_dict().items() if k != "head.weight"}
+    first = {k: v for k, v in sd.items() if k in ("emb.weight", "scale", "l1.weight")}
+    second = {k: v for k, v in sd.items() if k not in first}
+    cases = {
+        "shard": (dict(second), r"puts '.*' .* in .*b.safetensors, which does not exist"),
+        "index": (dict(second), r"index .* puts 'l2.bias' in .*b.safetensors, which does "
+                                r"not hold it"),
+        "shape": ({**second, "l2.bias": torch.zeros(33)},
+                  r"tensor 'l2.bias' \(.*b.safetensors\) for l2.bias has shape \(33,\), the "
+                  r"model expects \(32,\)"),
+        "dtype": ({**second, "l2.bias": torch.zeros(32, dtype=torch.int32)},
+                  r"tensor 'l2.bias' .* is I32, not a floating-point dtype"),
+    }
+    for case, (part, match) in cases.items():
+        d = tmp_path / case
+        _shards(d, first, part)
+        if case == "shard":
+            (d / "b.safetensors").unlink()
+        if case == "index":
+            from safetensors.torch import save_file
+            save_file({k: v for k, v in part.items() if k != "l2.bias"}, str(d / "b.safetensors"))
+        with pytest.raises((ValueError, FileNotFoundError), match=match) as err:
+            offload.initialize(lambda: TiedTwice(), engine_cfg("host", group_size=600),
+                               checkpoint=d)
+        assert "_materialise" not in "".join(traceback.format_tb(err.value.__traceback__))
+    # untied in the file, tied in the model: the last name's values, with a warning;
+    # a tensor no name matches is named
+    d = tmp_path / "untied"
+    head = torch.randn(64, 32)
+    _shards(d, first, {**second, "head.weight": head, "extra.weight": torch.zeros(2)})
+    with caplog.at_level(logging.WARNING, logger="offload"), \
+            offload.initialize(lambda: TiedTwice(), engine_cfg("host"), checkpoint=d) as engine:
+        got = engine.state_dict()
+    assert torch.equal(got["emb.weight"], head) and torch.equal(got["head.weight"], head)
+    assert "'emb.weight' and 'head.weight' hold different values" in caplog.text
+    assert "match no parameter or buffer of the model and are not loaded: extra.weight" \
+        in caplog.text
+
+
 def test_failed_initialize_leaves_the_model_whole(engine_cfg, tmp_path):
     torch.manual_seed(6)
     model = TiedTwice()
