@@ -342,7 +342,7 @@ def initialize(model: nn.Module | Callable[[], nn.Module],
                             engine.optimizer.add_partition(
                                 g.gid, shard if shared else shard.clone(),
                                 tier=cfg.engine.optimizer, master_is_param=shared,
-                                segments=segments)
+                                segments=segments, origin=g.origin(comm.rank))
                         del full, shard
                     # a materialised meta group is freed at once: no process holds all
                     if was_meta:

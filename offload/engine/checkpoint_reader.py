@@ -381,6 +381,7 @@ class CheckpointReader:
                 g.gid, param if shared else state["master"], tier=engine.cfg.engine.optimizer,
                 master_is_param=shared, exp_avg=state["exp_avg"],
                 exp_avg_sq=state["exp_avg_sq"], step=step, segments=segments,
+                origin=g.origin(rank),
                 segment_steps=None if slots is None else [
                     0 if s is None else self._param_steps.get(self.name_of(g.slots[s]), step)
                     for s in slots])  # padding never has a gradient: its count stays 0

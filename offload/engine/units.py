@@ -54,6 +54,13 @@ class Group:
     shard: int          # elements per rank
     world: int
     requires_grad: bool
+    base: int = 0       # elements of the groups before it: its place in the model's weights
+
+    def origin(self, rank: int) -> int:
+        """The model-wide index of `rank`'s partition's first element, the same on any
+        number of ranks (bf16 moments' rounding: [Note: stochastic rounding] in
+        offload/optim/codec.py)."""
+        return self.base + rank * self.shard
 
     @property
     def padded(self) -> int:
@@ -154,7 +161,8 @@ def build_units(model: nn.Module, group_size: int, world: int,
                 s.offset = off
                 off += s.numel
             shard = _round_up(max(1, -(-off // world)), SHARD_ALIGN)
-            g = Group(len(groups), slots, off, shard, world, trainable)
+            g = Group(len(groups), slots, off, shard, world, trainable,
+                      base=sum(h.numel for h in groups))
             groups.append(g)
             for s in slots:
                 owner[id(s.param)] = g.gid

@@ -179,7 +179,7 @@ class BlockUpdater:
     # -- the update ----------------------------------------------------------------
     def update(self, runs: list[Run], base: int, master: torch.Tensor, grad: torch.Tensor,
                exp_avg: Moment, exp_avg_sq: Moment, out: torch.Tensor | None,
-               grad_scale: float, src: torch.Tensor | None = None) -> None:
+               grad_scale: float, src: torch.Tensor | None = None, *, origin: int = 0) -> None:
         """Elements [base, base + n) of a partition: `master`, `exp_avg`, `exp_avg_sq`
         and `out` (the compute-dtype copy, or None) are their views (n elements,
         base a multiple of QBLOCK where the moments are int8), `grad` the whole
@@ -187,7 +187,8 @@ class BlockUpdater:
         None to leave alone, update count) in partition coordinates. `src`: the
         master's current values where they are not in `master` (n elements, read
         only; `master` receives the new ones): the native kernel reads them tile by
-        tile as it goes, the other paths copy them into `master` first."""
+        tile as it goes, the other paths copy them into `master` first. `origin`: the
+        index of the partition's element 0 in bf16 moments' rounding."""
         n = master.numel()
         nb = -(-n // self.block)
         if src is not None and self.native is None:
@@ -208,7 +209,7 @@ class BlockUpdater:
             todo = [(max(a, base) - base, min(a + k, base + n) - base, h, st)
                     for a, k, h, st in runs if max(a, base) < min(a + k, base + n)]
             claim = self.native.claimer(master, grad[base:base + n], exp_avg, exp_avg_sq,
-                                        out, grad_scale, todo, first=base, src=src)
+                                        out, grad_scale, todo, first=origin + base, src=src)
             self._each(lambda w: claim())
             return
 
@@ -216,7 +217,7 @@ class BlockUpdater:
             lo = b * self.block
             hi = min(n, lo + self.block)
             self._block(w, runs, base, lo, hi, master, grad, exp_avg, exp_avg_sq, out,
-                        grad_scale, src)
+                        grad_scale, src, origin)
         if nb <= 1 or self.threads == 1:
             for b in range(nb):
                 block(self._main, b)
@@ -233,9 +234,9 @@ class BlockUpdater:
     def _block(self, w: _Worker, runs: list[Run], base: int, lo: int, hi: int,
                master: torch.Tensor, grad: torch.Tensor, exp_avg: Moment, exp_avg_sq: Moment,
                out: torch.Tensor | None, grad_scale: float,
-               src: torch.Tensor | None = None) -> None:
+               src: torch.Tensor | None = None, origin: int = 0) -> None:
         """One cache block [lo, hi) of the chunk: decode, update each run, encode
-        (`src`, native kernel only: as in `update`)."""
+        (`src`, native kernel only, and `origin`: as in `update`)."""
         todo = [(max(a, base + lo), min(a + k, base + hi), h, st) for a, k, h, st in runs
                 if max(a, base + lo) < min(a + k, base + hi)]
         if self.native is not None:
@@ -243,7 +244,7 @@ class BlockUpdater:
             self.native.block(master[lo:hi], grad[at:base + hi], exp_avg[lo:hi],
                               exp_avg_sq[lo:hi], None if out is None else out[lo:hi],
                               grad_scale, [(i - at, j - at, h, st) for i, j, h, st in todo],
-                              first=at, src=None if src is None else src[lo:hi])
+                              first=origin + at, src=None if src is None else src[lo:hi])
             return
         ma, va = exp_avg[lo:hi], exp_avg_sq[lo:hi]
         coded = ma.data.dtype != torch.float32
@@ -265,9 +266,10 @@ class BlockUpdater:
             w.kernel.update(p, grad[i:j], m[x - lo:y - lo], v[x - lo:y - lo], step=step + 1,
                             hyper=hyper, grad_scale=grad_scale, param_out=o)
             if bf16:  # the updated elements, rounded stochastically; the rest keep their bits
-                h = rounding_hash(i, y - x, step + 1, m.device)  # one hash for both
+                at = origin + i  # the element's place in the model ([Note: stochastic ...])
+                h = rounding_hash(at, y - x, step + 1, m.device)  # one hash for both
                 for f, mom in ((m, ma), (v, va)):
-                    encode_stochastic(f[x - lo:y - lo], mom[x - lo:y - lo], i, step + 1, h)
+                    encode_stochastic(f[x - lo:y - lo], mom[x - lo:y - lo], at, step + 1, h)
         if coded and busy and not bf16:
             encode(m, ma, w.tmp[:hi - lo])
             encode(v, va, w.tmp[:hi - lo])

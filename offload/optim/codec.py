@@ -53,10 +53,11 @@ rounds to nearest; a value already a bf16 one is kept either way.
 
 The random bits must be the same on every path (the native kernel's vector
 and scalar loops, the torch path in blocks.py, on any device) and not depend
-on how the update is cut (chunks, cache blocks, threads, claim units): they
-are a hash of the element's index in its partition (mod 2^32) and the update
-count of the run that updates it (the step number Adam's bias correction
-uses), one half of it for each moment:
+on how the update is cut (chunks, cache blocks, threads, claim units), nor on
+how many ranks share the weights: they are a hash of the element's index (mod
+2^32; its place in the model's weights, the partition's `origin` plus its
+place in the partition) and the update count of the run that updates it (the
+step number Adam's bias correction uses), one half of it for each moment:
 
     key = mix32(count mod 2^32)                  once per run
     h   = mix32((index mod 2^32) ^ key)          per element

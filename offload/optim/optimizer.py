@@ -299,7 +299,8 @@ class CpuAdam(StateAccess, TorchOptimizerView):
                       exp_avg_sq: torch.Tensor | None = None,
                       master_is_param: bool = False,
                       segments: Sequence[tuple[int, int, int]] | None = None,
-                      step: int = 0, segment_steps: Sequence[int] | None = None) -> None:
+                      step: int = 0, segment_steps: Sequence[int] | None = None,
+                      origin: int = 0) -> None:
         """Registers a partition at `step` (completed updates: 0 for a fresh one, a
         checkpoint's count on resume), with zero moments unless given.
 
@@ -317,6 +318,10 @@ class CpuAdam(StateAccess, TorchOptimizerView):
         segments: (first element, elements, parameter group) of consecutive ranges
         covering the partition in order ([Note: segments]); default one segment
         of `group`. segment_steps: each segment's update count (default `step`).
+        origin: the index of element 0 in bf16 moments' stochastic rounding ([Note:
+        stochastic rounding] in codec.py): its place in what the caller shards (the
+        engine: the model's flat weights), so that the bits do not depend on how many
+        ranks share it.
         """
         with self._lock:
             tier = optim_tier(tier)
@@ -324,6 +329,8 @@ class CpuAdam(StateAccess, TorchOptimizerView):
                 raise ValueError(f"partition {pid!r} is already registered")
             if step < 0:
                 raise ValueError(f"partition {pid!r}: step {step} is negative")
+            if origin < 0:
+                raise ValueError(f"partition {pid!r}: origin {origin} is negative")
             if not 0 <= group < len(self.param_groups):
                 raise ValueError(f"group {group} out of range 0..{len(self.param_groups) - 1}")
             if not isinstance(master, torch.Tensor):
@@ -348,9 +355,10 @@ class CpuAdam(StateAccess, TorchOptimizerView):
                 a, s = (self._host_moment(k, t, master.numel())
                         for k, t in zip(("exp_avg", "exp_avg_sq"), moments))
                 part = PartitionState(pid, master.numel(), group, tier, layout, step=step,
-                                      host=(kept, a, s), segments=segs)
+                                      host=(kept, a, s), segments=segs, origin=origin)
             else:
-                part = PartitionState(pid, master.numel(), group, tier, layout, segments=segs)
+                part = PartitionState(pid, master.numel(), group, tier, layout, segments=segs,
+                                      origin=origin)
                 part.commit(self._need_pipeline(pid).swap,
                             self._write_new(part, kept, *moments), step=step)
             part.seg_steps = self._checked_seg_steps(
@@ -717,14 +725,14 @@ class CpuAdam(StateAccess, TorchOptimizerView):
                              part.seg_steps[i], key])
         return [(lo, n, h, st) for lo, n, h, st, _ in runs]
 
-    def _apply(self, runs: list, base: int, m: torch.Tensor, g: torch.Tensor, a: Moment,
-               s: Moment, o: torch.Tensor | None, grad_scale: float,
-               src: torch.Tensor | None = None) -> None:
+    def _apply(self, part: PartitionState, runs: list, base: int, m: torch.Tensor,
+               g: torch.Tensor, a: Moment, s: Moment, o: torch.Tensor | None,
+               grad_scale: float, src: torch.Tensor | None = None) -> None:
         """The update of elements [base, base + m.numel()) (`m`, `a`, `s`, `o` are their
         views; `g` the whole partition's gradient) by `runs` (see `_runs`), one cache
         block at a time ([Note: blocks on worker threads] in blocks.py). `src`: the
         master's current values where `m` is a fresh buffer (`masters` of `update`)."""
-        self.kernel.update(runs, base, m, g, a, s, o, grad_scale, src)
+        self.kernel.update(runs, base, m, g, a, s, o, grad_scale, src, origin=part.origin)
 
     def _count_segments(self, part: PartitionState, runs: list, final: bool) -> None:
         """Advances the update count of each segment that had a gradient."""
@@ -761,7 +769,8 @@ class CpuAdam(StateAccess, TorchOptimizerView):
             m, o = _master_and_out(m, out.get(p.pid))
             with self.recorder.span("optim:update", cat="compute", track="optim",
                                     partition=str(p.pid), elems=p.numel):
-                self._apply(runs[p.pid], 0, m, g[p.pid], a, s, o, grad_scale, mins.get(p.pid))
+                self._apply(p, runs[p.pid], 0, m, g[p.pid], a, s, o, grad_scale,
+                            mins.get(p.pid))
             p.step += 1
             self._count_segments(p, runs[p.pid], final)
             done.append(p.pid)
@@ -772,7 +781,7 @@ class CpuAdam(StateAccess, TorchOptimizerView):
             o = out.get(p.pid)
             m, o = _master_and_out(m, None if o is None else o[lo:lo + n])
             src = mins.get(p.pid)
-            self._apply(runs[p.pid], lo, m, g[p.pid], a, s, o, grad_scale,
+            self._apply(p, runs[p.pid], lo, m, g[p.pid], a, s, o, grad_scale,
                         None if src is None else src[lo:lo + n])
         then = self._parts.get(next_pid) if next_pid is not None else None
         if then is not None and (then.tier is not Tier.NVME or then.pid in g

@@ -127,6 +127,7 @@ class PartitionState:
     extents: list[SwapExtent] | None = field(default=None, repr=False)
     segments: tuple[Segment, ...] = ()
     seg_steps: list[int] = field(default_factory=list)
+    origin: int = 0  # element 0's index in bf16 moments' rounding ([Note: stochastic rounding])
 
     def __post_init__(self) -> None:
         if not self.segments:

@@ -138,6 +138,33 @@ def test_nvme_state_is_bit_identical_to_host_state(swap, pool, state_dtype):
     nvme.close()
 
 
+@pytest.mark.parametrize("kernel", ["auto", "foreach"])
+@pytest.mark.parametrize("tier", ["host", "nvme"])
+def test_bf16_rounding_follows_the_elements_place_not_its_partition(swap, pool, tier,
+                                                                     kernel):
+    """A partition registered at `origin` k draws the rounding bits of elements k.. of
+    one whole partition: cut into partitions otherwise (another number of ranks), the
+    same moments, bit for bit, on every kernel path."""
+    cfg = _cfg("bf16", kernel=kernel)
+    g = torch.Generator().manual_seed(11)
+    n = CHUNK + 300
+    whole_m = torch.randn(2 * n, generator=g)
+    whole, parts = CpuAdam(cfg, swap=swap, pool=pool), CpuAdam(cfg, swap=swap, pool=pool)
+    whole.add_partition("w", whole_m.clone(), tier=tier)
+    parts.add_partition("a", whole_m[:n].clone(), tier=tier, origin=0)
+    parts.add_partition("b", whole_m[n:].clone(), tier=tier, origin=n)
+    for s in range(3):
+        grad = grads_for({"w": 2 * n}, seed=s)["w"]
+        whole.step({"w": grad})
+        parts.step({"a": grad[:n].clone(), "b": grad[n:].clone()})
+    w, a, b = (opt.partition_state(pid) for opt, pid in ((whole, "w"), (parts, "a"),
+                                                          (parts, "b")))
+    for k in ("exp_avg", "exp_avg_sq"):
+        assert torch.equal(w[k], torch.cat([a[k], b[k]])), k
+    whole.close()
+    parts.close()
+
+
 @pytest.mark.parametrize("state_dtype", DTYPES)
 def test_state_dict_carries_the_stored_form_and_round_trips(swap, pool, state_dtype):
     cfg = _cfg(state_dtype)
