@@ -259,6 +259,8 @@ def initialize(model: nn.Module | Callable[[], nn.Module],
             raise ConfigError("initialize: pass checkpoint (initial weights) or resume (a "
                               "whole training state), not both")
         ckpt = SafetensorsCheckpoint(checkpoint) if checkpoint is not None else None
+        if ckpt is not None:
+            ckpt.adopt(model)  # [Note: transformers' conversions] in checkpoint.py
         resumed = CheckpointReader(resume) if resume is not None else None
         _materialise_buffers(model, cfg.engine.seed,
                              resumed.buffer_names() if resumed is not None

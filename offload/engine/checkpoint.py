@@ -25,6 +25,29 @@ _T = TypeVar("_T")
 _FLOATS = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2")
 
 
+def _natural(name: str) -> tuple:
+    """A sort key ordering `experts.10` after `experts.9`."""
+    return tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in name.split("."))
+
+
+def _conversions(model: Any) -> tuple[list, list, Callable] | None:
+    """transformers' (renamings, converters, rename_source_key) for `model`, where it is
+    a transformers 5 model with any; else None ([Note: transformers' conversions])."""
+    try:
+        from transformers import PreTrainedModel
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import (WeightConverter, WeightRenaming,
+                                                     rename_source_key)
+    except ImportError:
+        return None
+    if not isinstance(model, PreTrainedModel):
+        return None
+    transforms = get_model_conversion_mapping(model)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    return (renamings, converters, rename_source_key) if transforms else None
+
+
 def _header(h: Any) -> dict[str, tuple[tuple[int, ...], str]]:
     """{name: (shape, safetensors dtype)} of an open safetensors file."""
     out = {}
@@ -96,6 +119,95 @@ class SafetensorsCheckpoint:
                         "(without it every shard's tensors are loaded by their names)")
         self.files = files if p.is_dir() and index.is_file() else held
         self._resolved: dict[str, str | None] = {}
+        self._stored = dict(self.files)  # every stored name: the file that holds it
+        # a model's name made of stored ones: renamed (name), or converted (converter,
+        # {source pattern: stored names in order}); [Note: transformers' conversions]
+        self._made: dict[str, Any] = {}
+
+    def adopt(self, model: Any) -> None:
+        """Takes transformers' checkpoint conversions for `model` (transformers 5: its
+        renamings and weight converters), so that names a checkpoint stores in
+        another layout resolve to the model's.
+
+        [Note: transformers' conversions]
+        transformers 5 reads some models' checkpoints in another layout than its
+        modules: Mixtral's experts stored one tensor each (`block_sparse_moe.experts.
+        K.w1.weight`) become one stacked `mlp.experts.gate_up_proj`; GPT-NeoX's
+        `embed_out` is `lm_head`. Its `save_pretrained` writes the stored layout back,
+        so the files a user has are in it. `get_model_conversion_mapping` gives the
+        renamings and converters; each stored name is renamed as `from_pretrained`
+        renames it, and a converted parameter is made, when its group is read, by the
+        converter's own operations on its stored tensors (one parameter's at a time).
+        The stored names it consumes are then used, not "matched by nothing"."""
+        conv = _conversions(model)
+        if conv is None:
+            return
+        renamings, converters, rename = conv
+        ours = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+        ours |= {n for n, _ in model.named_buffers(remove_duplicate=False)}
+        tails = {".".join(n.split(".")[i:]) for n in ours for i in range(n.count(".") + 1)}
+        made: dict[str, Any] = {}
+        for key in list(self._stored):
+            new, pattern = rename(key, renamings, converters)
+            if new == key or new in self._stored or not (
+                    new in tails or any(".".join(new.split(".")[i:]) in ours
+                                        for i in range(new.count(".") + 1))):
+                continue  # not renamed, or into a name the model does not have
+            if pattern is None:
+                made[new] = key
+                continue
+            cv = next(c for c in converters if pattern in c.source_patterns)
+            made.setdefault(new, (cv, {}))[1].setdefault(pattern, []).append(key)
+        for new, how in made.items():
+            if isinstance(how, str):  # renamed
+                sources, self._made[new] = [how], how
+                self.specs[new] = self.specs[how]
+            else:  # converted: its stored tensors in their order (expert 2 before 10)
+                for ks in how[1].values():
+                    ks.sort(key=_natural)
+                sources = [k for ks in how[1].values() for k in ks]
+                self._made[new] = (*how, model)
+                self.specs[new] = (self._shape_of(new), self.specs[sources[0]][1])
+            for k in sources:
+                self.files.pop(k, None)
+            self.files[new] = self._stored[sources[0]]
+        self._resolved.clear()
+
+    def _shape_of(self, name: str) -> tuple[int, ...]:
+        """The shape a conversion gives, from its stored tensors' shapes (on meta)."""
+        try:
+            return tuple(self._convert(name, meta=True).shape)
+        except Exception as e:  # noqa: BLE001 - an operation that needs the values
+            raise ValueError(f"checkpoint: transformers' conversion of {name!r} cannot be "
+                             f"followed without reading its tensors ({type(e).__name__}: "
+                             f"{e}); load this model with transformers' from_pretrained and "
+                             "pass it to initialize without checkpoint=") from e
+
+    def _tensor(self, name: str) -> torch.Tensor:
+        """The tensor the model's name `name` resolved to: stored, or made from stored
+        ones ([Note: transformers' conversions])."""
+        how = self._made.get(name)
+        if how is None:
+            return self._read(self._stored[name], lambda h: h.get_tensor(name))
+        if isinstance(how, str):
+            return self._read(self._stored[how], lambda h: h.get_tensor(how))
+        return self._convert(name)
+
+    def _convert(self, name: str, meta: bool = False) -> torch.Tensor:
+        cv, sources, model = self._made[name]
+        tensors = {p: [torch.empty(self.specs[k][0], device="meta") if meta else
+                       self._read(self._stored[k], lambda h, k=k: h.get_tensor(k)) for k in ks]
+                   for p, ks in sources.items()}
+        for op in cv.operations:
+            tensors = op.convert(tensors, source_patterns=cv.source_patterns,
+                                 target_patterns=cv.target_patterns, full_layer_name=name,
+                                 model=model, config=getattr(model, "config", None),
+                                 missing_keys=None)
+        if len(tensors) != 1:
+            raise ValueError(f"checkpoint: transformers' conversion of {name!r} gave "
+                             f"{sorted(tensors)}, not one tensor; load this model with "
+                             "transformers' from_pretrained and pass it without checkpoint=")
+        return next(iter(tensors.values()))
 
     def _read(self, f: Path, what: Callable[[Any], _T]) -> _T:
         """`what(handle)` of safetensors file `f`; a file that is not one is named."""
@@ -137,7 +249,7 @@ class SafetensorsCheckpoint:
         with different values (an untied checkpoint for a tied model), the last name's
         is taken, as torch's `load_state_dict` takes it, with a warning."""
         names = list(dict.fromkeys(filter(None, map(self.resolve, fqns))))
-        found = [self._read(self.files[n], lambda h, n=n: h.get_tensor(n)) for n in names]
+        found = [self._tensor(n) for n in names]
         if len(found) > 1 and not all(torch.equal(t, found[-1]) for t in found):
             log.warning("checkpoint: %s hold different values for one tied parameter of the "
                         "model (untied in the checkpoint): %r's are loaded, as torch's "

@@ -183,6 +183,47 @@ def test_checkpoint_dir_loads_the_persistent_buffers_save_pretrained_wrote(engin
         engine.close()
 
 
+def _mixtral():
+    return transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=11,
+        max_position_embeddings=32))
+
+
+def _neox():
+    return transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, max_position_embeddings=32))
+
+
+@pytest.mark.parametrize("build", [_mixtral, _neox], ids=["mixtral", "gpt-neox"])
+def test_checkpoint_dir_in_the_layout_transformers_stores(engine_cfg, tmp_path, caplog, build):
+    """[Note: transformers' conversions]: transformers 5 stores Mixtral's experts one
+    tensor each and GPT-NeoX's head as `embed_out`, and converts them as it loads;
+    `checkpoint=` does too (the experts and the head were left at random init)."""
+    import logging
+    pytest.importorskip("transformers.conversion_mapping",
+                        reason="transformers before 5 stores the modules' own names")
+    torch.manual_seed(0)
+    ref = build()
+    ref.save_pretrained(tmp_path / "hf")
+    stored = set()
+    for f in (tmp_path / "hf").glob("*.safetensors"):
+        stored |= set(safetensors_torch.load_file(f))
+    assert not stored <= set(ref.state_dict())  # the stored layout is not the modules'
+    with caplog.at_level(logging.WARNING, logger="offload"), \
+            offload.initialize(build, _cfg(engine_cfg), checkpoint=tmp_path / "hf") as engine:
+        got = engine.state_dict()
+        x = torch.randint(0, VOCAB, (2, 8))
+        with torch.no_grad():
+            out = engine(x).logits
+    assert "not in checkpoint" not in caplog.text and "match no" not in caplog.text
+    for k, v in ref.state_dict().items():
+        assert torch.equal(got[k], v), k
+    with torch.no_grad():
+        assert torch.equal(out, ref(x).logits)
+
+
 @pytest.mark.xfail(strict=True, reason=(
     "Documented limitation (docs/model.md, 'Freezing'): with engine.dtype bf16/fp16 a "
     "frozen group has no fp32 master and keeps only its compute-dtype partition, so "
