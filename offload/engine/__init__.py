@@ -83,6 +83,16 @@ def _refuse_wrapped(model: nn.Module) -> None:
                 "for its weights)")
 
 
+def _warn_unused_scaling(e: Any) -> None:
+    """Loss-scaling keys set where engine.dtype is not fp16 (they would be ignored)."""
+    scaling = [k for k in ("loss_scale", "initial_loss_scale", "loss_scale_window",
+                           "min_loss_scale")
+               if getattr(e, k) != type(e).__dataclass_fields__[k].default]
+    if scaling and e.dtype != "fp16":
+        log.warning("engine.%s: loss scaling is for engine.dtype 'fp16'; with %r it is not "
+                    "used (bf16 and fp32 gradients need none)", scaling[0], e.dtype)
+
+
 def _refuse_unsupported(model: nn.Module, dtype: str) -> None:
     """Raises `ConfigError` naming the first module the engine cannot run as torch does:
     an embedding with `max_norm` renormalises the rows it looks up in place inside
@@ -255,6 +265,7 @@ def initialize(model: nn.Module | Callable[[], nn.Module],
         _report_huge_pages()
         model = _model_of(model, lr_lambda)
         _refuse_unsupported(model, cfg.engine.dtype)
+        _warn_unused_scaling(cfg.engine)
         if checkpoint is not None and resume is not None:
             raise ConfigError("initialize: pass checkpoint (initial weights) or resume (a "
                               "whole training state), not both")

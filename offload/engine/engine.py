@@ -126,12 +126,6 @@ class OffloadEngine(ModelWeights, GradPartitions, GatheredWeights, nn.Module):
         self._in_backward = False  # engine.backward() is running: [Note: backward runs here]
         e = cfg.engine  # fp16: a fixed loss scale, or dynamic scaling's first one
         self.loss_scale = (e.loss_scale or e.initial_loss_scale) if e.dtype == "fp16" else 1.0
-        scaling = [k for k in ("loss_scale", "initial_loss_scale", "loss_scale_window",
-                               "min_loss_scale")
-                   if getattr(e, k) != type(e).__dataclass_fields__[k].default]
-        if scaling and e.dtype != "fp16":
-            log.warning("engine.%s: loss scaling is for engine.dtype 'fp16'; with %r it is "
-                        "not used (bf16 and fp32 gradients need none)", scaling[0], e.dtype)
         self._good_steps = 0
         self._grad_tier, self._param_tier = _TIERS[cfg.engine.grads], _TIERS[cfg.engine.params]
         # fp32 partitions the CPU optimizer can update where they are: see [Note: what
