@@ -70,7 +70,7 @@ def _with_old_versions(model: nn.Module, state_dict: Mapping[str, Any]) -> Mappi
     fills it in; the key is then neither missing nor loaded."""
     metadata = getattr(state_dict, "_metadata", None) or {}
     added = {}
-    for prefix, module in model.named_modules():
+    for prefix, module in model.named_modules(remove_duplicate=False):  # every name
         key = f"{prefix}.num_batches_tracked" if prefix else "num_batches_tracked"
         version = metadata.get(prefix, {}).get("version")
         if (isinstance(module, nn.modules.batchnorm._NormBase) and key not in state_dict
@@ -530,10 +530,18 @@ class ModelWeights:
     def _export_stream(self, order: list, dtype: torch.dtype | None
                        ) -> Iterator[tuple[str, torch.Tensor]]:
         names = self._slot_names()
+        live = {}  # an open block's full weights, its edits included (as state_dict's)
+        for _, t, is_param in state_entries(self.module):
+            if is_param and self.registered.locate(t) is None:
+                where = self.registered.locate(t, summoned=True)
+                if where is not None:
+                    live[where] = t.detach()
         for g in self.groups:
             full = read_group(self, g)
             for i, t in enumerate(slot_tensors(self, g, full)):
                 name = names[(g.gid, i)][0]
+                if (g.gid, i) in live:
+                    t = live[(g.gid, i)].to(t.dtype).reshape(t.shape)
                 if self.tp is not None:  # every TP rank's slice, put together
                     t = self.tp.full(name, t, self.device)
                 yield name, t.to(dtype) if dtype else t

@@ -265,9 +265,10 @@ def check_disk(cfg: OffloadConfig, groups: list[Group], dtype: torch.dtype,
     total = sum(placed.values())
     # in a step also the optimizer state's new version beside the old ([Note: all or
     # nothing] in step.py) and the gradients homed on NVMe: the budget's ledger counts both
-    grads = sum(footprint(g.shard * 4) for g in groups if g.requires_grad) \
-        if cfg.engine.grads == "nvme" and not _early_updates(cfg) else 0
-    step = total + placed.get("optim", 0) + grads
+    kinds = {**placed, "optim": 2 * placed.get("optim", 0)}  # by swap space
+    if cfg.engine.grads == "nvme" and not _early_updates(cfg):
+        kinds["grad"] = sum(footprint(g.shard * 4) for g in groups if g.requires_grad)
+    step = sum(kinds.values())
     if not step:
         return
     how = ("keep less on NVMe (engine.params, engine.grads or engine.optimizer \"host\", "
@@ -279,12 +280,18 @@ def check_disk(cfg: OffloadConfig, groups: list[Group], dtype: torch.dtype,
             f"a step ({format_bytes(total)} of state placed at initialize, the optimizer "
             "state's new version beside the old while a step is open, gradients homed on "
             f"NVMe); raise it to at least {step} bytes (0: no limit), or {how}")
-    for kind, n in placed.items():
-        if cfg.io.max_swap_size and n > cfg.io.max_swap_size:
-            raise ConfigError(
-                f"io.max_swap_size: {format_bytes(cfg.io.max_swap_size)} is below the "
-                f"{format_bytes(n)} ({n} bytes) of {kind} state per rank this model places "
-                f"on NVMe; raise it to at least {n} bytes (0: no limit), or {how}")
+    # the limit is each swap file's size: the optimizer's holds both versions, and its
+    # freed extents are holes that a later chunk may not fit (one partition's worth)
+    files = {**kinds, "optim": kinds["optim"] + max(
+        (moment_bytes(cfg.optim.state_dtype, g.shard) + 4 * g.shard for g in groups),
+        default=0) if kinds["optim"] else 0}
+    kind, n = max(files.items(), key=lambda kv: kv[1])
+    if cfg.io.max_swap_size and n > cfg.io.max_swap_size:
+        raise ConfigError(
+            f"io.max_swap_size: {format_bytes(cfg.io.max_swap_size)} is below the "
+            f"{format_bytes(n)} ({n} bytes) of {kind} state per rank this model keeps "
+            f"on NVMe during a step{' (both versions)' if kind == 'optim' else ''}; raise "
+            f"it to at least {n} bytes (0: no limit), or {how}")
     me = disk_share(cfg, groups, dtype)
     for i, path in enumerate(cfg.io.paths):
         usage = shutil.disk_usage(existing_ancestor(path))

@@ -295,6 +295,34 @@ def test_calls_inside_a_read_only_full_weights_block(engine_cfg, tmp_path):
         engine.close()
 
 
+def test_save_pretrained_inside_a_writable_block_writes_the_edits(engine_cfg, tmp_path):
+    """As state_dict there: the block's weights as they are at the call (it wrote the
+    weights from before the block)."""
+    engine, _ = _engine(engine_cfg, PLACEMENTS[2])
+    try:
+        with engine.full_weights("block", writable=True) as w:
+            w["block.0.weight"].data.fill_(7.0)
+            engine.save_pretrained(tmp_path / "edited")
+            inside = engine.state_dict()
+        saved = load_file(tmp_path / "edited" / "model.safetensors")
+        assert (saved["block.0.weight"] == 7.0).all()
+        assert all(torch.equal(v, inside[k]) for k, v in saved.items())
+    finally:
+        engine.close()
+
+
+def test_an_old_dict_loads_into_a_batchnorm_under_two_names(engine_cfg):
+    """A BatchNorm registered under two names: both names' batch counts are filled in
+    from the module, as torch's load_state_dict fills them."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    model.again = model[1]
+    old = {k: v for k, v in model.state_dict().items() if "num_batches" not in k}
+    plain = copy.deepcopy(model)
+    assert not plain.load_state_dict(old).missing_keys
+    with offload.initialize(model, engine_cfg("host")) as engine:
+        assert not engine.load_state_dict(old).missing_keys
+
+
 def test_forward_without_autograd_fetches_the_next_units_ahead(engine_cfg):
     """[Note: forward-only prefetch]: with every parameter partition back on NVMe, when a
     unit of a no_grad pass starts, the groups of the units after it are on their way."""
