@@ -106,9 +106,11 @@ def integer(min: int | None = None, max: int | None = None, *, multiple: int = 1
 
 
 def ranks() -> Callable[[str], int]:
-    """`--nproc`: 1 to four processes per CPU core (at least 8); more would spend the
-    run starting processes, and their partitions' padding would dwarf the model."""
-    return integer(1, max(8, 4 * (os.cpu_count() or 1)), example=2)
+    """`--nproc`: 1 to four processes per CPU this process may use (at least 8); more
+    would spend the run starting processes, and their partitions' padding would dwarf
+    the model."""
+    from ..io.process import usable_cpus
+    return integer(1, max(8, 4 * usable_cpus()), example=2)
 
 
 def number(min: float | None = None, *, above: bool = False, max: float | None = None,

@@ -101,8 +101,10 @@ class Collectives:
 
         The sum runs in `full_grad`'s dtype (the bytes on the wire); the slice is
         `out_dtype` (default the same), divided by the world size in that dtype, so a
-        bf16 reduction gives an fp32 mean without a second rounding; an fp16 one is
-        divided before the sum, which could overflow where the mean does not. The slice is
+        bf16 reduction gives an fp32 mean without a second rounding. An fp16 one is
+        divided before the sum, which could overflow where the mean does not (as
+        DDP's fp16 hook: a second rounding, exact for a power-of-two world, and
+        values below world x 6e-8 flushed to zero). The slice is
         valid once the handle is waited on. `full_grad` may be overwritten; with a
         world of 1 the slice is `full_grad` itself (no copy; `out_dtype` must be its
         dtype). See [Note: reduce-scatter on gloo].

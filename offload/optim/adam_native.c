@@ -9,7 +9,7 @@
  * codec.py), divide the gradient by `grad_scale`, apply weight decay, update
  * the moments and the master, write master and moments back (re-encoded; bf16
  * moments rounded stochastically, with random bits from a hash of the element's
- * index in its partition and the run's update count, see to_bf16_sr) and the
+ * model-wide index and the run's update count, see to_bf16_sr) and the
  * compute-dtype copy (bf16 or fp16, round to nearest even). The math is
  * the operation order of torch's fused CPU Adam (torch._fused_adamw_) in fp32,
  * fused multiply-adds where torch's vector loop has them (the lerp of exp_avg,
@@ -79,7 +79,7 @@ typedef struct {
     float grad_scale;
     int32_t stream;      /* the CPU has AVX2 and F16C: store_half_stream */
     int32_t avx512;      /* the CPU has AVX-512 F, BW, VL: adam_avx512 and the codecs */
-    int64_t first;       /* the partition's index of element 0 (stochastic rounding) */
+    int64_t first;       /* element 0's model-wide index (stochastic rounding) */
 } block_args;
 
 /* ---- conversions ------------------------------------------------------- */
@@ -125,7 +125,7 @@ INLINE uint16_t to_bf16_sr(float x, uint32_t r16) {
     return x != x ? (uint16_t)BF16_NAN : (uint16_t)r;
 }
 
-/* k elements of both moments, the first with partition index `index` */
+/* k elements of both moments, the first with model-wide index `index` */
 INLINE void store_bf16_sr(uint16_t *restrict m, uint16_t *restrict v, const float *restrict mf,
                           const float *restrict vf, int64_t k, uint32_t index, uint32_t key) {
     for (int64_t i = 0; i < k; i++) {
@@ -351,7 +351,7 @@ enum { COPY_NONE = 0, COPY_BF16 = 1, COPY_FP16 = 2 };
 typedef struct {
     __m512 w, w1, wd, decay, b2, b2c, step, bc2, eps, gs;
     __m512i iota, key;           /* lane numbers; the run's key (bf16 moments) */
-    uint32_t index;              /* partition index of element 0, mod 2^32 */
+    uint32_t index;              /* model-wide index of element 0, mod 2^32 */
     int small, adamw, l2;
 } adam_vec;
 
@@ -408,7 +408,7 @@ AVX512_INLINE void adam_vec_loop(int64_t k, float *p, const float *pin, const fl
 }
 
 /* k elements as adam_math, with m, v fp32 or bf16 (`bf16m`; in place either way,
- * bf16 rounded as to_bf16_sr, `index` element 0's partition index), sq as there or
+ * bf16 rounded as to_bf16_sr, `index` element 0's model-wide index), sq as there or
  * NULL (not needed), and the new master's copy to d (`copy`). The master's current
  * values are read from `pin`: `p` itself, or where they are when `p` only receives
  * the new ones ([Note: the master read in the loop]); so neither is `restrict`.
@@ -699,7 +699,7 @@ INLINE void fence(const block_args *a) {
 
 /* The update of elements [0, n) of one block. For int8 state, element 0 is the
  * first of a QBLOCK and m_scale / v_scale point at its scale. `first`: element 0's
- * index in its partition; `isa`: as make_args; `src`: where the master's current
+ * model-wide index; `isa`: as make_args; `src`: where the master's current
  * values are (NULL: in `master`). Returns 0. */
 EXPORT __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 int offload_adam_block(int64_t n, float *master, const float *grad, void *m, void *v,

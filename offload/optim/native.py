@@ -5,7 +5,7 @@ One C call updates one cache block in one pass over memory: fp32 master,
 fp32 gradient, moments in any `optim.state_dtype` form (decoded into fp32 tiles
 of `codec.QBLOCK` elements in L1 and encoded back, with codec.py's codes bit
 for bit; bf16 moments rounded stochastically as `codec.encode_stochastic`, from
-the partition index of the block's first element and each run's update count),
+the model-wide index of the block's first element and each run's update count),
 the gradient divisor, weight decay, bias correction, and the
 compute-dtype copy (bf16 / fp16, round to nearest even). The math follows the
 operation order of torch's fused CPU Adam in fp32, so its results equal
@@ -183,7 +183,8 @@ class NativeAdam:
         are None keeps its weights and moments (its master is still copied to `out`),
         and elements outside every run are not written (int8 codes of a block that a
         run updates aside: the whole block is coded again, as `codec.encode` does).
-        `first`: the partition's index of element 0 (bf16 moments' rounding).
+        `first`: the model-wide index of element 0 (bf16 moments' rounding: the
+        partition's origin plus the block's place in it).
         `src`: the master's current values, when they are not in `master`: `master`
         receives the new ones (and `src`'s values where no run updates), `src` is only
         read; the same bits as copying `src` into `master` first."""

@@ -158,3 +158,14 @@ def test_save_pretrained_refuses_a_directory_another_export_is_writing(engine, t
         holder.communicate("")
     engine.save_pretrained(out)  # its lock given back: the directory is free again
     assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"]
+
+
+def test_the_safetensors_writer_refuses_a_name_given_twice(tmp_path):
+    """Two tensors under one name: the header holds one, and the file's offsets did not
+    hold (it could not be loaded); refused before anything is made."""
+    from offload.engine.safetensors_writer import TensorSpec, write_shards
+    t = torch.zeros(4)
+    specs = [TensorSpec("w", (4,), torch.float32)] * 2
+    with pytest.raises(ValueError, match="tensor name 'w' given twice"):
+        write_shards(tmp_path / "out", specs, [("w", t), ("w", t)], 1 << 20)
+    assert not (tmp_path / "out").exists()
