@@ -177,6 +177,8 @@ class SafetensorsCheckpoint:
         """The shape a conversion gives, from its stored tensors' shapes (on meta)."""
         try:
             return tuple(self._convert(name, meta=True).shape)
+        except ValueError:  # one stored tensor made several (a fused qkv split): said there
+            raise
         except Exception as e:  # noqa: BLE001 - an operation that needs the values
             raise ValueError(f"checkpoint: transformers' conversion of {name!r} cannot be "
                              f"followed without reading its tensors ({type(e).__name__}: "
@@ -204,9 +206,10 @@ class SafetensorsCheckpoint:
                                  model=model, config=getattr(model, "config", None),
                                  missing_keys=None)
         if len(tensors) != 1:
-            raise ValueError(f"checkpoint: transformers' conversion of {name!r} gave "
-                             f"{sorted(tensors)}, not one tensor; load this model with "
-                             "transformers' from_pretrained and pass it without checkpoint=")
+            raise ValueError(f"checkpoint: transformers' conversion of {name!r} splits its "
+                             f"stored tensors into {sorted(tensors)}, which checkpoint= does "
+                             "not follow; load this model with transformers' from_pretrained "
+                             "and pass it to initialize without checkpoint=")
         return next(iter(tensors.values()))
 
     def _read(self, f: Path, what: Callable[[Any], _T]) -> _T:
