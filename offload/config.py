@@ -439,12 +439,13 @@ class EngineConfig:
                                      "flight behind the backward of the next groups (each "
                                      "holds a group's gradient until it completes); 0 waits "
                                      "for each when it is issued", allowed=">= 0")
-    whole_modules: list[str] = _doc([], "modules (names as model.named_modules() gives them) "
-                                    "each gathered as one unit with all its children, whatever "
+    whole_modules: list[str] = _doc([], "modules (names as model.named_modules() gives them, "
+                                    "or a class name for every module of that class) each "
+                                    "gathered as one unit with all its children, whatever "
                                     "its size: a module whose own forward reads a child's "
                                     "weight (F.linear(h, self.wte.weight)), as FSDP wraps a "
-                                    "module with its children", allowed="names of modules, "
-                                    "each once")
+                                    "module with its children", allowed="names of modules "
+                                    "or module classes, each once")
 
     def __post_init__(self) -> None:
         _normalise(self, "engine")

@@ -189,17 +189,25 @@ def _report_huge_pages() -> None:
 
 
 def _whole_modules(model: nn.Module, names: list[str]) -> list[nn.Module]:
-    """The modules `engine.whole_modules` names, each kept as one unit."""
+    """The modules `engine.whole_modules` names, each kept as one unit: by the name
+    model.named_modules() gives, or by class name (every module of that class, as
+    FSDP's and accelerate's wrap policies take layer classes)."""
     found = dict(model.named_modules(remove_duplicate=False))
-    out = []
+    out: dict[int, nn.Module] = {}
     for i, name in enumerate(names):
-        if name not in found:
+        if name in found:
+            out.setdefault(id(found[name]), found[name])
+            continue
+        of_class = [m for m in found.values() if type(m).__name__ == name]
+        if not of_class:
             near = [n for n in found if n and (n.endswith(name) or name in n)][:5]
             raise ConfigError(f"engine.whole_modules[{i}]: {type(model).__name__} has no module "
-                              f"{name!r}; give names as model.named_modules() lists them"
+                              f"{name!r}, nor a module of a class of that name; give names as "
+                              "model.named_modules() lists them, or a module class's name"
                               + (f", e.g. {', '.join(map(repr, near))}" if near else ""))
-        out.append(found[name])
-    return out
+        for m in of_class:
+            out.setdefault(id(m), m)
+    return list(out.values())
 
 
 @contextlib.contextmanager

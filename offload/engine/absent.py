@@ -29,7 +29,10 @@ from torch.utils._pytree import tree_leaves
 __all__ = ["AbsentWeight", "absent_grad_message", "absent_message", "closed_message"]
 
 
-def absent_message(name: str, unit: str) -> str:
+def absent_message(name: str, unit: str, parent: tuple[str, str] | None = None) -> str:
+    """`parent`: (name, class name) of the unit's parent module, where it has one."""
+    which = (f" (here {parent[0]!r}, or its class {parent[1]!r} for every module like it)"
+             if parent is not None and parent[0] else "")
     return (f"parameter {name!r} is used outside the forward of unit {unit!r}, the module "
             "whose hooks gather it: its weights exist only while that unit's forward or "
             "backward runs. To read or change them, use `with engine.full_weights(): ...` "
@@ -37,8 +40,8 @@ def absent_message(name: str, unit: str) -> str:
             "Call that unit (or the whole engine), not a module inside it; a "
             "parent that reads a child unit's weight in its own forward (e.g. a tied head as "
             "F.linear(h, self.wte.weight)) needs both in one unit: list the parent's name in "
-            "engine.whole_modules (for the model itself, raise engine.group_size above its "
-            "parameter count), "
+            f"engine.whole_modules{which} (for the model itself, raise engine.group_size "
+            "above its parameter count), "
             "or share the parameter by assignment (self.head.weight = self.wte.weight) and "
             "call the child module")
 

@@ -93,6 +93,11 @@ class RegisteredParams:
         for u in units:
             for gid in u.needs:
                 unit_of.setdefault(gid, u.name)
+        modules = dict(model.named_modules(remove_duplicate=False))
+
+        def parent(unit: str) -> tuple[str, str] | None:  # the likeliest reader of its weight
+            name = unit.rpartition(".")[0] if unit in modules and unit else None
+            return None if name is None else (name, type(modules[name]).__name__)
         self.groups = groups
         self.stand_ins: list[list[nn.Parameter]] = []
         self.dtypes: list[list[torch.dtype]] = []
@@ -107,8 +112,9 @@ class RegisteredParams:
             row = []
             for i, s in enumerate(g.slots):
                 name = first.get(id(s.param), s.fqn)
+                unit = unit_of.get(g.gid, "?")
                 absent = AbsentWeight(s.shape, dtype, device,
-                                      absent_message(name, unit_of.get(g.gid, "?")))
+                                      absent_message(name, unit, parent(unit)))
                 p = nn.Parameter(absent, requires_grad=g.requires_grad)
                 self._where[id(p)] = (g.gid, i)
                 self._names[(g.gid, i)] = name

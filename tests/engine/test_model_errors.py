@@ -335,12 +335,16 @@ def test_whole_modules_keeps_a_parent_that_reads_its_childs_weight_in_one_unit(e
     ref = torch.nn.Sequential(_ReadsChild(), torch.nn.Linear(16, 4))
     x = torch.randn(4, 16)
     with offload.initialize(copy.deepcopy(ref), engine_cfg("host", group_size=300)) as engine:
-        with pytest.raises(RuntimeError, match=r"parameter '0\.proj\.weight'.*whole_modules"):
+        with pytest.raises(RuntimeError, match=r"parameter '0\.proj\.weight'.*whole_modules "
+                                               r"\(here '0', or its class '_ReadsChild'"):
             engine(x)
-    cfg = engine_cfg("host", group_size=300, whole_modules=["0"])
+    for whole in (["0"], ["_ReadsChild"]):  # by name, or by class as FSDP's wrap policies
+        cfg = engine_cfg("host", group_size=300, whole_modules=whole)
+        with offload.initialize(copy.deepcopy(ref), cfg) as engine:
+            assert [u.name for u in engine.units].count("0") == 1
+    cfg = engine_cfg("host", group_size=300, whole_modules=["_ReadsChild"])
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
     with offload.initialize(copy.deepcopy(ref), cfg) as engine:
-        assert [u.name for u in engine.units].count("0") == 1
         for _ in range(3):
             engine.backward(engine(x).square().mean())
             engine.step()
@@ -352,7 +356,7 @@ def test_whole_modules_keeps_a_parent_that_reads_its_childs_weight_in_one_unit(e
             torch.testing.assert_close(sd[k], v, atol=2e-6, rtol=0, msg=lambda m: f"{k}: {m}")
     bad = engine_cfg("host", group_size=300, whole_modules=["proj"])
     with pytest.raises(offload.ConfigError, match=r"engine\.whole_modules\[0\]: Sequential has "
-                                                  r"no module 'proj'.*'0\.proj'"):
+                                                  r"no module 'proj', nor .*'0\.proj'"):
         offload.initialize(copy.deepcopy(ref), bad)
     swap = Path(bad["io"]["paths"][0])
     assert not swap.exists() or not list(swap.iterdir())  # refused before any swap file
