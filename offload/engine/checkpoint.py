@@ -48,6 +48,20 @@ def _conversions(model: Any) -> tuple[list, list, Callable] | None:
     return (renamings, converters, rename_source_key) if transforms else None
 
 
+def _targets(new: str, cv: Any) -> list[tuple[str, str | None]]:
+    """The model's names a converter makes from a stored name that `rename_source_key`
+    renamed to `new` (its first target), each with the operations' output to take:
+    one (None: the only output) or, where one stored tensor is split (a fused qkv),
+    one per target pattern, `new` with its target part replaced."""
+    targets = list(cv.target_patterns)
+    if len(targets) == 1 or len(cv.source_patterns) != 1:
+        return [(new, None)]
+    first = next((t for t in targets if t in new), None)
+    if first is None:
+        return [(new, None)]
+    return [(new.replace(first, t, 1), t) for t in targets]
+
+
 def _header(h: Any) -> dict[str, tuple[tuple[int, ...], str]]:
     """{name: (shape, safetensors dtype)} of an open safetensors file."""
     out = {}
@@ -137,7 +151,9 @@ class SafetensorsCheckpoint:
         so the files a user has are in it. `get_model_conversion_mapping` gives the
         renamings and converters; each stored name is renamed as `from_pretrained`
         renames it, and a converted parameter is made, when its group is read, by the
-        converter's own operations on its stored tensors (one parameter's at a time).
+        converter's own operations on its stored tensors (one parameter's at a time;
+        where one stored tensor is split into several parameters, a fused qkv, each
+        takes its part of the operations' output: `_targets`).
         The stored names it consumes are then used, not "matched by nothing"."""
         conv = _conversions(model)
         if conv is None:
@@ -146,18 +162,21 @@ class SafetensorsCheckpoint:
         ours = {n for n, _ in model.named_parameters(remove_duplicate=False)}
         ours |= {n for n, _ in model.named_buffers(remove_duplicate=False)}
         tails = {".".join(n.split(".")[i:]) for n in ours for i in range(n.count(".") + 1)}
+        def is_ours(name: str) -> bool:
+            return name in tails or any(".".join(name.split(".")[i:]) in ours
+                                        for i in range(name.count(".") + 1))
         made: dict[str, Any] = {}
         for key in list(self._stored):
             new, pattern = rename(key, renamings, converters)
-            if new == key or new in self._stored or not (
-                    new in tails or any(".".join(new.split(".")[i:]) in ours
-                                        for i in range(new.count(".") + 1))):
+            if new == key or new in self._stored or not is_ours(new):
                 continue  # not renamed, or into a name the model does not have
             if pattern is None:
                 made[new] = key
                 continue
             cv = next(c for c in converters if pattern in c.source_patterns)
-            made.setdefault(new, (cv, {}))[1].setdefault(pattern, []).append(key)
+            for name, pick in _targets(new, cv):  # one stored tensor may make several
+                if is_ours(name):
+                    made.setdefault(name, (cv, {}, pick))[1].setdefault(pattern, []).append(key)
         for new, how in made.items():
             if isinstance(how, str):  # renamed
                 sources, self._made[new] = [how], how
@@ -196,7 +215,7 @@ class SafetensorsCheckpoint:
         return self._convert(name)
 
     def _convert(self, name: str, meta: bool = False) -> torch.Tensor:
-        cv, sources, model = self._made[name]
+        cv, sources, pick, model = self._made[name]
         tensors = {p: [torch.empty(self.specs[k][0], device="meta") if meta else
                        self._read(self._stored[k], lambda h, k=k: h.get_tensor(k)) for k in ks]
                    for p, ks in sources.items()}
@@ -205,6 +224,8 @@ class SafetensorsCheckpoint:
                                  target_patterns=cv.target_patterns, full_layer_name=name,
                                  model=model, config=getattr(model, "config", None),
                                  missing_keys=None)
+        if pick is not None and pick in tensors:  # one of a split's parts
+            return tensors[pick]
         if len(tensors) != 1:
             raise ValueError(f"checkpoint: transformers' conversion of {name!r} splits its "
                              f"stored tensors into {sorted(tensors)}, which checkpoint= does "

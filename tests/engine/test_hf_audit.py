@@ -196,11 +196,19 @@ def _neox():
         num_attention_heads=4, max_position_embeddings=32))
 
 
-@pytest.mark.parametrize("build", [_mixtral, _neox], ids=["mixtral", "gpt-neox"])
+def _nomic():
+    return transformers.AutoModel.from_config(transformers.AutoConfig.for_model(
+        "nomic_bert", vocab_size=VOCAB, hidden_size=32, intermediate_size=48,
+        num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=32,
+        pad_token_id=0))
+
+
+@pytest.mark.parametrize("build", [_mixtral, _neox, _nomic], ids=["mixtral", "gpt-neox", "nomic"])
 def test_checkpoint_dir_in_the_layout_transformers_stores(engine_cfg, tmp_path, caplog, build):
     """[Note: transformers' conversions]: transformers 5 stores Mixtral's experts one
-    tensor each and GPT-NeoX's head as `embed_out`, and converts them as it loads;
-    `checkpoint=` does too (the experts and the head were left at random init)."""
+    tensor each, GPT-NeoX's head as `embed_out` and NomicBERT's q, k and v as one
+    `Wqkv`, and converts them as it loads; `checkpoint=` does too (the experts and
+    the head were left at random init, the split refused)."""
     import logging
     pytest.importorskip("transformers.conversion_mapping",
                         reason="transformers before 5 stores the modules' own names")
@@ -215,13 +223,14 @@ def test_checkpoint_dir_in_the_layout_transformers_stores(engine_cfg, tmp_path, 
             offload.initialize(build, _cfg(engine_cfg), checkpoint=tmp_path / "hf") as engine:
         got = engine.state_dict()
         x = torch.randint(0, VOCAB, (2, 8))
+        engine.eval()
         with torch.no_grad():
-            out = engine(x).logits
+            out = engine(x)[0]
     assert "not in checkpoint" not in caplog.text and "match no" not in caplog.text
     for k, v in ref.state_dict().items():
         assert torch.equal(got[k], v), k
     with torch.no_grad():
-        assert torch.equal(out, ref(x).logits)
+        assert torch.equal(out, ref.eval()(x)[0])
 
 
 @pytest.mark.xfail(strict=True, reason=(
