@@ -188,8 +188,9 @@ class IoConfig:
                                   "needs where that would take more than half of the "
                                   "disk's free space",
                                   allowed="a multiple of io.stripe_size")
-    max_swap_size: int = _bytes_field(0, "upper bound on the swap bytes per rank; 0: the disk's "
-                                      "free space", allowed=">= 0")
+    max_swap_size: int = _bytes_field(0, "upper bound on the swap bytes per rank of each kind "
+                                      "of state (param, grad, optim), over all io.paths; 0: "
+                                      "the disk's free space", allowed=">= 0")
     buffer_budget: int = _bytes_field("1GiB", "bytes of page-aligned (pinned with CUDA) host "
                                       "staging buffers", allowed="at least io.block_size")
     switch_interval: float = _doc(0.0005, "seconds: Python's thread switch interval "

@@ -31,8 +31,8 @@ __all__ = ["AbsentWeight", "absent_grad_message", "absent_message", "closed_mess
 
 def absent_message(name: str, unit: str, parent: tuple[str, str] | None = None) -> str:
     """`parent`: (name, class name) of the unit's parent module, where it has one."""
-    which = (f" (here {parent[0]!r}, or its class {parent[1]!r} for every module like it)"
-             if parent is not None and parent[0] else "")
+    which = (f" (likely {parent[0]!r}, or its class {parent[1]!r} for every module like "
+             "it)" if parent is not None and parent[0] else "")
     return (f"parameter {name!r} is used outside the forward of unit {unit!r}, the module "
             "whose hooks gather it: its weights exist only while that unit's forward or "
             "backward runs. To read or change them, use `with engine.full_weights(): ...` "

@@ -175,8 +175,9 @@ class SafetensorsCheckpoint:
                 continue
             cv = next(c for c in converters if pattern in c.source_patterns)
             for name, pick in _targets(new, cv):  # one stored tensor may make several
-                if is_ours(name):
-                    made.setdefault(name, (cv, {}, pick))[1].setdefault(pattern, []).append(key)
+                if is_ours(name):  # (operations size a split's parts by its first name)
+                    made.setdefault(name, (cv, {}, pick, new))[1].setdefault(
+                        pattern, []).append(key)
         for new, how in made.items():
             if isinstance(how, str):  # renamed
                 sources, self._made[new] = [how], how
@@ -215,13 +216,13 @@ class SafetensorsCheckpoint:
         return self._convert(name)
 
     def _convert(self, name: str, meta: bool = False) -> torch.Tensor:
-        cv, sources, pick, model = self._made[name]
+        cv, sources, pick, layer, model = self._made[name]
         tensors = {p: [torch.empty(self.specs[k][0], device="meta") if meta else
                        self._read(self._stored[k], lambda h, k=k: h.get_tensor(k)) for k in ks]
                    for p, ks in sources.items()}
         for op in cv.operations:
             tensors = op.convert(tensors, source_patterns=cv.source_patterns,
-                                 target_patterns=cv.target_patterns, full_layer_name=name,
+                                 target_patterns=cv.target_patterns, full_layer_name=layer,
                                  model=model, config=getattr(model, "config", None),
                                  missing_keys=None)
         if pick is not None and pick in tensors:  # one of a split's parts

@@ -318,6 +318,9 @@ class ModelWeights:
                 names.setdefault(where, []).append(name)
         for g in self.groups:
             for i, slot in enumerate(g.slots):
+                if (g.gid, i) not in names and g.gid in self.registered.summoned_weights:
+                    names[(g.gid, i)] = list(slot.names)  # a new Parameter a writable
+                    continue  # block took: it writes it back at its end, as an edit
                 if (g.gid, i) not in names:
                     raise RuntimeError(
                         f"parameter {slot.fqn!r} was replaced after initialize (a new "
@@ -515,11 +518,11 @@ class ModelWeights:
                     name, tuple(slot.shape))  # tensor parallelism: the whole weight
                 specs.append(TensorSpec(name, shape, dtype or orig))
         seen: set[int] = set()
+        held = {n for ns in names.values() for n in ns}
         for name, t, is_param in state_entries(self.module):
             # an open block's full weights are the groups' too ([Note: calls inside a
             # full_weights block]): written twice, the file's offsets did not hold
-            if is_param and self.registered.locate(t, summoned=True) is not None \
-                    or id(t) in seen:
+            if is_param and name in held or id(t) in seen:
                 continue
             seen.add(id(t))
             order.append((name, t))
@@ -530,18 +533,17 @@ class ModelWeights:
     def _export_stream(self, order: list, dtype: torch.dtype | None
                        ) -> Iterator[tuple[str, torch.Tensor]]:
         names = self._slot_names()
-        live = {}  # an open block's full weights, its edits included (as state_dict's)
-        for _, t, is_param in state_entries(self.module):
-            if is_param and self.registered.locate(t) is None:
-                where = self.registered.locate(t, summoned=True)
-                if where is not None:
-                    live[where] = t.detach()
+        # an open block's full weights (a new Parameter it took included), its edits
+        # included, as state_dict gives them: what the module holds that is no stand-in
+        live = {name: t.detach() for name, t, is_param in state_entries(self.module)
+                if is_param and self.registered.locate(t) is None} \
+            if self.registered.summoned_weights else {}
         for g in self.groups:
             full = read_group(self, g)
             for i, t in enumerate(slot_tensors(self, g, full)):
                 name = names[(g.gid, i)][0]
-                if (g.gid, i) in live:
-                    t = live[(g.gid, i)].to(t.dtype).reshape(t.shape)
+                if name in live:
+                    t = live[name].to(t.dtype).reshape(t.shape)
                 if self.tp is not None:  # every TP rank's slice, put together
                     t = self.tp.full(name, t, self.device)
                 yield name, t.to(dtype) if dtype else t

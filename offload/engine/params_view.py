@@ -96,8 +96,13 @@ class RegisteredParams:
         modules = dict(model.named_modules(remove_duplicate=False))
 
         def parent(unit: str) -> tuple[str, str] | None:  # the likeliest reader of its weight
-            name = unit.rpartition(".")[0] if unit in modules and unit else None
-            return None if name is None else (name, type(modules[name]).__name__)
+            if unit not in modules or not unit:
+                return None
+            name = unit.rpartition(".")[0]  # containers only call their children
+            while name and isinstance(modules[name], (nn.ModuleList, nn.ModuleDict,
+                                                      nn.Sequential)):
+                name = name.rpartition(".")[0]
+            return (name, type(modules[name]).__name__)
         self.groups = groups
         self.stand_ins: list[list[nn.Parameter]] = []
         self.dtypes: list[list[torch.dtype]] = []

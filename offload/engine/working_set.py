@@ -280,11 +280,14 @@ def check_disk(cfg: OffloadConfig, groups: list[Group], dtype: torch.dtype,
             f"a step ({format_bytes(total)} of state placed at initialize, the optimizer "
             "state's new version beside the old while a step is open, gradients homed on "
             f"NVMe); raise it to at least {step} bytes (0: no limit), or {how}")
-    # the limit is each swap file's size: the optimizer's holds both versions, and its
-    # freed extents are holes that a later chunk may not fit (one partition's worth)
+    # the limit is each kind's swap space (over io.paths): the optimizer's holds both
+    # versions, and its freed extents are holes a later chunk may not fit (one
+    # partition's worth)
+    master = keeps_master(cfg.engine.dtype, cfg.engine.params,
+                          resolve_device(cfg.store.device).type)
     files = {**kinds, "optim": kinds["optim"] + max(
-        (moment_bytes(cfg.optim.state_dtype, g.shard) + 4 * g.shard for g in groups),
-        default=0) if kinds["optim"] else 0}
+        (moment_bytes(cfg.optim.state_dtype, g.shard) + (4 * g.shard if master else 0)
+         for g in groups if g.requires_grad), default=0) if kinds["optim"] else 0}
     kind, n = max(files.items(), key=lambda kv: kv[1])
     if cfg.io.max_swap_size and n > cfg.io.max_swap_size:
         raise ConfigError(

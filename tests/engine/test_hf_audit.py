@@ -203,7 +203,16 @@ def _nomic():
         pad_token_id=0))
 
 
-@pytest.mark.parametrize("build", [_mixtral, _neox, _nomic], ids=["mixtral", "gpt-neox", "nomic"])
+def _sarvam():  # a GQA qkv stored fused, split by sizes (transformers' Split)
+    return transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(
+        "sarvam_moe", vocab_size=VOCAB, hidden_size=32, intermediate_size=48,
+        moe_intermediate_size=16, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, num_experts=2, num_experts_per_tok=1,
+        first_k_dense_replace=1, max_position_embeddings=32))
+
+
+@pytest.mark.parametrize("build", [_mixtral, _neox, _nomic, _sarvam],
+                         ids=["mixtral", "gpt-neox", "nomic", "sarvam-gqa"])
 def test_checkpoint_dir_in_the_layout_transformers_stores(engine_cfg, tmp_path, caplog, build):
     """[Note: transformers' conversions]: transformers 5 stores Mixtral's experts one
     tensor each, GPT-NeoX's head as `embed_out` and NomicBERT's q, k and v as one

@@ -266,3 +266,18 @@ def test_a_swap_directory_too_small_for_the_state_is_refused_before_any_file(
         offload.initialize(torch.nn.Sequential(torch.nn.Linear(1024, 1024),
                                                torch.nn.Linear(1024, 1024)), cfg)
     assert not os.path.exists(where)
+
+
+def test_max_swap_size_counts_only_what_trains(engine_cfg):
+    """A frozen group has no optimizer state, and fp32 training no master apart: a
+    frozen 1.28M-element embedding beside a small Linear was refused at 2 MiB for
+    14.7 MiB of state it never keeps; it trains within that limit."""
+    cfg = engine_cfg("host", "host", "nvme")
+    cfg["io"]["max_swap_size"] = 2 << 20
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(20000, 64), torch.nn.Linear(64, 64))
+    model[0].weight.requires_grad_(False)
+    with offload.initialize(model, cfg) as engine:
+        for _ in range(3):
+            engine.backward(engine(torch.randint(0, 20000, (4,))).square().mean())
+            assert engine.step()

@@ -336,7 +336,7 @@ def test_whole_modules_keeps_a_parent_that_reads_its_childs_weight_in_one_unit(e
     x = torch.randn(4, 16)
     with offload.initialize(copy.deepcopy(ref), engine_cfg("host", group_size=300)) as engine:
         with pytest.raises(RuntimeError, match=r"parameter '0\.proj\.weight'.*whole_modules "
-                                               r"\(here '0', or its class '_ReadsChild'"):
+                                               r"\(likely '0', or its class '_ReadsChild'"):
             engine(x)
     for whole in (["0"], ["_ReadsChild"]):  # by name, or by class as FSDP's wrap policies
         cfg = engine_cfg("host", group_size=300, whole_modules=whole)

@@ -302,11 +302,16 @@ def test_save_pretrained_inside_a_writable_block_writes_the_edits(engine_cfg, tm
     try:
         with engine.full_weights("block", writable=True) as w:
             w["block.0.weight"].data.fill_(7.0)
+            # a new Parameter is an edit too (written back at the block's end): state_dict
+            # and save_pretrained refused it as "replaced after initialize", which ended
+            # the block and dropped the edits
+            engine.module.block[0].bias = nn.Parameter(torch.full((32,), 3.0))
             engine.save_pretrained(tmp_path / "edited")
             inside = engine.state_dict()
         saved = load_file(tmp_path / "edited" / "model.safetensors")
-        assert (saved["block.0.weight"] == 7.0).all()
+        assert (saved["block.0.weight"] == 7.0).all() and (saved["block.0.bias"] == 3.0).all()
         assert all(torch.equal(v, inside[k]) for k, v in saved.items())
+        assert (engine.state_dict()["block.0.bias"] == 3.0).all()
     finally:
         engine.close()
 
