@@ -191,7 +191,8 @@ class OffloadEngine(ModelWeights, GradPartitions, GatheredWeights, nn.Module):
         self._switch = hold_switch_interval(cfg.io.switch_interval)
         # released by close(), or when collected unclosed: [Note: an engine dropped
         # without close()] in owned.py
-        self._owned = Owned(self, self._updater, self._warm, store, self._switch)
+        self._owned = Owned(self, self._updater, self._warm, store, self._switch,
+                            self._one_thread)
         self._opt_bytes = [0, 0]  # optimizer-state bytes read, written (all steps)
         self._saving: CheckpointSave | None = None  # a checkpoint written in the background
         self._save_comm: Collectives | None = None  # background saves' own group (ranks > 1)

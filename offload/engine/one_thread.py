@@ -78,6 +78,15 @@ class OneThread:
         self._name = ""
         self._calls: list[_Call] = []  # in progress, outermost first
         self._refused = threading.local()  # refused direct calls awaiting their leave
+        self.exiting = False  # the interpreter is releasing the engine: [Note: an engine
+        # open at interpreter exit] in owned.py
+
+    def busy_elsewhere(self) -> bool:
+        """Whether a call is running on a thread other than this one."""
+        with self._lock:
+            if self._calls and self._thread != threading.get_ident():
+                self._drop_finished()
+            return bool(self._calls) and self._thread != threading.get_ident()
 
     def _refusal(self, what: str, outer: bool) -> str | None:
         """Why `what` cannot start now on this thread, or None."""
@@ -121,6 +130,8 @@ class OneThread:
         changes nothing); returns the call, to give `leave_to`. `outer`: only outside
         every other call; `sealed`: nothing nests inside; `direct`: the model called
         directly, ended by `leave()` from its forward hook."""
+        if self.exiting and threading.current_thread() is not threading.main_thread():
+            raise SystemExit  # a daemon thread's next call at exit: the thread ends quietly
         with self._lock:
             why = self._refusal(what, outer)
             if why is not None:

@@ -29,6 +29,7 @@ import atexit
 import logging
 import os
 import threading
+import time
 import warnings
 import weakref
 from concurrent.futures import ThreadPoolExecutor
@@ -41,6 +42,7 @@ __all__ = ["Owned"]
 log = logging.getLogger(__name__)
 _OPEN: "weakref.WeakSet[Owned]" = weakref.WeakSet()  # [Note: an engine open at
 _exit_registered = False  # interpreter exit]
+_EXIT_WAIT_S = 10.0  # the longest the exit waits for another thread's call to end
 
 
 class Owned:
@@ -48,11 +50,12 @@ class Owned:
     released once: by `close()` or when the engine is collected unclosed."""
 
     __slots__ = ("updater", "opt", "warm", "store", "switch", "saving", "released",
-                 "_finalizer", "_pid", "__weakref__")
+                 "calls", "_finalizer", "_pid", "__weakref__")
 
     def __init__(self, engine: Any, updater: ThreadPoolExecutor, warm: Any, store: Any,
-                 switch: Any) -> None:
+                 switch: Any, calls: Any = None) -> None:
         self.updater, self.warm, self.store, self.switch = updater, warm, store, switch
+        self.calls = calls  # the engine's OneThread: a daemon thread's call at exit
         self.opt: Any = None  # set when the optimizer is attached
         self.saving: Any = None  # the engine's last checkpoint save (its handle)
         self.released = False
@@ -105,7 +108,19 @@ def _collected(owned: Owned) -> None:
 
 def _wait_for_saves_at_exit() -> None:
     """[Note: an engine open at interpreter exit] Runs before the thread pools stop
-    taking work (a save writes through one), where `atexit` runs after."""
+    taking work (a save writes through one; a step's updates run on one), where
+    `atexit` runs after. A daemon thread still inside a call (a training loop the
+    main thread did not join) finishes that call first, within `_EXIT_WAIT_S`, and
+    its next call ends the thread quietly: stopped under it, the call raised "cannot
+    schedule new futures after shutdown" or "the tiered store is closed" into a
+    traceback at every such exit."""
+    for owned in list(_OPEN):
+        if owned._pid != os.getpid() or owned.released or owned.calls is None:
+            continue
+        owned.calls.exiting = True
+        end = time.monotonic() + _EXIT_WAIT_S
+        while owned.calls.busy_elsewhere() and time.monotonic() < end:
+            time.sleep(0.01)
     for owned in list(_OPEN):
         saving = owned.saving
         if owned._pid != os.getpid() or owned.released or saving is None or saving.done():

@@ -342,3 +342,35 @@ def test_a_with_block_that_raises_while_another_thread_runs_keeps_its_own_error(
     engine.close()
     with pytest.raises(RuntimeError, match="closed"):
         engine(x)
+
+
+_DAEMON = """
+import sys, threading, time
+import torch
+import offload
+cfg = {"engine": {"params": "nvme", "grads": "nvme", "optimizer": "nvme", "group_size": 300},
+       "io": {"paths": [sys.argv[1]]},
+       "store": {"host_budget": "1MiB", "device_budget": "1MiB", "device": "cpu"}}
+engine = offload.initialize(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)),
+                            cfg)
+def train():
+    while True:
+        engine.backward(engine(torch.randn(4, 8)).square().mean())
+        engine.step()
+threading.Thread(target=train, daemon=True).start()
+time.sleep(1.0)  # the script ends while its daemon thread trains
+"""
+
+
+def test_a_daemon_thread_training_at_exit_ends_quietly(tmp_path):
+    """A script that ends while a daemon thread it never joined is inside a step: the
+    exit released the engine under the call, which raised "cannot schedule new futures
+    after shutdown" or "the tiered store is closed" into a traceback. The call ends
+    first, the thread's next call ends the thread, and the swap files are removed."""
+    import subprocess
+    import sys
+    for _ in range(3):
+        out = subprocess.run([sys.executable, "-c", _DAEMON, str(tmp_path / "swap")],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr
+        assert not list((tmp_path / "swap").glob("*.swap"))
