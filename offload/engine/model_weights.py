@@ -319,8 +319,15 @@ class ModelWeights:
         for g in self.groups:
             for i, slot in enumerate(g.slots):
                 if (g.gid, i) not in names and g.gid in self.registered.summoned_weights:
-                    names[(g.gid, i)] = list(slot.names)  # a new Parameter a writable
-                    continue  # block took: it writes it back at its end, as an edit
+                    mod, attr = slot.uses[0]  # a new Parameter a writable block took: it
+                    new = mod._parameters.get(attr)  # writes it back at its end, as an edit
+                    if new is not None and tuple(new.shape) != tuple(slot.shape):
+                        raise ValueError(
+                            f"parameter {slot.fqn!r} now has shape {tuple(new.shape)}, the "
+                            f"engine holds {tuple(slot.shape)}; the shape of a parameter "
+                            "cannot change (nothing was written)")
+                    names[(g.gid, i)] = list(slot.names)
+                    continue
                 if (g.gid, i) not in names:
                     raise RuntimeError(
                         f"parameter {slot.fqn!r} was replaced after initialize (a new "

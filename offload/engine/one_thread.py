@@ -80,13 +80,14 @@ class OneThread:
         self._refused = threading.local()  # refused direct calls awaiting their leave
         self.exiting = False  # the interpreter is releasing the engine: [Note: an engine
         # open at interpreter exit] in owned.py
+        self._daemon = False  # whether the thread in `_calls` is a daemon thread
 
-    def busy_elsewhere(self) -> bool:
-        """Whether a call is running on a thread other than this one."""
+    def daemon_busy(self) -> bool:
+        """Whether a daemon thread other than this one is inside a call."""
         with self._lock:
             if self._calls and self._thread != threading.get_ident():
                 self._drop_finished()
-            return bool(self._calls) and self._thread != threading.get_ident()
+            return bool(self._calls) and self._thread != threading.get_ident() and self._daemon
 
     def _refusal(self, what: str, outer: bool) -> str | None:
         """Why `what` cannot start now on this thread, or None."""
@@ -130,8 +131,9 @@ class OneThread:
         changes nothing); returns the call, to give `leave_to`. `outer`: only outside
         every other call; `sealed`: nothing nests inside; `direct`: the model called
         directly, ended by `leave()` from its forward hook."""
-        if self.exiting and threading.current_thread() is not threading.main_thread():
+        if self.exiting and threading.current_thread().daemon:
             raise SystemExit  # a daemon thread's next call at exit: the thread ends quietly
+            # (a non-daemon one is joined by the exit: it goes on)
         with self._lock:
             why = self._refusal(what, outer)
             if why is not None:
@@ -142,7 +144,8 @@ class OneThread:
                     self._refused.n = getattr(self._refused, "n", 0) + 1
                 raise EngineBusyError(why)
             if not self._calls:
-                self._thread, self._name = threading.get_ident(), threading.current_thread().name
+                me = threading.current_thread()
+                self._thread, self._name, self._daemon = threading.get_ident(), me.name, me.daemon
             call = _Call(what, sealed, direct, _caller_frame() if direct else 0)
             self._calls.append(call)
             return call

@@ -119,7 +119,7 @@ def _wait_for_saves_at_exit() -> None:
             continue
         owned.calls.exiting = True
         end = time.monotonic() + _EXIT_WAIT_S
-        while owned.calls.busy_elsewhere() and time.monotonic() < end:
+        while owned.calls.daemon_busy() and time.monotonic() < end:
             time.sleep(0.01)
     for owned in list(_OPEN):
         saving = owned.saving

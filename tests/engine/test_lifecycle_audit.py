@@ -357,8 +357,15 @@ def train():
     while True:
         engine.backward(engine(torch.randn(4, 8)).square().mean())
         engine.step()
-threading.Thread(target=train, daemon=True).start()
-time.sleep(1.0)  # the script ends while its daemon thread trains
+def infer():
+    for _ in range(100):
+        with torch.no_grad():
+            engine(torch.randn(4, 8))
+        time.sleep(0.005)
+    print("all forwards done", flush=True)
+daemon = sys.argv[2] == "daemon"
+threading.Thread(target=train if daemon else infer, daemon=daemon).start()
+time.sleep(1.0 if daemon else 0.1)  # the script ends while its thread works
 """
 
 
@@ -369,8 +376,10 @@ def test_a_daemon_thread_training_at_exit_ends_quietly(tmp_path):
     first, the thread's next call ends the thread, and the swap files are removed."""
     import subprocess
     import sys
-    for _ in range(3):
-        out = subprocess.run([sys.executable, "-c", _DAEMON, str(tmp_path / "swap")],
+    for kind in ("daemon", "daemon", "daemon", "joined"):
+        out = subprocess.run([sys.executable, "-c", _DAEMON, str(tmp_path / "swap"), kind],
                              capture_output=True, text=True, timeout=120)
         assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr
         assert not list((tmp_path / "swap").glob("*.swap"))
+        # a thread the exit joins is not cut short
+        assert ("all forwards done" in out.stdout) == (kind == "joined"), out.stdout

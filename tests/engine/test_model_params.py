@@ -312,6 +312,12 @@ def test_save_pretrained_inside_a_writable_block_writes_the_edits(engine_cfg, tm
         assert (saved["block.0.weight"] == 7.0).all() and (saved["block.0.bias"] == 3.0).all()
         assert all(torch.equal(v, inside[k]) for k, v in saved.items())
         assert (engine.state_dict()["block.0.bias"] == 3.0).all()
+        with pytest.raises(ValueError, match="shape of a parameter cannot change"):
+            with engine.full_weights("block", writable=True):  # same numel, transposed
+                engine.module.block[0].weight = nn.Parameter(torch.zeros(32, 32).t()[:, :32])
+                engine.module.block[0].bias = nn.Parameter(torch.zeros(16, 2))
+                engine.save_pretrained(tmp_path / "reshaped")
+        assert not (tmp_path / "reshaped").exists()
     finally:
         engine.close()
 
