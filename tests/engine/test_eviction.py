@@ -69,8 +69,11 @@ def test_policy_takes_the_farthest_next_use_first_and_clean_among_equals():
 
 
 def _reads_per_step(tmp_path, depth: int) -> int:
-    """NVMe bytes read by the last of 3 steps: parameters and optimizer on NVMe, a
-    device tier of two layers (1 MiB each), `depth` groups of look-ahead."""
+    """NVMe bytes read by the lightest of steps 2 to 4 (they follow the recorded plan;
+    a step now and then reads one layer more where a prefetch comes late, on a loaded
+    host more often, where the behaviour these tests pin is lost in every step):
+    parameters and optimizer on NVMe, a device tier of two layers (1 MiB each),
+    `depth` groups of look-ahead."""
     cfg = {"engine": {"params": "nvme", "grads": "host", "optimizer": "nvme",
                       "prefetch_depth": depth, "group_size": 1},
            "io": {"paths": [str(tmp_path / f"d{depth}")], "buffer_budget": "8MiB"},
@@ -78,14 +81,14 @@ def _reads_per_step(tmp_path, depth: int) -> int:
     torch.manual_seed(0)
     reads = []
     with offload.initialize(Stack(dim=512, layers=6), cfg) as e:
-        for _ in range(3):
+        for _ in range(4):
             before = e.store.stats().moves
             e.backward(e(torch.randn(8, 512)).square().mean())
             e.step()
             after = e.store.stats().moves
             reads.append(sum(v.bytes - (before[k].bytes if k in before else 0)
                              for k, v in after.items() if k.startswith("NVME->")))
-    return reads[-1]
+    return min(reads[1:])
 
 
 def test_a_deeper_look_ahead_never_evicts_what_is_needed_sooner(tmp_path):
@@ -101,11 +104,11 @@ def test_a_deeper_look_ahead_never_evicts_what_is_needed_sooner(tmp_path):
 def test_an_update_in_place_reads_each_partition_once_a_step(tmp_path):
     """[Note: the update in the old copy's memory] in step.py: an fp32 update of a
     partition read from NVMe this step writes over that copy instead of holding a new
-    one beside it, so the step reads each of its 6 layers once (7 with the new
-    version beside the old: one more than memory holds at the updates)."""
+    one beside it: the step reads 5 of its 6 layers (the last one's copy stays for
+    the next forward), where with the new version beside the old it reads all 6."""
     layer = 512 * 513 * 4
     reads = _reads_per_step(tmp_path, 1)
-    assert reads < 6.5 * layer, reads / layer
+    assert reads < 5.5 * layer, reads / layer
 
 
 def test_a_staged_partition_takes_over_its_groups_next_use():
