@@ -4,6 +4,7 @@ imports from the rest of offload)."""
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import gzip
 import os
 import stat
@@ -11,8 +12,8 @@ import tempfile
 from pathlib import Path
 from typing import BinaryIO, Callable
 
-__all__ = ["check_directory", "existing_ancestor", "fsync_directory", "names_open_file",
-           "regular_file_head", "replace_atomically", "unlink_own"]
+__all__ = ["check_directory", "existing_ancestor", "fsync_directory", "lock_named",
+           "names_open_file", "regular_file_head", "replace_atomically", "unlink_own"]
 
 
 def check_directory(path: Path, what: str) -> None:
@@ -36,6 +37,24 @@ def names_open_file(path: str | os.PathLike[str], fd: int) -> bool:
     except FileNotFoundError:
         return False
     return (named.st_dev, named.st_ino) == (open_.st_dev, open_.st_ino)
+
+
+def lock_named(path: str | os.PathLike[str], open_fd: Callable[[], int],
+               wait: bool = False) -> int:
+    """An exclusive flock on the file `path` names, as a descriptor `open_fd()` opened
+    (it creates the file where missing); without `wait`, `BlockingIOError` where
+    another holds it. A file its holder removed as it closed, between our open and
+    our lock, is not the one the name shows ([names_open_file]): opened anew."""
+    while True:
+        fd = open_fd()
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+            if names_open_file(path, fd):
+                return fd
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)
 
 
 def unlink_own(path: str | os.PathLike[str], fd: int) -> None:

@@ -111,16 +111,16 @@ def _refuse_unsupported(model: nn.Module, dtype: str) -> None:
                 "the engine computes in engine.dtype (fp32, bf16 or fp16) with fp32 master "
                 "weights, so it would not train at that precision: convert the model first "
                 "(model.float()), and its inputs")
-    compute = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    compute = _DTYPES[dtype]
     low = [(n, p.dtype) for n, p in model.named_parameters()
            if p.dtype in (torch.bfloat16, torch.float16) and p.dtype != compute]
     if low:  # an HF model loaded with torch_dtype=bf16 under the default engine.dtype
         name, got = low[0]
+        key = next(k for k, v in _DTYPES.items() if v == got)
         log.warning("initialize: %d parameters are %s (first: %r) and engine.dtype is %r: "
                     "they compute in %s from here on (with fp32 masters); set engine.dtype "
-                    "to %r to compute in %s", len(low), str(got).replace("torch.", ""), name,
-                    dtype, str(compute).replace("torch.", ""),
-                    "bf16" if got == torch.bfloat16 else "fp16", str(got).replace("torch.", ""))
+                    "to %r to compute in %s", len(low), str(got)[6:], name, dtype,
+                    str(compute)[6:], key, str(got)[6:])
     for name, m in model.named_modules():
         where = name or type(model).__name__
         if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.max_norm is not None:

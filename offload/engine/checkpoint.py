@@ -209,17 +209,17 @@ class SafetensorsCheckpoint:
         """The tensor the model's name `name` resolved to: stored, or made from stored
         ones ([Note: transformers' conversions])."""
         how = self._made.get(name)
-        if how is None:
-            return self._read(self._stored[name], lambda h: h.get_tensor(name))
-        if isinstance(how, str):
-            return self._read(self._stored[how], lambda h: h.get_tensor(how))
+        if how is None or isinstance(how, str):  # stored, under its name or renamed
+            return self._stored_tensor(how or name)
         return self._convert(name)
+
+    def _stored_tensor(self, key: str) -> torch.Tensor:
+        return self._read(self._stored[key], lambda h: h.get_tensor(key))
 
     def _convert(self, name: str, meta: bool = False) -> torch.Tensor:
         cv, sources, pick, layer, model = self._made[name]
         tensors = {p: [torch.empty(self.specs[k][0], device="meta") if meta else
-                       self._read(self._stored[k], lambda h, k=k: h.get_tensor(k)) for k in ks]
-                   for p, ks in sources.items()}
+                       self._stored_tensor(k) for k in ks] for p, ks in sources.items()}
         for op in cv.operations:
             tensors = op.convert(tensors, source_patterns=cv.source_patterns,
                                  target_patterns=cv.target_patterns, full_layer_name=layer,

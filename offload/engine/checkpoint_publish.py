@@ -16,14 +16,13 @@ leaves a directory the next save removes, never a damaged one under its name.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import logging
 import os
 import shutil
 from pathlib import Path
 
-from ..files import names_open_file, unlink_own
+from ..files import lock_named, unlink_own
 
 log = logging.getLogger(__name__)
 
@@ -46,17 +45,8 @@ class PartialLock:
     def __init__(self, partial: Path, wait: bool) -> None:
         """Takes the lock; without `wait`, raises BlockingIOError where it is held."""
         self.path = partial.with_name(partial.name + LOCK)
-        while True:
-            fd = os.open(self.path, os.O_CREAT | os.O_RDWR, 0o644)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
-                if names_open_file(self.path, fd):
-                    break  # else removed by its holder meanwhile: open it anew
-            except BaseException:
-                os.close(fd)
-                raise
-            os.close(fd)
-        self._fd: int | None = fd
+        self._fd: int | None = lock_named(
+            self.path, lambda: os.open(self.path, os.O_CREAT | os.O_RDWR, 0o644), wait)
 
     def release(self) -> None:
         """Removes the lock file and gives the lock back (the directory is gone or

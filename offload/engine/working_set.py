@@ -182,10 +182,16 @@ def nvme_bytes_placed(cfg: OffloadConfig, groups: list[Group], dtype: torch.dtyp
     if cfg.engine.params == "nvme":
         out["param"] = sum(footprint(g.shard * dtype.itemsize) for g in groups)
     if cfg.engine.optimizer == "nvme":
-        master = keeps_master(cfg.engine.dtype, cfg.engine.params, device_type)
-        out["optim"] = sum(moment_bytes(cfg.optim.state_dtype, g.shard)
-                           + (4 * g.shard if master else 0) for g in groups if g.requires_grad)
+        out["optim"] = sum(_optim_state(cfg, groups, device_type))
     return {k: v for k, v in out.items() if v}
+
+
+def _optim_state(cfg: OffloadConfig, groups: list[Group], device_type: str) -> list[int]:
+    """Bytes of each trainable group's optimizer state per rank: its moments, and its
+    fp32 master where that is apart from the parameter."""
+    master = keeps_master(cfg.engine.dtype, cfg.engine.params, device_type)
+    return [moment_bytes(cfg.optim.state_dtype, g.shard) + (4 * g.shard if master else 0)
+            for g in groups if g.requires_grad]
 
 
 @dataclass(frozen=True)
@@ -261,7 +267,8 @@ def check_disk(cfg: OffloadConfig, groups: list[Group], dtype: torch.dtype,
     (torchrun), else OMPI_COMM_WORLD_LOCAL_SIZE (Open MPI), else 1, counted as
     sharing every path. Containers on one machine with their own overlay file
     systems have distinct `st_dev`s and are counted apart."""
-    placed = nvme_bytes_placed(cfg, groups, dtype, resolve_device(cfg.store.device).type)
+    device_type = resolve_device(cfg.store.device).type
+    placed = nvme_bytes_placed(cfg, groups, dtype, device_type)
     total = sum(placed.values())
     # in a step also the optimizer state's new version beside the old ([Note: all or
     # nothing] in step.py) and the gradients homed on NVMe: the budget's ledger counts both
@@ -283,11 +290,8 @@ def check_disk(cfg: OffloadConfig, groups: list[Group], dtype: torch.dtype,
     # the limit is each kind's swap space (over io.paths): the optimizer's holds both
     # versions, and its freed extents are holes a later chunk may not fit (one
     # partition's worth)
-    master = keeps_master(cfg.engine.dtype, cfg.engine.params,
-                          resolve_device(cfg.store.device).type)
-    files = {**kinds, "optim": kinds["optim"] + max(
-        (moment_bytes(cfg.optim.state_dtype, g.shard) + (4 * g.shard if master else 0)
-         for g in groups if g.requires_grad), default=0) if kinds["optim"] else 0}
+    files = {**kinds, "optim": kinds["optim"] + max(_optim_state(cfg, groups, device_type),
+                                                    default=0) if kinds["optim"] else 0}
     kind, n = max(files.items(), key=lambda kv: kv[1])
     if cfg.io.max_swap_size and n > cfg.io.max_swap_size:
         raise ConfigError(

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import ctypes
 import errno as _errno
-import fcntl
 import logging
 import mmap
 import operator
@@ -33,7 +32,7 @@ from typing import Callable, Protocol
 import torch
 import xxhash
 
-from ..files import names_open_file, unlink_own
+from ..files import lock_named, unlink_own
 from .engine import DIRECT_ALIGN, IoEngine, Segment
 from .errors import (CorruptionError, IoError, SwapFullError, SwapLockedError, SwapPathError,
                      limit_hint)
@@ -183,20 +182,11 @@ class _SwapFile:
     def __init__(self, path: str, direct: bool) -> None:
         self.path = path
         self.lock_path = path + ".lock"
-        while True:
-            self.lock_fd = _open_owned(self.lock_path, os.O_RDWR)
-            try:
-                fcntl.flock(self.lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                self._refuse_locked(path)
-            except BaseException:
-                os.close(self.lock_fd)
-                raise
-            if names_open_file(self.lock_path, self.lock_fd):
-                break
-            # its holder removed it as it closed, between our open and our lock: a lock
-            # on that file would keep no later job out, so the name's file is taken anew
-            os.close(self.lock_fd)
+        try:  # the name's file: one its holder removed as we opened it keeps no job out
+            self.lock_fd = lock_named(self.lock_path,
+                                      lambda: _open_owned(self.lock_path, os.O_RDWR))
+        except BlockingIOError:
+            self._refuse_locked(path)
         # The flock dies with its holder, so a lock left by a killed run is
         # free again: we hold it now and take the file over.
         try:
@@ -216,11 +206,15 @@ class _SwapFile:
 
     def _refuse_locked(self, path: str) -> None:
         """Raises `SwapLockedError` for a lock file another holder has locked, naming
-        the holder (and closes our descriptor of it)."""
+        the holder (the pid the file holds while it is locked)."""
         try:
-            owner = os.pread(self.lock_fd, 64, 0).decode(errors="replace").strip() or "unknown"
-        finally:
-            os.close(self.lock_fd)
+            fd = os.open(self.lock_path, os.O_RDONLY | os.O_NOFOLLOW)
+            try:
+                owner = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+            finally:
+                os.close(fd)
+        except OSError:  # removed by its holder meanwhile
+            owner = "unknown"
         if owner == str(os.getpid()):  # the file holds a pid only while it is locked
             raise SwapLockedError(
                 f"swap file {path} is already open in this process (pid {owner}): another "
