@@ -16,7 +16,7 @@ _os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 # [Note: OpenMP's wait policy]
 # After a parallel region, torch's OpenMP threads (libgomp) spin for a while
 # waiting for the next one. Where the optimizer's updates run beside backward
-# (optimizer state on NVMe: [Note: early update] in engine/engine.py) the
+# (optimizer state on NVMe: [Note: early update] in engine/updates.py) the
 # spinning threads take the cores the updates need, and a thread of the
 # backward's team preempted by an update keeps the rest of its team spinning at
 # the region's barrier: the bench step (6 x Linear(4096, 4096), int8 moments,

@@ -42,11 +42,9 @@ import contextlib
 import functools
 import logging
 import os
-import sys
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import wait as futures_wait
 from typing import Any, Callable
 
 import torch
@@ -61,13 +59,14 @@ from ..planner.sizes import keeps_master
 from ..store import Tier, TieredStore, footprint
 from ..store.copy import bind_thread
 from ..trace import NULL_RECORDER, TraceRecorder, UnitSpans
-from .eviction import PendingUpdates, sooner_than
+from .eviction import PendingUpdates
 from .forward_prefetch import ForwardOnlyPrefetch
 from .full_weights import params_from_masters
 from .gathering import GatheredWeights, GroupState, in_backward
 from .grad_slots import GradSlots
 from .grads import _DTYPES, GradPartitions
 from .hyper_watch import HyperWatch
+from .hooks import ModuleHooks
 from .in_place import pin_in_place, unpin_all, update_in_place
 from .interrupts import SafeInterrupts
 from .nested_grads import NestedGrads
@@ -76,12 +75,12 @@ from .one_thread import EngineBusyError, OneThread, one_call
 from .owned import Owned
 from .params_view import RegisteredParams
 from .rank_order import RankOrder
-from .step import StagedParams, StepFailedError, staged_key, uninterrupted
+from .step import StagedParams, StepFailedError, uninterrupted
 from .tensor_parallel import TensorParallel
 from .training_checkpoint import CheckpointSave
 from .training_checkpoint import save_checkpoint as _save_checkpoint
-from .units import (NOT_PICKLABLE, EngineHook, Group, Unit, copy_weight_views, eager, hooks_last,
-                    output_tensors, static_order, weak_hook)
+from .units import NOT_PICKLABLE, EngineHook, Group, Unit, eager, static_order, weak_hook
+from .updates import GroupUpdates
 from .warm import Borrowing, WarmMemory
 from .working_set import working_set
 
@@ -89,11 +88,11 @@ log = logging.getLogger(__name__)
 
 __all__ = ["OffloadEngine"]
 
-EARLY_UPDATES_IN_FLIGHT = 1  # early updates holding a gradient, at most
 _TIERS = {"device": Tier.DEVICE, "host": Tier.HOST, "nvme": Tier.NVME}
 
 
-class OffloadEngine(ModelWeights, GradPartitions, GatheredWeights, nn.Module):
+class OffloadEngine(ModelWeights, ModuleHooks, GradPartitions, GroupUpdates, GatheredWeights,
+                    nn.Module):
     """The wrapped model; built by `offload.initialize`. Call it like the model."""
 
     def __init__(self, model: nn.Module, cfg: OffloadConfig, units: list[Unit],
@@ -234,244 +233,8 @@ class OffloadEngine(ModelWeights, GradPartitions, GatheredWeights, nn.Module):
             raise RuntimeError("the engine has no optimizer yet")
         return self._opt
 
-    def _root_pre(self, module: nn.Module, args: Any) -> None:
-        if not in_backward():  # [Note: one thread at a time] in one_thread.py
-            self._check_open()
-            self._one_thread.enter("the model's forward", direct=True)
-            self._interrupts.direct_enter()  # [Note: Ctrl-C at a safe point]
-
-    def _root_post(self, module: nn.Module, args: Any, out: Any) -> None:
-        if not in_backward():
-            self._one_thread.leave()
-            self._interrupts.direct_leave(failed=out is None and sys.exc_info()[1] is not None)
-
     def _interrupted_twice(self, where: str) -> None:
         self._broken = where
-
-    def _make_pre(self, unit: Unit) -> Callable:
-        def pre(module: nn.Module, args: Any) -> None:
-            self._interrupts.safe_point()  # [Note: Ctrl-C at a safe point] in interrupts.py
-            hooks_last(module, self._last_hooks[id(module)])
-            if not in_backward():  # a recomputation repeats the backward's order
-                self._rank_order.check_unit(unit, backward=False)  # see rank_order.py
-            # a forward without autograd (evaluation, generate) is not part of a
-            # training step: it leaves the access trace and the plan alone
-            training = torch.is_grad_enabled() or in_backward()
-            self._spans.forward_begin(unit.name)
-            for gid in unit.needs:
-                st = self._states[gid]
-                if training:
-                    self.trace.record(gid)
-                self._gather(st)
-                self._bind(st)
-                st.active += 1
-            if training:
-                self._prefetch()
-            else:  # [Note: forward-only prefetch] in forward_prefetch.py
-                self._ahead.started(unit, lambda g: self._states[g].gathered
-                                    or self._states[g].pending is not None)
-        return pre
-
-    def _make_post(self, unit: Unit) -> Callable:
-        def post(module: nn.Module, args: Any, out: Any) -> Any:
-            # registered with always_call: also after the unit's forward (or a hook) raised,
-            # also where the model is called directly, not through the engine
-            failed = out is None and sys.exc_info()[1] is not None
-            backward = in_backward()
-            if not failed and not backward:  # [Note: outputs that view the weights]
-                out = copy_weight_views(out, {
-                    self._states[gid].flat.untyped_storage().data_ptr()
-                    for gid in unit.needs if self._states[gid].gathered} - {0})
-            self._spans.forward_end(unit.name, backward)
-            for gid in unit.needs:
-                st = self._states[gid]
-                st.active = max(0, st.active - 1)
-                if st.active == 0 and not backward:
-                    if failed and st.gathered:
-                        self._orphan(st)  # the traceback's frames hold its views
-                    else:
-                        self._free(st)
-            if failed:
-                return None
-            if torch.is_grad_enabled() and not backward:
-                version = self.weights_version
-                for t in output_tensors(out):
-                    if t.requires_grad:
-                        t.register_hook(self._make_pre_backward(unit, version))
-            return out
-        return post
-
-    def _refuse_plain_backward(self) -> None:
-        """[Note: backward runs here] A backward the engine did not start (`loss.backward()`,
-        `torch.autograd.backward`) would not be counted as a micro-step, nor scaled
-        for fp16, nor waited for: refused at its first hook, before any gradient is
-        reduced or any update runs."""
-        if not self._in_backward:
-            raise RuntimeError(
-                "a backward through the engine's model ran outside engine.backward() (e.g. "
-                "loss.backward()); call engine.backward(loss) instead: it counts the "
-                "micro-step for engine.grad_accum_steps, scales the loss for fp16 and waits "
-                "for the gradients' reduction. torch.autograd.grad of the inputs through "
-                "the model works; of the weights, use engine.backward")
-
-    def _make_pre_backward(self, unit: Unit, version: int) -> Callable:
-        def hook(grad: torch.Tensor) -> None:
-            if version != self.weights_version:  # [Note: a graph of older weights]
-                raise RuntimeError(
-                    f"backward: the forward of {unit.name or 'the model'} ran before the "
-                    "weights changed (a step(), load_state_dict() or writable full_weights() "
-                    "since), so its gradient would mix the old activations with the new "
-                    "weights; run the forward again after the change (torch refuses such a "
-                    "graph too: its saved weights were modified in place)")
-            if not self._in_backward:  # [Note: gradients of the inputs] in gathering.py
-                self._input_gradient_pass(unit)
-                return
-            self._interrupts.safe_point()  # [Note: Ctrl-C at a safe point] in interrupts.py
-            # once per unit and backward: the hook fires for each output with a gradient,
-            # and that number may differ between ranks; only the first gathers
-            if any(not self._states[gid].gathered for gid in unit.needs):
-                self._rank_order.check_unit(unit, backward=True)
-            self._spans.backward_begin(unit.name)
-            self._nested.began(unit.needs)  # [Note: reentrant checkpoints inside a unit]
-            self._free_gradless(unit.needs)  # [Note: weights without a gradient in backward]
-            early_master = (self.master_is_param and self._last_micro_step()
-                            and self._early_allowed())
-            for gid in unit.needs:
-                if early_master:
-                    self.pending_updates.expect(gid)
-                st = self._states[gid]
-                if not st.gathered:  # the saved views see the refilled storage
-                    self.trace.record(gid)
-                    self._gather(st)
-                if not self._bound(st):  # [Note: recomputation without the unit's hooks]
-                    self._bind(st)
-            self._prefetch()
-        return hook
-
-    def _last_micro_step(self) -> bool:
-        return self._backwards + 1 == self.cfg.engine.grad_accum_steps
-
-    def _grad_ready(self, gid: int, shard_grad: torch.Tensor) -> None:
-        """This rank's reduced gradient of `gid` for this micro-step.
-
-        [Note: early update] Where the update of one group cannot depend on the
-        others (no clipping, not fp16: `_early_allowed`), the last
-        micro-step's gradient goes straight to a background thread that runs the
-        group's update while backward goes on, so the optimizer state's NVMe traffic
-        hides behind backward compute (without gradient accumulation the gradient
-        is a HOST record where HOST has room: [Note: the gradient's fp32 copy is a
-        record]). Otherwise it is accumulated in its grad partition
-        and `step()` updates every group once the global norm is known."""
-        if self._last_micro_step() and self._early_allowed():
-            # Backpressure: each update holds its gradient; backward waits for slow
-            # (I/O-bound) ones before handing over the next rather than piling them up
-            live = [f for f in self._early if not f.done()]
-            if len(live) >= EARLY_UPDATES_IN_FLIGHT:
-                futures_wait(live[:len(live) - EARLY_UPDATES_IN_FLIGHT + 1])
-            grad = None  # None: the update takes its stored partition
-            if ("g", gid) in self.store:
-                self._accumulate(gid, shard_grad)
-            elif not (self._early_grads_stored and self._put_early_grad(gid, shard_grad)):
-                grad = shard_grad.to("cpu", torch.float32)  # the update holds its own copy
-            self._has_grad.add(gid)
-            self.pending_updates.add(gid, reads_master=self.master_is_param)
-            self._early.append(self._updater.submit(self._update_group, gid, grad, None,
-                                                    self.grad_slots.active(gid)))
-            return
-        self._accumulate(gid, shard_grad)
-
-    def _early_allowed(self) -> bool:
-        """Early updates need no global value (no clipping, not fp16: its overflow check
-        reads every gradient, at any loss scale, 1 included) and NVMe state, which keeps
-        its previous version for free (fresh extents; [Note: all or nothing])."""
-        return (self.cfg.engine.dtype != "fp16" and self.optimizer.early_update_allowed()
-                and self.cfg.engine.optimizer == "nvme" and self._hyper_watch.early)
-
-    def _update_group(self, gid: int, grad: torch.Tensor | None, norm: float | None,
-                      active: list[bool] | None = None) -> None:
-        """Adam on group `gid` with `grad` (None: its stored, accumulated gradient), in
-        the open step: the new compute-dtype partition is staged beside the old one
-        and the optimizer keeps its previous state until the step commits
-        ([Note: all or nothing] in step.py). In fp32 the partition is the master
-        (`master_is_param`): the optimizer reads the current one and writes the new
-        one into the staged partition. `active`: which segments had a gradient
-        (default: as known now).
-        """
-        if active is None:
-            active = self.grad_slots.active(gid)
-        if grad is None:
-            with self._stored_grad(gid) as stored:
-                return self._update_group(gid, stored, norm, active)
-        pkey = ("p", gid)
-        self._update_order.append(gid)
-        masters, where = None, None
-        if self.master_is_param:
-            where = self._memory_tier(pkey)
-            try:
-                old = self.store.fetch(pkey, to=where, pin=True).wait()  # kept till read
-            finally:
-                self.pending_updates.read_master(gid)
-            masters = {gid: old.cpu()}
-        try:
-            if masters is not None and self.staged.take(gid, where):
-                staged = self.staged.in_place(gid, where)
-                masters = None  # the new values overwrite the current ones, read in the pass
-            else:
-                staged = self.staged.new(gid, self.groups[gid].shard, self.dtype)
-            with staged as new:
-                res = self.optimizer.update(
-                    {gid: grad}, params_out={gid: new}, masters=masters,
-                    loss_scale=self._grad_divisor,
-                    grad_norm=norm, found_inf=False, next_pid=self._next_update.get(gid),
-                    active={gid: active}, schedule_step=self.global_step)
-        finally:
-            self.pending_updates.done(gid)
-            if where is not None:
-                self.store.unpin(pkey)
-        self._count_opt_bytes(res.bytes_read, res.bytes_written)
-        if masters is not None:
-            self._new_takes_old_room(gid)
-
-    def _new_takes_old_room(self, gid: int) -> None:
-        """On a CPU device, once group `gid`'s update has staged its new partition:
-        drops a clean old copy in DEVICE and hands the new one up into its room
-        ([Note: the new copy takes the old one's room] in eviction.py)."""
-        if self.device.type != "cpu" or gid not in self.staged:
-            return
-        pkey, skey = ("p", gid), staged_key(gid)
-        old, new = self.store.info(pkey), self.store.info(skey)
-        if (Tier.DEVICE not in old.valid or old.dirty or old.pins or old.busy
-                or Tier.DEVICE in new.valid or new.busy):
-            return
-        try:  # a saving, not a need: a copy pinned or room taken meanwhile skips it
-            self.store.evict(pkey, to=Tier.NVME).wait()  # clean: drops the memory copies
-            if self.store.fits_sparing(skey, Tier.DEVICE, sooner_than(
-                    self.trace, gid, self.staged, self.pending_updates)):
-                self.store.fetch(skey, to=Tier.DEVICE).wait()
-        except RuntimeError as e:  # BudgetExceededError among them
-            log.debug("group %d: new partition stays in HOST (%s)", gid, e)
-
-    @property
-    def _grad_divisor(self) -> float:
-        """What the stored gradients are divided by: the fp16 loss scale times the
-        micro-steps summed (the gradient is their mean)."""
-        return self.loss_scale * self.cfg.engine.grad_accum_steps
-
-    def _count_opt_bytes(self, read: int, written: int) -> None:
-        with self._io_lock:
-            self._opt_bytes[0] += read
-            self._opt_bytes[1] += written
-
-    def _memory_tier(self, pkey: tuple) -> Tier:
-        """Where the CPU reads or writes a parameter partition: DEVICE on a CPU device
-        where that copy is valid or home, else HOST; DEVICE on a GPU for its home
-        (the optimizer's output is then copied in)."""
-        cpu = self.device.type == "cpu"  # the DEVICE tier is host memory
-        if self._param_tier is Tier.DEVICE:
-            return Tier.DEVICE
-        if cpu and Tier.DEVICE in self.store.info(pkey).valid:
-            return Tier.DEVICE  # HOST memory handed over to DEVICE
-        return Tier.HOST
 
     # -- the user's loop ----------------------------------------------------------------
     @property

@@ -76,7 +76,7 @@ them), a later update's master leaves instead of the last update's gradient:
 written once, where the gradient cost a write and a read, and read back clean,
 so its previous version then leaves for free: 21.0 MB, the plan's bytes.
 
-An early update ([Note: early update] in engine.py) is queued only once its
+An early update ([Note: early update] in updates.py) is queued only once its
 group's gradient is reduced, after the group's backward; while that backward
 ran, the parameters it used looked needed only by the next step, the prefetch
 for the next backward evicted them, and the update read them back. The

@@ -7,7 +7,7 @@ torch's optimizer reads each group's lr (and betas, eps, weight decay) when
 step (a scheduler's `step()`), before the forward, or between `backward` and
 `step()` (a warm-up that sets lr just before stepping, as the Transformer's
 "Noam" wrapper does). The engine's early updates ([Note: early update] in
-engine.py) run during the last backward, so they use the values as they were
+updates.py) run during the last backward, so they use the values as they were
 when it ran. `step()` compares each group's values then with those at
 `step()`. Where they differ after updates ran early, the step cannot be
 trained as torch would (its gradients went into those updates): it fails as

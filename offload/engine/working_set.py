@@ -65,7 +65,7 @@ class WorkingSet:
 
 def _early_updates(cfg: OffloadConfig) -> bool:
     """Whether a group's update may run as soon as its gradient is reduced, the gradient
-    never stored ([Note: early update] in engine.py)."""
+    never stored ([Note: early update] in updates.py)."""
     e = cfg.engine
     return (e.optimizer == "nvme" and cfg.optim.max_grad_norm == 0 and e.dtype != "fp16"
             and e.grad_accum_steps == 1)

@@ -54,7 +54,7 @@ Every update of a round uses each group's values as the round's first update
 of that group used them (lr after the schedule's multiplier, betas, eps,
 weight decay). A write between two updates of one round would train part of
 the step at one rate and the rest at another, which no torch step does; the
-engine updates groups during backward ([Note: early update] in engine.py), so
+engine updates groups during backward ([Note: early update] in engine/updates.py), so
 a write between the last backward and `step()` is such a write. An update
 that would use other values than the round's earlier ones raises ValueError
 before it changes anything, and `durable()` (so `commit`) rolls back a round

@@ -1,0 +1,137 @@
+"""`ModuleHooks`: the engine's module and autograd hooks around each unit.
+
+Before a unit's forward its groups are gathered and bound (and the access
+trace records them); after it they are freed, and a hook on each output that
+needs a gradient re-gathers them before the unit's backward ([Note: gathered
+weights and autograd] in engine.py). The root module's hooks hold the engine
+for one thread ([Note: one thread at a time] in one_thread.py). A mixin of
+`OffloadEngine`: it keeps no state of its own.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from .gathering import in_backward
+from .units import Unit, copy_weight_views, hooks_last, output_tensors
+
+__all__ = ["ModuleHooks"]
+
+
+class ModuleHooks:
+    """Mixin of `OffloadEngine`: the hooks `initialize` registers on the model."""
+
+    def _root_pre(self, module: nn.Module, args: Any) -> None:
+        if not in_backward():  # [Note: one thread at a time] in one_thread.py
+            self._check_open()
+            self._one_thread.enter("the model's forward", direct=True)
+            self._interrupts.direct_enter()  # [Note: Ctrl-C at a safe point]
+
+    def _root_post(self, module: nn.Module, args: Any, out: Any) -> None:
+        if not in_backward():
+            self._one_thread.leave()
+            self._interrupts.direct_leave(failed=out is None and sys.exc_info()[1] is not None)
+
+    def _make_pre(self, unit: Unit) -> Callable:
+        def pre(module: nn.Module, args: Any) -> None:
+            self._interrupts.safe_point()  # [Note: Ctrl-C at a safe point] in interrupts.py
+            hooks_last(module, self._last_hooks[id(module)])
+            if not in_backward():  # a recomputation repeats the backward's order
+                self._rank_order.check_unit(unit, backward=False)  # see rank_order.py
+            # a forward without autograd (evaluation, generate) is not part of a
+            # training step: it leaves the access trace and the plan alone
+            training = torch.is_grad_enabled() or in_backward()
+            self._spans.forward_begin(unit.name)
+            for gid in unit.needs:
+                st = self._states[gid]
+                if training:
+                    self.trace.record(gid)
+                self._gather(st)
+                self._bind(st)
+                st.active += 1
+            if training:
+                self._prefetch()
+            else:  # [Note: forward-only prefetch] in forward_prefetch.py
+                self._ahead.started(unit, lambda g: self._states[g].gathered
+                                    or self._states[g].pending is not None)
+        return pre
+
+    def _make_post(self, unit: Unit) -> Callable:
+        def post(module: nn.Module, args: Any, out: Any) -> Any:
+            # registered with always_call: also after the unit's forward (or a hook) raised,
+            # also where the model is called directly, not through the engine
+            failed = out is None and sys.exc_info()[1] is not None
+            backward = in_backward()
+            if not failed and not backward:  # [Note: outputs that view the weights]
+                out = copy_weight_views(out, {
+                    self._states[gid].flat.untyped_storage().data_ptr()
+                    for gid in unit.needs if self._states[gid].gathered} - {0})
+            self._spans.forward_end(unit.name, backward)
+            for gid in unit.needs:
+                st = self._states[gid]
+                st.active = max(0, st.active - 1)
+                if st.active == 0 and not backward:
+                    if failed and st.gathered:
+                        self._orphan(st)  # the traceback's frames hold its views
+                    else:
+                        self._free(st)
+            if failed:
+                return None
+            if torch.is_grad_enabled() and not backward:
+                version = self.weights_version
+                for t in output_tensors(out):
+                    if t.requires_grad:
+                        t.register_hook(self._make_pre_backward(unit, version))
+            return out
+        return post
+
+    def _refuse_plain_backward(self) -> None:
+        """[Note: backward runs here] A backward the engine did not start (`loss.backward()`,
+        `torch.autograd.backward`) would not be counted as a micro-step, nor scaled
+        for fp16, nor waited for: refused at its first hook, before any gradient is
+        reduced or any update runs."""
+        if not self._in_backward:
+            raise RuntimeError(
+                "a backward through the engine's model ran outside engine.backward() (e.g. "
+                "loss.backward()); call engine.backward(loss) instead: it counts the "
+                "micro-step for engine.grad_accum_steps, scales the loss for fp16 and waits "
+                "for the gradients' reduction. torch.autograd.grad of the inputs through "
+                "the model works; of the weights, use engine.backward")
+
+    def _make_pre_backward(self, unit: Unit, version: int) -> Callable:
+        def hook(grad: torch.Tensor) -> None:
+            if version != self.weights_version:  # [Note: a graph of older weights]
+                raise RuntimeError(
+                    f"backward: the forward of {unit.name or 'the model'} ran before the "
+                    "weights changed (a step(), load_state_dict() or writable full_weights() "
+                    "since), so its gradient would mix the old activations with the new "
+                    "weights; run the forward again after the change (torch refuses such a "
+                    "graph too: its saved weights were modified in place)")
+            if not self._in_backward:  # [Note: gradients of the inputs] in gathering.py
+                self._input_gradient_pass(unit)
+                return
+            self._interrupts.safe_point()  # [Note: Ctrl-C at a safe point] in interrupts.py
+            # once per unit and backward: the hook fires for each output with a gradient,
+            # and that number may differ between ranks; only the first gathers
+            if any(not self._states[gid].gathered for gid in unit.needs):
+                self._rank_order.check_unit(unit, backward=True)
+            self._spans.backward_begin(unit.name)
+            self._nested.began(unit.needs)  # [Note: reentrant checkpoints inside a unit]
+            self._free_gradless(unit.needs)  # [Note: weights without a gradient in backward]
+            early_master = (self.master_is_param and self._last_micro_step()
+                            and self._early_allowed())
+            for gid in unit.needs:
+                if early_master:
+                    self.pending_updates.expect(gid)
+                st = self._states[gid]
+                if not st.gathered:  # the saved views see the refilled storage
+                    self.trace.record(gid)
+                    self._gather(st)
+                if not self._bound(st):  # [Note: recomputation without the unit's hooks]
+                    self._bind(st)
+            self._prefetch()
+        return hook
