@@ -349,22 +349,8 @@ def initialize(model: nn.Module | Callable[[], nn.Module],
                     if resumed is not None:  # the whole state of the group, read by name
                         resumed.place_group(engine, g, segments, slots)
                     else:
-                        full = _materialise(model, g, cfg.engine.seed, ckpt, lineage)
-                        if ckpt is None:  # [Note: rank 0's weights]
-                            real = not all(sl.param.is_meta for sl in g.slots)
-                            found = _from_first_rank(comm, g, full, real)
-                            differs = differs or found
-                        shard = full[comm.rank * g.shard:(comm.rank + 1) * g.shard]
-                        store.put(("p", g.gid), shard.to(dtype), kind="param",
-                                  tier=_TIERS[cfg.engine.params])
-                        # NVMe state is written now: never all masters at once
-                        if g.requires_grad:
-                            shared = engine.master_is_param  # fp32: the stored shard is it
-                            engine.optimizer.add_partition(
-                                g.gid, shard if shared else shard.clone(),
-                                tier=cfg.engine.optimizer, master_is_param=shared,
-                                segments=segments, origin=g.origin(comm.rank))
-                        del full, shard
+                        found = _place_new_group(engine, g, segments, ckpt, lineage)
+                        differs = differs or found
                     # a materialised meta group is freed at once: no process holds all
                     if was_meta:
                         _drop_params(g, engine)
@@ -387,13 +373,7 @@ def initialize(model: nn.Module | Callable[[], nn.Module],
                         resumed is not None)
                 for g in deferred:
                     _drop_params(g, engine)
-                moved: dict[int, torch.Tensor] = {}  # a buffer several modules share stays one
-                for m in model.modules():
-                    for name, b in m._buffers.items():
-                        if b is not None and b.device != store.device:
-                            if id(b) not in moved:
-                                moved[id(b)] = b.to(store.device)
-                            m._buffers[name] = moved[id(b)]
+                _buffers_to(model, store.device)
                 # [Note: rank 0's weights]; buffers are never cut: every rank of the job, TP too
                 everyone = tp.mesh.world if tp is not None else comm
                 if everyone.world > 1 and ckpt is None and resumed is None:
@@ -422,6 +402,39 @@ def initialize(model: nn.Module | Callable[[], nn.Module],
              comm.world, cfg.engine.dtype, cfg.engine.params, cfg.engine.grads,
              cfg.engine.optimizer)
     return engine
+
+
+def _place_new_group(engine: OffloadEngine, g: Group, segments: list[tuple[int, int, int]],
+                     ckpt: SafetensorsCheckpoint | None, lineage: "_Lineage") -> str | None:
+    """Makes group `g`'s weights (from `ckpt`, else by the modules' initialisers, rank
+    0's where ranks differ) and places this rank's partition and its optimizer state.
+    Returns the first parameter whose weights differed from rank 0's, if any."""
+    cfg, comm, differs = engine.cfg, engine.comm, None
+    full = _materialise(engine.module, g, cfg.engine.seed, ckpt, lineage)
+    if ckpt is None:  # [Note: rank 0's weights]
+        real = not all(sl.param.is_meta for sl in g.slots)
+        differs = _from_first_rank(comm, g, full, real)
+    shard = full[comm.rank * g.shard:(comm.rank + 1) * g.shard]
+    engine.store.put(("p", g.gid), shard.to(engine.dtype), kind="param",
+                     tier=_TIERS[cfg.engine.params])
+    # NVMe state is written now: never all masters at once
+    if g.requires_grad:
+        shared = engine.master_is_param  # fp32: the stored shard is it
+        engine.optimizer.add_partition(
+            g.gid, shard if shared else shard.clone(), tier=cfg.engine.optimizer,
+            master_is_param=shared, segments=segments, origin=g.origin(comm.rank))
+    return differs
+
+
+def _buffers_to(model: nn.Module, device: torch.device) -> None:
+    """Moves the model's buffers to `device`; a buffer several modules share stays one."""
+    moved: dict[int, torch.Tensor] = {}
+    for m in model.modules():
+        for name, b in m._buffers.items():
+            if b is not None and b.device != device:
+                if id(b) not in moved:
+                    moved[id(b)] = b.to(device)
+                m._buffers[name] = moved[id(b)]
 
 
 def _refuse_gather_thread_on_nccl(cfg: OffloadConfig) -> None:
