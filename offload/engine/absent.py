@@ -60,7 +60,8 @@ def absent_grad_message(name: str) -> str:
             "gradients into its partitions (summed over ranks and micro-batches), where "
             "engine.step() reads them. To clip them as torch.nn.utils.clip_grad_norm_ does, "
             "set optim.max_grad_norm in the config (the global 2-norm over every rank; "
-            "engine.grad_norm is its value before clipping after each step); "
+            "engine.grad_norm is its value before clipping after each step); clipping "
+            "each value (torch.nn.utils.clip_grad_value_) has no equivalent, use the norm; "
             "engine.zero_grad() drops them ([Note: absent gradients] in "
             "offload/engine/params_view.py)")
 

@@ -159,6 +159,19 @@ class ModelWeights:
         its `requires_grad` ([Note: registered parameters] in params_view.py)."""
         return self.module.named_parameters(prefix, recurse, remove_duplicate)
 
+    # the rest of the model's listings and lookups use its names too, as state_dict()
+    # does: a weight-decay rule built from named_modules() must match named_parameters()
+    def named_buffers(self, prefix: str = "", recurse: bool = True,
+                      remove_duplicate: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+        return self.module.named_buffers(prefix, recurse, remove_duplicate)
+
+    def named_modules(self, memo: set[nn.Module] | None = None, prefix: str = "",
+                      remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Module]]:
+        return self.module.named_modules(memo, prefix, remove_duplicate)
+
+    def get_submodule(self, target: str) -> nn.Module:  # get_parameter, get_buffer too
+        return self.module.get_submodule(target)
+
     def _apply(self, fn: Any, recurse: bool = True) -> Any:  # type: ignore[override]
         """`engine.to(...)`, `.half()`, `.float()`, `.cpu()`...: a no-op where `fn` keeps
         the engine's dtype and device (tried on a probe tensor first); else refused

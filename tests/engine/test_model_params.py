@@ -67,6 +67,11 @@ def test_registered_parameters_mirror_the_plain_model(engine_cfg, placement, dty
         got, want = list(model.named_parameters()), list(ref.named_parameters())
         assert [n for n, _ in got] == [n for n, _ in want]
         assert [n for n, _ in engine.named_parameters()] == [n for n, _ in want]
+        for listing in ("named_buffers", "named_modules"):  # the model's names, as state_dict
+            assert ([n for n, _ in getattr(engine, listing)()]
+                    == [n for n, _ in getattr(ref, listing)()]), listing
+        assert engine.get_submodule("block.0") is model.block[0]
+        assert engine.get_parameter("block.0.weight") is model.block[0].weight
         for (n, p), (_, q) in zip(got, want):
             assert isinstance(p, nn.Parameter), n
             assert p.shape == q.shape and p.requires_grad == q.requires_grad, n
@@ -473,9 +478,11 @@ def test_torch_clipping_and_torch_optimizers_raise_instead_of_doing_nothing(engi
                 eb.backward(eb(x).square().sum())
                 assert [p.grad is not None for p in a.parameters()] == [True, True, False, False]
                 for call in (lambda: nn.utils.clip_grad_norm_(a.parameters(), 1.0),
+                             lambda: nn.utils.clip_grad_value_(a.parameters(), 1.0),
                              lambda: opt.step()):
                     with pytest.raises(RuntimeError, match=r"gradient of parameter '0\.weight' "
-                                                           r".*optim\.max_grad_norm"):
+                                       r".*optim\.max_grad_norm.*clip_grad_value_\) has no "
+                                       r"equivalent"):
                         call()
             assert ea.step() and eb.step()
             assert all(p.grad is None for p in a.parameters())
