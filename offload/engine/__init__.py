@@ -27,7 +27,7 @@ from .absent import AbsentWeight
 from .checkpoint_reader import CheckpointReader
 from .engine import _DTYPES, _TIERS, OffloadEngine
 from .eviction import next_use_of
-from .lr_scheduler import make_scheduler
+from .lr_scheduler import make_scheduler, warn_schedule_dropped
 from .meta import SkipMetaNormal, meta_device
 from .model_weights import guard_casts, guard_resize
 from .one_thread import EngineBusyError
@@ -366,6 +366,9 @@ def initialize(model: nn.Module | Callable[[], nn.Module],
                 if resumed is not None:
                     resumed.restore(engine)  # counters, loss scale, hyper-parameters, RNG
                     engine.resumed_extra = dict(resumed.extra)
+                if resumed is not None:
+                    warn_schedule_dropped(resumed.record, engine.optimizer,
+                                          lr_scheduler is not None, resume)
                 if lr_scheduler is not None:  # [Note: the engine's scheduler] in lr_scheduler.py
                     engine.lr_scheduler = make_scheduler(
                         lr_scheduler, engine.optimizer,

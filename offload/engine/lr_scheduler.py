@@ -36,7 +36,7 @@ from ..config import ConfigError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["make_scheduler", "scheduler_state"]
+__all__ = ["make_scheduler", "scheduler_state", "warn_schedule_dropped"]
 
 _VALUES = ("lr", "betas", "eps", "weight_decay")  # a group's values a checkpoint saves
 
@@ -74,6 +74,25 @@ def make_scheduler(factory: Callable[[torch.optim.Optimizer], Any],
         log.warning("the checkpoint resumed from holds no lr_scheduler state (it was saved "
                     "without one): the scheduler starts from its beginning")
     return scheduler
+
+
+def warn_schedule_dropped(record: dict[str, Any], optimizer: torch.optim.Optimizer,
+                          factory_given: bool, path: Any) -> None:
+    """Warns where the checkpoint at `path` (commit record `record`) was saved under a
+    schedule this resume was not given: the learning rate would stay at its resumed
+    value with no word (the opposite case, a factory and no saved state, warns in
+    `make_scheduler`)."""
+    if record.get("lr_scheduler") is not None and not factory_given:
+        log.warning("checkpoint %s was saved with an lr_scheduler, and this initialize was "
+                    "given none: the learning rate stays at its resumed value, "
+                    "unscheduled; pass lr_scheduler= as when saving to continue the "
+                    "schedule", path)
+    if (any(g.get("lr_lambda") for g in record.get("param_groups", []))
+            and all(g.get("lr_lambda") is None for g in optimizer.param_groups)):
+        log.warning("checkpoint %s was saved with an lr_lambda schedule, and this initialize "
+                    "was given none: the learning rate stays at its resumed value, "
+                    "unscheduled; pass lr_lambda= (or the param_groups' lr_lambda) as when "
+                    "saving to continue the schedule", path)
 
 
 def _as_saved(value: Any, like: Any) -> Any:

@@ -811,6 +811,7 @@ def _record(engine: Any, table: dict, extra: dict, scheduler: dict | None) -> di
                                      else _number(v))
                                  for k, v in grp.items()
                                  if k in ("lr", "betas", "eps", "weight_decay")},
+                              "lr_lambda": grp.get("lr_lambda") is not None,  # scheduled
                               "params": members[k]}
                              for k, grp in enumerate(engine.optimizer.param_groups)],
             "groups": [{"gid": g.gid, "numel": g.numel, "shard": g.shard,

@@ -238,6 +238,30 @@ def test_engine_scheduler_steps_and_resumes_from_a_checkpoint_as_torch(engine_cf
         torch.testing.assert_close(got[k], v, atol=2e-6, rtol=0, msg=lambda m: f"{k}: {m}")
 
 
+def test_a_resume_without_the_saved_schedule_warns(engine_cfg, tmp_path, caplog):
+    """A checkpoint saved under lr_scheduler= or lr_lambda= and resumed without it
+    trains at the resumed rate, unscheduled: said, not silent; resumed with it, no word."""
+    cfg = engine_cfg()
+    (x, y), = lm_batches(1)
+    make = _warmup
+    for kind, given in (("lr_scheduler", {"lr_scheduler": make}),
+                        ("lr_lambda", {"lr_lambda": lambda k: 0.5 ** k})):
+        ck = tmp_path / kind
+        with offload.initialize(TiedTwice(), cfg, **given) as engine:
+            engine.backward(lm_loss(engine(x), y))
+            engine.step()
+            engine.save_checkpoint(ck)
+        for resume_with in ({}, given):
+            caplog.clear()
+            with caplog.at_level("WARNING", logger="offload"):
+                offload.initialize(TiedTwice(), cfg, resume=ck, **resume_with).close()
+            warned = [r.getMessage() for r in caplog.records
+                      if f"saved with an {kind}" in r.getMessage()]
+            assert len(warned) == (not resume_with), (kind, resume_with, warned)
+            if warned:
+                assert str(ck) in warned[0] and f"pass {kind}=" in warned[0]
+
+
 def test_a_skipped_step_does_not_step_the_engine_scheduler(engine_cfg):
     cfg = engine_cfg()
     cfg["optim"]["max_grad_norm"] = 1.0  # a non-finite norm skips the step
