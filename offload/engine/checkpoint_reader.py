@@ -20,8 +20,9 @@ from .checkpoint_chunks import MISSING, CRC_BYTES, ChunkFileError, ChunkFiles, c
 from .checkpoint_publish import is_committed
 from .checkpoint_files import (CheckpointCorruptError, CheckpointError, _read_json,
                                set_rng_state)
-from .training_checkpoint import (_DTYPE_NAMES, FORMAT, PARTIAL, RECORD, TORCH_DTYPES, _context,
-                                  _max_chunk_bytes, _rank_range, _spec, _stored_shape, _ts)
+from .training_checkpoint import (_DTYPE_NAMES, CHECKED, FORMAT, PARTIAL, RECORD, TORCH_DTYPES,
+                                  _context, _max_chunk_bytes, _rank_range, _spec, _stored_shape,
+                                  _ts)
 from .units import Group, Slot
 
 __all__ = ["CheckpointReader"]
@@ -49,6 +50,27 @@ def _chunk_in(out: torch.Tensor | None, dtype: torch.dtype, a: int, b: int, ce: 
             or not out.is_contiguous() or k * ce < a or (k + 1) * ce > b):
         return None
     return out[k * ce - a:(k + 1) * ce - a].view(torch.uint8)
+
+
+def _check_layout(meta: dict[str, Any], sharding: dict[str, Any], dtype: str) -> None:
+    """ValueError where an array's zarr.json says its bytes are laid out otherwise than
+    the save wrote them (`_spec`): offload reads the chunks by their known layout,
+    but another reader (tensorstore, zarr) follows the metadata, and would read a
+    changed dtype, byte order or key encoding as other values."""
+    differ = [what for what, got, want in (
+        ("data_type", meta.get("data_type"), dtype),
+        ("codecs", meta.get("codecs") and len(meta["codecs"]), 1),
+        ("chunk codecs", sharding.get("codecs"), CHECKED),
+        ("index codecs", sharding.get("index_codecs"), CHECKED),
+        ("index location", sharding.get("index_location", "end"), "end"),
+        ("chunk key encoding", meta.get("chunk_key_encoding", {}).get("configuration", {})
+         .get("separator", "/"), "/"),
+        ("chunk key encoding", meta.get("chunk_key_encoding", {}).get("name"), "default"),
+    ) if got != want]
+    if differ:
+        raise ValueError(f"its {', '.join(dict.fromkeys(differ))} differ from what the save "
+                         f"wrote ({dtype}, one sharding codec of little-endian chunks and "
+                         "index, each with its crc32c, the index at the end, default keys)")
 
 
 class CheckpointReader:
@@ -216,6 +238,8 @@ class CheckpointReader:
                 if codec["name"] != "sharding_indexed":
                     raise ValueError(f"its codec is {codec['name']!r}, not sharding_indexed")
                 chunk = codec["configuration"]["chunk_shape"]
+                _check_layout(m, codec["configuration"],
+                              self.tensors[name]["kinds"].get(kind, "float32"))
                 for what, s in (("shard", shard), ("chunk", chunk)):
                     if (not isinstance(s, list) or len(s) != len(stored)
                             or any(type(d) is not int or d < 1 for d in s)):

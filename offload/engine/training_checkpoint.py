@@ -237,6 +237,10 @@ def _to_numpy(t: torch.Tensor) -> np.ndarray:
     return t.numpy()
 
 
+# each chunk and each shard's index: little-endian bytes, then their crc32c
+CHECKED = [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]
+
+
 def _spec(root: Path, kind: str, name: str, shape: tuple[int, ...] | None = None,
           dtype: str | None = None, world: int = 1) -> dict:
     spec: dict[str, Any] = {"driver": "zarr3",
@@ -247,13 +251,12 @@ def _spec(root: Path, kind: str, name: str, shape: tuple[int, ...] | None = None
         s = _stored_shape(shape)
         grid = _grid(shape, world)
         rows = grid.chunk // max(1, math.prod(s[1:]))
-        checked = [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]
         spec["metadata"] = {
             "shape": s, "data_type": dtype,
             "chunk_grid": {"name": "regular",
                            "configuration": {"chunk_shape": [rows * grid.per_shard] + s[1:]}},
             "codecs": [{"name": "sharding_indexed", "configuration": {
-                "chunk_shape": [rows] + s[1:], "codecs": checked, "index_codecs": checked,
+                "chunk_shape": [rows] + s[1:], "codecs": CHECKED, "index_codecs": CHECKED,
                 "index_location": "end"}}]}
     return spec
 

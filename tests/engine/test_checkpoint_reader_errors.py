@@ -148,6 +148,33 @@ def test_damaged_array_metadata_is_a_corrupt_error_naming_the_file(copy, tmp_pat
     assert len(problems) == 1 and "exp_avg/l1.weight/zarr.json" in problems[0]
 
 
+_LAYOUT_EDITS = {
+    "data_type": lambda m, c: m.update(data_type="int32"),
+    "chunk codecs": lambda m, c: c["codecs"][0]["configuration"].update(endian="big"),
+    "index codecs": lambda m, c: c["index_codecs"].pop(),
+    "chunk key encoding": lambda m, c: m.update(
+        chunk_key_encoding={"name": "default", "configuration": {"separator": "."}}),
+}
+
+
+@pytest.mark.parametrize("what", list(_LAYOUT_EDITS))
+def test_array_metadata_of_another_layout_is_a_corrupt_error(copy, tmp_path, what):
+    """A zarr.json whose dtype, byte order, checksums or key encoding differ from the
+    save's passed every check (offload reads its chunks by their known layout), while
+    tensorstore, which the docs say can open any checkpoint, read other values."""
+    ck = copy()
+    meta = ck / "exp_avg" / "l1.weight" / "zarr.json"
+    m = json.loads(meta.read_text())
+    _LAYOUT_EDITS[what](m, m["codecs"][0]["configuration"])
+    meta.write_text(json.dumps(m))
+    want = (rf"array exp_avg/l1\.weight: no readable shard and chunk shape in .*"
+            rf"exp_avg/l1\.weight/zarr\.json \(its {what} differ from what the save wrote")
+    with pytest.raises(offload.CheckpointCorruptError, match=want):
+        _resume(ck, tmp_path)
+    problems = CheckpointReader(ck).verify()
+    assert len(problems) == 1 and "exp_avg/l1.weight/zarr.json" in problems[0]
+
+
 def test_shard_file_replaced_by_a_directory_is_a_corrupt_error(copy, tmp_path):
     """Was an IsADirectoryError from reading the shard's index."""
     ck = copy()
