@@ -95,11 +95,18 @@ def summary(reader: CheckpointReader) -> dict:
 
 
 def run_info(args: argparse.Namespace) -> int:
-    reader = _open(args.path)
+    try:
+        reader = _open(args.path)
+    except DamageError as e:  # --json: still one object on stdout, for a script to read
+        if args.json:
+            print(json.dumps({"path": str(args.path), "integrity": "damaged",
+                              "problems": [str(e)]}, indent=1))
+        raise
     s = summary(reader)
     problems = None if args.no_verify else reader.verify()
     s["integrity"] = ("not checked" if problems is None else
-                      "ok" if not problems else "damaged")
+                      "ok" if not problems else "damaged" if reader.damaged
+                      else "unreadable (permissions)")
     s["problems"] = problems or []
     if args.json:
         print(json.dumps(s, indent=1))

@@ -78,10 +78,21 @@ def _write_json(p: Path, obj: Any) -> None:
         os.fsync(f.fileno())
 
 
+def not_permitted(path: Any, e: OSError) -> CheckpointError:
+    """The error for a checkpoint file this process may not read: no damage, so not a
+    CheckpointCorruptError, and the fix is the file's permissions."""
+    return CheckpointError(f"checkpoint file {path} cannot be read ({e.strerror}): this "
+                           f"process (uid {os.getuid()}) lacks permission; the checkpoint "
+                           "may be intact: give it read access to the checkpoint's files "
+                           "(chmod, chown) and retry")
+
+
 def _read_json(p: Path) -> dict[str, Any]:
     """A file `_write_json` wrote; CheckpointCorruptError when it was damaged."""
     try:
         obj = json.loads(p.read_text())
+    except PermissionError as e:
+        raise not_permitted(p, e) from e
     except (ValueError, UnicodeDecodeError) as e:
         raise CheckpointCorruptError(f"checkpoint file {p} is not valid JSON: {e}") from e
     if not isinstance(obj, dict) or obj.get("sha256") != _digest(obj):

@@ -19,7 +19,7 @@ from .checkpoint_buffers import BUFFERS, check_buffers, decode_buffers, restore_
 from .checkpoint_chunks import MISSING, CRC_BYTES, ChunkFileError, ChunkFiles, chunk_key, read_index
 from .checkpoint_publish import is_committed
 from .checkpoint_files import (CheckpointCorruptError, CheckpointError, _read_json,
-                               set_rng_state)
+                               not_permitted, set_rng_state)
 from .training_checkpoint import (_DTYPE_NAMES, CHECKED, FORMAT, PARTIAL, RECORD, TORCH_DTYPES,
                                   _context, _max_chunk_bytes, _rank_range, _spec, _stored_shape,
                                   _ts)
@@ -126,6 +126,7 @@ class CheckpointReader:
         self._chunks: dict[tuple[str, str], tuple[int, int]] = {}  # (kind, name) ->
         # (elements per chunk, chunks per shard)
         self._indices: dict[str, list[tuple[int, int]]] = {}  # shard file -> its index
+        self.damaged = False  # the last verify() found damage (not only unreadable files)
         self._steps: dict[int, int] = {}  # saved group -> its step count (rank 0's)
         self._param_steps: dict[str, int] = {}  # parameter -> its own update count
         for r in reversed(rec["ranks"]):
@@ -249,6 +250,8 @@ class CheckpointReader:
                         or list(chunk[1:]) != stored[1:]):
                     raise ValueError(f"shards of {shard} are not whole rows of chunks of "
                                      f"{chunk}, whole rows of the array's {stored}")
+            except PermissionError as e:
+                raise not_permitted(meta, e) from e
             except (OSError, ValueError, KeyError, TypeError, IndexError, ArithmeticError) as e:
                 raise CheckpointCorruptError(f"checkpoint {self.path}: array {kind}/{name}: "
                                              f"no readable shard and chunk shape in {meta} "
@@ -278,7 +281,9 @@ class CheckpointReader:
         return path, off, nbytes
 
     def _damaged(self, kind: str, name: str, ndim: int, k: int, e: ChunkFileError
-                 ) -> CheckpointCorruptError:
+                 ) -> CheckpointError:
+        if e.denied is not None:
+            return not_permitted(e.path, e.denied)
         return CheckpointCorruptError(
             f"checkpoint {self.path}: array {kind}/{name}, chunk "
             f"({', '.join([str(k)] + ['0'] * (ndim - 1))}): cannot be read back intact "
@@ -586,17 +591,18 @@ class CheckpointReader:
         record lists it), then reads every chunk of every array (one chunk in memory
         at a time) and checks its checksum; returns the problems found, each naming
         the file, or the array and chunk (empty: intact). `progress(array)` is called
-        before each array."""
-        problems = []
+        before each array. `damaged` is then whether a problem is damage
+        (CheckpointCorruptError), not a file this process may not read."""
+        found: list[CheckpointError] = []
         for r in range(self.record["world"]):
             try:
                 self._rank_file(r)
             except CheckpointError as e:
-                problems.append(str(e))
+                found.append(e)
         try:
             self._saved_buffers
         except CheckpointError as e:
-            problems.append(str(e))
+            found.append(e)
         for name, t in self.tensors.items():
             n = math.prod(t["shape"])
             for kind in t["kinds"]:
@@ -605,8 +611,9 @@ class CheckpointReader:
                 try:
                     self.read_into([(kind, name, 0, n, None)])
                 except CheckpointError as e:
-                    problems.append(str(e))
-        return problems
+                    found.append(e)
+        self.damaged = any(isinstance(e, CheckpointCorruptError) for e in found)
+        return [str(e) for e in found]
 
     @property
     def extra(self) -> dict[str, Any]:

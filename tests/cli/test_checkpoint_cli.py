@@ -55,6 +55,16 @@ def test_info_reports_damage(saved, offload_cli):
     assert "integrity: damaged" in out and "exp_avg/l2.weight, chunk (0, 0)" in out
 
 
+def test_info_json_reports_a_damaged_record_on_stdout(saved, offload_cli):
+    """--json promises one object on stdout: a damaged checkpoint.json gave none."""
+    ck, _ = saved
+    (ck / "checkpoint.json").write_text("{not json")
+    rc, out, err = offload_cli(["checkpoint", "info", str(ck), "--json"])
+    assert rc == 1 and "checkpoint.json is not valid JSON" in err
+    info = json.loads(out)
+    assert info["integrity"] == "damaged" and "checkpoint.json" in info["problems"][0]
+
+
 def test_info_refuses_what_is_not_a_checkpoint(tmp_path, offload_cli):
     rc, _, err = offload_cli(["checkpoint", "info", str(tmp_path)])
     assert rc == 2

@@ -4,8 +4,11 @@ OSError or ZeroDivisionError, never one group's hyper-parameters given to anothe
 
 import itertools
 import json
+import os
 import re
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -173,6 +176,48 @@ def test_array_metadata_of_another_layout_is_a_corrupt_error(copy, tmp_path, wha
         _resume(ck, tmp_path)
     problems = CheckpointReader(ck).verify()
     assert len(problems) == 1 and "exp_avg/l1.weight/zarr.json" in problems[0]
+
+
+_UNREADABLE = """
+import json, sys
+import offload
+from offload.engine import CheckpointReader
+from tests.engine.models import TiedTwice
+from tests.engine.test_checkpoint_reader_errors import _cfg
+ck, swap = sys.argv[1], sys.argv[2]
+try:
+    offload.initialize(TiedTwice, _cfg(swap), resume=ck).close()
+    resumed = "resumed"
+except offload.engine.CheckpointError as e:
+    resumed = [type(e).__name__, str(e)]
+reader = CheckpointReader(ck)
+print(json.dumps({"resume": resumed, "problems": reader.verify(), "damaged": reader.damaged}))
+"""
+
+
+@pytest.mark.parametrize("file", ["param/l1.weight/c/0/0", "exp_avg/l1.weight/zarr.json",
+                                  "ranks/0.json", "buffers.json"])
+def test_a_file_this_process_may_not_read_is_not_called_damage(copy, tmp_path, file):
+    """A checkpoint file without read permission was a CheckpointCorruptError, "the
+    checkpoint is damaged: resume from another", and `info` said "damaged": the
+    checkpoint is intact, and the fix is the file's mode."""
+    ck = copy()
+    (ck / file).chmod(0)
+    run = [sys.executable, "-c", _UNREADABLE, str(ck), str(tmp_path / "swap")]
+    if os.getuid() == 0:  # root reads any file: run without that capability
+        if shutil.which("setpriv") is None:
+            pytest.skip("needs setpriv to drop root's file-read capability")
+        caps = "-dac_override,-dac_read_search"
+        run = ["setpriv", f"--bounding-set={caps}", f"--inh-caps={caps}"] + run
+    out = subprocess.run(run, capture_output=True, text=True, timeout=120,
+                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    kind, message = got["resume"]
+    assert kind == "CheckpointError" and "damaged" not in message, message
+    assert f"{file} cannot be read (Permission denied)" in message and "chmod" in message
+    assert got["damaged"] is False and got["problems"], got
+    assert all("lacks permission" in p for p in got["problems"]), got["problems"]
 
 
 def test_shard_file_replaced_by_a_directory_is_a_corrupt_error(copy, tmp_path):
