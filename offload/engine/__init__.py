@@ -281,6 +281,8 @@ def initialize(model: nn.Module | Callable[[], nn.Module],
         if ckpt is not None:
             ckpt.adopt(model)  # [Note: transformers' conversions] in checkpoint.py
         resumed = CheckpointReader(resume) if resume is not None else None
+        if resumed is not None:  # before a meta buffer it lacks is made
+            resumed.check_buffers(model)
         _materialise_buffers(model, cfg.engine.seed,
                              resumed.buffer_names() if resumed is not None
                              else _saved_buffers(model, ckpt))

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+from torch import nn
 
 from ..io import host_copy
 from ..io.buffers import mapped_empty
@@ -426,12 +427,17 @@ class CheckpointReader:
                 "params" in g for g in self.record["param_groups"])
                 else self._matched_hyper(engine.optimizer.param_groups))
             own = self._rank_file(rank if rank < self.record["world"] else 0)
-            buffers = self._saved_buffers
-            problem = None if buffers is None else check_buffers(engine.module, buffers)
-            if problem is not None:
-                raise CheckpointError(f"checkpoint {self.path}: {problem}; resume with the "
-                                      "model the checkpoint was saved from")
-            self._restoring = (hyper, own["rng"], buffers)
+            self.check_buffers(engine.module)
+            self._restoring = (hyper, own["rng"], self._saved_buffers)
+
+    def check_buffers(self, module: nn.Module) -> None:
+        """CheckpointError where `module`'s buffers (names, shapes, dtypes; meta ones
+        too) are not those the checkpoint holds."""
+        buffers = self._saved_buffers
+        problem = None if buffers is None else check_buffers(module, buffers)
+        if problem is not None:
+            raise CheckpointError(f"checkpoint {self.path}: {problem}; resume with the "
+                                  "model the checkpoint was saved from")
 
     def buffer_names(self) -> set[str]:
         """The names of the module buffers the checkpoint holds."""

@@ -1,5 +1,6 @@
 """Checkpoints of the whole training state: save, resume, layout, checks on load."""
 
+import copy
 import errno
 import json
 import os
@@ -345,6 +346,11 @@ def test_buffers_that_do_not_match_are_refused_before_any_state_is_read(tmp_path
     with pytest.raises(offload.CheckpointError, match=r"the model's buffers differ from the "
                                                       r"checkpoint's .*\['1\.scale'\]"):
         offload.initialize(other, cfg, resume=tmp_path / "ck")
+    # the same, not "no _init_weights to fill" its new buffer
+    on_meta = copy.deepcopy(other).to("meta")
+    with pytest.raises(offload.CheckpointError, match=r"the model's buffers differ from the "
+                                                      r"checkpoint's .*\['1\.scale'\]"):
+        offload.initialize(on_meta, cfg, resume=tmp_path / "ck")
     record = tmp_path / "ck" / "buffers.json"
     edited = json.loads(record.read_text())
     edited["1.running_mean"]["shape"] = [31]
