@@ -320,9 +320,20 @@ def initialize(model: nn.Module | Callable[[], nn.Module],
             gathers = GatherIssuer(comm, gather_group(comm, dp_groups))
         # store.policy "next-use": the copy the step needs last leaves first (eviction.py)
         policy = NextUsePolicy() if cfg.store.policy == "next-use" else None
-        # swap files are named by the rank in the whole job (DP ranks repeat over TP)
-        store = TieredStore(cfg, rank=tp.mesh.world.rank if tp is not None else comm.rank,
-                            recorder=recorder, policy=policy)
+        store = None
+        with agreement.refusals():  # a swap directory or lock refused on some ranks only
+            # swap files are named by the rank in the whole job (DP ranks repeat over TP)
+            store = TieredStore(cfg, rank=tp.mesh.world.rank if tp is not None else comm.rank,
+                                recorder=recorder, policy=policy)
+        try:
+            agreement.settle()
+        except BaseException:
+            if store is not None:
+                store.close()  # removes the files this rank made
+            if gathers is not None:
+                gathers.close()
+            raise
+        assert store is not None
         if cfg.engine.optimizer == "nvme" and store.device.type == "cpu":
             _report_omp_wait_policy()  # updates run beside a backward on the same cores
         lineage = _Lineage(model)

@@ -1,4 +1,4 @@
-"""What every rank must agree on at `initialize`, settled before any swap file is made.
+"""What every rank must agree on at `initialize`, settled before any state is placed.
 
 [Note: ranks agree at initialize]
 Data-parallel ranks run the same collectives over partitions of the same layout. A
@@ -7,7 +7,7 @@ per-rank setting) would otherwise abort inside gloo ("Received data size doesn't
 match expected size") with its swap files left behind, or train on silently with
 layouts or hyper-parameters that do not match. And a check that refuses on one
 rank only (its budgets, its disk) would leave the others waiting in their first
-collective. So `initialize` settles three times, each time one
+collective. So `initialize` settles four times, each time one
 `all_gather_object` over the whole job:
 
   1. the config, before the tensor-parallel mesh is built from it (every key
@@ -18,7 +18,10 @@ collective. So `initialize` settles three times, each time one
      together with what each rank places on which disk;
   3. the free space of each rank's swap directories against what every rank
      places on the same file system ([Note: ranks sharing a disk] in
-     working_set.py).
+     working_set.py);
+  4. the swap files: each rank's directories checked and its files opened and
+     locked (another job's lock, a path one rank may not use); a rank that made
+     its files removes them when another refused.
 
 Each stage first runs this rank's own checks under `refusals()`. Where one
 refuses, that rank raises its own error and every other rank a `ConfigError`
@@ -192,8 +195,8 @@ class RankAgreement:
             if why_r is not None:
                 config, message = why_r
                 raise (ConfigError if config else RuntimeError)(
-                    f"initialize: rank {r} refused, so every rank stops before any swap file "
-                    f"is made: {message}")
+                    f"initialize: rank {r} refused, so every rank stops before any training "
+                    f"state is placed: {message}")
         return [x for _, _, x in reports]
 
     def _raise_difference(self, sections: list[Section], groups: list[list[int]],

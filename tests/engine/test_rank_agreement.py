@@ -117,9 +117,23 @@ def test_a_check_that_refuses_on_one_rank_stops_every_rank(tmp_path):
     assert results[1]["error"][1].startswith("store.host_budget: 4.0 KiB")
     assert results[0]["error"][0] == "ConfigError"
     assert results[0]["error"][1].startswith(
-        "initialize: rank 1 refused, so every rank stops before any swap file is made: "
+        "initialize: rank 1 refused, so every rank stops before any training state is placed: "
         "store.host_budget: 4.0 KiB")
     assert results[0]["swap"] == [] and results[1]["swap"] == []
+
+
+def test_a_swap_path_refused_on_one_rank_stops_every_rank_without_waiting(tmp_path):
+    """Swap files are opened after the free-space settle: a path (or another job's lock)
+    refused on one rank left the other waiting in its first collective for the
+    process group's timeout; now both raise at once and rank 0 removes its files."""
+    a, _ = _swap_dirs(tmp_path)
+    results = _run(tmp_path, [_cfg(a), _cfg("/proc/offload-swap")])
+    assert results[1]["error"][0] == "SwapPathError", results[1]["error"]
+    assert results[0]["error"][0] == "ConfigError", results[0]["error"]
+    assert results[0]["error"][1].startswith("initialize: rank 1 refused, so every rank stops "
+                                             "before any training state is placed: ")
+    assert "/proc/offload-swap" in results[0]["error"][1]
+    assert results[0]["swap"] == []
 
 
 def test_the_free_space_check_counts_both_ranks_on_a_shared_disk_without_local_world_size(
