@@ -308,10 +308,18 @@ class OffloadEngine(ModelWeights, ModuleHooks, GradPartitions, GroupUpdates, Gat
             refused = None
         except RuntimeError as e:
             refused = e
-        # [Note: freezing after initialize]; every rank learns whether one refused
-        self.registered.check_frozen_agree(self.comm, refused is not None)
-        if refused is not None:
-            raise refused
+        try:
+            self._rank_order.check_backward()  # [Note: ranks run the same units]
+            # [Note: freezing after initialize]; every rank learns whether one refused
+            self.registered.check_frozen_agree(self.comm, refused is not None)
+            if refused is not None:
+                raise refused
+        except BaseException:
+            # the forward's look-ahead gathers for this backward are dropped: a rank
+            # that kept them would skip their all-gathers in its next forward, and
+            # the ranks' collectives would no longer pair
+            self._release_gathered()
+            raise
         if self._backwards >= self.cfg.engine.grad_accum_steps:
             raise RuntimeError(f"backward: {self._backwards} backward call(s) since the last "
                                "step(), and engine.grad_accum_steps is "

@@ -6,13 +6,17 @@ so every rank must run the same units in the same order (as DDP requires).
 Every block of collectives (a unit's forward: its all-gathers; a unit's
 backward: its re-gathers; a group's gradient reduction: the all-reduce of
 which parameters had a gradient, then the reduce-scatter) starts with a
-check: each rank contributes h = the block's number to one all-reduce of
-(h, h^2); the ranks agree iff world * sum(h^2) == sum(h)^2. Inside a block
-the collectives follow from its number, so ranks that part ways meet at two
-checks, of the same size: the mismatch raises on every rank there, instead of
-pairing one rank's all-gather with another's and hanging or mixing weights.
-Cost: one all-reduce of two numbers per block (a host synchronisation with
-NCCL); `engine.check_rank_order = false` turns it off.
+check: each rank puts h = the block's number at its own place in a vector
+of `world` zeros, and one all-reduce sums them, so every rank learns every
+rank's block; they agree iff all are the same. Inside a block the
+collectives follow from its number, so ranks that part ways meet at two
+checks, of the same size: the mismatch raises on every rank there, naming
+what each rank runs, instead of pairing one rank's all-gather with another's
+and hanging, aborting inside gloo or mixing weights. A backward starts with a
+check of its own: a rank whose loss code raised, and that went on to its next
+forward, meets the others' backward there. Cost: one all-reduce of `world`
+numbers per block (a host synchronisation with NCCL);
+`engine.check_rank_order = false` turns it off.
 """
 
 from __future__ import annotations
@@ -21,6 +25,12 @@ from ..comm import Collectives
 from .units import Unit
 
 __all__ = ["RankOrder"]
+
+BACKWARD = -0.5  # a backward's start; reads are -1 - gid, blocks of a step 1, 2, ...
+READS = "state_dict, full_weights, named_weights, save_pretrained or load_state_dict"
+READ_FIX = ("these gather every rank's shard: call them on every rank at the same point, "
+            "not under `if rank == 0` (state_dict keeps the weights on rank 0 only, and "
+            "save_pretrained writes on rank 0 only, by themselves)")
 
 
 class RankOrder:
@@ -31,6 +41,7 @@ class RankOrder:
         self._comm = comm
         self._index = {id(u): i for i, u in enumerate(units)}
         self._n = len(units)
+        self._names = [u.name for u in units]
         self._unit_of: dict[int, str] = {}
         for u in units:
             for gid in u.needs:
@@ -43,11 +54,18 @@ class RankOrder:
             self._check(1 + self._index[id(unit)] + (self._n if backward else 0),
                         f"the {'backward' if backward else 'forward'} of unit {unit.name!r}")
 
+    def check_backward(self) -> None:
+        """Before a backward's first collective (the agreement on what trains, its size
+        the model's): a rank that skipped its backward (its loss code raised) meets
+        another's backward here, at a check of the same size, not inside gloo."""
+        if self.enabled:
+            self._check(BACKWARD, self._describe(BACKWARD))
+
     def check_grad(self, gid: int) -> None:
         """Before the reduction of group `gid`'s gradient."""
         if self.enabled:
-            self._check(1 + 2 * self._n + gid, f"the gradient reduction of group {gid} (unit "
-                        f"{self._unit_of.get(gid, '?')!r})")
+            h = 1 + 2 * self._n + gid
+            self._check(h, self._describe(h))
 
     def check_read(self, gid: int) -> None:
         """Before the all-gather of group `gid`'s whole weights (state_dict, full_weights,
@@ -57,24 +75,42 @@ class RankOrder:
         instead of pairing its all-gathers with the other's forward and waiting for
         the process group's timeout."""
         if self.enabled:
-            self._check(-1.0 - gid, f"the all-gather of group {gid}'s whole weights (state_dict, "
-                        "full_weights, named_weights, save_pretrained or load_state_dict)",
-                        "these gather every rank's shard: call them on every rank at the "
-                        "same point, not under `if rank == 0` (state_dict keeps the weights "
-                        "on rank 0 only, and save_pretrained writes on rank 0 only, by "
-                        "themselves)")
+            self._check(-1.0 - gid, f"the all-gather of group {gid}'s whole weights ({READS})",
+                        READ_FIX)
+
+    def _describe(self, h: float) -> str:
+        """What block number `h` is (the inverse of the checks' numbering)."""
+        n = self._n
+        if h == BACKWARD:
+            return "a backward (engine.backward)"
+        if h < 0:
+            return f"the all-gather of group {int(-1 - h)}'s whole weights ({READS})"
+        k = int(h) - 1
+        if k < 2 * n:
+            return (f"the {'backward' if k >= n else 'forward'} of unit "
+                    f"{self._names[k % n]!r}")
+        gid = k - 2 * n
+        return f"the gradient reduction of group {gid} (unit {self._unit_of.get(gid, '?')!r})"
 
     def _check(self, h: float, what: str, fix: str | None = None) -> None:
         """Raises RuntimeError on every rank if the ranks do not all contribute `h`."""
-        total, squares = self._comm.sum_scalars([float(h), float(h) * h])
-        if self._comm.world * squares != total * total:
+        mine = [0.0] * self._comm.world
+        mine[self._comm.rank] = float(h)
+        got = self._comm.sum_scalars(mine)
+        if any(x != h for x in got):
+            others = "; ".join(f"rank {r} runs {self._describe(x)}"
+                               for r, x in enumerate(got) if x != h)
+            if any(x < 0 and x != BACKWARD for x in got):  # a rank reads the whole weights
+                fix = READ_FIX
             raise RuntimeError(
                 f"rank {self._comm.rank} runs {what} while another rank runs something else "
-                "at this point of the step (another module, or a collective such as "
-                "state_dict() that every rank must call): " + (fix or
+                f"at this point of the step ({others}: another module, a skipped backward, "
+                "or a collective such as state_dict() that every rank must call): " + (fix or
                 "every rank must run the same modules in the same "
                 "order each step, forward and backward (as under DDP), so that their "
                 "all-gathers and reductions pair up. Run every module on every rank, and "
                 "let every rank's loss depend on the same modules (e.g. add an unused "
                 "branch's output times 0), or keep modules that may be skipped inside a "
-                "larger unit (raise engine.group_size) so the skip happens within one unit"))
+                "larger unit (raise engine.group_size) so the skip happens within one unit; "
+                "where one rank's step raised (its model or its loss code), skip that batch "
+                "on every rank, not on that rank alone"))

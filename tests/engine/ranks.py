@@ -2,6 +2,7 @@
 joined by a gloo (or NCCL) process group over a file in the test's directory."""
 
 import contextlib
+import time
 from typing import Callable, Iterator
 
 import torch
@@ -28,11 +29,20 @@ def gloo_group(rank: int, world: int, init_file: str) -> contextlib.AbstractCont
     return process_group(rank, world, init_file)
 
 
-def spawn(worker: Callable, init_file: str, *args: object, world: int = 2) -> None:
+def spawn(worker: Callable, init_file: str, *args: object, world: int = 2,
+          timeout_s: float = 300.0) -> None:
     """Runs worker(rank, world, init_file, *args) on `world` new processes; raises if
-    one fails."""
-    mp.start_processes(worker, args=(world, init_file, *args), nprocs=world, join=True,
-                       start_method="spawn")
+    one fails, or kills them and raises TimeoutError after `timeout_s` (a hang fails
+    the test, not the suite's run: gloo's own timeout is 30 minutes)."""
+    ctx = mp.start_processes(worker, args=(world, init_file, *args), nprocs=world,
+                             join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout_s
+    while not ctx.join(timeout=1):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            raise TimeoutError(f"the {world} ranks did not finish within {timeout_s:g} s: "
+                               "they hung")
 
 
 def run_cases(cases: dict[str, Callable[[], object]], out: str) -> None:

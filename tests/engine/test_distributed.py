@@ -166,6 +166,55 @@ def _backward_diverging_worker(rank: int, world: int, init_file: str, out: str,
         engine.close()
 
 
+def _loss_code_raises_worker(rank: int, world: int, init_file: str, out: str, cfg: dict
+                             ) -> None:
+    import offload
+    with gloo_group(rank, world, init_file):
+        torch.manual_seed(0)
+        nn = torch.nn
+        engine = offload.initialize(nn.Sequential(
+            nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16),
+            nn.Tanh(), nn.Linear(16, 1)), cfg)
+        g = torch.Generator().manual_seed(rank)
+        errors = []
+        # rank 1 loses one batch more (its next forward meets rank 0's backward)
+        for i in range(4 + rank):
+            x, y = torch.randn(4, 8, generator=g), torch.randn(4, 1, generator=g)
+            try:
+                out_ = engine(x)
+                if i == 1 and rank == 1:
+                    raise ValueError("the loss code raised on rank 1")
+                engine.backward(torch.nn.functional.mse_loss(out_, y))
+                engine.step()
+            except (RuntimeError, ValueError) as e:
+                errors.append((i, str(e)))
+        torch.save({"errors": errors, "steps": engine.global_step,
+                    "sd": engine.state_dict(rank0_only=False)}, f"{out}.{rank}")
+        engine.close()
+
+
+def test_a_rank_whose_loss_code_raised_meets_the_others_backward_at_a_check(tmp_path,
+                                                                           engine_cfg):
+    """Rank 1's loss code raises after its forward; it goes on to its next forward while
+    rank 0 runs the backward. gloo aborted rank 1's process (a backward's first
+    all-reduce has another size than a forward's check: "Received data size doesn't
+    match expected size"); now both raise at a check naming what the other runs,
+    drop what they had gathered, and train on together."""
+    cfg = engine_cfg("nvme", "nvme", "nvme", group_size=300)
+    out = str(tmp_path / "res")
+    spawn(_loss_code_raises_worker, str(tmp_path / "init"), out, cfg, timeout_s=60)
+    r0, r1 = (torch.load(f"{out}.{r}") for r in range(2))
+    assert [i for i, _ in r0["errors"]] == [1], r0["errors"]
+    assert "rank 0 runs a backward" in r0["errors"][0][1]
+    assert "rank 1 runs the forward of unit" in r0["errors"][0][1]
+    assert [i for i, _ in r1["errors"]] == [1, 2], r1["errors"]
+    assert "rank 0 runs a backward" in r1["errors"][1][1]
+    assert r0["steps"] == r1["steps"] == 3  # rank 0's batches 0, 2, 3; rank 1's 0, 3, 4
+    assert len(r0["sd"]) == 8
+    for k, v in r0["sd"].items():
+        assert torch.equal(v, r1["sd"][k]), k
+
+
 @pytest.mark.parametrize("group_size", [100, pytest.param(100_000, marks=pytest.mark.slow)],
                          ids=["unit-each", "one-unit"])
 def test_ranks_whose_backward_differs_raise_instead_of_hanging(tmp_path, engine_cfg,
