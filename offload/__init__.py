@@ -48,7 +48,7 @@ from .config import ConfigError, OffloadConfig, load_config  # noqa: E402
 __version__ = "0.1.0"
 
 _ENGINE = ("CheckpointCorruptError", "CheckpointError", "EngineBusyError", "OffloadEngine",
-           "StepFailedError", "initialize")
+           "RankOrderError", "StepFailedError", "initialize")
 
 
 def __getattr__(name: str):
@@ -61,5 +61,5 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'offload' has no attribute {name!r}")
 
 __all__ = ["CheckpointCorruptError", "CheckpointError", "ConfigError", "EngineBusyError",
-           "OffloadConfig", "OffloadEngine", "StepFailedError", "initialize", "load_config", "omp_wait_policy",
-           "__version__"]
+           "OffloadConfig", "OffloadEngine", "RankOrderError", "StepFailedError", "initialize",
+           "load_config", "omp_wait_policy", "__version__"]

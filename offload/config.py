@@ -427,8 +427,9 @@ class EngineConfig:
                      "same on every rank", allowed="0..4294967295")
     check_rank_order: bool = _doc(True, "with several ranks: before each unit's forward and "
                                   "backward, check that every rank runs the same unit (one "
-                                  "all-reduce of two numbers); ranks that run different "
-                                  "modules raise instead of hanging in an all-gather")
+                                  "all-reduce of one number per rank); ranks that run "
+                                  "different modules, or whose model raised on one rank, "
+                                  "raise instead of hanging in an all-gather")
     keep_checkpoints: int = _doc(0, "committed checkpoints kept in a save's directory (the "
                                  "highest steps; older ones are removed after a save); 0 "
                                  "keeps all", allowed=">= 0")

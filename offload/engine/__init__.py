@@ -33,6 +33,7 @@ from .model_weights import guard_casts, guard_resize
 from .one_thread import EngineBusyError
 from .param_groups import assign_param_groups, segments_of
 from .params_view import point_weight_list
+from .rank_order import RankOrderError
 from .step import StepFailedError
 from .tensor_parallel import TensorParallel, full_state_dict
 from .training_checkpoint import CheckpointCorruptError, CheckpointError
@@ -43,7 +44,8 @@ from .working_set import check_budgets, check_disk, check_memory, disk_share
 log = logging.getLogger(__name__)
 
 __all__ = ["CheckpointCorruptError", "CheckpointError", "CheckpointReader", "EngineBusyError",
-           "OffloadEngine", "StepFailedError", "full_state_dict", "initialize"]
+           "OffloadEngine", "RankOrderError", "StepFailedError", "full_state_dict",
+           "initialize"]
 
 # [Note: wrapped modules]
 # `initialize` takes a model's parameters into the engine's partitions: each module

@@ -74,7 +74,7 @@ from .model_weights import ModelWeights
 from .one_thread import EngineBusyError, OneThread, one_call
 from .owned import Owned
 from .params_view import RegisteredParams
-from .rank_order import RankOrder
+from .rank_order import RankOrder, raised_by_the_model
 from .step import StagedParams, StepFailedError, uninterrupted
 from .tensor_parallel import TensorParallel
 from .training_checkpoint import CheckpointSave
@@ -262,10 +262,12 @@ class OffloadEngine(ModelWeights, ModuleHooks, GradPartitions, GroupUpdates, Gat
             try:
                 with self.recorder.span("forward", cat="compute", track="compute"):
                     return self.module(*args, **kwargs)
-            except BaseException:  # a forward changes no state of the step
+            except BaseException as e:  # a forward changes no state of the step
                 self._release_gathered(orphan=True)
                 if torch.is_grad_enabled() and not in_backward():
                     self._abandon_window()
+                if not in_backward() and raised_by_the_model(e):
+                    self._rank_order.failed()  # [Note: a rank whose model raised]
                 raise
 
     def _abandon_window(self) -> None:
@@ -341,14 +343,16 @@ class OffloadEngine(ModelWeights, ModuleHooks, GradPartitions, GroupUpdates, Gat
                 self._spans.backward_end()
             for p in self._reductions:
                 p.wait()
-        except BaseException:
+        except BaseException as e:
             for p in self._reductions:  # let reductions in flight land, then undo them
                 try:
                     p.wait()
-                except Exception as e:
-                    log.debug("reduction failed while undoing a failed backward: %s", e)
+                except Exception as e2:
+                    log.debug("reduction failed while undoing a failed backward: %s", e2)
             self._abort_step()
             self._release_gathered(orphan=True)
+            if raised_by_the_model(e):
+                self._rank_order.failed()  # [Note: a rank whose model raised]
             raise
         finally:
             self._drop_nested_grads()  # what a failed pass left

@@ -21,16 +21,41 @@ numbers per block (a host synchronisation with NCCL);
 
 from __future__ import annotations
 
+import os
+
 from ..comm import Collectives
 from .units import Unit
 
-__all__ = ["RankOrder"]
+__all__ = ["RankOrder", "RankOrderError", "raised_by_the_model"]
 
 BACKWARD = -0.5  # a backward's start; reads are -1 - gid, blocks of a step 1, 2, ...
+FAILED = -(2.0 ** 52)  # a rank whose model raised ([Note: a rank whose model raised])
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # offload/
 READS = "state_dict, full_weights, named_weights, save_pretrained or load_state_dict"
 READ_FIX = ("these gather every rank's shard: call them on every rank at the same point, "
             "not under `if rank == 0` (state_dict keeps the weights on rank 0 only, and "
             "save_pretrained writes on rank 0 only, by themselves)")
+
+
+class RankOrderError(RuntimeError):
+    """Ranks met at different points of a step, or another rank's model raised: raised
+    on every rank at the same check, so none of them tells the others again."""
+
+
+def raised_by_the_model(e: BaseException) -> bool:
+    """[Note: a rank whose model raised] Whether `e`, caught by the engine's forward or
+    backward, came from the user's code (the model, an autograd function) and not
+    from the engine's own hooks: no frame below the catching one is the package's.
+    Only then are the other ranks at a check, where a notice pairs up; an error
+    inside a hook may leave them in an all-gather or a reduction."""
+    if not isinstance(e, Exception) or isinstance(e, RankOrderError):
+        return False  # Ctrl-C, exit: every rank gets its own
+    tb = e.__traceback__.tb_next if e.__traceback__ is not None else None
+    while tb is not None:
+        if os.path.abspath(tb.tb_frame.f_code.co_filename).startswith(_PACKAGE + os.sep):
+            return False
+        tb = tb.tb_next
+    return True
 
 
 class RankOrder:
@@ -78,6 +103,16 @@ class RankOrder:
             self._check(-1.0 - gid, f"the all-gather of group {gid}'s whole weights ({READS})",
                         READ_FIX)
 
+    def failed(self) -> None:
+        """[Note: a rank whose model raised] This rank's forward or backward raised in
+        the user's code: the other ranks, at their next check, learn it there and
+        raise, undoing their pass as this rank undid its own. The ranks then go on
+        from the same point, none a batch ahead, and each error names its cause."""
+        if self.enabled:
+            mine = [0.0] * self._comm.world
+            mine[self._comm.rank] = FAILED
+            self._comm.sum_scalars(mine)
+
     def _describe(self, h: float) -> str:
         """What block number `h` is (the inverse of the checks' numbering)."""
         n = self._n
@@ -97,12 +132,19 @@ class RankOrder:
         mine = [0.0] * self._comm.world
         mine[self._comm.rank] = float(h)
         got = self._comm.sum_scalars(mine)
+        failed = [str(r) for r, x in enumerate(got) if x == FAILED]
+        if failed:
+            raise RankOrderError(
+                f"rank {', '.join(failed)} raised in its model's forward or backward (its "
+                f"own error says why) while rank {self._comm.rank} ran {what}; this rank's "
+                "pass stops with it and the step is left as it was: go on with the next "
+                "batch on every rank (or stop every rank)")
         if any(x != h for x in got):
             others = "; ".join(f"rank {r} runs {self._describe(x)}"
                                for r, x in enumerate(got) if x != h)
             if any(x < 0 and x != BACKWARD for x in got):  # a rank reads the whole weights
                 fix = READ_FIX
-            raise RuntimeError(
+            raise RankOrderError(
                 f"rank {self._comm.rank} runs {what} while another rank runs something else "
                 f"at this point of the step ({others}: another module, a skipped backward, "
                 "or a collective such as state_dict() that every rank must call): " + (fix or

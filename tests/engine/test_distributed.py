@@ -215,6 +215,84 @@ def test_a_rank_whose_loss_code_raised_meets_the_others_backward_at_a_check(tmp_
         assert torch.equal(v, r1["sd"][k]), k
 
 
+class _Raises(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        raise ValueError("an autograd function raised on rank 1")
+
+
+class _MayRaise(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        nn = torch.nn
+        self.a, self.b, self.c = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 1)
+        self.raises: str | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        if self.raises == "forward":
+            raise ValueError("the model raised on rank 1")
+        h = torch.tanh(self.b(h))
+        if self.raises == "backward":
+            h = _Raises.apply(h)
+        return self.c(h)
+
+
+def _model_raises_worker(rank: int, world: int, init_file: str, out: str, cfg: dict,
+                         where: str) -> None:
+    import copy
+
+    import offload
+    with gloo_group(rank, world, init_file):
+        results = {}
+        for run in ("raises", "skips"):
+            c = copy.deepcopy(cfg)
+            c["io"]["paths"] = [p + f"-{run}-{rank}" for p in cfg["io"]["paths"]]
+            torch.manual_seed(0)
+            engine = offload.initialize(_MayRaise(), c)
+            g = torch.Generator().manual_seed(rank)
+            errors = []
+            for i in range(5):
+                x, y = torch.randn(4, 8, generator=g), torch.randn(4, 1, generator=g)
+                if i == 2 and run == "skips":
+                    continue  # every rank skips the batch: what the failure should give
+                engine.module.raises = where if (i == 2 and rank == 1) else None
+                try:
+                    engine.backward(torch.nn.functional.mse_loss(engine(x), y))
+                    engine.step()
+                except (RuntimeError, ValueError) as e:
+                    errors.append((i, type(e).__name__, str(e)))
+            results[run] = {"errors": errors, "sd": engine.state_dict(rank0_only=False)}
+            engine.close()
+        torch.save(results, f"{out}.{rank}")
+
+
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_a_rank_whose_model_raised_stops_the_others_at_their_next_check(tmp_path, engine_cfg,
+                                                                       where):
+    """Rank 1's model raises in its forward (or an autograd function in its backward).
+    The others went on to their next check and met rank 1's next pass there, each
+    blaming control flow, and rank 1 lost a second batch; now they learn at that
+    check that rank 1 raised, undo their pass, and the ranks train on together: the
+    same weights as a run in which every rank skipped that batch."""
+    cfg = engine_cfg("nvme", "nvme", "nvme", group_size=300)
+    out = str(tmp_path / "res")
+    spawn(_model_raises_worker, str(tmp_path / "init"), out, cfg, where, timeout_s=120)
+    r0, r1 = (torch.load(f"{out}.{r}") for r in range(2))
+    assert [e[:2] for e in r1["raises"]["errors"]] == [(2, "ValueError")], r1["raises"]
+    (i, kind, msg), = r0["raises"]["errors"]
+    assert (i, kind) == (2, "RankOrderError"), r0["raises"]
+    assert msg.startswith("rank 1 raised in its model's forward or backward"), msg
+    for r in (r0, r1):
+        assert r["skips"]["errors"] == []
+        for k, v in r["skips"]["sd"].items():
+            assert torch.equal(r["raises"]["sd"][k], v), k
+
+
 @pytest.mark.parametrize("group_size", [100, pytest.param(100_000, marks=pytest.mark.slow)],
                          ids=["unit-each", "one-unit"])
 def test_ranks_whose_backward_differs_raise_instead_of_hanging(tmp_path, engine_cfg,
