@@ -37,12 +37,13 @@ RECORD = "checkpoint.json"  # the commit record (offload/engine/training_checkpo
 
 def _open(path: str) -> "CheckpointReader":
     """The checkpoint at `path` (the engine, and torch, are imported only now)."""
+    from ..engine.checkpoint_files import CheckpointPermissionError
     from ..engine.checkpoint_reader import CheckpointReader
     from ..engine.training_checkpoint import CheckpointCorruptError, CheckpointError
     try:
         return CheckpointReader(path)
-    except CheckpointCorruptError as e:  # damage, exit code 1 (docs/cli.md)
-        raise DamageError(str(e)) from e
+    except (CheckpointCorruptError, CheckpointPermissionError) as e:  # exit code 1
+        raise DamageError(str(e)) from e  # (docs/cli.md)
     except CheckpointError as e:
         raise UsageError(str(e)) from e
 
@@ -94,19 +95,26 @@ def summary(reader: CheckpointReader) -> dict:
             "config": rec["config"]}
 
 
+def _integrity(denied: bool) -> str:
+    """What `info` calls a checkpoint with problems: where they are only files this
+    process may not read, their permissions (the files may be intact), else damage."""
+    return "unreadable (permissions)" if denied else "damaged"
+
+
 def run_info(args: argparse.Namespace) -> int:
     try:
         reader = _open(args.path)
     except DamageError as e:  # --json: still one object on stdout, for a script to read
         if args.json:
-            print(json.dumps({"path": str(args.path), "integrity": "damaged",
+            from ..engine.checkpoint_files import CheckpointPermissionError
+            denied = isinstance(e.__cause__, CheckpointPermissionError)
+            print(json.dumps({"path": str(args.path), "integrity": _integrity(denied),
                               "problems": [str(e)]}, indent=1))
         raise
     s = summary(reader)
     problems = None if args.no_verify else reader.verify()
-    s["integrity"] = ("not checked" if problems is None else
-                      "ok" if not problems else "damaged" if reader.damaged
-                      else "unreadable (permissions)")
+    s["integrity"] = ("not checked" if problems is None else "ok" if not problems
+                      else _integrity(not reader.damaged))
     s["problems"] = problems or []
     if args.json:
         print(json.dumps(s, indent=1))

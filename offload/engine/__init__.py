@@ -323,13 +323,13 @@ def initialize(model: nn.Module | Callable[[], nn.Module],
         # store.policy "next-use": the copy the step needs last leaves first (eviction.py)
         policy = NextUsePolicy() if cfg.store.policy == "next-use" else None
         store = None
-        with agreement.refusals():  # a swap directory or lock refused on some ranks only
-            # swap files are named by the rank in the whole job (DP ranks repeat over TP)
-            store = TieredStore(cfg, rank=tp.mesh.world.rank if tp is not None else comm.rank,
-                                recorder=recorder, policy=policy)
         try:
+            with agreement.refusals():  # a swap directory or lock refused on some ranks only
+                # swap files are named by the rank in the whole job (DP ranks repeat over TP)
+                store = TieredStore(cfg, rank=tp.mesh.world.rank if tp is not None
+                                    else comm.rank, recorder=recorder, policy=policy)
             agreement.settle()
-        except BaseException:
+        except BaseException:  # Ctrl-C too
             if store is not None:
                 store.close()  # removes the files this rank made
             if gathers is not None:

@@ -78,10 +78,14 @@ def _write_json(p: Path, obj: Any) -> None:
         os.fsync(f.fileno())
 
 
+class CheckpointPermissionError(CheckpointError):
+    """A checkpoint file this process may not read: no damage (not a
+    CheckpointCorruptError); the fix is the file's permissions."""
+
+
 def not_permitted(path: Any, e: OSError) -> CheckpointError:
-    """The error for a checkpoint file this process may not read: no damage, so not a
-    CheckpointCorruptError, and the fix is the file's permissions."""
-    return CheckpointError(f"checkpoint file {path} cannot be read ({e.strerror}): this "
+    """The error for a checkpoint file this process may not read."""
+    return CheckpointPermissionError(f"checkpoint file {path} cannot be read ({e.strerror}): this "
                            f"process (uid {os.getuid()}) lacks permission; the checkpoint "
                            "may be intact: give it read access to the checkpoint's files "
                            "(chmod, chown) and retry")

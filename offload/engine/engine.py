@@ -74,7 +74,7 @@ from .model_weights import ModelWeights
 from .one_thread import EngineBusyError, OneThread, one_call
 from .owned import Owned
 from .params_view import RegisteredParams
-from .rank_order import RankOrder, raised_by_the_model
+from .rank_order import RankOrder, RankOrderError, raised_by_the_model
 from .step import StagedParams, StepFailedError, uninterrupted
 from .tensor_parallel import TensorParallel
 from .training_checkpoint import CheckpointSave
@@ -123,6 +123,7 @@ class OffloadEngine(ModelWeights, ModuleHooks, GradPartitions, GroupUpdates, Gat
         self.grad_norm: float | None = None
         self._backwards = 0   # backward calls since the last step (or zero_grad)
         self._in_backward = False  # engine.backward() is running: [Note: backward runs here]
+        self._backward_units: set[int] = set()  # units whose backward hook checked (hooks.py)
         e = cfg.engine  # fp16: a fixed loss scale, or dynamic scaling's first one
         self.loss_scale = (e.loss_scale or e.initial_loss_scale) if e.dtype == "fp16" else 1.0
         self._good_steps = 0
@@ -265,12 +266,12 @@ class OffloadEngine(ModelWeights, ModuleHooks, GradPartitions, GroupUpdates, Gat
             except BaseException as e:  # a forward changes no state of the step
                 self._release_gathered(orphan=True)
                 if torch.is_grad_enabled() and not in_backward():
-                    self._abandon_window()
+                    self._abandon_window("a forward raised")
                 if not in_backward() and raised_by_the_model(e):
                     self._rank_order.failed()  # [Note: a rank whose model raised]
                 raise
 
-    def _abandon_window(self) -> None:
+    def _abandon_window(self, what: str) -> None:
         """[Note: a forward that raises between micro-batches] With gradient
         accumulation, a forward that raises after some of the step's micro-batches
         ran their backward leaves their gradients summed in the grad partitions; the
@@ -278,14 +279,16 @@ class OffloadEngine(ModelWeights, ModuleHooks, GradPartitions, GroupUpdates, Gat
         twice (and shift every later step's window by one). So such a forward
         drops the step's gradients, as a backward that raises does: the step starts
         over. Evaluation forwards (autograd off) and a forward after the window's
-        last backward (its gradients are whole: `step()` applies them) leave them."""
+        last backward (its gradients are whole: `step()` applies them) leave them.
+        A backward that another rank's failure stopped drops them too ([Note: a rank
+        whose model raised]): every rank drops the same window, and their steps pair."""
         done, n = self._backwards, self.cfg.engine.grad_accum_steps
         if not 0 < done < n:
             return
         self._abort_step()
-        log.warning("a forward raised after %d of the step's %d micro-batches: their "
-                    "gradients are dropped; run the step's micro-batches again from the "
-                    "first", done, n)
+        log.warning("%s after %d of the step's %d micro-batches: their gradients are "
+                    "dropped; run the step's micro-batches again from the first", what,
+                    done, n)
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of `loss` (scaled for fp16); gradients land in the grad partitions.
@@ -316,11 +319,13 @@ class OffloadEngine(ModelWeights, ModuleHooks, GradPartitions, GroupUpdates, Gat
             self.registered.check_frozen_agree(self.comm, refused is not None)
             if refused is not None:
                 raise refused
-        except BaseException:
+        except BaseException as e:
             # the forward's look-ahead gathers for this backward are dropped: a rank
             # that kept them would skip their all-gathers in its next forward, and
             # the ranks' collectives would no longer pair
             self._release_gathered()
+            if isinstance(e, RankOrderError):  # another rank's pass failed: this rank's
+                self._abandon_window("another rank's failure stopped a backward")  # too
             raise
         if self._backwards >= self.cfg.engine.grad_accum_steps:
             raise RuntimeError(f"backward: {self._backwards} backward call(s) since the last "
@@ -335,6 +340,7 @@ class OffloadEngine(ModelWeights, ModuleHooks, GradPartitions, GroupUpdates, Gat
         try:
             with self.recorder.span("backward", cat="compute", track="compute"):
                 self._in_backward = True
+                self._backward_units.clear()  # [Note: a rank whose model raised]
                 try:
                     loss.backward()
                     self._reduce_nested_grads()  # [Note: reentrant checkpoints inside a unit]

@@ -115,9 +115,13 @@ class ModuleHooks:
                 self._input_gradient_pass(unit)
                 return
             self._interrupts.safe_point()  # [Note: Ctrl-C at a safe point] in interrupts.py
-            # once per unit and backward: the hook fires for each output with a gradient,
-            # and that number may differ between ranks; only the first gathers
-            if any(not self._states[gid].gathered for gid in unit.needs):
+            # the hook fires for each output with a gradient, and that number may differ
+            # between ranks: the first of each unit in a backward checks (its groups may
+            # be gathered ahead, and its prefetch issue all-gathers: a failed rank's
+            # notice must meet a check), and a later one where it gathers again
+            first = id(unit) not in self._backward_units
+            if first or any(not self._states[gid].gathered for gid in unit.needs):
+                self._backward_units.add(id(unit))
                 self._rank_order.check_unit(unit, backward=True)
             self._spans.backward_begin(unit.name)
             self._nested.began(unit.needs)  # [Note: reentrant checkpoints inside a unit]

@@ -21,10 +21,13 @@ numbers per block (a host synchronisation with NCCL);
 
 from __future__ import annotations
 
+import logging
 import os
 
 from ..comm import Collectives
 from .units import Unit
+
+log = logging.getLogger(__name__)
 
 __all__ = ["RankOrder", "RankOrderError", "raised_by_the_model"]
 
@@ -111,7 +114,10 @@ class RankOrder:
         if self.enabled:
             mine = [0.0] * self._comm.world
             mine[self._comm.rank] = FAILED
-            self._comm.sum_scalars(mine)
+            try:
+                self._comm.sum_scalars(mine)
+            except Exception as e:  # the model's error is what the rank raises
+                log.debug("telling the other ranks of a failed pass failed: %s", e)
 
     def _describe(self, h: float) -> str:
         """What block number `h` is (the inverse of the checks' numbering)."""

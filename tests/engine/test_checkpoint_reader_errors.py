@@ -190,13 +190,17 @@ try:
     resumed = "resumed"
 except offload.engine.CheckpointError as e:
     resumed = [type(e).__name__, str(e)]
-reader = CheckpointReader(ck)
-print(json.dumps({"resume": resumed, "problems": reader.verify(), "damaged": reader.damaged}))
+try:
+    reader = CheckpointReader(ck)
+    print(json.dumps({"resume": resumed, "problems": reader.verify(),
+                      "damaged": reader.damaged}))
+except offload.engine.CheckpointError as e:  # the commit record itself
+    print(json.dumps({"resume": resumed, "problems": [str(e)], "damaged": False}))
 """
 
 
 @pytest.mark.parametrize("file", ["param/l1.weight/c/0/0", "exp_avg/l1.weight/zarr.json",
-                                  "ranks/0.json", "buffers.json"])
+                                  "ranks/0.json", "buffers.json", "checkpoint.json"])
 def test_a_file_this_process_may_not_read_is_not_called_damage(copy, tmp_path, file):
     """A checkpoint file without read permission was a CheckpointCorruptError, "the
     checkpoint is damaged: resume from another", and `info` said "damaged": the
@@ -204,17 +208,22 @@ def test_a_file_this_process_may_not_read_is_not_called_damage(copy, tmp_path, f
     ck = copy()
     (ck / file).chmod(0)
     run = [sys.executable, "-c", _UNREADABLE, str(ck), str(tmp_path / "swap")]
+    info = [sys.executable, "-m", "offload.cli.main", "checkpoint", "info", str(ck), "--json"]
     if os.getuid() == 0:  # root reads any file: run without that capability
         if shutil.which("setpriv") is None:
             pytest.skip("needs setpriv to drop root's file-read capability")
         caps = "-dac_override,-dac_read_search"
-        run = ["setpriv", f"--bounding-set={caps}", f"--inh-caps={caps}"] + run
-    out = subprocess.run(run, capture_output=True, text=True, timeout=120,
-                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+        run, info = (["setpriv", f"--bounding-set={caps}", f"--inh-caps={caps}"] + cmd
+                     for cmd in (run, info))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
+    cli = subprocess.run(info, capture_output=True, text=True, timeout=120, cwd=root)
+    assert cli.returncode == 1, cli.stderr[-2000:]
+    assert json.loads(cli.stdout)["integrity"] == "unreadable (permissions)", cli.stdout
+    out = subprocess.run(run, capture_output=True, text=True, timeout=120, cwd=root)
     assert out.returncode == 0, out.stderr[-2000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
     kind, message = got["resume"]
-    assert kind == "CheckpointError" and "damaged" not in message, message
+    assert kind == "CheckpointPermissionError" and "damaged" not in message, message
     assert f"{file} cannot be read (Permission denied)" in message and "chmod" in message
     assert got["damaged"] is False and got["problems"], got
     assert all("lacks permission" in p for p in got["problems"]), got["problems"]

@@ -239,11 +239,14 @@ class _MayRaise(torch.nn.Module):
         h = torch.tanh(self.b(h))
         if self.raises == "backward":
             h = _Raises.apply(h)
-        return self.c(h)
+        out = self.c(h)
+        if self.raises == "end":  # after the last unit: the others go on to backward
+            raise ValueError("the model raised on rank 1")
+        return out
 
 
 def _model_raises_worker(rank: int, world: int, init_file: str, out: str, cfg: dict,
-                         where: str) -> None:
+                         where: str, at: int) -> None:
     import copy
 
     import offload
@@ -256,11 +259,12 @@ def _model_raises_worker(rank: int, world: int, init_file: str, out: str, cfg: d
             engine = offload.initialize(_MayRaise(), c)
             g = torch.Generator().manual_seed(rank)
             errors = []
-            for i in range(5):
+            window = c["engine"]["grad_accum_steps"]
+            for i in range(6):
                 x, y = torch.randn(4, 8, generator=g), torch.randn(4, 1, generator=g)
-                if i == 2 and run == "skips":
-                    continue  # every rank skips the batch: what the failure should give
-                engine.module.raises = where if (i == 2 and rank == 1) else None
+                if run == "skips" and at - at % window <= i <= at:
+                    continue  # every rank skips the window so far: what the failure gives
+                engine.module.raises = where if (i == at and rank == 1) else None
                 try:
                     engine.backward(torch.nn.functional.mse_loss(engine(x), y))
                     engine.step()
@@ -271,21 +275,24 @@ def _model_raises_worker(rank: int, world: int, init_file: str, out: str, cfg: d
         torch.save(results, f"{out}.{rank}")
 
 
-@pytest.mark.parametrize("where", ["forward", "backward"])
+@pytest.mark.parametrize("where,window", [("forward", 1), ("backward", 1), ("end", 2)])
 def test_a_rank_whose_model_raised_stops_the_others_at_their_next_check(tmp_path, engine_cfg,
-                                                                       where):
+                                                                       where, window):
     """Rank 1's model raises in its forward (or an autograd function in its backward).
     The others went on to their next check and met rank 1's next pass there, each
     blaming control flow, and rank 1 lost a second batch; now they learn at that
     check that rank 1 raised, undo their pass, and the ranks train on together: the
-    same weights as a run in which every rank skipped that batch."""
-    cfg = engine_cfg("nvme", "nvme", "nvme", group_size=300)
+    same weights as a run in which every rank skipped that batch. With gradient
+    accumulation, every rank drops the window's gradients so far (the others' steps
+    once came a micro-batch early, and paired with rank 1's next forward: a hang)."""
+    cfg = engine_cfg("nvme", "nvme", "nvme", group_size=300, grad_accum_steps=window)
     out = str(tmp_path / "res")
-    spawn(_model_raises_worker, str(tmp_path / "init"), out, cfg, where, timeout_s=120)
+    at = 3 if window == 2 else 2  # the second micro-batch of a window
+    spawn(_model_raises_worker, str(tmp_path / "init"), out, cfg, where, at, timeout_s=60)
     r0, r1 = (torch.load(f"{out}.{r}") for r in range(2))
-    assert [e[:2] for e in r1["raises"]["errors"]] == [(2, "ValueError")], r1["raises"]
+    assert [e[:2] for e in r1["raises"]["errors"]] == [(at, "ValueError")], r1["raises"]
     (i, kind, msg), = r0["raises"]["errors"]
-    assert (i, kind) == (2, "RankOrderError"), r0["raises"]
+    assert (i, kind) == (at, "RankOrderError"), r0["raises"]
     assert msg.startswith("rank 1 raised in its model's forward or backward"), msg
     for r in (r0, r1):
         assert r["skips"]["errors"] == []
