@@ -178,6 +178,7 @@ class OffloadEngine(ModelWeights, ModuleHooks, GradPartitions, GroupUpdates, Gat
         self._updater = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-update",
                                            initializer=bind_thread, initargs=(store.device,))
         self._early: list[Future] = []
+        self._start_updater()
         self._hyper_watch = HyperWatch()  # [Note: values written between backward and step]
         self.lr_scheduler: Any = None  # [Note: the engine's scheduler] in lr_scheduler.py
         self.resumed_extra: dict[str, Any] = {}  # the `extra` of the checkpoint resumed from
@@ -227,6 +228,19 @@ class OffloadEngine(ModelWeights, ModuleHooks, GradPartitions, GroupUpdates, Gat
         self._owned.opt = self._opt
         self._opt.set_zero_grad_hook(self.zero_grad)  # optimizer.zero_grad(), as torch's
         self._opt.set_load_hook(self._params_from_masters)  # optimizer.load_state_dict()
+
+    def _start_updater(self) -> None:
+        """Starts the update thread now. The executor starts it at its first `submit`,
+        after queueing the work: where the start fails (a thread limit, RLIMIT_NPROC),
+        backward raised, but the queued update stayed behind and ran in the next
+        step's thread, on that step's state. Started here, a limit fails initialize."""
+        try:
+            self._updater.submit(int).result()
+        except RuntimeError as e:
+            self._updater.shutdown(wait=False, cancel_futures=True)
+            raise RuntimeError(f"initialize: the optimizer's update thread cannot start ({e}): "
+                               "the process is at its limit of threads (ulimit -u, "
+                               "RLIMIT_NPROC, or the container's pids limit); raise it") from e
 
     @property
     def optimizer(self) -> CpuAdam:

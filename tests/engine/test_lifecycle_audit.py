@@ -383,3 +383,14 @@ def test_a_daemon_thread_training_at_exit_ends_quietly(tmp_path):
         assert not list((tmp_path / "swap").glob("*.swap"))
         # a thread the exit joins is not cut short
         assert ("all forwards done" in out.stdout) == (kind == "joined"), out.stdout
+
+
+def test_the_update_thread_starts_at_initialize(engine_cfg):
+    """The update thread used to start at the first early update's `submit`, which
+    queues the work first: under a thread limit, backward raised and the queued update
+    ran in the next step's thread, on that step's state (a KeyError on a retried
+    step). Started at initialize, a limit fails initialize, before any state."""
+    ref, opt, engine = _setup(engine_cfg)
+    with engine:
+        assert engine._updater._threads and all(t.is_alive() for t in engine._updater._threads)
+        assert any(t.name.startswith("offload-update") for t in threading.enumerate())
