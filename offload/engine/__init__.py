@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import importlib
 import functools
 import logging
 import os
@@ -19,6 +20,7 @@ from ..comm import Collectives, GatherIssuer
 from ..comm.gather_thread import gather_group
 from ..config import ConfigError, OffloadConfig, load_config
 from ..io import hugepages
+from ..io.errors import limit_hint
 from ..store import NextUsePolicy, TieredStore
 from ..store.copy import resolve_device
 from ..trace import NULL_RECORDER, TraceRecorder
@@ -228,6 +230,21 @@ def _cut_undone_on_failure(tp: TensorParallel | None) -> Iterator[None]:
         tp.plan.commit()
 
 
+def _import_dtensor() -> None:
+    """torch imports torch.distributed.tensor at the first nn.Parameter the engine
+    registers, opening its files then: with the swap files holding descriptors, a low
+    RLIMIT_NOFILE failed there with a raw EMFILE naming a torch source file. Imported
+    before any swap file, and a limit met here is named."""
+    try:
+        importlib.import_module("torch.distributed.tensor")
+    except OSError as e:
+        hint = limit_hint(e.errno)
+        if not hint:
+            raise
+        raise OSError(e.errno, f"initialize: cannot import torch.distributed.tensor "
+                      f"({e.strerror}): {hint}") from e
+
+
 def initialize(model: nn.Module | Callable[[], nn.Module],
                config: OffloadConfig | dict | str | None = None, *,
                checkpoint: str | os.PathLike | None = None,
@@ -264,6 +281,7 @@ def initialize(model: nn.Module | Callable[[], nn.Module],
     """
     # [Note: ranks agree at initialize] in rank_agreement.py: each block's refusal on one
     # rank is raised on every rank at the next settle, before any swap file is made
+    _import_dtensor()
     agreement = RankAgreement()
     with agreement.refusals():
         # the engine's own copy: the caller's object, changed or reused later, changes nothing

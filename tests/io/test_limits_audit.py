@@ -209,6 +209,36 @@ def test_few_open_files_name_ulimit_n(tmp_path):
     assert not out["published"]
 
 
+def test_an_open_file_limit_met_by_initialize_is_named_wherever_it_falls(tmp_path):
+    """initialize under open-file limits one descriptor apart, from the first that
+    fails to the first that trains: each failure names ulimit -n. One limit got past
+    the swap files and failed inside torch's lazy import of torch.distributed.tensor,
+    a raw EMFILE naming a torch source file."""
+    out = run_child(f"""
+    paths = [{str(tmp_path)!r} + f"/s{{i}}" for i in range(3)]
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    import offload.engine  # imported before the limit is lowered
+    assert "torch.distributed.tensor" not in sys.modules  # what initialize imports
+    errors = []
+    for extra in range(60):
+        used = len(os.listdir("/proc/self/fd")) - 1
+        resource.setrlimit(resource.RLIMIT_NOFILE, (used + extra, hard))
+        try:
+            engine = offload.initialize(TiedTwice(), cfg(paths))
+        except Exception as e:
+            errors.append(str(e))
+            continue
+        finally:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        engine.close()
+        break
+    report(errors=errors, trained=extra < 59)
+    """)
+    assert out["trained"] and out["errors"], out
+    for msg in out["errors"]:
+        assert "ulimit -n" in msg, msg
+
+
 @pytest.mark.slow  # 3 s; the ulimit -f hint is checked by default in test_swap.py
 def test_small_file_size_limit_names_ulimit_f(tmp_path):
     """Under a file-size limit (ulimit -f; Python ignores SIGXFSZ, so writes fail with
