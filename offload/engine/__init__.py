@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import importlib
 import functools
+import importlib
 import logging
 import os
 import re
