@@ -198,7 +198,8 @@ def build_plan(args: argparse.Namespace) -> DemoPlan:
                          f"1..{model.max_seq // 2}")
     if args.steps < 1 or args.batch < 1 or args.nproc < 1 or args.trace_step < 1:
         raise UsageError("--steps, --batch, --nproc and --trace-step must be at least 1")
-    world = int(os.environ.get("WORLD_SIZE", args.nproc))
+    launch = launched()
+    world = launch[1] if launch is not None else args.nproc
     d = _defaults_for(size, model)
     plan = DemoPlan(
         model=model, size=size, length=args.length, batch=args.batch, steps=args.steps,
@@ -586,16 +587,31 @@ def _child_argv(args: argparse.Namespace) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     plan = build_plan(args)
-    rank = int(os.environ.get("RANK", 0))
+    launch = launched()
+    rank = launch[0] if launch is not None else 0
     reporter = Reporter(json_lines=args.json, quiet=rank != 0)
     shown = os.environ.get("OFFLOAD_DEMO_HEADER") == "1"
     if rank == 0 and not shown:
         if not _disk_ok(plan, reporter):
             return 1
         print_header(reporter, plan)
-    if plan.world > 1 and "RANK" not in os.environ:
+    if plan.world > 1 and launch is None:
         return _relaunch(args, plan, reporter)
     return _run_rank(plan, rank, reporter)
+
+
+def launched() -> tuple[int, int] | None:
+    """(rank, world) where a launcher started this process (torchrun, which this command
+    re-launches itself under), else None: a RANK or WORLD_SIZE left in a shell is no
+    launch (RANK=1 alone ran the demo silently, as a rank that does not print)."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return None
+    try:
+        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    except (KeyError, ValueError):
+        raise UsageError(f"under torchrun, RANK and WORLD_SIZE must be integers; got "
+                         f"RANK={os.environ.get('RANK')!r}, "
+                         f"WORLD_SIZE={os.environ.get('WORLD_SIZE')!r}") from None
 
 
 def _disk_ok(plan: DemoPlan, reporter: Reporter) -> bool:

@@ -65,6 +65,22 @@ def test_sigint_stops_after_the_step_and_removes_swap_files(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+def test_rank_variables_left_in_a_shell_are_not_a_launch(tmp_path):
+    """RANK=1 in the shell ran the demo as a silent rank 1 of a job of one (no output,
+    exit 0), and WORLD_SIZE=2 relaunched it on two ranks: only torchrun's launch counts."""
+    env = {**os.environ, "RANK": "1", "WORLD_SIZE": "2"}
+    out = subprocess.run(DEMO + ["--tiny", "--steps", "2", "--swap-dir", str(tmp_path), "--json"],
+                         capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr
+    steps = [o for o in _objects(out.stdout) if o["event"] == "step"]
+    assert [s["step"] for s in steps] == [1, 2] and "1 process" in out.stderr
+    env = {**os.environ, "TORCHELASTIC_RUN_ID": "x", "RANK": "0", "WORLD_SIZE": "abc"}
+    out = subprocess.run(DEMO + ["--tiny", "--swap-dir", str(tmp_path)],
+                         capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 2 and "WORLD_SIZE='abc'" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr
+
+
 def test_refusals_are_clear_and_touch_nothing(tmp_path):
     # a disk too small: ~100B parameters need terabytes of swap
     out = subprocess.run(DEMO + ["--size", "100B", "--swap-dir", str(tmp_path)],
