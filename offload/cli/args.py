@@ -67,12 +67,20 @@ def table_console() -> Any:
 def run_command(func: Callable[[argparse.Namespace], int], args: argparse.Namespace,
                 prog: str) -> int:
     """Runs a sub-command; a `UsageError` or `ConfigError` is one line and exit code 2, a
-    `DamageError` one line and exit code 1."""
+    `DamageError` one line and exit code 1. So is, with exit code 1, an error the
+    machine caused (`OSError`: a full disk, a limit, a path) or one of offload's own
+    (a failed step, a swap file refused: their messages name the fix); anything else
+    is a bug, and keeps its traceback."""
     try:
         return func(args)
     except (UsageError, ConfigError, DamageError) as e:
         print(f"{prog}: {' '.join(str(e).split())}", file=sys.stderr)
         return 1 if isinstance(e, DamageError) else 2
+    except Exception as e:
+        if not (isinstance(e, OSError) or type(e).__module__.startswith("offload.")):
+            raise
+        print(f"{prog}: {' '.join(str(e).split())}", file=sys.stderr)
+        return 1
 
 
 def _typed(name: str, fn: Callable[[str], Any]) -> Callable[[str], Any]:

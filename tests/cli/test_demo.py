@@ -81,6 +81,20 @@ def test_rank_variables_left_in_a_shell_are_not_a_launch(tmp_path):
     assert "Traceback" not in out.stderr
 
 
+def test_an_error_the_machine_causes_is_one_line_not_a_traceback(tmp_path):
+    """A swap directory through a symlink loop (ELOOP at its mkdir) was a raw
+    traceback: the CLI printed one line only for its own usage errors."""
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    out = subprocess.run(DEMO + ["--tiny", "--steps", "2", "--trace", "none",
+                                 "--swap-dir", str(tmp_path / "a" / "s")],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1, out.stderr
+    assert "Traceback" not in out.stderr, out.stderr
+    assert f"offload demo: [Errno 40] Too many levels of symbolic links: '{tmp_path}/a/s'" \
+        in out.stderr, out.stderr
+
+
 def test_refusals_are_clear_and_touch_nothing(tmp_path):
     # a disk too small: ~100B parameters need terabytes of swap
     out = subprocess.run(DEMO + ["--size", "100B", "--swap-dir", str(tmp_path)],
