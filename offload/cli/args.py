@@ -76,6 +76,11 @@ def run_command(func: Callable[[argparse.Namespace], int], args: argparse.Namesp
     except (UsageError, ConfigError, DamageError) as e:
         print(f"{prog}: {' '.join(str(e).split())}", file=sys.stderr)
         return 1 if isinstance(e, DamageError) else 2
+    except MemoryError:
+        print(f"{prog}: ran out of memory (MemoryError): the process's memory limit (ulimit "
+              "-v, a container's) or the machine's memory is too small for this command",
+              file=sys.stderr)
+        return 1
     except Exception as e:
         if not (isinstance(e, OSError) or type(e).__module__.startswith("offload.")):
             raise

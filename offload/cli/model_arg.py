@@ -175,6 +175,8 @@ def _build_meta(spec: ModelSpec):
     with meta_device():
         try:
             model = spec.build()
+        except MemoryError:  # the process's memory ran out, not the model's fault
+            raise
         except Exception as e:  # the user's code or config: report, not a traceback
             raise UsageError(f"MODEL: building {spec.target} on the meta device failed "
                              f"({type(e).__name__}: {e}); check the model") from None

@@ -232,3 +232,23 @@ def test_a_checkpoint_path_one_level_off_names_the_one_to_give(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(argparse.ArgumentTypeError, match="holds no checkpoint.json; give a "):
         parse(str(tmp_path / "empty"))
+
+
+def test_run_command_reports_machine_and_offload_errors_in_one_line(capsys):
+    """An OSError, a MemoryError or one of offload's own errors is one line and exit
+    code 1 (they were tracebacks); any other exception is a bug and propagates."""
+    from offload.engine.rank_order import RankOrderError
+
+    def raising(e):
+        def run(_args):
+            raise e
+        return run
+    cases = [(OSError(28, "No space left on device"), "No space left on device"),
+             (MemoryError(), "ran out of memory (MemoryError)"),
+             (RankOrderError("rank 1 raised in its model's forward"), "rank 1 raised")]
+    for e, said in cases:
+        assert cli_args.run_command(raising(e), argparse.Namespace(), "offload x") == 1
+        err = capsys.readouterr().err
+        assert err.startswith("offload x: ") and said in err and err.count("\n") == 1, err
+    with pytest.raises(KeyError):
+        cli_args.run_command(raising(KeyError("bug")), argparse.Namespace(), "offload x")
