@@ -83,12 +83,12 @@ class CheckpointPermissionError(CheckpointError):
     CheckpointCorruptError); the fix is the file's permissions."""
 
 
-def not_permitted(path: Any, e: OSError) -> CheckpointError:
+def not_permitted(path: Any, e: OSError) -> CheckpointPermissionError:
     """The error for a checkpoint file this process may not read."""
-    return CheckpointPermissionError(f"checkpoint file {path} cannot be read ({e.strerror}): this "
-                           f"process (uid {os.getuid()}) lacks permission; the checkpoint "
-                           "may be intact: give it read access to the checkpoint's files "
-                           "(chmod, chown) and retry")
+    return CheckpointPermissionError(
+        f"checkpoint file {path} cannot be read ({e.strerror}): this process (uid "
+        f"{os.getuid()}) lacks permission; the checkpoint may be intact: give it read "
+        "access to the checkpoint's files (chmod, chown) and retry")
 
 
 def _read_json(p: Path) -> dict[str, Any]:

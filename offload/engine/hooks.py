@@ -104,7 +104,7 @@ class ModuleHooks:
 
     def _make_pre_backward(self, unit: Unit, version: int) -> Callable:
         def hook(grad: torch.Tensor) -> None:
-            if version != self.weights_version:  # [Note: a graph of older weights]
+            if version != self.weights_version:  # [Note: a graph of older weights] in engine.py
                 raise RuntimeError(
                     f"backward: the forward of {unit.name or 'the model'} ran before the "
                     "weights changed (a step(), load_state_dict() or writable full_weights() "

@@ -79,21 +79,19 @@ class RankOrder:
     def check_unit(self, unit: Unit, backward: bool) -> None:
         """Before the collectives of `unit`'s forward (or backward)."""
         if self.enabled:
-            self._check(1 + self._index[id(unit)] + (self._n if backward else 0),
-                        f"the {'backward' if backward else 'forward'} of unit {unit.name!r}")
+            self._check(1 + self._index[id(unit)] + (self._n if backward else 0))
 
     def check_backward(self) -> None:
         """Before a backward's first collective (the agreement on what trains, its size
         the model's): a rank that skipped its backward (its loss code raised) meets
         another's backward here, at a check of the same size, not inside gloo."""
         if self.enabled:
-            self._check(BACKWARD, self._describe(BACKWARD))
+            self._check(BACKWARD)
 
     def check_grad(self, gid: int) -> None:
         """Before the reduction of group `gid`'s gradient."""
         if self.enabled:
-            h = 1 + 2 * self._n + gid
-            self._check(h, self._describe(h))
+            self._check(1 + 2 * self._n + gid)
 
     def check_read(self, gid: int) -> None:
         """Before the all-gather of group `gid`'s whole weights (state_dict, full_weights,
@@ -103,8 +101,7 @@ class RankOrder:
         instead of pairing its all-gathers with the other's forward and waiting for
         the process group's timeout."""
         if self.enabled:
-            self._check(-1.0 - gid, f"the all-gather of group {gid}'s whole weights ({READS})",
-                        READ_FIX)
+            self._check(-1.0 - gid, READ_FIX)
 
     def failed(self) -> None:
         """[Note: a rank whose model raised] This rank's forward or backward raised in
@@ -112,10 +109,8 @@ class RankOrder:
         raise, undoing their pass as this rank undid its own. The ranks then go on
         from the same point, none a batch ahead, and each error names its cause."""
         if self.enabled:
-            mine = [0.0] * self._comm.world
-            mine[self._comm.rank] = FAILED
             try:
-                self._comm.sum_scalars(mine)
+                self._points(FAILED)
             except Exception as e:  # the model's error is what the rank raises
                 log.debug("telling the other ranks of a failed pass failed: %s", e)
 
@@ -133,11 +128,15 @@ class RankOrder:
         gid = k - 2 * n
         return f"the gradient reduction of group {gid} (unit {self._unit_of.get(gid, '?')!r})"
 
-    def _check(self, h: float, what: str, fix: str | None = None) -> None:
-        """Raises RuntimeError on every rank if the ranks do not all contribute `h`."""
+    def _points(self, h: float) -> list[float]:
+        """Every rank's point, this rank's `h`: one all-reduce of `world` numbers."""
         mine = [0.0] * self._comm.world
         mine[self._comm.rank] = float(h)
-        got = self._comm.sum_scalars(mine)
+        return self._comm.sum_scalars(mine)
+
+    def _check(self, h: float, fix: str | None = None) -> None:
+        """Raises RankOrderError on every rank if the ranks do not all contribute `h`."""
+        got, what = self._points(h), self._describe(h)
         failed = [str(r) for r, x in enumerate(got) if x == FAILED]
         if failed:
             raise RankOrderError(
