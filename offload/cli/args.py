@@ -68,9 +68,10 @@ def run_command(func: Callable[[argparse.Namespace], int], args: argparse.Namesp
                 prog: str) -> int:
     """Runs a sub-command; a `UsageError` or `ConfigError` is one line and exit code 2, a
     `DamageError` one line and exit code 1. So is, with exit code 1, an error the
-    machine caused (`OSError`: a full disk, a limit, a path) or one of offload's own
-    (a failed step, a swap file refused: their messages name the fix); anything else
-    is a bug, and keeps its traceback."""
+    machine caused (`OSError`: a full disk, a limit, a path; `MemoryError`) or one of
+    offload's own caused by one of those (a failed step, a swap file refused: their
+    messages name the fix); anything else is a bug, and keeps its traceback (a step
+    that failed for a bug too), as does a closed pipe (main.py ends it quietly)."""
     try:
         return func(args)
     except (UsageError, ConfigError, DamageError) as e:
@@ -82,10 +83,22 @@ def run_command(func: Callable[[argparse.Namespace], int], args: argparse.Namesp
               file=sys.stderr)
         return 1
     except Exception as e:
-        if not (isinstance(e, OSError) or type(e).__module__.startswith("offload.")):
+        if not _the_machines(e):
             raise
         print(f"{prog}: {' '.join(str(e).split())}", file=sys.stderr)
         return 1
+
+
+def _the_machines(e: BaseException | None) -> bool:
+    """Whether `e` and every error it was raised from is the machine's (`OSError`, not
+    a closed pipe; `MemoryError`) or offload's own: a user's fix, not a bug's."""
+    while e is not None:
+        if isinstance(e, BrokenPipeError) or not (
+                isinstance(e, (OSError, MemoryError))
+                or type(e).__module__.startswith("offload.")):
+            return False
+        e = e.__cause__
+    return True
 
 
 def _typed(name: str, fn: Callable[[str], Any]) -> Callable[[str], Any]:

@@ -235,6 +235,8 @@ def _import_dtensor() -> None:
     registers, opening its files then: with the swap files holding descriptors, a low
     RLIMIT_NOFILE failed there with a raw EMFILE naming a torch source file. Imported
     before any swap file, and a limit met here is named."""
+    if not dist.is_available():  # a torch built without distributed has none
+        return
     try:
         importlib.import_module("torch.distributed.tensor")
     except OSError as e:

@@ -44,7 +44,7 @@ import logging
 import os
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import BrokenExecutor, Future, ThreadPoolExecutor
 from typing import Any, Callable
 
 import torch
@@ -238,6 +238,8 @@ class OffloadEngine(ModelWeights, ModuleHooks, GradPartitions, GroupUpdates, Gat
             self._updater.submit(int).result()
         except RuntimeError as e:
             self._updater.shutdown(wait=False, cancel_futures=True)
+            if isinstance(e, BrokenExecutor):  # its initializer failed, not the start
+                raise
             raise RuntimeError(f"initialize: the optimizer's update thread cannot start ({e}): "
                                "the process is at its limit of threads (ulimit -u, "
                                "RLIMIT_NPROC, or the container's pids limit); raise it") from e

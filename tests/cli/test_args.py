@@ -236,7 +236,8 @@ def test_a_checkpoint_path_one_level_off_names_the_one_to_give(tmp_path):
 
 def test_run_command_reports_machine_and_offload_errors_in_one_line(capsys):
     """An OSError, a MemoryError or one of offload's own errors is one line and exit
-    code 1 (they were tracebacks); any other exception is a bug and propagates."""
+    code 1 (they were tracebacks); any other exception is a bug and propagates, as
+    does one of offload's raised from a bug, and a closed pipe (main.py's to end)."""
     from offload.engine.rank_order import RankOrderError
 
     def raising(e):
@@ -250,5 +251,8 @@ def test_run_command_reports_machine_and_offload_errors_in_one_line(capsys):
         assert cli_args.run_command(raising(e), argparse.Namespace(), "offload x") == 1
         err = capsys.readouterr().err
         assert err.startswith("offload x: ") and said in err and err.count("\n") == 1, err
-    with pytest.raises(KeyError):
-        cli_args.run_command(raising(KeyError("bug")), argparse.Namespace(), "offload x")
+    wrapped = RankOrderError("step 1 failed (KeyError: 'bug')")  # a wrapper of a bug
+    wrapped.__cause__ = KeyError("bug")
+    for bug in (KeyError("bug"), wrapped, BrokenPipeError(32, "Broken pipe")):
+        with pytest.raises(type(bug)):  # a bug keeps its traceback; main.py ends a pipe
+            cli_args.run_command(raising(bug), argparse.Namespace(), "offload x")
