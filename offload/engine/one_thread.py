@@ -173,7 +173,11 @@ class OneThread:
         try:
             yield
         finally:
-            self.leave_to(call)
+            try:  # the engine's own Ctrl-C deferral has ended by now (it is inside)
+                self.leave_to(call)
+            except KeyboardInterrupt:  # one that lands here: the call ends all the same
+                self.leave_to(call)
+                raise
 
 
 def one_call(what: str, *, outer: bool = False, sealed: bool = False) -> Callable:
