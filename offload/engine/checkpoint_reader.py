@@ -58,18 +58,18 @@ def _check_layout(meta: dict[str, Any], sharding: dict[str, Any], dtype: str) ->
     the save wrote them (`_spec`): offload reads the chunks by their known layout,
     but another reader (tensorstore, zarr) follows the metadata, and would read a
     changed dtype, byte order or key encoding as other values."""
+    keys = meta.get("chunk_key_encoding", {})
     differ = [what for what, got, want in (
         ("data_type", meta.get("data_type"), dtype),
         ("codecs", meta.get("codecs") and len(meta["codecs"]), 1),
         ("chunk codecs", sharding.get("codecs"), CHECKED),
         ("index codecs", sharding.get("index_codecs"), CHECKED),
         ("index location", sharding.get("index_location", "end"), "end"),
-        ("chunk key encoding", meta.get("chunk_key_encoding", {}).get("configuration", {})
-         .get("separator", "/"), "/"),
-        ("chunk key encoding", meta.get("chunk_key_encoding", {}).get("name"), "default"),
+        ("chunk key encoding", (keys.get("name"), keys.get("configuration", {})
+                                .get("separator", "/")), ("default", "/")),
     ) if got != want]
     if differ:
-        raise ValueError(f"its {', '.join(dict.fromkeys(differ))} differ from what the save "
+        raise ValueError(f"its {', '.join(differ)} differ from what the save "
                          f"wrote ({dtype}, one sharding codec of little-endian chunks and "
                          "index, each with its crc32c, the index at the end, default keys)")
 

@@ -134,17 +134,25 @@ def test_param_groups_of_a_record_without_members_are_matched_by_place(copy, tmp
 def test_damaged_array_metadata_is_a_corrupt_error_naming_the_file(copy, tmp_path, edit):
     """A zero or negative extent in an array's zarr.json (it carries no checksum) was
     a ZeroDivisionError or an OSError (EINVAL)."""
-    ck = copy()
-    meta = ck / "exp_avg" / "l1.weight" / "zarr.json"  # l1.weight: (48, 32)
-    m = json.loads(meta.read_text())
-    if edit.startswith("chunk"):
-        m["codecs"][0]["configuration"]["chunk_shape"] = [0, 32]
-    else:
-        m["chunk_grid"]["configuration"]["chunk_shape"] = [-48, 32]
-    meta.write_text(json.dumps(m))
+    def change(m):  # l1.weight: (48, 32)
+        if edit.startswith("chunk"):
+            m["codecs"][0]["configuration"]["chunk_shape"] = [0, 32]
+        else:
+            m["chunk_grid"]["configuration"]["chunk_shape"] = [-48, 32]
     shape = edit.split(" [")[0]
+    _metadata_refused(copy(), tmp_path, change, rf"{shape} \[.*\] is not 2 positive integers\)")
+
+
+def _metadata_refused(ck, tmp_path, change, why: str) -> None:
+    """`change(meta)` edits exp_avg/l1.weight's zarr.json in checkpoint `ck`: the resume
+    is a CheckpointCorruptError naming the file and `why` (a pattern), and verify()
+    lists that file alone."""
+    meta = ck / "exp_avg" / "l1.weight" / "zarr.json"
+    m = json.loads(meta.read_text())
+    change(m)
+    meta.write_text(json.dumps(m))
     want = (rf"array exp_avg/l1\.weight: no readable shard and chunk shape in .*"
-            rf"exp_avg/l1\.weight/zarr\.json \(its {shape} \[.*\] is not 2 positive integers\)")
+            rf"exp_avg/l1\.weight/zarr\.json \(its {why}")
     with pytest.raises(offload.CheckpointCorruptError, match=want):
         _resume(ck, tmp_path)
     problems = CheckpointReader(ck).verify()
@@ -165,17 +173,9 @@ def test_array_metadata_of_another_layout_is_a_corrupt_error(copy, tmp_path, wha
     """A zarr.json whose dtype, byte order, checksums or key encoding differ from the
     save's passed every check (offload reads its chunks by their known layout), while
     tensorstore, which the docs say can open any checkpoint, read other values."""
-    ck = copy()
-    meta = ck / "exp_avg" / "l1.weight" / "zarr.json"
-    m = json.loads(meta.read_text())
-    _LAYOUT_EDITS[what](m, m["codecs"][0]["configuration"])
-    meta.write_text(json.dumps(m))
-    want = (rf"array exp_avg/l1\.weight: no readable shard and chunk shape in .*"
-            rf"exp_avg/l1\.weight/zarr\.json \(its {what} differ from what the save wrote")
-    with pytest.raises(offload.CheckpointCorruptError, match=want):
-        _resume(ck, tmp_path)
-    problems = CheckpointReader(ck).verify()
-    assert len(problems) == 1 and "exp_avg/l1.weight/zarr.json" in problems[0]
+    _metadata_refused(copy(), tmp_path,
+                      lambda m: _LAYOUT_EDITS[what](m, m["codecs"][0]["configuration"]),
+                      f"{what} differ from what the save wrote")
 
 
 _UNREADABLE = """

@@ -6,13 +6,13 @@ started by torch.multiprocessing (no LOCAL_WORLD_SIZE unless a test sets one).""
 
 import datetime
 import os
-import time
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
+
+from .ranks import spawn
 
 pytestmark = pytest.mark.distributed
 
@@ -71,15 +71,8 @@ def _run(tmp_path, cfgs: list, models=("narrow", "narrow"), local_world_size=Non
          steps: int = 0) -> list[dict]:
     """Each rank's {"error": (type, message) or None, "swap": files left, "state"}."""
     out = str(tmp_path / "result")
-    ctx = mp.start_processes(_worker, args=(2, str(tmp_path / "init"), out, cfgs, list(models),
-                                            local_world_size, steps),
-                             nprocs=2, join=False, start_method="spawn")
-    deadline = time.monotonic() + HANG_S
-    while not ctx.join(timeout=1):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail(f"the ranks did not finish within {HANG_S} s (hung)")
+    spawn(_worker, str(tmp_path / "init"), out, cfgs, list(models), local_world_size, steps,
+          timeout_s=HANG_S)
     return [torch.load(f"{out}.{r}", weights_only=False) for r in range(2)]
 
 
