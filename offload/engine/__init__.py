@@ -31,6 +31,8 @@ from .engine import _DTYPES, _TIERS, OffloadEngine
 from .eviction import next_use_of
 from .lr_scheduler import make_scheduler, warn_schedule_dropped
 from .meta import SkipMetaNormal, meta_device
+from .model_buffers import (buffers_from_first_rank, buffers_to, has_own_init, load_buffers,
+                            materialise_buffers, persistent_buffers, saved_buffers)
 from .model_weights import guard_casts, guard_resize
 from .one_thread import EngineBusyError
 from .param_groups import assign_param_groups, segments_of
@@ -305,11 +307,11 @@ def initialize(model: nn.Module | Callable[[], nn.Module],
         resumed = CheckpointReader(resume) if resume is not None else None
         if resumed is not None:  # before a meta buffer it lacks is made
             resumed.check_buffers(model)
-        _materialise_buffers(model, cfg.engine.seed,
+        materialise_buffers(model, cfg.engine.seed,
                              resumed.buffer_names() if resumed is not None
-                             else _saved_buffers(model, ckpt))
+                             else saved_buffers(model, ckpt))
         if ckpt is not None:
-            _load_buffers(model, ckpt)
+            load_buffers(model, ckpt)
     agreement.settle(lambda: [config_section(cfg)])  # the whole job, before its mesh is built
     # [Note: ZeRO-3 over DP, tensor parallelism over TP] in tensor_parallel.py
     tp = TensorParallel.setup(model, cfg, restored=ckpt is not None or resumed is not None,
@@ -411,11 +413,11 @@ def initialize(model: nn.Module | Callable[[], nn.Module],
                         resumed is not None)
                 for g in deferred:
                     _drop_params(g, engine)
-                _buffers_to(model, store.device)
+                buffers_to(model, store.device)
                 # [Note: rank 0's weights]; buffers are never cut: every rank of the job, TP too
                 everyone = tp.mesh.world if tp is not None else comm
                 if everyone.world > 1 and ckpt is None and resumed is None:
-                    _buffers_from_first_rank(everyone, model)
+                    buffers_from_first_rank(everyone, model)
                 model.__dict__[_WRAPPED] = weakref.ref(engine)  # [Note: wrapped modules]
                 guard_casts(model, engine.dtype, engine.device)
                 guard_resize(model)
@@ -464,17 +466,6 @@ def _place_new_group(engine: OffloadEngine, g: Group, segments: list[tuple[int, 
     return differs
 
 
-def _buffers_to(model: nn.Module, device: torch.device) -> None:
-    """Moves the model's buffers to `device`; a buffer several modules share stays one."""
-    moved: dict[int, torch.Tensor] = {}
-    for m in model.modules():
-        for name, b in m._buffers.items():
-            if b is not None and b.device != device:
-                if id(b) not in moved:
-                    moved[id(b)] = b.to(device)
-                m._buffers[name] = moved[id(b)]
-
-
 def _refuse_gather_thread_on_nccl(cfg: OffloadConfig) -> None:
     """comm.gather_thread is for gloo: NCCL's collectives are asynchronous already, and
     two NCCL communicators driven from two threads can deadlock."""
@@ -505,29 +496,6 @@ def _from_first_rank(comm: Collectives, g: Group, full: torch.Tensor, real: bool
         return None
     return next((sl.fqn for sl in g.slots if not torch.equal(
         mine[sl.offset:sl.offset + sl.numel], full[sl.offset:sl.offset + sl.numel])), "?")
-
-
-def _buffers_from_first_rank(comm: Collectives, model: nn.Module) -> None:
-    """[Note: rank 0's weights] Buffers too, as DDP broadcasts the module's buffers: a
-    buffer that differs from rank 0's (a mask or statistics made per rank) is replaced
-    by a tensor holding rank 0's values (the old tensor is left as it was), and one
-    warning names the first. Every rank calls it; a buffer shared by several modules
-    stays one."""
-    done: dict[int, torch.Tensor] = {}
-    first = None
-    for mname, m in model.named_modules():
-        for name, b in list(m._buffers.items()):
-            if b is None:
-                continue
-            if id(b) not in done:
-                got = comm.first_rank_value(b)
-                done[id(b)] = b if got is None else got
-                if first is None and got is not None:
-                    first = f"{mname}.{name}" if mname else name
-            m._buffers[name] = done[id(b)]
-    if first is not None:
-        log.warning("initialize: rank %d's buffers differ from rank 0's (first: %r); every "
-                    "rank uses rank 0's, as under DDP", comm.rank, first)
 
 
 class _Lineage:
@@ -582,82 +550,6 @@ def _scratch_for_absent(mods: list[nn.Module]) -> Iterator[None]:
             m._parameters[name] = v
 
 
-def _has_own_init(model: nn.Module) -> bool:
-    """A transformers model: its `_init_weights(module)` is how it initialises itself."""
-    return callable(getattr(model, "_init_weights", None))
-
-
-def _persistent_buffers(model: nn.Module) -> Iterator[tuple[str, nn.Module, str]]:
-    """(full name, module, attribute) of each persistent buffer (what a state dict and
-    save_pretrained hold), under every name it is registered under."""
-    for prefix, m in model.named_modules(remove_duplicate=False):
-        for name, b in m._buffers.items():
-            if b is not None and name not in m._non_persistent_buffers_set:
-                yield f"{prefix}.{name}".lstrip("."), m, name
-
-
-def _saved_buffers(model: nn.Module, ckpt: SafetensorsCheckpoint | None) -> set[str]:
-    """Names of the persistent buffers `ckpt` holds (none without one)."""
-    if ckpt is None:
-        return set()
-    return {fqn for fqn, _, _ in _persistent_buffers(model) if ckpt.resolve(fqn) is not None}
-
-
-def _load_buffers(model: nn.Module, ckpt: SafetensorsCheckpoint) -> None:
-    """The persistent buffers `checkpoint=` holds (BatchNorm statistics, BART's
-    final_logits_bias), as transformers' from_pretrained loads them; the others keep
-    the model's values."""
-    with torch.no_grad():
-        for fqn, m, name in _persistent_buffers(model):
-            t = ckpt.find([fqn])
-            if t is None:
-                continue
-            b = m._buffers[name]
-            if tuple(t.shape) != tuple(b.shape):
-                raise ValueError(f"checkpoint tensor for buffer {fqn} has shape "
-                                 f"{tuple(t.shape)}, the model's is {tuple(b.shape)}")
-            b.copy_(t.to(b.dtype))
-
-
-def _materialise_buffers(model: nn.Module, seed: int, saved: set[str]) -> None:
-    """Buffers left on meta by a model built there are made on the CPU: those named in
-    `saved` (the checkpoint resumed from holds them) as zeros it overwrites, the others
-    (rotary `inv_freq`, BERT's `position_ids`) filled by the model's own
-    `_init_weights`, as transformers fills them when it loads a model. A buffer that
-    several modules share stays one tensor (the save may name it once)."""
-    names: dict[int, list[str]] = {}  # a buffer shared by several modules: all its names
-    for prefix, m in model.named_modules():
-        for name, b in m._buffers.items():
-            if b is not None and b.is_meta:
-                names.setdefault(id(b), []).append(f"{prefix}.{name}".lstrip("."))
-    made: dict[int, torch.Tensor] = {}  # one CPU tensor per meta one: sharing is kept
-
-    def fresh(b: torch.Tensor) -> torch.Tensor:
-        if id(b) not in made:
-            made[id(b)] = torch.zeros_like(b, device="cpu")
-        return made[id(b)]
-    for m in model.modules():
-        for name, b in m._buffers.items():
-            if b is not None and b.is_meta and any(n in saved for n in names[id(b)]):
-                m._buffers[name] = fresh(b)
-    owners = [m for m in model.modules()
-              if any(b is not None and b.is_meta for b in m._buffers.values())]
-    if not owners:
-        return
-    if not _has_own_init(model):
-        names = [n for n, b in model.named_buffers() if b.is_meta]
-        raise ValueError(f"buffers {names[:4]} are on the meta device and {type(model).__name__} "
-                         "has no _init_weights to fill them; build buffers on the CPU (only "
-                         "parameters may be meta)")
-    with torch.random.fork_rng(devices=[]), torch.no_grad():
-        torch.manual_seed(seed)
-        for m in owners:
-            for name, b in m._buffers.items():
-                if b is not None and b.is_meta:
-                    m._buffers[name] = fresh(b)
-            model._init_weights(m)
-
-
 def _check_checkpoint_covers(ckpt: SafetensorsCheckpoint, model: nn.Module,
                              groups: list[Group], where: str | os.PathLike) -> None:
     """[Note: weights a checkpoint lacks] As transformers' from_pretrained, parameters
@@ -672,7 +564,7 @@ def _check_checkpoint_covers(ckpt: SafetensorsCheckpoint, model: nn.Module,
                          "checkpoint of this model")
     for s in slots:  # shapes and dtypes from the headers, before any group is read
         ckpt.check(s.fqn, s.names, tuple(s.shape))
-    names = [n for s in slots for n in s.names] + [f for f, _, _ in _persistent_buffers(model)]
+    names = [n for s in slots for n in s.names] + [f for f, _, _ in persistent_buffers(model)]
     used = {ckpt.resolve(n) for n in names}
     ignored = getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []  # as HF's
     unused = sorted(k for k in ckpt.files
@@ -740,10 +632,10 @@ def _materialise(model: nn.Module, g: Group, seed: int,
                     getattr(mod, "_reset_parameters", None)  # nn.MultiheadAttention's
                 if callable(init):
                     init()
-                elif any(mod is o for o in owners) and not _has_own_init(model):
+                elif any(mod is o for o in owners) and not has_own_init(model):
                     raise ValueError(f"cannot initialise meta parameters of {type(mod).__name__}: "
                                      "it has no reset_parameters(); build the model on the CPU")
-            if _has_own_init(model):
+            if has_own_init(model):
                 with torch.no_grad():
                     for mod in mods:
                         model._init_weights(mod)
