@@ -25,17 +25,33 @@ A refused direct call's leave (torch calls forward hooks with `always_call` afte
 the pre-hook raised) is counted per thread and changes nothing. A direct call whose
 leave torch skipped (a `KeyboardInterrupt` or `SystemExit` inside the model, for
 which `always_call` hooks do not run) is recognised at the next conflict: its
-`_call_impl` frame is no longer on its thread's stack, and it is dropped; so are
-the calls of a thread that has ended. A call ends on whichever thread ends it (a
-`full_weights_by_group` generator closed or collected on another thread).
+`_call_impl` frame is no longer on its thread's stack, and it is dropped; so is a
+call whose end a `KeyboardInterrupt` cut short (one landing in `held`'s `finally`,
+before the call was taken back): the frame whose `with` held it has left the stack
+(a call held from a generator stays: its frame leaves the stack at each `yield`);
+and so are the calls of a thread that has ended. A call ends on whichever thread
+ends it (a `full_weights_by_group` generator closed or collected on another thread).
+
+[Note: a lock and Ctrl-C]
+A call is entered before the engine's Ctrl-C deferral starts and left after it ends
+([Note: Ctrl-C at a safe point] in interrupts.py), so a KeyboardInterrupt can land at
+any line of that bookkeeping; a call left recorded refuses every later `step()` and
+`close()`, a lock left held hangs them. So each `with self._lock:` is one line whose
+body is one call: a `with` spread over lines has a line of its own at its end, where
+the lock is still held (a handler run at that line raises past the release; on one
+line nothing runs between the body's end and the release). `enter` hands the call to
+`held` before recording it, and `held` leaves it twice, the second time where a
+KeyboardInterrupt cut the first short.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import sys
 import threading
+import types
 from typing import Any, Callable, Iterator
 
 __all__ = ["EngineBusyError", "OneThread", "one_call"]
@@ -52,23 +68,36 @@ class _Call:
 
     __slots__ = ("what", "sealed", "direct", "frame")
 
-    def __init__(self, what: str, sealed: bool, direct: bool, frame: int) -> None:
+    def __init__(self, what: str, sealed: bool, direct: bool,
+                 frame: types.FrameType | None) -> None:
         self.what = what      # "engine.step()", for messages
         self.sealed = sealed  # nothing nests inside it
         self.direct = direct  # the model called directly: ended by `leave()`
-        self.frame = frame    # a direct call: id of its `_call_impl` frame (0: not found)
+        self.frame = frame    # a frame on the stack while the call runs (or None): a
+        # direct call's `_call_impl`, or the frame whose `with` holds the call (held, not
+        # its id: a frame freed at the call's end gives its address to the next one)
 
 
-def _caller_frame() -> int:
-    """id of the `_call_impl` frame running the root module's hooks, 0 if none is found."""
+def _caller_frame() -> types.FrameType | None:
+    """The `_call_impl` frame running the root module's hooks, None if none is found."""
     f = sys._getframe(2)
     for _ in range(8):
         if f is None:
             break
         if f.f_code.co_name == "_call_impl":
-            return id(f)
+            return f
         f = f.f_back
-    return 0
+    return None
+
+
+_SUSPENDS = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR
+
+
+def _holder_frame() -> types.FrameType | None:
+    """The frame whose `with` runs `held` (its caller through contextlib's `__enter__`),
+    None where that frame is a generator's or a coroutine's."""
+    f = sys._getframe(3)  # this ← held ← contextlib's __enter__ ← the `with`
+    return None if f.f_code.co_flags & _SUSPENDS else f
 
 
 class OneThread:
@@ -84,10 +113,12 @@ class OneThread:
 
     def daemon_busy(self) -> bool:
         """Whether a daemon thread other than this one is inside a call."""
-        with self._lock:
-            if self._calls and self._thread != threading.get_ident():
-                self._drop_finished()
-            return bool(self._calls) and self._thread != threading.get_ident() and self._daemon
+        with self._lock: return self._daemon_busy()  # noqa: E701 - [Note: a lock and Ctrl-C]
+
+    def _daemon_busy(self) -> bool:
+        if self._calls and self._thread != threading.get_ident():
+            self._drop_finished()
+        return bool(self._calls) and self._thread != threading.get_ident() and self._daemon
 
     def _refusal(self, what: str, outer: bool) -> str | None:
         """Why `what` cannot start now on this thread, or None."""
@@ -111,7 +142,7 @@ class OneThread:
 
     def _drop_finished(self) -> None:
         """Drops what can no longer be running: every call of a thread that has ended,
-        and direct calls whose leave torch skipped (their frame has left the stack)."""
+        and calls whose end was cut short (their frame has left the stack)."""
         frame = sys._current_frames().get(self._thread)
         if frame is None:  # the holding thread has ended
             self._calls.clear()
@@ -121,63 +152,78 @@ class OneThread:
             live.add(id(frame))
             frame = frame.f_back
         for i, call in enumerate(self._calls):
-            if call.frame and call.frame not in live:
+            if call.frame is not None and id(call.frame) not in live:
                 del self._calls[i:]
                 return
 
     def enter(self, what: str = "the model's forward", *, outer: bool = False,
-              sealed: bool = False, direct: bool = False) -> _Call:
+              sealed: bool = False, direct: bool = False,
+              frame: types.FrameType | None = None, into: list[_Call] | None = None) -> _Call:
         """Starts `what` on this thread, or raises `EngineBusyError` saying why not (and
         changes nothing); returns the call, to give `leave_to`. `outer`: only outside
         every other call; `sealed`: nothing nests inside; `direct`: the model called
-        directly, ended by `leave()` from its forward hook."""
+        directly, ended by `leave()` from its forward hook; `frame`: a frame on the stack
+        until the call ends; `into`: gets the call before it is recorded."""
         if self.exiting and threading.current_thread().daemon:
             raise SystemExit  # a daemon thread's next call at exit: the thread ends quietly
             # (a non-daemon one is joined by the exit: it goes on)
-        with self._lock:
-            why = self._refusal(what, outer)
-            if why is not None:
-                self._drop_finished()
-                why = self._refusal(what, outer)
-            if why is not None:
-                if direct:
-                    self._refused.n = getattr(self._refused, "n", 0) + 1
-                raise EngineBusyError(why)
-            if not self._calls:
-                me = threading.current_thread()
-                self._thread, self._name, self._daemon = threading.get_ident(), me.name, me.daemon
-            call = _Call(what, sealed, direct, _caller_frame() if direct else 0)
-            self._calls.append(call)
-            return call
+        call = _Call(what, sealed, direct, _caller_frame() if direct else frame)
+        if into is not None:
+            into.append(call)
+        with self._lock: return self._enter(call, outer)  # noqa: E701 - [Note: a lock and Ctrl-C]
+
+    def _enter(self, call: _Call, outer: bool) -> _Call:
+        why = self._refusal(call.what, outer)
+        if why is not None:
+            self._drop_finished()
+            why = self._refusal(call.what, outer)
+        if why is not None:
+            if call.direct:
+                self._refused.n = getattr(self._refused, "n", 0) + 1
+            raise EngineBusyError(why)
+        if not self._calls:
+            me = threading.current_thread()
+            self._thread, self._name, self._daemon = threading.get_ident(), me.name, me.daemon
+        self._calls.append(call)
+        return call
 
     def leave(self) -> None:
         """A direct call of the model ends (its forward hook)."""
-        with self._lock:
-            if getattr(self._refused, "n", 0):
-                self._refused.n -= 1
-            elif self._calls and self._thread == threading.get_ident() \
-                    and self._calls[-1].direct:
-                self._calls.pop()
+        with self._lock: self._leave()  # noqa: E701 - [Note: a lock and Ctrl-C]
+
+    def _leave(self) -> None:
+        if getattr(self._refused, "n", 0):
+            self._refused.n -= 1
+        elif self._calls and self._thread == threading.get_ident() and self._calls[-1].direct:
+            self._calls.pop()
 
     def leave_to(self, call: _Call) -> None:
-        """`call` ends, and any call left inside it; on whichever thread ends it."""
-        with self._lock:
-            for i, c in enumerate(self._calls):
-                if c is call:
-                    del self._calls[i:]
-                    return
+        """`call` ends, and any call left inside it; on whichever thread ends it (a call
+        already ended: nothing)."""
+        with self._lock: self._leave_to(call)  # noqa: E701 - [Note: a lock and Ctrl-C]
+
+    def _leave_to(self, call: _Call) -> None:
+        for i, c in enumerate(self._calls):
+            if c is call:
+                del self._calls[i:]
+                return
 
     @contextlib.contextmanager
     def held(self, what: str, *, outer: bool = False, sealed: bool = False) -> Iterator[None]:
-        call = self.enter(what, outer=outer, sealed=sealed)
+        """`what` as one call ([Note: a lock and Ctrl-C]: it ends though a KeyboardInterrupt
+        lands at any one line of its end)."""
+        started: list[_Call] = []
         try:
-            yield
-        finally:
-            try:  # the engine's own Ctrl-C deferral has ended by now (it is inside)
+            try:
+                self.enter(what, outer=outer, sealed=sealed, frame=_holder_frame(),
+                           into=started)
+                yield
+            finally:
+                for call in started:
+                    self.leave_to(call)
+        finally:  # again, where a KeyboardInterrupt cut the first short
+            for call in started:
                 self.leave_to(call)
-            except KeyboardInterrupt:  # one that lands here: the call ends all the same
-                self.leave_to(call)
-                raise
 
 
 def one_call(what: str, *, outer: bool = False, sealed: bool = False) -> Callable:

@@ -9,6 +9,7 @@ engine held. Each scenario runs its second party on a real thread with a join
 timeout, and the weights are checked against plain torch AdamW."""
 
 import copy
+import sys
 import threading
 
 import pytest
@@ -16,6 +17,7 @@ import torch
 from torch import nn
 
 import offload
+from offload.engine import one_thread
 from offload.engine.one_thread import EngineBusyError, OneThread
 
 JOIN = 30  # seconds: a hang fails the test instead of the suite
@@ -318,6 +320,52 @@ def test_the_calls_of_a_thread_that_ended_inside_them_hold_nothing():
     t, got = _run(lambda: guard.enter("engine.step()", outer=True))
     t.join(JOIN)
     assert isinstance(got.get("error"), EngineBusyError), got
+
+
+def _held_by_a_function(guard):
+    with guard.held("engine.step()", outer=True, sealed=True):  # as `one_call` holds one
+        pass
+
+
+def _held_by_a_generator(guard):
+    def weights():  # as `named_weights` holds one
+        with guard.held("engine.named_weights()"):
+            yield 1
+    list(weights())
+
+
+@pytest.mark.parametrize("call", [_held_by_a_function, _held_by_a_generator])
+def test_a_keyboard_interrupt_at_any_line_of_the_calls_bookkeeping_leaves_the_engine_free(
+        call):
+    """A Ctrl-C landing in the bookkeeping of an engine call (it runs outside the
+    engine's deferral: [Note: a lock and Ctrl-C] in one_thread.py) left the call
+    recorded (every later `zero_grad()` and `close()` refused as called inside it) or
+    the lock held (the next call waited for ever). Each line in turn."""
+    fired, k = True, 0
+    while fired:
+        k, fired, lines, guard = k + 1, False, 0, OneThread()
+
+        def at_kth_line(frame, event, arg):
+            nonlocal fired, lines
+            if frame.f_code.co_filename == one_thread.__file__ and not fired \
+                    and event == "line":
+                lines += 1
+                if lines == k:
+                    fired = True
+                    raise KeyboardInterrupt
+            return at_kth_line
+
+        sys.settrace(at_kth_line)
+        try:
+            call(guard)
+        except KeyboardInterrupt:
+            assert fired
+        finally:
+            sys.settrace(None)
+        assert not guard._lock.locked(), f"the lock is held after line {k}"
+        with guard.held("engine.close()", outer=True, sealed=True):
+            pass
+    assert k > 10
 
 
 def test_a_with_block_that_raises_while_another_thread_runs_keeps_its_own_error(
