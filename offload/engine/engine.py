@@ -432,37 +432,39 @@ class OffloadEngine(ModelWeights, ModuleHooks, GradPartitions, GroupUpdates, Gat
             self._step_awaits_more = self._backwards > 0  # [Note: zero_grad in the window]
             return False
         number, error = self.global_step + 1, None
-        try:
-            with (self._interrupts.held(),  # [Note: Ctrl-C at a safe point] in interrupts.py
-                  self.recorder.span("optimizer step", cat="compute", track="compute")):
-                try:
-                    done = self._step()
-                    self._backwards = 0  # before a Ctrl-C noted in the step is raised
-                except BaseException as e:
-                    if self.global_step == number:  # it came after the commit: the step
-                        self._backwards = 0         # is applied, nothing to undo or claim
-                        raise
-                    undone = self._abort_step(e)
-                    if not isinstance(e, Exception):
-                        raise
-                    which = (f"groups {undone} rolled back" if undone else
-                             "no update had begun")
-                    raise StepFailedError(
-                        f"step {number} failed ({type(e).__name__}: {e}); {which}: every "
-                        "group is at its state before the step (parameters, master "
-                        "weights, Adam moments, step counts) and the step's gradients were "
-                        "dropped: fix the cause and run the step's micro-batches again",
-                        undone) from e
-            return done
-        except BaseException as e:
-            error = type(e.__cause__ or e).__name__
-            raise
-        finally:
-            try:  # after each step that commits, an error raised after its commit included
-                if self.global_step == number and self.lr_scheduler is not None:
-                    self.lr_scheduler.step()
+        # the step, its schedule and its report, one engine call: [Note: Ctrl-C at a safe
+        # point] in interrupts.py (a Ctrl-C in torch's scheduler left it half stepped)
+        with self._interrupts.held():
+            try:
+                with self.recorder.span("optimizer step", cat="compute", track="compute"):
+                    try:
+                        done = self._step()
+                        self._backwards = 0  # before a Ctrl-C noted in the step is raised
+                    except BaseException as e:
+                        if self.global_step == number:  # after the commit: the step is
+                            self._backwards = 0         # applied, nothing to undo or claim
+                            raise
+                        undone = self._abort_step(e)
+                        if not isinstance(e, Exception):
+                            raise
+                        which = (f"groups {undone} rolled back" if undone else
+                                 "no update had begun")
+                        raise StepFailedError(
+                            f"step {number} failed ({type(e).__name__}: {e}); {which}: "
+                            "every group is at its state before the step (parameters, "
+                            "master weights, Adam moments, step counts) and the step's "
+                            "gradients were dropped: fix the cause and run the step's "
+                            "micro-batches again", undone) from e
+                return done
+            except BaseException as e:
+                error = type(e.__cause__ or e).__name__
+                raise
             finally:
-                self._spans.step_end(number, error)  # the report's card of this step
+                try:  # after each step that commits, an error raised after its commit too
+                    if self.global_step == number and self.lr_scheduler is not None:
+                        self.lr_scheduler.step()
+                finally:
+                    self._spans.step_end(number, error)  # the report's card of this step
 
     def _step(self) -> bool:
         self.wait_for_checkpoint(raise_error=False)  # nothing changes before it has read
@@ -629,8 +631,9 @@ class OffloadEngine(ModelWeights, ModuleHooks, GradPartitions, GroupUpdates, Gat
         self.wait_for_checkpoint()  # one save at a time
         # a blocking save is one engine call: [Note: Ctrl-C at a safe point] in interrupts.py
         with self._interrupts.held() if blocking else contextlib.nullcontext():
-            self._saving = _save_checkpoint(self, path, extra, blocking=blocking)
-        self._owned.saving = self._saving  # [Note: an engine open at interpreter exit]
+            # known to the exit at once: [Note: an engine open at interpreter exit]
+            self._saving = self._owned.saving = _save_checkpoint(self, path, extra,
+                                                                 blocking=blocking)
         return self._saving
 
     def wait_for_checkpoint(self, *, raise_error: bool = True) -> None:

@@ -112,7 +112,8 @@ class SafeInterrupts:
         Ctrl-C is delivered here, at a point where nothing is half done)."""
         self._direct = False
         stale, self._pending = self._pending, []
-        if self._installed is not None:  # that direct call's: its handlers are in place
+        if self._installed is not None and any(  # that direct call's handlers, in place
+                signal.getsignal(sig) == self._handler for sig in self._installed):
             self._deliver_all([sig for sig in stale if sig != signal.SIGINT])
             return
         self._installed = {sig: h for sig in DEFERRED_SIGNALS
@@ -126,7 +127,9 @@ class SafeInterrupts:
         dropped, as before, and the program's other handlers still run). A handler
         the program replaced during the call stays as it set it."""
         installed = self._installed or {}
-        for sig, handler in installed.items():
+        # SIGINT's (installed first) back last: a Ctrl-C at a line after it raises, and
+        # leaves no handler of the engine's in place (`_install` starts afresh)
+        for sig, handler in reversed(installed.items()):
             if signal.getsignal(sig) == self._handler:
                 signal.signal(sig, handler)
         self._installed = None
@@ -234,22 +237,19 @@ def around_user_block(interrupts: SafeInterrupts, cm: ContextManager[Any]) -> It
     """`with cm:` where `cm`'s entry and exit are the engine's work (a Ctrl-C inside
     them comes at their end, as in an engine call) and the block between is the
     user's code (one there comes at once): `engine.full_weights()`."""
-    entered = False
-    try:
+    entered = exited = False  # a Ctrl-C at a line between the held parts: `cm` still
+    try:                      # exits, once, as for an error of the block's
         with interrupts.held():
             value = cm.__enter__()
             entered = True
-    except BaseException:
-        if entered:  # a Ctrl-C noted on the way in: out again (nothing written), then it
-            with interrupts.held():
-                cm.__exit__(*sys.exc_info())
-        raise
-    try:
         yield value
-    except BaseException as e:
         with interrupts.held():
-            if cm.__exit__(type(e), e, e.__traceback__):
-                return
+            exited = True
+            cm.__exit__(None, None, None)
+    except BaseException as e:
+        if entered and not exited:  # the block's error, or a Ctrl-C noted on the way in
+            with interrupts.held():  # (out again: nothing written)
+                exited = True
+                if cm.__exit__(type(e), e, e.__traceback__):
+                    return
         raise
-    with interrupts.held():
-        cm.__exit__(None, None, None)

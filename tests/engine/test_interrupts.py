@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 import offload
+from offload.engine.interrupts import SafeInterrupts
 
 OFFLOAD = str(Path(offload.__file__).parent)
 
@@ -462,3 +463,102 @@ def test_a_step_applied_before_a_handlers_error_steps_the_scheduler(engine_cfg, 
     finally:
         engine.close()
         signal.signal(signal.SIGALRM, before)
+
+
+def test_ctrl_c_at_any_line_of_the_deferrals_own_start_and_end_leaves_it_working():
+    """The deferral's own start and end run partly outside it: a Ctrl-C at a line of
+    its end after SIGINT's handler was given back (the loop over the other signals')
+    left it marked as installed, and the next engine call ran with no deferral at all.
+    Each line in turn, with a program's own SIGALRM handler deferred too; then a call
+    defers, and gives the handlers back at its end."""
+    before = signal.signal(signal.SIGALRM, lambda signum, frame: None)
+    try:
+        _each_line_of_the_deferral()
+    finally:
+        signal.signal(signal.SIGALRM, before)
+
+
+def _each_line_of_the_deferral() -> None:
+    k, fired = 0, True
+    while fired:
+        k, guard = k + 1, SafeInterrupts(on_forced=lambda where: None)
+        with _At(k, within="/engine/interrupts.py") as at:
+            try:
+                with guard.held():
+                    pass
+            except KeyboardInterrupt:
+                pass
+        fired = at.fired is not None
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler, at.fired
+        with guard.held():
+            assert signal.getsignal(signal.SIGINT) == guard._handler, at.fired
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler, at.fired
+    assert k > 10
+
+
+def test_ctrl_c_in_the_lr_schedulers_step_leaves_it_whole(engine_cfg, tmp_path):
+    """The scheduler's step that ends `engine.step()` is torch's code run for the
+    engine: a Ctrl-C at a line of it (each in turn) left `last_epoch` advanced and the
+    rate not set. It comes at the step's end, and the schedule is at the step count."""
+    cfg = engine_cfg("host", "host", "host", group_size=4200)
+    cfg["io"]["paths"] = [str(tmp_path / "swap")]
+    engine = offload.initialize(_model(), cfg, lr_scheduler=lambda opt:
+                                torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5))
+    lr = engine.optimizer.param_groups[0]["lr"]
+    k, fired = 0, True
+    try:
+        while fired:
+            k, fired, lines = k + 1, False, 0
+
+            def at_kth_line(frame, event, arg):
+                nonlocal fired, lines
+                if frame.f_code.co_filename.endswith("optim/lr_scheduler.py") \
+                        and event == "line" and not fired:
+                    lines += 1
+                    if lines == k:
+                        fired = True
+                        signal.getsignal(signal.SIGINT)(signal.SIGINT, frame)
+                return at_kth_line
+            engine.backward(engine(torch.randn(8, 64)).pow(2).mean())
+            sys.settrace(at_kth_line)
+            try:
+                engine.step()
+            except KeyboardInterrupt:
+                assert fired
+            finally:
+                sys.settrace(None)
+            assert engine.lr_scheduler.last_epoch == engine.global_step == k
+            assert engine.optimizer.param_groups[0]["lr"] == lr * 0.5 ** k
+    finally:
+        engine.close()
+    assert k > 3
+
+
+def test_ctrl_c_at_any_line_of_a_full_weights_blocks_own_work_leaves_it_whole(engine_cfg,
+                                                                               tmp_path):
+    """A writable `full_weights` block's own work runs partly outside the deferral (the
+    one-thread bookkeeping, the steps between its gathering, the user's block and its
+    write-back): a Ctrl-C at a line there left the block's stand-ins out and every
+    later block refused. Each line of the engine's code in turn: the weights are then
+    as before the block or as it left them, and the next block and a step go on."""
+    engine = _engine(engine_cfg, PLACEMENTS[0], _model(), tmp_path / "swap")
+    k, fired, kept = 0, True, None
+    try:
+        while fired:
+            k, before = k + 1, _weights(engine)
+            with _At(k, within="/engine/") as at:
+                try:
+                    with engine.full_weights(writable=True) as w:
+                        for t in w.values():
+                            t.data.add_(1.0)
+                except KeyboardInterrupt as e:
+                    kept = e  # its traceback kept, as a notebook keeps the last one's
+            fired = at.fired is not None
+            after = _weights(engine)
+            edited = {n for n in before if torch.equal(after[n], before[n] + 1.0)}
+            same = {n for n in before if torch.equal(after[n], before[n])}
+            assert edited == set(before) or same == set(before), at.fired
+        _step(engine, torch.randn(8, 64))
+    finally:
+        engine.close()
+    assert k > 10 and kept is not None
