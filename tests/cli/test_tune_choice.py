@@ -4,7 +4,6 @@ sweep's best against the written configuration."""
 
 import json
 import statistics
-import time
 
 import pytest
 
@@ -57,13 +56,18 @@ def test_rounds_interleave_and_alternate_a_pair(monkeypatch):
     order.clear()  # past the deadline: the first `min_rounds` only
     got = measure_rounds(None, cfgs, rounds=3, steps=1, warm=False, deadline=0.0)
     assert got["rounds"] == 1 and order == ["a", "b", "c", "bad"]
-    # a round starts only if, at the last round's pace, it ends by the deadline
-    monkeypatch.setattr(tune_verify, "_measure_or_error",
-                        lambda spec, config, steps: time.sleep(0.1) or {"steps_s": [0.1]})
-    t = time.perf_counter()
+    # a round starts only if, at the last round's pace, it ends by the deadline (on a
+    # clock each measurement moves 0.1 s on: a busy machine's sleeps overrun)
+    clock = [100.0]
+
+    def measure(spec, config, steps):
+        clock[0] += 0.1
+        return {"steps_s": [0.1]}
+    monkeypatch.setattr(tune_verify, "_measure_or_error", measure)
+    monkeypatch.setattr(tune_verify.time, "perf_counter", lambda: clock[0])
     got = measure_rounds(None, {"a": {}, "b": {}}, rounds=9, steps=1, warm=False,
-                         deadline=t + 0.5)
-    assert got["rounds"] == 2 and time.perf_counter() - t < 0.5
+                         deadline=100.5)
+    assert got["rounds"] == 2 and clock[0] == pytest.approx(100.4)
 
 
 def test_the_benchmark_worker_re_measures_the_sweeps_best_against_the_written_one(
