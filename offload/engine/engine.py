@@ -195,7 +195,6 @@ class OffloadEngine(ModelWeights, ModuleHooks, GradPartitions, GroupUpdates, Gat
         self._owned = Owned(self, self._updater, self._warm, store, self._switch,
                             self._one_thread)
         self._opt_bytes = [0, 0]  # optimizer-state bytes read, written (all steps)
-        self._saving: CheckpointSave | None = None  # a checkpoint written in the background
         self._save_comm: Collectives | None = None  # background saves' own group (ranks > 1)
         for st in self._states:
             if st.group.requires_grad:
@@ -462,7 +461,8 @@ class OffloadEngine(ModelWeights, ModuleHooks, GradPartitions, GroupUpdates, Gat
             finally:
                 try:  # after each step that commits, an error raised after its commit too
                     if self.global_step == number and self.lr_scheduler is not None:
-                        self.lr_scheduler.step()
+                        with self._interrupts.everywhere():  # its lr lambda's lines too
+                            self.lr_scheduler.step()
                 finally:
                     self._spans.step_end(number, error)  # the report's card of this step
 
@@ -631,10 +631,10 @@ class OffloadEngine(ModelWeights, ModuleHooks, GradPartitions, GroupUpdates, Gat
         self.wait_for_checkpoint()  # one save at a time
         # a blocking save is one engine call: [Note: Ctrl-C at a safe point] in interrupts.py
         with self._interrupts.held() if blocking else contextlib.nullcontext():
-            # known to the exit at once: [Note: an engine open at interpreter exit]
-            self._saving = self._owned.saving = _save_checkpoint(self, path, extra,
-                                                                 blocking=blocking)
-        return self._saving
+            # the save, known to the exit and to the next step at once (one slot, no code
+            # runs in between): [Note: an engine open at interpreter exit] in owned.py
+            self._owned.saving = _save_checkpoint(self, path, extra, blocking=blocking)
+        return self._owned.saving
 
     def wait_for_checkpoint(self, *, raise_error: bool = True) -> None:
         """Waits for a save in the background to end; raises its error (with
@@ -643,7 +643,7 @@ class OffloadEngine(ModelWeights, ModuleHooks, GradPartitions, GroupUpdates, Gat
         A wait cut short (Ctrl-C) leaves the save the engine's: the save still
         reads the store and the optimizer, so `close()` and the calls that change
         the state wait for it again."""
-        saving = self._saving
+        saving = self._owned.saving
         if saving is None:
             return
         t0 = time.perf_counter()
@@ -662,7 +662,7 @@ class OffloadEngine(ModelWeights, ModuleHooks, GradPartitions, GroupUpdates, Gat
             log.error("checkpoint %s failed (training goes on): %s", saving.path, e)
         finally:
             if saving.done():  # ended, with or without an error: the engine is done with it
-                self._saving = None
+                self._owned.saving = None
     # -- checkpoints -- end
 
     def close(self) -> None:

@@ -99,6 +99,7 @@ class SafeInterrupts:
         self._on_forced = on_forced
         self._depth = 0  # engine calls in progress on the main thread (`held`)
         self._direct = False  # a direct call of the model in progress, outside them
+        self._everywhere = 0  # inside `everywhere()`: every line's signals are deferred
         self._installed: dict[int, Any] | None = None  # signal -> the program's handler
         self._pending: list[int] = []  # signals noted, in the order they came
 
@@ -165,6 +166,17 @@ class SafeInterrupts:
         if self._depth == 0:
             self._uninstall(failed=False)
 
+    @contextlib.contextmanager
+    def everywhere(self) -> Iterator[None]:
+        """Inside `held`: signals landing in any code are deferred too, the program's
+        (an LR scheduler's step runs torch's code and the program's lr lambda as one
+        piece of the engine's state)."""
+        self._everywhere += 1
+        try:
+            yield
+        finally:
+            self._everywhere -= 1
+
     def direct_enter(self) -> None:
         """The model's root module starts a forward (its pre-hook); a direct call where
         no engine call is in progress."""
@@ -188,7 +200,7 @@ class SafeInterrupts:
 
     def _handler(self, signum: int, frame: FrameType | None) -> None:
         handler = (self._installed or {}).get(signum)
-        if not self._direct and not in_offload(frame):
+        if not self._direct and not self._everywhere and not in_offload(frame):
             return _deliver(signum, handler, frame)
         if signum not in self._pending:
             self._pending.append(signum)

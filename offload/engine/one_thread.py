@@ -25,12 +25,13 @@ A refused direct call's leave (torch calls forward hooks with `always_call` afte
 the pre-hook raised) is counted per thread and changes nothing. A direct call whose
 leave torch skipped (a `KeyboardInterrupt` or `SystemExit` inside the model, for
 which `always_call` hooks do not run) is recognised at the next conflict: its
-`_call_impl` frame is no longer on its thread's stack, and it is dropped; so is a
-call whose end a `KeyboardInterrupt` cut short (one landing in `held`'s `finally`,
-before the call was taken back): the frame whose `with` held it has left the stack
-(a call held from a generator stays: its frame leaves the stack at each `yield`);
-and so are the calls of a thread that has ended. A call ends on whichever thread
-ends it (a `full_weights_by_group` generator closed or collected on another thread).
+`_call_impl` frame is no longer on its thread's stack, and it is dropped (the other
+calls stay); so is a call whose end was cut short (two Ctrl-Cs in `held`'s
+`finally`, or one before the generator resumed: [Note: a lock and Ctrl-C]): the
+frame whose `with` held it has left the stack (a call held from a generator stays:
+its frame leaves the stack at each `yield`); and so are the calls of a thread that
+has ended. A call ends on whichever thread ends it (a `full_weights_by_group`
+generator closed or collected on another thread).
 
 [Note: a lock and Ctrl-C]
 A call is entered before the engine's Ctrl-C deferral starts and left after it ends
@@ -151,10 +152,7 @@ class OneThread:
         while frame is not None:
             live.add(id(frame))
             frame = frame.f_back
-        for i, call in enumerate(self._calls):
-            if call.frame is not None and id(call.frame) not in live:
-                del self._calls[i:]
-                return
+        self._calls = [c for c in self._calls if c.frame is None or id(c.frame) in live]
 
     def enter(self, what: str = "the model's forward", *, outer: bool = False,
               sealed: bool = False, direct: bool = False,

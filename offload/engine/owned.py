@@ -55,9 +55,12 @@ class Owned:
     def __init__(self, engine: Any, updater: ThreadPoolExecutor, warm: Any, store: Any,
                  switch: Any, calls: Any = None) -> None:
         self.updater, self.warm, self.store, self.switch = updater, warm, store, switch
-        self.calls = calls  # the engine's OneThread: a daemon thread's call at exit
+        # the engine's OneThread (a daemon thread's call at exit), held weakly: a call cut
+        # short holds its frame, and so the model and the engine, until it is dropped
+        self.calls = weakref.ref(calls) if calls is not None else None
         self.opt: Any = None  # set when the optimizer is attached
-        self.saving: Any = None  # the engine's last checkpoint save (its handle)
+        self.saving: Any = None  # the engine's save in the background (its handle), until
+        # a wait sees it done
         self.released = False
         # in this process only: a forked child's copy leaves the parts to the parent
         self._pid = os.getpid()
@@ -115,11 +118,12 @@ def _wait_for_saves_at_exit() -> None:
     schedule new futures after shutdown" or "the tiered store is closed" into a
     traceback at every such exit."""
     for owned in list(_OPEN):
-        if owned._pid != os.getpid() or owned.released or owned.calls is None:
+        calls = owned.calls() if owned.calls is not None else None
+        if owned._pid != os.getpid() or owned.released or calls is None:
             continue
-        owned.calls.exiting = True
+        calls.exiting = True
         end = time.monotonic() + _EXIT_WAIT_S
-        while owned.calls.daemon_busy() and time.monotonic() < end:
+        while calls.daemon_busy() and time.monotonic() < end:
             time.sleep(0.01)
     for owned in list(_OPEN):
         saving = owned.saving

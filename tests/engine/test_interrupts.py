@@ -496,14 +496,22 @@ def _each_line_of_the_deferral() -> None:
     assert k > 10
 
 
-def test_ctrl_c_in_the_lr_schedulers_step_leaves_it_whole(engine_cfg, tmp_path):
-    """The scheduler's step that ends `engine.step()` is torch's code run for the
-    engine: a Ctrl-C at a line of it (each in turn) left `last_epoch` advanced and the
-    rate not set. It comes at the step's end, and the schedule is at the step count."""
+def _halving(epoch: int) -> float:  # the program's own lr lambda, over two lines
+    factor = 0.5
+    return factor ** epoch
+
+
+@pytest.mark.parametrize("schedule", [
+    lambda opt: torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5),
+    lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, _halving)], ids=["StepLR", "LambdaLR"])
+def test_ctrl_c_in_the_lr_schedulers_step_leaves_it_whole(engine_cfg, tmp_path, schedule):
+    """The scheduler's step that ends `engine.step()` is torch's code and the program's
+    lr lambda, run for the engine: a Ctrl-C at a line of either (each in turn) left
+    `last_epoch` advanced and the rate not set. It comes at the step's end, and the
+    schedule is at the step count."""
     cfg = engine_cfg("host", "host", "host", group_size=4200)
     cfg["io"]["paths"] = [str(tmp_path / "swap")]
-    engine = offload.initialize(_model(), cfg, lr_scheduler=lambda opt:
-                                torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5))
+    engine = offload.initialize(_model(), cfg, lr_scheduler=schedule)
     lr = engine.optimizer.param_groups[0]["lr"]
     k, fired = 0, True
     try:
@@ -512,7 +520,8 @@ def test_ctrl_c_in_the_lr_schedulers_step_leaves_it_whole(engine_cfg, tmp_path):
 
             def at_kth_line(frame, event, arg):
                 nonlocal fired, lines
-                if frame.f_code.co_filename.endswith("optim/lr_scheduler.py") \
+                if (frame.f_code.co_filename.endswith("optim/lr_scheduler.py")
+                        or frame.f_code is _halving.__code__) \
                         and event == "line" and not fired:
                     lines += 1
                     if lines == k:

@@ -9,8 +9,10 @@ engine held. Each scenario runs its second party on a real thread with a join
 timeout, and the weights are checked against plain torch AdamW."""
 
 import copy
+import gc
 import sys
 import threading
+import weakref
 
 import pytest
 import torch
@@ -278,6 +280,47 @@ def test_a_keyboard_interrupt_inside_the_model_called_directly_leaves_the_engine
         hook.remove()
         _on_thread_ok(lambda: engine.state_dict())
         _step_as_torch(engine, ref, opt, x, y)
+
+
+def test_an_engine_dropped_after_a_keyboard_interrupt_in_the_model_is_collected(
+        engine_cfg):
+    """The direct call a KeyboardInterrupt cut short keeps its frame, which holds the
+    model and its engine: the engine's exit bookkeeping held that record for ever, so a
+    dropped engine's threads, memory and swap files stayed until the interpreter
+    exited."""
+    _, _, engine = _setup(engine_cfg)
+    (x, _), = _data(1)
+    model = engine.module
+
+    class Stop(nn.Module):
+        def forward(self, h):
+            raise KeyboardInterrupt
+    hook = model.gate.register_forward_pre_hook(lambda m, a: Stop()(a[0]))
+    with pytest.raises(KeyboardInterrupt), torch.no_grad():
+        model(x)
+    hook.remove()
+    with torch.no_grad():
+        model(x)
+    alive = weakref.ref(engine)
+    del engine, model
+    gc.collect()
+    assert alive() is None
+
+
+def test_a_call_cut_short_is_dropped_alone():
+    """A direct call whose end torch skipped is dropped at the next conflict, and only
+    it: the live call recorded after it was dropped too, and another thread's step ran
+    beside it."""
+    guard = OneThread()
+
+    def _call_impl():  # as torch's, whose forward hook a KeyboardInterrupt skipped
+        guard.enter("the model's forward", direct=True)
+    _call_impl()
+    with guard.held("engine(...)"):
+        t, got = _run(lambda: guard.enter("engine.step()", outer=True, sealed=True))
+        t.join(JOIN)
+        assert isinstance(got.get("error"), EngineBusyError), got
+        assert [c.what for c in guard._calls] == ["engine(...)"]
 
 
 @pytest.mark.parametrize("reentrant", [False, True])
