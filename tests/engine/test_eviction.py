@@ -69,7 +69,7 @@ def test_policy_takes_the_farthest_next_use_first_and_clean_among_equals():
 
 
 def _reads_per_step(tmp_path, depth: int) -> int:
-    """NVMe bytes read by the lightest of steps 2 to 4 (they follow the recorded plan;
+    """NVMe bytes read by the lightest of steps 2 to 8 (they follow the recorded plan;
     a step now and then reads one layer more where a prefetch comes late, on a loaded
     host more often, where the behaviour these tests pin is lost in every step):
     parameters and optimizer on NVMe, a device tier of two layers (1 MiB each),
@@ -81,7 +81,7 @@ def _reads_per_step(tmp_path, depth: int) -> int:
     torch.manual_seed(0)
     reads = []
     with offload.initialize(Stack(dim=512, layers=6), cfg) as e:
-        for _ in range(4):
+        for _ in range(8):
             before = e.store.stats().moves
             e.backward(e(torch.randn(8, 512)).square().mean())
             e.step()
