@@ -344,26 +344,17 @@ def initialize(model: nn.Module | Callable[[], nn.Module],
             gathers = GatherIssuer(comm, gather_group(comm, dp_groups))
         # store.policy "next-use": the copy the step needs last leaves first (eviction.py)
         policy = NextUsePolicy() if cfg.store.policy == "next-use" else None
-        store = None
+        store, engine = None, None
+        originals: list[tuple[Slot, nn.Parameter]] = []
         try:
             with agreement.refusals():  # a swap directory or lock refused on some ranks only
                 # swap files are named by the rank in the whole job (DP ranks repeat over TP)
                 store = TieredStore(cfg, rank=tp.mesh.world.rank if tp is not None
                                     else comm.rank, recorder=recorder, policy=policy)
             agreement.settle()
-        except BaseException:  # Ctrl-C too
-            if store is not None:
-                store.close()  # removes the files this rank made
-            if gathers is not None:
-                gathers.close()
-            raise
-        assert store is not None
-        if cfg.engine.optimizer == "nvme" and store.device.type == "cpu":
-            _report_omp_wait_policy()  # updates run beside a backward on the same cores
-        lineage = _Lineage(model)
-        engine = None
-        originals: list[tuple[Slot, nn.Parameter]] = []
-        try:
+            if cfg.engine.optimizer == "nvme" and store.device.type == "cpu":
+                _report_omp_wait_policy()  # updates run beside a backward on the same cores
+            lineage = _Lineage(model)
             engine = OffloadEngine(model, cfg, units, groups, store, comm, recorder, tp, gathers)
             # [Note: Ctrl-C at a safe point] in interrupts.py: one while the partitions
             # are placed comes before the next group, and the engine is closed
@@ -403,7 +394,6 @@ def initialize(model: nn.Module | Callable[[], nn.Module],
                 if resumed is not None:
                     resumed.restore(engine)  # counters, loss scale, hyper-parameters, RNG
                     engine.resumed_extra = dict(resumed.extra)
-                if resumed is not None:
                     warn_schedule_dropped(resumed.record, engine.optimizer,
                                           lr_scheduler is not None, resume)
                 if lr_scheduler is not None:  # [Note: the engine's scheduler] in lr_scheduler.py
@@ -424,11 +414,12 @@ def initialize(model: nn.Module | Callable[[], nn.Module],
                 if comm.world > 1:  # [Note: generation on several ranks] in model_weights.py
                     for m in model.modules():
                         m.__dict__["_is_fsdp_managed_module"] = True
-        except BaseException:
+        except BaseException:  # Ctrl-C too
             if engine is not None:
                 engine.close()  # removes its hooks and closes the store
             else:
-                store.close()
+                if store is not None:
+                    store.close()  # removes the files this rank made
                 if gathers is not None:
                     gathers.close()
             _put_back(originals)

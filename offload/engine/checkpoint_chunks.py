@@ -154,7 +154,7 @@ def read_index(path: str, slots: int) -> list[tuple[int, int]]:
     except FileNotFoundError:
         raise ChunkFileError(path, "is missing") from None
     except OSError as e:
-        raise ChunkFileError(path, f"cannot be opened ({e.strerror})", cause=e) from e
+        raise ChunkFileError(path, f"cannot be opened ({e.strerror})") from e
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
@@ -166,7 +166,7 @@ def read_index(path: str, slots: int) -> list[tuple[int, int]]:
                                  f"chunk slots ({n} bytes)")
         raw = os.pread(fd, n, size - n)
     except OSError as e:
-        raise ChunkFileError(path, f"cannot be read ({e.strerror})", cause=e) from e
+        raise ChunkFileError(path, f"cannot be read ({e.strerror})") from e
     finally:
         os.close(fd)
     if len(raw) != n:  # the file shrank under us
@@ -221,12 +221,15 @@ class ChunkFileError(RuntimeError):
     fails its checksum; `path` names the file, `why` says what is wrong, `index` is
     the chunk's place in the read."""
 
-    def __init__(self, path: str, why: str, index: int = -1,
-                 cause: OSError | None = None) -> None:
+    def __init__(self, path: str, why: str, index: int = -1) -> None:
         super().__init__(f"{path}: {why}")
         self.path, self.why, self.index = path, why, index
-        # the file may be intact: this process may not read it
-        self.denied = cause if isinstance(cause, PermissionError) else None
+
+    @property
+    def denied(self) -> PermissionError | None:
+        """The error raised from, where this process may not read the file (which may
+        be intact)."""
+        return self.__cause__ if isinstance(self.__cause__, PermissionError) else None
 
 
 def syncfs(path: Path) -> bool:
@@ -560,7 +563,7 @@ class ChunkFiles:
         except FileNotFoundError:
             raise ChunkFileError(path, "is missing", i) from None
         except OSError as e:
-            raise ChunkFileError(path, f"cannot be opened ({e.strerror})", i, e) from e
+            raise ChunkFileError(path, f"cannot be opened ({e.strerror})", i) from e
         direct = self._direct(dest, offset, nbytes)
         # direct: the whole blocks into `dest`, the rest (the checksum and the bytes
         # of the last partial block) into a small buffer; else the chunk from the

@@ -101,7 +101,7 @@ class RankOrder:
         instead of pairing its all-gathers with the other's forward and waiting for
         the process group's timeout."""
         if self.enabled:
-            self._check(-1.0 - gid, READ_FIX)
+            self._check(-1.0 - gid)
 
     def failed(self) -> None:
         """[Note: a rank whose model raised] This rank's forward or backward raised in
@@ -134,24 +134,24 @@ class RankOrder:
         mine[self._comm.rank] = float(h)
         return self._comm.sum_scalars(mine)
 
-    def _check(self, h: float, fix: str | None = None) -> None:
+    def _check(self, h: float) -> None:
         """Raises RankOrderError on every rank if the ranks do not all contribute `h`."""
-        got, what = self._points(h), self._describe(h)
+        got = self._points(h)
         failed = [str(r) for r, x in enumerate(got) if x == FAILED]
         if failed:
             raise RankOrderError(
                 f"rank {', '.join(failed)} raised in its model's forward or backward (its "
-                f"own error says why) while rank {self._comm.rank} ran {what}; this rank's "
-                "pass stops with it and the step is left as it was: go on with the next "
+                f"own error says why) while rank {self._comm.rank} ran {self._describe(h)}; "
+                "this rank's pass stops with it and the step is left as it was: go on with the next "
                 "batch on every rank (or stop every rank)")
         if any(x != h for x in got):
             others = "; ".join(f"rank {r} runs {self._describe(x)}"
                                for r, x in enumerate(got) if x != h)
-            if any(x < 0 and x != BACKWARD for x in got):  # a rank reads the whole weights
-                fix = READ_FIX
+            # a rank reads the whole weights (this one included, for a read's check)
+            fix = READ_FIX if any(x < 0 and x != BACKWARD for x in got) else None
             raise RankOrderError(
-                f"rank {self._comm.rank} runs {what} while another rank runs something else "
-                f"at this point of the step ({others}: another module, a skipped backward, "
+                f"rank {self._comm.rank} runs {self._describe(h)} while another rank runs "
+                f"something else at this point of the step ({others}: another module, a skipped backward, "
                 "or a collective such as state_dict() that every rank must call): " + (fix or
                 "every rank must run the same modules in the same "
                 "order each step, forward and backward (as under DDP), so that their "

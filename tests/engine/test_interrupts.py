@@ -27,14 +27,15 @@ class _At:
     """At the `nth` line event of offload's code in this thread (None: counts them), or
     at the start of the first function whose code `where(code)` accepts: `times`
     SIGINTs (the installed handler called with that line's frame), or raises `error`
-    there instead."""
+    there instead. `counts(code)`: the code whose lines count, offload's or not
+    (default: offload's under `within`)."""
 
     def __init__(self, nth: int | None = None, where=None, times: int = 1,
                  error: type[BaseException] | None = None, within: str = "",
-                 sig: int = signal.SIGINT) -> None:
+                 sig: int = signal.SIGINT, counts=None) -> None:
         self.nth, self.where, self.times, self.error = nth, where, times, error
         self.sig = sig
-        self.within = OFFLOAD + within  # counts the lines of this part of offload only
+        self.counts = counts or (lambda code: code.co_filename.startswith(OFFLOAD + within))
         self.lines, self.fired = 0, None
 
     def __enter__(self) -> "_At":
@@ -45,7 +46,8 @@ class _At:
         sys.settrace(None)
 
     def _call(self, frame, event, arg):
-        if not frame.f_code.co_filename.startswith(OFFLOAD) or self.fired is not None:
+        if self.fired is not None or not (frame.f_code.co_filename.startswith(OFFLOAD)
+                                          or self.counts(frame.f_code)):
             return None
         if self.where is not None and self.where(frame.f_code):
             self._fire(frame)
@@ -54,7 +56,7 @@ class _At:
     def _line(self, frame, event, arg):
         if event != "line" or self.fired is not None:
             return None
-        if not frame.f_code.co_filename.startswith(self.within):
+        if not self.counts(frame.f_code):
             return self._line
         self.lines += 1
         if self.nth is not None and self.lines >= self.nth:
@@ -516,26 +518,15 @@ def test_ctrl_c_in_the_lr_schedulers_step_leaves_it_whole(engine_cfg, tmp_path, 
     k, fired = 0, True
     try:
         while fired:
-            k, fired, lines = k + 1, False, 0
-
-            def at_kth_line(frame, event, arg):
-                nonlocal fired, lines
-                if (frame.f_code.co_filename.endswith("optim/lr_scheduler.py")
-                        or frame.f_code is _halving.__code__) \
-                        and event == "line" and not fired:
-                    lines += 1
-                    if lines == k:
-                        fired = True
-                        signal.getsignal(signal.SIGINT)(signal.SIGINT, frame)
-                return at_kth_line
+            k += 1
             engine.backward(engine(torch.randn(8, 64)).pow(2).mean())
-            sys.settrace(at_kth_line)
-            try:
-                engine.step()
-            except KeyboardInterrupt:
-                assert fired
-            finally:
-                sys.settrace(None)
+            with _At(k, counts=lambda code: code.co_filename.endswith("optim/lr_scheduler.py")
+                     or code is _halving.__code__) as at:
+                try:
+                    engine.step()
+                except KeyboardInterrupt:
+                    assert at.fired
+            fired = at.fired is not None
             assert engine.lr_scheduler.last_epoch == engine.global_step == k
             assert engine.optimizer.param_groups[0]["lr"] == lr * 0.5 ** k
     finally:

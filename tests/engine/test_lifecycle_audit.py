@@ -10,7 +10,6 @@ timeout, and the weights are checked against plain torch AdamW."""
 
 import copy
 import gc
-import sys
 import threading
 import weakref
 
@@ -19,7 +18,6 @@ import torch
 from torch import nn
 
 import offload
-from offload.engine import one_thread
 from offload.engine.one_thread import EngineBusyError, OneThread
 
 JOIN = 30  # seconds: a hang fails the test instead of the suite
@@ -384,27 +382,16 @@ def test_a_keyboard_interrupt_at_any_line_of_the_calls_bookkeeping_leaves_the_en
     engine's deferral: [Note: a lock and Ctrl-C] in one_thread.py) left the call
     recorded (every later `zero_grad()` and `close()` refused as called inside it) or
     the lock held (the next call waited for ever). Each line in turn."""
+    from .test_interrupts import _At
     fired, k = True, 0
     while fired:
-        k, fired, lines, guard = k + 1, False, 0, OneThread()
-
-        def at_kth_line(frame, event, arg):
-            nonlocal fired, lines
-            if frame.f_code.co_filename == one_thread.__file__ and not fired \
-                    and event == "line":
-                lines += 1
-                if lines == k:
-                    fired = True
-                    raise KeyboardInterrupt
-            return at_kth_line
-
-        sys.settrace(at_kth_line)
-        try:
-            call(guard)
-        except KeyboardInterrupt:
-            assert fired
-        finally:
-            sys.settrace(None)
+        k, guard = k + 1, OneThread()
+        with _At(k, within="/engine/one_thread.py", error=KeyboardInterrupt) as at:
+            try:
+                call(guard)
+            except KeyboardInterrupt:
+                assert at.fired
+        fired = at.fired is not None
         assert not guard._lock.locked(), f"the lock is held after line {k}"
         with guard.held("engine.close()", outer=True, sealed=True):
             pass
