@@ -142,8 +142,8 @@ class RankOrder:
             raise RankOrderError(
                 f"rank {', '.join(failed)} raised in its model's forward or backward (its "
                 f"own error says why) while rank {self._comm.rank} ran {self._describe(h)}; "
-                "this rank's pass stops with it and the step is left as it was: go on with the next "
-                "batch on every rank (or stop every rank)")
+                "this rank's pass stops with it and the step is left as it was: go on with "
+                "the next batch on every rank (or stop every rank)")
         if any(x != h for x in got):
             others = "; ".join(f"rank {r} runs {self._describe(x)}"
                                for r, x in enumerate(got) if x != h)
@@ -151,8 +151,8 @@ class RankOrder:
             fix = READ_FIX if any(x < 0 and x != BACKWARD for x in got) else None
             raise RankOrderError(
                 f"rank {self._comm.rank} runs {self._describe(h)} while another rank runs "
-                f"something else at this point of the step ({others}: another module, a skipped backward, "
-                "or a collective such as state_dict() that every rank must call): " + (fix or
+                f"something else at this point of the step ({others}: another module, a "
+                "skipped backward, or a collective such as state_dict() that every rank must call): " + (fix or
                 "every rank must run the same modules in the same "
                 "order each step, forward and backward (as under DDP), so that their "
                 "all-gathers and reductions pair up. Run every module on every rank, and "
