@@ -152,8 +152,8 @@ class RankOrder:
             raise RankOrderError(
                 f"rank {self._comm.rank} runs {self._describe(h)} while another rank runs "
                 f"something else at this point of the step ({others}: another module, a "
-                "skipped backward, or a collective such as state_dict() that every rank must call): " + (fix or
-                "every rank must run the same modules in the same "
+                "skipped backward, or a collective such as state_dict() that every rank must "
+                "call): " + (fix or "every rank must run the same modules in the same "
                 "order each step, forward and backward (as under DDP), so that their "
                 "all-gathers and reductions pair up. Run every module on every rank, and "
                 "let every rank's loss depend on the same modules (e.g. add an unused "
