@@ -25,7 +25,26 @@ import torch.distributed as dist
 
 from ..trace import NULL_RECORDER, AsyncToken, TraceRecorder
 
-__all__ = ["Collectives", "Pending", "RankFailedError"]
+__all__ = ["Collectives", "Pending", "RankFailedError", "backend_for", "device_backend"]
+
+
+def device_backend(group: object | None = None) -> str:
+    """The backend that carries this process's device tensors over `group`: "nccl"
+    where CUDA is here and the group sends CUDA tensors over NCCL (a plain "nccl"
+    group, or one made with a per-device config such as "cpu:gloo,cuda:nccl"), else
+    the group's backend ("gloo"). The collectives pick NCCL's own calls (a
+    reduce-scatter, CUDA-side scalars) only where this is "nccl"."""
+    return backend_for(str(dist.get_backend(group)), str(dist.get_backend_config(group)),
+                       torch.cuda.is_available())
+
+
+def backend_for(backend: str, config: str, cuda: bool) -> str:
+    """`device_backend` from a group's backend name, its per-device config
+    ("cpu:gloo,cuda:nccl"; "cuda:nccl" for a plain NCCL group) and whether CUDA is here."""
+    served = dict(part.split(":", 1) for part in config.split(",") if ":" in part)
+    if cuda and served.get("cuda") == "nccl":
+        return "nccl"
+    return served.get("cpu", backend)
 
 
 class RankFailedError(RuntimeError):
@@ -67,7 +86,7 @@ class Collectives:
         self.group = group
         self.rank = dist.get_rank(group) if self.distributed else 0
         self.world = dist.get_world_size(group) if self.distributed else 1
-        self.backend = dist.get_backend(group) if self.distributed else "none"
+        self.backend = device_backend(group) if self.distributed else "none"
 
     def destroy(self) -> None:
         """Frees this process's part of `group`, a group the caller made for its own use

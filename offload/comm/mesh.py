@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from ..trace import NULL_RECORDER, TraceRecorder
-from .collectives import Collectives
+from .collectives import Collectives, device_backend
 
 __all__ = ["ParallelMesh"]
 
@@ -44,7 +44,7 @@ class ParallelMesh:
             raise ValueError(f"tp.size = {tp_size} does not divide the {world} ranks of the "
                              "job; use a divisor of the world size")
         from torch.distributed.device_mesh import init_device_mesh
-        device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        device = "cuda" if device_backend() == "nccl" else "cpu"
         mesh = init_device_mesh(device, (world // tp_size, tp_size), mesh_dim_names=("dp", "tp"))
         return cls(dp=Collectives(mesh.get_group("dp"), recorder=recorder, name="dp"),
                    tp=Collectives(mesh.get_group("tp"), recorder=recorder, name="tp"),

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..comm import Collectives, GatherIssuer
+from ..comm.collectives import device_backend
 from ..comm.gather_thread import gather_group
 from ..config import ConfigError, OffloadConfig, load_config
 from ..io import hugepages
@@ -461,7 +462,7 @@ def _refuse_gather_thread_on_nccl(cfg: OffloadConfig) -> None:
     """comm.gather_thread is for gloo: NCCL's collectives are asynchronous already, and
     two NCCL communicators driven from two threads can deadlock."""
     if (cfg.comm.gather_thread and dist.is_available() and dist.is_initialized()
-            and dist.get_world_size() > 1 and "nccl" in str(dist.get_backend_config())):
+            and dist.get_world_size() > 1 and device_backend() == "nccl"):
         raise ConfigError("comm.gather_thread is for gloo: NCCL's collectives are "
                           "asynchronous already, and two communicators driven from two "
                           "threads can deadlock under NCCL; set comm.gather_thread = false")

@@ -23,13 +23,18 @@ was not in the way.
 [Note: copy streams]
 On CUDA, HOST->DEVICE copies run on one dedicated stream and DEVICE->HOST
 copies on another, so a prefetch, a write-back and the compute stream overlap
-each other. A copy first waits for the stream the caller computes on (the
-current stream of the thread that issues the copy), so it sees the caller's
-writes to the source and the allocation of its destination; it then records an
-event, and the store's completion thread waits for that event before it marks
-the destination valid or frees the source. A device buffer travels with the
-event of the stream it was allocated on (`DeviceBuffer`), so a copy started
-later from another thread still waits for that allocation. Device buffers are
+each other. A copy waits for the event its device buffer travels with
+(`DeviceBuffer`: recorded on the stream it was allocated on), so a copy started
+later from another thread still waits for that allocation. A DEVICE->HOST copy
+also waits for the stream the caller computes on (the current stream of the
+thread that issues it), so it sees the compute's writes to its source; a
+HOST->DEVICE copy does not: its source is host memory, written by the CPU or
+by a copy the store has finished, and its destination is a fresh buffer, so
+waiting for all the compute queued so far would only hold a prefetch back
+behind kernels it does not touch (issued from the store's completion thread,
+whose current stream is the default one, it would wait for the whole queue).
+Each copy then records an event, and the store's completion thread waits for
+that event before it marks the destination valid or frees the source. Device buffers are
 allocated on the caller's current stream: compute that uses a DEVICE view
 should run on that stream (or order itself after it).
 """
@@ -147,20 +152,24 @@ class DeviceTier:
 
     def copy_h2d(self, src: HostBuffer, dst: DeviceBuffer, nbytes: int) -> torch.cuda.Event:
         """Starts the copy of `nbytes` host bytes to `dst` on the H2D stream; returns its event."""
-        return self._copy(self._h2d, dst.tensor, src.tensor, nbytes, dst.ready)
+        return self._copy(self._h2d, dst.tensor, src.tensor, nbytes, dst.ready,
+                          after_compute=False)
 
     def copy_d2h(self, src: DeviceBuffer, dst: HostBuffer, nbytes: int) -> torch.cuda.Event:
         """Starts the copy of `nbytes` device bytes to `dst` on the D2H stream; returns its
         event."""
-        return self._copy(self._d2h, dst.tensor, src.tensor, nbytes, src.ready)
+        return self._copy(self._d2h, dst.tensor, src.tensor, nbytes, src.ready,
+                          after_compute=True)
 
     def _copy(self, stream: torch.cuda.Stream, dst: torch.Tensor, src: torch.Tensor,
-              nbytes: int, ready: torch.cuda.Event) -> torch.cuda.Event:
+              nbytes: int, ready: torch.cuda.Event, *, after_compute: bool
+              ) -> torch.cuda.Event:
         n = footprint(nbytes)
         # on this device: a stream context entered on a thread still on GPU 0 would put
         # GPU 0's stream back at its exit, making a context there ([Note: a GPU per rank])
         with torch.cuda.device(self.device):
-            stream.wait_stream(torch.cuda.current_stream(self.device))
+            if after_compute:  # [Note: copy streams]
+                stream.wait_stream(torch.cuda.current_stream(self.device))
             stream.wait_event(ready)
             with torch.cuda.stream(stream):
                 dst[:n].copy_(src[:n], non_blocking=True)

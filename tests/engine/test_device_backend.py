@@ -1,0 +1,30 @@
+"""Which backend carries the engine's tensors: NCCL's own calls only where NCCL
+serves CUDA tensors and CUDA is here, whether the group was made with "nccl" or a
+per-device config ("cpu:gloo,cuda:nccl")."""
+
+import pytest
+import torch.distributed as dist
+
+from offload.comm.collectives import backend_for, device_backend
+
+
+@pytest.mark.parametrize("backend, config, cuda, expected", [
+    ("nccl", "cuda:nccl", True, "nccl"),
+    ("cpu:gloo,cuda:nccl", "cpu:gloo,cuda:nccl", True, "nccl"),
+    ("cpu:gloo,cuda:nccl", "cpu:gloo,cuda:nccl", False, "gloo"),
+    ("gloo", "cpu:gloo,cuda:gloo", True, "gloo"),
+    ("gloo", "cpu:gloo,cuda:gloo", False, "gloo"),
+    ("cpu:gloo", "cpu:gloo", True, "gloo"),
+    ("mpi", "cpu:mpi,cuda:mpi", True, "mpi"),
+])
+def test_backend_for(backend, config, cuda, expected):
+    assert backend_for(backend, config, cuda) == expected
+
+
+def test_a_gloo_group_is_gloo(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}",
+                            rank=0, world_size=1)
+    try:
+        assert device_backend() == "gloo"
+    finally:
+        dist.destroy_process_group()
