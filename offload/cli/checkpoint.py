@@ -150,7 +150,7 @@ def export_safetensors(reader: CheckpointReader, out: str | os.PathLike, *,
     import torch
 
     from ..engine.safetensors_writer import TensorSpec, write_shards
-    from ..engine.training_checkpoint import TORCH_DTYPES
+    from ..engine.checkpoint_layout import TORCH_DTYPES
 
     def kind_and_dtype(t: dict) -> tuple[str, str]:
         if dtype == "saved":

@@ -21,9 +21,9 @@ from .checkpoint_chunks import MISSING, CRC_BYTES, ChunkFileError, ChunkFiles, c
 from .checkpoint_publish import is_committed
 from .checkpoint_files import (CheckpointCorruptError, CheckpointError, _read_json,
                                not_permitted, set_rng_state)
-from .training_checkpoint import (_DTYPE_NAMES, CHECKED, FORMAT, PARTIAL, RECORD, TORCH_DTYPES,
-                                  _context, _max_chunk_bytes, _rank_range, _spec, _stored_shape,
-                                  _ts)
+from .checkpoint_layout import (_DTYPE_NAMES, CHECKED, TORCH_DTYPES, _context, _rank_range, _spec,
+                                _stored_shape, _ts)
+from .training_checkpoint import FORMAT, PARTIAL, RECORD, _max_chunk_bytes
 from .units import Group, Slot
 
 __all__ = ["CheckpointReader"]

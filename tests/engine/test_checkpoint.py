@@ -15,7 +15,8 @@ from torch import nn
 
 import offload
 from offload.engine.checkpoint_chunks import ChunkFiles
-from offload.engine.training_checkpoint import RECORD, flat_boxes
+from offload.engine.checkpoint_layout import flat_boxes
+from offload.engine.training_checkpoint import RECORD
 from offload.trace import TraceRecorder
 
 from .models import TiedTwice, lm_batches, lm_loss, lm_train

@@ -195,7 +195,7 @@ def test_damage_one_rank_finds_fails_the_resume_on_every_rank(tmp_path, engine_c
     """Each rank reads its own chunks: one that fails its checksum on rank 1 only must
     fail the resume on rank 0 too, or rank 0 trains on from this checkpoint while
     rank 1 stops, or, following its error's advice, resumes from another one."""
-    from offload.engine.training_checkpoint import _rank_range
+    from offload.engine.checkpoint_layout import _rank_range
     from offload.engine.units import build_units
     _units, groups = build_units(WideTied(), 3000, 2)
     slot = {s.fqn: (g, s) for g in groups for s in g.slots}["l1.bias"]

@@ -15,7 +15,7 @@ import tensorstore as ts
 import torch
 
 import offload
-import offload.engine.training_checkpoint as tc
+import offload.engine.checkpoint_layout as layout
 from offload.engine.checkpoint_chunks import CRC_BYTES
 
 from .models import TiedTwice, lm_batches, lm_train
@@ -36,7 +36,7 @@ def _state(engine):
 def small_chunks(monkeypatch):
     """Chunks of 1000 elements: emb.weight (64 x 32) is 3 chunks of 31 rows, the last
     of them 2 rows of data and 29 of zeros."""
-    monkeypatch.setattr(tc, "CHUNK_ELEMS", 1000)
+    monkeypatch.setattr(layout, "CHUNK_ELEMS", 1000)
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
@@ -171,7 +171,7 @@ def test_shards_tensorstore_wrote_are_read(tmp_path):
     """tensorstore packs a shard's chunks back to back (off the block boundaries) and
     its index says where: ChunkFiles reads each from the block it begins in, checked."""
     from offload.engine.checkpoint_chunks import ChunkFiles, chunk_key, read_index
-    spec = tc._spec(tmp_path, "exp_avg", "w", (70, 32), "float32")
+    spec = layout._spec(tmp_path, "exp_avg", "w", (70, 32), "float32")
     spec["metadata"]["codecs"][0]["configuration"]["chunk_shape"] = [10, 32]
     spec["metadata"]["chunk_grid"]["configuration"]["chunk_shape"] = [40, 32]
     want = np.arange(70 * 32, dtype=np.float32).reshape(70, 32)

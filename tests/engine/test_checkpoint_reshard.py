@@ -13,7 +13,7 @@ import torch
 
 import offload
 
-import offload.engine.training_checkpoint as tc
+import offload.engine.checkpoint_layout as layout
 
 from .models import lm_batches, lm_train
 from .test_checkpoint import Dropped, schedule
@@ -42,7 +42,7 @@ def _worker(rank, world, init_file, cfg, resume, save, out):
         batches = lm_batches(BATCHES)
         torch.manual_seed(0)
         if resume is None:  # steps 1-3 on two ranks, then save (and train on)
-            tc.CHUNK_ELEMS = 1000  # 15 rows of emb.weight: the ranks meet inside a chunk
+            layout.CHUNK_ELEMS = 1000  # 15 rows of emb.weight: the ranks meet inside a chunk
             with offload.initialize(Wide(), cfg, lr_lambda=schedule) as e:
                 lm_train(e, batches[:3])
                 # in the background, while the next step's collectives run
