@@ -227,21 +227,23 @@ class Collectives:
         if self.world > 1:
             dist.barrier(group=self.group)
 
-    def agree(self, error: BaseException | None, what: str) -> None:
+    def agree(self, error: BaseException | None, what: str, flag: bool = False) -> int:
         """[Note: ranks agree] Where each rank runs its part of `what` (a step's updates,
         a checkpoint's writes) and a failure on one must stop every rank before any
         commits, each calls this once at the same point with its outcome, in place
         of a barrier: it raises `error` on the rank that failed (after telling the
         others), and RankFailedError on the others; returns where every rank got
-        this far without one. (A rank that never gets here, e.g. killed, leaves the
-        others waiting for the process group's timeout.)"""
-        (failed,) = self.sum_scalars([0.0 if error is None else 1.0])
+        this far without one, with how many ranks passed `flag` (a yes-or-no each
+        rank decided alone, counted in the same sum). (A rank that never gets here,
+        e.g. killed, leaves the others waiting for the process group's timeout.)"""
+        failed, flagged = self.sum_scalars([0.0 if error is None else 1.0, float(flag)])
         if error is not None:
             raise error
         if failed:
             raise RankFailedError(f"{what}: {int(failed)} other rank(s) of {self.world} failed "
                                   "(their error says why); this rank's part was undone with "
                                   "theirs")
+        return int(flagged)
 
     @contextlib.contextmanager
     def together(self, what: str) -> Iterator[None]:

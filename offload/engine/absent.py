@@ -71,13 +71,15 @@ class AbsentWeight(torch.Tensor):
 
     message: str
     is_grad: bool  # a gradient's stand-in: its message names the fix for the whole call
+    param_name: str  # the parameter's
 
     @staticmethod
     def __new__(cls, shape: torch.Size, dtype: torch.dtype, device: torch.device,
-                message: str, is_grad: bool = False) -> "AbsentWeight":
+                message: str, is_grad: bool = False, name: str = "") -> "AbsentWeight":
         t = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=device)
         t.message = message
         t.is_grad = is_grad
+        t.param_name = name
         return t
 
     __torch_function__ = torch._C._disabled_torch_function_impl
@@ -87,11 +89,33 @@ class AbsentWeight(torch.Tensor):
                            kwargs: dict | None = None) -> Any:
         if func is torch.ops.aten.detach.default:  # nn.Parameter(stand-in), state_dict
             src = args[0]
-            return AbsentWeight(src.shape, src.dtype, src.device, src.message, src.is_grad)
+            return AbsentWeight(src.shape, src.dtype, src.device, src.message, src.is_grad,
+                                src.param_name)
         absent = [a for a in tree_leaves((args, kwargs or {})) if isinstance(a, AbsentWeight)]
         if absent:  # an optimizer's update of a parameter by its gradient: the gradient's
             raise RuntimeError(max(absent, key=lambda a: a.is_grad).message)
         raise RuntimeError(f"{func} got an absent weight")
+
+    # `p.data = t` swaps a tensor's data in C, past __torch_dispatch__: taken, it changed
+    # nothing the engine holds (and one of another shape changed the stand-in's shape)
+    @property
+    def data(self) -> torch.Tensor:
+        return torch._C.TensorBase.data.__get__(self)
+
+    @data.setter
+    def data(self, value: Any) -> None:
+        if value is self:
+            return  # a cast that changes nothing (`.to` of the same dtype) puts it back
+        name = self.param_name
+        if self.is_grad or self.message == closed_message(name):
+            raise RuntimeError(f"setting .data of {'the .grad of ' * self.is_grad}parameter "
+                               f"{name!r} would change nothing the engine trains: "
+                               f"{self.message}")
+        raise RuntimeError(f"setting .data of parameter {name!r} would change nothing "
+                           "the engine trains: its weights are in the engine's partitions, "
+                           "not in this tensor. Change them inside `with "
+                           "engine.full_weights(writable=True) as w:` (w[name].copy_(...)) "
+                           "or load them with engine.load_state_dict(...)")
 
     # conversions and storage reads that torch does not dispatch (safetensors and
     # transformers' save_pretrained read data pointers)

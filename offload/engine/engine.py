@@ -73,7 +73,7 @@ from .nested_grads import NestedGrads
 from .model_weights import ModelWeights
 from .one_thread import EngineBusyError, OneThread, one_call
 from .owned import Owned
-from .params_view import RegisteredParams
+from .params_view import RegisteredParams, unevenly_dropped
 from .rank_order import RankOrder, RankOrderError, raised_by_the_model
 from .step import StagedParams, StepFailedError, uninterrupted
 from .tensor_parallel import TensorParallel
@@ -322,16 +322,20 @@ class OffloadEngine(ModelWeights, ModuleHooks, GradPartitions, GroupUpdates, Gat
 
     def _backward(self, loss: torch.Tensor) -> None:
         self._spans.step_begin()  # the model may have been called without the engine
-        self._step_awaits_more = False
+        awaited, self._step_awaits_more = self._step_awaits_more, False
         try:  # what trains is fixed at initialize
             self.registered.check_trainable(self.module)
             refused = None
         except RuntimeError as e:
             refused = e
+        # [Note: a .grad the program dropped] in params_view.py
+        dropped, error = self.registered.dropped_grads()
+        refused = refused or error
         try:
             self._rank_order.check_backward()  # [Note: ranks run the same units]
             # [Note: freezing after initialize]; every rank learns whether one refused
-            self.registered.check_frozen_agree(self.comm, refused is not None)
+            dropped = self.registered.check_frozen_agree(self.comm, refused is not None,
+                                                         dropped)
             if refused is not None:
                 raise refused
         except BaseException as e:
@@ -342,6 +346,12 @@ class OffloadEngine(ModelWeights, ModuleHooks, GradPartitions, GroupUpdates, Gat
             if isinstance(e, RankOrderError):  # another rank's pass failed: this rank's
                 self._abandon_window("another rank's failure stopped a backward")  # too
             raise
+        if dropped:  # the micro-batches before this one are dropped: it starts the step
+            self._step_awaits_more = awaited
+            self._warn_window_drop("model.zero_grad()")
+            self._abort_step()
+            self._spans.step_drop()
+            self._spans.step_begin()
         if self._backwards >= self.cfg.engine.grad_accum_steps:
             raise RuntimeError(f"backward: {self._backwards} backward call(s) since the last "
                                "step(), and engine.grad_accum_steps is "
@@ -470,10 +480,20 @@ class OffloadEngine(ModelWeights, ModuleHooks, GradPartitions, GroupUpdates, Gat
         self.wait_for_checkpoint(raise_error=False)  # nothing changes before it has read
         self.trace.finish()
         early, self._early = self._early, []
-        errors = [self._hyper_watch.step_begins(self.optimizer, bool(early))]
+        # [Note: a .grad the program dropped] in params_view.py
+        dropped, error = self.registered.dropped_grads()
+        changed = self._hyper_watch.step_begins(self.optimizer, bool(early))
+        errors = [error, None if dropped else changed]  # undone with the step
         errors += [f.exception() for f in early]  # waits for every one of them
         # [Note: ranks agree] in collectives.py: before the step's first collective
-        self.comm.agree(next((e for e in errors if e is not None), None), "step()")
+        dropping = self.comm.agree(next((e for e in errors if e is not None), None), "step()",
+                                   flag=dropped)
+        if dropping:  # as engine.zero_grad() before this step: it changes nothing
+            if dropping < self.comm.world:
+                raise RuntimeError(unevenly_dropped(dropping, self.comm.world))
+            self._abort_step()
+            self._spans.step_drop()  # no card: the next micro-batch starts the step
+            return False
         gids = [g for g in sorted(self._has_grad) if ("g", g) in self.store]
         scale = self._grad_divisor
         norm, found_inf = self._grad_norm(gids, scale)
@@ -595,16 +615,7 @@ class OffloadEngine(ModelWeights, ModuleHooks, GradPartitions, GroupUpdates, Gat
         `set_to_none=False` a parameter that gets no gradient in a later step is
         left alone, where torch's AdamW would decay it (a warning says so, once)."""
         self._check_open()
-        if self._step_awaits_more and self._backwards and not self._warned_window_drop:
-            self._warned_window_drop = True  # [Note: zero_grad in the window]
-            log.warning(
-                "engine.zero_grad() after a step() that waited for more micro-batches (%d of "
-                "grad_accum_steps=%d ran) dropped their gradients: the step starts over, and "
-                "a loop that calls zero_grad() after every micro-batch never updates. step() "
-                "clears the gradients itself when it updates: leave zero_grad() out of the "
-                "loop, or call it only after a step() that returned True",
-                self._backwards, self.cfg.engine.grad_accum_steps)
-        self._step_awaits_more = False
+        self._warn_window_drop("engine.zero_grad()")
         if not set_to_none and not self._warned_zero_fill:
             self._warned_zero_fill = True
             log.warning("engine.zero_grad(set_to_none=False): the engine keeps no zero-filled "
@@ -615,6 +626,20 @@ class OffloadEngine(ModelWeights, ModuleHooks, GradPartitions, GroupUpdates, Gat
             if self._backwards:
                 self._spans.step_drop()  # the next micro-batch starts the step again
             self._abort_step()
+
+    def _warn_window_drop(self, how: str) -> None:
+        """[Note: zero_grad in the window] Says so, once, where `how` drops the gradients
+        right after a step() that waited for more micro-batches."""
+        if self._step_awaits_more and self._backwards and not self._warned_window_drop:
+            self._warned_window_drop = True
+            log.warning(
+                "%s after a step() that waited for more micro-batches (%d of "
+                "grad_accum_steps=%d ran) dropped their gradients: the step starts over, and "
+                "a loop that does so after every micro-batch never updates. step() "
+                "clears the gradients itself when it updates: leave %s out of the "
+                "loop, or call it only after a step() that returned True",
+                how, self._backwards, self.cfg.engine.grad_accum_steps, how)
+        self._step_awaits_more = False
 
     # -- checkpoints (docs/checkpoints.md) -- begin
     @one_call("engine.save_checkpoint()", outer=True, sealed=True)  # [Note: one thread at a time]

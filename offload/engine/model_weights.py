@@ -24,6 +24,7 @@ from torch.nn.modules.module import _IncompatibleKeys
 
 from ..config import format_bytes, parse_bytes
 from ..io.process import available_memory, memory_limit_note
+from .absent import AbsentWeight
 from .full_weights import groups_of, read_group, slot_tensors, summoned, write_group
 from .interrupts import around_user_block, guarded
 from .one_thread import one_call
@@ -89,9 +90,21 @@ def _load_problem(state_dict: Mapping[str, Any], entries: list, missing: list[st
                 f"keys {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}; pass "
                 "strict=False to load the rest")
     for name, t, _ in entries:
-        if name in state_dict and tuple(state_dict[name].shape) != tuple(t.shape):
-            return (f"{name!r} has shape {tuple(state_dict[name].shape)}, the model "
-                    f"{tuple(t.shape)}")
+        if name not in state_dict:
+            continue
+        value = state_dict[name]
+        if not isinstance(value, torch.Tensor):
+            return f"{name!r} is a {type(value).__name__}, not a tensor"
+        if isinstance(value, AbsentWeight):
+            return (f"{name!r} is a stand-in without values (the model's state_dict() taken "
+                    "outside `with engine.full_weights():`): take the weights with "
+                    "engine.state_dict()")
+        if value.is_meta or value.layout != t.layout:
+            kind = "meta" if value.is_meta else str(value.layout).removeprefix("torch.")
+            return (f"{name!r} is a {kind} tensor: give a dense tensor with values (a model "
+                    "built on the meta device has none until its weights are loaded)")
+        if tuple(value.shape) != tuple(t.shape):
+            return f"{name!r} has shape {tuple(value.shape)}, the model {tuple(t.shape)}"
     return None
 
 
@@ -421,9 +434,11 @@ class ModelWeights:
                         assign: bool = False) -> _IncompatibleKeys:  # type: ignore[override]
         """Loads what `state_dict()` (or torch's, of the plain model) returns: weights into the
         fp32 masters and the parameter partitions in every tier, buffers into the
-        modules. Keys and shapes are checked first (strict: missing or unexpected keys
-        raise, as torch's); a tied parameter takes the value under its last name
-        present, as torch's (it copies each name in turn). Between steps; every rank
+        modules. Keys, shapes and values are checked first (strict: missing or
+        unexpected keys raise, as torch's; a value that is not a dense tensor with
+        values, a meta tensor say, raises too, naming its key); a tied parameter
+        takes the value under its last name present, as torch's (it copies each name
+        in turn). Between steps; every rank
         calls it with the full weights (a rank whose dict is refused makes every rank
         raise, before any collective). Returns torch's (missing_keys, unexpected_keys);
         `assign` is accepted for torch's signature."""

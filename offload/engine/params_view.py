@@ -31,7 +31,24 @@ parameter that had a gradient (not frozen, and used by a forward since the last
 step, as torch's) has therefore a `.grad` that is an `AbsentWeight` that raises,
 on any computation, an error naming `optim.max_grad_norm`; `p.grad is None`
 is False, as in torch after a backward, and `model.zero_grad()` sets it to
-None as torch does (the engine's gradients are dropped by `engine.zero_grad()`).
+None as torch does.
+
+[Note: a .grad the program dropped]
+A torch loop drops gradients through `.grad`: `model.zero_grad()` before
+skipping a batch, or `p.grad = None` to leave one parameter out of the step.
+The engine's gradients are not in `.grad`, so it reads what the program did to
+the `.grad`s it showed (`grads_changed`) before each backward and each step
+that would use them. Every one of them None: the step's gradients are dropped,
+as by `engine.zero_grad()` (updates that ran early are undone), so the step
+changes nothing and a backward starts the step over, as in torch. Some of
+them None, or any set to a tensor: the engine cannot take one parameter's
+gradient out of its partitions (nor use one the program made), so that
+backward or step raises, naming the parameter and the fix (freeze it before
+the forward; drop all of them). With several data-parallel ranks, they agree
+on it in the collective each call runs anyway, and a drop on some ranks only
+raises on every rank (the ranks of one tensor-parallel group are not
+compared, as for freezing). Until that backward or step the step stays open
+(save_checkpoint refuses), as it is only then that the `.grad`s are read.
 
 [Note: RNN weight lists]
 torch's RNN modules (LSTM, GRU, RNN) also keep their weights in a list,
@@ -69,7 +86,7 @@ from .units import Group, Unit
 if TYPE_CHECKING:
     from ..comm import Collectives
 
-__all__ = ["RegisteredParams", "point_weight_list", "state_entries"]
+__all__ = ["RegisteredParams", "point_weight_list", "state_entries", "unevenly_dropped"]
 
 
 def point_weight_list(module: nn.Module, name: str) -> None:
@@ -80,6 +97,13 @@ def point_weight_list(module: nn.Module, name: str) -> None:
     if names and isinstance(weights, list) and name in names and len(weights) == len(names):
         weights[names.index(name)] = getattr(module, name)
 
+
+def unevenly_dropped(dropping: int, world: int) -> str:
+    """The error where the program dropped every `.grad` on some ranks only."""
+    return (f"the program set every .grad to None (model.zero_grad()) after the backward "
+            f"on {dropping} of {world} ranks and kept them on the others: drop the "
+            "gradients on every rank at the same point, as DDP asks, or on none; to start "
+            "the step over now, call engine.zero_grad() on every rank")
 
 class RegisteredParams:
     """One stand-in parameter per slot of every group, with its original dtype."""
@@ -113,20 +137,22 @@ class RegisteredParams:
         self.summoned_weights: dict[int, list[nn.Parameter]] = {}  # gid -> what `summon` put
         self._names: dict[tuple[int, int], str] = {}  # (gid, slot) -> its first name
         self._grads: list[tuple[nn.Parameter, AbsentWeight]] = []  # [Note: absent gradients]
+        self._shown: list[tuple[nn.Parameter, AbsentWeight]] = []  # what show_grads showed
         for g in groups:
             row = []
             for i, s in enumerate(g.slots):
                 name = first.get(id(s.param), s.fqn)
                 unit = unit_of.get(g.gid, "?")
                 absent = AbsentWeight(s.shape, dtype, device,
-                                      absent_message(name, unit, parent(unit)))
+                                      absent_message(name, unit, parent(unit)), name=name)
                 p = nn.Parameter(absent, requires_grad=g.requires_grad)
                 self._where[id(p)] = (g.gid, i)
                 self._names[(g.gid, i)] = name
                 row.append(p)
                 if g.requires_grad:
                     self._grads.append((p, AbsentWeight(s.shape, dtype, device,
-                                                        absent_grad_message(name), True)))
+                                                        absent_grad_message(name), True,
+                                                        name)))
             self.stand_ins.append(row)
             self.dtypes.append([s.param.dtype if s.param is not None else dtype
                                 for s in g.slots])
@@ -158,14 +184,32 @@ class RegisteredParams:
         in the step so far (`had(gid, slot)`) shows a stand-in `.grad` that names where
         its gradient is; the others (frozen, or unused by the forwards) none, as in
         torch."""
+        self._shown = []
         for p, g in self._grads:
-            p.grad = g if had(*self._where[id(p)]) else None
+            shown = had(*self._where[id(p)])
+            p.grad = g if shown else None
+            if shown:
+                self._shown.append((p, g))
 
     def hide_grads(self) -> None:
         """After the step (or its gradients dropped): `.grad` is None again, as torch's
         after `zero_grad()`."""
         for p, _ in self._grads:
             p.grad = None
+        self._shown = []
+
+    def grads_changed(self) -> tuple[list[str], list[str], int]:
+        """[Note: a .grad the program dropped] Of the `.grad`s `show_grads` showed: the
+        names of those the program set to None since (`model.zero_grad()`,
+        `p.grad = None`), of those it set to another tensor, and how many are as shown."""
+        dropped, replaced, kept = [], [], 0
+        for p, g in self._shown:
+            if p.grad is g:
+                kept += 1
+            else:
+                (dropped if p.grad is None else replaced).append(
+                    self._names[self._where[id(p)]])
+        return dropped, replaced, kept
 
     def close(self) -> None:
         """At the engine's close: the stand-ins (and the gradients' shown since the last
@@ -191,24 +235,28 @@ class RegisteredParams:
         [Note: freezing after initialize]."""
         return not self.stand_ins[gid][slot].requires_grad
 
-    def check_frozen_agree(self, comm: Collectives, refused: bool = False) -> None:
+    def check_frozen_agree(self, comm: Collectives, refused: bool = False,
+                           dropped: bool = False) -> bool:
         """Raises on every rank where a parameter is frozen on some ranks and trains on
         others ([Note: freezing after initialize]): its update would average one rank's
         gradient with another's zeros, or, frozen whole, a group's reduction would
-        wait for a rank that has none. `refused`: this rank's `check_trainable`
-        refused the backward; the others then raise too instead of waiting for it.
-        One sum over ranks, before a backward."""
+        wait for a rank that has none. `refused`: this rank refused the backward
+        (`check_trainable`, `dropped_grads`); the others then raise too instead of
+        waiting for it. `dropped`: the program dropped every `.grad` shown on this
+        rank ([Note: a .grad the program dropped]); returns whether it did on every
+        rank, and raises where only some did. One sum over ranks, before a backward."""
         if comm.world == 1:
-            return
+            return dropped
         slots = [(g.gid, i) for g in self.groups if g.requires_grad for i in range(len(g.slots))]
         counts = comm.sum_scalars([1.0 if self.frozen(*s) else 0.0 for s in slots]
-                                  + [1.0 if refused else 0.0])
-        others = int(counts.pop())
+                                  + [1.0 if refused else 0.0, 1.0 if dropped else 0.0])
+        dropping, others = int(counts.pop()), int(counts.pop())
         if others and not refused:
             raise RuntimeError(
                 f"{others} other rank(s) refused this backward (their error names the "
-                "parameter: a trainable set changed since initialize); this backward "
-                "changed nothing")
+                "parameter and the cause); this backward changed nothing")
+        if refused:
+            return False  # its own error says why
         split = [s for s, c in zip(slots, counts) if 0 < c < comm.world]
         if split:
             raise RuntimeError(
@@ -216,6 +264,34 @@ class RegisteredParams:
                 f"{int(counts[slots.index(split[0])])} of {comm.world} ranks and trains on the "
                 "others: set the same requires_grad on every rank before the forward (as DDP "
                 "asks); this backward changed nothing")
+        if 0 < dropping < comm.world:
+            raise RuntimeError(unevenly_dropped(dropping, comm.world) +
+                               "; this backward changed nothing")
+        return dropping == comm.world
+
+    def dropped_grads(self) -> tuple[bool, RuntimeError | None]:
+        """[Note: a .grad the program dropped] Whether the program set every `.grad`
+        shown since the last backward to None, and the error a backward or step
+        raises where it dropped only some of them or set one to a tensor."""
+        dropped, replaced, kept = self.grads_changed()
+        if replaced:
+            return False, RuntimeError(
+                f"the .grad of parameter {replaced[0]!r} was set to a tensor after the "
+                "backward: the engine keeps the gradients in its partitions and cannot use "
+                "one the program made. Drop the step's gradients (model.zero_grad() or "
+                "engine.zero_grad()) and run its micro-batches again; to clip, set "
+                "optim.max_grad_norm")
+        if dropped and kept:
+            more = f" (and {len(dropped) - 1} more)" if len(dropped) > 1 else ""
+            return False, RuntimeError(
+                f"the .grad of parameter {dropped[0]!r}{more} was set to None after the "
+                f"backward while {kept} other parameter(s) kept theirs: the engine cannot "
+                "take one parameter's gradient out of its partitions, only drop the step's "
+                "whole (model.zero_grad() or engine.zero_grad(); a step() that raises this "
+                "has dropped them). To leave a parameter out of the updates, set its "
+                "requires_grad to False before the forward, then run the step's "
+                "micro-batches again")
+        return bool(dropped), None
 
     def check_trainable(self, model: nn.Module) -> None:
         """Raises where what trains goes beyond `initialize`'s: a parameter frozen at

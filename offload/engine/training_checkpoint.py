@@ -492,15 +492,17 @@ def _keys_not_strings(value: Any) -> list[Any]:
     return []
 
 
-def _check_save(engine: Any, path: Path, extra: dict[str, Any]) -> dict | None:
+def _check_save(engine: Any, path: Path, extra: dict[str, Any]) -> tuple[dict | None, dict]:
     """Refuses a save that cannot be written as asked, before anything is; returns the
-    engine's LR scheduler's state, as the commit record will hold it."""
+    engine's LR scheduler's state and `extra`, as the commit record will hold them (a
+    copy: a background save writes `extra` as it was at the call, not as the loop has
+    changed it since)."""
     check_between_steps(engine)
     if getattr(engine, "tp", None) is not None:  # its files would hold one TP slice per DP rank
         raise CheckpointError("save_checkpoint: not supported with tp.size > 1 yet; save the "
                               "full weights with offload.engine.full_state_dict(engine)")
     try:
-        json.dumps(extra, sort_keys=True)  # as the commit record is written
+        kept = json.loads(json.dumps(extra, sort_keys=True))  # as the commit record holds it
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"save_checkpoint: extra must be JSON-serialisable, with keys "
                               f"of one type (strings): {e}") from e
@@ -517,14 +519,15 @@ def _check_save(engine: Any, path: Path, extra: dict[str, Any]) -> dict | None:
         raise CheckpointError(f"save_checkpoint: {path} ends in {PARTIAL!r}, the name of a "
                               "save in progress (removed by the next save); choose another "
                               "name")
-    if path.exists():
-        raise CheckpointError(f"save_checkpoint: {path} exists; a checkpoint is never "
+    if os.path.lexists(path):  # a link to nothing too: the publish's rename would fail
+        link = " (a symbolic link to a missing target)" if not path.exists() else ""
+        raise CheckpointError(f"save_checkpoint: {path} exists{link}; a checkpoint is never "
                               "overwritten: save each under its own name (e.g. step-<n>)")
     try:
         check_directory(path.parent, "save_checkpoint")
     except FileExistsError as e:  # one error type for every refused save
         raise CheckpointPathError(str(e)) from None
-    return scheduler
+    return scheduler, kept
 
 
 def _agree_to_save(comm: Any, path: Path, refused: BaseException | None) -> None:
@@ -568,7 +571,7 @@ def save_checkpoint(engine: Any, path: str | os.PathLike, extra: dict[str, Any] 
         if not given:  # Path("") is the working directory: never what was meant
             raise CheckpointError("save_checkpoint: the path is empty; give the directory "
                                   "to write the checkpoint to (e.g. 'checkpoints/step-100')")
-        scheduler = _check_save(engine, path, extra)
+        scheduler, extra = _check_save(engine, path, extra)
     except Exception as e:
         refused = e
     _agree_to_save(engine.comm, path, refused)

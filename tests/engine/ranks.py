@@ -57,9 +57,9 @@ def run_cases(cases: dict[str, Callable[[], object]], out: str) -> None:
     torch.save(results, out)
 
 
-def spawn_cases(worker: Callable, d: str, world: int = 2) -> list:
-    """Runs worker(rank, world, init_file, out) on `world` processes (each calling
+def spawn_cases(worker: Callable, d: str, world: int = 2, args: tuple = ()) -> list:
+    """Runs worker(rank, world, init_file, out, *args) on `world` processes (each calling
     `run_cases(..., f"{out}.{rank}")`) and returns each rank's results."""
     out = f"{d}/out"
-    spawn(worker, f"{d}/init", out, world=world)
+    spawn(worker, f"{d}/init", out, *args, world=world)
     return [torch.load(f"{out}.{r}") for r in range(world)]

@@ -244,6 +244,37 @@ def test_a_parameter_replaced_after_initialize_is_named(engine_cfg):
             assert set(w) == {"0.weight", "0.bias", "1.weight", "1.bias"}
 
 
+def test_setting_data_of_a_held_parameter_is_refused(engine_cfg):
+    """`p.data = t` went past the stand-in's dispatch: nothing changed (or, for
+    another shape, the stand-in's shape did) and nothing said so. It raises now,
+    naming the parameter; inside a writable block it edits the weights."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    x = torch.randn(4, 8)
+    with offload.initialize(model, engine_cfg("host", group_size=300)) as engine:
+        with torch.no_grad():
+            want = engine(x)
+        # a tensor, one of another shape, a stand-in of the same shape (its own detach)
+        for value in (torch.zeros(2, 8), torch.zeros(4, 8), model[1].weight.detach()):
+            with pytest.raises(RuntimeError, match=r"\.data of parameter '1\.weight' .*"
+                                                   r"full_weights\(writable=True\)"):
+                model[1].weight.data = value
+        assert model[1].weight.shape == (2, 8)
+        engine.backward(engine(x).sum())
+        with pytest.raises(RuntimeError, match=r"\.grad of parameter '0\.bias'.*"
+                                               r"optim\.max_grad_norm"):
+            model[0].bias.grad.data = torch.zeros(8)
+        engine.zero_grad()
+        with torch.no_grad():
+            assert torch.equal(engine(x), want)
+        with engine.full_weights(writable=True):
+            model[1].weight.data = torch.zeros(2, 8)
+        with torch.no_grad():
+            assert torch.equal(engine(x), engine.state_dict()["1.bias"].expand(4, 2))
+        model.to(torch.float32)  # a cast that changes nothing still works
+    with pytest.raises(RuntimeError, match=r"\.data of parameter '1\.weight' .*is closed"):
+        model[1].weight.data = torch.zeros(2, 8)
+
+
 def test_a_second_thread_is_refused_while_the_model_runs(engine_cfg):
     """[Note: one thread at a time]: a forward (or the model called directly) on a
     second thread while the first thread's forward is inside the model would share

@@ -207,6 +207,16 @@ def test_load_state_dict_takes_what_state_dict_gives(engine_cfg, placement):
         bad["block.0.weight"] = torch.zeros(2, 2)
         with pytest.raises(RuntimeError, match="'block.0.weight' has shape"):
             engine.load_state_dict(bad, strict=False)
+        # values without data, or no tensor at all, after keys that would load: refused
+        # before the first of them changes (the head's weight is the tied emb.weight)
+        for value, what in [(torch.empty(32, 32, device="meta"), "meta tensor"),
+                            ("weights", "str, not a tensor"),
+                            (torch.eye(32).to_sparse(), "sparse_coo tensor"),
+                            # the model's own, outside full_weights: no values either
+                            (engine.module.state_dict()["sometimes.weight"], "stand-in")]:
+            last = dict(other.state_dict(), **{"sometimes.weight": value})
+            with pytest.raises(RuntimeError, match=f"'sometimes.weight' is a {what}"):
+                engine.load_state_dict(last)
         assert all(torch.equal(before[k], v) for k, v in engine.state_dict().items())
         res = engine.load_state_dict(other.state_dict())  # torch's, with every alias
         assert not res.missing_keys and not res.unexpected_keys

@@ -169,3 +169,26 @@ def test_the_safetensors_writer_refuses_a_name_given_twice(tmp_path):
     with pytest.raises(ValueError, match="tensor name 'w' given twice"):
         write_shards(tmp_path / "out", specs, [("w", t), ("w", t)], 1 << 20)
     assert not (tmp_path / "out").exists()
+
+
+def test_save_checkpoint_refuses_a_link_to_nothing_before_writing(engine, tmp_path):
+    """A name that is a symbolic link to a missing target exists (the publish's rename
+    onto it would fail after every tensor was written): refused at the call."""
+    link = tmp_path / "ck"
+    link.symlink_to(tmp_path / "gone")
+    with pytest.raises(offload.engine.CheckpointError, match=f"{link} exists"):
+        engine.save_checkpoint(link)
+    assert link.is_symlink() and sorted(p.name for p in tmp_path.iterdir()) == ["ck", "swap"]
+
+
+def test_a_background_save_keeps_extra_as_it_was_at_the_call(engine, tmp_path):
+    """The loop changes `extra` while a background save writes: the checkpoint holds
+    the values of the call, as every other non-tensor part of it."""
+    extra = {"batch": 2, "nested": {"pos": [1, 2]}}
+    saving = engine.save_checkpoint(tmp_path / "ck", extra=extra, blocking=False)
+    extra["batch"] = 999
+    extra["nested"]["pos"].append(3)
+    saving.wait()
+    with offload.initialize(_model(), {"io": {"paths": [str(tmp_path / "swap2")]}},
+                            resume=tmp_path / "ck") as again:
+        assert again.resumed_extra == {"batch": 2, "nested": {"pos": [1, 2]}}
