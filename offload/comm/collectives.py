@@ -98,7 +98,8 @@ class Collectives:
         if group is not dist.GroupMember.WORLD:
             dist.destroy_process_group(group)
 
-    def all_gather(self, full: torch.Tensor, shard: torch.Tensor, *, async_op: bool = False) -> Pending:
+    def all_gather(self, full: torch.Tensor, shard: torch.Tensor, *,
+                   async_op: bool = False) -> Pending:
         """Fills the flat `full` (world x shard numel) with every rank's `shard`."""
         if full.numel() != shard.numel() * self.world:
             raise ValueError(f"all_gather: full has {full.numel()} elements, expected "

@@ -207,13 +207,16 @@ class OffloadEngine(ModelWeights, ModuleHooks, GradPartitions, GroupUpdates, Gat
         # [Note: our forward hooks run last], [Note: torch.compile] in units.py
         self._last_hooks: dict[int, list[int]] = {}  # id(module) -> its post hooks' ids
         for unit in units:
-            self._hooks.append(unit.module.register_forward_pre_hook(EngineHook(self._make_pre(unit))))
-            self._hooks.append(unit.module.register_forward_hook(EngineHook(self._make_post(unit)),
-                                                                 always_call=True))
-            self._last_hooks.setdefault(id(unit.module), []).append(self._hooks[-1].id)
+            module = unit.module
+            self._hooks.append(module.register_forward_pre_hook(EngineHook(self._make_pre(unit))))
+            self._hooks.append(module.register_forward_hook(EngineHook(self._make_post(unit)),
+                                                            always_call=True))
+            self._last_hooks.setdefault(id(module), []).append(self._hooks[-1].id)
         # [Note: one thread at a time] in one_thread.py: around the root module's unit hooks
-        self._hooks.append(model.register_forward_pre_hook(EngineHook(self._root_pre), prepend=True))
-        self._hooks.append(model.register_forward_hook(EngineHook(self._root_post), always_call=True))
+        self._hooks.append(model.register_forward_pre_hook(EngineHook(self._root_pre),
+                                                           prepend=True))
+        self._hooks.append(model.register_forward_hook(EngineHook(self._root_post),
+                                                       always_call=True))
         self._last_hooks.setdefault(id(model), []).append(self._hooks[-1].id)
 
     # -- the optimizer ----------------------------------------------------------------
