@@ -29,10 +29,12 @@ later from another thread still waits for that allocation. A DEVICE->HOST copy
 also waits for the stream the caller computes on (the current stream of the
 thread that issues it), so it sees the compute's writes to its source; a
 HOST->DEVICE copy does not: its source is host memory, written by the CPU or
-by a copy the store has finished, and its destination is a fresh buffer, so
-waiting for all the compute queued so far would only hold a prefetch back
-behind kernels it does not touch (issued from the store's completion thread,
-whose current stream is the default one, it would wait for the whole queue).
+by a copy the store has finished, and its destination is a fresh buffer
+whose allocation it waits for. A fetch from NVMe takes its DEVICE memory when
+it starts and copies once the read is done, from the store's completion
+thread (whose current stream is the default one): waiting for that stream
+then would hold the copy back behind all the compute queued during the read,
+kernels it does not touch.
 Each copy then records an event, and the store's completion thread waits for
 that event before it marks the destination valid or frees the source. Device buffers are
 allocated on the caller's current stream: compute that uses a DEVICE view

@@ -43,3 +43,25 @@ def test_cuda_device_tier_copies_on_streams(tmp_path):
         s.audit()
         st = s.stats()
         assert st.tiers["DEVICE"].used <= st.tiers["DEVICE"].budget
+
+
+def test_a_fetch_from_nvme_does_not_wait_for_compute_queued_during_its_read(tmp_path):
+    """[Note: copy streams] A HOST->DEVICE copy waits for its buffer's allocation, at
+    the fetch's start: compute queued while the NVMe read ran does not hold back the
+    copy that follows it (it waited for the issuing thread's whole queue)."""
+    cfg = store_config(tmp_path / "swap", device="cuda", device_pages=2 * 64,
+                       host_pages=3 * 64)
+    with TieredStore(cfg) as s:
+        ref = page_tensor(0, 64, torch.bfloat16)
+        s.put(0, ref, tier="NVME")
+        s.wait_all()
+        a = torch.randn(4096, 4096, device="cuda")
+        torch.cuda.synchronize()
+        handle = s.fetch(0, D)  # DEVICE memory taken now, the read in flight
+        for _ in range(200):  # hundreds of milliseconds of queued matrix products
+            a = torch.tanh(a @ a)
+        queued = torch.cuda.Event()
+        queued.record()
+        view = handle.wait()
+        assert not queued.query(), "the copy waited for the compute queued during the read"
+        assert torch.equal(view.cpu(), ref)
