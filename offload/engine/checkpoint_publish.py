@@ -65,7 +65,7 @@ def is_committed(p: Path) -> bool:
 def remove_partials(parent: Path) -> None:
     """Removes the `.partial` directories of `parent` that no save is writing (and the
     lock files killed saves left)."""
-    found = {d for d in parent.glob(f".*{PARTIAL}") if d.is_dir()}
+    found = {d for d in parent.glob(f".*{PARTIAL}") if d.is_dir() or d.is_symlink()}
     found |= {f.with_name(f.name[:-len(LOCK)]) for f in parent.glob(f".*{PARTIAL}{LOCK}")}
     for d in sorted(found):
         try:
@@ -77,7 +77,10 @@ def remove_partials(parent: Path) -> None:
             continue
         try:
             log.info("removing partial checkpoint %s (a save that did not finish)", d)
-            shutil.rmtree(d, ignore_errors=True)
+            if d.is_symlink():  # an earlier version's pruning moved a link here
+                d.unlink()
+            else:
+                shutil.rmtree(d, ignore_errors=True)
         finally:
             lock.release()
 
@@ -88,8 +91,8 @@ def prune(parent: Path, keep: int, newest: Path, fmt: str) -> None:
     found = []
     for d in parent.iterdir():
         try:  # another process may prune the same parent: an entry can vanish
-            if not (d.is_dir() and is_committed(d)):
-                continue
+            if d.is_symlink() or not (d.is_dir() and is_committed(d)):
+                continue  # a link (`latest`) names a checkpoint; it is not one
             rec = json.loads((d / RECORD).read_text())
             step = rec.get("global_step", 0) if isinstance(rec, dict) else None
             if rec.get("format") == fmt and isinstance(step, int):  # not another program's

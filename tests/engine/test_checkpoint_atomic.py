@@ -75,12 +75,17 @@ def test_keep_last_k(tmp_path, engine_cfg):
     cfg = engine_cfg("host", "host", "host", keep_checkpoints=2)
     root = tmp_path / "ckpt"
     (root / "not-a-checkpoint").mkdir(parents=True)
+    (root / ".old.partial").symlink_to(root / "not-a-checkpoint")  # an earlier pruning's
     with offload.initialize(TiedTwice(), cfg) as engine:
         for i, batch in enumerate(lm_batches(4)):
             _step(engine, batch)
             engine.save_checkpoint(root / f"step-{i + 1}")
-    assert sorted(p.name for p in root.iterdir()) == ["not-a-checkpoint", "step-3", "step-4"]
-    assert json.loads((root / "step-4" / RECORD).read_text())["global_step"] == 4
+            latest = root / "latest"  # a link to the newest, as a loop keeps one
+            latest.unlink(missing_ok=True)
+            latest.symlink_to(root / f"step-{i + 1}")
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "not-a-checkpoint", "step-3",
+                                                      "step-4"]
+    assert json.loads((root / "latest" / RECORD).read_text())["global_step"] == 4
 
 
 def test_a_save_in_progress_in_another_process_is_left_alone(tmp_path, engine_cfg):
