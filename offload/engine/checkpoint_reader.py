@@ -219,8 +219,8 @@ class CheckpointReader:
                 spec = {**_spec(self.path, kind, name), "fill_missing_data_reads": False}
                 self._arrays[key] = _ts().open(spec, open=True, context=_context()).result()
             except Exception as e:
-                raise CheckpointCorruptError(f"checkpoint {self.path}: cannot open array "
-                                             f"{kind}/{name}: {e}") from e
+                raise self._corrupt(f"checkpoint {self.path}: cannot open array "
+                                    f"{kind}/{name}: {e}") from e
         return self._arrays[key]
 
     def _grid(self, kind: str, name: str) -> tuple[int, int]:
@@ -254,9 +254,8 @@ class CheckpointReader:
             except PermissionError as e:
                 raise not_permitted(meta, e) from e
             except (OSError, ValueError, KeyError, TypeError, IndexError, ArithmeticError) as e:
-                raise CheckpointCorruptError(f"checkpoint {self.path}: array {kind}/{name}: "
-                                             f"no readable shard and chunk shape in {meta} "
-                                             f"({e})") from e
+                raise self._corrupt(f"checkpoint {self.path}: array {kind}/{name}: no "
+                                    f"readable shard and chunk shape in {meta} ({e})") from e
             self._chunks[key] = (math.prod(chunk), shard[0] // chunk[0])
         return self._chunks[key]
 
@@ -285,7 +284,7 @@ class CheckpointReader:
                  ) -> CheckpointError:
         if e.denied is not None:
             return not_permitted(e.path, e.denied)
-        return CheckpointCorruptError(
+        return self._corrupt(
             f"checkpoint {self.path}: array {kind}/{name}, chunk "
             f"({', '.join([str(k)] + ['0'] * (ndim - 1))}): cannot be read back intact "
             f"({e.why}; file {e.path}); the checkpoint is damaged: resume from another")
@@ -465,10 +464,9 @@ class CheckpointReader:
                                              "resume from another")
             return decode_buffers(obj, str(p))
         except FileNotFoundError:
-            raise CheckpointCorruptError(f"checkpoint {self.path}: {p} is missing (the "
-                                         "model's buffers: BatchNorm statistics and the "
-                                         "like); the checkpoint is damaged: resume from "
-                                         "another") from None
+            raise self._corrupt(f"checkpoint {self.path}: {p} is missing (the model's "
+                                "buffers: BatchNorm statistics and the like); the "
+                                "checkpoint is damaged: resume from another") from None
         except OSError as e:
             raise CheckpointCorruptError(f"checkpoint {self.path}: {p} cannot be read "
                                          f"({e.strerror}); resume from another") from e
@@ -541,11 +539,23 @@ class CheckpointReader:
                 f"a changed value cannot be told from groups listed in another order: {fix}")
         return [{key: _hyper_value(key, g[key]) for key in _HYPER if key in g} for g in saved]
 
+    def _corrupt(self, message: str) -> CheckpointError:
+        """CheckpointCorruptError(`message`); where the checkpoint is gone since it was
+        opened (pruned by a save's engine.keep_checkpoints, or removed), the error
+        that says so instead of calling it damaged."""
+        if is_committed(self.path):
+            return CheckpointCorruptError(message)
+        return CheckpointError(
+            f"checkpoint {self.path} was removed while it was read (a save into "
+            f"{self.path.parent} with engine.keep_checkpoints prunes older checkpoints "
+            "there, whichever training saved them): resume from a checkpoint that stays, "
+            "and give each training a parent directory of its own")
+
     def _rank_path(self, r: int) -> Path:
         return self.path / "ranks" / f"{r}.json"
 
-    def _rank_damaged(self, r: int, why: str) -> CheckpointCorruptError:
-        return CheckpointCorruptError(
+    def _rank_damaged(self, r: int, why: str) -> CheckpointError:
+        return self._corrupt(
             f"checkpoint {self.path}: rank file {self._rank_path(r)} {why} (rank {r} of "
             f"{self.record['world']} wrote it); the checkpoint is damaged: resume from another")
 

@@ -287,3 +287,22 @@ def test_resume_takes_the_commit_record_for_its_directory(copy, tmp_path):
                        match=r"ranks/0\.json is a file, not a checkpoint directory: pass the "
                              r"directory save_checkpoint wrote \(it holds checkpoint\.json\)"):
         _resume(ck / "ranks" / "0.json", tmp_path)
+
+
+def test_a_checkpoint_removed_while_read_is_not_called_damaged(copy):
+    """A save's keep_checkpoints pruning the checkpoint a reader has open (it renames it
+    to a .partial name, then removes it): the next read says the checkpoint was
+    removed, not that it is damaged."""
+    ck = copy()
+    reader = CheckpointReader(ck)
+    try:
+        name = next(iter(reader.tensors))
+        reader.read_range("param", name, 0, 1)
+        ck.rename(ck.with_name(f".{ck.name}.partial"))
+        with pytest.raises(offload.engine.CheckpointError,
+                           match=f"checkpoint {re.escape(str(ck))} was removed while it was "
+                                 r"read .*keep_checkpoints") as got:
+            reader.read_range("param", name, 0, 1)
+        assert not isinstance(got.value, offload.engine.CheckpointCorruptError)
+    finally:
+        reader.close()
