@@ -284,12 +284,12 @@ class OffloadEngine(ModelWeights, ModuleHooks, GradPartitions, GroupUpdates, Gat
             except BaseException as e:  # a forward changes no state of the step
                 self._release_gathered(orphan=True)
                 if torch.is_grad_enabled() and not in_backward():
-                    self._abandon_window("a forward raised")
+                    self._abandon_window("a forward raised", e)
                 if not in_backward() and raised_by_the_model(e):
                     self._rank_order.failed()  # [Note: a rank whose model raised]
                 raise
 
-    def _abandon_window(self, what: str) -> None:
+    def _abandon_window(self, what: str, e: BaseException | None = None) -> None:
         """[Note: a forward that raises between micro-batches] With gradient
         accumulation, a forward that raises after some of the step's micro-batches
         ran their backward leaves their gradients summed in the grad partitions; the
@@ -299,9 +299,13 @@ class OffloadEngine(ModelWeights, ModuleHooks, GradPartitions, GroupUpdates, Gat
         over. Evaluation forwards (autograd off) and a forward after the window's
         last backward (its gradients are whole: `step()` applies them) leave them.
         A backward that another rank's failure stopped drops them too ([Note: a rank
-        whose model raised]): every rank drops the same window, and their steps pair."""
+        whose model raised]): every rank drops the same window, and their steps pair.
+        So does a pass that met another rank's step() (`RankOrderError.stepping`: this
+        rank skipped its step), whole windows too: that rank's step failed and dropped
+        its gradients."""
         done, n = self._backwards, self.cfg.engine.grad_accum_steps
-        if not 0 < done < n:
+        stepping = isinstance(e, RankOrderError) and e.stepping
+        if not (0 < done < n or (stepping and done)):
             return
         self._abort_step()
         log.warning("%s after %d of the step's %d micro-batches: their gradients are "
@@ -347,7 +351,7 @@ class OffloadEngine(ModelWeights, ModuleHooks, GradPartitions, GroupUpdates, Gat
             # the ranks' collectives would no longer pair
             self._release_gathered()
             if isinstance(e, RankOrderError):  # another rank's pass failed: this rank's
-                self._abandon_window("another rank's failure stopped a backward")  # too
+                self._abandon_window("another rank's failure stopped a backward", e)  # too
             raise
         if dropped:  # the micro-batches before this one are dropped: it starts the step
             self._step_awaits_more = awaited
@@ -481,13 +485,14 @@ class OffloadEngine(ModelWeights, ModuleHooks, GradPartitions, GroupUpdates, Gat
 
     def _step(self) -> bool:
         self.wait_for_checkpoint(raise_error=False)  # nothing changes before it has read
-        self.trace.finish()
         early, self._early = self._early, []
         # [Note: a .grad the program dropped] in params_view.py
         dropped, error = self.registered.dropped_grads()
         changed = self._hyper_watch.step_begins(self.optimizer, bool(early))
         errors = [error, None if dropped else changed]  # undone with the step
         errors += [f.exception() for f in early]  # waits for every one of them
+        self._rank_order.check_step()  # [Note: ranks run the same units] in rank_order.py
+        self.trace.finish()  # after the check: a rank that skipped step() records on too
         # [Note: ranks agree] in collectives.py: before the step's first collective
         dropping = self.comm.agree(next((e for e in errors if e is not None), None), "step()",
                                    flag=dropped)

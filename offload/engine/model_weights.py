@@ -448,6 +448,8 @@ class ModelWeights:
         state_dict = _with_old_versions(self.module, state_dict)
         missing = [n for n, _, _ in entries if n not in state_dict]
         problem = _load_problem(state_dict, entries, missing, strict)
+        if self.groups:  # every rank is here: [Note: ranks run the same units]
+            self._rank_order.check_read(self.groups[0].gid)
         (refused,) = self.comm.sum_scalars([1.0 if problem else 0.0])
         if problem:
             raise RuntimeError(f"load_state_dict: {problem} (nothing was loaded)")

@@ -14,7 +14,12 @@ checks, of the same size: the mismatch raises on every rank there, naming
 what each rank runs, instead of pairing one rank's all-gather with another's
 and hanging, aborting inside gloo or mixing weights. A backward starts with a
 check of its own: a rank whose loss code raised, and that went on to its next
-forward, meets the others' backward there. Cost: one all-reduce of `world`
+forward, meets the others' backward there. So do a step (its agreement on the
+outcome), a checkpoint save and a read of the whole weights: a rank that
+skipped step() meets the other's step at its next forward, where both raise
+(`RankOrderError.stepping`: the skipping rank drops its step's gradients, as
+the failed step dropped the other's, and the access trace is ended only past
+the check, so both record the next step from the same point). Cost: one all-reduce of `world`
 numbers per block (a host synchronisation with NCCL);
 `engine.check_rank_order = false` turns it off.
 """
@@ -32,17 +37,28 @@ log = logging.getLogger(__name__)
 __all__ = ["RankOrder", "RankOrderError", "raised_by_the_model"]
 
 BACKWARD = -0.5  # a backward's start; reads are -1 - gid, blocks of a step 1, 2, ...
+STEP = -0.25  # a step's first collective (engine.step())
+SAVE = -0.75  # a checkpoint save's first collective (save_checkpoint)
 FAILED = -(2.0 ** 52)  # a rank whose model raised ([Note: a rank whose model raised])
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # offload/
 READS = "state_dict, full_weights, named_weights, save_pretrained or load_state_dict"
 READ_FIX = ("these gather every rank's shard: call them on every rank at the same point, "
             "not under `if rank == 0` (state_dict keeps the weights on rank 0 only, and "
             "save_pretrained writes on rank 0 only, by themselves)")
+CALL_FIX = ("every rank calls engine.step() after the same backward calls, and "
+            "save_checkpoint() at the same point of the loop, not under `if rank == 0` "
+            "(each rank updates and saves its own shard; save_checkpoint writes what rank 0 "
+            "must by itself)")
 
 
 class RankOrderError(RuntimeError):
     """Ranks met at different points of a step, or another rank's model raised: raised
-    on every rank at the same check, so none of them tells the others again."""
+    on every rank at the same check, so none of them tells the others again.
+    `stepping`: a rank was at a step's check (its step fails, its gradients dropped)."""
+
+    def __init__(self, message: str, stepping: bool = False) -> None:
+        super().__init__(message)
+        self.stepping = stepping
 
 
 def raised_by_the_model(e: BaseException) -> bool:
@@ -93,6 +109,18 @@ class RankOrder:
         if self.enabled:
             self._check(1 + 2 * self._n + gid)
 
+    def check_step(self) -> None:
+        """Before a step's first collective (the ranks' agreement on its outcome): a rank
+        that skipped step() meets another's step here, at a check of the same size,
+        not inside the agreement's sum."""
+        if self.enabled:
+            self._check(STEP)
+
+    def check_save(self) -> None:
+        """Before a checkpoint save's first collective, as `check_step`."""
+        if self.enabled:
+            self._check(SAVE)
+
     def check_read(self, gid: int) -> None:
         """Before the all-gather of group `gid`'s whole weights (state_dict, full_weights,
         named_weights, save_pretrained, load_state_dict): numbers below zero, apart
@@ -119,6 +147,10 @@ class RankOrder:
         n = self._n
         if h == BACKWARD:
             return "a backward (engine.backward)"
+        if h == STEP:
+            return "engine.step()"
+        if h == SAVE:
+            return "save_checkpoint()"
         if h < 0:
             return f"the all-gather of group {int(-1 - h)}'s whole weights ({READS})"
         k = int(h) - 1
@@ -148,7 +180,8 @@ class RankOrder:
             others = "; ".join(f"rank {r} runs {self._describe(x)}"
                                for r, x in enumerate(got) if x != h)
             # a rank reads the whole weights (this one included, for a read's check)
-            fix = READ_FIX if any(x < 0 and x != BACKWARD for x in got) else None
+            fix = (CALL_FIX if STEP in got or SAVE in got
+                   else READ_FIX if any(x <= -1 for x in got) else None)
             raise RankOrderError(
                 f"rank {self._comm.rank} runs {self._describe(h)} while another rank runs "
                 f"something else at this point of the step ({others}: another module, a "
@@ -160,4 +193,4 @@ class RankOrder:
                 "branch's output times 0), or keep modules that may be skipped inside a "
                 "larger unit (raise engine.group_size) so the skip happens within one unit; "
                 "where one rank's step raised (its model or its loss code), skip that batch "
-                "on every rank, not on that rank alone"))
+                "on every rank, not on that rank alone"), stepping=STEP in got)

@@ -574,6 +574,7 @@ def save_checkpoint(engine: Any, path: str | os.PathLike, extra: dict[str, Any] 
         scheduler, extra = _check_save(engine, path, extra)
     except Exception as e:
         refused = e
+    engine._rank_order.check_save()  # [Note: ranks run the same units] in rank_order.py
     _agree_to_save(engine.comm, path, refused)
     handle = CheckpointSave(path)
     if blocking:
