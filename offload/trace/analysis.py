@@ -20,9 +20,9 @@ from itertools import accumulate
 from typing import Any
 
 __all__ = ["Instant", "RankTrace", "Span", "Step", "TraceFormatError", "UseOutcome",
-           "StepIndex", "byte_count", "bytes_moved", "bytes_moved_per_step", "exposed_time",
-           "exposed_times", "finite", "intersect_length", "parse_trace", "prefetch_outcomes",
-           "steps_of", "tier_occupancy", "union", "union_length"]
+           "StepIndex", "byte_count", "bytes_moved", "bytes_moved_per_step", "check_key_fields",
+           "exposed_time", "exposed_times", "finite", "intersect_length", "parse_trace",
+           "prefetch_outcomes", "steps_of", "tier_occupancy", "union", "union_length"]
 
 COMPUTE_TRACK = "compute"
 MAIN_THREAD_TRACK = "thread:MainThread"
@@ -141,6 +141,22 @@ def _short(ev: Mapping[str, Any]) -> str:
     return text if len(text) < 120 else text[:117] + "..."
 
 
+# The fields that name a process, thread, async pair or kind of event; readers use them as
+# keys, so each must be a JSON scalar (offload writes integers and strings).
+KEY_FIELDS = ("pid", "tid", "id", "cat", "name")
+
+
+def check_key_fields(ev: Mapping[str, Any], where: str) -> None:
+    """Raises :class:`TraceFormatError` naming ``where`` and ``ev`` when one of its
+    :data:`KEY_FIELDS` is a list or an object: a Chrome trace's are numbers or strings."""
+    for key in KEY_FIELDS:
+        value = ev.get(key)
+        if value is not None and not isinstance(value, (str, int, float)):
+            raise TraceFormatError(f"{where}: event {_short(ev)} has {key}={_cut(value, 40)}, "
+                                   "expected a number or a string; offload reads the traces "
+                                   "it writes (docs/trace.md)")
+
+
 def parse_trace(trace: Any, source: str = "<trace>") -> list[RankTrace]:
     """The ranks of one Chrome-trace dict (as :func:`load_chrome_trace` returns it).
 
@@ -170,7 +186,10 @@ class _Reader:
         self.tracks: dict[tuple[Any, Any], str] = {}
         self.names: dict[Any, str] = {}
         for ev in trace["traceEvents"]:
-            if isinstance(ev, Mapping) and ev.get("ph") == "M":
+            if not isinstance(ev, Mapping):
+                continue  # add() refuses it
+            check_key_fields(ev, source)  # before pid, tid and id are used as keys
+            if ev.get("ph") == "M":
                 args = ev.get("args") if isinstance(ev.get("args"), Mapping) else {}
                 if ev.get("name") == "thread_name":
                     self.tracks[(ev.get("pid"), ev.get("tid"))] = str(args.get("name",

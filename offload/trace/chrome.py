@@ -18,11 +18,13 @@ Facts given to ``TraceRecorder.set_info`` go in ``metadata["info"][rank]``.
 from __future__ import annotations
 
 import enum
+import errno
 import gzip
 import json
 import math
 import numbers
 import os
+import stat
 import zlib
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -30,7 +32,7 @@ from typing import Any
 
 from offload.files import check_directory, replace_atomically
 from offload.trace.analysis import (COMPUTE_TRACK, FETCH, TIER_COUNTER_PREFIX, TraceFormatError,
-                                    finite, parse_trace, prefetch_outcomes)
+                                    check_key_fields, finite, parse_trace, prefetch_outcomes)
 from offload.trace.recorder import (ASYNC_BEGIN, ASYNC_END, COMPLETE, COUNTER, INSTANT,
                                     TraceEvent, TraceRecorder, TraceSnapshot, as_snapshot)
 
@@ -259,11 +261,13 @@ def load_chrome_trace(path: str | os.PathLike[str]) -> dict[str, Any]:
     Raises :class:`~offload.trace.analysis.TraceFormatError` (a ValueError) naming the
     file when it is not one: truncated or corrupted (JSON, gzip, UTF-8), no trace
     object, an event that is not an object, metadata that is not an object or whose
-    counts or ranks are not numbers, or written in a newer format than this reads;
-    ``OSError`` when it cannot be read at all (missing, a directory).
+    counts or ranks are not numbers, an event whose pid, tid, id, cat or name is a list
+    or an object, written in a newer format than this reads, or a path that is not a
+    regular file (a pipe, a device); ``OSError`` when it cannot be read at all (missing,
+    a directory).
     """
     target = Path(path)
-    raw = target.read_bytes()
+    raw = _read_regular_file(target)
     try:
         if raw[:2] == b"\x1f\x8b":  # gzip's magic, whatever the name
             raw = gzip.decompress(raw)
@@ -294,13 +298,30 @@ def load_chrome_trace(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise TraceFormatError(f"{target}: written in trace format {_short(version)}; this "
                                f"offload reads format {FORMAT_VERSION} and before: read it "
                                "with the offload that wrote it")
-    bad = next((ev for ev in trace["traceEvents"] if not isinstance(ev, dict)), None)
-    if bad is not None:
-        raise TraceFormatError(f"{target}: trace event {_short(bad)} is not an object")
+    for ev in trace["traceEvents"]:
+        if not isinstance(ev, dict):
+            raise TraceFormatError(f"{target}: trace event {_short(ev)} is not an object")
+        check_key_fields(ev, str(target))  # merging and summing key on them
     if meta is not None and not isinstance(meta, dict):
         raise TraceFormatError(f"{target}: its metadata is {_short(meta)}, not an object")
     _merge_metadata({}, meta or {}, target)  # checks its counts and ranks
     return trace
+
+
+def _read_regular_file(target: Path) -> bytes:
+    """The bytes of ``target``; a FIFO (which would block), a device (``/dev/zero``
+    never ends) or a socket raises :class:`TraceFormatError`, a directory
+    ``IsADirectoryError``. Opened without blocking and checked on the open file, so a
+    path swapped for a FIFO after a check cannot block the read."""
+    fd = os.open(target, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    with os.fdopen(fd, "rb") as f:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISDIR(mode):
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(target))
+        if not stat.S_ISREG(mode):
+            raise TraceFormatError(f"{target}: is not a regular file (a pipe, device or "
+                                   "socket); pass the trace file a run wrote")
+        return f.read()
 
 
 def _short(value: Any) -> str:
@@ -450,6 +471,7 @@ def _file_snapshot(trace: Mapping[str, Any], where: str) -> TraceSnapshot:
     for ev in events:
         if not isinstance(ev, Mapping):
             raise TraceFormatError(f"{where}: trace event {_short(ev)} is not an object")
+        check_key_fields(ev, where)  # async pairs key on pid, cat and id
         phase = ev.get("ph")
         if phase not in (COMPLETE, ASYNC_BEGIN, ASYNC_END, INSTANT, COUNTER):
             continue  # metadata and flow arrows

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import resource
 import stat
 import subprocess
 import sys
@@ -231,3 +232,47 @@ def test_a_failed_write_leaves_the_old_report_whole_and_no_partial_file(tmp_path
     assert f"{report}: cannot write the report" in out.stderr
     assert report.read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["t.json", "t.report.html"]
+
+
+def _events(*events: dict) -> str:
+    return json.dumps({"traceEvents": list(events), "metadata": {"format_version": 1}})
+
+
+_STEP = {"name": "step", "cat": "compute", "ph": "X", "ts": 1.0, "dur": 5.0, "pid": 0,
+         "tid": 1, "args": {"step": 1}}
+
+
+@pytest.mark.parametrize("name, events, field", [
+    ("tid-list", [{"name": "thread_name", "ph": "M", "pid": 0, "tid": [1],
+                   "args": {"name": "compute"}}, _STEP], "tid=[1]"),
+    ("tid-object", [{**_STEP, "tid": {"a": 1}}], "tid={'a': 1}"),
+    ("pid-list", [{**_STEP, "pid": [0]}], "pid=[0]"),
+    ("id-list", [_STEP, {"name": "read", "cat": "io", "ph": "b", "ts": 1.0, "pid": 0,
+                         "tid": 1, "id": [7]}], "id=[7]"),
+])
+def test_an_event_whose_ids_are_lists_or_objects_is_one_line(tmp_path: Path, name: str,
+                                                             events: list, field: str) -> None:
+    path = tmp_path / f"{name}.json"
+    path.write_text(_events(*events))
+    line = _bad(tmp_path, str(path), "-o", str(tmp_path / "out.html"))
+    assert f"{name}.json: event" in line and field in line, line
+    assert not list(tmp_path.glob("*.html"))
+
+
+def test_a_path_that_is_not_a_regular_file_is_refused_not_read(tmp_path: Path) -> None:
+    """A FIFO would block the read until a writer came (none does), /dev/zero never
+    ends: each is one line naming it. The address space is capped so that a reader
+    that did read /dev/zero fails here instead of calling the OOM killer."""
+    fifo = tmp_path / "fifo.json"
+    os.mkfifo(fifo)
+    cap = 4 << 30
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+    for path in (str(fifo), "/dev/zero"):
+        out = subprocess.run(VIEW + [path, "-o", str(tmp_path / "out.html")],
+                             capture_output=True, text=True, timeout=30, preexec_fn=limit)
+        assert out.returncode == 2 and out.stdout == "", (out.stdout, out.stderr[-2000:])
+        assert out.stderr == f"offload view: {path}: is not a regular file (a pipe, device or "\
+            "socket); pass the trace file a run wrote\n", out.stderr[-2000:]
+    assert not list(tmp_path.glob("*.html"))

@@ -306,3 +306,72 @@ def test_a_checkpoint_removed_while_read_is_not_called_damaged(copy):
         assert not isinstance(got.value, offload.engine.CheckpointCorruptError)
     finally:
         reader.close()
+
+
+def _edit_record(ck, edit):
+    """`edit(record)` changes the commit record of `ck`, which is written again with its
+    sha256: a record whose checksum matches but whose fields are not what a save wrote."""
+    from offload.engine.training_checkpoint import RECORD, _read_json, _write_json
+    rec = _read_json(ck / RECORD)
+    del rec["sha256"]
+    edit(rec)
+    _write_json(ck / RECORD, rec)
+    return ck
+
+
+_RECORD_EDITS = {  # name: (edit, the field the error names)
+    "world a string": (lambda r: r.update(world="2"), r"world is '2', expected a positive"),
+    "world of 10**12": (lambda r: r.update(world=10**12),
+                        r"written by 1000000000000 ranks but holds the records of ranks \[0\]"),
+    "world 0": (lambda r: r.update(world=0), r"world is 0, expected a positive integer"),
+    "no global_step": (lambda r: r.pop("global_step"), r"global_step is missing"),
+    "no world": (lambda r: r.pop("world"), r"world is missing"),
+    "no dtype": (lambda r: r.pop("dtype"), r"dtype is missing"),
+    "no tensors": (lambda r: r.pop("tensors"), r"tensors is missing"),
+    "tensors a string": (lambda r: r.update(tensors="x"), r"tensors is 'x', expected a JSON "
+                                                          r"object, each entry a tensor"),
+    "tensors a list": (lambda r: r.update(tensors=[1]), r"tensors is \[1\], expected"),
+    "tensors null": (lambda r: r.update(tensors=None), r"tensors is None, expected"),
+    "a tensor without kinds": (lambda r: r["tensors"]["l1.weight"].pop("kinds"),
+                               r"tensors\['l1\.weight'\] is \{.*, expected a tensor with"),
+    "ranks a number": (lambda r: r.update(ranks=5), r"ranks is 5, expected a list"),
+    "ranks a string": (lambda r: r.update(ranks="x"), r"ranks is 'x', expected a list"),
+    "a rank without writes": (lambda r: r["ranks"][0].pop("writes"), r"ranks\[0\] is \{"),
+    "global_step a float": (lambda r: r.update(global_step=1.5), r"global_step is 1\.5"),
+    "loss_scale a string": (lambda r: r.update(loss_scale="1"), r"loss_scale is '1'"),
+    "no param_groups": (lambda r: r.update(param_groups=[]), r"param_groups is \[\], expected "
+                                                             r"a non-empty list"),
+}
+
+
+@pytest.mark.parametrize("what", list(_RECORD_EDITS))
+def test_a_record_of_wrong_types_is_a_corrupt_error_naming_the_field(copy, what):
+    """A commit record whose sha256 matches but whose fields have other types or ranges
+    than a save writes was a TypeError or KeyError, or (a world of 10**12 ranks) a
+    `verify` that never ended: refused on opening, naming the file and the field."""
+    edit, field = _RECORD_EDITS[what]
+    ck = _edit_record(copy(), edit)
+    with pytest.raises(offload.CheckpointCorruptError,
+                       match=rf"checkpoint\.json: damaged record: {field}.*the checkpoint is "
+                             "damaged"):
+        CheckpointReader(ck)
+
+
+@pytest.mark.parametrize("what", ["world a string", "world of 10**12", "tensors a string",
+                                  "ranks a number"])
+def test_offload_checkpoint_and_resume_refuse_a_record_of_wrong_types(copy, tmp_path, what):
+    """`offload checkpoint info` and `export` print one line and exit with code 1 (as for
+    any damage); `initialize(resume=...)` raises the same CheckpointCorruptError."""
+    edit, field = _RECORD_EDITS[what]
+    ck = _edit_record(copy(), edit)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
+    for args in (["info", str(ck)], ["export", str(ck), "--to", str(tmp_path / "out")]):
+        out = subprocess.run([sys.executable, "-m", "offload.cli.main", "checkpoint", *args],
+                             capture_output=True, text=True, timeout=60, cwd=root)
+        assert out.returncode == 1, out.stderr[-2000:]
+        assert "Traceback" not in out.stderr and out.stderr.count("\n") == 1, out.stderr
+        assert re.search(rf"^offload checkpoint {args[0]}: checkpoint file .*checkpoint\.json: "
+                         rf"damaged record: {field}", out.stderr), out.stderr
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(offload.CheckpointCorruptError, match=rf"damaged record: {field}"):
+        _resume(ck, tmp_path)
