@@ -261,11 +261,12 @@ class StoreConfig:
                                  "(default: remove them)")
     swap_kinds: list[str] = _doc(_KINDS, "partition kinds whose swap files are opened and locked "
                                  "when the store starts; other kinds open on first use",
-                                 allowed="names of letters, digits, '_', '.' or '-', each once")
+                                 allowed="names of 1 to 64 letters, digits, '_', '.' or '-', "
+                                 "each once")
 
     def __post_init__(self) -> None:
         _normalise(self, "store")
-        if not re.fullmatch(r"auto|cpu|cuda(:[0-9]+)?", self.device):
+        if not re.fullmatch(r"auto|cpu|cuda(:(0|[1-9][0-9]{0,3}))?", self.device):
             raise ConfigError(f"store.device: {self.device!r} is not a device; use 'auto', "
                               "'cpu', 'cuda' or 'cuda:N'")
         for key in ("device_budget", "host_budget"):
@@ -283,9 +284,9 @@ class StoreConfig:
                               f"can wait; use at most {MAX_WAIT_S:.0e} s (about 31 years), "
                               "e.g. 300")
         for i, kind in enumerate(self.swap_kinds):
-            if not re.fullmatch(r"[A-Za-z0-9_.-]+", kind):
+            if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", kind):
                 raise ConfigError(f"store.swap_kinds[{i}]: {kind!r} cannot be part of a file "
-                                  "name; use letters, digits, '_', '.' or '-'")
+                                  "name; use 1 to 64 letters, digits, '_', '.' or '-'")
             if kind in self.swap_kinds[:i]:
                 raise ConfigError(f"store.swap_kinds[{i}]: {kind!r} is listed twice; list "
                                   "each kind once")
@@ -700,7 +701,7 @@ def load_config(source: OffloadConfig | dict | str | os.PathLike | None = None) 
     except FileNotFoundError:
         raise ConfigError(f"config file {path} does not exist") from None
     except (OSError, ValueError) as e:  # a name too long, a NUL byte, no permission
-        raise ConfigError(f"config file {path!r} cannot be read: "
+        raise ConfigError(f"config file {str(path)!r} cannot be read: "
                           f"{getattr(e, 'strerror', None) or e}") from e
     if stat.S_ISDIR(kind):
         raise ConfigError(f"config file {path} is a directory; give the path of a .toml or "

@@ -64,6 +64,14 @@ def table_console() -> Any:
     return Console(width=None if sys.stdout.isatty() else 160)
 
 
+def escape(text: object) -> str:
+    """`text` (a path, a model name) as itself inside rich markup: brackets in it are
+    not read as tags (`[/x]` raised, `[bold]` vanished)."""
+    from rich.markup import escape as rich_escape
+
+    return rich_escape(str(text))
+
+
 def run_command(func: Callable[[argparse.Namespace], int], args: argparse.Namespace,
                 prog: str) -> int:
     """Runs a sub-command; a `UsageError` or `ConfigError` is one line and exit code 2, a
@@ -333,9 +341,11 @@ def output_file(none: Sequence[str] = (), *, example: str = "out.json") -> Calla
         if text in none:
             return text
         p = os.path.abspath(text)
-        if not text.strip() or os.path.isdir(p):
-            raise _bad(text, "is a directory, not a file", f"give a file name such as "
-                       f"'{example}'" + (f", or '{none[0]}'" if none else ""))
+        fix = f"give a file name such as '{example}'" + (f", or '{none[0]}'" if none else "")
+        if not text.strip():
+            raise _bad(text, "names no file", fix)
+        if os.path.isdir(p):
+            raise _bad(text, "is a directory, not a file", fix)
         if os.path.exists(p) and not os.access(p, os.W_OK):
             raise _bad(text, "exists and cannot be written", "give another file name")
         parent = os.path.dirname(p)

@@ -51,6 +51,8 @@ log = logging.getLogger(__name__)
 
 DEFAULT_SIZE = "small"
 DEFAULT_STEPS = 60
+MAX_PARAMS = 100 * 10**9  # --size: beyond it the meta model alone takes minutes to build
+MAX_BATCH = 4096  # --batch: sequences per step and process
 TRACE_STEP = 3          # steady state: step 1 records the access trace, 2 runs the plan
 SAMPLE_SECONDS = 0.05   # how often tier occupancy is sampled during a step
 GROW_STEP = 16 << 20    # swap-file preallocation unit: small, so the disk estimate is tight
@@ -185,6 +187,9 @@ def _parse_size(text: str) -> tuple[str, GPTConfig]:
     if n is None or n < 1:
         raise UsageError(f"--size: {text!r} is neither a preset ({', '.join(PRESETS)}) nor a "
                          "positive parameter count; give e.g. small or 50M")
+    if n > MAX_PARAMS:
+        raise UsageError(f"--size: {text!r} is more than the demo's {MAX_PARAMS / 1e9:.0f}B "
+                         "parameters (1.6 TB of training state); give e.g. 1B")
     return text, preset_for_params(n, vocab=PRESETS["tiny"].vocab,
                                    max_seq=PRESETS["tiny"].max_seq, head_dim=64)
 
@@ -524,8 +529,8 @@ _OPTIONS: list[tuple[str, dict[str, Any]]] = [
     ("--tiny", dict(action="store_true", help="the tiny model (seconds; for tests)")),
     ("--steps", dict(type=integer(1, example=DEFAULT_STEPS), default=DEFAULT_STEPS,
                      help=f"optimizer steps (default {DEFAULT_STEPS})")),
-    ("--batch", dict(type=integer(1, example=16), default=16,
-                     help="sequences per step and process (default 16)")),
+    ("--batch", dict(type=integer(1, MAX_BATCH, example=16), default=16,
+                     help=f"sequences per step and process, 1..{MAX_BATCH} (default 16)")),
     ("--length", dict(type=integer(1, example=8), default=8,
                       help="tokens per sequence to reverse (default 8)")),
     ("--lr", dict(type=number(0, above=True, example=3e-4), default=None,

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..config import format_bytes
+from .args import escape
 from .gpt import ReversalTask, state_bytes_per_param
 
 if TYPE_CHECKING:
@@ -37,11 +38,17 @@ class Reporter:
         self._plan: DemoPlan | None = None
 
     def error(self, text: str) -> None:
-        self.err.print(f"[red]{text}[/red]")
+        self._say(text, "red")
 
     def note(self, text: str) -> None:
         if not self.quiet:
-            self.err.print(f"[yellow]{text}[/yellow]")
+            self._say(text, "yellow")
+
+    def _say(self, text: str, style: str) -> None:
+        """One line on stderr, however wide: the text is not markup (a path may hold
+        brackets) and is not wrapped (a message is one line to grep or parse)."""
+        from rich.text import Text
+        self.err.print(Text(text, style=style), soft_wrap=True)
 
     def start(self, plan: DemoPlan) -> None:
         self._plan = plan
@@ -75,12 +82,14 @@ class Reporter:
         if "steps" in summary:
             self.console.print(_summary_table(plan, summary))
         gone = "removed" if summary.get("swap_removed") else "[red]NOT removed[/red]"
-        self.console.print(f"swap files: {gone} ({summary.get('swap_dir')})")
+        self.console.print(f"swap files: {gone} ({escape(summary.get('swap_dir'))})")
         if summary.get("trace"):
-            self.console.print(f"trace of step {plan.trace_step}: {summary['trace']} (open it "
-                               "in https://ui.perfetto.dev)")
+            self.console.print(f"trace of step {plan.trace_step}: "
+                               f"{escape(summary['trace'])} (open it in "
+                               "https://ui.perfetto.dev)")
         if summary.get("report"):
-            self.console.print(f"report: {summary['report']} (open it in a browser)")
+            self.console.print(f"report: {escape(summary['report'])} (open it in a "
+                               "browser)")
 
 
 def _plain_line(rec: StepRecord, plan: DemoPlan | None) -> str:
@@ -143,13 +152,14 @@ def print_header(reporter: Reporter, plan: DemoPlan) -> None:
               f"I/O staging {format_bytes(p.io_buffers)}" + (" - per rank" if p.world > 1 else ""))
     t.add_row("placement", f"weights: {p.params}, gradients: {p.grads}, master weights and "
               f"Adam moments: {p.optimizer}")
-    t.add_row("swap", f"{p.swap_root}/{DIR_PREFIX}<pid> - about {format_bytes(p.disk_needed())}"
+    t.add_row("swap", f"{escape(p.swap_root)}/{DIR_PREFIX}<pid> - about "
+              f"{format_bytes(p.disk_needed())}"
               f", removed on exit ({format_bytes(_free_bytes(p.swap_root))} free)")
     t.add_row("run", f"{p.steps} step{'s' if p.steps > 1 else ''} of {p.batch} x "
               f"{2 * p.length} tokens, lr {p.lr:g}, "
               f"{p.world} process{'es' if p.world > 1 else ''}")
     if p.trace is not None:
-        t.add_row("trace", f"step {p.trace_step} -> {p.trace}")
+        t.add_row("trace", f"step {p.trace_step} -> {escape(p.trace)}")
     reporter.console.print("[bold]offload demo[/bold]: train a model whose training state "
                            "does not fit its budgets")
     reporter.console.print(t)

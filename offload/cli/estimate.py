@@ -16,7 +16,7 @@ from ..config import EngineConfig, IoConfig, OffloadConfig, format_bytes
 from ..planner.estimate import (KINDS, PLACEMENTS, ModelBytes, kind_bytes, parse_placement,
                                 tier_bytes)
 from ..planner.sizes import STATE_DTYPES
-from .args import UsageError, byte_size, integer, table_console
+from .args import UsageError, byte_size, escape, integer, table_console
 from .benchutil import emit
 from .model_arg import MeasuredModel, add_model_arguments, measure_model, model_spec
 
@@ -75,7 +75,7 @@ def render(result: dict[str, Any]) -> None:
     from rich.table import Table
 
     con = table_console()
-    t = Table(title=f"{result['model']}: {result['params'] / 1e6:.1f}M parameters, "
+    t = Table(title=f"{escape(result['model'])}: {result['params'] / 1e6:.1f}M parameters, "
                     f"{result['dtype']}, {result['groups']} groups, world {result['world']}")
     for col in ("kind", "per rank", "all ranks"):
         t.add_column(col, justify="left" if col == "kind" else "right")

@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from ..config import EngineConfig, IoConfig, OptimConfig, format_bytes, load_config, toml_loads
 from ..files import replace_atomically
@@ -35,8 +35,9 @@ from ..planner.estimate import PLACEMENTS, Placement
 from ..planner.search import (Budgets, Candidate, Machine, Space, StepShape, candidates, score,
                               search, shortfall)
 from ..planner.sizes import STATE_DTYPES
-from .args import (UsageError, byte_size, choice_list, directory, integer, missing_directories,
-                   number, output_file, remove_directories, table_console, value_list)
+from .args import (UsageError, byte_size, choice_list, directory, escape, integer,
+                   missing_directories, number, output_file, remove_directories, table_console,
+                   value_list)
 from .estimate import minimum
 from .model_arg import MeasuredModel, add_model_arguments, measure_model, model_spec
 from .tune_probe import MachineProbe, probe_adam, probe_copy, probe_disk, probe_matmul
@@ -365,7 +366,8 @@ def render(result: dict[str, Any], top: int) -> None:
     from rich.table import Table
 
     con = table_console()
-    t = Table(title=f"offload tune: {result['model']} ({result['params'] / 1e6:.1f}M params, "
+    t = Table(title=f"offload tune: {escape(result['model'])} "
+                    f"({result['params'] / 1e6:.1f}M params, "
                     f"{result['dtype']}, batch {result['batch']}), host budget "
                     f"{format_bytes(result['budgets']['host'])}, device budget "
                     f"{format_bytes(result['budgets']['device'])}: best {top} of "
@@ -396,7 +398,7 @@ def render(result: dict[str, Any], top: int) -> None:
                   f"{(o['bytes_read'] + o['bytes_written']) / 1e6:.0f} MB of disk traffic; "
                   f"--state-dtype {o['state_dtype']} searches with it")
     if result.get("written"):
-        con.print(f"wrote {result['written']} (#{result['chosen']})")
+        con.print(f"wrote {escape(result['written'])} (#{result['chosen']})")
     for v in result.get("verify", []):
         con.print(f"verify #{v['rank']} {v['placement']}: predicted {v['predicted_step_s']:.3f}"
                   f" s, measured {v['measured_step_s']:.3f} s "
@@ -561,7 +563,8 @@ def _measured_runs(result: dict[str, Any]) -> list[tuple[float, dict, str]]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_arguments(p)
-    p.add_argument("--swap", required=True, type=directory("swap directory on the NVMe"),
+    p.add_argument("--swap", required=True, type=toml_text(directory("swap directory on the "
+                                                                     "NVMe")),
                    help="directory for swap files (probed, and written into the config)")
     p.add_argument("--host-budget", type=byte_size(4096, example="16GiB"), default=None,
                    help="host memory offload may use per rank: store, host optimizer state "
@@ -605,10 +608,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
+def toml_text(parse: Callable[[str], str]) -> Callable[[str], str]:
+    """`parse`, for a value the written TOML holds (--swap in io.paths, --write in its
+    comments): refused at once where TOML cannot hold it (bytes that are not UTF-8, or
+    control characters), not after the whole run."""
+    def check(text: str) -> str:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise argparse.ArgumentTypeError(
+                f"{text!r} holds bytes that are not UTF-8, which the TOML file --write "
+                "writes cannot hold; give a name in UTF-8") from None
+        if any(ord(c) < 0x20 or ord(c) == 0x7F for c in text):
+            raise argparse.ArgumentTypeError(f"{text!r} holds control characters; give a "
+                                             "name without them")
+        return parse(text)
+    check.__name__ = getattr(parse, "__name__", "value")
+    return check
+
+
 def toml_file(text: str) -> str:
     """--write: a writable file whose name ends in .toml (`offload.initialize` reads a
     config file by its suffix)."""
-    path = output_file(example="offload.toml")(text)
+    path = toml_text(output_file(example="offload.toml"))(text)
     if not path.endswith(".toml"):
         raise argparse.ArgumentTypeError(f"{text!r} is not a .toml file name (initialize "
                                          "reads a config by its suffix); give e.g. offload.toml")

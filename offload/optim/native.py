@@ -166,8 +166,9 @@ class NativeAdam:
             raise RuntimeError(why)
         isa = isa or os.environ.get(ISA_SWITCH) or "avx512"
         if isa not in ISAS:
-            raise ValueError(f"native Adam isa {isa!r} (from {ISA_SWITCH}?) is not one of "
-                             f"{list(ISAS)}")
+            from ..config import ConfigError
+            raise ConfigError(f"{ISA_SWITCH}: {isa!r} is not one of {list(ISAS)}; unset it "
+                              "(the kernel then takes every path the CPU has) or give one")
         self.isa = isa
         self._fn = _cache["lib"].offload_adam_block
         self._claim = _cache["lib"].offload_adam_claim

@@ -22,7 +22,7 @@ BAD = [
     (["demo", "--size", "huge"], "--size: 'huge' is not a count"),
     (["demo", "--size", "inf"], "--size: 'inf' is not a count"),
     (["demo", "--steps", "0"], "--steps: '0' is not positive; give e.g. 60"),
-    (["demo", "--batch", "-1"], "--batch: '-1' is not positive"),
+    (["demo", "--batch", "-1"], "--batch: '-1' is out of range 1..4096"),
     (["demo", "--length", "x"], "--length: 'x' is not an integer"),
     (["demo", "--tiny", "--length", "100"], "--length: 100 is out of range for this model; "
      "give 1..16"),

@@ -157,3 +157,72 @@ def test_bench_checkpoint_leaves_no_directories_it_made(tmp_path):
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["layers"] == 24
     assert list(keep.iterdir()) == []  # no swap-a, swap-b0 left in the user's directory
+
+
+# -- text the user gives, shown as given -----------------------------------------------------
+
+def test_brackets_in_paths_are_shown_as_given(tmp_path):
+    """rich read `[/x]` in a path as a closing tag (a traceback) and `[bold]` as a style
+    (another path shown): paths in the demo's and estimate's output are literal text."""
+    swap = tmp_path / "s[/x]w[bold]"
+    r = _run(["demo", "--tiny", "--steps", "1", "--trace", "none", "--swap-dir", str(swap)],
+             tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert f"{swap}/offload-demo-" in r.stdout
+    (tmp_path / "m[").mkdir()
+    model = _gpt2_dir(tmp_path, 64).rename(tmp_path / "m[" / "x]d")
+    r = _run(["estimate", str(model), "--batch", "1", "--seq", "8"], tmp_path)
+    assert r.returncode == 0 and "m[/x]d" in r.stdout, r.stderr
+
+
+def test_demo_errors_are_one_line_however_long(tmp_path):
+    """The demo's own errors (here: too little disk for --size) went through a console
+    that wraps at 80 columns when stderr is not a terminal: one line now."""
+    r = _run(["demo", "--size", "100B", "--trace", "none", "--swap-dir", str(tmp_path)],
+             tmp_path)
+    assert r.returncode == 1 and "--size" in _one_line(r.stderr)
+
+
+@pytest.mark.parametrize("args, flag", [
+    (["--tiny", "--batch", "1000000000000"], "--batch"),
+    (["--size", "1e15"], "--size"),
+    (["--tiny", "--trace", " "], "--trace"),
+])
+def test_demo_refuses_values_beyond_its_limits_at_once(tmp_path, args, flag):
+    r = _run(["demo", "--steps", "1", *args], tmp_path, timeout=60)
+    assert r.returncode == 2 and _one_line(r.stderr).startswith(f"offload demo: {flag}:")
+
+
+def test_a_bad_native_isa_switch_is_one_line(tmp_path):
+    env_isa = {"OFFLOAD_NATIVE_ISA": "AVX2"}
+    r = subprocess.run(OFFLOAD + ["demo", "--tiny", "--steps", "1", "--trace", "none"],
+                       capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                       env={**os.environ, "PYTHONPATH": str(ROOT), **env_isa})
+    assert r.returncode == 2
+    assert "OFFLOAD_NATIVE_ISA: 'AVX2' is not one of" in _one_line(r.stderr)
+
+
+@pytest.mark.parametrize("swap, write, flag", [
+    ("sw\udcff", "o.toml", "--swap"),
+    ("sw", "o\x01.toml", "--write"),
+])
+def test_tune_refuses_names_toml_cannot_hold_before_it_runs(tmp_path, swap, write, flag):
+    r = subprocess.run([*OFFLOAD, "tune", "mm:build", "--swap", swap, "--write", write],
+                       capture_output=True, timeout=60, cwd=tmp_path,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    err = r.stderr.decode("utf-8", "replace")
+    assert r.returncode == 2 and _one_line(err).startswith(f"offload tune: {flag}:"), err
+    assert not (tmp_path / "o.toml").exists()
+
+
+@pytest.mark.parametrize("device", ["cuda:00", "cuda:2147483648"])
+def test_store_device_strings_torch_cannot_parse_are_config_errors(device):
+    import offload
+    with pytest.raises(offload.ConfigError, match="store.device"):
+        offload.load_config({"store": {"device": device}})
+
+
+def test_a_swap_kind_too_long_for_a_file_name_is_refused():
+    import offload
+    with pytest.raises(offload.ConfigError, match=r"store.swap_kinds\[0\].*1 to 64"):
+        offload.load_config({"store": {"swap_kinds": ["k" * 300]}})
