@@ -28,14 +28,15 @@ from ..trace import NULL_RECORDER, AsyncToken, TraceRecorder
 __all__ = ["Collectives", "Pending", "RankFailedError", "backend_for", "device_backend"]
 
 
-def device_backend(group: object | None = None) -> str:
-    """The backend that carries this process's device tensors over `group`: "nccl"
-    where CUDA is here and the group sends CUDA tensors over NCCL (a plain "nccl"
-    group, or one made with a per-device config such as "cpu:gloo,cuda:nccl"), else
-    the group's backend ("gloo"). The collectives pick NCCL's own calls (a
-    reduce-scatter, CUDA-side scalars) only where this is "nccl"."""
+def device_backend(group: object | None = None, cuda: bool | None = None) -> str:
+    """The backend that carries the engine's tensors over `group`: "nccl" where they are
+    CUDA tensors (`cuda`; None: CUDA is here) and the group sends those over NCCL (a
+    plain "nccl" group, or one made with a per-device config such as
+    "cpu:gloo,cuda:nccl"), else the group's backend for CPU tensors ("gloo"). The
+    collectives pick NCCL's own calls (a reduce-scatter, CUDA-side scalars) only
+    where this is "nccl"."""
     return backend_for(str(dist.get_backend(group)), str(dist.get_backend_config(group)),
-                       torch.cuda.is_available())
+                       torch.cuda.is_available() if cuda is None else cuda)
 
 
 def backend_for(backend: str, config: str, cuda: bool) -> str:
@@ -79,14 +80,16 @@ class Collectives:
     """Collectives of one job; a world of 1 (or no process group) makes them copies."""
 
     def __init__(self, group: object | None = None, *,
-                 recorder: TraceRecorder = NULL_RECORDER, name: str = "") -> None:
+                 recorder: TraceRecorder = NULL_RECORDER, name: str = "",
+                 cuda: bool | None = None) -> None:
         self.recorder = recorder
         self.name = name  # the group's role in the trace's args ("dp", "tp"); "" for the world
         self.distributed = dist.is_available() and dist.is_initialized()
         self.group = group
         self.rank = dist.get_rank(group) if self.distributed else 0
         self.world = dist.get_world_size(group) if self.distributed else 1
-        self.backend = device_backend(group) if self.distributed else "none"
+        # `cuda`: the engine's tensors are CUDA tensors (None: CUDA is here)
+        self.backend = device_backend(group, cuda) if self.distributed else "none"
 
     def destroy(self) -> None:
         """Frees this process's part of `group`, a group the caller made for its own use

@@ -76,4 +76,5 @@ def gather_group(comm: Collectives, groups: list[list[int]]) -> Collectives:
     """A second communicator for `comm`'s ranks: `groups` lists the ranks of every group
     like `comm`'s in the job (each rank calls this with the same list)."""
     mine, _ = dist.new_subgroups_by_enumeration(groups)
-    return Collectives(mine, recorder=comm.recorder, name=comm.name)
+    return Collectives(mine, recorder=comm.recorder, name=comm.name,
+                       cuda=comm.backend == "nccl")

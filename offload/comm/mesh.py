@@ -32,9 +32,11 @@ class ParallelMesh:
     world: Collectives
 
     @classmethod
-    def build(cls, tp_size: int, *, recorder: TraceRecorder = NULL_RECORDER) -> "ParallelMesh":
+    def build(cls, tp_size: int, *, recorder: TraceRecorder = NULL_RECORDER,
+              cuda: bool | None = None) -> "ParallelMesh":
         """Splits the default process group into DP x `tp_size`; raises `ValueError`
-        when there is no process group or its size is not a multiple of `tp_size`."""
+        when there is no process group or its size is not a multiple of `tp_size`.
+        `cuda`: the engine computes on CUDA (None: CUDA is here)."""
         if not (dist.is_available() and dist.is_initialized()):
             raise ValueError(f"tp.size = {tp_size} needs torch.distributed: start the job "
                              "with torchrun (or init_process_group) on a multiple of "
@@ -44,11 +46,12 @@ class ParallelMesh:
             raise ValueError(f"tp.size = {tp_size} does not divide the {world} ranks of the "
                              "job; use a divisor of the world size")
         from torch.distributed.device_mesh import init_device_mesh
-        device = "cuda" if device_backend() == "nccl" else "cpu"
+        device = "cuda" if device_backend(cuda=cuda) == "nccl" else "cpu"
         mesh = init_device_mesh(device, (world // tp_size, tp_size), mesh_dim_names=("dp", "tp"))
-        return cls(dp=Collectives(mesh.get_group("dp"), recorder=recorder, name="dp"),
-                   tp=Collectives(mesh.get_group("tp"), recorder=recorder, name="tp"),
-                   world=Collectives(recorder=recorder))
+        def group(name: str) -> Collectives:
+            return Collectives(mesh.get_group(name), recorder=recorder, name=name, cuda=cuda)
+        return cls(dp=group("dp"), tp=group("tp"), world=Collectives(recorder=recorder,
+                                                                       cuda=cuda))
 
     def close(self) -> None:
         """Frees the DP and TP groups the mesh made (`Collectives.destroy`)."""

@@ -294,7 +294,7 @@ def initialize(model: nn.Module | Callable[[], nn.Module],
         device = resolve_device(cfg.store.device)
         if device.type == "cuda":  # [Note: a GPU per rank] in offload/store/copy.py
             torch.cuda.set_device(device)
-        _refuse_gather_thread_on_nccl(cfg)
+        _refuse_gather_thread_on_nccl(cfg, device.type == "cuda")
         _report_huge_pages()
         model = _model_of(model, lr_lambda)
         _refuse_unsupported(model, cfg.engine.dtype)
@@ -316,9 +316,10 @@ def initialize(model: nn.Module | Callable[[], nn.Module],
     agreement.settle(lambda: [config_section(cfg)])  # the whole job, before its mesh is built
     # [Note: ZeRO-3 over DP, tensor parallelism over TP] in tensor_parallel.py
     tp = TensorParallel.setup(model, cfg, restored=ckpt is not None or resumed is not None,
-                              recorder=recorder, keep_undo=True)
+                              recorder=recorder, keep_undo=True, cuda=device.type == "cuda")
     with _cut_undone_on_failure(tp):  # [Note: undoing parallelize] in offload/comm/domino.py
-        comm = tp.mesh.dp if tp is not None else Collectives(recorder=recorder)
+        comm = (tp.mesh.dp if tp is not None
+                else Collectives(recorder=recorder, cuda=device.type == "cuda"))
         dtype, share = _DTYPES[cfg.engine.dtype], None
         with agreement.refusals():
             units, groups = build_units(model, cfg.engine.group_size, comm.world,
@@ -458,11 +459,11 @@ def _place_new_group(engine: OffloadEngine, g: Group, segments: list[tuple[int, 
     return differs
 
 
-def _refuse_gather_thread_on_nccl(cfg: OffloadConfig) -> None:
+def _refuse_gather_thread_on_nccl(cfg: OffloadConfig, cuda: bool) -> None:
     """comm.gather_thread is for gloo: NCCL's collectives are asynchronous already, and
     two NCCL communicators driven from two threads can deadlock."""
     if (cfg.comm.gather_thread and dist.is_available() and dist.is_initialized()
-            and dist.get_world_size() > 1 and device_backend() == "nccl"):
+            and dist.get_world_size() > 1 and device_backend(cuda=cuda) == "nccl"):
         raise ConfigError("comm.gather_thread is for gloo: NCCL's collectives are "
                           "asynchronous already, and two communicators driven from two "
                           "threads can deadlock under NCCL; set comm.gather_thread = false")

@@ -98,7 +98,7 @@ def _list_of(v: Any, ok: Callable[[Any], bool]) -> bool:
 def _tensor_entry(t: Any) -> bool:
     """Whether `t` is a commit record's entry of one tensor, as `_record` writes it."""
     return (isinstance(t, dict) and _list_of(t.get("shape"), _count)
-            and _dict_of(t.get("kinds"), lambda d: d in TORCH_DTYPES)
+            and _dict_of(t.get("kinds"), lambda d: isinstance(d, str) and d in TORCH_DTYPES)
             and "param" in t["kinds"] and set(t["kinds"]) <= set(KINDS)
             and _list_of(t.get("aliases"), lambda a: isinstance(a, str))
             and isinstance(t.get("requires_grad"), bool) and _count(t.get("group")))
@@ -171,7 +171,8 @@ def _check_record(rec: dict[str, Any], where: Path) -> None:
     if len(ranks) != rec["world"] or ranks != list(range(len(ranks))):
         raise damaged(f"written by {rec['world']} ranks but holds the records of ranks "
                       f"{_cut(ranks)}")
-    need("extra", lambda v: isinstance(v, dict), "an object", default={})
+    need("version", lambda v: isinstance(v, str), "the writer's version")
+    need("extra", lambda v: isinstance(v, dict), "an object")
     need("lr_scheduler", lambda v: v is None or isinstance(v, dict), "null or an object",
          default=None)
     need("buffers_sha256", lambda v: v is None or isinstance(v, str), "null or a sha256",
@@ -302,11 +303,6 @@ class CheckpointReader:
         if unused:
             raise CheckpointError(f"checkpoint {self.path}: tensors {unused[:8]} are not in "
                                   "the model")
-        world = self.record["world"]
-        ranks = sorted(r["rank"] for r in self.record["ranks"])
-        if ranks != list(range(world)):
-            raise CheckpointError(f"checkpoint {self.path}: written by {world} ranks but holds "
-                                  f"the records of ranks {ranks}")
         for g in self.record["groups"]:
             spans = sorted(tuple(r["writes"][str(g["gid"])]) for r in self.record["ranks"])
             covered = 0
@@ -318,7 +314,8 @@ class CheckpointReader:
                 raise CheckpointError(f"checkpoint {self.path}: group {g['gid']} is covered "
                                       f"only up to element {covered} of {g['numel']} by the "
                                       f"ranks' ranges {spans}")
-        for r in range(world):  # their RNG states are restored last: find a loss first
+        # the rank files: their RNG states are restored last, so a loss is found first
+        for r in range(self.record["world"]):
             if not self._rank_path(r).is_file():
                 raise self._rank_damaged(r, "is missing")
 

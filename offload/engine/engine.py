@@ -201,6 +201,7 @@ class OffloadEngine(ModelWeights, ModuleHooks, GradPartitions, GroupUpdates, Gat
                 self._hooks.append(st.flat.register_post_accumulate_grad_hook(
                     weak_hook(self, OffloadEngine._on_grad, st.group.gid)))
         self._rank_order = RankOrder(comm, units, cfg.engine.check_rank_order)
+        self._rank_order.on_missed_step = weak_hook(self, OffloadEngine._drop_missed_step)
         # [Note: registered parameters] in params_view.py
         self.registered = RegisteredParams(model, groups, units, self.dtype, self.device)
         self._ahead = ForwardOnlyPrefetch(units, store, cfg.engine.prefetch_depth)
@@ -284,12 +285,22 @@ class OffloadEngine(ModelWeights, ModuleHooks, GradPartitions, GroupUpdates, Gat
             except BaseException as e:  # a forward changes no state of the step
                 self._release_gathered(orphan=True)
                 if torch.is_grad_enabled() and not in_backward():
-                    self._abandon_window("a forward raised", e)
+                    self._abandon_window("a forward raised")
                 if not in_backward() and raised_by_the_model(e):
                     self._rank_order.failed()  # [Note: a rank whose model raised]
                 raise
 
-    def _abandon_window(self, what: str, e: BaseException | None = None) -> None:
+    def _drop_missed_step(self) -> None:
+        """[Note: ranks run the same units] in rank_order.py: this rank met another's
+        step() at another call (it skipped its own), and that step failed, dropping its
+        gradients: this rank drops its own, so the ranks go on from the same state."""
+        if self._backwards:
+            self._abort_step()
+            log.warning("another rank ran step() while this one did not: the step's "
+                        "gradients are dropped on every rank; call engine.step() on every "
+                        "rank after the same backward calls")
+
+    def _abandon_window(self, what: str) -> None:
         """[Note: a forward that raises between micro-batches] With gradient
         accumulation, a forward that raises after some of the step's micro-batches
         ran their backward leaves their gradients summed in the grad partitions; the
@@ -299,13 +310,9 @@ class OffloadEngine(ModelWeights, ModuleHooks, GradPartitions, GroupUpdates, Gat
         over. Evaluation forwards (autograd off) and a forward after the window's
         last backward (its gradients are whole: `step()` applies them) leave them.
         A backward that another rank's failure stopped drops them too ([Note: a rank
-        whose model raised]): every rank drops the same window, and their steps pair.
-        So does a pass that met another rank's step() (`RankOrderError.stepping`: this
-        rank skipped its step), whole windows too: that rank's step failed and dropped
-        its gradients."""
+        whose model raised]): every rank drops the same window, and their steps pair."""
         done, n = self._backwards, self.cfg.engine.grad_accum_steps
-        stepping = isinstance(e, RankOrderError) and e.stepping
-        if not (0 < done < n or (stepping and done)):
+        if not 0 < done < n:
             return
         self._abort_step()
         log.warning("%s after %d of the step's %d micro-batches: their gradients are "
@@ -327,15 +334,17 @@ class OffloadEngine(ModelWeights, ModuleHooks, GradPartitions, GroupUpdates, Gat
                 self._interrupts.held():
             self._backward(loss)
 
-    def _backward(self, loss: torch.Tensor) -> None:
-        self._spans.step_begin()  # the model may have been called without the engine
-        awaited, self._step_awaits_more = self._step_awaits_more, False
+    def _agree_on_backward(self) -> bool:
+        """The checks before a backward's first collective, agreed by every rank (one
+        refusing makes every rank raise, nothing changed): what trains is what
+        initialize saw, the ranks are at the same point, and what the program did to
+        the shown `.grad`s; returns whether it dropped all of them on every rank
+        ([Note: a .grad the program dropped] in params_view.py)."""
         try:  # what trains is fixed at initialize
             self.registered.check_trainable(self.module)
             refused = None
         except RuntimeError as e:
             refused = e
-        # [Note: a .grad the program dropped] in params_view.py
         dropped, error = self.registered.dropped_grads()
         refused = refused or error
         try:
@@ -351,10 +360,15 @@ class OffloadEngine(ModelWeights, ModuleHooks, GradPartitions, GroupUpdates, Gat
             # the ranks' collectives would no longer pair
             self._release_gathered()
             if isinstance(e, RankOrderError):  # another rank's pass failed: this rank's
-                self._abandon_window("another rank's failure stopped a backward", e)  # too
+                self._abandon_window("another rank's failure stopped a backward")  # too
             raise
-        if dropped:  # the micro-batches before this one are dropped: it starts the step
-            self._step_awaits_more = awaited
+        return dropped
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        self._spans.step_begin()  # the model may have been called without the engine
+        awaited, self._step_awaits_more = self._step_awaits_more, False
+        if self._agree_on_backward():  # the micro-batches before this one are dropped:
+            self._step_awaits_more = awaited  # it starts the step
             self._warn_window_drop("model.zero_grad()")
             self._abort_step()
             self._spans.step_drop()
@@ -485,14 +499,14 @@ class OffloadEngine(ModelWeights, ModuleHooks, GradPartitions, GroupUpdates, Gat
 
     def _step(self) -> bool:
         self.wait_for_checkpoint(raise_error=False)  # nothing changes before it has read
+        self._rank_order.check_step()  # [Note: ranks run the same units] in rank_order.py
+        self.trace.finish()  # after the check: a rank that skipped step() records on too
         early, self._early = self._early, []
         # [Note: a .grad the program dropped] in params_view.py
         dropped, error = self.registered.dropped_grads()
         changed = self._hyper_watch.step_begins(self.optimizer, bool(early))
         errors = [error, None if dropped else changed]  # undone with the step
         errors += [f.exception() for f in early]  # waits for every one of them
-        self._rank_order.check_step()  # [Note: ranks run the same units] in rank_order.py
-        self.trace.finish()  # after the check: a rank that skipped step() records on too
         # [Note: ranks agree] in collectives.py: before the step's first collective
         dropping = self.comm.agree(next((e for e in errors if e is not None), None), "step()",
                                    flag=dropped)

@@ -443,14 +443,20 @@ class ModelWeights:
         raise, before any collective). Returns torch's (missing_keys, unexpected_keys);
         `assign` is accepted for torch's signature."""
         self._check_open()
-        self._check_between_steps("load_state_dict")
+        try:  # raised after the ranks' check, which every rank must reach
+            self._check_between_steps("load_state_dict")
+            inside = None
+        except RuntimeError as e:
+            inside = e
         entries = list(state_entries(self.module))
         state_dict = _with_old_versions(self.module, state_dict)
         missing = [n for n, _, _ in entries if n not in state_dict]
         problem = _load_problem(state_dict, entries, missing, strict)
         if self.groups:  # every rank is here: [Note: ranks run the same units]
             self._rank_order.check_read(self.groups[0].gid)
-        (refused,) = self.comm.sum_scalars([1.0 if problem else 0.0])
+        (refused,) = self.comm.sum_scalars([1.0 if problem or inside else 0.0])
+        if inside is not None:
+            raise inside
         if problem:
             raise RuntimeError(f"load_state_dict: {problem} (nothing was loaded)")
         if refused:

@@ -105,6 +105,7 @@ def unevenly_dropped(dropping: int, world: int) -> str:
             "gradients on every rank at the same point, as DDP asks, or on none; to start "
             "the step over now, call engine.zero_grad() on every rank")
 
+
 class RegisteredParams:
     """One stand-in parameter per slot of every group, with its original dtype."""
 

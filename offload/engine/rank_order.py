@@ -16,10 +16,11 @@ and hanging, aborting inside gloo or mixing weights. A backward starts with a
 check of its own: a rank whose loss code raised, and that went on to its next
 forward, meets the others' backward there. So do a step (its agreement on the
 outcome), a checkpoint save and a read of the whole weights: a rank that
-skipped step() meets the other's step at its next forward, where both raise
-(`RankOrderError.stepping`: the skipping rank drops its step's gradients, as
-the failed step dropped the other's, and the access trace is ended only past
-the check, so both record the next step from the same point). Cost: one all-reduce of `world`
+skipped step() meets the other's step at its next check, where both raise
+(`on_missed_step`: the skipping rank drops its step's gradients, whatever call
+met the check, as the failed step dropped the other's; and the access trace is
+ended only past the step's check, so both record the next step from the same
+point). Cost: one all-reduce of `world`
 numbers per block (a host synchronisation with NCCL);
 `engine.check_rank_order = false` turns it off.
 """
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import Callable
 
 from ..comm import Collectives
 from .units import Unit
@@ -53,12 +55,7 @@ CALL_FIX = ("every rank calls engine.step() after the same backward calls, and "
 
 class RankOrderError(RuntimeError):
     """Ranks met at different points of a step, or another rank's model raised: raised
-    on every rank at the same check, so none of them tells the others again.
-    `stepping`: a rank was at a step's check (its step fails, its gradients dropped)."""
-
-    def __init__(self, message: str, stepping: bool = False) -> None:
-        super().__init__(message)
-        self.stepping = stepping
+    on every rank at the same check, so none of them tells the others again."""
 
 
 def raised_by_the_model(e: BaseException) -> bool:
@@ -91,6 +88,9 @@ class RankOrder:
             for gid in u.needs:
                 self._unit_of.setdefault(gid, u.name)
         self.enabled = enabled and comm.world > 1
+        # called where this rank meets another's step() at any other point (it skipped
+        # its own step): the engine drops its step's gradients, as the failed step did
+        self.on_missed_step: Callable[[], None] | None = None
 
     def check_unit(self, unit: Unit, backward: bool) -> None:
         """Before the collectives of `unit`'s forward (or backward)."""
@@ -182,6 +182,11 @@ class RankOrder:
             # a rank reads the whole weights (this one included, for a read's check)
             fix = (CALL_FIX if STEP in got or SAVE in got
                    else READ_FIX if any(x <= -1 for x in got) else None)
+            if STEP in got and h != STEP and self.on_missed_step is not None:
+                try:
+                    self.on_missed_step()
+                except Exception as e:  # the order's error is what the rank raises
+                    log.debug("dropping the step another rank took failed: %s", e)
             raise RankOrderError(
                 f"rank {self._comm.rank} runs {self._describe(h)} while another rank runs "
                 f"something else at this point of the step ({others}: another module, a "
@@ -193,4 +198,4 @@ class RankOrder:
                 "branch's output times 0), or keep modules that may be skipped inside a "
                 "larger unit (raise engine.group_size) so the skip happens within one unit; "
                 "where one rank's step raised (its model or its loss code), skip that batch "
-                "on every rank, not on that rank alone"), stepping=STEP in got)
+                "on every rank, not on that rank alone"))

@@ -46,8 +46,8 @@ class TensorParallel:
 
     @classmethod
     def setup(cls, model: nn.Module, cfg: OffloadConfig, *, restored: bool,
-              recorder: TraceRecorder = NULL_RECORDER,
-              keep_undo: bool = False) -> "TensorParallel | None":
+              recorder: TraceRecorder = NULL_RECORDER, keep_undo: bool = False,
+              cuda: bool | None = None) -> "TensorParallel | None":
         """None for `tp.size = 1`; else the mesh, with `model`'s blocks made
         tensor-parallel in place. `restored`: weights come from a checkpoint
         (refused: checkpoints hold full tensors, a rank holds slices). A refusal
@@ -61,7 +61,7 @@ class TensorParallel:
                               "supported with tensor parallelism yet; load the weights into "
                               "the model on the CPU before offload.initialize")
         try:
-            mesh = ParallelMesh.build(cfg.tp.size, recorder=recorder)
+            mesh = ParallelMesh.build(cfg.tp.size, recorder=recorder, cuda=cuda)
             plan = parallelize(model, mesh.tp, cfg.domino.pieces, recorder=recorder,
                                keep_undo=keep_undo)
         except (TypeError, ValueError) as e:  # a layer that is no Linear is a TypeError

@@ -34,20 +34,18 @@ def _errors(call):
 
 
 def _worker(rank, world, init_file, out, cfg, save_to):
-    def skipped_step():
+    def skipped_step(then):  # rank 1 skips a step() and goes on with `then(engine)`
         got = {}
         with offload.initialize(_model(), cfg) as engine:
             engine.backward(_loss(engine, rank))
             assert engine.step()
             engine.backward(_loss(engine, 10 + rank))
-            if rank == 0:  # rank 1 skips this step() and goes on to its next forward
-                got["error"] = _errors(engine.step)
-            else:
-                got["error"] = _errors(lambda: _loss(engine, 20 + rank))
+            got["error"] = _errors(engine.step if rank == 0 else lambda: then(engine))
+            got["pending"] = engine._backwards  # backward calls of the step left
             for seed in (30, 40):  # both go on, together
                 engine.backward(_loss(engine, seed + rank))
                 got.setdefault("next", []).append(engine.step())
-            got["state"] = engine.state_dict(rank0_only=False)
+            got["steps"] = engine.global_step
         return got
 
     def save_on_rank_0():
@@ -74,8 +72,13 @@ def _worker(rank, world, init_file, out, cfg, save_to):
             got["next"] = [engine.step()]
         return got
     with process_group(rank, world, init_file):
-        run_cases({"skipped_step": skipped_step, "save_on_rank_0": save_on_rank_0,
-                   "load_on_rank_0": load_on_rank_0}, f"{out}.{rank}")
+        run_cases({"skipped_step": lambda: skipped_step(lambda e: _loss(e, 20 + rank)),
+                   "skipped_then_saved": lambda: skipped_step(
+                       lambda e: e.save_checkpoint(f"{save_to}-{rank}")),
+                   "skipped_then_loaded": lambda: skipped_step(
+                       lambda e: e.load_state_dict(_model().state_dict())),
+                   "save_on_rank_0": save_on_rank_0, "load_on_rank_0": load_on_rank_0},
+                  f"{out}.{rank}")
 
 
 @pytest.fixture(scope="module")
@@ -89,15 +92,20 @@ def outcomes(tmp_path_factory):
     return spawn_cases(_worker, str(d), world=2, args=(cfg, str(d / "ckpt")))
 
 
-def test_a_step_one_rank_skips_raises_on_both_and_they_go_on(outcomes):
-    r0, r1 = (o["skipped_step"] for o in outcomes)
+@pytest.mark.parametrize("case, then", [("skipped_step", "the forward"),
+                                        ("skipped_then_saved", "save_checkpoint()"),
+                                        ("skipped_then_loaded", "the all-gather of group 0")])
+def test_a_step_one_rank_skips_raises_on_both_and_they_go_on(outcomes, case, then):
+    """Rank 1 skips a step() and runs a forward (or saves, or loads): both raise there,
+    rank 1 drops the step's gradients as rank 0's failed step did, and both go on."""
+    r0, r1 = (o[case] for o in outcomes)
     assert "crash" not in r0 and "crash" not in r1, (r0, r1)
-    assert r0["error"].startswith("StepFailedError") and "rank 1 runs the forward" in r0["error"]
+    assert r0["error"].startswith("StepFailedError") and f"rank 1 runs {then}" in r0["error"]
     assert "rank 0 runs engine.step()" in r1["error"]
     for e in (r0["error"], r1["error"]):
         assert "every rank calls engine.step() after the same backward calls" in e
-    assert r0["next"] == r1["next"] == [True, True]
-    assert all(torch.equal(r0["state"][k], r1["state"][k]) for k in r0["state"])
+    assert r0["pending"] == r1["pending"] == 0
+    assert r0["next"] == r1["next"] == [True, True] and r0["steps"] == r1["steps"] == 3
 
 
 @pytest.mark.parametrize("case, call", [("save_on_rank_0", "save_checkpoint()"),
