@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import BinaryIO, Callable
 
 __all__ = ["check_directory", "existing_ancestor", "fsync_directory", "lock_named",
-           "names_open_file", "regular_file_head", "replace_atomically", "unlink_own"]
+           "names_open_file", "open_unblocked", "regular_file_head", "replace_atomically",
+           "unlink_own"]
 
 
 def check_directory(path: Path, what: str) -> None:
@@ -103,14 +104,28 @@ def replace_atomically(target: Path, write: Callable[[BinaryIO], None],
     fsync_directory(target.parent)
 
 
+def open_unblocked(path: str | os.PathLike[str]) -> tuple[BinaryIO, int]:
+    """`path` opened for reading, and its `st_mode` read from the open file: opened
+    without blocking (an ordinary open of a FIFO waits for a writer), and checked on
+    what was opened, so a path swapped for a FIFO after a check cannot block."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        mode = os.fstat(fd).st_mode
+    except BaseException:
+        os.close(fd)
+        raise
+    return os.fdopen(fd, "rb"), mode
+
+
 def regular_file_head(path: str | os.PathLike[str], n: int,
                       gunzip: bool = False) -> bytes | None:
     """The first `n` bytes of `path` (decompressed where `gunzip` and the file is
     gzip), or None where it is not a regular file or cannot be read: what a writer
     looks at before it replaces a file it may only replace if it wrote it."""
     try:
-        with open(path, "rb") as f:
-            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+        f, mode = open_unblocked(path)
+        with f:
+            if not stat.S_ISREG(mode):
                 return None
             head = f.read(n)
             if gunzip and head.startswith(b"\x1f\x8b"):

@@ -30,7 +30,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from offload.files import check_directory, replace_atomically
+from offload.files import check_directory, open_unblocked, replace_atomically
 from offload.trace.analysis import (COMPUTE_TRACK, FETCH, TIER_COUNTER_PREFIX, TraceFormatError,
                                     check_key_fields, finite, parse_trace, prefetch_outcomes)
 from offload.trace.recorder import (ASYNC_BEGIN, ASYNC_END, COMPLETE, COUNTER, INSTANT,
@@ -311,11 +311,9 @@ def load_chrome_trace(path: str | os.PathLike[str]) -> dict[str, Any]:
 def _read_regular_file(target: Path) -> bytes:
     """The bytes of ``target``; a FIFO (which would block), a device (``/dev/zero``
     never ends) or a socket raises :class:`TraceFormatError`, a directory
-    ``IsADirectoryError``. Opened without blocking and checked on the open file, so a
-    path swapped for a FIFO after a check cannot block the read."""
-    fd = os.open(target, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-    with os.fdopen(fd, "rb") as f:
-        mode = os.fstat(fd).st_mode
+    ``IsADirectoryError`` (`open_unblocked`)."""
+    f, mode = open_unblocked(target)
+    with f:
         if stat.S_ISDIR(mode):
             raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(target))
         if not stat.S_ISREG(mode):

@@ -276,3 +276,15 @@ def test_a_path_that_is_not_a_regular_file_is_refused_not_read(tmp_path: Path) -
         assert out.stderr == f"offload view: {path}: is not a regular file (a pipe, device or "\
             "socket); pass the trace file a run wrote\n", out.stderr[-2000:]
     assert not list(tmp_path.glob("*.html"))
+
+
+def test_looking_at_a_fifo_before_replacing_it_does_not_block(tmp_path: Path) -> None:
+    """`regular_file_head` (what a writer reads of a file before it replaces it) opens
+    without blocking: an ordinary open of a FIFO waits for a writer that never comes."""
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    code = ("import sys; from offload.files import regular_file_head; "
+            "print(regular_file_head(sys.argv[1], 64, gunzip=True))")
+    out = subprocess.run([sys.executable, "-c", code, str(fifo)], capture_output=True,
+                         text=True, timeout=30)
+    assert out.returncode == 0 and out.stdout == "None\n", out.stderr[-2000:]
