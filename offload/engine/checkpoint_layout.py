@@ -168,3 +168,9 @@ def _spec(root: Path, kind: str, name: str, shape: tuple[int, ...] | None = None
                 "chunk_shape": [rows] + s[1:], "codecs": CHECKED, "index_codecs": CHECKED,
                 "index_location": "end"}}]}
     return spec
+
+
+def _max_chunk_bytes(table: dict) -> int:
+    """The bytes of the largest chunk of any array a commit record's tensor `table` lists."""
+    return max([_chunk_elems(tuple(t["shape"])) * TORCH_DTYPES[d].itemsize
+                for t in table.values() for d in t["kinds"].values()] or [1])

@@ -19,16 +19,15 @@ from ..io.buffers import mapped_empty
 from .checkpoint_buffers import BUFFERS, check_buffers, decode_buffers, restore_buffers
 from .checkpoint_chunks import MISSING, CRC_BYTES, ChunkFileError, ChunkFiles, chunk_key, read_index
 from .checkpoint_publish import is_committed
+from .checkpoint_record import _HYPER, check_record
 from .checkpoint_files import (CheckpointCorruptError, CheckpointError, _read_json,
                                not_permitted, set_rng_state)
-from .checkpoint_layout import (_DTYPE_NAMES, CHECKED, TORCH_DTYPES, _context, _rank_range, _spec,
-                                _stored_shape, _ts)
-from .training_checkpoint import FORMAT, KINDS, PARTIAL, RECORD, _max_chunk_bytes
+from .checkpoint_layout import (_DTYPE_NAMES, CHECKED, TORCH_DTYPES, _context, _max_chunk_bytes,
+                                _rank_range, _spec, _stored_shape, _ts)
+from .training_checkpoint import FORMAT, PARTIAL, RECORD
 from .units import Group, Slot
 
 __all__ = ["CheckpointReader"]
-
-_HYPER = ("lr", "betas", "eps", "weight_decay")  # what the commit record keeps per group
 
 
 def _hyper_value(key: str, v: Any) -> Any:
@@ -74,117 +73,6 @@ def _check_layout(meta: dict[str, Any], sharding: dict[str, Any], dtype: str) ->
                          "index, each with its crc32c, the index at the end, default keys)")
 
 
-_ABSENT = object()  # a field the commit record lacks
-_INT_MAX = 2**63 - 1  # counts, steps and element numbers beyond this come from no save
-
-
-def _count(v: Any, lo: int = 0) -> bool:
-    """Whether `v` is an integer (not a bool) in [lo, 2**63)."""
-    return type(v) is int and lo <= v <= _INT_MAX
-
-
-def _number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-def _dict_of(v: Any, ok: Callable[[Any], bool]) -> bool:
-    return isinstance(v, dict) and all(ok(x) for x in v.values())
-
-
-def _list_of(v: Any, ok: Callable[[Any], bool]) -> bool:
-    return isinstance(v, list) and all(ok(x) for x in v)
-
-
-def _tensor_entry(t: Any) -> bool:
-    """Whether `t` is a commit record's entry of one tensor, as `_record` writes it."""
-    return (isinstance(t, dict) and _list_of(t.get("shape"), _count)
-            and _dict_of(t.get("kinds"), lambda d: isinstance(d, str) and d in TORCH_DTYPES)
-            and "param" in t["kinds"] and set(t["kinds"]) <= set(KINDS)
-            and _list_of(t.get("aliases"), lambda a: isinstance(a, str))
-            and isinstance(t.get("requires_grad"), bool) and _count(t.get("group")))
-
-
-def _hyper_ok(g: Any) -> bool:
-    return isinstance(g, dict) and all(
-        (_list_of(g[k], _number) and len(g[k]) == 2) if k == "betas" else _number(g[k])
-        for k in _HYPER if k in g) and (
-        "params" not in g or _list_of(g["params"], lambda n: isinstance(n, str)))
-
-
-def _rank_entry(r: Any, gids: list[str]) -> bool:
-    """Whether `r` is a commit record's entry of one rank, with a range per group."""
-    return (isinstance(r, dict) and _count(r.get("rank"))
-            and _dict_of(r.get("steps"), _count)
-            and all(k.isdecimal() for k in r["steps"])
-            and _dict_of(r.get("param_steps", {}), _count)
-            and _dict_of(r.get("writes"), lambda w: _list_of(w, _count) and len(w) == 2)
-            and all(g in r["writes"] for g in gids))
-
-
-def _check_record(rec: dict[str, Any], where: Path) -> None:
-    """CheckpointCorruptError naming `where` and the first field of the commit record
-    (its sha256 verified) whose type or range is not what a save writes (`_record` in
-    training_checkpoint.py): the reader, `initialize(resume=...)` and `offload
-    checkpoint` use these fields as they are, and would fail on them with a raw
-    TypeError or KeyError, or loop over a world of 10**12 ranks."""
-    def damaged(what: str) -> CheckpointCorruptError:
-        return CheckpointCorruptError(f"checkpoint file {where}: damaged record: {what}; the "
-                                      "checkpoint is damaged: resume from another")
-
-    def need(field: str, ok: Callable[[Any], bool], expected: str, each: str = "",
-             default: Any = _ABSENT, empty: bool = True) -> None:
-        """`rec[field]` passes `ok`; `each` ("list", "JSON object"): `rec[field]` is one (not
-        empty unless `empty`) and its every entry passes `ok`."""
-        value = rec.get(field, default)
-        whole = expected if not each else (
-            f"{'a' if empty else 'a non-empty'} {each}, each entry {expected}")
-        if value is _ABSENT:
-            raise damaged(f"{field} is missing, expected {whole}")
-        if not each:
-            if not ok(value):
-                raise damaged(f"{field} is {_cut(value)}, expected {expected}")
-            return
-        if not isinstance(value, list if each == "list" else dict) or not (value or empty):
-            raise damaged(f"{field} is {_cut(value)}, expected {whole}")
-        keyed = value.items() if isinstance(value, dict) else enumerate(value)
-        bad = next(((k, v) for k, v in keyed if not ok(v)), None)
-        if bad is not None:
-            raise damaged(f"{field}[{bad[0]!r}] is {_cut(bad[1])}, expected {expected}")
-    for key in ("global_step", "micro_step", "good_steps"):
-        need(key, _count, "an integer >= 0")
-    need("world", lambda v: _count(v, 1), "a positive integer")
-    need("dtype", lambda v: v in ("fp32", "bf16", "fp16"), "'fp32', 'bf16' or 'fp16'")
-    need("loss_scale", _number, "a number")
-    need("config", lambda v: isinstance(v, dict) and isinstance(v.get("engine"), dict) and all(
-        k in v["engine"] for k in ("params", "grads", "optimizer")),
-        "the engine's configuration (engine.params, grads, optimizer)")
-    need("param_groups", _hyper_ok, "an optimizer group (numbers lr, betas, eps, "
-         "weight_decay; params a list of names)", each="list", empty=False)
-    need("groups", lambda g: isinstance(g, dict) and _count(g.get("gid"))
-         and _count(g.get("numel")), "a group with integers gid and numel", each="list")
-    need("tensors", _tensor_entry, "a tensor with shape, kinds (param and others: float32, "
-         "bfloat16 or float16), aliases, requires_grad and group", each="JSON object")
-    gids = [str(g["gid"]) for g in rec["groups"]]
-    need("ranks", lambda r: _rank_entry(r, gids), "a rank with rank, steps and a range per "
-         "group (writes)", each="list")
-    ranks = sorted(r["rank"] for r in rec["ranks"])
-    if len(ranks) != rec["world"] or ranks != list(range(len(ranks))):
-        raise damaged(f"written by {rec['world']} ranks but holds the records of ranks "
-                      f"{_cut(ranks)}")
-    need("version", lambda v: isinstance(v, str), "the writer's version")
-    need("extra", lambda v: isinstance(v, dict), "an object")
-    need("lr_scheduler", lambda v: v is None or isinstance(v, dict), "null or an object",
-         default=None)
-    need("buffers_sha256", lambda v: v is None or isinstance(v, str), "null or a sha256",
-         default=None)
-
-
-def _cut(value: Any, n: int = 60) -> str:
-    """`repr(value)` in at most `n` characters."""
-    text = repr(value)
-    return text if len(text) <= n else text[:n - 3] + "..."
-
-
 class CheckpointReader:
     """A committed checkpoint opened for reading: its commit record (`record`) and its
     tensors, read by element range with every chunk's checksum verified."""
@@ -225,7 +113,7 @@ class CheckpointReader:
                                   f"version reads {FORMAT!r}; save it again with the "
                                   "version of offload that wrote it, or export its weights "
                                   "(offload checkpoint export) with that version")
-        _check_record(rec, p / RECORD)
+        check_record(rec, p / RECORD)
         self.path = p
         self.record = rec
         self.tensors: dict[str, dict[str, Any]] = rec["tensors"]

@@ -295,7 +295,7 @@ class OffloadEngine(ModelWeights, ModuleHooks, GradPartitions, GroupUpdates, Gat
         step() at another call (it skipped its own), and that step failed, dropping its
         gradients: this rank drops its own, so the ranks go on from the same state."""
         if self._backwards:
-            self._abort_step()
+            self._drop_step()
             log.warning("another rank ran step() while this one did not: the step's "
                         "gradients are dropped on every rank; call engine.step() on every "
                         "rank after the same backward calls")
@@ -370,8 +370,7 @@ class OffloadEngine(ModelWeights, ModuleHooks, GradPartitions, GroupUpdates, Gat
         if self._agree_on_backward():  # the micro-batches before this one are dropped:
             self._step_awaits_more = awaited  # it starts the step
             self._warn_window_drop("model.zero_grad()")
-            self._abort_step()
-            self._spans.step_drop()
+            self._drop_step()
             self._spans.step_begin()
         if self._backwards >= self.cfg.engine.grad_accum_steps:
             raise RuntimeError(f"backward: {self._backwards} backward call(s) since the last "
@@ -513,8 +512,7 @@ class OffloadEngine(ModelWeights, ModuleHooks, GradPartitions, GroupUpdates, Gat
         if dropping:  # as engine.zero_grad() before this step: it changes nothing
             if dropping < self.comm.world:
                 raise RuntimeError(unevenly_dropped(dropping, self.comm.world))
-            self._abort_step()
-            self._spans.step_drop()  # no card: the next micro-batch starts the step
+            self._drop_step()  # no card: the next micro-batch starts the step
             return False
         gids = [g for g in sorted(self._has_grad) if ("g", g) in self.store]
         scale = self._grad_divisor
@@ -645,9 +643,15 @@ class OffloadEngine(ModelWeights, ModuleHooks, GradPartitions, GroupUpdates, Gat
                         "as after set_to_none=True (torch's AdamW would still apply weight "
                         "decay and decay its moments)")
         with self._interrupts.held():  # [Note: Ctrl-C at a safe point] in interrupts.py
-            if self._backwards:
-                self._spans.step_drop()  # the next micro-batch starts the step again
-            self._abort_step()
+            self._drop_step()
+
+    def _drop_step(self) -> None:
+        """Drops the step in progress, as `zero_grad()`: its gradients, the updates
+        that ran early (undone) and, where a backward ran, its span in the trace (the
+        next micro-batch starts the step again)."""
+        if self._backwards:
+            self._spans.step_drop()
+        self._abort_step()
 
     def _warn_window_drop(self, how: str) -> None:
         """[Note: zero_grad in the window] Says so, once, where `how` drops the gradients

@@ -37,7 +37,7 @@ None as torch does.
 A torch loop drops gradients through `.grad`: `model.zero_grad()` before
 skipping a batch, or `p.grad = None` to leave one parameter out of the step.
 The engine's gradients are not in `.grad`, so it reads what the program did to
-the `.grad`s it showed (`grads_changed`) before each backward and each step
+the `.grad`s it showed (`dropped_grads`) before each backward and each step
 that would use them. Every one of them None: the step's gradients are dropped,
 as by `engine.zero_grad()` (updates that ran early are undone), so the step
 changes nothing and a backward starts the step over, as in torch. Some of
@@ -199,18 +199,6 @@ class RegisteredParams:
             p.grad = None
         self._shown = []
 
-    def grads_changed(self) -> tuple[list[str], list[str], int]:
-        """[Note: a .grad the program dropped] Of the `.grad`s `show_grads` showed: the
-        names of those the program set to None since (`model.zero_grad()`,
-        `p.grad = None`), of those it set to another tensor, and how many are as shown."""
-        dropped, replaced, kept = [], [], 0
-        for p, g in self._shown:
-            if p.grad is g:
-                kept += 1
-            else:
-                (dropped if p.grad is None else replaced).append(
-                    self._names[self._where[id(p)]])
-        return dropped, replaced, kept
 
     def close(self) -> None:
         """At the engine's close: the stand-ins (and the gradients' shown since the last
@@ -273,8 +261,16 @@ class RegisteredParams:
     def dropped_grads(self) -> tuple[bool, RuntimeError | None]:
         """[Note: a .grad the program dropped] Whether the program set every `.grad`
         shown since the last backward to None, and the error a backward or step
-        raises where it dropped only some of them or set one to a tensor."""
-        dropped, replaced, kept = self.grads_changed()
+        raises where it dropped only some of them or set one to a tensor. Reads the
+        `.grad`s `show_grads` showed: those set to None since (`model.zero_grad()`,
+        `p.grad = None`), those set to another tensor, those as shown."""
+        dropped, replaced, kept = [], [], 0
+        for p, g in self._shown:
+            if p.grad is g:
+                kept += 1
+            else:
+                (dropped if p.grad is None else replaced).append(
+                    self._names[self._where[id(p)]])
         if replaced:
             return False, RuntimeError(
                 f"the .grad of parameter {replaced[0]!r} was set to a tensor after the "

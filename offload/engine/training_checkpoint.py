@@ -97,9 +97,9 @@ from .checkpoint_chunks import ChunkFiles, InPlace, Shard, chunk_key
 from .checkpoint_files import (CheckpointCorruptError, CheckpointError, CheckpointPathError,
                                _digest, _fsync_path, _fsync_tree, _read_json, _write_json,
                                rng_state)
-from .checkpoint_layout import (_DTYPE_NAMES, TORCH_DTYPES, Grid, _box_shape, _chunk_elems,
-                                _context, _grid, _segments, _spec, _stored_shape, _to_numpy, _ts,
-                                flat_boxes)
+from .checkpoint_layout import (_DTYPE_NAMES, TORCH_DTYPES, Grid, _box_shape, _context, _grid,
+                                _max_chunk_bytes, _segments, _spec, _stored_shape, _to_numpy,
+                                _ts, flat_boxes)
 from .checkpoint_publish import (LOCK, PARTIAL, RECORD, PartialLock, partial_of,
                                  prune, remove_partials)
 from .lr_scheduler import scheduler_state
@@ -610,11 +610,6 @@ def _param_steps(engine: Any) -> dict[str, int]:
             if slot is not None:
                 out[g.slots[slot].fqn] = n
     return out
-
-
-def _max_chunk_bytes(table: dict) -> int:
-    return max([_chunk_elems(tuple(t["shape"])) * TORCH_DTYPES[d].itemsize
-                for t in table.values() for d in t["kinds"].values()] or [1])
 
 
 def _write_partitions(engine: Any, comm: Any, root: Path, arrays: dict, context, table: dict
