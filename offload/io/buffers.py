@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from offload.io.errors import PoolExhaustedError
+from offload.io.extents import positive_bytes
 from offload.io.process import in_owner
 
 logger = logging.getLogger(__name__)
@@ -370,8 +371,7 @@ class BufferPool:
         Raises:
             PoolExhaustedError: nothing fitted in time; the message lists what is held.
         """
-        if nbytes <= 0:
-            raise ValueError(f"buffer size must be positive, got {nbytes} bytes")
+        nbytes = positive_bytes(nbytes, "buffer size")
         capacity = _round_up(nbytes, self._alignment)
         footprint = _round_up(capacity, _PAGE) + max(0, self._alignment - _PAGE)
         deadline = None if timeout is None else time.monotonic() + timeout

@@ -112,6 +112,7 @@ class IoEngine(abc.ABC):
         self.direct = direct
         self.recorder = recorder
         self._closed = False
+        self._pid = os.getpid()  # [Note: forked children] in swap.py
 
     # -- public ----------------------------------------------------------------
     def submit(self, op: str, segments: Sequence[Segment], *, keepalive: object = None,
@@ -124,6 +125,12 @@ class IoEngine(abc.ABC):
             raise ValueError(f"op must be 'read' or 'write', got {op!r}")
         if self._closed:
             raise RuntimeError(f"{self.name} engine is closed")
+        if os.getpid() != self._pid:
+            raise RuntimeError(
+                f"this {self.name} I/O engine belongs to process {self._pid}, and this is a "
+                f"forked child of it (pid {os.getpid()}): the threads or AIO context that "
+                "complete its transfers are the parent's; open an engine in the child "
+                "itself, or do the I/O in the parent")
         total = sum(s.length for s in segments)
         first = segments[0] if segments else None
         describe = f"{op} {total} B" + (f" at {first.path}:{first.offset}" if first else "")
@@ -294,7 +301,6 @@ class AioEngine(IoEngine):
         self._reaper = threading.Thread(target=_reap_while_referenced,
                                         args=(weakref.ref(self), self._cv),
                                         name="offload-aio-reaper", daemon=True)
-        self._pid = os.getpid()
         # the context is the making process's: the kernel refuses it in a forked child
         self._finalizer = weakref.finalize(self, in_owner, self._pid, self._ctx.close)
         self._reaper.start()

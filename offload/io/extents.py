@@ -15,6 +15,19 @@ import operator
 from typing import Iterator, NamedTuple
 
 
+
+def positive_bytes(nbytes: object, what: str) -> int:
+    """`nbytes` as an int, refused (ValueError naming `what`) unless it is a positive
+    integer: a float or a bool passed further failed deep inside mmap or the engine,
+    or was taken for 1 byte."""
+    try:
+        n = operator.index(nbytes) if not isinstance(nbytes, bool) else 0
+    except TypeError:
+        n = 0
+    if n <= 0:
+        raise ValueError(f"{what} must be a positive number of bytes, got {nbytes!r}")
+    return n
+
 class Extent(NamedTuple):
     """A byte range ``[offset, offset + length)`` of the address space (bytes)."""
 
@@ -196,13 +209,7 @@ class ExtentAllocator:
     # -- free-list internals (see [Note: extent free list]) -----------------------
 
     def _rounded(self, nbytes: int) -> int:
-        try:
-            n = operator.index(nbytes)
-        except TypeError:
-            n = 0
-        if n <= 0:
-            raise ValueError(f"extent size must be a positive number of bytes, got {nbytes!r}")
-        return _round_up(n, self._alignment)
+        return _round_up(positive_bytes(nbytes, "extent size"), self._alignment)
 
     def _check_capacity(self, capacity: int) -> None:
         if capacity < 0 or capacity % self._alignment:

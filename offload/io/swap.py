@@ -20,7 +20,6 @@ import ctypes
 import errno as _errno
 import logging
 import mmap
-import operator
 import os
 import shutil
 import stat
@@ -36,7 +35,7 @@ from ..files import lock_named, unlink_own
 from .engine import DIRECT_ALIGN, IoEngine, Segment
 from .errors import (CorruptionError, IoError, SwapFullError, SwapLockedError, SwapPathError,
                      limit_hint)
-from .extents import Extent, ExtentAllocator
+from .extents import Extent, ExtentAllocator, positive_bytes
 from .handle import IoHandle
 from .paths import check_swap_dirs, probe_direct
 from .process import in_owner
@@ -491,8 +490,7 @@ class SwapSpace:
         Raises `SwapFullError` (and changes nothing) when the disk, the file-size
         limit or `io.max_swap_size` cannot hold it.
         """
-        if nbytes <= 0:
-            raise ValueError(f"swap extent size must be positive, got {nbytes}")
+        nbytes = positive_bytes(nbytes, "swap extent size")
         ledger, length = self.ledger if counted else None, _round_up(nbytes, DIRECT_ALIGN)
         if ledger is not None:
             ledger.charge(length)  # outside self._lock: the ledger takes its owner's lock
@@ -624,8 +622,8 @@ class SwapSpace:
     def _check_range(self, extent: SwapExtent, nbytes: int, buffer: object, *,
                      into: bool) -> tuple[int, int]:
         """(span, address): the bytes a transfer of `nbytes` moves, and where."""
-        nbytes = operator.index(nbytes)  # a float or numpy count failed deep in the engine
-        if not 0 < nbytes <= extent.length:
+        nbytes = positive_bytes(nbytes, "a transfer's size")
+        if nbytes > extent.length:
             raise ValueError(f"{nbytes} bytes do not fit extent {extent}")
         span = _round_up(nbytes, DIRECT_ALIGN)
         address, cap = _host_span(buffer, into=into)

@@ -200,13 +200,19 @@ class NativeAdam:
         threads: checks them once and returns a function that every thread calls
         once; each call claims units of `unit` elements (a multiple of 1024) from a
         shared counter until none is left, with the GIL released throughout, and
-        returns how many it updated. The tensors must outlive the calls."""
+        returns how many it updated. The function holds the tensors: the C calls
+        write through their addresses."""
         if unit < 1 or unit % _TILE:
             raise ValueError(f"unit {unit} must be a positive multiple of {_TILE}")
         args = self._args(master, grad, exp_avg, exp_avg_sq, out, grad_scale, runs, first, src)
         nxt = ctypes.c_int64(0)
         claim, ref = self._claim, ctypes.byref(nxt)
-        return lambda: claim(*args, unit, ref)
+        held = (master, grad, exp_avg, exp_avg_sq, out, src)
+
+        def run() -> int:
+            held  # noqa: B018 - kept alive by the closure: `args` holds their addresses
+            return claim(*args, unit, ref)
+        return run
 
     def _args(self, master: torch.Tensor, grad: torch.Tensor, exp_avg: Moment,
               exp_avg_sq: Moment, out: torch.Tensor | None, grad_scale: float,

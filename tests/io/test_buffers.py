@@ -347,3 +347,30 @@ def test_host_copy_of_a_conjugate_or_negative_view_copies_its_value():
     dst = torch.zeros_like(z).conj()  # into a conjugate view: its value is written
     host_copy(dst, z)
     assert torch.equal(dst, z)
+
+
+@pytest.mark.parametrize("nbytes", [4096.5, True, "4096", 0, -1])
+def test_a_size_that_is_not_a_positive_integer_is_refused(pool, nbytes):
+    """A float failed deep inside mmap on a fresh pool, and from the cache handed out a
+    buffer whose nbytes exceeded its capacity; True was taken for 1 byte."""
+    held = pool.alloc(4096)
+    held.release()  # a cached block of that size, which 4096.5 used to reuse
+    before = pool.stats()
+    with pytest.raises(ValueError, match=r"buffer size must be a positive number of bytes"):
+        pool.alloc(nbytes)
+    assert pool.stats() == before
+
+
+def test_a_transfer_size_that_is_a_bool_is_refused(pool, tmp_path):
+    from offload.io import SwapSpace, ThreadEngine
+    engine = ThreadEngine()
+    try:
+        with SwapSpace([str(tmp_path)], "t", engine, grow_step=1 << 20) as sw:
+            buf, ext = pool.alloc(4096), sw.alloc(4096)
+            for bad in (True, 4096.0):
+                with pytest.raises(ValueError, match="a transfer's size must be a positive"):
+                    sw.write(ext, buf, bad)
+            with pytest.raises(ValueError, match="swap extent size must be a positive"):
+                sw.alloc(True)
+    finally:
+        engine.close()

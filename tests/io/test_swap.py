@@ -375,3 +375,47 @@ def test_a_write_is_readable_as_soon_as_its_wait_returns(engine, pool, tmp_path,
         sw.write(ext, src, n).wait()
         sw.read(ext, dst).wait()
         np.testing.assert_array_equal(dst.numpy()[:n], src.numpy()[:n])
+
+
+def test_io_in_a_forked_child_raises_naming_the_parent(engine, pool, tmp_path):
+    """A forked child's transfers on its parent's space: the engine's threads (or AIO
+    context) are the parent's, so a read waited forever (threads) or failed with
+    EINVAL (aio); both engines now raise at the call, naming the parent's pid. The
+    parent's data and its own I/O are untouched."""
+    import time
+
+    with SwapSpace([str(tmp_path)], "t", engine, grow_step=1 << 20) as sw:
+        buf = pool.alloc(8192)
+        _fill(buf, 8192, 3)
+        ext = sw.alloc(8192)
+        sw.write(ext, buf, 8192).wait()
+        parent = os.getpid()
+        child = os.fork()
+        if child == 0:  # the child: exit code 0 only for the clear error
+            code = 3
+            try:
+                buf.numpy()[:] = 0
+                for call in (lambda: sw.read(ext, buf), lambda: sw.write(ext, buf, 8192)):
+                    try:
+                        call().wait(timeout=5)
+                        code = 1
+                    except RuntimeError as e:
+                        code = code if str(parent) in str(e) and "forked child" in str(e) else 2
+                    if code != 3:
+                        break
+                else:
+                    code = 0
+            finally:
+                os._exit(code)
+        deadline = time.monotonic() + 30
+        while (done := os.waitpid(child, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if done[0] == 0:
+            os.kill(child, signal.SIGKILL)
+            os.waitpid(child, 0)
+        assert done[0] == child and os.waitstatus_to_exitcode(done[1]) == 0
+        out = pool.alloc(8192)
+        sw.read(ext, out).wait()
+        expect = pool.alloc(8192)
+        _fill(expect, 8192, 3)
+        np.testing.assert_array_equal(out.numpy(), expect.numpy())

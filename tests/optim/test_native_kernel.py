@@ -377,6 +377,32 @@ def test_claimed_units_on_threads_equal_one_call(state_dtype, out):
 
 
 @needs_native
+def test_a_claimer_keeps_its_tensors_alive():
+    """The function `claimer` returns writes through the tensors' addresses: it holds
+    them, so a caller's temporaries are not freed under it (that wrote into freed
+    memory: a segmentation fault)."""
+    import gc
+    import weakref
+
+    n = 4096
+    k = native_mod.NativeAdam()
+
+    def job_of_temporaries():
+        master = torch.zeros(n)
+        m, v = _state("fp32", n, torch.Generator().manual_seed(1))
+        return k.claimer(master, torch.ones(n), m, v, None, 1.0, [(0, n, ADAMW, 0)]), \
+            weakref.ref(master)
+
+    job, master = job_of_temporaries()
+    gc.collect()
+    assert master() is not None
+    assert job() > 0 and bool((master() != 0).all())
+    del job
+    gc.collect()
+    assert master() is None
+
+
+@needs_native
 @pytest.mark.parametrize("isa", list(native_mod.ISAS))
 @pytest.mark.parametrize("state_dtype", ["fp32", "bf16", "int8"])
 @pytest.mark.parametrize("claim", [False, True], ids=["block", "claimer"])
