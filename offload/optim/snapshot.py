@@ -48,6 +48,11 @@ def flat_tensor(t: torch.Tensor, what: str, numel: int,
     return t.view(-1)
 
 
+# an engine's step updates partitions during backward, in a round its step() commits
+_OPEN_ROUND_FIX = ("load state between steps: under an engine, after engine.step() (or "
+                   "drop the step with engine.zero_grad()); on its own, after commit() or "
+                   "rollback()")
+
 class StateView(Mapping):
     """`CpuAdam.state`: torch's `optimizer.state`, read-only, keyed as `param_groups`'
     "params" are (partition ids). `state[pid]` is `partition_state(pid)`: the committed
@@ -217,7 +222,7 @@ class StateAccess:
             seg_steps = self._checked_seg_steps(part, state, step)
             if pid in self._round:
                 raise ValueError(f"partition {pid!r} was updated in the open round; "
-                                 "commit() or rollback() it before loading state")
+                                 f"{_OPEN_ROUND_FIX}")
             if part.tier is Tier.HOST:
                 m, a, s = part.host
                 if tensors["master"] is not None and m is not None:
@@ -312,7 +317,7 @@ class StateAccess:
                 self._checked_seg_steps(part, st, self._checked_state(part, st)[0])
             if self._round:
                 raise ValueError(f"partitions {self.round[:8]} were updated in the open "
-                                 "round; commit() or rollback() before loading state")
+                                 f"round; {_OPEN_ROUND_FIX}")
             for mine, theirs in zip(self.param_groups, groups):
                 # every saved key, as torch's load_state_dict (a scheduler's too)
                 mine.update({k: v for k, v in theirs.items() if k not in _NOT_SAVED})

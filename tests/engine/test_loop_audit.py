@@ -216,6 +216,27 @@ def test_rewinding_weights_and_optimizer_state_mid_training_trains_as_torch(engi
         _compare(engine, ref)
 
 
+def test_loading_optimizer_state_inside_a_step_names_the_engines_fix(engine_cfg):
+    """NVMe optimizer state updated during backward: `optimizer.load_state_dict` before
+    `step()` is refused with nothing loaded, naming engine.step() / zero_grad() (it
+    named commit() and rollback(), which an engine's user never calls)."""
+    _, _, engine = _pair(engine_cfg, ("host", "host", "nvme"), dtype="bf16")
+    data = _data(3)
+    with engine:
+        for x, y in data[:2]:
+            _engine_step(engine, x.bfloat16(), y.bfloat16())
+        kept = copy.deepcopy(engine.optimizer.state_dict())
+        x, y = data[2]
+        engine.backward(_loss(engine, x.bfloat16(), y.bfloat16()))
+        assert engine.optimizer.round  # updates ran during backward
+        before = snapshot(engine)
+        with pytest.raises(ValueError, match=r"after engine\.step\(\) \(or drop the step "
+                                             r"with engine\.zero_grad\(\)\)"):
+            engine.optimizer.load_state_dict(kept)
+        assert_same(snapshot(engine), before)
+        assert engine.step()
+
+
 @pytest.mark.parametrize("place", PLACES, ids=IDS)
 def test_freezing_between_micro_batches_trains_as_torch(engine_cfg, place):
     """Frozen between two micro-batches of one step, torch takes only the first one's
