@@ -90,6 +90,7 @@ class Collectives:
         self.world = dist.get_world_size(group) if self.distributed else 1
         # `cuda`: the engine's tensors are CUDA tensors (None: CUDA is here)
         self.backend = device_backend(group, cuda) if self.distributed else "none"
+        self.issued = 0  # collectives this rank started on the group (the ranks' count agrees)
 
     def destroy(self) -> None:
         """Frees this process's part of `group`, a group the caller made for its own use
@@ -212,6 +213,7 @@ class Collectives:
 
     def _then(self, work: object, finish: Callable[[], None] | None, async_op: bool,
               token: AsyncToken | None = None) -> Pending:
+        self.issued += 1
         p = Pending(work, finish, self.recorder, token)
         if not async_op:
             p.wait()

@@ -12,6 +12,7 @@ sharded weight: ZeRO partitions and reduces over those ranks only. Built with
 
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -22,14 +23,22 @@ from .collectives import Collectives, device_backend
 __all__ = ["ParallelMesh"]
 
 
+# how long a rank whose model raised mid-pass waits for its TP group to say the same
+# ([Note: a pass that raised under tensor parallelism] in offload/engine/rank_order.py)
+FAILED_PASS_WAIT_S = 30.0
+
+
 @dataclass
 class ParallelMesh:
     """This rank's DP and TP groups; `dp` and `tp` are their traced collectives, `world`
-    those of every rank (for the gradient norm over sharded and replicated weights)."""
+    those of every rank (for the gradient norm over sharded and replicated weights);
+    `control` this rank's TP group again, on gloo with a timeout of
+    `FAILED_PASS_WAIT_S`, used only after a pass raised."""
 
     dp: Collectives
     tp: Collectives
     world: Collectives
+    control: Collectives
 
     @classmethod
     def build(cls, tp_size: int, *, recorder: TraceRecorder = NULL_RECORDER,
@@ -50,13 +59,35 @@ class ParallelMesh:
         mesh = init_device_mesh(device, (world // tp_size, tp_size), mesh_dim_names=("dp", "tp"))
         def group(name: str) -> Collectives:
             return Collectives(mesh.get_group(name), recorder=recorder, name=name, cuda=cuda)
+        control = None
+        wait = datetime.timedelta(seconds=FAILED_PASS_WAIT_S)
+        for d in range(world // tp_size):  # every rank makes every group, in one order
+            ranks = list(range(d * tp_size, (d + 1) * tp_size))
+            made = dist.new_group(ranks, backend="gloo", timeout=wait)
+            if dist.get_rank() in ranks:
+                control = made
         return cls(dp=group("dp"), tp=group("tp"), world=Collectives(recorder=recorder,
-                                                                       cuda=cuda))
+                                                                       cuda=cuda),
+                   control=Collectives(control, cuda=False))
+
+    def tp_failed_together(self) -> bool:
+        """[Note: a pass that raised under tensor parallelism] in rank_order.py: called
+        by a rank whose forward or backward raised; whether every rank of its TP group
+        raised too, with as many TP collectives started (none of them is left waiting in
+        one). False where one has not said so within `FAILED_PASS_WAIT_S`."""
+        try:
+            mine = [0.0] * self.control.world
+            mine[self.control.rank] = float(self.tp.issued + 1)
+            got = self.control.sum_scalars(mine)
+        except Exception:  # the timeout: a rank is inside a collective of this pass
+            return False
+        return all(x == self.tp.issued + 1 for x in got)
 
     def close(self) -> None:
         """Frees the DP and TP groups the mesh made (`Collectives.destroy`)."""
         self.dp.destroy()
         self.tp.destroy()
+        self.control.destroy()
 
     @property
     def dp_groups(self) -> list[list[int]]:

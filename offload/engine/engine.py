@@ -74,7 +74,7 @@ from .model_weights import ModelWeights
 from .one_thread import EngineBusyError, OneThread, one_call
 from .owned import Owned
 from .params_view import RegisteredParams, unevenly_dropped
-from .rank_order import RankOrder, RankOrderError, raised_by_the_model
+from .rank_order import RankOrder, RankOrderError
 from .step import StagedParams, StepFailedError, uninterrupted
 from .tensor_parallel import TensorParallel
 from .training_checkpoint import CheckpointSave
@@ -104,6 +104,8 @@ class OffloadEngine(ModelWeights, ModuleHooks, GradPartitions, GroupUpdates, Gat
         self.units, self.groups = units, groups
         # comm: the data-parallel ranks ([Note: ZeRO-3 over DP, tensor parallelism over TP])
         self.store, self.comm, self.tp = store, comm, tp
+        # every rank of the job: what all must agree on (the ranks' order, a step's outcome)
+        self._whole = comm if tp is None else tp.mesh.world
         self.recorder = recorder
         self._gathers = gathers or GatherIssuer(comm)  # [Note: gather thread]
         self._spans = UnitSpans(recorder)  # per-unit spans and use waits (docs/trace.md)
@@ -200,7 +202,8 @@ class OffloadEngine(ModelWeights, ModuleHooks, GradPartitions, GroupUpdates, Gat
             if st.group.requires_grad:
                 self._hooks.append(st.flat.register_post_accumulate_grad_hook(
                     weak_hook(self, OffloadEngine._on_grad, st.group.gid)))
-        self._rank_order = RankOrder(comm, units, cfg.engine.check_rank_order)
+        self._rank_order = RankOrder(self._whole, units, cfg.engine.check_rank_order,
+                                     None if tp is None else tp.mesh)
         self._rank_order.on_missed_step = weak_hook(self, OffloadEngine._drop_missed_step)
         # [Note: registered parameters] in params_view.py
         self.registered = RegisteredParams(model, groups, units, self.dtype, self.device)
@@ -254,7 +257,22 @@ class OffloadEngine(ModelWeights, ModuleHooks, GradPartitions, GroupUpdates, Gat
         return self._opt
 
     def _interrupted_twice(self, where: str) -> None:
-        self._broken = where
+        self._broken = (
+            f"a second Ctrl-C interrupted this engine inside its own code ({where}): its "
+            "state in memory may be inconsistent; do not save from it: close it "
+            "(engine.close()) and resume a new engine from the last checkpoint "
+            "(offload.initialize(model, config, resume=path))")
+
+    def _after_failed_pass(self, e: BaseException) -> None:
+        """A forward or backward raised `e` (its pass undone): tells the other ranks
+        where they can learn it ([Note: a rank whose model raised]); where they cannot
+        go on together ([Note: a pass that raised under tensor parallelism] in
+        rank_order.py), the engine refuses every call from now on, and this raises
+        why, from `e`."""
+        why = self._rank_order.failed(e)
+        if why is not None:
+            self._broken = why
+            raise RuntimeError(why) from e
 
     # -- the user's loop ----------------------------------------------------------------
     @property
@@ -286,8 +304,8 @@ class OffloadEngine(ModelWeights, ModuleHooks, GradPartitions, GroupUpdates, Gat
                 self._release_gathered(orphan=True)
                 if torch.is_grad_enabled() and not in_backward():
                     self._abandon_window("a forward raised")
-                if not in_backward() and raised_by_the_model(e):
-                    self._rank_order.failed()  # [Note: a rank whose model raised]
+                if not in_backward():
+                    self._after_failed_pass(e)
                 raise
 
     def _drop_missed_step(self) -> None:
@@ -402,8 +420,7 @@ class OffloadEngine(ModelWeights, ModuleHooks, GradPartitions, GroupUpdates, Gat
                     log.debug("reduction failed while undoing a failed backward: %s", e2)
             self._abort_step()
             self._release_gathered(orphan=True)
-            if raised_by_the_model(e):
-                self._rank_order.failed()  # [Note: a rank whose model raised]
+            self._after_failed_pass(e)
             raise
         finally:
             self._drop_nested_grads()  # what a failed pass left
@@ -507,11 +524,13 @@ class OffloadEngine(ModelWeights, ModuleHooks, GradPartitions, GroupUpdates, Gat
         errors = [error, None if dropped else changed]  # undone with the step
         errors += [f.exception() for f in early]  # waits for every one of them
         # [Note: ranks agree] in collectives.py: before the step's first collective
-        dropping = self.comm.agree(next((e for e in errors if e is not None), None), "step()",
-                                   flag=dropped)
+        # (under tensor parallelism every rank's: a TP rank that committed alone would
+        # leave its shards a step ahead of the others')
+        dropping = self._whole.agree(next((e for e in errors if e is not None), None),
+                                     "step()", flag=dropped)
         if dropping:  # as engine.zero_grad() before this step: it changes nothing
-            if dropping < self.comm.world:
-                raise RuntimeError(unevenly_dropped(dropping, self.comm.world))
+            if dropping < self._whole.world:
+                raise RuntimeError(unevenly_dropped(dropping, self._whole.world))
             self._drop_step()  # no card: the next micro-batch starts the step
             return False
         gids = [g for g in sorted(self._has_grad) if ("g", g) in self.store]
@@ -524,7 +543,7 @@ class OffloadEngine(ModelWeights, ModuleHooks, GradPartitions, GroupUpdates, Gat
         self.pending_updates.add(*gids, reads_master=self.master_is_param)
         pinned = None
         try:  # what can fail, every rank's part of it, before any rank commits
-            with self.comm.together("step()"):
+            with self._whole.together("step()"):
                 if self.cfg.engine.optimizer == "host" and not self.staged:
                     pinned = pin_in_place(self, gids)
                 if pinned is not None:  # its updates cannot be undone: refuse bad values first

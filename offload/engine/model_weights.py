@@ -211,11 +211,7 @@ class ModelWeights:
                 "keep workers (DataLoader workers, multiprocessing) to data loading, or "
                 "initialize a new engine in the child with its own io.paths")
         if self._broken is not None and not self._closed:
-            raise RuntimeError(
-                f"a second Ctrl-C interrupted this engine inside its own code ({self._broken}):"
-                " its state in memory may be inconsistent; do not save from it: close it "
-                "(engine.close()) and resume a new engine from the last checkpoint "
-                "(offload.initialize(model, config, resume=path))")
+            raise RuntimeError(self._broken)
         if self._closed:
             raise RuntimeError(
                 "this OffloadEngine is closed (close() ran, or its `with` block ended): its "

@@ -23,6 +23,26 @@ ended only past the step's check, so both record the next step from the same
 point). Cost: one all-reduce of `world`
 numbers per block (a host synchronisation with NCCL);
 `engine.check_rank_order = false` turns it off.
+
+Under tensor parallelism the checks, and a step's agreement on its outcome, run
+over every rank of the job (the mesh's `world`), not the DP group alone: with
+one DP rank they ran over nobody, and a rank whose loss code raised paired its
+next forward's TP all-reduces with the other's backward ones.
+
+[Note: a pass that raised under tensor parallelism]
+The TP layers all-reduce inside a unit's forward and backward, between two
+checks. A rank whose pass raised there may leave the other ranks of its TP
+group waiting inside one of those all-reduces, which it will never start; its
+next collective would pair with theirs: a rank that went on to its next batch
+summed its activations with the others' from another layer and stepped on the
+result, with no error, while they waited. So a rank whose forward or backward
+raised first asks its TP group, over a gloo group of their own with a timeout
+(`ParallelMesh.tp_failed_together`), whether every one of them raised too, with
+as many TP collectives started (the same data makes the same error likely on
+all). If so, none is left waiting, and the ranks go on as above. If not, or the
+pass was interrupted (Ctrl-C), the engine refuses every call from then on,
+saying why: the other ranks are released only when this process ends (gloo
+reports the closed connection; torchrun ends the job when one rank exits).
 """
 
 from __future__ import annotations
@@ -32,6 +52,7 @@ import os
 from typing import Callable
 
 from ..comm import Collectives
+from ..comm.mesh import ParallelMesh
 from .units import Unit
 
 log = logging.getLogger(__name__)
@@ -78,8 +99,10 @@ class RankOrder:
     """Checks, before each block of collectives (a unit's forward, its backward, a
     group's gradient reduction), that every rank is at the same block."""
 
-    def __init__(self, comm: Collectives, units: list[Unit], enabled: bool) -> None:
-        self._comm = comm
+    def __init__(self, comm: Collectives, units: list[Unit], enabled: bool,
+                 mesh: ParallelMesh | None = None) -> None:
+        self._comm = comm  # every rank of the job (under tensor parallelism, the mesh's)
+        self._mesh = mesh
         self._index = {id(u): i for i, u in enumerate(units)}
         self._n = len(units)
         self._names = [u.name for u in units]
@@ -131,16 +154,33 @@ class RankOrder:
         if self.enabled:
             self._check(-1.0 - gid)
 
-    def failed(self) -> None:
+    def failed(self, e: BaseException) -> str | None:
         """[Note: a rank whose model raised] This rank's forward or backward raised in
         the user's code: the other ranks, at their next check, learn it there and
         raise, undoing their pass as this rank undid its own. The ranks then go on
-        from the same point, none a batch ahead, and each error names its cause."""
-        if self.enabled:
+        from the same point, none a batch ahead, and each error names its cause.
+        Returns why the engine cannot go on, where a rank of its TP group may be
+        waiting inside a collective of the pass ([Note: a pass that raised under
+        tensor parallelism]); None where the ranks go on."""
+        if self._mesh is not None and not (isinstance(e, Exception)
+                                           and self._mesh.tp_failed_together()):
+            return (f"rank {self._comm.rank}'s forward or backward stopped in the middle "
+                    "of a tensor-parallel pass (its model raised, or it was interrupted) "
+                    "that the other ranks of its TP group did not stop with: they wait "
+                    "inside a collective of that pass that this rank will never start, "
+                    "and they are released only when this process "
+                    "ends. The engine refuses every call from now on (going on would "
+                    "pair this rank's sums with theirs from another layer); end the "
+                    "process on every rank (torchrun ends the others when one exits) and "
+                    "start again from saved weights. Under tensor parallelism, code that "
+                    "may raise on one rank only (a hook, a check of the data) belongs "
+                    "outside the engine's forward")
+        if self.enabled and raised_by_the_model(e):
             try:
                 self._points(FAILED)
             except Exception as e:  # the model's error is what the rank raises
                 log.debug("telling the other ranks of a failed pass failed: %s", e)
+        return None
 
     def _describe(self, h: float) -> str:
         """What block number `h` is (the inverse of the checks' numbering)."""

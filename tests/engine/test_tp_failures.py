@@ -1,0 +1,111 @@
+"""Tensor parallelism (tp.size = 2 on two gloo ranks, one DP rank) when one rank fails
+alone: its model raising in the middle of a Domino block, or its step refused.
+
+Before: the ranks' checks and a step's agreement ran over the DP group, which had one
+rank, so nobody heard of the other's failure. A rank whose forward raised went on to
+its next batch and paired its TP all-reduces with the other rank's from the failed
+pass: it stepped twice on mixed-up sums, with no error, while the other waited for
+good; a step refused on one rank committed on the other, leaving its shards a step
+ahead."""
+
+import os
+
+import pytest
+
+import offload
+import offload.comm.mesh
+
+from .models import lm_loss
+from .ranks import process_group, run_cases, spawn_cases
+from .test_domino import _batches, _config, _logits, _model
+
+pytestmark = pytest.mark.distributed
+
+
+def _case_one_rank_raises(d: str, rank: int) -> dict:
+    """Rank 0's model raises inside the second block's MLP at step 1; rank 1's does not.
+    Rank 0 waits for its TP group's word, then refuses every call; rank 1, waiting in
+    the pass's all-reduce, is released with an error when rank 0's process ends."""
+    offload.comm.mesh.FAILED_PASS_WAIT_S = 3.0  # read when the mesh is built
+    model = _model("gpt")
+    armed = [False]
+
+    def hook(*_):
+        if armed[0]:
+            raise RuntimeError("raised by rank 0's model")
+
+    out: dict = {"errors": [], "steps": []}
+    engine = offload.initialize(model, _config(os.path.join(d, "one"), 2, "host"))
+    if rank == 0:
+        model.blocks[1].mlp.fc.register_forward_hook(hook)
+    for step, (x, y) in enumerate(_batches()[:3]):
+        armed[0] = step == 1
+        try:
+            engine.backward(lm_loss(_logits(engine(x)), y))
+            engine.step()
+        except RuntimeError as e:
+            out["errors"].append((str(e), repr(e.__cause__)))
+        out["steps"].append(engine.global_step)
+    if rank == 1:
+        engine.close()
+    return out  # rank 0 ends its process with the engine open, as a failed script does
+
+
+def _case_one_rank_step_refused(d: str, rank: int) -> dict:
+    """Rank 0 writes a NaN lr between backward and step(): both ranks' steps fail and
+    change nothing, and the next step trains on both."""
+    from offload.engine import full_state_dict
+    model = _model("gpt")
+    out: dict = {}
+    with offload.initialize(model, _config(os.path.join(d, "step"), 2, "host")) as engine:
+        (x, y), (x2, y2) = _batches()[:2]
+        before = full_state_dict(engine)
+        engine.backward(lm_loss(_logits(engine(x)), y))
+        if rank == 0:
+            engine.optimizer.param_groups[0]["lr"] = float("nan")
+        try:
+            engine.step()
+            out["raised"] = None
+        except Exception as e:  # noqa: BLE001
+            out["raised"] = type(e).__name__
+        out["steps"] = engine.global_step
+        after = full_state_dict(engine)
+        out["unchanged"] = max((after[k] - v).abs().max().item() for k, v in before.items())
+        engine.optimizer.param_groups[0]["lr"] = 1e-2
+        engine.backward(lm_loss(_logits(engine(x2)), y2))
+        out["next"] = engine.step()
+    return out
+
+
+def _worker(rank: int, world: int, init_file: str, out: str) -> None:
+    d = os.path.dirname(init_file)
+    with process_group(rank, world, init_file):
+        run_cases({"step": lambda: _case_one_rank_step_refused(d, rank),
+                   "raise": lambda: _case_one_rank_raises(d, rank)}, f"{out}.{rank}")
+        if rank == 0:
+            os._exit(0)  # rank 1 is released by this process's end, not by a call
+
+
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory) -> list:
+    return spawn_cases(_worker, str(tmp_path_factory.mktemp("tp-failures")))
+
+
+def test_a_rank_whose_model_raised_alone_refuses_to_go_on(outcomes):
+    mine, other = outcomes[0]["raise"], outcomes[1]["raise"]
+    assert "crash" not in mine and "crash" not in other, (mine, other)
+    assert mine["steps"] == [1, 1, 1], mine  # no step on the other rank's sums
+    (first, cause), *later = mine["errors"]
+    assert "did not stop with" in first and "raised by rank 0's model" in cause, first
+    assert len(later) == 1 and later[0][0] == first  # every call after it refused
+    assert other["steps"] == [1, 1, 1] and len(other["errors"]) == 2, other
+    assert "did not stop with" in other["errors"][0][0], other
+
+
+def test_a_step_refused_on_one_rank_changes_neither(outcomes):
+    for rank, r in enumerate(outcomes):
+        got = r["step"]
+        assert "crash" not in got, got
+        assert got["raised"] is not None and got["steps"] == 0, got
+        assert got["unchanged"] == 0.0, got
+        assert got["next"] is True, got
