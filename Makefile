@@ -13,7 +13,6 @@ setup: $(STAMP)
 
 $(STAMP): pyproject.toml setup.py offload/optim/adam_native.c Makefile
 	@sh scripts/install-libaio.sh
-	@sh scripts/install-chromium.sh
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"
@@ -24,9 +23,11 @@ demo: setup
 	$(VENV)/bin/offload demo
 
 test: setup
+	@sh scripts/install-chromium.sh
 	$(PY) -m pytest -q
 
 test-all: setup
+	@sh scripts/install-chromium.sh
 	$(PY) -m pytest -q -m "slow or not slow"
 
 bench-io: setup
