@@ -8,8 +8,9 @@
  * or 8-bit codes with one fp32 scale per QBLOCK elements, see the note in
  * codec.py), divide the gradient by `grad_scale`, apply weight decay, update
  * the moments and the master, write master and moments back (re-encoded; bf16
- * moments rounded stochastically, with random bits from a hash of the element's
- * model-wide index and the run's update count, see to_bf16_sr) and the
+ * moments and the 8-bit codes of updated elements rounded stochastically, with
+ * random bits from a hash of the element's model-wide index and the run's update
+ * count, see to_bf16_sr and code8) and the
  * compute-dtype copy (bf16 or fp16, round to nearest even). The math is
  * the operation order of torch's fused CPU Adam (torch._fused_adamw_) in fp32,
  * fused multiply-adds where torch's vector loop has them (the lerp of exp_avg,
@@ -63,7 +64,8 @@ typedef struct {
     float neg_step;      /* -lr / (1 - beta1^step) */
     float bias2_sqrt;    /* sqrt(1 - beta2^step) */
     float eps;
-    uint32_t key;        /* bf16 moments: the run's part of the rounding's hash (codec.py) */
+    uint32_t key;        /* bf16 and int8 moments: the run's part of the rounding's hash
+                          * (codec.py's [Note: stochastic rounding]) */
 } offload_run;
 
 typedef struct {
@@ -192,6 +194,12 @@ INLINE float round_even(float x) {
     return (x + magic) - magic;
 }
 
+/* floor(x) for |x| < 2^22, inf and NaN kept (vectorises without SSE4.1's roundps) */
+INLINE float floor_small(float x) {
+    float t = round_even(x);
+    return t > x ? t - 1.0f : t;
+}
+
 /* ---- 8-bit codes (codec.py's [Note: compressed moments]) ------------- */
 
 INLINE void decode_m8(float *restrict d, const int8_t *restrict c, float s, int64_t k) {
@@ -227,24 +235,53 @@ INLINE float max_abs(const float *restrict x, int64_t k) {
     return u2f(mx);
 }
 
-INLINE void encode_m8(int8_t *restrict c, float *scale, const float *restrict x, int64_t k) {
+/* Stochastic rounding of the 8-bit codes that the update writes (codec.py's [Note:
+ * stochastic rounding]): an element a run updates codes as floor(x * inv + r), with
+ * r = (k + 0.5) / 256 and k 8 bits of its hash h = mix32(index ^ run key): bits 8-15
+ * for exp_avg, 24-31 for exp_avg_sq (the top of each half that bf16 moments use). r
+ * is in [1/512, 1 - 1/512], so a value within 1/512 of a code keeps it. The other
+ * elements of a block coded again hold r = NEAREST and round to nearest even, as
+ * codec.encode does. x * inv, then + r, each one fp32 rounding, then floor: the
+ * torch path's order (codec.encode). */
+#define NEAREST (-1.0f)
+
+INLINE float sr_offset(uint32_t bits8) { return (float)(2u * bits8 + 1u) * (1.0f / 512.0f); }
+
+/* the offsets of k updated elements, the first with model-wide index `index` */
+INLINE void store_offsets(float *restrict rm, float *restrict rv, int64_t k, uint32_t index,
+                          uint32_t key) {
+    for (int64_t i = 0; i < k; i++) {
+        uint32_t h = mix32((index + (uint32_t)i) ^ key);
+        rm[i] = sr_offset((h >> 8) & 0xffu);
+        rv[i] = sr_offset(h >> 24);
+    }
+}
+
+INLINE float code8(float x, float inv, float r) {
+    float q = x * inv;
+    return r < 0.0f ? round_even(q) : floor_small(q + r);
+}
+
+INLINE void encode_m8(int8_t *restrict c, float *scale, const float *restrict x,
+                      const float *restrict rm, int64_t k) {
     float s = clamp_scale(max_abs(x, k) / 127.0f, 127.0f);
     float inv = 1.0f / s;
     *scale = s;
     for (int64_t i = 0; i < k; i++) {
-        float q = round_even(x[i] * inv);
+        float q = code8(x[i], inv, rm[i]);
         q = q > 127.0f ? 127.0f : (q < -127.0f ? -127.0f : q);
         c[i] = (int8_t)(int32_t)q;
     }
 }
 
 /* `r` holds sqrt(v) (the update computes it anyway). */
-INLINE void encode_v8(uint8_t *restrict c, float *scale, const float *restrict r, int64_t k) {
+INLINE void encode_v8(uint8_t *restrict c, float *scale, const float *restrict r,
+                      const float *restrict rv, int64_t k) {
     float s = clamp_scale(max_abs(r, k) / 255.0f, 255.0f);
     float inv = 1.0f / s;
     *scale = s;
     for (int64_t i = 0; i < k; i++) {
-        float q = round_even(r[i] * inv);
+        float q = code8(r[i], inv, rv[i]);
         q = q > 255.0f ? 255.0f : (q < 0.0f ? 0.0f : q);
         c[i] = (uint8_t)(int32_t)q;
     }
@@ -350,18 +387,25 @@ enum { COPY_NONE = 0, COPY_BF16 = 1, COPY_FP16 = 2 };
  * never change within a loop). */
 typedef struct {
     __m512 w, w1, wd, decay, b2, b2c, step, bc2, eps, gs;
-    __m512i iota, key;           /* lane numbers; the run's key (bf16 moments) */
+    __m512i iota, key;           /* lane numbers; the run's key (bf16 and int8 moments) */
     uint32_t index;              /* model-wide index of element 0, mod 2^32 */
     int small, adamw, l2;
 } adam_vec;
 
 /* Lanes `l` of elements [i, i + 16): adam_loop's body, the master read from pin
- * and written to p; m, v fp32 or bf16 (`bf16m`), sq (sqrt(v_new)) written unless
- * NULL, the copy into d (streamed when `full`: all lanes, d + i 32-byte aligned;
+ * and written to p; m, v fp32 or bf16 (`bf16m`), sq (sqrt(v_new)) and the int8
+ * codes' rounding offsets rm, rv (store_offsets) written unless sq is NULL, the copy
+ * into d (streamed when `full`: all lanes, d + i 32-byte aligned;
  * without a copy, p streamed when `full` and p is not pin: p + i 64-byte aligned). */
+AVX512_INLINE __m512 sr_offset16(__m512i bits8) {
+    __m512i odd = _mm512_add_epi32(_mm512_slli_epi32(bits8, 1), _mm512_set1_epi32(1));
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(odd), _mm512_set1_ps(1.0f / 512.0f));
+}
+
 AVX512_INLINE void adam16(int64_t i, __mmask16 l, int full, float *p, const float *pin,
-                          const float *g0, void *m, void *v, float *sq, uint16_t *d,
-                          const adam_vec *c, int copy, int bf16m, int scaled) {
+                          const float *g0, void *m, void *v, float *sq, float *rm,
+                          float *rv, uint16_t *d, const adam_vec *c, int copy, int bf16m,
+                          int scaled) {
     __m512 g = _mm512_maskz_loadu_ps(l, g0 + i);
     __m512 x = _mm512_maskz_loadu_ps(l, pin + i);
     __m512 mo = load16(m, i, l, bf16m), vo = load16(v, i, l, bf16m);
@@ -374,15 +418,20 @@ AVX512_INLINE void adam16(int64_t i, __mmask16 l, int full, float *p, const floa
     __m512 root = _mm512_sqrt_ps(vi);
     __m512 den = _mm512_add_ps(_mm512_div_ps(root, c->bc2), c->eps);
     __m512 pn = _mm512_add_ps(x, _mm512_div_ps(_mm512_mul_ps(c->step, mi), den));
-    __m512i hash = _mm512_setzero_si512();  /* bf16m: as store_bf16_sr */
-    if (bf16m) {
+    __m512i hash = _mm512_setzero_si512();  /* as store_bf16_sr and store_offsets */
+    if (bf16m || sq) {
         __m512i index = _mm512_add_epi32(_mm512_set1_epi32((int32_t)(c->index + (uint32_t)i)),
                                          c->iota);
         hash = mix16(_mm512_xor_si512(index, c->key));
     }
     store16(m, i, l, bf16m, mi, _mm512_and_si512(hash, _mm512_set1_epi32(0xffff)));
     store16(v, i, l, bf16m, vi, _mm512_srli_epi32(hash, 16));
-    if (sq) _mm512_mask_storeu_ps(sq + i, l, root);
+    if (sq) {
+        _mm512_mask_storeu_ps(sq + i, l, root);
+        __m512i lo8 = _mm512_and_si512(_mm512_srli_epi32(hash, 8), _mm512_set1_epi32(0xff));
+        _mm512_mask_storeu_ps(rm + i, l, sr_offset16(lo8));
+        _mm512_mask_storeu_ps(rv + i, l, sr_offset16(_mm512_srli_epi32(hash, 24)));
+    }
     if (full && p != pin && copy == COPY_NONE) _mm512_stream_ps(p + i, pn);
     else _mm512_mask_storeu_ps(p + i, l, pn);
     if (copy == COPY_NONE) return;
@@ -392,29 +441,35 @@ AVX512_INLINE void adam16(int64_t i, __mmask16 l, int full, float *p, const floa
 }
 
 AVX512_INLINE void adam_vec_loop(int64_t k, float *p, const float *pin, const float *g0,
-                                 void *m, void *v, float *sq, uint16_t *d, const adam_vec *c,
-                                 int copy, int bf16m, int scaled) {
+                                 void *m, void *v, float *sq, float *rm, float *rv,
+                                 uint16_t *d, const adam_vec *c, int copy, int bf16m,
+                                 int scaled) {
     /* with a copy: lanes up to d's first 32-byte boundary, then whole aligned
      * vectors streamed, then the rest (d is 2-byte aligned: the head is < 16);
      * without one and p not pin, the same up to p's first 64-byte boundary */
     int64_t head = copy ? (int64_t)((32 - ((uintptr_t)d & 31)) & 31) / 2
                         : p != pin ? (int64_t)((64 - ((uintptr_t)p & 63)) & 63) / 4 : 0;
     head = head < k ? head : k;
-    if (head) adam16(0, lanes(head), 0, p, pin, g0, m, v, sq, d, c, copy, bf16m, scaled);
+    if (head)
+        adam16(0, lanes(head), 0, p, pin, g0, m, v, sq, rm, rv, d, c, copy, bf16m, scaled);
     int64_t i = head;
     for (; i + 16 <= k; i += 16)
-        adam16(i, (__mmask16)0xffff, 1, p, pin, g0, m, v, sq, d, c, copy, bf16m, scaled);
-    if (i < k) adam16(i, lanes(k - i), 0, p, pin, g0, m, v, sq, d, c, copy, bf16m, scaled);
+        adam16(i, (__mmask16)0xffff, 1, p, pin, g0, m, v, sq, rm, rv, d, c, copy, bf16m,
+               scaled);
+    if (i < k)
+        adam16(i, lanes(k - i), 0, p, pin, g0, m, v, sq, rm, rv, d, c, copy, bf16m, scaled);
 }
 
 /* k elements as adam_math, with m, v fp32 or bf16 (`bf16m`; in place either way,
  * bf16 rounded as to_bf16_sr, `index` element 0's model-wide index), sq as there or
- * NULL (not needed), and the new master's copy to d (`copy`). The master's current
+ * NULL (not needed; with it, the int8 codes' offsets rm, rv as store_offsets), and
+ * the new master's copy to d (`copy`). The master's current
  * values are read from `pin`: `p` itself, or where they are when `p` only receives
  * the new ones ([Note: the master read in the loop]); so neither is `restrict`.
  * One loop per combination of the three (constants once inlined). */
 AVX512 static void adam_avx512(int64_t k, float *p, const float *pin, const float *restrict g0,
                                void *restrict m, void *restrict v, float *restrict sq,
+                               float *restrict rm, float *restrict rv,
                                uint16_t *restrict d, int copy, int bf16m,
                                const offload_run *r, int scaled, float gs, uint32_t index) {
     adam_vec c;
@@ -434,8 +489,8 @@ AVX512 static void adam_avx512(int64_t k, float *p, const float *pin, const floa
     c.small = fabsf(r->lerp_w) < 0.5f;
     c.adamw = r->weight_decay != 0.0f && r->decoupled;
     c.l2 = r->weight_decay != 0.0f && !r->decoupled;
-#define ADAM_VEC(C, B) (scaled ? adam_vec_loop(k, p, pin, g0, m, v, sq, d, &c, C, B, 1) \
-                               : adam_vec_loop(k, p, pin, g0, m, v, sq, d, &c, C, B, 0))
+#define ADAM_VEC(C, B) (scaled ? adam_vec_loop(k, p, pin, g0, m, v, sq, rm, rv, d, &c, C, B, 1) \
+                               : adam_vec_loop(k, p, pin, g0, m, v, sq, rm, rv, d, &c, C, B, 0))
 #define ADAM_VEC_C(B) (copy == COPY_BF16 ? ADAM_VEC(COPY_BF16, B) \
                        : copy == COPY_FP16 ? ADAM_VEC(COPY_FP16, B) : ADAM_VEC(COPY_NONE, B))
     if (bf16m) ADAM_VEC_C(1);
@@ -478,18 +533,25 @@ AVX512_INLINE float max_abs16(const float *x, int64_t i0, int64_t end) {
     return u2f(_mm512_reduce_max_epu32(mx));
 }
 
-/* x * inv rounded to an integer code in [lo, hi] (round_even, then the clamps) */
-AVX512_INLINE __m512i code16(__m512 x, __m512 inv, __m512 lo, __m512 hi) {
+/* x * inv rounded to an integer code in [lo, hi] (code8: floor(x * inv + r), or
+ * round_even where r is NEAREST; then the clamps) */
+AVX512_INLINE __m512i code16(__m512 x, __m512 inv, __m512 r, __m512 lo, __m512 hi) {
     const __m512 magic = _mm512_set1_ps(12582912.0f);
-    __m512 q = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(x, inv), magic), magic);
+    __m512 q = _mm512_mul_ps(x, inv);
+    __m512 near = _mm512_sub_ps(_mm512_add_ps(q, magic), magic);
+    __m512 down = _mm512_roundscale_ps(_mm512_add_ps(q, r),
+                                       _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    q = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(r, _mm512_setzero_ps(), _CMP_LT_OQ), down,
+                             near);
     q = _mm512_max_ps(lo, _mm512_min_ps(hi, q));
     return _mm512_cvttps_epi32(q);
 }
 
-/* mb: exp_avg's fp32 tile, sq: sqrt of exp_avg_sq's */
+/* mb: exp_avg's fp32 tile, sq: sqrt of exp_avg_sq's, rm / rv: their offsets (code8) */
 AVX512 static void encode8_avx512(int8_t *restrict mc, uint8_t *restrict vc, float *ms,
                                   float *vs, const float *restrict mb,
-                                  const float *restrict sq, int64_t k) {
+                                  const float *restrict sq, const float *restrict rm,
+                                  const float *restrict rv, int64_t k) {
     for (int64_t b = 0; b < k; b += QBLOCK) {
         int64_t end = k - b < QBLOCK ? k : b + QBLOCK;
         float s = clamp_scale(max_abs16(mb, b, end) / 127.0f, 127.0f);
@@ -501,8 +563,10 @@ AVX512 static void encode8_avx512(int8_t *restrict mc, uint8_t *restrict vc, flo
         const __m512 v_lo = _mm512_setzero_ps(), v_hi = _mm512_set1_ps(255.0f);
         for (int64_t i = b; i < end; i += 16) {
             __mmask16 l = lanes(end - i);
-            __m512i cm = code16(_mm512_maskz_loadu_ps(l, mb + i), inv_m, m_lo, m_hi);
-            __m512i cv = code16(_mm512_maskz_loadu_ps(l, sq + i), inv_v, v_lo, v_hi);
+            __m512i cm = code16(_mm512_maskz_loadu_ps(l, mb + i), inv_m,
+                                _mm512_maskz_loadu_ps(l, rm + i), m_lo, m_hi);
+            __m512i cv = code16(_mm512_maskz_loadu_ps(l, sq + i), inv_v,
+                                _mm512_maskz_loadu_ps(l, rv + i), v_lo, v_hi);
             _mm_mask_storeu_epi8(mc + i, l, _mm512_cvtepi32_epi8(cm));
             _mm_mask_storeu_epi8(vc + i, l, _mm512_cvtepi32_epi8(cv));
         }
@@ -528,18 +592,22 @@ INLINE void write_out(const block_args *a, int64_t lo, int64_t k) {
 }
 
 /* Elements [lo, lo + k) of one tile under run r; mt, vt: the tile's fp32 moments
- * (the arrays themselves for fp32 state) offset to element lo. */
+ * (the arrays themselves for fp32 state) offset to element lo; int8 state: rm, rv
+ * receive the codes' offsets (store_offsets). */
 INLINE void run_span(const block_args *a, const offload_run *r, int64_t lo, int64_t k,
-                            float *mt, float *vt, float *sq) {
-    if (!r->skip)
+                     float *mt, float *vt, float *sq, float *rm, float *rv) {
+    if (!r->skip) {
         adam_math(k, a->master + lo, a->grad + lo, mt, vt, sq, r, a->scaled, a->grad_scale);
+        if (a->state == STATE_INT8)
+            store_offsets(rm, rv, k, (uint32_t)(a->first + lo), r->key);
+    }
     write_out(a, lo, k);
 }
 
 /* run_span on AVX-512: m, v the moments at element lo, fp32 (the arrays or the
  * tile's decoded int8 codes) or the bf16 arrays themselves (`bf16m`). */
 INLINE void run_span_avx512(const block_args *a, const offload_run *r, int64_t lo, int64_t k,
-                            void *m, void *v, int bf16m, float *sq) {
+                            void *m, void *v, int bf16m, float *sq, float *rm, float *rv) {
     if (r->skip) {
         if (a->src != a->master) memcpy(a->master + lo, a->src + lo, 4 * (size_t)k);
         write_out(a, lo, k);
@@ -547,10 +615,10 @@ INLINE void run_span_avx512(const block_args *a, const offload_run *r, int64_t l
     }
     int copy = a->out_dtype == OUT_BF16 ? COPY_BF16
                : a->out_dtype == OUT_FP16 ? COPY_FP16 : COPY_NONE;
-    adam_avx512(k, a->master + lo, a->src + lo, a->grad + lo, m, v,
-                a->state == STATE_INT8 ? sq : NULL,
-                (uint16_t *)a->out + lo, copy, bf16m, r, a->scaled, a->grad_scale,
-                (uint32_t)(a->first + lo));
+    int int8 = a->state == STATE_INT8;
+    adam_avx512(k, a->master + lo, a->src + lo, a->grad + lo, m, v, int8 ? sq : NULL,
+                int8 ? rm : NULL, int8 ? rv : NULL, (uint16_t *)a->out + lo, copy, bf16m, r,
+                a->scaled, a->grad_scale, (uint32_t)(a->first + lo));
     if (a->out_dtype == OUT_FP32) write_out(a, lo, k);
 }
 
@@ -595,7 +663,7 @@ INLINE int64_t covered(const offload_run *runs, int64_t nruns, int64_t ri, int64
  * are sorted and disjoint); returns it for the next tile. */
 INLINE int64_t tile(const block_args *a, const offload_run *runs, int64_t nruns,
                     int64_t ri, int64_t t0, int64_t t1) {
-    float mb[TILE], vb[TILE], sq[TILE];
+    float mb[TILE], vb[TILE], sq[TILE], rm[TILE], rv[TILE];
     int64_t k = t1 - t0;
     int busy = 0;
     if (a->src != a->master && !a->avx512)  /* elements no run updates keep src's values */
@@ -625,8 +693,12 @@ INLINE int64_t tile(const block_args *a, const offload_run *runs, int64_t nruns,
     }
     if (busy && a->state == STATE_INT8 && covered(runs, nruns, ri, t0, t1) < k) {
         /* every element of a block is coded again, as codec.encode does over a
-         * decoded block: sqrt(v) of the elements no run updates is taken here */
-        for (int64_t i = 0; i < k; i++) sq[i] = sqrtf(vb[i]);
+         * decoded block: sqrt(v) of the elements no run updates is taken here, and
+         * they round to nearest (the runs overwrite their own elements' offsets) */
+        for (int64_t i = 0; i < k; i++) {
+            sq[i] = sqrtf(vb[i]);
+            rm[i] = rv[i] = NEAREST;
+        }
     }
     int bf16m = a->avx512 && a->state == STATE_BF16;
     for (int64_t j = ri; j < nruns && runs[j].lo < t1; j++) {
@@ -634,12 +706,13 @@ INLINE int64_t tile(const block_args *a, const offload_run *runs, int64_t nruns,
         int64_t hi = runs[j].hi < t1 ? runs[j].hi : t1;
         if (bf16m)
             run_span_avx512(a, &runs[j], lo, hi - lo, (uint16_t *)a->m + lo,
-                            (uint16_t *)a->v + lo, 1, NULL);
+                            (uint16_t *)a->v + lo, 1, NULL, NULL, NULL);
         else if (a->avx512)
             run_span_avx512(a, &runs[j], lo, hi - lo, m + (lo - t0), v + (lo - t0), 0,
-                            sq + (lo - t0));
+                            sq + (lo - t0), rm + (lo - t0), rv + (lo - t0));
         else
-            run_span(a, &runs[j], lo, hi - lo, m + (lo - t0), v + (lo - t0), sq + (lo - t0));
+            run_span(a, &runs[j], lo, hi - lo, m + (lo - t0), v + (lo - t0), sq + (lo - t0),
+                     rm + (lo - t0), rv + (lo - t0));
     }
     if (!busy || a->state == STATE_FP32 || bf16m) return ri;
     if (a->state == STATE_BF16) {
@@ -656,13 +729,13 @@ INLINE int64_t tile(const block_args *a, const offload_run *runs, int64_t nruns,
     }
     if (a->avx512) {
         encode8_avx512((int8_t *)a->m + t0, (uint8_t *)a->v + t0, a->m_scale + t0 / QBLOCK,
-                       a->v_scale + t0 / QBLOCK, mb, sq, k);
+                       a->v_scale + t0 / QBLOCK, mb, sq, rm, rv, k);
         return ri;
     }
     for (int64_t b = 0; b < k; b += QBLOCK) {
         int64_t kb = k - b < QBLOCK ? k - b : QBLOCK, q = (t0 + b) / QBLOCK;
-        encode_m8((int8_t *)a->m + t0 + b, &a->m_scale[q], mb + b, kb);
-        encode_v8((uint8_t *)a->v + t0 + b, &a->v_scale[q], sq + b, kb);
+        encode_m8((int8_t *)a->m + t0 + b, &a->m_scale[q], mb + b, rm + b, kb);
+        encode_v8((uint8_t *)a->v + t0 + b, &a->v_scale[q], sq + b, rv + b, kb);
     }
     return ri;
 }
@@ -739,5 +812,6 @@ int64_t offload_adam_claim(int64_t n, float *master, const float *grad, void *m,
 }
 
 /* 1 when this build can be called at all (the loader's handshake). */
-EXPORT int offload_adam_abi(void) { return 4; } /* 2: offload_adam_claim; 3: first, isa, key;
-                                                  4: src */
+EXPORT int offload_adam_abi(void) { return 5; } /* 2: offload_adam_claim; 3: first, isa, key;
+                                                  4: src; 5: int8 codes rounded
+                                                  stochastically */

@@ -23,6 +23,9 @@ moment, plus one for encoding), so blocks need no locks. `block_elems`
 is a multiple of `codec.QBLOCK`, so compressed blocks never straddle two calls.
 bf16 moments go back run by run, rounded stochastically with the run's update
 count (codec.py, [Note: stochastic rounding]): the bits of the native kernel.
+int8 codes go back block by block, each element a run updated rounded
+stochastically with that run's offsets (`codec.int8_offsets`), the others to
+nearest.
 Where nothing rides on the pass (fp32 moments, no compute-dtype copy, no
 gradient divisor, one run), torch's fused kernel takes the whole chunk in one
 call.
@@ -44,7 +47,8 @@ import torch
 
 from ..io.process import usable_cpus
 from .adam import AdamHyper, AdamKernel, KernelName, fused_status
-from .codec import QBLOCK, Moment, decode, encode, encode_stochastic, rounding_hash
+from .codec import (NEAREST, QBLOCK, Moment, decode, encode, encode_stochastic, int8_offsets,
+                    rounding_hash)
 from .native import NativeAdam, native_status
 
 __all__ = ["BlockUpdater", "Run"]
@@ -63,6 +67,8 @@ class _Worker:
         self.m = torch.empty(size, dtype=torch.float32)
         self.v = torch.empty(size, dtype=torch.float32)
         self.tmp = torch.empty(size, dtype=torch.float32)
+        self.rm = torch.empty(size, dtype=torch.float32)  # int8 codes' offsets
+        self.rv = torch.empty(size, dtype=torch.float32)
 
 
 def _native_for(kernel: KernelName | str) -> NativeAdam | None:
@@ -176,6 +182,7 @@ class BlockUpdater:
         for t in pool:
             t.join()
 
+
     # -- the update ----------------------------------------------------------------
     def update(self, runs: list[Run], base: int, master: torch.Tensor, grad: torch.Tensor,
                exp_avg: Moment, exp_avg_sq: Moment, out: torch.Tensor | None,
@@ -255,6 +262,9 @@ class BlockUpdater:
             v = decode(va, w.v[:hi - lo])
         else:
             m, v = ma.data, va.data
+        int8 = coded and busy and not bf16
+        if int8:  # elements no run updates round to nearest ([Note: stochastic rounding])
+            rm, rv = w.rm[:hi - lo].fill_(NEAREST), w.rv[:hi - lo].fill_(NEAREST)
         for i, j, hyper, step in todo:
             x, y = i - base, j - base  # chunk coordinates
             p = master[x:y]
@@ -265,11 +275,17 @@ class BlockUpdater:
                 continue
             w.kernel.update(p, grad[i:j], m[x - lo:y - lo], v[x - lo:y - lo], step=step + 1,
                             hyper=hyper, grad_scale=grad_scale, param_out=o)
+            if not coded:
+                continue
+            at = origin + i  # the element's place in the model ([Note: stochastic ...])
+            h = rounding_hash(at, y - x, step + 1, m.device)  # one hash for both moments
             if bf16:  # the updated elements, rounded stochastically; the rest keep their bits
-                at = origin + i  # the element's place in the model ([Note: stochastic ...])
-                h = rounding_hash(at, y - x, step + 1, m.device)  # one hash for both
                 for f, mom in ((m, ma), (v, va)):
                     encode_stochastic(f[x - lo:y - lo], mom[x - lo:y - lo], at, step + 1, h)
-        if coded and busy and not bf16:
-            encode(m, ma, w.tmp[:hi - lo])
-            encode(v, va, w.tmp[:hi - lo])
+            else:
+                int8_offsets(h, "exp_avg", rm[x - lo:y - lo])
+                int8_offsets(h, "exp_avg_sq", rv[x - lo:y - lo])
+        if int8:
+            encode(m, ma, w.tmp[:hi - lo], rm)
+            encode(v, va, w.tmp[:hi - lo], rv)
+

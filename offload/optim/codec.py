@@ -8,10 +8,11 @@
 | ----------- | ----------------------------------- | ----------------------------------- | ----- |
 | fp32        | fp32                                | fp32                                | 8     |
 | bf16        | bf16, stochastic rounding on update | bf16, stochastic rounding on update | 4     |
-| int8        | int8, linear                        | uint8 codes of sqrt(v)              | ~2.03 |
+| int8        | int8, linear, stochastic on update  | uint8 codes of sqrt(v), the same    | ~2.03 |
 
-bf16 moments loaded from other values (`encode`) round to nearest even; the
-update's writes round stochastically ([Note: stochastic rounding] below).
+Moments loaded from other values (`encode` without offsets: state dicts,
+checkpoints) round to nearest even; the update's writes round stochastically
+([Note: stochastic rounding] below).
 
 int8 keeps one fp32 scale per block of `QBLOCK` (256) elements for each
 moment (8 bytes per 256 elements). exp_avg is signed and maps linearly:
@@ -19,11 +20,14 @@ code = round(m / s), s = max|m| / 127 over the block. exp_avg_sq spans
 orders of magnitude inside a block, and Adam divides by sqrt(v): a linear
 code of v rounds small entries to 0, and m / (0 + eps) blows the update up.
 Coding r = sqrt(v) linearly (v = (code * s)^2, s = max r / 255) keeps the
-relative error of the denominator, which is what the update sees, bounded
-by half a step of the block's largest sqrt(v); `docs/optim.md` gives the
-measurement that chose it over a linear code of v. Rounding is to nearest;
-sqrt(v) is the correctly rounded fp32 square root, the same on every CPU, so
-the native kernel (native.py) and this module give the same codes bit for bit.
+error of the denominator, which is what the update sees, within half a step
+of the block's largest sqrt(v) for one encode (a step, rounded
+stochastically); `docs/optim.md` gives the measurement that chose it over a
+linear code of v. Across steps that bound did not hold while every update
+rounded to nearest: a change under half a step was lost each time, so a
+small entry beside a large one stayed at code 0 (next note). sqrt(v) is the
+correctly rounded fp32 square root, the same on every CPU, so the native
+kernel (native.py) and this module give the same codes bit for bit.
 
 A NaN or an inf in a block stays in its element, as in an fp32 moment: a NaN is
 left out of the block's max (it codes to 0), and the scale is at most FLT_MAX /
@@ -77,6 +81,35 @@ dict). The carry of the addition is the rounding: a value above a binade's
 largest bf16 value rounds up to the next power of two, one above bf16's
 largest finite value rounds up to inf (each with its probability), and inf
 stays inf.
+
+int8 codes stall the same way, worse: a code step is 1/127 of the block's
+largest |m| (1/255 of its largest sqrt(v)), and sqrt(v) grows by
+sqrt(1 - beta2) * |g| = 0.0316 |g| a step. After one gradient of 10 in an
+element, its neighbour with a steady gradient of 1e-3 gained 2.5% of a code
+a step and rounded back to 0 for thousands of steps, while its exp_avg code
+came back within a few: its steps were about 30 lr (weight -45.9 after 2000
+steps at lr 1e-3, fp32's -2.0). So the update codes each element a run
+updates as floor(x / s + r) with 8 bits of the same hash h:
+
+    k = (h >> 8) & 0xff for exp_avg, h >> 24 for exp_avg_sq
+    r = (k + 0.5) / 256                       in [1/512, 1 - 1/512]
+
+x / s is one fp32 multiply by the reciprocal of the scale, + r one fp32 add,
+then floor (`encode`'s `offsets`, `int8_offsets`; adam_native.c's code8), then
+the clamps as before; a value within 1/512 of a code keeps it, so a decoded
+block encodes back to its own codes. The code is x / s on average: the
+neighbour above ends at -2.15 (fp32 -2.0). What remains: the first steps
+after a spike still code the small entries against its scale, so their
+codes are 0 or 1 at random (exp_avg's too, which scales their steps down
+while the spike's scale lasts: -0.21 after 500 steps against fp32's -0.5),
+and the rounding adds noise of up to a code step per update where rounding
+to nearest added a bias. The code of sqrt(v) is unbiased, so decoded v is
+above v on average by the rounding's variance (at most a quarter of a step
+squared). Elements no run
+updates (segments without a gradient that share a block with one that has
+one) round to nearest as before when their block is coded again, so they
+keep their codes unless the block's scale moves; blocks without any
+gradient are not coded again.
 """
 
 from __future__ import annotations
@@ -90,7 +123,7 @@ from ..planner.sizes import QBLOCK, STATE_DTYPES, StateDtype, moment_bytes
 __all__ = ["Moment", "QBLOCK", "SpareBuffers", "StateDtype", "STATE_DTYPES", "moment_bytes",
            "new_moment", "zero_moment", "decode", "encode", "clone_moment", "copy_moment",
            "moment_views", "moment_to_dict", "moment_from_dict", "mix32", "rounding_key",
-           "rounding_hash", "encode_stochastic"]
+           "rounding_hash", "encode_stochastic", "int8_offsets", "NEAREST"]
 
 _TINY = torch.finfo(torch.float32).tiny
 _STORED = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -209,9 +242,12 @@ def _sqrt(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     return out.copy_(torch.sqrt(x.to(torch.float64)))
 
 
-def encode(x: torch.Tensor, m: Moment, tmp: torch.Tensor) -> None:
+def encode(x: torch.Tensor, m: Moment, tmp: torch.Tensor,
+           offsets: torch.Tensor | None = None) -> None:
     """Stores fp32 `x` into `m` (rounded to nearest); `tmp`: fp32 scratch of x's numel.
-    exp_avg_sq must be >= 0 (Adam keeps it so)."""
+    exp_avg_sq must be >= 0 (Adam keeps it so). `offsets` (int8 only; fp32, x's numel):
+    element i codes as floor(x_i / s + offsets_i) where offsets_i >= 0 (stochastic
+    rounding, `int8_offsets`), to nearest where it is `NEAREST`."""
     if m.scale is None:
         m.data.copy_(x)
         return
@@ -225,7 +261,13 @@ def encode(x: torch.Tensor, m: Moment, tmp: torch.Tensor) -> None:
     m.scale.div_(top).clamp_(min=_TINY, max=_SCALE_MAX[m.kind])
     for rows, sl in _rows(src):
         rows.mul_(m.scale[sl].reciprocal().unsqueeze(1))
-    src.round_().clamp_(min=-top if m.kind == "exp_avg" else 0.0, max=top)  # an inf: top
+    if offsets is None:
+        src.round_()
+    else:  # x * inv, + r, floor: adam_native.c's code8, one fp32 rounding each
+        near = offsets < 0  # (most blocks have none: one pass fewer)
+        down = torch.add(src, offsets).floor_()
+        src.copy_(torch.where(near, src.round(), down) if near.any() else down)
+    src.clamp_(min=-top if m.kind == "exp_avg" else 0.0, max=top)  # an inf: top
     m.data.copy_(src)
 
 
@@ -277,6 +319,18 @@ def encode_stochastic(x: torch.Tensor, m: Moment, first: int, count: int,
     bits.masked_fill_(torch.isnan(x), BF16_NAN)
     bits.sub_((bits & 0x8000) << 1)  # the int16 whose bits these are
     m.data.view(torch.int16).copy_(bits)
+
+
+NEAREST = -1.0  # an `encode` offset: this element rounds to nearest even
+
+
+def int8_offsets(h: torch.Tensor, kind: str, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The offsets r = (k + 0.5) / 256 with which the update's int8 codes round
+    (`encode`'s `offsets`, fp32): k is bits 8-15 of `rounding_hash` h for exp_avg, bits
+    24-31 for exp_avg_sq ([Note: stochastic rounding]). Into `out` where given."""
+    k = (h >> 8 if kind == "exp_avg" else h >> 24).bitwise_and_(0xFF).to(torch.float32)
+    r = k.mul_(1.0 / 256).add_(1.0 / 512)  # exact: 9 significant bits
+    return r if out is None else out.copy_(r)
 
 
 def moment_to_dict(m: Moment) -> dict[str, torch.Tensor]:

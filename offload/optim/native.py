@@ -4,7 +4,8 @@
 One C call updates one cache block in one pass over memory: fp32 master,
 fp32 gradient, moments in any `optim.state_dtype` form (decoded into fp32 tiles
 of `codec.QBLOCK` elements in L1 and encoded back, with codec.py's codes bit
-for bit; bf16 moments rounded stochastically as `codec.encode_stochastic`, from
+for bit; bf16 moments rounded stochastically as `codec.encode_stochastic`, and the
+int8 codes of updated elements as `codec.encode` with `codec.int8_offsets`, from
 the model-wide index of the block's first element and each run's update count),
 the gradient divisor, weight decay, bias correction, and the
 compute-dtype copy (bf16 / fp16, round to nearest even). The math follows the
@@ -49,7 +50,7 @@ ENV_SWITCH = "OFFLOAD_NATIVE_ADAM"
 ISA_SWITCH = "OFFLOAD_NATIVE_ISA"
 ISAS = {"baseline": 0, "avx2": 1, "avx512": 2}  # adam_native.c make_args' `isa`
 _LIB_STEM = "_adam_native"
-_ABI = 4  # offload_adam_abi() of the C file this module calls
+_ABI = 5  # offload_adam_abi() of the C file this module calls
 CLAIM_UNIT = 1 << 16  # elements per unit a thread claims in `NativeAdam.claimer` (64 tiles)
 _TILE = 4 * QBLOCK  # adam_native.c's TILE
 _STATE = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
@@ -121,8 +122,8 @@ def native_status() -> tuple[bool, str]:
 
 def _coefficients(h: AdamHyper, step: int) -> tuple:
     """The kernel's per-run constants, computed in double and rounded to fp32 by
-    ctypes, as torch's fused kernel derives them, and the run's key for bf16
-    moments ([Note: stochastic rounding] in codec.py)."""
+    ctypes, as torch's fused kernel derives them, and the run's key for bf16 and
+    int8 moments ([Note: stochastic rounding] in codec.py)."""
     bias1 = 1.0 - h.beta1 ** step
     bias2 = 1.0 - h.beta2 ** step
     return (int(h.decoupled), h.weight_decay, 1.0 - h.lr * h.weight_decay, 1.0 - h.beta1,
@@ -184,8 +185,8 @@ class NativeAdam:
         are None keeps its weights and moments (its master is still copied to `out`),
         and elements outside every run are not written (int8 codes of a block that a
         run updates aside: the whole block is coded again, as `codec.encode` does).
-        `first`: the model-wide index of element 0 (bf16 moments' rounding: the
-        partition's origin plus the block's place in it).
+        `first`: the model-wide index of element 0 (the stochastic rounding of bf16
+        moments and int8 codes: the partition's origin plus the block's place in it).
         `src`: the master's current values, when they are not in `master`: `master`
         receives the new ones (and `src`'s values where no run updates), `src` is only
         read; the same bits as copying `src` into `master` first."""

@@ -1,8 +1,8 @@
 """The native fused Adam kernel (offload/optim/native.py) against torch's path.
 
 The torch path (torch._fused_adamw_ on fp32 moments decoded by codec.decode,
-encoded back by codec.encode, or run by run by codec.encode_stochastic for bf16
-moments, the compute-dtype copy by Tensor.copy_) is the
+encoded back by codec.encode with each run's codec.int8_offsets, or run by run by
+codec.encode_stochastic for bf16 moments, the compute-dtype copy by Tensor.copy_) is the
 reference: the native kernel must give the same bits where torch's kernel runs
 its vector loop on every element (n a multiple of 64), and the same values to
 fp32 rounding elsewhere. Without a built kernel these tests skip, except the
@@ -18,8 +18,8 @@ from offload.config import OptimConfig
 from offload.optim import AdamHyper, AdamKernel, CpuAdam
 from offload.optim import blocks
 from offload.optim import native as native_mod
-from offload.optim.codec import (QBLOCK, clone_moment, decode, encode, encode_stochastic,
-                                 new_moment)
+from offload.optim.codec import (NEAREST, QBLOCK, clone_moment, decode, encode,
+                                 encode_stochastic, int8_offsets, new_moment, rounding_hash)
 
 from .conftest import grads_for
 
@@ -44,6 +44,7 @@ def _torch_path(p, g, m, v, out, grad_scale, runs, first=0):
     partition's index of element 0)."""
     n = p.numel()
     fm, fv = decode(m, torch.empty(n)), decode(v, torch.empty(n))
+    rm, rv = torch.full((n,), NEAREST), torch.full((n,), NEAREST)  # int8: not updated
     k = AdamKernel("fused", 1 << 20)
     for lo, hi, h, st in runs:
         o = None if out is None else out[lo:hi]
@@ -56,9 +57,13 @@ def _torch_path(p, g, m, v, out, grad_scale, runs, first=0):
         if m.data.dtype == torch.bfloat16:
             encode_stochastic(fm[lo:hi], m[lo:hi], first + lo, st + 1)
             encode_stochastic(fv[lo:hi], v[lo:hi], first + lo, st + 1)
+        elif m.scale is not None:
+            hash_ = rounding_hash(first + lo, hi - lo, st + 1, p.device)
+            int8_offsets(hash_, "exp_avg", rm[lo:hi])
+            int8_offsets(hash_, "exp_avg_sq", rv[lo:hi])
     if m.data.dtype != torch.bfloat16 and any(h is not None for _, _, h, _ in runs):
-        encode(fm, m, torch.empty(n))
-        encode(fv, v, torch.empty(n))
+        encode(fm, m, torch.empty(n), rm if m.scale is not None else None)
+        encode(fv, v, torch.empty(n), rv if m.scale is not None else None)
 
 
 def _both(state_dtype, n, out_name, grad_scale, runs, seed=0, isa=None, first=0):

@@ -7,8 +7,8 @@ import torch
 
 from offload.config import OptimConfig
 from offload.optim import CpuAdam, OptimStepError
-from offload.optim.codec import (QBLOCK, decode, encode, encode_stochastic, moment_bytes,
-                                 new_moment)
+from offload.optim.codec import (QBLOCK, decode, encode, encode_stochastic, int8_offsets,
+                                 moment_bytes, new_moment, rounding_hash)
 
 from .conftest import grads_for
 from .test_pipeline import _fail_writes_after
@@ -57,7 +57,7 @@ def test_moment_bytes():
 
 def _reference(masters: dict, grads_seq: list, state_dtype: str, cfg: OptimConfig) -> dict:
     """torch.optim.AdamW, with the moments rounded to `state_dtype` after each step
-    (bf16: stochastically, as the update does)."""
+    stochastically, as the update does (each partition's element 0 at index 0)."""
     out = {}
     for pid, m0 in masters.items():
         p = torch.nn.Parameter(m0.clone())
@@ -73,7 +73,11 @@ def _reference(masters: dict, grads_seq: list, state_dtype: str, cfg: OptimConfi
                     encode_stochastic(st[k], m, 0, count)
                     st[k].copy_(m.data)
                 else:
-                    st[k].copy_(_round_trip(st[k], state_dtype, k))
+                    n = st[k].numel()
+                    m = new_moment("int8", k, n)
+                    h = rounding_hash(0, n, count, st[k].device)
+                    encode(st[k], m, torch.empty(n), int8_offsets(h, k))
+                    st[k].copy_(decode(m, torch.empty(n)))
         out[pid] = (p.detach(), opt.state[p]["exp_avg"], opt.state[p]["exp_avg_sq"])
     return out
 
@@ -398,8 +402,10 @@ def test_exp_avg_sq_decays_like_beta2_to_the_power_of_the_steps(kernel):
     opt.close()
 
 
-def test_bf16_moments_are_the_same_however_the_update_is_cut(swap, pool, monkeypatch):
-    """Partition coordinates, not the cut, pick the random bits: the same state
+@pytest.mark.parametrize("state_dtype", DTYPES)
+def test_moments_are_the_same_however_the_update_is_cut(swap, pool, monkeypatch, state_dtype):
+    """Partition coordinates, not the cut, pick the random bits (bf16 moments and
+    int8 codes, both rounded stochastically on update): the same state
     (bit for bit) from one thread or claimed units on two, on the host or through
     NVMe chunks of other sizes, on each code path of the native kernel and on
     torch's kernels. Segments of two groups, one without a gradient every other
@@ -421,7 +427,7 @@ def test_bf16_moments_are_the_same_however_the_update_is_cut(swap, pool, monkeyp
     for kernel, isa, block, threads, tier, chunk in variants:
         if isa:
             monkeypatch.setenv(native_mod.ISA_SWITCH, isa)
-        opt = CpuAdam(_cfg("bf16", chunk_elems=chunk), param_groups=[{}, {"lr": 3e-3}],
+        opt = CpuAdam(_cfg(state_dtype, chunk_elems=chunk), param_groups=[{}, {"lr": 3e-3}],
                       **({"swap": swap, "pool": pool} if tier == "nvme" else {}))
         opt.kernel = blocks.BlockUpdater(kernel, block, threads=threads)
         monkeypatch.delenv(native_mod.ISA_SWITCH, raising=False)
@@ -434,5 +440,34 @@ def test_bf16_moments_are_the_same_however_the_update_is_cut(swap, pool, monkeyp
         states.append(opt.partition_state("x"))
         opt.close()
     for st, var in zip(states[1:], variants[1:]):
-        for k in ("master", "exp_avg", "exp_avg_sq"):
+        assert st.keys() == states[0].keys()
+        for k in st:
             assert torch.equal(st[k], states[0][k]), (var, k)
+
+
+@pytest.mark.parametrize("state_dtype", DTYPES)
+def test_a_resumed_run_rounds_as_one_that_never_stopped(state_dtype):
+    """The random bits come from the update counts in the state dict: 3 steps, a
+    save, a fresh optimizer that loads it and 3 more steps give the bits of 6 steps
+    without a stop."""
+    n = CHUNK + 300
+    whole = CpuAdam(_cfg(state_dtype))
+    whole.add_partition("x", torch.linspace(-1, 1, n))
+    first = CpuAdam(_cfg(state_dtype))
+    first.add_partition("x", torch.linspace(-1, 1, n))
+    for step in range(3):
+        whole.step(grads_for({"x": n}, seed=step))
+        first.step(grads_for({"x": n}, seed=step))
+    saved = first.state_dict()
+    first.close()
+    resumed = CpuAdam(_cfg(state_dtype))
+    resumed.add_partition("x", torch.zeros(n))
+    resumed.load_state_dict(saved)
+    for step in range(3, 6):
+        whole.step(grads_for({"x": n}, seed=step))
+        resumed.step(grads_for({"x": n}, seed=step))
+    a, b = whole.partition_state("x"), resumed.partition_state("x")
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    whole.close()
+    resumed.close()
