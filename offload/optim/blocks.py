@@ -39,8 +39,11 @@ plain fp32 update still goes to torch's fused kernel in one call under
 
 from __future__ import annotations
 
+import atexit
 import itertools
+import os
 import threading
+import weakref
 from typing import Callable
 
 import torch
@@ -56,6 +59,7 @@ __all__ = ["BlockUpdater", "Run"]
 Run = tuple[int, int, "AdamHyper | None", int]  # first element, elements, hyper or None, step
 MAX_THREAD_BLOCK = 1 << 19  # elements per block and thread: ~11 MiB of arrays and scratch
 IDLE_EXIT_S = 5.0  # a worker idle this long ends (an optimizer never closed keeps no threads)
+_OPEN: "weakref.WeakSet[BlockUpdater]" = weakref.WeakSet()  # [Note: workers at exit]
 
 
 class _Worker:
@@ -114,6 +118,8 @@ class BlockUpdater:
         self._left = 0
         self._errors: list[BaseException] = []
         self._closed = False
+        self._pid = os.getpid()
+        _OPEN.add(self)
 
     def _worker(self) -> _Worker:
         return _Worker(self.kernel, self.block, self.native is not None)
@@ -127,8 +133,10 @@ class BlockUpdater:
             with self._go:
                 while self._gen == seen and not self._closed:
                     if not self._go.wait(IDLE_EXIT_S) and self._gen == seen:
-                        # idle: end, with the scratch (a later update starts threads again)
-                        self._pool.remove(threading.current_thread())
+                        # idle: end, with the scratch (a later update starts threads again;
+                        # a close() that took the pool as the wait ran out has it already)
+                        if threading.current_thread() in self._pool:
+                            self._pool.remove(threading.current_thread())
                         return
                 if self._closed:
                     return
@@ -146,6 +154,9 @@ class BlockUpdater:
     def _each(self, job: Callable[[_Worker], None]) -> None:
         """Runs `job(worker)` once on every worker thread and waits for all."""
         with self._go:
+            if self._closed:  # its workers would return at once, and this wait for good
+                raise RuntimeError("the optimizer's update threads are closed (close() ran, "
+                                   "or the interpreter is exiting)")
             if len(self._pool) < self.threads:  # (re)started: none, or some ended idle
                 self._start()
             self._errors = []
@@ -181,6 +192,7 @@ class BlockUpdater:
             pool, self._pool = self._pool, []
         for t in pool:
             t.join()
+        _OPEN.discard(self)
 
 
     # -- the update ----------------------------------------------------------------
@@ -289,3 +301,18 @@ class BlockUpdater:
             encode(m, ma, w.tmp[:hi - lo], rm)
             encode(v, va, w.tmp[:hi - lo], rv)
 
+
+def _close_open_at_exit() -> None:
+    """[Note: workers at exit] A worker that ended while the interpreter shut down
+    (its idle wait ran out, its optimizer never closed) freed its scratch tensors
+    there: torch's free releases the GIL, and a daemon thread taking it back during
+    finalization is ended by an unwind that C++ cannot pass, which aborted the
+    process ("terminate called without an active exception", exit code 134; half
+    the runs of tests/optim here). At exit, before finalization, every updater still
+    open in this process stops its workers and joins them."""
+    for updater in list(_OPEN):
+        if updater._pid == os.getpid():
+            updater.close()
+
+
+atexit.register(_close_open_at_exit)

@@ -1,0 +1,33 @@
+"""An optimizer never closed, at interpreter exit: its update threads are stopped
+before finalization. A worker whose idle wait ran out during finalization freed its
+scratch tensors there and aborted the process ("terminate called without an active
+exception", exit code 134), in about half the runs of tests/optim."""
+
+import subprocess
+import sys
+import textwrap
+
+
+def test_an_unclosed_optimizers_threads_end_before_finalization(tmp_path):
+    script = tmp_path / "unclosed.py"
+    script.write_text(textwrap.dedent("""
+        import atexit, threading
+
+        def check():  # registered first, so it runs after offload's own exit hooks
+            left = [t.name for t in threading.enumerate() if t.name.startswith("offload-adam")]
+            print("left:", left, flush=True)
+
+        atexit.register(check)
+        import torch
+        from offload.config import OptimConfig
+        from offload.optim import CpuAdam, blocks
+        opt = CpuAdam(OptimConfig(state_dtype="int8"))
+        opt.kernel = blocks.BlockUpdater("auto", 1 << 12, threads=2)
+        opt.add_partition("p", torch.zeros(1 << 16))
+        opt.step({"p": torch.ones(1 << 16)})
+        print("workers:", sum(t.name.startswith("offload-adam") for t in threading.enumerate()))
+    """))
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "workers: 2" in r.stdout and "left: []" in r.stdout, (r.stdout, r.stderr)
