@@ -31,3 +31,31 @@ def test_an_unclosed_optimizers_threads_end_before_finalization(tmp_path):
                        timeout=120)
     assert r.returncode == 0, r.stderr
     assert "workers: 2" in r.stdout and "left: []" in r.stdout, (r.stdout, r.stderr)
+
+
+def test_an_update_after_close_raises_instead_of_waiting():
+    """After close() (or the exit's), workers return at once: an update waited for
+    them for good."""
+    import threading
+
+    import pytest
+
+    from offload.optim.blocks import BlockUpdater
+
+    updater = BlockUpdater("auto", 4096, threads=2)
+    updater.close()
+    got: list = []
+
+    def run():
+        try:
+            updater._each(lambda w: None)
+            got.append("ran")
+        except RuntimeError as e:
+            got.append(str(e))
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(10)
+    if not got:
+        pytest.fail("the update waited for closed workers")
+    assert "closed" in got[0]
