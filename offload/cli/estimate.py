@@ -106,7 +106,9 @@ def render(result: dict[str, Any]) -> None:
     con.print("min: the least store budget per rank that trains at all (the rest streams); "
               "the other columns hold everything where the placement puts it. nvme: the "
               "state's bytes; each swap file (params, grads, optimizer) takes disk in steps "
-              "of io.grow_step (256 MiB by default)")
+              "of io.grow_step (256 MiB by default). With NVMe optimizer state, the figures "
+              "assume no clipping, no fp16 and no accumulation: with any of them the "
+              "gradients are stored until step() and need more (docs/tuning.md)")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -183,6 +183,13 @@ def _build_meta(spec: ModelSpec):
     if not isinstance(model, torch.nn.Module):
         raise UsageError(f"MODEL: {spec.target} returned {type(model).__name__}, not an "
                          "nn.Module; return the model")
+    from ..config import ConfigError
+    from ..engine import refuse_lazy
+    try:
+        refuse_lazy(model)
+    except ConfigError as e:
+        raise UsageError(f"MODEL: {spec.target}: {str(e).removeprefix('initialize(model): ')}"
+                         ) from None
     return model
 
 

@@ -232,7 +232,12 @@ def tune(args: argparse.Namespace, quiet: bool = False,
     # a batch the model cannot take fails here: before the bars, and before --swap is made
     base = measure_model(spec, EngineConfig().group_size)
     check_memory_budgets(budgets, device)
-    os.makedirs(args.swap, exist_ok=True)
+    try:
+        os.makedirs(args.swap, exist_ok=True)
+    except OSError as e:  # what the checks before cannot see (/proc, /sys, a race)
+        raise UsageError(f"--swap: {escape(args.swap)} cannot be created "
+                         f"({e.strerror or e}); give a writable swap directory on the "
+                         "NVMe") from None
     with _bar(quiet) as progress:
         sizes = group_sizes(base.params, args.group_sizes)
         with _phase(progress, "record step (meta)", len(sizes)) as tick:
@@ -684,8 +689,8 @@ def _mode(path: str) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    """`offload tune`; the swap directory it makes is removed again (while empty) when
-    it fails or is interrupted, and kept when it succeeds (the config names it)."""
+    """`offload tune`; the swap directory it makes is removed again (while empty) unless
+    it succeeds and writes a config (`--write`), which names it."""
     check_write(args.write, args.force)
     created = missing_directories(args.swap)
     rc = 1
@@ -694,7 +699,7 @@ def run(args: argparse.Namespace) -> int:
     except MachineError as e:
         print(f"offload tune: {' '.join(str(e).split())}", file=sys.stderr)
     finally:
-        if rc != 0:
+        if rc != 0 or not args.write:
             remove_directories(created)
     return rc
 

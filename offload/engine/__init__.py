@@ -100,6 +100,21 @@ def _warn_unused_scaling(e: Any) -> None:
                     "used (bf16 and fp32 gradients need none)", scaling[0], e.dtype)
 
 
+def refuse_lazy(model: nn.Module) -> None:
+    """Raises `ConfigError` naming the first parameter of a lazy module (nn.LazyLinear
+    and the like) not sized yet: there is nothing to partition, and torch's own error
+    came from deep inside the unit building, naming no parameter."""
+    from torch.nn.parameter import is_lazy
+
+    for name, p in model.named_parameters():
+        if is_lazy(p):
+            raise ConfigError(
+                f"initialize(model): parameter {name!r} is not initialized yet (a lazy "
+                "module, sized at its first call): run one forward with a batch of the "
+                "real shape before handing the model over, or give the module its sizes "
+                "(nn.Linear for nn.LazyLinear)")
+
+
 def _refuse_unsupported(model: nn.Module, dtype: str) -> None:
     """Raises `ConfigError` naming the first module the engine cannot run as torch does:
     an embedding with `max_norm` renormalises the rows it looks up in place inside
@@ -111,6 +126,7 @@ def _refuse_unsupported(model: nn.Module, dtype: str) -> None:
     its precision silently lost (and a float64 input refused by the first layer).
     bf16/fp16 parameters under another compute dtype are only warned of: they train,
     in that dtype."""
+    refuse_lazy(model)
     for name, p in model.named_parameters():
         if p.dtype in (torch.float64, torch.complex64, torch.complex128):
             raise ConfigError(

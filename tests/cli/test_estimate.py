@@ -27,6 +27,9 @@ MODELS = textwrap.dedent("""
 
     def wide():
         return nn.Sequential(nn.Linear(1 << 20, 4))
+
+    def lazy():
+        return nn.Sequential(nn.Linear(8, 8), nn.LazyLinear(2))
     """)
 TIERS = {"device": "DEVICE", "host": "HOST", "nvme": "NVME"}
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -150,6 +153,7 @@ BAD_ARGS = [
     (["tinymodels:mlp", "--placement", "disk/host/nvme"], "--placement: 'disk/host/nvme'"),
     (["tinymodels:mlp", "--world", "0"], "--world: '0' is not positive"),
     ([], "MODEL: missing"),
+    (["tinymodels:lazy"], "MODEL: tinymodels:lazy: parameter '1.weight' is not initialized"),
     (["tinymodels:mlp", "--batch", str(1 << 63)], f"--batch: '{1 << 63}' is out of range "
      "1..1048576; give e.g. 8"),
     (["tinymodels:mlp", "--seq", str(1 << 63)], f"--seq: '{1 << 63}' is out of range "

@@ -109,7 +109,7 @@ def test_tune_table_with_progress_bars(work):
     for phase in ("probe disk", "record step", "search"):
         assert phase in out.stderr
     assert "step s" in out.stdout and "tokens/s" in out.stdout and "limit" in out.stdout
-    assert not (work / "swap" / ".offload-tune-probe").exists()
+    assert not (work / "swap").exists()  # made by tune, named by no config: removed
 
 
 def test_impossible_budgets_say_what_is_missing_in_which_tier(work):
@@ -126,6 +126,7 @@ def test_impossible_budgets_say_what_is_missing_in_which_tier(work):
 BAD_FLAGS = [
     ([], "--swap"),
     (["--swap", "/etc/hosts"], "--swap: '/etc/hosts' exists and is not a directory"),
+    (["--swap", "/proc/offload-swap"], "--swap: /proc/offload-swap cannot be created"),
     (["--swap", "SWAP", "--verify", "-1"], "--verify: '-1' is below 0"),
     (["--swap", "SWAP", "--host-budget", "lots"], "--host-budget: 'lots' is not a byte size"),
     (["--swap", "SWAP", "--batch", str(1 << 63)], f"--batch: '{1 << 63}' is out of range"),

@@ -281,6 +281,20 @@ def test_a_float64_model_is_refused_naming_the_parameter(engine_cfg):
         assert engine.step()
 
 
+def test_a_lazy_module_not_sized_yet_is_refused_naming_it(engine_cfg):
+    """nn.LazyLinear before its first call has nothing to partition: torch's error came
+    from deep inside the unit building, naming no parameter. initialize refuses it,
+    naming the parameter and the fix; after one forward the model trains."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.LazyLinear(2))
+    with pytest.raises(offload.ConfigError, match=r"parameter '1.weight' is not initialized "
+                                                  r"yet .*run one forward"):
+        offload.initialize(model, engine_cfg("host", group_size=100))
+    model(torch.randn(3, 8))
+    with offload.initialize(model, engine_cfg("host", group_size=100)) as engine:
+        engine.backward(engine(torch.randn(3, 8)).sum())
+        assert engine.step()
+
+
 def test_a_bf16_model_under_fp32_compute_is_told_so(engine_cfg, caplog):
     """A model loaded in bf16 under the default engine.dtype computes in fp32 from then
     on: initialize says so, naming a parameter and the setting; an fp32 model does not."""
