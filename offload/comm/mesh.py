@@ -13,6 +13,7 @@ sharded weight: ZeRO partitions and reduces over those ranks only. Built with
 from __future__ import annotations
 
 import datetime
+import time
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -59,38 +60,61 @@ class ParallelMesh:
         mesh = init_device_mesh(device, (world // tp_size, tp_size), mesh_dim_names=("dp", "tp"))
         def group(name: str) -> Collectives:
             return Collectives(mesh.get_group(name), recorder=recorder, name=name, cuda=cuda)
-        control = None
-        wait = datetime.timedelta(seconds=FAILED_PASS_WAIT_S)
-        for d in range(world // tp_size):  # every rank makes every group, in one order
-            ranks = list(range(d * tp_size, (d + 1) * tp_size))
-            made = dist.new_group(ranks, backend="gloo", timeout=wait)
-            if dist.get_rank() in ranks:
-                control = made
-        return cls(dp=group("dp"), tp=group("tp"), world=Collectives(recorder=recorder,
-                                                                       cuda=cuda),
+        dp, tp, control = group("dp"), group("tp"), None
+        try:
+            wait = datetime.timedelta(seconds=FAILED_PASS_WAIT_S)
+            for d in range(world // tp_size):  # every rank makes every group, in one order
+                ranks = list(range(d * tp_size, (d + 1) * tp_size))
+                made = dist.new_group(ranks, backend="gloo", timeout=wait)
+                if dist.get_rank() in ranks:
+                    control = made
+        except BaseException:
+            _destroy_each(dp, tp)
+            raise
+        return cls(dp=dp, tp=tp, world=Collectives(recorder=recorder, cuda=cuda),
                    control=Collectives(control, cuda=False))
 
-    def tp_failed_together(self) -> bool:
+    def tp_failed_together(self) -> str | None:
         """[Note: a pass that raised under tensor parallelism] in rank_order.py: called
-        by a rank whose forward or backward raised; whether every rank of its TP group
-        raised too, with as many TP collectives started (none of them is left waiting in
-        one). False where one has not said so within `FAILED_PASS_WAIT_S`."""
+        by a rank whose forward or backward raised. None where every rank of its TP
+        group raised too, with as many TP collectives started (none is left waiting in
+        one); else what the others did instead."""
+        start = time.monotonic()
         try:
             mine = [0.0] * self.control.world
             mine[self.control.rank] = float(self.tp.issued + 1)
             got = self.control.sum_scalars(mine)
-        except Exception:  # the timeout: a rank is inside a collective of this pass
-            return False
-        return all(x == self.tp.issued + 1 for x in got)
+        except Exception as e:  # a timeout, or a rank that is gone
+            if time.monotonic() - start < 0.9 * FAILED_PASS_WAIT_S:
+                return (f"another rank of its TP group is gone ({' '.join(str(e).split())})"
+                        [:300])
+            return (f"the other ranks of its TP group did not stop with it within "
+                    f"{FAILED_PASS_WAIT_S:g} s: they wait inside a collective of that pass "
+                    "that this rank will never start")
+        if any(x != self.tp.issued + 1 for x in got):
+            return ("the ranks of its TP group stopped after different numbers of "
+                    "tensor-parallel collectives, one of which is left unpaired")
+        return None
 
     def close(self) -> None:
-        """Frees the DP and TP groups the mesh made (`Collectives.destroy`)."""
-        self.dp.destroy()
-        self.tp.destroy()
-        self.control.destroy()
+        """Frees the DP, TP and control groups the mesh made (`Collectives.destroy`), each
+        whatever the others do."""
+        _destroy_each(self.dp, self.tp, self.control)
 
     @property
     def dp_groups(self) -> list[list[int]]:
         """The ranks of every DP group of the job ([Note: mesh layout])."""
         tp, dp = self.tp.world, self.dp.world
         return [[d * tp + t for d in range(dp)] for t in range(tp)]
+
+
+def _destroy_each(*groups: Collectives) -> None:
+    """Destroys every group, each whatever the others do; raises the first failure."""
+    failure = None
+    for g in groups:
+        try:
+            g.destroy()
+        except Exception as e:  # noqa: BLE001 - the rest are freed first
+            failure = failure or e
+    if failure is not None:
+        raise failure

@@ -101,15 +101,17 @@ def _warn_unused_scaling(e: Any) -> None:
 
 
 def refuse_lazy(model: nn.Module) -> None:
-    """Raises `ConfigError` naming the first parameter of a lazy module (nn.LazyLinear
-    and the like) not sized yet: there is nothing to partition, and torch's own error
+    """Raises `ConfigError` naming the first parameter or buffer of a lazy module
+    (nn.LazyLinear, nn.LazyBatchNorm1d and the like) not sized yet: there is nothing to partition, and torch's own error
     came from deep inside the unit building, naming no parameter."""
     from torch.nn.parameter import is_lazy
 
-    for name, p in model.named_parameters():
+    lazy = [(f"parameter {n!r}", t) for n, t in model.named_parameters()]
+    lazy += [(f"buffer {n!r}", t) for n, t in model.named_buffers()]
+    for name, p in lazy:
         if is_lazy(p):
             raise ConfigError(
-                f"initialize(model): parameter {name!r} is not initialized yet (a lazy "
+                f"initialize(model): {name} is not initialized yet (a lazy "
                 "module, sized at its first call): run one forward with a batch of the "
                 "real shape before handing the model over, or give the module its sizes "
                 "(nn.Linear for nn.LazyLinear)")

@@ -263,16 +263,20 @@ class OffloadEngine(ModelWeights, ModuleHooks, GradPartitions, GroupUpdates, Gat
             "(engine.close()) and resume a new engine from the last checkpoint "
             "(offload.initialize(model, config, resume=path))")
 
-    def _after_failed_pass(self, e: BaseException) -> None:
+    def _after_failed_pass(self, e: BaseException, alone: str | None) -> None:
         """A forward or backward raised `e` (its pass undone): tells the other ranks
-        where they can learn it ([Note: a rank whose model raised]); where they cannot
-        go on together ([Note: a pass that raised under tensor parallelism] in
-        rank_order.py), the engine refuses every call from now on, and this raises
-        why, from `e`."""
-        why = self._rank_order.failed(e)
-        if why is not None:
-            self._broken = why
-            raise RuntimeError(why) from e
+        where they can learn it ([Note: a rank whose model raised]). `alone`: why they
+        cannot go on together (`RankOrder.alone`, asked before the undo): the engine
+        refuses every call from now on, and this raises why, from `e` (a Ctrl-C or an
+        exit goes on as itself, with why logged)."""
+        if alone is None:
+            self._rank_order.failed(e)
+            return
+        self._broken = alone
+        if not isinstance(e, Exception):
+            log.error("%s", alone)
+            return
+        raise RuntimeError(alone) from e
 
     # -- the user's loop ----------------------------------------------------------------
     @property
@@ -301,11 +305,12 @@ class OffloadEngine(ModelWeights, ModuleHooks, GradPartitions, GroupUpdates, Gat
                 with self.recorder.span("forward", cat="compute", track="compute"):
                     return self.module(*args, **kwargs)
             except BaseException as e:  # a forward changes no state of the step
+                alone = None if in_backward() else self._rank_order.alone(e)
                 self._release_gathered(orphan=True)
                 if torch.is_grad_enabled() and not in_backward():
                     self._abandon_window("a forward raised")
                 if not in_backward():
-                    self._after_failed_pass(e)
+                    self._after_failed_pass(e, alone)
                 raise
 
     def _drop_missed_step(self) -> None:
@@ -413,6 +418,7 @@ class OffloadEngine(ModelWeights, ModuleHooks, GradPartitions, GroupUpdates, Gat
             for p in self._reductions:
                 p.wait()
         except BaseException as e:
+            alone = self._rank_order.alone(e)  # [Note: a pass that raised under tensor ...]
             for p in self._reductions:  # let reductions in flight land, then undo them
                 try:
                     p.wait()
@@ -420,7 +426,7 @@ class OffloadEngine(ModelWeights, ModuleHooks, GradPartitions, GroupUpdates, Gat
                     log.debug("reduction failed while undoing a failed backward: %s", e2)
             self._abort_step()
             self._release_gathered(orphan=True)
-            self._after_failed_pass(e)
+            self._after_failed_pass(e, alone)
             raise
         finally:
             self._drop_nested_grads()  # what a failed pass left

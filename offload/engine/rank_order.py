@@ -39,10 +39,14 @@ result, with no error, while they waited. So a rank whose forward or backward
 raised first asks its TP group, over a gloo group of their own with a timeout
 (`ParallelMesh.tp_failed_together`), whether every one of them raised too, with
 as many TP collectives started (the same data makes the same error likely on
-all). If so, none is left waiting, and the ranks go on as above. If not, or the
-pass was interrupted (Ctrl-C), the engine refuses every call from then on,
-saying why: the other ranks are released only when this process ends (gloo
-reports the closed connection; torchrun ends the job when one rank exits).
+all); it asks first, before undoing its pass, whose length differs between
+ranks. If all did, none is left waiting, and the ranks go on as above. If not,
+or the pass was interrupted (Ctrl-C, an exit), the engine refuses every call
+from then on, saying why (an interrupt goes on as itself, with why logged).
+The other ranks are released only when this process ends: under gloo by the
+closed connection, under NCCL (which does not see a peer leave) when torchrun
+ends the job because this rank exited with a non-zero status, or at the
+process group's timeout.
 """
 
 from __future__ import annotations
@@ -154,33 +158,38 @@ class RankOrder:
         if self.enabled:
             self._check(-1.0 - gid)
 
-    def failed(self, e: BaseException) -> str | None:
+    def alone(self, e: BaseException) -> str | None:
+        """[Note: a pass that raised under tensor parallelism] Why the engine cannot go
+        on after its forward or backward raised `e`, where a rank of its TP group may
+        be left inside a collective of the pass; None where the ranks go on (no tensor
+        parallelism, or every TP rank raised alike). Asked first, before the pass is
+        undone: the ranks' undo takes unequal times."""
+        if self._mesh is None:
+            return None
+        why = ("it was interrupted (Ctrl-C, an exit)" if not isinstance(e, Exception)
+               else self._mesh.tp_failed_together())
+        if why is None:
+            return None
+        return (f"rank {self._comm.rank}'s forward or backward stopped in the middle of a "
+                f"tensor-parallel pass, and {why}. The engine refuses every call from now "
+                "on (going on would pair this rank's sums with theirs from another layer): "
+                "end this process with a non-zero exit status (raise, or sys.exit(1)), "
+                "which torchrun answers by ending the other ranks (gloo also releases "
+                "them when this process ends; under NCCL they wait until the process "
+                "group's timeout otherwise), and start again from saved weights. Under "
+                "tensor parallelism, code that may raise on one rank only (a hook, a "
+                "check of the data) belongs outside the engine's forward")
+
+    def failed(self, e: BaseException) -> None:
         """[Note: a rank whose model raised] This rank's forward or backward raised in
         the user's code: the other ranks, at their next check, learn it there and
         raise, undoing their pass as this rank undid its own. The ranks then go on
-        from the same point, none a batch ahead, and each error names its cause.
-        Returns why the engine cannot go on, where a rank of its TP group may be
-        waiting inside a collective of the pass ([Note: a pass that raised under
-        tensor parallelism]); None where the ranks go on."""
-        if self._mesh is not None and not (isinstance(e, Exception)
-                                           and self._mesh.tp_failed_together()):
-            return (f"rank {self._comm.rank}'s forward or backward stopped in the middle "
-                    "of a tensor-parallel pass (its model raised, or it was interrupted) "
-                    "that the other ranks of its TP group did not stop with: they wait "
-                    "inside a collective of that pass that this rank will never start, "
-                    "and they are released only when this process "
-                    "ends. The engine refuses every call from now on (going on would "
-                    "pair this rank's sums with theirs from another layer); end the "
-                    "process on every rank (torchrun ends the others when one exits) and "
-                    "start again from saved weights. Under tensor parallelism, code that "
-                    "may raise on one rank only (a hook, a check of the data) belongs "
-                    "outside the engine's forward")
+        from the same point, none a batch ahead, and each error names its cause."""
         if self.enabled and raised_by_the_model(e):
             try:
                 self._points(FAILED)
             except Exception as e:  # the model's error is what the rank raises
                 log.debug("telling the other ranks of a failed pass failed: %s", e)
-        return None
 
     def _describe(self, h: float) -> str:
         """What block number `h` is (the inverse of the checks' numbering)."""

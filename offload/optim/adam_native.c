@@ -658,6 +658,22 @@ INLINE int64_t covered(const offload_run *runs, int64_t nruns, int64_t ri, int64
     return c;
 }
 
+/* The 8-bit codes of tile [t0, t0 + k): exp_avg from mb, sqrt(exp_avg_sq) from sq,
+ * each element rounded with its offset in rm / rv (code8). */
+INLINE void encode_tile8(const block_args *a, int64_t t0, int64_t k, const float *mb,
+                         const float *sq, const float *rm, const float *rv) {
+    if (a->avx512) {
+        encode8_avx512((int8_t *)a->m + t0, (uint8_t *)a->v + t0, a->m_scale + t0 / QBLOCK,
+                       a->v_scale + t0 / QBLOCK, mb, sq, rm, rv, k);
+        return;
+    }
+    for (int64_t b = 0; b < k; b += QBLOCK) {
+        int64_t kb = k - b < QBLOCK ? k - b : QBLOCK, q = (t0 + b) / QBLOCK;
+        encode_m8((int8_t *)a->m + t0 + b, &a->m_scale[q], mb + b, rm + b, kb);
+        encode_v8((uint8_t *)a->v + t0 + b, &a->v_scale[q], sq + b, rv + b, kb);
+    }
+}
+
 /* One tile [t0, t1) (TILE elements, in L1; t0 the first of a QBLOCK): decode,
  * the runs over it, encode. `ri`: the first run that may reach this tile (runs
  * are sorted and disjoint); returns it for the next tile. */
@@ -727,16 +743,7 @@ INLINE int64_t tile(const block_args *a, const offload_run *runs, int64_t nruns,
         }
         return ri;
     }
-    if (a->avx512) {
-        encode8_avx512((int8_t *)a->m + t0, (uint8_t *)a->v + t0, a->m_scale + t0 / QBLOCK,
-                       a->v_scale + t0 / QBLOCK, mb, sq, rm, rv, k);
-        return ri;
-    }
-    for (int64_t b = 0; b < k; b += QBLOCK) {
-        int64_t kb = k - b < QBLOCK ? k - b : QBLOCK, q = (t0 + b) / QBLOCK;
-        encode_m8((int8_t *)a->m + t0 + b, &a->m_scale[q], mb + b, rm + b, kb);
-        encode_v8((uint8_t *)a->v + t0 + b, &a->v_scale[q], sq + b, rv + b, kb);
-    }
+    encode_tile8(a, t0, k, mb, sq, rm, rv);
     return ri;
 }
 

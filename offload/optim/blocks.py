@@ -57,7 +57,7 @@ from .native import NativeAdam, native_status
 __all__ = ["BlockUpdater", "Run"]
 
 Run = tuple[int, int, "AdamHyper | None", int]  # first element, elements, hyper or None, step
-MAX_THREAD_BLOCK = 1 << 19  # elements per block and thread: ~11 MiB of arrays and scratch
+MAX_THREAD_BLOCK = 1 << 19  # elements per block and thread: ~11 MiB (~15 with int8 moments)
 IDLE_EXIT_S = 5.0  # a worker idle this long ends (an optimizer never closed keeps no threads)
 _OPEN: "weakref.WeakSet[BlockUpdater]" = weakref.WeakSet()  # [Note: workers at exit]
 
@@ -71,8 +71,16 @@ class _Worker:
         self.m = torch.empty(size, dtype=torch.float32)
         self.v = torch.empty(size, dtype=torch.float32)
         self.tmp = torch.empty(size, dtype=torch.float32)
-        self.rm = torch.empty(size, dtype=torch.float32)  # int8 codes' offsets
-        self.rv = torch.empty(size, dtype=torch.float32)
+        self.size = size
+        self._offsets: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def offsets(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Scratch for the int8 codes' offsets of both moments, made at first use (the
+        other forms need none)."""
+        if self._offsets is None:
+            self._offsets = (torch.empty(self.size, dtype=torch.float32),
+                             torch.empty(self.size, dtype=torch.float32))
+        return self._offsets
 
 
 def _native_for(kernel: KernelName | str) -> NativeAdam | None:
@@ -154,9 +162,7 @@ class BlockUpdater:
     def _each(self, job: Callable[[_Worker], None]) -> None:
         """Runs `job(worker)` once on every worker thread and waits for all."""
         with self._go:
-            if self._closed:  # its workers would return at once, and this wait for good
-                raise RuntimeError("the optimizer's update threads are closed (close() ran, "
-                                   "or the interpreter is exiting)")
+            self._check_open()  # its workers would return at once, and this wait for good
             if len(self._pool) < self.threads:  # (re)started: none, or some ended idle
                 self._start()
             self._errors = []
@@ -185,6 +191,11 @@ class BlockUpdater:
             ev.wait()
         torch.set_num_threads(mine)
 
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("the optimizer's update threads are closed (close() ran, or "
+                               "the interpreter is exiting)")
+
     def close(self) -> None:
         with self._go:
             self._closed = True
@@ -208,6 +219,7 @@ class BlockUpdater:
         only; `master` receives the new ones): the native kernel reads them tile by
         tile as it goes, the other paths copy them into `master` first. `origin`: the
         index of the partition's element 0 in bf16 moments' rounding."""
+        self._check_open()
         n = master.numel()
         nb = -(-n // self.block)
         if src is not None and self.native is None:
@@ -276,7 +288,7 @@ class BlockUpdater:
             m, v = ma.data, va.data
         int8 = coded and busy and not bf16
         if int8:  # elements no run updates round to nearest ([Note: stochastic rounding])
-            rm, rv = w.rm[:hi - lo].fill_(NEAREST), w.rv[:hi - lo].fill_(NEAREST)
+            rm, rv = (t[:hi - lo].fill_(NEAREST) for t in w.offsets())
         for i, j, hyper, step in todo:
             x, y = i - base, j - base  # chunk coordinates
             p = master[x:y]

@@ -293,6 +293,9 @@ def test_a_lazy_module_not_sized_yet_is_refused_naming_it(engine_cfg):
     with offload.initialize(model, engine_cfg("host", group_size=100)) as engine:
         engine.backward(engine(torch.randn(3, 8)).sum())
         assert engine.step()
+    norm = nn.Sequential(nn.Linear(8, 8), nn.LazyBatchNorm1d(affine=False))  # buffers only
+    with pytest.raises(offload.ConfigError, match=r"buffer '1.running_mean' is not "):
+        offload.initialize(norm, engine_cfg("host", group_size=100))
 
 
 def test_a_bf16_model_under_fp32_compute_is_told_so(engine_cfg, caplog):

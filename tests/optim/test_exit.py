@@ -59,3 +59,11 @@ def test_an_update_after_close_raises_instead_of_waiting():
     if not got:
         pytest.fail("the update waited for closed workers")
     assert "closed" in got[0]
+    import torch
+
+    from offload.optim.codec import new_moment
+    one = BlockUpdater("auto", 4096, threads=1)  # the path without workers
+    one.close()
+    m, v = new_moment("fp32", "exp_avg", 8), new_moment("fp32", "exp_avg_sq", 8)
+    with pytest.raises(RuntimeError, match="closed"):
+        one.update([(0, 8, None, 0)], 0, torch.zeros(8), torch.zeros(8), m, v, None, 1.0)
