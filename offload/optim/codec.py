@@ -382,6 +382,13 @@ def moment_from_dict(state: dict, kind: str, state_dtype: StateDtype, n: int,
     if not t.is_floating_point():
         raise ValueError(f"{what}[{kind!r}]: expected floating-point values or 8-bit codes, "
                          f"got {t.dtype}")
+    if kind == "exp_avg_sq":  # a mean of squares: below 0 or NaN, every update it meets
+        bad = ~(t >= 0)       # is NaN (int8 coded it as 0 without a word)
+        if bad.any():
+            i = int(bad.nonzero()[0])
+            raise ValueError(f"{what}[{kind!r}]: element {i} is {float(t[i])}; exp_avg_sq "
+                             "is a mean of squared gradients, at least 0: the state dict is "
+                             "damaged (load another, or leave the optimizer state out)")
     if state_dtype in _STORED and t.dtype == _STORED[state_dtype] and scale is None:
         return Moment(t, None, kind)
     return t.to(torch.float32)

@@ -171,6 +171,26 @@ def test_a_loaded_scale_no_encoding_writes_is_refused(kind, bad):
     assert torch.equal(bf.partition_state("x")["exp_avg"], want.to(torch.bfloat16))
 
 
+@pytest.mark.parametrize("bad", [float("nan"), -1e-3])
+@pytest.mark.parametrize("state_dtype", ["fp32", "bf16", "int8"])
+def test_a_loaded_exp_avg_sq_below_zero_or_nan_is_refused(state_dtype, bad):
+    """exp_avg_sq is a mean of squares: a negative or NaN one loaded from an fp32 state
+    dict made the next step's weights NaN (fp32, bf16 moments) or was coded as 0
+    without a word (int8). Refused before anything loads."""
+    opt = CpuAdam(OptimConfig(state_dtype=state_dtype, block_elems=1024))
+    master = torch.randn(QBLOCK + 5)
+    opt.add_partition("x", master)
+    opt.step({"x": torch.randn(master.numel())})
+    before = {k: v.clone() for k, v in opt.partition_state("x").items()}
+    st = {"step": 1, "exp_avg": torch.zeros(master.numel()),
+          "exp_avg_sq": torch.full((master.numel(),), 1e-4)}
+    st["exp_avg_sq"][7] = bad
+    with pytest.raises(ValueError, match=r"\['exp_avg_sq'\]: element 7 is .*at least 0"):
+        opt.load_partition_state("x", st)
+    after = opt.partition_state("x")
+    assert all(torch.equal(after[k], v) for k, v in before.items())
+
+
 @pytest.mark.parametrize("state_dtype", ["bf16", "int8"])
 @pytest.mark.parametrize("chunk", [4096, 1 << 17])
 def test_nvme_bytes_are_each_chunk_rounded_to_4_kib(tmp_path, state_dtype, chunk):
