@@ -194,6 +194,7 @@ class GatheredWeights:
         `forward` itself (transformers' checkpointed layers, a tensor-parallel block)
         runs no hook, so the unit's backward hook binds the weights it gathers: the
         recomputation's ops read views whose gradient hooks collect its gradients."""
+        self.registered.check_installed(st.group.gid)
         # Views made while autograd is off (a backward hook, no_grad) would cut the
         # weights out of the graph of an activation-checkpoint recomputation.
         with torch.set_grad_enabled(torch.is_grad_enabled() or in_backward()):

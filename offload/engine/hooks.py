@@ -39,6 +39,7 @@ class ModuleHooks:
     def _make_pre(self, unit: Unit) -> Callable:
         def pre(module: nn.Module, args: Any) -> None:
             self._interrupts.safe_point()  # [Note: Ctrl-C at a safe point] in interrupts.py
+            _refuse_functorch(unit.name)
             hooks_last(module, self._last_hooks[id(module)])
             if not in_backward():  # a recomputation repeats the backward's order
                 self._rank_order.check_unit(unit, backward=False)  # see rank_order.py
@@ -139,3 +140,18 @@ class ModuleHooks:
                     self._bind(st)
             self._prefetch()
         return hook
+
+
+def _refuse_functorch(unit: str) -> None:
+    """[Note: a weight swapped in for one call] in params_view.py: a torch.func
+    transform (grad, vmap, jacrev, functional_call's grad) wraps the tensors it traces;
+    the unit's weights are gathered into the engine's own buffers, which it cannot
+    wrap, and the first gather raised "Cannot access data pointer of Tensor that
+    doesn't have storage" from inside the engine."""
+    if torch._C._functorch.peek_interpreter_stack() is not None:
+        raise RuntimeError(
+            f"unit {unit!r} ran under a torch.func transform (grad, vmap, jacrev, ...), "
+            "which the engine does not support: it gathers each unit's weights into "
+            "buffers of its own, which the transform cannot trace. For gradients of the "
+            "inputs use torch.autograd.grad through engine(...); for torch.func, use a "
+            "plain copy of the model (engine.full_weights() gives its weights)")

@@ -21,6 +21,15 @@ The engine keeps its trainable state in its partitions, never in these
 stand-ins: they are views for the user, not state (nothing is trained,
 checkpointed or counted through them).
 
+[Note: a weight swapped in for one call]
+`torch.func.functional_call` (and `torch.nn.utils.stateless`) puts the caller's
+tensors into `module._parameters` for one call; the engine binds its gathered
+views in `__dict__`, which attribute lookup reads first, so the call computed
+with the engine's weights and ignored the caller's (its gradients None), without
+a word. A unit's gather now checks that `_parameters` still holds what the
+engine registered, and raises naming the parameter. torch.func's transforms
+(grad, vmap, jacrev) are refused at the unit's first hook, before the gather.
+
 [Note: absent gradients]
 The gradients are reduced into the engine's partitions (over every rank, in
 host memory or on NVMe), never into the parameters' `.grad`. Left None, a
@@ -173,6 +182,23 @@ class RegisteredParams:
         self._install(gid, weights)
         self.summoned_weights[gid] = weights
         self._summoned.update((id(p), (gid, i)) for i, p in enumerate(weights))
+
+    def check_installed(self, gid: int) -> None:
+        """[Note: a weight swapped in for one call] Raises where a module attribute of
+        group `gid` holds another tensor than the one `register` or `summon` put there."""
+        params = self.summoned_weights.get(gid) or self.stand_ins[gid]
+        for slot, p in zip(self.groups[gid].slots, params):
+            for (module, name), fqn in zip(slot.uses, slot.names):
+                if module._parameters.get(name) is not p:
+                    raise RuntimeError(
+                        f"{fqn} holds another tensor than the parameter the engine "
+                        "registered (torch.func.functional_call, torch.nn.utils.stateless "
+                        "or code that swaps module._parameters for a call): the engine "
+                        "computes with its own gathered weights and would ignore it, "
+                        "silently. Call the model with its own weights; to run it with "
+                        "others, load them (engine.load_state_dict, or "
+                        "engine.full_weights(writable=True)); for gradients of the "
+                        "inputs, torch.autograd.grad through engine(...) works")
 
     def _install(self, gid: int, params: list[nn.Parameter]) -> None:
         for slot, p in zip(self.groups[gid].slots, params):
