@@ -50,3 +50,12 @@ def test_torch_func_is_refused_and_training_goes_on_as_torch(engine_cfg, place):
         got = engine.state_dict()
         for k, v in ref.state_dict().items():
             torch.testing.assert_close(got[k], v, atol=1e-6, rtol=0)
+
+
+def test_a_parameter_assigned_after_initialize_is_refused_at_its_next_forward(engine_cfg):
+    """Training would not see it; the forward computed with the engine's weights."""
+    _, _, model, engine = _pair(engine_cfg, ("host", "host", "host"))
+    with engine:
+        model[2].weight = nn.Parameter(torch.zeros(1, 32))
+        with pytest.raises(RuntimeError, match="2.weight holds another tensor"):
+            engine(torch.randn(4, 16))
