@@ -113,6 +113,12 @@ def check_budgets(cfg: OffloadConfig, groups: list[Group], dtype: torch.dtype) -
         resolve_chunk_elems(cfg.optim, cfg.io.buffer_budget, keeps_master(
             cfg.engine.dtype, cfg.engine.params, resolve_device(cfg.store.device).type))
     need = working_set(cfg, groups, dtype)
+    largest = max(groups, key=lambda g: g.shard, default=None)
+    big = max(largest.slots, key=lambda t: t.numel) if largest is not None else None
+    smaller = ("lower engine.group_size to make partitions smaller"
+               if big is None or big.numel < 0.9 * largest.numel else
+               f"run on more ranks: the largest partition is mostly one parameter "
+               f"({big.fqn}), which no engine.group_size splits")
     for key, have, want, why in (
             ("store.device_budget", cfg.store.device_budget, need.device, need.device_why),
             ("store.host_budget", cfg.store.host_budget, need.host, need.host_why)):
@@ -121,8 +127,8 @@ def check_budgets(cfg: OffloadConfig, groups: list[Group], dtype: torch.dtype) -
                 f"{key}: {format_bytes(have)} ({have} bytes) is below this model's minimum "
                 f"working set of {format_bytes(want, up=True)} ({want} bytes) per rank for "
                 f"engine.params={cfg.engine.params}, engine.grads={cfg.engine.grads}: it "
-                f"must hold {why} at once; raise {key} to at least {want} bytes, or lower "
-                "engine.group_size to make partitions smaller")
+                f"must hold {why} at once; raise {key} to at least {want} bytes, or "
+                f"{smaller}")
     return need
 
 

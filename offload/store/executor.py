@@ -301,7 +301,7 @@ class MoveExecutor:
                 elif self._planning > 1 and idle < 40:  # another thread may start a move
                     idle += 1
                     self._wait(min(deadline, time.monotonic() + 0.025), "budget", what)
-                else:
+                elif not self._make_room(needs, exclude, victims, any_victim=True):
                     raise BudgetExceededError(self._no_room_message(needs, what))
         except TimeoutError as e:
             raise BudgetExceededError(f"{self._no_room_message(needs, what)} ({e})") from e
@@ -309,9 +309,11 @@ class MoveExecutor:
             self._planning -= 1
 
     def _make_room(self, needs: dict[Tier, int], exclude: set[Hashable],
-                   victims: list[MoveHandle]) -> bool:
+                   victims: list[MoveHandle], any_victim: bool = False) -> bool:
         """Evicts what the policy chooses where `needs` lack room; True if bytes were freed
-        or an eviction started."""
+        or an eviction started. `any_victim`: where nothing else would ever make room,
+        goes on down the policy's order past victims that cannot leave now ([Note: a
+        victim that cannot leave] in store.py)."""
         progressed = False
         for tier, n in needs.items():
             short = n - self._acct.room(tier) - self._acct.releasing(tier)
@@ -320,7 +322,9 @@ class MoveExecutor:
             cands = self._candidates(tier, exclude)
             if not cands:
                 continue
-            for key in self._policy.choose(tier, short, list(cands.values())):
+            want = sum(c.nbytes for c in cands.values()) if any_victim else short
+            freed = 0
+            for key in self._policy.choose(tier, want, list(cands.values())):
                 if key not in cands:
                     raise RuntimeError(f"eviction policy {type(self._policy).__name__} chose "
                                        f"{key!r}, not a candidate in {tier} (candidates: "
@@ -328,7 +332,10 @@ class MoveExecutor:
                 rec = self._records[key]
                 if rec.claim is not None or rec.pins or tier not in rec.valid:
                     continue  # taken by an eviction made just before
-                progressed = self._evict_victim(rec, tier, exclude, victims) > 0 or progressed
+                freed += self._evict_victim(rec, tier, exclude, victims)
+                if any_victim and freed >= short:
+                    break
+            progressed = progressed or freed > 0
         return progressed
 
     def _candidates(self, tier: Tier, exclude: set[Hashable]) -> dict[Hashable, Candidate]:

@@ -22,6 +22,18 @@ own pins hold the room, the budget is exhausted for real (waiting would never
 end) and it raises `BudgetExceededError` listing what is resident. Charges are all-or-nothing per move, so no thread waits while
 holding part of a reservation.
 
+[Note: a victim that cannot leave]
+The policy names the fewest victims that free enough, farthest next use
+first; a dirty one is written down through the tier below, which may have no
+room for it. Nothing in flight, a fetch of a gradient to accumulate at the
+minimum device budget (grads on the device, bf16, two micro-batches) raised
+there: the policy named the embedding's 128 KiB gradient, HOST lacked 8 KiB
+of room to write it down, while clean parameters, free to drop, sat beside
+it. Before raising, the reservation goes on down the policy's whole order,
+past victims that cannot leave now, until enough is freed; only then is the
+budget exhausted for real. (Where moves are in flight it waits for them
+first, as before: the policy's choice stands.)
+
 [Note: no data lost]
 A dirty copy is written to a new swap extent, and the HOST copy stays valid,
 its buffer held, until that write is durable (`IoHandle.wait()`, after

@@ -140,3 +140,61 @@ def test_an_early_updates_gradient_is_a_host_record_where_host_has_room(tmp_path
     assert grads_held[0] >= grad_bytes and grads_held[1] == 0
     for k in states[1]:
         assert torch.equal(states[0][k], states[1][k]), k
+
+
+class _Tied(nn.Module):
+    """A tied embedding (the largest gradient) beside layers of uneven sizes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(512, 64)
+        self.body = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64),
+                                  nn.Linear(64, 64))
+        self.head = nn.Linear(64, 512, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(self.emb(x)))
+
+
+def test_accumulating_into_gradients_on_the_device_at_the_minimum_only_waits(tmp_path):
+    """Gradients homed on the device, bf16, two micro-batches, at the minimum budgets:
+    fetching a gradient back to accumulate into it, the policy named the embedding's
+    dirty gradient, which HOST had no room to take, and the backward raised
+    BudgetExceededError while clean parameters, free to drop, sat beside it
+    ([Note: a victim that cannot leave] in offload/store/store.py)."""
+    def cfg(**store):
+        return {"engine": {"params": "nvme", "grads": "device", "optimizer": "host",
+                           "dtype": "bf16", "group_size": 64 * 65, "grad_accum_steps": 2},
+                "optim": {"chunk_elems": 4096, "lr": 1e-2},
+                "io": {"paths": [str(tmp_path / f"swap{len(store)}")], "buffer_budget": "8MiB",
+                       "block_size": "64KiB", "grow_step": "1MiB"},
+                "store": {"device": "cpu", "wait_timeout": 30, **store}}
+    torch.manual_seed(0)
+    _, groups = build_units(_Tied(), 64 * 65, 1)
+    ws = working_set(load_config(cfg()), groups, torch.bfloat16)
+    states = []
+    for store in ({"device_budget": ws.device, "host_budget": ws.host},
+                  {"device_budget": "64MiB", "host_budget": "64MiB"}):
+        torch.manual_seed(0)
+        with offload.initialize(_Tied(), cfg(**store)) as engine:
+            g = torch.Generator().manual_seed(1)
+            for _ in range(3):
+                for _ in range(2):
+                    x = torch.randint(0, 512, (4, 8), generator=g)
+                    engine.backward(engine(x).float().square().mean())
+                assert engine.step()
+            states.append(engine.state_dict())
+    for k in states[1]:
+        assert torch.equal(states[0][k], states[1][k]), k
+
+
+def test_a_partition_of_one_parameter_is_not_told_to_lower_group_size(tmp_path):
+    """One parameter is never split across groups: lowering engine.group_size, the fix
+    the refusal gave, changed nothing."""
+    cfg = _cfg(tmp_path, "nvme", "nvme", "nvme", "fp32", device_budget="64KiB",
+               host_budget="64MiB")
+    cfg["engine"]["group_size"] = 1024
+    with pytest.raises(ConfigError, match=r"run on more ranks: the largest partition is "
+                                          r"mostly one parameter \(0\.weight\)"):
+        offload.initialize(nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 2)), cfg)
