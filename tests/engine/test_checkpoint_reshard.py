@@ -65,7 +65,8 @@ def _two_ranks(tmp_path, tag, cfg, resume=None, save=None, out=None):
 
 @pytest.mark.parametrize("placement,state", [
     pytest.param(("host", "host", "host"), "fp32", marks=pytest.mark.slow),
-    (("nvme", "nvme", "nvme"), "fp32"),
+    pytest.param(("nvme", "nvme", "nvme"), "fp32", marks=pytest.mark.slow),  # bf16's below
+    # is the same path, bit for bit too: the default suite's time
     # bf16 moments round stochastically by each element's place in the model's weights,
     # not in its partition (which the world size changes): bit for bit too
     (("nvme", "nvme", "nvme"), "bf16")])

@@ -173,7 +173,8 @@ def test_ctrl_c_at_lines_spread_over_a_step(engine_cfg, tmp_path, placement):
         _interrupted_then_as_replayed(engine_cfg, tmp_path / str(i), placement, _At(nth))
 
 
-@pytest.mark.parametrize("sig", [signal.SIGALRM, signal.SIGINT], ids=["SIGALRM", "SIGINT"])
+@pytest.mark.parametrize("sig", [  # the same safe points either way: one in the default suite
+    pytest.param(signal.SIGALRM, marks=pytest.mark.slow), signal.SIGINT], ids=["SIGALRM", "SIGINT"])
 def test_a_programs_own_signal_handler_that_raises_at_lines_spread_over_a_step(
         engine_cfg, tmp_path, sig):
     """A timeout or a Ctrl-C handler of the program's (it raises its own error) at
