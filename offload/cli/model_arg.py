@@ -186,10 +186,9 @@ def _build_meta(spec: ModelSpec):
     from ..config import ConfigError
     from ..engine import refuse_lazy
     try:
-        refuse_lazy(model)
+        refuse_lazy(model, f"MODEL: {spec.target}")
     except ConfigError as e:
-        raise UsageError(f"MODEL: {spec.target}: {str(e).removeprefix('initialize(model): ')}"
-                         ) from None
+        raise UsageError(str(e)) from None
     return model
 
 

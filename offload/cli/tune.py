@@ -180,11 +180,16 @@ def _toml_value(v: Any) -> str:
     return json.dumps(v)  # numbers and booleans are written the same
 
 
+def _toml_control(c: str) -> bool:
+    """Whether `c` is one of the control characters a TOML basic string escapes."""
+    return ord(c) < 0x20 or ord(c) == 0x7F
+
+
 def _toml_char(c: str) -> str:
     """One character of a TOML basic string."""
     if c in '"\\':
         return "\\" + c
-    if ord(c) < 0x20 or ord(c) == 0x7F:  # the control characters TOML wants escaped
+    if _toml_control(c):
         return f"\\u{ord(c):04X}"
     return c  # any other character (printable or not) may stand as itself
 
@@ -624,7 +629,7 @@ def toml_text(parse: Callable[[str], str]) -> Callable[[str], str]:
             raise argparse.ArgumentTypeError(
                 f"{text!r} holds bytes that are not UTF-8, which the TOML file --write "
                 "writes cannot hold; give a name in UTF-8") from None
-        if any(ord(c) < 0x20 or ord(c) == 0x7F for c in text):
+        if any(map(_toml_control, text)):
             raise argparse.ArgumentTypeError(f"{text!r} holds control characters; give a "
                                              "name without them")
         return parse(text)

@@ -229,6 +229,13 @@ class Collectives:
         self.all_reduce_sum(t)
         return t.cpu().tolist()
 
+    def every_rank(self, value: float) -> list[float]:
+        """Every rank's `value`, in rank order: one all-reduce of `world` numbers, each
+        rank's at its own place."""
+        mine = [0.0] * self.world
+        mine[self.rank] = value
+        return self.sum_scalars(mine)
+
     def barrier(self) -> None:
         if self.world > 1:
             dist.barrier(group=self.group)

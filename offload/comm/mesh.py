@@ -60,14 +60,11 @@ class ParallelMesh:
         mesh = init_device_mesh(device, (world // tp_size, tp_size), mesh_dim_names=("dp", "tp"))
         def group(name: str) -> Collectives:
             return Collectives(mesh.get_group(name), recorder=recorder, name=name, cuda=cuda)
-        dp, tp, control = group("dp"), group("tp"), None
-        try:
-            wait = datetime.timedelta(seconds=FAILED_PASS_WAIT_S)
-            for d in range(world // tp_size):  # every rank makes every group, in one order
-                ranks = list(range(d * tp_size, (d + 1) * tp_size))
-                made = dist.new_group(ranks, backend="gloo", timeout=wait)
-                if dist.get_rank() in ranks:
-                    control = made
+        dp, tp = group("dp"), group("tp")
+        try:  # every rank makes every TP group ([Note: mesh layout]), in one order
+            control, _ = dist.new_subgroups_by_enumeration(
+                [list(range(d, d + tp_size)) for d in range(0, world, tp_size)],
+                timeout=datetime.timedelta(seconds=FAILED_PASS_WAIT_S), backend="gloo")
         except BaseException:
             _destroy_each(dp, tp)
             raise
@@ -81,9 +78,7 @@ class ParallelMesh:
         one); else what the others did instead."""
         start = time.monotonic()
         try:
-            mine = [0.0] * self.control.world
-            mine[self.control.rank] = float(self.tp.issued + 1)
-            got = self.control.sum_scalars(mine)
+            got = self.control.every_rank(float(self.tp.issued + 1))
         except Exception as e:  # a timeout, or a rank that is gone
             if time.monotonic() - start < 0.9 * FAILED_PASS_WAIT_S:
                 return (f"another rank of its TP group is gone ({' '.join(str(e).split())})"

@@ -100,10 +100,11 @@ def _warn_unused_scaling(e: Any) -> None:
                     "used (bf16 and fp32 gradients need none)", scaling[0], e.dtype)
 
 
-def refuse_lazy(model: nn.Module) -> None:
-    """Raises `ConfigError` naming the first parameter or buffer of a lazy module
-    (nn.LazyLinear, nn.LazyBatchNorm1d and the like) not sized yet: there is nothing to partition, and torch's own error
-    came from deep inside the unit building, naming no parameter."""
+def refuse_lazy(model: nn.Module, where: str = "initialize(model)") -> None:
+    """Raises `ConfigError`, its message starting with `where`, naming the first
+    parameter or buffer of a lazy module (nn.LazyLinear, nn.LazyBatchNorm1d and the
+    like) not sized yet: there is nothing to partition, and torch's own error came
+    from deep inside the unit building, naming no parameter."""
     from torch.nn.parameter import is_lazy
 
     lazy = [(f"parameter {n!r}", t) for n, t in model.named_parameters()]
@@ -111,7 +112,7 @@ def refuse_lazy(model: nn.Module) -> None:
     for name, p in lazy:
         if is_lazy(p):
             raise ConfigError(
-                f"initialize(model): {name} is not initialized yet (a lazy "
+                f"{where}: {name} is not initialized yet (a lazy "
                 "module, sized at its first call): run one forward with a batch of the "
                 "real shape before handing the model over, or give the module its sizes "
                 "(nn.Linear for nn.LazyLinear)")
@@ -310,9 +311,10 @@ def initialize(model: nn.Module | Callable[[], nn.Module],
         # the engine's own copy: the caller's object, changed or reused later, changes nothing
         cfg = copy.deepcopy(load_config(config))
         device = resolve_device(cfg.store.device)
-        if device.type == "cuda":  # [Note: a GPU per rank] in offload/store/copy.py
+        cuda = device.type == "cuda"
+        if cuda:  # [Note: a GPU per rank] in offload/store/copy.py
             torch.cuda.set_device(device)
-        _refuse_gather_thread_on_nccl(cfg, device.type == "cuda")
+        _refuse_gather_thread_on_nccl(cfg, cuda)
         _report_huge_pages()
         model = _model_of(model, lr_lambda)
         _refuse_unsupported(model, cfg.engine.dtype)
@@ -334,10 +336,10 @@ def initialize(model: nn.Module | Callable[[], nn.Module],
     agreement.settle(lambda: [config_section(cfg)])  # the whole job, before its mesh is built
     # [Note: ZeRO-3 over DP, tensor parallelism over TP] in tensor_parallel.py
     tp = TensorParallel.setup(model, cfg, restored=ckpt is not None or resumed is not None,
-                              recorder=recorder, keep_undo=True, cuda=device.type == "cuda")
+                              recorder=recorder, keep_undo=True, cuda=cuda)
     with _cut_undone_on_failure(tp):  # [Note: undoing parallelize] in offload/comm/domino.py
         comm = (tp.mesh.dp if tp is not None
-                else Collectives(recorder=recorder, cuda=device.type == "cuda"))
+                else Collectives(recorder=recorder, cuda=cuda))
         dtype, share = _DTYPES[cfg.engine.dtype], None
         with agreement.refusals():
             units, groups = build_units(model, cfg.engine.group_size, comm.world,

@@ -16,7 +16,11 @@ from ..io.process import usable_cpus
 from .checkpoint_files import IO_THREADS
 from .units import Group, Slot
 
-__all__ = ["CHECKED", "CHUNK_ELEMS", "Grid", "SHARD_CHUNKS", "TORCH_DTYPES", "flat_boxes"]
+__all__ = ["CHECKED", "CHUNK_ELEMS", "FORMAT", "Grid", "KINDS", "SHARD_CHUNKS", "TORCH_DTYPES",
+           "flat_boxes"]
+
+FORMAT = "offload-checkpoint/2"  # /1: a file per chunk, no shards
+KINDS = ("param", "master", "exp_avg", "exp_avg_sq")
 
 CHUNK_ELEMS = 1 << 20  # elements per chunk (at most one row more): 4 MiB of fp32
 SHARD_CHUNKS = 64  # chunks per shard file at most, when one rank saves: 256 MiB of fp32

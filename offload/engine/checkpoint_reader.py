@@ -18,13 +18,12 @@ from ..io import host_copy
 from ..io.buffers import mapped_empty
 from .checkpoint_buffers import BUFFERS, check_buffers, decode_buffers, restore_buffers
 from .checkpoint_chunks import MISSING, CRC_BYTES, ChunkFileError, ChunkFiles, chunk_key, read_index
-from .checkpoint_publish import is_committed
+from .checkpoint_publish import PARTIAL, RECORD, is_committed
 from .checkpoint_record import _HYPER, check_record
 from .checkpoint_files import (CheckpointCorruptError, CheckpointError, _read_json,
                                not_permitted, set_rng_state)
-from .checkpoint_layout import (_DTYPE_NAMES, CHECKED, TORCH_DTYPES, _context, _max_chunk_bytes,
-                                _rank_range, _spec, _stored_shape, _ts)
-from .training_checkpoint import FORMAT, PARTIAL, RECORD
+from .checkpoint_layout import (_DTYPE_NAMES, CHECKED, FORMAT, TORCH_DTYPES, _context,
+                                _max_chunk_bytes, _rank_range, _spec, _stored_shape, _ts)
 from .units import Group, Slot
 
 __all__ = ["CheckpointReader"]

@@ -8,9 +8,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable
 
+from ..trace.analysis import short_repr
 from .checkpoint_files import CheckpointCorruptError
-from .checkpoint_layout import TORCH_DTYPES
-from .training_checkpoint import KINDS
+from .checkpoint_layout import KINDS, TORCH_DTYPES
+
+_KINDS = frozenset(KINDS)
 
 __all__ = ["check_record"]
 
@@ -41,7 +43,7 @@ def _tensor_entry(t: Any) -> bool:
     """Whether `t` is a commit record's entry of one tensor, as `_record` writes it."""
     return (isinstance(t, dict) and _list_of(t.get("shape"), _count)
             and _dict_of(t.get("kinds"), lambda d: isinstance(d, str) and d in TORCH_DTYPES)
-            and "param" in t["kinds"] and set(t["kinds"]) <= set(KINDS)
+            and "param" in t["kinds"] and set(t["kinds"]) <= _KINDS
             and _list_of(t.get("aliases"), lambda a: isinstance(a, str))
             and isinstance(t.get("requires_grad"), bool) and _count(t.get("group")))
 
@@ -84,14 +86,14 @@ def check_record(rec: dict[str, Any], where: Path) -> None:
             raise damaged(f"{field} is missing, expected {whole}")
         if not each:
             if not ok(value):
-                raise damaged(f"{field} is {_cut(value)}, expected {expected}")
+                raise damaged(f"{field} is {short_repr(value, 60)}, expected {expected}")
             return
         if not isinstance(value, list if each == "list" else dict) or not (value or empty):
-            raise damaged(f"{field} is {_cut(value)}, expected {whole}")
+            raise damaged(f"{field} is {short_repr(value, 60)}, expected {whole}")
         keyed = value.items() if isinstance(value, dict) else enumerate(value)
         bad = next(((k, v) for k, v in keyed if not ok(v)), None)
         if bad is not None:
-            raise damaged(f"{field}[{bad[0]!r}] is {_cut(bad[1])}, expected {expected}")
+            raise damaged(f"{field}[{bad[0]!r}] is {short_repr(bad[1], 60)}, expected {expected}")
     for key in ("global_step", "micro_step", "good_steps"):
         need(key, _count, "an integer >= 0")
     need("world", lambda v: _count(v, 1), "a positive integer")
@@ -112,16 +114,10 @@ def check_record(rec: dict[str, Any], where: Path) -> None:
     ranks = sorted(r["rank"] for r in rec["ranks"])
     if len(ranks) != rec["world"] or ranks != list(range(len(ranks))):
         raise damaged(f"written by {rec['world']} ranks but holds the records of ranks "
-                      f"{_cut(ranks)}")
+                      f"{short_repr(ranks, 60)}")
     need("version", lambda v: isinstance(v, str), "the writer's version")
     need("extra", lambda v: isinstance(v, dict), "an object")
     need("lr_scheduler", lambda v: v is None or isinstance(v, dict), "null or an object",
          default=None)
     need("buffers_sha256", lambda v: v is None or isinstance(v, str), "null or a sha256",
          default=None)
-
-
-def _cut(value: Any, n: int = 60) -> str:
-    """`repr(value)` in at most `n` characters."""
-    text = repr(value)
-    return text if len(text) <= n else text[:n - 3] + "..."

@@ -73,7 +73,7 @@ from .nested_grads import NestedGrads
 from .model_weights import ModelWeights
 from .one_thread import EngineBusyError, OneThread, one_call
 from .owned import Owned
-from .params_view import RegisteredParams, unevenly_dropped
+from .params_view import RegisteredParams, all_dropped
 from .rank_order import RankOrder, RankOrderError
 from .step import StagedParams, StepFailedError, uninterrupted
 from .tensor_parallel import TensorParallel
@@ -391,8 +391,7 @@ class OffloadEngine(ModelWeights, ModuleHooks, GradPartitions, GroupUpdates, Gat
         self._spans.step_begin()  # the model may have been called without the engine
         awaited, self._step_awaits_more = self._step_awaits_more, False
         if self._agree_on_backward():  # the micro-batches before this one are dropped:
-            self._step_awaits_more = awaited  # it starts the step
-            self._warn_window_drop("model.zero_grad()")
+            self._warn_window_drop("model.zero_grad()", awaited)  # it starts the step
             self._drop_step()
             self._spans.step_begin()
         if self._backwards >= self.cfg.engine.grad_accum_steps:
@@ -534,10 +533,8 @@ class OffloadEngine(ModelWeights, ModuleHooks, GradPartitions, GroupUpdates, Gat
         # leave its shards a step ahead of the others')
         dropping = self._whole.agree(next((e for e in errors if e is not None), None),
                                      "step()", flag=dropped)
-        if dropping:  # as engine.zero_grad() before this step: it changes nothing
-            if dropping < self._whole.world:
-                raise RuntimeError(unevenly_dropped(dropping, self._whole.world))
-            self._drop_step()  # no card: the next micro-batch starts the step
+        if all_dropped(dropping, self._whole.world):  # as zero_grad() before this step: it
+            self._drop_step()  # changes nothing; no card: the next micro-batch starts it
             return False
         gids = [g for g in sorted(self._has_grad) if ("g", g) in self.store]
         scale = self._grad_divisor
@@ -660,7 +657,8 @@ class OffloadEngine(ModelWeights, ModuleHooks, GradPartitions, GroupUpdates, Gat
         `set_to_none=False` a parameter that gets no gradient in a later step is
         left alone, where torch's AdamW would decay it (a warning says so, once)."""
         self._check_open()
-        self._warn_window_drop("engine.zero_grad()")
+        self._warn_window_drop("engine.zero_grad()", self._step_awaits_more)
+        self._step_awaits_more = False
         if not set_to_none and not self._warned_zero_fill:
             self._warned_zero_fill = True
             log.warning("engine.zero_grad(set_to_none=False): the engine keeps no zero-filled "
@@ -678,10 +676,10 @@ class OffloadEngine(ModelWeights, ModuleHooks, GradPartitions, GroupUpdates, Gat
             self._spans.step_drop()
         self._abort_step()
 
-    def _warn_window_drop(self, how: str) -> None:
+    def _warn_window_drop(self, how: str, awaited: bool) -> None:
         """[Note: zero_grad in the window] Says so, once, where `how` drops the gradients
-        right after a step() that waited for more micro-batches."""
-        if self._step_awaits_more and self._backwards and not self._warned_window_drop:
+        right after a step() that waited for more micro-batches (`awaited`)."""
+        if awaited and self._backwards and not self._warned_window_drop:
             self._warned_window_drop = True
             log.warning(
                 "%s after a step() that waited for more micro-batches (%d of "
@@ -690,7 +688,6 @@ class OffloadEngine(ModelWeights, ModuleHooks, GradPartitions, GroupUpdates, Gat
                 "clears the gradients itself when it updates: leave %s out of the "
                 "loop, or call it only after a step() that returned True",
                 how, self._backwards, self.cfg.engine.grad_accum_steps, how)
-        self._step_awaits_more = False
 
     # -- checkpoints (docs/checkpoints.md) -- begin
     @one_call("engine.save_checkpoint()", outer=True, sealed=True)  # [Note: one thread at a time]

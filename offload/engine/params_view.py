@@ -95,7 +95,7 @@ from .units import Group, Unit
 if TYPE_CHECKING:
     from ..comm import Collectives
 
-__all__ = ["RegisteredParams", "point_weight_list", "state_entries", "unevenly_dropped"]
+__all__ = ["RegisteredParams", "point_weight_list", "state_entries", "all_dropped"]
 
 
 def point_weight_list(module: nn.Module, name: str) -> None:
@@ -107,12 +107,16 @@ def point_weight_list(module: nn.Module, name: str) -> None:
         weights[names.index(name)] = getattr(module, name)
 
 
-def unevenly_dropped(dropping: int, world: int) -> str:
-    """The error where the program dropped every `.grad` on some ranks only."""
-    return (f"the program set every .grad to None (model.zero_grad()) after the backward "
+def all_dropped(dropping: int, world: int, after: str = "") -> bool:
+    """Whether every rank's program dropped every `.grad` (`dropping` of `world` did);
+    raises where some ranks did and others did not, `after` ending the message."""
+    if 0 < dropping < world:
+        raise RuntimeError(
+            f"the program set every .grad to None (model.zero_grad()) after the backward "
             f"on {dropping} of {world} ranks and kept them on the others: drop the "
             "gradients on every rank at the same point, as DDP asks, or on none; to start "
-            "the step over now, call engine.zero_grad() on every rank")
+            "the step over now, call engine.zero_grad() on every rank" + after)
+    return dropping == world
 
 
 class RegisteredParams:
@@ -279,10 +283,7 @@ class RegisteredParams:
                 f"{int(counts[slots.index(split[0])])} of {comm.world} ranks and trains on the "
                 "others: set the same requires_grad on every rank before the forward (as DDP "
                 "asks); this backward changed nothing")
-        if 0 < dropping < comm.world:
-            raise RuntimeError(unevenly_dropped(dropping, comm.world) +
-                               "; this backward changed nothing")
-        return dropping == comm.world
+        return all_dropped(dropping, comm.world, "; this backward changed nothing")
 
     def dropped_grads(self) -> tuple[bool, RuntimeError | None]:
         """[Note: a .grad the program dropped] Whether the program set every `.grad`

@@ -211,9 +211,7 @@ class RankOrder:
 
     def _points(self, h: float) -> list[float]:
         """Every rank's point, this rank's `h`: one all-reduce of `world` numbers."""
-        mine = [0.0] * self._comm.world
-        mine[self._comm.rank] = float(h)
-        return self._comm.sum_scalars(mine)
+        return self._comm.every_rank(float(h))
 
     def _check(self, h: float) -> None:
         """Raises RankOrderError on every rank if the ranks do not all contribute `h`."""

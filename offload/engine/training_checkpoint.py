@@ -97,9 +97,9 @@ from .checkpoint_chunks import ChunkFiles, InPlace, Shard, chunk_key
 from .checkpoint_files import (CheckpointCorruptError, CheckpointError, CheckpointPathError,
                                _digest, _fsync_path, _fsync_tree, _read_json, _write_json,
                                rng_state)
-from .checkpoint_layout import (_DTYPE_NAMES, TORCH_DTYPES, Grid, _box_shape, _context, _grid,
-                                _max_chunk_bytes, _segments, _spec, _stored_shape, _to_numpy,
-                                _ts, flat_boxes)
+from .checkpoint_layout import (_DTYPE_NAMES, FORMAT, KINDS, TORCH_DTYPES, Grid, _box_shape,
+                                _context, _grid, _max_chunk_bytes, _segments, _spec,
+                                _stored_shape, _to_numpy, _ts, flat_boxes)
 from .checkpoint_publish import (LOCK, PARTIAL, RECORD, PartialLock, partial_of,
                                  prune, remove_partials)
 from .lr_scheduler import scheduler_state
@@ -110,8 +110,6 @@ log = logging.getLogger(__name__)
 __all__ = ["CheckpointError", "CheckpointCorruptError", "CheckpointSave", "save_checkpoint",
            "RECORD", "FORMAT"]
 
-FORMAT = "offload-checkpoint/2"  # /1: a file per chunk, no shards
-KINDS = ("param", "master", "exp_avg", "exp_avg_sq")
 
 # -- saving ------------------------------------------------------------------------------
 def check_between_steps(engine: Any) -> None:

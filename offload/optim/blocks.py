@@ -40,6 +40,7 @@ plain fp32 update still goes to torch's fused kernel in one call under
 from __future__ import annotations
 
 import atexit
+import logging
 import itertools
 import os
 import threading
@@ -53,6 +54,8 @@ from .adam import AdamHyper, AdamKernel, KernelName, fused_status
 from .codec import (NEAREST, QBLOCK, Moment, decode, encode, encode_stochastic, int8_offsets,
                     rounding_hash)
 from .native import NativeAdam, native_status
+
+log = logging.getLogger(__name__)
 
 __all__ = ["BlockUpdater", "Run"]
 
@@ -324,7 +327,10 @@ def _close_open_at_exit() -> None:
     open in this process stops its workers and joins them."""
     for updater in list(_OPEN):
         if updater._pid == os.getpid():
-            updater.close()
+            try:
+                updater.close()
+            except Exception as e:  # noqa: BLE001 - the others still close
+                log.warning("stopping the optimizer's update threads at exit failed: %s", e)
 
 
 atexit.register(_close_open_at_exit)

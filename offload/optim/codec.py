@@ -264,9 +264,11 @@ def encode(x: torch.Tensor, m: Moment, tmp: torch.Tensor,
     if offsets is None:
         src.round_()
     else:  # x * inv, + r, floor: adam_native.c's code8, one fp32 rounding each
-        near = offsets < 0  # (most blocks have none: one pass fewer)
-        down = torch.add(src, offsets).floor_()
-        src.copy_(torch.where(near, src.round(), down) if near.any() else down)
+        near = offsets < 0  # (most blocks have none: no rounded copy)
+        rounded = src.round() if near.any() else None
+        src.add_(offsets).floor_()
+        if rounded is not None:
+            torch.where(near, rounded, src, out=src)
     src.clamp_(min=-top if m.kind == "exp_avg" else 0.0, max=top)  # an inf: top
     m.data.copy_(src)
 
@@ -328,9 +330,9 @@ def int8_offsets(h: torch.Tensor, kind: str, out: torch.Tensor | None = None) ->
     """The offsets r = (k + 0.5) / 256 with which the update's int8 codes round
     (`encode`'s `offsets`, fp32): k is bits 8-15 of `rounding_hash` h for exp_avg, bits
     24-31 for exp_avg_sq ([Note: stochastic rounding]). Into `out` where given."""
-    k = (h >> 8 if kind == "exp_avg" else h >> 24).bitwise_and_(0xFF).to(torch.float32)
-    r = k.mul_(1.0 / 256).add_(1.0 / 512)  # exact: 9 significant bits
-    return r if out is None else out.copy_(r)
+    k = (h >> 8 if kind == "exp_avg" else h >> 24).bitwise_and_(0xFF)
+    r = k.to(torch.float32) if out is None else out.copy_(k)
+    return r.mul_(1.0 / 256).add_(1.0 / 512)  # exact: 9 significant bits
 
 
 def moment_to_dict(m: Moment) -> dict[str, torch.Tensor]:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import Any
 
-__all__ = ["Instant", "RankTrace", "Span", "Step", "TraceFormatError", "UseOutcome",
+__all__ = ["Instant", "RankTrace", "Span", "Step", "TraceFormatError", "UseOutcome", "short_repr",
            "StepIndex", "byte_count", "bytes_moved", "bytes_moved_per_step", "check_key_fields",
            "exposed_time", "exposed_times", "finite", "intersect_length", "parse_trace",
            "prefetch_outcomes", "steps_of", "tier_occupancy", "union", "union_length"]
@@ -125,19 +125,19 @@ def finite(value: Any, limit: float = MAX_VALUE) -> float | None:
 def _number(ev: Mapping[str, Any], key: str, where: str) -> float:
     value = finite(ev.get(key), MAX_TIME_US)
     if value is None:
-        raise TraceFormatError(f"{where}: event {_short(ev)} has {key}={_cut(ev.get(key), 40)}, "
+        raise TraceFormatError(f"{where}: event {_short(ev)} has {key}={short_repr(ev.get(key), 40)}, "
                                f"expected a finite number of microseconds up to {MAX_TIME_US:.0e}")
     return value
 
 
-def _cut(value: Any, n: int) -> str:
+def short_repr(value: Any, n: int = 40) -> str:
     """``repr(value)`` in at most ``n`` characters (an integer may have thousands of digits)."""
     text = repr(value)
     return text if len(text) <= n else text[:n - 3] + "..."
 
 
 def _short(ev: Mapping[str, Any]) -> str:
-    text = "{" + ", ".join(f"{k!r}: {_cut(v, 40)}" for k, v in ev.items()) + "}"
+    text = "{" + ", ".join(f"{k!r}: {short_repr(v, 40)}" for k, v in ev.items()) + "}"
     return text if len(text) < 120 else text[:117] + "..."
 
 
@@ -152,22 +152,25 @@ def check_key_fields(ev: Mapping[str, Any], where: str) -> None:
     for key in KEY_FIELDS:
         value = ev.get(key)
         if value is not None and not isinstance(value, (str, int, float)):
-            raise TraceFormatError(f"{where}: event {_short(ev)} has {key}={_cut(value, 40)}, "
+            raise TraceFormatError(f"{where}: event {_short(ev)} has {key}={short_repr(value, 40)}, "
                                    "expected a number or a string; offload reads the traces "
                                    "it writes (docs/trace.md)")
 
 
-def parse_trace(trace: Any, source: str = "<trace>") -> list[RankTrace]:
+def parse_trace(trace: Any, source: str = "<trace>", *,
+                checked: bool = False) -> list[RankTrace]:
     """The ranks of one Chrome-trace dict (as :func:`load_chrome_trace` returns it).
 
     Raises :class:`TraceFormatError` naming ``source`` and the offending event when the
     dict is not a Chrome trace. Async begins without an end become spans that end at
-    the last timestamp of their rank, with ``args["unfinished"] = True``.
+    the last timestamp of their rank, with ``args["unfinished"] = True``. `checked`:
+    its events' key fields were checked already (`load_chrome_trace` did, or the
+    recorder wrote them), so the per-event check is not run again.
     """
     if not isinstance(trace, Mapping) or not isinstance(trace.get("traceEvents"), list):
         raise TraceFormatError(f"{source}: not a Chrome trace (expected a JSON object with a "
                                "'traceEvents' list)")
-    reader = _Reader(trace, source)
+    reader = _Reader(trace, source, checked)
     for ev in trace["traceEvents"]:
         reader.add(ev)
     return reader.finish()
@@ -179,7 +182,7 @@ _DRAWN_PHASES = frozenset(("X", "b", "e", "i", "I", "n", "C"))
 class _Reader:
     """Turns one file's events into ranks: spans, instants, counters, info."""
 
-    def __init__(self, trace: Mapping[str, Any], source: str) -> None:
+    def __init__(self, trace: Mapping[str, Any], source: str, checked: bool = False) -> None:
         meta = trace.get("metadata")
         self.meta: Mapping[str, Any] = meta if isinstance(meta, Mapping) else {}
         self.source = source
@@ -188,7 +191,8 @@ class _Reader:
         for ev in trace["traceEvents"]:
             if not isinstance(ev, Mapping):
                 continue  # add() refuses it
-            check_key_fields(ev, source)  # before pid, tid and id are used as keys
+            if not checked:
+                check_key_fields(ev, source)  # before pid, tid and id are used as keys
             if ev.get("ph") == "M":
                 args = ev.get("args") if isinstance(ev.get("args"), Mapping) else {}
                 if ev.get("name") == "thread_name":
@@ -205,7 +209,7 @@ class _Reader:
         rt = self.ranks.get(pid)
         if rt is None:
             if isinstance(pid, bool) or not isinstance(pid, int) or not -2**63 <= pid < 2**63:
-                raise TraceFormatError(f"{self.source}: pid {_cut(pid, 40)} is not an integer "
+                raise TraceFormatError(f"{self.source}: pid {short_repr(pid, 40)} is not an integer "
                                        "rank; offload reads the traces it writes (one "
                                        "process per rank, docs/trace.md)")
             rt = self.ranks[pid] = RankTrace(

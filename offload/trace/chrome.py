@@ -32,7 +32,8 @@ from typing import Any
 
 from offload.files import check_directory, open_unblocked, replace_atomically
 from offload.trace.analysis import (COMPUTE_TRACK, FETCH, TIER_COUNTER_PREFIX, TraceFormatError,
-                                    check_key_fields, finite, parse_trace, prefetch_outcomes)
+                                    check_key_fields, finite, parse_trace, prefetch_outcomes,
+                                    short_repr)
 from offload.trace.recorder import (ASYNC_BEGIN, ASYNC_END, COMPLETE, COUNTER, INSTANT,
                                     TraceEvent, TraceRecorder, TraceSnapshot, as_snapshot)
 
@@ -169,7 +170,7 @@ def _fetch_flows(meta_events: list[dict[str, Any]], events: list[dict[str, Any]]
         return []
     out = []
     n = 0
-    for rt in parse_trace({"traceEvents": meta_events + events}, "<export>"):
+    for rt in parse_trace({"traceEvents": meta_events + events}, "<export>", checked=True):
         tid = tids.get(rt.rank, {}).get(COMPUTE_TRACK)
         if tid is None:
             continue
@@ -295,15 +296,15 @@ def load_chrome_trace(path: str | os.PathLike[str]) -> dict[str, Any]:
     version = meta.get("format_version") if isinstance(meta, dict) else None
     if version is not None and (isinstance(version, bool) or not isinstance(version, int)
                                 or version > FORMAT_VERSION):
-        raise TraceFormatError(f"{target}: written in trace format {_short(version)}; this "
+        raise TraceFormatError(f"{target}: written in trace format {short_repr(version)}; this "
                                f"offload reads format {FORMAT_VERSION} and before: read it "
                                "with the offload that wrote it")
     for ev in trace["traceEvents"]:
         if not isinstance(ev, dict):
-            raise TraceFormatError(f"{target}: trace event {_short(ev)} is not an object")
+            raise TraceFormatError(f"{target}: trace event {short_repr(ev)} is not an object")
         check_key_fields(ev, str(target))  # merging and summing key on them
     if meta is not None and not isinstance(meta, dict):
-        raise TraceFormatError(f"{target}: its metadata is {_short(meta)}, not an object")
+        raise TraceFormatError(f"{target}: its metadata is {short_repr(meta)}, not an object")
     _merge_metadata({}, meta or {}, target)  # checks its counts and ranks
     return trace
 
@@ -320,11 +321,6 @@ def _read_regular_file(target: Path) -> bytes:
             raise TraceFormatError(f"{target}: is not a regular file (a pipe, device or "
                                    "socket); pass the trace file a run wrote")
         return f.read()
-
-
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def merge_chrome_traces(paths: Iterable[str | os.PathLike[str]]) -> dict[str, Any]:
@@ -374,13 +370,13 @@ def _merge_metadata(into: dict[str, Any], meta: Mapping[str, Any],
     for key, value in meta.items():
         if key in ("dropped_events", "unmatched_async_begins", "orphan_async_ends_dropped"):
             if isinstance(value, bool) or not isinstance(value, int):
-                raise TraceFormatError(f"{path}: metadata {key} is {_short(value)}, not a "
+                raise TraceFormatError(f"{path}: metadata {key} is {short_repr(value)}, not a "
                                        "count")
             into[key] = into.get(key, 0) + value
         elif key == "ranks":
             if not isinstance(value, list) or not all(
                     isinstance(r, int) and not isinstance(r, bool) for r in value):
-                raise TraceFormatError(f"{path}: metadata ranks is {_short(value)}, not a "
+                raise TraceFormatError(f"{path}: metadata ranks is {short_repr(value)}, not a "
                                        "list of ranks")
             into[key] = sorted(set(into.get(key, [])) | set(value))
         elif key in ("dropped_events_by_rank", "clock_anchors", "info") \
@@ -411,7 +407,7 @@ def summarize(source: Source | str | os.PathLike[str] | Mapping[str, Any]) -> di
     without an end.
     """
     if isinstance(source, (str, os.PathLike)):
-        snap = _file_snapshot(load_chrome_trace(source), str(source))
+        snap = _file_snapshot(load_chrome_trace(source), str(source), checked=True)
     elif isinstance(source, Mapping):
         snap = _file_snapshot(source, "<trace>")
     else:
@@ -457,9 +453,11 @@ def _bytes_of(end_args: dict[str, Any] | None, begin_args: dict[str, Any] | None
     return 0
 
 
-def _file_snapshot(trace: Mapping[str, Any], where: str) -> TraceSnapshot:
+def _file_snapshot(trace: Mapping[str, Any], where: str,
+                   checked: bool = False) -> TraceSnapshot:
     """The events of a written trace (`write_chrome_trace`'s object) as one snapshot:
-    times back in nanoseconds, async pairs keyed by (rank, category, id)."""
+    times back in nanoseconds, async pairs keyed by (rank, category, id). `checked`:
+    as `parse_trace`'s."""
     events = trace.get("traceEvents")
     if not isinstance(events, list):
         raise TraceFormatError(f"{where}: no traceEvents list; is it a trace that "
@@ -468,8 +466,9 @@ def _file_snapshot(trace: Mapping[str, Any], where: str) -> TraceSnapshot:
     out: list[TraceEvent] = []
     for ev in events:
         if not isinstance(ev, Mapping):
-            raise TraceFormatError(f"{where}: trace event {_short(ev)} is not an object")
-        check_key_fields(ev, where)  # async pairs key on pid, cat and id
+            raise TraceFormatError(f"{where}: trace event {short_repr(ev)} is not an object")
+        if not checked:
+            check_key_fields(ev, where)  # async pairs key on pid, cat and id
         phase = ev.get("ph")
         if phase not in (COMPLETE, ASYNC_BEGIN, ASYNC_END, INSTANT, COUNTER):
             continue  # metadata and flow arrows
@@ -478,7 +477,7 @@ def _file_snapshot(trace: Mapping[str, Any], where: str) -> TraceSnapshot:
             continue
         ts, dur = finite(ev.get("ts")), finite(ev.get("dur", 0))
         if ts is None or dur is None:
-            raise TraceFormatError(f"{where}: trace event {_short(ev)} has no finite ts/dur")
+            raise TraceFormatError(f"{where}: trace event {short_repr(ev)} has no finite ts/dur")
         async_id = 0
         if phase in (ASYNC_BEGIN, ASYNC_END):
             async_id = ids.setdefault((ev.get("pid"), ev.get("cat"), ev.get("id")), len(ids) + 1)

@@ -72,7 +72,7 @@ def load_traces(paths: Sequence[str | os.PathLike[str]]) -> list[RankTrace]:
     for path in paths:
         p = Path(path)
         try:
-            parsed = parse_trace(_read_json(p), str(p))
+            parsed = parse_trace(_read_json(p), str(p), checked=True)
         except TraceFormatError as e:
             raise ReportInputError(str(e)) from None
         for rt in parsed:
