@@ -92,6 +92,13 @@ class AbsentWeight(torch.Tensor):
             return AbsentWeight(src.shape, src.dtype, src.device, src.message, src.is_grad,
                                 src.param_name)
         absent = [a for a in tree_leaves((args, kwargs or {})) if isinstance(a, AbsentWeight)]
+        if func is torch.ops.aten.zero_.default and absent and absent[0].is_grad:
+            raise RuntimeError(  # model.zero_grad(set_to_none=False), as older loops call
+                f"zeroing the .grad of parameter {absent[0].param_name!r} in place "
+                "(zero_grad(set_to_none=False), p.grad.zero_()) cannot reach the engine's "
+                "gradients, which are in its partitions: call model.zero_grad() or "
+                "engine.zero_grad() instead (they set .grad to None, as torch's default "
+                "set_to_none=True, and drop the step's gradients); nothing was changed")
         if absent:  # an optimizer's update of a parameter by its gradient: the gradient's
             raise RuntimeError(max(absent, key=lambda a: a.is_grad).message)
         raise RuntimeError(f"{func} got an absent weight")

@@ -263,20 +263,31 @@ class OffloadEngine(ModelWeights, ModuleHooks, GradPartitions, GroupUpdates, Gat
             "(engine.close()) and resume a new engine from the last checkpoint "
             "(offload.initialize(model, config, resume=path))")
 
-    def _after_failed_pass(self, e: BaseException, alone: str | None) -> None:
+    def _after_failed_pass(self, e: BaseException, alone: str | None,
+                           raises: bool = True) -> None:
         """A forward or backward raised `e` (its pass undone): tells the other ranks
         where they can learn it ([Note: a rank whose model raised]). `alone`: why they
         cannot go on together (`RankOrder.alone`, asked before the undo): the engine
         refuses every call from now on, and this raises why, from `e` (a Ctrl-C or an
-        exit goes on as itself, with why logged)."""
+        exit goes on as itself, and so does `e` where not `raises`: why is logged)."""
         if alone is None:
             self._rank_order.failed(e)
             return
         self._broken = alone
-        if not isinstance(e, Exception):
+        if not isinstance(e, Exception) or not raises:
             log.error("%s", alone)
             return
         raise RuntimeError(alone) from e
+
+    def _undo_forward(self, e: BaseException) -> str | None:
+        """A forward outside any backward raised `e`: gives its gathered weights back and,
+        under autograd, abandons the accumulation window; returns `RankOrder.alone(e)`,
+        asked first, for `_after_failed_pass`."""
+        alone = self._rank_order.alone(e)
+        self._release_gathered(orphan=True)
+        if torch.is_grad_enabled():
+            self._abandon_window("a forward raised")
+        return alone
 
     # -- the user's loop ----------------------------------------------------------------
     @property
@@ -305,12 +316,10 @@ class OffloadEngine(ModelWeights, ModuleHooks, GradPartitions, GroupUpdates, Gat
                 with self.recorder.span("forward", cat="compute", track="compute"):
                     return self.module(*args, **kwargs)
             except BaseException as e:  # a forward changes no state of the step
-                alone = None if in_backward() else self._rank_order.alone(e)
-                self._release_gathered(orphan=True)
-                if torch.is_grad_enabled() and not in_backward():
-                    self._abandon_window("a forward raised")
-                if not in_backward():
-                    self._after_failed_pass(e, alone)
+                if in_backward():
+                    self._release_gathered(orphan=True)
+                else:
+                    self._after_failed_pass(e, self._undo_forward(e))
                 raise
 
     def _drop_missed_step(self) -> None:

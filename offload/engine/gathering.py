@@ -136,8 +136,12 @@ class GatheredWeights:
         self._fresh_storage(st)
 
     def _fresh_storage(self, st: GroupState) -> None:
-        """`flat` takes a new storage without memory; the old one goes with its last view."""
-        fresh = torch.empty(st.group.padded, dtype=st.flat.dtype, device=st.flat.device)
+        """`flat` takes a new storage without memory; the old one goes with its last view.
+        Made outside inference mode (an error inside a forward under the user's
+        `torch.inference_mode()` lands here): an inference tensor as `flat` would make
+        every later gather's weights invisible to autograd, and its unit stop training."""
+        with torch.inference_mode(False):
+            fresh = torch.empty(st.group.padded, dtype=st.flat.dtype, device=st.flat.device)
         fresh.untyped_storage().resize_(0)
         st.flat.data = fresh
 

@@ -32,9 +32,17 @@ class ModuleHooks:
             self._interrupts.direct_enter()  # [Note: Ctrl-C at a safe point]
 
     def _root_post(self, module: nn.Module, args: Any, out: Any) -> None:
-        if not in_backward():
-            self._one_thread.leave()
-            self._interrupts.direct_leave(failed=out is None and sys.exc_info()[1] is not None)
+        if in_backward():
+            return
+        e = sys.exc_info()[1] if out is None else None
+        # the model called directly, outside every engine call, raised: undone and told
+        # to the other ranks as engine(...) does ([Note: a rank whose model raised])
+        alone = self._undo_forward(e) if e is not None and self._one_thread.direct_only() \
+            else False
+        self._one_thread.leave()
+        self._interrupts.direct_leave(failed=e is not None)
+        if alone is not False:  # an exception from this hook would be dropped by torch
+            self._after_failed_pass(e, alone, raises=False)
 
     def _make_pre(self, unit: Unit) -> Callable:
         def pre(module: nn.Module, args: Any) -> None:

@@ -185,6 +185,15 @@ class OneThread:
         self._calls.append(call)
         return call
 
+    def direct_only(self) -> bool:
+        """Whether this thread's only call is a direct call of the model."""
+        with self._lock: return self._direct_only()  # noqa: E701 - [Note: a lock and Ctrl-C]
+
+    def _direct_only(self) -> bool:
+        return (len(self._calls) == 1 and self._calls[0].direct
+                and self._thread == threading.get_ident()
+                and not getattr(self._refused, "n", 0))
+
     def leave(self) -> None:
         """A direct call of the model ends (its forward hook)."""
         with self._lock: self._leave()  # noqa: E701 - [Note: a lock and Ctrl-C]

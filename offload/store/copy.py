@@ -126,7 +126,8 @@ class DeviceTier:
         if not self.cuda:
             return self._pool.alloc(nbytes, tag=tag)
         try:
-            tensor = torch.empty(footprint(nbytes), dtype=torch.uint8, device=self.device)
+            with torch.inference_mode(False):  # as the pool's blocks (offload/io/buffers.py)
+                tensor = torch.empty(footprint(nbytes), dtype=torch.uint8, device=self.device)
         except torch.cuda.OutOfMemoryError as e:
             # the budget counts partitions only: activations, gathered weights and the
             # allocator's own blocks share the GPU, and a prefetch meeting them skips

@@ -246,7 +246,7 @@ class _MayRaise(torch.nn.Module):
 
 
 def _model_raises_worker(rank: int, world: int, init_file: str, out: str, cfg: dict,
-                         where: str, at: int) -> None:
+                         where: str, at: int, direct: bool) -> None:
     import copy
 
     import offload
@@ -266,7 +266,8 @@ def _model_raises_worker(rank: int, world: int, init_file: str, out: str, cfg: d
                     continue  # every rank skips the window so far: what the failure gives
                 engine.module.raises = where if (i == at and rank == 1) else None
                 try:
-                    engine.backward(torch.nn.functional.mse_loss(engine(x), y))
+                    model = engine.module if direct else engine
+                    engine.backward(torch.nn.functional.mse_loss(model(x), y))
                     engine.step()
                 except (RuntimeError, ValueError) as e:
                     errors.append((i, type(e).__name__, str(e)))
@@ -275,20 +276,23 @@ def _model_raises_worker(rank: int, world: int, init_file: str, out: str, cfg: d
         torch.save(results, f"{out}.{rank}")
 
 
-@pytest.mark.parametrize("where,window", [("forward", 1), ("backward", 1), ("end", 2)])
+@pytest.mark.parametrize("where,window,direct", [
+    ("forward", 1, False), ("backward", 1, False), ("end", 2, False), ("end", 2, True)])
 def test_a_rank_whose_model_raised_stops_the_others_at_their_next_check(tmp_path, engine_cfg,
-                                                                       where, window):
+                                                                       where, window, direct):
     """Rank 1's model raises in its forward (or an autograd function in its backward).
     The others went on to their next check and met rank 1's next pass there, each
     blaming control flow, and rank 1 lost a second batch; now they learn at that
     check that rank 1 raised, undo their pass, and the ranks train on together: the
     same weights as a run in which every rank skipped that batch. With gradient
     accumulation, every rank drops the window's gradients so far (the others' steps
-    once came a micro-batch early, and paired with rank 1's next forward: a hang)."""
+    once came a micro-batch early, and paired with rank 1's next forward: a hang).
+    `direct`: the model called directly (`engine.module(x)`), not through the engine."""
     cfg = engine_cfg("nvme", "nvme", "nvme", group_size=300, grad_accum_steps=window)
     out = str(tmp_path / "res")
     at = 3 if window == 2 else 2  # the second micro-batch of a window
-    spawn(_model_raises_worker, str(tmp_path / "init"), out, cfg, where, at, timeout_s=60)
+    spawn(_model_raises_worker, str(tmp_path / "init"), out, cfg, where, at, direct,
+          timeout_s=60)
     r0, r1 = (torch.load(f"{out}.{r}") for r in range(2))
     assert [e[:2] for e in r1["raises"]["errors"]] == [(at, "ValueError")], r1["raises"]
     (i, kind, msg), = r0["raises"]["errors"]

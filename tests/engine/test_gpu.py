@@ -42,10 +42,13 @@ def test_cuda_matches_adamw(engine_cfg, params, grads, optimizer, dtype):
         engine.close()
 
 
-def test_cuda_device_budget_below_the_parameters(engine_cfg):
+@pytest.mark.parametrize("evaluate", [False, True])
+def test_cuda_device_budget_below_the_parameters(engine_cfg, evaluate):
     """Eight 257 KiB partitions under a 1 MiB DEVICE budget: each step copies them
     up from host memory and the updated ones back down (D2H on its stream), and the
-    numbers stay torch's."""
+    numbers stay torch's. `evaluate`: an inference-mode forward before each step
+    fetches the partitions into DEVICE memory allocated inside inference mode, which
+    the steps then update in place."""
     torch.manual_seed(0)
     ref = nn.Sequential(*[nn.Linear(256, 256) for _ in range(8)]).cuda()
     cfg = engine_cfg("device", "host", "host", group_size=256 * 257)
@@ -56,6 +59,9 @@ def test_cuda_device_budget_below_the_parameters(engine_cfg):
     try:
         for _ in range(4):
             x = torch.randn(8, 256, generator=g).cuda()
+            if evaluate:
+                with torch.inference_mode():
+                    engine(x)
             engine.backward(engine(x).square().mean())
             engine.step()
             opt.zero_grad()

@@ -2,6 +2,7 @@
 unit gathered; printing every frame's locals (as pytest and debuggers do) must not crash
 the interpreter. Run in a child process: a crash there fails the test, not the suite."""
 
+import copy
 import logging
 import subprocess
 import sys
@@ -197,6 +198,35 @@ def test_an_error_in_the_model_called_directly_leaves_the_engine_usable(engine_c
         engine.load_state_dict(want)  # refused while a unit looked in use
         with torch.no_grad():
             assert torch.equal(engine(x), expected)
+
+
+@pytest.mark.parametrize("call", ["engine", "model"])
+def test_a_forward_that_raises_under_inference_mode_leaves_training_as_torch(engine_cfg, call):
+    """An evaluation batch that raises inside a unit under `torch.inference_mode()` (an
+    index past the embedding table) and training on: the unit's weights took their fresh
+    storage inside the user's inference mode, as inference tensors, so their gathers
+    made weights autograd could not see: the whole model's output had no grad_fn, and
+    in a model of several units one unit silently stopped training."""
+    torch.manual_seed(0)
+    plain = torch.nn.Sequential(torch.nn.Embedding(16, 8), torch.nn.Linear(8, 8),
+                                torch.nn.Linear(8, 1))
+    ref = copy.deepcopy(plain)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    cfg = engine_cfg("host", group_size=100)
+    cfg["optim"].update(lr=1e-2, weight_decay=0.01)
+    with offload.initialize(plain, cfg) as engine:
+        x = torch.tensor([[1, 2, 3]])
+        with pytest.raises(IndexError), torch.inference_mode():
+            (engine if call == "engine" else plain)(torch.tensor([[99]]))
+        for _ in range(2):
+            engine.backward(engine(x).mean())
+            assert engine.step()
+            ref(x).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        got = engine.state_dict()
+        for k, v in ref.state_dict().items():
+            torch.testing.assert_close(got[k], v, rtol=1e-6, atol=1e-7, msg=k)
 
 
 def test_a_cast_of_the_model_is_refused_before_anything_changes(engine_cfg):

@@ -471,7 +471,8 @@ def test_torch_clipping_and_torch_optimizers_raise_instead_of_doing_nothing(engi
     optimizer over the parameters updated nothing: both silently. Between a backward
     and its step each trainable `.grad` now names optim.max_grad_norm; after the
     step, a failed step or zero_grad it is None again; training matches an engine
-    that never saw the calls."""
+    that never saw the calls. `model.zero_grad(set_to_none=False)` names
+    `model.zero_grad()` and `engine.zero_grad()`, and changes nothing."""
     torch.manual_seed(0)
     a = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
     a[1].requires_grad_(False)
@@ -494,6 +495,10 @@ def test_torch_clipping_and_torch_optimizers_raise_instead_of_doing_nothing(engi
                                        r".*optim\.max_grad_norm.*clip_grad_value_\) has no "
                                        r"equivalent"):
                         call()
+                with pytest.raises(RuntimeError, match=r"zeroing the \.grad of parameter "
+                                   r"'0\.weight' .*call model\.zero_grad\(\) or "
+                                   r"engine\.zero_grad\(\) instead"):
+                    a.zero_grad(set_to_none=False)
             assert ea.step() and eb.step()
             assert all(p.grad is None for p in a.parameters())
         ea.backward(ea(x).sum())
