@@ -431,9 +431,10 @@ class EngineConfig:
                                   "all-reduce of one number per rank); ranks that run "
                                   "different modules, or whose model raised on one rank, "
                                   "raise instead of hanging in an all-gather")
-    keep_checkpoints: int = _doc(0, "committed checkpoints kept in a save's directory (the "
-                                 "highest steps; older ones are removed after a save); 0 "
-                                 "keeps all", allowed=">= 0")
+    keep_checkpoints: int = _doc(0, "committed checkpoints of the training kept in a save's "
+                                 "directory (the highest steps; its older ones, resumes "
+                                 "included, are removed after a save; another training's "
+                                 "are left); 0 keeps all", allowed=">= 0")
     reduce_dtype: Literal["fp32", "bf16", "fp16"] = _doc(
         "fp32", "with several ranks: the dtype gradients are reduced across ranks in (bf16: "
         "half the bytes of fp32 on the wire); each rank's reduced slice is accumulated in "

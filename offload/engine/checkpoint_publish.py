@@ -85,9 +85,16 @@ def remove_partials(parent: Path) -> None:
             lock.release()
 
 
-def prune(parent: Path, keep: int, newest: Path, fmt: str) -> None:
-    """Keeps the `keep` committed checkpoints of `parent` (format `fmt`) with the highest
-    steps; each other one is renamed to a `.partial` name, then removed."""
+def prune(parent: Path, keep: int, newest: Path, fmt: str, run: str) -> None:
+    """Keeps the `keep` committed checkpoints of `parent` (format `fmt`) of training `run`
+    with the highest steps; each other one is renamed to a `.partial` name, then removed.
+
+    [Note: a training's checkpoints]
+    Each engine names its training (`run_id`, a random hex string); a save records it
+    and a resume takes it back, so the checkpoints of one training, over any number of
+    resumes, carry one name. Pruning counts only those: two trainings that save into
+    one parent (a second run started from scratch, a sweep's configurations) never
+    remove each other's checkpoints, nor those of a save that named no training."""
     found = []
     for d in parent.iterdir():
         try:  # another process may prune the same parent: an entry can vanish
@@ -95,7 +102,8 @@ def prune(parent: Path, keep: int, newest: Path, fmt: str) -> None:
                 continue  # a link (`latest`) names a checkpoint; it is not one
             rec = json.loads((d / RECORD).read_text())
             step = rec.get("global_step", 0) if isinstance(rec, dict) else None
-            if rec.get("format") == fmt and isinstance(step, int):  # not another program's
+            if (rec.get("format") == fmt and isinstance(step, int)  # not another program's
+                    and rec.get("run") == run):  # nor another training's
                 found.append((step, d.stat().st_mtime, d))
         except (OSError, ValueError, AttributeError):
             continue

@@ -585,6 +585,8 @@ class CheckpointReader:
         rec = self.record
         engine.global_step = int(rec["global_step"])
         engine.micro_step = int(rec["micro_step"])
+        if isinstance(rec.get("run"), str):  # [Note: a training's checkpoints]
+            engine.run_id = rec["run"]
         e = engine.cfg.engine
         if not e.loss_scale:  # a fixed engine.loss_scale is the config's; a dynamic one
             saved = float(rec["loss_scale"])  # keeps to this run's floor

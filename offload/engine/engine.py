@@ -44,6 +44,7 @@ import logging
 import os
 import threading
 import time
+import uuid
 from concurrent.futures import BrokenExecutor, Future, ThreadPoolExecutor
 from typing import Any, Callable
 
@@ -114,6 +115,10 @@ class OffloadEngine(ModelWeights, ModuleHooks, GradPartitions, GroupUpdates, Gat
         self.trace = AccessTrace(static_order(units))  # step 1 follows the modules' order
         self.micro_step = 0   # backward calls, all steps
         self.global_step = 0  # optimizer steps taken
+        # one training's name, kept by its checkpoints and taken back by a resume: what
+        # engine.keep_checkpoints prunes ([Note: a training's checkpoints] in
+        # checkpoint_publish.py)
+        self.run_id = uuid.uuid4().hex
         # [Note: a graph of older weights] A forward's graph is for the weights it
         # gathered: a backward through it after they changed (a step, a load) would
         # gather the new ones, so each change counts here and the backward of a forward

@@ -462,7 +462,7 @@ class _SaveJob:
         keep = self.engine.cfg.engine.keep_checkpoints
         if keep:
             try:
-                prune(parent, keep, path, FORMAT)
+                prune(parent, keep, path, FORMAT, self.record["run"])
             except OSError as e:  # the save stands: only the clean-up of older ones failed
                 log.warning("checkpoint %s was saved, but removing older checkpoints of %s "
                             "(engine.keep_checkpoints=%d) failed: %s", path, parent, keep, e)
@@ -655,6 +655,7 @@ def _record(engine: Any, table: dict, extra: dict, scheduler: dict | None) -> di
             for i, s in enumerate(g.slots):
                 members[engine.param_group_of.get((g.gid, i), 0)].append(s.fqn)
     return {"format": FORMAT, "version": __version__, "created": time.time(),
+            "run": engine.run_id,  # [Note: a training's checkpoints] in checkpoint_publish.py
             "world": engine.comm.world, "dtype": engine.cfg.engine.dtype,
             "global_step": engine.global_step, "micro_step": engine.micro_step,
             "loss_scale": engine.loss_scale, "good_steps": engine._good_steps,

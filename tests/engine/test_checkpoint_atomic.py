@@ -88,6 +88,27 @@ def test_keep_last_k(tmp_path, engine_cfg):
     assert json.loads((root / "latest" / RECORD).read_text())["global_step"] == 4
 
 
+def test_keep_counts_one_trainings_checkpoints_over_its_resumes(tmp_path, engine_cfg):
+    """[Note: a training's checkpoints]: another training's checkpoint in the same parent
+    (a run started from scratch there before) is neither removed nor counted; a resumed
+    engine's saves count with those of the training it resumed."""
+    cfg = engine_cfg("host", "host", "host", keep_checkpoints=2)
+    root = tmp_path / "ckpt"
+    batches = lm_batches(5)
+    with offload.initialize(TiedTwice(), cfg) as other:
+        _step(other, batches[0])
+        other.save_checkpoint(root / "other-1")
+    with offload.initialize(TiedTwice(), cfg) as engine:
+        for i in range(3):
+            _step(engine, batches[i])
+            engine.save_checkpoint(root / f"a-{i + 1}")
+    assert sorted(p.name for p in root.iterdir()) == ["a-2", "a-3", "other-1"]
+    with offload.initialize(TiedTwice(), cfg, resume=root / "a-3") as engine:
+        _step(engine, batches[3])
+        engine.save_checkpoint(root / "a-4")
+    assert sorted(p.name for p in root.iterdir()) == ["a-3", "a-4", "other-1"]
+
+
 def test_a_save_in_progress_in_another_process_is_left_alone(tmp_path, engine_cfg):
     """[Note: partial directories]: two trainings save into one parent; one's save in
     progress (its `.partial` directory) is not removed by the other's save, which
