@@ -142,6 +142,24 @@ def test_an_early_updates_gradient_is_a_host_record_where_host_has_room(tmp_path
         assert torch.equal(states[0][k], states[1][k]), k
 
 
+def test_gradients_placed_on_nvme_stay_there_between_micro_batches(tmp_path):
+    """`engine.grads = "nvme"` with accumulation: each micro-batch adds into the stored
+    gradient and writes it back down, where HOST, with room to spare, would otherwise
+    keep it dirty until the step."""
+    from offload.store import Tier
+    cfg = _cfg(tmp_path, "nvme", "nvme", "nvme", "fp32")
+    cfg["engine"]["grad_accum_steps"] = 3
+    cfg["store"].update(host_budget="64MiB", device_budget="64MiB")
+    with offload.initialize(_model(), cfg) as engine:
+        x = torch.randn(8, 64)
+        for _ in range(2):
+            engine.backward(engine(x).square().mean())
+            engine.store.wait_all()  # the last write-backs may be in flight
+            grads = [k for k in engine.store.keys() if k[0] == "g"]
+            assert grads and all(engine.store.info(k).valid == {Tier.NVME} for k in grads), \
+                {k: engine.store.info(k).valid for k in grads}
+
+
 class _Tied(nn.Module):
     """A tied embedding (the largest gradient) beside layers of uneven sizes."""
 

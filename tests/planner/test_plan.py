@@ -167,12 +167,28 @@ def test_the_steady_step_writes_the_previous_versions_memory_cannot_keep():
 
 
 @settings(max_examples=300, deadline=None)
-@given(traces())
-def test_budget_holds_at_every_point_and_every_use_finds_its_records(case):
+@given(traces(), st.booleans())
+def test_budget_holds_at_every_point_and_every_use_finds_its_records(case, steady):
+    """Also: fetches are issued in the order the plan lists them, none before the one
+    ahead of it ([Note: the plan]: the disk serves them in that order)."""
     uses, records, budget = case
-    plan = make_plan(uses, records, budget)
-    assert _replay(uses, records, plan) == (plan.bytes_read, plan.bytes_written)
+    plan = make_plan(uses, records, budget, steady=steady)
+    if not steady:  # `_replay` starts from the records' own residency, not the step's end
+        assert _replay(uses, records, plan) == (plan.bytes_read, plan.bytes_written)
     assert max(plan.held) <= budget
+    issued = [op.at for op in plan.ops if op.op == "fetch"]
+    assert issued == sorted(issued), [(op.key, op.at) for op in plan.ops if op.op == "fetch"]
+
+
+def test_of_two_records_needed_equally_late_the_clean_one_leaves():
+    """Farthest next use ties (a and b are next used together, never again): the clean
+    b is dropped for free, where the dirty a would be written back first."""
+    records = {"a": RecordSpec(100), "b": RecordSpec(100), "c": RecordSpec(100)}
+    uses = [Use(("a", "b"), writes=("a",)), Use(("c",))]
+    for steady in (False, True):
+        plan = make_plan(uses, records, budget=200, steady=steady)
+        assert plan.bytes_written == 0, plan.ops
+        assert "a" not in [op.key for op in plan.ops if op.op == "evict"], plan.ops
 
 
 @settings(max_examples=200, deadline=None)
@@ -350,6 +366,22 @@ def test_a_use_waits_for_the_write_that_makes_its_room():
                                            if op.op == "write-back" else op
                                            for op in plan.ops])
     assert not [e for e in simulate(loose, uses, rates).events if e[0] == "wait:budget"]
+
+
+def test_a_read_into_the_room_of_a_dirty_record_waits_for_its_write():
+    """An update (5 s on its own lane) dirties a; b's read needs a's room, so it waits
+    until a's bytes are on NVMe (the store holds a dirty copy until then) and the step
+    takes 8 s, not the 7 s of a read that overwrote a's room during its update."""
+    records = {"a": RecordSpec(100, resident=True), "b": RecordSpec(100),
+               "c": RecordSpec(100)}
+    uses = [Use(("a",), writes=("a",), compute_s=5.0, lane="update"),
+            Use(("c",), compute_s=0.0), Use(("b", "c"), compute_s=1.0)]
+    pred = simulate(make_plan(uses, records, budget=200), uses,
+                    Rates(read_Bps=100, write_Bps=100))
+    io = {(e[0], e[5].get("key")): (e[3], e[4]) for e in pred.events if e[1] == "io"}
+    assert io[("write", "a")] == pytest.approx((5.0, 6.0))
+    assert io[("read", "b")][0] >= io[("write", "a")][1]
+    assert pred.step_s == pytest.approx(8.0)
 
 
 def test_the_disk_serves_operations_in_the_order_of_time_they_are_issued():

@@ -106,6 +106,16 @@ def test_lru_evicts_least_recently_used_and_writes_it_down(make_store):
     s.audit()
 
 
+def test_lru_drops_a_clean_copy_before_writing_a_dirty_one_never_used():
+    """Copies never used (the clock's -1 for both, e.g. put by initialize) tie on
+    recency: the clean one goes first, free, where the dirty one costs a write."""
+    from offload.store.policy import Candidate
+    cands = [Candidate("dirty", "param", 4096, clean=False),
+             Candidate("clean", "param", 4096, clean=True)]
+    assert LruPolicy().choose(Tier.HOST, 4096, cands) == ["clean"]
+    assert LruPolicy().choose(Tier.HOST, 4096, cands[::-1]) == ["clean"]
+
+
 class _BiggestKeyFirst(LruPolicy):
     def choose(self, tier, need_bytes, candidates):
         return sorted((c.key for c in candidates), reverse=True)[:1]
