@@ -18,7 +18,7 @@ from .eviction import sooner_than
 from .forward_prefetch import arriving
 from .grad_slots import dense_grad, sparse_grad_use
 from .params_view import point_weight_list
-from .units import Group
+from .units import Group, not_compiled
 from .warm import borrow, kept_view, unborrow
 
 log = logging.getLogger(__name__)
@@ -26,6 +26,7 @@ log = logging.getLogger(__name__)
 __all__ = ["GatheredWeights", "GroupState", "in_backward"]
 
 
+@not_compiled  # [Note: torch.compile] in units.py
 def in_backward() -> bool:
     """Whether this thread runs inside autograd's backward."""
     return torch._C._current_graph_task_id() != -1

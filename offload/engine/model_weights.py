@@ -30,6 +30,7 @@ from .interrupts import around_user_block, guarded
 from .one_thread import one_call
 from .params_view import state_entries
 from .safetensors_writer import TensorSpec, write_shards
+from .units import not_compiled
 
 log = logging.getLogger(__name__)
 
@@ -193,6 +194,7 @@ class ModelWeights:
         refuse_cast(fn, self.dtype, self.device)
         return self
 
+    @not_compiled  # [Note: torch.compile] in units.py
     def _check_open(self) -> None:
         """Raises a clear error where a closed engine is used: its state is gone, or one a
         second Ctrl-C interrupted inside its own code ([Note: Ctrl-C at a safe point]),

@@ -271,6 +271,24 @@ def hooks_last(module: nn.Module, hook_ids: list[int]) -> None:
             hooks.move_to_end(hid)
 
 
+_NOT_COMPILED: set[Any] = set()  # code objects dynamo skips, once it is imported
+
+
+def not_compiled(fn: Callable) -> Callable:
+    """[Note: torch.compile] `fn`'s own frame is left to run as it is: dynamo compiled
+    each engine function the engine's forward called (an empty graph, broken at
+    `os.getpid`, with its warning), and each hook's wrapper once per hook, up to its
+    recompile limit (8, with a warning at the limit)."""
+    _NOT_COMPILED.add(fn.__code__)
+    return fn
+
+
+def _skip_not_compiled() -> None:
+    skip = getattr(getattr(torch._dynamo, "eval_frame", None), "skip_code", None)
+    for code in _NOT_COMPILED if skip is not None else ():
+        skip(code)
+
+
 def eager(fn: Callable, recursive: bool = True) -> Callable:
     """[Note: torch.compile] A unit's hooks gather, bind, free and move records: work
     on the store that torch.compile cannot trace (it failed inside them, deep in
@@ -288,9 +306,11 @@ def eager(fn: Callable, recursive: bool = True) -> Callable:
         nonlocal disabled
         if "torch._dynamo" not in sys.modules:
             return fn(*args, **kwargs)
+        _skip_not_compiled()  # at each call: torch._dynamo.reset() forgets it
         if disabled is None:
             disabled = torch.compiler.disable(fn, recursive=recursive)
         return disabled(*args, **kwargs)
+    not_compiled(call)
     return call
 
 
@@ -332,6 +352,7 @@ class EngineHook:
     def __init__(self, fn: Callable) -> None:
         self._call = eager(fn)
 
+    @not_compiled
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self._call(*args, **kwargs)
 

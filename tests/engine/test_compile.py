@@ -3,6 +3,8 @@ compiled before or after `initialize`, it trains to torch's numbers; the units' 
 run eagerly, between the compiled graphs."""
 
 import copy
+import logging
+import warnings
 
 import pytest
 import torch
@@ -47,17 +49,23 @@ def _train_both(engine, call, ref, steps=3):
 
 @pytest.mark.parametrize("group_size", [1100, pytest.param(10**6, marks=pytest.mark.slow)],
                          ids=["unit-per-layer", "one-unit"])
-def test_compiled_engine_trains_as_torch(engine_cfg, group_size):
+def test_compiled_engine_trains_as_torch(engine_cfg, group_size, caplog):
     ref = _stack()
     engine = offload.initialize(copy.deepcopy(ref), engine_cfg("nvme", "host", "nvme",
                                                                group_size=group_size))
     backend = _Counting()
     compiled = torch.compile(engine, backend=backend)
     try:
-        _train_both(engine, compiled, ref)
+        with warnings.catch_warnings(record=True) as warned, caplog.at_level(logging.WARNING):
+            warnings.simplefilter("always")
+            _train_both(engine, compiled, ref)
         if group_size > 1100:  # the model's forward between its one unit's hooks
             assert backend.graphs >= 1
         assert_weights_as_torch(engine, ref, atol=1e-6)
+        # the engine's own frames are not compiled: no graph broken at os.getpid, no
+        # hook wrapper compiled once per hook up to the recompile limit
+        assert not [w for w in warned if "getpid" in str(w.message)], warned
+        assert "recompile_limit" not in caplog.text, caplog.text
     finally:
         engine.close()
 
