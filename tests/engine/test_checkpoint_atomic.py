@@ -107,6 +107,10 @@ def test_keep_counts_one_trainings_checkpoints_over_its_resumes(tmp_path, engine
         _step(engine, batches[3])
         engine.save_checkpoint(root / "a-4")
     assert sorted(p.name for p in root.iterdir()) == ["a-3", "a-4", "other-1"]
+    cfg["engine"]["keep_checkpoints"] = 1  # a save below a later step stays: it is the newest
+    with offload.initialize(TiedTwice(), cfg, resume=root / "a-3") as engine:
+        engine.save_checkpoint(root / "a-3b")
+    assert sorted(p.name for p in root.iterdir()) == ["a-3b", "a-4", "other-1"]
 
 
 def test_a_save_in_progress_in_another_process_is_left_alone(tmp_path, engine_cfg):

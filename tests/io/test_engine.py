@@ -160,6 +160,23 @@ def test_write_released_before_durable(name, pool, tmp_path):
     os.close(fd)
 
 
+@pytest.mark.parametrize("name", ENGINES)
+def test_a_write_whose_fdatasync_fails_fails_its_handle(name, pool):
+    """A synced write is durable only once fdatasync succeeded: where it fails (here
+    for real, EINVAL: /dev/null takes the bytes but cannot sync), the handle raises,
+    not "written"."""
+    eng = build_engine(name, sync_writes=True)
+    fd = os.open("/dev/null", os.O_RDWR)
+    buf = pool.alloc(65536)
+    try:
+        h = eng.write(fd, "/dev/null", 0, buf.address, 65536, keepalive=buf)
+        with pytest.raises(IoError, match="fdatasync"):
+            h.wait()
+    finally:
+        eng.close()
+        os.close(fd)
+
+
 def test_auto_engine_where_o_direct_is_refused(caplog):
     """tmpfs refuses O_DIRECT before Linux 6.6; there auto must pick threads, buffered."""
     from offload.io import probe_direct

@@ -95,6 +95,7 @@ def test_failed_write_leaves_extent_unreadable_and_others_intact(pool, tmp_path)
     src = pool.alloc(8192)
     _fill(src, 8192, 3)
     sw.write(good, src, 8192).wait()
+    sw.write(bad, src, 8192).wait()  # a completed write, whose bytes the failed one spoils
     # Make the next write fail for real: swap the fd for a read-only one.
     f = sw._files[0]
     rw_fd = f.fd

@@ -2,6 +2,8 @@
 never a crash: hyper-parameters torch.optim.AdamW refuses, tensors the native
 kernel cannot take (misaligned), state dicts whose 8-bit codes do not fit."""
 
+import math
+
 import pytest
 import torch
 
@@ -71,6 +73,47 @@ def test_load_state_dict_refuses_bad_hyper_parameters_before_loading():
     with pytest.raises(ValueError, match="betas"):
         other.load_state_dict(sd)
     assert torch.equal(master, before) and other.param_groups[0]["betas"] == (0.9, 0.999)
+
+
+def test_load_state_dict_with_one_damaged_partition_changes_no_partition():
+    """Everything is checked before anything changes: a state dict whose last partition
+    is damaged (an exp_avg_sq below zero) leaves the first partition's state, loaded
+    first, and the hyper-parameters as they were."""
+    src = CpuAdam(OptimConfig())
+    for pid in ("a", "b"):
+        src.add_partition(pid, torch.ones(8))
+    src.step({"a": torch.ones(8), "b": torch.ones(8)})
+    sd = src.state_dict()
+    sd["state"]["a"] = {**sd["state"]["a"], "step": 7, "exp_avg": torch.full((8,), 5.0)}
+    sd["state"]["b"] = {**sd["state"]["b"], "exp_avg_sq": torch.full((8,), -1.0)}
+    sd["param_groups"][0]["lr"] = 0.5
+    before = {k: v.clone() for k, v in src.partition_state("a").items()}
+    with pytest.raises(ValueError, match="exp_avg_sq"):
+        src.load_state_dict(sd)
+    after = src.partition_state("a")
+    assert all(torch.equal(after[k], v) for k, v in before.items())
+    assert src.param_groups[0]["lr"] != 0.5
+
+
+def test_segment_update_counts_above_the_partitions_step_are_refused():
+    """Adam's bias correction reads each segment's count: one above the partition's own
+    step is damage, refused on load."""
+    opt = CpuAdam(OptimConfig())
+    opt.add_partition("a", torch.ones(8))
+    state = {**opt.partition_state("a"), "step": 1, "segment_steps": [5]}
+    with pytest.raises(ValueError, match="segment"):
+        opt.load_partition_state("a", state)
+
+
+def test_a_grad_norm_not_finite_skips_the_step_without_found_inf():
+    """A global gradient norm that is NaN or inf (another rank's overflow, all-reduced)
+    skips the step even where the caller passed found_inf=False, leaving the master."""
+    for norm in (math.nan, math.inf):
+        opt = CpuAdam(OptimConfig(max_grad_norm=1.0))
+        master = torch.ones(4)
+        opt.add_partition("a", master)
+        res = opt.step({"a": torch.ones(4)}, grad_norm=norm, found_inf=False)
+        assert res.skipped and torch.equal(master, torch.ones(4)), (norm, master)
 
 
 def test_edge_values_torch_accepts_still_match_torch():
