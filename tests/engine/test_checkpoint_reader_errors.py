@@ -361,6 +361,23 @@ def test_a_record_of_wrong_types_is_a_corrupt_error_naming_the_field(copy, what)
         CheckpointReader(ck)
 
 
+def test_a_record_whose_ranks_leave_a_gap_in_a_group_is_refused_before_placing(copy, tmp_path):
+    """The ranks' ranges of a group must cover it whole: a record (its sha256 matching)
+    whose only rank (and its own file) wrote half of a group is refused on opening,
+    naming the group, before any group is placed."""
+    from offload.engine.training_checkpoint import _read_json, _write_json
+
+    def short(writes):
+        writes["1"] = [writes["1"][0], writes["1"][1] // 2]  # group 1: not padded
+    ck = _edit_record(copy(), lambda rec: short(rec["ranks"][0]["writes"]))
+    mine = _read_json(ck / "ranks" / "0.json")  # the rank's own file says the same
+    del mine["sha256"]
+    short(mine["writes"])
+    _write_json(ck / "ranks" / "0.json", mine)
+    with pytest.raises(offload.CheckpointError, match=r"group 1 is covered only up to"):
+        _resume(ck, tmp_path)
+
+
 @pytest.mark.parametrize("what", ["world a string", "world of 10**12", "tensors a string",
                                   "ranks a number"])
 def test_offload_checkpoint_and_resume_refuse_a_record_of_wrong_types(copy, tmp_path, what):
