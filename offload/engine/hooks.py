@@ -37,11 +37,11 @@ class ModuleHooks:
         e = sys.exc_info()[1] if out is None else None
         # the model called directly, outside every engine call, raised: undone and told
         # to the other ranks as engine(...) does ([Note: a rank whose model raised])
-        alone = self._undo_forward(e) if e is not None and self._one_thread.direct_only() \
-            else False
+        undo = e is not None and self._one_thread.direct_only()
+        alone = self._undo_forward(e) if undo else None
         self._one_thread.leave()
         self._interrupts.direct_leave(failed=e is not None)
-        if alone is not False:  # an exception from this hook would be dropped by torch
+        if undo:  # an exception from this hook would be dropped by torch
             self._after_failed_pass(e, alone, raises=False)
 
     def _make_pre(self, unit: Unit) -> Callable:
