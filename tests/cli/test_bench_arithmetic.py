@@ -1,0 +1,155 @@
+"""The figures the benchmarks print, from made-up samples through the functions that
+compute them: medians over rounds, bytes per step, the lower bound (the largest of
+its terms, each row's own disk probe, the fastest no-offload step), the forced bytes
+of each moment form, the peak RSS and the targets' verdicts on both sides of their
+limits. A wrong figure here is one a reader would trust; the runs themselves are
+in test_bench_step.py and test_bench_plan.py."""
+
+import argparse
+
+import pytest
+
+from offload.cli import bench_oversized, bench_step
+from offload.cli.bench_adam import _nvme_bounds
+from offload.cli.bench_plan import targets as plan_targets
+from offload.cli.bench_step_targets import practicality, targets
+from offload.cli.demo import StepMeter
+
+GiB = 1 << 30
+
+
+def _sample(step, read, written, peak, disk=None, steps=2):
+    s = {"step_s": [step] * steps, "losses": [2.0, 1.0], "cpu_s": step * steps, "cores": 2,
+         "init_s": 1.0, "peak_rss_bytes": peak, "steps_peak_rss_bytes": peak,
+         "read_bytes": read * steps, "write_bytes": written * steps}
+    if disk:
+        s["disk"] = disk
+    return s
+
+
+def _rows():
+    own = {"write_GBps": 0.01, "read_GBps": 0.01, "mixed_GBps": 0.015}  # each row's probe
+    runs = [
+        bench_step._Runs("offload", "none", [_sample(s, 0, 0, GiB) for s in (0.10, 0.30, 0.12)]),
+        bench_step._Runs("deepspeed", "none", [_sample(0.3, 0, 0, GiB)] * 3),
+        bench_step._Runs("offload", "nvme", [_sample(s, 400e6, 300e6, int(1.2 * GiB), own)
+                                             for s in (0.9, 0.5, 0.6)]),
+        bench_step._Runs("deepspeed", "nvme", [_sample(s, 900e6, 900e6, 2 * GiB, own)
+                                               for s in (2.0, 2.2, 2.4)]),
+        bench_step._Runs("offload-int8", "nvme", [_sample(0.4, 200e6, 150e6, GiB, own)] * 3)]
+    rows = [bench_step._row(r) for r in runs]
+    forced = {(dt, "nvme"): bench_step.forced_bytes("nvme", 256, 6, 4 * 264192, dt)
+              for dt in ("fp32", "int8")}
+    top = {"write_GBps": 0.02, "read_GBps": 0.02, "mixed_GBps": 0.03}  # the run's median
+    bench_step._add_bounds(rows, top, forced)
+    practicality(rows)
+    return {(r["system"], r["placement"]): r for r in rows}
+
+
+def test_step_rows_medians_bytes_per_step_and_bounds():
+    rows = _rows()
+    off = rows[("offload", "nvme")]
+    assert off["median_step_s"] == pytest.approx(0.6)  # the median round, not the first
+    assert (off["read_bytes_per_step"], off["write_bytes_per_step"]) == (400e6, 300e6)
+    assert off["peak_rss_GiB"] == pytest.approx(1.2)
+    assert (off["forced_read_bytes"], off["forced_write_bytes"]) == (4755456, 3698688)
+    # the largest term, at the row's own probe (10 MB/s), with the fastest none step
+    assert off["bound_terms_s"] == pytest.approx(
+        {"compute": 0.12, "read": 0.4755456, "write": 0.3698688})
+    assert off["bound_s"] == pytest.approx(0.4755456)
+    assert off["step_over_bound"] == pytest.approx(0.6 / 0.4755456)
+    assert off["practicality"] == pytest.approx(0.12 / 0.6)
+    int8 = rows[("offload-int8", "nvme")]  # int8 moments: fewer forced bytes, its own bound
+    assert (int8["forced_read_bytes"], int8["forced_write_bytes"]) == (2399280, 1342512)
+    assert int8["bound_s"] == pytest.approx(0.239928)
+    assert int8["step_over_bound"] == pytest.approx(0.4 / 0.239928)
+
+
+def test_step_targets_fall_on_the_right_side_of_each_limit():
+    got = {t["target"]: t for t in targets(list(_rows().values()), GiB // 2)}
+    want = {"step <= 0.35x DeepSpeed's": (0.6 / 2.2, True),
+            "step <= 1.1x the lower bound": (0.6 / 0.4755456, False),
+            "peak RSS <= the memory budgets in use": (1.2, False),
+            "bytes per step <= 0.6x offload fp32's": (0.5, True),
+            "step <= 0.7x offload fp32's": (0.4 / 0.6, True),
+            "practicality": (0.3, False)}
+    for part, (value, met) in want.items():
+        (t,) = [t for name, t in got.items() if part in name]
+        assert t["value"] == pytest.approx(value, rel=1e-3) and t["met"] is met, t
+    (rss,) = [t for name, t in got.items() if "peak RSS" in name]
+    assert rss["limit"] == pytest.approx(1.0)  # 0.5 GiB of budgets + 0.5 GiB, in GiB
+
+
+def test_step_runs_interleave_systems_in_each_round(tmp_path, monkeypatch):
+    """Round by round, every system once (A B A B), so the disk's drift falls on both."""
+    order = []
+
+    def run(spec, timeout):
+        order.append(spec.system)
+        return _sample(0.1, 0, 0, GiB)
+    monkeypatch.setattr(bench_step, "_spawn", run)
+    p = argparse.ArgumentParser()
+    bench_step.add_arguments(p)
+    args = p.parse_args(["--dim", "64", "--layers", "2", "--rounds", "2", "--placement", "host",
+                         "--system", "offload,offload-int8"])
+    bench_step.run_step_bench(args, str(tmp_path))
+    assert order == ["offload", "offload-int8", "offload", "offload-int8"]
+
+
+def test_plan_targets_miss_under_predictions_and_more_bytes_than_lru():
+    rows = [{"moved_over_planned": 1.0, "bytes_moved": 100, "bytes_lru": 80,
+             "predicted_over_measured": 0.5}]
+    got = {t["target"]: t["met"] for t in plan_targets(rows)}
+    assert got == {"bytes moved / planned": True, "bytes moved / LRU's": False,
+                   "|predicted / measured - 1|": False}
+
+
+def test_adam_nvme_bound_is_the_larger_of_io_and_memory():
+    r = _nvme_bounds(8 * 10**9, 0.5, 10.0, 2e9, 4e9, 3e9)
+    assert (r["io_bound_s"], r["bound_s"]) == (6.0, 6.0)
+    assert r["step_over_bound"] == pytest.approx(10 / 6)
+
+
+def test_step_meter_reports_each_steps_own_bytes():
+    class Totals:
+        now = (0, 0)
+
+        def nvme_bytes(self):
+            return self.now
+    engine = Totals()
+    meter = StepMeter(engine)
+    for k in range(1, 4):
+        engine.now = (100 * k, 50 * k)
+        got = meter.step()
+        assert (got.read, got.written) == (100, 50)
+
+
+def test_oversized_verdict_counts_the_peak_while_placing():
+    """A peak while the model was placed counts against the limit as one while stepping."""
+    class Spec:
+        budgets, state_bytes, dtype = 2 * GiB, 40 * GiB, "bf16"
+
+        class model:
+            params, n_layer, d_model = 10**9, 4, 2048
+    result = {"init_peak_rss": 9 * GiB, "step_peak_rss": 2 * GiB,
+              "steps": [{"seconds": 10.0, "bound_s": 5.0, "mixed_s": 4.0}]}
+    v = bench_oversized._verdict(Spec, result, 16 * GiB)
+    assert v["peak_rss_bytes"] == 9 * GiB and v["rss_limit_bytes"] == int(2.5 * GiB)
+    assert v["rss_ok"] is False
+
+
+def test_store_ratios_are_the_stores_rate_over_the_raw_engines():
+    from offload.cli.bench_store import _rows as store_rows
+    got = store_rows({"store": ([2.0, 1.0, 3.0], [1.0]), "raw": ([1.0], [0.5])}, 10**9)
+    assert got["ratios"] == pytest.approx({"write": 0.5, "read": 0.5})
+
+
+def test_demo_asks_for_twice_the_state_it_keeps_on_the_disk(tmp_path):
+    """A step keeps the previous version of what it updates until it commits: the demo's
+    disk check asks room for both, or a disk with room for one fills in the middle."""
+    from offload.cli import demo
+    p = argparse.ArgumentParser()
+    demo.add_arguments(p)
+    plan = demo.build_plan(p.parse_args(["--size", "small", "--trace", "none",
+                                         "--swap-dir", str(tmp_path)]))
+    assert plan.disk_needed() == 477752985
