@@ -153,3 +153,27 @@ def test_demo_asks_for_twice_the_state_it_keeps_on_the_disk(tmp_path):
     plan = demo.build_plan(p.parse_args(["--size", "small", "--trace", "none",
                                          "--swap-dir", str(tmp_path)]))
     assert plan.disk_needed() == 477752985
+
+
+def test_oversized_forced_bytes_write_the_parameters_the_budgets_cannot_keep(tmp_path):
+    """The optimizer's state both ways, plus, written, every updated parameter beyond
+    what the memory budgets can hold (here four of six layers' worth)."""
+    import types
+
+    import torch
+
+    import offload
+    from offload.planner.sizes import state_bytes
+    from offload.store import footprint
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(6)])
+    cfg = {"engine": {"params": "host", "grads": "host", "optimizer": "host",
+                      "dtype": "bf16", "group_size": 64 * 65},
+           "io": {"paths": [str(tmp_path / "swap")]}, "store": {"device": "cpu"}}
+    with offload.initialize(model, cfg) as engine:
+        sizes = [footprint(g.shard * 2) for g in engine.groups]
+        spec = types.SimpleNamespace(dtype="bf16", budgets=2 * sizes[0])
+        read, written = bench_oversized.forced_bytes(engine, spec)
+        state = sum(state_bytes(g.shard, 3, "fp32") for g in engine.groups)
+    assert written == state + sum(sizes) - 2 * sizes[0]
+    assert read >= state + sum(sizes) - 2 * sizes[0]
