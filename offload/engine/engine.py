@@ -239,6 +239,7 @@ class OffloadEngine(ModelWeights, ModuleHooks, GradPartitions, GroupUpdates, Gat
         self._owned.opt = self._opt
         self._opt.set_zero_grad_hook(self.zero_grad)  # optimizer.zero_grad(), as torch's
         self._opt.set_load_hook(self._params_from_masters)  # optimizer.load_state_dict()
+        self._opt.set_step_open(self._early_updates_queued)  # ... refused while True
 
     def _start_updater(self) -> None:
         """Starts the update thread now. The executor starts it at its first `submit`,
@@ -283,6 +284,11 @@ class OffloadEngine(ModelWeights, ModuleHooks, GradPartitions, GroupUpdates, Gat
             log.error("%s", alone)
             return
         raise RuntimeError(alone) from e
+
+    def _early_updates_queued(self) -> bool:
+        """Whether the open step has handed updates to the update thread ([Note: early
+        update] in updates.py), run or not yet."""
+        return bool(self._early)
 
     def _undo_forward(self, e: BaseException) -> str | None:
         """A forward outside any backward raised `e`: gives its gathered weights back and,

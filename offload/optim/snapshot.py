@@ -105,6 +105,7 @@ class StateAccess:
     lock, partitions, pipeline and round)."""
 
     _load_hook: weakref.WeakMethod | None = None
+    _step_open: weakref.WeakMethod | None = None
 
     @property
     def state(self) -> StateView:
@@ -116,6 +117,13 @@ class StateAccess:
         after loading them (held weakly): the engine rebuilds the compute-dtype
         parameters of those that keep their own master."""
         self._load_hook = weakref.WeakMethod(method)
+
+    def set_step_open(self, method: Callable[[], bool]) -> None:
+        """`load_state_dict` refuses while the bound `method()` is true (held weakly): an
+        engine's step whose updates are queued for its update thread, where they would
+        run over the loaded state (and its parameters be read back from masters they
+        are updating), or be refused, as the thread happened to reach them or not."""
+        self._step_open = weakref.WeakMethod(method)
 
     def _committed_host(self, part: PartitionState) -> tuple[int, tuple]:
         """(step, (master, exp_avg, exp_avg_sq)) of a host partition's committed version."""
@@ -315,9 +323,10 @@ class StateAccess:
             for pid, st in states.items():
                 part = self.partition(pid)
                 self._checked_seg_steps(part, st, self._checked_state(part, st)[0])
-            if self._round:
-                raise ValueError(f"partitions {self.round[:8]} were updated in the open "
-                                 f"round; {_OPEN_ROUND_FIX}")
+            step_open = self._step_open() if self._step_open is not None else None
+            if self._round or (step_open is not None and step_open()):
+                raise ValueError(f"the open round's updates have run or are queued "
+                                 f"(partitions {self.round[:8]} so far); {_OPEN_ROUND_FIX}")
             for mine, theirs in zip(self.param_groups, groups):
                 # every saved key, as torch's load_state_dict (a scheduler's too)
                 mine.update({k: v for k, v in theirs.items() if k not in _NOT_SAVED})

@@ -113,6 +113,7 @@ def test_estimate_json_from_a_hf_config(models, offload_cli):
     assert nvme["per_node"]["nvme"] == 2 * nvme["per_rank"]["nvme"] > 0
     kinds = res["bytes_per_rank"]
     assert kinds["grad"] == kinds["exp_avg"] == 2 * kinds["param"]  # bf16 param, fp32 rest
+    assert res["bytes_total"] == {k: 2 * v for k, v in kinds.items()}  # the job's, 2 ranks
 
 
 def _gpt2(cfg):

@@ -160,6 +160,27 @@ def test_gradients_placed_on_nvme_stay_there_between_micro_batches(tmp_path):
                 {k: engine.store.info(k).valid for k in grads}
 
 
+def test_the_memory_check_counts_bf16s_masters_and_every_rank_on_the_machine(tmp_path,
+                                                                              monkeypatch):
+    """What `initialize` keeps in memory outside the budgets: the host optimizer's moments
+    and, in bf16, its fp32 masters (4 bytes a parameter); times the ranks torchrun
+    started on this machine (LOCAL_WORLD_SIZE). Memory for one rank but not for four
+    is refused, where the job would end in the OOM killer."""
+    from offload.engine import working_set as ws
+    from offload.planner.sizes import moment_bytes
+    _, groups = build_units(_model(), 64 * 65, 1)
+    cfg = load_config(_cfg(tmp_path, "nvme", "host", "host", "bf16"))
+    placed = ws.memory_bytes_placed(cfg, groups, torch.bfloat16, "cpu")
+    one = sum(moment_bytes("fp32", g.shard) + 4 * g.shard for g in groups)
+    assert placed == {'engine.optimizer = "host"': one}
+    monkeypatch.setattr(ws, "available_memory", lambda: 2 * one)  # this machine's room
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    ws.check_memory(cfg, groups, torch.bfloat16)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    with pytest.raises(ConfigError, match=r"engine\.optimizer"):
+        ws.check_memory(cfg, groups, torch.bfloat16)
+
+
 class _Tied(nn.Module):
     """A tied embedding (the largest gradient) beside layers of uneven sizes."""
 

@@ -6,6 +6,7 @@ Each against plain PyTorch (torch.optim.AdamW, fp32) with parameters, gradients 
 optimizer state on host and on NVMe."""
 
 import copy
+import threading
 
 import pytest
 import torch
@@ -228,12 +229,56 @@ def test_loading_optimizer_state_inside_a_step_names_the_engines_fix(engine_cfg)
         kept = copy.deepcopy(engine.optimizer.state_dict())
         x, y = data[2]
         engine.backward(_loss(engine, x.bfloat16(), y.bfloat16()))
-        assert engine.optimizer.round  # updates ran during backward
+        assert engine._early_updates_queued()  # handed to the update thread in backward
         before = snapshot(engine)
         with pytest.raises(ValueError, match=r"after engine\.step\(\) \(or drop the step "
                                              r"with engine\.zero_grad\(\)\)"):
             engine.optimizer.load_state_dict(kept)
         assert_same(snapshot(engine), before)
+        assert engine.step()
+
+
+def test_loading_only_optimizer_state_in_bf16_moves_the_weights_the_forward_uses(engine_cfg):
+    """bf16 keeps fp32 masters apart from the weights: loading an older
+    `optimizer.state_dict()` alone (its masters) rewrites the bf16 weights from them, so
+    the next forward computes with what `state_dict()` shows, not the newer weights."""
+    ref, _, engine = _pair(engine_cfg, ("host", "host", "host"), dtype="bf16")
+    data = _data(5)
+    with engine:
+        for x, y in data[:2]:
+            _engine_step(engine, x.bfloat16(), y.bfloat16())
+        kept = copy.deepcopy(engine.optimizer.state_dict())
+        for x, y in data[2:4]:
+            _engine_step(engine, x.bfloat16(), y.bfloat16())
+        engine.optimizer.load_state_dict(kept)
+        plain = copy.deepcopy(ref).to(torch.bfloat16)
+        plain.load_state_dict(engine.state_dict())
+        x = data[4][0].bfloat16()
+        with torch.no_grad():
+            torch.testing.assert_close(engine(x), plain(x), atol=1e-3, rtol=0)
+
+
+def test_loading_optimizer_state_while_the_steps_update_waits_its_turn_is_refused(engine_cfg):
+    """The step's update queued behind other work on the update thread, not yet run:
+    `optimizer.load_state_dict` is refused as where it ran. It used to be accepted then,
+    the queued update running over the loaded state while the parameters were read
+    back from the masters it was updating: which of the two happened was the thread's
+    timing."""
+    _, _, engine = _pair(engine_cfg, ("host", "host", "nvme"), dtype="bf16",
+                         group_size=10**6)  # one group: one early update
+    (x0, y0), (x1, y1) = _data(2)
+    with engine:
+        _engine_step(engine, x0.bfloat16(), y0.bfloat16())
+        kept = copy.deepcopy(engine.optimizer.state_dict())
+        gate = threading.Event()
+        engine._updater.submit(gate.wait, 60)  # the update thread busy until the gate opens
+        try:
+            engine.backward(_loss(engine, x1.bfloat16(), y1.bfloat16()))
+            assert not engine.optimizer.round  # queued, not run
+            with pytest.raises(ValueError, match=r"after engine\.step\(\)"):
+                engine.optimizer.load_state_dict(kept)
+        finally:
+            gate.set()
         assert engine.step()
 
 

@@ -204,6 +204,8 @@ def test_load_state_dict_takes_what_state_dict_gives(engine_cfg, placement):
         before = engine.state_dict()
         with pytest.raises(RuntimeError, match=r"missing keys \['again.0.bias'\]"):
             engine.load_state_dict(bad)
+        with pytest.raises(RuntimeError, match=r"unexpected keys \['extra'\]"):  # as torch
+            engine.load_state_dict(dict(other.state_dict(), extra=torch.zeros(1)))
         bad["block.0.weight"] = torch.zeros(2, 2)
         with pytest.raises(RuntimeError, match="'block.0.weight' has shape"):
             engine.load_state_dict(bad, strict=False)

@@ -38,7 +38,7 @@ def _cfg(swap: str, **engine) -> dict:
 
 
 def _worker(rank: int, world: int, init_file: str, out: str, cfgs: list, models: list,
-            local_world_size: str | None, steps: int) -> None:
+            local_world_size: str | None, steps: int, lrs: list | None = None) -> None:
     import offload
     if local_world_size is None:
         os.environ.pop("LOCAL_WORLD_SIZE", None)
@@ -49,7 +49,10 @@ def _worker(rank: int, world: int, init_file: str, out: str, cfgs: list, models:
     result = {"error": None, "state": None}
     try:
         try:
-            engine = offload.initialize(_model(models[rank]), cfgs[rank])
+            model = _model(models[rank])
+            groups = None if lrs is None else [{"params": list(model.parameters()),
+                                                "lr": lrs[rank]}]  # given in code
+            engine = offload.initialize(model, cfgs[rank], param_groups=groups)
         except Exception as e:
             result["error"] = (type(e).__name__, str(e))
         else:
@@ -68,11 +71,12 @@ def _worker(rank: int, world: int, init_file: str, out: str, cfgs: list, models:
 
 
 def _run(tmp_path, cfgs: list, models=("narrow", "narrow"), local_world_size=None,
-         steps: int = 0) -> list[dict]:
-    """Each rank's {"error": (type, message) or None, "swap": files left, "state"}."""
+         steps: int = 0, lrs: list | None = None) -> list[dict]:
+    """Each rank's {"error": (type, message) or None, "swap": files left, "state"};
+    `lrs`: each rank's learning rate, given in code (`param_groups=`)."""
     out = str(tmp_path / "result")
     spawn(_worker, str(tmp_path / "init"), out, cfgs, list(models), local_world_size, steps,
-          timeout_s=HANG_S)
+          lrs, timeout_s=HANG_S)
     return [torch.load(f"{out}.{r}", weights_only=False) for r in range(2)]
 
 
@@ -80,13 +84,27 @@ def _swap_dirs(tmp_path) -> list[str]:
     return [str(tmp_path / f"swap{r}") for r in range(2)]
 
 
-def test_a_dtype_that_differs_is_refused_on_every_rank_before_any_swap_file(tmp_path):
+@pytest.mark.parametrize("what", [pytest.param("engine.dtype", marks=pytest.mark.slow),
+                                  "optim.lr", "param_groups"])
+def test_a_setting_that_differs_is_refused_on_every_rank_before_any_swap_file(tmp_path, what):
+    """The compute dtype, a learning rate in the config, or one given in code: each rank
+    would train its own shard its own way."""
     a, b = _swap_dirs(tmp_path)
-    results = _run(tmp_path, [_cfg(a), _cfg(b, dtype="bf16")])
-    for r in results:
+    cfgs, lrs = [_cfg(a), _cfg(b)], None
+    if what == "engine.dtype":
+        cfgs[1]["engine"]["dtype"] = "bf16"
+        want = ("engine.dtype differs between ranks: rank 0 has 'fp32', rank 1 has 'bf16'; "
+                "give every rank the same config")
+    elif what == "optim.lr":
+        cfgs[1]["optim"]["lr"] = 1e-4
+        want = "optim.lr differs between ranks: rank 0 has 0.01, rank 1 has 0.0001"
+    else:
+        lrs = [1e-2, 1e-4]
+        want = ("the model differs between ranks: parameter '0.weight' has optimizer settings "
+                "lr=0.01 on rank 0 and lr=0.0001 on rank 1")
+    for r in _run(tmp_path, cfgs, lrs=lrs):
         assert r["error"] == ("ConfigError", r["error"][1])
-        assert r["error"][1].startswith("engine.dtype differs between ranks: rank 0 has 'fp32', "
-                                        "rank 1 has 'bf16'; give every rank the same config")
+        assert r["error"][1].startswith(want), r["error"][1]
         assert r["swap"] == []
     assert not os.path.exists(a) and not os.path.exists(b)
 
