@@ -72,6 +72,11 @@ def _engine_step(engine, x, y):
     return engine.step()
 
 
+def _bf16_steps(engine, batches):
+    for x, y in batches:
+        _engine_step(engine, x.bfloat16(), y.bfloat16())
+
+
 @pytest.mark.parametrize("place", PLACES, ids=IDS)
 def test_every_value_written_into_param_groups_between_steps_trains_as_torch(engine_cfg,
                                                                             place):
@@ -224,8 +229,7 @@ def test_loading_optimizer_state_inside_a_step_names_the_engines_fix(engine_cfg)
     _, _, engine = _pair(engine_cfg, ("host", "host", "nvme"), dtype="bf16")
     data = _data(3)
     with engine:
-        for x, y in data[:2]:
-            _engine_step(engine, x.bfloat16(), y.bfloat16())
+        _bf16_steps(engine, data[:2])
         kept = copy.deepcopy(engine.optimizer.state_dict())
         x, y = data[2]
         engine.backward(_loss(engine, x.bfloat16(), y.bfloat16()))
@@ -245,11 +249,9 @@ def test_loading_only_optimizer_state_in_bf16_moves_the_weights_the_forward_uses
     ref, _, engine = _pair(engine_cfg, ("host", "host", "host"), dtype="bf16")
     data = _data(5)
     with engine:
-        for x, y in data[:2]:
-            _engine_step(engine, x.bfloat16(), y.bfloat16())
+        _bf16_steps(engine, data[:2])
         kept = copy.deepcopy(engine.optimizer.state_dict())
-        for x, y in data[2:4]:
-            _engine_step(engine, x.bfloat16(), y.bfloat16())
+        _bf16_steps(engine, data[2:4])
         engine.optimizer.load_state_dict(kept)
         plain = copy.deepcopy(ref).to(torch.bfloat16)
         plain.load_state_dict(engine.state_dict())
@@ -268,7 +270,7 @@ def test_loading_optimizer_state_while_the_steps_update_waits_its_turn_is_refuse
                          group_size=10**6)  # one group: one early update
     (x0, y0), (x1, y1) = _data(2)
     with engine:
-        _engine_step(engine, x0.bfloat16(), y0.bfloat16())
+        _bf16_steps(engine, [(x0, y0)])
         kept = copy.deepcopy(engine.optimizer.state_dict())
         gate = threading.Event()
         engine._updater.submit(gate.wait, 60)  # the update thread busy until the gate opens
