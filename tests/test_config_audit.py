@@ -123,6 +123,10 @@ def test_param_group_errors_name_the_group():
         load_config({"optim": {"param_groups": groups}})
     with pytest.raises(ConfigError, match=r"^optim\.param_groups\[0\]: params is empty"):
         load_config({"optim": {"param_groups": [{"params": []}]}})
+    for key, value, why in [("eps", 0.0, "must be positive"),  # as optim.eps
+                            ("betas", [0.9, 1.0], r"must be two numbers in \[0, 1\)")]:
+        with pytest.raises(ConfigError, match=rf"^optim\.param_groups\[0\]\.{key}: .* {why}"):
+            load_config({"optim": {"param_groups": [{"params": ["a"], key: value}]}})
 
 
 def test_a_config_changed_after_initialize_does_not_change_the_engine(tmp_path):
