@@ -199,8 +199,10 @@ except offload.engine.CheckpointError as e:  # the commit record itself
 """
 
 
-@pytest.mark.parametrize("file", ["param/l1.weight/c/0/0", "exp_avg/l1.weight/zarr.json",
-                                  "ranks/0.json", "buffers.json", "checkpoint.json"])
+@pytest.mark.parametrize("file", [  # a chunk and the record; the others' reads are alike
+    "param/l1.weight/c/0/0", pytest.param("exp_avg/l1.weight/zarr.json", marks=pytest.mark.slow),
+    pytest.param("ranks/0.json", marks=pytest.mark.slow),
+    pytest.param("buffers.json", marks=pytest.mark.slow), "checkpoint.json"])
 def test_a_file_this_process_may_not_read_is_not_called_damage(copy, tmp_path, file):
     """A checkpoint file without read permission was a CheckpointCorruptError, "the
     checkpoint is damaged: resume from another", and `info` said "damaged": the
