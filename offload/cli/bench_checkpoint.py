@@ -163,9 +163,16 @@ def run_checkpoint_bench(path: str, params: int, dim: int = 4096, batch: int = 2
                        "step_seconds_during": during_s},
         "peak_rss": vm_hwm(),
         "targets": {"rate": TARGET_RATE, "stall_share": TARGET_STALL},
-        "pass": (save["ratio"] >= TARGET_RATE and load["ratio"] >= TARGET_RATE
-                 and saving.stalled / saving.seconds <= TARGET_STALL),
+        "pass": passes(save, load, saving.stalled / saving.seconds),
     }
+
+
+def passes(save: dict, load: dict, stall_share: float) -> bool:
+    """The verdict: save and load each at least TARGET_RATE x the reference run before
+    it (`_pairs`' ratio), and training stalled at most TARGET_STALL of the background
+    save."""
+    return (save["ratio"] >= TARGET_RATE and load["ratio"] >= TARGET_RATE
+            and stall_share <= TARGET_STALL)
 
 
 def _pairs(pairs: list[tuple[float, float]], size: int) -> dict:

@@ -177,3 +177,20 @@ def test_oversized_forced_bytes_write_the_parameters_the_budgets_cannot_keep(tmp
         state = sum(state_bytes(g.shard, 3, "fp32") for g in engine.groups)
     assert written == state + sum(sizes) - 2 * sizes[0]
     assert read >= state + sum(sizes) - 2 * sizes[0]
+
+
+def test_io_ratios_are_against_the_fastest_reference_each_way():
+    from offload.cli.bench_io import best_reference
+    refs = [{"tool": "dd bs=1M", "write_GBps": 1.0, "read_GBps": 3.0},
+            {"tool": "fio", "write_GBps": 2.0, "read_GBps": 1.5}]
+    assert best_reference(refs) == {"tool": "best of dd bs=1M, fio", "write_GBps": 2.0,
+                                    "read_GBps": 3.0}
+
+
+def test_checkpoint_bench_passes_only_with_both_rates_and_the_stall_within_targets():
+    from offload.cli.bench_checkpoint import TARGET_RATE, TARGET_STALL, passes
+    good = {"ratio": TARGET_RATE}
+    slow = {"ratio": TARGET_RATE * 0.9}
+    assert passes(good, good, TARGET_STALL)
+    assert not passes(good, slow, 0.0) and not passes(slow, good, 0.0)
+    assert not passes(good, good, TARGET_STALL * 1.1)
