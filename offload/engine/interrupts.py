@@ -206,8 +206,11 @@ class SafeInterrupts:
             self._pending.append(signum)
         elif signum == signal.SIGINT:  # a second Ctrl-C: now, wherever it lands
             self._pending.remove(signum)
-            if in_offload(frame):
-                self._on_forced(f"{frame.f_code.co_filename}:{frame.f_lineno}")
+            if in_offload(frame) or self._everywhere:  # the scheduler's step is state too:
+                # cut short in the program's lr lambda, it is left half stepped
+                where = f"{frame.f_code.co_filename}:{frame.f_lineno}"
+                self._on_forced(where if in_offload(frame) else f"the LR scheduler's step, "
+                                f"in the program's code at {where}")
             _deliver(signum, handler, frame)
         # another signal noted again: as the kernel merges a pending signal's repeats
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
+from torch.optim.lr_scheduler import LambdaLR
 
 import offload
 from offload.engine.interrupts import SafeInterrupts
@@ -236,6 +237,33 @@ def test_a_second_ctrl_c_is_obeyed_and_the_engine_says_it_cannot_be_trusted(engi
                                                    r"inside its own code \(.*store\.py"):
                 call()
         assert not (tmp_path / "ckpt").exists()
+    finally:
+        engine.close()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_second_ctrl_c_in_the_lr_lambda_leaves_the_engine_untrusted(engine_cfg, tmp_path):
+    """The scheduler's step runs the program's lr lambda as engine state: a second
+    Ctrl-C there cuts the schedule short half stepped, so, as in the engine's own code,
+    every later call says the engine cannot be trusted (it used to go on, its schedule
+    a step behind its optimizer)."""
+    cfg = engine_cfg(*PLACEMENTS[0], group_size=4200)
+    cfg["io"]["paths"] = [str(tmp_path / "swap")]
+
+    def lam(k):
+        if k == 2:
+            signal.raise_signal(signal.SIGINT)
+            signal.raise_signal(signal.SIGINT)
+        return 1.0
+    engine = offload.initialize(_model(), cfg, lr_scheduler=lambda opt: LambdaLR(opt, lam))
+    x = torch.randn(8, 64)
+    try:
+        _step(engine, x)
+        with pytest.raises(KeyboardInterrupt):
+            _step(engine, x)
+        with pytest.raises(RuntimeError, match=r"a second Ctrl-C interrupted this engine "
+                                               r"inside its own code \(the LR scheduler's step"):
+            engine(x)
     finally:
         engine.close()
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
