@@ -40,6 +40,7 @@ def test_info(saved, offload_cli):
     assert info["bytes"] == {"param": 2 * n, "master": 4 * n, "exp_avg": 4 * n,
                              "exp_avg_sq": 4 * n}
     assert info["integrity"] == "ok" and info["extra"] == {"epoch": 1}
+    assert info["bytes_on_disk"] == sum(f.stat().st_size for f in ck.rglob("*") if f.is_file())
     rc, out, _ = offload_cli(["checkpoint", "info", str(ck)])
     assert rc == 0 and "step 2" in out and "integrity: ok" in out
 
@@ -53,6 +54,10 @@ def test_info_reports_damage(saved, offload_cli):
     rc, out, _ = offload_cli(["checkpoint", "info", str(ck)])
     assert rc == 1
     assert "integrity: damaged" in out and "exp_avg/l2.weight, chunk (0, 0)" in out
+    # unverified, it is not called intact: "not checked", not "ok"
+    rc, out, _ = offload_cli(["checkpoint", "info", str(ck), "--no-verify", "--json"])
+    info = json.loads(out)
+    assert rc == 0 and info["integrity"] == "not checked" and info["problems"] == []
 
 
 def test_info_json_reports_a_damaged_record_on_stdout(saved, offload_cli):

@@ -137,3 +137,14 @@ def test_help_lists_the_knobs():
     for flag in ("--size", "--steps", "--device-budget", "--host-budget", "--params",
                  "--grads", "--optimizer", "--swap-dir", "--dtype", "--nproc", "--json"):
         assert flag in out.stdout
+
+
+def test_a_users_file_where_another_ranks_trace_would_go_is_not_replaced(tmp_path):
+    """With two ranks the demo writes run.trace.json and run.rank1.trace.json: a file of
+    the user's under the second name is refused before the run, as under the first."""
+    from offload.cli.args import UsageError
+    from offload.cli.view_demo import check_outputs
+    (tmp_path / "run.rank1.trace.json").write_text("my notes")
+    check_outputs(tmp_path / "run.trace.json", world=1)  # one rank writes no such file
+    with pytest.raises(UsageError, match=r"run\.rank1\.trace\.json"):
+        check_outputs(tmp_path / "run.trace.json", world=2)

@@ -143,6 +143,8 @@ def test_model_holds_lanes_summary_occupancy_and_outcomes(trace_file: Path) -> N
     assert st["nvme_read"] == 2 * MiB and st["nvme_write"] == 2 * MiB
     assert st["read_busy_us"] == pytest.approx(400)      # 200..600, two requests overlapping
     assert st["read_GBps_busy"] == pytest.approx(2 * MiB / 400 / 1e3)
+    assert st["read_GBps_step"] == pytest.approx(2 * MiB / 10000 / 1e3)  # over the step
+    assert st["write_GBps_step"] == pytest.approx(2 * MiB / 10000 / 1e3)
     assert st["moves"] == {"HOST->DEVICE": MiB, "NVME->HOST": MiB}
     assert summary["disk"] == {"read_Bps": 2e9, "write_Bps": 1e9}
     assert summary["reference_step_s"] == 0.004
@@ -218,6 +220,9 @@ def test_a_prediction_is_drawn_beside_its_rank(trace_file: Path, tmp_path: Path)
     assert model["plan"]["present"]
     (cmp,) = model["plan"]["compare"]
     assert cmp["measured_us"] == pytest.approx(10000) and cmp["predicted_us"] == pytest.approx(8000)
+    measured = build_model(load_traces([trace_file]))["summary"][0]["steps"][0]
+    assert cmp["measured_exposed_io_us"] == pytest.approx(measured["exposed_io_us"])
+    assert cmp["predicted_exposed_io_us"] == pytest.approx(200)  # the predicted wait's
     series = next(o for o in model["occupancy"] if o["tier"] == "DEVICE")["series"]
     assert [s["predicted"] for s in series] == [False, True]
     plan = {(lane["section"], lane["label"]): lane["count"] for lane in model["groups"][1]["lanes"]
