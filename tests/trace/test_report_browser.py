@@ -177,6 +177,21 @@ def test_lanes_hold_the_events_of_the_trace(page, demo) -> None:
     assert inked > 0.02
 
 
+def _time_text(us: float) -> str:
+    """The report's own formatting of a time (report.js's fmtTime; toFixed rounds an
+    exact tie up, where Python's format rounds it to even)."""
+    from decimal import ROUND_HALF_UP, Decimal
+
+    def fixed(x: float, places: int) -> str:
+        return str(Decimal(x).quantize(Decimal(1).scaleb(-places), ROUND_HALF_UP))
+    a = abs(us)
+    if a >= 1e6:
+        return f"{fixed(us / 1e6, 1 if a >= 1e7 else 2)} s"
+    if a >= 1e3:
+        return f"{fixed(us / 1e3, 0 if a >= 1e5 else 1 if a >= 1e4 else 2)} ms"
+    return f"{fixed(us, 0 if a >= 100 else 1)} µs"
+
+
 def test_summary_figures_are_those_of_the_trace(page, demo) -> None:
     facts = TraceFacts(demo[0])
     fig = {f: v for f, v in dom(page, """return Array.from(document.querySelectorAll(
@@ -191,6 +206,11 @@ def test_summary_figures_are_those_of_the_trace(page, demo) -> None:
         facts.step["dur"] / (facts.info["reference_step_s"] * 1e6), rel=1e-6)
     assert fig["exposed_comm_us"] == 0  # one rank: no collective ran
     assert fig["exposed_io_us"] == pytest.approx(facts.exposed_io_us(), abs=2.0)
+    shown = {f: t for f, t in dom(page, """return Array.from(document.querySelectorAll(
+        '.fig[data-group="r0"]')).map(function (e) { return [e.dataset.field,
+        e.querySelector('.v').textContent]; });""")}
+    for field in ("step_us", "exposed_io_us", "exposed_comm_us"):  # what the reader sees
+        assert shown[field] == _time_text(fig[field]), (field, shown[field], fig[field])
     reads = facts.transfers("read", "io")
     read_bytes = sum(b["args"]["bytes"] for b, _ in reads)
     covered, last = 0.0, float("-inf")
