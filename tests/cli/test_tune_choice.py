@@ -132,3 +132,16 @@ def test_calibration_measures_one_class_per_placement_and_each_optimizer_tier():
     assert {s.candidate.group_size for s in more} | {picks[0].candidate.group_size} == \
         {n, 2 * n, 4 * n}
     assert calibration_picks(ranked, 0) == []
+
+
+def test_without_final_rounds_the_fastest_measured_run_is_written():
+    """`--finalists 0`, or final rounds that did not run: the configuration written is
+    the fastest of the real runs, not merely one of them."""
+    from offload.cli.tune import choose
+    res = {"results": [{"config": {"id": "A"}, "placement": "p", "group_size": 1},
+                       {"config": {"id": "B"}, "placement": "q", "group_size": 1}],
+           "calibration_runs": [
+               {"measured_step_s": 2.0, "config": {"id": "B"}, "class": "q@1"},
+               {"measured_step_s": 0.5, "config": {"id": "A"}, "class": "p@1"}],
+           "final": None}
+    assert choose(res) == (1, {"id": "A"})

@@ -335,3 +335,31 @@ def test_fp32_parameters_on_a_gpu_keep_a_master_in_the_plan_and_the_estimate():
     on_cpu = score(SHAPE, c, budgets, _machine())
     on_gpu = score(SHAPE, c, budgets, Machine(_machine().disk, adam_eps=1e9, copy_Bps=1e10))
     assert on_gpu.bytes_read == pytest.approx(1.5 * on_cpu.bytes_read, rel=0.01)
+
+
+def test_no_candidate_needs_more_disk_than_is_free_nor_half_the_host_for_buffers():
+    """With memory that fits NVMe placements, those whose swap files would not fit the
+    disk's free space are left out, and no NVMe candidate's I/O buffers take more than
+    half the host budget (what `shortfall` assumes)."""
+    free = _machine(free=8 * MiB)
+    for budgets, machine in ((Budgets(host=108 * MiB, device=16 * MiB), free),
+                             (Budgets(host=300 * MiB, device=16 * MiB), _machine())):
+        got = search([SHAPE], Space(), budgets, machine, DEFAULTS)
+        assert got and all(s.peak["nvme"] <= machine.disk_free for s in got)
+        assert all(s.candidate.buffer_budget <= budgets.host // 2 for s in got
+                   if "nvme" in s.candidate.placement.name)
+
+
+def test_calibration_keeps_each_classes_own_measured_ratio():
+    """Two group sizes of one placement, each measured: each keeps its own ratio (the
+    placement's median is for classes nobody measured)."""
+    import dataclasses
+    shapes = [SHAPE, dataclasses.replace(SHAPE, group_size=SHAPE.group_size * 2)]
+    ranked = search(shapes, Space(), Budgets(4096 * MiB, 4096 * MiB), _machine(), DEFAULTS)
+    name = ranked[0].candidate.placement.name
+    keys = sorted({calibration_key(s.candidate) for s in ranked
+                   if s.candidate.placement.name == name})
+    factors = {keys[0]: 1.0, keys[1]: 5.0}
+    got = calibrate(ranked, factors)
+    for k, f in factors.items():
+        assert {s.calibration for s in got if calibration_key(s.candidate) == k} == {f}
