@@ -330,6 +330,9 @@ def test_large_buffers_ask_for_huge_pages_without_counting_the_alignment():
         assert "hg" in _vma(big.address)["VmFlags"].split()
         assert pool.stats().held_bytes == 6 << 20
         big.release()
+        exact = pool.alloc(2 << 20)  # the boundary itself is large
+        assert "hg" in _vma(exact.address)["VmFlags"].split()
+        exact.release()
         small = pool.alloc(64 * KIB)
         assert "hg" not in _vma(small.address)["VmFlags"].split()
         small.release()
@@ -374,3 +377,32 @@ def test_a_transfer_size_that_is_a_bool_is_refused(pool, tmp_path):
                 sw.alloc(True)
     finally:
         engine.close()
+
+
+def test_two_threads_mapping_at_once_stay_within_the_budget(monkeypatch):
+    """A block is mapped outside the pool's lock: two threads allocating at the same
+    moment must count each other's mapping in flight, or the pool holds twice its
+    budget. One of the two gets the budget's bytes, the other is refused."""
+    from offload.io import buffers
+    init = buffers._Block.__init__
+
+    def slow(self, *args, **kwargs):  # a mapping that takes a while, as a large one does
+        time.sleep(0.3)
+        init(self, *args, **kwargs)
+    monkeypatch.setattr(buffers._Block, "__init__", slow)
+    pool = BufferPool(64 << 10, pin=False)
+    held, refused = [], []
+
+    def alloc():
+        try:
+            held.append(pool.alloc(64 << 10, timeout=0.0))
+        except PoolExhaustedError:
+            refused.append(True)
+    threads = [threading.Thread(target=alloc) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert (len(held), len(refused)) == (1, 1)
+    assert sum(b.footprint for b in pool._blocks.values()) <= pool.budget
+    pool.close(force=True)
