@@ -20,6 +20,7 @@ from offload.trace import TraceRecorder
 
 OFFLOAD = [sys.executable, "-m", "offload.cli.main"]
 MODELS = textwrap.dedent("""
+    import torch
     from torch import nn
 
     def mlp():
@@ -30,6 +31,18 @@ MODELS = textwrap.dedent("""
 
     def lazy():
         return nn.Sequential(nn.Linear(8, 8), nn.LazyLinear(2))
+
+    class Block(nn.Module):  # a parameter of its own beside a child unit
+        def __init__(self):
+            super().__init__()
+            self.scale = nn.Parameter(torch.ones(256))
+            self.lin = nn.Linear(256, 256)
+
+        def forward(self, x):
+            return self.lin(x) * self.scale
+
+    def nest():
+        return nn.Sequential(Block(), Block())
     """)
 TIERS = {"device": "DEVICE", "host": "HOST", "nvme": "NVME"}
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -194,3 +207,14 @@ def test_optimizer_figures_count_compressed_moments(models, state_dtype):
     master = est["bytes_per_rank"]["master"]
     moments = {"fp32": 2 * master, "bf16": master, "int8": master // 2}[state_dtype]
     assert abs(est["bytes_per_rank"]["exp_avg"] * 2 - moments) <= 0.05 * moments
+
+
+def test_measured_compute_and_activations_count_each_unit_once_in_the_compute_dtype(models):
+    """Units nested in a unit with parameters of its own: the matrix products are counted
+    once (the parent unit's own share is what its children do not count); saved
+    activations are in the compute dtype (bf16's fewer bytes than fp32's)."""
+    nest = measure_model(ModelSpec("function", "tinymodels:nest", 4, None, "fp32"), 256 * 257)
+    assert sum(nest.unit_flops) == 2 * (2 * 4 * 256 * 256)  # two Linear(256, 256), batch 4
+    acts = {dt: measure_model(ModelSpec("function", "tinymodels:mlp", 8, None, dt),
+                              256 * 257).activations for dt in ("fp32", "bf16")}
+    assert acts["fp32"] - acts["bf16"] == 6 * 8 * 256 * 2  # each Linear's saved input
