@@ -145,3 +145,23 @@ def test_without_final_rounds_the_fastest_measured_run_is_written():
                {"measured_step_s": 0.5, "config": {"id": "A"}, "class": "p@1"}],
            "final": None}
     assert choose(res) == (1, {"id": "A"})
+
+
+def test_measured_bytes_per_step_leave_the_warm_up_out(tmp_path, monkeypatch):
+    """`--verify` and `bench tune` report a configuration's NVMe bytes per step: those
+    of the timed steps (the first step's reads of what initialize placed are not one
+    of them), so one or two warm-up steps give the same figure."""
+    (tmp_path / "tinym.py").write_text(
+        "import torch\n\ndef build():\n    return torch.nn.Sequential(torch.nn.Linear(256, 256),"
+        " torch.nn.ReLU(), torch.nn.Linear(256, 256))\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    spec = ModelSpec("function", "tinym:build", 4, None, "fp32")
+    got = []
+    for warmup in (1, 2):
+        cfg = {"engine": {"params": "nvme", "grads": "nvme", "optimizer": "nvme",
+                          "group_size": 8192},
+               "io": {"paths": [str(tmp_path / f"swap{warmup}")]},
+               "store": {"host_budget": 1 << 22, "device_budget": 1 << 21}}
+        m = tune_verify.measure_config(spec, cfg, steps=2, warmup=warmup)
+        got.append((m["read_bytes_per_step"], m["write_bytes_per_step"]))
+    assert got[0] == got[1] and got[0][0] > 0, got
