@@ -125,3 +125,27 @@ def test_odd_traces_render_with_no_error(browser, tmp_path: Path, kind: str) -> 
         assert groups == {"no events": 0, "negative durations": 1, "many ranks": 48}[kind]
     finally:
         page.close()
+
+
+def test_the_plan_table_shows_measured_over_predicted(browser, tmp_path: Path) -> None:
+    """A measured step of 10 ms beside its prediction of 8 ms: the plan table reads
+    1.25x (slower than planned), and the predicted exposed I/O is the prediction's own
+    wait (200 us), not the measured one."""
+    from .test_report import MiB, US, _recorder, record_step
+    rec = _recorder(disk={"read_Bps": 2e9, "write_Bps": 1e9})
+    record_step(rec)
+    measured = write_chrome_trace(tmp_path / "run.trace.json", rec, metadata={"step": 3})
+    pred = TraceRecorder(enabled=True, rank=0)
+    pred.complete("step", 0, 8_000 * US, cat="compute", track="compute", args={"step": 3})
+    pred.complete("wait:gather", 100 * US, 300 * US, cat="wait", track="compute",
+                  args={"key": "('p', 0)"})
+    pred.counter("tier:DEVICE", {"param": MiB // 2}, track="tier:DEVICE", ts_ns=50 * US)
+    predicted = write_chrome_trace(tmp_path / "plan.json", pred, metadata={"kind": "predicted"})
+    page = _open(browser, write_report([measured, predicted], tmp_path / "r.html"))
+    try:
+        rows = page.evaluate("Array.from(document.querySelectorAll('#plan tr')).map("
+                             "function (r) { return r.innerText; })")
+        (row,) = [r for r in rows if "×" in r]
+        assert "1.25×" in row and "200 µs" in row, rows
+    finally:
+        page.close()
