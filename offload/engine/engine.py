@@ -115,9 +115,7 @@ class OffloadEngine(ModelWeights, ModuleHooks, GradPartitions, GroupUpdates, Gat
         self.trace = AccessTrace(static_order(units))  # step 1 follows the modules' order
         self.micro_step = 0   # backward calls, all steps
         self.global_step = 0  # optimizer steps taken
-        # one training's name, kept by its checkpoints and taken back by a resume: what
-        # engine.keep_checkpoints prunes ([Note: a training's checkpoints] in
-        # checkpoint_publish.py)
+        # [Note: a training's checkpoints] in checkpoint_publish.py: kept over resumes
         self.run_id = uuid.uuid4().hex
         # [Note: a graph of older weights] A forward's graph is for the weights it
         # gathered: a backward through it after they changed (a step, a load) would
@@ -286,8 +284,7 @@ class OffloadEngine(ModelWeights, ModuleHooks, GradPartitions, GroupUpdates, Gat
         raise RuntimeError(alone) from e
 
     def _early_updates_queued(self) -> bool:
-        """Whether the open step has handed updates to the update thread ([Note: early
-        update] in updates.py), run or not yet."""
+        """Whether the open step handed updates to the update thread, run or not yet."""
         return bool(self._early)
 
     def _undo_forward(self, e: BaseException) -> str | None:

@@ -15,7 +15,6 @@ import operator
 from typing import Iterator, NamedTuple
 
 
-
 def positive_bytes(nbytes: object, what: str) -> int:
     """`nbytes` as an int, refused (ValueError naming `what`) unless it is a positive
     integer: a float or a bool passed further failed deep inside mmap or the engine,
@@ -27,6 +26,7 @@ def positive_bytes(nbytes: object, what: str) -> int:
     if n <= 0:
         raise ValueError(f"{what} must be a positive number of bytes, got {nbytes!r}")
     return n
+
 
 class Extent(NamedTuple):
     """A byte range ``[offset, offset + length)`` of the address space (bytes)."""

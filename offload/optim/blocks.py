@@ -40,8 +40,8 @@ plain fp32 update still goes to torch's fused kernel in one call under
 from __future__ import annotations
 
 import atexit
-import logging
 import itertools
+import logging
 import os
 import threading
 import weakref
@@ -207,7 +207,6 @@ class BlockUpdater:
         for t in pool:
             t.join()
         _OPEN.discard(self)
-
 
     # -- the update ----------------------------------------------------------------
     def update(self, runs: list[Run], base: int, master: torch.Tensor, grad: torch.Tensor,

@@ -19,10 +19,10 @@ from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import Any
 
-__all__ = ["Instant", "RankTrace", "Span", "Step", "TraceFormatError", "UseOutcome", "short_repr",
+__all__ = ["Instant", "RankTrace", "Span", "Step", "TraceFormatError", "UseOutcome",
            "StepIndex", "byte_count", "bytes_moved", "bytes_moved_per_step", "check_key_fields",
            "exposed_time", "exposed_times", "finite", "intersect_length", "parse_trace",
-           "prefetch_outcomes", "steps_of", "tier_occupancy", "union", "union_length"]
+           "prefetch_outcomes", "short_repr", "steps_of", "tier_occupancy", "union", "union_length"]
 
 COMPUTE_TRACK = "compute"
 MAIN_THREAD_TRACK = "thread:MainThread"
@@ -125,7 +125,7 @@ def finite(value: Any, limit: float = MAX_VALUE) -> float | None:
 def _number(ev: Mapping[str, Any], key: str, where: str) -> float:
     value = finite(ev.get(key), MAX_TIME_US)
     if value is None:
-        raise TraceFormatError(f"{where}: event {_short(ev)} has {key}={short_repr(ev.get(key), 40)}, "
+        raise TraceFormatError(f"{where}: event {_short(ev)} has {key}={short_repr(ev.get(key))}, "
                                f"expected a finite number of microseconds up to {MAX_TIME_US:.0e}")
     return value
 
@@ -137,7 +137,7 @@ def short_repr(value: Any, n: int = 40) -> str:
 
 
 def _short(ev: Mapping[str, Any]) -> str:
-    text = "{" + ", ".join(f"{k!r}: {short_repr(v, 40)}" for k, v in ev.items()) + "}"
+    text = "{" + ", ".join(f"{k!r}: {short_repr(v)}" for k, v in ev.items()) + "}"
     return text if len(text) < 120 else text[:117] + "..."
 
 
@@ -152,7 +152,7 @@ def check_key_fields(ev: Mapping[str, Any], where: str) -> None:
     for key in KEY_FIELDS:
         value = ev.get(key)
         if value is not None and not isinstance(value, (str, int, float)):
-            raise TraceFormatError(f"{where}: event {_short(ev)} has {key}={short_repr(value, 40)}, "
+            raise TraceFormatError(f"{where}: event {_short(ev)} has {key}={short_repr(value)}, "
                                    "expected a number or a string; offload reads the traces "
                                    "it writes (docs/trace.md)")
 
@@ -209,7 +209,7 @@ class _Reader:
         rt = self.ranks.get(pid)
         if rt is None:
             if isinstance(pid, bool) or not isinstance(pid, int) or not -2**63 <= pid < 2**63:
-                raise TraceFormatError(f"{self.source}: pid {short_repr(pid, 40)} is not an integer "
+                raise TraceFormatError(f"{self.source}: pid {short_repr(pid)} is not an integer "
                                        "rank; offload reads the traces it writes (one "
                                        "process per rank, docs/trace.md)")
             rt = self.ranks[pid] = RankTrace(
