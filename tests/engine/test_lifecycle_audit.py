@@ -454,7 +454,7 @@ def test_a_daemon_thread_training_at_exit_ends_quietly(tmp_path):
     first, the thread's next call ends the thread, and the swap files are removed."""
     import subprocess
     import sys
-    for kind in ("daemon", "daemon", "daemon", "joined"):
+    for kind in ("daemon", "daemon", "joined"):
         out = subprocess.run([sys.executable, "-c", _DAEMON, str(tmp_path / "swap"), kind],
                              capture_output=True, text=True, timeout=120)
         assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr

@@ -269,6 +269,8 @@ def test_a_parameter_replaced_after_initialize_is_named(engine_cfg):
                                                r"initialize .*full_weights\(writable=True\)"):
             with engine.full_weights():
                 pass
+        with pytest.raises(RuntimeError, match=r"parameter '1\.weight' was replaced after "):
+            engine.state_dict()  # not the new tensor, which training never sees
         model[1].weight = original
         with engine.full_weights() as w:
             assert set(w) == {"0.weight", "0.bias", "1.weight", "1.bias"}

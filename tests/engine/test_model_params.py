@@ -307,7 +307,15 @@ def test_calls_inside_a_read_only_full_weights_block(engine_cfg, tmp_path):
                     nested()
             assert engine.module.emb.weight is w["emb.weight"]  # the outer block's, still
             assert torch.equal(engine.module.frozen.weight, outside["frozen.weight"])
-        assert list(engine.state_dict()) == list(outside)
+            with torch.no_grad():  # a read-only block's edits are not written back
+                w["block.0.weight"].add_(1.0)
+        after = engine.state_dict()
+        assert list(after) == list(outside)
+        assert all(torch.equal(after[k], outside[k]) for k in outside)
+        # every parameter name, a tied one under each of its names, as state_dict
+        buffers = {n for n, _ in engine.module.named_buffers()}
+        assert streamed.keys() == outside.keys() - buffers
+        assert {"emb.weight", "head.weight"} <= streamed.keys()
     finally:
         engine.close()
 
@@ -335,6 +343,39 @@ def test_save_pretrained_inside_a_writable_block_writes_the_edits(engine_cfg, tm
                 engine.module.block[0].bias = nn.Parameter(torch.zeros(16, 2))
                 engine.save_pretrained(tmp_path / "reshaped")
         assert not (tmp_path / "reshaped").exists()
+    finally:
+        engine.close()
+
+
+def test_a_new_parameter_under_one_name_of_a_tied_weight_is_refused(engine_cfg):
+    """A writable block that assigns a new Parameter to one name of a tied weight (the
+    other still names the old one) cannot say which to write: refused naming both, and
+    neither name changes."""
+    engine, _ = _engine(engine_cfg, PLACEMENTS[1])
+    try:
+        before = engine.state_dict()
+        with pytest.raises(ValueError, match=r"'emb\.weight' is tied under \[.*'head\.weight'"
+                                             r"\].*nothing was written"):
+            with engine.full_weights(writable=True):
+                engine.module.head.weight = nn.Parameter(torch.ones(64, 32))
+        after = engine.state_dict()
+        assert all(torch.equal(after[k], before[k]) for k in before)
+    finally:
+        engine.close()
+
+
+def test_bf16_training_gives_the_fp32_masters(engine_cfg):
+    """state_dict and named_weights of bf16 training read each group's fp32 master,
+    not its bf16 partition: after steps the weights are off bf16's grid."""
+    engine, _ = _engine(engine_cfg, PLACEMENTS[0], "bf16")
+    try:
+        for x, y in _batches(2):
+            engine.backward(_loss(engine(x), y))
+            engine.step()
+        streamed = dict(engine.named_weights())
+        for w in (engine.state_dict()["block.0.weight"], streamed["emb.weight"]):
+            assert w.dtype == torch.float32
+            assert (w != w.bfloat16().float()).any()
     finally:
         engine.close()
 

@@ -150,6 +150,22 @@ class Checkpointed(nn.Module):
         return self.out(h)
 
 
+class CheckpointedWeights(nn.Module):
+    """The root's own weights are read only inside a reentrant checkpoint, after a child
+    unit: their group's gradient comes only from the nested pass, and is reduced at the
+    end of backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pre = nn.Linear(8, 8)
+        self.a = nn.Parameter(torch.randn(8, 8) / 3)
+        self.b = nn.Parameter(torch.randn(8, 1) / 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return checkpoint(lambda t: torch.tanh(t @ self.a) @ self.b, self.pre(x),
+                          use_reentrant=True)
+
+
 class Lookup(nn.Module):
     def __init__(self, bag: bool, **kw) -> None:
         super().__init__()
@@ -238,6 +254,7 @@ CASES = [
       for where in ("blocks", "mid") for r in (True, False)],
     ("checkpoint_blocks_reentrant_units", lambda: Checkpointed("blocks", True), _floats(4, 8),
      120, None),  # each block a unit, recomputed with its hooks
+    ("checkpoint_of_the_roots_weights", CheckpointedWeights, _floats(4, 8), 80, None),
     ("embedding_padding_idx", lambda: Lookup(False, padding_idx=0), _ids(4, 5), 200, None),
     ("embedding_scale_grad_by_freq", lambda: Lookup(False, scale_grad_by_freq=True), _ids(4, 5),
      200, None),

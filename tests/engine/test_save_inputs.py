@@ -171,6 +171,43 @@ def test_the_safetensors_writer_refuses_a_name_given_twice(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def _two_shards(out, copies=None):
+    from offload.engine.safetensors_writer import TensorSpec, write_shards
+    specs = [TensorSpec(n, (256,), torch.float32) for n in ("a", "b")]
+    tensors = [(n, torch.full((256,), float(i))) for i, n in enumerate("ab")]
+    return write_shards(out, specs, tensors, 1024, copies=copies)
+
+
+def test_a_rename_that_fails_at_the_commit_leaves_no_final_file(tmp_path):
+    """The shards and the index are made final before the copies: a copy whose final
+    name cannot be taken (a directory stands there) fails the commit after them, and
+    the shards already renamed go too, or they would look like a whole export."""
+    src = tmp_path / "config.json"
+    src.write_text("{}")
+    out = tmp_path / "out"
+    (out / "config.json").mkdir(parents=True)
+    (out / "config.json" / "keep").write_text("x")
+    with pytest.raises(OSError, match=r"config\.json"):
+        _two_shards(out, {"config.json": src})
+    assert sorted(p.name for p in out.iterdir()) == ["config.json"]
+
+
+def test_an_export_into_a_directory_with_shards_is_refused_and_leaves_them(tmp_path):
+    """A second export (here of one shard) beside another's shards and index would leave
+    a mix that loads stale weights: refused, the first export's files as they were."""
+    from offload.engine.safetensors_writer import TensorSpec, write_shards
+    out = tmp_path / "out"
+    first = sorted(p.name for p in _two_shards(out))
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert first == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
+                     "model.safetensors.index.json"]
+    with pytest.raises(FileExistsError, match="already holds safetensors files"):
+        write_shards(out, [TensorSpec("a", (4,), torch.float32)], [("a", torch.ones(4))],
+                     1 << 20)
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()
+            and not p.name.startswith(".")} == before
+
+
 def test_save_checkpoint_refuses_a_link_to_nothing_before_writing(engine, tmp_path):
     """A name that is a symbolic link to a missing target exists (the publish's rename
     onto it would fail after every tensor was written): refused at the call."""
