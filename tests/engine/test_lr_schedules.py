@@ -122,6 +122,24 @@ def test_lr_written_between_backward_and_step_matches_torch(engine_cfg, place, f
         torch.testing.assert_close(got[k], v, atol=2e-6, rtol=0, msg=lambda m: f"{k}: {m}")
 
 
+def test_lr_set_after_a_dropped_step_is_the_next_steps_own(engine_cfg, caplog):
+    """engine.zero_grad() after a backward drops that step; an lr written before the next
+    forward is that step's value from its start, not a change since the dropped one's
+    backward: the step goes on, its updates still run during backward."""
+    torch.manual_seed(0)
+    batches = lm_batches(3)
+    with offload.initialize(TiedTwice(), engine_cfg("nvme", "nvme", "nvme")) as engine:
+        x, y = batches[0]
+        engine.backward(lm_loss(engine(x), y))
+        engine.zero_grad()
+        for g in engine.optimizer.param_groups:
+            g["lr"] = 5e-3
+        for x, y in batches[1:]:
+            engine.backward(lm_loss(engine(x), y))
+            engine.step()
+    assert not [r for r in caplog.records if "updates wait for step()" in r.getMessage()]
+
+
 def test_lr_changed_late_after_early_updates_fails_the_step_whole(engine_cfg):
     """A loop that writes between backward and step only from step 4 on: step 4's
     updates already ran during backward with the old rate. That step fails whole

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from offload.engine.warm import WarmMemory
+from offload.engine.warm import Borrowing, WarmMemory
 
 SWAP = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
 
@@ -57,6 +57,39 @@ def test_the_limit_counts_gathered_and_kept_storage_together():
         warm.drain(t.untyped_storage())
         kept.append(sum(b.nbytes() for b in warm._free))
     assert kept == [0, 1 << 20, 2 << 20]  # 2 MiB gathered: none kept; then room for more
+
+
+@pytest.mark.skipif(not SWAP, reason=f"torch {torch.__version__} has no "
+                    "UntypedStorage._swap_data_ptr_: gathers allocate afresh")
+def test_storage_handed_to_a_kept_tensor_stops_counting():
+    """A gathered buffer disowned to a tensor the model kept is no longer the warm
+    memory's: a later gather of the whole limit is kept when freed."""
+    warm = WarmMemory(torch.device("cpu"), limit=1 << 20, largest=1 << 20)
+    kept, flat = torch.empty(1 << 18), torch.empty(1 << 18)
+    for t in (kept, flat):
+        t.untyped_storage().resize_(0)
+    warm.fill(kept.untyped_storage(), 1 << 20)
+    warm.disown(1 << 20)
+    warm.fill(flat.untyped_storage(), 1 << 20)
+    warm.drain(flat.untyped_storage())
+    assert sum(b.nbytes() for b in warm._free) == 1 << 20
+
+
+@pytest.mark.skipif(not SWAP, reason=f"torch {torch.__version__} has no "
+                    "UntypedStorage._swap_data_ptr_: no borrowing")
+def test_borrowing_counts_what_is_borrowed_and_at_most_three_units():
+    """[Note: gathered weights borrow the record]: pinned records that leave no room for
+    prefetches and evictions are bounded by the spare budget, and by three units."""
+    cpu = torch.device("cpu")
+    assert Borrowing(cpu, True, spare=10 * 100, unit=100).room == 300
+    b = Borrowing(cpu, True, spare=250, unit=100)
+    assert b.room == 200
+    assert b.take(100) and b.take(100) and not b.take(100)
+    assert b.held == 200
+    b.give(100)
+    assert b.take(50)
+    assert Borrowing(cpu, False, spare=1000, unit=100).room == 0  # several ranks: none
+    assert Borrowing(cpu, True, spare=99, unit=100).room == 0
 
 
 def test_cuda_device_resizes_instead():

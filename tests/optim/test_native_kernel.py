@@ -201,6 +201,26 @@ def test_cpu_adam_native_equals_cpu_adam_on_torch_kernels(state_dtype, name):
     torch.testing.assert_close(outs[0].float(), outs[1].float())
 
 
+@pytest.mark.parametrize("kernel", ["native", "fused", "foreach"])
+def test_a_segment_without_a_gradient_gets_its_copy_in_a_fresh_buffer(kernel):
+    """params_out is filled for every segment, the ones left as they are (no gradient)
+    included: a buffer fresh from the allocator holds whatever was there."""
+    if kernel == "native" and not BUILT:
+        pytest.skip(WHY)
+    n = 20 * 1024
+    master = torch.linspace(-1, 1, n)
+    opt = CpuAdam(OptimConfig(lr=1e-2, kernel=kernel, block_elems=4096))
+    opt.kernel = blocks.BlockUpdater(kernel, 4096, threads=1)
+    opt.add_partition("x", master.clone(), segments=[(0, 5000, 0), (5000, 3000, 0),
+                                                     (8000, n - 8000, 0)])
+    out = torch.full((n,), float("nan"), dtype=torch.bfloat16)
+    opt.update(grads_for({"x": n}, seed=0), params_out={"x": out}, loss_scale=64.0,
+               active={"x": [True, False, True]})
+    opt.commit()
+    assert torch.equal(out[5000:8000], master[5000:8000].bfloat16())
+    assert not out.isnan().any()
+
+
 @needs_native
 def test_native_kernel_matches_torch_adamw():
     """The kernel's own numerics, no codec in between: torch.optim.AdamW, 5 steps,

@@ -471,3 +471,20 @@ def test_a_resumed_run_rounds_as_one_that_never_stopped(state_dtype):
         assert torch.equal(a[k], b[k]), k
     whole.close()
     resumed.close()
+
+
+@pytest.mark.parametrize("kernel", ["foreach", "native"])
+def test_a_block_size_off_the_int8_scale_blocks_rounds_down(kernel):
+    """optim.block_elems takes any size from 1024; int8 moments keep one scale per 256
+    elements, so a call's block is rounded down to a multiple of 256: 1100 updates as
+    1024 does (a block of 1100 split scale blocks between calls and failed every step)."""
+    n = 4 * 1024 + 300
+    states = []
+    for block in (1024, 1100):
+        opt = CpuAdam(_cfg("int8", block_elems=block, kernel=kernel))
+        opt.add_partition("x", torch.linspace(-1, 1, n))
+        for step in range(3):
+            opt.update(grads_for({"x": n}, seed=step))
+            opt.commit()
+        states.append(opt.partition_state("x"))
+    assert all(torch.equal(states[0][k], states[1][k]) for k in states[0])
