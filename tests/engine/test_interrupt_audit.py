@@ -275,6 +275,41 @@ def test_ctrl_c_while_close_waits_for_a_background_save(engine_cfg, tmp_path, mo
     assert (tmp_path / "ckpt").is_dir()
 
 
+def test_a_ctrl_c_inside_the_stores_close_is_finished_by_the_next_close(engine_cfg, tmp_path,
+                                                                       monkeypatch):
+    """A release cut short inside the store's close (a Ctrl-C there, or moves that did
+    not end in time) is not counted as done: the next close() releases the threads and
+    swap files. The optimizer lets go of its state at the first, and a closed engine
+    collected later warns of nothing."""
+    import gc
+    import warnings
+
+    swap = tmp_path / "swap"
+    engine = offload.initialize(_model(), _cfg(engine_cfg, "nvme", swap))
+    assert _step(engine, _batches(1)[0])
+    opt, store = engine.optimizer, engine._owned.store
+    close, calls = store.close, []
+
+    def cut_short():
+        calls.append(1)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        close()
+    monkeypatch.setattr(store, "close", cut_short)
+    with pytest.raises(KeyboardInterrupt):
+        engine.close()
+    assert opt._parts == {}  # the masters and moments are not kept by a closed engine
+    engine.close()
+    assert len(calls) == 2
+    _assert_released(engine, swap)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        del engine, opt, store, close
+        monkeypatch.undo()
+        gc.collect()
+    assert not [w for w in seen if issubclass(w.category, ResourceWarning)], seen
+
+
 def test_ctrl_c_during_initialize_is_not_lost(engine_cfg, tmp_path):
     """Ctrl-C while initialize writes the parameters to NVMe stops initialize with a
     KeyboardInterrupt, leaving no engine, thread or swap file behind. (It landed in a

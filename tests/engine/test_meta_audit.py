@@ -236,6 +236,33 @@ def test_cpu_buffers_of_a_module_with_meta_parameters_are_kept(engine_cfg):
         e.close()
 
 
+class _SharedScale(nn.Module):
+    """One buffer registered by two modules, left on meta, filled by `_init_weights`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+        shared = torch.ones(4)
+        self.a.register_buffer("scale", shared)
+        self.b.register_buffer("scale", shared)
+
+    def _init_weights(self, m: nn.Module) -> None:
+        if isinstance(m, nn.Linear):
+            m.scale.fill_(2.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x) * self.a.scale) * self.b.scale
+
+
+def test_a_meta_buffer_two_modules_share_stays_one_tensor(engine_cfg):
+    """Made on the CPU once: an edit or a load under one name reaches the other."""
+    with torch.device("meta"):
+        model = _SharedScale()
+    with offload.initialize(model, engine_cfg()) as engine:
+        assert engine.module.a.scale is engine.module.b.scale
+        assert torch.equal(engine.module.a.scale, torch.full((4,), 2.0))
+
+
 class _ZeroInitOut(nn.Module):
     """A parent whose reset_parameters overrides its child's init (zero-initialised output
     projection, as in many residual blocks), run at the end of __init__."""

@@ -81,6 +81,47 @@ def test_a_garbage_checkpoint_file_is_named(tmp_path, in_directory):
     assert not swap.exists()
 
 
+def test_a_checkpoint_buffer_of_another_shape_is_named(tmp_path):
+    """A persistent buffer in `checkpoint=` of another shape than the model's (another
+    model's checkpoint) was copied by broadcasting: refused, naming the buffer."""
+    from safetensors.torch import save_file
+
+    model = _model()
+    model.register_buffer("stats", torch.zeros(3, 4))
+    saved = {**{k: v.clone() for k, v in model.state_dict().items()},
+             "stats": torch.arange(4.0).reshape(1, 4)}
+    (tmp_path / "ck").mkdir()
+    save_file(saved, str(tmp_path / "ck" / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"buffer stats has shape \(1, 4\), the model's is "
+                                         r"\(3, 4\)"):
+        offload.initialize(model, {"io": {"paths": [str(tmp_path / "swap")]}},
+                           checkpoint=tmp_path / "ck")
+
+
+def test_a_bf16_model_gives_and_exports_bf16_weights(tmp_path):
+    """A model built in bf16 (from_pretrained's torch_dtype) trains from fp32 masters;
+    state_dict, named_weights and full_weights give its weights in bf16 as torch's
+    state_dict does, and save_pretrained writes them so, each shard's data 8-byte
+    aligned for readers that map it in place."""
+    import struct
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2)).to(torch.bfloat16)
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    cfg = {"engine": {"params": "host", "dtype": "bf16"},
+           "io": {"paths": [str(tmp_path / "swap")]}}
+    with offload.initialize(model, cfg) as engine:
+        for got in (engine.state_dict(), dict(engine.named_weights())):
+            assert {k: v.dtype for k, v in got.items()} == {k: torch.bfloat16 for k in want}
+            assert all(torch.equal(got[k], want[k]) for k in want)
+        with engine.full_weights() as w:
+            assert {t.dtype for t in w.values()} == {torch.bfloat16}
+        engine.save_pretrained(tmp_path / "out")
+    path = tmp_path / "out" / "model.safetensors"
+    assert {k: v.dtype for k, v in load_file(path).items()} == {k: torch.bfloat16 for k in want}
+    head = struct.unpack("<Q", path.read_bytes()[:8])[0]
+    assert (8 + head) % 8 == 0
+
+
 def test_a_garbage_checkpoint_index_is_named(tmp_path):
     (tmp_path / "model.safetensors.index.json").write_text("{not json")
     with pytest.raises(ValueError, match=r"checkpoint index \S+model.safetensors.index.json "
