@@ -304,7 +304,7 @@ def test_a_ctrl_c_inside_the_stores_close_is_finished_by_the_next_close(engine_c
     _assert_released(engine, swap)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        del engine, opt, store, close
+        del engine, opt, store
         monkeypatch.undo()
         gc.collect()
     assert not [w for w in seen if issubclass(w.category, ResourceWarning)], seen
