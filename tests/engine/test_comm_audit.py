@@ -188,6 +188,97 @@ def _case_checkpointing(d: str) -> dict:
                      for k, v in out.items()}}
 
 
+def _case_refusals(d: str) -> dict:
+    """Models tensor parallelism cannot run, refused at initialize naming what and left
+    as they were: heads that do not split over the ranks, GPT-2 with cross-attention,
+    weights from a checkpoint (a rank holds slices, a checkpoint whole tensors)."""
+    from safetensors.torch import save_file
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    from offload.cli.gpt import GPT, GPTConfig
+    torch.manual_seed(0)
+    models = {
+        "gpt_heads": GPT(GPTConfig(n_layer=1, d_model=48, n_head=3, vocab=VOCAB, max_seq=16)),
+        "llama_kv_heads": LlamaForCausalLM(LlamaConfig(
+            hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=1,
+            num_hidden_layers=1, vocab_size=VOCAB, max_position_embeddings=32)),
+        "cross_attention": GPT2LMHeadModel(GPT2Config(
+            n_embd=32, n_layer=1, n_head=4, vocab_size=VOCAB, n_positions=32,
+            add_cross_attention=True)),
+        "checkpoint": _model("gpt")}
+    ckpt = os.path.join(d, f"ck-{torch.distributed.get_rank()}")
+    os.makedirs(ckpt)
+    save_file(_state(models["checkpoint"]), os.path.join(ckpt, "model.safetensors"))
+    out = {}
+    for name, model in models.items():
+        before = _state(model)
+        cfg = _config(os.path.join(d, f"refused-{name}"), 2, "host")
+
+        def run(model=model, cfg=cfg, name=name):
+            with offload.initialize(model, cfg,
+                                    checkpoint=ckpt if name == "checkpoint" else None):
+                pass
+        out[name] = _outcome(run) | _unchanged(model, before)
+    return out
+
+
+def _case_ranks_apart(d: str) -> dict:
+    """The ranks' models differ (seeded apart: rank 0's weights are the ones trained);
+    an initialize that fails after that leaves each rank's model as it was."""
+    model = _model("gpt")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.distributed.get_rank())
+    before = _state(model)
+    return {"first": _budget_failure(d, model, "apart")} | _unchanged(model, before)
+
+
+def _case_frozen(d: str) -> dict:
+    """Weights frozen before initialize in layers tensor parallelism cuts stay as they
+    were through training (a LoRA-style run)."""
+    from offload.engine import full_state_dict
+    model = _model("gpt")
+    frozen = ("blocks.0.attn.qkv.weight", "blocks.0.mlp.fc.weight")
+    for name in frozen:
+        model.get_parameter(name).requires_grad_(False)
+    before = _state(model)
+    with offload.initialize(model, _config(os.path.join(d, "frozen"), 2, "host")) as engine:
+        for x, y in _batches()[:2]:
+            engine.backward(lm_loss(_logits(engine(x)), y))
+            engine.step()
+        after = full_state_dict(engine)
+    return {"frozen_same": all(torch.equal(after[n], before[n]) for n in frozen),
+            "trained": not torch.equal(after["blocks.1.mlp.fc.weight"],
+                                       before["blocks.1.mlp.fc.weight"])}
+
+
+def _case_modes(d: str) -> dict:
+    """GPT-2 with residual dropout: a training forward drops (and every TP rank drops the
+    same elements, its output the same); Llama in eval with its KV cache on (what
+    generate does) is refused naming use_cache=False, and runs without it."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(0)
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=VOCAB,
+                                      n_positions=32, resid_pdrop=0.5, embd_pdrop=0.0,
+                                      attn_pdrop=0.0, attn_implementation="sdpa"))
+    x = _batches()[0][0]
+    out: dict = {}
+    with offload.initialize(gpt2, _config(os.path.join(d, "drop"), 2, "host")) as engine:
+        torch.manual_seed(5)
+        with torch.no_grad():
+            train = _logits(engine(x, use_cache=False))
+            engine.eval()
+            evaluated = _logits(engine(x, use_cache=False))
+        out["dropped"] = (train - evaluated).abs().max().item()
+        out["train_sum"] = train.double().sum().item()
+    with offload.initialize(_model("llama"), _config(os.path.join(d, "kv"), 2, "host")) as engine:
+        engine.eval()
+        with torch.no_grad():
+            out["cache"] = _outcome(lambda: engine(x))
+            out["no_cache"] = _outcome(lambda: engine(x, use_cache=False))
+    return out
+
+
 def _worker(rank: int, world: int, init_file: str, out: str) -> None:
     d = os.path.dirname(init_file)
     with process_group(rank, world, init_file):
@@ -197,7 +288,11 @@ def _worker(rank: int, world: int, init_file: str, out: str) -> None:
                  "restored": lambda: _case_restored(d),
                  "undo": lambda: _case_undo(d),
                  "save_pretrained": lambda: _case_save_pretrained(d, rank),
-                 "checkpointing": lambda: _case_checkpointing(d)}
+                 "checkpointing": lambda: _case_checkpointing(d),
+                 "refusals": lambda: _case_refusals(d),
+                 "ranks_apart": lambda: _case_ranks_apart(d),
+                 "frozen": lambda: _case_frozen(d),
+                 "modes": lambda: _case_modes(d)}
         run_cases(cases, f"{out}.{rank}")
 
 
@@ -280,3 +375,56 @@ def test_gradient_checkpointing_under_tensor_parallelism(outcomes):
         # more MLP calls: the recomputation's (torch's may stop early, before the last piece)
         assert got["calls"]["before"] == got["calls"]["after"] > got["calls"]["off"], got
         assert max(got["diff"].values()) < 1e-6, got
+
+
+def test_models_tensor_parallelism_cannot_run_are_refused_as_they_were(outcomes):
+    """Heads that do not split over tp.size (GPT's n_head, Llama's key-value heads),
+    GPT-2 with cross-attention and weights from a checkpoint: a ConfigError at
+    initialize naming what, the model unchanged (not a reshape error mid-forward)."""
+    want = {"gpt_heads": "attn.n_head = 3 is not a multiple of tp.size = 2",
+            "llama_kv_heads": "num_key_value_heads = 1 is not a multiple of tp.size = 2",
+            "cross_attention": "cross-attention",
+            "checkpoint": "not supported with tensor parallelism"}
+    for r in outcomes:
+        for name, text in want.items():
+            got = r["refusals"][name]
+            assert got["config_error"] and text in got["message"], (name, got)
+            assert not got["cut"] and got["same"], (name, got)
+
+
+def test_failed_initialize_puts_each_ranks_own_model_back(outcomes):
+    """Rank 0's weights are copied to every rank before the cut; a failure after it
+    puts back each rank's own (the ranks' models differ here)."""
+    for r in outcomes:
+        got = r["ranks_apart"]
+        assert got["first"]["config_error"], got
+        assert not got["cut"] and got["same"], got
+
+
+def test_frozen_weights_in_cut_layers_stay_frozen(outcomes):
+    for r in outcomes:
+        assert r["frozen"] == {"frozen_same": True, "trained": True}, r["frozen"]
+
+
+def test_dropout_and_the_kv_cache_under_tensor_parallelism(outcomes):
+    for r in outcomes:
+        got = r["modes"]
+        assert got["dropped"] > 1e-3, got
+        assert got["cache"]["error"] == "ValueError" and "use_cache=False" in \
+            got["cache"]["message"], got
+        assert got["no_cache"]["error"] is None, got
+    assert outcomes[0]["modes"]["train_sum"] == outcomes[1]["modes"]["train_sum"]
+
+
+def test_dp_groups_hold_the_ranks_of_one_tp_index():
+    """[Note: mesh layout]: rank r is at (r // tp, r % tp); the gather thread's second
+    communicator is made from these groups, and pairing a TP group's ranks instead
+    trained DP x TP = 2 x 2 silently off torch (0.07 after 5 steps)."""
+    from types import SimpleNamespace
+
+    from offload.comm.mesh import ParallelMesh
+    for dp, tp, want in ((2, 2, [[0, 2], [1, 3]]), (3, 2, [[0, 2, 4], [1, 3, 5]]),
+                         (2, 3, [[0, 3], [1, 4], [2, 5]])):
+        mesh = ParallelMesh(dp=SimpleNamespace(world=dp), tp=SimpleNamespace(world=tp),
+                            world=None, control=None)
+        assert mesh.dp_groups == want
