@@ -191,7 +191,8 @@ def _case_checkpointing(d: str) -> dict:
 def _case_refusals(d: str) -> dict:
     """Models tensor parallelism cannot run, refused at initialize naming what and left
     as they were: heads that do not split over the ranks, GPT-2 with cross-attention,
-    weights from a checkpoint (a rank holds slices, a checkpoint whole tensors)."""
+    weights from a checkpoint (a rank holds slices, a checkpoint whole tensors), and
+    tp.size 4 on 2 ranks."""
     from safetensors.torch import save_file
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
@@ -205,14 +206,14 @@ def _case_refusals(d: str) -> dict:
         "cross_attention": GPT2LMHeadModel(GPT2Config(
             n_embd=32, n_layer=1, n_head=4, vocab_size=VOCAB, n_positions=32,
             add_cross_attention=True)),
-        "checkpoint": _model("gpt")}
+        "checkpoint": _model("gpt"), "world": _model("gpt")}
     ckpt = os.path.join(d, f"ck-{torch.distributed.get_rank()}")
     os.makedirs(ckpt)
     save_file(_state(models["checkpoint"]), os.path.join(ckpt, "model.safetensors"))
     out = {}
     for name, model in models.items():
         before = _state(model)
-        cfg = _config(os.path.join(d, f"refused-{name}"), 2, "host")
+        cfg = _config(os.path.join(d, f"refused-{name}"), 4 if name == "world" else 2, "host")
 
         def run(model=model, cfg=cfg, name=name):
             with offload.initialize(model, cfg,
@@ -379,12 +380,14 @@ def test_gradient_checkpointing_under_tensor_parallelism(outcomes):
 
 def test_models_tensor_parallelism_cannot_run_are_refused_as_they_were(outcomes):
     """Heads that do not split over tp.size (GPT's n_head, Llama's key-value heads),
-    GPT-2 with cross-attention and weights from a checkpoint: a ConfigError at
-    initialize naming what, the model unchanged (not a reshape error mid-forward)."""
+    GPT-2 with cross-attention, weights from a checkpoint and a tp.size that does not
+    divide the ranks: a ConfigError at initialize naming what, the model unchanged (not
+    a reshape error mid-forward)."""
     want = {"gpt_heads": "attn.n_head = 3 is not a multiple of tp.size = 2",
             "llama_kv_heads": "num_key_value_heads = 1 is not a multiple of tp.size = 2",
             "cross_attention": "cross-attention",
-            "checkpoint": "not supported with tensor parallelism"}
+            "checkpoint": "not supported with tensor parallelism",
+            "world": "tp.size = 4 does not divide the 2 ranks"}
     for r in outcomes:
         for name, text in want.items():
             got = r["refusals"][name]
