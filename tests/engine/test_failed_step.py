@@ -404,6 +404,75 @@ def test_corrupted_parameter_on_nvme_is_reported_and_the_forward_can_run_again(
         ref.close()
 
 
+def test_a_read_that_fails_while_the_step_pins_in_place_leaves_nothing_pinned(engine_cfg,
+                                                                             monkeypatch):
+    """Host optimizer state updates in place once every partition of the step is
+    pinned in memory; a read that fails part way (a disk error on the second) fails
+    the step whole and unpins the ones pinned before it: training goes on as a run
+    that never failed (a partition left pinned failed the rollback, and every later
+    backward was refused)."""
+    from offload.engine.step import StepFailedError
+
+    torch.manual_seed(0)
+    batches = lm_batches(3)
+    engine, ref = with_reference(TiedTwice(), engine_cfg("nvme", "nvme", "host",
+                                                         group_size=600))
+    try:
+        assert train_step(engine, batches[0]) and train_step(ref, batches[0])
+        before = snapshot(engine)
+        x, y = batches[1]
+        engine.backward(lm_loss(engine(x), y))
+        fetch, pinned = engine.store.fetch, []
+
+        def failing(key, *args, **kwargs):
+            if kwargs.get("pin"):
+                pinned.append(key)
+                if len(pinned) == 2:
+                    raise OSError(5, "Input/output error")
+            return fetch(key, *args, **kwargs)
+        monkeypatch.setattr(engine.store, "fetch", failing)
+        with pytest.raises(StepFailedError):
+            engine.step()
+        monkeypatch.undo()
+        assert len(pinned) == 2  # the step's gradients are dropped, its partitions kept
+        assert all(engine.store.info(k).pins == 0 for k in pinned if k in engine.store)
+        assert_same(snapshot(engine), before)
+        trains_on_as(engine, ref, batches[1:])
+    finally:
+        engine.close()
+        ref.close()
+
+
+def test_every_signal_held_past_the_point_of_no_return_is_delivered(engine_cfg):
+    """Two signals with the program's own handlers (a stats dump, a preemption notice)
+    that come between the optimizer's commit and the parameters' switch each reach
+    their handler once the step completed, in the order they came."""
+    import signal
+
+    got = []
+    handlers = {s: signal.signal(s, lambda signum, frame: got.append(signum))
+                for s in (signal.SIGUSR1, signal.SIGTERM)}
+    engine = offload.initialize(TiedTwice(), engine_cfg("host", "host", "nvme",
+                                                        group_size=600))
+    switch = engine.staged.switch
+
+    def signalled():
+        signal.raise_signal(signal.SIGUSR1)
+        signal.raise_signal(signal.SIGTERM)
+        assert got == []  # held until the step is whole
+        return switch()
+    try:
+        engine.staged.switch = signalled
+        x, y = lm_batches(1)[0]
+        engine.backward(lm_loss(engine(x), y))
+        assert engine.step()
+        assert got == [signal.SIGUSR1, signal.SIGTERM]
+    finally:
+        engine.close()
+        for s, h in handlers.items():
+            signal.signal(s, h)
+
+
 @pytest.mark.parametrize("sig", ["SIGINT", "SIGALRM"])
 @pytest.mark.parametrize("optimizer,at", [("host", "update"), ("nvme", "switch"),
                                           ("host", "switch")])

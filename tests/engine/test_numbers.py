@@ -90,6 +90,24 @@ def test_parameters_without_gradient_are_untouched(engine_cfg, params, grads, op
         engine.close()
 
 
+def test_a_dropped_micro_batchs_gradients_do_not_reach_the_next_step(engine_cfg):
+    """engine.zero_grad() drops a backward that used `b`; the next step's batch does not
+    use it: torch leaves `b` as it is, and so must the engine (no weight decay, no
+    moment decay from the dropped gradient's record)."""
+    torch.manual_seed(0)
+    ref = Sometimes()
+    with offload.initialize(copy.deepcopy(ref), engine_cfg(group_size=ONE_GROUP)) as engine:
+        g = torch.Generator().manual_seed(0)
+        x, y = torch.randn(6, 8, generator=g), torch.randn(6, 1, generator=g)
+        engine.backward(nn.functional.mse_loss(engine(x, True), y))
+        engine.zero_grad()
+        engine.backward(nn.functional.mse_loss(engine(x, False), y))
+        engine.step()
+        sd = engine.state_dict()
+    assert torch.equal(sd["b.weight"], ref.b.weight.detach())
+    assert not torch.equal(sd["a.weight"], ref.a.weight.detach())
+
+
 @pytest.mark.parametrize("params,grads,optimizer", PLACEMENTS, ids=IDS)
 def test_lr_schedule_runs_at_the_global_step(engine_cfg, params, grads, optimizer):
     """LambdaLR advances once per optimizer step; `b`, skipped in the first step, uses
