@@ -365,6 +365,23 @@ def test_optimizer_state_of_the_first_update_is_read_ahead(engine_cfg):
         engine.close()
 
 
+def test_each_update_reads_the_next_groups_state_ahead(engine_cfg):
+    """While a group updates, the optimizer's NVMe reads for the group updated next have
+    begun: more than the first update of a step finds its state read ahead."""
+    torch.manual_seed(0)
+    engine = offload.initialize(TiedTwice(), engine_cfg("nvme", "host", "nvme",
+                                                        group_size=600))
+    try:
+        ahead = []
+        real, pipeline = engine._update_group, engine.optimizer._pipeline
+        engine._update_group = lambda gid, *a: (ahead.append(gid in pipeline.prefetched()),
+                                                real(gid, *a))[1]
+        _train(engine, lm_batches(2), 2)
+        assert len(ahead) > 4 and sum(ahead) > 2, ahead
+    finally:
+        engine.close()
+
+
 def test_bf16_written_back_equals_kept_in_memory(engine_cfg):
     """bf16 parameters homed on NVMe: streaming them (dirty ones written back on
     eviction) gives bit-identical weights to keeping them all in memory."""
