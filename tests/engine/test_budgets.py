@@ -47,12 +47,14 @@ def _train(engine, dtype, steps=3):
 CASES = [c for c in itertools.product(["nvme", "host", "device"], ["host", "nvme", "device"],
                                       ["nvme", "host"], ["fp32", "bf16"])
          if c[3] == "fp32" or c[0] == c[1] == "nvme"]
+CASES.append(("nvme", "host", "nvme", "fp16"))  # fp16's loss scale stores the gradients
 
 
 @pytest.mark.parametrize("params,grads,optimizer,dtype", CASES)
 def test_minimum_budgets_only_wait(tmp_path, params, grads, optimizer, dtype):
-    dt = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
-    clip = 1.0 if optimizer == "nvme" and grads == "host" else 0.0  # stored gradients too
+    dt = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    # stored gradients too (fp16 stores them without clipping)
+    clip = 1.0 if optimizer == "nvme" and grads == "host" and dtype != "fp16" else 0.0
     tight = _cfg(tmp_path, params, grads, optimizer, dtype, clip)
     device, host = _minimum(tight, dt)
     tight["store"].update(device_budget=device, host_budget=host)
@@ -237,3 +239,21 @@ def test_a_partition_of_one_parameter_is_not_told_to_lower_group_size(tmp_path):
     with pytest.raises(ConfigError, match=r"run on more ranks: the largest partition is "
                                           r"mostly one parameter \(0\.weight\)"):
         offload.initialize(nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 2)), cfg)
+
+
+def test_the_nvme_budget_counts_gradients_homed_there(tmp_path):
+    """Gradients homed on NVMe and stored until step() (host optimizer state) take swap
+    space beside the parameters: a budget below both is refused at initialize naming
+    the least that trains, and that least trains."""
+    import re
+
+    cfg = _cfg(tmp_path, "nvme", "nvme", "host", "fp32", device_budget="64MiB",
+               host_budget="64MiB")
+    cfg["store"]["nvme_budget"] = 1
+    with pytest.raises(ConfigError, match=r"store\.nvme_budget") as err:
+        offload.initialize(_model(), cfg)
+    need = int(re.search(r"at least (\d+) bytes", str(err.value)).group(1))
+    assert need >= 2 * 6 * 20480  # six 64 x 65 fp32 partitions (4 KiB steps) of each kind
+    cfg["store"]["nvme_budget"] = need
+    with offload.initialize(_model(), cfg) as engine:
+        _train(engine, torch.float32, steps=2)

@@ -166,6 +166,22 @@ class CheckpointedWeights(nn.Module):
                           use_reentrant=True)
 
 
+class TiedAcrossUnits(nn.Module):
+    """The root's own weight is tied to the weight of a unit inside it, and the root
+    reads it after that unit's forward ended: the inner unit's end must not free it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8, 8) / 3)
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+        self.blocks[1].weight = self.w
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = torch.tanh(b(x))
+        return F.linear(x, self.w).sum(-1, keepdim=True)
+
+
 class Lookup(nn.Module):
     def __init__(self, bag: bool, **kw) -> None:
         super().__init__()
@@ -255,6 +271,7 @@ CASES = [
     ("checkpoint_blocks_reentrant_units", lambda: Checkpointed("blocks", True), _floats(4, 8),
      120, None),  # each block a unit, recomputed with its hooks
     ("checkpoint_of_the_roots_weights", CheckpointedWeights, _floats(4, 8), 80, None),
+    ("tied_across_units", TiedAcrossUnits, _floats(4, 8), 72, None),
     ("embedding_padding_idx", lambda: Lookup(False, padding_idx=0), _ids(4, 5), 200, None),
     ("embedding_scale_grad_by_freq", lambda: Lookup(False, scale_grad_by_freq=True), _ids(4, 5),
      200, None),

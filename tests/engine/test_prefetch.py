@@ -79,6 +79,34 @@ def test_static_order_is_the_forward_then_the_backward_of_nested_units():
     assert static_order(units) == [gid[n] for n in want]
 
 
+def test_a_forward_that_streams_from_nvme_fetches_ahead(tmp_path, monkeypatch):
+    """12 layers on NVMe, memory for about 7: from the second step every layer the
+    forward uses is fetched ahead by the uses before it (at least a store prefetch per
+    layer in the forward), not only the backward's."""
+    from offload.engine.gathering import in_backward
+    from offload.store import TieredStore
+
+    calls = collections.Counter()
+    prefetch = TieredStore.prefetch
+
+    def counted(store, *args, **kwargs):
+        calls["backward" if in_backward() else "forward"] += 1
+        return prefetch(store, *args, **kwargs)
+    monkeypatch.setattr(TieredStore, "prefetch", counted)
+    cfg = {"engine": {"params": "nvme", "grads": "host", "optimizer": "host",
+                      "group_size": 1},
+           "io": {"paths": [str(tmp_path / "swap")], "buffer_budget": "8MiB"},
+           "store": {"host_budget": "1100KiB", "device_budget": "800KiB", "device": "cpu"}}
+    torch.manual_seed(0)
+    with offload.initialize(Stack(layers=12), cfg) as e:
+        for step in range(3):
+            if step == 1:
+                calls.clear()
+            e.backward(e(torch.randn(8, 256)).square().mean())
+            e.step()
+    assert calls["forward"] >= 2 * 11 and calls["backward"] > 0, calls
+
+
 def test_without_prefetch_every_streamed_use_fetches_on_demand(tmp_path):
     """The same run with prefetch_depth 0: the test above can tell the difference."""
     *_, last = _outcomes(tmp_path, "nvme", depth=0)
