@@ -257,3 +257,29 @@ def test_the_nvme_budget_counts_gradients_homed_there(tmp_path):
     cfg["store"]["nvme_budget"] = need
     with offload.initialize(_model(), cfg) as engine:
         _train(engine, torch.float32, steps=2)
+
+
+def test_a_frozen_base_needs_less_than_training_it_all(tmp_path):
+    """A base frozen under a trainable head (LoRA-style) holds no gradient or optimizer
+    state: its minimum working set is below the same model's trained whole, and a run
+    at that minimum trains."""
+    def model(frozen: bool) -> nn.Module:
+        torch.manual_seed(0)
+        m = nn.Sequential(*[nn.Linear(256, 256) for _ in range(4)], nn.Linear(256, 8))
+        for layer in list(m)[:4]:
+            layer.requires_grad_(not frozen)
+        return m
+    cfg = _cfg(tmp_path, "nvme", "host", "host", "fp32")
+    cfg["engine"]["group_size"] = 256 * 257
+    c = load_config(cfg)
+    least = {}
+    for frozen in (True, False):
+        _, groups = build_units(model(frozen), c.engine.group_size, 1)
+        ws = working_set(c, groups, torch.float32)
+        least[frozen] = (ws.device, ws.host)
+    assert least[True][1] < least[False][1], least
+    cfg["store"].update(device_budget=least[True][0], host_budget=least[True][1])
+    with offload.initialize(model(True), cfg) as engine:
+        for _ in range(2):
+            engine.backward(engine(torch.randn(8, 256)).square().mean())
+            assert engine.step()
