@@ -206,11 +206,12 @@ class SafeInterrupts:
             self._pending.append(signum)
         elif signum == signal.SIGINT:  # a second Ctrl-C: now, wherever it lands
             self._pending.remove(signum)
-            if in_offload(frame) or self._everywhere:  # the scheduler's step is state too:
-                # cut short in the program's lr lambda, it is left half stepped
+            ours = in_offload(frame)
+            if ours or self._everywhere:  # the scheduler's step is state too: cut short in
+                # the program's lr lambda, it is left half stepped
                 where = f"{frame.f_code.co_filename}:{frame.f_lineno}"
-                self._on_forced(where if in_offload(frame) else f"the LR scheduler's step, "
-                                f"in the program's code at {where}")
+                self._on_forced(where if ours else f"the LR scheduler's step, in the "
+                                f"program's code at {where}")
             _deliver(signum, handler, frame)
         # another signal noted again: as the kernel merges a pending signal's repeats
 
