@@ -12,11 +12,11 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from ..config import EngineConfig, IoConfig, OffloadConfig, format_bytes
+from ..config import EngineConfig, IoConfig, OffloadConfig, OptimConfig, format_bytes
 from ..planner.estimate import (KINDS, PLACEMENTS, ModelBytes, kind_bytes, parse_placement,
                                 tier_bytes)
 from ..planner.sizes import STATE_DTYPES
-from .args import UsageError, byte_size, escape, integer, table_console
+from .args import UsageError, byte_size, escape, integer, number, table_console
 from .benchutil import emit
 from .model_arg import MeasuredModel, add_model_arguments, measure_model, model_spec
 
@@ -31,13 +31,16 @@ def model_bytes(mm: MeasuredModel, state_dtype: str = "fp32") -> ModelBytes:
                       state_dtype)
 
 
-def minimum(mm: MeasuredModel, engine: dict[str, Any], device: str = "cpu") -> dict[str, int]:
-    """The minimum working set (bytes per rank) of DEVICE and HOST for these engine keys."""
+def minimum(mm: MeasuredModel, engine: dict[str, Any], device: str = "cpu",
+            max_grad_norm: float = 0.0) -> dict[str, int]:
+    """The minimum working set (bytes per rank) of DEVICE and HOST for these engine keys
+    and clipping (`max_grad_norm`, optim.max_grad_norm)."""
     import torch
 
     from ..engine.working_set import working_set
 
-    cfg = OffloadConfig(engine=EngineConfig(dtype=mm.spec.dtype, **engine))
+    cfg = OffloadConfig(engine=EngineConfig(dtype=mm.spec.dtype, **engine),
+                        optim=OptimConfig(max_grad_norm=max_grad_norm))
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[mm.spec.dtype]
     ws = working_set(cfg, mm.groups, dtype)
     return {"device": ws.device, "host": ws.host}
@@ -45,26 +48,32 @@ def minimum(mm: MeasuredModel, engine: dict[str, Any], device: str = "cpu") -> d
 
 def estimate(mm: MeasuredModel, placements, *, world: int, ranks_per_node: int,
              device: str, buffer_budget: int, group_size: int,
-             state_dtype: str = "fp32") -> dict[str, Any]:
+             state_dtype: str = "fp32", max_grad_norm: float = 0.0,
+             grad_accum_steps: int = 1) -> dict[str, Any]:
     """The JSON-ready estimate of `mm` (measured for `world` ranks), the Adam moments
-    in `state_dtype` (optim.state_dtype)."""
+    in `state_dtype` (optim.state_dtype), for training that clips at `max_grad_norm`
+    (optim.max_grad_norm, 0: no clipping) and sums `grad_accum_steps` micro-batches
+    a step (engine.grad_accum_steps)."""
     mb = model_bytes(mm, state_dtype)
     kinds = kind_bytes(mb)
+    engine = {"group_size": group_size, "grad_accum_steps": grad_accum_steps}
     rows = []
     for p in placements:
-        tb = tier_bytes(mb, p, device=device, buffer_budget=buffer_budget)
+        tb = tier_bytes(mb, p, device=device, buffer_budget=buffer_budget,
+                        clipping=max_grad_norm > 0, accum=grad_accum_steps)
         total = tb.total
         rows.append({"placement": p.name, **p.engine_keys(),
                      "per_rank": total, "per_node": {t: v * ranks_per_node
                                                      for t, v in total.items()},
                      "store": tb.store, "optimizer_state": tb.optimizer, "buffers": tb.buffers,
-                     "minimum": minimum(mm, {**p.engine_keys(), "group_size": group_size},
-                                        device)})
+                     "minimum": minimum(mm, {**p.engine_keys(), **engine}, device,
+                                        max_grad_norm)})
     return {"command": "estimate", "model": mm.spec.target, "dtype": mm.spec.dtype,
             "batch": mm.spec.batch, "tokens_per_batch": mm.tokens, "params": mm.params,
             "groups": len(mm.shards), "units": len(mm.unit_names), "world": world,
             "ranks_per_node": ranks_per_node, "device": device, "group_size": group_size,
             "io_buffer_budget": buffer_budget, "state_dtype": state_dtype,
+            "max_grad_norm": max_grad_norm, "grad_accum_steps": grad_accum_steps,
             "bytes_per_rank": kinds, "bytes_total": {k: v * world for k, v in kinds.items()},
             "activations": {"bytes": mm.activations,
                             "checkpointed_bytes": mm.activations_checkpointed},
@@ -106,9 +115,11 @@ def render(result: dict[str, Any]) -> None:
     con.print("min: the least store budget per rank that trains at all (the rest streams); "
               "the other columns hold everything where the placement puts it. nvme: the "
               "state's bytes; each swap file (params, grads, optimizer) takes disk in steps "
-              "of io.grow_step (256 MiB by default). With NVMe optimizer state, the figures "
-              "assume no clipping, no fp16 and no accumulation: with any of them the "
-              "gradients are stored until step() and need more (docs/tuning.md)")
+              "of io.grow_step (256 MiB by default). "
+              f"{'Clipping' if result['max_grad_norm'] else 'No clipping'}, "
+              f"{result['grad_accum_steps']} micro-batch(es) a step: with NVMe optimizer "
+              "state, clipping, fp16 or accumulation store the gradients until step() "
+              "(--max-grad-norm, --grad-accum-steps; docs/tuning.md)")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -129,6 +140,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--state-dtype", choices=STATE_DTYPES, default="fp32",
                    help="optim.state_dtype: the form of Adam's moments (default fp32; bf16 "
                    "halves them, int8 keeps about a quarter)")
+    p.add_argument("--max-grad-norm", type=number(0, example=1.0), default=0.0,
+                   help="optim.max_grad_norm: clipping (default 0, none; Hugging Face's "
+                   "Trainer clips at 1.0)")
+    p.add_argument("--grad-accum-steps", type=integer(1, example=4), default=1,
+                   help="engine.grad_accum_steps: micro-batches per step (default 1)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -163,5 +179,6 @@ def run(args: argparse.Namespace) -> int:
     mm = measure_model(spec, args.group_size, args.world)
     result = estimate(mm, placements, world=args.world, ranks_per_node=per_node,
                       device=default_device(args.device), buffer_budget=args.buffer_budget,
-                      group_size=args.group_size, state_dtype=args.state_dtype)
+                      group_size=args.group_size, state_dtype=args.state_dtype,
+                      max_grad_norm=args.max_grad_norm, grad_accum_steps=args.grad_accum_steps)
     return emit(result, args.json, render)

@@ -30,7 +30,9 @@ gradient partitions (fp32), Pg the largest parameter partition.
     ([Note: optimizer extents] in offload/store/store.py), and a step writes
     the new version beside the old one until it commits.
 Gradients are not stored in their home tier where updates run early: NVMe
-optimizer state, no clipping, no fp16 loss scale, no accumulation.
+optimizer state, no clipping, no fp16 loss scale, no accumulation. With NVMe
+optimizer state and stored gradients, the staged partitions take the room of
+the gradients their updates used ([Note: updates after backward]).
 The optimizer's own state is not a store record: masters (none where the
 parameter is the master, `sizes.keeps_master`) and Adam's two moments live in host memory (the
 `optimizer` figures, outside the store's ledger) or in the optimizer's swap
@@ -40,6 +42,7 @@ io.buffer_budget.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass, field
 
@@ -49,6 +52,7 @@ __all__ = ["KINDS", "PLACEMENTS", "Placement", "ModelBytes", "TierBytes", "kind_
            "parse_placement", "tier_bytes"]
 
 KINDS = ("param", "grad", "master", "exp_avg", "exp_avg_sq")
+STATE_KINDS = ("master", "exp_avg", "exp_avg_sq")
 ALIGN = 4096
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
@@ -113,13 +117,18 @@ def kind_bytes(m: ModelBytes, master: bool | None = None) -> dict[str, int]:
     block: [Note: compressed moments] in offload/optim/codec.py)."""
     item = DTYPE_BYTES[m.dtype]
     train = [n for n, t in m.shards if t]
-    out = {"param": sum(_footprint(n * item) for n, _ in m.shards),
-           "grad": sum(_footprint(n * 4) for n in train),
-           "master": sum(_footprint(n * 4) for n in train)
-           if (m.dtype != "fp32" if master is None else master) else 0}
-    out["exp_avg"] = out["exp_avg_sq"] = sum(
-        _footprint(moment_bytes(m.state_dtype, n) // 2) for n in train)
-    return out
+    master = m.dtype != "fp32" if master is None else master
+    moment = sum(_footprint(moment_bytes(m.state_dtype, n) // 2) for n in train)
+    return {"param": sum(_footprint(n * item) for n, _ in m.shards),
+            "grad": sum(_footprint(n * 4) for n in train),
+            "master": sum(_footprint(n * 4) for n in train) if master else 0,
+            "exp_avg": moment, "exp_avg_sq": moment}
+
+
+def _state_bytes(m: ModelBytes, n: int, master: bool) -> int:
+    """One group's optimizer state (`n` elements): its master where kept, both moments."""
+    return sum(v for k, v in kind_bytes(dataclasses.replace(m, shards=((n, True),)),
+                                        master).items() if k in STATE_KINDS)
 
 
 @dataclass(frozen=True)
@@ -145,30 +154,85 @@ def early_updates(p: Placement, dtype: str, *, clipping: bool = False,
     return p.optimizer == "nvme" and not clipping and dtype != "fp16" and accum == 1
 
 
+def _peak_over_updates(steps: list[tuple[int, int, int]]) -> int:
+    """The most bytes held while the updates run in order, each step (a, b, c) of one
+    group: `a` accumulates from its update on (new versions staged until the commit),
+    `b` is held until its update is done (stored gradients), `c` only during it (a
+    gradient read for it)."""
+    ahead = sum(b for _, b, _ in steps)
+    done = peak = 0
+    for a, b, c in steps:
+        done += a
+        peak = max(peak, done + ahead + c)
+        ahead -= b
+    return peak
+
+
 def tier_bytes(m: ModelBytes, p: Placement, *, device: str = "cpu", buffer_budget: int = 0,
                clipping: bool = False, accum: int = 1, prefetch_depth: int = 2) -> TierBytes:
     """Bytes per rank each tier holds for placement `p` ([Note: what each tier holds]).
-    `device`: "cpu" or "cuda" (the store's compute device); `prefetch_depth`: the
-    engine's look-ahead (its default, 2)."""
-    kinds = kind_bytes(m, keeps_master(m.dtype, p.params, device))
+    `device`: "cpu" or "cuda" (the store's compute device); `clipping`
+    (optim.max_grad_norm above 0) and `accum` (engine.grad_accum_steps): whether
+    gradients are stored until `step()`; `prefetch_depth`: the engine's look-ahead
+    (its default, 2)."""
+    master = keeps_master(m.dtype, p.params, device)
+    kinds = kind_bytes(m, master)
     P, G = kinds["param"], kinds["grad"]
     item = DTYPE_BYTES[m.dtype]
     Pg = max((_footprint(n * item) for n, _ in m.shards), default=0)
     stored = not early_updates(p, m.dtype, clipping=clipping, accum=accum)
-    dev = P * (2 if p.params == "device" and p.optimizer == "nvme" else 1)
-    dev += G if p.grads == "device" and stored else 0
-    host_terms = [P if p.params == "host" else 0,
-                  G if stored and p.grads in ("host", "nvme") else 0,
-                  P if p.optimizer == "nvme" and p.params != "device" else 0,
-                  Pg * max(1, prefetch_depth) if p.params == "nvme" and device != "cpu" else 0]
+    state = sum(kinds[k] for k in STATE_KINDS)
+    nvme = P if p.params == "nvme" else 0
+    if p.optimizer == "nvme" and stored:  # [Note: updates after backward]
+        dev, host, nvme_late = _late_updates(m, p, master)
+        nvme += state + nvme_late
+        host_terms = [P if p.params == "host" else 0, max(host, G if p.grads == "nvme" else 0)]
+        dev += P
+    else:
+        dev = P * (2 if p.params == "device" and p.optimizer == "nvme" else 1)
+        dev += G if p.grads == "device" and stored else 0
+        host_terms = [P if p.params == "host" else 0,
+                      G if stored and p.grads in ("host", "nvme") else 0,
+                      P if p.optimizer == "nvme" and p.params != "device" else 0]
+        nvme += G if p.grads == "nvme" and stored else 0
+        if p.optimizer == "nvme":
+            nvme += 2 * state  # both versions while a step is open, in the store's ledger
+    if p.params == "nvme" and device != "cpu":
+        host_terms.append(Pg * max(1, prefetch_depth))
     host = max(host_terms) if device == "cpu" else sum(host_terms)
     if not stored:  # an early update's gradient in HOST (see the Note)
         host += max((_footprint(n * 4) for n, t in m.shards if t), default=0)
-    nvme = (P if p.params == "nvme" else 0) + (G if p.grads == "nvme" and stored else 0)
-    state = kinds["master"] + kinds["exp_avg"] + kinds["exp_avg_sq"]
-    if p.optimizer == "nvme":
-        nvme += 2 * state  # both versions while a step is open, in the store's ledger
     opt = {p.optimizer: state}
     nvme_used = "nvme" in (p.params, p.grads, p.optimizer)
     buffers = {"host": buffer_budget} if buffer_budget and nvme_used else {}
     return TierBytes({"device": dev, "host": host, "nvme": nvme}, opt, buffers)
+
+
+def _late_updates(m: ModelBytes, p: Placement, master: bool) -> tuple[int, int, int]:
+    """DEVICE, HOST and NVME bytes of NVMe optimizer state updated after backward
+    (gradients stored), beyond the parameters and the state's current version.
+
+    [Note: updates after backward]
+    `step()` updates the groups in order, each staging its new parameter partition
+    (in DEVICE where parameters are homed there, else in HOST) and writing its new
+    state beside the old until the commit, and freeing the group's gradient once
+    its update is done. So the tier that holds both the gradients and the staged
+    partitions holds the gradients not yet used plus the partitions staged so far,
+    the most of it while some update runs (`_peak_over_updates`), not the two
+    added up. A gradient homed on NVMe is read into HOST for its update; NVMe holds
+    the new state so far plus the gradients not yet used. In HOST those gradients
+    also pass through on their way down in backward: up to all of them while
+    their writes are in flight (the bound counted; how many are in flight at
+    once depends on the disk)."""
+    item = DTYPE_BYTES[m.dtype]
+    train = [n for n, t in m.shards if t]
+    new = [_footprint(n * item) for n in train]
+    grad = [_footprint(n * 4) for n in train]
+    st = [_state_bytes(m, n, master) for n in train]
+    on_dev, gt = p.params == "device", p.grads
+    dev = _peak_over_updates([(n if on_dev else 0, g if gt == "device" else 0, 0)
+                              for n, g in zip(new, grad)])
+    host = _peak_over_updates([(0 if on_dev else n, g if gt == "host" else 0,
+                                g if gt == "nvme" else 0) for n, g in zip(new, grad)])
+    nvme = _peak_over_updates([(x, g if gt == "nvme" else 0, 0) for x, g in zip(st, grad)])
+    return dev, host, nvme

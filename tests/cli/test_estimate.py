@@ -15,7 +15,7 @@ import offload
 from .one_process import run_each
 from offload.cli.estimate import estimate
 from offload.cli.model_arg import ModelSpec, measure_model
-from offload.planner.estimate import PLACEMENTS
+from offload.planner.estimate import PLACEMENTS, parse_placement
 from offload.trace import TraceRecorder
 
 OFFLOAD = [sys.executable, "-m", "offload.cli.main"]
@@ -61,14 +61,16 @@ def models(tmp_path, monkeypatch):
     return tmp_path
 
 
-def _step_peaks(engine, rec, steps=2) -> dict[str, int]:
-    """The most bytes each tier's ledger held during `steps` steps: its level when they
-    start, and every change the store reports on the trace's tier counters."""
+def _step_peaks(engine, rec, steps=2, micro=1) -> dict[str, int]:
+    """The most bytes each tier's ledger held during `steps` steps of `micro`
+    micro-batches: its level when they start, and every change the store reports on
+    the trace's tier counters."""
     start = {t: s.used for t, s in engine.store.stats().tiers.items()}
     rec.clear()
     x = torch.randn(8, 256).to(engine.dtype)
     for _ in range(steps):
-        engine.backward(engine(x).float().square().mean())
+        for _ in range(micro):
+            engine.backward(engine(x).float().square().mean())
         engine.step()
     peaks = dict(start)
     for e in rec.events():
@@ -78,29 +80,43 @@ def _step_peaks(engine, rec, steps=2) -> dict[str, int]:
     return peaks
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_tier_figures_within_ten_percent_of_a_real_step(models, dtype):
+@pytest.mark.parametrize("training", ["plain", "clipping", "accumulation"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
+def test_tier_figures_within_ten_percent_of_a_real_step(models, dtype, training):
     """For every placement, the peak bytes per tier the store accounts during real steps
-    are within 10% of the estimate's store figures (absent tiers: both zero)."""
+    are within 10% of the estimate's store figures (absent tiers: both zero), with
+    and without clipping and accumulation (which store the gradients under NVMe
+    optimizer state, as fp16's loss scale does: [Note: updates after backward]). One
+    figure is a bound: stored gradients homed on NVMe pass through HOST on their way
+    down, as many at once as the disk leaves in flight."""
     group = 256 * 257
+    clip, accum = float(training == "clipping"), 1 + (training == "accumulation")
     mm = measure_model(ModelSpec("function", "tinymodels:mlp", 8, None, dtype), group)
     est = estimate(mm, PLACEMENTS, world=1, ranks_per_node=1, device="cpu",
-                   buffer_budget=8 << 20, group_size=group)
+                   buffer_budget=8 << 20, group_size=group, max_grad_norm=clip,
+                   grad_accum_steps=accum)
+    assert (est["max_grad_norm"], est["grad_accum_steps"]) == (clip, accum)
     misses = []
     for row in est["placements"]:
         rec = TraceRecorder(enabled=True)
         cfg = {"engine": {"params": row["params"], "grads": row["grads"],
-                          "optimizer": row["optimizer"], "dtype": dtype, "group_size": group},
+                          "optimizer": row["optimizer"], "dtype": dtype, "group_size": group,
+                          "grad_accum_steps": accum},
+               "optim": {"max_grad_norm": clip},
                "io": {"paths": [str(models / "swap" / row["placement"].replace("/", "-"))],
                       "buffer_budget": "8MiB", "block_size": "64KiB", "grow_step": "1MiB"},
                "store": {"device": "cpu", "device_budget": "64MiB", "host_budget": "64MiB"}}
         engine = offload.initialize(mm.spec.factory(), cfg, recorder=rec)
         try:
-            peaks = _step_peaks(engine, rec)
+            peaks = _step_peaks(engine, rec, micro=accum)
         finally:
             engine.close()
+        stored = training != "plain" or dtype == "fp16"
+        bound = stored and row["grads"] == row["optimizer"] == "nvme"
         for tier, name in TIERS.items():
             want, got = row["store"][tier], peaks[name]
+            if bound and tier == "host" and 0 < got <= want:
+                continue
             if abs(got - want) > 0.10 * max(want, 1):
                 misses.append(f"{row['placement']} {tier}: measured {got}, estimated {want}")
     assert not misses, misses
@@ -166,6 +182,8 @@ BAD_ARGS = [
     (["tinymodels:nothing"], "MODEL: module 'tinymodels' has no function 'nothing'"),
     (["tinymodels:mlp", "--placement", "disk/host/nvme"], "--placement: 'disk/host/nvme'"),
     (["tinymodels:mlp", "--world", "0"], "--world: '0' is not positive"),
+    (["tinymodels:mlp", "--max-grad-norm", "-1"], "--max-grad-norm: '-1' is out of range"),
+    (["tinymodels:mlp", "--grad-accum-steps", "0"], "--grad-accum-steps: '0' is not positive"),
     ([], "MODEL: missing"),
     (["tinymodels:lazy"], "MODEL: tinymodels:lazy: parameter '1.weight' is not initialized"),
     (["tinymodels:mlp", "--batch", str(1 << 63)], f"--batch: '{1 << 63}' is out of range "
@@ -218,3 +236,29 @@ def test_measured_compute_and_activations_count_each_unit_once_in_the_compute_dt
     acts = {dt: measure_model(ModelSpec("function", "tinymodels:mlp", 8, None, dt),
                               256 * 257).activations for dt in ("fp32", "bf16")}
     assert acts["fp32"] - acts["bf16"] == 6 * 8 * 256 * 2  # each Linear's saved input
+
+
+def test_clipping_minimum_is_the_least_that_trains_with_clipping(models):
+    """Clipping stores the gradients under NVMe optimizer state, so the minimum host
+    budget rises; the engine refuses the minimum of training without clipping, and
+    trains at the one `--max-grad-norm` gives."""
+    group = 256 * 257
+    mm = measure_model(ModelSpec("function", "tinymodels:mlp", 8, None, "fp32"), group)
+    (p,) = [parse_placement("nvme/nvme/nvme")]
+    mins = [estimate(mm, [p], world=1, ranks_per_node=1, device="cpu", buffer_budget=8 << 20,
+                     group_size=group, max_grad_norm=clip)["placements"][0]["minimum"]
+            for clip in (0.0, 1.0)]
+    assert mins[1]["host"] > mins[0]["host"], mins
+    for m, trains in ((mins[0], False), (mins[1], True)):
+        cfg = {"engine": {**p.engine_keys(), "dtype": "fp32", "group_size": group},
+               "optim": {"max_grad_norm": 1.0},
+               "io": {"paths": [str(models / "swap" / f"min{trains}")], "buffer_budget": "8MiB",
+                      "block_size": "64KiB", "grow_step": "1MiB"},
+               "store": {"device": "cpu", "device_budget": m["device"],
+                         "host_budget": m["host"]}}
+        if not trains:
+            with pytest.raises(offload.ConfigError, match="store.host_budget"):
+                offload.initialize(mm.spec.factory(), cfg)
+            continue
+        with offload.initialize(mm.spec.factory(), cfg) as engine:
+            _step_peaks(engine, TraceRecorder(enabled=True))
