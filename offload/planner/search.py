@@ -60,13 +60,15 @@ MiB = 1 << 20
 class StepShape:
     """The model grouped at one `group_size`: each group's elements per rank and whether
     it trains, each unit's groups and forward compute seconds (backward: twice), and
-    the minimum working set (device, host bytes) of each placement (by name)."""
+    the minimum working set (device, host bytes) of each placement (by name), for
+    training that clips or not."""
 
     group_size: int
     dtype: str
     shards: tuple[tuple[int, bool], ...]
     units: tuple[tuple[tuple[int, ...], float], ...]
     minimum: Mapping[str, tuple[int, int]]
+    clipping: bool = False  # optim.max_grad_norm > 0: updates after backward
 
     @property
     def model(self) -> ModelBytes:
@@ -192,14 +194,14 @@ def _memory(shape: StepShape, c: Candidate, budgets: Budgets,
     records), or None when the budgets cannot hold what the placement homes in memory
     or its minimum working set."""
     p = c.placement
-    tb = tier_bytes(model_of(shape, c), p, device=device)
+    tb = tier_bytes(model_of(shape, c), p, device=device, clipping=shape.clipping)
     kinds = kind_bytes(model_of(shape, c))
     uses_nvme = "nvme" in (p.params, p.grads, p.optimizer)
     opt_host = tb.optimizer.get("host", 0)
     store_host = budgets.host - opt_host - (c.buffer_budget if uses_nvme else 0)
     min_dev, min_host = shape.minimum[p.name]
     P, G = kinds["param"], kinds["grad"]
-    stored = not early_updates(p, shape.dtype)
+    stored = not early_updates(p, shape.dtype, clipping=shape.clipping)
     dev_home = (P * (2 if p.optimizer == "nvme" else 1) if p.params == "device" else 0) + \
         (G if p.grads == "device" and stored else 0)
     host_home = tb.store["host"] if p.params != "nvme" else \
@@ -209,11 +211,12 @@ def _memory(shape: StepShape, c: Candidate, budgets: Budgets,
     return store_host, budgets.device, (budgets.device - dev_home, store_host - host_home)
 
 
-def _records(shards: Sequence[tuple[int, bool]], dtype: str, p: Placement) -> dict:
+def _records(shards: Sequence[tuple[int, bool]], dtype: str, p: Placement,
+             clipping: bool) -> dict:
     """The partitions a step moves between memory and NVMe through the store: parameters
     homed on NVMe, and gradients homed there where they are stored."""
     item = DTYPE_BYTES[dtype]
-    stored_grads = not early_updates(p, dtype)
+    stored_grads = not early_updates(p, dtype, clipping=clipping)
     records: dict = {}
     for gid, (n, trains) in enumerate(shards):
         if p.params == "nvme":
@@ -253,7 +256,7 @@ def modelled_step(units: Sequence[UnitUse], shards: Sequence[tuple[int, bool]], 
                   update_order: Sequence[int] | None = None,
                   between: Sequence[Use] = (), commit_s: float = 0.0,
                   grads_reserved: bool = False, state_dtype: str = "fp32",
-                  staged: bool = False, master: bool) -> ModelledStep:
+                  staged: bool = False, master: bool, clipping: bool = False) -> ModelledStep:
     """The access trace of one step ([Note: the modelled step]) from its unit uses in
     order (forward and backward, each with its compute seconds as given): each group's
     update after the backward of its unit where updates run early (on `update_lane`:
@@ -269,8 +272,8 @@ def modelled_step(units: Sequence[UnitUse], shards: Sequence[tuple[int, bool]], 
     (`commit_stages`, [Note: previous versions] in plan.py); `master`: whether chunks
     hold an fp32 master (`sizes.keeps_master`)."""
     state_b = state_elem_bytes(master, state_dtype)
-    early = early_updates(placement, dtype)
-    records = _records(shards, dtype, placement)
+    early = early_updates(placement, dtype, clipping=clipping)
+    records = _records(shards, dtype, placement, clipping)
     uses: list[Use] = []
     streams: list[tuple[int, tuple, int]] = []
     fb = adam = 0.0
@@ -337,13 +340,13 @@ def modelled_step(units: Sequence[UnitUse], shards: Sequence[tuple[int, bool]], 
 
 
 def commit_stages(p: Placement, dtype: str, shards: Sequence[tuple[int, bool]],
-                  budget: int) -> bool:
+                  budget: int, clipping: bool = False) -> bool:
     """True where the step's updates keep their parameters' previous versions until the
     commit, as the engine's `step()` does ([Note: all or nothing] in
     offload/engine/step.py): always but where the optimizer state is on the host and
     every gradient and parameter partition the updates touch fits `budget` at once
     (the engine then pins them all first and updates in place)."""
-    if p.optimizer != "host" or early_updates(p, dtype):
+    if p.optimizer != "host" or early_updates(p, dtype, clipping=clipping):
         return True
     item = DTYPE_BYTES[dtype]
     need = sum(_footprint(n * item) + _footprint(n * 4) for n, trains in shards if trains)
@@ -375,7 +378,7 @@ def _uses(shape: StepShape, c: Candidate, machine: Machine, staged: bool = False
     return modelled_step(units, shape.shards, shape.dtype, p, chunk,
                          machine.adam_rate(c.state_dtype),
                          chunk_overhead_s=machine.chunk_overhead_s, state_dtype=c.state_dtype,
-                         staged=staged, master=master)
+                         staged=staged, master=master, clipping=shape.clipping)
 
 
 def _stream_state(plan: Plan, streams: list[tuple[int, tuple, int]], buffers: int) -> Plan:
@@ -528,7 +531,7 @@ def score(shape: StepShape, c: Candidate, budgets: Budgets, machine: Machine) ->
     if mem is None:
         return None
     p = c.placement
-    tb = tier_bytes(model_of(shape, c), p, device=machine.device,
+    tb = tier_bytes(model_of(shape, c), p, device=machine.device, clipping=shape.clipping,
                     buffer_budget=c.buffer_budget, prefetch_depth=c.prefetch_depth)
     if tb.total["nvme"] > machine.disk_free:
         return None
@@ -536,7 +539,8 @@ def score(shape: StepShape, c: Candidate, budgets: Budgets, machine: Machine) ->
             c.buffer_budget, c.buffers, state_dtype=c.state_dtype,
             master=keeps_master(shape.dtype, p.params, machine.device)):
         return None
-    step = _uses(shape, c, machine, commit_stages(p, shape.dtype, shape.shards, sum(mem[2])))
+    staged = commit_stages(p, shape.dtype, shape.shards, sum(mem[2]), shape.clipping)
+    step = _uses(shape, c, machine, staged)
     fb, adam = step.compute_s, step.adam_s
     try:
         plan = plan_step(step, mem[2], c.prefetch_depth, c.buffers)
@@ -648,7 +652,8 @@ def shortfall(shape: StepShape, budgets: Budgets, machine: Machine,
     memory (everything on NVMe): its minimum working set, the I/O buffers, the disk."""
     p = Placement("nvme", "nvme", "nvme")
     min_dev, min_host = shape.minimum[p.name]
-    tb = tier_bytes(shape.model, p, device=machine.device, buffer_budget=buffer_budget)
+    tb = tier_bytes(shape.model, p, device=machine.device, buffer_budget=buffer_budget,
+                    clipping=shape.clipping)
     host = max(min_host + buffer_budget, 2 * buffer_budget)  # buffers: at most half the host
     need = {"device": min_dev, "host": host, "nvme": tb.total["nvme"]}
     have = {"device": budgets.device, "host": budgets.host, "nvme": machine.disk_free}

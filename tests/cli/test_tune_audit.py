@@ -96,6 +96,8 @@ def _train_against_adamw(path: str, steps: int = 3) -> dict[str, int]:
             opt.zero_grad()
             want = ref(x).square().mean()
             want.backward()
+            if o.max_grad_norm:
+                torch.nn.utils.clip_grad_norm_(ref.parameters(), o.max_grad_norm)
             opt.step()
             assert loss.item() == pytest.approx(want.item(), rel=1e-5, abs=1e-9)
         got = engine.state_dict()
@@ -123,6 +125,56 @@ def test_written_config_trains_like_adamw_within_its_budgets(work, offload_cli, 
     assert peaks["DEVICE"] <= cfg.store.device_budget
     assert peaks["HOST"] <= cfg.store.host_budget
     assert peaks["NVME"] > 0
+
+
+def test_a_config_tuned_for_clipping_clips_and_trains_within_its_budgets(
+        work, offload_cli, fixed):
+    """With clipping the gradients are stored until step() under NVMe optimizer
+    state: tune's budgets count them, and the file it writes clips as asked (the
+    first step's gradient norm is about 0.05, so 0.01 clips every step)."""
+    rc, out, err = offload_cli(_tune_argv(work / "swap", "--host-budget", "12MiB",
+                                          "--device-budget", "2MiB", "--max-grad-norm",
+                                          "0.01", "--write", "o.toml"))
+    assert rc == 0, err
+    assert json.loads(out)["max_grad_norm"] == 0.01
+    cfg = load_config(str(work / "o.toml"))
+    assert cfg.optim.max_grad_norm == 0.01 and cfg.engine.optimizer == "nvme"
+    assert cfg.store.device_budget <= 2 * MiB
+    assert cfg.store.host_budget + cfg.io.buffer_budget <= 12 * MiB
+    peaks = _train_against_adamw(str(work / "o.toml"))
+    assert peaks["DEVICE"] <= cfg.store.device_budget
+    assert peaks["HOST"] <= cfg.store.host_budget
+    # the modelled step stores the gradients until step(): where they are homed on
+    # NVMe it writes and reads them back, so every such configuration predicts a longer
+    # step, and none a shorter one
+    rc, out_plain, err = offload_cli(_tune_argv(work / "swap", "--host-budget", "12MiB",
+                                                "--device-budget", "2MiB"))
+    assert rc == 0, err
+
+    def steps(text):  # predicted step per configuration, clipping aside
+        return {json.dumps({**r["config"], "optim": {k: v for k, v in r["config"]["optim"]
+                                                     .items() if k != "max_grad_norm"}},
+                           sort_keys=True): r["predicted_step_s"]
+                for r in json.loads(text)["results"] if r["placement"].endswith("/nvme")}
+    clip, plain = steps(out), steps(out_plain)
+    assert clip.keys() == plain.keys() and clip, (clip, plain)
+    assert all(clip[k] >= plain[k] * (1 - 1e-9) for k in clip), (clip, plain)
+    on_nvme = [k for k in clip if json.loads(k)["engine"]["grads"] == "nvme"]
+    assert on_nvme and all(clip[k] > 1.05 * plain[k] for k in on_nvme), (clip, plain)
+
+
+def test_tune_searches_clipping_with_its_minimum_budgets(work):
+    """The step shapes tune searches for a clipping run carry the clipping, and each
+    placement's minimum budgets are those of training that clips (higher host
+    minimum under NVMe optimizer state, where the gradients are stored)."""
+    from offload.cli.model_arg import ModelSpec
+
+    spec = ModelSpec("function", "tuneaudit_models:mlp", 8, None, "fp32")
+    plain, clipped = (tune_cli.record(spec, [262656], 1.0, "cpu", lambda: None, norm)[0]
+                      for norm in (0.0, 1.0))
+    assert (plain.clipping, clipped.clipping) == (False, True)
+    assert clipped.minimum["nvme/nvme/nvme"][1] > plain.minimum["nvme/nvme/nvme"][1]
+    assert clipped.minimum["host/host/host"] == plain.minimum["host/host/host"]
 
 
 def test_a_swap_path_beyond_the_bmp_is_written_as_toml_that_loads(work, offload_cli, fixed):
