@@ -97,11 +97,25 @@ def _saved_and_resumed(cfg, tmp_path, make, make_again):
         engine.save_checkpoint(tmp_path / "ck")
     with offload.initialize(fresh(), cfg, lr_scheduler=make_again,
                             resume=tmp_path / "ck") as engine:
+        # the state's types are those of the saved scheduler, not JSON's (a dict of str
+        # for MultiStepLR's Counter of milestones, lists for tuples)
+        assert _types(engine.lr_scheduler.state_dict()) == _types(
+            make(torch.optim.SGD([torch.zeros(1)], lr=1.0)).state_dict())
         for x, y in batches[3:]:
             got += _vals(engine.optimizer)
             engine.backward(lm_loss(engine(x), y))
             engine.step()
         return ref, got, engine.state_dict()
+
+
+def _types(value):
+    """The type of `value`, and of everything in it, keys included, as a nested tuple."""
+    if isinstance(value, dict):
+        return type(value), tuple(sorted((repr(type(k)), repr(k), _types(v))
+                                         for k, v in value.items()))
+    if isinstance(value, (list, tuple)):
+        return type(value), tuple(_types(v) for v in value)
+    return type(value)
 
 
 HAND = {
