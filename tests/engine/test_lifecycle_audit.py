@@ -470,5 +470,7 @@ def test_the_update_thread_starts_at_initialize(engine_cfg):
     step). Started at initialize, a limit fails initialize, before any state."""
     ref, opt, engine = _setup(engine_cfg)
     with engine:
-        assert engine._updater._threads and all(t.is_alive() for t in engine._updater._threads)
+        threads = list(engine._updater._threads)
+        assert threads and all(t.is_alive() for t in threads)
         assert any(t.name.startswith("offload-update") for t in threading.enumerate())
+    assert not any(t.is_alive() for t in threads)  # close joins it
