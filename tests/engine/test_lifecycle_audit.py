@@ -474,3 +474,20 @@ def test_the_update_thread_starts_at_initialize(engine_cfg):
         assert threads and all(t.is_alive() for t in threads)
         assert any(t.name.startswith("offload-update") for t in threading.enumerate())
     assert not any(t.is_alive() for t in threads)  # close joins it
+
+
+def test_close_lets_go_of_the_warm_gather_memory(engine_cfg):
+    """Freed gather storage kept for reuse ([Note: warm gather memory]) goes at close:
+    held past it, every closed engine kept up to its limit of host memory. (A frozen
+    group's gathers take warm memory; a trainable one borrows its record's.)"""
+    torch.manual_seed(0)
+    model = Net()
+    model.a.requires_grad_(False)
+    engine = offload.initialize(model, engine_cfg("host", "host", "host", group_size=200))
+    warm = engine._warm
+    with engine:
+        for x, y in _data(2):
+            engine.backward(_loss(engine, x, y))
+            engine.step()
+        assert warm._free and warm._held > 0
+    assert not warm._free and warm._held == 0
