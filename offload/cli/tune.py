@@ -166,11 +166,10 @@ def config_of(scored, spec, args, device: str) -> dict[str, Any]:
     """The whole configuration dict of a scored candidate (what --write writes): its
     keys, the model's dtype, the swap directory and the clipping asked for."""
     keys = scored.candidate.keys()
-    swap = args.swap
     if args.max_grad_norm:
         keys["optim"]["max_grad_norm"] = args.max_grad_norm
     keys["engine"]["dtype"] = spec.dtype
-    keys["io"]["paths"] = [os.path.abspath(swap)]
+    keys["io"]["paths"] = [os.path.abspath(args.swap)]
     keys["store"]["device"] = device
     return keys
 
