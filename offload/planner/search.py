@@ -50,8 +50,8 @@ from .sizes import keeps_master, state_elem_bytes
 
 __all__ = ["Budgets", "Candidate", "Machine", "ModelledStep", "Scored", "Space", "StepShape",
            "UnitUse", "calibrate", "calibration_key", "chunk_elems", "commit_stages",
-           "lru_step_bytes", "model_of", "modelled_step", "packed_budget", "plan_step", "ranked", "score",
-           "search", "shortfall", "state_elem_bytes", "steady_records"]
+           "lru_step_bytes", "model_of", "modelled_step", "packed_budget", "plan_step", "ranked",
+           "score", "search", "shortfall", "state_elem_bytes", "steady_records"]
 
 MiB = 1 << 20
 
