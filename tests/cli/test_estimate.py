@@ -80,8 +80,12 @@ def _step_peaks(engine, rec, steps=2, micro=1) -> dict[str, int]:
     return peaks
 
 
-@pytest.mark.parametrize("training", ["plain", "clipping", "accumulation"])
-@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("dtype,training", [
+    (d, t) for d in ("fp32", "bf16", "fp16") for t in ("plain", "clipping", "accumulation")
+    if d == "fp32" or t == "plain" or (d, t) == ("bf16", "clipping")] + [
+    # the same stored-gradient path as the runs above (fp16 stores them anyway)
+    pytest.param(d, t, marks=pytest.mark.slow) for d, t in (
+        ("bf16", "accumulation"), ("fp16", "clipping"), ("fp16", "accumulation"))])
 def test_tier_figures_within_ten_percent_of_a_real_step(models, dtype, training):
     """For every placement, the peak bytes per tier the store accounts during real steps
     are within 10% of the estimate's store figures (absent tiers: both zero), with
