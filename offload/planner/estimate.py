@@ -42,7 +42,6 @@ io.buffer_budget.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from dataclasses import dataclass, field
 
@@ -115,20 +114,19 @@ def kind_bytes(m: ModelBytes, master: bool | None = None) -> dict[str, int]:
     one, `sizes.keeps_master`; default: unless the training is fp32); each moment in
     `m.state_dtype`'s form (fp32 4 bytes per element, bf16 2, int8 1 and a scale per
     block: [Note: compressed moments] in offload/optim/codec.py)."""
+    groups = _group_bytes(m, m.dtype != "fp32" if master is None else master)
+    return {k: sum(v) for k, v in groups.items()}
+
+
+def _group_bytes(m: ModelBytes, master: bool) -> dict[str, list[int]]:
+    """Each group's bytes of each kind (`kind_bytes`), in group order; a frozen group's
+    gradient, master and moments are 0."""
     item = DTYPE_BYTES[m.dtype]
-    train = [n for n, t in m.shards if t]
-    master = m.dtype != "fp32" if master is None else master
-    moment = sum(_footprint(moment_bytes(m.state_dtype, n) // 2) for n in train)
-    return {"param": sum(_footprint(n * item) for n, _ in m.shards),
-            "grad": sum(_footprint(n * 4) for n in train),
-            "master": sum(_footprint(n * 4) for n in train) if master else 0,
-            "exp_avg": moment, "exp_avg_sq": moment}
-
-
-def _state_bytes(m: ModelBytes, n: int, master: bool) -> int:
-    """One group's optimizer state (`n` elements): its master where kept, both moments."""
-    return sum(v for k, v in kind_bytes(dataclasses.replace(m, shards=((n, True),)),
-                                        master).items() if k in STATE_KINDS)
+    grad = [_footprint(n * 4) if t else 0 for n, t in m.shards]
+    moment = [_footprint(moment_bytes(m.state_dtype, n) // 2) if t else 0 for n, t in m.shards]
+    return {"param": [_footprint(n * item) for n, _ in m.shards], "grad": grad,
+            "master": grad if master else [0] * len(grad), "exp_avg": moment,
+            "exp_avg_sq": moment}
 
 
 @dataclass(frozen=True)
@@ -224,11 +222,11 @@ def _late_updates(m: ModelBytes, p: Placement, master: bool) -> tuple[int, int, 
     also pass through on their way down in backward: up to all of them while
     their writes are in flight (the bound counted; how many are in flight at
     once depends on the disk)."""
-    item = DTYPE_BYTES[m.dtype]
-    train = [n for n, t in m.shards if t]
-    new = [_footprint(n * item) for n in train]
-    grad = [_footprint(n * 4) for n in train]
-    st = [_state_bytes(m, n, master) for n in train]
+    groups = _group_bytes(m, master)
+    train = [i for i, (_, t) in enumerate(m.shards) if t]
+    new = [groups["param"][i] for i in train]
+    grad = [groups["grad"][i] for i in train]
+    st = [sum(groups[k][i] for k in STATE_KINDS) for i in train]
     on_dev, gt = p.params == "device", p.grads
     dev = _peak_over_updates([(n if on_dev else 0, g if gt == "device" else 0, 0)
                               for n, g in zip(new, grad)])
