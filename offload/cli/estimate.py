@@ -20,7 +20,7 @@ from .args import UsageError, byte_size, escape, integer, number, table_console
 from .benchutil import emit
 from .model_arg import MeasuredModel, add_model_arguments, measure_model, model_spec
 
-__all__ = ["add_arguments", "add_max_grad_norm", "estimate", "model_bytes", "run"]
+__all__ = ["add_arguments", "add_training_arguments", "estimate", "model_bytes", "run"]
 
 TIERS = ("device", "host", "nvme")
 
@@ -140,16 +140,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--state-dtype", choices=STATE_DTYPES, default="fp32",
                    help="optim.state_dtype: the form of Adam's moments (default fp32; bf16 "
                    "halves them, int8 keeps about a quarter)")
-    add_max_grad_norm(p)
-    p.add_argument("--grad-accum-steps", type=integer(1, example=4), default=1,
-                   help="engine.grad_accum_steps: micro-batches per step (default 1)")
+    add_training_arguments(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
-def add_max_grad_norm(p: argparse.ArgumentParser) -> None:
+def add_training_arguments(p: argparse.ArgumentParser) -> None:
+    """--max-grad-norm and --grad-accum-steps: what decides whether gradients are stored
+    until step()."""
     p.add_argument("--max-grad-norm", type=number(0, example=1.0), default=0.0,
                    help="optim.max_grad_norm: clipping (default 0, none; Hugging Face's "
                    "Trainer clips at 1.0)")
+    p.add_argument("--grad-accum-steps", type=integer(1, example=4), default=1,
+                   help="engine.grad_accum_steps: micro-batches of --batch per step "
+                   "(default 1)")
 
 
 def placements_arg(text: str | None):

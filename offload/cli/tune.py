@@ -38,7 +38,7 @@ from ..planner.sizes import STATE_DTYPES
 from .args import (UsageError, byte_size, choice_list, directory, escape, integer,
                    missing_directories, number, output_file, remove_directories, table_console,
                    value_list)
-from .estimate import add_max_grad_norm, minimum
+from .estimate import add_training_arguments, minimum
 from .model_arg import MeasuredModel, add_model_arguments, measure_model, model_spec
 from .tune_probe import MachineProbe, probe_adam, probe_copy, probe_disk, probe_matmul
 
@@ -92,10 +92,10 @@ def group_sizes(params: int, given: tuple[int, ...] | None) -> list[int]:
 
 
 def record(spec, sizes: list[int], flops_rate: float, device: str, tick,
-           max_grad_norm: float = 0.0) -> list[StepShape]:
+           max_grad_norm: float = 0.0, grad_accum_steps: int = 1) -> list[StepShape]:
     """The model on meta at each group size: partitions, unit compute seconds (FLOPs
     over `flops_rate`), and each placement's minimum working set, for training that
-    clips at `max_grad_norm` (0: none)."""
+    clips at `max_grad_norm` (0: none) and sums `grad_accum_steps` micro-batches."""
     shapes = []
     for gs in sizes:
         mm = measure_model(spec, gs)
@@ -103,9 +103,11 @@ def record(spec, sizes: list[int], flops_rate: float, device: str, tick,
             tick()
             continue
         units = tuple((tuple(g), f / flops_rate) for g, f in zip(mm.unit_groups, mm.unit_flops))
-        mins = {p.name: tuple(minimum(mm, {**p.engine_keys(), "group_size": gs}, device,
+        keys = {"group_size": gs, "grad_accum_steps": grad_accum_steps}
+        mins = {p.name: tuple(minimum(mm, {**p.engine_keys(), **keys}, device,
                                       max_grad_norm).values()) for p in PLACEMENTS}
-        shapes.append(StepShape(gs, spec.dtype, mm.shards, units, mins, max_grad_norm > 0))
+        shapes.append(StepShape(gs, spec.dtype, mm.shards, units, mins, max_grad_norm > 0,
+                                grad_accum_steps))
         tick()
     return shapes
 
@@ -164,10 +166,13 @@ def _defaults(args, device: str) -> Candidate:
 
 def config_of(scored, spec, args, device: str) -> dict[str, Any]:
     """The whole configuration dict of a scored candidate (what --write writes): its
-    keys, the model's dtype, the swap directory and the clipping asked for."""
+    keys, the model's dtype, the swap directory and the clipping and accumulation asked
+    for."""
     keys = scored.candidate.keys()
     if args.max_grad_norm:
         keys["optim"]["max_grad_norm"] = args.max_grad_norm
+    if args.grad_accum_steps > 1:
+        keys["engine"]["grad_accum_steps"] = args.grad_accum_steps
     keys["engine"]["dtype"] = spec.dtype
     keys["io"]["paths"] = [os.path.abspath(args.swap)]
     keys["store"]["device"] = device
@@ -252,7 +257,7 @@ def tune(args: argparse.Namespace, quiet: bool = False,
         sizes = group_sizes(base.params, args.group_sizes)
         with _phase(progress, "record step (meta)", len(sizes)) as tick:
             shapes = record(spec, sizes, 1.0, device, tick,  # unit "seconds" in FLOPs
-                            args.max_grad_norm)
+                            args.max_grad_norm, args.grad_accum_steps)
         if not shapes:
             raise UsageError(f"--group-sizes: every group size makes a module that is never "
                              f"called (e.g. a ModuleList) a unit of {spec.target}; give other "
@@ -279,18 +284,19 @@ def tune(args: argparse.Namespace, quiet: bool = False,
         ranked, factors, runs = calibrate_by_real_steps(ranked, spec, args, device, progress,
                                                         t0 + 60 * args.minutes * CALIBRATE_END)
     best_cfg = config_of(ranked[0], spec, args, device)
+    tokens = base.tokens * args.grad_accum_steps
     offers = compressed_offers(ranked[0], shapes, budgets, machine, space)
     load_config(best_cfg)  # what initialize will be given: refused here, not later
     return {"command": "tune", "model": spec.target, "dtype": spec.dtype, "batch": spec.batch,
-            "max_grad_norm": args.max_grad_norm,
-            "tokens_per_step": base.tokens, "params": base.params, "device": device,
+            "max_grad_norm": args.max_grad_norm, "grad_accum_steps": args.grad_accum_steps,
+            "tokens_per_step": tokens, "params": base.params, "device": device,
             "budgets": {"host": budgets.host, "device": budgets.device},
             "probe": {"disk": [d.__dict__ for d in probe.disk], "disk_free": probe.disk_free,
                       "copy_Bps": probe.copy_Bps, "adam_elems_per_s": probe.adam_eps,
                       "adam_elems_per_s_by_state": probe.adam_eps_by_state,
                       "flops": probe.flops, "seconds": probe.seconds},
             "candidates": len(ranked), "calibration": factors, "calibration_runs": runs,
-            "results": [{**_row(s, base.tokens), "config": config_of(s, spec, args, device)}
+            "results": [{**_row(s, tokens), "config": config_of(s, spec, args, device)}
                         for s in ranked],
             "best": best_cfg, "offers": offers,
             "seconds": time.perf_counter() - t0, "torch": torch.__version__}
@@ -620,7 +626,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma list of optim.state_dtype forms of Adam's moments to search "
                    "(default fp32; bf16 and int8 change the numbers, so they are searched "
                    "only when named, and offered when they would win)")
-    add_max_grad_norm(p)
+    add_training_arguments(p)
     p.add_argument("--top", type=integer(1, example=10), default=10,
                    help="rows of the table (default 10)")
     p.add_argument("--json", action="store_true", help="print one JSON object")

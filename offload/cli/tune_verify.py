@@ -41,9 +41,10 @@ def _batch(spec: ModelSpec, device: str) -> tuple[dict, Any]:
 
 def measure_config(spec: ModelSpec, config: dict, *, steps: int = 3,
                    warmup: int = 1) -> dict[str, Any]:
-    """Initialises the model under `config`, runs `warmup` then `steps` steps; the
-    median step (s), every step, init seconds, the store's peak bytes per tier and the
-    bytes read and written to NVMe per step."""
+    """Initialises the model under `config`, runs `warmup` then `steps` steps (each of
+    its engine.grad_accum_steps micro-batches); the median step (s), every step, init
+    seconds, the store's peak bytes per tier and the bytes read and written to NVMe
+    per step."""
     import torch
 
     import offload
@@ -62,7 +63,8 @@ def measure_config(spec: ModelSpec, config: dict, *, steps: int = 3,
             if i == warmup:
                 io0 = engine.nvme_bytes()
             t = time.perf_counter()
-            engine.backward(loss_of(call(engine, batch)).float())
+            for _ in range(engine.grad_accum_steps):
+                engine.backward(loss_of(call(engine, batch)).float())
             engine.step()
             if engine.store.device.type == "cuda":
                 torch.cuda.synchronize()

@@ -6,4 +6,4 @@ from .plan import Plan, PlanOp, RecordSpec, Use, lru_bytes, make_plan, previous_
 from .simulate import Prediction, Rates, simulate
 
 __all__ = ["AccessTrace", "Plan", "PlanOp", "Prediction", "Rates", "RecordSpec", "Use",
-           "lookahead", "lru_bytes", "make_plan", "simulate"]
+           "lookahead", "lru_bytes", "make_plan", "previous_key", "simulate"]

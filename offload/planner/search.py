@@ -4,20 +4,21 @@ budgets, scored by the step simulator (pure functions: no tensors, files or thre
 [Note: the modelled step]
 A configuration's step is built as an access trace (`Use`s) and planned and
 simulated like any other (offload.planner.plan, .simulate):
-  * forward over the units, then backward in reverse, each taking its measured
-    compute time plus a fixed per-unit cost (hooks, gathers); a unit whose
-    parameters live on NVMe uses their partitions (records), read ahead at most
-    `prefetch_depth` uses before they are needed (the engine's look-ahead);
+  * forward over the units, then backward in reverse (once per micro-batch), each
+    taking its measured compute time plus a fixed per-unit cost (hooks, gathers); a
+    unit whose parameters live on NVMe uses their partitions (records), read ahead
+    at most `prefetch_depth` uses before they are needed (the engine's look-ahead);
     on a GPU, parameters homed on the host are copied up at the copy rate;
   * every group's update after backward, or, where updates run early (NVMe
-    optimizer state without clipping or loss scaling), right after the
-    backward of its unit; with NVMe optimizer state the update streams its
+    optimizer state without clipping, loss scaling or accumulation), right after
+    the backward of its unit; with NVMe optimizer state the update streams its
     state in chunks (records of `chunk` elements x 12 bytes, 8 in fp32, the
     moments counted in the candidate's `state_dtype`: 4 bytes per element of
     both in bf16, about 2 in int8) that
     are read at most `buffers - 1` chunks ahead and written back, each taking
-    its elements over the measured Adam rate of its state dtype; gradients homed on NVMe are
-    written at backward and read at the update;
+    its elements over the measured Adam rate of its state dtype; gradients homed on
+    NVMe are written at backward (read and written again by each later
+    micro-batch's) and read at the update;
   * memory for the streamed records is what the budgets leave once every
     partition homed in memory is counted, plus the pipeline's chunk buffers;
     where that memory spans two tiers, the plan's single budget is what the two
@@ -61,7 +62,7 @@ class StepShape:
     """The model grouped at one `group_size`: each group's elements per rank and whether
     it trains, each unit's groups and forward compute seconds (backward: twice), and
     the minimum working set (device, host bytes) of each placement (by name), for
-    training that clips or not."""
+    training that clips or not and sums `accum` micro-batches a step."""
 
     group_size: int
     dtype: str
@@ -69,6 +70,7 @@ class StepShape:
     units: tuple[tuple[tuple[int, ...], float], ...]
     minimum: Mapping[str, tuple[int, int]]
     clipping: bool = False  # optim.max_grad_norm > 0: updates after backward
+    accum: int = 1  # engine.grad_accum_steps: micro-batches a step, updates after them
 
     @property
     def model(self) -> ModelBytes:
@@ -194,14 +196,15 @@ def _memory(shape: StepShape, c: Candidate, budgets: Budgets,
     records), or None when the budgets cannot hold what the placement homes in memory
     or its minimum working set."""
     p = c.placement
-    tb = tier_bytes(model_of(shape, c), p, device=device, clipping=shape.clipping)
+    tb = tier_bytes(model_of(shape, c), p, device=device, clipping=shape.clipping,
+                    accum=shape.accum)
     kinds = kind_bytes(model_of(shape, c))
     uses_nvme = "nvme" in (p.params, p.grads, p.optimizer)
     opt_host = tb.optimizer.get("host", 0)
     store_host = budgets.host - opt_host - (c.buffer_budget if uses_nvme else 0)
     min_dev, min_host = shape.minimum[p.name]
     P, G = kinds["param"], kinds["grad"]
-    stored = not early_updates(p, shape.dtype, clipping=shape.clipping)
+    stored = not early_updates(p, shape.dtype, clipping=shape.clipping, accum=shape.accum)
     dev_home = (P * (2 if p.optimizer == "nvme" else 1) if p.params == "device" else 0) + \
         (G if p.grads == "device" and stored else 0)
     host_home = tb.store["host"] if p.params != "nvme" else \
@@ -211,19 +214,13 @@ def _memory(shape: StepShape, c: Candidate, budgets: Budgets,
     return store_host, budgets.device, (budgets.device - dev_home, store_host - host_home)
 
 
-def _records(shards: Sequence[tuple[int, bool]], dtype: str, p: Placement,
-             clipping: bool) -> dict:
-    """The partitions a step moves between memory and NVMe through the store: parameters
-    homed on NVMe, and gradients homed there where they are stored."""
+def _records(shards: Sequence[tuple[int, bool]], dtype: str, p: Placement) -> dict:
+    """The partitions the plan moves between memory and NVMe: parameters homed on NVMe
+    (gradients homed there move whatever the budgets: `ModelledStep.grad_io`)."""
     item = DTYPE_BYTES[dtype]
-    stored_grads = not early_updates(p, dtype, clipping=clipping)
-    records: dict = {}
-    for gid, (n, trains) in enumerate(shards):
-        if p.params == "nvme":
-            records[("p", gid)] = RecordSpec(_footprint(n * item))
-        if trains and p.grads == "nvme" and stored_grads:
-            records[("g", gid)] = RecordSpec(_footprint(n * 4))
-    return records
+    if p.params != "nvme":
+        return {}
+    return {("p", gid): RecordSpec(_footprint(n * item)) for gid, (n, _) in enumerate(shards)}
 
 
 @dataclass(frozen=True)
@@ -240,14 +237,16 @@ class UnitUse:
 @dataclass
 class ModelledStep:
     """A step's access trace ([Note: the modelled step]): its uses, the store's records
-    they name, the optimizer's NVMe chunks (use index, key, bytes), and the summed
-    seconds of the units' compute and of Adam."""
+    they name, the optimizer's NVMe chunks (use index, key, bytes), the summed seconds
+    of the units' compute and of Adam, and the reads and writes of gradients homed on
+    NVMe (use index, "read" before it or "write" after it, key, bytes)."""
 
     uses: list[Use]
     records: dict
     streams: list[tuple[int, tuple, int]]
     compute_s: float
     adam_s: float
+    grad_io: list[tuple[int, str, tuple, int]] = field(default_factory=list)
 
 
 def modelled_step(units: Sequence[UnitUse], shards: Sequence[tuple[int, bool]], dtype: str,
@@ -256,7 +255,8 @@ def modelled_step(units: Sequence[UnitUse], shards: Sequence[tuple[int, bool]], 
                   update_order: Sequence[int] | None = None,
                   between: Sequence[Use] = (), commit_s: float = 0.0,
                   grads_reserved: bool = False, state_dtype: str = "fp32",
-                  staged: bool = False, master: bool, clipping: bool = False) -> ModelledStep:
+                  staged: bool = False, master: bool, clipping: bool = False,
+                  accum: int = 1) -> ModelledStep:
     """The access trace of one step ([Note: the modelled step]) from its unit uses in
     order (forward and backward, each with its compute seconds as given): each group's
     update after the backward of its unit where updates run early (on `update_lane`:
@@ -270,31 +270,46 @@ def modelled_step(units: Sequence[UnitUse], shards: Sequence[tuple[int, bool]], 
     the form of Adam's moments in the chunks (`adam_eps` is that form's rate);
     `staged`: each update keeps its parameters' previous version until the commit
     (`commit_stages`, [Note: previous versions] in plan.py); `master`: whether chunks
-    hold an fp32 master (`sizes.keeps_master`)."""
+    hold an fp32 master (`sizes.keeps_master`); `clipping` and `accum` (the micro-batches
+    in `units`, engine.grad_accum_steps): whether updates wait for the end of backward.
+
+    A stored gradient homed on NVMe is written down by each backward of its group
+    (the engine evicts it once summed), read back by each later one to sum into, by
+    the norm (clipping, fp16: one use per group after backward) and by its update
+    (`grad_io`), whatever the budgets: it passes through the host memory `_memory`
+    sets aside for it."""
     state_b = state_elem_bytes(master, state_dtype)
-    early = early_updates(placement, dtype, clipping=clipping)
-    records = _records(shards, dtype, placement, clipping)
+    early = early_updates(placement, dtype, clipping=clipping, accum=accum)
+    records = _records(shards, dtype, placement)
+    nvme_grads = not early and placement.grads == "nvme"
     uses: list[Use] = []
     streams: list[tuple[int, tuple, int]] = []
+    grad_io: list[tuple[int, str, tuple, int]] = []
     fb = adam = 0.0
     held: dict[int, int] = {}  # gradients in memory now: gid -> bytes
     reserved = 0  # their sum
     in_memory = grads_reserved and not early and placement.grads != "nvme"
 
+    def grad_bytes(gid: int) -> int:
+        return _footprint(shards[gid][0] * 4)
+
     def unit_use(u: UnitUse) -> None:
         nonlocal fb, reserved
         keys = tuple(("p", g) for g in u.gids if ("p", g) in records)
-        writes: tuple = ()
         if u.kind == "backward":
-            gk = tuple(("g", g) for g in u.gids if ("g", g) in records)
-            keys, writes = keys + gk, gk
+            for g in u.gids:
+                if nvme_grads and shards[g][1]:
+                    if g in made:  # summed into: read back first
+                        grad_io.append((len(uses), "read", ("g", g), grad_bytes(g)))
+                    grad_io.append((len(uses), "write", ("g", g), grad_bytes(g)))
+                    made.add(g)
             if in_memory:
                 for g in u.gids:
                     if shards[g][1] and g not in held:
-                        held[g] = _footprint(shards[g][0] * 4)
+                        held[g] = grad_bytes(g)
                         reserved += held[g]
         fb += u.compute_s
-        uses.append(Use(keys, writes, u.kind, u.label or f"{u.kind} {u.gids}", u.compute_s,
+        uses.append(Use(keys, (), u.kind, u.label or f"{u.kind} {u.gids}", u.compute_s,
                         reserved=reserved))
 
     def update(gid: int, lane: str) -> None:
@@ -305,7 +320,8 @@ def modelled_step(units: Sequence[UnitUse], shards: Sequence[tuple[int, bool]], 
         parts = [(k, min(chunk, n - k * chunk)) for k in range(-(-n // chunk))] if chunk \
             else [(None, n)]
         for j, (k, m) in enumerate(parts):
-            keys: tuple = (("g", gid),) if j == 0 and ("g", gid) in records else ()
+            if j == 0 and nvme_grads:
+                grad_io.append((len(uses), "read", ("g", gid), grad_bytes(gid)))
             pw = (("p", gid),) if j == len(parts) - 1 and ("p", gid) in records else ()
             if staged:
                 kept.extend(pw)
@@ -313,12 +329,13 @@ def modelled_step(units: Sequence[UnitUse], shards: Sequence[tuple[int, bool]], 
                 streams.append((len(uses), ("s", gid, k), round(m * state_b)))
             t = m / adam_eps + (chunk_overhead_s if k is not None else 0.0)
             adam += t
-            uses.append(Use(keys + pw, pw, "update", f"adam {gid}", t, lane, reserved,
+            uses.append(Use(pw, pw, "update", f"adam {gid}", t, lane, reserved,
                             previous=pw if staged else (),
                             fresh=pw if dtype != "fp32" else ()))  # the master is apart
         reserved -= held.pop(gid, 0)  # the update frees the stored gradient
 
     done: set[int] = set()
+    made: set = set()  # groups whose gradient this step's backward wrote
     kept: list = []  # records whose previous version waits for the commit
     backward = False
     for u in units:
@@ -332,21 +349,25 @@ def modelled_step(units: Sequence[UnitUse], shards: Sequence[tuple[int, bool]], 
                     done.add(g)
                     update(g, update_lane)
     if not early:
+        if nvme_grads and (clipping or dtype == "fp16"):  # the norm reads every gradient
+            for g in sorted(made):
+                grad_io.append((len(uses), "read", ("g", g), grad_bytes(g)))
+                uses.append(Use((), (), "norm", f"norm {g}", reserved=reserved))
         for g in (update_order if update_order is not None else range(len(shards))):
             update(g, "compute")
     uses.append(Use((), (), "commit", "commit", commit_s,  # the last chunk's write lands after
                     drops=tuple(previous_key(k) for k in kept)))
-    return ModelledStep(uses, records, streams, fb, adam)
+    return ModelledStep(uses, records, streams, fb, adam, grad_io)
 
 
 def commit_stages(p: Placement, dtype: str, shards: Sequence[tuple[int, bool]],
-                  budget: int, clipping: bool = False) -> bool:
+                  budget: int, clipping: bool = False, accum: int = 1) -> bool:
     """True where the step's updates keep their parameters' previous versions until the
     commit, as the engine's `step()` does ([Note: all or nothing] in
     offload/engine/step.py): always but where the optimizer state is on the host and
     every gradient and parameter partition the updates touch fits `budget` at once
     (the engine then pins them all first and updates in place)."""
-    if p.optimizer != "host" or early_updates(p, dtype, clipping=clipping):
+    if p.optimizer != "host" or early_updates(p, dtype, clipping=clipping, accum=accum):
         return True
     item = DTYPE_BYTES[dtype]
     need = sum(_footprint(n * item) + _footprint(n * 4) for n, trains in shards if trains)
@@ -358,7 +379,7 @@ def _uses(shape: StepShape, c: Candidate, machine: Machine, staged: bool = False
     """The modelled step of candidate `c` ([Note: the modelled step]): forward over the
     units, backward in reverse at twice the forward's seconds, each plus the machine's
     fixed cost per unit use (and, on a GPU, the copy up of parameters homed on the
-    host)."""
+    host), once per micro-batch (`shape.accum`)."""
     p = c.placement
     item = DTYPE_BYTES[shape.dtype]
     master = keeps_master(shape.dtype, p.params, machine.device)
@@ -370,15 +391,17 @@ def _uses(shape: StepShape, c: Candidate, machine: Machine, staged: bool = False
         if machine.copy_Bps and p.params == "host":
             extra = sum(_footprint(shape.shards[g][0] * item) for g in gids) / machine.copy_Bps
         return s + machine.unit_overhead_s + extra
-    units = [UnitUse("forward", gids, secs(gids, s), f"forward {i}")
+    micro = [UnitUse("forward", gids, secs(gids, s), f"forward {i}")
              for i, (gids, s) in enumerate(shape.units)]
-    units += [UnitUse("backward", shape.units[i][0], secs(shape.units[i][0],
+    micro += [UnitUse("backward", shape.units[i][0], secs(shape.units[i][0],
                                                           2 * shape.units[i][1]),
                       f"backward {i}") for i in reversed(range(len(shape.units)))]
+    units = micro * shape.accum
     return modelled_step(units, shape.shards, shape.dtype, p, chunk,
                          machine.adam_rate(c.state_dtype),
                          chunk_overhead_s=machine.chunk_overhead_s, state_dtype=c.state_dtype,
-                         staged=staged, master=master, clipping=shape.clipping)
+                         staged=staged, master=master, clipping=shape.clipping,
+                         accum=shape.accum)
 
 
 def _stream_state(plan: Plan, streams: list[tuple[int, tuple, int]], buffers: int) -> Plan:
@@ -395,6 +418,24 @@ def _stream_state(plan: Plan, streams: list[tuple[int, tuple, int]], buffers: in
     moved = sum(b for _, _, b in streams)
     return Plan(ops, plan.budget, plan.held, plan.bytes_read + moved,
                 plan.bytes_written + moved, by_use)
+
+
+def _stream_grads(plan: Plan, grad_io: list[tuple[int, str, tuple, int]]) -> Plan:
+    """Adds the traffic of gradients homed on NVMe (`ModelledStep.grad_io`): each read
+    issued at the use that reads it (the engine fetches it there) and each write after
+    the use that wrote it."""
+    ops = list(plan.ops)
+    by_use = {i: list(v) for i, v in plan.fetches_by_use.items()}
+    moved = {"read": 0, "write": 0}
+    for i, kind, key, nbytes in grad_io:
+        moved[kind] += nbytes
+        if kind == "read":
+            ops.append(PlanOp("fetch", key, nbytes, i, i))
+            by_use.setdefault(i, []).append(ops[-1])
+        else:
+            ops.append(PlanOp("write-back", key, nbytes, i + 1, follows=i))
+    return Plan(ops, plan.budget, plan.held, plan.bytes_read + moved["read"],
+                plan.bytes_written + moved["write"], by_use)
 
 
 def _limit_lookahead(plan: Plan, uses: Sequence[Use], depth: int) -> Plan:
@@ -506,23 +547,25 @@ def plan_step(step: ModelledStep, tiers: Sequence[int], prefetch_depth: int,
     """The plan of a modelled step (`make_plan`) with memory tiers of `tiers` bytes for
     its records (`packed_budget`), as the engine executes it: parameter fetches issued
     no earlier than its look-ahead of `prefetch_depth` units (`_limit_lookahead`),
-    write-backs where the room is needed (`_write_on_demand`), and the optimizer's
-    NVMe state streamed through `buffers` chunk buffers. Raises ValueError when a use
-    needs more than that budget at once."""
+    write-backs where the room is needed (`_write_on_demand`), the optimizer's NVMe
+    state streamed through `buffers` chunk buffers, and the gradients homed on NVMe
+    moved where they are used. Raises ValueError when a use needs more than that
+    budget at once."""
     budget = packed_budget(step, tiers)
     plan = make_plan(step.uses, steady_records(step, budget), budget, steady=True)
     plan = _write_on_demand(_limit_lookahead(plan, step.uses, prefetch_depth))
-    return _stream_state(plan, step.streams, buffers)
+    return _stream_grads(_stream_state(plan, step.streams, buffers), step.grad_io)
 
 
 def lru_step_bytes(step: ModelledStep, tiers: Sequence[int]) -> tuple[int, int]:
     """(read, written) bytes of the same step with on-demand fetches and least-recently-
     used eviction of its records (`lru_bytes`) under the same budget as `plan_step`,
-    plus the optimizer's streamed state."""
+    plus the optimizer's streamed state and the gradients' moves."""
     budget = packed_budget(step, tiers)
     read, written = lru_bytes(step.uses, steady_records(step, budget), budget, steady=True)
     moved = sum(b for _, _, b in step.streams)
-    return read + moved, written + moved
+    grads = {k: sum(b for _, kind, _, b in step.grad_io if kind == k) for k in ("read", "write")}
+    return read + moved + grads["read"], written + moved + grads["write"]
 
 
 def score(shape: StepShape, c: Candidate, budgets: Budgets, machine: Machine) -> Scored | None:
@@ -532,14 +575,16 @@ def score(shape: StepShape, c: Candidate, budgets: Budgets, machine: Machine) ->
         return None
     p = c.placement
     tb = tier_bytes(model_of(shape, c), p, device=machine.device, clipping=shape.clipping,
-                    buffer_budget=c.buffer_budget, prefetch_depth=c.prefetch_depth)
+                    accum=shape.accum, buffer_budget=c.buffer_budget,
+                    prefetch_depth=c.prefetch_depth)
     if tb.total["nvme"] > machine.disk_free:
         return None
     if p.optimizer == "nvme" and not chunk_elems(
             c.buffer_budget, c.buffers, state_dtype=c.state_dtype,
             master=keeps_master(shape.dtype, p.params, machine.device)):
         return None
-    staged = commit_stages(p, shape.dtype, shape.shards, sum(mem[2]), shape.clipping)
+    staged = commit_stages(p, shape.dtype, shape.shards, sum(mem[2]), shape.clipping,
+                           shape.accum)
     step = _uses(shape, c, machine, staged)
     fb, adam = step.compute_s, step.adam_s
     try:
@@ -653,7 +698,7 @@ def shortfall(shape: StepShape, budgets: Budgets, machine: Machine,
     p = Placement("nvme", "nvme", "nvme")
     min_dev, min_host = shape.minimum[p.name]
     tb = tier_bytes(shape.model, p, device=machine.device, buffer_budget=buffer_budget,
-                    clipping=shape.clipping)
+                    clipping=shape.clipping, accum=shape.accum)
     host = max(min_host + buffer_budget, 2 * buffer_budget)  # buffers: at most half the host
     need = {"device": min_dev, "host": host, "nvme": tb.total["nvme"]}
     have = {"device": budgets.device, "host": budgets.host, "nvme": machine.disk_free}

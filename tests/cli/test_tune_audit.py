@@ -77,7 +77,9 @@ def _one_line(err: str) -> str:
 
 def _train_against_adamw(path: str, steps: int = 3) -> dict[str, int]:
     """Trains the MLP under the config file `path` and plain torch AdamW with the file's
-    hyperparameters side by side; checks losses and weights agree; the store's peaks."""
+    hyperparameters side by side (the file's micro-batches a step, the mean of their
+    gradients, clipped where it clips); checks losses and weights agree; the store's
+    peaks."""
     from tuneaudit_models import mlp
 
     cfg = load_config(path)
@@ -87,19 +89,21 @@ def _train_against_adamw(path: str, steps: int = 3) -> dict[str, int]:
     o = cfg.optim
     opt = torch.optim.AdamW(ref.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps,
                             weight_decay=o.weight_decay)
+    micro = cfg.engine.grad_accum_steps
     try:
         for i in range(steps):
-            x = torch.randn(8, 512, generator=torch.Generator().manual_seed(i))
-            loss = engine(x).square().mean()
-            engine.backward(loss)
-            assert engine.step()
             opt.zero_grad()
-            want = ref(x).square().mean()
-            want.backward()
+            for j in range(micro):
+                x = torch.randn(8, 512, generator=torch.Generator().manual_seed(i * micro + j))
+                loss = engine(x).square().mean()
+                engine.backward(loss)
+                want = ref(x).square().mean()
+                (want / micro).backward()
+                assert loss.item() == pytest.approx(want.item(), rel=1e-5, abs=1e-9)
+            assert engine.step()
             if o.max_grad_norm:
                 torch.nn.utils.clip_grad_norm_(ref.parameters(), o.max_grad_norm)
             opt.step()
-            assert loss.item() == pytest.approx(want.item(), rel=1e-5, abs=1e-9)
         got = engine.state_dict()
         for k, v in ref.state_dict().items():
             torch.testing.assert_close(got[k].float(), v, rtol=1e-5, atol=1e-6)
@@ -163,6 +167,38 @@ def test_a_config_tuned_for_clipping_clips_and_trains_within_its_budgets(
     assert on_nvme and all(clip[k] > 1.05 * plain[k] for k in on_nvme), (clip, plain)
 
 
+def test_a_config_tuned_for_accumulation_accumulates_and_trains_within_its_budgets(
+        work, offload_cli, fixed):
+    """With two micro-batches a step the gradients are stored until step(): the file tune
+    writes sets engine.grad_accum_steps and trains as AdamW over the micro-batches'
+    mean gradient within its budgets; every prediction is at least a quarter longer than
+    one micro-batch's (with these fixed rates, 1.3-2.6x: the compute twice, the stored
+    gradients), and the tokens a step are twice the batch's."""
+    base = _tune_argv(work / "swap", "--host-budget", "12MiB", "--device-budget", "2MiB")
+    rc, out, err = offload_cli(base + ["--grad-accum-steps", "2", "--write", "o.toml"])
+    assert rc == 0, err
+    res = json.loads(out)
+    cfg = load_config(str(work / "o.toml"))
+    assert res["grad_accum_steps"] == cfg.engine.grad_accum_steps == 2
+    assert cfg.store.device_budget <= 2 * MiB
+    assert cfg.store.host_budget + cfg.io.buffer_budget <= 12 * MiB
+    peaks = _train_against_adamw(str(work / "o.toml"))
+    assert peaks["DEVICE"] <= cfg.store.device_budget
+    assert peaks["HOST"] <= cfg.store.host_budget
+    rc, out_one, err = offload_cli(base)
+    assert rc == 0, err
+    one = json.loads(out_one)
+    assert res["tokens_per_step"] == 2 * one["tokens_per_step"]
+
+    def steps(r):  # predicted step per configuration, accumulation aside
+        c = copy.deepcopy(r["config"])
+        c["engine"].pop("grad_accum_steps", None)
+        return json.dumps(c, sort_keys=True), r["predicted_step_s"]
+    accum, plain = dict(map(steps, res["results"])), dict(map(steps, one["results"]))
+    both = accum.keys() & plain.keys()
+    assert both and all(accum[k] > 1.25 * plain[k] for k in both), (accum, plain)
+
+
 def test_tune_searches_clipping_with_its_minimum_budgets(work):
     """The step shapes tune searches for a clipping run carry the clipping, and each
     placement's minimum budgets are those of training that clips (higher host
@@ -175,6 +211,9 @@ def test_tune_searches_clipping_with_its_minimum_budgets(work):
     assert (plain.clipping, clipped.clipping) == (False, True)
     assert clipped.minimum["nvme/nvme/nvme"][1] > plain.minimum["nvme/nvme/nvme"][1]
     assert clipped.minimum["host/host/host"] == plain.minimum["host/host/host"]
+    summed = tune_cli.record(spec, [262656], 1.0, "cpu", lambda: None, 0.0, 2)[0]
+    assert (summed.clipping, summed.accum) == (False, 2)
+    assert summed.minimum["nvme/nvme/nvme"] == clipped.minimum["nvme/nvme/nvme"]
 
 
 def test_a_swap_path_beyond_the_bmp_is_written_as_toml_that_loads(work, offload_cli, fixed):

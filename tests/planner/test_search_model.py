@@ -116,3 +116,25 @@ def test_on_a_gpu_host_parameters_are_copied_up_at_every_unit_use():
     cpu = score(SHAPE, c, budgets, _machine())
     gpu = score(SHAPE, c, budgets, _machine(copy_Bps=1e9))
     assert gpu.compute_s - cpu.compute_s == pytest.approx(16 * 4 * MiB / 1e9)
+
+
+def test_accumulation_stores_the_gradients_as_clipping_does():
+    """Under NVMe optimizer state, two micro-batches a step store the gradients until
+    step() as clipping does: the budgets must hold them beside the parameters (a
+    budget that holds a plain step's is refused for both), and the step models both
+    micro-batches' compute."""
+    import dataclasses
+
+    from offload.planner.search import _memory
+
+    c = dataclasses.replace(DEFAULTS, placement=Placement("device", "device", "nvme"))
+    budgets = Budgets(host=1 << 30, device=2 * 8 * 4 * N + 4 * MiB)  # 2P: staged updates
+    plain = _memory(SHAPE, c, budgets, "cpu")
+    assert plain is not None
+    for shape in (dataclasses.replace(SHAPE, clipping=True),
+                  dataclasses.replace(SHAPE, accum=2)):
+        assert _memory(shape, c, budgets, "cpu") is None
+    m = _machine()
+    one = score(SHAPE, DEFAULTS, Budgets(1 << 34, 1 << 34), m)
+    two = score(dataclasses.replace(SHAPE, accum=2), DEFAULTS, Budgets(1 << 34, 1 << 34), m)
+    assert two.compute_s == pytest.approx(2 * one.compute_s)
