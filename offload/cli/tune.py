@@ -389,9 +389,12 @@ def render(result: dict[str, Any], top: int) -> None:
     from rich.table import Table
 
     con = table_console()
+    micro = result.get("grad_accum_steps", 1)
+    batch = f"batch {result['batch']}" + (f" x {micro} micro-batches" if micro > 1 else "")
+    clip = f", clipping at {result['max_grad_norm']:g}" if result.get("max_grad_norm") else ""
     t = Table(title=f"offload tune: {escape(result['model'])} "
                     f"({result['params'] / 1e6:.1f}M params, "
-                    f"{result['dtype']}, batch {result['batch']}), host budget "
+                    f"{result['dtype']}, {batch}{clip}), host budget "
                     f"{format_bytes(result['budgets']['host'])}, device budget "
                     f"{format_bytes(result['budgets']['device'])}: best {top} of "
                     f"{result['candidates']}")

@@ -132,7 +132,7 @@ def test_written_config_trains_like_adamw_within_its_budgets(work, offload_cli, 
 
 
 def test_a_config_tuned_for_clipping_clips_and_trains_within_its_budgets(
-        work, offload_cli, fixed):
+        work, offload_cli, fixed, capsys, monkeypatch):
     """With clipping the gradients are stored until step() under NVMe optimizer
     state: tune's budgets count them, and the file it writes clips as asked (the
     first step's gradient norm is about 0.05, so 0.01 clips every step)."""
@@ -141,6 +141,10 @@ def test_a_config_tuned_for_clipping_clips_and_trains_within_its_budgets(
                                           "0.01", "--write", "o.toml"))
     assert rc == 0, err
     assert json.loads(out)["max_grad_norm"] == 0.01
+    monkeypatch.setenv("COLUMNS", "300")
+    capsys.readouterr()
+    tune_cli.render(json.loads(out), 3)
+    assert "fp32, batch 8, clipping at 0.01)" in capsys.readouterr().out
     cfg = load_config(str(work / "o.toml"))
     assert cfg.optim.max_grad_norm == 0.01 and cfg.engine.optimizer == "nvme"
     assert cfg.store.device_budget <= 2 * MiB
@@ -168,7 +172,7 @@ def test_a_config_tuned_for_clipping_clips_and_trains_within_its_budgets(
 
 
 def test_a_config_tuned_for_accumulation_accumulates_and_trains_within_its_budgets(
-        work, offload_cli, fixed):
+        work, offload_cli, fixed, capsys, monkeypatch):
     """With two micro-batches a step the gradients are stored until step(): the file tune
     writes sets engine.grad_accum_steps and trains as AdamW over the micro-batches'
     mean gradient within its budgets; every prediction is at least a quarter longer than
@@ -197,6 +201,10 @@ def test_a_config_tuned_for_accumulation_accumulates_and_trains_within_its_budge
     accum, plain = dict(map(steps, res["results"])), dict(map(steps, one["results"]))
     both = accum.keys() & plain.keys()
     assert both and all(accum[k] > 1.25 * plain[k] for k in both), (accum, plain)
+    monkeypatch.setenv("COLUMNS", "300")
+    capsys.readouterr()
+    tune_cli.render(res, 3)
+    assert "fp32, batch 8 x 2 micro-batches)" in capsys.readouterr().out
 
 
 def test_tune_searches_clipping_with_its_minimum_budgets(work):
