@@ -18,7 +18,7 @@ from offload.config import ConfigError
 
 from .ranks import process_group, run_cases, spawn_cases
 from .models import lm_loss
-from .test_domino import VOCAB, _batches, _config, _logits, _model
+from .test_domino import EPS, VOCAB, _batches, _config, _logits, _model
 
 pytestmark = pytest.mark.distributed
 
@@ -63,7 +63,7 @@ def _unchanged(model: nn.Module, before: dict) -> dict:
     return {"cut": any(isinstance(m, (DominoBlock, ColumnParallel, RowParallel))
                        for m in model.modules()),
             "same": set(after) == set(before) and all(
-                after[k].shape == v.shape and torch.equal(after[k], v)
+                after[k].shape == v.shape and (v.is_meta or torch.equal(after[k], v))
                 for k, v in before.items())}
 
 
@@ -280,6 +280,72 @@ def _case_modes(d: str) -> dict:
     return out
 
 
+def _case_uneven_batch(d: str) -> dict:
+    """domino.pieces = 2 and batches of 1 and 3 rows: the block runs in as many pieces as
+    divide the batch (one); logits and one AdamW step as torch's."""
+    from offload.engine import full_state_dict
+    g = torch.Generator().manual_seed(3)
+    x1 = torch.randint(0, VOCAB, (1, 12), generator=g)
+    x3, y3 = (torch.randint(0, VOCAB, (3, 12), generator=g) for _ in range(2))
+    ref = _model("gpt")
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, eps=EPS)
+    with torch.no_grad():
+        want1 = _logits(ref(x1))
+    with offload.initialize(_model("gpt"), _config(os.path.join(d, "uneven"), 2, "host",
+                                                   pieces=2)) as engine:
+        with torch.no_grad():
+            got1 = _logits(engine(x1))
+        engine.backward(lm_loss(_logits(engine(x3)), y3))
+        engine.step()
+        weights = full_state_dict(engine)
+    lm_loss(_logits(ref(x3)), y3).backward()
+    opt.step()
+    return {"logits": (got1 - want1).abs().max().item(),
+            "weights": max((weights[k] - v).abs().max().item()
+                           for k, v in ref.state_dict().items())}
+
+
+def _gpt2_dropout() -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=VOCAB,
+                                      n_positions=32, resid_pdrop=0.5, embd_pdrop=0.0,
+                                      attn_pdrop=0.0, attn_implementation="sdpa"))
+
+
+def _case_eval_no_dropout(d: str) -> dict:
+    """GPT-2 with residual dropout 0.5 in eval mode: no dropout, torch's eval logits."""
+    x = torch.randint(0, VOCAB, (4, 12), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        want = _logits(_gpt2_dropout().eval()(x, use_cache=False))
+    with offload.initialize(_gpt2_dropout(), _config(os.path.join(d, "eval"), 2,
+                                                     "host")) as engine:
+        engine.eval()
+        with torch.no_grad():
+            got = _logits(engine(x, use_cache=False))
+    return {"diff": (got - want).abs().max().item()}
+
+
+def _case_no_block(d: str) -> dict:
+    """A model with no transformer block: refused, not trained whole on every TP rank
+    as if tp.size were 1."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    before = _state(model)
+    out = _outcome(lambda: _init_and_close(model, _config(os.path.join(d, "nb"), 2, "host")))
+    return out | _unchanged(model, before)
+
+
+def _case_meta(d: str) -> dict:
+    """The GPT-style decoder built on the meta device: its weights cannot be cut."""
+    from offload.cli.gpt import GPT, GPTConfig
+    with torch.device("meta"):
+        model = GPT(GPTConfig(n_layer=2, d_model=32, n_head=4, vocab=VOCAB, max_seq=16))
+    before = _state(model)
+    out = _outcome(lambda: _init_and_close(model, _config(os.path.join(d, "m"), 2, "host")))
+    return out | _unchanged(model, before)
+
+
 def _worker(rank: int, world: int, init_file: str, out: str) -> None:
     d = os.path.dirname(init_file)
     with process_group(rank, world, init_file):
@@ -293,7 +359,11 @@ def _worker(rank: int, world: int, init_file: str, out: str) -> None:
                  "refusals": lambda: _case_refusals(d),
                  "ranks_apart": lambda: _case_ranks_apart(d),
                  "frozen": lambda: _case_frozen(d),
-                 "modes": lambda: _case_modes(d)}
+                 "modes": lambda: _case_modes(d),
+                 "uneven": lambda: _case_uneven_batch(d),
+                 "eval": lambda: _case_eval_no_dropout(d),
+                 "no_block": lambda: _case_no_block(d),
+                 "meta": lambda: _case_meta(d)}
         run_cases(cases, f"{out}.{rank}")
 
 
@@ -431,3 +501,29 @@ def test_dp_groups_hold_the_ranks_of_one_tp_index():
         mesh = ParallelMesh(dp=SimpleNamespace(world=dp), tp=SimpleNamespace(world=tp),
                             world=None, control=None)
         assert mesh.dp_groups == want
+
+
+def test_a_batch_the_pieces_do_not_divide_runs_as_torch(outcomes):
+    for r in outcomes:
+        got = r["uneven"]
+        assert "crash" not in got, got
+        assert got["logits"] < 1e-5 and got["weights"] < 1e-6, got
+
+
+def test_an_eval_forward_applies_no_residual_dropout(outcomes):
+    for r in outcomes:
+        got = r["eval"]
+        assert "crash" not in got, got
+        assert got["diff"] < 1e-5, got
+
+
+@pytest.mark.parametrize("case,words", [("no_block", "no transformer block"),
+                                        ("meta", "meta")])
+def test_a_model_tensor_parallelism_cannot_cut_is_refused_as_it_was(outcomes, case, words):
+    """A model with no block it knows, or built on the meta device: a ConfigError naming
+    tp.size and why, the model as it was."""
+    for r in outcomes:
+        got = r[case]
+        assert got["config_error"], got
+        assert "tp.size" in got["message"] and words in got["message"], got
+        assert not got["cut"] and got["same"], got
