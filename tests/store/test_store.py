@@ -442,6 +442,7 @@ def test_a_fetch_up_from_a_full_host_swaps_with_the_device_copy_it_displaces(mak
     assert torch.equal(s.get("v", H), page_tensor(1) + 1)
     st = s.stats()
     assert st.writes == before.writes
+    assert st.evictions == before.evictions + 1  # the copy handed down counts
     for d in ("HOST->DEVICE", "DEVICE->HOST"):
         assert st.moves[d].moves == before.moves[d].moves + 1
         assert st.moves[d].copied_bytes == before.moves[d].copied_bytes
