@@ -198,3 +198,40 @@ def test_could_hold_says_when_copies_can_never_be_resident_together(make_store):
     assert not s.could_hold({"a": D, "b": D})
     assert s.could_hold({"a": N, "b": N, "c": N})
     assert s.stats().moves["NVME->HOST"].moves == 0  # asking moved nothing
+
+
+_VICTIM_FAILS = """
+import json, resource, sys, time
+from offload.store import BudgetExceededError, TieredStore, Tier
+from tests.store.conftest import store_config, page_tensor
+
+s = TieredStore(store_config(sys.argv[1], device_pages=1, host_pages=1, wait_timeout=20.0))
+s.put("b", page_tensor(3), tier="NVME").wait()           # the swap file grown ...
+s.free("b")                                              # ... and its room free
+s.put("a", page_tensor(1), tier="HOST")                  # dirty, its only copy
+soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+resource.setrlimit(resource.RLIMIT_FSIZE, (0, hard))     # no write to the swap file fits
+t0, out = time.monotonic(), {}
+try:
+    s.put("x", page_tensor(2), tier="HOST")
+    out["error"] = None
+except BudgetExceededError as e:
+    out["error"] = str(e)
+out["seconds"] = time.monotonic() - t0
+resource.setrlimit(resource.RLIMIT_FSIZE, (hard, hard))
+out["a_ok"] = bool((s.get("a", Tier.HOST) == page_tensor(1)).all())
+s.audit()
+s.close()
+print(json.dumps(out))
+"""
+
+
+def test_a_victim_whose_write_fails_fails_the_reservation_at_once(tmp_path):
+    """Room is made by writing the only copy of a dirty partition down; where that write
+    fails, the put that needed the room raises at once naming the partition (not after
+    store.wait_timeout), and the partition stays where it was."""
+    r = _python(_VICTIM_FAILS, str(tmp_path / "swap"))
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["error"] and "evicting partition 'a' failed" in out["error"], out
+    assert out["seconds"] < 10 and out["a_ok"], out
