@@ -248,6 +248,14 @@ class ModelledStep:
     adam_s: float
     grad_io: list[tuple[int, str, tuple, int]] = field(default_factory=list)
 
+    @property
+    def streamed_bytes(self) -> tuple[int, int]:
+        """(read, written) bytes the step moves whatever the budgets: the optimizer's
+        chunks both ways, and the gradients homed on NVMe."""
+        state = sum(b for _, _, b in self.streams)
+        read = sum(b for _, kind, _, b in self.grad_io if kind == "read")
+        return state + read, state + sum(b for _, _, _, b in self.grad_io) - read
+
 
 def modelled_step(units: Sequence[UnitUse], shards: Sequence[tuple[int, bool]], dtype: str,
                   placement: Placement, chunk: int, adam_eps: float, *,
@@ -404,38 +412,39 @@ def _uses(shape: StepShape, c: Candidate, machine: Machine, staged: bool = False
                          accum=shape.accum)
 
 
+def _with_ops(plan: Plan, extra: list[PlanOp]) -> Plan:
+    """`plan` with `extra` operations added whatever its budget (their memory is apart
+    from it): each fetch listed at the use that needs it, their bytes counted."""
+    by_use = {i: list(v) for i, v in plan.fetches_by_use.items()}
+    moved = {"fetch": 0, "write-back": 0}
+    for op in extra:
+        moved[op.op] += op.nbytes
+        if op.op == "fetch":
+            by_use.setdefault(op.needed_at, []).append(op)
+    return Plan(list(plan.ops) + extra, plan.budget, plan.held,
+                plan.bytes_read + moved["fetch"], plan.bytes_written + moved["write-back"],
+                by_use)
+
+
 def _stream_state(plan: Plan, streams: list[tuple[int, tuple, int]], buffers: int) -> Plan:
     """Adds the optimizer's NVMe state traffic to `plan`: every chunk is read (at most
     `buffers - 1` chunks ahead of its update) and written back after it, every step:
     the pipeline streams it whatever the memory budgets ([Note: the modelled step])."""
-    ops = list(plan.ops)
-    by_use = {i: list(v) for i, v in plan.fetches_by_use.items()}
+    ops = []
     for n, (i, key, nbytes) in enumerate(streams):
         first = streams[max(0, n - max(0, buffers - 1))][0]
-        fetch = PlanOp("fetch", key, nbytes, min(first, i), i)
-        ops += [fetch, PlanOp("write-back", key, nbytes, i + 1, follows=i)]
-        by_use.setdefault(i, []).append(fetch)
-    moved = sum(b for _, _, b in streams)
-    return Plan(ops, plan.budget, plan.held, plan.bytes_read + moved,
-                plan.bytes_written + moved, by_use)
+        ops += [PlanOp("fetch", key, nbytes, min(first, i), i),
+                PlanOp("write-back", key, nbytes, i + 1, follows=i)]
+    return _with_ops(plan, ops)
 
 
 def _stream_grads(plan: Plan, grad_io: list[tuple[int, str, tuple, int]]) -> Plan:
     """Adds the traffic of gradients homed on NVMe (`ModelledStep.grad_io`): each read
     issued at the use that reads it (the engine fetches it there) and each write after
     the use that wrote it."""
-    ops = list(plan.ops)
-    by_use = {i: list(v) for i, v in plan.fetches_by_use.items()}
-    moved = {"read": 0, "write": 0}
-    for i, kind, key, nbytes in grad_io:
-        moved[kind] += nbytes
-        if kind == "read":
-            ops.append(PlanOp("fetch", key, nbytes, i, i))
-            by_use.setdefault(i, []).append(ops[-1])
-        else:
-            ops.append(PlanOp("write-back", key, nbytes, i + 1, follows=i))
-    return Plan(ops, plan.budget, plan.held, plan.bytes_read + moved["read"],
-                plan.bytes_written + moved["write"], by_use)
+    return _with_ops(plan, [PlanOp("fetch", key, nbytes, i, i) if kind == "read" else
+                            PlanOp("write-back", key, nbytes, i + 1, follows=i)
+                            for i, kind, key, nbytes in grad_io])
 
 
 def _limit_lookahead(plan: Plan, uses: Sequence[Use], depth: int) -> Plan:
@@ -563,9 +572,8 @@ def lru_step_bytes(step: ModelledStep, tiers: Sequence[int]) -> tuple[int, int]:
     plus the optimizer's streamed state and the gradients' moves."""
     budget = packed_budget(step, tiers)
     read, written = lru_bytes(step.uses, steady_records(step, budget), budget, steady=True)
-    moved = sum(b for _, _, b in step.streams)
-    grads = {k: sum(b for _, kind, _, b in step.grad_io if kind == k) for k in ("read", "write")}
-    return read + moved + grads["read"], written + moved + grads["write"]
+    more_read, more_written = step.streamed_bytes
+    return read + more_read, written + more_written
 
 
 def score(shape: StepShape, c: Candidate, budgets: Budgets, machine: Machine) -> Scored | None:
