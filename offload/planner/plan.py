@@ -314,7 +314,7 @@ def _walk(uses: Sequence[Use], size: dict, nxt: _NextUse, budget: int, resident:
                 used -= size[pk]
             dirty.discard(pk)
             gone.pop(pk, None)
-    _hoist(plan, fetched)
+    dirty.update(_hoist(plan, fetched, uses))
     return plan
 
 
@@ -336,23 +336,30 @@ def _stay(plan: Plan, left: tuple[int, bool], key: Hashable, nbytes: int, start:
         plan.held[t] += nbytes
 
 
-def _hoist(plan: Plan, fetched: list[tuple[int, int, tuple[int, bool] | None]]) -> None:
+def _hoist(plan: Plan, fetched: list[tuple[int, int, tuple[int, bool] | None]],
+           uses: Sequence[Use]) -> set:
     """Issues each fetch as early as the finished plan allows: the walk placed it
     before the evictions of later uses freed room from the victims' last uses on. In
     the fetches' order, none before the one ahead of it nor its record's previous use;
-    a clean record whose bytes now fit from where it left until its use stays instead
-    (undoing a written one would leave it dirty later in the walk: it is read no
-    earlier than the use after the one it left at). [Note: no round trips]"""
+    a record whose bytes now fit from where it left until its use stays instead, a
+    written one only where staying dirty changes nothing the walk decided after
+    (`_dirty_until`); otherwise it is read no earlier than the use after the one it
+    was written out at. Returns the records that stay dirty to the step's end.
+    [Note: no round trips]"""
     prev, held, budget = 0, plan.held, plan.budget
+    ended_dirty = set()
     for n, own, left in fetched:
         op = plan.ops[n]
         at = op.at
         if left is not None and plan.ops[left[0]] is not None:
-            if not left[1] and all(held[t] + op.nbytes <= budget for t in range(own, at)):
-                plan.ops[n] = plan.ops[left[0]] = None  # type: ignore[call-overload]
+            until = _dirty_until(plan, uses, n, op) if left[1] else 0
+            stays = until >= 0
+            if stays and all(held[t] + op.nbytes <= budget for t in range(own, at)):
+                _stay(plan, left, op.key, op.nbytes, own, at - 1)
+                plan.ops[n] = None  # type: ignore[call-overload]
                 plan.bytes_read -= op.nbytes
-                for t in range(own, at):
-                    held[t] += op.nbytes
+                if until == len(uses):
+                    ended_dirty.add(op.key)
                 continue
             own += left[1]  # not read back at the point it was written out
         while at > max(prev, own) and held[at - 1] + op.nbytes <= budget:
@@ -366,6 +373,23 @@ def _hoist(plan: Plan, fetched: list[tuple[int, int, tuple[int, bool] | None]]) 
     for op in plan.ops:
         if op.op == "fetch":
             plan.fetches_by_use.setdefault(op.needed_at, []).append(op)
+    return ended_dirty
+
+
+def _dirty_until(plan: Plan, uses: Sequence[Use], n: int, op: PlanOp) -> int:
+    """Where the record fetched by `plan.ops[n]`, written out before, would be written
+    again had it stayed dirty instead (len(uses): never, it ends the step dirty), or -1
+    where staying dirty would change what the walk decided for it as a clean record:
+    an update up to that write that keeps a dirty record's previous version, or an
+    eviction before it with no write-back ([Note: previous versions])."""
+    key, i = op.key, op.needed_at
+    until = next((j for j in range(i, len(uses)) if key in uses[j].writes), len(uses))
+    if any(key in u.previous and key not in u.fresh for u in uses[i:until + 1]):
+        return -1
+    if any(e is not None and e.op == "evict" and e.key == key and e.needed_at < until
+           for e in plan.ops[n + 1:]):
+        return -1
+    return until
 
 
 # [Note: no round trips]
@@ -375,7 +399,11 @@ def _hoist(plan: Plan, fetched: list[tuple[int, int, tuple[int, bool] | None]]) 
 # holds from where it left until then: it stays (its eviction, and its write-back if
 # it was dirty, are undone, with no read), rather than leave and be read back; but a
 # written one stays only where the use does not keep its previous version (it would
-# then keep a dirty record's, whose room the use did not make). And a
+# then keep a dirty record's, whose room the use did not make). After the walk, a
+# written one whose room the finished plan has stays too where being dirty changes
+# nothing decided after: no update up to its next write keeps its previous version,
+# and it does not leave again, clean, before that write; where it is never written
+# again it ends the step dirty, which the steady plan starts from. And a
 # fetch placed before a later eviction freed room can then be issued earlier: after the
 # walk, each fetch moves up into the room the finished plan leaves, in the fetches'
 # order. Both only ever lower the bytes moved and move reads earlier; the plan still

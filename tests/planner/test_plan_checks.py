@@ -52,12 +52,14 @@ def test_a_clean_record_that_fits_once_later_evictions_freed_room_stays():
 
 def test_a_record_written_out_is_not_read_back_at_the_same_point():
     """A dirty record that leaves (write-back issued at use 3) is read back no earlier
-    than the use after it left (docstring of _hoist): not at the point of its write."""
+    than the use after it left (docstring of _hoist): not at the point of its write.
+    Use 5 updates r0 keeping its previous version, so r0 cannot stay dirty instead."""
     records = {"r0": RecordSpec(1), "r1": RecordSpec(4), "r2": RecordSpec(3),
                "r3": RecordSpec(2), "r4": RecordSpec(1)}
     uses = [Use(("r1", "r3"), ("r1", "r3")), Use(("r1",), ("r1",), reserved=1),
             Use(("r0", "r2"), ("r0", "r2")), Use(("r1", "r4"), ("r1", "r4"), reserved=2),
-            Use(("r1", "r3"), ("r3",), reserved=3), Use(("r0", "r2"), ("r2",))]
+            Use(("r1", "r3"), ("r3",), reserved=3),
+            Use(("r0", "r2"), ("r2", "r0"), previous=("r0",))]
     plan = make_plan(uses, records, 10)
     writes = [op for op in plan.ops if op.op == "write-back"]
     assert any(w.key == "r0" for w in writes), plan.ops

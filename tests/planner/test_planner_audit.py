@@ -75,6 +75,49 @@ def test_a_dirty_record_that_fits_is_neither_written_nor_read_back():
     assert (plan.bytes_read, plan.bytes_written) == (6, 2), plan.ops
 
 
+def test_a_written_record_that_later_fits_stays_dirty_instead_of_a_round_trip():
+    """Budget 10: r0 (1 byte) written at use 1 leaves with r2 at use 2 (r1, r4 and a
+    reserve of 1), since use 2 decides its victims before use 4's eviction of r1 frees
+    room from use 3 on. The finished plan has room for r0 from use 2 through use 4, so
+    it stays, dirty, rather than be written and read back (it used to move 1 byte
+    each way), and it ends the step dirty: the steady plan starts from that."""
+    records = {"r0": RecordSpec(1), "r1": RecordSpec(3), "r2": RecordSpec(3),
+               "r3": RecordSpec(3), "r4": RecordSpec(4)}
+    uses = [Use(("r0",)), Use(("r0", "r2"), ("r0",)), Use(("r1", "r4"), reserved=1),
+            Use(("r2",)), Use(("r0", "r3")), Use(("r4",)), Use(("r0", "r1"))]
+    plan = make_plan(uses, records, 10)
+    assert _replay(uses, records, plan) == (plan.bytes_read, plan.bytes_written)
+    assert not _round_trips(uses, plan), plan.ops
+    assert not [op for op in plan.ops if op.key == "r0" and op.at > 0], plan.ops
+    assert plan.bytes_written == 0, plan.ops
+    # a use before the others that needs the whole budget: the next step's plan must
+    # write r0 (dirty, resident from the step before) before it leaves
+    uses.insert(0, Use(("r1", "r2", "r4")))
+    plan = make_plan(uses, records, 10)
+    assert _replay(uses, records, plan) == (plan.bytes_read, plan.bytes_written)
+    assert [(op.op, op.at) for op in plan.ops if op.key == "r0"] == [("fetch", 1)]
+    steady = make_plan(uses, records, 10, steady=True)
+    assert [(op.op, op.at) for op in steady.ops if op.key == "r0"][:2] == [
+        ("write-back", 0), ("evict", 0)], steady.ops
+
+
+def test_a_written_record_stays_only_where_staying_dirty_changes_nothing_after():
+    """The same trace, with use 6 updating r0 in place and keeping its previous
+    version: dirty there, r0 would keep it in room the plan did not make; and with r0
+    leaving clean after use 4 (no write-back): both keep the round trip."""
+    records = {"r0": RecordSpec(1), "r1": RecordSpec(3), "r2": RecordSpec(3),
+               "r3": RecordSpec(3), "r4": RecordSpec(4)}
+    uses = [Use(("r0",)), Use(("r0", "r2"), ("r0",)), Use(("r1", "r4"), reserved=1),
+            Use(("r2",)), Use(("r0", "r3")), Use(("r4",)),
+            Use(("r0", "r1"), ("r0",), previous=("r0",))]
+    plan = make_plan(uses, records, 10)
+    assert _replay(uses, records, plan) == (plan.bytes_read, plan.bytes_written)
+    assert ("write-back", "r0") in [(op.op, op.key) for op in plan.ops], plan.ops
+    uses[5:] = [Use(("r4", "r1", "r3"), reserved=0), Use(("r0",))]
+    plan = make_plan(uses, records, 10)
+    assert _replay(uses, records, plan) == (plan.bytes_read, plan.bytes_written)
+
+
 def test_a_fetch_moves_up_into_room_a_later_eviction_frees():
     """Budget 2: r1 and r2 at use 0, r1 at use 1, r0 at use 2, r0 with a reserve of 1
     at use 3. r2 is not used after use 0, and leaves for use 3's reserve, so from
