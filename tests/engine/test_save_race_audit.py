@@ -144,7 +144,7 @@ MORE = [("nvme", "host", "host", "fp32", "100KiB", "24KiB"),
 @pytest.mark.parametrize("placement", TIGHT, ids=lambda p: "-".join(p))
 def test_background_saves_hold_the_state_of_their_call_under_tight_budgets(
         tmp_path, slow_save, placement):
-    _saves_while_training(tmp_path, slow_save, placement, delays=[0.0, 0.002])
+    _saves_while_training(tmp_path, slow_save, placement, delays=[0.0, 0.01])
 
 
 @pytest.mark.slow
