@@ -591,3 +591,13 @@ def test_ctrl_c_at_any_line_of_a_full_weights_blocks_own_work_leaves_it_whole(en
     finally:
         engine.close()
     assert k > 10 and kept is not None
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS, ids=["host", "nvme"])
+def test_an_error_as_gathered_weights_borrow_the_record(engine_cfg, tmp_path, placement):
+    """Gathered weights that would borrow the fetched record's memory fail as they
+    take it: the pin the fetch took is given back, so later steps can move that
+    record again, and the weights equal a run of the committed steps."""
+    at = _At(where=lambda code: code.co_name == "borrow", error=RuntimeError)
+    _interrupted_then_as_replayed(engine_cfg, tmp_path, placement, at)
+    assert at.fired.startswith("warm.py"), at.fired

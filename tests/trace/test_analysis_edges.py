@@ -1,0 +1,70 @@
+"""Figures of traces at their edges: a negative duration, a request still in flight at
+the end, steps with no number, a negative byte count."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from offload.trace import TraceRecorder, load_chrome_trace, write_chrome_trace
+from offload.trace.analysis import bytes_moved, parse_trace, steps_of
+from offload.trace.report import build_model, load_traces
+
+US = 1000  # ns per microsecond
+
+
+def test_a_negative_duration_is_drawn_and_summed_as_none(tmp_path: Path) -> None:
+    """A span whose dur is negative (a hand-edited or foreign trace) lasts 0, not less."""
+    path = tmp_path / "neg.trace.json"
+    path.write_text(json.dumps({"traceEvents": [
+        {"ph": "X", "name": "step", "cat": "compute", "ts": 0.0, "dur": 100.0, "pid": 0,
+         "tid": 1, "args": {"step": 1}},
+        {"ph": "X", "name": "forward", "cat": "compute", "ts": 10.0, "dur": -5.0, "pid": 0,
+         "tid": 1}]}))
+    (rt,) = parse_trace(load_chrome_trace(path), str(path))
+    forward = next(s for s in rt.spans if s.name == "forward")
+    assert (forward.start, forward.end) == (10.0, 10.0)
+    model = build_model(load_traces([path]))
+    assert model["summary"][0]["steps"][0]["phases_us"]["forward"] == 0.0
+    lane = next(lane for g in model["groups"] for lane in g["lanes"] if lane["label"] == "phases")
+    assert lane["d"] == [0.0]
+
+
+def test_a_request_in_flight_at_the_end_lasts_until_the_last_event(tmp_path: Path) -> None:
+    """An async begin with no end is drawn up to the rank's last timestamp (docs of parse_trace)."""
+    rec = TraceRecorder(enabled=True)
+    rec.complete("step", 0, 10_000 * US, cat="compute", track="compute", args={"step": 1})
+    rec.async_begin("read", "io", "io:aio", {"bytes": 4096, "path": "/swap/a/r0.swap"},
+                    ts_ns=9_990 * US)
+    path = write_chrome_trace(tmp_path / "t.trace.json", rec)
+    (rt,) = parse_trace(load_chrome_trace(path), str(path))
+    read = next(s for s in rt.spans if s.name == "read")
+    assert read.args["unfinished"] is True and (read.start, read.end) == (9_990.0, 10_000.0)
+    model = build_model(load_traces([path]))
+    lane = next(lane for lane in model["groups"][0]["lanes"] if lane["label"] == "read a")
+    assert lane["d"] == [10.0]
+
+
+def test_unnumbered_steps_count_from_one(tmp_path: Path) -> None:
+    rec = TraceRecorder(enabled=True)
+    rec.complete("step", 0, 1_000 * US, cat="compute", track="compute")
+    rec.complete("step", 2_000 * US, 3_000 * US, cat="compute", track="compute")
+    path = write_chrome_trace(tmp_path / "t.trace.json", rec)
+    (rt,) = parse_trace(load_chrome_trace(path), str(path))
+    assert [s.label for s in steps_of(rt)] == ["step 1", "step 2"]
+
+
+def test_a_negative_byte_count_moves_nothing(tmp_path: Path) -> None:
+    """bytes < 0 comes from no transfer: left out, not subtracted from the step's reads."""
+    rec = TraceRecorder(enabled=True)
+    rec.complete("step", 0, 1_000 * US, cat="compute", track="compute", args={"step": 1})
+    for n, t in ((4096, 100), (-4096, 300)):
+        tok = rec.async_begin("read", "io", "io:aio", {"bytes": n}, ts_ns=t * US)
+        rec.async_end(tok, ts_ns=(t + 50) * US)
+    path = write_chrome_trace(tmp_path / "t.trace.json", rec)
+    (rt,) = parse_trace(load_chrome_trace(path), str(path))
+    (step,) = steps_of(rt)
+    assert bytes_moved(rt, step)["nvme_read"] == 4096
+    model = build_model(load_traces([path]))
+    lane = next(lane for lane in model["groups"][0]["lanes"] if lane["section"] == "nvme")
+    assert sorted(lane["b"]) == [0, 4096]
