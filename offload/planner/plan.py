@@ -348,13 +348,17 @@ def _hoist(plan: Plan, fetched: list[tuple[int, int, tuple[int, bool] | None]],
     [Note: no round trips]"""
     prev, held, budget = 0, plan.held, plan.budget
     ended_dirty = set()
+    evictions: dict[Hashable, list[int]] = {}  # record -> its evictions' places in ops
+    for n, op in enumerate(plan.ops):
+        if op is not None and op.op == "evict":
+            evictions.setdefault(op.key, []).append(n)
     for n, own, left in fetched:
         op = plan.ops[n]
         at = op.at
         if left is not None and plan.ops[left[0]] is not None:
-            until = _dirty_until(plan, uses, n, op) if left[1] else 0
-            stays = until >= 0
-            if stays and all(held[t] + op.nbytes <= budget for t in range(own, at)):
+            fits = all(held[t] + op.nbytes <= budget for t in range(own, at))
+            until = _dirty_until(plan, uses, n, evictions[op.key]) if fits and left[1] else 0
+            if fits and until >= 0:
                 _stay(plan, left, op.key, op.nbytes, own, at - 1)
                 plan.ops[n] = None  # type: ignore[call-overload]
                 plan.bytes_read -= op.nbytes
@@ -376,18 +380,19 @@ def _hoist(plan: Plan, fetched: list[tuple[int, int, tuple[int, bool] | None]],
     return ended_dirty
 
 
-def _dirty_until(plan: Plan, uses: Sequence[Use], n: int, op: PlanOp) -> int:
+def _dirty_until(plan: Plan, uses: Sequence[Use], n: int, evictions: list[int]) -> int:
     """Where the record fetched by `plan.ops[n]`, written out before, would be written
     again had it stayed dirty instead (len(uses): never, it ends the step dirty), or -1
     where staying dirty would change what the walk decided for it as a clean record:
-    an update up to that write that keeps a dirty record's previous version, or an
-    eviction before it with no write-back ([Note: previous versions])."""
-    key, i = op.key, op.needed_at
+    an update up to that write that keeps a dirty record's previous version, or one of
+    its `evictions` (places in ops) after the fetch and before that write, which writes
+    nothing back ([Note: previous versions])."""
+    key, i = plan.ops[n].key, plan.ops[n].needed_at
     until = next((j for j in range(i, len(uses)) if key in uses[j].writes), len(uses))
     if any(key in u.previous and key not in u.fresh for u in uses[i:until + 1]):
         return -1
-    if any(e is not None and e.op == "evict" and e.key == key and e.needed_at < until
-           for e in plan.ops[n + 1:]):
+    if any(e > n and plan.ops[e] is not None and plan.ops[e].needed_at < until
+           for e in evictions):
         return -1
     return until
 
