@@ -1,0 +1,144 @@
+"""The model's weights as torch keeps them: frozen parameters stay frozen in full_weights,
+a checkpoint leaves non-persistent buffers as the model made them, an old BatchNorm dict
+loads strictly, and a param group naming a tied weight's second name takes it."""
+
+import copy
+
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+import offload
+
+
+def test_full_weights_keep_requires_grad_of_frozen_parameters(engine_cfg):
+    """The full weights a block registers keep each parameter's `requires_grad`, as on
+    the plain model (a frozen parameter stays frozen inside the block)."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4))
+    ref[0].requires_grad_(False)  # a frozen base
+    engine = offload.initialize(copy.deepcopy(ref), engine_cfg())
+    try:
+        for writable in (False, True):
+            with engine.full_weights(writable=writable) as w:
+                for n, p in ref.named_parameters():
+                    assert w[n].requires_grad == p.requires_grad, (writable, n)
+                trainable = [n for n, p in engine.module.named_parameters() if p.requires_grad]
+                assert trainable == [n for n, p in ref.named_parameters() if p.requires_grad]
+                if writable:  # an in-place edit of a frozen weight works as on the plain model
+                    engine.module[0].weight.mul_(2.0)
+                    with torch.no_grad():
+                        ref[0].weight.mul_(2.0)
+        sd = engine.state_dict()
+        for k, v in ref.state_dict().items():
+            assert torch.equal(sd[k], v), k
+    finally:
+        engine.close()
+
+
+class Scaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("shift", torch.full((4,), 0.5))  # persistent
+        self.register_buffer("scale", torch.full((4,), 2.0), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.scale + self.shift
+
+
+def test_checkpoint_leaves_non_persistent_buffers_as_the_model_made_them(engine_cfg, tmp_path):
+    """`initialize(..., checkpoint=dir)` loads the persistent buffers the file holds and
+    leaves a non-persistent one (a rotary inv_freq, a mask) as the model made it, even
+    where the file holds a tensor under its name (torch's load_state_dict loads none)."""
+    torch.manual_seed(0)
+    ref = Scaled()
+    saved = {k: v.clone() for k, v in ref.state_dict().items()}
+    saved["shift"] = torch.full((4,), -1.0)
+    saved["scale"] = torch.zeros(4)  # a name the model's state dict does not hold
+    (tmp_path / "ck").mkdir()
+    save_file(saved, str(tmp_path / "ck" / "model.safetensors"))
+    plain = copy.deepcopy(ref)
+    plain.load_state_dict({k: v for k, v in saved.items() if k != "scale"})
+    engine = offload.initialize(copy.deepcopy(ref), engine_cfg(), checkpoint=tmp_path / "ck")
+    try:
+        assert torch.equal(engine.module.shift, torch.full((4,), -1.0))  # loaded
+        assert torch.equal(engine.module.scale, torch.full((4,), 2.0))  # the model's own
+        x = torch.randn(3, 4)
+        with torch.no_grad():
+            torch.testing.assert_close(engine(x), plain(x), atol=1e-6, rtol=0)
+    finally:
+        engine.close()
+
+
+def _bn_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 4))
+
+
+def test_an_old_batchnorm_dict_with_version_1_metadata_loads_as_in_torch(engine_cfg):
+    """A dict saved by BatchNorm version 1 (its `_metadata` says so, and it has no
+    num_batches_tracked) loads strictly, as torch's load_state_dict fills the key in
+    with the module's own count."""
+    ref = _bn_model()
+    engine = offload.initialize(copy.deepcopy(ref), engine_cfg())
+    try:
+        torch.manual_seed(3)
+        other = _bn_model()
+        other[1].running_mean.uniform_()
+        old = other.state_dict()  # an OrderedDict with _metadata
+        del old["1.num_batches_tracked"]
+        old._metadata["1"]["version"] = 1
+        plain = copy.deepcopy(ref)
+        res_t = plain.load_state_dict(old)  # torch: strict, nothing missing
+        res = engine.load_state_dict(old)
+        assert res.missing_keys == res_t.missing_keys == []
+        assert res.unexpected_keys == res_t.unexpected_keys == []
+        sd = engine.state_dict()
+        for k, v in plain.state_dict().items():
+            assert torch.equal(sd[k], v), k
+    finally:
+        engine.close()
+
+
+class Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(16, 8)
+        self.mid = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 16, bias=False)
+        self.head.weight = self.emb.weight  # tied: first name emb.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.mid(self.emb(x))))
+
+
+def test_a_group_naming_the_second_name_of_a_tied_weight_takes_it(engine_cfg):
+    """A param_groups pattern matches a parameter under any of its names (a tied
+    weight's second name), and the group's hyper-parameters apply to it, as torch's
+    optimizer given that parameter in that group."""
+    torch.manual_seed(0)
+    ref = Tied()
+    engine = offload.initialize(copy.deepcopy(ref), engine_cfg("host"),
+                                param_groups=[{"params": ["head.*"], "lr": 0.0}])
+    tied = ref.emb.weight
+    opt = torch.optim.AdamW([{"params": [p for p in ref.parameters() if p is not tied]},
+                             {"params": [tied], "lr": 0.0}], lr=1e-2, weight_decay=0.1,
+                            eps=1e-8)
+    g = torch.Generator().manual_seed(1)
+    try:
+        for _ in range(2):
+            x = torch.randint(0, 16, (4, 5), generator=g)
+            y = torch.randint(0, 16, (4, 5), generator=g)
+            engine.backward(nn.functional.cross_entropy(engine(x).reshape(-1, 16),
+                                                        y.reshape(-1)))
+            engine.step()
+            opt.zero_grad()
+            nn.functional.cross_entropy(ref(x).reshape(-1, 16), y.reshape(-1)).backward()
+            opt.step()
+        sd = engine.state_dict()
+        assert torch.equal(sd["head.weight"], tied.detach())  # lr 0: unchanged, as torch
+        for k, v in ref.state_dict().items():
+            torch.testing.assert_close(sd[k], v, atol=1e-5, rtol=0, msg=lambda m: f"{k}: {m}")
+    finally:
+        engine.close()
