@@ -1,8 +1,7 @@
 """The checks initialize makes before anything is written: host parameters counted up to
-store.host_budget, gradients stored for accumulation on the NVMe budget, and the swap
-directory's free space against all the state placed there."""
+store.host_budget, and gradients stored for accumulation on the NVMe budget (the swap
+directory's free space: tests/engine/test_input.py)."""
 
-import os
 import re
 
 import pytest
@@ -11,7 +10,6 @@ from torch import nn
 
 import offload
 from offload.config import ConfigError, load_config
-from offload.io import SwapPathError
 from offload.engine import working_set as ws
 from offload.engine.units import build_units
 from offload.store import footprint
@@ -82,17 +80,3 @@ def test_accumulation_with_the_optimizer_on_nvme_counts_the_stored_gradients(tmp
     cfg["store"]["nvme_budget"] = need
     with offload.initialize(_model(), cfg) as engine:
         _train(engine)
-
-
-def test_a_swap_directory_with_room_for_half_the_state_is_refused(engine_cfg, small_fs):
-    """The state placed on NVMe (about 24 MiB: fp32 parameters and Adam's two moments of
-    two Linear(1024, 1024)) against a file system with about 18 MiB free: more than half
-    of it fits, not all, and initialize refuses before any swap file is made."""
-    where = os.path.join(small_fs(20), "swap")
-    cfg = engine_cfg("nvme", "host", "nvme")
-    cfg["io"]["paths"] = [where]
-    with pytest.raises(SwapPathError, match=r"io\.paths\[0\]: .* free, and this model places "
-                                            r"at least 2\d\.\d MiB"):
-        offload.initialize(torch.nn.Sequential(torch.nn.Linear(1024, 1024),
-                                               torch.nn.Linear(1024, 1024)), cfg)
-    assert not os.path.exists(where)
