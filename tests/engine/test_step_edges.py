@@ -1,6 +1,7 @@
 """The step's edges: fp16 loss scaling's floor and window, a forward that raises after
 the window's last backward, no .grad shown after a step, optimizer state loaded after
-zero_grad dropped early updates, and a bad value refused before an in-place update."""
+zero_grad dropped early updates, a bad value refused before an in-place update, and
+each group's full weights freed as its gradient is taken."""
 
 import copy
 
@@ -146,3 +147,21 @@ def test_a_bad_value_refused_by_an_in_place_step_changes_nothing(engine_cfg, bad
         engine.optimizer.param_groups[1]["lr"] = 1e-2
         engine.backward(lm_loss(engine(x), y))
         assert engine.step() is True
+
+
+def test_each_groups_full_weights_are_freed_as_its_gradient_is_taken(engine_cfg):
+    """Backward frees a group's gathered weights once its gradient is taken, not at the
+    step's end: when the input's gradient is computed (the backward's last op), every
+    group after the first holds no full weights any more (the peak memory of a backward
+    is a few groups', not the model's)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(4)])
+    with offload.initialize(model, engine_cfg("host", group_size=32 * 33)) as engine:
+        assert len(engine.groups) == 4
+        x = torch.randn(2, 32, requires_grad=True)
+        out = engine(x)
+        seen = []
+        x.register_hook(lambda g: seen.append([st.gathered for st in engine._states]))
+        engine.backward(out.square().sum())
+        assert seen and not any(seen[0][1:]), seen
+        assert engine.step()
