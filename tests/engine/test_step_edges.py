@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import offload
-from .models import TiedTwice, lm_batches, lm_loss
+
+from .models import TiedTwice, assert_weights_as_torch, lm_batches, lm_loss
 from .test_failed_step import assert_same, snapshot
 
 
@@ -17,12 +18,6 @@ def _ref_step(ref, opt, x, y):
     opt.zero_grad()
     lm_loss(ref(x), y).backward()
     opt.step()
-
-
-def _assert_as_torch(engine, ref, atol=2e-6):
-    got = engine.state_dict()
-    for k, v in ref.state_dict().items():
-        torch.testing.assert_close(got[k], v, atol=atol, rtol=0, msg=lambda m: f"{k}: {m}")
 
 
 def test_dynamic_loss_scale_never_drops_below_min_loss_scale(engine_cfg):
@@ -67,7 +62,7 @@ def test_a_forward_that_raises_after_the_windows_last_backward_keeps_its_gradien
         with pytest.raises(IndexError):
             engine(bad)
         assert engine.step() is True
-        _assert_as_torch(engine, ref)
+        assert_weights_as_torch(engine, ref, atol=2e-6)
 
 
 def test_step_leaves_no_grad_shown(engine_cfg):
@@ -123,7 +118,7 @@ def test_optimizer_state_loads_after_zero_grad_dropped_early_updates(engine_cfg)
         engine.optimizer.load_state_dict(kept)
         engine.backward(lm_loss(engine(x2), y2))
         assert engine.step() is True
-        _assert_as_torch(engine, ref)
+        assert_weights_as_torch(engine, ref, atol=2e-6)
 
 
 @pytest.mark.parametrize("bad", ["l1.*", "l2.*", "norm.*"])

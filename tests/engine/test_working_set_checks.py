@@ -20,24 +20,23 @@ def _model() -> nn.Module:
     return nn.Sequential(*[nn.Linear(64, 64) for _ in range(6)])
 
 
-def _cfg(tmp_path, params, grads, optimizer, dtype="fp32", **store):
-    return {"engine": {"params": params, "grads": grads, "optimizer": optimizer,
-                       "dtype": dtype, "group_size": 64 * 65},
-            "optim": {"chunk_elems": 4096, "max_grad_norm": 0.0, "lr": 1e-2},
-            "io": {"paths": [str(tmp_path / "swap")], "buffer_budget": "8MiB",
-                   "block_size": "64KiB", "grow_step": "1MiB"},
-            "store": {"device": "cpu", "wait_timeout": 30, **store}}
+def _cfg(engine_cfg, *placement, **store):
+    """The suite's config with one unit per layer, no clipping, and `store` keys."""
+    cfg = engine_cfg(*placement, group_size=64 * 65)
+    cfg["optim"]["max_grad_norm"] = 0.0
+    cfg["store"].update(store)
+    return cfg
 
 
 def test_the_memory_check_counts_host_parameters_only_up_to_the_host_budget(
-        tmp_path, monkeypatch):
+        engine_cfg, monkeypatch):
     """engine.params = "host" keeps at most store.host_budget of parameters in memory (the
     store writes the rest to NVMe): a machine with room for that much, but not for the
     whole model, is not refused."""
     _, groups = build_units(_model(), 64 * 65, 1)
     params = sum(footprint(g.shard * 4) for g in groups)
     budget = params // 3
-    cfg = load_config(_cfg(tmp_path, "host", "host", "nvme", host_budget=budget,
+    cfg = load_config(_cfg(engine_cfg, "host", "host", "nvme", host_budget=budget,
                            device_budget="64MiB"))
     placed = ws.memory_bytes_placed(cfg, groups, torch.float32, "cpu")
     assert placed == {'engine.params = "host" (up to store.host_budget)': budget}
@@ -59,12 +58,12 @@ def _train(engine, steps=2, accum=2):
     return engine.state_dict()
 
 
-def test_accumulation_with_the_optimizer_on_nvme_counts_the_stored_gradients(tmp_path):
+def test_accumulation_with_the_optimizer_on_nvme_counts_the_stored_gradients(engine_cfg):
     """With engine.grad_accum_steps > 1 the gradients are stored between micro-batches
     even where the optimizer state is on NVMe without clipping (no early update): the
     NVMe budget named at initialize counts the gradients homed there, and that least
     trains two steps."""
-    cfg = _cfg(tmp_path, "nvme", "nvme", "nvme", device_budget="64MiB", host_budget="64MiB")
+    cfg = _cfg(engine_cfg, "nvme", "nvme", "nvme")
     cfg["engine"]["grad_accum_steps"] = 2
     cfg["store"]["nvme_budget"] = 1
     with pytest.raises(ConfigError, match=r"store\.nvme_budget") as err:
