@@ -10,16 +10,11 @@ optimizer and configuration, and keeps no state of its own.
 
 from __future__ import annotations
 
-import logging
 from concurrent.futures import wait as futures_wait
 
 import torch
 
 from ..store import Tier
-from .eviction import sooner_than
-from .step import staged_key
-
-log = logging.getLogger(__name__)
 
 __all__ = ["GroupUpdates", "EARLY_UPDATES_IN_FLIGHT"]
 
@@ -110,27 +105,6 @@ class GroupUpdates:
             if where is not None:
                 self.store.unpin(pkey)
         self._count_opt_bytes(res.bytes_read, res.bytes_written)
-        if masters is not None:
-            self._new_takes_old_room(gid)
-
-    def _new_takes_old_room(self, gid: int) -> None:
-        """On a CPU device, once group `gid`'s update has staged its new partition:
-        drops a clean old copy in DEVICE and hands the new one up into its room
-        ([Note: the new copy takes the old one's room] in eviction.py)."""
-        if self.device.type != "cpu" or gid not in self.staged:
-            return
-        pkey, skey = ("p", gid), staged_key(gid)
-        old, new = self.store.info(pkey), self.store.info(skey)
-        if (Tier.DEVICE not in old.valid or old.dirty or old.pins or old.busy
-                or Tier.DEVICE in new.valid or new.busy):
-            return
-        try:  # a saving, not a need: a copy pinned or room taken meanwhile skips it
-            self.store.evict(pkey, to=Tier.NVME).wait()  # clean: drops the memory copies
-            if self.store.fits_sparing(skey, Tier.DEVICE, sooner_than(
-                    self.trace, gid, self.staged, self.pending_updates)):
-                self.store.fetch(skey, to=Tier.DEVICE).wait()
-        except RuntimeError as e:  # BudgetExceededError among them
-            log.debug("group %d: new partition stays in HOST (%s)", gid, e)
 
     @property
     def _grad_divisor(self) -> float:

@@ -233,10 +233,10 @@ def test_a_running_backward_keeps_the_master_its_update_reads_next(tmp_path):
 
 
 def test_the_new_partition_takes_the_old_ones_room(tmp_path):
-    """[Note: the new copy takes the old one's room]: the updates' new partitions
+    """[Note: the new copy and the old one's room]: the updates' new partitions
     (staged in HOST) move up into the DEVICE room of the clean old copies no step
     reads again, rather than HOST writing them to NVMe while DEVICE holds those:
-    9.25 layers read a step with two layers of HOST and four of DEVICE, 6.2-7.2
-    with it, the plan's 6 for this trace."""
+    9.25 layers read a step with two layers of HOST and four of DEVICE before,
+    5.7-6.5 now, the plan's 6 for this trace."""
     reads = _param_reads(tmp_path, 2, 4)
     assert reads <= 3 * 8, reads / 3
