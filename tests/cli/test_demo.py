@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+from .one_process import run_each
+
 DEMO = [sys.executable, "-m", "offload.cli.main", "demo"]
 
 
@@ -70,13 +72,13 @@ def test_rank_variables_left_in_a_shell_are_not_a_launch(tmp_path):
     exit 0), and WORLD_SIZE=2 relaunched it on two ranks: only torchrun's launch counts."""
     env = {**os.environ, "RANK": "1", "WORLD_SIZE": "2"}
     out = subprocess.run(DEMO + ["--tiny", "--steps", "2", "--swap-dir", str(tmp_path), "--json"],
-                         capture_output=True, text=True, timeout=120, env=env)
+                         capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     steps = [o for o in _objects(out.stdout) if o["event"] == "step"]
     assert [s["step"] for s in steps] == [1, 2] and "1 process" in out.stderr
     env = {**os.environ, "TORCHELASTIC_RUN_ID": "x", "RANK": "0", "WORLD_SIZE": "abc"}
     out = subprocess.run(DEMO + ["--tiny", "--swap-dir", str(tmp_path)],
-                         capture_output=True, text=True, timeout=120, env=env)
+                         capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
     assert out.returncode == 2 and "WORLD_SIZE='abc'" in out.stderr, out.stderr
     assert "Traceback" not in out.stderr
 
@@ -96,21 +98,19 @@ def test_an_error_the_machine_causes_is_one_line_not_a_traceback(tmp_path):
 
 
 def test_refusals_are_clear_and_touch_nothing(tmp_path):
-    # a disk too small: ~100B parameters need terabytes of swap
-    out = subprocess.run(DEMO + ["--size", "100B", "--swap-dir", str(tmp_path)],
-                         capture_output=True, text=True, timeout=120)
-    assert out.returncode == 1 and "free" in out.stderr and "--swap-dir" in out.stderr
-    assert "Traceback" not in out.stderr and os.listdir(tmp_path) == []
-    # weights homed on a device tier too small for them
-    out = subprocess.run(DEMO + ["--tiny", "--params", "device", "--swap-dir", str(tmp_path)],
-                         capture_output=True, text=True, timeout=120)
-    assert out.returncode != 0 and "--device-budget" in out.stderr
-    assert "Traceback" not in out.stderr and os.listdir(tmp_path) == []
-    # more ranks than the host can start: the flag is named, not a budget it skews
-    out = subprocess.run(DEMO + ["--tiny", "--nproc", "99999", "--swap-dir", str(tmp_path)],
-                         capture_output=True, text=True, timeout=120)
-    assert out.returncode != 0 and "--nproc" in out.stderr and "budget" not in out.stderr
-    assert "Traceback" not in out.stderr and os.listdir(tmp_path) == []
+    swap = ["--swap-dir", str(tmp_path)]
+    big, device, nproc = run_each([
+        ["demo", "--size", "100B", *swap],  # ~100B parameters need terabytes of swap
+        ["demo", "--tiny", "--params", "device", *swap],  # weights on a device tier too small
+        ["demo", "--tiny", "--nproc", "99999", *swap]],  # more ranks than the host can start
+        cwd=tmp_path, env=dict(os.environ), timeout=120)
+    assert big[0] == 1 and "free" in big[1] and "--swap-dir" in big[1]
+    assert device[0] != 0 and "--device-budget" in device[1]
+    # the flag is named, not a budget it skews
+    assert nproc[0] != 0 and "--nproc" in nproc[1] and "budget" not in nproc[1]
+    for _, err in (big, device, nproc):
+        assert "Traceback" not in err
+    assert os.listdir(tmp_path) == []
 
 
 @pytest.mark.slow  # 3.4 s; the demo's trace and report are checked by default above
