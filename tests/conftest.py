@@ -17,6 +17,10 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
 
 AIO_OK, AIO_WHY = libaio_status()
 ENGINES = ["threads", pytest.param("aio", marks=pytest.mark.skipif(not AIO_OK, reason=AIO_WHY))]
+# For what runs the same whichever engine moves the bytes (the caller's thread, the
+# swap space's checks): the threads engine by default, aio as well under `slow`.
+ENGINES_AIO_SLOW = ["threads", pytest.param("aio", marks=[
+    pytest.mark.slow, pytest.mark.skipif(not AIO_OK, reason=AIO_WHY)])]
 
 
 def build_engine(name: str, **kw):
@@ -42,6 +46,33 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def run_together(cmds: list[list[str]], timeout: float = 120,
+                 envs: list[dict[str, str]] | None = None, **kw) -> list:
+    """subprocess.run for each of `cmds` (output captured as text; `kw` for every one,
+    `envs` each one's environment), all started at once: a test of several independent
+    processes waits for the slowest, not the sum. Returns their CompletedProcess in
+    order; kills every one still running when one outlasts `timeout` (and raises its
+    TimeoutExpired)."""
+    import subprocess
+    import time
+
+    procs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              **kw, **({} if envs is None else {"env": envs[i]}))
+             for i, c in enumerate(cmds)]
+    deadline = time.monotonic() + timeout
+    try:
+        done = []
+        for p in procs:
+            out, err = p.communicate(timeout=max(deadline - time.monotonic(), 0.1))
+            done.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+        return done
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
 
 
 def flip_byte(path, offset: int) -> None:

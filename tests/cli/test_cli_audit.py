@@ -13,14 +13,20 @@ from pathlib import Path
 
 import pytest
 
+from ..conftest import run_together
+from .one_process import run_each
+
 OFFLOAD = [sys.executable, "-m", "offload.cli.main"]
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "200"}
+
+
 def _run(args: list[str], cwd: Path, timeout: int = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "200"}
     return subprocess.run(OFFLOAD + args, capture_output=True, text=True, timeout=timeout,
-                          cwd=cwd, env=env)
+                          cwd=cwd, env=_env())
 
 
 def _one_line(err: str) -> str:
@@ -165,14 +171,15 @@ def test_brackets_in_paths_are_shown_as_given(tmp_path):
     """rich read `[/x]` in a path as a closing tag (a traceback) and `[bold]` as a style
     (another path shown): paths in the demo's and estimate's output are literal text."""
     swap = tmp_path / "s[/x]w[bold]"
-    r = _run(["demo", "--tiny", "--steps", "1", "--trace", "none", "--swap-dir", str(swap)],
-             tmp_path)
-    assert r.returncode == 0, r.stderr
-    assert f"{swap}/offload-demo-" in r.stdout
     (tmp_path / "m[").mkdir()
     model = _gpt2_dir(tmp_path, 64).rename(tmp_path / "m[" / "x]d")
-    r = _run(["estimate", str(model), "--batch", "1", "--seq", "8"], tmp_path)
-    assert r.returncode == 0 and "m[/x]d" in r.stdout, r.stderr
+    demo, est = run_together([
+        OFFLOAD + ["demo", "--tiny", "--steps", "1", "--trace", "none", "--swap-dir", str(swap)],
+        OFFLOAD + ["estimate", str(model), "--batch", "1", "--seq", "8"]],
+        timeout=300, cwd=tmp_path, env=_env())
+    assert demo.returncode == 0, demo.stderr
+    assert f"{swap}/offload-demo-" in demo.stdout
+    assert est.returncode == 0 and "m[/x]d" in est.stdout, est.stderr
 
 
 def test_demo_errors_are_one_line_however_long(tmp_path):
@@ -183,14 +190,14 @@ def test_demo_errors_are_one_line_however_long(tmp_path):
     assert r.returncode == 1 and "--size" in _one_line(r.stderr)
 
 
-@pytest.mark.parametrize("args, flag", [
-    (["--tiny", "--batch", "1000000000000"], "--batch"),
-    (["--size", "1e15"], "--size"),
-    (["--tiny", "--trace", " "], "--trace"),
-])
-def test_demo_refuses_values_beyond_its_limits_at_once(tmp_path, args, flag):
-    r = _run(["demo", "--steps", "1", *args], tmp_path, timeout=60)
-    assert r.returncode == 2 and _one_line(r.stderr).startswith(f"offload demo: {flag}:")
+def test_demo_refuses_values_beyond_its_limits_at_once(tmp_path):
+    cases = {"--batch": ["--tiny", "--batch", "1000000000000"], "--size": ["--size", "1e15"],
+             "--trace": ["--tiny", "--trace", " "]}
+    got = run_each([["demo", "--steps", "1", *args] for args in cases.values()], tmp_path,
+                   _env(), timeout=60)
+    for flag, (rc, err) in zip(cases, got):
+        assert rc == 2 and _one_line(err).startswith(f"offload demo: {flag}:"), (flag, err)
+    assert os.listdir(tmp_path) == []
 
 
 def test_a_bad_native_isa_switch_is_one_line(tmp_path):

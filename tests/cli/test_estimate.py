@@ -3,7 +3,6 @@ the command as a user runs it (real processes, real files)."""
 
 import json
 import os
-import subprocess
 import sys
 import textwrap
 
@@ -12,6 +11,7 @@ import torch
 
 import offload
 
+from ..conftest import run_together
 from .one_process import run_each
 from offload.cli.estimate import estimate
 from offload.cli.model_arg import ModelSpec, measure_model
@@ -81,10 +81,11 @@ def _step_peaks(engine, rec, steps=2, micro=1) -> dict[str, int]:
 
 
 @pytest.mark.parametrize("dtype,training", [
-    (d, t) for d in ("fp32", "bf16", "fp16") for t in ("plain", "clipping", "accumulation")
-    if d == "fp32" or t == "plain" or (d, t) == ("bf16", "clipping")] + [
-    # the same stored-gradient path as the runs above (fp16 stores them anyway)
+    # one run per dtype and one with the gradients stored for clipping (fp16 stores them
+    # anyway); the other pairs take the same paths as these
+    ("fp32", "plain"), ("bf16", "clipping"), ("fp16", "plain")] + [
     pytest.param(d, t, marks=pytest.mark.slow) for d, t in (
+        ("fp32", "clipping"), ("fp32", "accumulation"), ("bf16", "plain"),
         ("bf16", "accumulation"), ("fp16", "clipping"), ("fp16", "accumulation"))])
 def test_tier_figures_within_ten_percent_of_a_real_step(models, dtype, training):
     """For every placement, the peak bytes per tier the store accounts during real steps
@@ -157,14 +158,12 @@ def _gpt2(cfg):
 
 
 def test_estimate_table_of_a_module_function(models):
-    out = subprocess.run(OFFLOAD + ["estimate", "tinymodels:mlp", "--dtype", "fp32"],
-                         capture_output=True, text=True, timeout=300, cwd=models,
-                         env=_env())
+    out, js = run_together([OFFLOAD + ["estimate", "tinymodels:mlp", "--dtype", "fp32"],
+                            OFFLOAD + ["estimate", "tinymodels:mlp", "--dtype", "fp32", "--json"]],
+                           timeout=300, cwd=models, env=_env())
     assert out.returncode == 0, out.stderr
     assert "exp_avg_sq" in out.stdout and "nvme/host/nvme" in out.stdout
     # the "min" columns are budgets that train: rounded up, never below the minimum
-    js = subprocess.run(OFFLOAD + ["estimate", "tinymodels:mlp", "--dtype", "fp32", "--json"],
-                        capture_output=True, text=True, timeout=300, cwd=models, env=_env())
     units = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
     rows = {}
     for line in out.stdout.splitlines():

@@ -16,6 +16,7 @@ import torch
 import offload
 from offload.engine import CheckpointReader
 
+from ..conftest import run_together
 from .models import TiedTwice, lm_batches, lm_loss
 
 L1 = {"params": ["l1.*"], "lr": 1e-3}
@@ -218,10 +219,9 @@ def test_a_file_this_process_may_not_read_is_not_called_damage(copy, tmp_path, f
         run, info = (["setpriv", f"--bounding-set={caps}", f"--inh-caps={caps}"] + cmd
                      for cmd in (run, info))
     root = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
-    cli = subprocess.run(info, capture_output=True, text=True, timeout=120, cwd=root)
+    cli, out = run_together([info, run], timeout=120, cwd=root)
     assert cli.returncode == 1, cli.stderr[-2000:]
     assert json.loads(cli.stdout)["integrity"] == "unreadable (permissions)", cli.stdout
-    out = subprocess.run(run, capture_output=True, text=True, timeout=120, cwd=root)
     assert out.returncode == 0, out.stderr[-2000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
     kind, message = got["resume"]

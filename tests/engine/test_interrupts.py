@@ -174,10 +174,11 @@ def test_ctrl_c_at_lines_spread_over_a_step(engine_cfg, tmp_path, placement):
         _interrupted_then_as_replayed(engine_cfg, tmp_path / str(i), placement, _At(nth))
 
 
-@pytest.mark.parametrize("sig", [  # the same safe points either way: one in the default suite
-    pytest.param(signal.SIGALRM, marks=pytest.mark.slow), signal.SIGINT], ids=["SIGALRM", "SIGINT"])
+@pytest.mark.parametrize("sig, lines", [  # the same safe points either way: 16 lines by
+    pytest.param(signal.SIGALRM, 40, marks=pytest.mark.slow),  # default, 40 more in slow
+    (signal.SIGINT, 16)], ids=["SIGALRM", "SIGINT"])
 def test_a_programs_own_signal_handler_that_raises_at_lines_spread_over_a_step(
-        engine_cfg, tmp_path, sig):
+        engine_cfg, tmp_path, sig, lines):
     """A timeout or a Ctrl-C handler of the program's (it raises its own error) at
     lines drawn over a step: in offload's code it is run at the next safe point, so
     no pin or move is left half recorded (one was: every later step failed on a
@@ -188,7 +189,7 @@ def test_a_programs_own_signal_handler_that_raises_at_lines_spread_over_a_step(
     before = signal.signal(sig, mine)
     try:
         total = _lines_of_a_step(engine_cfg, PLACEMENTS[1], tmp_path / "count")
-        for i, nth in enumerate(sorted(random.Random(1).sample(range(1, total), 40))):
+        for i, nth in enumerate(sorted(random.Random(1).sample(range(1, total), lines))):
             _interrupted_then_as_replayed(engine_cfg, tmp_path / str(i), PLACEMENTS[1],
                                           _At(nth, sig=sig), raised=(TimeoutError,))
     finally:

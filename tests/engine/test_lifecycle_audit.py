@@ -20,6 +20,8 @@ from torch import nn
 import offload
 from offload.engine.one_thread import EngineBusyError, OneThread
 
+from ..conftest import run_together
+
 JOIN = 30  # seconds: a hang fails the test instead of the suite
 
 
@@ -452,13 +454,13 @@ def test_a_daemon_thread_training_at_exit_ends_quietly(tmp_path):
     exit released the engine under the call, which raised "cannot schedule new futures
     after shutdown" or "the tiered store is closed" into a traceback. The call ends
     first, the thread's next call ends the thread, and the swap files are removed."""
-    import subprocess
     import sys
-    for kind in ("daemon", "daemon", "joined"):
-        out = subprocess.run([sys.executable, "-c", _DAEMON, str(tmp_path / "swap"), kind],
-                             capture_output=True, text=True, timeout=120)
+    kinds = ("daemon", "daemon", "joined")
+    runs = run_together([[sys.executable, "-c", _DAEMON, str(tmp_path / f"swap{i}"), kind]
+                         for i, kind in enumerate(kinds)])  # each its own swap directory
+    for i, (kind, out) in enumerate(zip(kinds, runs)):
         assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr
-        assert not list((tmp_path / "swap").glob("*.swap"))
+        assert not list((tmp_path / f"swap{i}").glob("*.swap"))
         # a thread the exit joins is not cut short
         assert ("all forwards done" in out.stdout) == (kind == "joined"), out.stdout
 

@@ -10,28 +10,36 @@ import sys
 
 import pytest
 
+from ..conftest import run_together
+
 REPORT = ("import os, offload; print(os.environ.get('OMP_WAIT_POLICY'), "
           "repr(offload.omp_wait_policy()))")
 
 
-def _run(code: str, policy: str | None, *args: str) -> subprocess.CompletedProcess:
+def _env(policy: str | None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
     if policy is not None:
         env["OMP_WAIT_POLICY"] = policy
-    return subprocess.run([sys.executable, "-c", code, *args], env=env, capture_output=True,
-                          text=True, timeout=300)
+    return env
 
 
-@pytest.mark.parametrize("first, policy, printed", [
-    ("import offload, torch", None, "PASSIVE 'PASSIVE'"),  # set before torch loads
-    ("import offload, torch", "ACTIVE", "ACTIVE 'ACTIVE'"),  # the user's choice stays
-    ("import torch, offload", None, "None ''"),  # too late: nothing changed, told later
-    ("import torch, offload", "passive", "passive 'passive'"),
-])
-def test_import_sets_passive_only_before_torch_and_never_over_the_user(first, policy, printed):
-    r = _run(f"{first}\n{REPORT}", policy)
-    assert r.returncode == 0, r.stderr
-    assert r.stdout.strip() == printed
+def _run(code: str, policy: str | None, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code, *args], env=_env(policy),
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_import_sets_passive_only_before_torch_and_never_over_the_user():
+    cases = [  # (imports, the environment's policy, printed)
+        ("import offload, torch", None, "PASSIVE 'PASSIVE'"),  # set before torch loads
+        ("import offload, torch", "ACTIVE", "ACTIVE 'ACTIVE'"),  # the user's choice stays
+        ("import torch, offload", None, "None ''"),  # too late: nothing changed, told later
+        ("import torch, offload", "passive", "passive 'passive'"),
+    ]
+    runs = run_together([[sys.executable, "-c", f"{first}\n{REPORT}"] for first, _, _ in cases],
+                        timeout=300, envs=[_env(policy) for _, policy, _ in cases])
+    for (first, policy, printed), r in zip(cases, runs):
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.strip() == printed, (first, policy)
 
 
 TRAIN = """

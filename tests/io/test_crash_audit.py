@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 
-from ..conftest import ENGINES
+from ..conftest import ENGINES, ENGINES_AIO_SLOW
 
 PRELUDE = """
 import os, sys, threading, time, torch
@@ -35,7 +35,7 @@ def run_child(body: str, tmp_path, engine: str = "threads", timeout: float = 30)
     return p.stdout
 
 
-@pytest.mark.parametrize("name", ENGINES)
+@pytest.mark.parametrize("name", ENGINES_AIO_SLOW)
 def test_read_checked_after_its_buffer_was_released_and_the_pool_closed(name, tmp_path):
     # The checksum check of a read runs in wait(), on the caller's thread, after the
     # handle let go of the buffer: the pool's close unmapped the bytes it hashed (SIGSEGV).
@@ -53,7 +53,7 @@ def test_read_checked_after_its_buffer_was_released_and_the_pool_closed(name, tm
     """, tmp_path, name)
 
 
-@pytest.mark.parametrize("name", ENGINES)
+@pytest.mark.parametrize("name", ENGINES_AIO_SLOW)
 def test_read_checked_after_the_tensors_storage_was_freed_is_a_value_error(name, tmp_path):
     # untyped_storage().resize_(0) between the read's completion and wait(): the check
     # hashed freed memory (SIGSEGV); now it says the storage went away.
@@ -115,7 +115,7 @@ def test_a_tensor_whose_storage_is_resized_mid_read_does_not_corrupt_another(tmp
     run_child(_gated_read_into("t.untyped_storage().resize_(0)"), tmp_path)
 
 
-@pytest.mark.parametrize("name", ENGINES)
+@pytest.mark.parametrize("name", ENGINES_AIO_SLOW)
 def test_an_extent_with_a_longer_length_than_reserved_is_refused(name, tmp_path):
     # SwapExtent(first.offset, 8192) over a 4 KiB extent: only the offset was checked,
     # so the write ran over the next extent, whose bytes were lost.

@@ -13,7 +13,8 @@ import pytest
 
 from offload.io import (CorruptionError, IoError, SwapFullError, SwapLockedError, SwapSpace)
 
-from .conftest import ENGINES, build_engine
+from ..conftest import ENGINES_AIO_SLOW
+from .conftest import build_engine
 
 
 def _fill(buf, n, seed):
@@ -170,7 +171,7 @@ _SUBPROCESS = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("name", ENGINES)
+@pytest.mark.parametrize("name", ENGINES_AIO_SLOW)
 def test_out_of_space_is_clear_and_loses_nothing(name, tmp_path):
     """A file-size limit (as a full disk would) stops growth with a clear error;
     the extent written before stays readable and the file is not left grown."""
@@ -201,7 +202,7 @@ _GROW = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("name", ENGINES)
+@pytest.mark.parametrize("name", ENGINES_AIO_SLOW)
 def test_growth_falls_back_to_what_is_needed_when_the_grow_step_does_not_fit(name, tmp_path):
     """A disk (here a file-size limit) with room for the extents but not for
     io.grow_step more grows the file by only what each extent needs."""
