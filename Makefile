@@ -22,9 +22,12 @@ $(STAMP): pyproject.toml setup.py offload/optim/adam_native.c Makefile
 demo: setup
 	$(VENV)/bin/offload demo
 
+# The default suite on two workers, a test file each at a time: most of its time is
+# spent waiting on the disk and on the processes the tests start, not on a core.
+# test-all runs one test at a time: some of its heavier tests measure peak memory.
 test: setup
 	@sh scripts/install-chromium.sh
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadfile
 
 test-all: setup
 	@sh scripts/install-chromium.sh
