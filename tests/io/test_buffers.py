@@ -136,6 +136,16 @@ def test_evicts_cached_buffers_of_other_sizes():
         assert p.stats().peak_held_bytes == 20 * KIB
 
 
+def test_the_peak_is_the_most_held_at_once_not_the_last(pool):
+    a, b = pool.alloc(12 * KIB), pool.alloc(8 * KIB)
+    a.release()
+    b.release()
+    c = pool.alloc(4 * KIB)
+    s = pool.stats()
+    assert (s.held_bytes, s.peak_held_bytes) == (4 * KIB, 20 * KIB)
+    c.release()
+
+
 def test_views_share_memory(pool):
     buf = pool.alloc(4 * KIB)
     arr = buf.numpy()

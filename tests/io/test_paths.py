@@ -150,6 +150,19 @@ def test_same_process_lock_says_this_process(engine, tmp_path):
         sw.close()
 
 
+def test_a_stale_lock_file_taken_over_names_only_its_new_holder(engine, tmp_path):
+    """A lock file a killed run left, holding a longer pid than this process's: taken
+    over, it holds this pid alone, not this pid over the end of the old one's digits
+    (which named a process that may run)."""
+    lock = tmp_path / "offload-stale.swap.lock"
+    lock.write_text("41943049999\n")
+    sw = SwapSpace([str(tmp_path)], "stale", engine)
+    try:
+        assert lock.read_text() == f"{os.getpid()}\n"
+    finally:
+        sw.close()
+
+
 def test_kept_lock_file_names_no_holder(engine, tmp_path):
     sw = SwapSpace([str(tmp_path)], "kept", engine)
     lock = tmp_path / "offload-kept.swap.lock"
