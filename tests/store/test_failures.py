@@ -235,3 +235,19 @@ def test_a_victim_whose_write_fails_fails_the_reservation_at_once(tmp_path):
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["error"] and "evicting partition 'a' failed" in out["error"], out
     assert out["seconds"] < 10 and out["a_ok"], out
+
+
+@pytest.mark.parametrize("op", ["read", "write"])
+def test_a_transfer_whose_submit_raises_gives_its_room_back(make_store, op):
+    """The engine refuses the read or write as it is submitted (here: closed under the
+    store): the move fails naming the cause, the room it reserved is free again and
+    the partition stays whole where it was."""
+    s = make_store(engine="threads", host_pages=2, device_pages=2)
+    was, to = (Tier.NVME, Tier.HOST) if op == "read" else (Tier.HOST, Tier.NVME)
+    s.put("a", page_tensor(1), tier=was.name).wait()
+    s._engine.close()
+    with pytest.raises(RuntimeError, match="engine is closed"):
+        (s.fetch("a", to=to) if op == "read" else s.evict("a", to=to)).wait()
+    assert s.info("a").valid == {was}
+    assert s.stats().tiers[to.name].used == 0
+    s.audit()
