@@ -70,6 +70,26 @@ def test_concurrent_requests_from_threads(engine, pool, tmp_path):
         b.release()
 
 
+def test_gather_waits_for_every_handle_and_raises_the_first_error(engine, pool, tmp_path):
+    """A request that fails at once, a long one behind it, another that fails: gather
+    returns only once every handle is done, then raises the first handle's error."""
+    size = 64 << 20
+    short_a, fd_a = _file(tmp_path, "a", 8192)
+    big, fd_big = _file(tmp_path, "big", size)
+    short_c, fd_c = _file(tmp_path, "c", 8192)
+    bufs = [pool.alloc(65536), pool.alloc(size), pool.alloc(65536)]
+    handles = [engine.read(fd, path, 0, b.address, b.capacity, keepalive=b)
+               for (path, fd), b in zip([(short_a, fd_a), (big, fd_big), (short_c, fd_c)], bufs)]
+    with pytest.raises(IoError) as e:
+        gather(handles)
+    assert all(h.done() for h in handles)
+    assert e.value.path == short_a
+    for fd in (fd_a, fd_big, fd_c):
+        os.close(fd)
+    for b in bufs:
+        b.release()
+
+
 def test_multi_segment_request(engine, pool, tmp_path):
     p1, fd1 = _file(tmp_path, "a", 1 << 20)
     p2, fd2 = _file(tmp_path, "b", 1 << 20)
