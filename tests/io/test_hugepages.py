@@ -90,14 +90,15 @@ def test_opting_out_is_kept_and_reported(value):
 
 
 @needs_thp
-def test_too_late_is_a_warning_that_names_the_fix():
+def test_too_late_is_a_warning_that_names_the_fix(tmp_path):
     if KERNEL == "always":
         pytest.skip("THP always: huge pages without torch's help")
     # any allocation fixes torch's choice, however small
+    cfg = {"engine": {"params": "host", "grads": "host", "optimizer": "host"},
+           "io": {"paths": [str(tmp_path)]}}  # not ./offload-swap in the working directory
     r = _python("import torch\nsmall = torch.zeros(10)\n"
                 "import logging, offload\nlogging.basicConfig()\n"
-                "e = offload.initialize(torch.nn.Linear(64, 64), {'engine': {'params': 'host', "
-                "'grads': 'host', 'optimizer': 'host'}})\ne.close()\n")
+                f"e = offload.initialize(torch.nn.Linear(64, 64), {cfg!r})\ne.close()\n")
     assert r.returncode == 0, r.stderr
     assert "WARNING" in r.stderr and "import offload first" in r.stderr
     assert "THP_MEM_ALLOC_ENABLE=1" in r.stderr
