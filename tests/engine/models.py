@@ -65,6 +65,13 @@ def lm_train(engine, batches) -> list[float]:
     return losses
 
 
+def assert_state_dict_as_torch(engine, ref: nn.Module) -> None:
+    """The engine's state_dict equals `ref`'s, key by key, bit for bit."""
+    sd = engine.state_dict()
+    for k, v in ref.state_dict().items():
+        assert torch.equal(sd[k], v), k
+
+
 def assert_weights_as_torch(engine, ref: nn.Module, atol: float) -> None:
     """The engine's full weights equal `ref`'s parameters, name by name."""
     with engine.full_weights() as w:

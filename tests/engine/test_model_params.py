@@ -14,6 +14,8 @@ from torch import nn
 import offload
 from offload.store import Tier
 
+from .models import assert_state_dict_as_torch
+
 PLACEMENTS = [("device", "host", "host"), ("host", "host", "nvme"), ("nvme", "nvme", "nvme")]
 IDS = ["none", "host", "nvme"]
 
@@ -222,9 +224,7 @@ def test_load_state_dict_takes_what_state_dict_gives(engine_cfg, placement):
         assert all(torch.equal(before[k], v) for k, v in engine.state_dict().items())
         res = engine.load_state_dict(other.state_dict())  # torch's, with every alias
         assert not res.missing_keys and not res.unexpected_keys
-        sd = engine.state_dict()
-        for k, v in other.state_dict().items():
-            assert torch.equal(sd[k], v), k
+        assert_state_dict_as_torch(engine, other)
         # a dict saved before BatchNorm counted batches: torch keeps the module's count
         old = {k: v for k, v in before.items() if k != "bn.num_batches_tracked"}
         res = engine.load_state_dict(old)
@@ -239,9 +239,7 @@ def test_load_state_dict_takes_what_state_dict_gives(engine_cfg, placement):
         plain = copy.deepcopy(other)
         plain.load_state_dict(apart)
         engine.load_state_dict(apart)
-        sd = engine.state_dict()
-        for k, v in plain.state_dict().items():
-            assert torch.equal(sd[k], v), k
+        assert_state_dict_as_torch(engine, plain)
         engine.load_state_dict(before)  # its own
         res = engine.load_state_dict({"sometimes.bias": other.sometimes.bias,
                                       "extra": torch.zeros(1)}, strict=False)

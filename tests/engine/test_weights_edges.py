@@ -10,6 +10,8 @@ from torch import nn
 
 import offload
 
+from .models import assert_state_dict_as_torch
+
 
 def test_full_weights_keep_requires_grad_of_frozen_parameters(engine_cfg):
     """The full weights a block registers keep each parameter's `requires_grad`, as on
@@ -17,8 +19,7 @@ def test_full_weights_keep_requires_grad_of_frozen_parameters(engine_cfg):
     torch.manual_seed(0)
     ref = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4))
     ref[0].requires_grad_(False)  # a frozen base
-    engine = offload.initialize(copy.deepcopy(ref), engine_cfg())
-    try:
+    with offload.initialize(copy.deepcopy(ref), engine_cfg()) as engine:
         for writable in (False, True):
             with engine.full_weights(writable=writable) as w:
                 for n, p in ref.named_parameters():
@@ -29,11 +30,7 @@ def test_full_weights_keep_requires_grad_of_frozen_parameters(engine_cfg):
                     engine.module[0].weight.mul_(2.0)
                     with torch.no_grad():
                         ref[0].weight.mul_(2.0)
-        sd = engine.state_dict()
-        for k, v in ref.state_dict().items():
-            assert torch.equal(sd[k], v), k
-    finally:
-        engine.close()
+        assert_state_dict_as_torch(engine, ref)
 
 
 class Scaled(nn.Module):
@@ -60,15 +57,13 @@ def test_checkpoint_leaves_non_persistent_buffers_as_the_model_made_them(engine_
     save_file(saved, str(tmp_path / "ck" / "model.safetensors"))
     plain = copy.deepcopy(ref)
     plain.load_state_dict({k: v for k, v in saved.items() if k != "scale"})
-    engine = offload.initialize(copy.deepcopy(ref), engine_cfg(), checkpoint=tmp_path / "ck")
-    try:
+    with offload.initialize(copy.deepcopy(ref), engine_cfg(),
+                            checkpoint=tmp_path / "ck") as engine:
         assert torch.equal(engine.module.shift, torch.full((4,), -1.0))  # loaded
         assert torch.equal(engine.module.scale, torch.full((4,), 2.0))  # the model's own
         x = torch.randn(3, 4)
         with torch.no_grad():
             torch.testing.assert_close(engine(x), plain(x), atol=1e-6, rtol=0)
-    finally:
-        engine.close()
 
 
 def _bn_model():
@@ -81,8 +76,7 @@ def test_an_old_batchnorm_dict_with_version_1_metadata_loads_as_in_torch(engine_
     num_batches_tracked) loads strictly, as torch's load_state_dict fills the key in
     with the module's own count."""
     ref = _bn_model()
-    engine = offload.initialize(copy.deepcopy(ref), engine_cfg())
-    try:
+    with offload.initialize(copy.deepcopy(ref), engine_cfg()) as engine:
         torch.manual_seed(3)
         other = _bn_model()
         other[1].running_mean.uniform_()
@@ -94,11 +88,7 @@ def test_an_old_batchnorm_dict_with_version_1_metadata_loads_as_in_torch(engine_
         res = engine.load_state_dict(old)
         assert res.missing_keys == res_t.missing_keys == []
         assert res.unexpected_keys == res_t.unexpected_keys == []
-        sd = engine.state_dict()
-        for k, v in plain.state_dict().items():
-            assert torch.equal(sd[k], v), k
-    finally:
-        engine.close()
+        assert_state_dict_as_torch(engine, plain)
 
 
 class Tied(nn.Module):
@@ -119,14 +109,13 @@ def test_a_group_naming_the_second_name_of_a_tied_weight_takes_it(engine_cfg):
     optimizer given that parameter in that group."""
     torch.manual_seed(0)
     ref = Tied()
-    engine = offload.initialize(copy.deepcopy(ref), engine_cfg("host"),
-                                param_groups=[{"params": ["head.*"], "lr": 0.0}])
     tied = ref.emb.weight
     opt = torch.optim.AdamW([{"params": [p for p in ref.parameters() if p is not tied]},
                              {"params": [tied], "lr": 0.0}], lr=1e-2, weight_decay=0.1,
                             eps=1e-8)
     g = torch.Generator().manual_seed(1)
-    try:
+    with offload.initialize(copy.deepcopy(ref), engine_cfg("host"),
+                            param_groups=[{"params": ["head.*"], "lr": 0.0}]) as engine:
         for _ in range(2):
             x = torch.randint(0, 16, (4, 5), generator=g)
             y = torch.randint(0, 16, (4, 5), generator=g)
@@ -140,5 +129,3 @@ def test_a_group_naming_the_second_name_of_a_tied_weight_takes_it(engine_cfg):
         assert torch.equal(sd["head.weight"], tied.detach())  # lr 0: unchanged, as torch
         for k, v in ref.state_dict().items():
             torch.testing.assert_close(sd[k], v, atol=1e-5, rtol=0, msg=lambda m: f"{k}: {m}")
-    finally:
-        engine.close()
