@@ -101,3 +101,40 @@ def test_reshard_1_to_2_and_2_to_1(tmp_path, engine_cfg, placement, state):
         lm_train(e, batches[3:])
         for k, v in e.state_dict().items():
             assert torch.equal(v, want[k]), k
+
+
+class Zeros(torch.nn.Module):
+    """Zero weights: before any step, every array a checkpoint holds is all zeros."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(64, 160)
+        self.b = torch.nn.Linear(160, 64)
+        for p in self.parameters():
+            torch.nn.init.zeros_(p)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x))
+
+
+def _zeros_worker(rank, world, init_file, cfg, save):
+    with gloo_group(rank, world, init_file):
+        layout.CHUNK_ELEMS = 1000  # the ranks meet inside a chunk of a.weight
+        with offload.initialize(Zeros(), cfg) as e:
+            e.save_checkpoint(save)
+
+
+def test_two_ranks_write_a_shared_chunk_of_zeros(tmp_path, engine_cfg):
+    # a chunk both ranks write holds only zeros here: it is written like any other,
+    # for a missing chunk is damage to the reader ([Note: checkpoint layout])
+    cfg = _cfg(engine_cfg, tmp_path, "a", ("nvme", "nvme", "nvme"))
+    spawn(_zeros_worker, str(tmp_path / "init"), cfg, str(tmp_path / "zeros"))
+    a = offload.engine.CheckpointReader(tmp_path / "zeros")._array("exp_avg", "a.weight")
+    assert a.chunk_layout.read_chunk.shape == (15, 64)
+    with offload.initialize(Zeros, _cfg(engine_cfg, tmp_path, "b", ("nvme", "nvme", "nvme")),
+                            resume=tmp_path / "zeros") as e:
+        sd = e.state_dict()
+        assert set(sd) == {"a.weight", "a.bias", "b.weight", "b.bias"}
+        assert all(not v.any() for v in sd.values())
+        state = e.optimizer.partition_state(e.groups[0].gid)
+        assert state and all(not v.any() for v in state.values())
