@@ -68,6 +68,11 @@ STEP = -0.25  # a step's first collective (engine.step())
 SAVE = -0.75  # a checkpoint save's first collective (save_checkpoint)
 FAILED = -(2.0 ** 52)  # a rank whose model raised ([Note: a rank whose model raised])
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # offload/
+# the package's files that call a model's own code, not the engine's: the GPT the demo
+# and benchmarks train, and the Domino blocks that run a model's layers in pieces (their
+# only collectives are TP all-reduces, whose count `alone` compares before any notice)
+_MODEL_CODE = frozenset(os.path.join(_PACKAGE, *f.split("/")) for f in (
+    "cli/gpt.py", "comm/domino.py", "comm/blocks.py"))
 READS = "state_dict, full_weights, named_weights, save_pretrained or load_state_dict"
 READ_FIX = ("these gather every rank's shard: call them on every rank at the same point, "
             "not under `if rank == 0` (state_dict keeps the weights on rank 0 only, and "
@@ -86,14 +91,16 @@ class RankOrderError(RuntimeError):
 def raised_by_the_model(e: BaseException) -> bool:
     """[Note: a rank whose model raised] Whether `e`, caught by the engine's forward or
     backward, came from the user's code (the model, an autograd function) and not
-    from the engine's own hooks: no frame below the catching one is the package's.
-    Only then are the other ranks at a check, where a notice pairs up; an error
-    inside a hook may leave them in an all-gather or a reduction."""
+    from the engine's own hooks: no frame below the catching one is the package's,
+    but for those that run a model's own code (`_MODEL_CODE`). Only then are the
+    other ranks at a check, where a notice pairs up; an error inside a hook may
+    leave them in an all-gather or a reduction."""
     if not isinstance(e, Exception) or isinstance(e, RankOrderError):
         return False  # Ctrl-C, exit: every rank gets its own
     tb = e.__traceback__.tb_next if e.__traceback__ is not None else None
     while tb is not None:
-        if os.path.abspath(tb.tb_frame.f_code.co_filename).startswith(_PACKAGE + os.sep):
+        f = os.path.abspath(tb.tb_frame.f_code.co_filename)
+        if f.startswith(_PACKAGE + os.sep) and f not in _MODEL_CODE:
             return False
         tb = tb.tb_next
     return True
@@ -218,10 +225,12 @@ class RankOrder:
         got = self._points(h)
         failed = [str(r) for r, x in enumerate(got) if x == FAILED]
         if failed:
+            who = (f"rank {failed[0]} raised in its model's forward or backward (its own "
+                   "error says" if len(failed) == 1 else f"ranks {', '.join(failed)} raised in "
+                   "their models' forward or backward (their own errors say")
             raise RankOrderError(
-                f"rank {', '.join(failed)} raised in its model's forward or backward (its "
-                f"own error says why) while rank {self._comm.rank} ran {self._describe(h)}; "
-                "this rank's pass stops with it and the step is left as it was: go on with "
+                f"{who} why) while rank {self._comm.rank} ran {self._describe(h)}; this rank's"
+                " pass stops with it and the step is left as it was: go on with "
                 "the next batch on every rank (or stop every rank)")
         if any(x != h for x in got):
             others = "; ".join(f"rank {r} runs {self._describe(x)}"

@@ -11,13 +11,14 @@ ahead."""
 import os
 
 import pytest
+import torch
 
 import offload
 import offload.comm.mesh
 
 from .models import lm_loss
 from .ranks import process_group, run_cases, spawn_cases
-from .test_domino import _batches, _config, _logits, _model
+from .test_domino import EPS, _batches, _config, _logits, _model
 
 pytestmark = pytest.mark.distributed
 
@@ -123,3 +124,68 @@ def test_a_step_refused_on_one_rank_changes_neither(outcomes):
         assert got["raised"] is not None and got["steps"] == 0, got
         assert got["unchanged"] == 0.0, got
         assert got["next"] is True, got
+
+
+
+def _case_one_tp_group_raises(d: str, rank: int) -> dict:
+    """DP = 2 x TP = 2: both ranks of TP group {0, 1} raise alike inside the second
+    block's MLP (run in pieces by the package's Domino block) at step 1, those of
+    {2, 3} do not. Each TP group asks only its own ranks whether they raised
+    together ([Note: mesh layout]): {0, 1} did, so they raise the model's error and
+    tell the others, {2, 3} learn of it at their next check, every rank undoes its
+    pass, and the next batch trains on all four."""
+    offload.comm.mesh.FAILED_PASS_WAIT_S = 3.0  # read when the mesh is built
+    from offload.engine import full_state_dict
+    model = _model("gpt")
+    armed = [False]
+
+    def hook(*_):
+        if armed[0]:
+            raise RuntimeError(f"raised by rank {rank}'s model")
+
+    out: dict = {"errors": [], "steps": []}
+    with offload.initialize(model, _config(os.path.join(d, "four"), 2, "host")) as engine:
+        if rank < 2:
+            model.blocks[1].mlp.fc.register_forward_hook(hook)
+        for step, (x, y) in enumerate(_batches()[:3]):
+            armed[0] = step == 1
+            x, y = x.chunk(2)[rank // 2], y.chunk(2)[rank // 2]  # this rank's DP share
+            try:
+                engine.backward(lm_loss(_logits(engine(x)), y))
+                engine.step()
+            except RuntimeError as e:
+                out["errors"].append(str(e))
+            out["steps"].append(engine.global_step)
+        out["sd"] = full_state_dict(engine)
+    return out
+
+
+def _worker4(rank: int, world: int, init_file: str, out: str) -> None:
+    with process_group(rank, world, init_file):
+        run_cases({"four": lambda: _case_one_tp_group_raises(os.path.dirname(init_file),
+                                                             rank)}, f"{out}.{rank}")
+
+
+def test_a_tp_group_that_raised_together_tells_the_other_and_both_go_on(tmp_path):
+    """Before, the model's error inside the package's Domino block counted as the
+    engine's own: nobody was told, the failed group went on a batch ahead of the
+    other, and every later call met the other's at a different point."""
+    got = [r["four"] for r in spawn_cases(_worker4, str(tmp_path), world=4)]
+    for rank, r in enumerate(got):
+        assert "crash" not in r, (rank, r)
+        assert r["steps"] == [1, 1, 2] and len(r["errors"]) == 1, (rank, r)
+    for rank in (0, 1):  # the model's own error, not a refusal to go on
+        assert got[rank]["errors"] == [f"raised by rank {rank}'s model"], got[rank]
+    for rank in (2, 3):
+        assert got[rank]["errors"][0].startswith(
+            "ranks 0, 1 raised in their models' forward or backward"), got[rank]
+    ref = _model("gpt")  # batches 0 and 2, whole, on one process of torch
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, eps=EPS)
+    for x, y in (_batches()[0], _batches()[2]):
+        opt.zero_grad()
+        lm_loss(_logits(ref(x)), y).backward()
+        opt.step()
+    for r in got:
+        assert set(r["sd"]) == set(ref.state_dict())
+        for k, v in ref.state_dict().items():
+            torch.testing.assert_close(r["sd"][k], v, atol=1e-6, rtol=0, msg=k)
