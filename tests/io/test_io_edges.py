@@ -144,6 +144,26 @@ def test_zeros_that_fit_only_in_part_are_a_full_disk(tmp_path, later, monkeypatc
         assert sw.capacity == 1 << 20 and os.path.getsize(sw.paths[0]) == 1 << 20
 
 
+
+def test_zeros_a_file_system_refuses_at_write_back_are_a_full_disk(tmp_path, later,
+                                                                  monkeypatch):
+    """A file system that takes the zeros into its cache and finds the disk full only
+    when it writes them back (NFS, some FUSE) reports it at the fdatasync after them:
+    SwapFullError from alloc too, not a failed data write later."""
+    def no_fallocate(fd, offset, length):
+        raise OSError(errno.EOPNOTSUPP, os.strerror(errno.EOPNOTSUPP))
+
+    def full_at_write_back(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(os, "posix_fallocate", no_fallocate)
+    eng = _engine(later, direct=False)
+    with SwapSpace([str(tmp_path)], "wb", eng, grow_step=1 << 20) as sw:
+        monkeypatch.setattr(os, "fdatasync", full_at_write_back)
+        with pytest.raises(SwapFullError):
+            sw.alloc(1 << 20)
+        monkeypatch.undo()
+        assert sw.capacity == 0 and os.path.getsize(sw.paths[0]) == 0
+
 def test_wait_released_raises_a_failed_writes_error(tmp_path, later):
     """A failed handle raises its IoError from wait_released() as from wait()."""
     path = tmp_path / "ro"
