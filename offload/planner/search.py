@@ -8,7 +8,12 @@ simulated like any other (offload.planner.plan, .simulate):
     taking its measured compute time plus a fixed per-unit cost (hooks, gathers); a
     unit whose parameters live on NVMe uses their partitions (records), read ahead
     at most `prefetch_depth` uses before they are needed (the engine's look-ahead);
-    on a GPU, parameters homed on the host are copied up at the copy rate;
+    on a GPU, parameters homed on the host are copied up at the copy rate at
+    each use; those read from NVMe pay no copy apart: the store reads a
+    record into pinned memory and copies it up while the disk reads the next,
+    so the copy (at a rate about ten times the disk's) makes a fetch arrive
+    later by one record's copy at most, which the model leaves out (not yet
+    measured on a GPU);
   * every group's update after backward, or, where updates run early (NVMe
     optimizer state without clipping, loss scaling or accumulation), right after
     the backward of its unit; with NVMe optimizer state the update streams its
