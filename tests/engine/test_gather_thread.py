@@ -37,3 +37,33 @@ def test_gather_thread_trains_the_same(tmp_path, engine_cfg, placement):
         assert torch.equal(got[True]["sd"][k], v), k
     gathers = {on: sum(name == "all-gather" for name, *_ in r["spans"]) for on, r in got.items()}
     assert gathers[True] == gathers[False] > 0, gathers
+
+
+def test_a_queued_gather_whose_shard_fails_gives_its_pin_back():
+    """A gather the thread issues for a shard whose fetch fails raises that error at the
+    wait, after `on_error` (which unpins the fetch) ran on the waiting thread; one
+    waited on at once raises to the caller, which unpins itself."""
+    from offload.comm import Collectives
+    from offload.comm.gather_thread import GatherIssuer
+
+    issuer = GatherIssuer(Collectives(), Collectives())
+    unpinned = []
+
+    def shard() -> torch.Tensor:
+        raise OSError("the shard's read failed")
+    try:
+        pending = issuer.all_gather(torch.empty(4), shard, async_op=True,
+                                    on_error=lambda: unpinned.append("async"))
+        with pytest.raises(OSError, match="read failed"):
+            pending.wait()
+        assert unpinned == ["async"]
+        with pytest.raises(OSError, match="read failed"):
+            issuer.all_gather(torch.empty(4), shard, async_op=False,
+                              on_error=lambda: unpinned.append("sync"))
+        assert unpinned == ["async"]
+        full = torch.empty(4)
+        issuer.all_gather(full, lambda: torch.arange(4.0), async_op=True,
+                          on_error=lambda: unpinned.append("ok")).wait()
+        assert torch.equal(full, torch.arange(4.0)) and unpinned == ["async"]
+    finally:
+        issuer.close()
