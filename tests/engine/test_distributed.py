@@ -276,10 +276,12 @@ def _model_raises_worker(rank: int, world: int, init_file: str, out: str, cfg: d
         torch.save(results, f"{out}.{rank}")
 
 
-@pytest.mark.parametrize("where,window,direct", [
-    ("forward", 1, False), ("backward", 1, False), ("end", 2, False), ("end", 2, True)])
+@pytest.mark.parametrize("where,window,direct,thread", [
+    ("forward", 1, False, False), ("backward", 1, False, False), ("end", 2, False, False),
+    ("end", 2, True, False), ("forward", 1, False, True), ("backward", 1, False, True)])
 def test_a_rank_whose_model_raised_stops_the_others_at_their_next_check(tmp_path, engine_cfg,
-                                                                       where, window, direct):
+                                                                       where, window, direct,
+                                                                       thread):
     """Rank 1's model raises in its forward (or an autograd function in its backward).
     The others went on to their next check and met rank 1's next pass there, each
     blaming control flow, and rank 1 lost a second batch; now they learn at that
@@ -287,8 +289,11 @@ def test_a_rank_whose_model_raised_stops_the_others_at_their_next_check(tmp_path
     same weights as a run in which every rank skipped that batch. With gradient
     accumulation, every rank drops the window's gradients so far (the others' steps
     once came a micro-batch early, and paired with rank 1's next forward: a hang).
-    `direct`: the model called directly (`engine.module(x)`), not through the engine."""
+    `direct`: the model called directly (`engine.module(x)`), not through the engine;
+    `thread`: the all-gathers issued from the gather thread, over their own group (the
+    rank that raised issued no more of them than the others)."""
     cfg = engine_cfg("nvme", "nvme", "nvme", group_size=300, grad_accum_steps=window)
+    cfg["comm"] = {"gather_thread": thread}
     out = str(tmp_path / "res")
     at = 3 if window == 2 else 2  # the second micro-batch of a window
     spawn(_model_raises_worker, str(tmp_path / "init"), out, cfg, where, at, direct,
