@@ -160,17 +160,58 @@ def _case_one_tp_group_raises(d: str, rank: int) -> dict:
     return out
 
 
+def _case_step_refused_on_rank_3(d: str, rank: int) -> dict:
+    """DP = 2 x TP = 2: rank 3 writes a NaN lr between backward and step(): the step
+    fails on all four ranks and changes none (the agreement spans the job, not one TP
+    or DP group), and the next step trains on all."""
+    from offload.engine import full_state_dict
+    out: dict = {}
+    with offload.initialize(_model("gpt"), _config(os.path.join(d, "refused"), 2,
+                                                   "host")) as engine:
+        (x, y), (x2, y2) = ((t.chunk(2)[rank // 2] for t in b) for b in _batches()[:2])
+        before = full_state_dict(engine)
+        engine.backward(lm_loss(_logits(engine(x)), y))
+        if rank == 3:
+            engine.optimizer.param_groups[0]["lr"] = float("nan")
+        try:
+            engine.step()
+            out["raised"] = None
+        except Exception as e:  # noqa: BLE001
+            out["raised"] = type(e).__name__
+        out["steps"] = engine.global_step
+        after = full_state_dict(engine)
+        out["unchanged"] = all(torch.equal(after[k], v) for k, v in before.items())
+        engine.optimizer.param_groups[0]["lr"] = 1e-2
+        engine.backward(lm_loss(_logits(engine(x2)), y2))
+        out["next"] = engine.step()
+    return out
+
+
 def _worker4(rank: int, world: int, init_file: str, out: str) -> None:
+    d = os.path.dirname(init_file)
     with process_group(rank, world, init_file):
-        run_cases({"four": lambda: _case_one_tp_group_raises(os.path.dirname(init_file),
-                                                             rank)}, f"{out}.{rank}")
+        run_cases({"raise": lambda: _case_one_tp_group_raises(d, rank),
+                   "refused": lambda: _case_step_refused_on_rank_3(d, rank)}, f"{out}.{rank}")
 
 
-def test_a_tp_group_that_raised_together_tells_the_other_and_both_go_on(tmp_path):
+@pytest.fixture(scope="module")
+def four(tmp_path_factory) -> list:
+    return spawn_cases(_worker4, str(tmp_path_factory.mktemp("tp-four")), world=4)
+
+
+def test_a_step_refused_on_one_of_four_ranks_changes_none(four):
+    for rank, r in enumerate(four):
+        got = r["refused"]
+        assert "crash" not in got, (rank, got)
+        assert got == {"raised": "StepFailedError", "steps": 0, "unchanged": True,
+                       "next": True}, (rank, got)
+
+
+def test_a_tp_group_that_raised_together_tells_the_other_and_both_go_on(four):
     """Before, the model's error inside the package's Domino block counted as the
     engine's own: nobody was told, the failed group went on a batch ahead of the
     other, and every later call met the other's at a different point."""
-    got = [r["four"] for r in spawn_cases(_worker4, str(tmp_path), world=4)]
+    got = [r["raise"] for r in four]
     for rank, r in enumerate(got):
         assert "crash" not in r, (rank, r)
         assert r["steps"] == [1, 1, 2] and len(r["errors"]) == 1, (rank, r)
