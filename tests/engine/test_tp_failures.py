@@ -127,24 +127,31 @@ def test_a_step_refused_on_one_rank_changes_neither(outcomes):
 
 
 
-def _case_one_tp_group_raises(d: str, rank: int) -> dict:
+def _case_one_tp_group_raises(d: str, rank: int, where: str) -> dict:
     """DP = 2 x TP = 2: both ranks of TP group {0, 1} raise alike inside the second
     block's MLP (run in pieces by the package's Domino block) at step 1, those of
     {2, 3} do not. Each TP group asks only its own ranks whether they raised
     together ([Note: mesh layout]): {0, 1} did, so they raise the model's error and
     tell the others, {2, 3} learn of it at their next check, every rank undoes its
-    pass, and the next batch trains on all four."""
+    pass, and the next batch trains on all four. `where`: in the forward, or in the
+    backward (a hook on the MLP's activations, run by autograd)."""
     offload.comm.mesh.FAILED_PASS_WAIT_S = 3.0  # read when the mesh is built
     from offload.engine import full_state_dict
     model = _model("gpt")
     armed = [False]
 
-    def hook(*_):
+    def raises(*_):
         if armed[0]:
             raise RuntimeError(f"raised by rank {rank}'s model")
 
+    def hook(_module, _args, output):
+        if where == "forward":
+            raises()
+        elif output.requires_grad:
+            output.register_hook(raises)
+
     out: dict = {"errors": [], "steps": []}
-    with offload.initialize(model, _config(os.path.join(d, "four"), 2, "host")) as engine:
+    with offload.initialize(model, _config(os.path.join(d, where), 2, "host")) as engine:
         if rank < 2:
             model.blocks[1].mlp.fc.register_forward_hook(hook)
         for step, (x, y) in enumerate(_batches()[:3]):
@@ -190,7 +197,8 @@ def _case_step_refused_on_rank_3(d: str, rank: int) -> dict:
 def _worker4(rank: int, world: int, init_file: str, out: str) -> None:
     d = os.path.dirname(init_file)
     with process_group(rank, world, init_file):
-        run_cases({"raise": lambda: _case_one_tp_group_raises(d, rank),
+        run_cases({"forward": lambda: _case_one_tp_group_raises(d, rank, "forward"),
+                   "backward": lambda: _case_one_tp_group_raises(d, rank, "backward"),
                    "refused": lambda: _case_step_refused_on_rank_3(d, rank)}, f"{out}.{rank}")
 
 
@@ -207,11 +215,12 @@ def test_a_step_refused_on_one_of_four_ranks_changes_none(four):
                        "next": True}, (rank, got)
 
 
-def test_a_tp_group_that_raised_together_tells_the_other_and_both_go_on(four):
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_a_tp_group_that_raised_together_tells_the_other_and_both_go_on(four, where):
     """Before, the model's error inside the package's Domino block counted as the
     engine's own: nobody was told, the failed group went on a batch ahead of the
     other, and every later call met the other's at a different point."""
-    got = [r["raise"] for r in four]
+    got = [r[where] for r in four]
     for rank, r in enumerate(got):
         assert "crash" not in r, (rank, r)
         assert r["steps"] == [1, 1, 2] and len(r["errors"]) == 1, (rank, r)
