@@ -169,10 +169,15 @@ def _case_checkpointing(d: str) -> dict:
     a block's MLP run again in backward (its recomputation)."""
     from offload.engine import full_state_dict
     out: dict = {}
+    funcs = []  # calls of the checkpoint function transformers set on the blocks
     for when in ("off", "before", "after"):
         model = _model("gpt2")
         if when == "before":
             model.gradient_checkpointing_enable()
+            for block in model.transformer.h:  # the block's own function, not a default
+                func = block._gradient_checkpointing_func
+                block._gradient_checkpointing_func = \
+                    lambda *a, func=func, **k: (funcs.append(1), func(*a, **k))[1]
         with offload.initialize(model, _config(os.path.join(d, f"ck-{when}"), 2,
                                                "host")) as engine:
             if when == "after":
@@ -184,7 +189,7 @@ def _case_checkpointing(d: str) -> dict:
                 engine.step()
             out[when] = {"calls": len(calls), "weights": full_state_dict(engine)}
     off = out["off"]["weights"]
-    return {"calls": {k: v["calls"] for k, v in out.items()},
+    return {"calls": {k: v["calls"] for k, v in out.items()}, "funcs": len(funcs),
             "diff": {k: max((v["weights"][n] - off[n]).abs().max().item() for n in off)
                      for k, v in out.items()}}
 
@@ -458,6 +463,7 @@ def test_gradient_checkpointing_under_tensor_parallelism(outcomes):
         assert "crash" not in got, got
         # more MLP calls: the recomputation's (torch's may stop early, before the last piece)
         assert got["calls"]["before"] == got["calls"]["after"] > got["calls"]["off"], got
+        assert got["funcs"] == 4, got  # 2 blocks x 2 steps
         assert max(got["diff"].values()) < 1e-6, got
 
 
