@@ -170,8 +170,11 @@ class RankOrder:
         on after its forward or backward raised `e`, where a rank of its TP group may
         be left inside a collective of the pass; None where the ranks go on (no tensor
         parallelism, or every TP rank raised alike). Asked first, before the pass is
-        undone: the ranks' undo takes unequal times."""
-        if self._mesh is None:
+        undone: the ranks' undo takes unequal times. A `RankOrderError` needs no
+        asking: every rank of the job raised it at one check, one all-reduce that no
+        rank inside a TP collective could have joined, and a rank that raised it
+        outside a pass (at a backward's or a step's check) would never answer."""
+        if self._mesh is None or isinstance(e, RankOrderError):
             return None
         why = ("it was interrupted (Ctrl-C, an exit)" if not isinstance(e, Exception)
                else self._mesh.tp_failed_together())

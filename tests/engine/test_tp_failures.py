@@ -194,12 +194,38 @@ def _case_step_refused_on_rank_3(d: str, rank: int) -> dict:
     return out
 
 
+def _case_loss_code_raises_on_rank_2(d: str, rank: int) -> dict:
+    """DP = 2 x TP = 2: rank 2's loss code raises after its forward of batch 1, and it goes
+    on to its next forward while the others run their backward: every rank raises
+    at that check (a RankOrderError, at one all-reduce: no TP collective is left
+    waiting), and the four go on training, rank 2 a batch apart (as without tensor
+    parallelism: the loop should skip a failed batch on every rank)."""
+    offload.comm.mesh.FAILED_PASS_WAIT_S = 3.0  # read when the mesh is built
+    out: dict = {"errors": [], "steps": []}
+    batches = _batches()
+    with offload.initialize(_model("gpt"), _config(os.path.join(d, "loss"), 2,
+                                                   "host")) as engine:
+        for i in range(4 + (rank == 2)):
+            x, y = (t.chunk(2)[rank // 2] for t in batches[i])
+            try:
+                logits = _logits(engine(x))
+                if i == 1 and rank == 2:
+                    raise ValueError("rank 2's loss code raised")
+                engine.backward(lm_loss(logits, y))
+                engine.step()
+            except (RuntimeError, ValueError) as e:
+                out["errors"].append((i, type(e).__name__, str(e)))
+            out["steps"].append(engine.global_step)
+    return out
+
+
 def _worker4(rank: int, world: int, init_file: str, out: str) -> None:
     d = os.path.dirname(init_file)
     with process_group(rank, world, init_file):
         run_cases({"forward": lambda: _case_one_tp_group_raises(d, rank, "forward"),
                    "backward": lambda: _case_one_tp_group_raises(d, rank, "backward"),
-                   "refused": lambda: _case_step_refused_on_rank_3(d, rank)}, f"{out}.{rank}")
+                   "refused": lambda: _case_step_refused_on_rank_3(d, rank),
+                   "loss": lambda: _case_loss_code_raises_on_rank_2(d, rank)}, f"{out}.{rank}")
 
 
 @pytest.fixture(scope="module")
@@ -213,6 +239,22 @@ def test_a_step_refused_on_one_of_four_ranks_changes_none(four):
         assert "crash" not in got, (rank, got)
         assert got == {"raised": "StepFailedError", "steps": 0, "unchanged": True,
                        "next": True}, (rank, got)
+
+
+def test_ranks_that_met_at_different_checks_go_on_under_tensor_parallelism(four):
+    """Before, rank 2 (its forward met the others' backward) asked its TP group whether
+    they raised too; rank 3 had raised at its backward's check, outside a pass, and
+    never answered: after 3 s every rank refused every later call."""
+    for rank, r in enumerate(four):
+        got = r["loss"]
+        assert "crash" not in got, (rank, got)
+        kinds = [(i, kind) for i, kind, _ in got["errors"]]
+        if rank == 2:
+            assert kinds == [(1, "ValueError"), (2, "RankOrderError")], got["errors"]
+            assert got["steps"] == [1, 1, 1, 2, 3], got
+        else:
+            assert kinds == [(1, "RankOrderError")], got["errors"]
+            assert got["steps"] == [1, 1, 2, 3], got
 
 
 @pytest.mark.parametrize("where", ["forward", "backward"])
