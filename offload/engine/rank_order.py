@@ -46,7 +46,10 @@ from then on, saying why (an interrupt goes on as itself, with why logged).
 The other ranks are released only when this process ends: under gloo by the
 closed connection, under NCCL (which does not see a peer leave) when torchrun
 ends the job because this rank exited with a non-zero status, or at the
-process group's timeout.
+process group's timeout. A pass stopped by a check (`RankOrderError`) asks
+nothing: every rank raised at that check, outside every TP collective, and
+one that raised at a check outside any pass (a backward's first, a step's)
+would never answer.
 """
 
 from __future__ import annotations
@@ -172,8 +175,7 @@ class RankOrder:
         parallelism, or every TP rank raised alike). Asked first, before the pass is
         undone: the ranks' undo takes unequal times. A `RankOrderError` needs no
         asking: every rank of the job raised it at one check, one all-reduce that no
-        rank inside a TP collective could have joined, and a rank that raised it
-        outside a pass (at a backward's or a step's check) would never answer."""
+        rank inside a TP collective could have joined."""
         if self._mesh is None or isinstance(e, RankOrderError):
             return None
         why = ("it was interrupted (Ctrl-C, an exit)" if not isinstance(e, Exception)
