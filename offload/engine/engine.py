@@ -221,7 +221,7 @@ class OffloadEngine(ModelWeights, ModuleHooks, GradPartitions, GroupUpdates, Gat
             self._last_hooks.setdefault(id(module), []).append(self._hooks[-1].id)
         # [Note: one thread at a time] in one_thread.py: around the root module's unit hooks
         self._hooks.append(model.register_forward_pre_hook(EngineHook(self._root_pre),
-                                                           prepend=True))
+                                                           prepend=True, with_kwargs=True))
         self._hooks.append(model.register_forward_hook(EngineHook(self._root_post),
                                                        always_call=True))
         self._last_hooks.setdefault(id(model), []).append(self._hooks[-1].id)

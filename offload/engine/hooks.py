@@ -25,15 +25,18 @@ __all__ = ["ModuleHooks"]
 class ModuleHooks:
     """Mixin of `OffloadEngine`: the hooks `initialize` registers on the model."""
 
-    def _root_pre(self, module: nn.Module, args: Any) -> None:
+    def _root_pre(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         if not in_backward():  # [Note: one thread at a time] in one_thread.py
             self._check_open()
             self._one_thread.enter("the model's forward", direct=True)
             self._interrupts.direct_enter()  # [Note: Ctrl-C at a safe point]
+            # [Note: a TP group reads the same rows] in rank_order.py
+            self._rank_order.forward_called(args, kwargs)
 
     def _root_post(self, module: nn.Module, args: Any, out: Any) -> None:
         if in_backward():
             return
+        self._rank_order.forward_ended()
         e = sys.exc_info()[1] if out is None else None
         # the model called directly, outside every engine call, raised: undone and told
         # to the other ranks as engine(...) does ([Note: a rank whose model raised])

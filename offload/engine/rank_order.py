@@ -50,13 +50,30 @@ process group's timeout. A pass stopped by a check (`RankOrderError`) asks
 nothing: every rank raised at that check, outside every TP collective, and
 one that raised at a check outside any pass (a backward's first, a step's)
 would never answer.
+
+[Note: a TP group reads the same rows]
+The ranks of a TP group hold slices of the same layers and sum their partial
+outputs: each must run the same batch. Ranks that read different rows (a loop
+that skipped a failed batch on one rank only) summed activations of two
+batches, with no error. So under tensor parallelism each check also carries,
+on the first check of a forward, a crc32 of the bytes and shapes of the
+tensors the model was called with (`rows_fingerprint`), in a second slot per
+rank: where the ranks agree on the check but two ranks of one TP group called
+the model with different tensors, every rank raises there, before any TP
+collective of that forward. Other checks carry NaN there (no comparison); the
+payload is 2 x world numbers instead of world, on every check, so that the
+checks' sizes always match.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
-from typing import Callable
+import zlib
+from typing import Any, Callable
+
+import torch
 
 from ..comm import Collectives
 from ..comm.mesh import ParallelMesh
@@ -109,6 +126,29 @@ def raised_by_the_model(e: BaseException) -> bool:
     return True
 
 
+def rows_fingerprint(args: Any, kwargs: Any) -> float:
+    """[Note: a TP group reads the same rows] A crc32 of the shapes and bytes of every
+    tensor in a forward's arguments (inside tuples, lists and dicts, keys in sorted
+    order), as a float."""
+    crc = 0
+
+    def walk(v: Any, depth: int) -> None:
+        nonlocal crc
+        if isinstance(v, torch.Tensor):
+            crc = zlib.crc32(f"{v.dtype}{tuple(v.shape)}".encode(), crc)
+            if v.layout == torch.strided and not v.is_meta and v.numel():
+                data = v.detach().reshape(-1).contiguous().cpu().view(torch.uint8)
+                crc = zlib.crc32(data.numpy(), crc)
+        elif depth < 8 and isinstance(v, (tuple, list)):
+            for x in v:
+                walk(x, depth + 1)
+        elif depth < 8 and isinstance(v, dict):
+            for k in sorted(v, key=str):
+                walk(v[k], depth + 1)
+    walk((args, kwargs), 0)
+    return float(crc)
+
+
 class RankOrder:
     """Checks, before each block of collectives (a unit's forward, its backward, a
     group's gradient reduction), that every rank is at the same block."""
@@ -125,9 +165,27 @@ class RankOrder:
             for gid in u.needs:
                 self._unit_of.setdefault(gid, u.name)
         self.enabled = enabled and comm.world > 1
+        self._rows = math.nan  # the fingerprint the next check carries (under TP)
+        self._rows_got: list[float] = []  # every rank's, from the last check
         # called where this rank meets another's step() at any other point (it skipped
         # its own step): the engine drops its step's gradients, as the failed step did
         self.on_missed_step: Callable[[], None] | None = None
+
+    def forward_called(self, args: Any, kwargs: Any) -> None:
+        """The model was called with `args` and `kwargs` (not in a backward): under tensor
+        parallelism, the forward's first check compares them over each TP group
+        ([Note: a TP group reads the same rows])."""
+        if self.enabled and self._mesh is not None:
+            try:
+                self._rows = rows_fingerprint(args, kwargs)
+            except Exception as e:  # a tensor without bytes to read: not compared
+                log.debug("no fingerprint of the forward's arguments: %s", e)
+                self._rows = math.nan
+
+    def forward_ended(self) -> None:
+        """The model's forward returned or raised: a fingerprint no check carried is
+        dropped."""
+        self._rows = math.nan
 
     def check_unit(self, unit: Unit, backward: bool) -> None:
         """Before the collectives of `unit`'s forward (or backward)."""
@@ -222,8 +280,35 @@ class RankOrder:
         return f"the gradient reduction of group {gid} (unit {self._unit_of.get(gid, '?')!r})"
 
     def _points(self, h: float) -> list[float]:
-        """Every rank's point, this rank's `h`: one all-reduce of `world` numbers."""
-        return self._comm.every_rank(float(h))
+        """Every rank's point, this rank's `h`: one all-reduce of `world` numbers (under
+        tensor parallelism, `world` more: the fingerprints, [Note: a TP group reads
+        the same rows], kept in `_rows_got`)."""
+        if self._mesh is None:
+            return self._comm.every_rank(float(h))
+        world, rank = self._comm.world, self._comm.rank
+        mine = [0.0] * (2 * world)
+        mine[rank], mine[world + rank] = float(h), self._rows
+        self._rows = math.nan
+        got = self._comm.sum_scalars(mine)
+        self._rows_got = got[world:]
+        return got[:world]
+
+    def _check_rows(self, h: float) -> None:
+        """[Note: a TP group reads the same rows] Raises RankOrderError on every rank
+        where two ranks of one TP group called the model with different tensors."""
+        rows, tp = self._rows_got, self._mesh.tp.world
+        for first in range(0, len(rows), tp):
+            group = rows[first:first + tp]
+            if any(math.isnan(x) for x in group) or len(set(group)) == 1:
+                continue
+            ranks = ", ".join(str(first + i) for i in range(tp))
+            raise RankOrderError(
+                f"ranks {ranks} (one tensor-parallel group) called the model with different "
+                f"tensors before {self._describe(h)}: every rank of a TP group must run "
+                "the same batch (they hold slices of the same layers and sum their "
+                "outputs), so this forward stops on every rank. Give each TP group's ranks "
+                "the same rows (their DP rank's share); where a batch failed on one rank, "
+                "skip it on every rank, not on that rank alone")
 
     def _check(self, h: float) -> None:
         """Raises RankOrderError on every rank if the ranks do not all contribute `h`."""
@@ -260,3 +345,5 @@ class RankOrder:
                 "larger unit (raise engine.group_size) so the skip happens within one unit; "
                 "where one rank's step raised (its model or its loss code), skip that batch "
                 "on every rank, not on that rank alone"))
+        if self._mesh is not None:
+            self._check_rows(h)

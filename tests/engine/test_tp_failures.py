@@ -194,12 +194,35 @@ def _case_step_refused_on_rank_3(d: str, rank: int) -> dict:
     return out
 
 
+def _case_rows_apart(d: str, rank: int) -> dict:
+    """DP = 2 x TP = 2: at step 1 rank 3 calls the model with another batch than rank 2,
+    its TP partner ([Note: a TP group reads the same rows]): every rank raises at the
+    forward's first check, and the next step, with the same rows again, trains."""
+    from offload.engine import full_state_dict
+    out: dict = {"errors": [], "steps": []}
+    batches = _batches()
+    with offload.initialize(_model("gpt"), _config(os.path.join(d, "rows"), 2,
+                                                   "host")) as engine:
+        for i in range(3):
+            b = batches[4] if (i == 1 and rank == 3) else batches[i]
+            x, y = (t.chunk(2)[rank // 2] for t in b)
+            try:
+                engine.backward(lm_loss(_logits(engine(x)), y))
+                engine.step()
+            except RuntimeError as e:
+                out["errors"].append((i, type(e).__name__, str(e)))
+            out["steps"].append(engine.global_step)
+        out["sd"] = full_state_dict(engine)
+    return out
+
+
 def _case_loss_code_raises_on_rank_2(d: str, rank: int) -> dict:
     """DP = 2 x TP = 2: rank 2's loss code raises after its forward of batch 1, and it goes
     on to its next forward while the others run their backward: every rank raises
     at that check (a RankOrderError, at one all-reduce: no TP collective is left
-    waiting), and the four go on training, rank 2 a batch apart (as without tensor
-    parallelism: the loop should skip a failed batch on every rank)."""
+    waiting). The loop keeps rank 2 a batch behind its TP partner from then on, so
+    every later forward stops at its first check on every rank ([Note: a TP group
+    reads the same rows]): no step sums two batches."""
     offload.comm.mesh.FAILED_PASS_WAIT_S = 3.0  # read when the mesh is built
     out: dict = {"errors": [], "steps": []}
     batches = _batches()
@@ -225,7 +248,8 @@ def _worker4(rank: int, world: int, init_file: str, out: str) -> None:
         run_cases({"forward": lambda: _case_one_tp_group_raises(d, rank, "forward"),
                    "backward": lambda: _case_one_tp_group_raises(d, rank, "backward"),
                    "refused": lambda: _case_step_refused_on_rank_3(d, rank),
-                   "loss": lambda: _case_loss_code_raises_on_rank_2(d, rank)}, f"{out}.{rank}")
+                   "loss": lambda: _case_loss_code_raises_on_rank_2(d, rank),
+                   "rows": lambda: _case_rows_apart(d, rank)}, f"{out}.{rank}")
 
 
 @pytest.fixture(scope="module")
@@ -241,20 +265,37 @@ def test_a_step_refused_on_one_of_four_ranks_changes_none(four):
                        "next": True}, (rank, got)
 
 
-def test_ranks_that_met_at_different_checks_go_on_under_tensor_parallelism(four):
+def test_ranks_that_met_at_different_checks_are_told_so_under_tensor_parallelism(four):
     """Before, rank 2 (its forward met the others' backward) asked its TP group whether
     they raised too; rank 3 had raised at its backward's check, outside a pass, and
-    never answered: after 3 s every rank refused every later call."""
+    never answered: after 3 s every rank refused every later call. Now each call
+    raises at a check saying why, and no step is taken on two batches' sums."""
+    rows = "(one tensor-parallel group) called the model with different tensors"
     for rank, r in enumerate(four):
         got = r["loss"]
         assert "crash" not in got, (rank, got)
-        kinds = [(i, kind) for i, kind, _ in got["errors"]]
+        kinds = [(i, kind, rows in msg) for i, kind, msg in got["errors"]]
         if rank == 2:
-            assert kinds == [(1, "ValueError"), (2, "RankOrderError")], got["errors"]
-            assert got["steps"] == [1, 1, 1, 2, 3], got
+            assert kinds == [(1, "ValueError", False), (2, "RankOrderError", False),
+                             (3, "RankOrderError", True), (4, "RankOrderError", True)], kinds
         else:
-            assert kinds == [(1, "RankOrderError")], got["errors"]
-            assert got["steps"] == [1, 1, 2, 3], got
+            assert kinds == [(1, "RankOrderError", False), (2, "RankOrderError", True),
+                             (3, "RankOrderError", True)], kinds
+        assert set(got["steps"]) == {1}, got
+
+
+def test_a_tp_group_whose_ranks_read_different_rows_stops_before_summing_them(four):
+    """Before, rank 3's batch and rank 2's were summed in every TP all-reduce of the
+    step, and the step was taken, with no error."""
+    for rank, r in enumerate(four):
+        got = r["rows"]
+        assert "crash" not in got, (rank, got)
+        assert got["steps"] == [1, 1, 2], got
+        (i, kind, msg), = got["errors"]
+        assert (i, kind) == (1, "RankOrderError"), got["errors"]
+        assert msg.startswith("ranks 2, 3 (one tensor-parallel group) called the model "
+                              "with different tensors before the forward of unit"), msg
+    _same_as_torch([r["rows"]["sd"] for r in four], [0, 2])
 
 
 @pytest.mark.parametrize("where", ["forward", "backward"])
@@ -271,13 +312,19 @@ def test_a_tp_group_that_raised_together_tells_the_other_and_both_go_on(four, wh
     for rank in (2, 3):
         assert got[rank]["errors"][0].startswith(
             "ranks 0, 1 raised in their models' forward or backward"), got[rank]
-    ref = _model("gpt")  # batches 0 and 2, whole, on one process of torch
+    _same_as_torch([r["sd"] for r in got], [0, 2])
+
+
+def _same_as_torch(weights: list, batches: list) -> None:
+    """Each rank's full weights are torch's trained on `batches`, whole, one process."""
+    ref = _model("gpt")
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, eps=EPS)
-    for x, y in (_batches()[0], _batches()[2]):
+    for i in batches:
+        x, y = _batches()[i]
         opt.zero_grad()
         lm_loss(_logits(ref(x)), y).backward()
         opt.step()
-    for r in got:
-        assert set(r["sd"]) == set(ref.state_dict())
+    for sd in weights:
+        assert set(sd) == set(ref.state_dict())
         for k, v in ref.state_dict().items():
-            torch.testing.assert_close(r["sd"][k], v, atol=1e-6, rtol=0, msg=k)
+            torch.testing.assert_close(sd[k], v, atol=1e-6, rtol=0, msg=k)
