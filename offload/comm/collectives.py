@@ -229,11 +229,12 @@ class Collectives:
         self.all_reduce_sum(t)
         return t.cpu().tolist()
 
-    def every_rank(self, value: float) -> list[float]:
-        """Every rank's `value`, in rank order: one all-reduce of `world` numbers, each
-        rank's at its own place."""
-        mine = [0.0] * self.world
-        mine[self.rank] = value
+    def every_rank(self, *values: float) -> list[float]:
+        """Every rank's `values`, in rank order: one all-reduce of `world` numbers per
+        value, each rank's at its own place (value i of rank r at i x world + r)."""
+        mine = [0.0] * (self.world * len(values))
+        for i, v in enumerate(values):
+            mine[i * self.world + self.rank] = v
         return self.sum_scalars(mine)
 
     def barrier(self) -> None:

@@ -166,7 +166,6 @@ class RankOrder:
                 self._unit_of.setdefault(gid, u.name)
         self.enabled = enabled and comm.world > 1
         self._rows = math.nan  # the fingerprint the next check carries (under TP)
-        self._rows_got: list[float] = []  # every rank's, from the last check
         # called where this rank meets another's step() at any other point (it skipped
         # its own step): the engine drops its step's gradients, as the failed step did
         self.on_missed_step: Callable[[], None] | None = None
@@ -279,24 +278,20 @@ class RankOrder:
         gid = k - 2 * n
         return f"the gradient reduction of group {gid} (unit {self._unit_of.get(gid, '?')!r})"
 
-    def _points(self, h: float) -> list[float]:
-        """Every rank's point, this rank's `h`: one all-reduce of `world` numbers (under
-        tensor parallelism, `world` more: the fingerprints, [Note: a TP group reads
-        the same rows], kept in `_rows_got`)."""
+    def _points(self, h: float) -> tuple[list[float], list[float] | None]:
+        """Every rank's point, this rank's `h`, and under tensor parallelism every rank's
+        fingerprint ([Note: a TP group reads the same rows]; else None): one
+        all-reduce of `world` numbers each."""
         if self._mesh is None:
-            return self._comm.every_rank(float(h))
-        world, rank = self._comm.world, self._comm.rank
-        mine = [0.0] * (2 * world)
-        mine[rank], mine[world + rank] = float(h), self._rows
-        self._rows = math.nan
-        got = self._comm.sum_scalars(mine)
-        self._rows_got = got[world:]
-        return got[:world]
+            return self._comm.every_rank(float(h)), None
+        rows, self._rows = self._rows, math.nan
+        got = self._comm.every_rank(float(h), rows)
+        return got[:self._comm.world], got[self._comm.world:]
 
-    def _check_rows(self, h: float) -> None:
+    def _check_rows(self, h: float, rows: list[float]) -> None:
         """[Note: a TP group reads the same rows] Raises RankOrderError on every rank
         where two ranks of one TP group called the model with different tensors."""
-        rows, tp = self._rows_got, self._mesh.tp.world
+        tp = self._mesh.tp.world
         for first in range(0, len(rows), tp):
             group = rows[first:first + tp]
             if any(math.isnan(x) for x in group) or len(set(group)) == 1:
@@ -312,7 +307,7 @@ class RankOrder:
 
     def _check(self, h: float) -> None:
         """Raises RankOrderError on every rank if the ranks do not all contribute `h`."""
-        got = self._points(h)
+        got, rows = self._points(h)
         failed = [str(r) for r, x in enumerate(got) if x == FAILED]
         if failed:
             who = (f"rank {failed[0]} raised in its model's forward or backward (its own "
@@ -345,5 +340,5 @@ class RankOrder:
                 "larger unit (raise engine.group_size) so the skip happens within one unit; "
                 "where one rank's step raised (its model or its loss code), skip that batch "
                 "on every rank, not on that rank alone"))
-        if self._mesh is not None:
-            self._check_rows(h)
+        if rows is not None:
+            self._check_rows(h, rows)

@@ -128,6 +128,26 @@ def test_a_step_refused_on_one_rank_changes_neither(outcomes):
         assert got["next"] is True, got
 
 
+def _train(engine, rank: int, batches: list, arm=lambda i: None,
+           loss_raises_at: int | None = None) -> dict:
+    """Trains on each of `batches` (this rank's DP share of it; `arm(i)` first), the
+    loss code raising at batch `loss_raises_at`; each error as (batch, type, message)
+    and the global step after each batch."""
+    out: dict = {"errors": [], "steps": []}
+    for i, batch in enumerate(batches):
+        arm(i)
+        x, y = (t.chunk(2)[rank // 2] for t in batch)
+        try:
+            logits = _logits(engine(x))
+            if i == loss_raises_at:
+                raise ValueError(f"rank {rank}'s loss code raised")
+            engine.backward(lm_loss(logits, y))
+            engine.step()
+        except (RuntimeError, ValueError) as e:
+            out["errors"].append((i, type(e).__name__, str(e)))
+        out["steps"].append(engine.global_step)
+    return out
+
 
 def _case_one_tp_group_raises(d: str, rank: int, where: str) -> dict:
     """DP = 2 x TP = 2: both ranks of TP group {0, 1} raise alike inside the second
@@ -152,19 +172,13 @@ def _case_one_tp_group_raises(d: str, rank: int, where: str) -> dict:
         elif output.requires_grad:
             output.register_hook(raises)
 
-    out: dict = {"errors": [], "steps": []}
     with offload.initialize(model, _config(os.path.join(d, where), 2, "host")) as engine:
         if rank < 2:
             model.blocks[1].mlp.fc.register_forward_hook(hook)
-        for step, (x, y) in enumerate(_batches()[:3]):
-            armed[0] = step == 1
-            x, y = x.chunk(2)[rank // 2], y.chunk(2)[rank // 2]  # this rank's DP share
-            try:
-                engine.backward(lm_loss(_logits(engine(x)), y))
-                engine.step()
-            except RuntimeError as e:
-                out["errors"].append(str(e))
-            out["steps"].append(engine.global_step)
+        def arm(i: int) -> None:
+            armed[0] = i == 1
+        out = _train(engine, rank, _batches()[:3], arm=arm)
+        out["errors"] = [msg for _, _, msg in out["errors"]]
         out["sd"] = full_state_dict(engine)
     return out
 
@@ -174,19 +188,12 @@ def _case_rows_apart(d: str, rank: int) -> dict:
     its TP partner ([Note: a TP group reads the same rows]): every rank raises at the
     forward's first check, and the next step, with the same rows again, trains."""
     from offload.engine import full_state_dict
-    out: dict = {"errors": [], "steps": []}
     batches = _batches()
+    if rank == 3:
+        batches[1] = batches[4]
     with offload.initialize(_model("gpt"), _config(os.path.join(d, "rows"), 2,
                                                    "host")) as engine:
-        for i in range(3):
-            b = batches[4] if (i == 1 and rank == 3) else batches[i]
-            x, y = (t.chunk(2)[rank // 2] for t in b)
-            try:
-                engine.backward(lm_loss(_logits(engine(x)), y))
-                engine.step()
-            except RuntimeError as e:
-                out["errors"].append((i, type(e).__name__, str(e)))
-            out["steps"].append(engine.global_step)
+        out = _train(engine, rank, batches[:3])
         out["sd"] = full_state_dict(engine)
     return out
 
@@ -199,22 +206,10 @@ def _case_loss_code_raises_on_rank_2(d: str, rank: int) -> dict:
     every later forward stops at its first check on every rank ([Note: a TP group
     reads the same rows]): no step sums two batches."""
     offload.comm.mesh.FAILED_PASS_WAIT_S = 3.0  # read when the mesh is built
-    out: dict = {"errors": [], "steps": []}
-    batches = _batches()
     with offload.initialize(_model("gpt"), _config(os.path.join(d, "loss"), 2,
                                                    "host")) as engine:
-        for i in range(4 + (rank == 2)):
-            x, y = (t.chunk(2)[rank // 2] for t in batches[i])
-            try:
-                logits = _logits(engine(x))
-                if i == 1 and rank == 2:
-                    raise ValueError("rank 2's loss code raised")
-                engine.backward(lm_loss(logits, y))
-                engine.step()
-            except (RuntimeError, ValueError) as e:
-                out["errors"].append((i, type(e).__name__, str(e)))
-            out["steps"].append(engine.global_step)
-    return out
+        return _train(engine, rank, _batches()[:4 + (rank == 2)],
+                      loss_raises_at=1 if rank == 2 else None)
 
 
 def _worker4(rank: int, world: int, init_file: str, out: str) -> None:
