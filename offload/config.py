@@ -430,7 +430,10 @@ class EngineConfig:
                                   "backward, check that every rank runs the same unit (one "
                                   "all-reduce of one number per rank); ranks that run "
                                   "different modules, or whose model raised on one rank, "
-                                  "raise instead of hanging in an all-gather")
+                                  "raise instead of hanging in an all-gather; under tensor "
+                                  "parallelism (two numbers per rank) each forward's first "
+                                  "check also compares a crc32 of the tensors the model was "
+                                  "called with over each TP group, which must be the same")
     keep_checkpoints: int = _doc(0, "committed checkpoints of the training kept in a save's "
                                  "directory (the highest steps; its older ones, resumes "
                                  "included, are removed after a save; another training's "
