@@ -53,3 +53,21 @@ def _worker(rank: int, world: int, init_file: str, d: str) -> None:
 
 def test_an_engines_own_groups_are_freed_when_it_closes(tmp_path):
     spawn(_worker, str(tmp_path / "init"), str(tmp_path))
+
+
+def _destroy_worker(rank: int, world: int, init_file: str) -> None:
+    from offload.comm.collectives import Collectives
+    from offload.comm.mesh import _destroy_each
+    with process_group(rank, world, init_file):
+        before = _groups()
+        groups = [Collectives(dist.new_group([0])) for _ in range(3)]
+        dist.destroy_process_group(groups[1].group)  # destroying it again raises
+        assert _groups() == before + 2
+        with pytest.raises(ValueError, match="Invalid process group"):
+            _destroy_each(*groups)
+        # the group after the one that failed is freed too
+        assert _groups() == before and all(g.group is None for g in groups)
+
+
+def test_a_mesh_frees_every_group_when_one_fails_to_be_destroyed(tmp_path):
+    spawn(_destroy_worker, str(tmp_path / "init"), world=1)
