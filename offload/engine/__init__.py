@@ -126,7 +126,8 @@ def _refuse_unsupported(model: nn.Module, dtype: str) -> None:
     statistics under bf16/fp16 compute gets cast weights beside fp32 statistics
     (buffers keep their dtype), a mix torch's batch_norm refuses at the first forward;
     a float64 or complex parameter would train in the compute dtype with fp32 masters,
-    its precision silently lost (and a float64 input refused by the first layer).
+    its precision silently lost (and a float64 input refused by the first layer); an
+    integer or bool parameter would be cast to the compute dtype, its values rounded.
     bf16/fp16 parameters under another compute dtype are only warned of: they train,
     in that dtype."""
     refuse_lazy(model)
@@ -137,6 +138,13 @@ def _refuse_unsupported(model: nn.Module, dtype: str) -> None:
                 "the engine computes in engine.dtype (fp32, bf16 or fp16) with fp32 master "
                 "weights, so it would not train at that precision: convert the model first "
                 "(model.float()), and its inputs")
+        if not (p.is_floating_point() or p.is_complex()):
+            raise ConfigError(
+                f"initialize(model): parameter {name!r} is {str(p.dtype).replace('torch.', '')}; "
+                "the engine keeps parameters as floating-point partitions in engine.dtype, "
+                "which would round its values and change its dtype: register it as a "
+                "buffer instead (module.register_buffer(name, tensor)), which the engine "
+                "leaves on its module and state_dict() keeps under the same key")
     compute = _DTYPES[dtype]
     low = [(n, p.dtype) for n, p in model.named_parameters()
            if p.dtype in (torch.bfloat16, torch.float16) and p.dtype != compute]

@@ -281,6 +281,40 @@ def test_a_float64_model_is_refused_naming_the_parameter(engine_cfg):
         assert engine.step()
 
 
+class IndexedLinear(nn.Module):
+    """A permutation of the outputs kept as an integer parameter (requires_grad=False)."""
+
+    def __init__(self, as_buffer: bool = False) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        perm = torch.tensor([3, 1, 0, 2 ** 40 + 1])
+        if as_buffer:
+            self.register_buffer("perm", perm)
+        else:
+            self.perm = nn.Parameter(perm, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x)[:, self.perm[:4] % 4]
+
+
+def test_an_integer_parameter_is_refused_naming_it_and_a_buffer_trains(engine_cfg):
+    """An int64 parameter was cast to the compute dtype: the forward indexed with floats
+    and raised, and state_dict() returned 2**40 + 1 rounded to 2**40, its dtype put
+    back. initialize refuses it, naming the parameter and the fix, before anything is
+    made; registered as a buffer, the model trains and keeps its values."""
+    model = IndexedLinear()
+    with pytest.raises(offload.ConfigError, match=r"parameter 'perm' is int64.*"
+                                                  r"register_buffer"):
+        offload.initialize(model, engine_cfg("host", group_size=100))
+    assert model.perm.dtype == torch.int64 and model.perm[3].item() == 2 ** 40 + 1
+    model = IndexedLinear(as_buffer=True)
+    with offload.initialize(model, engine_cfg("host", group_size=100)) as engine:
+        engine.backward(engine(torch.randn(3, 4)).sum())
+        assert engine.step()
+        perm = engine.state_dict()["perm"]
+    assert perm.dtype == torch.int64 and perm[3].item() == 2 ** 40 + 1
+
+
 def test_a_lazy_module_not_sized_yet_is_refused_naming_it(engine_cfg):
     """nn.LazyLinear before its first call has nothing to partition: torch's error came
     from deep inside the unit building, naming no parameter. initialize refuses it,
