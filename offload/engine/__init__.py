@@ -26,7 +26,7 @@ from ..store import NextUsePolicy, TieredStore
 from ..store.copy import resolve_device
 from ..trace import NULL_RECORDER, TraceRecorder
 from .checkpoint import SafetensorsCheckpoint
-from .absent import AbsentWeight
+from .absent import AbsentWeight, post_accumulate_message
 from .checkpoint_reader import CheckpointReader
 from .engine import _DTYPES, _TIERS, OffloadEngine
 from .eviction import next_use_of
@@ -138,6 +138,8 @@ def _refuse_unsupported(model: nn.Module, dtype: str) -> None:
                 "the engine computes in engine.dtype (fp32, bf16 or fp16) with fp32 master "
                 "weights, so it would not train at that precision: convert the model first "
                 "(model.float()), and its inputs")
+        if p._post_accumulate_grad_hooks:
+            raise ConfigError(f"initialize(model): {post_accumulate_message(name)}")
         if not (p.is_floating_point() or p.is_complex()):
             raise ConfigError(
                 f"initialize(model): parameter {name!r} is {str(p.dtype).replace('torch.', '')}; "

@@ -66,6 +66,14 @@ def absent_grad_message(name: str) -> str:
             "offload/engine/params_view.py)")
 
 
+def post_accumulate_message(name: str) -> str:
+    """Why a post-accumulate-grad hook on parameter `name` is refused."""
+    return (f"a post-accumulate-grad hook on parameter {name!r} would never run: the "
+            "engine accumulates the gradients in its partitions, not in .grad, and updates "
+            "them in engine.step(); change a gradient with p.register_hook(fn), which runs "
+            "on each use's gradient, or act after engine.backward(...)")
+
+
 class AbsentWeight(torch.Tensor):
     """A parameter's stand-in while its group is not gathered; see [Note: absent weights]."""
 
@@ -102,6 +110,11 @@ class AbsentWeight(torch.Tensor):
         if absent:  # an optimizer's update of a parameter by its gradient: the gradient's
             raise RuntimeError(max(absent, key=lambda a: a.is_grad).message)
         raise RuntimeError(f"{func} got an absent weight")
+
+    def register_post_accumulate_grad_hook(self, hook: Any) -> Any:
+        """[Note: gradient hooks on parameters] in gathering.py: refused, naming the
+        parameter, where it was taken and never run."""
+        raise RuntimeError(post_accumulate_message(self.param_name))
 
     # `p.data = t` swaps a tensor's data in C, past __torch_dispatch__: taken, it changed
     # nothing the engine holds (and one of another shape changed the stand-in's shape)

@@ -4,6 +4,17 @@ forward and backward (a mixin of `OffloadEngine`).
 
 [Note: gather order] below; [Note: gathered weights borrow the record] and
 [Note: kept weights] in warm.py; [Note: registered parameters] in params_view.py.
+
+[Note: gradient hooks on parameters]
+A hook registered with `p.register_hook` on a parameter (before `initialize`: the
+stand-in shares the original's hook dict, so its handle still removes it; or
+after, on the stand-in) is registered on each view `_bind` makes of it, before
+the engine's own: it runs on that use's gradient, in the compute dtype, and
+what it returns is what reaches the partition. torch runs a leaf's hooks once
+on the sum of its uses; a parameter used twice in one backward (tied weights,
+a module called twice) runs them once per use here, which gives torch's sum
+for a hook linear in the gradient (a mask, a scale). A post-accumulate-grad
+hook is refused: `.grad` never holds the engine's gradients.
 """
 
 from __future__ import annotations
@@ -209,6 +220,8 @@ class GatheredWeights:
                 if view.requires_grad and self.registered.frozen(st.group.gid, i):
                     view = view.detach()  # [Note: freezing after initialize]
                 if view.requires_grad:  # [Note: parameters without a gradient]
+                    for hook in self.registered.grad_hooks(st.group.gid, i):
+                        view.register_hook(hook)  # [Note: gradient hooks on parameters]
                     view.register_hook(self.grad_slots.hook(st.group.gid, i))
                 for module, name in slot.uses:  # before _parameters: [Note: registered
                     # parameters] in params_view.py; [Note: sparse gradients] in grad_slots.py

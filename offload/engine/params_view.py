@@ -160,6 +160,9 @@ class RegisteredParams:
                 absent = AbsentWeight(s.shape, dtype, device,
                                       absent_message(name, unit, parent(unit)), name=name)
                 p = nn.Parameter(absent, requires_grad=g.requires_grad)
+                hooks = s.param._backward_hooks if s.param is not None else None
+                if hooks:  # [Note: gradient hooks on parameters]: the original's dict, so
+                    p._backward_hooks = hooks  # the user's handles still remove them
                 self._where[id(p)] = (g.gid, i)
                 self._names[(g.gid, i)] = name
                 row.append(p)
@@ -244,6 +247,12 @@ class RegisteredParams:
         weight `summon` put in its place); None for any other tensor."""
         where = self._where.get(id(p))
         return self._summoned.get(id(p)) if where is None and summoned else where
+
+    def grad_hooks(self, gid: int, slot: int) -> list:
+        """[Note: gradient hooks on parameters] The hooks registered on the slot's
+        stand-in (`p.register_hook`), in their order."""
+        hooks = self.stand_ins[gid][slot]._backward_hooks
+        return list(hooks.values()) if hooks else []
 
     def name(self, gid: int, slot: int) -> str:
         """The parameter's name in the model (its first, where tied)."""
