@@ -187,17 +187,13 @@ def export_safetensors(reader: CheckpointReader, out: str | os.PathLike, *,
 
 
 def _converted(name: str, t: torch.Tensor, to: torch.dtype, asked: str) -> torch.Tensor:
-    """`t` in dtype `to`; UsageError where a value beyond `to`'s range would become inf
-    (fp32 or bf16 weights above 65504 written as fp16), so no weight is lost silently."""
-    import torch
-    out = t.to(to)
-    if (out.dtype != t.dtype and out.is_floating_point()
-            and int(torch.isinf(out).sum()) > int(torch.isinf(t).sum())):
-        big = t[torch.isfinite(t)].abs().max().item()
-        raise UsageError(f"--dtype {asked}: tensor {name!r} holds values beyond the range of "
-                         f"{str(to).removeprefix('torch.')} (up to {big:g}), which would be "
-                         "written as inf; give --dtype bf16 or fp32 (nothing was written)")
-    return out
+    """`cast_finite` with its refusal as a `UsageError` naming --dtype."""
+    from ..engine.safetensors_writer import cast_finite
+    try:
+        return cast_finite(name, t, to)
+    except OverflowError as e:
+        raise UsageError(f"--dtype {asked}: {e}; give --dtype bf16 or fp32 (nothing was "
+                         "written)") from None
 
 
 def _check_copies(to: str, config: str | None) -> None:

@@ -29,7 +29,7 @@ from .full_weights import groups_of, read_group, slot_tensors, summoned, write_g
 from .interrupts import around_user_block, guarded
 from .one_thread import one_call
 from .params_view import state_entries
-from .safetensors_writer import TensorSpec, write_shards
+from .safetensors_writer import TensorSpec, cast_finite, write_shards
 from .units import not_compiled
 
 log = logging.getLogger(__name__)
@@ -54,6 +54,15 @@ def _export_dtype(dtype: Any) -> torch.dtype | None:
     raise ValueError(f"save_pretrained: dtype={dtype!r} cannot be written; pass None (each "
                      f"tensor's own dtype), one of {list(_EXPORT_DTYPES)} or "
                      f"{list(_EXPORT_DTYPES.values())}")
+
+
+def _cast(stream: Iterator[tuple[str, torch.Tensor]], dtype: torch.dtype | None
+          ) -> Iterator[tuple[str, torch.Tensor]]:
+    """`save_pretrained`'s tensors in `dtype` (floating ones), each checked by
+    `cast_finite`; a refusal leaves `stream` where it was, for the other ranks'
+    all-gathers."""
+    for name, t in stream:
+        yield name, cast_finite(name, t, dtype) if dtype and t.is_floating_point() else t
 
 
 def _shard_limit(max_shard_size: Any) -> int:
@@ -526,7 +535,9 @@ class ModelWeights:
         Every rank calls it; rank 0 writes, and on a failure there (a directory
         that holds shards, a full disk) every rank still takes part in every
         all-gather before rank 0 raises. Bad arguments raise `ValueError` on every
-        rank before anything is created. Returns the files written."""
+        rank before anything is created; a `dtype` that would make a finite value inf
+        raises `ValueError` on rank 0, naming the tensor, nothing written. Returns the
+        files written."""
         self._check_open()
         limit = _shard_limit(max_shard_size)
         dtype = _export_dtype(dtype)
@@ -540,7 +551,14 @@ class ModelWeights:
         with tempfile.TemporaryDirectory(prefix="offload-config-") as staged:
             copies = self._save_configs(Path(staged), dtype)  # written with the shards
             try:
-                return write_shards(out, specs, stream, limit, copies=copies)
+                return write_shards(out, specs, _cast(stream, dtype), limit, copies=copies)
+            except OverflowError as e:
+                if self.comm.world > 1:
+                    for _ in stream:  # the all-gathers left
+                        pass
+                raise ValueError(f"save_pretrained: dtype={dtype}: {e}; give dtype "
+                                 "torch.bfloat16 or torch.float32 (nothing was written)"
+                                 ) from None
             except BaseException:
                 if self.comm.world > 1:
                     for _ in stream:  # what the failed write left: its all-gathers
@@ -587,10 +605,9 @@ class ModelWeights:
                     t = live[name].to(t.dtype).reshape(t.shape)
                 if self.tp is not None:  # every TP rank's slice, put together
                     t = self.tp.full(name, t, self.device)
-                yield name, t.to(dtype) if dtype else t
+                yield name, t
             del full
-        for name, t in order:
-            yield name, t.to(dtype) if dtype and t.is_floating_point() else t
+        yield from order
 
     def _save_configs(self, into: Path, dtype: torch.dtype | None) -> dict[str, Path]:
         """The model's `config.json` and `generation_config.json` (Hugging Face), written

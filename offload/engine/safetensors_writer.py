@@ -70,6 +70,20 @@ class TensorSpec:
         return math.prod(self.shape) * self.dtype.itemsize
 
 
+def cast_finite(name: str, t: torch.Tensor, to: torch.dtype) -> torch.Tensor:
+    """`t` in dtype `to`; `OverflowError` naming the tensor where a finite value beyond
+    `to`'s range would become inf (fp32 or bf16 weights above 65504 written as fp16),
+    so no weight is lost silently."""
+    out = t.to(to)
+    if (out.dtype != t.dtype and out.is_floating_point()
+            and int(torch.isinf(out).sum()) > int(torch.isinf(t).sum())):
+        big = t[torch.isfinite(t)].abs().max().item()
+        raise OverflowError(f"tensor {name!r} holds values beyond the range of "
+                            f"{str(to).removeprefix('torch.')} (up to {big:g}), which would "
+                            "be written as inf")
+    return out
+
+
 def plan_shards(specs: list[TensorSpec], max_shard_size: int) -> list[list[TensorSpec]]:
     """Consecutive tensors into shards of at most `max_shard_size` bytes (a larger
     tensor gets a shard of its own)."""

@@ -38,6 +38,13 @@ def _worker(rank: int, world: int, init_file: str, out: str, cfg: dict) -> None:
             engine.save_pretrained(out + ".dir")
         except FileExistsError:
             again = "refused"
+        with engine.full_weights("emb", writable=True):
+            engine.module.emb.weight.data.mul_(10)  # up to 81,910: beyond fp16's range
+        fp16 = "written"
+        try:  # rank 0 refuses the first group; rank 1 is not left in its all-gathers
+            engine.save_pretrained(out + ".fp16", dtype="fp16")
+        except ValueError as e:
+            fp16 = str(e)
         refused = ""
         try:  # rank 1 gives nothing: every rank raises, none waits in a collective
             engine.load_state_dict(sd_all if rank == 0 else {})
@@ -46,7 +53,7 @@ def _worker(rank: int, world: int, init_file: str, out: str, cfg: dict) -> None:
         engine.load_state_dict(sd_all)  # the weights before the write, on both ranks
         back = engine.state_dict(rank0_only=False)
         torch.save({"sd": sd, "seen": seen, "after": after, "refused": refused, "back": back,
-                    "again": again},
+                    "again": again, "fp16": fp16},
                    f"{out}.{rank}")
         engine.close()
 
@@ -63,6 +70,8 @@ def test_two_ranks_gather_keep_on_rank_zero_and_write_their_shards(tmp_path, eng
         assert torch.equal(r0["after"][k], want) and torch.equal(r1["after"][k], want), k
     assert "another rank refused" in r0["refused"] and "missing keys" in r1["refused"]
     assert (r0["again"], r1["again"]) == ("refused", "written")
+    assert "'emb.weight' holds values beyond the range of float16" in r0["fp16"]
+    assert r1["fp16"] == "written" and not (tmp_path / "res.fp16").exists()
     for k, v in r0["sd"].items():
         assert torch.equal(r0["back"][k], v) and torch.equal(r1["back"][k], v), k
     from safetensors import safe_open

@@ -48,6 +48,23 @@ def test_save_pretrained_refuses_other_dtypes_before_writing(engine, tmp_path, d
     assert not out.exists()
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, "fp16"])
+def test_save_pretrained_refuses_a_weight_fp16_would_make_inf(tmp_path, dtype):
+    """A weight of 1e6 was written to fp16 as inf, silently (`offload checkpoint export`
+    refused it): refused, naming the tensor, nothing written; bf16 keeps it."""
+    model = _model()
+    with torch.no_grad():
+        model[0].weight[1, 2] = 1e6
+    with offload.initialize(model, {"io": {"paths": [str(tmp_path / "swap")]}}) as e:
+        with pytest.raises(ValueError, match=r"save_pretrained: dtype=torch.float16: tensor "
+                                             r"'0.weight' holds values beyond the range of "
+                                             r"float16 \(up to 1e\+06\).*nothing was written"):
+            e.save_pretrained(tmp_path / "out", dtype=dtype)
+        assert not (tmp_path / "out").exists()
+        e.save_pretrained(tmp_path / "out", dtype="bf16")
+    assert load_file(tmp_path / "out" / "model.safetensors")["0.weight"][1, 2] == 1e6
+
+
 @pytest.mark.parametrize("size, match", [
     (-1, r"max_shard_size=-1 is not a positive size"),
     (0, r"max_shard_size=0 is not a positive size"),
