@@ -513,6 +513,14 @@ def _check_save(engine: Any, path: Path, extra: dict[str, Any]) -> tuple[dict | 
         scheduler = scheduler_state(getattr(engine, "lr_scheduler", None))
     except ValueError as e:
         raise CheckpointError(f"save_checkpoint: {e}") from e
+    for g in engine.groups:  # each array is a directory named after its parameter
+        for slot in g.slots:
+            if any(c in slot.fqn for c in "/\\\0"):
+                raise CheckpointError(
+                    f"save_checkpoint: parameter {slot.fqn!r} has a '/' or '\\' in its "
+                    "name, which names its arrays' directory in the checkpoint and would "
+                    "put them elsewhere (nothing was written): register the module under "
+                    "a name without them, or save the weights with save_pretrained")
     if path.name.endswith(PARTIAL) or path.name.endswith(PARTIAL + LOCK):
         raise CheckpointError(f"save_checkpoint: {path} ends in {PARTIAL!r}, the name of a "
                               "save in progress (removed by the next save); choose another "

@@ -2,6 +2,7 @@
 and a bad `initialize(checkpoint=...)` file raise an error naming the argument or
 file, before anything is created."""
 
+import os
 import re
 import subprocess
 import sys
@@ -287,3 +288,23 @@ def test_a_background_save_keeps_extra_as_it_was_at_the_call(engine, tmp_path):
     with offload.initialize(_model(), {"io": {"paths": [str(tmp_path / "swap2")]}},
                             resume=tmp_path / "ck") as again:
         assert again.resumed_extra == {"batch": 2, "nested": {"pos": [1, 2]}}
+
+
+@pytest.mark.parametrize("name", ["a\\b", "ABS"])
+def test_save_checkpoint_refuses_a_parameter_name_that_is_no_directory_name(tmp_path, name):
+    """A parameter's name names its arrays' directories. With a backslash, the checkpoint
+    was published but tensorstore wrote its metadata under another directory than the
+    chunks (a resume found it damaged); a name starting with '/' wrote outside the
+    checkpoint. Refused, naming the parameter, nothing written."""
+    outside = tmp_path / "outside"  # torch takes any name without a '.'
+    name = str(outside) if name == "ABS" else name
+    model = nn.Sequential()
+    model.add_module(name, nn.Linear(4, 2))
+    with offload.initialize(model, {"io": {"paths": [str(tmp_path / "swap")]}}) as e:
+        with pytest.raises(offload.CheckpointError, match=re.escape(
+                f"parameter {name + '.weight'!r} has a '/' or '\\' in its name")):
+            e.save_checkpoint(tmp_path / "ck")
+        e.save_pretrained(tmp_path / "out")
+    assert not (tmp_path / "ck").exists() and not os.path.exists(f"{outside}.weight")
+    assert set(load_file(tmp_path / "out" / "model.safetensors")) == {f"{name}.weight",
+                                                                    f"{name}.bias"}
