@@ -15,6 +15,7 @@ import copy
 import logging
 import os
 import tempfile
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping
 
@@ -90,11 +91,18 @@ def _with_old_versions(model: nn.Module, state_dict: Mapping[str, Any]) -> Mappi
     return {**state_dict, **added} if added else state_dict
 
 
-def _load_problem(state_dict: Mapping[str, Any], entries: list, missing: list[str],
-                  strict: bool) -> str | None:
+def extra_states(model: nn.Module) -> dict[str, nn.Module]:
+    """{key: module} of the `_extra_state` entries torch's `load_state_dict` reads: one
+    per name of each module whose class defines `set_extra_state`."""
+    return {f"{name}._extra_state" if name else "_extra_state": m
+            for name, m in model.named_modules(remove_duplicate=False)
+            if type(m).set_extra_state is not nn.Module.set_extra_state}
+
+
+def _load_problem(state_dict: Mapping[str, Any], entries: list, expected: list[str],
+                  missing: list[str], strict: bool) -> str | None:
     """Why `load_state_dict` refuses `state_dict` (None: it does not)."""
-    expected = {name for name, _, _ in entries}
-    unexpected = [k for k in state_dict if k not in expected]
+    unexpected = [k for k in state_dict if k not in set(expected)]
     if strict and (missing or unexpected):
         return (f"missing keys {missing[:8]}{' ...' if len(missing) > 8 else ''}, unexpected "
                 f"keys {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}; pass "
@@ -373,11 +381,15 @@ class ModelWeights:
     # -- state dicts --------------------------------------------------------------
     @one_call("engine.state_dict()")  # [Note: one thread at a time] in one_thread.py
     @guarded  # [Note: Ctrl-C at a safe point] in interrupts.py
-    def state_dict(self, *args: Any, rank0_only: bool = True,  # type: ignore[override]
-                   **kwargs: Any) -> dict[str, torch.Tensor]:
+    def state_dict(self, *args: Any, destination: Any = None,  # type: ignore[override]
+                   prefix: str = "", keep_vars: bool = False,
+                   rank0_only: bool = True) -> dict[str, Any]:
         """The model's full state as torch's `state_dict()` holds it: every parameter
         (in its original dtype, from the fp32 masters) and persistent buffer, under
-        every name it is registered under. Gathered group by group; with
+        every name it is registered under, each module's extra state
+        (`get_extra_state`), after its state-dict hooks, `prefix` before each key, in
+        `destination` where given (torch's arguments, positional ones too; weights are
+        copies whatever `keep_vars`). Gathered group by group; with
         `rank0_only` (default) only rank 0 keeps the weights, the other ranks
         return an empty dict. Every rank calls it. The result is the whole model in
         host memory, outside the budgets: where that is more than the memory
@@ -385,9 +397,13 @@ class ModelWeights:
         `named_weights()` and `save_pretrained()` stream instead."""
         self._check_open()
         self._slot_names()  # a parameter replaced after initialize is named, not returned
+        if args:  # torch's deprecated positional (destination, prefix, keep_vars)
+            destination, prefix, keep_vars = (*args, *(destination, prefix, keep_vars)
+                                              [len(args):])[:3]
         keep = not rank0_only or self.comm.rank == 0
+        # torch's own walk, over the stand-ins: its keys, extra states and hooks
+        layout = nn.Module.state_dict(self.module, prefix=prefix, keep_vars=True)
         self._check_state_dict_fits(keep)
-        entries = list(state_entries(self.module))
         values: dict[tuple[int, int], torch.Tensor] = {}
         for g in self.groups:
             full = read_group(self, g)  # a fresh buffer: its views are the values
@@ -396,11 +412,17 @@ class ModelWeights:
                     values[(g.gid, i)] = t
             del full
         if not keep:
-            return {}
-        out = {}
-        for name, t, _ in entries:
-            where = self.registered.locate(t)
-            out[name] = values[where] if where is not None else t.detach()
+            return {} if destination is None else destination
+        out = OrderedDict() if destination is None else destination
+        if destination is None or hasattr(destination, "_metadata"):
+            out._metadata = getattr(out, "_metadata", OrderedDict())
+            out._metadata.update(layout._metadata)
+        for name, t in layout.items():
+            where = self.registered.locate(t) if isinstance(t, torch.Tensor) else None
+            if where is not None:
+                out[name] = values[where]
+            else:  # a buffer, an extra state, a hook's entry
+                out[name] = t.detach() if isinstance(t, torch.Tensor) and not keep_vars else t
         return out
 
     def _check_state_dict_fits(self, keep: bool) -> None:
@@ -456,9 +478,11 @@ class ModelWeights:
         except RuntimeError as e:
             inside = e
         entries = list(state_entries(self.module))
+        extras = extra_states(self.module)
         state_dict = _with_old_versions(self.module, state_dict)
-        missing = [n for n, _, _ in entries if n not in state_dict]
-        problem = _load_problem(state_dict, entries, missing, strict)
+        expected = [n for n, _, _ in entries] + list(extras)
+        missing = [n for n in expected if n not in state_dict]
+        problem = _load_problem(state_dict, entries, expected, missing, strict)
         if self.groups:  # every rank is here: [Note: ranks run the same units]
             self._rank_order.check_read(self.groups[0].gid)
         (refused,) = self.comm.sum_scalars([1.0 if problem or inside else 0.0])
@@ -469,7 +493,7 @@ class ModelWeights:
         if refused:
             raise RuntimeError("load_state_dict: another rank refused its state dict (nothing "
                                "was loaded); give every rank the full state dict")
-        unexpected = [k for k in state_dict if k not in {n for n, _, _ in entries}]
+        unexpected = [k for k in state_dict if k not in set(expected)]
         loaded: dict[tuple[int, int], torch.Tensor] = {}
         for name, t, is_param in entries:
             where = self.registered.locate(t) if is_param else None
@@ -492,6 +516,9 @@ class ModelWeights:
                     full[slot.offset:slot.offset + slot.numel].copy_(
                         loaded[(g.gid, i)].detach().reshape(-1))
             write_group(self, g, full)
+        for name, module in extras.items():
+            if name in state_dict:
+                module.set_extra_state(state_dict[name])
         return _IncompatibleKeys(missing, unexpected)
 
     # -- generation and export ----------------------------------------------------
