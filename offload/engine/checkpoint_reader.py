@@ -16,7 +16,8 @@ from torch import nn
 
 from ..io import host_copy
 from ..io.buffers import mapped_empty
-from .checkpoint_buffers import BUFFERS, check_buffers, decode_buffers, restore_buffers
+from .checkpoint_buffers import (BUFFERS, check_buffers, check_extra_states, decode_buffers,
+                                 decode_extra_states, restore_buffers, restore_extra_states)
 from .checkpoint_chunks import MISSING, CRC_BYTES, ChunkFileError, ChunkFiles, chunk_key, read_index
 from .checkpoint_publish import PARTIAL, RECORD, is_committed
 from .checkpoint_record import _HYPER, check_record
@@ -120,7 +121,7 @@ class CheckpointReader:
                        for a in [name] + list(t["aliases"])}
         # what `restore` applies, checked before the first group is read (`_prepare`):
         # the saved hyper-parameters per engine group and this rank's RNG states
-        self._restoring: tuple[list[dict[str, Any]], dict[str, Any]] | None = None
+        self._restoring: tuple | None = None  # (hyper, rng, buffers, extra states)
         self._arrays: dict = {}
         self._files: ChunkFiles | None = None
         self._chunks: dict[tuple[str, str], tuple[int, int]] = {}  # (kind, name) ->
@@ -422,13 +423,16 @@ class CheckpointReader:
                 else self._matched_hyper(engine.optimizer.param_groups))
             own = self._rank_file(rank if rank < self.record["world"] else 0)
             self.check_buffers(engine.module)
-            self._restoring = (hyper, own["rng"], self._saved_buffers)
+            self._restoring = (hyper, own["rng"], self._saved_buffers,
+                               self._saved_extra_states)
 
     def check_buffers(self, module: nn.Module) -> None:
         """CheckpointError where `module`'s buffers (names, shapes, dtypes; meta ones
         too) are not those the checkpoint holds."""
-        buffers = self._saved_buffers
+        buffers, states = self._saved_buffers, self._saved_extra_states
         problem = None if buffers is None else check_buffers(module, buffers)
+        if problem is None and states is not None:
+            problem = check_extra_states(module, states)
         if problem is not None:
             raise CheckpointError(f"checkpoint {self.path}: {problem}; resume with the "
                                   "model the checkpoint was saved from")
@@ -447,6 +451,18 @@ class CheckpointReader:
     def _saved_buffers(self) -> dict[str, torch.Tensor] | None:
         """The module buffers the save kept (checkpoint_buffers.py); None where it kept
         none (a checkpoint written before they were saved)."""
+        return None if self._buffers_file is None else self._buffers_file[0]
+
+    @functools.cached_property
+    def _saved_extra_states(self) -> dict[str, Any] | None:
+        """The modules' extra states the save kept ([Note: extra states in a
+        checkpoint] in checkpoint_buffers.py); None where it kept none."""
+        return None if self._buffers_file is None else self._buffers_file[1]
+
+    @functools.cached_property
+    def _buffers_file(self) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None] | None:
+        """`buffers.json`, checked against the commit record and decoded: (buffers,
+        extra states); None where the save wrote none."""
         p = self.path / BUFFERS
         want = self.record.get("buffers_sha256")  # None: a save that did not record it
         if want is None and not p.exists():
@@ -457,7 +473,7 @@ class CheckpointReader:
                 raise CheckpointCorruptError(f"checkpoint {self.path}: {p} is not the one "
                                              "its commit record lists (another save's); "
                                              "resume from another")
-            return decode_buffers(obj, str(p))
+            return decode_buffers(obj, str(p)), decode_extra_states(obj, str(p))
         except FileNotFoundError:
             raise self._corrupt(f"checkpoint {self.path}: {p} is missing (the model's "
                                 "buffers: BatchNorm statistics and the like); the "
@@ -581,7 +597,7 @@ class CheckpointReader:
         them changes, where the saved param groups do not match the engine's
         (`_matched_hyper`) or the rank file is damaged."""
         self._prepare(engine)
-        hyper, rng, buffers = self._restoring
+        hyper, rng, buffers, states = self._restoring
         rec = self.record
         engine.global_step = int(rec["global_step"])
         engine.micro_step = int(rec["micro_step"])
@@ -598,6 +614,8 @@ class CheckpointReader:
         set_rng_state(rng)
         if buffers is not None:
             restore_buffers(engine.module, buffers)
+        if states is not None:
+            restore_extra_states(engine.module, states)
 
     def verify(self, progress: Callable[[str], None] | None = None) -> list[str]:
         """Checks every rank file (`ranks/<r>.json`: present, its sha256, as the commit

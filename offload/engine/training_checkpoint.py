@@ -92,7 +92,8 @@ from ..files import check_directory
 from ..io import host_copy
 from ..io.errors import limit_hint
 from ..store import Tier
-from .checkpoint_buffers import BUFFERS, capture_buffers, encode_buffers
+from .checkpoint_buffers import (BUFFERS, EXTRA_STATES, capture_buffers,
+                                 capture_extra_states, encode_buffers)
 from .checkpoint_chunks import ChunkFiles, InPlace, Shard, chunk_key
 from .checkpoint_files import (CheckpointCorruptError, CheckpointError, CheckpointPathError,
                                _digest, _fsync_path, _fsync_tree, _read_json, _write_json,
@@ -345,8 +346,9 @@ class _SaveJob:
     [Note: saving in the background])."""
 
     def __init__(self, engine: Any, path: Path, extra: dict[str, Any],
-                 scheduler: dict | None, comm: Any) -> None:
+                 scheduler: dict | None, comm: Any, states: dict[str, str]) -> None:
         self.engine, self.path, self.comm = engine, path, comm
+        self.states = states  # the modules' extra states, as `_check_save` captured them
         self.tmp = partial_of(path)
         self.table = _tensor_table(engine)
         self.rng = rng_state()
@@ -439,7 +441,8 @@ class _SaveJob:
         """Rank 0: the commit record, durable, then the rename ([Note: publishing a
         checkpoint]) and the pruning of older checkpoints."""
         tmp, path, parent = self.tmp, self.path, self.path.parent
-        buffers = encode_buffers(self.buffers)
+        # [Note: extra states in a checkpoint] in checkpoint_buffers.py: none is {}
+        buffers = {**encode_buffers(self.buffers), EXTRA_STATES: self.states}
         _write_json(tmp / BUFFERS, buffers)
         ranks = []
         for r in range(self.comm.world):
@@ -490,11 +493,12 @@ def _keys_not_strings(value: Any) -> list[Any]:
     return []
 
 
-def _check_save(engine: Any, path: Path, extra: dict[str, Any]) -> tuple[dict | None, dict]:
+def _check_save(engine: Any, path: Path, extra: dict[str, Any]
+                ) -> tuple[dict | None, dict, dict[str, str]]:
     """Refuses a save that cannot be written as asked, before anything is; returns the
-    engine's LR scheduler's state and `extra`, as the commit record will hold them (a
-    copy: a background save writes `extra` as it was at the call, not as the loop has
-    changed it since)."""
+    engine's LR scheduler's state, `extra` and the modules' extra states, as the
+    checkpoint will hold them (copies: a background save writes them as they were at
+    the call, not as the loop has changed them since)."""
     check_between_steps(engine)
     if getattr(engine, "tp", None) is not None:  # its files would hold one TP slice per DP rank
         raise CheckpointError("save_checkpoint: not supported with tp.size > 1 yet; save the "
@@ -530,10 +534,14 @@ def _check_save(engine: Any, path: Path, extra: dict[str, Any]) -> tuple[dict | 
         raise CheckpointError(f"save_checkpoint: {path} exists{link}; a checkpoint is never "
                               "overwritten: save each under its own name (e.g. step-<n>)")
     try:
+        states = capture_extra_states(engine.module)
+    except ValueError as e:
+        raise CheckpointError(f"save_checkpoint: {e} (nothing was written)") from e.__cause__
+    try:
         check_directory(path.parent, "save_checkpoint")
     except FileExistsError as e:  # one error type for every refused save
         raise CheckpointPathError(str(e)) from None
-    return scheduler, kept
+    return scheduler, kept, states
 
 
 def _agree_to_save(comm: Any, path: Path, refused: BaseException | None) -> None:
@@ -573,11 +581,12 @@ def save_checkpoint(engine: Any, path: str | os.PathLike, extra: dict[str, Any] 
     path = Path(given).absolute()
     extra = {} if extra is None else extra
     refused = scheduler = None
+    states: dict[str, str] = {}
     try:
         if not given:  # Path("") is the working directory: never what was meant
             raise CheckpointError("save_checkpoint: the path is empty; give the directory "
                                   "to write the checkpoint to (e.g. 'checkpoints/step-100')")
-        scheduler, extra = _check_save(engine, path, extra)
+        scheduler, extra, states = _check_save(engine, path, extra)
     except Exception as e:
         refused = e
     engine._rank_order.check_save()  # [Note: ranks run the same units] in rank_order.py
@@ -585,7 +594,7 @@ def save_checkpoint(engine: Any, path: str | os.PathLike, extra: dict[str, Any] 
     handle = CheckpointSave(path)
     if blocking:
         t0 = time.perf_counter()
-        _SaveJob(engine, path, extra, scheduler, engine.comm).run()
+        _SaveJob(engine, path, extra, scheduler, engine.comm, states).run()
         handle.seconds = handle.stalled = time.perf_counter() - t0
         handle._done.set()
         return handle
@@ -596,7 +605,7 @@ def save_checkpoint(engine: Any, path: str | os.PathLike, extra: dict[str, Any] 
             from ..comm import Collectives
             engine._save_comm = Collectives(dist.new_group(backend="gloo"))
         comm = engine._save_comm
-    job = _SaveJob(engine, path, extra, scheduler, comm)
+    job = _SaveJob(engine, path, extra, scheduler, comm, states)
     handle._thread = threading.Thread(target=handle._run, args=(job,),
                                       name="offload-checkpoint", daemon=True)
     handle._thread.start()

@@ -132,3 +132,61 @@ def test_an_array_whose_metadata_shape_changed_is_damage(tmp_path):
     meta.write_text(json.dumps(m))
     with pytest.raises(offload.CheckpointCorruptError, match=r"param/0\.weight.*shape"):
         offload.initialize(_bn_model(), _cfg(tmp_path, "b"), resume=ck)
+
+
+class _Versioned(nn.Linear):
+    """A layer with extra state (torch's get_extra_state / set_extra_state)."""
+
+    def __init__(self) -> None:
+        super().__init__(32, 8)
+        self.meta = {"version": 1, "scale": torch.ones(2)}
+
+    def get_extra_state(self) -> dict:
+        return {k: v.clone() if isinstance(v, torch.Tensor) else v
+                for k, v in self.meta.items()}
+
+    def set_extra_state(self, state: dict) -> None:
+        self.meta = state
+
+
+def _versioned() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 32), _Versioned())
+
+
+def test_a_modules_extra_state_resumes_as_it_was_at_the_save(tmp_path):
+    """[Note: extra states in a checkpoint]: get_extra_state's value was not saved, and a
+    resume left the module's own. A background save keeps it as it was at the call."""
+    with offload.initialize(_versioned(), _cfg(tmp_path, "a")) as e:
+        e.module[1].meta = {"version": 7, "scale": torch.tensor([2.0, 3.0])}
+        save = e.save_checkpoint(tmp_path / "ck", blocking=False)
+        e.module[1].meta = {"version": 8, "scale": torch.zeros(2)}  # after the call
+        save.wait()
+    model = _versioned()
+    with offload.initialize(model, _cfg(tmp_path, "b"), resume=tmp_path / "ck") as e:
+        assert model[1].meta["version"] == 7
+        assert torch.equal(model[1].meta["scale"], torch.tensor([2.0, 3.0]))
+        assert e.state_dict()["1._extra_state"]["version"] == 7
+    plain = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 8))
+    with pytest.raises(offload.CheckpointError, match=r"modules with extra state "
+                                                      r"\(set_extra_state\) differ .*\['1'\]"):
+        offload.initialize(plain, _cfg(tmp_path, "c"), resume=tmp_path / "ck")
+    (tmp_path / "x").mkdir()
+    with pytest.raises(offload.CheckpointError, match=r"modules with extra state"):
+        offload.initialize(_versioned(), _cfg(tmp_path, "d"),
+                           resume=_saved(tmp_path / "x", model=plain))
+
+
+class _Opaque:
+    pass
+
+
+def test_an_extra_state_that_would_not_resume_is_refused_before_writing(tmp_path):
+    """A value torch.load(weights_only=True) cannot read back is refused at the save,
+    naming the module, not published to fail at the resume."""
+    with offload.initialize(_versioned(), _cfg(tmp_path, "a")) as e:
+        e.module[1].meta = {"version": 2, "owner": _Opaque()}
+        with pytest.raises(offload.CheckpointError, match=r"extra state of module '1' .*"
+                                                          r"nothing was written"):
+            e.save_checkpoint(tmp_path / "ck")
+    assert not (tmp_path / "ck").exists()
