@@ -263,9 +263,12 @@ def _directory_problem(path: str) -> str | None:
         if not os.path.isdir(p):
             return "exists and is not a directory"
         return _writable(p)
-    ancestor = os.path.dirname(p)
-    while not os.path.exists(ancestor):
+    ancestor = p
+    while not os.path.lexists(ancestor):
         ancestor = os.path.dirname(ancestor)
+    if not os.path.exists(ancestor):  # os.makedirs would stop at it
+        link = f"{ancestor} is" if ancestor != p else "it is"
+        return f"cannot be created: {link} a symbolic link that leads nowhere"
     if not os.path.isdir(ancestor):
         return f"cannot be created: {ancestor} is a file"
     why = _writable(ancestor)
@@ -277,7 +280,7 @@ def missing_directories(path: str) -> list[str]:
     command that fails (or only needs them for a while) removes again."""
     out = []
     p = os.path.abspath(path)
-    while not os.path.exists(p):
+    while not os.path.lexists(p):
         out.append(p)
         p = os.path.dirname(p)
     return out
@@ -348,6 +351,9 @@ def output_file(none: Sequence[str] = (), *, example: str = "out.json") -> Calla
             raise _bad(text, "is a directory, not a file", fix)
         if os.path.exists(p) and not os.access(p, os.W_OK):
             raise _bad(text, "exists and cannot be written", "give another file name")
+        if os.path.lexists(p) and not os.path.exists(p):
+            raise _bad(text, "is a symbolic link that leads nowhere", "give another file "
+                       "name")
         parent = os.path.dirname(p)
         why = _directory_problem(parent)
         if why:
