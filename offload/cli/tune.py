@@ -658,7 +658,7 @@ def toml_file(text: str) -> str:
     """--write: a writable file whose name ends in .toml (`offload.initialize` reads a
     config file by its suffix)."""
     path = toml_text(output_file(example="offload.toml"))(text)
-    if not path.endswith(".toml"):
+    if Path(path).suffix.lower() != ".toml":  # as load_config reads it: '.toml' has none
         raise argparse.ArgumentTypeError(f"{text!r} is not a .toml file name (initialize "
                                          "reads a config by its suffix); give e.g. offload.toml")
     return path

@@ -5,6 +5,7 @@ import argparse
 import os
 import subprocess
 import sys
+import textwrap
 
 import pytest
 
@@ -155,6 +156,31 @@ def test_read_only_directory_is_refused_before_any_work(argv, readonly_dir, tmp_
     assert out == "" and sorted(os.listdir(tmp_path)) == before
 
 
+@pytest.mark.parametrize("argv, says", [
+    (["demo", "--tiny", "--swap-dir", "gone"], "--swap-dir: 'gone' cannot be created: it is "
+     "a symbolic link that leads nowhere"),
+    (["demo", "--tiny", "--swap-dir", "loop/s"], "--swap-dir: 'loop/s' cannot be created: "
+     "{tmp}/loop is a symbolic link that leads nowhere"),
+    (["demo", "--tiny", "--swap-dir", "gone/sub"], "--swap-dir: 'gone/sub' cannot be created: "
+     "{tmp}/gone is a symbolic link that leads nowhere"),
+    (["demo", "--tiny", "--trace", "gone/t.json"], "--trace: 'gone/t.json' cannot be written"),
+    (["demo", "--tiny", "--trace", "gone"], "--trace: 'gone' is a symbolic link that leads "
+     "nowhere"),
+    (["bench", "io", "--path", "gone/x"], "--path: 'gone/x' cannot be created: {tmp}/gone is")])
+def test_a_link_to_nothing_is_refused_before_any_work(argv, says, tmp_path, monkeypatch,
+                                                      offload_cli):
+    """A symbolic link to a missing target (or in a loop) passed the checks
+    (os.path.exists is False for it, so it looked creatable): the demo failed at its
+    traced step, or at its swap directory, naming no flag."""
+    (tmp_path / "gone").symlink_to(tmp_path / "nowhere")
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    monkeypatch.chdir(tmp_path)
+    rc, out, err = offload_cli(argv)
+    assert rc == 2 and err.count("\n") == 1, err
+    assert err.startswith(f"{_prog(argv)}: {says.replace('{tmp}', str(tmp_path))}"), err
+    assert out == "" and sorted(os.listdir(tmp_path)) == ["gone", "loop"]
+
+
 def test_good_values_parse_into_checked_types(tmp_path):
     p = build_parser()
     a = p.parse_args(["bench", "io", "--path", str(tmp_path / "new"), "--size", "8MiB",
@@ -256,3 +282,40 @@ def test_run_command_reports_machine_and_offload_errors_in_one_line(capsys):
     for bug in (KeyError("bug"), wrapped, BrokenPipeError(32, "Broken pipe")):
         with pytest.raises(type(bug)):  # a bug keeps its traceback; main.py ends a pipe
             cli_args.run_command(raising(bug), argparse.Namespace(), "offload x")
+
+
+def test_ctrl_c_while_the_command_is_imported_exits_130_without_a_traceback(monkeypatch,
+                                                                          capsys):
+    """Ctrl-C in the first second (the sub-command's modules, torch with them, imported
+    while parsing) printed a traceback and died by the signal."""
+    from offload.cli import main as cli_main
+
+    def importing(argv):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(cli_main, "build_parser", importing)
+    assert cli_main.main(["demo", "--tiny"]) == 130
+    assert capsys.readouterr().err == "interrupted\n"
+
+
+def test_ctrl_c_that_lands_in_a_finalizer_still_stops_the_command():
+    """A Ctrl-C while garbage collection ran an object's __del__ (a finished dd's Popen in
+    `bench io`) was printed as "Exception ignored" and dropped: the command ran on. The
+    CLI's handler sends it again once the finalizer returned."""
+    script = textwrap.dedent("""
+        import os, signal, time
+        from offload.cli.main import interrupt_outside_finalizers
+        signal.signal(signal.SIGINT, interrupt_outside_finalizers)
+        class Slow:
+            def __del__(self):
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(0.2)
+        try:
+            Slow()  # collected at once: the Ctrl-C arrives inside its __del__
+            time.sleep(10)
+            print("ran on")
+        except KeyboardInterrupt:
+            print("interrupted")
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=60)
+    assert out.stdout == "interrupted\n" and "Exception ignored" not in out.stderr, out

@@ -82,12 +82,20 @@ def test_write_replaces_its_own_file_and_makes_its_directory(tmp_path, offload_c
     assert load_config(str(out)).io.paths == [str(tmp_path / "swap")]
 
 
-def test_write_is_a_toml_file(tmp_path, offload_cli, fast):
-    target = tmp_path / "offload.json"
+@pytest.mark.parametrize("name", ["offload.json", ".toml"])
+def test_write_is_a_toml_file(tmp_path, offload_cli, fast, name):
+    """'.toml' has no suffix for load_config: it was written after the whole tune, then
+    refused, and left behind."""
+    target = tmp_path / name
     rc, _, err = offload_cli(_argv(tmp_path / "swap", "--write", str(target)))
     assert rc == 2
     assert _one_line(err).startswith("offload tune: --write: ") and ".toml" in err
     assert not target.exists() and not (tmp_path / "swap").exists()
+
+
+def test_write_takes_a_suffix_in_capitals_as_load_config_does(tmp_path):
+    from offload.cli.tune import toml_file
+    assert toml_file(str(tmp_path / "OFFLOAD.TOML")) == str(tmp_path / "OFFLOAD.TOML")
 
 
 def test_a_failed_write_leaves_the_old_file_whole(tmp_path, offload_cli, fast, monkeypatch):
