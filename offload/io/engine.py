@@ -24,7 +24,7 @@ import os
 import threading
 import weakref
 from concurrent.futures import ThreadPoolExecutor
-from typing import NamedTuple, Sequence
+from typing import Any, NamedTuple, Sequence
 
 from ..trace import NULL_RECORDER, TraceRecorder
 from .errors import AioSetupError, IoError, past_fsize_limit
@@ -302,7 +302,8 @@ class AioEngine(IoEngine):
                                         args=(weakref.ref(self), self._cv),
                                         name="offload-aio-reaper", daemon=True)
         # the context is the making process's: the kernel refuses it in a forked child
-        self._finalizer = weakref.finalize(self, in_owner, self._pid, self._ctx.close)
+        self._finalizer = weakref.finalize(self, in_owner, self._pid, destroy_context,
+                                           self._ctx)
         self._reaper.start()
 
     def _make(self, block: _Block) -> object:
@@ -430,6 +431,24 @@ class AioEngine(IoEngine):
             self._cv.notify_all()
         self._reaper.join()
         self._finalizer()  # destroys the context, once
+
+
+def destroy_context(ctx: Any) -> None:
+    """Releases a libaio `AIOContext` once, whatever interrupts it.
+
+    [Note: the context is released once]
+    libaio's `close` releases the kernel's context, then forgets it (`del
+    self._ctx`): a Ctrl-C between the two left it looking open, and its
+    `__del__` released it again at exit ("Exception ignored ... io_queue_release"
+    with EINVAL, or, the id reused by then, another context gone). Here it is
+    forgotten first (its `close` and `__del__` then do nothing), then released:
+    an interrupt in between leaves it to the kernel, which frees it with the
+    process."""
+    handle = ctx._ctx
+    if handle is None:
+        return
+    ctx._ctx = None
+    ctx._io_queue_release(handle)
 
 
 def _reap_while_referenced(ref: weakref.ref, cv: threading.Condition) -> None:

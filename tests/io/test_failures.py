@@ -9,7 +9,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import threading
 
 import numpy as np
 import pytest
@@ -303,3 +302,37 @@ def test_callbacks_after_a_raising_one_still_run(caplog):
         h._finish()
     assert ran == [h] and h.done() and h.wait(0) == 4096
     assert "callback boom" in caplog.text
+
+
+def test_ctrl_c_anywhere_in_releasing_an_aio_context_never_releases_it_twice():
+    """[Note: the context is released once] A KeyboardInterrupt raised at each line in
+    turn while the context is released (as Ctrl-C arrives between two bytecodes): its
+    close and __del__ afterwards never release it again. With libaio's own close, the
+    interrupt between its release and its `del self._ctx` made the next close raise
+    EINVAL (printed as "Exception ignored" when __del__ ran at exit)."""
+    libaio = pytest.importorskip("libaio")
+    from offload.io.engine import destroy_context, libaio_status
+    if not libaio_status()[0]:
+        pytest.skip(libaio_status()[1])
+    interrupted = 0
+    for at in range(1, 12):
+        ctx = libaio.AIOContext(4)
+        lines = 0
+
+        def trace(frame, event, arg):
+            nonlocal lines
+            if event == "line":
+                lines += 1
+                if lines == at:
+                    raise KeyboardInterrupt
+            return trace
+        sys.settrace(trace)
+        try:
+            destroy_context(ctx)
+        except KeyboardInterrupt:
+            interrupted += 1
+        finally:
+            sys.settrace(None)
+        ctx.close()  # raised OSError(EINVAL) where the context was released twice
+        ctx.__del__()
+    assert interrupted >= 3  # the trace reached the lines that release it
