@@ -50,8 +50,8 @@ from ..io.process import physical_memory
 from ..planner import Rates
 from ..planner.estimate import DTYPE_BYTES
 from ..planner.sizes import state_bytes
-from .args import (CommandParser, UsageError, byte_size, count, directory, integer, parse_count,
-                   run_command, table_console)
+from .args import (CommandParser, UsageError, byte_size, count, directory, integer,
+                   missing_directories, parse_count, run_command, table_console)
 from .benchutil import DiskProbe, forced_param_reads, proc_io, reset_hwm, swap_rates, vm_hwm
 from .demo import StepMeter, remove_swap_dir, signal_exit_code, swap_dir_for_run
 from .gpt import GPT, GPTConfig, ReversalTask, state_bytes_per_param
@@ -201,7 +201,7 @@ def forced_bytes(engine: Any, spec: BenchSpec) -> tuple[int, int]:
 def run_oversized(spec: BenchSpec, say: Callable[[str], None] = print) -> dict[str, Any]:
     """Runs the benchmark (see the module notes); returns the JSON-ready result."""
     notes: list[str] = []
-    root_created = not spec.swap_root.exists()
+    created = missing_directories(str(spec.swap_root))
     swap_dir = swap_dir_for_run(spec.swap_root, notes, prefix=DIR_PREFIX)
     for note in notes:
         say(note)
@@ -216,7 +216,7 @@ def run_oversized(spec: BenchSpec, say: Callable[[str], None] = print) -> dict[s
             f"{mixed_bw / 1e9:.2f} GB/s")
         result.update(_train(spec, cfg, say, Rates(read_bw, write_bw, mixed_bw)))
     finally:
-        result["swap_removed"] = remove_swap_dir(swap_dir, root_created)
+        result["swap_removed"] = remove_swap_dir(swap_dir, created)
     return result
 
 

@@ -26,7 +26,6 @@ SIGKILL leaves files behind; the next run removes directories of dead runs.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import logging
 import os
 import shutil
@@ -42,8 +41,8 @@ from typing import Any, Callable
 
 from ..config import PAGE, IoConfig, format_bytes, load_config, parse_bytes
 from ..io.process import usable_cpus
-from .args import (UsageError, byte_size, count, directory, integer, number, output_file,
-                   parse_count, ranks)
+from .args import (UsageError, byte_size, count, directory, integer, missing_directories,
+                   number, output_file, parse_count, ranks, remove_directories)
 from .demo_view import DIR_PREFIX, Reporter, _free_bytes, print_header
 from .gpt import GPT, PRESETS, GPTConfig, ReversalTask, preset_for_params, state_bytes_per_param
 
@@ -283,15 +282,12 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def remove_swap_dir(path: Path, root_created: bool) -> bool:
-    """Removes this run's swap directory (and `root` if this run made it and it is
-    empty); True when nothing of it is left."""
+def remove_swap_dir(path: Path, created: list[str]) -> bool:
+    """Removes this run's swap directory, and the directories above it that this run
+    made (`created`, from `missing_directories` before it made them) while they are
+    empty; True when nothing of it is left."""
     shutil.rmtree(path, ignore_errors=True)
-    if root_created:
-        try:
-            path.parent.rmdir()
-        except OSError:
-            pass
+    remove_directories(created)
     return not path.exists()
 
 
@@ -647,7 +643,7 @@ def _relaunch(args: argparse.Namespace, plan: DemoPlan, reporter: Reporter) -> i
            *_child_argv(args)]
     env = {**os.environ, "OFFLOAD_DEMO_HEADER": "1", "OFFLOAD_DEMO_STOP_FILE": str(stop_file),
            "OMP_NUM_THREADS": str(max(1, usable_cpus() // plan.world))}
-    root_created = not plan.swap_root.exists()
+    created = missing_directories(str(plan.swap_root))
     proc = subprocess.Popen(cmd, env=env, start_new_session=True)
     stopped_by = 0  # the exit code of a stop asked for here: 130 Ctrl-C, 143 SIGTERM
 
@@ -673,9 +669,7 @@ def _relaunch(args: argparse.Namespace, plan: DemoPlan, reporter: Reporter) -> i
     finally:
         signal.signal(signal.SIGTERM, old)
         stop_file.unlink(missing_ok=True)
-    if root_created:  # each rank removed its own directory; the last one out is here
-        with contextlib.suppress(OSError):
-            plan.swap_root.rmdir()
+    remove_directories(created)  # each rank removed its own directory; the rest is here
     return stopped_by or (130 if asked else rc)
 
 
@@ -689,7 +683,7 @@ def _run_rank(plan: DemoPlan, rank: int, reporter: Reporter) -> int:
     with StopRequest(lambda: reporter.note("stopping after this step (Ctrl-C again to stop "
                                            "now); swap files are removed either way"),
                      os.environ.get("OFFLOAD_DEMO_STOP_FILE")) as stop:
-        root_created = not plan.swap_root.exists()
+        created = missing_directories(str(plan.swap_root))
         notes: list[str] = []
         swap_dir = swap_dir_for_run(plan.swap_root, notes)
         for note in notes:
@@ -710,7 +704,7 @@ def _run_rank(plan: DemoPlan, rank: int, reporter: Reporter) -> int:
             if left:
                 reporter.note(f"engine.close() left {', '.join(left)} in {swap_dir}; removing")
             summary["swap_dir"] = str(swap_dir)
-            summary["swap_removed"] = remove_swap_dir(swap_dir, root_created)
+            summary["swap_removed"] = remove_swap_dir(swap_dir, created)
             if dist.is_initialized():
                 dist.destroy_process_group()
         reporter.summary(plan, summary)
