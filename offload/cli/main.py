@@ -115,7 +115,11 @@ def _prog(args: argparse.Namespace) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    args, extra = build_parser(argv).parse_known_args(argv)
+    try:  # the sub-command's modules (torch with them) are imported while parsing
+        args, extra = build_parser(argv).parse_known_args(argv)
+    except KeyboardInterrupt:  # nothing was made yet
+        print("interrupted", file=sys.stderr)
+        return 130
     if extra:
         print(f"{_prog(args)}: unrecognized arguments: {' '.join(extra)}; see "
               f"'{_prog(args)} --help'", file=sys.stderr)
@@ -129,10 +133,12 @@ def main(argv: list[str] | None = None) -> int:
                         handlers=[RichHandler(console=Console(stderr=True), show_path=False)])
     # SIGTERM's default action ends the process where it stands, leaving the swap and
     # probe files a command removes on its way out: SystemExit(143) unwinds instead
-    term = None
-    if (threading.current_thread() is threading.main_thread()
-            and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL):
-        term = signal.signal(signal.SIGTERM, _exit_on_signal)
+    term = intr = None
+    if threading.current_thread() is threading.main_thread():
+        if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+            term = signal.signal(signal.SIGTERM, _exit_on_signal)
+        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            intr = signal.signal(signal.SIGINT, interrupt_outside_finalizers)
     try:
         return run_command(args.func, args, _prog(args))
     except KeyboardInterrupt:
@@ -147,10 +153,27 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if term is not None:
             signal.signal(signal.SIGTERM, term)
+        if intr is not None:
+            signal.signal(signal.SIGINT, intr)
 
 
 def _exit_on_signal(signum: int, frame: Any) -> None:
     raise SystemExit(128 + signum)
+
+
+def interrupt_outside_finalizers(signum: int, frame: Any) -> None:
+    """Ctrl-C as KeyboardInterrupt, except while a finalizer runs (an object's `__del__`,
+    a `weakref.finalize` callback, as garbage collection calls them anywhere), where
+    Python prints the exception and drops it ("Exception ignored in ...") and the
+    command went on: there the signal is sent again 50 ms later, once it returned."""
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "__del__" or (code.co_name == "__call__"
+                                          and code.co_filename.endswith("weakref.py")):
+            threading.Timer(0.05, os.kill, (os.getpid(), signum)).start()
+            return
+        frame = frame.f_back
+    raise KeyboardInterrupt
 
 
 if __name__ == "__main__":
