@@ -204,9 +204,10 @@ def _memory(shape: StepShape, c: Candidate, budgets: Budgets,
     tb = tier_bytes(model_of(shape, c), p, device=device, clipping=shape.clipping,
                     accum=shape.accum)
     kinds = kind_bytes(model_of(shape, c))
-    uses_nvme = "nvme" in (p.params, p.grads, p.optimizer)
     opt_host = tb.optimizer.get("host", 0)
-    store_host = budgets.host - opt_host - (c.buffer_budget if uses_nvme else 0)
+    # io.buffer_budget counts against the host budget with or without NVMe: the two
+    # together are the ceiling of host bytes the written config allows
+    store_host = budgets.host - opt_host - c.buffer_budget
     min_dev, min_host = shape.minimum[p.name]
     P, G = kinds["param"], kinds["grad"]
     stored = not early_updates(p, shape.dtype, clipping=shape.clipping, accum=shape.accum)
@@ -634,7 +635,7 @@ def candidates(shape: StepShape, space: Space, budgets: Budgets,
         depths = space.prefetch_depths if p.params == "nvme" else (defaults.prefetch_depth,)
         bufs = space.buffers if p.optimizer == "nvme" else (defaults.buffers,)
         sizes = [b for b in space.buffer_budgets if b <= budgets.host // 2] if nvme \
-            else [defaults.buffer_budget]
+            else [defaults.block_size]  # nothing streams: the least the config takes
         ios = io_keys if nvme else [(defaults.block_size, defaults.queue_depth)]
         for d, b, s, (bs, qd), sd in itertools.product(depths, bufs, sizes, ios,
                                                       space.state_dtypes):

@@ -34,6 +34,9 @@ def _peak_fits(s, budgets):
     tb = tier_bytes(SHAPE.model, c.placement, buffer_budget=c.buffer_budget)
     host = c.host_budget + tb.optimizer.get("host", 0) + tb.buffers.get("host", 0)
     assert host <= budgets.host, (c, host)
+    # what the written config allows: io.buffer_budget counts with or without NVMe (it
+    # was the whole host budget again beside store.host_budget where nothing streamed)
+    assert c.host_budget + tb.optimizer.get("host", 0) + c.buffer_budget <= budgets.host, c
 
 
 def test_roomy_budgets_keep_everything_in_memory():
