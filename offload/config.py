@@ -731,7 +731,10 @@ def load_config(source: OffloadConfig | dict | str | os.PathLike | None = None) 
             raise ConfigError(f"{path}: not valid JSON: {e}") from e
         except ConfigError as e:
             raise ConfigError(f"{path}: {e}") from e
-    return _from_dict(OffloadConfig, data, "")
+    try:
+        return _from_dict(OffloadConfig, data, "")
+    except ConfigError as e:  # a key or value of the file: the file is named too
+        raise ConfigError(f"{path}: {e}") from None
 
 
 def config_reference(cls: type = OffloadConfig, prefix: str = "") -> list[tuple[str, str, str]]:

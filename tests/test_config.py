@@ -141,6 +141,14 @@ def test_bad_files(tmp_path):
     with pytest.raises(ConfigError, match=r"latin\.toml: not UTF-8 text .* save the config as "
                                           "UTF-8"):
         load_config(latin)
+    typo = tmp_path / "typo.toml"  # a key or value the file holds: named with the file
+    typo.write_text('[stor]\nhost_budget = "1GiB"\n')
+    with pytest.raises(ConfigError, match=r"^.*typo\.toml: stor: unknown key"):
+        load_config(typo)
+    value = tmp_path / "value.json"
+    value.write_text('{"store": {"host_budget": "lots"}}')
+    with pytest.raises(ConfigError, match=r"^.*value\.json: store.host_budget"):
+        load_config(value)
 
 
 def test_parse_bytes():
