@@ -1,8 +1,12 @@
-"""Shared by every test package: `gpu` tests skip without CUDA, and the I/O
-engines (threads always, aio where libaio loads) as a parametrised fixture."""
+"""Shared by every test package: `gpu` tests skip without CUDA, the I/O engines
+(threads always, aio where libaio loads) as a parametrised fixture, and a disk that
+fails on demand (`failing_disk`)."""
 
+import fcntl
 import os
 import signal
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -166,3 +170,52 @@ def no_direct_dir(tmp_path):
         return
     shutil.rmtree(shm, ignore_errors=True)
     pytest.skip(f"no file system here refuses O_DIRECT (ramfs: {why}; tmpfs takes it)")
+
+
+_EXT4_IOC_SHUTDOWN = 0x8004587D  # _IOR('X', 125, __u32)
+_SHUTDOWN_NOLOGFLUSH = 2
+
+
+def loop_mount(tmp_path, name: str, size_mib: int, fstype: str = "ext4") -> Path:
+    """A fresh `fstype` file system of `size_mib` MiB, loop mounted at tmp_path/name
+    (`unmount` it after the test); skips where mounting is not allowed."""
+    if os.geteuid() != 0:
+        pytest.skip("loop-mounting a file system needs root")
+    image, mnt = tmp_path / f"{name}.{fstype}", tmp_path / name
+    mnt.mkdir()
+    subprocess.run(["truncate", "-s", f"{size_mib}M", str(image)], check=True)
+    reserve = ["-m", "0"] if fstype == "ext4" else []
+    mk = subprocess.run([f"mkfs.{fstype}", "-q", "-F", *reserve, str(image)],
+                        capture_output=True, text=True)
+    if mk.returncode:
+        pytest.skip(f"mkfs.{fstype} failed: {mk.stderr.strip()}")
+    r = subprocess.run(["mount", "-o", "loop", str(image), str(mnt)], capture_output=True,
+                       text=True)
+    if r.returncode:
+        pytest.skip(f"cannot loop-mount an {fstype} image here: {r.stderr.strip()}")
+    return mnt
+
+
+def unmount(mnt) -> None:
+    """Unmounts a `loop_mount`; where something still holds a file there, detaches it
+    anyway, so no mount or loop device outlives the test (the loop device is freed
+    with the last descriptor)."""
+    if subprocess.run(["umount", str(mnt)], capture_output=True).returncode:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+@pytest.fixture
+def failing_disk(tmp_path):
+    """(directory, fail()): a directory on a fresh ext4 loop mount; fail() shuts the file
+    system down (EXT4_IOC_SHUTDOWN), after which every read, write and sync under it
+    returns EIO, as from a dead disk. Skips where loop mounts are not allowed."""
+    mnt = loop_mount(tmp_path, "disk", 32)
+
+    def fail() -> None:
+        fd = os.open(mnt, os.O_RDONLY)
+        try:
+            fcntl.ioctl(fd, _EXT4_IOC_SHUTDOWN, _SHUTDOWN_NOLOGFLUSH.to_bytes(4, "little"))
+        finally:
+            os.close(fd)
+    yield str(mnt), fail
+    unmount(mnt)

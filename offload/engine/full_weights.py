@@ -7,12 +7,10 @@ one (trainable groups in bf16/fp16), else from the parameter partition (fp32
 training, where that partition is the master; frozen groups), all-gathered
 over the ranks (every rank calls, in the same order) into one padded fp32
 flat buffer. Each parameter is a view of it (a copy in its original dtype
-where that is not fp32). Written back, the rank's slice goes first to the
-master (the optimizer writes an NVMe master to fresh extents and then
-switches, so a failure leaves the old one), then to the parameter partition
-in its memory tier, which becomes its only valid copy; an NVMe-homed
-partition is written back to NVMe at once. Only between steps: a step in
-progress reads and writes the same state.
+where that is not fp32). Written back, the rank's slice goes to the master
+and the parameter partition, of every group written or of none ([Note: new
+weights all or nothing] below). Only between steps: a step in progress reads
+and writes the same state.
 """
 
 from __future__ import annotations
@@ -29,7 +27,7 @@ from .units import Group
 if TYPE_CHECKING:
     from .engine import OffloadEngine
 
-__all__ = ["read_group", "write_group", "slot_tensors", "groups_of", "summoned"]
+__all__ = ["NewWeights", "groups_of", "new_weights", "read_group", "slot_tensors", "summoned"]
 
 
 def read_group(engine: "OffloadEngine", g: Group) -> torch.Tensor:
@@ -61,14 +59,102 @@ def slot_tensors(engine: "OffloadEngine", g: Group, full: torch.Tensor) -> list[
     return out
 
 
-def write_group(engine: "OffloadEngine", g: Group, full: torch.Tensor) -> None:
-    """Writes this rank's slice of the full padded fp32 buffer to the group's master and
-    parameter partition ([Note: full weights])."""
-    if full.numel() != g.padded:
-        raise ValueError(f"group {g.gid}: full buffer has {full.numel()} elements, "
-                         f"expected {g.padded}")
-    rank = engine.comm.rank
-    _write_param(engine, g, full[rank * g.shard:(rank + 1) * g.shard], master=True)
+class NewWeights:
+    """New full weights for several groups, written all or nothing.
+
+    [Note: new weights all or nothing]
+    `load_state_dict` and a writable `full_weights` block write new weights into
+    many groups. Where any of it goes through the disk (parameters homed on
+    NVMe, or optimizer state there), a failure half way (an I/O error, a
+    corrupted chunk read for a later group) left the groups before it with the
+    new weights and those after it with the old. There each group's new
+    parameter partition is staged as a record of its own (`StagedParams`, as a
+    step stages its updates: the budgets that hold a step hold it), its new fp32
+    master on NVMe written to fresh extents (`stage_master`), and a master in
+    host memory written in place with a copy of the old one kept; `commit`
+    switches the staged ones in, with no I/O, once every group is written, and
+    a failure before that frees them and puts the host masters back: every
+    group is as it was. Where everything is in memory, nothing after the
+    callers' checks can fail, and each group is written in place at once."""
+
+    def __init__(self, engine: "OffloadEngine") -> None:
+        from .step import StagedParams
+        self.engine = engine
+        opt = engine.optimizer
+        self.staging = engine._param_tier is Tier.NVME or any(
+            opt.partition(g.gid).tier is Tier.NVME for g in engine.groups
+            if g.requires_grad and opt.has_master(g.gid))
+        self._staged = StagedParams(engine.store, engine._param_tier)
+        self._masters: list = []  # stage_master tokens
+        self._host_backups: list[tuple[Group, torch.Tensor]] = []  # masters before
+
+    def add(self, g: Group, full: torch.Tensor) -> None:
+        """Writes this rank's slice of the group's full padded fp32 buffer to its master
+        and parameter partition ([Note: full weights]); staged until `commit` where
+        `staging`."""
+        if full.numel() != g.padded:
+            raise ValueError(f"group {g.gid}: full buffer has {full.numel()} elements, "
+                             f"expected {g.padded}")
+        eng, opt = self.engine, self.engine.optimizer
+        shard = full[eng.comm.rank * g.shard:(eng.comm.rank + 1) * g.shard]
+        if not self.staging:
+            _write_param(eng, g, shard, master=True)
+            return
+        if g.requires_grad and opt.has_master(g.gid):
+            if opt.partition(g.gid).tier is Tier.NVME:
+                self._masters.append(opt.stage_master(g.gid, shard.contiguous()))
+            else:
+                old = opt.read_master(g.gid, torch.empty(g.shard, dtype=torch.float32))
+                _write_master(eng, g, shard)
+                self._host_backups.append((g, old))
+        with self._staged.new(g.gid, g.shard, eng.dtype) as t:
+            t.copy_(shard.to(t.dtype))
+
+    def commit(self) -> None:
+        """Switches every staged group in; on a failure first, `discard`s them."""
+        try:
+            self._staged.ready()
+        except BaseException:
+            self.discard()
+            raise
+        opt = self.engine.optimizer
+        for token in self._masters:  # from here on no I/O: nothing can fail
+            opt.install_master(token)
+        self._masters, self._host_backups = [], []
+        if self._staged.switch():
+            self.engine.weights_version += 1  # [Note: a graph of older weights] in engine.py
+
+    def discard(self) -> None:
+        """Leaves every group as it was before `add`."""
+        self._staged.discard()
+        for token in self._masters:
+            self.engine.optimizer.drop_master(token)
+        for g, old in self._host_backups:
+            _write_master(self.engine, g, old)
+        self._masters, self._host_backups = [], []
+
+
+@contextlib.contextmanager
+def new_weights(engine: "OffloadEngine") -> Iterator[NewWeights]:
+    """`with new_weights(engine) as w: w.add(g, full) ...`: the groups added are
+    written all or nothing ([Note: new weights all or nothing]); a block that
+    raises leaves every group as it was."""
+    w = NewWeights(engine)
+    try:
+        yield w
+    except BaseException:
+        w.discard()
+        raise
+    w.commit()
+
+
+def _write_master(engine: "OffloadEngine", g: Group, shard: torch.Tensor) -> None:
+    """This rank's fp32 `shard` of group `g` as its optimizer's master (an NVMe one to
+    fresh extents, then switched)."""
+    opt = engine.optimizer
+    state = opt.partition_state(g.gid)
+    state["master"] = shard
+    opt.load_partition_state(g.gid, state)
 
 
 def _write_param(engine: "OffloadEngine", g: Group, shard: torch.Tensor, master: bool) -> None:
@@ -81,9 +167,7 @@ def _write_param(engine: "OffloadEngine", g: Group, shard: torch.Tensor, master:
     try:
         opt = engine.optimizer
         if master and g.requires_grad and opt.has_master(g.gid):
-            state = opt.partition_state(g.gid)
-            state["master"] = shard
-            opt.load_partition_state(g.gid, state)
+            _write_master(engine, g, shard)
         with engine.store.modify(key, where) as p:
             p.copy_(shard.to(p.dtype))
         engine.weights_version += 1  # [Note: a graph of older weights] in engine.py
@@ -172,12 +256,13 @@ def summoned(engine: "OffloadEngine", groups: list[Group], writable: bool
         finally:
             for g in groups:
                 engine.registered.register(g.gid)
-    for gid, tensors in (edited or {}).items():
-        g = engine.groups[gid]
-        full = fulls[gid]
-        for slot, t in zip(g.slots, tensors):
-            full[slot.offset:slot.offset + slot.numel].copy_(t.detach().reshape(-1))
-        write_group(engine, g, full)
+    with new_weights(engine) as w:  # [Note: new weights all or nothing]
+        for gid, tensors in (edited or {}).items():
+            g = engine.groups[gid]
+            full = fulls[gid]
+            for slot, t in zip(g.slots, tensors):
+                full[slot.offset:slot.offset + slot.numel].copy_(t.detach().reshape(-1))
+            w.add(g, full)
 
 
 def _collect(groups: list[Group], names: dict[tuple[int, int], list[str]]

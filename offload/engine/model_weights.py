@@ -26,7 +26,7 @@ from torch.nn.modules.module import _IncompatibleKeys
 from ..config import format_bytes, parse_bytes
 from ..io.process import available_memory, memory_limit_note
 from .absent import AbsentWeight
-from .full_weights import groups_of, read_group, slot_tensors, summoned, write_group
+from .full_weights import groups_of, new_weights, read_group, slot_tensors, summoned
 from .interrupts import around_user_block, guarded
 from .one_thread import one_call
 from .params_view import state_entries
@@ -495,27 +495,30 @@ class ModelWeights:
                                "was loaded); give every rank the full state dict")
         unexpected = [k for k in state_dict if k not in set(expected)]
         loaded: dict[tuple[int, int], torch.Tensor] = {}
+        held = []  # buffers (or parameters the engine does not hold): after the weights
         for name, t, is_param in entries:
             where = self.registered.locate(t) if is_param else None
             if name not in state_dict:
                 continue
-            value = state_dict[name]
-            if where is not None:
-                loaded[where] = value  # a later name of a tied parameter wins, as in torch
+            if where is not None:  # a later name of a tied parameter wins, as in torch
+                loaded[where] = state_dict[name]
             else:
-                with torch.no_grad():
-                    t.copy_(value)  # a buffer (or a parameter the engine does not hold)
+                held.append((t, state_dict[name]))
         self._release_gathered()
-        for g in self.groups:  # with several ranks every group: collectives pair up
-            if self.comm.world == 1 and not any((g.gid, i) in loaded
-                                                for i in range(len(g.slots))):
-                continue
-            full = read_group(self, g)
-            for i, slot in enumerate(g.slots):
-                if (g.gid, i) in loaded:
-                    full[slot.offset:slot.offset + slot.numel].copy_(
-                        loaded[(g.gid, i)].detach().reshape(-1))
-            write_group(self, g, full)
+        with new_weights(self) as w:  # [Note: new weights all or nothing] in full_weights.py
+            for g in self.groups:  # with several ranks every group: collectives pair up
+                if self.comm.world == 1 and not any((g.gid, i) in loaded
+                                                    for i in range(len(g.slots))):
+                    continue
+                full = read_group(self, g)
+                for i, slot in enumerate(g.slots):
+                    if (g.gid, i) in loaded:
+                        full[slot.offset:slot.offset + slot.numel].copy_(
+                            loaded[(g.gid, i)].detach().reshape(-1))
+                w.add(g, full)
+        with torch.no_grad():  # memory copies of checked values: nothing fails here
+            for t, value in held:
+                t.copy_(value)
         for name, module in extras.items():
             if name in state_dict:
                 module.set_extra_state(state_dict[name])

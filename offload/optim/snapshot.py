@@ -251,6 +251,38 @@ class StateAccess:
             part.commit(self._pipeline.swap, new, step)
             part.seg_steps = seg_steps
 
+    def stage_master(self, pid: Hashable, master: torch.Tensor) -> Any:
+        """[Note: new weights all or nothing] in offload/engine/full_weights.py: an NVMe
+        partition's new fp32 `master` written to fresh extents, its moments and step
+        kept; the partition is unchanged until `install_master` of the returned token
+        (`drop_master` frees it). The partition must be on NVMe."""
+        with self._lock:
+            part = self.partition(pid)
+            part.check_tier(Tier.NVME)
+            if part.master_is_param:
+                raise ValueError(f"partition {pid!r} keeps no master (master_is_param)")
+            if pid in self._round:
+                raise ValueError(f"partition {pid!r} was updated in the open round; "
+                                 f"{_OPEN_ROUND_FIX}")
+            flat = flat_tensor(master, f"stage_master of {pid!r}", part.numel,
+                               (torch.float32,))
+            return pid, self._write_new(part, flat, None, None)
+
+    def install_master(self, token: Any) -> None:
+        """Makes a `stage_master` the partition's master: no I/O, cannot fail."""
+        pid, new = token
+        with self._lock:
+            part = self.partition(pid)
+            self._pipeline.discard(pid)  # chunks read ahead hold the old master
+            part.commit(self._pipeline.swap, new, part.step)
+
+    def drop_master(self, token: Any) -> None:
+        """Frees a `stage_master` not installed; the partition keeps its master."""
+        _, new = token
+        with self._lock:
+            for ext in new:
+                self._pipeline.swap.free(ext)
+
     @staticmethod
     def _checked_seg_steps(part: PartitionState, state: Mapping[str, Any], step: int) -> list[int]:
         got = state.get("segment_steps")

@@ -1,6 +1,6 @@
-import subprocess
-
 import pytest
+
+from ..conftest import loop_mount, unmount
 
 
 @pytest.fixture
@@ -25,16 +25,8 @@ def small_fs(tmp_path):
     mounts = []
 
     def make(size_mib: int) -> str:
-        image, mnt = tmp_path / f"fs{len(mounts)}.ext4", tmp_path / f"mnt{len(mounts)}"
-        mnt.mkdir()
-        subprocess.run(["truncate", "-s", f"{size_mib}M", str(image)], check=True)
-        subprocess.run(["mkfs.ext4", "-q", "-F", "-m", "0", str(image)], check=True, capture_output=True)
-        r = subprocess.run(["mount", "-o", "loop", str(image), str(mnt)], capture_output=True,
-                           text=True)
-        if r.returncode:
-            pytest.skip(f"cannot loop-mount an ext4 image here: {r.stderr.strip()}")
-        mounts.append(mnt)
-        return str(mnt)
+        mounts.append(loop_mount(tmp_path, f"mnt{len(mounts)}", size_mib))
+        return str(mounts[-1])
     yield make
     for mnt in mounts:
-        subprocess.run(["umount", str(mnt)], check=False)
+        unmount(mnt)

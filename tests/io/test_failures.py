@@ -4,7 +4,6 @@ files that are links, transfers in flight at close, use after close, buffers and
 segments the engine cannot address, callbacks that raise."""
 
 import errno
-import fcntl
 import os
 import subprocess
 import sys
@@ -18,42 +17,6 @@ from offload.io import IoError, IoHandle, Segment, SwapPathError, SwapSpace
 from offload.io.buffers import mapped_empty
 
 from .conftest import ENGINES, build_engine
-
-_EXT4_IOC_SHUTDOWN = 0x8004587D  # _IOR('X', 125, __u32)
-_SHUTDOWN_NOLOGFLUSH = 2
-
-
-@pytest.fixture
-def failing_disk(tmp_path):
-    """(directory, fail()): a directory on a fresh ext4 loop mount; fail() shuts the file
-    system down (EXT4_IOC_SHUTDOWN), after which every read, write and sync under it
-    returns EIO, as from a dead disk. Skips where loop mounts are not allowed."""
-    if os.geteuid() != 0:
-        pytest.skip("loop-mounting a file system needs root")
-    image, mnt = tmp_path / "disk.ext4", tmp_path / "disk"
-    mnt.mkdir()
-    subprocess.run(["truncate", "-s", "32M", str(image)], check=True)
-    mk = subprocess.run(["mkfs.ext4", "-q", "-F", "-m", "0", str(image)], capture_output=True,
-                        text=True)
-    if mk.returncode:
-        pytest.skip(f"mkfs.ext4 failed: {mk.stderr.strip()}")
-    r = subprocess.run(["mount", "-o", "loop", str(image), str(mnt)], capture_output=True,
-                       text=True)
-    if r.returncode:
-        pytest.skip(f"cannot loop-mount an ext4 image here: {r.stderr.strip()}")
-
-    def fail() -> None:
-        fd = os.open(mnt, os.O_RDONLY)
-        try:
-            fcntl.ioctl(fd, _EXT4_IOC_SHUTDOWN, _SHUTDOWN_NOLOGFLUSH.to_bytes(4, "little"))
-        finally:
-            os.close(fd)
-    yield str(mnt), fail
-    if subprocess.run(["umount", str(mnt)], capture_output=True).returncode:
-        # something still holds a file there: detach it anyway, so no mount or loop
-        # device outlives the test (the loop device is freed with the last descriptor)
-        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
-
 
 def _open_fds() -> set[str]:
     out = set()

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from ..conftest import loop_mount, unmount
+
 ROOT = Path(__file__).resolve().parents[2]
 AIO_MAX = Path("/proc/sys/fs/aio-max-nr")
 
@@ -314,20 +316,11 @@ def test_host_memory_that_cannot_be_mapped_names_the_budget_keys(tmp_path):
 def ext2_dir(tmp_path):
     """A directory on a fresh ext2 file system (no fallocate: its files have no
     extents), loop mounted; skips where mounting is not allowed."""
-    image, mnt = tmp_path / "fs.ext2", tmp_path / "mnt"
-    mnt.mkdir()
-    subprocess.run(["truncate", "-s", "64M", str(image)], check=True)
-    r = subprocess.run(["mkfs.ext2", "-q", "-F", str(image)], capture_output=True, text=True)
-    if r.returncode:
-        pytest.skip(f"mkfs.ext2 failed: {r.stderr.strip()}")
-    r = subprocess.run(["mount", "-o", "loop", str(image), str(mnt)], capture_output=True,
-                       text=True)
-    if r.returncode:
-        pytest.skip(f"cannot loop-mount an ext2 image here: {r.stderr.strip()}")
+    mnt = loop_mount(tmp_path, "mnt", 64, "ext2")
     try:
         yield mnt
     finally:
-        subprocess.run(["umount", str(mnt)], check=False)
+        unmount(mnt)
 
 
 def test_swap_on_a_file_system_without_fallocate(ext2_dir):
