@@ -429,6 +429,10 @@ def render(result: dict[str, Any], top: int) -> None:
         con.print(f"verify #{v['rank']} {v['placement']}: predicted {v['predicted_step_s']:.3f}"
                   f" s, measured {v['measured_step_s']:.3f} s "
                   f"(measured / predicted {v['ratio']:.2f})")
+    if result.get("verify_left"):
+        con.print(f"verify: {result['verify_left']} of the configurations --verify asked for "
+                  "did not run (--minutes was spent, or their run failed); give more "
+                  "--minutes")
     final = result.get("final")
     for i, f in enumerate(final["finalists"] if final else []):
         got = (f"median {f['median_s']:.3f} s ({f['p25_s']:.3f}-{f['p75_s']:.3f}, "
@@ -734,6 +738,8 @@ def _run(args: argparse.Namespace) -> int:
     if args.verify:
         result["verify"] = verify(result, spec, args.verify, args.json,
                                   deadline=t0 + VERIFY_END * budget)
+        result["verify_left"] = min(args.verify, len(result["results"])) - len(
+            result["verify"])
     if args.finalists:
         result["final"] = final_rounds(result, spec, args.finalists, args.json,
                                        deadline=t0 + FINAL_END * budget)

@@ -60,6 +60,7 @@ def test_tune_writes_a_config_that_initialize_takes_unchanged(work):
     rounded = [round(s, 6) for s in steps]
     assert rounded == sorted(rounded) and len(steps) == res["candidates"] > 1
     assert len(res["verify"]) == 1 and all(v["measured_step_s"] > 0 for v in res["verify"])
+    assert res["verify_left"] == 0  # else a line says how many did not run
     assert res["calibration_runs"] and res["calibration"]
     # calibration measures the best-predicted placement of each optimizer tier that fits
     assert {r["class"].split("@")[0].split("/")[2] for r in res["calibration_runs"]} == \
