@@ -102,7 +102,8 @@ def extra_states(model: nn.Module) -> dict[str, nn.Module]:
 def _load_problem(state_dict: Mapping[str, Any], entries: list, expected: list[str],
                   missing: list[str], strict: bool) -> str | None:
     """Why `load_state_dict` refuses `state_dict` (None: it does not)."""
-    unexpected = [k for k in state_dict if k not in set(expected)]
+    known = set(expected)
+    unexpected = [k for k in state_dict if k not in known]
     if strict and (missing or unexpected):
         return (f"missing keys {missing[:8]}{' ...' if len(missing) > 8 else ''}, unexpected "
                 f"keys {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}; pass "
@@ -493,7 +494,8 @@ class ModelWeights:
         if refused:
             raise RuntimeError("load_state_dict: another rank refused its state dict (nothing "
                                "was loaded); give every rank the full state dict")
-        unexpected = [k for k in state_dict if k not in set(expected)]
+        known = set(expected)
+        unexpected = [k for k in state_dict if k not in known]
         loaded: dict[tuple[int, int], torch.Tensor] = {}
         held = []  # buffers (or parameters the engine does not hold): after the weights
         for name, t, is_param in entries:
@@ -582,17 +584,14 @@ class ModelWeights:
             copies = self._save_configs(Path(staged), dtype)  # written with the shards
             try:
                 return write_shards(out, specs, _cast(stream, dtype), limit, copies=copies)
-            except OverflowError as e:
-                if self.comm.world > 1:
-                    for _ in stream:  # the all-gathers left
-                        pass
-                raise ValueError(f"save_pretrained: dtype={dtype}: {e}; give dtype "
-                                 "torch.bfloat16 or torch.float32 (nothing was written)"
-                                 ) from None
-            except BaseException:
+            except BaseException as e:
                 if self.comm.world > 1:
                     for _ in stream:  # what the failed write left: its all-gathers
                         pass
+                if isinstance(e, OverflowError):  # `cast_finite`'s refusal
+                    raise ValueError(f"save_pretrained: dtype={dtype}: {e}; give dtype "
+                                     "torch.bfloat16 or torch.float32 (nothing was written)"
+                                     ) from None
                 raise
 
     def _export_specs(self, dtype: torch.dtype | None) -> tuple[list[TensorSpec], list]:
