@@ -119,6 +119,23 @@ def _as_saved(value: Any, like: Any) -> Any:
     return value
 
 
+_NOT_A_SCALAR = object()
+
+
+def to_json_scalar(v: Any, otherwise: Any = _NOT_A_SCALAR) -> Any:
+    """`v` as a Python number where it is a numpy scalar or a one-element tensor (what a
+    schedule's arithmetic on np.float32 or tensors gives, which torch takes as an lr
+    and JSON does not), else `otherwise` (json.dumps' `default`: TypeError)."""
+    import numbers
+    if isinstance(v, torch.Tensor) and v.numel() == 1:
+        return v.item()
+    if isinstance(v, numbers.Number) and not isinstance(v, (bool, int, float, complex)):
+        return int(v) if isinstance(v, numbers.Integral) else float(v)
+    if otherwise is _NOT_A_SCALAR:
+        raise TypeError(f"Object of type {type(v).__name__} is not JSON serializable")
+    return otherwise
+
+
 def scheduler_state(scheduler: Any) -> dict | None:
     """The scheduler's state as the commit record holds it; CheckpointError-worthy
     ValueError where it is not JSON-serialisable."""
@@ -126,7 +143,7 @@ def scheduler_state(scheduler: Any) -> dict | None:
         return None
     state = scheduler.state_dict()
     try:
-        return json.loads(json.dumps(state))
+        return json.loads(json.dumps(state, default=to_json_scalar))
     except (TypeError, ValueError) as e:
         raise ValueError(f"the lr_scheduler's state_dict() must be JSON-serialisable to be "
                          f"saved in the checkpoint ({type(scheduler).__name__}: {e}); a "

@@ -103,7 +103,7 @@ from .checkpoint_layout import (_DTYPE_NAMES, FORMAT, KINDS, TORCH_DTYPES, Grid,
                                 _stored_shape, _to_numpy, _ts, flat_boxes)
 from .checkpoint_publish import (LOCK, PARTIAL, RECORD, PartialLock, partial_of,
                                  prune, remove_partials)
-from .lr_scheduler import scheduler_state
+from .lr_scheduler import scheduler_state, to_json_scalar
 from .units import Group, Slot
 
 log = logging.getLogger(__name__)
@@ -660,8 +660,9 @@ def _write_partitions(engine: Any, comm: Any, root: Path, arrays: dict, context,
 
 def _number(v: Any) -> Any:
     """A group's value as the record holds it: a tensor (torch.optim takes an lr as a
-    0-d tensor, which a scheduler fills in place) as its value now."""
-    return float(v) if isinstance(v, torch.Tensor) else v
+    0-d tensor, which a scheduler fills in place) as its value now; a numpy scalar
+    (np.float32 from a schedule's arithmetic) as a Python number."""
+    return to_json_scalar(v, v)
 
 
 def _record(engine: Any, table: dict, extra: dict, scheduler: dict | None) -> dict[str, Any]:

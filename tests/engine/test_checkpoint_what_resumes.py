@@ -190,3 +190,33 @@ def test_an_extra_state_that_would_not_resume_is_refused_before_writing(tmp_path
                                                           r"nothing was written"):
             e.save_checkpoint(tmp_path / "ck")
     assert not (tmp_path / "ck").exists()
+
+
+def test_numpy_scalars_in_the_lr_and_the_schedule_save_and_resume(tmp_path):
+    """An lr of np.float32 (torch takes it; a schedule's arithmetic on numpy gives it)
+    failed every save ("float32 is not JSON serializable"), from the scheduler with a
+    hint about LambdaLR's lambdas. Saved as numbers, resumed as an unbroken run."""
+    import numpy as np
+
+    def sched(opt):
+        return torch.optim.lr_scheduler.LambdaLR(opt, lambda k: np.float32(0.9) ** k)
+
+    def run(e, batches):
+        for x in batches:
+            e.backward(e(x).square().mean())
+            e.step()
+
+    torch.manual_seed(1)
+    data = [torch.randn(8, 32) for _ in range(4)]
+    with offload.initialize(_bn_model(), _cfg(tmp_path, "a"), lr_scheduler=sched) as e:
+        e.optimizer.param_groups[0]["weight_decay"] = np.float32(0.05)
+        run(e, data[:2])
+        e.save_checkpoint(tmp_path / "ck")
+        run(e, data[2:])
+        want = e.state_dict()
+    with offload.initialize(_bn_model(), _cfg(tmp_path, "b"), lr_scheduler=sched,
+                            resume=tmp_path / "ck") as e:
+        run(e, data[2:])
+        got = e.state_dict()
+    for k, v in want.items():
+        torch.testing.assert_close(got[k], v, atol=0, rtol=0, msg=k)
