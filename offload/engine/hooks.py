@@ -52,11 +52,12 @@ class ModuleHooks:
             self._interrupts.safe_point()  # [Note: Ctrl-C at a safe point] in interrupts.py
             _refuse_functorch(unit.name)
             hooks_last(module, self._last_hooks[id(module)])
-            if not in_backward():  # a recomputation repeats the backward's order
-                self._rank_order.check_unit(unit, backward=False)  # see rank_order.py
             # a forward without autograd (evaluation, generate) is not part of a
             # training step: it leaves the access trace and the plan alone
             training = torch.is_grad_enabled() or in_backward()
+            if not in_backward():  # a recomputation repeats the backward's order
+                self._rank_order.check_unit(unit, backward=False,  # see rank_order.py
+                                            autograd=training)
             self._spans.forward_begin(unit.name)
             for gid in unit.needs:
                 st = self._states[gid]

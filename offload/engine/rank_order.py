@@ -97,6 +97,10 @@ READS = "state_dict, full_weights, named_weights, save_pretrained or load_state_
 READ_FIX = ("these gather every rank's shard: call them on every rank at the same point, "
             "not under `if rank == 0` (state_dict keeps the weights on rank 0 only, and "
             "save_pretrained writes on rank 0 only, by themselves)")
+EVAL_FIX = ("a forward under torch.no_grad (an evaluation) gathers every rank's shards "
+            "too: run it on every rank, over the same number of batches (each its own "
+            "shard of the evaluation set), not under `if rank == 0`, as under FSDP or "
+            "DeepSpeed's ZeRO-3")
 CALL_FIX = ("every rank calls engine.step() after the same backward calls, and "
             "save_checkpoint() at the same point of the loop, not under `if rank == 0` "
             "(each rank updates and saves its own shard; save_checkpoint writes what rank 0 "
@@ -186,10 +190,14 @@ class RankOrder:
         dropped."""
         self._rows = math.nan
 
-    def check_unit(self, unit: Unit, backward: bool) -> None:
-        """Before the collectives of `unit`'s forward (or backward)."""
+    def check_unit(self, unit: Unit, backward: bool, autograd: bool = True) -> None:
+        """Before the collectives of `unit`'s forward (or backward); a forward without
+        autograd (evaluation under torch.no_grad) is a point of its own, half way: it
+        prefetches no group, so one rank's evaluation beside another's training
+        forward would pair their all-gathers wrongly and wait for the timeout."""
         if self.enabled:
-            self._check(1 + self._index[id(unit)] + (self._n if backward else 0))
+            self._check(1 + self._index[id(unit)] + (self._n if backward else 0)
+                        + (0 if autograd else 0.5))
 
     def check_backward(self) -> None:
         """Before a backward's first collective (the agreement on what trains, its size
@@ -272,6 +280,9 @@ class RankOrder:
         if h < 0:
             return f"the all-gather of group {int(-1 - h)}'s whole weights ({READS})"
         k = int(h) - 1
+        if h != int(h):
+            return (f"the forward of unit {self._names[k % n]!r} without autograd "
+                    "(an evaluation under torch.no_grad)")
         if k < 2 * n:
             return (f"the {'backward' if k >= n else 'forward'} of unit "
                     f"{self._names[k % n]!r}")
@@ -322,7 +333,8 @@ class RankOrder:
                                for r, x in enumerate(got) if x != h)
             # a rank reads the whole weights (this one included, for a read's check)
             fix = (CALL_FIX if STEP in got or SAVE in got
-                   else READ_FIX if any(x <= -1 for x in got) else None)
+                   else READ_FIX if any(x <= -1 for x in got)
+                   else EVAL_FIX if any(x > 0 and x != int(x) for x in got) else None)
             if STEP in got and h != STEP and self.on_missed_step is not None:
                 try:
                     self.on_missed_step()

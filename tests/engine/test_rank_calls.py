@@ -71,13 +71,27 @@ def _worker(rank, world, init_file, out, cfg, save_to):
             engine.backward(_loss(engine, 20 + rank))
             got["next"] = [engine.step()]
         return got
+    def eval_on_rank_0():  # `if rank == 0: evaluate()` beside rank 1's training forward
+        got = {}
+        with offload.initialize(_model(), cfg) as engine:
+            engine.backward(_loss(engine, rank))
+            assert engine.step()
+            if rank == 0:
+                with torch.no_grad():
+                    got["error"] = _errors(lambda: engine(torch.randn(8, 8)))
+            else:
+                got["error"] = _errors(lambda: engine.backward(_loss(engine, 10 + rank)))
+            engine.backward(_loss(engine, 20 + rank))
+            got["next"] = [engine.step()]
+        return got
     with process_group(rank, world, init_file):
         run_cases({"skipped_step": lambda: skipped_step(lambda e: _loss(e, 20 + rank)),
                    "skipped_then_saved": lambda: skipped_step(
                        lambda e: e.save_checkpoint(f"{save_to}-{rank}")),
                    "skipped_then_loaded": lambda: skipped_step(
                        lambda e: e.load_state_dict(_model().state_dict())),
-                   "save_on_rank_0": save_on_rank_0, "load_on_rank_0": load_on_rank_0},
+                   "save_on_rank_0": save_on_rank_0, "load_on_rank_0": load_on_rank_0,
+                   "eval_on_rank_0": eval_on_rank_0},
                   f"{out}.{rank}")
 
 
@@ -115,4 +129,17 @@ def test_a_save_or_load_on_one_rank_raises_on_both_naming_it(outcomes, case, cal
     assert "crash" not in r0 and "crash" not in r1, (r0, r1)
     assert r0["error"] is not None and r1["error"] is not None
     assert call in r1["error"] and "not under `if rank == 0`" in r0["error"]
+    assert r0["next"] == r1["next"] == [True]
+
+
+def test_an_evaluation_on_one_rank_raises_on_both_and_they_go_on(outcomes):
+    """A forward under torch.no_grad on rank 0 beside rank 1's training forward passed
+    the check (the same unit) and then paired rank 1's prefetching all-gather with
+    nothing: both waited for the process group's timeout."""
+    r0, r1 = (o["eval_on_rank_0"] for o in outcomes)
+    assert "crash" not in r0 and "crash" not in r1, (r0, r1)
+    assert "rank 1 runs the forward of unit '0'" in r0["error"]
+    assert "rank 0 runs the forward of unit '0' without autograd" in r1["error"]
+    for e in (r0["error"], r1["error"]):
+        assert "run it on every rank" in e
     assert r0["next"] == r1["next"] == [True]
