@@ -43,7 +43,7 @@ from .step import StepFailedError
 from .tensor_parallel import TensorParallel, full_state_dict
 from .training_checkpoint import CheckpointCorruptError, CheckpointError
 from .units import Group, Slot, build_units
-from .rank_agreement import RankAgreement, config_section, model_sections
+from .rank_agreement import RankAgreement, config_section, model_sections, resume_section
 from .working_set import check_budgets, check_disk, check_memory, disk_share
 
 log = logging.getLogger(__name__)
@@ -343,7 +343,8 @@ def initialize(model: nn.Module | Callable[[], nn.Module],
                              else saved_buffers(model, ckpt))
         if ckpt is not None:
             load_buffers(model, ckpt)
-    agreement.settle(lambda: [config_section(cfg)])  # the whole job, before its mesh is built
+    agreement.settle(lambda: [config_section(cfg), resume_section(  # the whole job, before
+        resumed.record if resumed is not None else None)])  # its mesh is built
     # [Note: ZeRO-3 over DP, tensor parallelism over TP] in tensor_parallel.py
     tp = TensorParallel.setup(model, cfg, restored=ckpt is not None or resumed is not None,
                               recorder=recorder, keep_undo=True, cuda=cuda)

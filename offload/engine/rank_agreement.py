@@ -11,7 +11,8 @@ collective. So `initialize` settles four times, each time one
 `all_gather_object` over the whole job:
 
   1. the config, before the tensor-parallel mesh is built from it (every key
-     except `PER_RANK_KEYS`), once each rank has loaded it and its model;
+     except `PER_RANK_KEYS`), once each rank has loaded it and its model, and
+     the checkpoint each resumes from (`resume_section`);
   2. the model: each parameter's name, shape, trainability and optimizer
      settings, the groups (numel, padding, shard) and units, between the ranks
      of each data-parallel group (tensor-parallel ranks hold different slices),
@@ -39,6 +40,7 @@ import contextlib
 import dataclasses
 import fnmatch
 import hashlib
+import json
 from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sequence
 
 import torch.distributed as dist
@@ -47,7 +49,8 @@ from ..config import ConfigError, OffloadConfig
 from ..store.copy import resolve_device
 from .units import Group, Unit
 
-__all__ = ["PER_RANK_KEYS", "RankAgreement", "Section", "config_section", "model_sections"]
+__all__ = ["PER_RANK_KEYS", "RankAgreement", "Section", "config_section", "model_sections",
+           "resume_section"]
 
 # Keys that may differ between ranks: where a rank keeps its own state and how it
 # moves it (directories, budgets, I/O and NVMe-pipeline tuning, its update kernel),
@@ -91,6 +94,23 @@ def config_section(cfg: OffloadConfig) -> Section:
     items.append(("store.device", (_attr("", kind, f"{cfg.store.device!r} (a {kind} device)"),)))
     return Section("", items, "give every rank the same config; only "
                    f"{', '.join(PER_RANK_KEYS)} may differ (store.device in its index only)")
+
+
+def resume_section(record: Mapping[str, Any] | None) -> Section:
+    """What this rank resumes from: nothing, or the checkpoint its commit record names
+    (by the record's digest: nodes may mount one checkpoint at different paths). A
+    rank that resumed another checkpoint, or none, trained its shard from another
+    state, silently, or waited in another collective than the others'."""
+    if record is None:
+        value, shown = None, "no resume"
+    else:
+        value = hashlib.sha256(json.dumps(record, sort_keys=True, default=str).encode()
+                               ).hexdigest()
+        shown = (f"the checkpoint of step {record.get('global_step')} of run "
+                 f"{record.get('run')!r} (its commit record {value[:12]})")
+    return Section("", [("resume", (_attr("", value, shown),))],
+                   "give every rank the same checkpoint to resume from (resume=; its path "
+                   "may differ between nodes), or none")
 
 
 def _settings(over: Mapping[str, Any]) -> dict[str, Any]:

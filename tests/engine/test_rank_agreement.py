@@ -169,3 +169,41 @@ def test_ranks_with_their_own_paths_and_disks_train_together(tmp_path, small_fs)
     assert [r["error"] for r in results] == [None, None]
     s0, s1 = results[0]["state"], results[1]["state"]
     assert s0.keys() == s1.keys() and all(torch.equal(s0[k], s1[k]) for k in s0)
+
+
+def _resume_worker(rank: int, world: int, init_file: str, d: str) -> None:
+    import offload
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=HANG_S // 2))
+    try:
+        cfg = _cfg(os.path.join(d, f"swap{rank}"))
+        with offload.initialize(_model("narrow"), cfg) as engine:
+            for step in (1, 2):
+                engine.backward(engine(torch.randn(4, 8)).square().mean())
+                engine.step()
+                engine.save_checkpoint(os.path.join(d, f"step-{step}"))
+        errors = {}
+        for case, path in (("other", f"step-{1 + rank}"),  # rank 1 resumes a later one
+                           ("one", "step-2" if rank == 0 else None)):  # rank 1 none
+            try:
+                offload.initialize(_model("narrow"), cfg, resume=path and os.path.join(d, path))
+            except offload.ConfigError as e:
+                errors[case] = str(e)
+        with offload.initialize(_model("narrow"), cfg, resume=os.path.join(d, "step-2")) as e:
+            errors["steps"] = e.global_step  # the same checkpoint on both: resumed
+        torch.save(errors, os.path.join(d, f"out.{rank}"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ranks_resuming_different_checkpoints_are_refused_on_every_rank(tmp_path):
+    """Rank 0 resumed step-1 and rank 1 step-2: each trained its shard from another
+    state, silently; with rank 1 resuming none, both waited in different collectives
+    until the process group's timeout. Both are refused on every rank at once."""
+    spawn(_resume_worker, str(tmp_path / "init"), str(tmp_path), timeout_s=HANG_S * 2)
+    for rank in (0, 1):
+        got = torch.load(tmp_path / f"out.{rank}")
+        assert got["other"].startswith("resume differs between ranks: rank 0 has the "
+                                       "checkpoint of step 1"), got
+        assert "rank 1 has the checkpoint of step 2" in got["other"]
+        assert "rank 1 has no resume" in got["one"] and got["steps"] == 2
