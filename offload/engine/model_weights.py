@@ -30,6 +30,7 @@ from .full_weights import groups_of, new_weights, read_group, slot_tensors, summ
 from .interrupts import around_user_block, guarded
 from .one_thread import one_call
 from .params_view import state_entries
+from .rank_order import rows_fingerprint
 from .safetensors_writer import TensorSpec, cast_finite, write_shards
 from .units import not_compiled
 
@@ -486,7 +487,13 @@ class ModelWeights:
         problem = _load_problem(state_dict, entries, expected, missing, strict)
         if self.groups:  # every rank is here: [Note: ranks run the same units]
             self._rank_order.check_read(self.groups[0].gid)
-        (refused,) = self.comm.sum_scalars([1.0 if problem or inside else 0.0])
+        fails = problem is not None or inside is not None
+        # every rank's dict the same: each writes its own slices from its own dict, so
+        # two dicts made a model of both (a head initialised without a seed on each rank)
+        prints = self.comm.every_rank(float(fails), 0.0 if fails or self.comm.world == 1 else
+                                      rows_fingerprint({k: state_dict[k] for k in expected
+                                                        if k in state_dict}, None))
+        refused, prints = sum(prints[:self.comm.world]), prints[self.comm.world:]
         if inside is not None:
             raise inside
         if problem:
@@ -494,6 +501,14 @@ class ModelWeights:
         if refused:
             raise RuntimeError("load_state_dict: another rank refused its state dict (nothing "
                                "was loaded); give every rank the full state dict")
+        if len(set(prints)) > 1:
+            other = next(r for r, x in enumerate(prints) if x != prints[0])
+            raise RuntimeError(
+                f"load_state_dict: rank {other} was given other values than rank 0 (nothing "
+                "was loaded): each rank writes its own shard from its own dict, so the model "
+                "would hold parts of both. Give every rank the same state dict: load it from "
+                "one file, or seed what each rank initialises, or send rank 0's "
+                "(torch.distributed.broadcast_object_list)")
         known = set(expected)
         unexpected = [k for k in state_dict if k not in known]
         loaded: dict[tuple[int, int], torch.Tensor] = {}

@@ -50,10 +50,17 @@ def _worker(rank: int, world: int, init_file: str, out: str, cfg: dict) -> None:
             engine.load_state_dict(sd_all if rank == 0 else {})
         except RuntimeError as e:
             refused = str(e)
+        differ, held = "", engine.state_dict(rank0_only=False)
+        try:  # rank 1 gives other values: each rank would write its slices from its own
+            engine.load_state_dict({k: v + rank for k, v in sd_all.items()})
+        except RuntimeError as e:
+            differ = str(e)
+        now = engine.state_dict(rank0_only=False)
+        kept = all(torch.equal(v, held[k]) for k, v in now.items())
         engine.load_state_dict(sd_all)  # the weights before the write, on both ranks
         back = engine.state_dict(rank0_only=False)
         torch.save({"sd": sd, "seen": seen, "after": after, "refused": refused, "back": back,
-                    "again": again, "fp16": fp16},
+                    "again": again, "fp16": fp16, "differ": differ, "kept": kept},
                    f"{out}.{rank}")
         engine.close()
 
@@ -69,6 +76,9 @@ def test_two_ranks_gather_keep_on_rank_zero_and_write_their_shards(tmp_path, eng
         want = _pattern() if k in ("emb.weight", "head.weight") else v
         assert torch.equal(r0["after"][k], want) and torch.equal(r1["after"][k], want), k
     assert "another rank refused" in r0["refused"] and "missing keys" in r1["refused"]
+    for r in (r0, r1):  # refused on both, nothing loaded (the weights as after the write)
+        assert "rank 1 was given other values than rank 0 (nothing was loaded)" in r["differ"]
+        assert r["kept"]
     assert (r0["again"], r1["again"]) == ("refused", "written")
     assert "'emb.weight' holds values beyond the range of float16" in r0["fp16"]
     assert r1["fp16"] == "written" and not (tmp_path / "res.fp16").exists()
