@@ -123,12 +123,11 @@ _NOT_A_SCALAR = object()
 
 
 def to_json_scalar(v: Any, otherwise: Any = _NOT_A_SCALAR) -> Any:
-    """`v` as a Python number where it is a numpy scalar or a one-element tensor (what a
-    schedule's arithmetic on np.float32 or tensors gives, which torch takes as an lr
-    and JSON does not), else `otherwise` (json.dumps' `default`: TypeError)."""
+    """`v` as a Python number where it is a numpy scalar (what a schedule's arithmetic on
+    np.float32 gives, which torch takes as an lr and JSON does not), else `otherwise`
+    (json.dumps' `default`: TypeError). A tensor is not one: an object holding one
+    would resume holding a number."""
     import numbers
-    if isinstance(v, torch.Tensor) and v.numel() == 1:
-        return v.item()
     if isinstance(v, numbers.Number) and not isinstance(v, (bool, int, float, complex)):
         return int(v) if isinstance(v, numbers.Integral) else float(v)
     if otherwise is _NOT_A_SCALAR:

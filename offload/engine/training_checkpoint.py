@@ -662,7 +662,7 @@ def _number(v: Any) -> Any:
     """A group's value as the record holds it: a tensor (torch.optim takes an lr as a
     0-d tensor, which a scheduler fills in place) as its value now; a numpy scalar
     (np.float32 from a schedule's arithmetic) as a Python number."""
-    return to_json_scalar(v, v)
+    return float(v) if isinstance(v, torch.Tensor) else to_json_scalar(v, v)
 
 
 def _record(engine: Any, table: dict, extra: dict, scheduler: dict | None) -> dict[str, Any]:
