@@ -65,7 +65,7 @@ from .forward_prefetch import ForwardOnlyPrefetch
 from .full_weights import params_from_masters
 from .gathering import GatheredWeights, GroupState, in_backward
 from .grad_slots import GradSlots
-from .grads import _DTYPES, GradPartitions
+from .grads import _DTYPES, GradPartitions, refuse_backward_args
 from .hyper_watch import HyperWatch
 from .hooks import ModuleHooks
 from .in_place import pin_in_place, unpin_all, update_in_place
@@ -359,7 +359,7 @@ class OffloadEngine(ModelWeights, ModuleHooks, GradPartitions, GroupUpdates, Gat
                     "dropped; run the step's micro-batches again from the first", what,
                     done, n)
 
-    def backward(self, loss: torch.Tensor) -> None:
+    def backward(self, loss: torch.Tensor, **torch_args: Any) -> None:
         """Backward of `loss` (scaled for fp16); gradients land in the grad partitions.
 
         The gradients of `engine.grad_accum_steps` backward calls are summed and
@@ -369,6 +369,7 @@ class OffloadEngine(ModelWeights, ModuleHooks, GradPartitions, GroupUpdates, Gat
         the step's gradients (run its micro-batches again).
         """
         self._check_open()
+        refuse_backward_args(torch_args)  # retain_graph=, inputs=, ...: named, not a TypeError
         # [Note: one thread at a time], [Note: Ctrl-C at a safe point]
         with self._one_thread.held("engine.backward()", outer=True, sealed=True), \
                 self._interrupts.held():

@@ -166,3 +166,17 @@ class GradPartitions:
             self.store.free(("g", gid))
         self._has_grad.clear()
         self.grad_slots.clear()
+
+
+def refuse_backward_args(given: dict) -> None:
+    """`engine.backward(loss)` takes none of torch's `loss.backward` arguments: a clear
+    error naming them and what to do instead, where Python's said "unexpected
+    keyword"."""
+    if given:
+        raise TypeError(
+            f"engine.backward(loss) takes no {', '.join(sorted(given))}: the engine gives a "
+            "unit's weights back once its backward ran (retain_graph= would keep a graph "
+            "over weights no longer held) and its gradients go to the engine's partitions, "
+            "not to .grad (inputs=, create_graph=). Backward two losses of one forward as "
+            "their sum, engine.backward(loss_a + loss_b); for gradients of the inputs, call "
+            "torch.autograd.grad(loss, inputs) through engine(...)")

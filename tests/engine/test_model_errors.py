@@ -423,3 +423,19 @@ def test_whole_modules_keeps_a_parent_that_reads_its_childs_weight_in_one_unit(e
         offload.initialize(copy.deepcopy(ref), bad)
     swap = Path(bad["io"]["paths"][0])
     assert not swap.exists() or not list(swap.iterdir())  # refused before any swap file
+
+
+def test_backward_names_torchs_arguments_it_does_not_take(engine_cfg):
+    """engine.backward(loss, retain_graph=True) was Python's "unexpected keyword";
+    refused naming the argument and the fix, before anything, and the loss's
+    backward then runs as usual."""
+    torch.manual_seed(0)
+    ref = TiedTwice()
+    (x, y), = lm_batches(1)
+    with offload.initialize(copy.deepcopy(ref), engine_cfg("host", group_size=300)) as e:
+        loss = lm_loss(e(x), y)
+        with pytest.raises(TypeError, match=r"takes no inputs, retain_graph: .*"
+                                            r"engine.backward\(loss_a \+ loss_b\)"):
+            e.backward(loss, retain_graph=True, inputs=[x])
+        e.backward(loss)
+        assert e.step()
