@@ -22,12 +22,14 @@ import torch
 from torch import nn
 
 from ..store import Tier
+from .rank_order import rows_fingerprint
 from .units import Group
 
 if TYPE_CHECKING:
     from .engine import OffloadEngine
 
-__all__ = ["NewWeights", "groups_of", "new_weights", "read_group", "slot_tensors", "summoned"]
+__all__ = ["NewWeights", "groups_of", "new_weights", "read_group", "refuse_apart", "slot_tensors",
+           "summoned"]
 
 
 def read_group(engine: "OffloadEngine", g: Group) -> torch.Tensor:
@@ -233,7 +235,8 @@ def summoned(engine: "OffloadEngine", groups: list[Group], writable: bool
     stand-ins back; with `writable`, what the modules' parameters hold at the end of
     the block (in place edits, or a new `nn.Parameter` of the same shape) is
     written back, group by group. Yields {name: tensor} for every name of every
-    parameter of `groups`. A block that raises writes nothing."""
+    parameter of `groups`. A block that raises writes nothing; with several ranks, none
+    writes unless every rank's block ended with the same weights."""
     names = engine._slot_names()  # while the stand-ins are registered
     fulls, values = {}, {}
     for g in groups:
@@ -246,16 +249,24 @@ def summoned(engine: "OffloadEngine", groups: list[Group], writable: bool
         for i, value in enumerate(values[g.gid]):
             for name in names[(g.gid, i)]:
                 named[name] = value
-    ok = False
+    failure: BaseException | None = None
+    edited = None
     try:
         yield named
-        ok = True
+    except BaseException as e:  # raised below, once every rank has agreed
+        failure = e
+    try:
+        if failure is None and writable:
+            edited = _collect(groups, names)
+    except ValueError as e:
+        failure = e
     finally:
-        try:
-            edited = _collect(groups, names) if ok and writable else None
-        finally:
-            for g in groups:
-                engine.registered.register(g.gid)
+        for g in groups:
+            engine.registered.register(g.gid)
+    if writable and engine.comm.world > 1:
+        _agree_on_edits(engine, edited, failure)
+    if failure is not None:
+        raise failure
     with new_weights(engine) as w:  # [Note: new weights all or nothing]
         for gid, tensors in (edited or {}).items():
             g = engine.groups[gid]
@@ -263,6 +274,34 @@ def summoned(engine: "OffloadEngine", groups: list[Group], writable: bool
             for slot, t in zip(g.slots, tensors):
                 full[slot.offset:slot.offset + slot.numel].copy_(t.detach().reshape(-1))
             w.add(g, full)
+
+
+def _agree_on_edits(engine: "OffloadEngine", edited: dict | None,
+                    failure: BaseException | None) -> None:
+    """Every rank writes its own shards from its own block's edits: where one rank's
+    block raised, or its edits differ from rank 0's (an edit under `if rank == 0`, a
+    re-initialisation without a seed), the model would hold parts of both. Every
+    rank compares a crc32 of its edits first, and raises, nothing written."""
+    prints = engine.comm.every_rank(-1.0 if failure is not None
+                                    else rows_fingerprint(edited, None))
+    if failure is not None:
+        return  # this rank raises its own error
+    if -1.0 in prints:
+        raise RuntimeError(f"full_weights: rank {prints.index(-1.0)}'s block raised, so "
+                           "no rank writes its edits (nothing was written)")
+    refuse_apart(prints, "full_weights: rank {}'s block left other weights than rank 0's",
+                 "written", "edits", "Make the same edit on every rank (seed what it draws), "
+                 "or load rank 0's with engine.load_state_dict on every rank")
+
+
+def refuse_apart(prints: list[float], what: str, done: str, source: str, fix: str) -> None:
+    """Raises on every rank where the ranks' crc32s (`prints`, by rank) of the values
+    each writes its own shards from differ; `what` names the first rank apart ({})."""
+    if len(set(prints)) > 1:
+        other = next(r for r, x in enumerate(prints) if x != prints[0])
+        raise RuntimeError(f"{what.format(other)} (nothing was {done}): each rank writes its "
+                           f"own shards from its own {source}, so the model would hold parts "
+                           f"of both. {fix}")
 
 
 def _collect(groups: list[Group], names: dict[tuple[int, int], list[str]]

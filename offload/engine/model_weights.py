@@ -26,7 +26,8 @@ from torch.nn.modules.module import _IncompatibleKeys
 from ..config import format_bytes, parse_bytes
 from ..io.process import available_memory, memory_limit_note
 from .absent import AbsentWeight
-from .full_weights import groups_of, new_weights, read_group, slot_tensors, summoned
+from .full_weights import (groups_of, new_weights, read_group, refuse_apart, slot_tensors,
+                           summoned)
 from .interrupts import around_user_block, guarded
 from .one_thread import one_call
 from .params_view import state_entries
@@ -501,14 +502,10 @@ class ModelWeights:
         if refused:
             raise RuntimeError("load_state_dict: another rank refused its state dict (nothing "
                                "was loaded); give every rank the full state dict")
-        if len(set(prints)) > 1:
-            other = next(r for r, x in enumerate(prints) if x != prints[0])
-            raise RuntimeError(
-                f"load_state_dict: rank {other} was given other values than rank 0 (nothing "
-                "was loaded): each rank writes its own shard from its own dict, so the model "
-                "would hold parts of both. Give every rank the same state dict: load it from "
-                "one file, or seed what each rank initialises, or send rank 0's "
-                "(torch.distributed.broadcast_object_list)")
+        refuse_apart(prints, "load_state_dict: rank {} was given other values than rank 0",
+                     "loaded", "dict", "Give every rank the same state dict: load it from one "
+                     "file, or seed what each rank initialises, or send rank 0's "
+                     "(torch.distributed.broadcast_object_list)")
         known = set(expected)
         unexpected = [k for k in state_dict if k not in known]
         loaded: dict[tuple[int, int], torch.Tensor] = {}

@@ -55,12 +55,28 @@ def _worker(rank: int, world: int, init_file: str, out: str, cfg: dict) -> None:
             engine.load_state_dict({k: v + rank for k, v in sd_all.items()})
         except RuntimeError as e:
             differ = str(e)
+        one_sided = ""
+        try:  # an edit under `if rank == 0`: rank 1's shards would keep the old weights
+            with engine.full_weights("emb", writable=True):
+                if rank == 0:
+                    engine.module.emb.weight.data.zero_()
+        except RuntimeError as e:
+            one_sided = str(e)
+        raised = ""
+        try:  # rank 1's block raises: rank 0 writes nothing either
+            with engine.full_weights("emb", writable=True):
+                engine.module.emb.weight.data.fill_(3.0)
+                if rank == 1:
+                    raise ValueError("rank 1's edit failed")
+        except (RuntimeError, ValueError) as e:
+            raised = f"{type(e).__name__}: {e}"
         now = engine.state_dict(rank0_only=False)
         kept = all(torch.equal(v, held[k]) for k, v in now.items())
         engine.load_state_dict(sd_all)  # the weights before the write, on both ranks
         back = engine.state_dict(rank0_only=False)
         torch.save({"sd": sd, "seen": seen, "after": after, "refused": refused, "back": back,
-                    "again": again, "fp16": fp16, "differ": differ, "kept": kept},
+                    "again": again, "fp16": fp16, "differ": differ, "kept": kept,
+                    "one_sided": one_sided, "raised": raised},
                    f"{out}.{rank}")
         engine.close()
 
@@ -79,6 +95,9 @@ def test_two_ranks_gather_keep_on_rank_zero_and_write_their_shards(tmp_path, eng
     for r in (r0, r1):  # refused on both, nothing loaded (the weights as after the write)
         assert "rank 1 was given other values than rank 0 (nothing was loaded)" in r["differ"]
         assert r["kept"]
+        assert "rank 1's block left other weights than rank 0's (nothing" in r["one_sided"]
+    assert "rank 1's block raised, so no rank writes" in r0["raised"]
+    assert r1["raised"] == "ValueError: rank 1's edit failed"
     assert (r0["again"], r1["again"]) == ("refused", "written")
     assert "'emb.weight' holds values beyond the range of float16" in r0["fp16"]
     assert r1["fp16"] == "written" and not (tmp_path / "res.fp16").exists()
