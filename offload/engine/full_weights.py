@@ -23,6 +23,7 @@ from torch import nn
 
 from ..store import Tier
 from .rank_order import rows_fingerprint
+from .step import StagedParams
 from .units import Group
 
 if TYPE_CHECKING:
@@ -80,7 +81,6 @@ class NewWeights:
     callers' checks can fail, and each group is written in place at once."""
 
     def __init__(self, engine: "OffloadEngine") -> None:
-        from .step import StagedParams
         self.engine = engine
         opt = engine.optimizer
         self.staging = engine._param_tier is Tier.NVME or any(
