@@ -36,16 +36,18 @@ from .params_view import state_entries
 
 __all__ = ["BUFFERS", "EXTRA_STATES", "capture_buffers", "capture_extra_states",
            "check_buffers", "check_extra_states", "decode_buffers", "decode_extra_states",
-           "encode_buffers", "restore_buffers", "restore_extra_states"]
+           "encode_buffers", "restore_buffers", "restore_extra_states", "with_extra_state"]
 
 BUFFERS = "buffers.json"
 EXTRA_STATES = ".extra_states"  # [Note: extra states in a checkpoint]
 
 
-def _with_extra_state(module: nn.Module, method: str) -> dict[str, nn.Module]:
-    """{first name: module} of the modules whose class defines `method`
-    (`get_extra_state` or `set_extra_state`), as torch's state_dict tests it."""
-    return {name: m for name, m in module.named_modules()
+def with_extra_state(module: nn.Module, method: str, every_name: bool = False
+                     ) -> dict[str, nn.Module]:
+    """{name: module} of the modules whose class defines `method` (`get_extra_state` or
+    `set_extra_state`), as torch's state_dict tests it: by each one's first name, or
+    with `every_name` under each name it is registered under (as state_dict walks)."""
+    return {name: m for name, m in module.named_modules(remove_duplicate=not every_name)
             if getattr(type(m), method) is not getattr(nn.Module, method)}
 
 
@@ -54,7 +56,7 @@ def capture_extra_states(module: nn.Module) -> dict[str, str]:
     torch.save's bytes in base64; ValueError naming the module where the value
     cannot be read back with weights_only=True."""
     out = {}
-    for name, m in _with_extra_state(module, "get_extra_state").items():
+    for name, m in with_extra_state(module, "get_extra_state").items():
         buf = io.BytesIO()
         try:
             torch.save(m.get_extra_state(), buf)
@@ -89,7 +91,7 @@ def decode_extra_states(obj: dict[str, Any], where: str) -> dict[str, Any] | Non
 
 def check_extra_states(module: nn.Module, saved: dict[str, Any]) -> str | None:
     """What keeps the saved extra states from being set on `module`, or None."""
-    mine = set(_with_extra_state(module, "set_extra_state"))
+    mine = set(with_extra_state(module, "set_extra_state"))
     if mine != set(saved):
         return (f"the modules with extra state (set_extra_state) differ from the "
                 f"checkpoint's (the model has {sorted(mine - set(saved))[:4]} that it lacks, "
@@ -99,7 +101,7 @@ def check_extra_states(module: nn.Module, saved: dict[str, Any]) -> str | None:
 
 def restore_extra_states(module: nn.Module, saved: dict[str, Any]) -> None:
     """Gives each module its saved extra state (checked)."""
-    for name, m in _with_extra_state(module, "set_extra_state").items():
+    for name, m in with_extra_state(module, "set_extra_state").items():
         m.set_extra_state(saved[name])
 
 

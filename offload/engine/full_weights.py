@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from ..store import Tier
-from .rank_order import rows_fingerprint
+from .rank_order import tensors_crc32
 from .step import StagedParams
 from .units import Group
 
@@ -283,7 +283,7 @@ def _agree_on_edits(engine: "OffloadEngine", edited: dict | None,
     re-initialisation without a seed), the model would hold parts of both. Every
     rank compares a crc32 of its edits first, and raises, nothing written."""
     prints = engine.comm.every_rank(-1.0 if failure is not None
-                                    else rows_fingerprint(edited, None))
+                                    else tensors_crc32(edited, None))
     if failure is not None:
         return  # this rank raises its own error
     if -1.0 in prints:

@@ -26,12 +26,13 @@ from torch.nn.modules.module import _IncompatibleKeys
 from ..config import format_bytes, parse_bytes
 from ..io.process import available_memory, memory_limit_note
 from .absent import AbsentWeight
+from .checkpoint_buffers import with_extra_state
 from .full_weights import (groups_of, new_weights, read_group, refuse_apart, slot_tensors,
                            summoned)
 from .interrupts import around_user_block, guarded
 from .one_thread import one_call
 from .params_view import state_entries
-from .rank_order import rows_fingerprint
+from .rank_order import tensors_crc32
 from .safetensors_writer import TensorSpec, cast_finite, write_shards
 from .units import not_compiled
 
@@ -96,9 +97,8 @@ def _with_old_versions(model: nn.Module, state_dict: Mapping[str, Any]) -> Mappi
 def extra_states(model: nn.Module) -> dict[str, nn.Module]:
     """{key: module} of the `_extra_state` entries torch's `load_state_dict` reads: one
     per name of each module whose class defines `set_extra_state`."""
-    return {f"{name}._extra_state" if name else "_extra_state": m
-            for name, m in model.named_modules(remove_duplicate=False)
-            if type(m).set_extra_state is not nn.Module.set_extra_state}
+    return {f"{name}._extra_state" if name else "_extra_state": m for name, m in
+            with_extra_state(model, "set_extra_state", every_name=True).items()}
 
 
 def _load_problem(state_dict: Mapping[str, Any], entries: list, expected: list[str],
@@ -492,7 +492,7 @@ class ModelWeights:
         # every rank's dict the same: each writes its own slices from its own dict, so
         # two dicts made a model of both (a head initialised without a seed on each rank)
         prints = self.comm.every_rank(float(fails), 0.0 if fails or self.comm.world == 1 else
-                                      rows_fingerprint({k: state_dict[k] for k in expected
+                                      tensors_crc32({k: state_dict[k] for k in expected
                                                         if k in state_dict}, None))
         refused, prints = sum(prints[:self.comm.world]), prints[self.comm.world:]
         if inside is not None:

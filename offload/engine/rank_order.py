@@ -57,7 +57,7 @@ outputs: each must run the same batch. Ranks that read different rows (a loop
 that skipped a failed batch on one rank only) summed activations of two
 batches, with no error. So under tensor parallelism each check also carries,
 on the first check of a forward, a crc32 of the bytes and shapes of the
-tensors the model was called with (`rows_fingerprint`), in a second slot per
+tensors the model was called with (`tensors_crc32`), in a second slot per
 rank: where the ranks agree on the check but two ranks of one TP group called
 the model with different tensors, every rank raises there, before any TP
 collective of that forward. Other checks carry NaN there (no comparison); the
@@ -130,10 +130,11 @@ def raised_by_the_model(e: BaseException) -> bool:
     return True
 
 
-def rows_fingerprint(args: Any, kwargs: Any) -> float:
-    """[Note: a TP group reads the same rows] A crc32 of the shapes and bytes of every
-    tensor in a forward's arguments (inside tuples, lists and dicts, keys in sorted
-    order), as a float."""
+def tensors_crc32(args: Any, kwargs: Any) -> float:
+    """A crc32 of the dtypes, shapes and bytes of every tensor in `args` and `kwargs`
+    (inside tuples, lists and dicts, keys in sorted order), as a float: a forward's
+    arguments ([Note: a TP group reads the same rows]), or the values each rank
+    writes its shards from (`load_state_dict`, a writable `full_weights` block)."""
     crc = 0
 
     def walk(v: Any, depth: int) -> None:
@@ -180,7 +181,7 @@ class RankOrder:
         ([Note: a TP group reads the same rows])."""
         if self.enabled and self._mesh is not None:
             try:
-                self._rows = rows_fingerprint(args, kwargs)
+                self._rows = tensors_crc32(args, kwargs)
             except Exception as e:  # a tensor without bytes to read: not compared
                 log.debug("no fingerprint of the forward's arguments: %s", e)
                 self._rows = math.nan
