@@ -152,11 +152,8 @@ def new_weights(engine: "OffloadEngine") -> Iterator[NewWeights]:
 
 def _write_master(engine: "OffloadEngine", g: Group, shard: torch.Tensor) -> None:
     """This rank's fp32 `shard` of group `g` as its optimizer's master (an NVMe one to
-    fresh extents, then switched)."""
-    opt = engine.optimizer
-    state = opt.partition_state(g.gid)
-    state["master"] = shard
-    opt.load_partition_state(g.gid, state)
+    fresh extents, then switched), its moments as they are."""
+    engine.optimizer.set_master(g.gid, shard.contiguous())
 
 
 def _write_param(engine: "OffloadEngine", g: Group, shard: torch.Tensor, master: bool) -> None:

@@ -268,6 +268,22 @@ class StateAccess:
                                (torch.float32,))
             return pid, self._write_new(part, flat, None, None)
 
+    def set_master(self, pid: Hashable, master: torch.Tensor) -> None:
+        """Replaces partition `pid`'s fp32 master, its moments and step kept: an NVMe
+        one through `stage_master` (fresh extents, then switched), a host one in place."""
+        if self.partition(pid).tier is Tier.NVME:
+            self.install_master(self.stage_master(pid, master))
+            return
+        with self._lock:
+            part = self.partition(pid)
+            if part.master_is_param:
+                raise ValueError(f"partition {pid!r} keeps no master (master_is_param)")
+            if pid in self._round:
+                raise ValueError(f"partition {pid!r} was updated in the open round; "
+                                 f"{_OPEN_ROUND_FIX}")
+            part.host[0].copy_(flat_tensor(master, f"set_master of {pid!r}", part.numel,
+                                           (torch.float32,)))
+
     def install_master(self, token: Any) -> None:
         """Makes a `stage_master` the partition's master: no I/O, cannot fail."""
         pid, new = token
