@@ -37,19 +37,25 @@ def read_group(engine: "OffloadEngine", g: Group) -> torch.Tensor:
     """The group's full padded fp32 flat buffer, on the CPU ([Note: full weights]).
     Collective: every rank calls it for the same groups in the same order."""
     engine._rank_order.check_read(g.gid)  # [Note: ranks run the same units] in rank_order.py
-    opt = engine.optimizer
     shard = torch.empty(g.shard, dtype=torch.float32)
-    if g.requires_grad and opt.has_master(g.gid):
-        opt.read_master(g.gid, shard)
-    else:
-        shard.copy_(engine.store.fetch(("p", g.gid), to=Tier.HOST).wait())
     if engine.comm.world == 1:
-        return shard
+        return _read_shard(engine, g, shard)
+    # [Note: a read that fails on one rank]
+    with engine.comm.together(f"reading group {g.gid}'s full weights"):
+        _read_shard(engine, g, shard)
     # NCCL gathers device tensors; gloo host ones
     where = engine.device if engine.comm.backend == "nccl" else torch.device("cpu")
     full = torch.empty(g.padded, dtype=torch.float32, device=where)
     engine.comm.all_gather(full, shard.to(where))
     return full.cpu()
+
+
+def _read_shard(engine: "OffloadEngine", g: Group, shard: torch.Tensor) -> torch.Tensor:
+    """This rank's fp32 shard of group `g`, read into `shard` ([Note: full weights])."""
+    opt = engine.optimizer
+    if g.requires_grad and opt.has_master(g.gid):
+        return opt.read_master(g.gid, shard)
+    return shard.copy_(engine.store.fetch(("p", g.gid), to=Tier.HOST).wait())
 
 
 def slot_tensors(engine: "OffloadEngine", g: Group, full: torch.Tensor) -> list[torch.Tensor]:
@@ -78,10 +84,26 @@ class NewWeights:
     switches the staged ones in, with no I/O, once every group is written, and
     a failure before that frees them and puts the host masters back: every
     group is as it was. Where everything is in memory, nothing after the
-    callers' checks can fail, and each group is written in place at once."""
+    callers' checks can fail, and each group is written in place at once.
 
-    def __init__(self, engine: "OffloadEngine") -> None:
+    [Note: a read that fails on one rank]
+    With several ranks each writes its own shards, between collectives (each
+    group's read is an all-gather). A rank whose read failed (a corrupted chunk,
+    a dead disk) raised there, leaving the others in that group's all-gather
+    until the process group's timeout; one whose write of the last group, or whose
+    wait for its staged writes, failed after the last collective raised alone while
+    the others committed: the ranks held shards of two models, with no error on
+    the others. So `read_group` agrees on each read's outcome before its
+    all-gather (every rank raises there: the failing one its own error, the
+    others RankFailedError), a failure in `add` is kept and the rank goes on to
+    the next group's collectives writing nothing more, and `commit` agrees on
+    every rank's outcome before anything switches: every rank discards, or every
+    rank commits."""
+
+    def __init__(self, engine: "OffloadEngine", what: str) -> None:
         self.engine = engine
+        self.what = what
+        self.failure: Exception | None = None  # kept for `commit` (several ranks)
         opt = engine.optimizer
         self.staging = engine._param_tier is Tier.NVME or any(
             opt.partition(g.gid).tier is Tier.NVME for g in engine.groups
@@ -97,6 +119,15 @@ class NewWeights:
         if full.numel() != g.padded:
             raise ValueError(f"group {g.gid}: full buffer has {full.numel()} elements, "
                              f"expected {g.padded}")
+        if self.engine.comm.world == 1:
+            return self._add(g, full)
+        if self.failure is None:  # [Note: a read that fails on one rank]
+            try:
+                self._add(g, full)
+            except Exception as e:
+                self.failure = e
+
+    def _add(self, g: Group, full: torch.Tensor) -> None:
         eng, opt = self.engine, self.engine.optimizer
         shard = full[eng.comm.rank * g.shard:(eng.comm.rank + 1) * g.shard]
         if not self.staging:
@@ -113,9 +144,18 @@ class NewWeights:
             t.copy_(shard.to(t.dtype))
 
     def commit(self) -> None:
-        """Switches every staged group in; on a failure first, `discard`s them."""
+        """Switches every staged group in; on a failure first, on this rank or another
+        ([Note: a read that fails on one rank]), `discard`s them and raises."""
         try:
-            self._staged.ready()
+            if self.failure is None:
+                try:
+                    self._staged.ready()
+                except Exception as e:
+                    if self.engine.comm.world == 1:
+                        raise
+                    self.failure = e
+            if self.engine.comm.world > 1:
+                self.engine.comm.agree(self.failure, self.what)
         except BaseException:
             self.discard()
             raise
@@ -137,11 +177,11 @@ class NewWeights:
 
 
 @contextlib.contextmanager
-def new_weights(engine: "OffloadEngine") -> Iterator[NewWeights]:
-    """`with new_weights(engine) as w: w.add(g, full) ...`: the groups added are
-    written all or nothing ([Note: new weights all or nothing]); a block that
-    raises leaves every group as it was."""
-    w = NewWeights(engine)
+def new_weights(engine: "OffloadEngine", what: str) -> Iterator[NewWeights]:
+    """`with new_weights(engine, what) as w: w.add(g, full) ...`: the groups added are
+    written all or nothing, on every rank ([Note: new weights all or nothing]); a
+    block that raises leaves every group as it was."""
+    w = NewWeights(engine, what)
     try:
         yield w
     except BaseException:
@@ -264,7 +304,7 @@ def summoned(engine: "OffloadEngine", groups: list[Group], writable: bool
         _agree_on_edits(engine, edited, failure)
     if failure is not None:
         raise failure
-    with new_weights(engine) as w:  # [Note: new weights all or nothing]
+    with new_weights(engine, "full_weights(writable=True)'s write-back") as w:
         for gid, tensors in (edited or {}).items():
             g = engine.groups[gid]
             full = fulls[gid]

@@ -519,7 +519,8 @@ class ModelWeights:
             else:
                 held.append((t, state_dict[name]))
         self._release_gathered()
-        with new_weights(self) as w:  # [Note: new weights all or nothing] in full_weights.py
+        # [Note: new weights all or nothing] in full_weights.py
+        with new_weights(self, "load_state_dict") as w:
             for g in self.groups:  # with several ranks every group: collectives pair up
                 if self.comm.world == 1 and not any((g.gid, i) in loaded
                                                     for i in range(len(g.slots))):

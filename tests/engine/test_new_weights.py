@@ -13,6 +13,7 @@ import offload
 from offload.io import CorruptionError
 
 from ..conftest import flip_byte
+from .ranks import gloo_group, spawn
 from .test_failed_step import assert_same, snapshot
 
 
@@ -110,3 +111,70 @@ def test_host_masters_are_put_back_when_a_later_write_fails(engine_cfg, failing_
     finally:
         with contextlib.suppress(OSError):  # its swap file is on the dead disk
             engine.close()
+
+
+def _two_ranks(rank: int, world: int, init_file: str, out: str, cfg: dict) -> None:
+    """[Note: a read that fails on one rank]: rank 1's last group is corrupted, first
+    under a load (its read fails), then inside a writable block (its write-back
+    fails after the last collective); both ranks raise and keep their shards."""
+    with gloo_group(rank, world, init_file):
+        engine = offload.initialize(_model(), cfg)
+        torch.manual_seed(1)
+        x = torch.randn(8, 64, dtype=torch.bfloat16)
+        engine.backward(engine(x).float().square().mean())
+        assert engine.step()
+        before = snapshot(engine)
+        new = {k: torch.full_like(v, 0.5)
+               for k, v in engine.state_dict(rank0_only=False).items()}
+        path, where = _corrupt_last_group(engine)
+        res = {}
+
+        def edit() -> None:
+            with engine.full_weights(writable=True) as w:
+                if rank == 1:
+                    flip_byte(path, where)  # read: the write-back meets it
+                for t in w.values():
+                    t.data.fill_(0.25)
+        for what, call, corrupt in (("load", lambda: engine.load_state_dict(new), True),
+                                    ("block", edit, False)):
+            if rank == 1 and corrupt:
+                flip_byte(path, where)
+            try:
+                call()
+                res[what] = "done"
+            except Exception as e:
+                res[what] = f"{type(e).__name__}: {e}"
+            if rank == 1:
+                flip_byte(path, where)
+            now = snapshot(engine)
+            res[what + "_kept"] = all(not isinstance(v, torch.Tensor) and v == now[k]
+                                      or torch.equal(v, now[k]) for k, v in before.items())
+        engine.load_state_dict(new)  # the cause removed: every group loads on both
+        res["loaded"] = all(torch.equal(v, new[k])
+                            for k, v in engine.state_dict(rank0_only=False).items())
+        engine.backward(engine(x).float().square().mean())
+        res["stepped"] = engine.step()
+        res["after"] = engine.state_dict(rank0_only=False)
+        engine.close()
+        torch.save(res, f"{out}.{rank}")
+
+
+@pytest.mark.distributed
+def test_a_load_that_fails_on_one_rank_changes_nothing_on_any(tmp_path, engine_cfg):
+    """Before: rank 1's failed read left rank 0 in that group's all-gather, and its
+    failed write-back (after the last collective) left rank 0 with the new weights
+    and itself with the old, with no error on rank 0."""
+    cfg = engine_cfg("host", "host", "nvme", dtype="bf16", group_size=5000)
+    out = str(tmp_path / "res")
+    spawn(_two_ranks, str(tmp_path / "init"), out, cfg, timeout_s=120)
+    r0, r1 = torch.load(f"{out}.0"), torch.load(f"{out}.1")
+    assert r1["load"].startswith("CorruptionError"), r1["load"]
+    assert r0["load"].startswith("RankFailedError: reading group 3's full weights: 1 other "
+                                 "rank(s) of 2 failed"), r0["load"]
+    assert "CorruptionError" in r1["block"], r1["block"]
+    assert r0["block"].startswith("RankFailedError: full_weights(writable=True)'s "
+                                  "write-back: 1 other rank(s)"), r0["block"]
+    for r in (r0, r1):
+        assert r["load_kept"] and r["block_kept"] and r["loaded"] and r["stepped"]
+    for k, v in r0["after"].items():  # trained on together
+        assert torch.equal(v, r1["after"][k]), k
