@@ -85,9 +85,11 @@ class GradPartitions:
                 raise
 
     def _drop_nested_grads(self) -> None:
-        """A backward that failed: the sums nested passes left are dropped."""
+        """The end of a backward: the sums nested passes left (where it failed) are
+        dropped, and its forwards forgotten ([Note: a gradient in several passes])."""
         for gid in self._nested.take():
             self._states[gid].flat.grad = None
+        self._nested.clear()
 
     def _accumulate(self, gid: int, shard_grad: torch.Tensor) -> None:
         key = ("g", gid)

@@ -32,10 +32,12 @@ class ModuleHooks:
             self._interrupts.direct_enter()  # [Note: Ctrl-C at a safe point]
             # [Note: a TP group reads the same rows] in rank_order.py
             self._rank_order.forward_called(args, kwargs)
+            self._nested.autograd_forward = torch.is_grad_enabled()
 
     def _root_post(self, module: nn.Module, args: Any, out: Any) -> None:
         if in_backward():
             return
+        self._nested.autograd_forward = False
         self._rank_order.forward_ended()
         e = sys.exc_info()[1] if out is None else None
         # the model called directly, outside every engine call, raised: undone and told
@@ -59,6 +61,9 @@ class ModuleHooks:
                 self._rank_order.check_unit(unit, backward=False,  # see rank_order.py
                                             autograd=training)
             self._spans.forward_begin(unit.name)
+            if not in_backward() and (training or self._nested.autograd_forward):
+                # [Note: a gradient in several passes] in nested_grads.py
+                self._nested.forward(unit.needs, checkpointed=not training)
             for gid in unit.needs:
                 st = self._states[gid]
                 if training:

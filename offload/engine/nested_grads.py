@@ -22,6 +22,20 @@ and the unit's own accumulation, or else the end of `engine.backward`, reduces
 the whole sum once. A unit whose forward runs inside the recomputation (a
 checkpointed layer that is a unit) begins its backward in the nested pass, so
 it is reduced and freed there, as before.
+
+[Note: a gradient in several passes]
+A unit that runs inside a reentrant checkpoint and also elsewhere in the
+same forward (a shared layer, checkpointed in one of its uses) gets its
+gradient in two passes of its own: the recomputation's nested pass, where its
+backward begins, and the outer pass (or another checkpoint's). Each pass
+reduces it. Summed into the grad partition that is right, but an early
+update ([Note: early update] in updates.py) ran at the first and the second
+found the group's new parameters already staged: every step failed. The
+checkpoint's first pass runs the unit's forward with autograd off inside a
+forward with autograd on, so the forward counts each group's uses in the
+micro-step and marks those run that way; a group marked and used more than
+once may get its gradient in several passes, and takes no early update: its
+gradient is summed, and step() updates it.
 """
 
 from __future__ import annotations
@@ -42,6 +56,23 @@ class NestedGrads:
     def __init__(self) -> None:
         self._began: dict[int, int] = {}  # gid -> graph task id
         self._deferred: set[int] = set()
+        self.autograd_forward = False  # the model's forward runs, with autograd on
+        self._uses: dict[int, int] = {}  # gid -> unit forwards of the micro-step
+        self._checkpointed: set[int] = set()  # run in a reentrant checkpoint's first pass
+
+    def forward(self, gids: list[int], checkpointed: bool) -> None:
+        """The unit needing `gids` runs its forward in the micro-step; `checkpointed`: with
+        autograd off, inside a forward with autograd on ([Note: a gradient in several
+        passes])."""
+        for gid in gids:
+            self._uses[gid] = self._uses.get(gid, 0) + 1
+            if checkpointed:
+                self._checkpointed.add(gid)
+
+    def several_passes(self, gid: int) -> bool:
+        """Whether `gid`'s gradient may come in more than one backward pass of the
+        micro-step ([Note: a gradient in several passes])."""
+        return gid in self._checkpointed and self._uses.get(gid, 0) > 1
 
     def began(self, gids: list[int]) -> None:
         """The unit needing `gids` begins its backward in the current pass."""
@@ -60,11 +91,14 @@ class NestedGrads:
 
     def take(self) -> list[int]:
         """After the outer pass: the groups still waiting, in order (every rank reduces
-        them in the same order); forgets every pass."""
+        them in the same order); forgets every pass (not the forwards)."""
         out = sorted(self._deferred)
-        self.clear()
+        self._began.clear()
+        self._deferred.clear()
         return out
 
     def clear(self) -> None:
-        self._began.clear()
-        self._deferred.clear()
+        """The micro-step's backward has ended: forgets its passes and forwards."""
+        self.take()
+        self._uses.clear()
+        self._checkpointed.clear()

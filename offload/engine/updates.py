@@ -38,7 +38,8 @@ class GroupUpdates:
         is a HOST record where HOST has room: [Note: the gradient's fp32 copy is a
         record]). Otherwise it is accumulated in its grad partition
         and `step()` updates every group once the global norm is known."""
-        if self._last_micro_step() and self._early_allowed():
+        if (self._last_micro_step() and self._early_allowed()
+                and not self._nested.several_passes(gid)):  # see nested_grads.py
             # Backpressure: each update holds its gradient; backward waits for slow
             # (I/O-bound) ones before handing over the next rather than piling them up
             live = [f for f in self._early if not f.done()]
