@@ -335,8 +335,8 @@ def simulate(plan: Plan, uses: Sequence[Use], rates: Rates) -> Prediction:
             if op.op == "fetch":
                 arrival[(op.key, op.needed_at)] = end
                 pred.events.append(("fetch", "fetch", "fetches", issued, end,
-                                    {"key": str(op.key), "bytes": op.nbytes,
-                                     "needed_at": op.needed_at}))
+                                    {"key": str(op.key), "bytes": op.nbytes, "steps": "READ",
+                                     "needed_at": op.needed_at}))  # as the store's
             elif op.needed_at is not None:
                 room.setdefault(op.needed_at, []).append((str(op.key), end))
             if op.needed_at is not None:
@@ -382,12 +382,16 @@ def _wait(pred: Prediction, plan: Plan, use: Use, i: int, base: float,
         track = "thread:MainThread" if use.lane == "compute" else use.lane  # as the store's
         pred.events.append(("wait:budget", "wait", track, base, freed,      # waits are
                             {"key": late[0], "keys": late, "use": i}))     # recorded
-    ready = max([freed] + [arrival[(op.key, i)] for op in plan.fetches_by_use.get(i, ())])
-    if ready > freed:
-        late = [str(op.key) for op in plan.fetches_by_use.get(i, ())
-                if arrival[(op.key, i)] > freed]
-        name = "wait:gather" if use.lane == "compute" else "optim:wait_read"
-        pred.events.append((name, "wait", use.lane, freed, ready,
+    arrived = {op.key: arrival[(op.key, i)] for op in plan.fetches_by_use.get(i, ())}
+    ready = max([freed, *arrived.values()])
+    if use.lane == "compute":  # a use of each record, waited for or not, as the engine
+        for key in use.keys:   # records it: what the report's prefetch outcomes read
+            pred.events.append(("wait:gather", "wait", use.lane, freed,
+                                max(freed, arrived.get(key, freed)), {"key": str(key),
+                                                                      "use": i}))
+    elif ready > freed:
+        late = [str(k) for k, t in arrived.items() if t > freed]
+        pred.events.append(("optim:wait_read", "wait", use.lane, freed, ready,
                             {"key": late[0], "keys": late, "use": i}))
     if use.lane == "compute":
         pred.exposed_io_s += ready - base

@@ -247,9 +247,12 @@ class _Reader:
             rt.instants.append(Instant(ts, name, cat, track, args))
 
     def finish(self) -> list[RankTrace]:
+        ends: dict[int, float] = {}  # each rank's last timestamp: one pass over its events
         for (_, cat, _), (rt, args, ts, track, name) in self.open.items():
-            rt.spans.append(Span(ts, max(ts, rt.extent()[1]), name, cat, track,
-                                 {**args, "unfinished": True}, is_async=True))
+            end = max(ts, ends[id(rt)] if id(rt) in ends else rt.extent()[1])
+            ends[id(rt)] = end
+            rt.spans.append(Span(ts, end, name, cat, track, {**args, "unfinished": True},
+                                 is_async=True))
         info = self.meta.get("info") if isinstance(self.meta.get("info"), Mapping) else {}
         anchors = self.meta.get("clock_anchors")
         anchors = anchors if isinstance(anchors, Mapping) else {}

@@ -32,8 +32,8 @@ from typing import Any
 
 from offload.files import check_directory, open_unblocked, replace_atomically
 from offload.trace.analysis import (COMPUTE_TRACK, FETCH, TIER_COUNTER_PREFIX, TraceFormatError,
-                                    check_key_fields, finite, parse_trace, prefetch_outcomes,
-                                    short_repr)
+                                    byte_count, check_key_fields, finite, parse_trace,
+                                    prefetch_outcomes, short_repr)
 from offload.trace.recorder import (ASYNC_BEGIN, ASYNC_END, COMPLETE, COUNTER, INSTANT,
                                     TraceEvent, TraceRecorder, TraceSnapshot, as_snapshot)
 
@@ -449,7 +449,7 @@ def _new_async_stats() -> dict[str, int]:
 def _bytes_of(end_args: dict[str, Any] | None, begin_args: dict[str, Any] | None) -> int:
     for args in (end_args, begin_args):
         if args and "bytes" in args:
-            return int(args["bytes"])
+            return byte_count(args["bytes"])  # as the report counts it
     return 0
 
 

@@ -23,7 +23,7 @@ import hashlib
 import json
 import os
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -125,11 +125,18 @@ def _align(ranks: list[RankTrace]) -> None:
                 own = rt.anchor_ns[1] - rt.anchor_ns[0]
                 base = ref.anchor_ns[1] - ref.anchor_ns[0]
                 rt.shift((own - base) / 1000.0)
-    starts = {r.rank: steps_of(r)[0].start for r in measured}
+    starts = {r.rank: _median(steps_of(r), lambda s: s.dur).start for r in measured}
     for rt in ranks:
         if rt.predicted:
             target = starts.get(rt.rank, starts[min(starts)] if starts else 0.0)
             rt.shift(target - steps_of(rt)[0].start)
+
+
+def _median(items: Sequence[Any], length: Callable[[Any], float]) -> Any:
+    """The item of median `length` (of two in the middle, the shorter): the measured
+    step a prediction is laid beside and compared with, as `offload bench plan`
+    compares it with the median of its timed steps."""
+    return sorted(items, key=length)[(len(items) - 1) // 2]
 
 
 # -- the model -----------------------------------------------------------------------------------
@@ -393,9 +400,10 @@ def build_model(ranks: list[RankTrace], *, title: str = "",
     for p in predicted:
         m = next((s for s in summary if s["rank"] == p["rank"] and not s["predicted"]), None)
         if m is not None and m["steps"] and p["steps"]:
-            compare.append({"rank": p["rank"], "measured_us": m["steps"][0]["step_us"],
-                            "predicted_us": p["steps"][0]["step_us"],
-                            "measured_exposed_io_us": m["steps"][0]["exposed_io_us"],
+            ms = _median(m["steps"], lambda st: st["step_us"])
+            compare.append({"rank": p["rank"], "measured_step": ms["label"],
+                            "measured_us": ms["step_us"], "predicted_us": p["steps"][0]["step_us"],
+                            "measured_exposed_io_us": ms["exposed_io_us"],
                             "predicted_exposed_io_us": p["steps"][0]["exposed_io_us"]})
     return {
         "version": MODEL_VERSION, "title": title or "offload trace report",

@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 from offload.planner import (PlanOp, Rates, RecordSpec, Use, lru_bytes, make_plan,
                              previous_key, simulate)
 from offload.trace import write_trace_dict
-from offload.trace.analysis import bytes_moved, exposed_time, parse_trace, steps_of
+from offload.trace.analysis import (bytes_moved, exposed_time, parse_trace, prefetch_outcomes,
+                                    steps_of)
 
 
 def _replay(uses, records, plan):
@@ -294,6 +295,14 @@ def test_simulated_step_waits_for_the_disk_and_writes_a_trace(tmp_path):
     moved = bytes_moved(rank, step)
     assert (moved["nvme_read"], moved["nvme_write"]) == (plan.bytes_read, plan.bytes_written)
     assert exposed_time(rank, step)["io"] == pytest.approx(slow.exposed_io_s * 1e6, rel=1e-6)
+    # a use of each record by the compute, and the fetches that served them: before, the
+    # prediction's fetches had no `steps` and only uses that waited were drawn, so the
+    # report called every use "resident"
+    outcomes = prefetch_outcomes(rank)
+    assert len(outcomes) == sum(len(u.keys) for u in uses if u.lane == "compute")
+    fetched = sum(len(ops) for i, ops in plan.fetches_by_use.items()
+                  if uses[i].lane == "compute")
+    assert sum(o.outcome != "resident" for o in outcomes) == fetched > 0
 
 
 def test_a_use_bigger_than_the_budget_is_refused():

@@ -64,3 +64,19 @@ def test_summarize_takes_bytes_from_the_end_before_the_begin(tmp_path: Path) -> 
     assert summarize(rec)["async"]["write"]["total_bytes"] == 35
     path = write_chrome_trace(tmp_path / "w.trace.json", rec)
     assert summarize(path)["async"]["write"]["total_bytes"] == 35
+
+
+def test_summarize_counts_bytes_that_are_no_count_as_none(tmp_path: Path) -> None:
+    """A `bytes` arg that is no count (null, "4KiB", negative, beyond int64) counts 0 in
+    summarize, as in the report: before, summarize raised a bare TypeError or
+    ValueError where `offload view` drew the file."""
+    events = []
+    for i, value in enumerate([None, "4KiB", -1, 2 ** 70, 7]):
+        events += [{"ph": "b", "cat": "io", "name": "read", "id": hex(i), "ts": 2 * i,
+                    "pid": 0, "tid": 1, "args": {"bytes": value}},
+                   {"ph": "e", "cat": "io", "name": "read", "id": hex(i), "ts": 2 * i + 1,
+                    "pid": 0, "tid": 1}]
+    path = tmp_path / "b.trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    read = summarize(path)["async"]["read"]
+    assert (read["count"], read["total_bytes"]) == (5, 7)

@@ -230,6 +230,25 @@ def test_a_prediction_is_drawn_beside_its_rank(trace_file: Path, tmp_path: Path)
     assert plan == {("plan", "fetch"): 2, ("plan", "evict"): 1}
 
 
+def test_a_prediction_is_compared_with_the_median_step(tmp_path: Path) -> None:
+    """Timed steps of 190, 74 and 82 ms beside a prediction of 87: the prediction is
+    compared with, and drawn beside, the 82 ms step, as `offload bench plan` compares it
+    with the median; before, with the first (an outlier here: 2.18x for the bench's 0.94)."""
+    rec = TraceRecorder(enabled=True, rank=0)
+    for n, (t0, ms) in enumerate(((0, 190), (200, 74), (300, 82)), start=2):
+        rec.complete("step", t0 * 1000 * US, (t0 + ms) * 1000 * US, cat="compute",
+                     track="compute", args={"step": n})
+    pred = TraceRecorder(enabled=True, rank=0)
+    pred.complete("step", 0, 87_000 * US, cat="compute", track="compute", args={"step": 1})
+    model = build_model(load_traces([
+        write_chrome_trace(tmp_path / "m.json", rec),
+        write_chrome_trace(tmp_path / "p.json", pred, metadata={"kind": "predicted"})]))
+    (cmp,) = model["plan"]["compare"]
+    assert (cmp["measured_step"], cmp["measured_us"]) == ("step 4", pytest.approx(82_000))
+    starts = {(s["group"], s["label"]): s["start"] for s in model["steps"]}
+    assert starts[("r0p", "step 1")] == pytest.approx(starts[("r0", "step 4")])
+
+
 def test_a_schedule_alone_marks_the_plan_present(tmp_path: Path) -> None:
     rec = _recorder()
     record_step(rec)

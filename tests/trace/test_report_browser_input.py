@@ -127,6 +127,25 @@ def test_odd_traces_render_with_no_error(browser, tmp_path: Path, kind: str) -> 
         page.close()
 
 
+def test_the_first_view_shows_every_rank_s_steps(browser, tmp_path: Path) -> None:
+    """Rank 1's step began 20 ms before rank 0's: the page opens on both (before, on
+    rank 0's alone, hiding rank 1's first 18 ms)."""
+    from .test_report import US
+    paths = []
+    for rank, (t0, ms) in enumerate(((20, 100), (0, 110))):
+        rec = TraceRecorder(enabled=True, rank=rank)
+        rec.set_info(host="h")
+        rec.complete("step", t0 * 1000 * US, (t0 + ms) * 1000 * US, cat="compute",
+                     track="compute", args={"step": 1})
+        paths.append(write_chrome_trace(tmp_path / f"r{rank}.trace.json", rec))
+    page = _open(browser, write_report(paths, tmp_path / "r.html"))
+    try:
+        t0, t1 = page.evaluate("[offloadReport.view.t0, offloadReport.view.t1]")
+        assert t0 <= 0 and t1 >= 120_000, (t0, t1)
+    finally:
+        page.close()
+
+
 def test_the_plan_table_shows_measured_over_predicted(browser, tmp_path: Path) -> None:
     """A measured step of 10 ms beside its prediction of 8 ms: the plan table reads
     1.25x (slower than planned), and the predicted exposed I/O is the prediction's own
@@ -146,6 +165,6 @@ def test_the_plan_table_shows_measured_over_predicted(browser, tmp_path: Path) -
         rows = page.evaluate("Array.from(document.querySelectorAll('#plan tr')).map("
                              "function (r) { return r.innerText; })")
         (row,) = [r for r in rows if "×" in r]
-        assert "1.25×" in row and "200 µs" in row, rows
+        assert "1.25×" in row and "200 µs" in row and "(step 3)" in row, rows
     finally:
         page.close()

@@ -78,10 +78,12 @@
   // -- header --------------------------------------------------------------------------------
   function buildHeader() {
     var measured = data.groups.filter(function (g) { return !g.predicted; });
+    var predicted = data.groups.length - measured.length;
     app.appendChild(el("header", {}, [
       el("h1", { text: data.title }),
       el("div", { cls: "meta", text: [
-        measured.length + (measured.length === 1 ? " rank" : " ranks"),
+        measured.length + (measured.length === 1 ? " rank" : " ranks") +
+          (predicted ? " measured, " + predicted + " predicted" : ""),
         data.events.toLocaleString("en-US") + " events",
         fmtTime(data.duration_us) + " traced",
         "files: " + data.sources.join(", "),
@@ -546,11 +548,12 @@
         "(metadata kind \"predicted\") passed beside the measured ones is drawn as its own lane group and as dashed " +
         "occupancy curves; see docs/trace.md." }));
     } else if (data.plan.compare.length) {
-      var t = el("table", {}, [el("tr", {}, ["rank", "measured step", "predicted step", "measured / predicted",
+      var t = el("table", {}, [el("tr", {}, ["rank", "measured step (median)", "predicted step", "measured / predicted",
         "measured exposed I/O", "predicted exposed I/O"].map(function (h) { return el("th", { text: h }); }))]);
       data.plan.compare.forEach(function (c) {
         t.appendChild(el("tr", { "data-rank": String(c.rank), "data-measured": String(c.measured_us), "data-predicted": String(c.predicted_us) }, [
-          el("td", { text: String(c.rank) }), el("td", { text: fmtTime(c.measured_us) }), el("td", { text: fmtTime(c.predicted_us) }),
+          el("td", { text: String(c.rank) }), el("td", { text: fmtTime(c.measured_us) + " (" + c.measured_step + ")" }),
+          el("td", { text: fmtTime(c.predicted_us) }),
           el("td", { text: c.predicted_us > 0 ? (c.measured_us / c.predicted_us).toFixed(2) + "×" : "–" }),
           el("td", { text: fmtTime(c.measured_exposed_io_us) }), el("td", { text: fmtTime(c.predicted_exposed_io_us) })]));
       });
@@ -570,10 +573,11 @@
   tip = el("div", { id: "tooltip" });
   document.body.appendChild(tip);
   if (data.steps.length) {
-    var first = data.steps[0];
+    // every rank's steps: one whose step began before rank 0's is not cut off
+    var firstStart = Math.min.apply(null, data.steps.map(function (s) { return s.start; }));
     var lastEnd = Math.max.apply(null, data.steps.map(function (s) { return s.end; }));
-    var pad = (lastEnd - first.start) * 0.02;
-    view.t0 = Math.max(0, first.start - pad); view.t1 = Math.min(data.duration_us, lastEnd + pad);
+    var pad = (lastEnd - firstStart) * 0.02;
+    view.t0 = Math.max(0, firstStart - pad); view.t1 = Math.min(data.duration_us, lastEnd + pad);
     if (view.t1 <= view.t0) fitAll();
   }
   drawAll();
