@@ -42,7 +42,7 @@ from .rank_order import RankOrderError
 from .step import StepFailedError
 from .tensor_parallel import TensorParallel, full_state_dict
 from .training_checkpoint import CheckpointCorruptError, CheckpointError
-from .units import Group, Slot, build_units
+from .units import Group, build_units
 from .rank_agreement import RankAgreement, config_section, model_sections, resume_section
 from .working_set import check_budgets, check_disk, check_memory, disk_share
 
@@ -378,7 +378,7 @@ def initialize(model: nn.Module | Callable[[], nn.Module],
         # store.policy "next-use": the copy the step needs last leaves first (eviction.py)
         policy = NextUsePolicy() if cfg.store.policy == "next-use" else None
         store, engine = None, None
-        originals: list[tuple[Slot, nn.Parameter]] = []
+        before = _ModelBefore(model)  # [Note: a failed initialize leaves the model as it was]
         try:
             with agreement.refusals():  # a swap directory or lock refused on some ranks only
                 # swap files are named by the rank in the whole job (DP ranks repeat over TP)
@@ -398,9 +398,6 @@ def initialize(model: nn.Module | Callable[[], nn.Module],
                 engine.param_group_of = slot_groups  # a checkpoint records each group's members
                 deferred = []  # the user's real tensors stay in the model until nothing can fail
                 differs = None  # [Note: rank 0's weights]: a parameter this rank had otherwise
-                # meta parameters are handed over group by group: put back if initialize fails
-                originals = [(sl, sl.param) for g in groups for sl in g.slots
-                             if sl.param is not None and sl.param.is_meta]
                 for g in groups:
                     engine._interrupts.safe_point()
                     was_meta = any(sl.param.is_meta for sl in g.slots)
@@ -455,7 +452,7 @@ def initialize(model: nn.Module | Callable[[], nn.Module],
                     store.close()  # removes the files this rank made
                 if gathers is not None:
                     gathers.close()
-            _put_back(originals)
+            before.restore()
             raise
         finally:
             if resumed is not None:
@@ -694,16 +691,41 @@ def _unset_on_cpu(mod: nn.Module) -> None:
             mod._parameters[n].fill_(float("nan"))
 
 
-def _put_back(originals: list[tuple[Slot, nn.Parameter]]) -> None:
-    """After a failed initialize: the model's meta parameters, already handed over (or
-    made on the CPU), are the user's meta parameters again and its modules are not
-    marked as wrapped, so the model can be given to `initialize` again."""
-    for slot, p in originals:
-        for mod, name in slot.uses:
-            mod._parameters[name] = p
-            mod.__dict__.pop(name, None)
-            mod.__dict__.pop(_WRAPPED, None)
-            point_weight_list(mod, name)
+class _ModelBefore:
+    """The model's modules as `initialize` found them.
+
+    [Note: a failed initialize leaves the model as it was]
+    `initialize` hands the model's parameters over group by group (a meta group's at
+    once, a real one's at the end: `_drop_params`), moves its buffers, and marks and
+    guards its modules. Where it fails, or a Ctrl-C noted in its last lines is raised
+    at their end (after every group was handed over), the model is put back as it
+    was: its parameters (the user's tensors, which the engine only read), buffers
+    and marks, so it trains as before or is given to `initialize` again. Before, only
+    meta parameters were put back: a Ctrl-C in those last lines left a model on the
+    CPU with a closed engine's stand-ins, its weights gone with the engine."""
+
+    _MARKS = (_WRAPPED, "_apply", "resize_token_embeddings", "_is_fsdp_managed_module")
+
+    def __init__(self, model: nn.Module) -> None:
+        self._modules = [(m, dict(m._parameters), dict(m._buffers),
+                          {k: m.__dict__[k] for k in self._MARKS if k in m.__dict__})
+                         for m in model.modules()]
+
+    def restore(self) -> None:
+        for m, params, buffers, marks in self._modules:
+            for name in set(m._parameters) | set(params):
+                m.__dict__.pop(name, None)
+            m._parameters.clear()
+            m._parameters.update(params)
+            m._buffers.clear()
+            m._buffers.update(buffers)
+            for k in self._MARKS:
+                if k in marks:
+                    m.__dict__[k] = marks[k]
+                else:
+                    m.__dict__.pop(k, None)
+            for name in params:
+                point_weight_list(m, name)
 
 
 def _drop_params(g: Group, engine: OffloadEngine) -> None:

@@ -330,3 +330,32 @@ def test_ctrl_c_during_initialize_is_not_lost(engine_cfg, tmp_path):
             engine.close()
     _assert_no_threads()
     assert list(swap.iterdir()) == []
+
+
+@pytest.mark.parametrize("placement", ["host", "nvme"])
+@pytest.mark.parametrize("where", ["_place_new_group", "_drop_params", "guard_resize"])
+def test_ctrl_c_during_initialize_leaves_the_model_as_it_was(engine_cfg, tmp_path, where,
+                                                              placement):
+    """[Note: a failed initialize leaves the model as it was] A Ctrl-C noted in
+    initialize's last lines is raised at their end, after the model's parameters were
+    handed over: before, the model was left with a closed engine's stand-ins, its
+    weights gone (and initialize refused it again: already wrapped)."""
+    from .test_interrupts import _At
+
+    model = _model()
+    params = dict(model.named_parameters())
+    values = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    cfg = _cfg(engine_cfg, placement, tmp_path / "swap")
+    at = _At(where=lambda code: code.co_name == where)
+    with pytest.raises(KeyboardInterrupt), at:
+        offload.initialize(model, cfg)
+    assert at.fired and where in at.fired
+    assert all(p is params[n] for n, p in model.named_parameters())
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, values[k]), k
+    _assert_no_threads()
+    want = _as_torch(model, _batches(1))
+    with offload.initialize(model, cfg) as engine:  # given again, it trains as torch
+        assert _step(engine, _batches(1)[0])
+        for n, v in engine.state_dict().items():
+            torch.testing.assert_close(v, want[n], rtol=0, atol=1e-6)
