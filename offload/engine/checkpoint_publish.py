@@ -50,12 +50,19 @@ class PartialLock:
 
     def release(self) -> None:
         """Removes the lock file and gives the lock back (the directory is gone or
-        published by now)."""
-        if self._fd is None:
+        published by now). A lock file that cannot be removed (a disk that failed
+        under the save) is left for a later save to remove, logged: the error of
+        the save, if any, is the one raised, and the lock is given back either way."""
+        fd, self._fd = self._fd, None
+        if fd is None:
             return
-        unlink_own(self.path, self._fd)
-        os.close(self._fd)
-        self._fd = None
+        try:
+            unlink_own(self.path, fd)
+        except OSError as e:
+            log.warning("cannot remove the lock file %s (%s); a later save into its "
+                        "directory removes it", self.path, e)
+        finally:
+            os.close(fd)
 
 
 def is_committed(p: Path) -> bool:

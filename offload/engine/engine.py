@@ -735,7 +735,8 @@ class OffloadEngine(ModelWeights, ModuleHooks, GradPartitions, GroupUpdates, Gat
         reads the store and the optimizer, so `close()` and the calls that change
         the state wait for it again."""
         saving = self._owned.saving
-        if saving is None:
+        if saving is None or saving.done() and saving.reported:  # its error was had: once
+            self._owned.saving = None
             return
         t0 = time.perf_counter()
         try:

@@ -316,6 +316,7 @@ class CheckpointSave:
         self.stalled = 0.0
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self.reported = False  # its error was raised to a caller of wait()
         self._done = threading.Event()
 
     def done(self) -> bool:
@@ -326,6 +327,7 @@ class CheckpointSave:
         if self._thread is not None:
             self._thread.join()
         if self._error is not None:
+            self.reported = True
             raise self._error
         return self.path
 

@@ -5,6 +5,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -236,3 +237,37 @@ def test_keep_last_k_passes_over_directories_of_other_programs(tmp_path, engine_
                 (root / "a-string-step" / RECORD).write_text(
                     json.dumps({"format": fmt, "global_step": "x"}))
     assert sorted(p.name for p in root.iterdir()) == ["a-list", "a-string-step", "step-3"]
+
+
+@pytest.mark.parametrize("blocking", [True, False])
+def test_a_disk_that_dies_mid_save_gives_a_checkpoint_error(tmp_path, engine_cfg,
+                                                            failing_disk, blocking):
+    """The disk under the checkpoint dies once the save has locked its partial
+    directory: the save raises CheckpointError naming the path and the cause, and
+    keeps no descriptor on that disk. Before, removing the lock file failed (EIO) and
+    replaced that error with a bare OSError, and its descriptor leaked."""
+    mnt, fail = failing_disk
+    engine = offload.initialize(TiedTwice(), engine_cfg("host", "host", "host"))
+    try:
+        _step(engine, lm_batches(1)[0])
+
+        def trace(frame, event, arg):
+            if event == "call" and frame.f_code.co_name == "_write_partitions":
+                sys.settrace(None)
+                threading.settrace(None)
+                fail()
+            return None
+        sys.settrace(trace)
+        threading.settrace(trace)  # a background save runs on a thread of its own
+        try:
+            with pytest.raises(offload.CheckpointError, match="ck failed .*Input/output"):
+                engine.save_checkpoint(Path(mnt) / "ck", blocking=blocking).wait()
+        finally:
+            sys.settrace(None)
+            threading.settrace(None)
+        fds = [os.readlink(f"/proc/self/fd/{n}") for n in os.listdir("/proc/self/fd")
+               if os.path.islink(f"/proc/self/fd/{n}")]
+        assert not [f for f in fds if f.startswith(mnt)], fds
+        assert engine.save_checkpoint(tmp_path / "ok").wait() == tmp_path / "ok"
+    finally:
+        engine.close()
