@@ -106,12 +106,18 @@ def _identity(path: str, missing: list[str], ancestor: str) -> tuple:
 def _probe(directory: str, key: str, direct: bool) -> tuple[bool, str]:
     """Creates and removes a probe file; see [Note: the O_DIRECT probe]."""
     probe = os.path.join(directory, f".offload-probe-{os.getpid()}-{threading.get_ident()}")
+    try:  # only this thread makes this name: one there is its own, left by a killed probe
+        os.unlink(probe)
+    except OSError:  # none there (or a directory that refuses: the open below says so)
+        pass
+    made = True  # the open inside the `try`: a Ctrl-C right after it leaves no file behind
     try:
-        fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-    except OSError as e:
-        raise _oserror(e, key, directory, "cannot create files in it",
-                       _fix_for(e.errno or 0)) from None
-    try:
+        try:
+            fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        except OSError as e:
+            made = False
+            raise _oserror(e, key, directory, "cannot create files in it",
+                           _fix_for(e.errno or 0)) from None
         os.close(fd)
         if not direct:
             return False, "O_DIRECT not asked for (io.direct = false)"
@@ -136,10 +142,11 @@ def _probe(directory: str, key: str, direct: bool) -> tuple[bool, str]:
             os.close(fd)
         return True, f"{directory} accepts O_DIRECT"
     finally:
-        try:
-            os.unlink(probe)
-        except FileNotFoundError:
-            pass
+        if made:
+            try:
+                os.unlink(probe)
+            except FileNotFoundError:
+                pass
 
 
 def check_swap_dirs(paths: list[str], *, direct: bool = True,

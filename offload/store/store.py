@@ -150,40 +150,53 @@ class TieredStore(MoveExecutor):
                  engine: IoEngine | None = None, pool: BufferPool | None = None) -> None:
         cfg = load_config(config)
         device = resolve_device(cfg.store.device)
-        owns_engine, owns_pool = engine is None, pool is None
-        if engine is None:
-            engine = make_engine(cfg.io, recorder)
-        if pool is None:
-            extra = cfg.store.device_budget if device.type == "cpu" else 0
-            # pinned for a GPU only: a CPU device on a machine with one copies nothing to it
-            pool = BufferPool(cfg.store.host_budget + extra + cfg.io.buffer_budget,
-                              pin=device.type == "cuda", device=device)
-        super().__init__(cfg.store, cfg.io, rank=rank, dev=DeviceTier(device, pool),
-                         engine=engine, pool=pool,
-                         policy=policy if policy is not None else LruPolicy(), recorder=recorder)
-        self._owns_engine, self._owns_pool = owns_engine, owns_pool
-        self._ledgers: dict[str, _NvmeLedger] = {}  # [Note: optimizer extents]
-        try:
+        self._owns_engine, self._owns_pool = engine is None, pool is None
+        self._engine, self._pool, self._swaps = engine, pool, {}
+        try:  # a failure, or a Ctrl-C after any line, leaves no thread and no locked file
+            if engine is None:
+                engine = self._engine = make_engine(cfg.io, recorder)
+            if pool is None:
+                extra = cfg.store.device_budget if device.type == "cpu" else 0
+                # pinned for a GPU only: a CPU device on a machine with one copies nothing
+                pool = self._pool = BufferPool(
+                    cfg.store.host_budget + extra + cfg.io.buffer_budget,
+                    pin=device.type == "cuda", device=device)
+            super().__init__(cfg.store, cfg.io, rank=rank, dev=DeviceTier(device, pool),
+                             engine=engine, pool=pool, recorder=recorder,
+                             policy=policy if policy is not None else LruPolicy())
+            self._ledgers: dict[str, _NvmeLedger] = {}  # [Note: optimizer extents]
+            # collected unclosed: its parts give themselves back ([Note: lost callbacks] in
+            # executor.py); said as for a file left open (not at interpreter exit)
+            self._unclosed = weakref.finalize(
+                self, warnings.warn, "a TieredStore was collected without close(): its "
+                "threads and swap files are released now; close() it, or use it as a "
+                "context manager", ResourceWarning)
+            self._unclosed.atexit = False
             for kind in self._cfg.swap_kinds:
                 self._swap(kind)  # open and lock now: a second job on these paths fails here
+            self._worker.start()
+            for t in Tier:
+                recorder.declare_track(f"tier:{t.name}")
+            recorder.set_info(tier_budgets={t.name: self._acct.budget(t) for t in Tier})
+            log.info("tiered store on %s: DEVICE %d B, HOST %d B, NVME %s; swap under %s",
+                     device, self._cfg.device_budget, self._cfg.host_budget,
+                     f"{self._cfg.nvme_budget} B" if self._cfg.nvme_budget else "unlimited",
+                     ", ".join(self._iocfg.paths))
         except BaseException:
-            self._close_io(keep=False)
+            self._undo_init()
             raise
-        self._worker.start()
-        # collected unclosed: its parts give themselves back ([Note: lost callbacks] in
-        # executor.py); said as for a file left open (not at interpreter exit)
-        self._unclosed = weakref.finalize(
-            self, warnings.warn, "a TieredStore was collected without close(): its threads "
-            "and swap files are released now; close() it, or use it as a context manager",
-            ResourceWarning)
-        self._unclosed.atexit = False
-        for t in Tier:
-            recorder.declare_track(f"tier:{t.name}")
-        recorder.set_info(tier_budgets={t.name: self._acct.budget(t) for t in Tier})
-        log.info("tiered store on %s: DEVICE %d B, HOST %d B, NVME %s; swap under %s",
-                 device, self._cfg.device_budget, self._cfg.host_budget,
-                 f"{self._cfg.nvme_budget} B" if self._cfg.nvme_budget else "unlimited",
-                 ", ".join(self._iocfg.paths))
+
+    def _undo_init(self) -> None:
+        """A constructor that failed (or was interrupted) at any line: its thread ends,
+        its swap files are removed, the engine and pool it made are closed."""
+        unclosed, worker = self.__dict__.get("_unclosed"), self.__dict__.get("_worker")
+        if unclosed is not None:
+            unclosed.detach()
+        if worker is not None:
+            self._queue.put(None)  # a worker that started ends at it
+            with contextlib.suppress(RuntimeError):  # one start() never got to
+                worker.join()
+        self._close_io(keep=False)
 
     # -- public: placing and moving ---------------------------------------------------
     @property
@@ -718,9 +731,9 @@ class TieredStore(MoveExecutor):
             except OSError as e:
                 errors.append(e)
         self._swaps.clear()
-        if self._owns_engine:
+        if self._owns_engine and self._engine is not None:
             self._engine.close()
-        if self._owns_pool:
+        if self._owns_pool and self._pool is not None:
             self._pool.close(force=True)
         if errors:
             raise errors[0]

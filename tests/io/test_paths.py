@@ -170,3 +170,40 @@ def test_kept_lock_file_names_no_holder(engine, tmp_path):
     sw.close(keep=True)
     assert lock.exists() and lock.read_text() == ""
     SwapSpace([str(tmp_path)], "kept", engine).close()
+
+
+
+def test_a_ctrl_c_after_any_call_of_the_probe_leaves_no_probe_file(tmp_path):
+    """A KeyboardInterrupt right after each call the probe makes returns (where Python
+    runs a signal's handler after a system call such as the file's creation): no
+    `.offload-probe-*` file stays behind. Before, one right after the creation, before
+    the `try` that removes it, left it (and its descriptor), and every later probe of
+    that thread failed with "File exists"."""
+    import sys
+
+    from offload.io import paths
+
+    def after(n, fired):
+        def profile(frame, event, arg):
+            if event == "c_return" and frame.f_code is paths._probe.__code__:
+                fired.append(getattr(arg, "__name__", str(arg)))
+                if len(fired) == n:
+                    raise KeyboardInterrupt
+        return profile
+
+    n = 1
+    while True:
+        fired: list[str] = []
+        sys.setprofile(after(n, fired))
+        try:
+            check_swap_dirs([str(tmp_path)])
+        except KeyboardInterrupt:
+            pass
+        finally:
+            sys.setprofile(None)
+        assert [p.name for p in tmp_path.iterdir()] == [], fired
+        if len(fired) < n:  # the probe ended before its n-th call
+            break
+        n += 1
+    assert n > 5
+    assert check_swap_dirs([str(tmp_path)])  # and it probes again

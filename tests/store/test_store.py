@@ -283,6 +283,45 @@ def test_swap_files_locked_named_and_removed(tmp_path):
     assert os.path.getsize(os.path.join(tmp_path / "swap", "offload-r3-param.swap")) > 0
 
 
+def test_a_ctrl_c_after_any_call_of_the_stores_start_leaves_nothing_open(tmp_path):
+    """A KeyboardInterrupt right after each call TieredStore's constructor makes returns
+    (where a Ctrl-C's handler runs): no store thread stays, and the same swap path opens
+    again (no swap file left locked). Before, one in the worker thread's start, outside
+    the `try` that closes the swap files, left them locked for the process."""
+    import sys
+
+    cfg = store_config(tmp_path / "swap")
+    init = TieredStore.__init__.__code__
+
+    def after(n, fired):
+        def profile(frame, event, arg):
+            if event == "c_return" and frame.f_code is init or event == "return" \
+                    and frame.f_back is not None and frame.f_back.f_code is init:
+                fired.append(frame.f_code.co_name if event == "return" else str(arg))
+                if len(fired) == n:
+                    raise KeyboardInterrupt
+        return profile
+
+    n, seen = 1, set()
+    while True:
+        fired: list[str] = []
+        sys.setprofile(after(n, fired))
+        try:
+            s = TieredStore(cfg)
+        except KeyboardInterrupt:
+            s = None
+        finally:
+            sys.setprofile(None)
+        if s is not None:  # the constructor ended before its n-th call
+            s.close()
+            break
+        seen.add(fired[-1])
+        assert not [t for t in threading.enumerate() if t.name.startswith("offload-store")]
+        TieredStore(cfg).close()  # not locked
+        n += 1
+    assert "start" in seen and n > 10
+
+
 def test_stats_snapshot_and_log(make_store, caplog):
     s = make_store(host_pages=2)
     s.put("p", page_tensor(1), kind="param", tier="HOST")
