@@ -42,7 +42,7 @@ from ..files import existing_ancestor
 from ..io import SwapPathError
 from ..io.process import available_memory, memory_limit_note
 from ..optim import resolve_chunk_elems
-from ..planner.sizes import keeps_master, moment_bytes
+from ..planner.sizes import keeps_master, moment_bytes, nvme_state_bytes
 from ..store import footprint
 from ..store.copy import resolve_device
 from .units import Group
@@ -182,8 +182,8 @@ def nvme_bytes_placed(cfg: OffloadConfig, groups: list[Group], dtype: torch.dtyp
                       device_type: str) -> dict[str, int]:
     """Bytes per rank that `initialize` writes to NVMe, by swap space ("param",
     "optim"): parameter partitions where engine.params is nvme, moments (and fp32
-    masters where they are apart) where engine.optimizer is. A lower bound: chunk
-    padding is not counted."""
+    masters where they are apart) where engine.optimizer is, each partition's state in
+    the optimizer's 4 KiB-rounded chunks."""
     out: dict[str, int] = {}
     if cfg.engine.params == "nvme":
         out["param"] = sum(footprint(g.shard * dtype.itemsize) for g in groups)
@@ -193,10 +193,12 @@ def nvme_bytes_placed(cfg: OffloadConfig, groups: list[Group], dtype: torch.dtyp
 
 
 def _optim_state(cfg: OffloadConfig, groups: list[Group], device_type: str) -> list[int]:
-    """Bytes of each trainable group's optimizer state per rank: its moments, and its
-    fp32 master where that is apart from the parameter."""
+    """Bytes of each trainable group's optimizer state per rank on NVMe: its moments,
+    and its fp32 master where that is apart from the parameter, in the optimizer's
+    chunks, each a 4 KiB-rounded extent (`nvme_state_bytes`)."""
     master = keeps_master(cfg.engine.dtype, cfg.engine.params, device_type)
-    return [moment_bytes(cfg.optim.state_dtype, g.shard) + (4 * g.shard if master else 0)
+    chunk = resolve_chunk_elems(cfg.optim, cfg.io.buffer_budget, master)
+    return [nvme_state_bytes(g.shard, master, cfg.optim.state_dtype, chunk)
             for g in groups if g.requires_grad]
 
 

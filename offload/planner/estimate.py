@@ -45,7 +45,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
-from .sizes import keeps_master, moment_bytes
+from .sizes import MAX_AUTO_CHUNK, auto_chunk_elems, keeps_master, moment_bytes, nvme_state_bytes
 
 __all__ = ["KINDS", "PLACEMENTS", "Placement", "ModelBytes", "TierBytes", "kind_bytes",
            "parse_placement", "tier_bytes"]
@@ -167,22 +167,30 @@ def _peak_over_updates(steps: list[tuple[int, int, int]]) -> int:
 
 
 def tier_bytes(m: ModelBytes, p: Placement, *, device: str = "cpu", buffer_budget: int = 0,
-               clipping: bool = False, accum: int = 1, prefetch_depth: int = 2) -> TierBytes:
+               clipping: bool = False, accum: int = 1, prefetch_depth: int = 2,
+               optim_buffers: int = 6, chunk_elems: int = 0) -> TierBytes:
     """Bytes per rank each tier holds for placement `p` ([Note: what each tier holds]).
     `device`: "cpu" or "cuda" (the store's compute device); `clipping`
     (optim.max_grad_norm above 0) and `accum` (engine.grad_accum_steps): whether
     gradients are stored until `step()`; `prefetch_depth`: the engine's look-ahead
-    (its default, 2)."""
+    (its default, 2); `optim_buffers` and `chunk_elems` (optim.buffers and
+    optim.chunk_elems, 0: sized from `buffer_budget`): the chunks NVMe optimizer state
+    is stored in, each its own 4 KiB-rounded extent."""
     master = keeps_master(m.dtype, p.params, device)
     kinds = kind_bytes(m, master)
     P, G = kinds["param"], kinds["grad"]
     item = DTYPE_BYTES[m.dtype]
     Pg = max((_footprint(n * item) for n, _ in m.shards), default=0)
     stored = not early_updates(p, m.dtype, clipping=clipping, accum=accum)
-    state = sum(kinds[k] for k in STATE_KINDS)
+    if p.optimizer == "nvme":
+        chunk = chunk_elems or (auto_chunk_elems(buffer_budget, optim_buffers,
+                                                 state_dtype=m.state_dtype, master=master)
+                                if buffer_budget else MAX_AUTO_CHUNK)
+    st = _state_bytes(m, master, chunk if p.optimizer == "nvme" else 0)
+    state = sum(st)
     nvme = P if p.params == "nvme" else 0
     if p.optimizer == "nvme" and stored:  # [Note: updates after backward]
-        dev, host, nvme_late = _late_updates(m, p, master)
+        dev, host, nvme_late = _late_updates(m, p, master, st)
         nvme += state + nvme_late
         host_terms = [P if p.params == "host" else 0, max(host, G if p.grads == "nvme" else 0)]
         dev += P
@@ -206,7 +214,19 @@ def tier_bytes(m: ModelBytes, p: Placement, *, device: str = "cpu", buffer_budge
     return TierBytes({"device": dev, "host": host, "nvme": nvme}, opt, buffers)
 
 
-def _late_updates(m: ModelBytes, p: Placement, master: bool) -> tuple[int, int, int]:
+def _state_bytes(m: ModelBytes, master: bool, chunk: int) -> list[int]:
+    """Each group's optimizer state (0 where frozen): in NVMe chunks of `chunk` elements
+    (`nvme_state_bytes`), or, with `chunk` 0 (in memory, or chunks that do not fit the
+    buffers), each kind 4 KiB-rounded (`kind_bytes`)."""
+    if chunk:
+        return [nvme_state_bytes(n, master, m.state_dtype, chunk) if t else 0
+                for n, t in m.shards]
+    groups = _group_bytes(m, master)
+    return [sum(groups[k][i] for k in STATE_KINDS) for i in range(len(m.shards))]
+
+
+def _late_updates(m: ModelBytes, p: Placement, master: bool,
+                  states: list[int]) -> tuple[int, int, int]:
     """DEVICE, HOST and NVME bytes of NVMe optimizer state updated after backward
     (gradients stored), beyond the parameters and the state's current version.
 
@@ -226,7 +246,7 @@ def _late_updates(m: ModelBytes, p: Placement, master: bool) -> tuple[int, int, 
     train = [i for i, (_, t) in enumerate(m.shards) if t]
     new = [groups["param"][i] for i in train]
     grad = [groups["grad"][i] for i in train]
-    st = [sum(groups[k][i] for k in STATE_KINDS) for i in train]
+    st = [states[i] for i in train]
     on_dev, gt = p.params == "device", p.grads
     dev = _peak_over_updates([(n if on_dev else 0, g if gt == "device" else 0, 0)
                               for n, g in zip(new, grad)])

@@ -590,7 +590,7 @@ def score(shape: StepShape, c: Candidate, budgets: Budgets, machine: Machine) ->
     p = c.placement
     tb = tier_bytes(model_of(shape, c), p, device=machine.device, clipping=shape.clipping,
                     accum=shape.accum, buffer_budget=c.buffer_budget,
-                    prefetch_depth=c.prefetch_depth)
+                    prefetch_depth=c.prefetch_depth, optim_buffers=c.buffers)
     if tb.total["nvme"] > machine.disk_free:
         return None
     if p.optimizer == "nvme" and not chunk_elems(

@@ -14,7 +14,8 @@ from __future__ import annotations
 from typing import Literal
 
 __all__ = ["MAX_AUTO_CHUNK", "QBLOCK", "STATE_DTYPES", "StateDtype", "auto_chunk_elems",
-           "keeps_master", "moment_bytes", "state_bytes", "state_elem_bytes"]
+           "keeps_master", "moment_bytes", "nvme_state_bytes", "state_bytes",
+           "state_elem_bytes"]
 
 StateDtype = Literal["fp32", "bf16", "int8"]
 STATE_DTYPES = ("fp32", "bf16", "int8")
@@ -52,6 +53,21 @@ def state_bytes(n: int, kinds: int = 3, state_dtype: StateDtype = "fp32") -> int
                          f"holds, 3 (master and both moments) or 2 (the moments), got "
                          f"{kinds!r}")
     return (4 * n if kinds == 3 else 0) + moment_bytes(state_dtype, n)
+
+
+def nvme_state_bytes(n: int, master: bool, state_dtype: StateDtype, chunk_elems: int) -> int:
+    """Bytes of `n` elements' optimizer state on NVMe: one swap extent per chunk of
+    `chunk_elems` elements, its master (where `master`) and moments back to back
+    (`state_bytes`), rounded up to 4 KiB. With int8 moments a chunk's scales leave
+    it off the 4 KiB grid: each chunk pads, not the partition once."""
+    kinds = 3 if master else 2
+    full, rest = divmod(n, chunk_elems)
+    return full * _pages(state_bytes(chunk_elems, kinds, state_dtype)) + (
+        _pages(state_bytes(rest, kinds, state_dtype)) if rest else 0)
+
+
+def _pages(nbytes: int) -> int:
+    return -(-nbytes // 4096) * 4096
 
 
 def state_elem_bytes(master: bool, state_dtype: StateDtype) -> float:

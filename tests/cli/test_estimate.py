@@ -127,6 +127,33 @@ def test_tier_figures_within_ten_percent_of_a_real_step(models, dtype, training)
     assert not misses, misses
 
 
+def test_int8_moments_on_nvme_to_the_byte(models):
+    """With int8 moments each NVMe chunk of optimizer state is off the 4 KiB grid (its
+    scales), and each is its own 4 KiB-rounded extent: the estimate's NVMe figure, and
+    the minimum initialize states, are the bytes a step holds. Before, both counted
+    the padding once per kind, 16 KiB short here, and a budget of either passed
+    initialize and failed step 1."""
+    group = 256 * 257
+    mm = measure_model(ModelSpec("function", "tinymodels:mlp", 8, None, "bf16"), group)
+    (row,) = estimate(mm, [parse_placement("device/device/nvme")], world=1, ranks_per_node=1,
+                      device="cpu", buffer_budget=8 << 20, group_size=group,
+                      state_dtype="int8")["placements"]
+    want = row["store"]["nvme"]
+    cfg = {"engine": {"params": "device", "grads": "device", "optimizer": "nvme",
+                      "dtype": "bf16", "group_size": group},
+           "optim": {"state_dtype": "int8"},
+           "io": {"paths": [str(models / "swap" / "int8")], "buffer_budget": "8MiB",
+                  "block_size": "64KiB", "grow_step": "1MiB"},
+           "store": {"device": "cpu", "device_budget": "64MiB", "host_budget": "64MiB",
+                     "nvme_budget": want - 1}}
+    with pytest.raises(offload.ConfigError, match=f"raise it to at least {want} bytes"):
+        offload.initialize(mm.spec.factory(), cfg)
+    cfg["store"]["nvme_budget"] = want
+    rec = TraceRecorder(enabled=True)
+    with offload.initialize(mm.spec.factory(), cfg, recorder=rec) as engine:
+        assert _step_peaks(engine, rec)["NVME"] == want
+
+
 def test_estimate_json_from_a_hf_config(models, offload_cli):
     """In this process (models: its directory is the current one); the table of a
     module function runs as a command of its own."""
