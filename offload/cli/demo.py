@@ -35,6 +35,7 @@ import sys
 import tempfile
 import threading
 import time
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -215,6 +216,7 @@ def build_plan(args: argparse.Namespace) -> DemoPlan:
         swap_root=Path(args.swap_dir).absolute(),
         trace=None if args.trace in ("", "none") else Path(args.trace).absolute(),
         trace_step=min(args.trace_step, args.steps), seed=args.seed, group_size=d.group_size)
+    plan = _defaults_that_train(plan, device=not args.device_budget, host=not args.host_budget)
     _check_fits(plan)
     if plan.trace is not None:  # before any work: the run is minutes long
         from .view_demo import check_outputs
@@ -246,15 +248,43 @@ def _check_fits(plan: DemoPlan) -> None:
             "arriving); raise it or pick a smaller --size")
 
 
-def _largest_group(model: GPTConfig, group_size: int, world: int) -> int:
-    """Elements of the largest gathered group, from the engine's own partitioning."""
+def _groups(model: GPTConfig, group_size: int, world: int) -> list:
+    """The model's groups, from the engine's own partitioning (built on meta)."""
     from ..engine.meta import meta_device
     from ..engine.units import build_units
 
     with meta_device():
         net = GPT(model)
-    _, groups = build_units(net, group_size, world)
-    return max(g.padded for g in groups)
+    return build_units(net, group_size, world)[1]
+
+
+def _largest_group(model: GPTConfig, group_size: int, world: int) -> int:
+    """Elements of the largest gathered group."""
+    return max(g.padded for g in _groups(model, group_size, world))
+
+
+def _defaults_that_train(plan: DemoPlan, device: bool, host: bool) -> DemoPlan:
+    """The plan with each default budget (`device`, `host`: the flag not given) raised,
+    where it is under it, to the engine's minimum working set for this model and
+    placement, whole MiB: a --size given as a parameter count gets about 1/8 and 1/4
+    of its state, which for a small model is less than two of its groups."""
+    if not (device or host):
+        return plan
+    import torch
+
+    from ..engine.working_set import working_set
+
+    cfg = load_config(plan.config(plan.swap_root, direct=True))
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[plan.dtype]
+    groups = _groups(plan.model, plan.group_size, plan.world)
+    need = working_set(cfg, groups, dtype)
+    # and two of the largest group gathered (`_check_fits`): one in use, one arriving
+    two = 2 * max(g.padded for g in groups) * plan.compute_bytes
+    mib = lambda n: -(-n // (1 << 20)) << 20  # noqa: E731
+    return dataclasses.replace(
+        plan, device_budget=max(plan.device_budget, mib(max(need.device, two))) if device
+        else plan.device_budget,
+        host_budget=max(plan.host_budget, mib(need.host)) if host else plan.host_budget)
 
 
 # -- swap directory ------------------------------------------------------------------------------
@@ -541,10 +571,12 @@ _OPTIONS: list[tuple[str, dict[str, Any]]] = [
                          help="fp32 master weights and Adam moments (default nvme)")),
     ("--device-budget", dict(default=None, type=byte_size(PAGE, example="24MiB"),
                              help="bytes the device tier may hold, e.g. 24MiB "
-                             "(default: about 1/8 of the state; small: 24MiB)")),
+                             "(default: about 1/8 of the state, at least the minimum "
+                             "the model needs; small: 24MiB)")),
     ("--host-budget", dict(default=None, type=byte_size(PAGE, example="48MiB"),
                            help="bytes the host tier may hold, e.g. 48MiB "
-                           "(default: about 1/4 of the state; small: 48MiB)")),
+                           "(default: about 1/4 of the state, at least the minimum "
+                           "the model needs; small: 48MiB)")),
     ("--io-buffers", dict(default=None, type=byte_size(IO_BLOCK, example="32MiB"),
                           help="bytes of host staging buffers for the optimizer's NVMe "
                           "pipeline, at least one I/O block (default: small 32MiB)")),

@@ -114,6 +114,19 @@ def test_refusals_are_clear_and_touch_nothing(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+def test_a_size_given_as_a_parameter_count_trains_with_its_default_budgets(tmp_path):
+    """`--size 2M`'s default budgets (about 1/8 and 1/4 of its state) are raised to the
+    engine's minimum: before, the demo refused its own defaults ("pick a smaller
+    --size", which failed too), and in bf16 initialize refused the host budget."""
+    swap = ["--swap-dir", str(tmp_path), "--steps", "1", "--trace", "none"]
+    runs = run_each([["demo", "--size", "2M", *swap],
+                     ["demo", "--size", "2M", "--dtype", "bf16", *swap]],
+                    cwd=tmp_path, env=dict(os.environ), timeout=300)
+    for rc, err in runs:
+        assert rc == 0, err
+    assert os.listdir(tmp_path) == []
+
+
 @pytest.mark.slow  # 3.4 s; the demo's trace and report are checked by default above
 def test_trace_and_report_replace_only_earlier_ones(tmp_path):
     """--trace names a file the user keeps (or its report's name does): refused before
