@@ -80,6 +80,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -317,7 +318,8 @@ def _spawn(spec: RunSpec, timeout: float) -> dict:
         return {"error": f"timed out after {timeout:.0f} s"}
     with open(log_path, errors="replace") as f:
         lines = [ln.strip() for ln in f if ln.strip()]
-    last = lines[-1][:300] if lines else "no output"
+    # a long error cut at a word, never inside a number
+    last = textwrap.shorten(lines[-1], 400, placeholder=" ...") if lines else "no output"
     if not os.path.exists(spec.out):
         return {"error": f"worker exited with {rc}: {last}"}
     with open(spec.out) as f:
@@ -683,10 +685,10 @@ def render(result: dict) -> None:
         con.print(f"disk, {'median of ' + str(n) + ' probes' if n > 1 else 'one probe'} "
                   f"({d['engine']}, "
                   f"{'O_DIRECT' if d['direct'] else 'buffered'}, "
-                  f"{result['io']['block_size'] >> 20} MiB x {result['io']['queue_depth']}): "
+                  f"{format_bytes(result['io']['block_size'])} x {result['io']['queue_depth']}): "
                   f"write {d['write_GBps']:.2f} GB/s, read {d['read_GBps']:.2f} GB/s; mixed "
                   f"({d['mixed_depth']} reads + {d['mixed_depth']} writes of "
-                  f"{d['mixed_request'] >> 20} MiB in flight) {d['mixed_GBps']:.2f} GB/s")
+                  f"{format_bytes(d['mixed_request'])} in flight) {d['mixed_GBps']:.2f} GB/s")
     for r in result["results"]:
         if r.get("bound_s") is not None:
             rd = r.get("disk")

@@ -76,6 +76,21 @@ def test_table_and_selection(tmp_path):
     assert "nvme" not in out.stdout.split("RSS:")[0]  # only the selected placement ran
 
 
+def test_a_worker_s_error_and_the_disk_line_keep_their_figures(tmp_path):
+    """A worker refused by initialize: its error, longer than a line, is cut at a word,
+    and the figure the fix names is whole (it was cut inside it, "at least 4202");
+    the disk line gives a request under 1 MiB in KiB (it said "0 MiB in flight")."""
+    import re
+    out = _run(["--placement", "nvme-opt,nvme", "--device-budget", "700KiB", "--host-budget",
+                "1MiB", "--buffer-budget", "4MiB"], tmp_path)
+    text = out.stdout + out.stderr
+    assert "worker exited with 1" in text, text
+    assert re.search(r"raise store\.\w+ to at least \d+ bytes", text), text
+    assert not re.search(r"at least \d*\)?$", text, re.M), text  # cut inside the figure
+    assert re.search(r"writes of \d+\.\d (KiB|MiB) in flight", text), text
+    assert os.listdir(tmp_path) == []
+
+
 def test_bad_selection_is_clear(tmp_path):
     out = _run(["--system", "megatron"], tmp_path, timeout=60)
     assert out.returncode == 2 and out.stderr == (
