@@ -58,7 +58,13 @@ def _check_layout(meta: dict[str, Any], sharding: dict[str, Any], dtype: str) ->
     but another reader (tensorstore, zarr) follows the metadata, and would read a
     changed dtype, byte order or key encoding as other values."""
     keys = meta.get("chunk_key_encoding", {})
+    fill = meta.get("fill_value")
     differ = [what for what, got, want in (
+        ("zarr_format", meta.get("zarr_format"), 3),
+        ("node_type", meta.get("node_type"), "array"),
+        ("chunk grid", meta.get("chunk_grid", {}).get("name"), "regular"),
+        ("fill_value", type(fill) in (int, float) and fill == 0, True),
+        ("storage transformers", meta.get("storage_transformers") or [], []),
         ("data_type", meta.get("data_type"), dtype),
         ("codecs", meta.get("codecs") and len(meta["codecs"]), 1),
         ("chunk codecs", sharding.get("codecs"), CHECKED),
@@ -69,8 +75,9 @@ def _check_layout(meta: dict[str, Any], sharding: dict[str, Any], dtype: str) ->
     ) if got != want]
     if differ:
         raise ValueError(f"its {', '.join(differ)} differ from what the save "
-                         f"wrote ({dtype}, one sharding codec of little-endian chunks and "
-                         "index, each with its crc32c, the index at the end, default keys)")
+                         f"wrote (a zarr 3 array of {dtype} on a regular grid, fill value 0, "
+                         "one sharding codec of little-endian chunks and index, each with "
+                         "its crc32c, the index at the end, default keys)")
 
 
 class CheckpointReader:

@@ -166,6 +166,12 @@ _LAYOUT_EDITS = {
     "index codecs": lambda m, c: c["index_codecs"].pop(),
     "chunk key encoding": lambda m, c: m.update(
         chunk_key_encoding={"name": "default", "configuration": {"separator": "."}}),
+    # zarr readers follow these too; they passed every check
+    "zarr_format": lambda m, c: m.update(zarr_format=2),
+    "node_type": lambda m, c: m.update(node_type="group"),
+    "chunk grid": lambda m, c: m["chunk_grid"].update(name="rectilinear"),
+    "fill_value": lambda m, c: m.update(fill_value=1.0),
+    "storage transformers": lambda m, c: m.update(storage_transformers=[{"name": "x"}]),
 }
 
 
