@@ -24,6 +24,18 @@ every point, which never exceed the budget.
 `lru_bytes` is the same walk with on-demand fetches and least-recently-used
 eviction: the baseline a plan is measured against.
 
+[Note: the plan against LRU's victims]
+With records of different sizes, or dirty ones, farthest-next-use is a heuristic:
+it may write back a large state where dropping a small clean parameter would do.
+So where its steady plan (every step after the first, the one that counts) moves
+more bytes than `lru_bytes`, the walk is run again with LRU's own victims, in
+LRU's order, and the plan whose steady step moves fewer bytes is kept (its first
+step's plan with it: the steady plan starts from what that one leaves). A record
+of no bytes is never a victim: it frees nothing. In the steady state LRU's order
+of use runs on from the step before (the previous step's uses came before this
+step's; `lru_bytes` counted them as this step's indices before, a record used late
+in the last step looking more recent than one just used).
+
 [Note: previous versions]
 A step commits as a whole (offload/engine/step.py): where an update cannot
 change its parameter partition in place, the partition's previous version
@@ -46,6 +58,7 @@ update in the old copy's memory] in offload/engine/step.py).
 from __future__ import annotations
 
 import bisect
+import math
 from dataclasses import dataclass, field
 from typing import Container, Hashable, Mapping, Sequence
 
@@ -196,19 +209,42 @@ def make_plan(uses: Sequence[Use], records: Mapping[Hashable, RecordSpec],
     or `fresh` names a record the use does not write, `drops` names anything but a
     previous version, or a budget or reserve is not a number of bytes >= 0."""
     _check(uses, records, budget)
-    size = {k: r.nbytes for k, r in records.items()}
     nxt = _NextUse(uses)
-    resident = {k for k, r in records.items() if r.resident}
-    dirty = {k for k, r in records.items() if r.dirty and r.resident}
-    plan = _walk(uses, size, nxt, budget, resident, dirty)
-    return _walk(uses, size, nxt, budget, resident, dirty) if steady else plan
+
+    def walks(recent: dict | None) -> tuple[Plan, Plan | None]:
+        """The first step's plan and the steady one after it (None where that does not
+        fit: a first step's plan may still), with one victim rule."""
+        size = {k: r.nbytes for k, r in records.items()}
+        resident = {k for k, r in records.items() if r.resident}
+        dirty = {k for k, r in records.items() if r.dirty and r.resident}
+        first = _walk(uses, size, nxt, budget, resident, dirty, recent)
+        if recent is not None:  # the next step's order of use: this one's came before
+            for k in list(recent):
+                recent[k] -= len(uses)
+        try:
+            return first, _walk(uses, size, nxt, budget, resident, dirty, recent)
+        except ValueError:
+            if steady:
+                raise
+            return first, None
+
+    def cost(plans: tuple[Plan, Plan | None]) -> tuple[float, int]:
+        return (math.inf if plans[1] is None else plans[1].bytes_moved, plans[0].bytes_moved)
+    # [Note: the plan against LRU's victims]
+    plans = walks(None)
+    if plans[1] is None or plans[1].bytes_moved > sum(lru_bytes(uses, records, budget, True)):
+        other = walks({k: -1 for k, r in records.items() if r.resident})
+        if cost(other) < cost(plans):
+            plans = other
+    return plans[1] if steady else plans[0]  # type: ignore[return-value]
 
 
 def _too_big(i: int, use: Use, need: set, size: Mapping[Hashable, int], short: int,
              budget: int) -> None:
     """Raises the ValueError of a use whose records, with the previous versions it keeps
     ([Note: previous versions]) and its reserve, do not fit the budget at once."""
-    held = sorted(((size[k], k) for k in need if k in size), key=lambda t: -t[0])
+    # the largest first, equals by name: the message is the same in every process
+    held = sorted(((size[k], k) for k in need if k in size), key=lambda t: (-t[0], repr(t[1])))
     names = ", ".join(f"{k!r} ({n} bytes)" for n, k in held[:4])
     raise ValueError(f"use {i} ({use.kind} {use.label}) needs {short} bytes more than the "
                      f"budget of {budget} leaves: its records {names}, reserved "
@@ -226,8 +262,11 @@ def _kept(use: Use, present: Container[Hashable], dirty: Container[Hashable]
 
 
 def _walk(uses: Sequence[Use], size: dict, nxt: _NextUse, budget: int, resident: set,
-          dirty: set) -> Plan:
-    """make_plan's walk from `resident` and `dirty`, which it leaves as the step ends."""
+          dirty: set, recent: dict | None = None) -> Plan:
+    """make_plan's walk from `resident` and `dirty`, which it leaves as the step ends.
+    Victims go farthest next use first; with `recent` (each resident record -> its
+    last use, in the order `lru_bytes` keeps, kept up to date), least recently used
+    first, as `lru_bytes` chooses them ([Note: the plan against LRU's victims])."""
     last = {k: -1 for k in resident}     # last use of each resident record (-1: none yet)
     rank = {k: n for n, k in enumerate(size)}  # ties go by the records' order, not a set's
     held = [0] * len(uses)
@@ -245,10 +284,16 @@ def _walk(uses: Sequence[Use], size: dict, nxt: _NextUse, budget: int, resident:
             """Evicts until `n` more bytes fit."""
             nonlocal used
             while used + n > room:
-                victims = resident - need
+                # a record of no bytes frees nothing: its eviction (and write-back) would
+                # only hold up the use it makes "room" for
+                victims = {r for r in resident - need if size[r]}
                 if not victims:
                     _too_big(i, use, need, size, n - (room - used), budget)
-                victim = max(victims, key=lambda r: (nxt.after(r, i), r not in dirty, -rank[r]))
+                victim = (max(victims, key=lambda r: (nxt.after(r, i), r not in dirty, -rank[r]))
+                          if recent is None else
+                          min((r for r in recent if r in victims), key=recent.__getitem__))
+                if recent is not None:
+                    del recent[victim]
                 end = last.get(victim, -1)
                 wrote = victim in dirty
                 if wrote:
@@ -303,12 +348,19 @@ def _walk(uses: Sequence[Use], size: dict, nxt: _NextUse, budget: int, resident:
             used += size[pk]
             held[i] += size[pk]
             last[pk] = i
+            if recent is not None:
+                recent[pk] = i
             if k in dirty:
                 dirty.add(pk)
         dirty.update(use.writes)
         for k in need:
             last[k] = i
+        if recent is not None:
+            for k in dict.fromkeys(use.keys):
+                recent[k] = i
         for pk in use.drops:  # freed after this use, never written
+            if recent is not None:
+                recent.pop(pk, None)
             if pk in resident:
                 resident.discard(pk)
                 used -= size[pk]
@@ -424,7 +476,12 @@ def lru_bytes(uses: Sequence[Use], records: Mapping[Hashable, RecordSpec],
     recent: dict[Hashable, int] = {k: -1 for k, r in records.items() if r.resident}
     dirty = {k for k, r in records.items() if r.dirty and r.resident}
     moved = _lru_walk(uses, size, budget, recent, dirty)
-    return _lru_walk(uses, size, budget, recent, dirty) if steady else moved
+    if not steady:
+        return moved
+    # the next step's order of use: this step's uses came before all of its own (they
+    # kept this step's indices, so a record last used late in it counted as more recent
+    # than one the next step had just used)
+    return _lru_walk(uses, size, budget, {k: i - len(uses) for k, i in recent.items()}, dirty)
 
 
 def _lru_walk(uses: Sequence[Use], size: dict, budget: int, recent: dict, dirty: set

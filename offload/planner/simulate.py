@@ -16,8 +16,9 @@ about to start, a write-back no earlier than the end of the last use of what
 it writes (`PlanOp.follows`), without holding back the use that issues it or
 the operations behind it (a chunk the update lane wrote is written back while
 the next backward runs, as the engine's update thread does), a fetch once the
-write-backs issued before it that make room are done (it may read into that
-room). The one being served moves at its kind's rate: reads at `read_Bps`,
+write-backs issued before it that make room for its use or an earlier one are
+done (it may read into that room; a later use's room may be written only after
+the very use the fetch is for). The one being served moves at its kind's rate: reads at `read_Bps`,
 writes at `write_Bps`, and at `mixed_Bps` while an operation of the other kind
 is queued with it or where it follows one of the other kind without a pause
 (the disk's rate for interleaved traffic, measured by the same probe). A use
@@ -188,8 +189,8 @@ class _Disk:
     follows one of the other kind without a pause; the rate changes as the queue does,
     so the one being served keeps count of its bytes left.
     A write-back falls due when the last use of its record ended, a fetch once every
-    write-back issued before it that makes room is done (the fetch may read into that
-    room), any other operation when it is issued."""
+    write-back issued before it that makes room for its use or an earlier one is done
+    (the fetch may read into that room), any other operation when it is issued."""
 
     def __init__(self, rates: Rates) -> None:
         self.rates = rates
@@ -199,8 +200,9 @@ class _Disk:
         self.queue: deque[list] = deque()  # [op, bytes left, issued at, seq], in order due
         self.due: list[tuple[float, int, PlanOp, float]] = []  # (due at, seq, op, issued)
         self.after_use: dict[int, list[tuple[int, PlanOp, float]]] = {}  # use -> its writes
-        self.rooms: set[int] = set()       # write-backs that make room, not yet done
-        self.blocked: list[tuple[int, int, PlanOp, float]] = []  # fetches behind them
+        self.rooms: dict[int, int] = {}    # write-backs that make room, not yet done: the
+        # use each makes room for; fetches behind them: (those rooms left, seq, op, issued)
+        self.blocked: list[tuple[set[int], int, PlanOp, float]] = []
         self.kinds = {"fetch": 0, "write-back": 0}  # queued operations of each kind
         self.began = 0.0           # when the first in the queue began to be served
         self.last = 0.0            # when the last operation ended
@@ -220,9 +222,13 @@ class _Disk:
         ends then), or when use `use` ends (one that has not run yet)."""
         self.seq += 1
         if op.op == "write-back" and op.needed_at is not None:
-            self.rooms.add(self.seq)
-        if op.op == "fetch" and self.rooms:
-            self.blocked.append((max(self.rooms), self.seq, op, self.now))
+            self.rooms[self.seq] = op.needed_at
+        # a fetch may read into the room made for its own use or an earlier one, not a
+        # later use's: that room's write-back may follow the very use this fetch is for
+        rooms = {s for s, needed in self.rooms.items()
+                 if op.op == "fetch" and (op.needed_at is None or needed <= op.needed_at)}
+        if rooms:
+            self.blocked.append((rooms, self.seq, op, self.now))
         elif use is not None:
             self.after_use.setdefault(use, []).append((self.seq, op, self.now))
         else:
@@ -267,11 +273,12 @@ class _Disk:
             self.kinds[op.op] -= 1
             ended.append((op, issued, self.began, t))
             self.began, self.last, self.last_kind = t, t, op.op
-            self.rooms.discard(seq)
-            first = min(self.rooms, default=math.inf)
-            for item in [b for b in self.blocked if b[0] < first]:
-                self.blocked.remove(item)
-                self._due(item[1], item[2], item[3], t)
+            self.rooms.pop(seq, None)
+            for item in list(self.blocked):
+                item[0].discard(seq)
+                if not item[0]:
+                    self.blocked.remove(item)
+                    self._due(item[1], item[2], item[3], t)
         while self.due and self.due[0][0] <= t:
             _, seq, op, issued = heapq.heappop(self.due)
             self._due(seq, op, issued, t)
@@ -385,7 +392,9 @@ def _wait(pred: Prediction, plan: Plan, use: Use, i: int, base: float,
     arrived = {op.key: arrival[(op.key, i)] for op in plan.fetches_by_use.get(i, ())}
     ready = max([freed, *arrived.values()])
     if use.lane == "compute":  # a use of each record, waited for or not, as the engine
-        for key in use.keys:   # records it: what the report's prefetch outcomes read
+        # records it (what the report's prefetch outcomes read), and of each record
+        # fetched for it beyond its own (a gradient read back for its update)
+        for key in dict.fromkeys([*use.keys, *arrived]):
             pred.events.append(("wait:gather", "wait", use.lane, freed,
                                 max(freed, arrived.get(key, freed)), {"key": str(key),
                                                                       "use": i}))

@@ -260,6 +260,22 @@ def test_a_training_step_moves_fewer_bytes_than_lru(budget):
         assert plan.bytes_moved < read + written
 
 
+@pytest.mark.parametrize("layers", [2, 3, 8])
+def test_a_training_step_moves_no_more_than_lru_at_any_budget(layers):
+    """[Note: the plan against LRU's victims] At every budget, every step after the
+    first: before, farthest-next-use could write back a 20-byte state where LRU
+    dropped a 10-byte parameter, and the steady LRU baseline kept the previous step's
+    order of use as if it were this step's (2 layers at 50: LRU moves 100 bytes a step,
+    not the 50 it reported, which the plan's 80 exceeded)."""
+    uses, records = _training_step(layers)
+    for budget in range(30, 30 * layers + 1):
+        plan = make_plan(uses, records, budget, steady=True)
+        assert plan.bytes_moved <= sum(lru_bytes(uses, records, budget, True)), budget
+        assert max(plan.held) <= budget
+        _replay(uses, records, make_plan(uses, records, budget))
+    assert lru_bytes(*_training_step(2), 50, steady=True) == (50, 50)
+
+
 def test_prefetch_is_issued_ahead_where_the_budget_allows():
     uses, records = _training_step()
     plan = make_plan(uses, records, 100)
@@ -391,6 +407,26 @@ def test_a_read_into_the_room_of_a_dirty_record_waits_for_its_write():
     assert io[("write", "a")] == pytest.approx((5.0, 6.0))
     assert io[("read", "b")][0] >= io[("write", "a")][1]
     assert pred.step_s == pytest.approx(8.0)
+
+
+def test_a_fetch_does_not_wait_for_the_room_of_a_later_use():
+    """The next backward (b) may start before the update lane's second update (s2), so
+    its operations are issued first: the write-back of s2 that makes b's room, after
+    s2's update. s2's own fetch, issued later, waits only for rooms made for its use
+    or earlier ones. Before, it waited for that write-back too, which waited for its
+    update: "the plan's operations wait on one another"."""
+    records = {k: RecordSpec(1) for k in ("a", "s1", "s2", "b")}
+    uses = [Use(("a",), kind="backward", compute_s=1.0),
+            Use(("s1",), ("s1",), kind="update", compute_s=5.0, lane="update"),
+            Use(("s2",), ("s2",), kind="update", compute_s=1.0, lane="update"),
+            Use(("b",), kind="backward", compute_s=1.0)]
+    plan = make_plan(uses, records, budget=2)
+    pred = simulate(plan, uses, Rates(read_Bps=1.0, write_Bps=1.0))
+    io = {(e[0], e[5]["key"]): (e[3], e[4]) for e in pred.events if e[1] == "io"}
+    start = {e[5]["use"]: e[3] for e in pred.events if e[1] == "compute"}
+    assert io[("read", "s2")][1] <= start[2] < io[("write", "s2")][0]  # read, update, write
+    assert io[("read", "b")][0] >= io[("write", "s2")][1]  # b reads into s2's room
+    assert pred.step_s == pytest.approx(13.0)
 
 
 def test_the_disk_serves_operations_in_the_order_of_time_they_are_issued():

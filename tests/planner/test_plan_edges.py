@@ -22,6 +22,11 @@ records = {f"r{k}": RecordSpec(k % 3 + 1, resident=k < 4, dirty=k % 2 == 0)
 uses = [Use(("r0", "r1")), Use(("r2", "r3"), ("r2",)), Use(("r4", "r5")),
         Use(("r6", "r7"), ("r6",)), Use(("r8", "r9")), Use(("r0", "r1", "r2"))]
 out = []
+try:  # a use that cannot fit: its message names its records, the same in every process
+    make_plan([Use(("r0",), ("r0",)), Use(("r0",), ("r0",), previous=("r0",))],
+              {"r0": RecordSpec(4)}, 6)
+except ValueError as e:
+    out.append(str(e))
 for budget in (7, 8, 9, 11):
     for steady in (False, True):
         plan = make_plan(uses, records, budget, steady=steady)
@@ -238,3 +243,47 @@ def test_the_budget_holds_from_any_start_or_the_plan_says_which_use_does_not_fit
         lru_bytes(uses, records, budget, steady=steady)
     except ValueError as e:
         assert "needs" in str(e) and "budget" in str(e), e
+
+
+def test_a_record_of_no_bytes_is_never_evicted_for_room():
+    """Evicting a record of no bytes frees nothing; a dirty one was written back first,
+    and the use the "room" was for waited for that write, which followed a 100 s update:
+    b started at 102 s instead of 3 s."""
+    records = {"a": RecordSpec(10), "b": RecordSpec(10), "z": RecordSpec(0)}
+    uses = [Use(("a",), compute_s=1.0),
+            Use(("z",), ("z",), compute_s=100.0, lane="update"),
+            Use(("b",), compute_s=1.0)]
+    plan = make_plan(uses, records, budget=10)
+    assert not [op for op in plan.ops if op.key == "z" and op.op != "fetch"], plan.ops
+    pred = simulate(plan, uses, Rates(read_Bps=10.0, write_Bps=10.0))
+    start = {e[5]["use"]: e[3] for e in pred.events if e[1] == "compute"}
+    assert start[2] == pytest.approx(3.0)
+
+
+def test_the_steady_plan_takes_lru_s_victims_where_they_move_fewer_bytes():
+    """[Note: the plan against LRU's victims] Farthest-next-use here writes back the
+    dirty 3-byte r0 where LRU's victims move 9 bytes a step; the plan moved 10."""
+    records = {"r0": RecordSpec(3), "r1": RecordSpec(4), "r2": RecordSpec(3)}
+    uses = [Use(("r0",), ("r0",)), Use(("r2", "r1")), Use(("r1",))]
+    assert sum(lru_bytes(uses, records, 8, steady=True)) == 9
+    plan = make_plan(uses, records, 8, steady=True)
+    assert plan.bytes_moved == 9 and max(plan.held) <= 8
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_the_steady_plan_never_moves_more_than_lru(data):
+    sizes = data.draw(st.lists(st.integers(1, 4), min_size=2, max_size=5))
+    records = {f"r{k}": RecordSpec(s) for k, s in enumerate(sizes)}
+    keys = st.sampled_from(sorted(records))
+    uses = []
+    for _ in range(data.draw(st.integers(2, 8))):
+        ks = tuple(dict.fromkeys(data.draw(st.lists(keys, min_size=1, max_size=2))))
+        uses.append(Use(ks, tuple(k for k in ks if data.draw(st.booleans()))))
+    budget = data.draw(st.integers(2 * max(sizes), max(2 * max(sizes), sum(sizes))))
+    try:
+        lru = sum(lru_bytes(uses, records, budget, steady=True))
+    except ValueError:
+        return
+    plan = make_plan(uses, records, budget, steady=True)
+    assert plan.bytes_moved <= lru and max(plan.held) <= budget

@@ -138,3 +138,25 @@ def test_accumulation_stores_the_gradients_as_clipping_does():
     one = score(SHAPE, DEFAULTS, Budgets(1 << 34, 1 << 34), m)
     two = score(dataclasses.replace(SHAPE, accum=2), DEFAULTS, Budgets(1 << 34, 1 << 34), m)
     assert two.compute_s == pytest.approx(2 * one.compute_s)
+
+
+def test_a_predicted_wait_for_a_gradient_read_back_is_in_the_trace():
+    """Gradients homed on NVMe are read back for their update, fetches the plan adds
+    beyond the use's own records: the compute's wait for one is a `wait:gather` span of
+    the predicted trace, so the trace's exposed I/O is the prediction's (it was 0)."""
+    from offload.planner import simulate
+    from offload.planner.search import UnitUse, modelled_step, plan_step
+    from offload.trace.analysis import exposed_time, parse_trace, steps_of
+
+    units = [UnitUse("forward", (0,), 0.01, "f0"), UnitUse("backward", (0,), 0.02, "b0")]
+    step = modelled_step(units, [(4096, True)], "fp32", Placement("nvme", "nvme", "host"),
+                         0, 1e9, staged=True, master=False,
+                         between=[Use((), (), "loss", "loss", 0.001)], commit_s=0.001)
+    plan = plan_step(step, (1 << 20, 1 << 20), 2, 4)
+    assert any(op.key not in step.uses[i].keys
+               for i, ops in plan.fetches_by_use.items() for op in ops)
+    pred = simulate(plan, step.uses, Rates(1e6, 1e6))  # a slow disk: the read is exposed
+    (rank,) = parse_trace(pred.to_trace(budget=plan.budget))
+    assert pred.exposed_io_s > 0.01
+    assert exposed_time(rank, steps_of(rank)[0])["io"] == pytest.approx(
+        pred.exposed_io_s * 1e6, rel=1e-6)
