@@ -162,6 +162,7 @@ class OffloadEngine(ModelWeights, ModuleHooks, GradPartitions, GroupUpdates, Gat
         # micro-batch may be discarded on purpose), so it stays; a zero_grad() right
         # after a step() that waited says so, once.
         self._step_awaits_more = False  # the last step() waited for more micro-batches
+        self._zeroed = False  # [Note: engine.zero_grad on some ranks] in params_view.py
         self._warned_window_drop = False
         self._closed = False
         self._pid = os.getpid()  # [Note: an engine in a forked child] in model_weights.py
@@ -387,6 +388,7 @@ class OffloadEngine(ModelWeights, ModuleHooks, GradPartitions, GroupUpdates, Gat
         except RuntimeError as e:
             refused = e
         dropped, error = self.registered.dropped_grads()
+        self._zeroed = False  # a new window: [Note: engine.zero_grad on some ranks]
         refused = refused or error
         try:
             self._rank_order.check_backward()  # [Note: ranks run the same units]
@@ -497,7 +499,9 @@ class OffloadEngine(ModelWeights, ModuleHooks, GradPartitions, GroupUpdates, Gat
         the cause; remove the cause and run the step's micro-batches again.
         """
         self._check_open()
-        if self._backwards == 0 or self._backwards % self.cfg.engine.grad_accum_steps:
+        # a dropped window meets the others' step: [Note: engine.zero_grad on some ranks]
+        if self._backwards == 0 and not self._zeroed or \
+                self._backwards % self.cfg.engine.grad_accum_steps:
             self._step_awaits_more = self._backwards > 0  # [Note: zero_grad in the window]
             return False
         number, error = self.global_step + 1, None
@@ -543,6 +547,7 @@ class OffloadEngine(ModelWeights, ModuleHooks, GradPartitions, GroupUpdates, Gat
         early, self._early = self._early, []
         # [Note: a .grad the program dropped] in params_view.py
         dropped, error = self.registered.dropped_grads()
+        dropped, self._zeroed = dropped or self._zeroed, False
         changed = self._hyper_watch.step_begins(self.optimizer, bool(early))
         errors = [error, None if dropped else changed]  # undone with the step
         errors += [f.exception() for f in early]  # waits for every one of them
@@ -684,6 +689,7 @@ class OffloadEngine(ModelWeights, ModuleHooks, GradPartitions, GroupUpdates, Gat
                         "as after set_to_none=True (torch's AdamW would still apply weight "
                         "decay and decay its moments)")
         with self._interrupts.held():  # [Note: Ctrl-C at a safe point] in interrupts.py
+            self._zeroed = self._zeroed or bool(self._backwards) and self._whole.world > 1
             self._drop_step()
 
     def _drop_step(self) -> None:

@@ -107,13 +107,32 @@ def point_weight_list(module: nn.Module, name: str) -> None:
         weights[names.index(name)] = getattr(module, name)
 
 
+# [Note: engine.zero_grad on some ranks]
+# `engine.zero_grad()` drops the step's gradients at once, and a `step()` with no
+# backward since returned False at once, with no collective. On one rank only (`if rank
+# == 1: engine.zero_grad()`), its step() returned False alone while the others' step()
+# waited at its check; they raised at that rank's next forward, and from then on the
+# ranks ran one iteration apart, each step averaging two iterations' gradients, with no
+# error. So on a job of several ranks a window `engine.zero_grad()` dropped is noted,
+# and that rank's next step() still runs the step's check and agreement, saying it
+# dropped its gradients, as a `.grad` the program dropped does ([Note: a .grad the
+# program dropped]): where every rank did, nothing changes; where some did, every rank
+# raises (the others' step fails, its gradients dropped too), and the ranks go on
+# together. A backward after the drop starts a new window and forgets it: where the
+# others went on to their step, the rank-order check meets it there ([Note: ranks run
+# the same units] in rank_order.py), and the ranks' windows may legitimately differ
+# in emptiness after an error both saw (one had dropped its window, the other not),
+# so comparing flags there would raise where nothing is wrong.
+
+
 def all_dropped(dropping: int, world: int, after: str = "") -> bool:
     """Whether every rank's program dropped every `.grad` (`dropping` of `world` did);
     raises where some ranks did and others did not, `after` ending the message."""
     if 0 < dropping < world:
         raise RuntimeError(
-            f"the program set every .grad to None (model.zero_grad()) after the backward "
-            f"on {dropping} of {world} ranks and kept them on the others: drop the "
+            f"the program dropped the step's gradients (model.zero_grad() or "
+            f"engine.zero_grad()) after the backward on {dropping} of {world} ranks and "
+            "kept them on the others: drop the "
             "gradients on every rank at the same point, as DDP asks, or on none; to start "
             "the step over now, call engine.zero_grad() on every rank" + after)
     return dropping == world

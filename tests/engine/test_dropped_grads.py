@@ -155,13 +155,12 @@ def _uneven(rank, world, init_file, out, cfg, accum_cfg):
         torch.manual_seed(0)
         return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
 
-    def at_step():
+    def at_step(drop):
         got = {}
         with offload.initialize(model(), cfg) as engine:
             before = engine.state_dict(rank0_only=False)
             engine.backward(_loss(engine, rank))
-            if rank == 0:
-                engine.module.zero_grad()
+            drop(engine)
             try:
                 engine.step()
             except StepFailedError as e:
@@ -191,28 +190,36 @@ def _uneven(rank, world, init_file, out, cfg, accum_cfg):
         if rank == 0:
             engine.module.zero_grad()
 
+    def engine_on_rank_0(engine):  # [Note: engine.zero_grad on some ranks]
+        if rank == 0:
+            engine.zero_grad()
+
     def one_or_all(engine):  # rank 0 drops one .grad, rank 1 every one
         if rank == 0:
             engine.module[0].weight.grad = None
         else:
             engine.module.zero_grad()
     with process_group(rank, world, init_file):
-        run_cases({"at_step": at_step, "at_backward": lambda: at_backward(on_rank_0),
+        run_cases({"at_step": lambda: at_step(on_rank_0),
+                   "at_backward": lambda: at_backward(on_rank_0),
+                   "engine_at_step": lambda: at_step(engine_on_rank_0),
                    "mixed": lambda: at_backward(one_or_all)}, f"{out}.{rank}")
 
 
 def test_a_zero_grad_on_some_ranks_only_raises_on_every_rank(engine_cfg, tmp_path):
-    """model.zero_grad() on rank 0 only: both ranks' step (or next backward) raises,
-    so no rank waits for the other's update, nothing changes, and both train on."""
+    """model.zero_grad() or engine.zero_grad() on rank 0 only: both ranks' step (or next
+    backward) raises, so no rank waits for the other's update, nothing changes, and
+    both train on. Before, after engine.zero_grad() rank 0's step() returned False
+    alone and the ranks ran an iteration apart from then on."""
     cfg = engine_cfg(*PLACEMENTS[2], group_size=200)
     accum_cfg = engine_cfg(*PLACEMENTS[2], group_size=200, grad_accum_steps=2)
     got = spawn_cases(_uneven, str(tmp_path), world=2, args=(cfg, accum_cfg))
     for r in got:
-        for case in ("at_step", "at_backward"):
+        for case in ("at_step", "at_backward", "engine_at_step"):
             assert "crash" not in r[case], r
             assert "on 1 of 2 ranks" in r[case]["error"], r
             assert r[case]["next"] is True
-        assert r["at_step"]["same"]
+        assert r["at_step"]["same"] and r["engine_at_step"]["same"]
     # rank 0's own error names the parameter
     assert "'0.weight' was set to None" in got[0]["mixed"]["error"]
     assert "other rank(s) refused this backward" in got[1]["mixed"]["error"]
