@@ -353,6 +353,10 @@ def _rows(times: dict[str, list[float]], n: int) -> tuple[list[dict], float]:
     return results, STREAM_BYTES * n / med["bound"] / 1e9
 
 
+# the in-memory row whose update the NVMe step runs, by optim.state_dtype
+IN_MEMORY = {"fp32": "offload", "bf16": "offload bf16 moments", "int8": "offload int8 moments"}
+
+
 def run_adam_bench(args: argparse.Namespace, progress=None) -> dict:
     """Runs the benchmark; returns the JSON-ready result."""
     if args.threads:
@@ -380,7 +384,8 @@ def run_adam_bench(args: argparse.Namespace, progress=None) -> dict:
     if args.nvme:
         made = missing_directories(args.nvme)
         try:
-            out["nvme"] = _nvme(args.nvme, n, args, med["offload"], progress)
+            # the in-memory update of the moments' form the NVMe step runs (fp32: "offload")
+            out["nvme"] = _nvme(args.nvme, n, args, med[IN_MEMORY[args.state_dtype]], progress)
         except OSError as e:  # the disk refused the state: full, quota, file-size limit
             raise SystemExit(f"offload bench adam: --nvme: {' '.join(str(e).split())}; give "
                              "--nvme on a disk with room for the state, or lower --elements"

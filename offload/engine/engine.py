@@ -239,6 +239,7 @@ class OffloadEngine(ModelWeights, ModuleHooks, GradPartitions, GroupUpdates, Gat
         self._opt.set_zero_grad_hook(self.zero_grad)  # optimizer.zero_grad(), as torch's
         self._opt.set_load_hook(self._params_from_masters)  # optimizer.load_state_dict()
         self._opt.set_step_open(self._early_updates_queued)  # ... refused while True
+        self._opt.set_before_load(self._wait_for_save)  # ... after a save has read it
 
     def _start_updater(self) -> None:
         """Starts the update thread now. The executor starts it at its first `submit`,

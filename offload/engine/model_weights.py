@@ -252,6 +252,11 @@ class ModelWeights:
                                "engine.zero_grad() first")
         self.wait_for_checkpoint(raise_error=False)
 
+    def _wait_for_save(self) -> None:
+        """Before the optimizer's `load_state_dict`: a save in the background reads its
+        state as of the save's call ([Note: saving in the background])."""
+        self.wait_for_checkpoint(raise_error=False)
+
     def _check_no_forward(self, what: str) -> None:
         running = [st.group.gid for st in self._states if st.active]
         if running:

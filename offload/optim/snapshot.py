@@ -106,6 +106,7 @@ class StateAccess:
 
     _load_hook: weakref.WeakMethod | None = None
     _step_open: weakref.WeakMethod | None = None
+    _before_load: weakref.WeakMethod | None = None
 
     @property
     def state(self) -> StateView:
@@ -117,6 +118,12 @@ class StateAccess:
         after loading them (held weakly): the engine rebuilds the compute-dtype
         parameters of those that keep their own master."""
         self._load_hook = weakref.WeakMethod(method)
+
+    def set_before_load(self, method: Callable[[], Any]) -> None:
+        """`load_state_dict` calls the bound `method()` first, outside the lock (held
+        weakly): the engine waits there for a checkpoint save in the background, which
+        reads this state as of its call ([Note: saving in the background])."""
+        self._before_load = weakref.WeakMethod(method)
 
     def set_step_open(self, method: Callable[[], bool]) -> None:
         """`load_state_dict` refuses while the bound `method()` is true (held weakly): an
@@ -350,6 +357,9 @@ class StateAccess:
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Loads `state_dict()` output: hyper-parameters per group, then each
         partition's state. Everything is checked before anything changes."""
+        before = self._before_load() if self._before_load is not None else None
+        if before is not None:
+            before()
         with self._lock:
             groups = state_dict.get("param_groups")
             states = state_dict.get("state", {})

@@ -15,6 +15,7 @@ nothing would call them.
 
 from __future__ import annotations
 
+import math
 import weakref
 from typing import Any, Callable, Mapping
 
@@ -69,7 +70,16 @@ def unsupported_option(group: Mapping[str, Any], decoupled: bool) -> str | None:
 def value_change(used: tuple, now: tuple) -> str:
     """What differs between two `group_values`, e.g. "lr 0.01 -> 0.003"."""
     return ", ".join(f"{n} {a!r} -> {b!r}" if n != "lr_lambda" else "lr_lambda replaced"
-                     for n, a, b in zip(_VALUE_NAMES, used, now) if a is not b and a != b)
+                     for n, a, b in zip(_VALUE_NAMES, used, now) if not _same(a, b))
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal values, NaN where the other is NaN: a tensor's NaN read twice is two floats
+    that compare unequal, and was taken for a change between backward and step()."""
+    if isinstance(a, tuple) and isinstance(b, tuple):
+        return len(a) == len(b) and all(map(_same, a, b))
+    return a is b or a == b or (isinstance(a, float) and isinstance(b, float)
+                                and math.isnan(a) and math.isnan(b))
 
 
 def check_same(group: int, used: tuple, now: tuple) -> None:

@@ -179,6 +179,26 @@ def test_lr_changed_late_after_early_updates_fails_the_step_whole(engine_cfg):
         torch.testing.assert_close(got[k], v, atol=2e-6, rtol=0, msg=lambda m: f"{k}: {m}")
 
 
+def test_a_nan_tensor_lr_is_refused_as_a_nan_float_is(engine_cfg):
+    """A NaN lr written as a tensor before backward: the step is refused for the value
+    itself, as for a float NaN, and the updates still overlap backward once the lr is
+    right. Before, each read of the tensor was a new NaN float, unequal to the last, so
+    the step said the value "changed between backward and step() (lr nan -> nan)" and
+    the updates waited for step() from then on."""
+    torch.manual_seed(0)
+    x, y = lm_batches(1)[0]
+    with offload.initialize(TiedTwice(), engine_cfg("nvme", "nvme", "nvme")) as engine:
+        for bad in (float("nan"), torch.tensor(float("nan"))):
+            engine.optimizer.param_groups[0]["lr"] = bad
+            engine.backward(lm_loss(engine(x), y))
+            with pytest.raises(StepFailedError, match="lr nan must be a finite number"):
+                engine.step()
+        engine.optimizer.param_groups[0]["lr"] = 1e-2
+        engine.backward(lm_loss(engine(x), y))
+        assert engine._early_updates_queued()  # ran during backward
+        assert engine.step()
+
+
 def test_optimizer_zero_grad_drops_the_engines_gradients(engine_cfg):
     """`engine.optimizer.zero_grad()`, as a torch loop calls it, drops the gradients of
     the step in progress, as `engine.zero_grad()` does."""

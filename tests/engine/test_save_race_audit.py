@@ -183,6 +183,28 @@ def test_a_second_save_while_one_is_in_flight_waits_and_both_hold_their_state(
         _assert_identical(end, _state(b))
 
 
+def test_the_optimizer_s_load_waits_for_a_save_in_flight(tmp_path, slow_save):
+    """engine.optimizer.load_state_dict() right after a background save: the save holds
+    the state of its call, and the load happens after it. Before, the load ran beside
+    the save, whose checkpoint mixed the two states (it passed its integrity check and
+    failed to resume, or resumed with the loaded moments)."""
+    xs = _batches(3)
+    slow_save(0.01)
+    with offload.initialize(_model(), _cfg(tmp_path / "a", *PLACE)) as a:
+        _train(a, xs[:1])
+        earlier = a.optimizer.state_dict()
+        _train(a, xs[1:])
+        at_call = _state(a)
+        h = a.save_checkpoint(tmp_path / "ck", blocking=False)
+        assert not h.done()
+        a.optimizer.load_state_dict(earlier)
+        assert h.done()
+        loaded = _state(a)["optim"]
+    _assert_identical(_resumed(tmp_path, _done(h), PLACE), at_call)
+    assert not all(torch.equal(loaded[g]["exp_avg"], at_call["optim"][g]["exp_avg"])
+                   for g in loaded)  # the load happened
+
+
 def test_close_while_a_save_is_in_flight_publishes_it_first(tmp_path, slow_save):
     xs = _batches(2)
     slow_save(0.01)

@@ -10,7 +10,8 @@ def test_bench_adam_json(tmp_path, capsys):
     p = argparse.ArgumentParser()
     bench_adam.add_arguments(p)
     args = p.parse_args(["--elements", "200K", "--rounds", "1", "--json", "--nvme",
-                         str(tmp_path), "--chunk-elems", "65536", "--buffer-budget", "16MiB"])
+                         str(tmp_path), "--chunk-elems", "65536", "--buffer-budget", "16MiB",
+                         "--state-dtype", "int8"])
     assert bench_adam.run(args) == 0
     out = json.loads(capsys.readouterr().out)
     impls = {r["impl"]: r for r in out["results"]}
@@ -20,6 +21,9 @@ def test_bench_adam_json(tmp_path, capsys):
     assert "DeepSpeedCPUAdam" in impls or any("DeepSpeed" in n for n in out["notes"])
     nv = out["nvme"]
     assert nv["step_s"] > 0 and nv["disk_read_GBps"] > 0 and nv["bound_s"] > 0
+    # its bound's compute term: the in-memory update of its own moments' form (it was the
+    # fp32 row's whatever --state-dtype)
+    assert nv["memory_update_s"] == impls["offload int8 moments"]["seconds"]
     assert list(tmp_path.iterdir()) == []  # its files are gone
 
 
