@@ -222,6 +222,13 @@ class IoConfig:
                               f"io.stripe_size ({self.stripe_size})")
         if self.max_swap_size < 0:
             raise ConfigError("io.max_swap_size: negative; use 0 for no limit")
+        row = self.stripe_size * len(self.paths)  # a swap file grows by whole stripe rows
+        if 0 < self.max_swap_size < row:
+            raise ConfigError(
+                f"io.max_swap_size: {self.max_swap_size} bytes is under one stripe row "
+                f"(io.stripe_size {self.stripe_size} x {len(self.paths)} io.paths = {row} "
+                f"bytes), the least a swap file grows by: nothing would fit; raise it to a "
+                f"multiple of {row} (0: no limit), or lower io.stripe_size")
         if not 0.0 <= self.switch_interval <= 1.0:
             raise ConfigError(f"io.switch_interval: {self.switch_interval} is out of range; use "
                               "0 (leave Python's) or seconds up to 1, e.g. 0.0005")

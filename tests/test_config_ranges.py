@@ -27,7 +27,7 @@ def test_a_fractional_number_for_a_byte_key_is_refused(value, tmp_path):
     with pytest.raises(ConfigError, match=r"^\S*c\.json: io\.max_swap_size: cannot read"):
         load_config(f)
     # a float that is a whole number is a byte count
-    assert load_config({"io": {"max_swap_size": 8192.0}}).io.max_swap_size == 8192
+    assert load_config({"io": {"max_swap_size": 2097152.0}}).io.max_swap_size == 2097152
 
 
 def test_the_largest_byte_count_is_accepted_and_one_more_refused():
@@ -40,6 +40,11 @@ def test_the_largest_byte_count_is_accepted_and_one_more_refused():
 
 @pytest.mark.parametrize("data, match", [
     ({"io": {"max_swap_size": -1}}, r"^io\.max_swap_size: negative; use 0 for no limit"),
+    # a swap file grows by whole stripe rows: less than one held nothing, and said
+    # "would be exceeded (0 in use)" at the first 4 KiB
+    ({"io": {"max_swap_size": "1MiB", "paths": ["a", "b"]}},
+     r"^io\.max_swap_size: 1048576 bytes is under one stripe row \(io\.stripe_size 1048576 "
+     r"x 2 io\.paths = 2097152 bytes\)"),
     ({"io": {"block_size": 0}}, r"^io\.block_size: 0 bytes is not a positive multiple of 4096"),
     ({"io": {"block_size": -4096}}, r"^io\.block_size: -4096 bytes is not a positive multiple"),
     ({"io": {"queue_depth": 1025}}, r"^io\.queue_depth: 1025 is out of range; use 1\.\.1024"),

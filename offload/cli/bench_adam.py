@@ -412,7 +412,7 @@ def render(result: dict) -> None:
     from rich.table import Table
 
     con = table_console()
-    t = Table(title=f"offload bench adam: {result['elements'] / 1e6:.0f}M fp32 elements, "
+    t = Table(title=f"offload bench adam: {result['elements']:,} fp32 elements, "
                     f"{result['threads']} threads, median of {result['rounds']} interleaved rounds")
     busy = {r["impl"]: r for r in result.get("busy_results", [])}
     cols = ["implementation", "Gelem/s", "ms/step", "x bound", "x offload fp32"]

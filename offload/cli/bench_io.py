@@ -170,7 +170,7 @@ def render(result: dict) -> None:
     from rich.table import Table
 
     con = table_console()
-    t = Table(title=f"offload bench io: {result['size'] / 2**30:.2f} GiB, O_DIRECT, "
+    t = Table(title=f"offload bench io: {format_bytes(result['size'])}, O_DIRECT, "
                     f"median of {result['repeat']} interleaved rounds, writes include fdatasync")
     for col in ("engine", "block", "qd", "write GB/s", "x ref", "read GB/s", "x ref"):
         t.add_column(col, justify="right" if col != "engine" else "left")

@@ -135,7 +135,7 @@ def render(result: dict) -> None:
 
     con = table_console()
     n, size = result["partitions"], result["partition_size"]
-    t = Table(title=f"offload bench store: {n} x {size / 2**20:.0f} MiB host -> NVMe -> host, "
+    t = Table(title=f"offload bench store: {n} x {format_bytes(size)} host -> NVMe -> host, "
                     f"{result['engine']} engine, median of {result['rounds']} interleaved rounds")
     for col in ("system", "write GB/s", "read GB/s"):
         t.add_column(col, justify="left" if col == "system" else "right")

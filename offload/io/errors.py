@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno as _errno
 import os
 import resource
+from typing import Sequence
 
 from ..config import ConfigError
 
@@ -100,10 +101,17 @@ def _read_sysctl(name: str) -> str:
 class CorruptionError(IoError):
     """Bytes read back do not match the checksum recorded when they were written."""
 
-    def __init__(self, path: str, offset: int, length: int, expected: int, actual: int) -> None:
+    def __init__(self, path: str, offset: int, length: int, expected: int, actual: int,
+                 spans: Sequence[tuple[str, int, int]] = ()) -> None:
+        """`spans`: (file, offset, bytes) of each piece of a striped extent; where they
+        are in several files, the message names each (any of them may hold the change)."""
+        files = dict.fromkeys(p for p, _, _ in spans)
+        where = "" if len(files) < 2 else "; the extent is striped over " + ", ".join(
+            f"{p} ({sum(n for q, _, n in spans if q == p)} bytes from offset "
+            f"{min(o for q, o, _ in spans if q == p)})" for p in files)
         super().__init__("read", path, offset, length, _errno.EIO,
                          f"checksum mismatch: expected {expected:#018x}, got {actual:#018x}; "
-                         "the swap file was modified or the disk returned bad data")
+                         f"the swap file was modified or the disk returned bad data{where}")
         self.expected = expected
         self.actual = actual
 

@@ -535,9 +535,12 @@ class SwapSpace:
             except SwapFullError:
                 pass  # the least may still fit the disk
         if self.max_size and least > self.max_size:
+            usable = self.max_size // unit * unit  # whole stripe rows
             raise SwapFullError("alloc", self._files[0].path, self.capacity, need, _errno.ENOSPC,
                                 f"io.max_swap_size={self.max_size} bytes would be exceeded "
-                                f"({self.used_bytes} in use); raise it or keep less on NVMe")
+                                f"({self.used_bytes} in use of the {usable} it allows: whole "
+                                f"rows of io.stripe_size x {len(self._files)} io.paths); "
+                                "raise it or keep less on NVMe")
         self._reserve(least, need)
 
     def _leaves_room(self, new_cap: int) -> bool:
@@ -748,7 +751,8 @@ class SwapSpace:
             _check_owned(owner, address, span, f"read of {nbytes} B from {first.path}")
             actual = xxhash.xxh3_64_intdigest(_view(address, nbytes))
             if actual != digest:
-                raise CorruptionError(first.path, first.offset, nbytes, digest, actual)
+                raise CorruptionError(first.path, first.offset, nbytes, digest, actual,
+                                      [(s.path, s.offset, s.length) for s in segments])
         return ReadHandle(inner, verify)
 
     def close(self, keep: bool = False) -> None:

@@ -303,6 +303,9 @@ class MoveExecutor:
                     self._wait(min(deadline, time.monotonic() + 0.025), "budget", what)
                 elif not self._make_room(needs, exclude, victims, any_victim=True):
                     raise BudgetExceededError(self._no_room_message(needs, what))
+            # a wait woken by close(), which gave every record's memory back: the room
+            # is there, the record gone ("partition is FREED")
+            self._check_open()
         except TimeoutError as e:
             raise BudgetExceededError(f"{self._no_room_message(needs, what)} ({e})") from e
         finally:

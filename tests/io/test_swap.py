@@ -80,6 +80,29 @@ def test_corrupted_byte_is_reported_not_returned(engine, pool, tmp_path):
     sw.close()
 
 
+def test_a_corrupted_striped_extent_names_every_file_it_spans(engine, pool, tmp_path):
+    """A byte changed in the second of three striped files: the error names each file
+    and the bytes the extent holds there. It named the first file alone, so one checked
+    the wrong disk."""
+    sw = SwapSpace([str(tmp_path / f"d{i}") for i in range(3)], "c", engine,
+                   stripe_size=8192, grow_step=3 * 8192 * 4)
+    n = 40_000
+    src, dst = pool.alloc(n), pool.alloc(n)
+    _fill(src, n, 3)
+    ext = sw.alloc(n)
+    sw.write(ext, src, n).wait()
+    with open(sw.paths[1], "r+b") as f:
+        f.seek(100)
+        f.write(b"\xde\xad")
+        f.flush()
+        os.fsync(f.fileno())
+    with pytest.raises(CorruptionError) as e:
+        sw.read(ext, dst).wait()
+    assert all(f"{p} (" in str(e.value) for p in sw.paths), str(e.value)
+    assert f"{sw.paths[1]} (16384 bytes from offset 0)" in str(e.value)
+    sw.close()
+
+
 def test_checksum_can_be_switched_off(engine, pool, tmp_path):
     sw = SwapSpace([str(tmp_path)], "nc", engine, grow_step=1 << 20, checksum=False)
     buf = pool.alloc(8192)
@@ -212,6 +235,18 @@ def test_growth_falls_back_to_what_is_needed_when_the_grow_step_does_not_fit(nam
     res = json.loads(out.stdout)
     assert res["sizes"] == [1 << 20, 2 << 20], res
     assert "cannot reserve swap space" in res["error"], res
+
+
+def test_max_swap_size_says_what_whole_stripe_rows_it_allows(engine, tmp_path):
+    """Striped over 3 paths of 1 MiB stripes, a 4 MiB limit holds 3 MiB (whole rows):
+    the error says so, where it said "would be exceeded (3145728 in use)" alone."""
+    sw = SwapSpace([str(tmp_path / f"d{i}") for i in range(3)], "m", engine,
+                   grow_step=3 << 20, max_size=4 << 20)
+    sw.alloc(3 << 20)
+    with pytest.raises(SwapFullError, match=r"3145728 in use of the 3145728 it allows: whole "
+                                            r"rows of io\.stripe_size x 3 io\.paths"):
+        sw.alloc(4096)
+    sw.close()
 
 
 def test_a_grow_step_over_max_swap_size_still_grows_to_what_is_needed(engine, tmp_path):
