@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from .gathering import in_backward
+from .tensor_parallel import refuse_layer_outputs
 from .units import Unit, copy_weight_views, hooks_last, output_tensors
 
 __all__ = ["ModuleHooks"]
@@ -33,6 +34,8 @@ class ModuleHooks:
             # [Note: a TP group reads the same rows] in rank_order.py
             self._rank_order.forward_called(args, kwargs)
             self._nested.autograd_forward = torch.is_grad_enabled()
+            if self.tp is not None:  # [Note: per-layer outputs under tensor parallelism]
+                refuse_layer_outputs(module, kwargs)
 
     def _root_post(self, module: nn.Module, args: Any, out: Any) -> None:
         if in_backward():

@@ -132,6 +132,26 @@ class GradSquares:
         return sharded + replicated / self.tp.mesh.tp.world
 
 
+def refuse_layer_outputs(model: nn.Module, kwargs: dict) -> None:
+    """[Note: per-layer outputs under tensor parallelism]
+    transformers collects `output_hidden_states` and `output_attentions` with hooks on
+    its own block classes, which tensor parallelism replaces by Domino blocks: the
+    hidden states came back empty, and the attentions one per batch piece, each with
+    this rank's heads only, with no error. Asked for (in the call or the model's
+    config), the forward raises first, on every rank alike, before any collective."""
+    config = getattr(model, "config", None)
+    for key in ("output_hidden_states", "output_attentions"):
+        on = kwargs.get(key)
+        if on is None:
+            on = getattr(config, key, False)
+        if on is True:
+            raise ValueError(f"{key}=True with tp.size > 1 is not supported: tensor "
+                             "parallelism runs each block in pieces over its ranks' heads, "
+                             "and would return them empty or partial; call the model "
+                             f"without it (and set config.{key} = False), or train with "
+                             "tp.size 1")
+
+
 def full_state_dict(engine: "OffloadEngine") -> dict[str, Any]:
     """The model's full weights on every rank: the engine's state dict (gathered over
     DP), its TP slices put together. Every rank calls it; for tests and export."""

@@ -295,6 +295,12 @@ def _case_modes(d: str) -> dict:
         with torch.no_grad():
             out["cache"] = _outcome(lambda: engine(x))
             out["no_cache"] = _outcome(lambda: engine(x, use_cache=False))
+            # [Note: per-layer outputs under tensor parallelism]: they came back empty or
+            # one per batch piece with this rank's heads; now refused on every rank
+            for key in ("output_hidden_states", "output_attentions"):
+                out[key] = _outcome(lambda: engine(x, use_cache=False, **{key: True}))
+        out["trains_after"] = _outcome(lambda: engine.backward(
+            engine(x, use_cache=False).logits.float().square().mean()))
     return out
 
 
@@ -505,6 +511,10 @@ def test_dropout_and_the_kv_cache_under_tensor_parallelism(outcomes):
         assert got["cache"]["error"] == "ValueError" and "use_cache=False" in \
             got["cache"]["message"], got
         assert got["no_cache"]["error"] is None, got
+        for key in ("output_hidden_states", "output_attentions"):
+            assert got[key]["error"] == "ValueError" and f"{key}=True with tp.size > 1" in \
+                got[key]["message"], got
+        assert got["trains_after"]["error"] is None, got
     assert outcomes[0]["modes"]["train_sum"] == outcomes[1]["modes"]["train_sum"]
 
 
