@@ -20,6 +20,7 @@ import torch
 
 from ..io import host_copy
 from ..store import BudgetExceededError, Tier
+from .one_thread import one_call
 from .tensor_parallel import GradSquares
 
 log = logging.getLogger(__name__)
@@ -31,6 +32,40 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 class GradPartitions:
     """Storing, summing, reading and dropping the step's gradient partitions."""
+
+    @one_call("engine.zero_grad()", outer=True, sealed=True)  # [Note: one thread at a time]
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drops the gradients of the step in progress, as torch does: updates that
+        already ran for them in the background are undone, so the next `step()`
+        changes nothing. step() clears gradients itself; calling this at any point
+        is safe. Gradients are always dropped, never kept as zeros: with
+        `set_to_none=False` a parameter that gets no gradient in a later step is
+        left alone, where torch's AdamW would decay it (a warning says so, once)."""
+        self._check_open()
+        self._warn_window_drop("engine.zero_grad()", self._step_awaits_more)
+        self._step_awaits_more = False
+        if not set_to_none and not self._warned_zero_fill:
+            self._warned_zero_fill = True
+            log.warning("engine.zero_grad(set_to_none=False): the engine keeps no zero-filled "
+                        "gradients; a parameter without a gradient in a step is not updated, "
+                        "as after set_to_none=True (torch's AdamW would still apply weight "
+                        "decay and decay its moments)")
+        with self._interrupts.held():  # [Note: Ctrl-C at a safe point] in interrupts.py
+            self._zeroed = self._zeroed or bool(self._backwards) and self._whole.world > 1
+            self._drop_step()
+
+    def _warn_window_drop(self, how: str, awaited: bool) -> None:
+        """[Note: zero_grad in the window] Says so, once, where `how` drops the gradients
+        right after a step() that waited for more micro-batches (`awaited`)."""
+        if awaited and self._backwards and not self._warned_window_drop:
+            self._warned_window_drop = True
+            log.warning(
+                "%s after a step() that waited for more micro-batches (%d of "
+                "grad_accum_steps=%d ran) dropped their gradients: the step starts over, and "
+                "a loop that does so after every micro-batch never updates. step() "
+                "clears the gradients itself when it updates: leave %s out of the "
+                "loop, or call it only after a step() that returned True",
+                how, self._backwards, self.cfg.engine.grad_accum_steps, how)
 
     def _on_grad(self, gid: int, flat: torch.Tensor) -> None:
         """The post-accumulate-grad hook of group `gid`'s flat weights (it holds neither

@@ -232,7 +232,11 @@ def make_plan(uses: Sequence[Use], records: Mapping[Hashable, RecordSpec],
         return (math.inf if plans[1] is None else plans[1].bytes_moved, plans[0].bytes_moved)
     # [Note: the plan against LRU's victims]
     plans = walks(None)
-    if plans[1] is None or plans[1].bytes_moved > sum(lru_bytes(uses, records, budget, True)):
+    try:
+        lru = sum(lru_bytes(uses, records, budget, True))
+    except ValueError:  # LRU's steady step does not fit: the plan's may still
+        lru = None
+    if plans[1] is None or lru is not None and plans[1].bytes_moved > lru:
         other = walks({k: -1 for k, r in records.items() if r.resident})
         if cost(other) < cost(plans):
             plans = other
