@@ -270,14 +270,10 @@ def _defaults_that_train(plan: DemoPlan, device: bool, host: bool) -> DemoPlan:
     of its state, which for a small model is less than two of its groups."""
     if not (device or host):
         return plan
-    import torch
-
     from ..engine.working_set import working_set
 
-    cfg = load_config(plan.config(plan.swap_root, direct=True))
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[plan.dtype]
     groups = _groups(plan.model, plan.group_size, plan.world)
-    need = working_set(cfg, groups, dtype)
+    need = working_set(load_config(plan.config(plan.swap_root, direct=True)), groups)
     # and two of the largest group gathered (`_check_fits`): one in use, one arriving
     two = 2 * max(g.padded for g in groups) * plan.compute_bytes
     mib = lambda n: -(-n // (1 << 20)) << 20  # noqa: E731

@@ -35,14 +35,11 @@ def minimum(mm: MeasuredModel, engine: dict[str, Any], device: str = "cpu",
             max_grad_norm: float = 0.0) -> dict[str, int]:
     """The minimum working set (bytes per rank) of DEVICE and HOST for these engine keys
     and clipping (`max_grad_norm`, optim.max_grad_norm)."""
-    import torch
-
     from ..engine.working_set import working_set
 
     cfg = OffloadConfig(engine=EngineConfig(dtype=mm.spec.dtype, **engine),
                         optim=OptimConfig(max_grad_norm=max_grad_norm))
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[mm.spec.dtype]
-    ws = working_set(cfg, mm.groups, dtype)
+    ws = working_set(cfg, mm.groups)  # in engine.dtype, the spec's
     return {"device": ws.device, "host": ws.host}
 
 

@@ -38,11 +38,11 @@ def read_group(engine: "OffloadEngine", g: Group) -> torch.Tensor:
     Collective: every rank calls it for the same groups in the same order."""
     engine._rank_order.check_read(g.gid)  # [Note: ranks run the same units] in rank_order.py
     shard = torch.empty(g.shard, dtype=torch.float32)
-    if engine.comm.world == 1:
-        return _read_shard(engine, g, shard)
-    # [Note: a read that fails on one rank]
+    # [Note: a read that fails on one rank] (a world of 1 raises its error as it is)
     with engine.comm.together(f"reading group {g.gid}'s full weights"):
         _read_shard(engine, g, shard)
+    if engine.comm.world == 1:
+        return shard
     # NCCL gathers device tensors; gloo host ones
     where = engine.device if engine.comm.backend == "nccl" else torch.device("cpu")
     full = torch.empty(g.padded, dtype=torch.float32, device=where)
@@ -119,12 +119,12 @@ class NewWeights:
         if full.numel() != g.padded:
             raise ValueError(f"group {g.gid}: full buffer has {full.numel()} elements, "
                              f"expected {g.padded}")
-        if self.engine.comm.world == 1:
-            return self._add(g, full)
         if self.failure is None:  # [Note: a read that fails on one rank]
             try:
                 self._add(g, full)
             except Exception as e:
+                if self.engine.comm.world == 1:
+                    raise
                 self.failure = e
 
     def _add(self, g: Group, full: torch.Tensor) -> None:
@@ -147,15 +147,10 @@ class NewWeights:
         """Switches every staged group in; on a failure first, on this rank or another
         ([Note: a read that fails on one rank]), `discard`s them and raises."""
         try:
-            if self.failure is None:
-                try:
-                    self._staged.ready()
-                except Exception as e:
-                    if self.engine.comm.world == 1:
-                        raise
-                    self.failure = e
-            if self.engine.comm.world > 1:
-                self.engine.comm.agree(self.failure, self.what)
+            with self.engine.comm.together(self.what):  # every rank's outcome, first
+                if self.failure is not None:
+                    raise self.failure
+                self._staged.ready()
         except BaseException:
             self.discard()
             raise

@@ -45,6 +45,7 @@ from ..optim import resolve_chunk_elems
 from ..planner.sizes import keeps_master, moment_bytes, nvme_state_bytes
 from ..store import footprint
 from ..store.copy import resolve_device
+from .grads import _DTYPES
 from .units import Group
 
 log = logging.getLogger(__name__)
@@ -71,8 +72,11 @@ def _early_updates(cfg: OffloadConfig) -> bool:
             and e.grad_accum_steps == 1)
 
 
-def working_set(cfg: OffloadConfig, groups: list[Group], dtype: torch.dtype) -> WorkingSet:
-    """The minimum working set of DEVICE and HOST ([Note: minimum working set])."""
+def working_set(cfg: OffloadConfig, groups: list[Group],
+                dtype: torch.dtype | None = None) -> WorkingSet:
+    """The minimum working set of DEVICE and HOST ([Note: minimum working set]); `dtype`:
+    the compute dtype (default: engine.dtype's)."""
+    dtype = dtype or _DTYPES[cfg.engine.dtype]
     e = cfg.engine
     early = _early_updates(cfg)
     trainable = [g for g in groups if g.requires_grad]

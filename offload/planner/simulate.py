@@ -18,9 +18,10 @@ the operations behind it (a chunk the update lane wrote is written back while
 the next backward runs, as the engine's update thread does), a fetch once the
 write-backs issued before it that make room for its use or an earlier one are
 done (it may read into that room; a later use's room may be written only after
-the very use the fetch is for). The one being served moves at its kind's rate: reads at `read_Bps`,
-writes at `write_Bps`, and at `mixed_Bps` while an operation of the other kind
-is queued with it or where it follows one of the other kind without a pause
+the very use the fetch is for). The one being served moves at its kind's rate:
+reads at `read_Bps`, writes at `write_Bps`, and at `mixed_Bps` while an
+operation of the other kind is queued with it or where it follows one of the
+other kind without a pause
 (the disk's rate for interleaved traffic, measured by the same probe). A use
 starts when the use before it on its lane ended, every fetch it needs has
 arrived and every write-back that makes its room (`PlanOp.needed_at`) is done:
@@ -226,7 +227,7 @@ class _Disk:
         # a fetch may read into the room made for its own use or an earlier one, not a
         # later use's: that room's write-back may follow the very use this fetch is for
         rooms = {s for s, needed in self.rooms.items()
-                 if op.op == "fetch" and (op.needed_at is None or needed <= op.needed_at)}
+                 if op.needed_at is None or needed <= op.needed_at} if op.op == "fetch" else ()
         if rooms:
             self.blocked.append((rooms, self.seq, op, self.now))
         elif use is not None:
