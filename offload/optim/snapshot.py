@@ -264,13 +264,8 @@ class StateAccess:
         kept; the partition is unchanged until `install_master` of the returned token
         (`drop_master` frees it). The partition must be on NVMe."""
         with self._lock:
-            part = self.partition(pid)
+            part = self._master_to_replace(pid)
             part.check_tier(Tier.NVME)
-            if part.master_is_param:
-                raise ValueError(f"partition {pid!r} keeps no master (master_is_param)")
-            if pid in self._round:
-                raise ValueError(f"partition {pid!r} was updated in the open round; "
-                                 f"{_OPEN_ROUND_FIX}")
             flat = flat_tensor(master, f"stage_master of {pid!r}", part.numel,
                                (torch.float32,))
             return pid, self._write_new(part, flat, None, None)
@@ -282,14 +277,20 @@ class StateAccess:
             self.install_master(self.stage_master(pid, master))
             return
         with self._lock:
-            part = self.partition(pid)
-            if part.master_is_param:
-                raise ValueError(f"partition {pid!r} keeps no master (master_is_param)")
-            if pid in self._round:
-                raise ValueError(f"partition {pid!r} was updated in the open round; "
-                                 f"{_OPEN_ROUND_FIX}")
+            part = self._master_to_replace(pid)
             part.host[0].copy_(flat_tensor(master, f"set_master of {pid!r}", part.numel,
                                            (torch.float32,)))
+
+    def _master_to_replace(self, pid: Hashable) -> Any:
+        """Partition `pid`, refused where it keeps no master or its update of the open
+        round has run (the lock held)."""
+        part = self.partition(pid)
+        if part.master_is_param:
+            raise ValueError(f"partition {pid!r} keeps no master (master_is_param)")
+        if pid in self._round:
+            raise ValueError(f"partition {pid!r} was updated in the open round; "
+                             f"{_OPEN_ROUND_FIX}")
+        return part
 
     def install_master(self, token: Any) -> None:
         """Makes a `stage_master` the partition's master: no I/O, cannot fail."""
