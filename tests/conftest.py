@@ -34,7 +34,7 @@ def build_engine(name: str, **kw):
     kw.setdefault("block_size", 64 << 10)
     kw.setdefault("queue_depth", 8)
     if name == "aio":
-        # tests/io/test_limits_audit.py lowers the machine's fs.aio-max-nr for a moment
+        # tests/io/test_limits_edges.py lowers the machine's fs.aio-max-nr for a moment
         # while the other worker's tests run: an engine made then finds no AIO slots
         for wait in (0.2, 0.5, 1.0, None):
             try:

@@ -468,7 +468,7 @@ def _dirty_until(plan: Plan, uses: Sequence[Use], n: int, evictions: list[int]) 
 # fetch placed before a later eviction freed room can then be issued earlier: after the
 # walk, each fetch moves up into the room the finished plan leaves, in the fetches'
 # order. Both only ever lower the bytes moved and move reads earlier; the plan still
-# holds at most the budget at every use (tests/planner/test_planner_audit.py).
+# holds at most the budget at every use (tests/planner/test_planner_edges.py).
 
 
 def lru_bytes(uses: Sequence[Use], records: Mapping[Hashable, RecordSpec],

@@ -49,7 +49,7 @@ def _mlp():
 
 
 @pytest.mark.slow  # 14 s; tune -> file -> initialize -> training is checked by default in
-# test_tune_audit.py (test_written_config_trains_like_adamw_within_its_budgets)
+# test_tune_edges.py (test_written_config_trains_like_adamw_within_its_budgets)
 def test_tune_writes_a_config_that_initialize_takes_unchanged(work):
     out = _tune(work, "--swap", str(work / "swap"), "--host-budget", "12MiB",
                 "--device-budget", "1MiB", "--write", "offload.toml", "--verify", "1", "--json")

@@ -224,7 +224,7 @@ def _worker(rank: int, world: int, init_file: str, out: str) -> None:
 
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory) -> list:
-    return spawn_cases(_worker, str(tmp_path_factory.mktemp("parallel-audit")))
+    return spawn_cases(_worker, str(tmp_path_factory.mktemp("parallel-edges")))
 
 
 def test_ranks_seeded_apart_train_rank_0s_model(outcomes):

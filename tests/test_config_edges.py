@@ -1,4 +1,4 @@
-"""Audit of the configuration layer: inputs a user can give that used to raise a
+"""Tests of the configuration layer: inputs a user can give that used to raise a
 traceback from deep inside, name no key, or be accepted and misbehave later."""
 
 import json

@@ -1,4 +1,4 @@
-"""Audit of the trace readers outside the report: `load_chrome_trace` and
+"""Tests of the trace readers outside the report: `load_chrome_trace` and
 `merge_chrome_traces` on files that are truncated, corrupted, not traces or from a
 newer format say which file and what is wrong, as a ValueError, not a traceback from
 deep inside json, gzip or the merge."""

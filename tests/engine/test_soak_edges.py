@@ -1,4 +1,4 @@
-"""Soak audit: what a long training job or a notebook accumulates. With parameters,
+"""Soak tests: what a long training job or a notebook accumulates. With parameters,
 gradients and optimizer state on NVMe, after a few warm-up steps the open file
 descriptors, the Python threads, the swap files' sizes on disk and the store's
 partitions stay exactly as they were: over more steps, failed forwards, backwards

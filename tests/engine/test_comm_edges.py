@@ -1,4 +1,4 @@
-"""Audit of tensor parallelism's refusals and of what they leave behind (tp.size = 2 on
+"""Tests of tensor parallelism's refusals and of what they leave behind (tp.size = 2 on
 two gloo ranks): a model that cannot be cut is left as it was, with a ConfigError
 naming tp.size and the layer; an initialize that fails after the cut does not turn
 the retry into a TypeError; export under TP.
@@ -393,7 +393,7 @@ def _worker(rank: int, world: int, init_file: str, out: str) -> None:
 
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory) -> list:
-    return spawn_cases(_worker, str(tmp_path_factory.mktemp("comm-audit")))
+    return spawn_cases(_worker, str(tmp_path_factory.mktemp("comm-edges")))
 
 
 def test_uncuttable_width_leaves_model_as_it_was(outcomes):

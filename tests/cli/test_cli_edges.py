@@ -1,4 +1,4 @@
-"""Audit of the command line as a user runs it: real processes, real files, the exit
+"""Tests of the command line as a user runs it: real processes, real files, the exit
 code and the one line on stderr (no traceback) for what a user gets wrong, and no
 exit code 0 when the command's work failed."""
 

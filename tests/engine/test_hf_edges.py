@@ -1,8 +1,8 @@
-"""Audit of what a Hugging Face user does when fine-tuning with offload: LoRA done by hand
+"""Tests of what a Hugging Face user does when fine-tuning with offload: LoRA done by hand
 over a frozen base, tuple outputs, encoder-decoder training and generation, and loading a
 `save_pretrained` directory back with `initialize(model, cfg, checkpoint=dir)`.
 
-The xfail(strict=True) tests are bugs found by the audit: each fails on the current code
+The xfail(strict=True) tests are known bugs: each fails on the current code
 and says in its reason what to change. The others pin behaviour that works."""
 
 import copy

@@ -1,4 +1,4 @@
-"""Audit of `offload bench ...` as a user meets it with unusual input: real processes,
+"""Tests of `offload bench ...` as a user meets it with unusual input: real processes,
 real files. A user mistake or a condition of the machine is one line on stderr naming
 the flag and the fix, no traceback; `--json` stdout parses; the directories a command
 made for `--path` go again, also when it is stopped with Ctrl-C."""

@@ -1,4 +1,4 @@
-"""Crash audit of the public I/O API: each attempt runs in a child process, so a
+"""Crash tests of the public I/O API: each attempt runs in a child process, so a
 segfault, an abort or a hang shows as the child's return code (or a timeout)
 instead of taking the test run down. A child prints OK when the API answered
 with the expected Python exception (or the right bytes)."""

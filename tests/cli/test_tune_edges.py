@@ -52,7 +52,7 @@ def _fixed_probe(args, spec, mm, device, progress) -> MachineProbe:
 def work(tmp_path, monkeypatch):
     """A directory holding the models module (imported by name, as a user's would be),
     the current directory of the test."""
-    (tmp_path / "tuneaudit_models.py").write_text(MODELS)
+    (tmp_path / "tunecase_models.py").write_text(MODELS)
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.chdir(tmp_path)
     return tmp_path
@@ -64,7 +64,7 @@ def fixed(monkeypatch):
 
 
 def _tune_argv(swap, *extra):
-    return ["tune", "tuneaudit_models:mlp", "--dtype", "fp32", "--device", "cpu", "--swap",
+    return ["tune", "tunecase_models:mlp", "--dtype", "fp32", "--device", "cpu", "--swap",
             str(swap), "--calibrate", "0", "--finalists", "0", "--group-sizes", "262656",
             "--json", *extra]
 
@@ -80,7 +80,7 @@ def _train_against_adamw(path: str, steps: int = 3) -> dict[str, int]:
     hyperparameters side by side (the file's micro-batches a step, the mean of their
     gradients, clipped where it clips); checks losses and weights agree; the store's
     peaks."""
-    from tuneaudit_models import mlp
+    from tunecase_models import mlp
 
     cfg = load_config(path)
     torch.manual_seed(0)
@@ -213,7 +213,7 @@ def test_tune_searches_clipping_with_its_minimum_budgets(work):
     minimum under NVMe optimizer state, where the gradients are stored)."""
     from offload.cli.model_arg import ModelSpec
 
-    spec = ModelSpec("function", "tuneaudit_models:mlp", 8, None, "fp32")
+    spec = ModelSpec("function", "tunecase_models:mlp", 8, None, "fp32")
     plain, clipped = (tune_cli.record(spec, [262656], 1.0, "cpu", lambda: None, norm)[0]
                       for norm in (0.0, 1.0))
     assert (plain.clipping, clipped.clipping) == (False, True)
@@ -273,15 +273,15 @@ def test_a_hugging_face_model_from_a_function_is_estimated_and_tuned(work, offlo
     """`module:function` returning a transformers model: its forward takes input_ids and
     labels and returns an output object, which the estimate called with one tensor and
     squared (AttributeError); its context bounds the rows as a config's does."""
-    rc, out, err = offload_cli(["estimate", "tuneaudit_models:gpt2", "--batch", "2",
+    rc, out, err = offload_cli(["estimate", "tunecase_models:gpt2", "--batch", "2",
                                 "--placement", "host/host/host", "--json"])
     assert rc == 0, err
     est = json.loads(out)
     assert est["tokens_per_batch"] == 2 * 64 and est["activations"]["bytes"] > 0
-    rc, _, err = offload_cli(["estimate", "tuneaudit_models:gpt2", "--seq", "65"])
+    rc, _, err = offload_cli(["estimate", "tunecase_models:gpt2", "--seq", "65"])
     assert rc == 2 and "--seq: 65 is above the model's n_positions (64)" in err, err
     # one real calibration run: the batch and loss of the real steps are right too
-    rc, out, err = offload_cli(["tune", "tuneaudit_models:gpt2", "--batch", "2", "--dtype",
+    rc, out, err = offload_cli(["tune", "tunecase_models:gpt2", "--batch", "2", "--dtype",
                                 "fp32", "--device", "cpu", "--swap", str(work / "swap"),
                                 "--host-budget", "64MiB", "--device-budget", "8MiB",
                                 "--calibrate", "1", "--finalists", "0", "--group-sizes",
@@ -292,8 +292,8 @@ def test_a_hugging_face_model_from_a_function_is_estimated_and_tuned(work, offlo
 
 
 @pytest.mark.parametrize("model,fix", [
-    ("tuneaudit_models.py:mlp", "give tuneaudit_models:mlp ("),
-    ("./tuneaudit_models.py:mlp", "give tuneaudit_models:mlp with PYTHONPATH=. ("),
+    ("tunecase_models.py:mlp", "give tunecase_models:mlp ("),
+    ("./tunecase_models.py:mlp", "give tunecase_models:mlp with PYTHONPATH=. ("),
 ])
 def test_a_python_files_path_as_model_names_the_module_to_give(work, offload_cli, model, fix):
     rc, out, err = offload_cli(["estimate", model])

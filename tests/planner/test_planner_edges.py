@@ -1,4 +1,4 @@
-"""Audit of the plan against what docs/planner.md promises of its final schedule: a
+"""Tests of the plan against what docs/planner.md promises of its final schedule: a
 record that fits beside everything else until its next use is not dropped and read
 back, and each fetch is issued as early as the finished plan's budget allows."""
 

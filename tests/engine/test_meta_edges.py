@@ -1,4 +1,4 @@
-"""Audit of meta-device initialisation (`offload.initialize(lambda: Model())`, or a
+"""Tests of meta-device initialisation (`offload.initialize(lambda: Model())`, or a
 model built under `offload.engine.meta_device()`): each parameter group is
 materialised on real storage by its modules' own initialisers (`_materialise` in
 offload/engine/__init__.py), checked against the model built normally on the CPU:
@@ -340,7 +340,7 @@ def test_hf_parameter_no_initialiser_touches_is_not_left_uninitialised(engine_cf
             self.gamma = nn.Parameter(torch.ones(d))
 
     class Cfg(transformers.PretrainedConfig):
-        model_type = "metaaudit-toy"
+        model_type = "metacase-toy"
 
     class Toy(transformers.PreTrainedModel):
         config_class = Cfg
