@@ -335,6 +335,7 @@ def initialize(model: nn.Module | Callable[[], nn.Module],
         ckpt = SafetensorsCheckpoint(checkpoint) if checkpoint is not None else None
         if ckpt is not None:
             ckpt.adopt(model)  # [Note: transformers' conversions] in checkpoint.py
+        gen_config = ckpt.generation_config(model) if ckpt is not None else None
         resumed = CheckpointReader(resume) if resume is not None else None
         if resumed is not None:  # before a meta buffer it lacks is made
             resumed.check_buffers(model)
@@ -441,6 +442,8 @@ def initialize(model: nn.Module | Callable[[], nn.Module],
                 model.__dict__[_WRAPPED] = weakref.ref(engine)  # [Note: wrapped modules]
                 guard_casts(model, engine.dtype, engine.device)
                 guard_resize(model)
+                if gen_config is not None:  # as from_pretrained sets it
+                    model.generation_config = gen_config
                 if comm.world > 1:  # [Note: generation on several ranks] in model_weights.py
                     for m in model.modules():
                         m.__dict__["_is_fsdp_managed_module"] = True
@@ -704,7 +707,8 @@ class _ModelBefore:
     meta parameters were put back: a Ctrl-C in those last lines left a model on the
     CPU with a closed engine's stand-ins, its weights gone with the engine."""
 
-    _MARKS = (_WRAPPED, "_apply", "resize_token_embeddings", "_is_fsdp_managed_module")
+    _MARKS = (_WRAPPED, "_apply", "resize_token_embeddings", "_is_fsdp_managed_module",
+              "generation_config")
 
     def __init__(self, model: nn.Module) -> None:
         self._modules = [(m, dict(m._parameters), dict(m._buffers),

@@ -96,6 +96,7 @@ class SafetensorsCheckpoint:
                               "'offload[hf]'") from e
         self._open, self._error = safe_open, SafetensorError
         p = Path(path)
+        self.directory = p if p.is_dir() else None
         index = p / "model.safetensors.index.json"
         if p.is_dir() and index.is_file():
             files = {name: p / f for name, f in _weight_map(index).items()}
@@ -243,6 +244,23 @@ class SafetensorsCheckpoint:
             raise ValueError(f"checkpoint {f} is not a valid safetensors file ({e}); pass "
                              "a .safetensors file, or a directory of them as transformers' "
                              "save_pretrained writes") from e
+
+    def generation_config(self, model: Any) -> Any | None:
+        """The directory's `generation_config.json` for a model that can generate (a
+        transformers model's `can_generate()`), read as `from_pretrained` reads it; None
+        where the checkpoint is a file, the directory has none, or the model cannot
+        generate. A file transformers cannot read is refused, naming it."""
+        f = self.directory / "generation_config.json" if self.directory else None
+        can = getattr(model, "can_generate", None)
+        if f is None or not f.is_file() or not callable(can) or not can():
+            return None
+        from transformers import GenerationConfig
+        try:
+            return GenerationConfig.from_pretrained(self.directory)
+        except (OSError, ValueError, TypeError) as e:
+            raise ValueError(f"checkpoint {f} is not a generation config transformers can "
+                             f"read ({e}); fix it, or remove it to keep the model's "
+                             "own") from e
 
     def resolve(self, fqn: str) -> str | None:
         """The checkpoint's name for model parameter `fqn` (prefixes tolerated)."""

@@ -110,3 +110,35 @@ def test_save_pretrained_writes_the_generation_config(engine_cfg, tmp_path):
         assert loaded.generation_config.top_k == 3
     finally:
         engine.close()
+
+
+def test_initialize_from_a_directory_reads_its_generation_config(engine_cfg, tmp_path):
+    """initialize(checkpoint=dir) sets the directory's generation_config.json on a model
+    that can generate, as from_pretrained does; one transformers cannot read is refused,
+    naming it, and leaves the model's own; a file checkpoint reads none."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(vocab_size=96, n_positions=32, n_embd=32, n_layer=1,
+                                  n_head=2, bos_token_id=None, eos_token_id=None)
+    ref = transformers.GPT2LMHeadModel(cfg)
+    ref.generation_config.max_new_tokens = 7
+    ref.generation_config.do_sample = True
+    ref.generation_config.top_k = 3
+    ref.save_pretrained(tmp_path / "pre")
+    model = transformers.GPT2LMHeadModel(cfg)
+    assert model.generation_config.max_new_tokens is None
+    with offload.initialize(model, engine_cfg(), checkpoint=tmp_path / "pre") as engine:
+        assert model.generation_config.max_new_tokens == 7
+        assert engine.generation_config.top_k == 3
+    model = transformers.GPT2LMHeadModel(cfg)
+    with offload.initialize(model, engine_cfg(),
+                            checkpoint=tmp_path / "pre" / "model.safetensors"):
+        assert model.generation_config.max_new_tokens is None
+    (tmp_path / "pre" / "generation_config.json").write_text("{not json")
+    model = transformers.GPT2LMHeadModel(cfg)
+    own = model.generation_config
+    with pytest.raises(ValueError, match="generation_config.json"):
+        offload.initialize(model, engine_cfg(), checkpoint=tmp_path / "pre")
+    assert model.generation_config is own
+    with offload.initialize(model, engine_cfg()):  # the model is untouched
+        pass
