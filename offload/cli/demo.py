@@ -54,7 +54,6 @@ DEFAULT_STEPS = 60
 MAX_PARAMS = 100 * 10**9  # --size: beyond it the meta model alone takes minutes to build
 MAX_BATCH = 4096  # --batch: sequences per step and process
 TRACE_STEP = 3          # steady state: step 1 records the access trace, 2 runs the plan
-SAMPLE_SECONDS = 0.05   # how often tier occupancy is sampled during a step
 GROW_STEP = 16 << 20    # swap-file preallocation unit: small, so the disk estimate is tight
 SWAP_FILES = 3          # parameters, gradients, optimizer state, per rank
 _PLACES = ("device", "host", "nvme")
@@ -90,7 +89,7 @@ def _defaults_for(size: str, model: GPTConfig) -> SizeDefaults:
     return SizeDefaults(2e-4, mib(state // 8), mib(state // 4), "64MiB", 1 << 22)
 
 
-__all__ = ["DemoPlan", "StepMeter", "TierSampler", "add_arguments", "build_plan", "run",
+__all__ = ["DemoPlan", "StepMeter", "add_arguments", "build_plan", "run",
            "remove_swap_dir", "signal_exit_code", "swap_dir_for_run"]
 
 
@@ -318,41 +317,6 @@ def remove_swap_dir(path: Path, created: list[str]) -> bool:
 
 
 # -- measuring a step ----------------------------------------------------------------------------
-class TierSampler:
-    """Samples the store's occupancy every `SAMPLE_SECONDS` on a thread of its own and
-    keeps the most bytes each tier held since the last `take()`: a step's peak, which
-    the store's own peak (since the start) cannot give."""
-
-    def __init__(self, store: Any, interval: float = SAMPLE_SECONDS) -> None:
-        self._store = store
-        self._interval = interval
-        self._peak: dict[str, int] = {}
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="demo-tier-sampler", daemon=True)
-        self._thread.start()
-
-    def _loop(self) -> None:
-        while not self._stop.wait(self._interval):
-            self.sample()
-
-    def sample(self) -> None:
-        tiers = self._store.stats().tiers
-        with self._lock:
-            for name, t in tiers.items():
-                self._peak[name] = max(self._peak.get(name, 0), t.used)
-
-    def take(self) -> dict[str, int]:
-        self.sample()
-        with self._lock:
-            peak, self._peak = self._peak, {}
-        return peak
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join()
-
-
 @dataclass
 class StepBytes:
     """NVMe traffic of one step (bytes): the store's moves plus the optimizer's."""
@@ -466,7 +430,8 @@ def train(plan: DemoPlan, rank: int, reporter: Reporter, stop: StopRequest,
         summary: dict[str, Any] = {"init_seconds": time.perf_counter() - t0}
         task = ReversalTask(plan.model.vocab - 1, plan.length, plan.batch,
                             seed=plan.seed * 1000 + rank)
-        meter, sampler = StepMeter(engine), TierSampler(engine.store)
+        meter = StepMeter(engine)
+        engine.store.take_peaks()  # the steps' windows start here, not at initialize
         records: list[StepRecord] = []
         reporter.start(plan)
         try:
@@ -474,7 +439,7 @@ def train(plan: DemoPlan, rank: int, reporter: Reporter, stop: StopRequest,
                 traced = plan.trace is not None and step == plan.trace_step
                 if traced:
                     start_traced_step(recorder, engine.store)
-                rec, stopping = _one_step(engine, task, step, plan, meter, sampler, stop)
+                rec, stopping = _one_step(engine, task, step, plan, meter, stop)
                 if traced:
                     engine.store.wait_all()  # the step's last evictions end inside the trace
                     summary.update(write_traced_step(plan, recorder, step, rank, engine.store))
@@ -483,7 +448,6 @@ def train(plan: DemoPlan, rank: int, reporter: Reporter, stop: StopRequest,
                 if stopping:
                     break
         finally:
-            sampler.close()
             reporter.stop()
         summary.update(_summarise(plan, records, engine, stop.poll()))
     finally:
@@ -492,7 +456,7 @@ def train(plan: DemoPlan, rank: int, reporter: Reporter, stop: StopRequest,
 
 
 def _one_step(engine: Any, task: ReversalTask, step: int, plan: DemoPlan, meter: StepMeter,
-              sampler: TierSampler, stop: StopRequest) -> tuple[StepRecord, bool]:
+              stop: StopRequest) -> tuple[StepRecord, bool]:
     """One optimizer step; the loss, bytes and stop flag agreed by every rank."""
     t = time.perf_counter()
     x, y = task.next_batch()
@@ -505,7 +469,7 @@ def _one_step(engine: Any, task: ReversalTask, step: int, plan: DemoPlan, meter:
     value, flag, read, written = _all_sum([loss.item(), float(stop.poll()),
                                            float(moved.read), float(moved.written)])
     seconds = time.perf_counter() - t
-    peak = sampler.take()
+    peak = engine.store.take_peaks()
     rec = StepRecord(step, value / plan.world, seconds, plan.tokens_per_step / seconds,
                      int(read), int(written), peak.get("DEVICE", 0), peak.get("HOST", 0),
                      nvme_used(engine))

@@ -74,13 +74,14 @@ class StoreStats:
 
 
 class _TierAccount:
-    __slots__ = ("tier", "budget", "used", "peak", "by_kind", "releasing")
+    __slots__ = ("tier", "budget", "used", "peak", "since", "by_kind", "releasing")
 
     def __init__(self, tier: Tier, budget: int) -> None:
         self.tier = tier
         self.budget = budget  # 0: unlimited
         self.used = 0
         self.peak = 0
+        self.since = 0  # the peak since the last take_peaks()
         self.by_kind: dict[str, int] = defaultdict(int)
         self.releasing = 0
 
@@ -135,6 +136,7 @@ class Accounting:
         acct.used += nbytes
         acct.by_kind[kind] += nbytes
         acct.peak = max(acct.peak, acct.used)
+        acct.since = max(acct.since, acct.used)
 
     def refund(self, tier: Tier, kind: str, nbytes: int) -> None:
         acct = self._tiers[tier]
@@ -145,6 +147,14 @@ class Accounting:
         acct.by_kind[kind] -= nbytes
         if not acct.by_kind[kind]:
             del acct.by_kind[kind]
+
+    def take_peaks(self) -> dict[str, int]:
+        """The most bytes each tier held since the last call (the start, the first
+        time), every charge counted; the next window starts at what each holds now."""
+        peaks = {t.name: a.since for t, a in self._tiers.items()}
+        for a in self._tiers.values():
+            a.since = a.used
+        return peaks
 
     def by_kind(self, tier: Tier) -> dict[str, int]:
         return dict(self._tiers[tier].by_kind)

@@ -611,6 +611,13 @@ class TieredStore(MoveExecutor):
                 by_state[str(rec.state)] = by_state.get(str(rec.state), 0) + 1
             return self._acct.snapshot(len(self._records), by_state)
 
+    def take_peaks(self) -> dict[str, int]:
+        """The most bytes each tier ("DEVICE", "HOST", "NVME") held since the last call
+        (since the store started, the first time): a step's peak, taken at its end,
+        which `stats()`'s peak since the start cannot give."""
+        with self._cond:
+            return self._acct.take_peaks()
+
     def log_stats(self, level: int = logging.INFO) -> StoreStats:
         stats = self.stats()
         log.log(level, "store r%d: %s", self.rank, stats.summary())

@@ -35,6 +35,8 @@ def test_tiny_run_learns_traces_and_cleans_up(tmp_path):
     # the state is larger than the budgets, so bytes really went to and from NVMe
     assert summary["state_bytes"] > 3 * summary["device_peak"]
     assert all(s["read"] > 0 and s["written"] > 0 for s in steps)
+    # each step's peaks count every charge, however short the step
+    assert all(s["device_peak"] > 0 and s["host_peak"] > 0 for s in steps), steps
     assert summary["swap_removed"] and os.listdir(swap) == []
     events = json.loads(trace.read_text())["traceEvents"]
     names = {e.get("name") for e in events}

@@ -336,6 +336,18 @@ def test_stats_snapshot_and_log(make_store, caplog):
     assert s.stats().wait_seconds >= 0 and footprint(1) == PAGE
 
 
+def test_take_peaks_counts_a_copy_held_for_a_moment(make_store):
+    """take_peaks gives each tier's most bytes since its last call, a copy charged
+    and given back in between included, then starts from what each holds now."""
+    s = make_store(host_pages=4)
+    s.put("p", page_tensor(1), kind="param", tier="HOST")
+    assert s.take_peaks()["HOST"] == PAGE
+    s.put("q", page_tensor(2, 2), kind="param", tier="HOST")
+    s.evict("q", N).wait()  # held for a moment, back to one page
+    assert s.take_peaks()["HOST"] == 3 * PAGE
+    assert s.take_peaks()["HOST"] == PAGE and s.stats().tiers["HOST"].peak == 3 * PAGE
+
+
 @pytest.mark.parametrize("engine", ENGINES)
 def test_close_waits_for_moves_in_flight_and_releases_all(tmp_path, engine):
     s = TieredStore(store_config(tmp_path / "swap", engine=engine, host_pages=64,
