@@ -294,6 +294,7 @@ class AioEngine(IoEngine):
             self._ctx = libaio.AIOContext(self.queue_depth)
         except OSError as e:  # libaio's own says only "io_queue_init"
             raise AioSetupError(e.errno or errno.EAGAIN, self.queue_depth) from None
+        _CONTEXTS.add(self._ctx)  # [Note: the context is released once]
         self._cv = threading.Condition()
         self._pending: collections.deque[tuple[object, _Block | _Sync]] = collections.deque()
         self._tags: dict[int, tuple[object, _Block | _Sync]] = {}  # id(AIOBlock) -> in flight
@@ -443,12 +444,26 @@ def destroy_context(ctx: Any) -> None:
     with EINVAL, or, the id reused by then, another context gone). Here it is
     forgotten first (its `close` and `__del__` then do nothing), then released:
     an interrupt in between leaves it to the kernel, which frees it with the
-    process."""
+    process. A forked child forgets every context it inherited, as it forks: they
+    are the parent's, and libaio's `__del__` releasing one in the child printed
+    "Exception ignored ... io_queue_release" as the child exited."""
     handle = ctx._ctx
     if handle is None:
         return
     ctx._ctx = None
     ctx._io_queue_release(handle)
+
+
+_CONTEXTS: weakref.WeakSet = weakref.WeakSet()  # this process's libaio contexts
+
+
+def _forget_contexts() -> None:
+    for ctx in list(_CONTEXTS):
+        ctx._ctx = None
+    _CONTEXTS.clear()
+
+
+os.register_at_fork(after_in_child=_forget_contexts)
 
 
 def _reap_while_referenced(ref: weakref.ref, cv: threading.Condition) -> None:

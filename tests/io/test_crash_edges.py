@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 
-from ..conftest import ENGINES, ENGINES_AIO_SLOW
+from ..conftest import AIO_OK, AIO_WHY, ENGINES, ENGINES_AIO_SLOW
 
 PRELUDE = """
 import os, sys, threading, time, torch
@@ -212,3 +212,29 @@ def test_an_exception_inside_libaios_submit_fails_the_requests_rather_than_hangs
     """, tmp_path, "aio")
     assert "HUNG" not in out and "no interrupt" not in out, out
     assert "failed:" in out and ("completion was lost" in out or "is closed" in out), out
+
+
+@pytest.mark.skipif(not AIO_OK, reason=AIO_WHY)
+def test_a_forked_child_that_drops_an_inherited_aio_engine_prints_nothing(tmp_path):
+    # The child's copy of the AIO context is the parent's: libaio's __del__ released
+    # it there as the child dropped it ("Exception ignored ... io_queue_release").
+    # A forked child now forgets the contexts it inherited; the parent's still works.
+    p = subprocess.run([sys.executable, "-c", PRELUDE + textwrap.dedent("""
+        import gc
+        eng = engine()
+        pid = os.fork()
+        if pid == 0:
+            del eng
+            gc.collect()
+            sys.stderr.flush()
+            os._exit(0)
+        _, status = os.waitpid(pid, 0)
+        pool = BufferPool(1 << 20)
+        swap = SwapSpace([D], "t", eng, grow_step=1 << 20)
+        buf = pool.alloc(4096)
+        buf.tensor.fill_(7)
+        swap.write(swap.alloc(4096), buf, 4096).wait()
+        swap.close(); eng.close()
+        print("OK", os.waitstatus_to_exitcode(status))
+        """), str(tmp_path), "aio"], capture_output=True, text=True, timeout=60)
+    assert p.stdout.strip() == "OK 0" and p.stderr == "", (p.stdout, p.stderr)
