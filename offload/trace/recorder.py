@@ -142,8 +142,9 @@ class _Span:
         end_ns = _now_ns()
         if exc_type is not None:
             self.args["error"] = exc_type.__name__
-        # Recorded even if the recorder was disabled meanwhile: the span began enabled.
-        self._rec._append_always((COMPLETE, self.start_ns, end_ns - self.start_ns, 0,
+        # Recorded even if the recorder was disabled meanwhile (the span began enabled),
+        # unless max_events is reached: a span is one event, no pair to keep whole
+        self._rec._append((COMPLETE, self.start_ns, end_ns - self.start_ns, 0,
                                   self.name, self.cat, self.track, self.args or None))
         return False
 

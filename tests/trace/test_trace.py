@@ -174,11 +174,14 @@ def test_max_events_drops_and_counts(tmp_path: Path) -> None:
         rec.instant("tick", track="compute", args={"i": i})
     assert rec.async_begin("late", cat="io") is None  # dropped: no token
     rec.async_end(tok)  # kept although the cap is reached, so the pair stays whole
-    assert len(rec) == 11 and rec.dropped == 17  # 16 instants + "late"
+    for _ in range(5):  # a span is one event: dropped past the cap too
+        with rec.span("late span", track="compute"):
+            pass
+    assert len(rec) == 11 and rec.dropped == 22  # 16 instants + "late" + 5 spans
     trace = load_chrome_trace(write_chrome_trace(tmp_path / "capped.trace.json", rec))
     _check_structure(trace)
-    assert trace["metadata"]["dropped_events"] == 17
-    assert summarize(rec)["dropped"] == 17
+    assert trace["metadata"]["dropped_events"] == 22
+    assert summarize(rec)["dropped"] == 22
     rec.clear()
     assert len(rec) == 0 and rec.dropped == 0
 
