@@ -220,8 +220,9 @@ class _SwapFile:
                 "engine, store or swap space here uses the same io.paths directory and "
                 "is still open; close it first (engine.close(), or a with block), or "
                 "give each its own io.paths directory. An engine no longer bound to a "
-                "name stays open while its model (or an output of its forward) is: "
-                "`del` those and run gc.collect()") from None
+                "name stays open while its model (or an output of its forward) is, and "
+                "while the updates it started in backward run: `del` "
+                "those and run gc.collect()") from None
         holders = _holders(self.lock_path)
         if not owner.isdigit() or _alive(owner) and (not holders or int(owner) in holders):
             raise SwapLockedError(
