@@ -31,6 +31,16 @@ updating partitions one call at a time (the engine's early updates during
 backward) keeps the disk busy across the boundary between one partition and
 the next, and commits once at the end of the step. The swap space holds, at
 the end of a round, the committed state plus the rewritten one.
+
+[Note: a read ahead that failed]
+A read an earlier call started ahead (`prefetch()` after a step's commit, a
+`run`'s read of its `then`) that failed was the failure of whatever call took
+it next: a `state_dict()` after a good step raised the read-ahead's I/O error
+once, and the next call worked. Such a read is read again, once, where it is
+taken: a failure that persists is that call's; one that passed costs a read.
+A read the taking call started itself is not: its failure is the call's (the
+optimizer's step starts its first reads by `prefetch()`, a call of its own,
+so a failure of those gets its second read too).
 """
 
 from __future__ import annotations
@@ -80,13 +90,16 @@ def _views(slot: "_Slot", part: PartitionState, n: int) -> tuple:
 
 
 class _Slot:
-    __slots__ = ("buffer", "key", "read", "nbytes", "write", "write_seq", "busy")
+    __slots__ = ("buffer", "key", "read", "nbytes", "extent", "call", "write", "write_seq",
+                 "busy")
 
     def __init__(self, buffer: object) -> None:
         self.buffer = buffer
         self.key: Key | None = None        # chunk whose read is in flight or waiting here
         self.read: IoHandle | None = None
         self.nbytes = 0                     # bytes of that read
+        self.extent: SwapExtent | None = None  # where it reads from
+        self.call = 0                       # the pipeline call that issued it
         self.write: IoHandle | None = None  # last write from this slot, until reaped
         self.write_seq = 0
         self.busy = False                   # being updated or filled by the caller
@@ -131,6 +144,7 @@ class SwapPipeline:
         self._reads: dict[Key, _Slot] = {}  # issued reads, oldest first
         self._pending: dict[Hashable, _Rewrite] = {}  # [Note: the round commits as a whole]
         self._seq = itertools.count(1)
+        self._call = 0  # public calls so far: [Note: a read ahead that failed]
         self.bytes_read = 0
         self.bytes_written = 0
 
@@ -206,6 +220,7 @@ class SwapPipeline:
         nbytes = part.layout.chunk_bytes(i)
         slot.read = self.swap.read(part.extents[i], slot.buffer, nbytes)
         slot.key, slot.nbytes = key, nbytes
+        slot.extent, slot.call = part.extents[i], self._call
         self._reads[key] = slot
         return True
 
@@ -213,7 +228,16 @@ class SwapPipeline:
         slot = self._reads.pop(key)
         slot.busy = True
         with self.recorder.span("optim:wait_read", cat="wait", track="optim"):
-            slot.read.wait()  # verifies the checksum
+            try:
+                slot.read.wait()  # verifies the checksum
+            except Exception as e:
+                if slot.call == self._call:
+                    raise
+                # [Note: a read ahead that failed]
+                log.warning("optim: a read of %s started ahead, by an earlier call, failed "
+                            "(%s); reading it again", key, e)
+                slot.read = self.swap.read(slot.extent, slot.buffer, slot.nbytes)
+                slot.read.wait()
         slot.key = slot.read = None
         self.bytes_read += slot.nbytes  # counted when used, so prefetches count in their step
         return slot
@@ -245,6 +269,7 @@ class SwapPipeline:
         """Starts reads of up to `max_chunks` first chunks of `part` into idle slots,
         never waiting; returns how many are (now) in flight or ready."""
         part.check_tier(Tier.NVME)
+        self._call += 1
         if part.pid in self._pending:  # its committed extents are about to be replaced
             return 0
         n = 0
@@ -283,6 +308,7 @@ class SwapPipeline:
                              "this round; commit() or rollback() first")
         if then is not None and then.pid in self._pending:
             then = None
+        self._call += 1
         work = [(p, i) for p in parts for i in range(p.layout.n_chunks)]
         rewrites = {p.pid: _Rewrite(p) for p in parts}
         protect = {(p.pid, i) for p, i in work}
@@ -400,6 +426,7 @@ class SwapPipeline:
         """Reads a partition's committed chunks in order, reads ahead, and hands each to
         `consume` (a pending rewrite is not seen)."""
         part.check_tier(Tier.NVME)
+        self._call += 1
         keys = {(part.pid, i) for i in range(part.layout.n_chunks)}
         try:
             for i in range(part.layout.n_chunks):

@@ -317,6 +317,40 @@ def test_corrupt_chunk_mid_step_leaves_every_partition_at_its_previous_version(s
     assert swap.used_bytes == used
 
 
+def _flip(swap: SwapSpace, offset: int) -> None:
+    with open(swap.paths[0], "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def test_a_read_ahead_that_failed_is_read_again_where_it_is_taken(swap, pool):
+    """[Note: a read ahead that failed] A read prefetch() started that failed (bytes
+    corrupted for a moment) is read again by the call that takes it: the state reads
+    and the step work, as the host state's. One that fails again is that call's."""
+    masters = {"a": torch.randn(2 * CHUNK), "b": torch.randn(CHUNK + 7)}
+    numels = {p: m.numel() for p, m in masters.items()}
+    host = make_opt(_cfg(), masters)
+    nvme = make_opt(_cfg(), masters, "nvme", swap, pool)
+    offset = nvme.partition("a").extents[0].offset + 100
+    for take in ("partition_state", "step"):
+        _flip(swap, offset)
+        assert nvme.prefetch("a") == 2
+        while not all(s.read.done() for s in nvme._pipeline._reads.values()):
+            pass  # the reads of the corrupted bytes are over
+        _flip(swap, offset)  # the disk holds the right bytes again
+        if take == "step":
+            host.step(grads_for(numels, 0))
+            nvme.step(grads_for(numels, 0))
+        _assert_same_state(host, nvme, numels)
+    _flip(swap, nvme.partition("a").extents[0].offset + 100)
+    assert nvme.prefetch("a") == 2
+    with pytest.raises(OptimStepError) as err:  # corrupted on disk: the read again fails
+        nvme.step(grads_for(numels, 1))
+    assert type(err.value.__cause__).__name__ == "CorruptionError"
+
+
 @pytest.mark.parametrize("buffers", [1, 2, 3])
 def test_prefetches_filling_every_buffer_do_not_stall_the_step(swap, pool, buffers):
     masters = {k: torch.randn(2 * CHUNK + 7) for k in "abcd"}
