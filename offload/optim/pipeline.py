@@ -228,19 +228,28 @@ class SwapPipeline:
         slot = self._reads.pop(key)
         slot.busy = True
         with self.recorder.span("optim:wait_read", cat="wait", track="optim"):
-            try:
-                slot.read.wait()  # verifies the checksum
-            except Exception as e:
-                if slot.call == self._call:
-                    raise
-                # [Note: a read ahead that failed]
+            first = self._wait_read(slot, again=slot.call != self._call)
+            if first is not None:  # [Note: a read ahead that failed]
                 log.warning("optim: a read of %s started ahead, by an earlier call, failed "
-                            "(%s); reading it again", key, e)
+                            "(%s); reading it again", key, first)
                 slot.read = self.swap.read(slot.extent, slot.buffer, slot.nbytes)
-                slot.read.wait()
+                if self._wait_read(slot, again=True) is not None:
+                    raise first  # it persists: the first error says why
         slot.key = slot.read = None
         self.bytes_read += slot.nbytes  # counted when used, so prefetches count in their step
         return slot
+
+    @staticmethod
+    def _wait_read(slot: _Slot, again: bool) -> Exception | None:
+        """Waits for the slot's read (which verifies its checksum); its error is
+        returned where it may be read `again`, else raised."""
+        try:
+            slot.read.wait()
+        except Exception as e:
+            if not again:
+                raise
+            return e
+        return None
 
     def _store(self, slot: _Slot, rw: _Rewrite, i: int) -> None:
         nbytes = rw.part.layout.chunk_bytes(i)
