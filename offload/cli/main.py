@@ -28,7 +28,7 @@ BENCHES = (
     ("step", "one training step: offload vs DeepSpeed ZeRO-3, per placement"),
     ("oversized", "a model whose training state is twice the machine's RAM, two steps "
      "from NVMe (long; not part of make test)"),
-    ("adam", "CPU Adam update vs torch and the memory-bandwidth bound"),
+    ("adam", "CPU Adam update vs torch and a memory-stream reference"),
     ("checkpoint", "save and resume of a >= 2 GiB training state vs the disk's O_DIRECT "
      "rate; stall of a background save"),
     ("comm", "communication hidden behind compute: data parallel (serial, overlap) and "
