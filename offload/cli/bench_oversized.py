@@ -23,8 +23,10 @@ fdatasync per write, as the run does); build and place the model; run
   * the lower bound of a step: max(R / read rate, W / write rate), where R and
     W are the fewest bytes any system must read and write per step with this
     model and these budgets (`forced_bytes`: the optimizer's state both ways,
-    the parameter reads of farthest-next-use eviction over the forward and
-    backward order with every host-memory budget holding parameters, and the
+    the parameter reads of farthest-next-use eviction byte by byte over the
+    forward and backward order with every host-memory budget, I/O staging
+    included, holding parameters (fewer than `bench step` counts, which leaves
+    the I/O buffers out), and the
     updated parameters that memory cannot keep), not the run's own bytes; beside
     it (R + W) / mixed rate, the forced bytes at the rate the disk gave reads
     and writes issued together in the same run (the optimizer's chunk size,
@@ -182,9 +184,9 @@ def mixed_bandwidth(path: Path, spec: BenchSpec, io: dict[str, Any]) -> float:
 def forced_bytes(engine: Any, spec: BenchSpec) -> tuple[int, int]:
     """(R, W): the fewest bytes any system must read and write per step (see the module
     notes): the optimizer's state (fp32 master where distinct, moments) both ways;
-    parameter reads of farthest-next-use eviction over the engine's static order of
-    group uses, with every host-memory budget (`spec.budgets`) holding parameters;
-    the updated parameters those budgets cannot keep, written. Gradients are not
+    parameter reads of byte-by-byte farthest-next-use eviction over the engine's
+    static order of group uses, with every host-memory budget (`spec.budgets`)
+    holding parameters; the updated parameters those budgets cannot keep, written. Gradients are not
     counted: an update may consume each as backward produces it."""
     from ..store import footprint
 

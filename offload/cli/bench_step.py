@@ -53,9 +53,12 @@ per step, the same for both systems (`forced_read_bytes`,
 the fp32 parameter can be the master) both ways; for `nvme`, also the
 parameter bytes that the memory budgets (store.host_budget, plus
 store.device_budget on a CPU device) cannot keep across a step: the reads of
-farthest-next-use eviction over the step's forward and backward order (the
-fewest reads possible for partitions of one size, offload.planner), and the
-updated parameters that do not fit, written. The rates are measured in the
+farthest-next-use eviction byte by byte over the step's forward and backward
+order (the fewest any partitioning allows: a system may keep part of a
+layer; `benchutil.forced_param_reads`), and the updated parameters that do
+not fit, written. The I/O buffers (io.buffer_budget) stage transfers and are
+not counted as holding parameters (`bench oversized` counts them, a lower
+figure). The rates are measured in the
 same run with offload's I/O engine (O_DIRECT, the io section's block size and
 queue depth, as the runs write) right before each offloading run: the disk
 drifts minute to minute, so each row's bound uses the median of the probes

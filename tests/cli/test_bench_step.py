@@ -10,6 +10,8 @@ import subprocess
 import sys
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 BENCH = [sys.executable, "-m", "offload.cli.bench_step"]
 TINY = ["--dim", "256", "--layers", "2", "--batch", "4", "--steps", "2", "--warmup", "1",
@@ -129,6 +131,10 @@ def test_forced_bytes_are_a_lower_bound_on_what_streaming_parameters_must_move()
     # gone... the fewest reads of the order 0..5, 5..0 with 4 slots: 2 + 2 per step
     r, w = forced_bytes("nvme", dim, layers, 4 * size)
     assert (r - moments, w - moments) == (4 * size, 2 * size)
+    # room for 4.5 layers: a system that keeps half a layer reads 2 x 1.5 layers, not
+    # the 2 x 2 of whole layers: memory holds at most 4.5 at the start of each pass
+    r, w = forced_bytes("nvme", dim, layers, 9 * size // 2)
+    assert (r - moments, w - moments) == (3 * size, 3 * size // 2)
     assert forced_bytes("none", dim, layers, size) == (0, 0)
 
 
@@ -195,3 +201,20 @@ def test_the_mixed_probe_of_a_file_of_an_odd_count_of_pages(tmp_path):
         assert probe.measure_mixed(2**20, 2, seconds=0.05) > 0
     finally:
         probe.close()
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 4), min_size=1, max_size=12),
+       st.lists(st.integers(1, 5), min_size=5, max_size=5), st.integers(0, 10))
+def test_forced_reads_never_exceed_a_real_plans(order, pages, spare):
+    """The forced reads are a lower bound: no more than the reads of the planner's
+    plan of whole records over the same uses and memory (steady step)."""
+    from offload.cli.benchutil import forced_param_reads
+    from offload.planner import RecordSpec, Use, make_plan
+
+    sizes = {k: 4096 * pages[k] for k in set(order)}
+    memory = 4096 * (max(pages[k] for k in sizes) + spare)
+    uses = [Use((k,)) for k in order * 2]
+    plan = make_plan(uses, {k: RecordSpec(n) for k, n in sizes.items()}, memory)
+    planned = sum(op.nbytes for op in plan.ops if op.op == "fetch" and op.needed_at >= len(order))
+    assert forced_param_reads(order, sizes, memory) <= planned
