@@ -12,7 +12,7 @@ swap directory that is removed on every way out.
 
 Order of work: check the disk has room for the swap files (refuse otherwise);
 measure the disk with offload's own I/O engine in the same directory (O_DIRECT,
-fdatasync per write, as the run does); build and place the model; run
+no fdatasync, as the run writes); build and place the model; run
 `--steps` optimizer steps; report
 
   * peak RSS (VmHWM) while placing the model and while stepping, against the
@@ -159,7 +159,7 @@ def tune_malloc(threshold: int = 1 << 20) -> bool:
 # -- the disk ------------------------------------------------------------------------------------
 def disk_bandwidth(path: Path, nbytes: int, io: dict[str, Any]) -> tuple[float, float]:
     """(read, write) bytes/s of `nbytes` through offload's I/O engine under `path`, in
-    64 MiB transfers, four in flight: the engine, O_DIRECT and fdatasync of the run."""
+    64 MiB transfers, four in flight: the engine and O_DIRECT of the run."""
     r = swap_rates(io, nbytes, 64 << 20, GROW_STEP, "bandwidth-probe")
     return r.read_Bps, r.write_Bps
 

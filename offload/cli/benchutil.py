@@ -155,7 +155,7 @@ def swap_rates(io: dict[str, Any], nbytes: int, request: int, grow_step: int,
                name: str) -> SwapRates:
     """Write and read bytes/s and the bytes moved: `nbytes` (at least one request)
     written, then read, through offload's I/O engine and a swap space of its own
-    (`io`: the run's io section, so its engine, O_DIRECT and fdatasync), in
+    (`io`: the run's io section, so its engine, O_DIRECT and io.sync_writes), in
     `request`-byte transfers, four in flight."""
     from ..io import BufferPool, make_engine, open_swap
 
@@ -190,8 +190,8 @@ def swap_rates(io: dict[str, Any], nbytes: int, request: int, grow_step: int,
 
 
 class DiskProbe:
-    """Times a write (with fdatasync) and then a read of `nbytes` through offload's I/O
-    engine with O_DIRECT, as the runs' swap traffic goes."""
+    """Times a write and then a read of `nbytes` through offload's I/O engine with
+    O_DIRECT (and io.sync_writes, off by default), as the runs' swap traffic goes."""
 
     def __init__(self, io_cfg: IoConfig, directory: str, nbytes: int) -> None:
         import torch

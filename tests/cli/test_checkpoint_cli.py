@@ -164,6 +164,17 @@ def test_bench_checkpoint_small(tmp_path, offload_cli):
     assert not (tmp_path / "ckpt").exists()  # the checkpoints are removed
 
 
+def test_bench_checkpoint_reference_writes_random_bytes(tmp_path):
+    """The write reference holds bytes like a checkpoint's, not zeros (which this
+    host's disk unmaps, and reads back slower), in whole 4 MiB writes."""
+    from offload.cli.bench_checkpoint import _reference_write
+
+    f = tmp_path / "ref"
+    assert _reference_write(str(f), 9 << 20) > 0
+    data = f.read_bytes()
+    assert len(data) == 8 << 20 and data.count(0) < len(data) // 100
+
+
 @pytest.mark.parametrize("command", ["info", "export"])
 def test_a_damaged_commit_record_is_exit_code_1(saved, tmp_path, offload_cli, command):
     """checkpoint.json fails its checksum: damage, not a flag's fault (exit code 1, one
