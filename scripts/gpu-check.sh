@@ -2,8 +2,10 @@
 # GPU checks, for a machine with a CUDA device and the project's dependencies in
 # its Python: the `gpu` tests (the engine and the store computing on the GPU), the
 # demo on the GPU, a short `offload bench step` on cuda, then the I/O and store
-# suites with CUDA visible (their buffer pools pinned; the rest of the default
-# suite fixes store.device = "cpu" and runs as on a machine without a GPU, in
+# suites with CUDA visible (the I/O suite's buffer pools pinned; the store suite
+# fixes store.device = "cpu", whose pools are not pinned, apart from its gpu
+# tests; the rest of the default suite fixes store.device = "cpu" and runs as on
+# a machine without a GPU, in
 # about 9 minutes, more than one check's time). Logs and the benchmark's JSON go
 # to directory $1.
 #

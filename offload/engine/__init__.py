@@ -17,13 +17,13 @@ import torch.distributed as dist
 from torch import nn
 
 from ..comm import Collectives, GatherIssuer
-from ..comm.collectives import device_backend
+from ..comm.collectives import backend_for, device_backend
 from ..comm.gather_thread import gather_group
 from ..config import ConfigError, OffloadConfig, load_config
 from ..io import hugepages
 from ..io.errors import limit_hint
 from ..store import NextUsePolicy, TieredStore
-from ..store.copy import resolve_device
+from ..store.copy import rank_gpu, resolve_device
 from ..trace import NULL_RECORDER, TraceRecorder
 from .checkpoint import SafetensorsCheckpoint
 from .absent import AbsentWeight, post_accumulate_message
@@ -316,6 +316,7 @@ def initialize(model: nn.Module | Callable[[], nn.Module],
     # [Note: ranks agree at initialize] in rank_agreement.py: each block's refusal on one
     # rank is raised on every rank at the next settle, before any swap file is made
     _import_dtensor()
+    _on_this_ranks_gpu()  # before anything is refused: the agreement is a collective
     agreement = RankAgreement()
     with agreement.refusals():
         # the engine's own copy: the caller's object, changed or reused later, changes nothing
@@ -325,6 +326,9 @@ def initialize(model: nn.Module | Callable[[], nn.Module],
         if cuda:  # [Note: a GPU per rank] in offload/store/copy.py
             torch.cuda.set_device(device)
         _refuse_gather_thread_on_nccl(cfg, cuda)
+        if dist.is_available() and dist.is_initialized():
+            _refuse_cpu_tensors_on_nccl(str(dist.get_backend()),
+                                        str(dist.get_backend_config()), cuda)
         _report_huge_pages()
         model = _model_of(model, lr_lambda)
         _refuse_unsupported(model, cfg.engine.dtype)
@@ -498,6 +502,30 @@ def _refuse_gather_thread_on_nccl(cfg: OffloadConfig, cuda: bool) -> None:
         raise ConfigError("comm.gather_thread is for gloo: NCCL's collectives are "
                           "asynchronous already, and two communicators driven from two "
                           "threads can deadlock under NCCL; set comm.gather_thread = false")
+
+
+def _on_this_ranks_gpu() -> None:
+    """Under NCCL, makes the rank's GPU current before `initialize` can refuse
+    anything ([Note: a GPU per rank] in offload/store/copy.py): the ranks agree on a
+    refusal by a collective on the current device, which is GPU 0 on every rank until
+    set, and a configuration refused before the device was chosen met NCCL's
+    "duplicate GPU" instead of its ConfigError."""
+    if (torch.cuda.is_available() and dist.is_available() and dist.is_initialized()
+            and device_backend(cuda=True) == "nccl"):
+        torch.cuda.set_device(rank_gpu(os.environ.get("LOCAL_RANK"),
+                                       torch.cuda.current_device(),
+                                       torch.cuda.device_count()))
+
+
+def _refuse_cpu_tensors_on_nccl(backend: str, config: str, cuda: bool) -> None:
+    """A process group that sends CPU tensors over NCCL (a plain "nccl" group with
+    store.device "cpu") is refused: NCCL carries CUDA tensors only, and the first
+    all-gather failed deep inside torch, on GPU 0 of every rank."""
+    if not cuda and backend_for(backend, config, cuda=False) == "nccl":
+        raise ConfigError("store.device is 'cpu' but the process group is NCCL, which "
+                          "carries CUDA tensors only: set store.device = 'cuda' (or "
+                          "'auto'), or make the group with gloo for CPU tensors "
+                          "(init_process_group('cpu:gloo,cuda:nccl'), or 'gloo')")
 
 
 def _from_first_rank(comm: Collectives, g: Group, full: torch.Tensor, real: bool
