@@ -13,7 +13,10 @@ so each need must fit on its own):
   * a gather: the largest parameter partition arriving in DEVICE, through
     HOST when it comes from NVMe, while a partition that makes room in a full
     DEVICE (a parameter, or a gradient homed there) is written down through
-    HOST;
+    HOST; on several ranks with a look-ahead (engine.prefetch_depth), beside
+    the next group's partition the look-ahead's all-gather holds in DEVICE
+    (the same thread's pin: it cannot wait for it; a budget of one partition
+    failed the first backward on two ranks);
   * an update: the group's current parameter partition (pinned: it is the
     master in fp32) and its new version being written, in DEVICE for
     parameters homed there (making room there writes one partition down
@@ -87,15 +90,19 @@ def working_set(cfg: OffloadConfig, groups: list[Group],
     pinned_grad = grad if trainable and not early and not grads_on_device else 0
     pair = 2 * param if trainable else 0  # an update's current and new parameters
     victim = max(param, grad) if grads_on_device else param
+    world = groups[0].world if groups else 1
+    ahead = param if world > 1 and e.prefetch_depth > 0 else 0  # a look-ahead's all-gather
     # an update on DEVICE makes its room there by writing one partition down through HOST
     gather_host, update_host = param + victim, pinned_grad + (pair if e.params != "device"
                                                               else victim)
-    device = max(param, pair if e.params == "device" else 0) + all_grads
+    device = max(param + ahead, pair if e.params == "device" else 0) + all_grads
     host = max(gather_host, update_host)
     p, gr = format_bytes(param), format_bytes(grad)
     upd = f"an update's current and new parameter partitions (2 x {p})"
-    device_why = upd if e.params == "device" and pair > param else f"the largest parameter " \
-                                                                  f"partition ({p})"
+    device_why = upd if e.params == "device" and pair > param + ahead else (
+        f"the largest parameter partition ({p})" + (
+            f" and the next group's, which the look-ahead all-gather across ranks holds "
+            f"({p})" if ahead else ""))
     if all_grads:
         device_why += f" and every gradient partition ({format_bytes(all_grads)})"
     if update_host > gather_host:

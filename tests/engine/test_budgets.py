@@ -283,3 +283,51 @@ def test_a_frozen_base_needs_less_than_training_it_all(tmp_path):
         for _ in range(2):
             engine.backward(engine(torch.randn(8, 256)).square().mean())
             assert engine.step()
+
+
+def _two_rank_minimum(rank, world, init_file, out, swap, placement):
+    from .ranks import gloo_group, run_cases
+
+    def case():
+        def model():
+            torch.manual_seed(0)
+            return nn.Sequential(nn.Linear(16, 64), nn.Linear(64, 64), nn.Linear(64, 4))
+
+        def cfg(**store):
+            return {"engine": {"params": placement, "optimizer": "nvme", "group_size": 2000},
+                    "optim": {"chunk_elems": 4096, "lr": 1e-2},
+                    "io": {"paths": [f"{swap}/{len(store)}-r{rank}"], "buffer_budget": "8MiB",
+                           "block_size": "64KiB", "grow_step": "1MiB"},
+                    "store": {"device": "cpu", "wait_timeout": 30, **store}}
+        c = load_config(cfg())
+        _, groups = build_units(model(), c.engine.group_size, world)
+        ws = working_set(c, groups, torch.float32)
+        got = []
+        for store in ({"device_budget": ws.device, "host_budget": ws.host},
+                      {"device_budget": "64MiB", "host_budget": "64MiB"}):
+            with offload.initialize(model(), cfg(**store)) as e:
+                g = torch.Generator().manual_seed(1 + rank)
+                for _ in range(3):
+                    x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+                    e.backward(nn.functional.mse_loss(e(x), y))
+                    assert e.step()
+                got.append(e.state_dict())
+        return ws.device, ws.device_why, all(torch.equal(got[0][k], got[1][k]) for k in got[1])
+
+    with gloo_group(rank, world, init_file):
+        run_cases({"train": case}, f"{out}.{rank}")
+
+
+@pytest.mark.parametrize("placement", ["nvme", "host"])
+def test_two_ranks_train_at_the_minimum(tmp_path, placement):
+    """On two ranks a look-ahead all-gather holds the next group's partition in DEVICE
+    while the current one is gathered, by the same thread: the minimum counts it (a
+    device budget of one partition failed the first backward, BudgetExceededError)."""
+    from .ranks import spawn_cases
+
+    results = spawn_cases(_two_rank_minimum, str(tmp_path), args=(str(tmp_path / "swap"),
+                                                                  placement))
+    for r in results:
+        device, why, same = r["train"] if "crash" not in r["train"] else (0, r["train"], 0)
+        assert same is True, why
+        assert "look-ahead" in why and device == 2 * 4096 * 4, (device, why)
