@@ -132,22 +132,24 @@ def forced_param_reads(order: list, sizes: dict, memory: int) -> int:
         after[uses[i]] = i
     held: dict = {}  # key -> bytes of it in memory
     due: dict = {}  # key -> the index of its next use
-    reads = 0
+    reads = total = 0  # total: bytes held
     for i, key in enumerate(uses):
         if sizes[key] > memory:
             raise ValueError(f"record {key!r} ({sizes[key]} bytes) does not fit "
                              f"{memory} bytes of memory")
         missing = sizes[key] - held.get(key, 0)
-        over = sum(held.values()) + missing - memory
+        over = total + missing - memory
         for k in sorted((k for k in held if k != key and held[k]), key=lambda k: -due[k]):
             if over <= 0:
                 break
             gone = min(over, held[k])
             held[k] -= gone
             over -= gone
+            total -= gone
         if i >= len(order):
             reads += missing
         held[key], due[key] = sizes[key], next_use[i]
+        total += missing
     return reads // (STEADY_STEPS - 1)
 
 

@@ -23,7 +23,7 @@ from ..config import ConfigError, OffloadConfig, load_config
 from ..io import hugepages
 from ..io.errors import limit_hint
 from ..store import NextUsePolicy, TieredStore
-from ..store.copy import rank_gpu, resolve_device
+from ..store.copy import resolve_device
 from ..trace import NULL_RECORDER, TraceRecorder
 from .checkpoint import SafetensorsCheckpoint
 from .absent import AbsentWeight, post_accumulate_message
@@ -512,9 +512,7 @@ def _on_this_ranks_gpu() -> None:
     "duplicate GPU" instead of its ConfigError."""
     if (torch.cuda.is_available() and dist.is_available() and dist.is_initialized()
             and device_backend(cuda=True) == "nccl"):
-        torch.cuda.set_device(rank_gpu(os.environ.get("LOCAL_RANK"),
-                                       torch.cuda.current_device(),
-                                       torch.cuda.device_count()))
+        torch.cuda.set_device(resolve_device("cuda"))  # the GPU store.device "cuda" takes
 
 
 def _refuse_cpu_tensors_on_nccl(backend: str, config: str, cuda: bool) -> None:
