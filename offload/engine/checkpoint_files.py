@@ -19,8 +19,8 @@ import torch
 
 from .checkpoint_chunks import syncfs
 
-__all__ = ["CheckpointError", "CheckpointCorruptError", "IO_THREADS", "rng_state",
-           "set_rng_state"]
+__all__ = ["CheckpointError", "CheckpointCorruptError", "IO_THREADS", "decode_rng_state",
+           "rng_state", "set_rng_state"]
 
 IO_THREADS = 16  # files written, read or fsynced at once
 
@@ -122,15 +122,59 @@ def rng_state() -> dict[str, Any]:
     return out
 
 
-def set_rng_state(state: dict[str, Any]) -> None:
-    def tensor(s: str) -> torch.Tensor:
-        return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8)
-    torch.set_rng_state(tensor(state["torch"]))
-    version, pystate, pygauss = state["python"]
-    random.setstate((version, tuple(pystate), pygauss))
-    kind, keys, pos, has_gauss, gauss = state["numpy"]
-    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, gauss))
-    if "cuda" in state and torch.cuda.is_available():
-        states = [tensor(s) for s in state["cuda"]]
-        if len(states) == torch.cuda.device_count():
-            torch.cuda.set_rng_state_all(states)
+def decode_rng_state(state: Any) -> tuple:
+    """`rng_state()`'s entries as their setters take them, each tried on a scratch
+    generator first, so a damaged one is found before any of the process's states
+    changes: ValueError naming the entry. A CUDA entry with another count of
+    devices than this process sees is left out, as `set_rng_state` would skip it."""
+    def tensor(s: Any) -> torch.Tensor:
+        return torch.frombuffer(bytearray(base64.b64decode(s, validate=True)),
+                                dtype=torch.uint8)
+
+    def entry(name: str, decode: Any) -> Any:
+        try:
+            return decode(state[name])
+        except Exception as e:  # bad base64, a short state, wrong types or lengths
+            raise ValueError(f"has a damaged 'rng' entry {name!r} ({type(e).__name__}: "
+                             f"{e})") from None
+
+    def py(v: Any) -> tuple:
+        version, pystate, pygauss = v
+        out = (version, tuple(pystate), pygauss)
+        random.Random().setstate(out)
+        return out
+
+    def numpy(v: Any) -> tuple:
+        kind, keys, pos, has_gauss, gauss = v
+        out = (kind, np.array(keys, dtype=np.uint32), pos, has_gauss, gauss)
+        np.random.RandomState().set_state(out)
+        return out
+
+    def cpu(v: Any) -> torch.Tensor:
+        t = tensor(v)
+        torch.Generator().set_state(t)
+        return t
+
+    def cuda(v: Any) -> list | None:
+        states = [tensor(s) for s in v]
+        if not torch.cuda.is_available() or len(states) != torch.cuda.device_count():
+            return None
+        sizes = [torch.cuda.get_rng_state(i).numel() for i in range(len(states))]
+        if [t.numel() for t in states] != sizes:
+            raise ValueError(f"{[t.numel() for t in states]} bytes, not {sizes}")
+        return states
+
+    if not isinstance(state, dict):
+        raise ValueError("has an 'rng' entry that is not an object")
+    return (entry("torch", cpu), entry("python", py), entry("numpy", numpy),
+            entry("cuda", cuda) if "cuda" in state else None)
+
+
+def set_rng_state(decoded: tuple) -> None:
+    """Puts back the states `decode_rng_state` checked."""
+    cpu, py, numpy, cuda = decoded
+    torch.set_rng_state(cpu)
+    random.setstate(py)
+    np.random.set_state(numpy)
+    if cuda is not None:
+        torch.cuda.set_rng_state_all(cuda)

@@ -22,7 +22,7 @@ from .checkpoint_chunks import MISSING, CRC_BYTES, ChunkFileError, ChunkFiles, c
 from .checkpoint_publish import PARTIAL, RECORD, is_committed
 from .checkpoint_record import _HYPER, check_record
 from .checkpoint_files import (CheckpointCorruptError, CheckpointError, _read_json,
-                               not_permitted, set_rng_state)
+                               not_permitted, decode_rng_state, set_rng_state)
 from .checkpoint_layout import (_DTYPE_NAMES, CHECKED, FORMAT, TORCH_DTYPES, _context,
                                 _max_chunk_bytes, _rank_range, _spec, _stored_shape, _ts)
 from .units import Group, Slot
@@ -591,11 +591,14 @@ class CheckpointReader:
         entry = next((x for x in self.record["ranks"] if x.get("rank") == r), None)
         if entry is None:
             raise self._rank_damaged(r, "has no entry in the commit record")
-        differ = [k for k, v in entry.items() if obj.get(k) != v] + [
-            k for k in ("rng",) if not isinstance(obj.get(k), dict)]
+        differ = [k for k, v in entry.items() if obj.get(k) != v]
         if differ:
             raise self._rank_damaged(r, f"does not match the commit record ({', '.join(differ)}"
                                      " differ): it is another save's")
+        try:  # the one entry the commit record has no copy of
+            obj["rng"] = decode_rng_state(obj.get("rng"))
+        except ValueError as e:
+            raise self._rank_damaged(r, str(e)) from None
         return obj
 
     def restore(self, engine: Any) -> None:

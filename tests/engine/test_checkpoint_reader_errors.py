@@ -285,6 +285,33 @@ def test_changed_rank_file_is_found_by_verify_and_before_any_state_is_read(copy,
         _resume(ck, tmp_path)
 
 
+@pytest.mark.parametrize("entry,damage", [
+    ("torch", lambda rng: rng.pop("torch")), ("torch", lambda rng: rng.update(torch="AAAA")),
+    ("python", lambda rng: rng.update(python=[3, [1, 2], None])),
+    ("numpy", lambda rng: rng["numpy"].__setitem__(1, [1, 2]))])
+def test_a_re_signed_rank_file_with_a_damaged_rng_is_refused_before_anything_changes(
+        copy, tmp_path, entry, damage):
+    """The rank file's RNG states have no copy in the commit record: a damaged one with
+    a sha256 that matches passed `verify`, and resuming raised a raw KeyError or
+    IndexError naming no file, after the process's torch RNG state had changed."""
+    from offload.engine.checkpoint_files import _digest
+
+    ck = copy()
+    rank = ck / "ranks" / "0.json"
+    obj = json.loads(rank.read_text())
+    damage(obj["rng"])
+    obj["sha256"] = _digest(obj)
+    rank.write_text(json.dumps(obj))
+    want = rf"ranks/0\.json has a damaged 'rng' entry '{entry}'"
+    problems = CheckpointReader(ck).verify()
+    assert len(problems) == 1 and re.search(want, problems[0]), problems
+    torch.manual_seed(5)
+    before = torch.get_rng_state()
+    with pytest.raises(offload.CheckpointCorruptError, match=want):
+        _resume(ck, tmp_path)
+    assert torch.equal(torch.get_rng_state(), before)
+
+
 def test_resume_takes_the_commit_record_for_its_directory(copy, tmp_path):
     """resume="ck/checkpoint.json" said "does not exist"; another file inside is
     refused as not a directory."""
