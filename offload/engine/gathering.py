@@ -186,14 +186,20 @@ class GatheredWeights:
         nothing but the engine holds its storage: autograd releases a node's saved
         tensors (views of it, `.t()` of a view) when the node has run, so no node that
         reads it is left. A holder that stays (retain_graph, a view kept by the
-        model) keeps it gathered until the backward ends, as before."""
+        model) keeps it gathered until the backward ends, as before. So does a view
+        itself held in Python: a non-reentrant checkpoint's recomputation keeps the
+        frozen weights its ops save (those that need no gradient) as the views
+        themselves until the node that reads them runs, which the storage's count
+        does not show; freed, the group's storage went to that view with a warning
+        that the user kept it ([Note: kept weights] in warm.py)."""
         for gid in list(self._gradless_gathered):
             st = self._states[gid]
             if gid in keep or st.active or st.pending is not None or not st.gathered:
                 continue
             # holders: `flat`, each bound view, and the storage object asked here
             if torch._C._storage_Use_Count(st.flat.untyped_storage()._cdata) \
-                    <= 2 + len(st.views):
+                    <= 2 + len(st.views) and kept_view(st.views, (
+                        use for slot in st.group.slots for use in slot.uses)) is None:
                 self._free(st)
 
     def _bound(self, st: GroupState) -> bool:

@@ -49,8 +49,11 @@ from __future__ import annotations
 import logging
 import mmap
 import sys
+from collections import Counter
+from typing import Iterable
 
 import torch
+from torch import nn
 
 log = logging.getLogger(__name__)
 
@@ -166,7 +169,8 @@ def unborrow(storage: torch.UntypedStorage) -> None:
     storage._swap_data_ptr_(own)  # `own` now holds the record's memory: dropped
 
 
-def kept_view(views: list[torch.Tensor]) -> int | None:
+def kept_view(views: list[torch.Tensor], bound: Iterable[tuple[nn.Module, str]] = ()
+              ) -> int | None:
     """[Note: kept weights] A module attribute bound inside a unit (`self.saved =
     self.weight` in a forward, a hook's list) may be kept past it, as torch allows;
     freeing the storage under it would leave it reading zeros, or freed memory
@@ -181,11 +185,15 @@ def kept_view(views: list[torch.Tensor]) -> int | None:
     gathers them. Tensors derived from a view (a slice, `.t()`) are not seen:
     they read zeros ([Note: freed gathers read zeros]).
 
+    `bound`: module attributes that may hold views themselves (a group still bound),
+    not counted as holders.
+
     Returns the index in `views` of one still referenced elsewhere, or None."""
+    binds = Counter(id(module.__dict__.get(name)) for module, name in bound)
     i = -1
     for v in views:  # references: `views`, `v`, getrefcount's argument, C++ holders
         i += 1
-        if sys.getrefcount(v) - (v._use_count() > 1) > 3:
+        if sys.getrefcount(v) - (v._use_count() > 1) - binds[id(v)] > 3:
             return i
     return None
 

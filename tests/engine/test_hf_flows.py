@@ -198,6 +198,35 @@ def test_frozen_base_with_checkpointing_trains_and_resumes_as_torch(engine_cfg, 
         engine.close()
 
 
+def test_frozen_weights_a_recomputation_saves_are_not_taken_for_kept_ones(engine_cfg, caplog):
+    """Frozen norms under non-reentrant checkpointing: the recomputation keeps each
+    frozen weight it saves (one that needs no gradient) as the view itself until the
+    node that reads it runs. The engine freed the group at the next unit's backward,
+    took that view for one the model kept ("still referenced after the unit"), and
+    left the gathered storage with it, outside the budgets. Now the group waits for
+    the node; no warning, and torch's numbers."""
+    def build():
+        model = _llama()
+        for n, p in model.named_parameters():
+            p.requires_grad_("layernorm" not in n)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={
+            "use_reentrant": False})
+        return model
+
+    torch.manual_seed(0)
+    ref = build()
+    cfg = engine_cfg("device", "host", "host", group_size=3000)  # norms: groups of their own
+    cfg["optim"]["eps"] = 1e-6
+    engine = offload.initialize(copy.deepcopy(ref), cfg)
+    try:
+        with caplog.at_level("WARNING", logger="offload"):
+            assert _train_both(engine, ref, _adamw(ref), _ids(2)) < 1e-5
+        assert _max_diff(engine, ref) < 3e-6
+    finally:
+        engine.close()
+    assert not [r for r in caplog.records if "still referenced" in r.getMessage()]
+
+
 def test_resume_restores_the_dropout_rng(engine_cfg, tmp_path):
     """GPT-2 with dropout: 2 steps, save, 2 steps equals resume (meta-built) and 2 steps,
     bit for bit: the RNG state travels with the checkpoint."""
