@@ -223,6 +223,9 @@ def test_load_state_dict_takes_what_state_dict_gives(engine_cfg, placement):
             with pytest.raises(RuntimeError, match=f"'sometimes.weight' is a {what}"):
                 engine.load_state_dict(last)
         assert all(torch.equal(before[k], v) for k, v in engine.state_dict().items())
+        with pytest.raises(RuntimeError, match=r"load a state dict, engine\.load_state_dict"):
+            engine.module.load_state_dict(other.state_dict())  # torch's own: refused, naming
+        assert all(torch.equal(before[k], v) for k, v in engine.state_dict().items())  # ours
         res = engine.load_state_dict(other.state_dict())  # torch's, with every alias
         assert not res.missing_keys and not res.unexpected_keys
         assert_state_dict_as_torch(engine, other)
