@@ -686,6 +686,9 @@ def toml_loads(text: str, where: str = "config") -> dict[str, Any]:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{where}: not valid TOML: {e}") from e
+    except RecursionError:  # arrays or tables nested thousands deep
+        raise ConfigError(f"{where}: not valid TOML: nested deeper than this reader "
+                          "follows") from None
 
 
 def load_config(source: OffloadConfig | dict | str | os.PathLike | None = None) -> OffloadConfig:
@@ -736,6 +739,9 @@ def load_config(source: OffloadConfig | dict | str | os.PathLike | None = None) 
             data = json.loads(text, object_pairs_hook=_json_object)
         except (json.JSONDecodeError, ValueError) as e:  # ValueError: an int too long
             raise ConfigError(f"{path}: not valid JSON: {e}") from e
+        except RecursionError:  # nested thousands deep (this module imports no offload's
+            raise ConfigError(f"{path}: not valid JSON: nested deeper than this reader "
+                              "follows") from None  # files.json_loads: it loads alone)
         except ConfigError as e:
             raise ConfigError(f"{path}: {e}") from e
     try:

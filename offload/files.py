@@ -4,8 +4,10 @@ imports from the rest of offload)."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import gzip
+import json
 import os
 import stat
 import tempfile
@@ -13,8 +15,8 @@ from pathlib import Path
 from typing import BinaryIO, Callable
 
 __all__ = ["check_directory", "existing_ancestor", "fsync_directory", "lock_named",
-           "names_open_file", "open_unblocked", "regular_file_head", "replace_atomically",
-           "unlink_own"]
+           "json_loads", "names_open_file", "open_unblocked", "read_regular_text",
+           "regular_file_head", "replace_atomically", "unlink_own"]
 
 
 def check_directory(path: Path, what: str) -> None:
@@ -115,6 +117,26 @@ def open_unblocked(path: str | os.PathLike[str]) -> tuple[BinaryIO, int]:
         os.close(fd)
         raise
     return os.fdopen(fd, "rb"), mode
+
+
+def read_regular_text(path: str | os.PathLike[str], encoding: str = "utf-8") -> str:
+    """The text of the regular file `path`; `OSError` (EINVAL, "is not a regular file")
+    for anything else, where a plain read would block on a FIFO or read a device
+    without end."""
+    f, mode = open_unblocked(path)
+    with f:
+        if not stat.S_ISREG(mode):  # a directory: fdopen raised IsADirectoryError
+            raise OSError(errno.EINVAL, "is not a regular file", str(path))
+        return f.read().decode(encoding)
+
+
+def json_loads(text: str | bytes, **kw) -> object:
+    """`json.loads`, with JSON nested deeper than Python's recursion limit a
+    `ValueError` (a damaged or hostile file) rather than a `RecursionError`."""
+    try:
+        return json.loads(text, **kw)
+    except RecursionError:
+        raise ValueError("nested deeper than this reader follows") from None
 
 
 def regular_file_head(path: str | os.PathLike[str], n: int,

@@ -219,3 +219,13 @@ def test_an_integer_too_long_to_print_is_a_config_error(section, key, tmp_path):
     f.write_text(json.dumps({section: {key: 1}}).replace("1", "1" + "0" * 5000))
     with pytest.raises(ConfigError, match=r"c\.json: not valid JSON: .*digits"):
         load_config(f)
+
+
+@pytest.mark.parametrize("name, text, kind", [("c.json", "[" * 100_000, "JSON"),
+                                              ("c.toml", "a = " + "[" * 100_000, "TOML")])
+def test_a_file_nested_past_the_recursion_limit_is_a_config_error(tmp_path, name, text, kind):
+    # the parsers raised RecursionError, a traceback from the command line
+    f = tmp_path / name
+    f.write_text(text)
+    with pytest.raises(ConfigError, match=rf"{name}: not valid {kind}: nested deeper"):
+        load_config(f)

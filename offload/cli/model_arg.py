@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import os
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from ..files import json_loads, read_regular_text
 from .args import UsageError, integer
 
 __all__ = ["ModelSpec", "MeasuredModel", "add_model_arguments", "model_spec", "measure_model"]
@@ -95,8 +95,7 @@ def model_spec(args: argparse.Namespace) -> ModelSpec:
             raise UsageError(f"{flag}: {text!r} is not a config.json file or a directory "
                              "holding one; give the path of a Hugging Face config")
         try:
-            with open(path) as f:
-                data = json.load(f)
+            data = json_loads(read_regular_text(path))
         except (OSError, ValueError) as e:
             raise UsageError(f"{flag}: {path} cannot be read as JSON ({e}); give a Hugging "
                              "Face config.json") from None

@@ -9,13 +9,14 @@ as with `transformer.` in GPT-2 files.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
 import torch
+
+from ..files import json_loads, read_regular_text
 
 log = logging.getLogger(__name__)
 
@@ -74,8 +75,8 @@ def _header(h: Any) -> dict[str, tuple[tuple[int, ...], str]]:
 def _weight_map(index: Path) -> dict[str, str]:
     """The {tensor: shard file} map of transformers' `model.safetensors.index.json`."""
     try:
-        weight_map = json.loads(index.read_text())["weight_map"]
-    except (ValueError, KeyError, TypeError) as e:
+        weight_map = json_loads(read_regular_text(index))["weight_map"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
         raise ValueError(f"checkpoint index {index} is not a transformers safetensors index "
                          f"(JSON with a \"weight_map\": {type(e).__name__}: {e}); fix or "
                          "remove it") from e
@@ -257,7 +258,7 @@ class SafetensorsCheckpoint:
         from transformers import GenerationConfig
         try:
             return GenerationConfig.from_pretrained(self.directory)
-        except (OSError, ValueError, TypeError) as e:
+        except (OSError, ValueError, TypeError, RecursionError) as e:
             raise ValueError(f"checkpoint {f} is not a generation config transformers can "
                              f"read ({e}); fix it, or remove it to keep the model's "
                              "own") from e

@@ -150,7 +150,7 @@ def read_index(path: str, slots: int) -> list[tuple[int, int]]:
                              "is damaged)")
     n = slots * ENTRY + CRC_BYTES
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO: no wait for a writer
     except FileNotFoundError:
         raise ChunkFileError(path, "is missing") from None
     except OSError as e:

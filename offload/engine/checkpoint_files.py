@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..files import json_loads, read_regular_text
 from .checkpoint_chunks import syncfs
 
 __all__ = ["CheckpointError", "CheckpointCorruptError", "IO_THREADS", "decode_rng_state",
@@ -94,7 +95,7 @@ def not_permitted(path: Any, e: OSError) -> CheckpointPermissionError:
 def _read_json(p: Path) -> dict[str, Any]:
     """A file `_write_json` wrote; CheckpointCorruptError when it was damaged."""
     try:
-        obj = json.loads(p.read_text())
+        obj = json_loads(read_regular_text(p))
     except PermissionError as e:
         raise not_permitted(p, e) from e
     except (ValueError, UnicodeDecodeError) as e:

@@ -16,13 +16,12 @@ leaves a directory the next save removes, never a damaged one under its name.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
 from pathlib import Path
 
-from ..files import lock_named, unlink_own
+from ..files import json_loads, lock_named, read_regular_text, unlink_own
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +106,7 @@ def prune(parent: Path, keep: int, newest: Path, fmt: str, run: str) -> None:
         try:  # another process may prune the same parent: an entry can vanish
             if d.is_symlink() or not (d.is_dir() and is_committed(d)):
                 continue  # a link (`latest`) names a checkpoint; it is not one
-            rec = json.loads((d / RECORD).read_text())
+            rec = json_loads(read_regular_text(d / RECORD))
             step = rec.get("global_step", 0) if isinstance(rec, dict) else None
             if (rec.get("format") == fmt and isinstance(step, int)  # not another program's
                     and rec.get("run") == run):  # nor another training's

@@ -5,7 +5,6 @@ verified, and the placement of a rank's partitions on resume."""
 from __future__ import annotations
 
 import functools
-import json
 import math
 import os
 from pathlib import Path
@@ -14,6 +13,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from ..files import json_loads, read_regular_text
 from ..io import host_copy
 from ..io.buffers import mapped_empty
 from .checkpoint_buffers import (BUFFERS, check_buffers, check_extra_states, decode_buffers,
@@ -234,7 +234,7 @@ class CheckpointReader:
             meta = self.path / kind / name / "zarr.json"
             stored = _stored_shape(tuple(self.tensors[name]["shape"]))
             try:
-                m = json.loads(meta.read_text())
+                m = json_loads(read_regular_text(meta))
                 if m["shape"] != stored:
                     raise ValueError(f"its shape {m['shape']} is not the commit record's "
                                      f"{stored}")
@@ -257,8 +257,9 @@ class CheckpointReader:
             except PermissionError as e:
                 raise not_permitted(meta, e) from e
             except (OSError, ValueError, KeyError, TypeError, IndexError, ArithmeticError) as e:
+                why = e.strerror if isinstance(e, OSError) and e.strerror else e  # named: meta
                 raise self._corrupt(f"checkpoint {self.path}: array {kind}/{name}: no "
-                                    f"readable shard and chunk shape in {meta} ({e})") from e
+                                    f"readable shard and chunk shape in {meta} ({why})") from e
             self._chunks[key] = (math.prod(chunk), shard[0] // chunk[0])
         return self._chunks[key]
 

@@ -39,6 +39,14 @@ def test_a_json_file_without_model_type_is_refused_before_building(tmp_path, off
         "config.json" in err, err
 
 
+def test_a_config_nested_past_the_recursion_limit_is_refused_in_one_line(tmp_path, offload_cli):
+    cfg = tmp_path / "config.json"  # a RecursionError's traceback, before
+    cfg.write_text('{"model_type": ' + "[" * 100_000)
+    rc, out, err = offload_cli(["estimate", str(cfg)])
+    assert rc == 2 and out == "" and err.count("\n") == 1, (rc, err[-2000:])
+    assert f"MODEL: {cfg} cannot be read as JSON (nested deeper" in err, err
+
+
 def test_seq_equal_to_the_models_context_is_accepted(tmp_path):
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps({**GPT2, "n_positions": 64}))

@@ -77,6 +77,8 @@ def test_keep_last_k(tmp_path, engine_cfg):
     root = tmp_path / "ckpt"
     (root / "not-a-checkpoint").mkdir(parents=True)
     (root / ".old.partial").symlink_to(root / "not-a-checkpoint")  # an earlier pruning's
+    (root / "nested").mkdir()  # a record no JSON reader follows: another program's
+    (root / "nested" / RECORD).write_text("[" * 100_000)
     with offload.initialize(TiedTwice(), cfg) as engine:
         for i, batch in enumerate(lm_batches(4)):
             _step(engine, batch)
@@ -84,8 +86,8 @@ def test_keep_last_k(tmp_path, engine_cfg):
             latest = root / "latest"  # a link to the newest, as a loop keeps one
             latest.unlink(missing_ok=True)
             latest.symlink_to(root / f"step-{i + 1}")
-    assert sorted(p.name for p in root.iterdir()) == ["latest", "not-a-checkpoint", "step-3",
-                                                      "step-4"]
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "nested", "not-a-checkpoint",
+                                                      "step-3", "step-4"]
     assert json.loads((root / "latest" / RECORD).read_text())["global_step"] == 4
 
 

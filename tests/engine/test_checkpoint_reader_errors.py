@@ -434,3 +434,36 @@ def test_offload_checkpoint_and_resume_refuse_a_record_of_wrong_types(copy, tmp_
     assert not (tmp_path / "out").exists()
     with pytest.raises(offload.CheckpointCorruptError, match=rf"damaged record: {field}"):
         _resume(ck, tmp_path)
+
+
+_DEEP = "[" * 100_000  # JSON nested past Python's recursion limit
+
+
+def _fifo(p):
+    p.unlink()
+    os.mkfifo(p)
+
+
+@pytest.mark.parametrize("what,damage,want", [
+    ("a nested record", lambda ck: (ck / "checkpoint.json").write_text(_DEEP),
+     r"checkpoint file .*checkpoint\.json is not valid JSON: nested deeper"),
+    ("a nested zarr.json", lambda ck: (ck / "param" / "l1.weight" / "zarr.json").write_text(
+        _DEEP), r"no readable shard and chunk shape in .*l1\.weight/zarr\.json \(nested"),
+    ("a FIFO zarr.json", lambda ck: _fifo(ck / "param" / "l1.weight" / "zarr.json"),
+     r"no readable shard and chunk shape in .*l1\.weight/zarr\.json \(is not a regular"),
+    ("a FIFO shard", lambda ck: _fifo(ck / "param" / "l1.weight" / "c" / "0" / "0"),
+     r"array param/l1\.weight, chunk \(0, 0\): .*is not a regular file")])
+def test_a_record_array_or_shard_a_reader_cannot_follow_is_damage(copy, tmp_path, what,
+                                                                   damage, want):
+    """JSON nested thousands deep raised a RecursionError (a traceback from `offload
+    checkpoint info`); a FIFO in place of an array's zarr.json or shard blocked the
+    reader for good, waiting for a writer. Each is damage named in one line."""
+    ck = copy()
+    damage(ck)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
+    out = subprocess.run([sys.executable, "-m", "offload.cli.main", "checkpoint", "info",
+                          str(ck)], capture_output=True, text=True, timeout=120, cwd=root)
+    assert out.returncode == 1 and "Traceback" not in out.stderr + out.stdout, out
+    assert re.search(want, out.stderr + out.stdout), out
+    with pytest.raises(offload.CheckpointCorruptError, match=want):
+        _resume(ck, tmp_path)

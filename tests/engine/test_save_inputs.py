@@ -140,8 +140,9 @@ def test_a_bf16_model_gives_and_exports_bf16_weights(tmp_path):
     assert (8 + head) % 8 == 0
 
 
-def test_a_garbage_checkpoint_index_is_named(tmp_path):
-    (tmp_path / "model.safetensors.index.json").write_text("{not json")
+@pytest.mark.parametrize("text", ["{not json", "[" * 100_000])  # nested: a RecursionError
+def test_a_garbage_checkpoint_index_is_named(tmp_path, text):
+    (tmp_path / "model.safetensors.index.json").write_text(text)
     with pytest.raises(ValueError, match=r"checkpoint index \S+model.safetensors.index.json "
                                          r"is not a transformers safetensors index"):
         offload.initialize(_model(), {"io": {"paths": [str(tmp_path / "swap")]}},
