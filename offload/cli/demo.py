@@ -196,7 +196,10 @@ def _parse_size(text: str) -> tuple[str, GPTConfig]:
 def build_plan(args: argparse.Namespace) -> DemoPlan:
     """The run's plan from the parsed flags; raises `UsageError` naming a flag to change
     (or `ConfigError` for a value the flags alone do not show), before anything is made."""
-    size, model = _parse_size("tiny" if args.tiny else args.size)
+    if args.tiny and args.size not in (None, "tiny"):
+        raise UsageError(f"--tiny and --size {args.size}: give one of them (--tiny is "
+                         "--size tiny)")
+    size, model = _parse_size("tiny" if args.tiny else args.size or DEFAULT_SIZE)
     if not 1 <= args.length <= model.max_seq // 2:
         raise UsageError(f"--length: {args.length} is out of range for this model; give "
                          f"1..{model.max_seq // 2}")
@@ -509,7 +512,7 @@ def _summarise(plan: DemoPlan, records: list[StepRecord], engine: Any,
 # -- command line --------------------------------------------------------------------------------
 # (flag, options): one table for the parser and for the argv of a re-launch under torchrun.
 _OPTIONS: list[tuple[str, dict[str, Any]]] = [
-    ("--size", dict(default=DEFAULT_SIZE, type=count(1, example="50M", also=tuple(PRESETS)),
+    ("--size", dict(default=None, type=count(1, example="50M", also=tuple(PRESETS)),
                     help=f"model: {', '.join(PRESETS)} or a parameter count such as 50M "
                     f"(default {DEFAULT_SIZE}: {PRESETS[DEFAULT_SIZE].params / 1e6:.1f}M)")),
     ("--tiny", dict(action="store_true", help="the tiny model (seconds; for tests)")),

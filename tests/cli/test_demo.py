@@ -102,16 +102,18 @@ def test_an_error_the_machine_causes_is_one_line_not_a_traceback(tmp_path):
 
 def test_refusals_are_clear_and_touch_nothing(tmp_path):
     swap = ["--swap-dir", str(tmp_path)]
-    big, device, nproc = run_each([
+    big, device, nproc, both = run_each([
         ["demo", "--size", "100B", *swap],  # ~100B parameters need terabytes of swap
         ["demo", "--tiny", "--params", "device", *swap],  # weights on a device tier too small
-        ["demo", "--tiny", "--nproc", "99999", *swap]],  # more ranks than the host can start
+        ["demo", "--tiny", "--nproc", "99999", *swap],  # more ranks than the host can start
+        ["demo", "--tiny", "--size", "100B", *swap]],  # --size was dropped without a word
         cwd=tmp_path, env=dict(os.environ), timeout=120)
     assert big[0] == 1 and "free" in big[1] and "--swap-dir" in big[1]
     assert device[0] != 0 and "--device-budget" in device[1]
     # the flag is named, not a budget it skews
     assert nproc[0] != 0 and "--nproc" in nproc[1] and "budget" not in nproc[1]
-    for _, err in (big, device, nproc):
+    assert both[0] == 2 and "--tiny and --size 100B: give one of them" in both[1]
+    for _, err in (big, device, nproc, both):
         assert "Traceback" not in err
     assert os.listdir(tmp_path) == []
 
