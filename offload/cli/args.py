@@ -245,14 +245,17 @@ def choice_list(allowed: Sequence[str]) -> Callable[[str], tuple[str, ...]]:
 
 def _writable(d: str) -> str | None:
     """Why files cannot be created in the existing directory `d` ('is ...'), or None."""
+    try:
+        fs = os.statvfs(d)
+    except OSError:
+        fs = None
+    if fs is not None and fs.f_blocks == 0:  # root may "write" there: access() says yes
+        return "is on a file system without storage (such as /proc or /sys)"
     kw = {"effective_ids": True} if os.access in os.supports_effective_ids else {}
     if os.access(d, os.W_OK | os.X_OK, **kw):
         return None
-    try:
-        if os.statvfs(d).f_flag & os.ST_RDONLY:
-            return "is on a read-only file system"
-    except OSError:
-        pass
+    if fs is not None and fs.f_flag & os.ST_RDONLY:
+        return "is on a read-only file system"
     return "is not writable by this user"
 
 

@@ -181,6 +181,19 @@ def test_a_link_to_nothing_is_refused_before_any_work(argv, says, tmp_path, monk
     assert out == "" and sorted(os.listdir(tmp_path)) == ["gone", "loop"]
 
 
+@pytest.mark.parametrize("argv", [["demo", "--tiny", "--swap-dir", "/proc/offload-swap"],
+                                  ["tune", "--write", "/proc/offload.toml"]])
+def test_a_directory_on_proc_is_refused_before_any_work(argv, tmp_path, monkeypatch,
+                                                        offload_cli):
+    """As root, access() says /proc is writable: the demo said "/proc has 0 B free ...
+    free some space", and tune ran its whole search before it failed to write."""
+    monkeypatch.chdir(tmp_path)
+    rc, out, err = offload_cli(argv)
+    assert rc == 2 and err.count("\n") == 1, err
+    assert "/proc is on a file system without storage (such as /proc or /sys)" in err, err
+    assert out == "" and os.listdir(tmp_path) == []
+
+
 def test_good_values_parse_into_checked_types(tmp_path):
     p = build_parser()
     a = p.parse_args(["bench", "io", "--path", str(tmp_path / "new"), "--size", "8MiB",
