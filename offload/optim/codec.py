@@ -369,15 +369,16 @@ def moment_from_dict(state: dict, kind: str, state_dtype: StateDtype, n: int,
         if scale.numel() != _scales(n):
             raise ValueError(f"{what}[{kind + '_scale'!r}]: {scale.numel()} scales, "
                              f"{_scales(n)} needed for {n} elements")
-        # `encode` writes every scale in [_TINY, _SCALE_MAX]; a NaN or inf one would
-        # decode its whole block to NaN or inf (256 weights NaN at the next step), a
-        # negative one flip exp_avg's signs
-        bad = ~(torch.isfinite(scale) & (scale >= 0))
+        # `encode` writes every scale in [_TINY, _SCALE_MAX]; a NaN, an inf, or a finite
+        # one above the largest (its top code decodes to inf) would decode its whole
+        # block to NaN or inf (256 weights NaN at the next step), a negative one flip
+        # exp_avg's signs
+        bad = ~((scale >= 0) & (scale <= _SCALE_MAX[kind]))
         if bad.any():
             i = int(bad.nonzero()[0])
             raise ValueError(f"{what}[{kind + '_scale'!r}]: scale {i} is "
-                             f"{float(scale[i])}; int8 scales are finite and at least 0 "
-                             "([Note: compressed moments])")
+                             f"{float(scale[i])}; int8 scales are at least 0 and at most "
+                             f"{_SCALE_MAX[kind]:.6g} ([Note: compressed moments])")
         if state_dtype == "int8":
             return Moment(t, scale, kind)
         return decode(Moment(t, scale, kind), torch.empty(n, dtype=torch.float32))

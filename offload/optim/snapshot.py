@@ -48,6 +48,18 @@ def flat_tensor(t: torch.Tensor, what: str, numel: int,
     return t.view(-1)
 
 
+def _checked_steps(value: Any) -> int:
+    """A state dict's "steps" (the optimizer's committed rounds): a whole number, at least 0."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"state_dict['steps']: {value!r} is not a count of steps (a whole "
+                         "number, at least 0): load what state_dict() returned")
+    return value
+
+
 # an engine's step updates partitions during backward, in a round its step() commits
 _OPEN_ROUND_FIX = ("load state between steps: under an engine, after engine.step() (or "
                    "drop the step with engine.zero_grad()); on its own, after commit() or "
@@ -382,6 +394,7 @@ class StateAccess:
             for pid, st in states.items():
                 part = self.partition(pid)
                 self._checked_seg_steps(part, st, self._checked_state(part, st)[0])
+            steps = _checked_steps(state_dict.get("steps", self.steps))
             step_open = self._step_open() if self._step_open is not None else None
             if self._round or (step_open is not None and step_open()):
                 raise ValueError(f"the open round's updates have run or are queued "
@@ -392,7 +405,7 @@ class StateAccess:
                 mine["betas"] = tuple(mine["betas"])
             for pid, st in states.items():
                 self.load_partition_state(pid, st)
-            self.steps = int(state_dict.get("steps", self.steps))
+            self.steps = steps
             self._round.clear()
         hook = self._load_hook() if self._load_hook is not None else None
         if hook is not None:  # outside the lock: it reads the masters back

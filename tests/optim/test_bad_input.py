@@ -105,6 +105,24 @@ def test_segment_update_counts_above_the_partitions_step_are_refused():
         opt.load_partition_state("a", state)
 
 
+@pytest.mark.parametrize("steps", ["three", -5, 2.5, True, None])
+def test_a_state_dicts_steps_that_are_no_count_are_refused_before_anything_loads(steps):
+    """`steps` was converted after every partition had loaded: "three" raised a bare
+    int() error with the partitions at the dict's state and `steps` at the optimizer's,
+    and -5 loaded, leaving the optimizer's count below the engine's."""
+    opt, master = _opt()
+    opt.step({"x": torch.randn(N)})
+    saved = opt.state_dict()
+    opt.step({"x": torch.randn(N)})
+    before = {k: v.clone() for k, v in opt.partition_state("x").items()}
+    with pytest.raises(ValueError, match=r"state_dict\['steps'\]: .* is not a count"):
+        opt.load_state_dict({**saved, "steps": steps})
+    after = opt.partition_state("x")
+    assert opt.steps == 2 and all(torch.equal(after[k], v) for k, v in before.items())
+    opt.load_state_dict({**saved, "steps": torch.tensor(1)})  # a tensor of a count: taken
+    assert opt.steps == 1 and opt.partition("x").step == 1
+
+
 def test_a_grad_norm_not_finite_skips_the_step_without_found_inf():
     """A global gradient norm that is NaN or inf (another rank's overflow, all-reduced)
     skips the step even where the caller passed found_inf=False, leaving the master."""

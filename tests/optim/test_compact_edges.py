@@ -140,12 +140,13 @@ def _int8_opt():
     return opt, master
 
 
-@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -1.0])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -1.0, 1e38])  # 1e38: finite,
 @pytest.mark.parametrize("kind", ["exp_avg", "exp_avg_sq"])
 def test_a_loaded_scale_no_encoding_writes_is_refused(kind, bad):
     """A state dict's int8 scale that no encoding writes (NaN, inf, negative: `encode`
-    keeps every scale in [smallest normal, FLT_MAX / top]) loaded silently: a NaN or
-    inf scale made all 256 moments of its block NaN or inf, and the next step
+    keeps every scale in [smallest normal, FLT_MAX / top]) loaded silently: a NaN, an
+    inf or a finite scale above FLT_MAX / top (its top code decodes to inf) made all 256
+    moments of its block NaN or inf, and the next step
     turned 256 weights to NaN (a negative one flipped exp_avg's sign). Refused now,
     before anything loads."""
     opt, master = _int8_opt()
