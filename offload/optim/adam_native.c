@@ -66,6 +66,8 @@ typedef struct {
     float eps;
     uint32_t key;        /* bf16 and int8 moments: the run's part of the rounding's hash
                           * (codec.py's [Note: stochastic rounding]) */
+    float m_bound;       /* int8 moments: C of codec.py's [Note: the first moment's
+                          * bound]; 0: none */
 } offload_run;
 
 typedef struct {
@@ -674,6 +676,17 @@ INLINE void encode_tile8(const block_args *a, int64_t t0, int64_t k, const float
     }
 }
 
+/* codec.py's [Note: the first moment's bound]: decoded exp_avg mb (tile from t0) of
+ * elements [lo, hi) clamped to +-(code * s) * c, the element's decoded sqrt(v), as
+ * codec.bound_first_moment (fp32, the same order of operations). */
+INLINE void bound_m8(float *restrict mb, const uint8_t *restrict vc, const float *vs,
+                     int64_t t0, int64_t lo, int64_t hi, float c) {
+    for (int64_t e = lo; e < hi; e++) {
+        float lim = ((float)vc[e] * vs[e / QBLOCK]) * c, x = mb[e - t0];
+        mb[e - t0] = x > lim ? lim : (x < -lim ? -lim : x);
+    }
+}
+
 /* One tile [t0, t1) (TILE elements, in L1; t0 the first of a QBLOCK): decode,
  * the runs over it, encode. `ri`: the first run that may reach this tile (runs
  * are sorted and disjoint); returns it for the next tile. */
@@ -720,6 +733,8 @@ INLINE int64_t tile(const block_args *a, const offload_run *runs, int64_t nruns,
     for (int64_t j = ri; j < nruns && runs[j].lo < t1; j++) {
         int64_t lo = runs[j].lo > t0 ? runs[j].lo : t0;
         int64_t hi = runs[j].hi < t1 ? runs[j].hi : t1;
+        if (a->state == STATE_INT8 && !runs[j].skip && runs[j].m_bound > 0.0f)
+            bound_m8(mb, (const uint8_t *)a->v, a->v_scale, t0, lo, hi, runs[j].m_bound);
         if (bf16m)
             run_span_avx512(a, &runs[j], lo, hi - lo, (uint16_t *)a->m + lo,
                             (uint16_t *)a->v + lo, 1, NULL, NULL, NULL);

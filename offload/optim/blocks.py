@@ -51,8 +51,8 @@ import torch
 
 from ..io.process import usable_cpus
 from .adam import AdamHyper, AdamKernel, KernelName, fused_status
-from .codec import (NEAREST, QBLOCK, Moment, decode, encode, encode_stochastic, int8_offsets,
-                    rounding_hash)
+from .codec import (NEAREST, QBLOCK, Moment, bound_first_moment, decode, encode,
+                    encode_stochastic, int8_offsets, moment_bound, rounding_hash)
 from .native import NativeAdam, native_status
 
 log = logging.getLogger(__name__)
@@ -291,6 +291,7 @@ class BlockUpdater:
         int8 = coded and busy and not bf16
         if int8:  # elements no run updates round to nearest ([Note: stochastic rounding])
             rm, rv = (t[:hi - lo].fill_(NEAREST) for t in w.offsets())
+            root = decode(va, w.tmp[:hi - lo], squared=False)  # encode's scratch, later
         for i, j, hyper, step in todo:
             x, y = i - base, j - base  # chunk coordinates
             p = master[x:y]
@@ -299,6 +300,9 @@ class BlockUpdater:
                 if o is not None:
                     o.copy_(p)
                 continue
+            if int8:  # [Note: the first moment's bound] in codec.py
+                bound_first_moment(m[x - lo:y - lo], root[x - lo:y - lo],
+                                   moment_bound(hyper.beta1, hyper.beta2))
             w.kernel.update(p, grad[i:j], m[x - lo:y - lo], v[x - lo:y - lo], step=step + 1,
                             hyper=hyper, grad_scale=grad_scale, param_out=o)
             if not coded:

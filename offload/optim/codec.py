@@ -40,6 +40,22 @@ The block's other elements then code against the huge scale, as against any
 outlier (most round to 0); the weights' NaN are those of fp32 moments, tested in
 tests/optim/test_int8_non_finite.py.
 
+[Note: the first moment's bound]
+Adam keeps |m| <= C sqrt(v) in every element, C = (1 - beta1) / sqrt((1 - beta2)
+(1 - beta1^2 / beta2)) (Cauchy-Schwarz over the sums m and v are; an update
+keeps it, as C^2 (1 - beta1^2 / beta2) = (1 - beta1)^2 / (1 - beta2)): 7.27 for
+(0.9, 0.999), so a step is at most about 7 lr. The two int8 codes round apart,
+each stochastically: an element whose sqrt(v) code rounded down to 0 while its
+exp_avg code rounded up to 1 stepped by m / eps, thousands of lr at once (a weight
+of -2.17 at 71.4 after two steps at lr 1e-2, fp32 -2.16). So the update takes
+decoded m as clamp(m, -lim, lim), lim = (code * s) * C in fp32 with the element's
+decoded sqrt(v) (`moment_bound`; adam_native.c's bound_m8), before it runs, in
+each run with its own betas: a state Adam could hold is left as it is, and one
+the rounding made impossible is moved to the nearest Adam can hold, so the step
+is again at most the bound fp32 Adam's is under. Where beta1^2 >= beta2 Adam
+has no such bound, and nothing is clamped. int8 only: fp32 moments are torch's
+exactly, bf16 ones keep m / sqrt(v) within a few parts in a thousand.
+
 Decoding and encoding happen inside the update's pass over memory, one cache
 block at a time (blocks.py): decode a block into fp32 scratch, update, encode
 back, while the block is in cache. A block of `QBLOCK` elements is coded as a
@@ -114,6 +130,8 @@ gradient are not coded again.
 
 from __future__ import annotations
 
+import functools
+import math
 from typing import NamedTuple
 
 import torch
@@ -222,14 +240,38 @@ def _rows(x: torch.Tensor) -> list[tuple[torch.Tensor, slice]]:
     return out
 
 
-def decode(m: Moment, out: torch.Tensor) -> torch.Tensor:
-    """fp32 values of `m` into `out` (fp32, same numel); returns `out`."""
+@functools.lru_cache(maxsize=64)
+def moment_bound(beta1: float, beta2: float) -> float:
+    """C of [Note: the first moment's bound], rounded to fp32 (as the kernel takes it);
+    0.0 where Adam has none (beta1^2 >= beta2)."""
+    if beta1 == 0.0:
+        c = 1.0 / math.sqrt(1.0 - beta2)
+    elif beta1 * beta1 >= beta2:
+        return 0.0
+    else:
+        c = (1.0 - beta1) / math.sqrt((1.0 - beta2) * (1.0 - beta1 * beta1 / beta2))
+    return float(torch.tensor(c, dtype=torch.float32))
+
+
+def bound_first_moment(m: torch.Tensor, root: torch.Tensor, c: float) -> None:
+    """[Note: the first moment's bound]: `m` (fp32, decoded exp_avg) clamped in place
+    to +-root * c, `root` the same elements' decoded sqrt(v) (`decode(...,
+    squared=False)`); nothing where `c` is 0."""
+    if c == 0.0:
+        return
+    lim = root * c
+    torch.minimum(torch.maximum(m, lim.neg(), out=m), lim, out=m)
+
+
+def decode(m: Moment, out: torch.Tensor, squared: bool = True) -> torch.Tensor:
+    """fp32 values of `m` into `out` (fp32, same numel); returns `out`. `squared`
+    False: int8 exp_avg_sq's decoded sqrt(v) (code * s), not v."""
     out.copy_(m.data)
     if m.scale is None:
         return out
     for rows, sl in _rows(out):
         rows.mul_(m.scale[sl].unsqueeze(1))
-    if m.kind == "exp_avg_sq":
+    if m.kind == "exp_avg_sq" and squared:
         out.square_()
     return out
 

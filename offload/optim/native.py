@@ -40,7 +40,7 @@ from typing import Callable
 import torch
 
 from .adam import AdamHyper
-from .codec import QBLOCK, Moment, rounding_key
+from .codec import QBLOCK, Moment, moment_bound, rounding_key
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +68,8 @@ class _Run(ctypes.Structure):
                 ("decay_mult", ctypes.c_float), ("lerp_w", ctypes.c_float),
                 ("beta2", ctypes.c_float), ("beta2_c", ctypes.c_float),
                 ("neg_step", ctypes.c_float), ("bias2_sqrt", ctypes.c_float),
-                ("eps", ctypes.c_float), ("key", ctypes.c_uint32)]
+                ("eps", ctypes.c_float), ("key", ctypes.c_uint32),
+                ("m_bound", ctypes.c_float)]
 
 
 _cache: dict[str, object] = {}
@@ -128,7 +129,7 @@ def _coefficients(h: AdamHyper, step: int) -> tuple:
     bias2 = 1.0 - h.beta2 ** step
     return (int(h.decoupled), h.weight_decay, 1.0 - h.lr * h.weight_decay, 1.0 - h.beta1,
             h.beta2, 1.0 - h.beta2, -(h.lr / bias1), math.sqrt(bias2), h.eps,
-            rounding_key(step))
+            rounding_key(step), moment_bound(h.beta1, h.beta2))
 
 
 def _check(name: str, t: torch.Tensor, dtypes, n: int) -> None:

@@ -113,6 +113,35 @@ def test_a_small_gradient_beside_a_spike_moves_its_weight_as_fp32_does(kernel):
     assert 1 / 1.5 < w["int8"] / w["fp32"] < 1.5, w
 
 
+@pytest.mark.parametrize("kernel", ["native", "foreach"])
+@pytest.mark.parametrize("quieter", [0.0, 1e-3, 1.0])
+def test_a_step_is_never_beyond_the_bound_fp32_adam_keeps(kernel, quieter):
+    """[Note: the first moment's bound] in codec.py: a block of gradients over three
+    decades, then the same gradients times `quieter` (0: an embedding row whose token
+    left the batch). The two codes round apart: where sqrt(v)'s rounded down to 0 and
+    exp_avg's up to 1 the second step was m / eps, up to 57,000 lr in one step (9 lr
+    with the same gradient twice). Every step now stays within C = 7.27 lr, as fp32
+    Adam's do, and the weights near fp32's."""
+    _kernel_or_skip(kernel)
+    lr, g = 1e-2, torch.Generator().manual_seed(0)
+    g1 = torch.randn(QBLOCK, generator=g) * torch.logspace(-4, -1, QBLOCK)[
+        torch.randperm(QBLOCK, generator=g)]
+    w0 = torch.randn(QBLOCK, generator=g)
+    got = {}
+    for sd in ("fp32", "int8"):
+        opt = CpuAdam(OptimConfig(state_dtype=sd, lr=lr, weight_decay=0.0, kernel=kernel))
+        opt.kernel = blocks.BlockUpdater(kernel, 1024, threads=1)
+        w = w0.clone()
+        opt.add_partition("p", w)
+        for grad in (g1, g1 * quieter, g1 * quieter):
+            before = w.clone()
+            opt.step({"p": grad})
+            assert (w - before).abs().max() <= 7.27 * lr, (sd, (w - before).abs().max() / lr)
+        got[sd] = w
+        opt.close()
+    assert (got["int8"] - got["fp32"]).abs().max() < 5 * lr
+
+
 @pytest.mark.skipif(not native_mod.native_status()[0], reason=native_mod.native_status()[1])
 @pytest.mark.parametrize("isa", list(native_mod.ISAS))
 def test_elements_no_run_updates_keep_their_codes_in_a_block_coded_again(isa):

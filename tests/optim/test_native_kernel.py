@@ -18,8 +18,9 @@ from offload.config import OptimConfig
 from offload.optim import AdamHyper, AdamKernel, CpuAdam
 from offload.optim import blocks
 from offload.optim import native as native_mod
-from offload.optim.codec import (NEAREST, QBLOCK, clone_moment, decode, encode,
-                                 encode_stochastic, int8_offsets, new_moment, rounding_hash)
+from offload.optim.codec import (NEAREST, QBLOCK, bound_first_moment, clone_moment, decode,
+                                 encode, encode_stochastic, int8_offsets, moment_bound,
+                                 new_moment, rounding_hash)
 
 from .conftest import grads_for
 
@@ -44,6 +45,7 @@ def _torch_path(p, g, m, v, out, grad_scale, runs, first=0):
     partition's index of element 0)."""
     n = p.numel()
     fm, fv = decode(m, torch.empty(n)), decode(v, torch.empty(n))
+    root = decode(v, torch.empty(n), squared=False)  # int8: the first moment's bound
     rm, rv = torch.full((n,), NEAREST), torch.full((n,), NEAREST)  # int8: not updated
     k = AdamKernel("fused", 1 << 20)
     for lo, hi, h, st in runs:
@@ -52,6 +54,8 @@ def _torch_path(p, g, m, v, out, grad_scale, runs, first=0):
             if o is not None:
                 o.copy_(p[lo:hi])
             continue
+        if m.scale is not None and m.data.dtype != torch.bfloat16:
+            bound_first_moment(fm[lo:hi], root[lo:hi], moment_bound(h.beta1, h.beta2))
         k.update(p[lo:hi], g[lo:hi], fm[lo:hi], fv[lo:hi], step=st + 1, hyper=h,
                  grad_scale=grad_scale, param_out=o)
         if m.data.dtype == torch.bfloat16:

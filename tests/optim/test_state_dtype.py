@@ -7,8 +7,9 @@ import torch
 
 from offload.config import OptimConfig
 from offload.optim import CpuAdam, OptimStepError
-from offload.optim.codec import (QBLOCK, decode, encode, encode_stochastic, int8_offsets,
-                                 moment_bytes, new_moment, rounding_hash)
+from offload.optim.codec import (QBLOCK, bound_first_moment, decode, encode, encode_stochastic,
+                                 int8_offsets, moment_bound, moment_bytes, new_moment,
+                                 rounding_hash)
 
 from .conftest import grads_for
 from .test_pipeline import _fail_writes_after
@@ -57,14 +58,19 @@ def test_moment_bytes():
 
 def _reference(masters: dict, grads_seq: list, state_dtype: str, cfg: OptimConfig) -> dict:
     """torch.optim.AdamW, with the moments rounded to `state_dtype` after each step
-    stochastically, as the update does (each partition's element 0 at index 0)."""
+    stochastically, as the update does (each partition's element 0 at index 0), and
+    int8's exp_avg bounded by its sqrt(v) before each ([Note: the first moment's
+    bound] in codec.py)."""
     out = {}
     for pid, m0 in masters.items():
         p = torch.nn.Parameter(m0.clone())
         opt = torch.optim.AdamW([p], lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
                                 weight_decay=cfg.weight_decay, foreach=False)
+        root = None  # int8: the decoded sqrt(v) of the last step
         for count, grads in enumerate(grads_seq, 1):
             p.grad = grads[pid].clone()
+            if root is not None:
+                bound_first_moment(opt.state[p]["exp_avg"], root, moment_bound(*cfg.betas))
             opt.step()
             st = opt.state[p]
             for k in ("exp_avg", "exp_avg_sq"):
@@ -78,6 +84,8 @@ def _reference(masters: dict, grads_seq: list, state_dtype: str, cfg: OptimConfi
                     h = rounding_hash(0, n, count, st[k].device)
                     encode(st[k], m, torch.empty(n), int8_offsets(h, k))
                     st[k].copy_(decode(m, torch.empty(n)))
+                    if k == "exp_avg_sq":
+                        root = decode(m, torch.empty(n), squared=False)
         out[pid] = (p.detach(), opt.state[p]["exp_avg"], opt.state[p]["exp_avg_sq"])
     return out
 
