@@ -42,7 +42,7 @@ from .blocks import BlockKind, kind_of
 from .collectives import Collectives
 from .tensor_parallel import ColumnParallel, RowParallel, ShardSpec, check_cut
 
-__all__ = ["DominoBlock", "TensorParallelPlan", "parallelize"]
+__all__ = ["DominoBlock", "TensorParallelPlan", "parallelize", "tp_blocks"]
 
 log = logging.getLogger(__name__)
 
@@ -211,29 +211,8 @@ def parallelize(model: nn.Module, tp: Collectives, pieces: int, *,
     already cut, or one it cannot cut, and leaves `model` as it was then. `keep_undo`: the plan keeps
     what `undo` needs, the original layers with their full weights, until
     `commit` ([Note: undoing parallelize]); without it they are freed."""
-    if any(isinstance(m, DominoBlock) for m in model.modules()):
-        raise ValueError(f"{type(model).__name__} already has tensor-parallel blocks "
-                         "(DominoBlock), cut by an earlier initialize that failed: build the "
-                         "model again (its cut layers hold one rank's slices)")
     plan = TensorParallelPlan(tp, pieces)
-    found = [(name, m, kind) for name, m in model.named_modules()
-             if name and (kind := kind_of(m)) is not None]
-    if not found:
-        raise ValueError(f"tp.size = {tp.world}: {type(model).__name__} has no transformer "
-                         "block tensor parallelism knows (GPT-style Block, Llama-style "
-                         "decoder layer, GPT-2 block)")
-    for name, block, kind in found:  # every refusal before anything changes
-        try:
-            DominoBlock.check(block)
-            kind.check(block, tp.world)
-        except ValueError as e:
-            raise ValueError(f"{name}: {e}") from e
-        for path, column in [(p, True) for p in kind.columns] + [(p, False) for p in kind.rows]:
-            try:
-                check_cut(block.get_submodule(path), column, kind.columns.get(path, 1),
-                          tp.world)
-            except (TypeError, ValueError) as e:
-                raise type(e)(f"{name}.{path}: {e}") from e
+    found = tp_blocks(model, tp.world)  # every refusal before anything changes
     if keep_undo:
         plan.undo_log = []
     try:
@@ -245,6 +224,53 @@ def parallelize(model: nn.Module, tp: Collectives, pieces: int, *,
             plan.undo()
         raise
     return plan
+
+
+def tp_blocks(model: nn.Module, world: int) -> list[tuple[str, nn.Module, BlockKind]]:
+    """The blocks `parallelize` cuts over `world` TP ranks, as (name, block, kind), each
+    checked; `ValueError` or `TypeError` naming the first that cannot be cut. Talks to
+    no other rank: `initialize` runs it where every rank hears of a refusal."""
+    if any(isinstance(m, DominoBlock) for m in model.modules()):
+        raise ValueError(f"{type(model).__name__} already has tensor-parallel blocks "
+                         "(DominoBlock), cut by an earlier initialize that failed: build the "
+                         "model again (its cut layers hold one rank's slices)")
+    found = [(name, m, kind) for name, m in model.named_modules()
+             if name and (kind := kind_of(m)) is not None]
+    if not found:
+        raise ValueError(f"tp.size = {world}: {type(model).__name__} has no transformer "
+                         "block tensor parallelism knows (GPT-style Block, Llama-style "
+                         "decoder layer, GPT-2 block)")
+    names: dict[int, list[str]] = {}  # every name of a module, shared ones under each
+    for name, m in model.named_modules(remove_duplicate=False):
+        names.setdefault(id(m), []).append(name)
+    for name, block, kind in found:
+        try:
+            DominoBlock.check(block)
+            kind.check(block, world)
+        except ValueError as e:
+            raise ValueError(f"{name}: {e}") from e
+        cut = [(p, True) for p in kind.columns] + [(p, False) for p in kind.rows]
+        for path, column in cut:
+            try:
+                check_cut(block.get_submodule(path), column, kind.columns.get(path, 1), world)
+            except (TypeError, ValueError) as e:
+                raise type(e)(f"{name}.{path}: {e}") from e
+        for path, m in [("", block)] + [(p, block.get_submodule(p)) for p, _ in cut]:
+            full = f"{name}.{path}" if path else name
+            others = [n for n in names[id(m)] if n != full]
+            if others:  # the other name would run it uncut, or cut it twice
+                raise ValueError(f"{full} is also {others[0]!r} in the model: a block or "
+                                 "layer used at two places cannot be cut (one place would "
+                                 "run it without its all-reduce); give each place its own "
+                                 "module")
+            hooks = [k for k in ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks",
+                                 "_backward_hooks") if getattr(m, k, None)]
+            if hooks:
+                raise ValueError(f"{full} has hooks ({', '.join(h.strip('_') for h in hooks)})"
+                                 " that would not run once it is cut (a tensor-parallel "
+                                 "module replaces it): register them after "
+                                 "offload.initialize, on engine.module")
+    return found
 
 
 def _weights_from_first_rank(model: nn.Module, tp: Collectives,

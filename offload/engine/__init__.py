@@ -348,6 +348,7 @@ def initialize(model: nn.Module | Callable[[], nn.Module],
                              else saved_buffers(model, ckpt))
         if ckpt is not None:
             load_buffers(model, ckpt)
+        TensorParallel.check(model, cfg, restored=ckpt is not None or resumed is not None)
     agreement.settle(lambda: [config_section(cfg), resume_section(  # the whole job, before
         resumed.record if resumed is not None else None)])  # its mesh is built
     # [Note: ZeRO-3 over DP, tensor parallelism over TP] in tensor_parallel.py

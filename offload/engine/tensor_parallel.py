@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from ..comm import Collectives
-from ..comm.domino import DominoBlock, TensorParallelPlan, parallelize
+from ..comm.domino import DominoBlock, TensorParallelPlan, parallelize, tp_blocks
 from ..comm.mesh import ParallelMesh
 from ..config import ConfigError, OffloadConfig
 from ..optim import grad_sq_sum
@@ -44,6 +44,23 @@ class TensorParallel:
     mesh: ParallelMesh
     plan: TensorParallelPlan
 
+    @staticmethod
+    def check(model: nn.Module, cfg: OffloadConfig, *, restored: bool) -> None:
+        """`setup`'s refusals, with no collective: `ConfigError` naming `tp.size` where
+        the model cannot be cut (`restored`: as for `setup`). `initialize` runs it
+        where every rank hears of one rank's refusal: in `setup` a rank that refused
+        left the others waiting in its first broadcast."""
+        if cfg.tp.size == 1:
+            return
+        if restored:
+            raise ConfigError(f"tp.size = {cfg.tp.size}: checkpoints and resume are not "
+                              "supported with tensor parallelism yet; load the weights into "
+                              "the model on the CPU before offload.initialize")
+        try:
+            tp_blocks(model, cfg.tp.size)
+        except (TypeError, ValueError) as e:  # a layer that is no Linear is a TypeError
+            raise ConfigError(f"tp.size: {e}") from e
+
     @classmethod
     def setup(cls, model: nn.Module, cfg: OffloadConfig, *, restored: bool,
               recorder: TraceRecorder = NULL_RECORDER, keep_undo: bool = False,
@@ -56,10 +73,7 @@ class TensorParallel:
         offload/comm/domino.py)."""
         if cfg.tp.size == 1:
             return None
-        if restored:
-            raise ConfigError(f"tp.size = {cfg.tp.size}: checkpoints and resume are not "
-                              "supported with tensor parallelism yet; load the weights into "
-                              "the model on the CPU before offload.initialize")
+        cls.check(model, cfg, restored=restored)
         try:
             mesh = ParallelMesh.build(cfg.tp.size, recorder=recorder, cuda=cuda)
             plan = parallelize(model, mesh.tp, cfg.domino.pieces, recorder=recorder,

@@ -152,6 +152,32 @@ def _case_nano(d: str) -> dict:
             and all(torch.equal(after[k], v) for k, v in before.items())}
 
 
+def _case_refused(d: str, rank: int, how: str) -> dict:
+    """A model `parallelize` cannot cut on one rank or on both: "meta", rank 1 builds it
+    on the meta device (rank 0 waited for good in the first weights' broadcast, or got
+    gloo's "Connection closed by peer"); "shared", one block at two depths (it trained
+    a model torch does not: the second depth ran the cut layers without their
+    all-reduce); "hooks", a forward hook on a layer the cut replaces (it stopped
+    running without a word). Every rank raises a ConfigError; the model is as it was."""
+    if how == "meta" and rank == 1:
+        with torch.device("meta"):
+            model = _gpt(0)
+    else:
+        model = _gpt(0)
+    if how == "shared":
+        model.blocks[1] = model.blocks[0]
+    if how == "hooks":
+        model.blocks[0].mlp.fc.register_forward_hook(lambda *_: None)
+    before = {k: v.clone() for k, v in model.state_dict().items() if not v.is_meta}
+    try:
+        with offload.initialize(model, _config(os.path.join(d, how), 2, "host")):
+            error = None
+    except Exception as e:  # noqa: BLE001 - the test looks at which
+        error = {"config_error": isinstance(e, ConfigError), "message": str(e)}
+    after = model.state_dict()
+    return {"error": error, "same": all(torch.equal(after[k], v) for k, v in before.items())}
+
+
 def _case_raise_mid_block(d: str) -> dict:
     """A forward hook that raises on every rank in the second piece's MLP of the second
     block, with the first piece's all-reduce in flight: the weights stay exactly as
@@ -218,7 +244,9 @@ def _worker(rank: int, world: int, init_file: str, out: str) -> None:
         cases = {"seeded": lambda: _case_seeded(d, rank),
                  "nano": lambda: _case_nano(d),
                  "raise": lambda: _case_raise_mid_block(d),
-                 "llama": lambda: _case_llama_padding(d)}
+                 "llama": lambda: _case_llama_padding(d),
+                 **{f"refused-{how}": lambda how=how: _case_refused(d, rank, how)
+                    for how in ("meta", "shared", "hooks")}}
         run_cases(cases, f"{out}.{rank}")
 
 
@@ -248,6 +276,21 @@ def test_block_of_another_model_is_a_config_error(outcomes):
         assert got["error"] is not None and got["error"]["config_error"], got
         message = got["error"]["message"]
         assert "tp.size" in message and "h.0" in message and "attn.num_heads" in message, got
+        assert got["same"], got
+
+
+@pytest.mark.parametrize("how, says", [
+    ("meta", "blocks.0.attn.qkv: tensor parallelism slices real weights"),
+    ("shared", "blocks.0 is also 'blocks.1' in the model: a block or layer used at two "
+     "places cannot be cut"),
+    ("hooks", "blocks.0.mlp.fc has hooks (forward_hooks) that would not run once it is cut")])
+def test_a_model_one_rank_cannot_cut_is_refused_on_every_rank(outcomes, how, says):
+    for rank, r in enumerate(outcomes):
+        got = r[f"refused-{how}"]
+        assert got.get("error") and got["error"]["config_error"], got
+        assert "tp.size" in got["error"]["message"] and says in got["error"]["message"], got
+        if how == "meta" and rank == 0:
+            assert "rank 1 refused" in got["error"]["message"], got
         assert got["same"], got
 
 
