@@ -523,6 +523,24 @@ AVX512 static void decode8_avx512(float *restrict mb, float *restrict vb,
     }
 }
 
+/* bound_m8 on AVX-512: vminps / vmaxps with the bound first are its two selects */
+AVX512 static void bound8_avx512(float *restrict mb, const uint8_t *restrict vc,
+                                 const float *vs, int64_t t0, int64_t lo, int64_t hi, float c) {
+    const __m512 cc = _mm512_set1_ps(c);
+    for (int64_t b = lo, end; b < hi; b = end) {
+        end = (b / QBLOCK + 1) * QBLOCK < hi ? (b / QBLOCK + 1) * QBLOCK : hi;
+        const __m512 s = _mm512_set1_ps(vs[b / QBLOCK]);
+        for (int64_t i = b; i < end; i += 16) {
+            __mmask16 l = lanes(end - i);
+            __m512i cv = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(l, vc + i));
+            __m512 lim = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(cv), s), cc);
+            __m512 x = _mm512_min_ps(lim, _mm512_maskz_loadu_ps(l, mb + (i - t0)));
+            x = _mm512_max_ps(_mm512_sub_ps(_mm512_setzero_ps(), lim), x);
+            _mm512_mask_storeu_ps(mb + (i - t0), l, x);
+        }
+    }
+}
+
 /* max_abs over [i0, end) (bit patterns of |x|, NaN left out, as max_abs) */
 AVX512_INLINE float max_abs16(const float *x, int64_t i0, int64_t end) {
     __m512i mx = _mm512_setzero_si512();
@@ -681,9 +699,14 @@ INLINE void encode_tile8(const block_args *a, int64_t t0, int64_t k, const float
  * codec.bound_first_moment (fp32, the same order of operations). */
 INLINE void bound_m8(float *restrict mb, const uint8_t *restrict vc, const float *vs,
                      int64_t t0, int64_t lo, int64_t hi, float c) {
-    for (int64_t e = lo; e < hi; e++) {
-        float lim = ((float)vc[e] * vs[e / QBLOCK]) * c, x = mb[e - t0];
-        mb[e - t0] = x > lim ? lim : (x < -lim ? -lim : x);
+    for (int64_t b = lo, end; b < hi; b = end) {
+        end = (b / QBLOCK + 1) * QBLOCK < hi ? (b / QBLOCK + 1) * QBLOCK : hi;
+        const float s = vs[b / QBLOCK];
+        for (int64_t e = b; e < end; e++) {
+            float lim = ((float)vc[e] * s) * c, x = mb[e - t0];
+            x = lim < x ? lim : x;
+            mb[e - t0] = -lim > x ? -lim : x;
+        }
     }
 }
 
@@ -733,8 +756,13 @@ INLINE int64_t tile(const block_args *a, const offload_run *runs, int64_t nruns,
     for (int64_t j = ri; j < nruns && runs[j].lo < t1; j++) {
         int64_t lo = runs[j].lo > t0 ? runs[j].lo : t0;
         int64_t hi = runs[j].hi < t1 ? runs[j].hi : t1;
-        if (a->state == STATE_INT8 && !runs[j].skip && runs[j].m_bound > 0.0f)
-            bound_m8(mb, (const uint8_t *)a->v, a->v_scale, t0, lo, hi, runs[j].m_bound);
+        if (a->state == STATE_INT8 && !runs[j].skip && runs[j].m_bound > 0.0f) {
+            if (a->avx512)
+                bound8_avx512(mb, (const uint8_t *)a->v, a->v_scale, t0, lo, hi,
+                              runs[j].m_bound);
+            else
+                bound_m8(mb, (const uint8_t *)a->v, a->v_scale, t0, lo, hi, runs[j].m_bound);
+        }
         if (bf16m)
             run_span_avx512(a, &runs[j], lo, hi - lo, (uint16_t *)a->m + lo,
                             (uint16_t *)a->v + lo, 1, NULL, NULL, NULL);
