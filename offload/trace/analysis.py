@@ -343,6 +343,8 @@ class _Covered:
 # -- steps ---------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Step:
+    """One step of a rank, from ``start`` to ``end`` (microseconds)."""
+
     label: str
     start: float
     end: float
@@ -352,7 +354,11 @@ class Step:
         return self.end - self.start
 
     def holds(self, t: float) -> bool:
-        return self.start <= t <= self.end
+        """Whether ``t`` lies in the step: in ``[start, end)``, so that where one step
+        ends as the next begins an event at that instant counts in the next one only;
+        a step of zero length holds its one instant (``t == start``), so that what
+        began in a step that took no measurable time is not lost."""
+        return self.start <= t < self.end or t == self.start
 
 
 class StepIndex:
@@ -372,7 +378,7 @@ class StepIndex:
         j = bisect_right(self._starts, t) - 1
         while j >= 0 and self._reach[j] >= t:  # an earlier step may still reach t
             i = self._order[j]
-            if self.steps[i].end >= t:
+            if self.steps[i].holds(t):
                 out.append(i)
             j -= 1
         return out
@@ -457,10 +463,11 @@ def _gaps(window: tuple[float, float], covered: list[tuple[float, float]],
 
 # -- bytes and rates -----------------------------------------------------------------------------
 def bytes_moved(rt: RankTrace, step: Step) -> dict[str, Any]:
-    """Bytes of the transfers that began in ``step`` and completed (failed ones and
-    ones still in flight when the trace ended are left out): store moves by direction
-    (``NVME->HOST`` ...), NVMe reads and writes of the I/O engines (``nvme_read``,
-    ``nvme_write``) with the time each had a request in flight (``*_busy_us``)."""
+    """Bytes of the transfers that began in ``step`` (``Step.holds`` their start) and
+    completed (failed ones and ones still in flight when the trace ended are left
+    out): store moves by direction (``NVME->HOST`` ...), NVMe reads and writes of the
+    I/O engines (``nvme_read``, ``nvme_write``) with the time each had a request in
+    flight (``*_busy_us``)."""
     return bytes_moved_per_step(rt, [step])[0]
 
 

@@ -21,6 +21,7 @@ import base64
 import datetime
 import hashlib
 import json
+import math
 import os
 import re
 from collections.abc import Callable, Iterable, Sequence
@@ -301,10 +302,20 @@ def _step_summaries(rt: RankTrace, steps: list[Step]) -> list[dict[str, Any]]:
         }
         for op in ("read", "write"):
             n, busy = moved[f"nvme_{op}"], moved[f"{op}_busy_us"]
-            row[f"{op}_GBps_busy"] = n / busy / 1e3 if busy > 0 else None
-            row[f"{op}_GBps_step"] = n / step.dur / 1e3 if step.dur > 0 else None
+            row[f"{op}_GBps_busy"] = _rate(n, busy)
+            row[f"{op}_GBps_step"] = _rate(n, step.dur)
         out.append(row)
     return out
+
+
+def _rate(n: int, us: float) -> float | None:
+    """``n`` bytes over ``us`` microseconds in GB/s; None (not known) where the time is
+    not positive or the quotient is not finite (bytes over a time too short for a
+    float to hold the rate): the page says so rather than the report failing."""
+    if us <= 0:
+        return None
+    rate = n / us / 1e3
+    return rate if math.isfinite(rate) else None
 
 
 def _disk(info: dict[str, Any]) -> dict[str, float]:

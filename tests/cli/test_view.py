@@ -288,3 +288,18 @@ def test_looking_at_a_fifo_before_replacing_it_does_not_block(tmp_path: Path) ->
     out = subprocess.run([sys.executable, "-c", code, str(fifo)], capture_output=True,
                          text=True, timeout=30)
     assert out.returncode == 0 and out.stdout == "None\n", out.stderr[-2000:]
+
+
+def test_a_rate_no_float_holds_is_drawn_as_not_known(tmp_path: Path) -> None:
+    """A step and a read of 5e-324 us (the least float above 0): bytes over that time is
+    no finite number, which the report shows as not known, exit 0; before, a traceback
+    of the JSON encoder and exit 1."""
+    path = tmp_path / "tiny.json"
+    path.write_text(_events(
+        {**_STEP, "ts": 0.0, "dur": 5e-324},
+        {"name": "read", "cat": "io", "ph": "b", "ts": 0.0, "pid": 0, "tid": 2, "id": 1,
+         "args": {"bytes": 1 << 20}},
+        {"name": "read", "cat": "io", "ph": "e", "ts": 5e-324, "pid": 0, "tid": 2, "id": 1}))
+    out = _run(str(path), "-o", str(tmp_path / "tiny.html"))
+    assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr
+    assert '"read_GBps_busy":null' in (tmp_path / "tiny.html").read_text(encoding="utf-8")

@@ -1,5 +1,5 @@
 """Figures of traces at their edges: a negative duration, a request still in flight at
-the end, steps with no number, a negative byte count."""
+the end, steps with no number, a negative byte count, steps that touch."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import json
 from pathlib import Path
 
 from offload.trace import TraceRecorder, load_chrome_trace, write_chrome_trace
-from offload.trace.analysis import bytes_moved, parse_trace, steps_of
+from offload.trace.analysis import (RankTrace, Span, Step, StepIndex, bytes_moved,
+                                    bytes_moved_per_step, parse_trace, steps_of)
 from offload.trace.report import build_model, load_traces
 
 US = 1000  # ns per microsecond
@@ -88,3 +89,22 @@ def test_a_negative_byte_count_moves_nothing(tmp_path: Path) -> None:
     model = build_model(load_traces([path]))
     lane = next(lane for lane in model["groups"][0]["lanes"] if lane["section"] == "nvme")
     assert sorted(lane["b"]) == [0, 4096]
+
+
+def test_an_event_at_the_instant_one_step_ends_and_the_next_begins_is_the_next_s() -> None:
+    """Steps hold [start, end): where step 1 ends as step 2 begins, a read begun at that
+    instant is step 2's alone (both steps counted it before); a step of zero length
+    holds its one instant, so what began in it is still counted."""
+    one, two, still = Step("step 1", 0.0, 100.0), Step("step 2", 100.0, 200.0), \
+        Step("step 3", 300.0, 300.0)
+    assert one.holds(0.0) and not one.holds(100.0) and two.holds(100.0)
+    assert not two.holds(200.0) and still.holds(300.0) and not still.holds(300.5)
+    index = StepIndex([one, two, still])
+    assert index.holding(100.0) == [1] and index.holding(300.0) == [2]
+    assert index.holding(200.0) == [] and index.holding(99.5) == [0]
+    rt = RankTrace(0, "rank 0", "<test>", [
+        Span(100.0, 120.0, "read", "io", "io:aio", {"bytes": 4096}, is_async=True),
+        Span(300.0, 300.0, "write", "io", "io:aio", {"bytes": 512}, is_async=True)])
+    moved = bytes_moved_per_step(rt, [one, two, still])
+    assert [m["nvme_read"] for m in moved] == [0, 4096, 0]
+    assert [m["nvme_write"] for m in moved] == [0, 0, 512]

@@ -4,8 +4,9 @@
  * group per rank, canvas), tier occupancy against budgets (canvas, same time axis),
  * prefetch outcomes, plan against measurement. Times in the model are microseconds
  * from the earliest event. Nothing here loads anything: no fetch, no fonts, no images.
- * When everything is drawn, <html data-rendered="true"> is set and
- * window.offloadReport.renderMs holds the time from the script's start.
+ * When everything is drawn, <html data-rendered="true"> is set,
+ * window.offloadReport.renderMs holds the time from the script's start and
+ * window.offloadReport.buildMs the time each panel took to build (ms, by panel).
  */
 (function () {
   "use strict";
@@ -16,6 +17,8 @@
   var OUTCOME_CLASS = ["in-time", "late", "on-demand", "resident"];
   var OUTCOME_COLOR = ["#2e8b57", "#c9821a", "#c23b30", "#9aa5b1"];
   var ROW_H = 12, LANE_PAD = 4, GROUP_H = 22, AXIS_H = 22, OCC_H = 96;
+  var MAX_GRID_LINES = 200;  // niceStep puts one per ~110 px: never near this
+  var MAX_CANVAS_PX = 8192;  // the tallest timeline canvas, device px: below any browser's limit
   var SECTION_COLOR = {
     compute: "#3b7dd8", waits: "#d0453a", fetches: "#7a8ca3", copies: "#a0673a",
     nvme: "#2e9b6a", optimizer: "#c7a42a", comm: "#b04fa0", plan: "#6b6b6b", other: "#8a8f98"
@@ -63,6 +66,11 @@
     return gbps === null || gbps === undefined || !isFinite(gbps) ? "–" : gbps.toFixed(gbps >= 10 ? 1 : 2) + " GB/s";
   }
   function pct(x) { return isFinite(x) ? (100 * x).toFixed(x < 0.1 ? 1 : 0) + "%" : "–"; }
+  function maxOf(xs) {  // the largest of xs, null for none; a loop, not apply: any length
+    var m = null;
+    for (var i = 0; i < xs.length; i++) if (m === null || xs[i] > m) m = xs[i];
+    return m;
+  }
   function lowerBound(arr, x) {
     var lo = 0, hi = arr.length;
     while (lo < hi) { var mid = (lo + hi) >> 1; if (arr[mid] < x) lo = mid + 1; else hi = mid; }
@@ -110,7 +118,9 @@
           var sub = "over the step " + fmtRate(st[op + "_GBps_step"]);
           figs.appendChild(figure("NVMe " + op, fmtBytes(n), sub, "nvme_" + op, n, gid));
           var vs = disk ? pct(busy / (disk / 1e9)) + " of the disk's " + fmtRate(disk / 1e9) : "disk rate not measured";
-          figs.appendChild(figure(op + " rate while busy", fmtRate(busy), busy === null ? "no " + op + "s" : vs,
+          // no rate: no bytes were read, or they were but in no measurable time
+          var why = n ? op + "s took no measurable time" : "no " + op + "s";
+          figs.appendChild(figure(op + " rate while busy", fmtRate(busy), busy === null ? why : vs,
             op + "_GBps_busy", busy, gid));
         });
         var ref = g.reference_step_s;
@@ -138,13 +148,19 @@
   var view = { t0: 0, t1: Math.max(1, data.duration_us) };
   var plots = [];   // {canvas, width, draw()}
   function fitAll() { view.t0 = 0; view.t1 = Math.max(1, data.duration_us); }
+  // The narrowest view around time t (µs): 1 µs, or about 2^10 steps of the float64
+  // numbers near t (up to 2^-52·|t| apart) where that is more. Far from the origin (a
+  // trace spanning an epoch's microseconds) a narrower view would draw one float over
+  // many pixels, and its gridlines would be closer than floats there can be.
+  function minSpan(t) { return Math.max(1, Math.abs(t) * Math.pow(2, -42)); }
   function zoomTo(a, b) {
-    var pad = Math.max(1, (b - a) * 0.05);
-    view.t0 = a - pad; view.t1 = b + pad; redraw();
+    var pad = Math.max(1, (b - a) * 0.05), mid = a / 2 + b / 2;
+    var half = Math.max((b - a) / 2 + pad, minSpan(mid) / 2);
+    view.t0 = mid - half; view.t1 = mid + half; redraw();
   }
   function zoomAt(frac, factor) {
     var span = view.t1 - view.t0, t = view.t0 + frac * span;
-    var ns = Math.min(Math.max(span * factor, 1), data.duration_us * 4 + 10);
+    var ns = Math.max(Math.min(span * factor, data.duration_us * 4 + 10), minSpan(t));
     view.t0 = t - frac * ns; view.t1 = view.t0 + ns; redraw();
   }
   var pending = false;
@@ -158,22 +174,33 @@
     var r = document.getElementById("view-range");
     if (r) r.textContent = fmtTime(view.t0) + " – " + fmtTime(view.t1) + "  (" + fmtTime(view.t1 - view.t0) + " shown)";
   }
-  function setupCanvas(canvas, width, height) {
+  // A canvas of width x height CSS px whose drawing is offset `top` px up: it shows
+  // rows top .. top + height of its plot (0 for a canvas showing all of it).
+  function setupCanvas(canvas, width, height, top) {
     var dpr = window.devicePixelRatio || 1;
     canvas.width = Math.max(1, Math.round(width * dpr));
     canvas.height = Math.max(1, Math.round(height * dpr));
     canvas.style.width = width + "px";
     canvas.style.height = height + "px";
     var ctx = canvas.getContext("2d");
-    ctx.setTransform(dpr, 0, 0, dpr, 0, 0);
+    ctx.setTransform(dpr, 0, 0, dpr, 0, -(top || 0) * dpr);
     return ctx;
   }
   function attachNavigation(canvas, plot) {
     var drag = null;
     canvas.addEventListener("wheel", function (ev) {
-      ev.preventDefault();
-      var rect = canvas.getBoundingClientRect();
-      zoomAt((ev.clientX - rect.left) / rect.width, ev.deltaY > 0 ? 1.25 : 0.8);
+      // a mostly sideways wheel (a trackpad's swipe, shift+wheel) pans; only an upright
+      // one zooms, and a wheel that moved neither way does nothing
+      if (Math.abs(ev.deltaX) > Math.abs(ev.deltaY)) {
+        ev.preventDefault();
+        var px = ev.deltaX * (ev.deltaMode === 1 ? 16 : ev.deltaMode === 2 ? plot.width : 1);
+        var dt = px / plot.width * (view.t1 - view.t0);
+        view.t0 += dt; view.t1 += dt; redraw();
+      } else if (ev.deltaY !== 0) {
+        ev.preventDefault();
+        var rect = canvas.getBoundingClientRect();
+        zoomAt((ev.clientX - rect.left) / rect.width, ev.deltaY > 0 ? 1.25 : 0.8);
+      }
     }, { passive: false });
     canvas.addEventListener("mousedown", function (ev) {
       drag = { x: ev.clientX, t0: view.t0, t1: view.t1 };
@@ -199,8 +226,11 @@
     var span = view.t1 - view.t0, step = niceStep(span, width);
     ctx.strokeStyle = "#eef1f4"; ctx.fillStyle = "#5f6b7a"; ctx.font = "10px system-ui, sans-serif";
     ctx.lineWidth = 1;
-    for (var t = Math.ceil(view.t0 / step) * step; t <= view.t1; t += step) {
-      var x = Math.round((t - view.t0) / span * width) + 0.5;
+    // lines counted, not stepped to: where `step` is below the float spacing at the
+    // view's times, t + step == t and a loop stepping t would never end
+    var first = Math.ceil(view.t0 / step) * step, n = Math.floor((view.t1 - first) / step);
+    for (var k = 0; k <= Math.min(n, MAX_GRID_LINES); k++) {
+      var t = first + k * step, x = Math.round((t - view.t0) / span * width) + 0.5;
       ctx.beginPath(); ctx.moveTo(x, top); ctx.lineTo(x, top + height); ctx.stroke();
       if (labels) ctx.fillText(fmtTime(t), x + 3, 14);
     }
@@ -251,27 +281,61 @@
     plot.appendChild(canvas);
     sec.appendChild(plot);
     app.appendChild(sec);
-    var p = { canvas: canvas, width: 0, height: height, container: plot, draw: null };
+    // top, bandH: the rows of the plot the canvas shows, top .. top + bandH (plot px)
+    var p = { canvas: canvas, width: 0, height: height, container: plot, draw: null,
+              top: 0, bandH: height };
     p.draw = function () {
       p.width = plotWidth(plot);
-      var ctx = setupCanvas(canvas, p.width, height);
-      ctx.clearRect(0, 0, p.width, height);
-      drawGrid(ctx, p.width, 0, height, true);
-      rows.forEach(function (r) { drawLane(ctx, r, p.width); });
+      var b = timelineBand(plot, height);
+      p.top = b.top; p.bandH = b.h;
+      canvas.style.top = b.top + "px";
+      var ctx = setupCanvas(canvas, p.width, b.h, b.top);
+      ctx.clearRect(0, b.top, p.width, b.h);
+      drawGrid(ctx, p.width, b.top, b.h, true);
+      rows.forEach(function (r) {
+        if (r.y < b.top + b.h && r.y + r.h > b.top) drawLane(ctx, r, p.width);
+      });
       ctx.strokeStyle = "#dde2e8";
       ctx.beginPath(); ctx.moveTo(0, AXIS_H - 0.5); ctx.lineTo(p.width, AXIS_H - 0.5); ctx.stroke();
     };
     plots.push(p);
     attachNavigation(canvas, p);
     attachTooltip(canvas, p);
+    // a canvas holding a band of the plot is drawn again once scrolling brings rows
+    // outside the band into view
+    window.addEventListener("scroll", function () {
+      if (p.bandH >= height) return;
+      var vis = visibleRows(plot, height);
+      if (vis.top < p.top || vis.bottom > p.top + p.bandH) p.draw();
+    });
+  }
+  // The rows (plot px, clipped to 0 .. height) of a plot in the window now.
+  function visibleRows(plot, height) {
+    var top = -(plot.getBoundingClientRect().top + plot.clientTop);
+    return { top: Math.min(height, Math.max(0, top)),
+             bottom: Math.max(0, Math.min(height, top + window.innerHeight)) };
+  }
+  // Which rows of the timeline its canvas holds. All of them where that canvas fits in
+  // MAX_CANVAS_PX device pixels; else a band of twice the window's height around the
+  // rows in view (a canvas taller than a browser's limit, about 32k or 64k px, draws
+  // nothing at all, with no error).
+  function timelineBand(plot, height) {
+    var dpr = window.devicePixelRatio || 1, cap = Math.floor(MAX_CANVAS_PX / dpr);
+    if (height <= cap) return { top: 0, h: height };
+    var h = Math.min(cap, Math.max(600, 2 * window.innerHeight)), vis = visibleRows(plot, height);
+    var top = Math.round((vis.top + vis.bottom) / 2 - h / 2);
+    return { top: Math.max(0, Math.min(height - h, top)), h: h };
   }
   function buildToolbar() {
     var bar = el("div", { cls: "toolbar" });
     bar.appendChild(el("button", { text: "whole trace", "data-action": "fit" }));
     bar.appendChild(el("button", { text: "zoom in" }));
     bar.appendChild(el("button", { text: "zoom out" }));
-    var stepButtons = data.steps.filter(function (s, i, all) {
-      return all.findIndex(function (o) { return o.label === s.label; }) === i;
+    var seen = new Set();  // one button per label (ranks share them), in first-seen order
+    var stepButtons = data.steps.filter(function (s) {
+      if (seen.has(s.label)) return false;
+      seen.add(s.label);
+      return true;
     });
     stepButtons.forEach(function (st) {
       bar.appendChild(el("button", { text: st.label, "data-step": st.label }));
@@ -367,7 +431,8 @@
   }
   function attachTooltip(canvas, p) {
     canvas.addEventListener("mousemove", function (ev) {
-      var rect = canvas.getBoundingClientRect(), x = ev.clientX - rect.left, y = ev.clientY - rect.top;
+      var rect = canvas.getBoundingClientRect(), x = ev.clientX - rect.left;
+      var y = ev.clientY - rect.top + p.top;  // in the plot: the canvas shows rows from p.top
       var r = null;
       for (var j = 0; j < rows.length; j++) if (y >= rows[j].y && y < rows[j].y + rows[j].h) { r = rows[j]; break; }
       if (!r) { hideTip(); return; }
@@ -397,9 +462,16 @@
       sec.appendChild(el("p", { cls: "note", text: "No tier occupancy in these traces (the store records tier:<TIER> counters while tracing)." }));
     }
     data.occupancy.forEach(function (tier) {
-      var budgets = tier.series.map(function (s) { return s.budget; }).filter(function (b) { return b; });
-      var budget = budgets.length ? Math.max.apply(null, budgets) : null;
-      var peak = Math.max.apply(null, tier.series.map(function (s) { return s.peak; }).concat([0]));
+      // the heading reads what was measured: a prediction's peak and budget are its own
+      // (beside its name below), not the rank's; only a tier no rank measured reads them
+      var measured = tier.series.filter(function (s) { return !s.predicted; });
+      var heading = measured.length ? measured : tier.series;
+      var budget = maxOf(heading.map(function (s) { return s.budget; })
+        .filter(function (b) { return b; }));
+      var peak = maxOf(heading.map(function (s) { return s.peak; }).concat([0]));
+      // the scale holds every curve and budget line, predicted ones too
+      var top = maxOf(tier.series.map(function (s) { return Math.max(s.peak, s.budget || 0); })
+        .concat([0]));
       var plot = el("div", { cls: "plot", "data-tier": tier.tier, style: "height:" + OCC_H + "px" });
       plot.appendChild(el("div", { cls: "gutter" }));
       plot.appendChild(tierHead(tier, peak, budget));
@@ -407,7 +479,6 @@
       plot.appendChild(canvas);
       sec.appendChild(plot);
       var p = { canvas: canvas, width: 0, draw: null };
-      var top = budget && budget > peak ? budget : peak;
       p.draw = function () { p.width = plotWidth(plot); drawTier(tier, canvas, p.width, top); };
       plots.push(p);
       attachNavigation(canvas, p);
@@ -424,9 +495,12 @@
       el("span", { text: budget ? "budget " + fmtBytes(budget) + " (" + pct(peak / budget) + ")" : "no budget" })]);
     tier.series.forEach(function (s, i) {
       var gl = data.groups.filter(function (g) { return g.id === s.group; })[0];
+      var own = tier.series.length > 1 ? " " + fmtBytes(s.peak) +
+        (s.budget && s.budget !== budget ? " of " + fmtBytes(s.budget) : "") : "";
       head.appendChild(el("span", { "data-series": s.group, "data-peak": String(s.peak),
+        "data-budget": s.budget ? String(s.budget) : "",
         style: "color:" + GROUP_SERIES_COLOR[i % GROUP_SERIES_COLOR.length],
-        text: (gl ? gl.label : s.group) + (tier.series.length > 1 ? " " + fmtBytes(s.peak) : "") }));
+        text: (gl ? gl.label : s.group) + own }));
     });
     return head;
   }
@@ -564,12 +638,14 @@
     app.appendChild(sec);
   }
 
-  buildHeader();
-  buildSummary();
-  buildTimeline();
-  buildOccupancy();
-  buildPrefetch();
-  buildPlan();
+  var buildMs = {};  // ms each panel took to build, before anything is drawn
+  [["header", buildHeader], ["summary", buildSummary], ["timeline", buildTimeline],
+    ["occupancy", buildOccupancy], ["prefetch", buildPrefetch], ["plan", buildPlan]
+  ].forEach(function (b) {
+    var t = performance.now();
+    b[1]();
+    buildMs[b[0]] = performance.now() - t;
+  });
   tip = el("div", { id: "tooltip" });
   document.body.appendChild(tip);
   if (data.steps.length) {
@@ -592,9 +668,10 @@
     var p = plots[0], rect = p.canvas.getBoundingClientRect(), span = view.t1 - view.t0;
     var mid = r.lane.s[i] + r.lane.d[i] / 2;
     return { x: rect.left + (mid - view.t0) / span * p.width,
-             y: rect.top + r.y + 2 + r.lane.z[i] * ROW_H + ROW_H / 2 };
+             y: rect.top - p.top + r.y + 2 + r.lane.z[i] * ROW_H + ROW_H / 2 };
   }
   window.offloadReport = { renderMs: performance.now() - started, renderedAt: performance.now(),
-    events: data.events, view: view, locate: locate, zoomTo: function (a, b) { zoomTo(a, b); drawAll(); } };
+    buildMs: buildMs, events: data.events, view: view, locate: locate,
+    zoomTo: function (a, b) { zoomTo(a, b); drawAll(); } };
   document.documentElement.setAttribute("data-rendered", "true");
 })();
