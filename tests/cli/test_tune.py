@@ -127,7 +127,8 @@ def test_impossible_budgets_say_what_is_missing_in_which_tier(work):
 BAD_FLAGS = [
     ([], "--swap"),
     (["--swap", "/etc/hosts"], "--swap: '/etc/hosts' exists and is not a directory"),
-    (["--swap", "/proc/offload-swap"], "--swap: /proc/offload-swap cannot be created"),
+    (["--swap", "/proc/offload-swap"], "--swap: '/proc/offload-swap' cannot be created: /proc "
+     "is on a file system without storage"),
     (["--swap", "SWAP", "--verify", "-1"], "--verify: '-1' is below 0"),
     (["--swap", "SWAP", "--host-budget", "lots"], "--host-budget: 'lots' is not a byte size"),
     (["--swap", "SWAP", "--batch", str(1 << 63)], f"--batch: '{1 << 63}' is out of range"),
