@@ -37,7 +37,12 @@ The optimizer's own state is not a store record: masters (none where the
 parameter is the master, `sizes.keeps_master`) and Adam's two moments live in host memory (the
 `optimizer` figures, outside the store's ledger) or in the optimizer's swap
 space (in the ledger, above), and its chunk pipeline stages through
-io.buffer_budget.
+io.buffer_budget. Host state counts twice where parameters or gradients are
+homed on NVMe: a step whose parameter and gradient partitions the memory tiers
+cannot hold at once keeps a copy of the state it updates until it commits
+([Note: all or nothing] in offload/engine/step.py; `in_place.pin_in_place`
+decides), and the copy's memory stays allocated between steps. Homed in memory,
+they fit, and the updates run in place.
 """
 
 from __future__ import annotations
@@ -208,7 +213,8 @@ def tier_bytes(m: ModelBytes, p: Placement, *, device: str = "cpu", buffer_budge
     host = max(host_terms) if device == "cpu" else sum(host_terms)
     if not stored:  # an early update's gradient in HOST (see the Note)
         host += max((_footprint(n * 4) for n, t in m.shards if t), default=0)
-    opt = {p.optimizer: state}
+    copy = p.optimizer == "host" and "nvme" in (p.params, p.grads)  # see the Note
+    opt = {p.optimizer: state * (2 if copy else 1)}
     nvme_used = "nvme" in (p.params, p.grads, p.optimizer)
     buffers = {"host": buffer_budget} if buffer_budget and nvme_used else {}
     return TierBytes({"device": dev, "host": host, "nvme": nvme}, opt, buffers)
