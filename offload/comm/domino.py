@@ -207,10 +207,11 @@ def parallelize(model: nn.Module, tp: Collectives, pieces: int, *,
     place: its column and row layers keep this rank's slices, and the block runs
     as a `DominoBlock` of `pieces` pieces, every parameter first set to the TP
     group's first rank's values (`_weights_from_first_rank`). Raises `ValueError`
-    (naming the layer where one cannot be cut) if it finds no block, a block
-    already cut, or one it cannot cut, and leaves `model` as it was then. `keep_undo`: the plan keeps
-    what `undo` needs, the original layers with their full weights, until
-    `commit` ([Note: undoing parallelize]); without it they are freed."""
+    (naming the layer where one cannot be cut: `tp_blocks`) if it finds no block, a
+    block already cut, or one it cannot cut, and leaves `model` as it was then.
+    `keep_undo`: the plan keeps what `undo` needs, the original layers with their
+    full weights, until `commit` ([Note: undoing parallelize]); without it they
+    are freed."""
     plan = TensorParallelPlan(tp, pieces)
     found = tp_blocks(model, tp.world)  # every refusal before anything changes
     if keep_undo:
