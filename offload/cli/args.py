@@ -245,18 +245,39 @@ def choice_list(allowed: Sequence[str]) -> Callable[[str], tuple[str, ...]]:
 
 def _writable(d: str) -> str | None:
     """Why files cannot be created in the existing directory `d` ('is ...'), or None."""
-    try:
-        fs = os.statvfs(d)
-    except OSError:
-        fs = None
-    if fs is not None and fs.f_blocks == 0:  # root may "write" there: access() says yes
+    if _kernel_fs(d):  # root may "write" there: access() says yes
         return "is on a file system without storage (such as /proc or /sys)"
     kw = {"effective_ids": True} if os.access in os.supports_effective_ids else {}
     if os.access(d, os.W_OK | os.X_OK, **kw):
         return None
-    if fs is not None and fs.f_flag & os.ST_RDONLY:
-        return "is on a read-only file system"
+    try:
+        if os.statvfs(d).f_flag & os.ST_RDONLY:
+            return "is on a read-only file system"
+    except OSError:
+        pass
     return "is not writable by this user"
+
+
+# the kernel's file systems that hold no files of a user's (ramfs and tmpfs do)
+_KERNEL_FS = frozenset({"proc", "sysfs", "debugfs", "tracefs", "securityfs", "cgroup",
+                        "cgroup2", "pstore", "bpf", "configfs", "efivarfs", "fusectl",
+                        "binfmt_misc"})
+
+
+def _kernel_fs(d: str) -> bool:
+    """Whether the existing directory `d` is on one of `_KERNEL_FS` (its mount in
+    /proc/self/mounts, the longest mount point holding it)."""
+    try:
+        with open("/proc/self/mounts", encoding="utf-8", errors="replace") as f:
+            mounts = [line.split()[1:3] for line in f if len(line.split()) > 2]
+    except OSError:
+        return False
+    real, best, kind = os.path.realpath(d), "", ""
+    for point, fstype in mounts:
+        point = point.replace("\\040", " ")
+        if (real == point or real.startswith(point.rstrip("/") + "/")) and len(point) >= len(best):
+            best, kind = point, fstype
+    return kind in _KERNEL_FS
 
 
 def _directory_problem(path: str) -> str | None:

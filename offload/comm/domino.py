@@ -264,14 +264,28 @@ def tp_blocks(model: nn.Module, world: int) -> list[tuple[str, nn.Module, BlockK
                                  "layer used at two places cannot be cut (one place would "
                                  "run it without its all-reduce); give each place its own "
                                  "module")
-            hooks = [k for k in ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks",
-                                 "_backward_hooks") if getattr(m, k, None)]
+            hooks = _users_hooks(m)
             if hooks:
-                raise ValueError(f"{full} has hooks ({', '.join(h.strip('_') for h in hooks)})"
-                                 " that would not run once it is cut (a tensor-parallel "
-                                 "module replaces it): register them after "
-                                 "offload.initialize, on engine.module")
+                raise ValueError(f"{full} has hooks ({', '.join(hooks)}) that would not run "
+                                 "once it is cut (a tensor-parallel module replaces it): "
+                                 "register them after offload.initialize, on engine.module")
     return found
+
+
+def _users_hooks(m: nn.Module) -> list[str]:
+    """The hooks on `m` a cut would drop, each as kind: name. Not transformers' output
+    capturing ones: a forward with output_hidden_states (or output_attentions) leaves
+    them on every decoder layer for good, and what they capture is refused under
+    tensor parallelism anyway."""
+    out = []
+    for kind in ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks",
+                 "_backward_hooks"):
+        for h in (getattr(m, kind, None) or {}).values():
+            name = getattr(h, "__qualname__", type(h).__name__)
+            if not (getattr(h, "__module__", "") or "").startswith("transformers.") \
+                    or "output_capturing" not in name:
+                out.append(f"{kind.strip('_')}: {name}")
+    return out
 
 
 def _weights_from_first_rank(model: nn.Module, tp: Collectives,

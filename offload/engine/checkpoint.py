@@ -76,6 +76,8 @@ def _weight_map(index: Path) -> dict[str, str]:
     """The {tensor: shard file} map of transformers' `model.safetensors.index.json`."""
     try:
         weight_map = json_loads(read_regular_text(index))["weight_map"]
+    except PermissionError:
+        raise  # no damage: the error names the file and the permission
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ValueError(f"checkpoint index {index} is not a transformers safetensors index "
                          f"(JSON with a \"weight_map\": {type(e).__name__}: {e}); fix or "

@@ -163,6 +163,8 @@ def decode_rng_state(state: Any) -> tuple:
         sizes = [torch.cuda.get_rng_state(i).numel() for i in range(len(states))]
         if [t.numel() for t in states] != sizes:
             raise ValueError(f"{[t.numel() for t in states]} bytes, not {sizes}")
+        for i, t in enumerate(states):  # a state the generator refuses (its offset)
+            torch.Generator(device=f"cuda:{i}").set_state(t)
         return states
 
     if not isinstance(state, dict):

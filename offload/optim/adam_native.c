@@ -523,7 +523,8 @@ AVX512 static void decode8_avx512(float *restrict mb, float *restrict vb,
     }
 }
 
-/* bound_m8 on AVX-512: vminps / vmaxps with the bound first are its two selects */
+/* bound_m8 on AVX-512: vminps / vmaxps with the bound first are its two selects, and
+ * -lim a flip of the sign bit, as C's unary minus (0 - lim would be +0.0 for 0) */
 AVX512 static void bound8_avx512(float *restrict mb, const uint8_t *restrict vc,
                                  const float *vs, int64_t t0, int64_t lo, int64_t hi, float c) {
     const __m512 cc = _mm512_set1_ps(c);
@@ -535,7 +536,9 @@ AVX512 static void bound8_avx512(float *restrict mb, const uint8_t *restrict vc,
             __m512i cv = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(l, vc + i));
             __m512 lim = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(cv), s), cc);
             __m512 x = _mm512_min_ps(lim, _mm512_maskz_loadu_ps(l, mb + (i - t0)));
-            x = _mm512_max_ps(_mm512_sub_ps(_mm512_setzero_ps(), lim), x);
+            __m512 neg = _mm512_castsi512_ps(_mm512_xor_si512(  /* -lim: -0.0 for a lim of 0 */
+                _mm512_castps_si512(lim), _mm512_set1_epi32((int)0x80000000u)));
+            x = _mm512_max_ps(neg, x);
             _mm512_mask_storeu_ps(mb + (i - t0), l, x);
         }
     }

@@ -259,8 +259,12 @@ def bound_first_moment(m: torch.Tensor, root: torch.Tensor, c: float) -> None:
     squared=False)`); nothing where `c` is 0."""
     if c == 0.0:
         return
+    # adam_native.c's two selects exactly (signed zeros too: torch.minimum's vector
+    # body and its scalar tail disagree on which zero of -0.0 and +0.0 is the less)
     lim = root * c
-    torch.minimum(torch.maximum(m, lim.neg(), out=m), lim, out=m)
+    torch.where(lim < m, lim, m, out=m)
+    lim.neg_()
+    torch.where(lim > m, lim, m, out=m)
 
 
 def decode(m: Moment, out: torch.Tensor, squared: bool = True) -> torch.Tensor:

@@ -13,6 +13,7 @@ to the same codes, so the round trip loses nothing.
 
 from __future__ import annotations
 
+import numbers
 import weakref
 from typing import Any, Callable, Hashable, Iterator, Mapping
 
@@ -54,6 +55,8 @@ def _checked_steps(value: Any) -> int:
         value = value.item()
     if isinstance(value, float) and value.is_integer():
         value = int(value)
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        value = int(value)  # a numpy integer too
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"state_dict['steps']: {value!r} is not a count of steps (a whole "
                          "number, at least 0): load what state_dict() returned")

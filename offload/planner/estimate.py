@@ -41,8 +41,11 @@ io.buffer_budget. Host state counts twice where parameters or gradients are
 homed on NVMe: a step whose parameter and gradient partitions the memory tiers
 cannot hold at once keeps a copy of the state it updates until it commits
 ([Note: all or nothing] in offload/engine/step.py; `in_place.pin_in_place`
-decides), and the copy's memory stays allocated between steps. Homed in memory,
-they fit, and the updates run in place.
+decides), and the copy's memory stays allocated between steps. That is a
+question of the budgets, which these figures do not take: at budgets that hold
+every partition (homed on NVMe or not) the updates run in place and the
+figure is twice what is held, an upper bound. Homed in memory, the partitions
+fit their home tier's budget, and the state counts once.
 """
 
 from __future__ import annotations

@@ -283,7 +283,8 @@ def test_block_of_another_model_is_a_config_error(outcomes):
     ("meta", "blocks.0.attn.qkv: tensor parallelism slices real weights"),
     ("shared", "blocks.0 is also 'blocks.1' in the model: a block or layer used at two "
      "places cannot be cut"),
-    ("hooks", "blocks.0.mlp.fc has hooks (forward_hooks) that would not run once it is cut")])
+    ("hooks", "blocks.0.mlp.fc has hooks (forward_hooks: _case_refused.<locals>.<lambda>) "
+     "that would not run once it is cut")])
 def test_a_model_one_rank_cannot_cut_is_refused_on_every_rank(outcomes, how, says):
     for rank, r in enumerate(outcomes):
         got = r[f"refused-{how}"]
@@ -308,3 +309,27 @@ def test_llama_padded_batch_in_pieces_matches_torch(outcomes):
         got = r["llama"]
         assert "crash" not in got, got
         assert got["eval"] < 1e-5 and got["train"] < 1e-5, got
+
+
+def test_transformers_output_capturing_hooks_do_not_stop_the_cut():
+    """A forward with output_hidden_states leaves transformers' capturing hooks on every
+    decoder layer for good: the hooks check refused such a model ("model.layers.0 has
+    hooks"), though its user registered none and what they capture is refused under
+    tensor parallelism anyway. A hook of the user's is still refused, named."""
+    from offload.comm.domino import tp_blocks
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2)
+    model = transformers.LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        model(torch.randint(0, VOCAB, (1, 8)), output_hidden_states=True)
+    assert model.model.layers[0]._forward_hooks  # transformers' own
+    assert len(tp_blocks(model, 2)) == 2
+
+    def mine(*_):
+        pass
+    model.model.layers[1].mlp.up_proj.register_forward_pre_hook(mine)
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.up_proj has hooks "
+                                         r"\(forward_pre_hooks: .*mine\)"):
+        tp_blocks(model, 2)

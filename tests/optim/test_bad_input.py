@@ -4,6 +4,7 @@ kernel cannot take (misaligned), state dicts whose 8-bit codes do not fit."""
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -121,6 +122,8 @@ def test_a_state_dicts_steps_that_are_no_count_are_refused_before_anything_loads
     assert opt.steps == 2 and all(torch.equal(after[k], v) for k, v in before.items())
     opt.load_state_dict({**saved, "steps": torch.tensor(1)})  # a tensor of a count: taken
     assert opt.steps == 1 and opt.partition("x").step == 1
+    opt.load_state_dict({**saved, "steps": np.int64(1)})  # and a numpy one
+    assert opt.steps == 1 and type(opt.steps) is int
 
 
 def test_a_grad_norm_not_finite_skips_the_step_without_found_inf():

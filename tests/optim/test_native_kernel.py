@@ -135,6 +135,31 @@ def test_every_code_path_gives_the_torch_paths_bits(isa, state_dtype, first):
 
 
 @needs_native
+@pytest.mark.parametrize("isa", list(native_mod.ISAS))
+def test_the_first_moments_bound_gives_every_paths_bits_at_signed_zeros(isa):
+    """[Note: the first moment's bound] where sqrt(v)'s code is 0 (a bound of +0): m
+    clamped to -lim was -0.0 on the scalar loop, +0.0 on the AVX-512 one (0 - lim),
+    and either in torch's minimum / maximum (their vector body and scalar tail
+    disagree); with weights and gradients of -0.0 and beta1 below 0.5 the sign
+    reached the weights. The same bits on every path, a tail block too."""
+    n = QBLOCK + 40
+    hyper = AdamHyper(lr=1e-2, beta1=0.3, beta2=0.999, eps=1e-8, weight_decay=0.0,
+                      decoupled=True)
+    m, v = new_moment("int8", "exp_avg", n), new_moment("int8", "exp_avg_sq", n)
+    encode(-torch.rand(n, generator=torch.Generator().manual_seed(0)) * 0.1 - 0.01, m,
+           torch.empty(n))
+    sq = torch.zeros(n)
+    sq[::2] = 1e-3  # odd elements: sqrt(v) code 0
+    encode(sq, v, torch.empty(n))
+    p, g, runs = torch.full((n,), -0.0), torch.full((n,), -0.0), [(0, n, hyper, 3)]
+    mine = (p.clone(), clone_moment(m), clone_moment(v))
+    native_mod.NativeAdam(isa).block(mine[0], g, mine[1], mine[2], None, 1.0, runs)
+    _torch_path(p, g, m, v, None, 1.0, runs)
+    assert torch.equal(mine[0].view(torch.int32), p.view(torch.int32))
+    _assert_same(mine[1:], (m, v), exact=True)
+
+
+@needs_native
 @pytest.mark.parametrize("state_dtype", ["fp32", "bf16", "int8"])
 @pytest.mark.parametrize("n", [1, 77, QBLOCK + 3, 5 * QBLOCK - 1])
 def test_block_with_a_tail_equals_the_torch_path_to_rounding(state_dtype, n):
