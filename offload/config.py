@@ -130,7 +130,9 @@ def _normalise(section: Any, prefix: str) -> None:
                 where = f"{key}[{i}]" if isinstance(value, list) else key
                 default = f.default if f.default is not dataclasses.MISSING \
                     else f.default_factory()
-                fix = f.metadata.get("fix") or f"e.g. the default, {json.dumps(default)}"
+                fix = f.metadata.get("fix") or (  # a default of None: "unset", no number
+                    f"e.g. the default, {json.dumps(default)}" if default is not None
+                    else "or leave the key out (unset)")
                 raise ConfigError(f"{where}: {x} is not a finite number; give a finite value, "
                                   f"{fix}")
         setattr(section, f.name, value)

@@ -87,6 +87,15 @@ def test_nan_and_inf_are_refused_for_every_float_key(section, key, bad):
         load_config({section: {key: value}})
 
 
+@pytest.mark.parametrize("key", ["lr", "weight_decay", "eps"])
+def test_nan_in_a_param_group_says_to_leave_the_key_out(key):
+    # its default is unset (the optim section's value): "e.g. the default, null" before
+    with pytest.raises(ConfigError, match=rf"^optim\.param_groups\[0\]\.{key}: nan is not a "
+                                          r"finite number; give a finite value, or leave the "
+                                          r"key out \(unset\)$"):
+        load_config({"optim": {"param_groups": [{"params": ["a*"], key: math.nan}]}})
+
+
 def test_nan_max_grad_norm_says_how_to_turn_clipping_off():
     with pytest.raises(ConfigError, match=r"optim.max_grad_norm: nan .* or 0 for no clipping"):
         load_config({"optim": {"max_grad_norm": math.nan}})
