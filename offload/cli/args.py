@@ -133,6 +133,8 @@ def integer(min: int | None = None, max: int | None = None, *, multiple: int = 1
                 raise _bad(text, f"is out of range {min}..{max}", f"give e.g. {eg}")
             raise _bad(text, "is not positive" if min == 1 else f"is below {min}",
                        f"give e.g. {eg}")
+        if max is None and v >= 1 << 63:  # what a config key or the kernel takes at most
+            raise _bad(text, "is out of range (beyond 2^63)", f"give e.g. {eg}")
         if v % multiple:
             raise _bad(text, f"is not a multiple of {multiple}", f"give e.g. {eg}")
         return v

@@ -214,6 +214,8 @@ BAD_ARGS = [
     (["tinymodels:mlp", "--world", "0"], "--world: '0' is not positive"),
     (["tinymodels:mlp", "--max-grad-norm", "-1"], "--max-grad-norm: '-1' is out of range"),
     (["tinymodels:mlp", "--grad-accum-steps", "0"], "--grad-accum-steps: '0' is not positive"),
+    (["tinymodels:mlp", "--group-size", str(1 << 66)], f"--group-size: '{1 << 66}' is out of "
+     "range (beyond 2^63)"),  # engine.group_size named, not the flag
     ([], "MODEL: missing"),
     (["tinymodels:lazy"], "MODEL: tinymodels:lazy: parameter '1.weight' is not initialized"),
     (["tinymodels:mlp", "--batch", str(1 << 63)], f"--batch: '{1 << 63}' is out of range "
