@@ -110,10 +110,34 @@ def _own_scope(module: nn.Module) -> list[nn.Module]:
     return [module] + [c for c in module.children() if isinstance(c, _PARAM_CONTAINERS)]
 
 
+def _called_inside(model: nn.Module) -> frozenset[int]:
+    """[Note: modules called from outside their parent] The modules that hold, strictly
+    inside them, one a library calls by itself: transformers' encoder-decoder
+    `generate` runs `model.get_encoder()(...)` before any forward of the model, so a
+    T5 or BART small enough to be one unit (`<root>`) was never gathered for it
+    ("parameter 'shared.weight' is used outside the forward of unit '<root>'").
+    Such an ancestor is split into units however small, so the encoder has its own."""
+    getter = getattr(model, "get_encoder", None)
+    if not callable(getter) or not getattr(getattr(model, "config", None),
+                                           "is_encoder_decoder", False):
+        return frozenset()
+    try:
+        encoder = getter()
+    except Exception:  # noqa: BLE001 - a model whose getter fails has no such call
+        return frozenset()
+    path = next((n for n, m in model.named_modules() if m is encoder and n), None)
+    if path is None:
+        return frozenset()
+    parts = path.split(".")
+    return frozenset(id(model.get_submodule(".".join(parts[:i]))) for i in range(len(parts)))
+
+
 def _choose(module: nn.Module, name: str, group_size: int,
-            out: list[tuple[nn.Module, str, bool]], whole: frozenset[int]) -> None:
+            out: list[tuple[nn.Module, str, bool]], whole: frozenset[int],
+            split: frozenset[int] = frozenset()) -> None:
     if id(module) in whole or isinstance(module, _READS_CHILDREN) or (
-            _subtree_params(module) <= group_size and not isinstance(module, _MODULE_CONTAINERS)):
+            _subtree_params(module) <= group_size and id(module) not in split
+            and not isinstance(module, _MODULE_CONTAINERS)):
         if any(True for _ in module.parameters()):
             out.append((module, name, True))
         return
@@ -122,7 +146,7 @@ def _choose(module: nn.Module, name: str, group_size: int,
     for child_name, child in module.named_children():
         if not isinstance(child, _PARAM_CONTAINERS):
             _choose(child, f"{name}.{child_name}" if name else child_name, group_size, out,
-                    whole)
+                    whole, split)
 
 
 def build_units(model: nn.Module, group_size: int, world: int,
@@ -130,7 +154,8 @@ def build_units(model: nn.Module, group_size: int, world: int,
     """Splits `model` into units and their groups; changes nothing in the model. Each
     module of `whole` is one unit (or inside one), whatever its size."""
     chosen: list[tuple[nn.Module, str, bool]] = []
-    _choose(model, "", group_size, chosen, frozenset(id(m) for m in whole))
+    _choose(model, "", group_size, chosen, frozenset(id(m) for m in whole),
+            _called_inside(model))
     names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
     # every (module, attribute) that holds each parameter, for tied weights
     uses: dict[int, list[tuple[nn.Module, str]]] = {}

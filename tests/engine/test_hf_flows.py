@@ -227,6 +227,33 @@ def test_frozen_weights_a_recomputation_saves_are_not_taken_for_kept_ones(engine
     assert not [r for r in caplog.records if "still referenced" in r.getMessage()]
 
 
+@pytest.mark.parametrize("build", ["t5", "bart"])
+def test_encoder_decoder_generate_as_one_small_model_matches_transformers(engine_cfg, build):
+    """[Note: modules called from outside their parent] in units.py: transformers'
+    encoder-decoder `generate` calls the encoder by itself, and a model small enough
+    to be one unit (the default group_size holds any under 4.19M parameters) raised
+    "parameter 'shared.weight' is used outside the forward of unit '<root>'"."""
+    torch.manual_seed(0)
+    if build == "t5":
+        ref = _t5()
+    else:
+        ref = transformers.BartForConditionalGeneration(transformers.BartConfig(
+            vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2,
+            encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
+            decoder_ffn_dim=64, max_position_embeddings=32))
+    cfg = engine_cfg("nvme", "host", "host")
+    cfg["engine"].pop("group_size", None)  # the default: the whole model fits one unit
+    engine = offload.initialize(copy.deepcopy(ref), cfg)
+    try:
+        x = _ids(1, shape=(2, 8))[0]
+        ref.eval(), engine.eval()
+        want = ref.generate(x, max_new_tokens=5, do_sample=False)
+        assert torch.equal(engine.generate(x, max_new_tokens=5, do_sample=False), want)
+        assert torch.equal(engine.module.generate(x, max_new_tokens=5, do_sample=False), want)
+    finally:
+        engine.close()
+
+
 def test_resume_restores_the_dropout_rng(engine_cfg, tmp_path):
     """GPT-2 with dropout: 2 steps, save, 2 steps equals resume (meta-built) and 2 steps,
     bit for bit: the RNG state travels with the checkpoint."""
