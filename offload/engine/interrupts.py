@@ -212,6 +212,11 @@ class SafeInterrupts:
                 where = f"{frame.f_code.co_filename}:{frame.f_lineno}"
                 self._on_forced(where if ours else f"the LR scheduler's step, in the "
                                 f"program's code at {where}")
+            # the program's handler hears both: the first, noted until now, then this one
+            # (a handler that stops after the step on the first and at once on the second,
+            # as the demo's, took this for the first and left the engine broken with no
+            # error in flight)
+            _deliver(signum, handler, frame)
             _deliver(signum, handler, frame)
         # another signal noted again: as the kernel merges a pending signal's repeats
 

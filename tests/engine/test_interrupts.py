@@ -243,6 +243,33 @@ def test_a_second_ctrl_c_is_obeyed_and_the_engine_says_it_cannot_be_trusted(engi
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
+def test_a_second_ctrl_c_reaches_the_programs_handler_after_the_first(engine_cfg, tmp_path):
+    """Two Ctrl-Cs in the engine's code: the first is noted for a safe point, the second
+    obeyed at once. The program's handler heard only the second, so one that stops
+    after the step on the first Ctrl-C and at once on the second (the demo's) took it
+    for the first: it returned, and the engine, broken, raised "a second Ctrl-C" at
+    the next call, a traceback where the program meant to stop. It now hears both."""
+    calls = []
+
+    def handler(signum, frame):
+        calls.append(signum)
+        if len(calls) == 2:
+            raise KeyboardInterrupt("stop now")
+    before = signal.signal(signal.SIGINT, handler)
+    engine = _engine(engine_cfg, PLACEMENTS[0], _model(), tmp_path / "swap")
+    x = torch.randn(8, 64)
+    try:
+        _step(engine, x)
+        at = _At(where=lambda code: code.co_filename.endswith("store.py")
+                 and code.co_name == "fetch", times=2)
+        with pytest.raises(KeyboardInterrupt, match="stop now"), at:
+            _step(engine, x)
+        assert calls == [signal.SIGINT, signal.SIGINT]
+    finally:
+        engine.close()
+        signal.signal(signal.SIGINT, before)
+
+
 def test_a_second_ctrl_c_in_the_lr_lambda_leaves_the_engine_untrusted(engine_cfg, tmp_path):
     """The scheduler's step runs the program's lr lambda as engine state: a second
     Ctrl-C there cuts the schedule short half stepped, so, as in the engine's own code,
