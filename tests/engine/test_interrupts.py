@@ -222,14 +222,19 @@ def test_ctrl_c_in_the_model_called_directly(engine_cfg, tmp_path):
         engine.close()
 
 
+def _twice_in_fetch() -> "_At":
+    """Two Ctrl-Cs in the engine's own code: the store's fetch, the next two times."""
+    return _At(where=lambda code: code.co_filename.endswith("store.py")
+               and code.co_name == "fetch", times=2)
+
+
 def test_a_second_ctrl_c_is_obeyed_and_the_engine_says_it_cannot_be_trusted(engine_cfg,
                                                                             tmp_path):
     engine = _engine(engine_cfg, PLACEMENTS[0], _model(), tmp_path / "swap")
     x = torch.randn(8, 64)
     try:
         _step(engine, x)
-        at = _At(where=lambda code: code.co_filename.endswith("store.py")
-                 and code.co_name == "fetch", times=2)
+        at = _twice_in_fetch()
         with pytest.raises(KeyboardInterrupt), at:
             _step(engine, x)
         for call in (lambda: engine(x), engine.step, engine.state_dict,
@@ -260,8 +265,7 @@ def test_a_second_ctrl_c_reaches_the_programs_handler_after_the_first(engine_cfg
     x = torch.randn(8, 64)
     try:
         _step(engine, x)
-        at = _At(where=lambda code: code.co_filename.endswith("store.py")
-                 and code.co_name == "fetch", times=2)
+        at = _twice_in_fetch()
         with pytest.raises(KeyboardInterrupt, match="stop now"), at:
             _step(engine, x)
         assert calls == [signal.SIGINT, signal.SIGINT]
