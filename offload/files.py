@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import BinaryIO, Callable
 
 __all__ = ["check_directory", "existing_ancestor", "fsync_directory", "lock_named",
-           "json_loads", "names_open_file", "open_unblocked", "read_regular_text",
+           "json_loads", "names_open_file", "NotRegularFileError", "open_unblocked",
+           "read_regular", "read_regular_text",
            "regular_file_head", "replace_atomically", "unlink_own"]
 
 
@@ -109,25 +110,37 @@ def replace_atomically(target: Path, write: Callable[[BinaryIO], None],
 def open_unblocked(path: str | os.PathLike[str]) -> tuple[BinaryIO, int]:
     """`path` opened for reading, and its `st_mode` read from the open file: opened
     without blocking (an ordinary open of a FIFO waits for a writer), and checked on
-    what was opened, so a path swapped for a FIFO after a check cannot block."""
+    what was opened, so a path swapped for a FIFO after a check cannot block. A
+    directory raises `IsADirectoryError` naming `path`."""
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     try:
         mode = os.fstat(fd).st_mode
+        if stat.S_ISDIR(mode):  # (fdopen's own error names the descriptor, not the path)
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
+        return os.fdopen(fd, "rb"), mode
     except BaseException:
         os.close(fd)
         raise
-    return os.fdopen(fd, "rb"), mode
+
+
+class NotRegularFileError(OSError):
+    """A FIFO, device or socket where a file's contents were to be read."""
+
+
+def read_regular(path: str | os.PathLike[str]) -> bytes:
+    """The bytes of the regular file `path`; `NotRegularFileError` (EINVAL, "is not a
+    regular file") for a FIFO, device or socket, where a plain read would block or
+    never end; `IsADirectoryError` for a directory."""
+    f, mode = open_unblocked(path)
+    with f:
+        if not stat.S_ISREG(mode):
+            raise NotRegularFileError(errno.EINVAL, "is not a regular file", str(path))
+        return f.read()
 
 
 def read_regular_text(path: str | os.PathLike[str], encoding: str = "utf-8") -> str:
-    """The text of the regular file `path`; `OSError` (EINVAL, "is not a regular file")
-    for anything else, where a plain read would block on a FIFO or read a device
-    without end."""
-    f, mode = open_unblocked(path)
-    with f:
-        if not stat.S_ISREG(mode):  # a directory: fdopen raised IsADirectoryError
-            raise OSError(errno.EINVAL, "is not a regular file", str(path))
-        return f.read().decode(encoding)
+    """`read_regular`, decoded."""
+    return read_regular(path).decode(encoding)
 
 
 def json_loads(text: str | bytes, **kw) -> object:

@@ -18,19 +18,17 @@ Facts given to ``TraceRecorder.set_info`` go in ``metadata["info"][rank]``.
 from __future__ import annotations
 
 import enum
-import errno
 import gzip
 import json
 import math
 import numbers
 import os
-import stat
 import zlib
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from offload.files import check_directory, open_unblocked, replace_atomically
+from offload.files import NotRegularFileError, check_directory, read_regular, replace_atomically
 from offload.trace.analysis import (COMPUTE_TRACK, FETCH, TIER_COUNTER_PREFIX, TraceFormatError,
                                     byte_count, check_key_fields, finite, parse_trace,
                                     prefetch_outcomes, short_repr)
@@ -312,15 +310,12 @@ def load_chrome_trace(path: str | os.PathLike[str]) -> dict[str, Any]:
 def _read_regular_file(target: Path) -> bytes:
     """The bytes of ``target``; a FIFO (which would block), a device (``/dev/zero``
     never ends) or a socket raises :class:`TraceFormatError`, a directory
-    ``IsADirectoryError`` (`open_unblocked`)."""
-    f, mode = open_unblocked(target)
-    with f:
-        if stat.S_ISDIR(mode):
-            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(target))
-        if not stat.S_ISREG(mode):
-            raise TraceFormatError(f"{target}: is not a regular file (a pipe, device or "
-                                   "socket); pass the trace file a run wrote")
-        return f.read()
+    ``IsADirectoryError`` (`read_regular`)."""
+    try:
+        return read_regular(target)
+    except NotRegularFileError:
+        raise TraceFormatError(f"{target}: is not a regular file (a pipe, device or "
+                               "socket); pass the trace file a run wrote") from None
 
 
 def merge_chrome_traces(paths: Iterable[str | os.PathLike[str]]) -> dict[str, Any]:

@@ -145,7 +145,7 @@ class _Span:
         # Recorded even if the recorder was disabled meanwhile (the span began enabled),
         # unless max_events is reached: a span is one event, no pair to keep whole
         self._rec._append((COMPLETE, self.start_ns, end_ns - self.start_ns, 0,
-                                  self.name, self.cat, self.track, self.args or None))
+                           self.name, self.cat, self.track, self.args or None))
         return False
 
 
