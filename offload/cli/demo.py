@@ -557,7 +557,8 @@ _OPTIONS: list[tuple[str, dict[str, Any]]] = [
                      help="processes (ranks): >1 runs under torchrun with gloo, each rank "
                      "holding 1/N of the state (default 1)")),
     ("--json", dict(action="store_true", help="print one JSON object per step and a summary "
-                    "object at the end instead of the progress bar and table")),
+                    "object at the end (with \"error\" when the run failed) instead of the "
+                    "progress bar and table")),
 ]
 
 
@@ -675,6 +676,7 @@ def _run_rank(plan: DemoPlan, rank: int, reporter: Reporter) -> int:
         dist.init_process_group("gloo")
     summary: dict[str, Any] = {}
     code = 1
+    failure: BaseException | None = None
     with StopRequest(lambda: reporter.note("stopping after this step (Ctrl-C again to stop "
                                            "now); swap files are removed either way"),
                      os.environ.get("OFFLOAD_DEMO_STOP_FILE")) as stop:
@@ -689,11 +691,14 @@ def _run_rank(plan: DemoPlan, rank: int, reporter: Reporter) -> int:
             code = 130 if summary["interrupted"] and not stop.by_launcher else 0
         except BaseException as e:
             code = signal_exit_code(e)
-            if code is None:
-                raise
-            if not isinstance(e, (KeyboardInterrupt, SystemExit)):
-                reporter.note(f"while stopping: {type(e).__name__}: {e}")
-            summary = {"interrupted": True}
+            if code is None:  # raised after the summary, which says where the swap files went
+                failure, code = e, 1
+                summary = {"interrupted": False,
+                           "error": f"{type(e).__name__}: {' '.join(str(e).split())}"}
+            else:
+                if not isinstance(e, (KeyboardInterrupt, SystemExit)):
+                    reporter.note(f"while stopping: {type(e).__name__}: {e}")
+                summary = {"interrupted": True}
         finally:
             left = sorted(p.name for p in swap_dir.glob("*.swap"))
             if left:
@@ -703,6 +708,8 @@ def _run_rank(plan: DemoPlan, rank: int, reporter: Reporter) -> int:
             if dist.is_initialized():
                 dist.destroy_process_group()
         reporter.summary(plan, summary)
+    if failure is not None:
+        raise failure
     return code
 
 

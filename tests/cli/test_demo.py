@@ -100,6 +100,27 @@ def test_an_error_the_machine_causes_is_one_line_not_a_traceback(tmp_path):
     assert f"offload demo: [Errno 36] File name too long: '{swap}'" in out.stderr, out.stderr
 
 
+def test_a_failed_json_run_still_ends_with_its_summary(tmp_path):
+    """A run that failed (here a swap file may not grow past 1 MiB: RLIMIT_FSIZE, with
+    SIGXFSZ ignored as a shell's `ulimit -f` leaves it) printed no summary object under
+    `--json`: a script reading stdout saw nothing, not the error or the swap files' fate."""
+    import resource
+
+    def limit() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (2**20, 2**20))
+    swap = tmp_path / "swap"
+    out = subprocess.run(DEMO + ["--tiny", "--steps", "2", "--trace", "none", "--json",
+                                 "--swap-dir", str(swap)],
+                         capture_output=True, text=True, timeout=120, preexec_fn=limit)
+    assert out.returncode == 1, out.stderr
+    assert "Traceback" not in out.stderr and "RLIMIT_FSIZE" in out.stderr, out.stderr
+    (summary,) = _objects(out.stdout)
+    assert summary["event"] == "summary" and not summary["interrupted"], summary
+    assert "RLIMIT_FSIZE" in summary["error"], summary
+    assert summary["swap_removed"] and not swap.exists(), summary
+
+
 def test_refusals_are_clear_and_touch_nothing(tmp_path):
     swap = ["--swap-dir", str(tmp_path)]
     big, device, nproc, both = run_each([
