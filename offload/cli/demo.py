@@ -372,7 +372,8 @@ class StepRecord:
 class StopRequest:
     """SIGINT once: `requested` becomes True (stop after this step). SIGINT again:
     KeyboardInterrupt now. SIGTERM: SystemExit(143) now. See [Note: stopping].
-    Under `--nproc`, the launching process asks by creating `stop_file` instead.
+    Under `--nproc`, the launching process asks by creating `stop_file` instead, and
+    for now by SIGWINCH ([Note: stopping under torchrun]).
     On exit the previous handlers come back, except that after a requested stop
     SIGINT stays ignored: the command is on its way out, its files removed."""
 
@@ -391,10 +392,17 @@ class StopRequest:
         return self.requested
 
     def _sigint(self, signum: int, frame: Any) -> None:
+        if self._stop_file:  # a rank: SIGINT comes from _now alone (a session of its own)
+            self.requested = self.by_launcher = True
         if self.requested:
             raise KeyboardInterrupt
         self.requested = True
         self._on_first()
+
+    @staticmethod
+    def _now(signum: int, frame: Any) -> None:
+        # as SIGINT, so that the engine defers it to a safe point as it does Ctrl-C
+        signal.raise_signal(signal.SIGINT)
 
     @staticmethod
     def _sigterm(signum: int, frame: Any) -> None:
@@ -404,6 +412,8 @@ class StopRequest:
         if threading.current_thread() is threading.main_thread():
             self._old = {signal.SIGINT: signal.signal(signal.SIGINT, self._sigint),
                          signal.SIGTERM: signal.signal(signal.SIGTERM, self._sigterm)}
+            if self._stop_file:
+                self._old[signal.SIGWINCH] = signal.signal(signal.SIGWINCH, self._now)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -626,12 +636,19 @@ def _relaunch(args: argparse.Namespace, plan: DemoPlan, reporter: Reporter) -> i
     """Runs this command again under torchrun (one process per rank, gloo).
 
     [Note: stopping under torchrun]
-    torchrun answers SIGINT by signalling its workers and then raising, traceback
-    and all. So the launch runs in a session of its own, out of reach of the
+    torchrun answers SIGINT or SIGTERM by signalling its workers and then raising,
+    traceback and all, and reports any worker that exits with an error the same
+    way. So the launch runs in a session of its own, out of reach of the
     terminal's Ctrl-C, and the first Ctrl-C here creates a stop file that every
     rank polls at the end of each step: they stop together at the same step and
     exit 0, torchrun finishes quietly, and this process returns 130. A second
-    Ctrl-C (or SIGTERM) goes to the whole launch at once.
+    Ctrl-C (or a SIGTERM) sends SIGWINCH to the ranks themselves (torchrun's
+    children): a rank stops at once on it, removes its files and exits 0, and
+    this process returns 130 (143). SIGWINCH because its default is to ignore it:
+    a rank not yet running, or one on its way out (Python's exit gives SIGINT its
+    default, fatal action back), is not killed by it; each rank is in a session of
+    its own, with no terminal to send it. The stop file is created too, for a rank
+    that was not listening yet. One more goes to the whole launch, torchrun's way.
     """
     stop_file = Path(tempfile.gettempdir()) / f"{DIR_PREFIX}{os.getpid()}.stop"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -643,11 +660,22 @@ def _relaunch(args: argparse.Namespace, plan: DemoPlan, reporter: Reporter) -> i
     proc = subprocess.Popen(cmd, env=env, start_new_session=True)
     stopped_by = 0  # the exit code of a stop asked for here: 130 Ctrl-C, 143 SIGTERM
 
-    def on_term(*_: object) -> None:
-        nonlocal stopped_by
-        stopped_by = 143
-        os.killpg(proc.pid, signal.SIGTERM)
-    old = signal.signal(signal.SIGTERM, on_term)
+    signalled = False  # the ranks were told to stop now
+
+    def now(code: int, sig: int) -> None:
+        nonlocal stopped_by, signalled
+        stopped_by = stopped_by or code
+        ranks = [] if signalled else children(proc.pid)
+        signalled = True
+        stop_file.touch()
+        for pid in ranks:
+            try:
+                os.kill(pid, signal.SIGWINCH)
+            except ProcessLookupError:  # it ended meanwhile
+                pass
+        if not ranks:  # none started yet, or asked before: the launch, torchrun's way
+            os.killpg(proc.pid, sig)
+    old = signal.signal(signal.SIGTERM, lambda *_: now(143, signal.SIGTERM))
     asked = False
     try:
         while True:
@@ -656,7 +684,7 @@ def _relaunch(args: argparse.Namespace, plan: DemoPlan, reporter: Reporter) -> i
                 break
             except KeyboardInterrupt:
                 if asked:
-                    os.killpg(proc.pid, signal.SIGINT)
+                    now(130, signal.SIGINT)
                     continue
                 asked = True
                 stop_file.touch()
@@ -667,6 +695,23 @@ def _relaunch(args: argparse.Namespace, plan: DemoPlan, reporter: Reporter) -> i
         stop_file.unlink(missing_ok=True)
     remove_directories(created)  # each rank removed its own directory; the rest is here
     return stopped_by or (130 if asked else rc)
+
+
+def children(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (from /proc/*/stat)."""
+    out = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat", encoding="ascii", errors="replace") as f:
+                stat = f.read()
+        except OSError:  # it ended meanwhile
+            continue
+        # pid (comm) state ppid ...: comm may hold spaces and parentheses
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+            out.append(int(entry.name))
+    return out
 
 
 def _run_rank(plan: DemoPlan, rank: int, reporter: Reporter) -> int:
@@ -691,6 +736,8 @@ def _run_rank(plan: DemoPlan, rank: int, reporter: Reporter) -> int:
             code = 130 if summary["interrupted"] and not stop.by_launcher else 0
         except BaseException as e:
             code = signal_exit_code(e)
+            if code is not None and stop.by_launcher:
+                code = 0  # stopped by the launcher, which says how: torchrun ends quietly
             if code is None:  # raised after the summary, which says where the swap files went
                 failure, code = e, 1
                 summary = {"interrupted": False,

@@ -5,6 +5,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -66,6 +67,39 @@ def test_sigint_stops_after_the_step_and_removes_swap_files(tmp_path):
     assert summary["event"] == "summary" and summary["interrupted"]
     assert summary["steps"] < 10000
     assert "Traceback" not in stderr
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("how", ["ctrl-c twice", "sigterm"])
+def test_two_ranks_stopped_at_once_exit_quietly_and_remove_swap_files(tmp_path, how):
+    """Under `--nproc 2` a second Ctrl-C or a SIGTERM went to torchrun, which printed
+    its SignalException traceback (and, when a rank was on its way out, a rank killed
+    by the SIGINT meant for it made a ChildFailedError report)."""
+    from offload.cli.demo import children
+
+    proc = subprocess.Popen(DEMO + ["--size", "8M", "--nproc", "2", "--steps", "10000",
+                                    "--swap-dir", str(tmp_path), "--trace", "none", "--json"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        first = json.loads(proc.stdout.readline())
+        assert first["event"] == "step" and first["step"] == 1
+        if how == "sigterm":
+            proc.send_signal(signal.SIGTERM)
+        else:
+            proc.send_signal(signal.SIGINT)
+            time.sleep(0.3)  # in the next step, or as the ranks finish it
+            proc.send_signal(signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            for pid in children(proc.pid):  # torchrun, in a session of its own
+                os.kill(pid, signal.SIGKILL)
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == (143 if how == "sigterm" else 130), stderr
+    assert "Traceback" not in stderr and "Failures" not in stderr, stderr
+    summary = _objects(stdout)[-1]
+    assert summary["event"] == "summary" and summary["interrupted"], summary
     assert os.listdir(tmp_path) == []
 
 
