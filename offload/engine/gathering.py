@@ -228,7 +228,8 @@ class GatheredWeights:
                 if view.requires_grad:  # [Note: parameters without a gradient]
                     for hook in self.registered.grad_hooks(st.group.gid, i):
                         view.register_hook(hook)  # [Note: gradient hooks on parameters]
-                    view.register_hook(self.grad_slots.hook(st.group.gid, i))
+                    view.register_hook(self.grad_slots.hook(st.group.gid, i,
+                                                            self.registered.frozen))
                 for module, name in slot.uses:  # before _parameters: [Note: registered
                     # parameters] in params_view.py; [Note: sparse gradients] in grad_slots.py
                     module.__dict__[name] = dense_grad(view) if sparse_grad_use(module, name) \

@@ -69,12 +69,18 @@ class GradSlots:
         self.segment_slots: dict[int, list[int | None]] = {}  # gid -> slot of each segment
         self._seen: dict[int, set[int]] = {}
 
-    def hook(self, gid: int, slot: int) -> Callable[[torch.Tensor], None]:
-        """A tensor hook for a view of slot `slot` of group `gid`."""
-        return functools.partial(self._saw, gid, slot)
+    def hook(self, gid: int, slot: int,
+             frozen: Callable[[int, int], bool]) -> Callable[[torch.Tensor], Any]:
+        """A tensor hook for a view of slot `slot` of group `gid`; `frozen(gid, slot)`:
+        whether the parameter has `requires_grad` False now."""
+        return functools.partial(self._saw, gid, slot, frozen)
 
-    def _saw(self, gid: int, slot: int, grad: torch.Tensor) -> None:
+    def _saw(self, gid: int, slot: int, frozen: Callable[[int, int], bool],
+             grad: torch.Tensor) -> torch.Tensor | None:
+        if frozen(gid, slot):  # [Note: freezing after initialize] in params_view.py
+            return torch.zeros_like(grad)
         self._seen.setdefault(gid, set()).add(slot)
+        return None
 
     def share(self, gid: int, slots: int) -> None:
         """Every rank learns which of the group's `slots` parameters had a gradient on

@@ -69,14 +69,18 @@ behind `__setattr__` (registering, unbinding), `point_weight_list` points the
 list's entry at what the attribute now is.
 
 [Note: freezing after initialize]
-torch reads `requires_grad` when the forward builds the graph: a parameter
-frozen then gets no gradient, and its optimizer skips it (no weight decay, no
+torch reads `requires_grad` when the forward builds the graph, and again when
+backward reaches the parameter: a parameter frozen before either gets no
+gradient from that backward (its gradient hooks still run; `.grad` is left as
+it was), and its optimizer skips it when `.grad` is None (no weight decay, no
 moment decay, no step count) while keeping its moments for when it trains
 again. The engine does the same: when a unit binds its weights, a view of a
 parameter whose stand-in has `requires_grad` False is detached, so it has no
-gradient and its segments are left alone by the update ([Note: parameters
-without a gradient] in grad_slots.py); unfrozen, it trains on from its kept
-moments and step count. This covers what trained at initialize: a parameter
+gradient, and the gradient hook of a view whose stand-in was frozen after the
+forward hands on zeros and records no gradient, so its segments are left
+alone by the update ([Note: parameters without a gradient] in grad_slots.py)
+unless an earlier micro-batch of the step gave one; unfrozen, it trains on
+from its kept moments and step count. This covers what trained at initialize: a parameter
 frozen then has no optimizer state (nor an fp32 master), so unfreezing it
 raises at the next backward, naming the recipe for progressive unfreezing
 (initialize with all that will train trainable, then freeze what waits).

@@ -306,6 +306,31 @@ def test_freezing_between_micro_batches_trains_as_torch(engine_cfg, place):
         _compare(engine, ref)
 
 
+@pytest.mark.parametrize("place", PLACES, ids=IDS)
+@pytest.mark.parametrize("micro", [1, 2])
+def test_freezing_after_the_forward_trains_as_torch(engine_cfg, place, micro):
+    """torch reads `requires_grad` again when backward reaches a parameter: frozen after
+    the forward, it gets nothing from that backward (no `.grad`, no update; with two
+    micro-batches the first's gradient alone). The engine read it only at the forward,
+    and updated the parameter with the whole gradient."""
+    ref, opt, engine = _pair(engine_cfg, place, grad_accum_steps=micro)
+    batches = _data(micro)
+    with engine:
+        opt.zero_grad()
+        for i, (x, y) in enumerate(batches):
+            ref_loss, loss = _loss(ref, x, y) / micro, _loss(engine, x, y)
+            if i == micro - 1:
+                ref.b.weight.requires_grad_(False)
+                engine.module.b.weight.requires_grad_(False)
+            ref_loss.backward()
+            engine.backward(loss)
+        opt.step()
+        assert [p.grad is None for p in engine.module.parameters()] == \
+            [p.grad is None for p in ref.parameters()]
+        assert engine.step()
+        _compare(engine, ref)
+
+
 @pytest.mark.parametrize("when", ["initialize", "after"])
 def test_frozen_layers_are_given_back_once_their_backward_ran(engine_cfg, when):
     """[Note: weights without a gradient in backward] Frozen layers (at initialize, or
