@@ -35,10 +35,11 @@ def check_directory(path: Path, what: str) -> None:
 def names_open_file(path: str | os.PathLike[str], fd: int) -> bool:
     """Whether `path` still names the file open as `fd`: a lock taken on a file its
     holder removed (or a name another job created anew after the directory was
-    removed) locks, or would remove, nothing the name shows."""
+    removed) locks, or would remove, nothing the name shows; nor does a path through
+    what is a file now."""
     try:
         named, open_ = os.stat(path), os.fstat(fd)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         return False
     return (named.st_dev, named.st_ino) == (open_.st_dev, open_.st_ino)
 

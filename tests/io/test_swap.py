@@ -336,6 +336,19 @@ def test_close_leaves_files_made_anew_under_its_names(engine, pool, tmp_path):
     assert os.listdir(d) == []
 
 
+def test_close_after_the_directory_became_a_file_closes_quietly(engine, tmp_path):
+    """The directory removed under an open swap space and a file written under its
+    name: close raised NotADirectoryError and told the user to check the disk, though
+    nothing of it was left; the user's file stays."""
+    d = tmp_path / "swap"
+    sw = SwapSpace([str(d)], "nd", engine)
+    sw.alloc(4096)
+    shutil.rmtree(d)
+    d.write_text("a user's file")
+    sw.close()
+    assert d.read_text() == "a user's file"
+
+
 def test_close_keep_leaves_files(engine, tmp_path):
     sw = SwapSpace([str(tmp_path)], "k", engine)
     sw.alloc(4096)
