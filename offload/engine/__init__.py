@@ -23,7 +23,7 @@ from ..config import ConfigError, OffloadConfig, load_config
 from ..io import hugepages
 from ..io.errors import limit_hint
 from ..store import NextUsePolicy, TieredStore
-from ..store.copy import resolve_device
+from ..store.copy import resolve_device, start_cpu_threads
 from ..trace import NULL_RECORDER, TraceRecorder
 from .checkpoint import SafetensorsCheckpoint
 from .absent import AbsentWeight, post_accumulate_message
@@ -384,6 +384,7 @@ def initialize(model: nn.Module | Callable[[], nn.Module],
         # store.policy "next-use": the copy the step needs last leaves first (eviction.py)
         policy = NextUsePolicy() if cfg.store.policy == "next-use" else None
         store, engine = None, None
+        start_cpu_threads()  # before any swap file
         before = _ModelBefore(model)  # [Note: a failed initialize leaves the model as it was]
         try:
             with agreement.refusals():  # a swap directory or lock refused on some ranks only

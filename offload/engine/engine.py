@@ -58,7 +58,7 @@ from ..optim import CpuAdam, OptimStepError
 from ..planner import AccessTrace
 from ..planner.sizes import keeps_master
 from ..store import Tier, TieredStore, footprint
-from ..store.copy import bind_thread
+from ..store.copy import bind_thread, start_cpu_threads
 from ..trace import NULL_RECORDER, TraceRecorder, UnitSpans
 from .eviction import PendingUpdates
 from .forward_prefetch import ForwardOnlyPrefetch
@@ -247,7 +247,7 @@ class OffloadEngine(ModelWeights, ModuleHooks, GradPartitions, GroupUpdates, Gat
         backward raised, but the queued update stayed behind and ran in the next
         step's thread, on that step's state. Started here, a limit fails initialize."""
         try:
-            self._updater.submit(int).result()
+            self._updater.submit(start_cpu_threads).result()
         except RuntimeError as e:
             self._updater.shutdown(wait=False, cancel_futures=True)
             if isinstance(e, BrokenExecutor):  # its initializer failed, not the start

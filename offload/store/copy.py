@@ -53,7 +53,8 @@ from ..io import BufferPool, HostBuffer
 from .budget import BudgetExceededError
 from .record import footprint
 
-__all__ = ["DeviceBuffer", "DeviceTier", "bind_thread", "rank_gpu", "resolve_device"]
+__all__ = ["DeviceBuffer", "DeviceTier", "bind_thread", "rank_gpu", "resolve_device",
+           "start_cpu_threads"]
 
 
 def resolve_device(name: str) -> torch.device:
@@ -98,6 +99,16 @@ def bind_thread(device: torch.device) -> None:
     the rank does not use: each engine thread that may touch CUDA calls this first."""
     if device.type == "cuda":
         torch.cuda.set_device(device)
+
+
+def start_cpu_threads() -> None:
+    """Starts the calling thread's CPU thread pool (OpenMP's team: one per thread that
+    runs torch's parallel ops). Left to the first step, a thread the pool could not
+    create (an address-space limit, `ulimit -v`, with no room for its stack) ended
+    the process there through libgomp's exit(1): no Python unwinding, so swap files
+    and locks were left. `initialize` calls this before it makes any (and the update
+    thread as it starts); once made, a pool's threads stay."""
+    torch.ones(1 << 16).add_(1)  # above at::internal::GRAIN_SIZE: a parallel region
 
 
 class DeviceBuffer(NamedTuple):

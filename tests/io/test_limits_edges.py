@@ -312,6 +312,28 @@ def test_host_memory_that_cannot_be_mapped_names_the_budget_keys(tmp_path):
     assert out["after"] is None, out["after"]  # the limit lifted, training goes on
 
 
+def test_an_address_space_limit_at_the_first_step_leaves_no_swap_files(tmp_path):
+    """Under an address-space limit with no room for a thread's stack, the first step's
+    parallel ops could not start OpenMP's threads (the main thread's, the update
+    thread's), and libgomp ended the process with exit(1): no unwinding, the swap
+    files and locks left. Started at initialize, the step runs (or raises) and close
+    removes them."""
+    out = run_child(f"""
+    d = {str(tmp_path)!r}
+    torch.set_num_threads(2)
+    engine = offload.initialize(TiedTwice(), cfg([d + "/swap"]))
+    vm = next(int(ln.split()[1]) * 1024 for ln in open("/proc/self/status")
+              if ln.startswith("VmSize"))
+    resource.setrlimit(resource.RLIMIT_AS, (vm + (4 << 20), resource.RLIM_INFINITY))
+    err = failure(step, engine, lm_batches(1, batch=4, seq=64)[0])
+    resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    engine.close()
+    report(err=err, left=os.listdir(d + "/swap"))
+    """)
+    assert out["left"] == [], out
+    assert out["err"] is None or "MemoryError" in out["err"]["mro"], out["err"]
+
+
 @pytest.fixture
 def ext2_dir(tmp_path):
     """A directory on a fresh ext2 file system (no fallocate: its files have no
