@@ -75,8 +75,8 @@ def escape(text: object) -> str:
 def run_command(func: Callable[[argparse.Namespace], int], args: argparse.Namespace,
                 prog: str) -> int:
     """Runs a sub-command; a `UsageError` or `ConfigError` is one line and exit code 2, a
-    `DamageError` one line and exit code 1. So is, with exit code 1, an error the
-    machine caused (`OSError`: a full disk, a limit, a path; `MemoryError`) or one of
+    `DamageError` (or a `SwapPathError` for a limit of the process) one line and exit
+    code 1. So is, with exit code 1, an error the machine caused (`OSError`: a full disk, a limit, a path; `MemoryError`) or one of
     offload's own caused by one of those (a failed step, a swap file refused: their
     messages name the fix); anything else is a bug, and keeps its traceback (a step
     that failed for a bug too), as does a closed pipe (main.py ends it quietly)."""
@@ -84,7 +84,7 @@ def run_command(func: Callable[[argparse.Namespace], int], args: argparse.Namesp
         return func(args)
     except (UsageError, ConfigError, DamageError) as e:
         print(f"{prog}: {' '.join(str(e).split())}", file=sys.stderr)
-        return 1 if isinstance(e, DamageError) else 2
+        return 1 if isinstance(e, DamageError) or _a_limit(e) else 2
     except MemoryError:
         print(f"{prog}: ran out of memory (MemoryError): the process's memory limit (ulimit "
               "-v, a container's) or the machine's memory is too small for this command",
@@ -95,6 +95,15 @@ def run_command(func: Callable[[argparse.Namespace], int], args: argparse.Namesp
             raise
         print(f"{prog}: {' '.join(str(e).split())}", file=sys.stderr)
         return 1
+
+
+def _a_limit(e: BaseException) -> bool:
+    """Whether `e` is an `OSError` for a limit of the process or machine (open files,
+    file size, memory): a swap directory refused for one is the machine's, not the
+    configuration's."""
+    from ..io.errors import limit_hint
+
+    return isinstance(e, OSError) and bool(limit_hint(e.errno))
 
 
 def _the_machines(e: BaseException | None) -> bool:

@@ -278,6 +278,7 @@ def test_run_command_reports_machine_and_offload_errors_in_one_line(capsys):
     code 1 (they were tracebacks); any other exception is a bug and propagates, as
     does one of offload's raised from a bug, and a closed pipe (main.py's to end)."""
     from offload.engine.rank_order import RankOrderError
+    from offload.io.errors import SwapPathError
 
     def raising(e):
         def run(_args):
@@ -285,7 +286,10 @@ def test_run_command_reports_machine_and_offload_errors_in_one_line(capsys):
         return run
     cases = [(OSError(28, "No space left on device"), "No space left on device"),
              (MemoryError(), "ran out of memory (MemoryError)"),
-             (RankOrderError("rank 1 raised in its model's forward"), "rank 1 raised")]
+             (RankOrderError("rank 1 raised in its model's forward"), "rank 1 raised"),
+             # a swap directory refused for the open-file limit: the machine's (it was 2)
+             (SwapPathError(24, "io.paths[0]: '/s': cannot create files in it", "/s"),
+              "cannot create files")]
     for e, said in cases:
         assert cli_args.run_command(raising(e), argparse.Namespace(), "offload x") == 1
         err = capsys.readouterr().err
