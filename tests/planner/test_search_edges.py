@@ -54,3 +54,30 @@ def test_a_machine_whose_rates_are_no_rates_is_refused(kw, match):
     the search; the machine is refused where it is built, naming the rate."""
     with pytest.raises(ValueError, match=match):
         Machine({(4 * MiB, 32): Rates(2e9, 2e9)}, **kw)
+
+
+def test_a_modelled_staged_step_moves_no_more_than_lru():
+    """An fp32 step with parameters and optimizer state on NVMe and a staged commit:
+    farthest-next-use kept two updated parameter partitions dirty in memory to the
+    step's end, so each next update kept a dirty previous version and wrote one back
+    for room, 45056 bytes a steady step where LRU, which writes them back and reads
+    them again, moves 32768 (`plan_step` 190592 where `lru_step_bytes` is 178304;
+    [Note: the plan against LRU's victims] in offload/planner/plan.py)."""
+    from offload.planner import Use, lru_bytes, make_plan
+    from offload.planner.search import (UnitUse, lru_step_bytes, modelled_step,
+                                        packed_budget, plan_step, steady_records)
+
+    shards = [(1024, True), (2048, True), (1024, True), (5000, True)]
+    units = [UnitUse("forward", (g,), 0.01) for g in (2, 3, 0, 1)] + \
+            [UnitUse("backward", (g,), 0.02) for g in (1, 0, 3, 2)]
+    step = modelled_step(units, shards, "fp32", Placement("nvme", "host", "nvme"), 1024, 1e8,
+                         update_lane="update", between=[Use((), (), "loss", "loss", 0.001)],
+                         commit_s=0.001, grads_reserved=True, staged=True, master=False)
+    tiers = (28286, 39191)
+    budget = packed_budget(step, tiers)
+    records = steady_records(step, budget)
+    plan = make_plan(step.uses, records, budget, steady=True)
+    assert plan.bytes_moved == sum(lru_bytes(step.uses, records, budget, steady=True)) == 32768
+    assert max(plan.held) <= budget
+    planned = plan_step(step, tiers, 4, 2)
+    assert planned.bytes_moved == sum(lru_step_bytes(step, tiers)) == 178304
