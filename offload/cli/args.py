@@ -86,15 +86,29 @@ def run_command(func: Callable[[argparse.Namespace], int], args: argparse.Namesp
         print(f"{prog}: {' '.join(str(e).split())}", file=sys.stderr)
         return 1 if isinstance(e, DamageError) or _a_limit(e) else 2
     except MemoryError:
-        print(f"{prog}: ran out of memory (MemoryError): the process's memory limit (ulimit "
-              "-v, a container's) or the machine's memory is too small for this command",
-              file=sys.stderr)
+        print(f"{prog}: {_OUT_OF_MEMORY.format('MemoryError')}", file=sys.stderr)
         return 1
     except Exception as e:
+        if _allocator_failed(e):  # raised by torch's own allocator, not as a MemoryError
+            print(f"{prog}: {_OUT_OF_MEMORY.format(' '.join(str(e).split()))}",
+                  file=sys.stderr)
+            return 1
         if not _the_machines(e):
             raise
         print(f"{prog}: {' '.join(str(e).split())}", file=sys.stderr)
         return 1
+
+
+_OUT_OF_MEMORY = ("ran out of memory ({}): the process's memory limit (ulimit -v, a "
+                  "container's) or the machine's memory is too small for this command")
+
+
+def _allocator_failed(e: BaseException) -> bool:
+    """Whether `e` is torch's report that its allocator got no memory: a RuntimeError
+    from the CPU allocator, a `torch.OutOfMemoryError` from a device's."""
+    torch = sys.modules.get("torch")  # not imported: not torch's
+    return torch is not None and isinstance(e, torch.OutOfMemoryError) or (
+        type(e) is RuntimeError and "DefaultCPUAllocator: can't allocate memory" in str(e))
 
 
 def _a_limit(e: BaseException) -> bool:
@@ -108,10 +122,11 @@ def _a_limit(e: BaseException) -> bool:
 
 def _the_machines(e: BaseException | None) -> bool:
     """Whether `e` and every error it was raised from is the machine's (`OSError`, not
-    a closed pipe; `MemoryError`) or offload's own: a user's fix, not a bug's."""
+    a closed pipe; `MemoryError`, an allocator's failure) or offload's own: a user's
+    fix, not a bug's."""
     while e is not None:
         if isinstance(e, BrokenPipeError) or not (
-                isinstance(e, (OSError, MemoryError))
+                isinstance(e, (OSError, MemoryError)) or _allocator_failed(e)
                 or type(e).__module__.startswith("offload.")):
             return False
         e = e.__cause__

@@ -278,6 +278,7 @@ def test_run_command_reports_machine_and_offload_errors_in_one_line(capsys):
     code 1 (they were tracebacks); any other exception is a bug and propagates, as
     does one of offload's raised from a bug, and a closed pipe (main.py's to end)."""
     from offload.engine.rank_order import RankOrderError
+    import torch
     from offload.io.errors import SwapPathError
 
     def raising(e):
@@ -289,11 +290,21 @@ def test_run_command_reports_machine_and_offload_errors_in_one_line(capsys):
              (RankOrderError("rank 1 raised in its model's forward"), "rank 1 raised"),
              # a swap directory refused for the open-file limit: the machine's (it was 2)
              (SwapPathError(24, "io.paths[0]: '/s': cannot create files in it", "/s"),
-              "cannot create files")]
+              "cannot create files"),
+             # torch's allocators' failures: one line naming the limit (they were tracebacks)
+             (RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator:"
+                           " can't allocate memory: you tried to allocate 524288 bytes. Error "
+                           "code 12 (Cannot allocate memory)"), "ran out of memory ([enforce"),
+             (torch.OutOfMemoryError("CUDA out of memory.\nTried to allocate 2.00 GiB"),
+              "ran out of memory (CUDA out of memory. Tried")]
     for e, said in cases:
         assert cli_args.run_command(raising(e), argparse.Namespace(), "offload x") == 1
         err = capsys.readouterr().err
         assert err.startswith("offload x: ") and said in err and err.count("\n") == 1, err
+    oom = RankOrderError("step 1 failed")  # an error of offload's from the allocator's
+    oom.__cause__ = RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried")
+    assert cli_args.run_command(raising(oom), argparse.Namespace(), "offload x") == 1
+    assert capsys.readouterr().err == "offload x: step 1 failed\n"
     wrapped = RankOrderError("step 1 failed (KeyError: 'bug')")  # a wrapper of a bug
     wrapped.__cause__ = KeyError("bug")
     for bug in (KeyError("bug"), wrapped, BrokenPipeError(32, "Broken pipe")):
