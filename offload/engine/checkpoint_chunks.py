@@ -217,9 +217,11 @@ class _OpenShard:
 
 
 class ChunkFileError(RuntimeError):
-    """A shard file is missing or too short, its index is damaged, or a chunk in it
-    fails its checksum; `path` names the file, `why` says what is wrong, `index` is
-    the chunk's place in the read."""
+    """A shard file is missing, too short or cannot be opened or read, its index is
+    damaged, or a chunk in it fails its checksum; `path` names the file, `why` says
+    what is wrong, `index` is the chunk's place in the read. Where the OS refused a
+    call, its OSError is the `__cause__` (a limit of the process, a permission: no
+    damage)."""
 
     def __init__(self, path: str, why: str, index: int = -1) -> None:
         super().__init__(f"{path}: {why}")
@@ -596,7 +598,10 @@ class ChunkFiles:
             raise
 
         def check_and_consume() -> None:
-            error = None if h.error is None else ChunkFileError(path, str(h.error), i)
+            error = None
+            if h.error is not None:  # the cause says whether it is a limit, not damage
+                error = ChunkFileError(path, str(h.error), i)
+                error.__cause__ = h.error
             try:
                 if error is None:
                     tail = buf.memoryview()[lead:]

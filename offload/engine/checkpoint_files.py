@@ -6,10 +6,12 @@ a resume puts back."""
 from __future__ import annotations
 
 import base64
+import errno
 import hashlib
 import json
 import os
 import random
+import re
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -18,10 +20,11 @@ import numpy as np
 import torch
 
 from ..files import json_loads, read_regular_text
+from ..io.errors import limit_hint
 from .checkpoint_chunks import syncfs
 
-__all__ = ["CheckpointError", "CheckpointCorruptError", "IO_THREADS", "decode_rng_state",
-           "rng_state", "set_rng_state"]
+__all__ = ["CheckpointError", "CheckpointCorruptError", "CheckpointLimitError", "IO_THREADS",
+           "decode_rng_state", "limit_reached", "rng_state", "set_rng_state"]
 
 IO_THREADS = 16  # files written, read or fsynced at once
 
@@ -90,6 +93,54 @@ def not_permitted(path: Any, e: OSError) -> CheckpointPermissionError:
         f"checkpoint file {path} cannot be read ({e.strerror}): this process (uid "
         f"{os.getuid()}) lacks permission; the checkpoint may be intact: give it read "
         "access to the checkpoint's files (chmod, chown) and retry")
+
+
+class CheckpointLimitError(CheckpointError, OSError):
+    """A checkpoint file this process cannot open or read because a limit of the process
+    or the machine was met (open files: RLIMIT_NOFILE or the machine's file table;
+    memory): no damage (not a CheckpointCorruptError); the message names the file, the
+    limit and how to raise it. An OSError with the real `errno`, and the file, where
+    one, as `filename`."""
+
+    def __init__(self, code: int, message: str, path: Any = None) -> None:
+        OSError.__init__(self, code, message)  # RuntimeError's (first in the MRO) sets neither
+        self.filename = None if path is None else str(path)
+
+    def __str__(self) -> str:  # OSError's default puts "[Errno N]" before the message
+        return self.strerror
+
+
+# limits whose errno tensorstore's errors may give only as its strerror
+_LIMITS = (errno.EMFILE, errno.ENFILE, errno.ENOMEM)
+
+
+def _limit_errno(e: BaseException | None) -> int | None:
+    """The errno of `e` where it is a limit of this process or machine
+    (`offload.io.errors.limit_hint`): an OSError's own, or one tensorstore's error
+    names in its text (`os_error_code='24'`, or "Too many open files"); else None."""
+    if e is None:
+        return None
+    code = e.errno if isinstance(e, OSError) else None
+    if code is None and not isinstance(e, OSError):
+        text = str(e)
+        found = re.search(r"os_error_code='(\d+)'", text)
+        code = (int(found.group(1)) if found
+                else next((c for c in _LIMITS if os.strerror(c) in text), None))
+    return code if limit_hint(code) else None
+
+
+def limit_reached(what: str, e: BaseException | None, path: Any = None
+                  ) -> CheckpointLimitError | None:
+    """The error for `what` (e.g. "checkpoint file <path> cannot be read") that `e`
+    caused, where `e` is a limit of this process or machine met (open files, memory:
+    `_limit_errno`); None for any other error. `path`: the file, if one."""
+    code = _limit_errno(e)
+    if code is None:
+        return None
+    return CheckpointLimitError(
+        code, f"{what} ([Errno {code}] {os.strerror(code)}): {limit_hint(code)}; this is a "
+        "limit of the process or machine, not damage: the checkpoint may be intact, retry "
+        "once the limit is raised", path)
 
 
 def _read_json(p: Path) -> dict[str, Any]:

@@ -6,6 +6,7 @@ by the writer (training_checkpoint.py) and the reader (checkpoint_reader.py)."""
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -13,11 +14,11 @@ import numpy as np
 import torch
 
 from ..io.process import usable_cpus
-from .checkpoint_files import IO_THREADS
+from .checkpoint_files import IO_THREADS, CheckpointError
 from .units import Group, Slot
 
 __all__ = ["CHECKED", "CHUNK_ELEMS", "FORMAT", "Grid", "KINDS", "SHARD_CHUNKS", "TORCH_DTYPES",
-           "flat_boxes"]
+           "check_utf8", "flat_boxes"]
 
 FORMAT = "offload-checkpoint/2"  # /1: a file per chunk, no shards
 KINDS = ("param", "master", "exp_avg", "exp_avg_sq")
@@ -31,6 +32,21 @@ TORCH_DTYPES = {v: k for k, v in _DTYPE_NAMES.items()}
 def _ts():
     import tensorstore  # imported on use: engines that never checkpoint do not load it
     return tensorstore
+
+
+def check_utf8(path: Path, who: str, fix: str) -> None:
+    """CheckpointError from `who` where the path `path` is not valid UTF-8 (a name holding
+    a byte of another encoding, e.g. Latin-1, which Linux allows): tensorstore, which
+    writes and opens a checkpoint's arrays, takes only UTF-8 paths, and fails on such a
+    one with a cast error naming neither the path nor the cause. The message shows the
+    path with its undecodable bytes escaped (\\xe9) and ends in `fix`."""
+    try:
+        str(path).encode("utf-8")
+    except UnicodeEncodeError:  # os.fsdecode made each undecodable byte a lone surrogate
+        shown = os.fsencode(path).decode("utf-8", "backslashreplace")
+        raise CheckpointError(f"{who}: the checkpoint path {shown} is not valid UTF-8 "
+                              "(tensorstore, which writes and opens the checkpoint's arrays, "
+                              f"requires UTF-8 paths): {fix}") from None
 
 
 def _context():

@@ -22,20 +22,65 @@ import shutil
 from pathlib import Path
 
 from ..files import json_loads, lock_named, read_regular_text, unlink_own
+from .checkpoint_files import CheckpointError
+from .checkpoint_layout import check_utf8
 
 log = logging.getLogger(__name__)
 
-__all__ = ["LOCK", "PARTIAL", "RECORD", "PartialLock", "is_committed", "prune",
-           "remove_partials"]
+__all__ = ["LOCK", "PARTIAL", "RECORD", "PartialLock", "check_save_path", "is_committed",
+           "partial_of", "prune", "remove_partials"]
 
 RECORD = "checkpoint.json"
 PARTIAL = ".partial"
 LOCK = ".lock"
 
 
+ROOM = 1 + len(PARTIAL) + len(LOCK)  # bytes a save's lock file's name adds to the name
+
+
 def partial_of(path: Path) -> Path:
-    """The directory a save of `path` writes until it is published."""
+    """The directory a save of `path` (absolute) writes until it is published; first
+    `check_save_path(path)`, so a path no save can be written under is refused
+    before anything is."""
+    check_save_path(path)
+    return _partial(path)
+
+
+def _partial(path: Path) -> Path:
     return path.parent / f".{path.name}{PARTIAL}"
+
+
+def _name_max(directory: Path) -> int:
+    """The longest file name (bytes) the file system of `directory`, or of its nearest
+    existing ancestor, takes; 255 (Linux's NAME_MAX) where it cannot be asked, -1
+    where it has no limit."""
+    for p in (directory, *directory.parents):
+        try:
+            return os.pathconf(p, "PC_NAME_MAX")
+        except FileNotFoundError:
+            continue
+        except (OSError, ValueError):
+            break
+    return 255
+
+
+def check_save_path(path: Path) -> None:
+    """CheckpointError where a save cannot be written under the absolute `path`: a path
+    that is not valid UTF-8 (`check_utf8`: tensorstore requires it), or a name too
+    long for the save's work files beside it (`.<name>.partial.lock`, `ROOM` bytes
+    longer than the name) on its parent's file system; the message names the path
+    and the fix, and says nothing was written."""
+    check_utf8(path, "save_checkpoint", "give the checkpoint a path of UTF-8 characters "
+               "(rename the directories and name that are not, e.g. with convmv; nothing "
+               "was written)")
+    most = _name_max(path.parent)
+    have = len(os.fsencode(path.name))
+    if 0 <= most < have + ROOM:
+        raise CheckpointError(
+            f"save_checkpoint: the checkpoint name of {path} is {have} bytes; its file "
+            f"system takes names of at most {most} bytes, and a save writes beside the "
+            f"checkpoint a directory and a lock file named .<name>{PARTIAL}{LOCK} ({ROOM} "
+            f"bytes more): give a name of at most {most - ROOM} bytes (nothing was written)")
 
 
 class PartialLock:
@@ -118,7 +163,7 @@ def prune(parent: Path, keep: int, newest: Path, fmt: str, run: str) -> None:
         if d == newest:
             continue
         log.info("removing checkpoint %s (engine.keep_checkpoints=%d)", d, keep)
-        doomed = partial_of(d)
+        doomed = _partial(d)
         try:
             lock = PartialLock(doomed, wait=False)
         except OSError as e:

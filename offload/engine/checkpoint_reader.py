@@ -21,10 +21,12 @@ from .checkpoint_buffers import (BUFFERS, check_buffers, check_extra_states, dec
 from .checkpoint_chunks import MISSING, CRC_BYTES, ChunkFileError, ChunkFiles, chunk_key, read_index
 from .checkpoint_publish import PARTIAL, RECORD, is_committed
 from .checkpoint_record import _HYPER, check_record
-from .checkpoint_files import (CheckpointCorruptError, CheckpointError, _read_json,
-                               not_permitted, decode_rng_state, set_rng_state)
+from .checkpoint_files import (CheckpointCorruptError, CheckpointError, CheckpointLimitError,
+                               _read_json, decode_rng_state, limit_reached, not_permitted,
+                               set_rng_state)
 from .checkpoint_layout import (_DTYPE_NAMES, CHECKED, FORMAT, TORCH_DTYPES, _context,
-                                _max_chunk_bytes, _rank_range, _spec, _stored_shape, _ts)
+                                _max_chunk_bytes, _rank_range, _spec, _stored_shape, _ts,
+                                check_utf8)
 from .units import Group, Slot
 
 __all__ = ["CheckpointReader"]
@@ -39,6 +41,12 @@ def _describe(groups: list[dict[str, Any]]) -> str:
     return "; ".join(f"group {k}: " + ", ".join(f"{key}={_hyper_value(key, g[key])}"
                                                 for key in ("lr", "weight_decay") if key in g)
                      for k, g in enumerate(groups))
+
+
+def _unreadable(path: Any, e: BaseException | None) -> CheckpointLimitError | None:
+    """The error for checkpoint file `path` that `e` kept from being opened or read,
+    where `e` is a limit of this process or machine (open files, memory); else None."""
+    return limit_reached(f"checkpoint file {path} cannot be read", e, path)
 
 
 def _chunk_in(out: torch.Tensor | None, dtype: torch.dtype, a: int, b: int, ce: int,
@@ -112,9 +120,9 @@ class CheckpointReader:
                                   "or not a checkpoint)")
         try:
             rec = _read_json(p / RECORD)
-        except OSError as e:
-            raise CheckpointCorruptError(f"checkpoint file {p / RECORD} cannot be read "
-                                         f"({e.strerror})") from e
+        except OSError as e:  # a limit of the process is no damage
+            raise (_unreadable(p / RECORD, e) or CheckpointCorruptError(
+                f"checkpoint file {p / RECORD} cannot be read ({e.strerror})")) from e
         if rec.get("format") != FORMAT:
             raise CheckpointError(f"checkpoint {p}: format {rec.get('format')!r}, this "
                                   f"version reads {FORMAT!r}; save it again with the "
@@ -218,12 +226,16 @@ class CheckpointReader:
         """The array through tensorstore (for tests and tools that want its view)."""
         key = (kind, name)
         if key not in self._arrays:
+            check_utf8(self.path, "CheckpointReader._array", "move the checkpoint to a UTF-8 "
+                       "path to open its arrays with tensorstore (offload itself reads it "
+                       "where it is: initialize(resume=...), verify())")
             try:
                 spec = {**_spec(self.path, kind, name), "fill_missing_data_reads": False}
                 self._arrays[key] = _ts().open(spec, open=True, context=_context()).result()
             except Exception as e:
-                raise self._corrupt(f"checkpoint {self.path}: cannot open array "
-                                    f"{kind}/{name}: {e}") from e
+                what = f"checkpoint {self.path}: array {kind}/{name} cannot be opened"
+                raise (limit_reached(what, e) or self._corrupt(
+                    f"checkpoint {self.path}: cannot open array {kind}/{name}: {e}")) from e
         return self._arrays[key]
 
     def _grid(self, kind: str, name: str) -> tuple[int, int]:
@@ -257,6 +269,9 @@ class CheckpointReader:
             except PermissionError as e:
                 raise not_permitted(meta, e) from e
             except (OSError, ValueError, KeyError, TypeError, IndexError, ArithmeticError) as e:
+                limited = _unreadable(meta, e) if isinstance(e, OSError) else None
+                if limited is not None:  # a limit of the process is no damage
+                    raise limited from e
                 why = e.strerror if isinstance(e, OSError) and e.strerror else e  # named: meta
                 raise self._corrupt(f"checkpoint {self.path}: array {kind}/{name}: no "
                                     f"readable shard and chunk shape in {meta} ({why})") from e
@@ -288,6 +303,9 @@ class CheckpointReader:
                  ) -> CheckpointError:
         if e.denied is not None:
             return not_permitted(e.path, e.denied)
+        limited = _unreadable(e.path, e.__cause__)  # a limit of the process is no damage
+        if limited is not None:
+            return limited
         return self._corrupt(
             f"checkpoint {self.path}: array {kind}/{name}, chunk "
             f"({', '.join([str(k)] + ['0'] * (ndim - 1))}): cannot be read back intact "
@@ -298,8 +316,16 @@ class CheckpointReader:
         if self._files is not None and self._files.capacity < chunk_bytes + CRC_BYTES:
             self.close()  # a checkpoint saved with larger chunks than this version's
         if self._files is None:
-            self._files = ChunkFiles(self.path, max(chunk_bytes, _max_chunk_bytes(self.tensors)),
-                                     existing=self.path / RECORD)
+            try:
+                self._files = ChunkFiles(self.path, max(chunk_bytes,
+                                                        _max_chunk_bytes(self.tensors)),
+                                         existing=self.path / RECORD)
+            except OSError as e:  # its probe of the record, its buffers' memory
+                limited = (_unreadable(e.filename, e) if e.filename else limit_reached(
+                    f"checkpoint {self.path}: its reads' buffers cannot be set up", e))
+                if limited is None:
+                    raise
+                raise limited from e
         return self._files
 
     def close(self) -> None:
@@ -341,6 +367,11 @@ class CheckpointReader:
         except ChunkFileError as e:
             kind, name, _dt, _ce, ndim, _a, _b, _out, k = todo[e.index]
             raise self._damaged(kind, name, ndim, k, e) from e
+        except OSError as e:  # the reads' buffers (memory), not a file: no damage either
+            limited = limit_reached(f"checkpoint {self.path}: its chunks cannot be read", e)
+            if limited is None or isinstance(e, CheckpointError):
+                raise
+            raise limited from e
 
     def read_range(self, kind: str, name: str, a: int, b: int) -> torch.Tensor:
         """Elements [a, b) (C order) of array `kind/name`, 1-D, in the array's dtype;
@@ -487,6 +518,9 @@ class CheckpointReader:
                                 "buffers: BatchNorm statistics and the like); the "
                                 "checkpoint is damaged: resume from another") from None
         except OSError as e:
+            limited = _unreadable(p, e)  # a limit of the process is no damage
+            if limited is not None:
+                raise limited from e
             raise CheckpointCorruptError(f"checkpoint {self.path}: {p} cannot be read "
                                          f"({e.strerror}); resume from another") from e
         except ValueError as e:
@@ -587,8 +621,9 @@ class CheckpointReader:
             obj = _read_json(p)
         except FileNotFoundError:
             raise self._rank_damaged(r, "is missing") from None
-        except OSError as e:
-            raise self._rank_damaged(r, f"cannot be read ({e.strerror})") from e
+        except OSError as e:  # a limit of the process is no damage
+            raise (_unreadable(p, e) or self._rank_damaged(r, f"cannot be read "
+                                                           f"({e.strerror})")) from e
         entry = next((x for x in self.record["ranks"] if x.get("rank") == r), None)
         if entry is None:
             raise self._rank_damaged(r, "has no entry in the commit record")
@@ -634,15 +669,22 @@ class CheckpointReader:
         at a time) and checks its checksum; returns the problems found, each naming
         the file, or the array and chunk (empty: intact). `progress(array)` is called
         before each array. `damaged` is then whether a problem is damage
-        (CheckpointCorruptError), not a file this process may not read."""
+        (CheckpointCorruptError), not a file this process may not read. A limit of the
+        process or machine met while reading (open files, memory) is raised
+        (CheckpointLimitError): what it kept from being read is neither intact nor
+        damaged."""
         found: list[CheckpointError] = []
         for r in range(self.record["world"]):
             try:
                 self._rank_file(r)
+            except CheckpointLimitError:
+                raise
             except CheckpointError as e:
                 found.append(e)
         try:
             self._saved_buffers
+        except CheckpointLimitError:
+            raise
         except CheckpointError as e:
             found.append(e)
         for name, t in self.tensors.items():
@@ -652,6 +694,8 @@ class CheckpointReader:
                     progress(f"{kind}/{name}")
                 try:
                     self.read_into([(kind, name, 0, n, None)])
+                except CheckpointLimitError:
+                    raise
                 except CheckpointError as e:
                     found.append(e)
         self.damaged = any(isinstance(e, CheckpointCorruptError) for e in found)

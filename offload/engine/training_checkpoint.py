@@ -101,8 +101,8 @@ from .checkpoint_files import (CheckpointCorruptError, CheckpointError, Checkpoi
 from .checkpoint_layout import (_DTYPE_NAMES, FORMAT, KINDS, TORCH_DTYPES, Grid, _box_shape,
                                 _context, _grid, _max_chunk_bytes, _segments, _spec,
                                 _stored_shape, _to_numpy, _ts, flat_boxes)
-from .checkpoint_publish import (LOCK, PARTIAL, RECORD, PartialLock, partial_of,
-                                 prune, remove_partials)
+from .checkpoint_publish import (LOCK, PARTIAL, RECORD, PartialLock, check_save_path,
+                                 partial_of, prune, remove_partials)
 from .lr_scheduler import scheduler_state, to_json_scalar
 from .units import Group, Slot
 
@@ -502,6 +502,7 @@ def _check_save(engine: Any, path: Path, extra: dict[str, Any]
     checkpoint will hold them (copies: a background save writes them as they were at
     the call, not as the loop has changed them since)."""
     check_between_steps(engine)
+    check_save_path(path)  # here, so that every rank refuses it together
     if getattr(engine, "tp", None) is not None:  # its files would hold one TP slice per DP rank
         raise CheckpointError("save_checkpoint: not supported with tp.size > 1 yet; save the "
                               "full weights with offload.engine.full_state_dict(engine)")

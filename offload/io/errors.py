@@ -8,6 +8,7 @@ import resource
 from typing import Sequence
 
 from ..config import ConfigError
+from ..limits import limit_hint
 
 
 class IoError(OSError):
@@ -35,28 +36,6 @@ class IoError(OSError):
 
     def __str__(self) -> str:  # OSError's default repeats "[Errno N]" before the message
         return self.strerror
-
-
-def limit_hint(code: int | None) -> str:
-    """For an errno that means a limit of this process or machine was met (open files,
-    file size), a clause naming the limit, its value and how to raise it; "" for any
-    other errno. Those failures are not a disk's or a path's fault, and a message
-    saying so sent users to check the disk."""
-    if code == _errno.EMFILE:
-        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-        return (f"this process may hold only {soft} open files (RLIMIT_NOFILE, ulimit -n) "
-                "and holds that many; raise the limit where training starts (ulimit -n "
-                "65536; docker run --ulimit nofile=65536; LimitNOFILE= in a systemd unit)")
-    if code == _errno.ENFILE:
-        return ("the machine's open-file table is full (fs.file-max); close files of other "
-                "processes or raise it (sysctl -w fs.file-max=...)")
-    if code == _errno.EFBIG:
-        soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
-        if soft == resource.RLIM_INFINITY:
-            return "the file system's largest file size is reached; give a directory on another"
-        return (f"files this process writes may not grow past {soft} bytes (RLIMIT_FSIZE, "
-                "ulimit -f); raise the limit where training starts (ulimit -f unlimited)")
-    return ""
 
 
 def past_fsize_limit(end: int) -> bool:
