@@ -1,5 +1,5 @@
 """Checks of the files and directories a user names, shared by every layer (no
-imports from the rest of offload)."""
+imports from the rest of offload but offload.limits, itself standard library only)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ import stat
 import tempfile
 from pathlib import Path
 from typing import BinaryIO, Callable
+
+from .limits import limit_hint
 
 __all__ = ["check_directory", "existing_ancestor", "fsync_directory", "lock_named",
            "json_loads", "names_open_file", "NotRegularFileError", "open_unblocked",
@@ -91,8 +93,13 @@ def replace_atomically(target: Path, write: Callable[[BinaryIO], None],
     beside it, which is fsynced, given `mode` and renamed over `target`, and the
     directory is fsynced; readers see the old file or the whole new one, a crash
     never leaves an empty one. On any failure (a full disk, Ctrl-C) the temporary
-    file is removed and `target` is as it was."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    file is removed and `target` is as it was; one for a limit of the process (open
+    files, file size) is an `OSError` naming `target` and the limit."""
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp",
+                                   dir=target.parent)
+    except OSError as e:
+        raise _limit_named(e, target) from None
     try:
         with os.fdopen(fd, "wb") as f:
             write(f)
@@ -101,11 +108,22 @@ def replace_atomically(target: Path, write: Callable[[BinaryIO], None],
         if mode is not None:
             os.chmod(tmp, mode)
         os.replace(tmp, target)
-    except BaseException:
+    except BaseException as e:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
+        if isinstance(e, OSError):
+            raise _limit_named(e, target) from None
         raise
     fsync_directory(target.parent)
+
+
+def _limit_named(e: OSError, target: Path) -> OSError:
+    """`e` where it is not for a limit of the process; else one naming `target` and the
+    limit (the temporary file's name told the user nothing)."""
+    hint = limit_hint(e.errno)
+    if not hint:
+        return e
+    return OSError(e.errno, f"cannot write {target} ({e.strerror}); {hint}")
 
 
 def open_unblocked(path: str | os.PathLike[str]) -> tuple[BinaryIO, int]:

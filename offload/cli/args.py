@@ -22,6 +22,7 @@ import sys
 from typing import Any, Callable, Sequence
 
 from ..config import ConfigError, format_bytes, parse_bytes
+from ..limits import limit_hint
 
 __all__ = ["CommandParser", "UsageError", "byte_size", "choice_list", "count", "directory",
            "existing_directory", "integer", "missing_directories", "number", "output_file",
@@ -115,8 +116,6 @@ def _a_limit(e: BaseException) -> bool:
     """Whether `e` is an `OSError` for a limit of the process or machine (open files,
     file size, memory): a swap directory refused for one is the machine's, not the
     configuration's."""
-    from ..io.errors import limit_hint
-
     return isinstance(e, OSError) and bool(limit_hint(e.errno))
 
 

@@ -334,6 +334,26 @@ def test_an_address_space_limit_at_the_first_step_leaves_no_swap_files(tmp_path)
     assert out["err"] is None or "MemoryError" in out["err"]["mro"], out["err"]
 
 
+def test_a_file_written_whole_under_the_open_file_limit_names_it_and_the_limit(tmp_path):
+    """A trace, a tuned configuration or a report written whole (replace_atomically)
+    under `ulimit -n` said "Too many open files" of its temporary file's name, with no
+    limit or fix; the file that was there stays."""
+    out = run_child(f"""
+    from pathlib import Path
+    from offload.files import replace_atomically
+    target = Path({str(tmp_path)!r}) / "run.trace.json"
+    target.write_text("kept")
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (3, hard))
+    err = failure(replace_atomically, target, lambda f: f.write(b"new"))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    report(err=err, kept=target.read_text(), files=os.listdir(target.parent))
+    """)
+    assert out["err"]["errno"] == 24 and "ulimit -n" in out["err"]["msg"], out["err"]
+    assert str(tmp_path / "run.trace.json") in out["err"]["msg"], out["err"]
+    assert out["kept"] == "kept" and out["files"] == ["run.trace.json"], out
+
+
 @pytest.fixture
 def ext2_dir(tmp_path):
     """A directory on a fresh ext2 file system (no fallocate: its files have no
