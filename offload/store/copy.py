@@ -101,14 +101,28 @@ def bind_thread(device: torch.device) -> None:
         torch.cuda.set_device(device)
 
 
+_forked = False  # this process is a fork of one that imported this module
+
+
+def _in_child() -> None:
+    global _forked
+    _forked = True
+
+
+os.register_at_fork(after_in_child=_in_child)
+
+
 def start_cpu_threads() -> None:
     """Starts the calling thread's CPU thread pool (OpenMP's team: one per thread that
     runs torch's parallel ops). Left to the first step, a thread the pool could not
     create (an address-space limit, `ulimit -v`, with no room for its stack) ended
     the process there through libgomp's exit(1): no Python unwinding, so swap files
     and locks were left. `initialize` calls this before it makes any (and the update
-    thread as it starts); once made, a pool's threads stay."""
-    torch.ones(1 << 16).add_(1)  # above at::internal::GRAIN_SIZE: a parallel region
+    thread as it starts); once made, a pool's threads stay. Not in a forked child:
+    there a parallel region of a pool the parent had started waits forever (libgomp
+    is not fork-safe), and what the child does with torch is its own affair."""
+    if not _forked:
+        torch.ones(1 << 16).add_(1)  # above at::internal::GRAIN_SIZE: a parallel region
 
 
 class DeviceBuffer(NamedTuple):
