@@ -29,6 +29,7 @@ from .checkpoint import SafetensorsCheckpoint
 from .absent import AbsentWeight, post_accumulate_message
 from .checkpoint_reader import CheckpointReader
 from .engine import _DTYPES, _TIERS, OffloadEngine
+from .interrupts import SafeInterrupts
 from .eviction import next_use_of
 from .lr_scheduler import make_scheduler, warn_schedule_dropped
 from .meta import SkipMetaNormal, meta_device
@@ -387,15 +388,22 @@ def initialize(model: nn.Module | Callable[[], nn.Module],
         start_cpu_threads()  # before any swap file
         before = _ModelBefore(model)  # [Note: a failed initialize leaves the model as it was]
         try:
-            with agreement.refusals():  # a swap directory or lock refused on some ranks only
-                # swap files are named by the rank in the whole job (DP ranks repeat over TP)
-                store = TieredStore(cfg, rank=tp.mesh.world.rank if tp is not None
-                                    else comm.rank, recorder=recorder, policy=policy)
-            agreement.settle()
-            if cfg.engine.optimizer == "nvme" and store.device.type == "cpu":
-                _report_omp_wait_policy()  # updates run beside a backward on the same cores
-            lineage = _Lineage(model)
-            engine = OffloadEngine(model, cfg, units, groups, store, comm, recorder, tp, gathers)
+            # a Ctrl-C while the store and the engine are made (a swap file opened and
+            # not yet recorded, the model's hooks half registered) comes once they are,
+            # so that the `except` below closes what was made ([Note: Ctrl-C at a safe
+            # point] in interrupts.py)
+            with SafeInterrupts(lambda where: None).held():
+                with agreement.refusals():  # a swap directory or lock refused on some ranks
+                    # swap files are named by the rank in the whole job (DP ranks repeat
+                    # over TP)
+                    store = TieredStore(cfg, rank=tp.mesh.world.rank if tp is not None
+                                        else comm.rank, recorder=recorder, policy=policy)
+                agreement.settle()
+                if cfg.engine.optimizer == "nvme" and store.device.type == "cpu":
+                    _report_omp_wait_policy()  # updates run beside a backward on the cores
+                lineage = _Lineage(model)
+                engine = OffloadEngine(model, cfg, units, groups, store, comm, recorder, tp,
+                                       gathers)
             # [Note: Ctrl-C at a safe point] in interrupts.py: one while the partitions
             # are placed comes before the next group, and the engine is closed
             with engine._interrupts.held():
@@ -453,24 +461,30 @@ def initialize(model: nn.Module | Callable[[], nn.Module],
                 if comm.world > 1:  # [Note: generation on several ranks] in model_weights.py
                     for m in model.modules():
                         m.__dict__["_is_fsdp_managed_module"] = True
+                if resumed is not None:
+                    resumed.close()
+                log.info("offload: %d parameters in %d groups over %d units, world %d, %s "
+                         "compute, params on %s, grads on %s, optimizer state on %s",
+                         sum(g.numel for g in groups), len(groups), len(units), comm.world,
+                         cfg.engine.dtype, cfg.engine.params, cfg.engine.grads,
+                         cfg.engine.optimizer)
+            # nothing after this block may be interrupted: a Ctrl-C at its end (noted in
+            # it) still finds the `except` below, where one after it would leave the
+            # engine open and the model wrapped, with no engine returned to close
         except BaseException:  # Ctrl-C too
-            if engine is not None:
-                engine.close()  # removes its hooks and closes the store
-            else:
-                if store is not None:
-                    store.close()  # removes the files this rank made
-                if gathers is not None:
-                    gathers.close()
-            before.restore()
+            try:
+                if engine is not None:
+                    engine.close()  # removes its hooks and closes the store
+                else:
+                    if store is not None:
+                        store.close()  # removes the files this rank made
+                    if gathers is not None:
+                        gathers.close()
+                before.restore()
+            finally:
+                if resumed is not None:
+                    resumed.close()
             raise
-        finally:
-            if resumed is not None:
-                resumed.close()
-    total = sum(g.numel for g in groups)
-    log.info("offload: %d parameters in %d groups over %d units, world %d, %s compute, "
-             "params on %s, grads on %s, optimizer state on %s", total, len(groups), len(units),
-             comm.world, cfg.engine.dtype, cfg.engine.params, cfg.engine.grads,
-             cfg.engine.optimizer)
     return engine
 
 

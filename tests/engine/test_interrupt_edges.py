@@ -8,6 +8,7 @@ swap files, hooks) and Python's SIGINT handler is back."""
 import copy
 import gc
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
@@ -333,13 +334,17 @@ def test_ctrl_c_during_initialize_is_not_lost(engine_cfg, tmp_path):
 
 
 @pytest.mark.parametrize("placement", ["host", "nvme"])
-@pytest.mark.parametrize("where", ["_place_new_group", "_drop_params", "guard_resize"])
+@pytest.mark.parametrize("where", ["_open_owned", "_make_post", "_place_new_group",
+                                   "_drop_params", "guard_resize"])
 def test_ctrl_c_during_initialize_leaves_the_model_as_it_was(engine_cfg, tmp_path, where,
                                                               placement):
     """[Note: a failed initialize leaves the model as it was] A Ctrl-C noted in
     initialize's last lines is raised at their end, after the model's parameters were
     handed over: before, the model was left with a closed engine's stand-ins, its
-    weights gone (and initialize refused it again: already wrapped)."""
+    weights gone (and initialize refused it again: already wrapped). One while a swap
+    file is opened, or while the engine registers its hooks on the model, comes once
+    the store and the engine are made: it left a swap file, or hooks of a closed
+    store on the model ("the tiered store is closed" at its next forward)."""
     from .test_interrupts import _At
 
     model = _model()
@@ -347,9 +352,12 @@ def test_ctrl_c_during_initialize_leaves_the_model_as_it_was(engine_cfg, tmp_pat
     values = {k: v.detach().clone() for k, v in model.state_dict().items()}
     cfg = _cfg(engine_cfg, placement, tmp_path / "swap")
     at = _At(where=lambda code: code.co_name == where)
+    interval = sys.getswitchinterval()
     with pytest.raises(KeyboardInterrupt), at:
         offload.initialize(model, cfg)
     assert at.fired and where in at.fired
+    assert list((tmp_path / "swap").iterdir()) == []
+    assert sys.getswitchinterval() == interval
     assert all(p is params[n] for n, p in model.named_parameters())
     for k, v in model.state_dict().items():
         assert torch.equal(v, values[k]), k
