@@ -14,6 +14,7 @@ import json
 import math
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 from typing import TYPE_CHECKING
@@ -69,8 +70,8 @@ def add_arguments(sub: argparse._SubParsersAction) -> None:
                      help="bytes per shard at most (a larger tensor has a shard of its own)")
     exp.add_argument("--config", type=existing_directory(
         "config.json", "model directory holding config.json (e.g. one written by "
-        "save_pretrained)"), help="copy its config.json (and generation_config.json) into "
-        "--to, so transformers' from_pretrained loads the result")
+        "save_pretrained)"), help="copy its config.json (its dtype set to the weights') and "
+        "generation_config.json into --to, so transformers' from_pretrained loads the result")
     exp.set_defaults(func=run_export)
 
 
@@ -144,7 +145,9 @@ def export_safetensors(reader: CheckpointReader, out: str | os.PathLike, *,
     weights are written once, under their first name, and the module buffers the
     checkpoint holds after them (as `engine.save_pretrained`); a conversion that would
     make a finite value inf raises `UsageError`; with `config`, that
-    directory's config.json (and generation_config.json) beside them. All or
+    directory's config.json (its dtype field set to the weights' dtype: `_config_copies`)
+    and generation_config.json beside them, where no file of those names in `out` would
+    then disagree with it (else `UsageError`: `_check_copies`). All or
     nothing: a failure (an `OSError` of the disk keeps its errno and names the file
     and the fix) leaves no file of them in `out`. Returns the files."""
     import torch
@@ -177,13 +180,16 @@ def export_safetensors(reader: CheckpointReader, out: str | os.PathLike, *,
             yield name, _converted(name, flat, TORCH_DTYPES[dt], dtype).reshape(t["shape"])
         for name, b in buffers.items():
             yield name, _converted(name, b, buffer_dtype(b), dtype)
-    copies = {} if config is None else {
-        name: Path(config) / name for name in _CONFIGS if (Path(config) / name).is_file()}
-    try:
-        return write_shards(out, specs, tensors(), shard_size, copies=copies,
-                            elsewhere="give another --to")
-    except FileExistsError as e:
-        raise UsageError(f"--to: {e}") from e
+    written = {kind_and_dtype(t)[1] for t in reader.tensors.values()}
+    with tempfile.TemporaryDirectory(prefix="offload-config-") as staged:
+        copies = _config_copies(config, Path(staged), written.pop() if len(written) == 1
+                                else None)
+        _check_copies(out, config, copies)
+        try:
+            return write_shards(out, specs, tensors(), shard_size, copies=copies,
+                                elsewhere="give another --to")
+        except FileExistsError as e:
+            raise UsageError(f"--to: {e}") from e
 
 
 def _converted(name: str, t: torch.Tensor, to: torch.dtype, asked: str) -> torch.Tensor:
@@ -196,15 +202,56 @@ def _converted(name: str, t: torch.Tensor, to: torch.dtype, asked: str) -> torch
                          "written)") from None
 
 
-def _check_copies(to: str, config: str | None) -> None:
-    """Refuses a --config copy that would replace a different file of that name already
-    in --to (the user's own config.json): found before anything is written."""
-    for name in _CONFIGS if config else ():
+def _config_copies(config: str | os.PathLike | None, staged: Path,
+                   dtype: str | None) -> dict[str, Path]:
+    """{name in --to: file} of what `config` (a model directory) gives the export: its
+    config.json and generation_config.json where it has them. Where config.json's
+    "dtype" (or older "torch_dtype") names another dtype than `dtype` (the exported
+    parameters' one torch dtype, e.g. "bfloat16"; None where they have several), a copy
+    in `staged` that names `dtype` instead, as `engine.save_pretrained` writes the
+    config: from_pretrained builds the model in the config's dtype. A config.json that
+    is not a JSON object raises `UsageError` naming it."""
+    if config is None:
+        return {}
+    from ..files import json_loads, read_regular_text
+    copies = {name: Path(config) / name for name in _CONFIGS
+              if (Path(config) / name).is_file()}
+    src = copies.get("config.json")
+    if src is None:
+        return copies
+    try:
+        fields = json_loads(read_regular_text(src))
+    except (OSError, ValueError) as e:
+        raise UsageError(f"--config: {src} cannot be read as JSON ({e}); give a model "
+                         "directory whose config.json transformers reads") from e
+    if not isinstance(fields, dict):
+        raise UsageError(f"--config: {src} is not a JSON object; give a model directory "
+                         "whose config.json transformers reads")
+    keys = [k for k in ("dtype", "torch_dtype") if k in fields and fields[k] != dtype]
+    if dtype is not None and keys:
+        fields.update({k: dtype for k in keys})
+        copies["config.json"] = staged / "config.json"  # as transformers writes it:
+        copies["config.json"].write_text(json.dumps(fields, indent=2, sort_keys=True) + "\n")
+    return copies
+
+
+def _check_copies(to: str | os.PathLike, config: str | os.PathLike | None,
+                  copies: dict[str, Path]) -> None:
+    """Refuses, before anything is written, a config file in --to that the export would
+    leave disagreeing with --config: one that is neither --config's file nor the copy
+    (`copies`) written over it (the user's own config.json), or one --config lacks (another
+    model's generation_config.json, which from_pretrained would read with these weights)."""
+    for name in _CONFIGS if config is not None else ():
         src, dst = Path(config) / name, Path(to) / name
-        if not src.is_file() or not (dst.exists() or dst.is_symlink()):
+        if not (dst.exists() or dst.is_symlink()):
             continue
+        if name not in copies:
+            raise UsageError(f"--to: {dst} exists and --config {config} has no {name}: "
+                             "from_pretrained would read it with the exported weights; give "
+                             "an empty --to, or remove it")
         try:
-            if dst.is_file() and (src.samefile(dst) or src.read_bytes() == dst.read_bytes()):
+            if dst.is_file() and (src.samefile(dst) or dst.read_bytes() in (
+                    src.read_bytes(), copies[name].read_bytes())):
                 continue
         except OSError:
             pass
@@ -224,7 +271,6 @@ def _check_outside(to: str, checkpoint: str) -> None:
 def run_export(args: argparse.Namespace) -> int:
     from ..engine.training_checkpoint import CheckpointError
     _check_outside(args.to, args.path)
-    _check_copies(args.to, args.config)
     reader = _open(args.path)
     created = missing_directories(args.to)
     files = None

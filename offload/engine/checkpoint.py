@@ -1,7 +1,7 @@
 """Reading initial weights lazily from safetensors files (one tensor at a time).
 
-A checkpoint is a `.safetensors` file, or a directory holding one or several
-(transformers' sharded `model.safetensors.index.json` included). Tensors are
+A checkpoint is a `.safetensors` file, or a directory, whose files are chosen as
+transformers' `from_pretrained` chooses them (`_checkpoint_files`). Tensors are
 read by name when their group is materialised, so no process holds the whole
 checkpoint; names may carry a prefix the model lacks (or lack one it has),
 as with `transformer.` in GPT-2 files.
@@ -24,6 +24,7 @@ __all__ = ["SafetensorsCheckpoint"]
 
 _T = TypeVar("_T")
 _FLOATS = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2")
+_SINGLE, _INDEX = "model.safetensors", "model.safetensors.index.json"  # transformers' names
 
 
 def _natural(name: str) -> tuple:
@@ -72,8 +73,11 @@ def _header(h: Any) -> dict[str, tuple[tuple[int, ...], str]]:
     return out
 
 
-def _weight_map(index: Path) -> dict[str, str]:
-    """The {tensor: shard file} map of transformers' `model.safetensors.index.json`."""
+def _weight_map(index: Path) -> dict[str, Path]:
+    """{tensor: shard file} of transformers' `model.safetensors.index.json`, each shard a
+    path inside the index's directory. A value that is not a file name, or that points
+    outside the directory (absolute, or through `..`, as transformers refuses it), is
+    refused, naming the index, the tensor and the value, before any shard is opened."""
     try:
         weight_map = json_loads(read_regular_text(index))["weight_map"]
     except PermissionError:
@@ -85,7 +89,55 @@ def _weight_map(index: Path) -> dict[str, str]:
     if not isinstance(weight_map, dict):
         raise ValueError(f"checkpoint index {index}: \"weight_map\" is not a mapping of "
                          "tensor names to shard files; fix or remove it")
-    return weight_map
+    files = {}
+    for name, shard in weight_map.items():
+        if not isinstance(shard, str) or not Path(shard).parts:  # 5, None, [...], "", "."
+            raise ValueError(f"checkpoint index {index} puts {name!r} in {shard!r}, which is "
+                             "not a shard file name: each \"weight_map\" value names a "
+                             ".safetensors file beside the index (such as \"model-00001-of-"
+                             "00002.safetensors\"); fix or remove the index")
+        # as transformers checks it: by the name, not the resolved path (the Hub's cache
+        # links each shard to a file elsewhere)
+        if Path(shard).anchor or ".." in Path(shard).parts:
+            raise ValueError(f"checkpoint index {index} puts {name!r} in {shard!r}, which is "
+                             f"outside the checkpoint directory {index.parent} (transformers "
+                             "refuses it too): shard names are relative to the index's "
+                             "directory and stay in it; put the shards beside the index and "
+                             "name them so, or remove the index")
+        files[name] = index.parent / shard
+    return files
+
+
+def _checkpoint_files(p: Path) -> tuple[dict[str, Path] | None, list[Path]]:
+    """The files checkpoint `p` is, as transformers' `from_pretrained` chooses them in a
+    directory: its `model.safetensors` where it has one (the other safetensors files
+    and index beside it are not read: a warning names them), else the shards its
+    `model.safetensors.index.json` names (with that {tensor: shard} map), else (a
+    directory from_pretrained refuses) every `*.safetensors` file in it, in name order.
+    A path to a file: that file alone."""
+    if p.is_file():
+        return None, [p]
+    if not p.is_dir():
+        raise FileNotFoundError(f"checkpoint {p} does not exist")
+    single, index = p / _SINGLE, p / _INDEX
+    if single.is_file():
+        unread = [_INDEX] if index.is_file() else []
+        unread += sorted(f.name for f in p.glob("*.safetensors") if f != single)
+        if unread:  # (an index's shards can be thousands: the first three named)
+            more = f" and {len(unread) - 3} more" if len(unread) > 3 else ""
+            log.warning("checkpoint %s: only %s is read, as transformers' from_pretrained "
+                        "reads it, not %s%s beside it; remove what is not part of the "
+                        "checkpoint", p, _SINGLE, ", ".join(unread[:3]), more)
+        return None, [single]
+    if index.is_file():
+        files = _weight_map(index)
+        return files, sorted(set(files.values()))
+    shards = sorted(p.glob("*.safetensors"))
+    if not shards:
+        raise FileNotFoundError(f"checkpoint directory {p} holds no .safetensors file (as "
+                                f"from_pretrained reads it: {_SINGLE}, or {_INDEX} and its "
+                                "shards)")
+    return None, shards
 
 
 class SafetensorsCheckpoint:
@@ -100,42 +152,43 @@ class SafetensorsCheckpoint:
         self._open, self._error = safe_open, SafetensorError
         p = Path(path)
         self.directory = p if p.is_dir() else None
-        index = p / "model.safetensors.index.json"
-        if p.is_dir() and index.is_file():
-            files = {name: p / f for name, f in _weight_map(index).items()}
-            shards = sorted(set(files.values()))
-        elif p.is_dir():
-            shards = sorted(p.glob("*.safetensors"))
-            if not shards:
-                raise FileNotFoundError(f"checkpoint directory {p} holds no .safetensors "
-                                        "file")
-        elif p.is_file():
-            shards = [p]
-        else:
-            raise FileNotFoundError(f"checkpoint {p} does not exist")
-        # every header up front (a few KiB each): a missing shard, a name the index puts
-        # in a shard that lacks it, a shape or dtype the model cannot take, are refused
-        # before any group is read ([Note: weights a checkpoint lacks] in __init__.py)
+        files, shards = _checkpoint_files(p)
+        index = p / _INDEX
+        for f in shards:  # only an index names files that may not be there
+            if f.is_file():
+                continue
+            name = next(k for k, v in (files or {}).items() if v == f)
+            if f.exists():
+                raise ValueError(f"checkpoint index {index} puts {name!r} in {f}, which is "
+                                 "not a file: each \"weight_map\" value names a .safetensors "
+                                 "file beside the index; fix or remove the index")
+            raise FileNotFoundError(
+                f"checkpoint index {index} puts {name!r} (and maybe more) in {f}, which "
+                "does not exist: the download or copy is incomplete; fetch the missing "
+                "shard, or remove the index to load the shards that are there")
+        # every header up front (a few KiB each): a name the index puts in a shard that
+        # lacks it, a name two files hold, a shape or dtype the model cannot take, are
+        # refused before any group is read ([Note: weights a checkpoint lacks] in
+        # __init__.py)
         self.specs: dict[str, tuple[tuple[int, ...], str]] = {}
         held: dict[str, Path] = {}
         for f in shards:
-            if not f.is_file():
-                name = next(k for k, v in files.items() if v == f)
-                raise FileNotFoundError(
-                    f"checkpoint index {index} puts {name!r} (and maybe more) in {f}, which "
-                    "does not exist: the download or copy is incomplete; fetch the missing "
-                    "shard, or remove the index to load the shards that are there")
             for k, spec in self._read(f, _header).items():
+                if k in held:  # one would replace the other, whichever is read last
+                    raise ValueError(
+                        f"checkpoint tensor {k!r} is in both {held[k]} and {f}: a "
+                        "checkpoint holds each tensor once, so which to load is not "
+                        "clear; remove the file that is not part of this checkpoint (or "
+                        "save the checkpoint again)")
                 self.specs[k] = spec
                 held[k] = f
-        if p.is_dir() and index.is_file():
-            for name, f in files.items():
-                if held.get(name) != f:
-                    raise ValueError(
-                        f"checkpoint index {index} puts {name!r} in {f}, which does not hold "
-                        "it: the index does not match its shards; fix or remove the index "
-                        "(without it every shard's tensors are loaded by their names)")
-        self.files = files if p.is_dir() and index.is_file() else held
+        for name, f in (files or {}).items():
+            if held.get(name) != f:
+                raise ValueError(
+                    f"checkpoint index {index} puts {name!r} in {f}, which does not hold "
+                    "it: the index does not match its shards; fix or remove the index "
+                    "(without it every shard's tensors are loaded by their names)")
+        self.files = files if files is not None else held
         self._resolved: dict[str, str | None] = {}
         self._stored = dict(self.files)  # every stored name: the file that holds it
         # a model's name made of stored ones: renamed (name), or converted (converter,

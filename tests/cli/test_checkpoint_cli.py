@@ -128,27 +128,32 @@ def test_export_of_a_damaged_checkpoint_leaves_no_new_directory(saved, tmp_path,
     assert list((tmp_path / "mine").iterdir()) == []
 
 
-def test_export_does_not_replace_the_users_config_in_to(saved, tmp_path, offload_cli):
+@pytest.mark.parametrize("name, text, says", [
+    ("config.json", '{"model_type": "llama", "mine": true}', "exists"),
+    # --config has none: from_pretrained would read another model's beside the weights (it
+    # was exit code 0, the file left)
+    ("generation_config.json", '{"max_length": 7}', "exists and --config {model} has no "
+     "generation_config.json")])
+def test_export_does_not_replace_or_keep_another_models_config_in_to(saved, tmp_path,
+                                                                      offload_cli, name, text,
+                                                                      says):
+    """A config file in --to that is not --config's is refused before anything is
+    written."""
     ck, _ = saved
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text('{"model_type": "gpt2"}')
     out = tmp_path / "hf"
     out.mkdir()
-    (out / "config.json").write_text('{"model_type": "llama", "mine": true}')
+    (out / name).write_text(text)
     rc, stdout, err = offload_cli(["checkpoint", "export", str(ck), "--to", str(out),
                                    "--config", str(model)])
     assert rc == 2 and stdout == "", err
-    assert err.startswith(f"offload checkpoint export: --to: {out / 'config.json'} exists")
+    assert err.startswith(f"offload checkpoint export: --to: {out / name} "
+                          f"{says.format(model=model)}"), err
     assert err.count("\n") == 1 and "--config" in err
-    assert (out / "config.json").read_text() == '{"model_type": "llama", "mine": true}'
-    assert sorted(p.name for p in out.iterdir()) == ["config.json"]
-    # the same bytes (a re-export beside its own copy, or --config naming --to) are no loss
-    (out / "config.json").write_text('{"model_type": "gpt2"}')
-    rc, _, err = offload_cli(["checkpoint", "export", str(ck), "--to", str(out),
-                              "--config", str(model)])
-    assert rc == 0, err
-    assert (out / "config.json").read_text() == '{"model_type": "gpt2"}'
+    assert (out / name).read_text() == text
+    assert sorted(p.name for p in out.iterdir()) == [name]
 
 
 def test_bench_checkpoint_small(tmp_path, offload_cli):
@@ -199,3 +204,27 @@ def test_export_into_the_checkpoint_is_refused(saved, offload_cli):
         assert rc == 2 and stdout == "", err
         assert "inside the checkpoint" in err and err.count("\n") == 1, err
     assert sorted(p.relative_to(ck) for p in ck.rglob("*")) == before
+
+
+@pytest.mark.parametrize("dtype,key,was,written", [("bf16", "dtype", "float32", "bfloat16"),
+                                                   ("fp32", "torch_dtype", "bfloat16",
+                                                    "float32"),
+                                                   ("saved", "dtype", "float32", "bfloat16")])
+def test_export_config_names_the_dtype_of_the_weights(saved, tmp_path, offload_cli, dtype, key,
+                                                      was, written):
+    """The copied config.json's dtype field (transformers 4's `torch_dtype` too) names the
+    exported weights' dtype, as `engine.save_pretrained(dtype=...)` writes it:
+    from_pretrained builds the model in the config's dtype (was copied unchanged: bf16
+    weights loaded as float32). The --config file itself is left as it was."""
+    ck, _ = saved  # trained in bf16: --dtype saved writes bf16
+    model = tmp_path / "model"
+    model.mkdir()
+    text = json.dumps({"model_type": "gpt2", key: was, "n_embd": 32})
+    (model / "config.json").write_text(text)
+    out = tmp_path / "hf"
+    rc, _, err = offload_cli(["checkpoint", "export", str(ck), "--to", str(out), "--dtype",
+                              dtype, "--config", str(model)])
+    assert rc == 0, err
+    assert json.loads((out / "config.json").read_text()) == {"model_type": "gpt2",
+                                                             key: written, "n_embd": 32}
+    assert (model / "config.json").read_text() == text

@@ -26,6 +26,7 @@ def test_export_with_config_loads_in_transformers(tmp_path, capsys):
         e.step()
         e.save_checkpoint(tmp_path / "ck")
         e.save_pretrained(tmp_path / "engine-out")
+        e.save_pretrained(tmp_path / "engine-bf16", dtype=torch.bfloat16)
         want = e.state_dict()
     argv = ["checkpoint", "export", str(tmp_path / "ck"), "--to", str(tmp_path / "out"),
             "--shard-size", "40KB", "--config", str(tmp_path / "engine-out")]
@@ -36,3 +37,15 @@ def test_export_with_config_loads_in_transformers(tmp_path, capsys):
         assert set(got) == set(want)
         for k, v in want.items():
             assert torch.equal(got[k], v), (path.name, k)
+    # --dtype bf16: config.json names bfloat16, as save_pretrained(dtype=...) writes it, so
+    # from_pretrained builds the model in bf16 (was the --config file's float32)
+    argv = ["checkpoint", "export", str(tmp_path / "ck"), "--to", str(tmp_path / "out16"),
+            "--dtype", "bf16", "--config", str(tmp_path / "engine-out")]
+    assert main(argv) == 0, capsys.readouterr().err
+    for path in (tmp_path / "out16", tmp_path / "engine-bf16"):
+        model = transformers.AutoModelForCausalLM.from_pretrained(path)
+        assert model.dtype == torch.bfloat16, path.name
+        got = model.state_dict()
+        for k, v in want.items():
+            assert torch.equal(got[k], v.to(torch.bfloat16) if v.is_floating_point() else v), \
+                (path.name, k)
