@@ -171,7 +171,8 @@ def render(result: dict) -> None:
 
     con = table_console()
     t = Table(title=f"offload bench io: {format_bytes(result['size'])}, O_DIRECT, "
-                    f"median of {result['repeat']} interleaved rounds, writes include fdatasync")
+                    f"median of {result['repeat']} interleaved rounds, writes include fdatasync "
+                    "(fio's: none)")
     for col in ("engine", "block", "qd", "write GB/s", "x ref", "read GB/s", "x ref"):
         t.add_column(col, justify="right" if col != "engine" else "left")
     for ref in result["references"]:

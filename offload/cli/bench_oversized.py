@@ -24,9 +24,9 @@ no fdatasync, as the run writes); build and place the model; run
     W are the fewest bytes any system must read and write per step with this
     model and these budgets (`forced_bytes`: the optimizer's state both ways,
     the parameter reads of farthest-next-use eviction byte by byte over the
-    forward and backward order with every host-memory budget, I/O staging
-    included, holding parameters (fewer than `bench step` counts, which leaves
-    the I/O buffers out), and the
+    forward and backward order with every memory budget (the device tier, a
+    GPU's memory too; the host tier; I/O staging, which `bench step` leaves
+    out, so this counts fewer) holding parameters, and the
     updated parameters that memory cannot keep), not the run's own bytes; beside
     it (R + W) / mixed rate, the forced bytes at the rate the disk gave reads
     and writes issued together in the same run (the optimizer's chunk size,
@@ -110,6 +110,12 @@ class BenchSpec:
         return self.host_budget + self.io_buffers + (self.device_budget if on_cpu else 0)
 
     @property
+    def memory(self) -> int:
+        """Memory the configuration allows to keep parameters in from step to step: the
+        host tier, I/O staging and the device tier (a GPU's memory too)."""
+        return self.host_budget + self.io_buffers + self.device_budget
+
+    @property
     def state_bytes(self) -> int:
         return self.model.params * state_bytes_per_param(self.dtype)
 
@@ -185,18 +191,19 @@ def forced_bytes(engine: Any, spec: BenchSpec) -> tuple[int, int]:
     """(R, W): the fewest bytes any system must read and write per step (see the module
     notes): the optimizer's state (fp32 master where distinct, moments) both ways;
     parameter reads of byte-by-byte farthest-next-use eviction over the engine's
-    static order of group uses, with every host-memory budget (`spec.budgets`)
-    holding parameters; the updated parameters those budgets cannot keep, written. Gradients are not
-    counted: an update may consume each as backward produces it."""
+    static order of group uses, with every memory budget (`spec.memory`: the GPU's
+    too) holding parameters; the updated parameters those budgets cannot keep,
+    written. Gradients are not counted: an update may consume each as backward
+    produces it."""
     from ..store import footprint
 
     item = DTYPE_BYTES[spec.dtype]
     kinds = 2 if spec.dtype == "fp32" else 3
     sizes = {g.gid: footprint(g.shard * item) for g in engine.groups}
-    reads = forced_param_reads(list(engine.trace.plan or ()), sizes, spec.budgets)
+    reads = forced_param_reads(list(engine.trace.plan or ()), sizes, spec.memory)
     state = sum(state_bytes(g.shard, kinds, OptimConfig().state_dtype)
                 for g in engine.groups if g.requires_grad)
-    return state + reads, state + max(0, sum(sizes.values()) - spec.budgets)
+    return state + reads, state + max(0, sum(sizes.values()) - spec.memory)
 
 
 # -- the run -------------------------------------------------------------------------------------

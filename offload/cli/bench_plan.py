@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import statistics
@@ -248,19 +249,30 @@ def _trace_name(config: str) -> str:
     return config.replace(" ", "-").replace("%", "pc")
 
 
+def _over(moved: int, reference: int) -> float:
+    """moved / reference; where the reference is no bytes, 1 for none moved and
+    infinite for any (a row that moved bytes where none were planned misses)."""
+    return moved / reference if reference else (1.0 if moved == 0 else math.inf)
+
+
+def _worst(ratios: list[float]) -> float | None:
+    """The largest ratio; None (JSON null) where it is infinite."""
+    return None if math.isinf(max(ratios)) else max(ratios)
+
+
 def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The three targets over the rows that ran: value is the worst row's."""
     ok = [r for r in rows if "error" not in r]
     if not ok:
         return []
-    ratio = [r["moved_over_planned"] or 1.0 for r in ok]
-    lru = [r["bytes_moved"] / r["bytes_lru"] if r["bytes_lru"] else 1.0 for r in ok]
+    ratio = [_over(r["bytes_moved"], r["bytes_planned"]) for r in ok]
+    lru = [_over(r["bytes_moved"], r["bytes_lru"]) for r in ok]
     err = [abs(r["predicted_over_measured"] - 1) for r in ok]
     full = len(ok) == len(rows)
-    return [{"target": "bytes moved / planned", "value": max(ratio), "limit": TARGET_BYTES,
+    return [{"target": "bytes moved / planned", "value": _worst(ratio), "limit": TARGET_BYTES,
              "met": full and max(ratio) <= TARGET_BYTES,
              "rows_met": sum(x <= TARGET_BYTES for x in ratio)},
-            {"target": "bytes moved / LRU's", "value": max(lru), "limit": 1.0,
+            {"target": "bytes moved / LRU's", "value": _worst(lru), "limit": 1.0,
              "met": full and max(lru) <= 1.0, "rows_met": sum(x <= 1.0 for x in lru)},
             {"target": "|predicted / measured - 1|", "value": max(err), "limit": TARGET_STEP,
              "met": full and max(err) <= TARGET_STEP,
@@ -318,7 +330,8 @@ def render(result: dict[str, Any]) -> None:
                   f"{r['predicted_over_measured']:.2f}")
     con.print(t)
     for tg in result["targets"]:
-        con.print(f"target: {tg['target']}: worst {tg['value']:.3f} vs {tg['limit']:.2f}, "
+        worst = "bytes where none" if tg["value"] is None else f"{tg['value']:.3f}"
+        con.print(f"target: {tg['target']}: worst {worst} vs {tg['limit']:.2f}, "
                   f"{tg['rows_met']}/{len(result['results'])} rows -> "
                   + ("[green]met[/green]" if tg["met"] else "[red]missed[/red]"))
 

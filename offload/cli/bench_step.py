@@ -46,13 +46,15 @@ may lag threads running when it is read: nothing beside steps of 0.1 s and
 more).
 
 The lower bound of a placement that moves bytes to the disk is
-max(fastest no-offload step, R / read rate, W / write rate), where R and W are
+max(fastest no-offload step, R / read rate, W / write rate) (the no-offload step
+is measured in the same run: the compute's reference, not itself a bound, which
+a placement that moves no bytes may beat within the run's noise), where R and W are
 the fewest bytes the placement's budgets force any system to read and write
 per step, the same for both systems (`forced_read_bytes`,
 `forced_write_bytes`): the optimizer's Adam moments (8 bytes per parameter;
 the fp32 parameter can be the master) both ways; for `nvme`, also the
-parameter bytes that the memory budgets (store.host_budget, plus
-store.device_budget on a CPU device) cannot keep across a step: the reads of
+parameter bytes that the memory budgets (store.host_budget plus
+store.device_budget, the GPU's memory or the CPU's) cannot keep across a step: the reads of
 farthest-next-use eviction byte by byte over the step's forward and backward
 order (the fewest any partitioning allows: a system may keep part of a
 layer; `benchutil.forced_param_reads`), and the updated parameters that do
@@ -401,9 +403,10 @@ def forced_bytes(placement: str, dim: int, layers: int, memory: int,
 
 
 def _memory_budget(base: dict) -> int:
-    """Bytes of memory budgets the nvme placement's parameters may use: the host tier,
-    and the device tier where the device is the CPU."""
-    return base["host_budget"] + (base["device_budget"] if base["device"] == "cpu" else 0)
+    """Bytes of memory budgets the nvme placement's parameters may use: the host tier
+    and the device tier (a GPU's memory too: a system may keep parameters there from
+    step to step, so leaving it out would force bytes no system has to move)."""
+    return base["host_budget"] + base["device_budget"]
 
 
 def _add_bounds(rows: list[dict], disk: dict | None,
@@ -603,7 +606,10 @@ def run_step_bench(args: argparse.Namespace, path: str, progress=None) -> dict:
             "bytes_source": BYTES_SOURCE,
             "forced_bytes": {p: {"read": r, "write": w}
                              for (sd, p), (r, w) in forced.items() if sd == "fp32"},
-            "results": rows, "targets": targets(rows, _memory_budget(base) + base["buffer_budget"]), "notes": notes}
+            "results": rows, "notes": notes,
+            # peak RSS against the budgets of host memory: a GPU's budget is not
+            "targets": targets(rows, base["host_budget"] + base["buffer_budget"]
+                               + (base["device_budget"] if base["device"] == "cpu" else 0))}
 
 
 def _huge_pages() -> dict:
@@ -774,15 +780,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
 
+def failed_rows(rows: list[dict]) -> list[dict]:
+    """The rows that make the command fail: a row with no measurement of offload's
+    (offload-bf16 and offload-int8 too), or every row where none measured anything;
+    a missing peer's (DeepSpeed's) is only a note."""
+    return [r for r in rows if r["median_step_s"] is None
+            and (r["system"].startswith("offload")
+                 or all(x["median_step_s"] is None for x in rows))]
+
+
 def run(args: argparse.Namespace) -> int:
     with scratch_dir(args.path) as path:
         result = run_step_bench(args, path, progress_printer(args.json))
     rc = emit(result, args.json, render)
-    # a row with no measurement is a failed run: offload's own (or every row) is the
-    # command's failure, not exit code 0 (a missing peer, DeepSpeed, is only a note)
-    rows = result["results"]
-    failed = [r for r in rows if r["median_step_s"] is None
-              and (r["system"] == "offload" or all(x["median_step_s"] is None for x in rows))]
+    failed = failed_rows(result["results"])
     for r in failed:
         print(f"offload bench step: {r['system']} {r['placement']}: no step measured "
               f"({r['note'] or 'no round ran'})", file=sys.stderr)

@@ -218,13 +218,30 @@ def render(result: dict[str, Any]) -> None:
             t.add_row(r["model"], r["budget"], "-", r["error"][:60], "", "", "", "")
             continue
         best = r["sweep_best"]
-        t.add_row(r["model"], r["budget"], f"{r['tune_s']:.0f}", r["tuned"],
-                  f"{r['tuned_step_s']:.3f}", f"{best} {r['placements'].get(best, '')}",
-                  f"{r['sweep_best_step_s']:.3f}", f"{r['ratio']:.2f}")
+        t.add_row(r["model"], r["budget"], f"{r['tune_s']:.0f}", r["tuned"] or "-",
+                  _num(r["tuned_step_s"], ".3f"), f"{best} {r['placements'].get(best, '')}",
+                  _num(r["sweep_best_step_s"], ".3f"), _num(r["ratio"], ".2f"))
     con.print(t)
     for tg in result["targets"]:
         con.print(f"target: {tg['target']}: {tg['value']:.2f} vs {tg['limit']:.2f} -> "
                   + ("[green]met[/green]" if tg["met"] else "[red]missed[/red]"))
+
+
+def _num(value: float | None, spec: str) -> str:
+    """`value` formatted, or "-" where it was not measured."""
+    return "-" if value is None else format(value, spec)
+
+
+def _unmeasured(result: dict[str, Any]) -> list[str]:
+    """One line for each setting whose written configuration was not compared with the
+    sweep's best (it failed, or the A/B rounds measured one of them not at all)."""
+    return [f"offload bench tune: {r['model']} {r['budget']}: "
+            + (r["error"] if "error" in r else "the written configuration was not compared "
+               f"with the sweep's best (no A/B median of "
+               f"{'the written one' if r.get('tuned_step_s') is None else 'the best'}; "
+               "sweep errors: " + ("; ".join(f"{k}: {v}" for k, v in r["errors"].items())
+                                   if r.get("errors") else "none") + ")")
+            for r in result["results"] if r.get("ratio") is None]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -257,7 +274,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     with scratch_dir(args.path) as path:
         result = run_tune_bench(args, path, progress_printer(args.json))
-    return emit(result, args.json, render)
+    rc = emit(result, args.json, render)
+    failed = _unmeasured(result)  # a setting with no ratio is a failed run, not exit code 0
+    for line in failed:
+        print(line, file=sys.stderr)
+    return 1 if failed else rc
 
 
 def main(argv: list[str] | None = None) -> int:

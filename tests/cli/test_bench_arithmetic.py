@@ -97,11 +97,32 @@ def test_step_runs_interleave_systems_in_each_round(tmp_path, monkeypatch):
 
 
 def test_plan_targets_miss_under_predictions_and_more_bytes_than_lru():
-    rows = [{"moved_over_planned": 1.0, "bytes_moved": 100, "bytes_lru": 80,
-             "predicted_over_measured": 0.5}]
+    rows = [{"moved_over_planned": 1.0, "bytes_planned": 100, "bytes_moved": 100,
+             "bytes_lru": 80, "predicted_over_measured": 0.5}]
     got = {t["target"]: t["met"] for t in plan_targets(rows)}
     assert got == {"bytes moved / planned": True, "bytes moved / LRU's": False,
                    "|predicted / measured - 1|": False}
+    # bytes moved where none were planned (nor by LRU) miss: they counted as a ratio of 1
+    rows = [{"moved_over_planned": None, "bytes_planned": 0, "bytes_moved": 4096,
+             "bytes_lru": 0, "predicted_over_measured": 1.0},
+            {"moved_over_planned": None, "bytes_planned": 0, "bytes_moved": 0,
+             "bytes_lru": 0, "predicted_over_measured": 1.0}]
+    got = {t["target"]: (t["met"], t["value"], t["rows_met"]) for t in plan_targets(rows)}
+    assert got["bytes moved / planned"] == (False, None, 1)
+    assert got["bytes moved / LRU's"] == (False, None, 1)
+
+
+def test_step_bound_counts_a_gpus_memory_and_failed_offload_rows_fail_the_command():
+    """The memory that may keep parameters across steps is the host's and the device's
+    budgets, a GPU's too (left out, the forced bytes were more than a run moved, so
+    the "lower bound" was none); a row of offload-bf16 or offload-int8 that measured
+    nothing fails the command, as offload's does."""
+    base = {"host_budget": 160 << 20, "device_budget": 144 << 20}
+    assert bench_step._memory_budget({**base, "device": "cuda"}) == 304 << 20
+    assert bench_step._memory_budget({**base, "device": "cpu"}) == 304 << 20
+    rows = [{"system": s, "placement": "nvme", "median_step_s": t}
+            for s, t in (("offload", 1.0), ("offload-int8", None), ("deepspeed", None))]
+    assert [r["system"] for r in bench_step.failed_rows(rows)] == ["offload-int8"]
 
 
 def test_adam_nvme_bound_is_the_slower_direction_or_memory():
@@ -175,7 +196,7 @@ def test_oversized_forced_bytes_write_the_parameters_the_budgets_cannot_keep(tmp
            "io": {"paths": [str(tmp_path / "swap")]}, "store": {"device": "cpu"}}
     with offload.initialize(model, cfg) as engine:
         sizes = [footprint(g.shard * 2) for g in engine.groups]
-        spec = types.SimpleNamespace(dtype="bf16", budgets=2 * sizes[0])
+        spec = types.SimpleNamespace(dtype="bf16", memory=2 * sizes[0])
         read, written = bench_oversized.forced_bytes(engine, spec)
         state = sum(state_bytes(g.shard, 3, "fp32") for g in engine.groups)
     assert written == state + sum(sizes) - 2 * sizes[0]
@@ -197,3 +218,20 @@ def test_checkpoint_bench_passes_only_with_both_rates_and_the_stall_within_targe
     assert passes(good, good, TARGET_STALL)
     assert not passes(good, slow, 0.0) and not passes(slow, good, 0.0)
     assert not passes(good, good, TARGET_STALL * 1.1)
+
+
+def test_tune_bench_setting_without_an_ab_comparison_is_a_dash_and_a_failure(capsys):
+    """The written configuration failed in the sweep, so no A/B median: its row printed
+    by formatting None (a TypeError), and the command exited 0."""
+    from offload.cli import bench_tune
+
+    row = {"model": "mlp", "budget": "tight", "tune_s": 40.0, "tuned": None,
+           "tuned_step_s": None, "sweep_best": "#3", "placements": {"#3": "host/host/host"},
+           "sweep_best_step_s": None, "ratio": None, "errors": {"tuned": "ConfigError: x"}}
+    result = {"sweep": 20, "rounds": 2, "ab_rounds": 10, "steps": 4, "results": [row],
+              "targets": []}
+    bench_tune.render(result)
+    assert "mlp" in capsys.readouterr().out
+    (line,) = bench_tune._unmeasured(result)
+    assert line.startswith("offload bench tune: mlp tight: the written configuration was not "
+                           "compared") and "tuned: ConfigError: x" in line
