@@ -20,7 +20,9 @@ ranks stop at the same step and no collective is left waiting. A second Ctrl-C,
 or SIGTERM, stops at once. Every way out runs `engine.close()`, which removes
 the swap files, and then removes this run's swap directory
 (`<swap-dir>/offload-demo-<pid>`) with anything a failed close left in it. Only
-SIGKILL leaves files behind; the next run removes directories of dead runs.
+SIGKILL leaves files behind; the next run removes directories of dead runs, and
+under `--nproc` the launching process removes a killed rank's once the launch
+ended.
 """
 
 from __future__ import annotations
@@ -30,9 +32,6 @@ import logging
 import os
 import shutil
 import signal
-import subprocess
-import sys
-import tempfile
 import threading
 import time
 import dataclasses
@@ -41,9 +40,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..config import PAGE, IoConfig, format_bytes, load_config, parse_bytes
-from ..io.process import usable_cpus
 from .args import (UsageError, byte_size, count, directory, integer, missing_directories,
                    number, output_file, parse_count, ranks, remove_directories)
+from .demo_launch import peer_lost, relaunch, remove_dead_runs
 from .demo_view import DIR_PREFIX, Reporter, _free_bytes, print_header
 from .gpt import GPT, PRESETS, GPTConfig, ReversalTask, preset_for_params, state_bytes_per_param
 
@@ -290,24 +289,10 @@ def swap_dir_for_run(root: Path, notes: list[str], prefix: str = DIR_PREFIX) -> 
     """`root/<prefix><pid>`, new; first removes such directories of processes that
     are gone (a run killed by SIGKILL), noting each in `notes`."""
     root.mkdir(parents=True, exist_ok=True)
-    for old in root.glob(prefix + "*"):
-        pid = old.name[len(prefix):]
-        if pid.isdigit() and not _alive(int(pid)) and old.is_dir():
-            shutil.rmtree(old, ignore_errors=True)
-            notes.append(f"removed {old}, left by a run that was killed")
+    remove_dead_runs(root, notes, prefix)
     path = root / f"{prefix}{os.getpid()}"
     path.mkdir()
     return path
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def remove_swap_dir(path: Path, created: list[str]) -> bool:
@@ -603,7 +588,7 @@ def run(args: argparse.Namespace) -> int:
             return 1
         print_header(reporter, plan)
     if plan.world > 1 and launch is None:
-        return _relaunch(args, plan, reporter)
+        return relaunch(_child_argv(args), plan, reporter)
     return _run_rank(plan, rank, reporter)
 
 
@@ -632,88 +617,6 @@ def _disk_ok(plan: DemoPlan, reporter: Reporter) -> bool:
     return True
 
 
-def _relaunch(args: argparse.Namespace, plan: DemoPlan, reporter: Reporter) -> int:
-    """Runs this command again under torchrun (one process per rank, gloo).
-
-    [Note: stopping under torchrun]
-    torchrun answers SIGINT or SIGTERM by signalling its workers and then raising,
-    traceback and all, and reports any worker that exits with an error the same
-    way. So the launch runs in a session of its own, out of reach of the
-    terminal's Ctrl-C, and the first Ctrl-C here creates a stop file that every
-    rank polls at the end of each step: they stop together at the same step and
-    exit 0, torchrun finishes quietly, and this process returns 130. A second
-    Ctrl-C (or a SIGTERM) sends SIGWINCH to the ranks themselves (torchrun's
-    children): a rank stops at once on it, removes its files and exits 0, and
-    this process returns 130 (143). SIGWINCH because its default is to ignore it:
-    a rank not yet running, or one on its way out (Python's exit gives SIGINT its
-    default, fatal action back), is not killed by it; each rank is in a session of
-    its own, with no terminal to send it. The stop file is created too, for a rank
-    that was not listening yet. One more goes to the whole launch, torchrun's way.
-    """
-    stop_file = Path(tempfile.gettempdir()) / f"{DIR_PREFIX}{os.getpid()}.stop"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={plan.world}", "-m", "offload.cli.main", "demo",
-           *_child_argv(args)]
-    env = {**os.environ, "OFFLOAD_DEMO_HEADER": "1", "OFFLOAD_DEMO_STOP_FILE": str(stop_file),
-           "OMP_NUM_THREADS": str(max(1, usable_cpus() // plan.world))}
-    created = missing_directories(str(plan.swap_root))
-    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
-    stopped_by = 0  # the exit code of a stop asked for here: 130 Ctrl-C, 143 SIGTERM
-
-    signalled = False  # the ranks were told to stop now
-
-    def now(code: int, sig: int) -> None:
-        nonlocal stopped_by, signalled
-        stopped_by = stopped_by or code
-        ranks = [] if signalled else children(proc.pid)
-        signalled = True
-        stop_file.touch()
-        for pid in ranks:
-            try:
-                os.kill(pid, signal.SIGWINCH)
-            except ProcessLookupError:  # it ended meanwhile
-                pass
-        if not ranks:  # none started yet, or asked before: the launch, torchrun's way
-            os.killpg(proc.pid, sig)
-    old = signal.signal(signal.SIGTERM, lambda *_: now(143, signal.SIGTERM))
-    asked = False
-    try:
-        while True:
-            try:
-                rc = proc.wait()
-                break
-            except KeyboardInterrupt:
-                if asked:
-                    now(130, signal.SIGINT)
-                    continue
-                asked = True
-                stop_file.touch()
-                reporter.note("stopping after this step (Ctrl-C again to stop now); swap "
-                              "files are removed either way")
-    finally:
-        signal.signal(signal.SIGTERM, old)
-        stop_file.unlink(missing_ok=True)
-    remove_directories(created)  # each rank removed its own directory; the rest is here
-    return stopped_by or (130 if asked else rc)
-
-
-def children(pid: int) -> list[int]:
-    """The processes whose parent is `pid` (from /proc/*/stat)."""
-    out = []
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/stat", encoding="ascii", errors="replace") as f:
-                stat = f.read()
-        except OSError:  # it ended meanwhile
-            continue
-        # pid (comm) state ppid ...: comm may hold spaces and parentheses
-        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-            out.append(int(entry.name))
-    return out
-
-
 def _run_rank(plan: DemoPlan, rank: int, reporter: Reporter) -> int:
     import torch.distributed as dist
 
@@ -738,10 +641,15 @@ def _run_rank(plan: DemoPlan, rank: int, reporter: Reporter) -> int:
             code = signal_exit_code(e)
             if code is not None and stop.by_launcher:
                 code = 0  # stopped by the launcher, which says how: torchrun ends quietly
-            if code is None:  # raised after the summary, which says where the swap files went
-                failure, code = e, 1
+            if code is None:
+                code = 1
                 summary = {"interrupted": False,
                            "error": f"{type(e).__name__}: {' '.join(str(e).split())}"}
+                if plan.world > 1 and peer_lost(e):  # the rank that ended first says why
+                    reporter.error(f"offload demo: rank {rank}: stopped, its connection to "
+                                   "another rank was lost (that rank ended first)")
+                else:  # raised after the summary, which says where the swap files went
+                    failure = e
             else:
                 if not isinstance(e, (KeyboardInterrupt, SystemExit)):
                     reporter.note(f"while stopping: {type(e).__name__}: {e}")

@@ -75,7 +75,7 @@ def test_two_ranks_stopped_at_once_exit_quietly_and_remove_swap_files(tmp_path, 
     """Under `--nproc 2` a second Ctrl-C or a SIGTERM went to torchrun, which printed
     its SignalException traceback (and, when a rank was on its way out, a rank killed
     by the SIGINT meant for it made a ChildFailedError report)."""
-    from offload.cli.demo import children
+    from offload.cli.demo_launch import children
 
     proc = subprocess.Popen(DEMO + ["--size", "8M", "--nproc", "2", "--steps", "10000",
                                     "--swap-dir", str(tmp_path), "--trace", "none", "--json"],
@@ -101,6 +101,38 @@ def test_two_ranks_stopped_at_once_exit_quietly_and_remove_swap_files(tmp_path, 
     summary = _objects(stdout)[-1]
     assert summary["event"] == "summary" and summary["interrupted"], summary
     assert os.listdir(tmp_path) == []
+
+
+def test_a_rank_killed_is_one_line_and_its_swap_files_are_removed(tmp_path):
+    """A rank killed by SIGKILL (the OOM killer): torchrun printed its ChildFailedError
+    traceback and report, the other rank a gloo traceback if a collective saw the
+    connection close, and the killed rank's swap directory stayed until a next run."""
+    from offload.cli.demo_launch import children, peer_lost
+
+    proc = subprocess.Popen(DEMO + ["--size", "8M", "--nproc", "2", "--steps", "10000",
+                                    "--swap-dir", str(tmp_path), "--trace", "none", "--json"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert json.loads(proc.stdout.readline())["event"] == "step"
+        (launch,) = children(proc.pid)
+        victim = max(children(launch))
+        os.kill(victim, signal.SIGKILL)
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            for pid in children(proc.pid):
+                os.kill(pid, signal.SIGKILL)
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 1, stderr
+    assert "Traceback" not in stderr and "Failures" not in stderr, stderr
+    assert f"(pid {victim}) was killed by SIGKILL" in stderr, stderr
+    assert os.listdir(tmp_path) == []
+    gone = RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:5555: "
+                        "Connection reset by peer.")
+    wrapped = ValueError("step failed")
+    wrapped.__cause__ = gone
+    assert peer_lost(gone) and peer_lost(wrapped) and not peer_lost(RuntimeError("bug"))
 
 
 def test_rank_variables_left_in_a_shell_are_not_a_launch(tmp_path):
