@@ -144,6 +144,49 @@ def test_a_config_changed_after_initialize_does_not_change_the_engine(tmp_path):
         assert engine.cfg.engine.grad_accum_steps == 1
 
 
+def test_engine_cfg_changed_to_a_bad_value_is_refused_where_it_is_read(tmp_path):
+    """Keys the engine reads from its own `engine.cfg` at each call: a bad value is a
+    ConfigError naming it, raised before anything changed (a keep_checkpoints of -1
+    deleted every older checkpoint; a max_grad_norm of NaN was taken; a
+    grad_accum_steps of 0 raised a ZeroDivisionError)."""
+    import torch
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
+    cfg = {"engine": {"group_size": 3000},
+           "io": {"paths": [str(tmp_path / "swap")], "buffer_budget": "32MiB",
+                  "grow_step": "4MiB"},
+           "store": {"host_budget": "64MiB", "device_budget": "64MiB", "device": "cpu"}}
+    x = torch.ones(2, 8)
+    with offload.initialize(model, cfg) as engine:
+        for i in range(3):
+            engine.backward(engine(x).sum())
+            engine.step()
+            engine.save_checkpoint(tmp_path / "ck" / f"step-{i}")
+        engine.cfg.engine.keep_checkpoints = -1
+        with pytest.raises(ConfigError, match="engine.keep_checkpoints: -1"):
+            engine.save_checkpoint(tmp_path / "ck" / "step-3")
+        assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == [
+            "step-0", "step-1", "step-2"]
+        engine.cfg.engine.keep_checkpoints = 0
+        engine.backward(engine(x).sum())
+        before = {k: v.clone() for k, v in engine.state_dict().items()}
+        norm = engine.cfg.optim.max_grad_norm
+        engine.cfg.optim.max_grad_norm = float("nan")
+        with pytest.raises(ConfigError, match="optim.max_grad_norm"):
+            engine.step()
+        assert all(torch.equal(v, before[k]) for k, v in engine.state_dict().items())
+        engine.cfg.optim.max_grad_norm = norm
+        assert engine.step() and engine.global_step == 4
+        engine.cfg.engine.grad_accum_steps = 0
+        with pytest.raises(ConfigError, match="engine.grad_accum_steps"):
+            engine.backward(engine(x).sum())
+        engine.cfg.engine.grad_accum_steps = 1
+        engine.zero_grad()
+        engine.backward(engine(x).sum())
+        assert engine.step() and engine.global_step == 5
+
+
 # -- the documentation -------------------------------------------------------------------
 
 def _choices():

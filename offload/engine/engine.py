@@ -371,6 +371,7 @@ class OffloadEngine(ModelWeights, ModuleHooks, GradPartitions, GroupUpdates, Gat
         the step's gradients (run its micro-batches again).
         """
         self._check_open()
+        self.cfg.validate()  # [Note: engine.cfg changed between calls]
         refuse_backward_args(torch_args)  # retain_graph=, inputs=, ...: named, not a TypeError
         # [Note: one thread at a time], [Note: Ctrl-C at a safe point]
         with self._one_thread.held("engine.backward()", outer=True, sealed=True), \
@@ -500,6 +501,14 @@ class OffloadEngine(ModelWeights, ModuleHooks, GradPartitions, GroupUpdates, Gat
         the cause; remove the cause and run the step's micro-batches again.
         """
         self._check_open()
+        # [Note: engine.cfg changed between calls] The engine reads some keys of its own
+        # copy of the configuration at each call (engine.keep_checkpoints at each save,
+        # documented so; engine.grad_accum_steps, optim.max_grad_norm at each step), so
+        # a program may change them on `engine.cfg`. Each is checked again where it is
+        # read, before anything is changed: a keep_checkpoints of -1 deleted every
+        # older checkpoint, a max_grad_norm of NaN was taken, a grad_accum_steps of 0
+        # raised a ZeroDivisionError.
+        self.cfg.validate()
         # a dropped window meets the others' step: [Note: engine.zero_grad on some ranks]
         if self._backwards == 0 and not self._zeroed or \
                 self._backwards % self.cfg.engine.grad_accum_steps:
