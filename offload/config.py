@@ -200,7 +200,7 @@ class IoConfig:
                                   "on close; I/O completions run on Python threads and wait "
                                   "up to this long behind a thread busy in Python (Python's "
                                   "default, 0.005, halved the disk rate of a busy process); "
-                                  "0 leaves it alone", allowed="0..1")
+                                  "0 leaves it alone", allowed="0, or 1e-6..1")
 
     def __post_init__(self) -> None:
         if isinstance(self.paths, (list, tuple)):  # pathlib.Path entries are paths too
@@ -231,9 +231,10 @@ class IoConfig:
                 f"(io.stripe_size {self.stripe_size} x {len(self.paths)} io.paths = {row} "
                 f"bytes), the least a swap file grows by: nothing would fit; raise it to a "
                 f"multiple of {row} (0: no limit), or lower io.stripe_size")
-        if not 0.0 <= self.switch_interval <= 1.0:
+        if not 0.0 <= self.switch_interval <= 1.0 or 0.0 < self.switch_interval < 1e-6:
+            # below a microsecond sys.setswitchinterval takes 0, its most frequent switching
             raise ConfigError(f"io.switch_interval: {self.switch_interval} is out of range; use "
-                              "0 (leave Python's) or seconds up to 1, e.g. 0.0005")
+                              "0 (leave Python's) or seconds from 1e-6 up to 1, e.g. 0.0005")
         if self.buffer_budget < self.block_size:
             raise ConfigError(f"io.buffer_budget: {self.buffer_budget} bytes is below one block "
                               f"(io.block_size={self.block_size}); raise it, e.g. to '256MiB'")
@@ -323,8 +324,9 @@ class ParamGroupConfig:
             v = getattr(self, key)
             if v is not None and v < 0:
                 raise ConfigError(f"optim.param_groups[].{key}: {v} is negative; use >= 0")
-        if self.eps is not None and not self.eps > 0:
-            raise ConfigError(f"optim.param_groups[].eps: {self.eps} must be positive")
+        if self.eps is not None and not self.eps > _FP32_HALF_TINY:
+            raise ConfigError(f"optim.param_groups[].eps: {self.eps} must be positive"
+                              f"{_in_fp32(self.eps)}")
         if self.betas is not None and (len(self.betas) != 2
                                        or not all(0.0 <= b < 1.0 for b in self.betas)):
             raise ConfigError(f"optim.param_groups[].betas: {self.betas} must be two numbers "
@@ -391,8 +393,9 @@ class OptimConfig:
             if getattr(self, key) < 0:
                 raise ConfigError(f"optim.{key}: {getattr(self, key)} is negative; use >= 0"
                                   + (" (0: no clipping)" if key == "max_grad_norm" else ""))
-        if not self.eps > 0:
-            raise ConfigError(f"optim.eps: {self.eps} must be positive, e.g. 1e-8")
+        if not self.eps > _FP32_HALF_TINY:
+            raise ConfigError(f"optim.eps: {self.eps} must be positive{_in_fp32(self.eps)}, "
+                              "e.g. 1e-8")
         if self.chunk_elems < 0 or self.chunk_elems % 1024:
             raise ConfigError(f"optim.chunk_elems: {self.chunk_elems} is not 0 or a positive "
                               "multiple of 1024 (4 KiB of fp32); use e.g. 4194304")
@@ -580,6 +583,15 @@ class OffloadConfig:
         return self
 
 
+# an eps at or below half fp32's smallest number rounds to 0 where the kernels use it: a
+# weight whose gradients were all zero then divides 0 by 0
+_FP32_HALF_TINY = 2.0 ** -150
+
+
+def _in_fp32(eps: float) -> str:
+    return " in fp32 (it rounds to 0 there)" if 0 < eps <= _FP32_HALF_TINY else ""
+
+
 def _check_type(key: str, value: Any, tp: Any) -> Any:
     origin = typing.get_origin(tp)
     if origin is Literal:
@@ -588,11 +600,15 @@ def _check_type(key: str, value: Any, tp: Any) -> Any:
             raise ConfigError(f"{key}: {value!r} is not one of {choices}")
         return value
     if origin in (typing.Union, types.UnionType):
+        refused = []  # (type, error) of each member of the union
         for arg in typing.get_args(tp):
             try:
                 return _check_type(key, value, arg)
-            except ConfigError:
-                pass
+            except ConfigError as e:
+                refused.append((arg, e))
+        real = [e for arg, e in refused if arg is not type(None)]
+        if len(real) == 1:  # `X | None`: X's own message ("expected a number, got ...")
+            raise ConfigError(f"{real[0]}; or leave {key} out (unset)") from None
         raise ConfigError(f"{key}: {value!r} does not match {tp}")
     if origin is list:
         (item,) = typing.get_args(tp)
@@ -624,6 +640,8 @@ def _check_type(key: str, value: Any, tp: Any) -> Any:
         except OverflowError:  # an int beyond any float (JSON integers are unbounded)
             return math.inf  # refused by _normalise, naming the key and a finite value
     if tp is str:
+        if isinstance(value, os.PathLike):  # a pathlib.Path in io.paths, as the section takes
+            value = os.fspath(value)
         if not isinstance(value, str):
             raise ConfigError(f"{key}: expected a string, got {value!r}")
         return value
@@ -752,16 +770,34 @@ def load_config(source: OffloadConfig | dict | str | os.PathLike | None = None) 
         raise ConfigError(f"{path}: {e}") from None
 
 
-def config_reference(cls: type = OffloadConfig, prefix: str = "") -> list[tuple[str, str, str]]:
-    """(key, default, description) rows for every leaf key; used by the docs and CLI."""
+def _plain(value: Any) -> Any:
+    """A section's value as JSON takes it (param_groups: their dicts)."""
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    if dataclasses.is_dataclass(value):
+        return {k: _plain(v) for k, v in dataclasses.asdict(value).items() if v is not None}
+    return value
+
+
+def config_reference(cls: type = OffloadConfig, prefix: str = "", values: Any = None
+                     ) -> list[tuple[str, str, str]]:
+    """(key, default, description) rows for every leaf key; used by the docs and CLI.
+    With `values` (an instance of `cls`, an `OffloadConfig`), its value instead of the
+    default."""
     rows = []
     for f in dataclasses.fields(cls):
         key = f"{prefix}.{f.name}" if prefix else f.name
         if f.default_factory is not dataclasses.MISSING and dataclasses.is_dataclass(
                 default := f.default_factory()):
-            rows.extend(config_reference(type(default), key))
+            rows.extend(config_reference(type(default), key, None if values is None
+                                         else getattr(values, f.name)))
             continue
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        if values is not None:
+            default = getattr(values, f.name)
+            if dataclasses.is_dataclass(default) or (
+                    isinstance(default, list) and default and dataclasses.is_dataclass(default[0])):
+                default = _plain(default)
         if f.metadata.get("bytes"):
             default = format_bytes(default) if default else "0"
         doc = f.metadata.get("doc", "")

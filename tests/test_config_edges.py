@@ -144,6 +144,17 @@ def test_a_config_changed_after_initialize_does_not_change_the_engine(tmp_path):
         assert engine.cfg.engine.grad_accum_steps == 1
 
 
+def test_paths_and_optional_numbers_in_a_dict_say_what_is_expected():
+    """A pathlib.Path in io.paths is taken from a dict as IoConfig takes it (it was
+    "expected a string"); a bad optional number says "expected a number", not "does
+    not match float | None"."""
+    from pathlib import Path
+    assert load_config({"io": {"paths": [Path("/tmp/a")]}}).io.paths == ["/tmp/a"]
+    with pytest.raises(ConfigError, match=r"^optim\.param_groups\[0\]\.lr: expected a number, "
+                       r"got '0\.1'; or leave optim\.param_groups\[0\]\.lr out \(unset\)$"):
+        load_config({"optim": {"param_groups": [{"params": ["a"], "lr": "0.1"}]}})
+
+
 def test_engine_cfg_changed_to_a_bad_value_is_refused_where_it_is_read(tmp_path):
     """Keys the engine reads from its own `engine.cfg` at each call: a bad value is a
     ConfigError naming it, raised before anything changed (a keep_checkpoints of -1
@@ -207,7 +218,7 @@ def test_the_reference_names_every_allowed_value(key, choices, doc):
 
 
 @pytest.mark.parametrize("key, rng", [
-    ("io.queue_depth", "1..1024"), ("io.threads", "1..256"), ("io.switch_interval", "0..1"),
+    ("io.queue_depth", "1..1024"), ("io.threads", "1..256"), ("io.switch_interval", "0, or 1e-6..1"),
     ("optim.buffers", "1..16"), ("optim.buffer_share", "(0, 1]"), ("engine.seed", "0..4294967295"),
     ("domino.pieces", "1..64"), ("store.wait_timeout", "at most"), ("io.block_size", "4096"),
     ("optim.chunk_elems", "1024"), ("optim.block_elems", "1024"),

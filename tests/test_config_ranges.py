@@ -52,6 +52,7 @@ def test_the_largest_byte_count_is_accepted_and_one_more_refused():
     ({"io": {"stripe_size": "2MiB", "grow_step": "3MiB"}},
      r"^io\.grow_step: \d+ must be a positive multiple of io\.stripe_size"),
     ({"io": {"switch_interval": 1.5}}, r"^io\.switch_interval: 1\.5 is out of range"),
+    ({"io": {"switch_interval": 1e-9}}, r"^io\.switch_interval: 1e-09 is out of range"),
     ({"optim": {"buffers": 17}}, r"^optim\.buffers: 17 is out of range"),
     ({"engine": {"keep_checkpoints": -1}}, r"^engine\.keep_checkpoints: -1 must be >= 0"),
     ({"engine": {"prefetch_depth": -1}}, r"^engine\.prefetch_depth: -1 must be >= 0"),

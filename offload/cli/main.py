@@ -67,8 +67,14 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     if wanted("checkpoint"):
         _module("checkpoint").add_arguments(ck_sub)
 
-    cfg = sub.add_parser("config", help="print every configuration key with its default")
-    cfg.add_argument("--markdown", action="store_true", help="as the table in docs/configuration.md")
+    cfg = sub.add_parser("config", help="print every configuration key with its default, or "
+                         "a configuration file's values once checked")
+    cfg.add_argument("file", nargs="?", default=None,
+                     help="a .toml or .json configuration: checked as offload.initialize "
+                     "checks it (a bad key is one line naming it, exit code 2), then every "
+                     "key printed with its value there (* where it is not the default)")
+    cfg.add_argument("--markdown", action="store_true",
+                     help="as the table in docs/configuration.md")
     cfg.set_defaults(func=_print_config)
     return p
 
@@ -90,19 +96,26 @@ def _command(sub, name: str, module: str, what: str, load: bool) -> None:
 def _print_config(args: argparse.Namespace) -> int:
     from rich.table import Table
 
-    from ..config import config_reference
+    from ..config import config_reference, load_config
     from .args import table_console
 
+    rows = config_reference()
+    head = "default"
+    if args.file is not None:
+        given = config_reference(values=load_config(args.file))
+        rows = [(key, value + (" *" if value != default else ""), doc)
+                for (key, default, doc), (_, value, _) in zip(rows, given)]
+        head = "value (* not the default)"
     if args.markdown:
-        print("| key | default | meaning |\n| --- | --- | --- |")
-        for key, default, doc in config_reference():
-            print(f"| `{key}` | `{default}` | {doc} |")
+        print(f"| key | {head} | meaning |\n| --- | --- | --- |")
+        for key, value, doc in rows:
+            print(f"| `{key}` | `{value}` | {doc} |")
         return 0
-    t = Table(title="offload configuration keys")
-    for col in ("key", "default", "meaning"):
+    t = Table(title="offload configuration keys" + (f" in {args.file}" if args.file else ""))
+    for col in ("key", head, "meaning"):
         t.add_column(col)
-    for key, default, doc in config_reference():
-        t.add_row(key, default, doc)
+    for key, value, doc in rows:
+        t.add_row(key, value, doc)
     table_console().print(t)
     return 0
 

@@ -30,6 +30,10 @@ def _entries(cfg: OptimConfig, given: Sequence[Mapping[str, Any]] | None
     if given is None:
         return [(f"optim.param_groups[{k}]", list(g.params), g.overrides())
                 for k, g in enumerate(cfg.param_groups)]
+    if isinstance(given, Mapping) or isinstance(given, (str, bytes)):  # one group, unlisted
+        raise ConfigError("param_groups: expected a list of dicts (one per group), got a "
+                          f"{type(given).__name__}; give [{{'params': ...}}, ...], as "
+                          "torch.optim takes")
     out = []
     for k, g in enumerate(given):
         where = f"param_groups[{k}]"

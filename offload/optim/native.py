@@ -113,6 +113,10 @@ def native_status() -> tuple[bool, str]:
     """(usable, why): whether the native kernel loads here (read once per process,
     and again when `OFFLOAD_NATIVE_ADAM` changes)."""
     key = os.environ.get(ENV_SWITCH, "1")
+    if key not in ("0", "1"):  # "false", "off": read as on, the kernel kept silently
+        from ..config import ConfigError
+        raise ConfigError(f"{ENV_SWITCH}: {key!r} is not 0 or 1; give 0 to run torch's "
+                          "kernels, or unset it (the native kernel runs where it loads)")
     if _cache.get("key") != key:
         _cache["lib"], _cache["why"] = _load()
         _cache["key"] = key

@@ -101,3 +101,24 @@ def test_tables_piped_to_another_program_are_not_cut_to_80_columns():
     out = subprocess.run(OFFLOAD + ["config"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "engine.initial_loss_scale " in out.stdout, out.stderr
     assert "\u2026" not in out.stdout, out.stdout
+
+
+def test_config_checks_a_file_and_prints_its_values(tmp_path, offload_cli):
+    """docs/configuration.md says the CLI takes a configuration file; no command did, so
+    a file could be checked only by starting a run."""
+    good = tmp_path / "c.toml"
+    good.write_text('[engine]\nparams = "nvme"\n[optim]\nlr = 3e-4\n'
+                    'param_groups = [{params = ["*.bias"], weight_decay = 0.0}]\n')
+    rc, out, err = offload_cli(["config", str(good), "--markdown"])
+    assert rc == 0, err
+    rows = {ln.split("|")[1].strip(" `"): ln.split("|")[2].strip() for ln in out.splitlines()
+            if ln.startswith("| `")}
+    assert rows["engine.params"] == "`nvme *`" and rows["optim.lr"] == "`0.0003 *`"
+    assert rows["optim.param_groups"] == '`[{"params": ["*.bias"], "weight_decay": 0.0}] *`'
+    assert rows["engine.grads"] == "`host`"  # the default, unmarked
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[optim]\neps = 1e-50\n")
+    rc, out, err = offload_cli(["config", str(bad)])
+    assert rc == 2 and out == "", err
+    assert err == f"offload config: {bad}: optim.eps: 1e-50 must be positive in fp32 (it " \
+                  f"rounds to 0 there), e.g. 1e-8\n", err

@@ -170,7 +170,7 @@ def test_with_block_closes_the_engine_also_on_an_error(engine_cfg, tmp_path):
     ({"lr": -1.0}, r"param_groups\[0\]\.lr: -1\.0 is negative"),
     ({"betas": (0.9, 1.5)}, r"param_groups\[0\]\.betas: \[0\.9, 1\.5\] must be two numbers"),
     ({"eps": 0.0}, r"param_groups\[0\]\.eps: 0\.0 must be positive"),
-    ({"weight_decay": "0.1"}, r"param_groups\[0\]\.weight_decay: '0\.1' does not match"),
+    ({"weight_decay": "0.1"}, r"param_groups\[0\]\.weight_decay: expected a number, got '0\.1'"),
     ({"lr_lambda": 3}, r"param_groups\[0\]\.lr_lambda: 3 is not callable")])
 def test_bad_param_groups_given_to_initialize_are_refused_before_any_file(
         engine_cfg, tmp_path, group, match):
@@ -183,6 +183,15 @@ def test_bad_param_groups_given_to_initialize_are_refused_before_any_file(
                            param_groups=[{"params": ["*.bias"], **group}])
     assert not (tmp_path / "swap").exists()
     assert len(list(model.parameters())) > 0  # the model is untouched
+
+
+def test_one_param_group_not_in_a_list_is_named_so(engine_cfg, tmp_path):
+    """A dict given for param_groups (one group, unlisted) was "param_groups[0]:
+    expected a dict with 'params'", though a dict was given."""
+    with pytest.raises(ConfigError, match=r"param_groups: expected a list of dicts \(one per "
+                       r"group\), got a dict"):
+        offload.initialize(TiedTwice(), engine_cfg("nvme"), param_groups={"params": ["*.bias"]})
+    assert not (tmp_path / "swap").exists()
 
 
 @pytest.mark.parametrize("model, kwargs, match", [

@@ -295,6 +295,15 @@ def test_bad_arguments_raise_before_the_call():
     assert not p.any() and not m.data.any() and not v.data.any()  # nothing was written
 
 
+def test_a_switch_value_other_than_0_or_1_is_refused(monkeypatch):
+    """OFFLOAD_NATIVE_ADAM=false (off, no) kept the kernel on, silently."""
+    from offload.config import ConfigError
+    for value in ("false", "off", " 0"):
+        monkeypatch.setenv(native_mod.ENV_SWITCH, value)
+        with pytest.raises(ConfigError, match=f"{native_mod.ENV_SWITCH}: {value!r} is not"):
+            blocks.BlockUpdater("auto", 1024, threads=1)
+
+
 def test_fallback_to_torch_when_switched_off_or_absent(monkeypatch, caplog):
     monkeypatch.setenv(native_mod.ENV_SWITCH, "0")
     with caplog.at_level(logging.INFO, logger="offload.optim.native"):
