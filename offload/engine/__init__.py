@@ -26,14 +26,15 @@ from ..store import NextUsePolicy, TieredStore
 from ..store.copy import resolve_device, start_cpu_threads
 from ..trace import NULL_RECORDER, TraceRecorder
 from .checkpoint import SafetensorsCheckpoint
-from .absent import AbsentWeight, post_accumulate_message
+from .absent import post_accumulate_message
 from .checkpoint_reader import CheckpointReader
 from .engine import _DTYPES, _TIERS, OffloadEngine
 from .interrupts import SafeInterrupts
 from .eviction import next_use_of
 from .lr_scheduler import make_scheduler, warn_schedule_dropped
-from .meta import SkipMetaNormal, meta_device
-from .model_buffers import (buffers_from_first_rank, buffers_to, has_own_init, load_buffers,
+from .meta import meta_device
+from .materialise import Lineage, _materialise
+from .model_buffers import (buffers_from_first_rank, buffers_to, load_buffers,
                             materialise_buffers, persistent_buffers, saved_buffers)
 from .model_weights import guard_casts, guard_resize
 from .one_thread import EngineBusyError
@@ -401,7 +402,7 @@ def initialize(model: nn.Module | Callable[[], nn.Module],
                 agreement.settle()
                 if cfg.engine.optimizer == "nvme" and store.device.type == "cpu":
                     _report_omp_wait_policy()  # updates run beside a backward on the cores
-                lineage = _Lineage(model)
+                lineage = Lineage(model)
                 engine = OffloadEngine(model, cfg, units, groups, store, comm, recorder, tp,
                                        gathers)
             # [Note: Ctrl-C at a safe point] in interrupts.py: one while the partitions
@@ -489,7 +490,7 @@ def initialize(model: nn.Module | Callable[[], nn.Module],
 
 
 def _place_new_group(engine: OffloadEngine, g: Group, segments: list[tuple[int, int, int]],
-                     ckpt: SafetensorsCheckpoint | None, lineage: "_Lineage") -> str | None:
+                     ckpt: SafetensorsCheckpoint | None, lineage: Lineage) -> str | None:
     """Makes group `g`'s weights (from `ckpt`, else by the modules' initialisers, rank
     0's where ranks differ) and places this rank's partition and its optimizer state.
     Returns the first parameter whose weights differed from rank 0's, if any."""
@@ -564,58 +565,6 @@ def _from_first_rank(comm: Collectives, g: Group, full: torch.Tensor, real: bool
         mine[sl.offset:sl.offset + sl.numel], full[sl.offset:sl.offset + sl.numel])), "?")
 
 
-class _Lineage:
-    """Each module's parent and its place in `model.apply` order (children first)."""
-
-    def __init__(self, model: nn.Module) -> None:
-        self.parent: dict[int, nn.Module] = {}
-        self.order: dict[int, int] = {}
-
-        def visit(m: nn.Module) -> None:
-            for child in m.children():
-                if id(child) not in self.order:
-                    self.parent.setdefault(id(child), m)
-                    visit(child)
-            self.order.setdefault(id(m), len(self.order))
-        visit(model)
-
-    def with_ancestors(self, mods: list[nn.Module]) -> list[nn.Module]:
-        """`mods` and every module above them, in `apply` order (children first)."""
-        out: dict[int, nn.Module] = {}
-        for m in mods:
-            while m is not None and id(m) not in out:
-                out[id(m)] = m
-                m = self.parent.get(id(m))
-        return sorted(out.values(), key=lambda m: self.order.get(id(m), -1))
-
-
-@contextlib.contextmanager
-def _scratch_for_absent(mods: list[nn.Module]) -> Iterator[None]:
-    """Parameters of these modules already handed to the engine (registered stand-ins)
-    are scratch parameters while an initialiser runs over the modules (a module whose
-    parameters are in two groups, trainable and frozen, is initialised twice);
-    what it writes there is discarded."""
-    saved = []
-    inside, seen = {id(m) for m in mods}, set()
-    for top in mods:  # a rule may write below its module too (T5's root: self.shared)
-        for m in top.modules():
-            if id(m) in seen:
-                continue
-            seen.add(id(m))
-            for name, v in list(m._parameters.items()):
-                if isinstance(v, AbsentWeight):
-                    saved.append((m, name, v))
-                    m._parameters[name] = nn.Parameter(  # below: meta, no memory
-                        torch.empty(v.shape, dtype=torch.float32,
-                                    device="cpu" if id(m) in inside else "meta"),
-                        requires_grad=v.requires_grad)
-    try:
-        yield
-    finally:
-        for m, name, v in saved:
-            m._parameters[name] = v
-
-
 def _check_checkpoint_covers(ckpt: SafetensorsCheckpoint, model: nn.Module,
                              groups: list[Group], where: str | os.PathLike) -> None:
     """[Note: weights a checkpoint lacks] As transformers' from_pretrained, parameters
@@ -650,90 +599,6 @@ def _check_checkpoint_covers(ckpt: SafetensorsCheckpoint, model: nn.Module,
         log.warning("offload: %d tensors of checkpoint %s match no parameter or buffer of "
                     "the model and are not loaded: %s%s", len(unused), where,
                     ", ".join(unused[:10]), " ..." if len(unused) > 10 else "")
-
-
-def _materialise(model: nn.Module, g: Group, seed: int,
-                 ckpt: SafetensorsCheckpoint | None, lineage: _Lineage) -> torch.Tensor:
-    """The group's full fp32 flat buffer (padded), initialising meta parameters.
-
-    [Note: meta initialisation] Each module's `reset_parameters` (or
-    `_reset_parameters`, nn.MultiheadAttention's) runs on the group's modules and
-    every module above them, children first, as they run when the model is built
-    on the CPU: a parent's rule for its children (a zeroed residual projection)
-    overrides theirs. A transformers model is then initialised by its own
-    `_init_weights`, called on the same modules in the same order, as its
-    `initialize_weights` would: a parent's rule (GPT-2's scaled residual
-    projections) overrides its children's. Parameters of other groups are still
-    meta there (untouched: `normal_` skipped, [Note: normal_ on meta tensors] in
-    meta.py) or already handed to the engine (scratch while the rules run)."""
-    full = torch.zeros(g.padded, dtype=torch.float32)
-    fresh = list(g.slots)  # the slots the model initialises: [Note: weights a checkpoint lacks]
-    if ckpt is not None:
-        fresh = []
-        for s in g.slots:
-            t = ckpt.find(s.names)
-            if t is None:
-                fresh.append(s)
-                continue
-            if tuple(t.shape) != tuple(s.shape):
-                raise ValueError(f"checkpoint tensor for {s.fqn} has shape {tuple(t.shape)}, "
-                                 f"the model expects {tuple(s.shape)}")
-            full[s.offset:s.offset + s.numel].copy_(t.reshape(-1))
-        if not fresh:
-            return full
-    meta = [s for s in fresh if s.param.is_meta]  # a real (CPU) weight keeps its values
-    if meta:
-        owners: list[nn.Module] = []
-        for s in meta:
-            mod = s.uses[0][0]
-            if not any(mod is o for o in owners):
-                owners.append(mod)
-        mods = lineage.with_ancestors(owners)  # children first: [Note: meta initialisation]
-        with torch.random.fork_rng(devices=[]), _scratch_for_absent(mods), SkipMetaNormal():
-            torch.manual_seed(seed * 1_000_003 + g.gid)
-            for mod in owners:
-                _unset_on_cpu(mod)
-            for mod in mods:
-                init = getattr(mod, "reset_parameters", None) or \
-                    getattr(mod, "_reset_parameters", None)  # nn.MultiheadAttention's
-                if callable(init):
-                    init()
-                elif any(mod is o for o in owners) and not has_own_init(model):
-                    raise ValueError(f"cannot initialise meta parameters of {type(mod).__name__}: "
-                                     "it has no reset_parameters(); build the model on the CPU")
-            if has_own_init(model):
-                with torch.no_grad():
-                    for mod in mods:
-                        model._init_weights(mod)
-    for s in fresh:
-        mod, name = s.uses[0]
-        p = mod._parameters[name]
-        if tuple(p.shape) != tuple(s.shape):
-            raise ValueError(f"parameter {s.fqn} changed shape from {tuple(s.shape)} to "
-                             f"{tuple(p.shape)} during initialisation")
-        if s.param.is_meta and torch.isnan(p.detach()).any():  # [Note: meta initialisation]
-            raise ValueError(f"parameter {s.fqn} was built on meta and nothing initialised it "
-                             f"(neither {type(mod).__name__}.reset_parameters() nor the "
-                             "model's _init_weights sets it), so it has no values: build that "
-                             "module on the CPU (with torch.device('cpu'): ...), or give it a "
-                             "reset_parameters()")
-        full[s.offset:s.offset + s.numel].copy_(p.detach().reshape(-1))
-    return full
-
-
-def _unset_on_cpu(mod: nn.Module) -> None:
-    """[Note: meta initialisation] The module's meta parameters become CPU tensors of NaN
-    for its initialiser to fill (one it leaves is then refused, never trained as
-    whatever memory held); its buffers and real parameters keep their values."""
-    was_meta = [n for n, p in mod._parameters.items() if p is not None and p.is_meta]
-    kept = {n: p for n, p in mod._parameters.items() if n not in was_meta}
-    buffers = dict(mod._buffers)
-    mod.to_empty(device="cpu", recurse=False)  # through _apply: RNN weight lists follow
-    mod._buffers.update(buffers)
-    mod._parameters.update(kept)
-    with torch.no_grad():
-        for n in was_meta:
-            mod._parameters[n].fill_(float("nan"))
 
 
 class _ModelBefore:

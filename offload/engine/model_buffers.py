@@ -1,6 +1,6 @@
 """The model's buffers at `initialize`: made where a model built on meta left them, read
 from a `checkpoint=`, taken from rank 0 as DDP does, and moved to the store's device.
-Parameters are the engine's (`_materialise` in __init__.py); buffers stay the model's."""
+Parameters are the engine's (`_materialise` in materialise.py); buffers stay the model's."""
 
 from __future__ import annotations
 
@@ -12,11 +12,13 @@ from torch import nn
 
 from ..comm import Collectives
 from .checkpoint import SafetensorsCheckpoint
+from .materialise import Lineage, scratch_for_others
+from .meta import SkipMetaNormal
 
 log = logging.getLogger(__name__)
 
-__all__ = ["buffers_from_first_rank", "buffers_to", "has_own_init", "load_buffers",
-           "materialise_buffers", "persistent_buffers", "saved_buffers"]
+__all__ = ["buffers_from_first_rank", "buffers_to", "load_buffers", "materialise_buffers",
+           "persistent_buffers", "saved_buffers"]
 
 
 def buffers_to(model: nn.Module, device: torch.device) -> None:
@@ -51,11 +53,6 @@ def buffers_from_first_rank(comm: Collectives, model: nn.Module) -> None:
     if first is not None:
         log.warning("initialize: rank %d's buffers differ from rank 0's (first: %r); every "
                     "rank uses rank 0's, as under DDP", comm.rank, first)
-
-
-def has_own_init(model: nn.Module) -> bool:
-    """A transformers model: its `_init_weights(module)` is how it initialises itself."""
-    return callable(getattr(model, "_init_weights", None))
 
 
 def persistent_buffers(model: nn.Module) -> Iterator[tuple[str, nn.Module, str]]:
@@ -93,9 +90,11 @@ def load_buffers(model: nn.Module, ckpt: SafetensorsCheckpoint) -> None:
 def materialise_buffers(model: nn.Module, seed: int, saved: set[str]) -> None:
     """Buffers left on meta by a model built there are made on the CPU: those named in
     `saved` (the checkpoint resumed from holds them) as zeros it overwrites, the others
-    (rotary `inv_freq`, BERT's `position_ids`) filled by the model's own
-    `_init_weights`, as transformers fills them when it loads a model. A buffer that
-    several modules share stays one tensor (the save may name it once)."""
+    (rotary `inv_freq`, BERT's `position_ids`) filled by the `_init_weights` of the
+    transformers model they are in ([Note: whose _init_weights] in materialise.py), as
+    transformers fills them when it loads a model; the other tensors that rule could
+    write are scratch ([Note: initialisers write scratch]). A buffer that several
+    modules share stays one tensor (the save may name it once)."""
     names: dict[int, list[str]] = {}  # a buffer shared by several modules: all its names
     for prefix, m in model.named_modules():
         for name, b in m._buffers.items():
@@ -115,15 +114,19 @@ def materialise_buffers(model: nn.Module, seed: int, saved: set[str]) -> None:
               if any(b is not None and b.is_meta for b in m._buffers.values())]
     if not owners:
         return
-    if not has_own_init(model):
-        names = [n for n, b in model.named_buffers() if b.is_meta]
-        raise ValueError(f"buffers {names[:4]} are on the meta device and {type(model).__name__} "
-                         "has no _init_weights to fill them; build buffers on the CPU (only "
-                         "parameters may be meta)")
-    with torch.random.fork_rng(devices=[]), torch.no_grad():
+    lineage = Lineage(model)
+    unruled = [f"{prefix}.{name}".lstrip(".") for prefix, m in model.named_modules()
+               if lineage.rule.get(id(m)) is None
+               for name, b in m._buffers.items() if b is not None and b.is_meta]
+    if unruled:
+        raise ValueError(f"buffers {unruled[:4]} are on the meta device and "
+                         f"{type(model).__name__} has no _init_weights to fill them; build "
+                         "buffers on the CPU (only parameters may be meta)")
+    with torch.random.fork_rng(devices=[]), torch.no_grad(), scratch_for_others(owners), \
+            SkipMetaNormal():
         torch.manual_seed(seed)
         for m in owners:
             for name, b in m._buffers.items():
                 if b is not None and b.is_meta:
                     m._buffers[name] = fresh(b)
-            model._init_weights(m)
+            lineage.rule[id(m)](m)

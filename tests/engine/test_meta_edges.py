@@ -1,7 +1,7 @@
 """Tests of meta-device initialisation (`offload.initialize(lambda: Model())`, or a
 model built under `offload.engine.meta_device()`): each parameter group is
 materialised on real storage by its modules' own initialisers (`_materialise` in
-offload/engine/__init__.py), checked against the model built normally on the CPU:
+offload/engine/materialise.py), checked against the model built normally on the CPU:
 buffers and real weights kept, parents' rules, nn.MultiheadAttention, T5, parameters
 nothing initialises, a failed initialize put back."""
 
