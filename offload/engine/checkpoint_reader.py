@@ -16,6 +16,7 @@ from torch import nn
 from ..files import json_loads, read_regular_text
 from ..io import host_copy
 from ..io.buffers import mapped_empty
+from ..optim.codec import bound_first_moment, moment_bound
 from .checkpoint_buffers import (BUFFERS, check_buffers, check_extra_states, decode_buffers,
                                  decode_extra_states, restore_buffers, restore_extra_states)
 from .checkpoint_chunks import MISSING, CRC_BYTES, ChunkFileError, ChunkFiles, chunk_key, read_index
@@ -440,6 +441,7 @@ class CheckpointReader:
             # pages they land in are faulted in ahead ([Note: populating ahead])
             self.read_into([item for k, out in [("param", param), *state.items()]
                             for item in self._shard_items(k, g, rank, out)])
+            self._bound_int8_moments(engine, state, segments, g.shard)
             step = self.step_of(g)
             engine.optimizer.add_partition(  # master_is_param: `param` only gives the size
                 g.gid, param if shared else state["master"], tier=engine.cfg.engine.optimizer,
@@ -449,6 +451,23 @@ class CheckpointReader:
                 segment_steps=None if slots is None else [
                     0 if s is None else self._param_steps.get(self.name_of(g.slots[s]), step)
                     for s in slots])  # padding never has a gradient: its count stays 0
+
+    def _bound_int8_moments(self, engine: Any, state: dict[str, torch.Tensor],
+                            segments: list | None, n: int) -> None:
+        """Moments saved from int8 codes and resumed in another form are clamped as the
+        int8 update clamps them ([Note: the first moment's bound] in
+        offload/optim/codec.py): |exp_avg| <= C sqrt(exp_avg_sq), C of each segment's
+        betas as the resume restores them. A sqrt(v) whose code was 0 beside an
+        exp_avg whose code was not made the next fp32 or bf16 step m / eps (150 lr in
+        one case), where the int8 update never moves an element that way."""
+        saved = self.record.get("config", {}).get("optim", {}).get("state_dtype", "fp32")
+        if saved != "int8" or engine.cfg.optim.state_dtype == "int8":
+            return  # int8 again: the codes encode back as they were, bit for bit
+        hyper = self._restoring[0]
+        m, v = state["exp_avg"], state["exp_avg_sq"]
+        for lo, size, k in segments or [(0, n, 0)]:
+            b1, b2 = hyper[k].get("betas", engine.optimizer.param_groups[k]["betas"])
+            bound_first_moment(m[lo:lo + size], v[lo:lo + size].sqrt(), moment_bound(b1, b2))
 
     def _prepare(self, engine: Any) -> None:
         """Checks, once, what `restore` will apply, before anything of the engine
