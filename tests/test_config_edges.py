@@ -218,7 +218,8 @@ def test_the_reference_names_every_allowed_value(key, choices, doc):
 
 
 @pytest.mark.parametrize("key, rng", [
-    ("io.queue_depth", "1..1024"), ("io.threads", "1..256"), ("io.switch_interval", "0, or 1e-6..1"),
+    ("io.queue_depth", "1..1024"), ("io.threads", "1..256"),
+    ("io.switch_interval", "0, or 1e-6..1"),
     ("optim.buffers", "1..16"), ("optim.buffer_share", "(0, 1]"), ("engine.seed", "0..4294967295"),
     ("domino.pieces", "1..64"), ("store.wait_timeout", "at most"), ("io.block_size", "4096"),
     ("optim.chunk_elems", "1024"), ("optim.block_elems", "1024"),

@@ -77,7 +77,8 @@ def run_command(func: Callable[[argparse.Namespace], int], args: argparse.Namesp
                 prog: str) -> int:
     """Runs a sub-command; a `UsageError` or `ConfigError` is one line and exit code 2, a
     `DamageError` (or a `SwapPathError` for a limit of the process) one line and exit
-    code 1. So is, with exit code 1, an error the machine caused (`OSError`: a full disk, a limit, a path; `MemoryError`) or one of
+    code 1. So is, with exit code 1, an error the machine caused (`OSError`: a full
+    disk, a limit, a path; `MemoryError`; torch's allocator out of memory) or one of
     offload's own caused by one of those (a failed step, a swap file refused: their
     messages name the fix); anything else is a bug, and keeps its traceback (a step
     that failed for a bug too), as does a closed pipe (main.py ends it quietly)."""
