@@ -126,9 +126,13 @@ def model_spec(args: argparse.Namespace) -> ModelSpec:
 
 
 # the keys a Hugging Face config names its context length by (GPT-2's n_positions is
-# what transformers maps max_position_embeddings to)
+# what transformers maps max_position_embeddings to; Whisper's decoder, the causal LM,
+# has max_target_positions)
 _POSITION_KEYS = ("max_position_embeddings", "n_positions", "n_ctx", "max_sequence_length",
-                  "seq_length")
+                  "seq_length", "max_target_positions")
+# models whose positions start after the padding index (RoBERTa's embeddings number a
+# row's tokens pad_token_id + 1, ...): their context is that much shorter
+_PADDED_POSITIONS = ("roberta", "xlm-roberta", "camembert")
 DEFAULT_SEQ = 512
 
 
@@ -139,12 +143,16 @@ def _hf_seq(config: dict, seq: int | None) -> int | None:
                 and not isinstance(config.get(k), bool) and config[k] > 0), None)
     if key is None:
         return seq
-    limit = config[key]
+    limit, why = config[key], f"{key} ({config[key]})"
+    pad = config.get("pad_token_id")
+    if config.get("model_type") in _PADDED_POSITIONS and isinstance(pad, int) and pad >= 0:
+        limit -= pad + 1  # positions pad + 1 .. pad + seq must be rows of the table
+        why += f" less its positions' offset ({pad + 1}, after pad_token_id)"
     if seq is None:
         return min(DEFAULT_SEQ, limit)
     if seq > limit:
-        raise UsageError(f"--seq: {seq} is above the model's {key} ({limit}): a longer row "
-                         f"cannot run; give at most {limit}")
+        raise UsageError(f"--seq: {seq} is above the model's {why}: a longer row cannot "
+                         f"run; give at most {limit}")
     return seq
 
 

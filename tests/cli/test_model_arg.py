@@ -55,6 +55,26 @@ def test_seq_equal_to_the_models_context_is_accepted(tmp_path):
         _spec(str(cfg), seq=65)
 
 
+def test_whispers_and_robertas_contexts_are_the_rows_they_can_run(tmp_path):
+    """Whisper's decoder names its context max_target_positions (no key was read, so
+    the default 512 ran past a table of 64); RoBERTa numbers positions from
+    pad_token_id + 1, so max_position_embeddings 130 runs rows of 128 (129 and 130
+    were accepted and failed at the first step)."""
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"model_type": "whisper", "max_target_positions": 64,
+                               "max_source_positions": 1500}))
+    assert _spec(str(cfg)).seq == 64
+    with pytest.raises(UsageError, match=r"above the model's max_target_positions \(64\)"):
+        _spec(str(cfg), seq=65)
+    cfg.write_text(json.dumps({"model_type": "roberta", "max_position_embeddings": 130,
+                               "pad_token_id": 1}))
+    assert _spec(str(cfg)).seq == 128 and _spec(str(cfg), seq=128).seq == 128
+    with pytest.raises(UsageError, match=r"--seq: 129 is above the model's "
+                       r"max_position_embeddings \(130\) less its positions' offset \(2, "
+                       r"after pad_token_id\): a longer row cannot run; give at most 128"):
+        _spec(str(cfg), seq=129)
+
+
 @pytest.mark.parametrize("bad", [0, -1, True])
 def test_a_context_key_that_is_not_a_positive_integer_is_passed_over(tmp_path, bad):
     # max_position_embeddings comes first; where it is no context, n_positions is read
