@@ -43,13 +43,16 @@ class ModelSpec:
     seq: int | None      # None: the model's default for its kind
     dtype: str
 
-    def build(self) -> Any:
-        """The model on the meta device (or, called under another device, there)."""
+    def build(self, eager: bool = False) -> Any:
+        """The model on the meta device (or, called under another device, there); a
+        Hugging Face model with `eager`: with transformers' eager attention ([Note: eager
+        on meta])."""
         if self.source == "hf":
             from transformers import AutoConfig, AutoModelForCausalLM
 
             cfg = AutoConfig.from_pretrained(self.target)
-            return AutoModelForCausalLM.from_config(cfg)
+            kw = dict(attn_implementation="eager") if eager else {}
+            return AutoModelForCausalLM.from_config(cfg, **kw)
         mod_name, fn_name = self.target.split(":")
         return getattr(importlib.import_module(mod_name), fn_name)()
 
@@ -174,14 +177,14 @@ class MeasuredModel:
     containers: list[str] = field(default_factory=list)  # units that are never called
 
 
-def _build_meta(spec: ModelSpec):
+def _build_meta(spec: ModelSpec, eager: bool = False):
     import torch
 
     from ..engine.meta import meta_device
 
     with meta_device():
         try:
-            model = spec.build()
+            model = spec.build(eager) if eager else spec.build()
         except MemoryError:  # the process's memory ran out, not the model's fault
             raise
         except Exception as e:  # the user's code or config: report, not a traceback
@@ -310,9 +313,13 @@ def _saved_bytes(model: Any, spec: ModelSpec) -> tuple[int, int, Any]:
     except UsageError:
         raise
     except Exception as e:
+        fix = "check --batch/--seq against the model"
+        if "Expected inputs of BF16 type" in str(e):  # grouped_mm's check on meta alone
+            fix = ("the model's experts (grouped_mm) run on the meta device in bf16 alone, "
+                   "where they train in any dtype: estimate with --dtype bf16 (its "
+                   "activations are half of fp32's)")
         raise UsageError(f"MODEL: a forward pass of {spec.target} on the meta device at batch "
-                         f"{spec.batch} failed ({type(e).__name__}: {e}); check --batch/--seq "
-                         "against the model") from None
+                         f"{spec.batch} failed ({type(e).__name__}: {e}); {fix}") from None
     finally:
         for h in hooks:
             h.remove()
@@ -326,8 +333,25 @@ def measure_model(spec: ModelSpec, group_size: int, world: int = 1) -> MeasuredM
     from ..engine.units import build_units
 
     model = _build_meta(spec)
+    try:
+        act, act_ckpt, fc = _saved_bytes(model, spec)
+    except UsageError as first:
+        # [Note: eager on meta] Some of transformers' kernels cannot run on the meta
+        # device where they run on a CPU or GPU: the SDPA mask of BART's decoder
+        # (MBart, Marian, Pegasus) calls .item(). Those models were refused though
+        # they train. Built with the eager attention they are measured: eager
+        # attention keeps its scores for backward, so the activations counted are at
+        # least SDPA's (an upper bound). A model refused that way too is refused with
+        # its first error (MoE experts: grouped_mm is checked on meta for bf16 alone,
+        # and the eager experts' nonzero has no meta form).
+        if spec.source != "hf":
+            raise
+        try:
+            model = _build_meta(spec, eager=True)
+            act, act_ckpt, fc = _saved_bytes(model, spec)
+        except UsageError:
+            raise first from None
     units, groups = build_units(model, group_size, world)
-    act, act_ckpt, fc = _saved_bytes(model, spec)
     counts = fc.get_flop_counts()
     root = type(model).__name__
     flops = []

@@ -177,6 +177,24 @@ def test_estimate_json_from_a_hf_config(models, offload_cli):
     assert res["bytes_total"] == {k: 2 * v for k, v in kinds.items()}  # the job's, 2 ranks
 
 
+def test_a_model_whose_sdpa_mask_cannot_run_on_meta_is_estimated(models, offload_cli):
+    """BART's decoder (MBart, Marian, Pegasus) builds its SDPA mask with .item(), which
+    meta tensors refuse: estimate refused the model at any --batch/--seq, though it
+    trains; it is measured with eager attention instead."""
+    from transformers import AutoModelForCausalLM, BartConfig
+
+    cfg = BartConfig(vocab_size=256, d_model=32, encoder_layers=2, decoder_layers=2,
+                     encoder_attention_heads=2, decoder_attention_heads=2,
+                     encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64)
+    cfg.save_pretrained(models / "bart")
+    rc, out, err = offload_cli(["estimate", "bart", "--batch", "1", "--seq", "16", "--json"])
+    assert rc == 0, err
+    with torch.device("meta"):
+        want = sum(p.numel() for p in AutoModelForCausalLM.from_config(cfg).parameters())
+    res = json.loads(out)
+    assert res["params"] == want and res["activations"]["bytes"] > 0
+
+
 def _gpt2(cfg):
     from transformers import AutoModelForCausalLM, GPT2Config
 
