@@ -13,7 +13,8 @@ import offload
 from offload.config import IoConfig, OptimConfig
 from offload.io import BufferPool, SwapSpace, make_engine
 from offload.optim import CpuAdam
-from offload.optim.codec import QBLOCK, Moment, decode, encode, new_moment
+from offload.optim.codec import (QBLOCK, Moment, bound_first_moment, decode, encode, moment_bound,
+                                 new_moment)
 from offload.planner.sizes import state_bytes
 
 from ..engine.models import TiedTwice, lm_batches, lm_loss, lm_train
@@ -55,7 +56,9 @@ def _recoded(x: torch.Tensor, state_dtype: str, kind: str) -> torch.Tensor:
 def test_resume_with_another_state_dtype_encodes_the_saved_moments(tmp_path, saved, resumed):
     """An engine checkpoint holds the moments decoded to fp32, so a resume under another
     `optim.state_dtype` converts them (each encoded in the new form as a load of fp32
-    moments is), rather than refusing; weights and step counts are unchanged."""
+    moments is), rather than refusing; weights and step counts are unchanged. From
+    int8 into another form, exp_avg keeps the bound the int8 update applies to it
+    ([Note: the first moment's bound] in offload/optim/codec.py)."""
     batches = lm_batches(4)
     torch.manual_seed(0)
     ck = tmp_path / "ckpt"
@@ -70,8 +73,11 @@ def test_resume_with_another_state_dtype_encodes_the_saved_moments(tmp_path, sav
         assert all(torch.equal(got_w[k], want_w[k]) for k in want_w)
         got = _decoded(b)
         assert set(got) == set(want)
+        c = moment_bound(*b.optimizer.param_groups[0]["betas"])
         for pid, (step, ea, eas) in want.items():
             assert got[pid][0] == step == 2
+            if saved == "int8" and resumed != "int8":
+                bound_first_moment(ea, eas.sqrt(), c)
             assert torch.equal(got[pid][1], _recoded(ea, resumed, "exp_avg"))
             assert torch.equal(got[pid][2], _recoded(eas, resumed, "exp_avg_sq"))
         assert b.optimizer.state[pid]["exp_avg"].dtype == {
