@@ -99,7 +99,8 @@ def replace_atomically(target: Path, write: Callable[[BinaryIO], None],
         fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp",
                                    dir=target.parent)
     except OSError as e:
-        raise _limit_named(e, target) from None
+        _raise_limit_named(e, target)
+        raise
     try:
         with os.fdopen(fd, "wb") as f:
             write(f)
@@ -112,18 +113,18 @@ def replace_atomically(target: Path, write: Callable[[BinaryIO], None],
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         if isinstance(e, OSError):
-            raise _limit_named(e, target) from None
+            _raise_limit_named(e, target)
         raise
     fsync_directory(target.parent)
 
 
-def _limit_named(e: OSError, target: Path) -> OSError:
-    """`e` where it is not for a limit of the process; else one naming `target` and the
-    limit (the temporary file's name told the user nothing)."""
+def _raise_limit_named(e: OSError, target: Path) -> None:
+    """Where `e` is for a limit of the process, raises one naming `target` and the limit
+    (the temporary file's name told the user nothing); else returns, for the caller
+    to raise `e` as it is."""
     hint = limit_hint(e.errno)
-    if not hint:
-        return e
-    return OSError(e.errno, f"cannot write {target} ({e.strerror}); {hint}")
+    if hint:
+        raise OSError(e.errno, f"cannot write {target} ({e.strerror}); {hint}") from None
 
 
 def open_unblocked(path: str | os.PathLike[str]) -> tuple[BinaryIO, int]:

@@ -184,7 +184,7 @@ def _build_meta(spec: ModelSpec, eager: bool = False):
 
     with meta_device():
         try:
-            model = spec.build(eager) if eager else spec.build()
+            model = spec.build(eager)
         except MemoryError:  # the process's memory ran out, not the model's fault
             raise
         except Exception as e:  # the user's code or config: report, not a traceback

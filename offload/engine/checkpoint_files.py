@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from ..files import json_loads, read_regular_text
-from ..io.errors import limit_hint
+from ..limits import limit_hint
 from .checkpoint_chunks import syncfs
 
 __all__ = ["CheckpointError", "CheckpointCorruptError", "CheckpointLimitError", "IO_THREADS",
@@ -116,7 +116,7 @@ _LIMITS = (errno.EMFILE, errno.ENFILE, errno.ENOMEM)
 
 def _limit_errno(e: BaseException | None) -> int | None:
     """The errno of `e` where it is a limit of this process or machine
-    (`offload.io.errors.limit_hint`): an OSError's own, or one tensorstore's error
+    (`offload.limits.limit_hint`): an OSError's own, or one tensorstore's error
     names in its text (`os_error_code='24'`, or "Too many open files"); else None."""
     if e is None:
         return None
