@@ -70,7 +70,7 @@ def test_sigint_stops_after_the_step_and_removes_swap_files(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
-@pytest.mark.parametrize("how", ["ctrl-c twice", "sigterm"])
+@pytest.mark.parametrize("how", ["ctrl-c twice", pytest.param("sigterm", marks=pytest.mark.slow)])
 def test_two_ranks_stopped_at_once_exit_quietly_and_remove_swap_files(tmp_path, how):
     """Under `--nproc 2` a second Ctrl-C or a SIGTERM went to torchrun, which printed
     its SignalException traceback (and, when a rank was on its way out, a rank killed
