@@ -198,6 +198,42 @@ def test_engine_cfg_changed_to_a_bad_value_is_refused_where_it_is_read(tmp_path)
         assert engine.step() and engine.global_step == 5
 
 
+@pytest.mark.parametrize("optimizer", ["host", "nvme"])
+def test_a_key_changed_on_engine_cfg_is_refused_naming_it(tmp_path, optimizer):
+    """optim.max_grad_norm turned on through engine.cfg was reported in engine.grad_norm
+    but clipped nothing (turned off, it failed every later step with an internal
+    message); a grad_accum_steps raised after the window's early updates had run failed
+    the next backward. A key changed after initialize is refused where the engine reads
+    its configuration, naming it, before anything changes; set back, training goes on."""
+    import torch
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
+    cfg = {"engine": {"group_size": 50, "optimizer": optimizer},
+           "io": {"paths": [str(tmp_path / "swap")], "buffer_budget": "32MiB",
+                  "grow_step": "4MiB"},
+           "store": {"host_budget": "64MiB", "device_budget": "64MiB", "device": "cpu"}}
+    x = torch.ones(2, 8)
+    with offload.initialize(model, cfg) as engine:
+        before = {k: v.clone() for k, v in engine.state_dict().items()}
+        engine.cfg.optim.max_grad_norm = 0.1
+        with pytest.raises(ConfigError, match=r"optim.max_grad_norm was changed from 0.0 to "
+                                              r"0.1 after initialize.*param_groups"):
+            engine.backward(engine(x).sum())
+        assert all(torch.equal(v, before[k]) for k, v in engine.state_dict().items())
+        engine.cfg.optim.max_grad_norm = 0.0
+        engine.backward(engine(x).sum())
+        engine.cfg.engine.grad_accum_steps = 2
+        with pytest.raises(ConfigError, match=r"engine.grad_accum_steps was changed from 1"):
+            engine.step()
+        engine.cfg.engine.grad_accum_steps = 1
+        assert engine.step() and engine.global_step == 1
+        engine.cfg.io.queue_depth = 7  # read by no call: a change would go unnoticed
+        with pytest.raises(ConfigError, match=r"io.queue_depth"):
+            engine.save_checkpoint(tmp_path / "ck")
+        assert not (tmp_path / "ck").exists()
+
+
 # -- the documentation -------------------------------------------------------------------
 
 def _choices():

@@ -61,6 +61,7 @@ from ..store import Tier, TieredStore, footprint
 from ..store.copy import bind_thread, start_cpu_threads
 from ..trace import NULL_RECORDER, TraceRecorder, UnitSpans
 from .eviction import PendingUpdates
+from .fixed_config import FixedConfig
 from .forward_prefetch import ForwardOnlyPrefetch
 from .full_weights import params_from_masters
 from .gathering import GatheredWeights, GroupState, in_backward
@@ -102,6 +103,7 @@ class OffloadEngine(ModelWeights, ModuleHooks, GradPartitions, GroupUpdates, Gat
                  gathers: GatherIssuer | None = None) -> None:
         super().__init__()
         self.module, self.cfg = model, cfg
+        self.fixed_cfg = FixedConfig(cfg)
         self.units, self.groups = units, groups
         # comm: the data-parallel ranks ([Note: ZeRO-3 over DP, tensor parallelism over TP])
         self.store, self.comm, self.tp = store, comm, tp
@@ -216,10 +218,14 @@ class OffloadEngine(ModelWeights, ModuleHooks, GradPartitions, GroupUpdates, Gat
         self._last_hooks: dict[int, list[int]] = {}  # id(module) -> its post hooks' ids
         for unit in units:
             module = unit.module
-            self._hooks.append(module.register_forward_pre_hook(EngineHook(self._make_pre(unit))))
+            self._hooks.append(module.register_forward_pre_hook(  # before the user's: they
+                EngineHook(self._make_pre(unit)), prepend=True))  # may read the weights
             self._hooks.append(module.register_forward_hook(EngineHook(self._make_post(unit)),
                                                             always_call=True))
             self._last_hooks.setdefault(id(module), []).append(self._hooks[-1].id)
+        for module in model.modules():
+            self._hooks.append(module.register_load_state_dict_pre_hook(
+                EngineHook(weak_hook(self, OffloadEngine._refuse_module_load))))
         # [Note: one thread at a time] in one_thread.py: around the root module's unit hooks
         self._hooks.append(model.register_forward_pre_hook(EngineHook(self._root_pre),
                                                            prepend=True, with_kwargs=True))
@@ -371,7 +377,7 @@ class OffloadEngine(ModelWeights, ModuleHooks, GradPartitions, GroupUpdates, Gat
         the step's gradients (run its micro-batches again).
         """
         self._check_open()
-        self.cfg.validate()  # [Note: engine.cfg changed between calls]
+        self.fixed_cfg.check()  # [Note: engine.cfg changed between calls] in fixed_config.py
         refuse_backward_args(torch_args)  # retain_graph=, inputs=, ...: named, not a TypeError
         # [Note: one thread at a time], [Note: Ctrl-C at a safe point]
         with self._one_thread.held("engine.backward()", outer=True, sealed=True), \
@@ -501,14 +507,7 @@ class OffloadEngine(ModelWeights, ModuleHooks, GradPartitions, GroupUpdates, Gat
         the cause; remove the cause and run the step's micro-batches again.
         """
         self._check_open()
-        # [Note: engine.cfg changed between calls] The engine reads some keys of its own
-        # copy of the configuration at each call (engine.keep_checkpoints at each save,
-        # documented so; engine.grad_accum_steps, optim.max_grad_norm at each step), so
-        # a program may change them on `engine.cfg`. Each is checked again where it is
-        # read, before anything is changed: a keep_checkpoints of -1 deleted every
-        # older checkpoint, a max_grad_norm of NaN was taken, a grad_accum_steps of 0
-        # raised a ZeroDivisionError.
-        self.cfg.validate()
+        self.fixed_cfg.check()  # [Note: engine.cfg changed between calls] in fixed_config.py
         # a dropped window meets the others' step: [Note: engine.zero_grad on some ranks]
         if self._backwards == 0 and not self._zeroed or \
                 self._backwards % self.cfg.engine.grad_accum_steps:

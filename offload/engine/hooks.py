@@ -110,6 +110,20 @@ class ModuleHooks:
             return out
         return post
 
+    def _refuse_module_load(self, module: nn.Module, *args: Any) -> None:
+        """A load_state_dict pre-hook on every module of the model: `model.load_state_dict`
+        outside a `full_weights` block loaded the buffers of the modules it reached
+        first, then raised at the first stand-in (with `assign=True` it took every
+        tensor, and the engine refused each later call, with no way back). Refused
+        before the first module loads anything."""
+        if not self.registered.summoned_weights:  # [Note: calls inside a full_weights block]
+            raise RuntimeError(
+                f"{type(module).__name__}.load_state_dict(...) on a model the engine holds: "
+                "its weights live in the engine's partitions, not in the modules. Load "
+                "with engine.load_state_dict(state_dict) (weights and buffers, checked "
+                "first), or call it inside `with engine.full_weights(writable=True):`. "
+                "Nothing was loaded")
+
     def _refuse_plain_backward(self) -> None:
         """[Note: backward runs here] A backward the engine did not start (`loss.backward()`,
         `torch.autograd.backward`) would not be counted as a micro-step, nor scaled

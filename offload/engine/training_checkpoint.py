@@ -502,7 +502,7 @@ def _check_save(engine: Any, path: Path, extra: dict[str, Any]
     checkpoint will hold them (copies: a background save writes them as they were at
     the call, not as the loop has changed them since)."""
     check_between_steps(engine)
-    engine.cfg.validate()  # [Note: engine.cfg changed between calls] in engine.py
+    engine.fixed_cfg.check()  # [Note: engine.cfg changed between calls] in fixed_config.py
     check_save_path(path)  # here, so that every rank refuses it together
     if getattr(engine, "tp", None) is not None:  # its files would hold one TP slice per DP rank
         raise CheckpointError("save_checkpoint: not supported with tp.size > 1 yet; save the "

@@ -289,7 +289,9 @@ def hooks_last(module: nn.Module, hook_ids: list[int]) -> None:
     runs them in registration order) would find them gone. Each call, the unit's forward
     pre-hook moves the engine's forward hooks of `module` to the end of its hook order:
     torch reads that order only after the forward returns. A hook registered with
-    `prepend=True` still runs before them."""
+    `prepend=True` still runs before them. The unit's pre-hook is registered with
+    `prepend=True`: a pre-hook of the user's that computes a weight from the unit's
+    parameters (`nn.utils.weight_norm`, `spectral_norm`, `prune`) runs after the gather."""
     hooks = module._forward_hooks
     for hid in hook_ids:
         if hid in hooks:
@@ -369,8 +371,11 @@ class EngineHook:
     (`eager`). Pickling one (torch.save(model), multiprocessing) raises `TypeError`
     with the way to save ([Note: registered parameters] in params_view.py): a plain
     closure would fail with pickle's "Can't pickle local object", which names
-    nothing the user wrote. `copy.deepcopy` keeps the hook itself, as it keeps a
-    function; the model's stand-in parameters refuse a copy with their own error."""
+    nothing the user wrote. `copy.deepcopy` gives a hook that does nothing: a copy
+    made inside `engine.full_weights()` (an EMA or teacher copy, which holds the
+    weights) is a plain model, not one whose hooks call into this engine about modules
+    it does not own. Outside that block the model's stand-in parameters refuse a copy
+    with their own error."""
 
     __slots__ = ("_call",)
 
@@ -385,4 +390,8 @@ class EngineHook:
         raise TypeError(NOT_PICKLABLE)
 
     def __deepcopy__(self, memo: dict) -> "EngineHook":
-        return self
+        return EngineHook(_inert)
+
+
+def _inert(*args: Any, **kwargs: Any) -> None:
+    return None

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 from torch.nn import functional as F
-from torch.nn.utils import parametrizations, parametrize
+from torch.nn.utils import parametrizations, parametrize, prune
 from torch.utils.checkpoint import checkpoint
 
 import offload
@@ -48,6 +48,10 @@ def _parametrized(kind: str, n: int) -> nn.Module:
         parametrize.register_parametrization(lin, "bias", nn.Tanh())
     elif kind == "old_weight_norm":  # a forward pre-hook registered before initialize
         lin = nn.utils.weight_norm(lin)
+    elif kind == "old_spectral_norm":
+        lin = nn.utils.spectral_norm(lin)
+    elif kind == "prune":  # weight = weight_orig * weight_mask, in a forward pre-hook
+        prune.l1_unstructured(lin, "weight", amount=0.3)
     return Head(nn.Sequential(lin, nn.Tanh()), n)
 
 
@@ -261,6 +265,9 @@ CASES = [
     ("parametrize_weight_norm_split", lambda: _parametrized("weight_norm", 16), _floats(4, 16),
      200, None),
     ("parametrize_custom_split", lambda: _parametrized("custom", 16), _floats(4, 16), 200, None),
+    # the pre-hook computing the weight runs inside the unit's forward, after its gather
+    *[(f"{k}_split", lambda k=k: _parametrized(k, 16), _floats(4, 16), 200, None)
+      for k in ("old_weight_norm", "old_spectral_norm", "prune")],
     # out_proj would be a unit of its own, which MultiheadAttention's forward never calls
     ("multihead_attention", Attention, _floats(4, 5, 8), 60, None),
     ("multihead_attention_kdim", lambda: Attention(kdim=6), _floats(4, 5, 8), 60, None),

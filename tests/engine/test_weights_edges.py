@@ -4,6 +4,7 @@ loads strictly, and a param group naming a tied weight's second name takes it.""
 
 import copy
 
+import pytest
 import torch
 from safetensors.torch import save_file
 from torch import nn
@@ -31,6 +32,70 @@ def test_full_weights_keep_requires_grad_of_frozen_parameters(engine_cfg):
                     with torch.no_grad():
                         ref[0].weight.mul_(2.0)
         assert_state_dict_as_torch(engine, ref)
+
+
+def test_a_copy_made_in_full_weights_is_a_plain_model(engine_cfg):
+    """`copy.deepcopy(model)` inside `engine.full_weights()` (an EMA or teacher copy) is
+    a plain model holding the trained weights: it runs, trains with torch's AdamW and
+    keeps running after the engine closes, and the engine trains on unharmed."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    x = torch.randn(3, 8)
+    engine = offload.initialize(copy.deepcopy(ref), engine_cfg(group_size=200))
+    engine.backward(engine(x).sum())
+    engine.step()
+    with engine.full_weights():
+        twin = copy.deepcopy(engine.module)
+    want = engine(x).detach()
+    assert torch.equal(twin(x).detach(), want)
+    opt = torch.optim.AdamW(twin.parameters(), lr=0.1)
+    twin(x).sum().backward()
+    opt.step()
+    assert not torch.allclose(twin(x), want)
+    engine.backward(engine(x).sum())
+    engine.step()
+    engine.close()
+    assert twin(x).shape == (3, 4)
+
+
+class Shifted(nn.Module):
+    """A buffer on the root, loaded before the child's weights."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("shift", torch.zeros(4))
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) + self.shift
+
+
+@pytest.mark.parametrize("assign", [False, True])
+def test_model_load_state_dict_outside_full_weights_loads_nothing(engine_cfg, assign):
+    """`model.load_state_dict(sd)` outside a `full_weights` block loaded the root's buffer,
+    then raised at the first weight; with `assign=True` it took every tensor and the
+    engine refused each later call, with no way back. It is refused before anything is
+    loaded, naming engine.load_state_dict; that, and the same call inside a writable
+    block, load as torch."""
+    torch.manual_seed(0)
+    model, ref = Shifted(), Shifted()
+    with torch.no_grad():
+        ref.shift.fill_(2.0)
+    sd = ref.state_dict()
+    x = torch.randn(3, 4)
+    with offload.initialize(model, engine_cfg(group_size=10)) as engine:
+        before = {k: v.clone() for k, v in engine.state_dict().items()}
+        for target in (model, model.lin):
+            with pytest.raises(RuntimeError, match=r"engine.load_state_dict.*Nothing was "
+                                                   r"loaded"):
+                target.load_state_dict(sd if target is model else ref.lin.state_dict(),
+                                       assign=assign)
+        assert all(torch.equal(v, before[k]) for k, v in engine.state_dict().items())
+        with engine.full_weights(writable=True):
+            model.load_state_dict(sd, assign=assign)
+        assert torch.equal(engine(x), ref(x))
+        engine.load_state_dict({k: v * 0 for k, v in sd.items()})
+        assert torch.equal(engine(x), torch.zeros(3, 4))
 
 
 class Scaled(nn.Module):

@@ -1,0 +1,50 @@
+"""[Note: engine.cfg changed between calls] `engine.cfg` is the configuration the engine
+was built for: its working set, whether a group's update runs beside backward (no
+clipping, no accumulation), its files and budgets all follow from its keys. One key is
+read at each call, documented so: `engine.keep_checkpoints`, at each save. Any other
+key changed on `engine.cfg` after `initialize` was ignored in part: an
+`optim.max_grad_norm` turned on was reported in `engine.grad_norm` but clipped
+nothing, turned off it failed every later step with an internal message; a
+`grad_accum_steps` raised after the window's updates had run failed the next backward.
+`FixedConfig.check` runs where the engine reads its configuration (backward, step,
+save): it checks every key again (a keep_checkpoints of -1 deleted every older
+checkpoint; a max_grad_norm of NaN was taken) and refuses a changed one, naming it,
+before anything is changed."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Any
+
+from ..config import ConfigError, OffloadConfig
+
+LIVE = frozenset({"engine.keep_checkpoints"})  # read at each save, documented so
+
+
+def _keys(cfg: OffloadConfig) -> dict[str, Any]:
+    return {f"{s.name}.{k.name}": copy.deepcopy(getattr(getattr(cfg, s.name), k.name))
+            for s in dataclasses.fields(cfg) for k in dataclasses.fields(getattr(cfg, s.name))
+            if f"{s.name}.{k.name}" not in LIVE}
+
+
+class FixedConfig:
+    """The keys `cfg` held when the engine was built; `check()` refuses a change."""
+
+    def __init__(self, cfg: OffloadConfig) -> None:
+        self._cfg, self._given = cfg, _keys(cfg)
+
+    def check(self) -> None:
+        self._cfg.validate()
+        for key, now in _keys(self._cfg).items():
+            given = self._given[key]
+            if now != given:
+                where = (" (the optimizer's hyper-parameters change in "
+                         "engine.optimizer.param_groups, as in torch)"
+                         if key.startswith("optim.") else "")
+                raise ConfigError(
+                    f"engine.cfg: {key} was changed from {given!r} to {now!r} after "
+                    f"initialize; the engine was set up for the value it was given and does "
+                    f"not follow a change{where}: set it back, or pass the new value to "
+                    f"offload.initialize (resume from a checkpoint to carry the training "
+                    f"on)")
