@@ -127,28 +127,43 @@ def _refuse_unsupported(model: nn.Module, dtype: str) -> None:
     values would reach no partition; a BatchNorm with affine weights and running
     statistics under bf16/fp16 compute gets cast weights beside fp32 statistics
     (buffers keep their dtype), a mix torch's batch_norm refuses at the first forward;
-    a float64 or complex parameter would train in the compute dtype with fp32 masters,
-    its precision silently lost (and a float64 input refused by the first layer); an
-    integer or bool parameter would be cast to the compute dtype, its values rounded.
+    a float64 parameter would train in the compute dtype with fp32 masters, its
+    precision silently lost (and a float64 input refused by the first layer); a complex
+    one (complex32 too) would lose its imaginary part; a float8 or an integer or bool
+    parameter would be cast to the compute dtype, its dtype changed and values rounded.
     bf16/fp16 parameters under another compute dtype are only warned of: they train,
     in that dtype."""
     refuse_lazy(model)
     for name, p in model.named_parameters():
-        if p.dtype in (torch.float64, torch.complex64, torch.complex128):
+        kind = str(p.dtype).replace("torch.", "")
+        if p.dtype == torch.float64:
             raise ConfigError(
-                f"initialize(model): parameter {name!r} is {str(p.dtype).replace('torch.', '')}; "
-                "the engine computes in engine.dtype (fp32, bf16 or fp16) with fp32 master "
-                "weights, so it would not train at that precision: convert the model first "
-                "(model.float()), and its inputs")
+                f"initialize(model): parameter {name!r} is float64; the engine computes in "
+                "engine.dtype (fp32, bf16 or fp16) with fp32 master weights, so it would not "
+                "train at that precision: convert the model first (model.float()), and its "
+                "inputs")
+        if p.is_complex():
+            raise ConfigError(
+                f"initialize(model): parameter {name!r} is {kind}; the engine keeps real "
+                "partitions in engine.dtype, so its imaginary part would be lost: keep it as "
+                "a real parameter of twice the size (nn.Parameter(torch.view_as_real(p))) and "
+                "make the complex tensor in forward (torch.view_as_complex)")
+        if p.is_floating_point() and p.element_size() == 1:
+            raise ConfigError(
+                f"initialize(model): parameter {name!r} is {kind}; the engine keeps "
+                "partitions in engine.dtype and would change its dtype: convert it to "
+                "engine.dtype first (model.to(torch.bfloat16)), or register it as a buffer "
+                "(module.register_buffer(name, tensor)) if it does not train")
         if p._post_accumulate_grad_hooks:
             raise ConfigError(f"initialize(model): {post_accumulate_message(name)}")
-        if not (p.is_floating_point() or p.is_complex()):
+        if not p.is_floating_point():
             raise ConfigError(
-                f"initialize(model): parameter {name!r} is {str(p.dtype).replace('torch.', '')}; "
+                f"initialize(model): parameter {name!r} is {kind}; "
                 "the engine keeps parameters as floating-point partitions in engine.dtype, "
                 "which would round its values and change its dtype: register it as a "
                 "buffer instead (module.register_buffer(name, tensor)), which the engine "
                 "leaves on its module and state_dict() keeps under the same key")
+    _refuse_aliased(model)
     compute = _DTYPES[dtype]
     low = [(n, p.dtype) for n, p in model.named_parameters()
            if p.dtype in (torch.bfloat16, torch.float16) and p.dtype != compute]
@@ -175,6 +190,35 @@ def _refuse_unsupported(model: nn.Module, dtype: str) -> None:
                 f"{dtype} weights and fp32 statistics; train it with engine.dtype 'fp32', or "
                 "use a norm without running statistics (track_running_stats=False, "
                 "nn.GroupNorm, nn.LayerNorm)")
+
+
+def _refuse_aliased(model: nn.Module) -> None:
+    """Two parameters whose elements overlap in memory (`nn.Parameter(w.data[:4])`) train
+    together in torch; the engine keeps each as a partition of its own, so they would
+    drift apart unnoticed. Views that do not overlap (an LSTM's weights flattened into
+    one buffer on a GPU) train as torch does."""
+    spans: dict[tuple, list[tuple[int, int, str]]] = {}
+    for name, p in model.named_parameters():
+        if p.is_meta or p.numel() == 0 or type(p.data) is not torch.Tensor:
+            continue
+        size = p.element_size()
+        lo = p.storage_offset() * size
+        hi = lo + (1 + sum((n - 1) * st for n, st in zip(p.shape, p.stride()))) * size
+        key = (p.device, p.untyped_storage().data_ptr())
+        spans.setdefault(key, []).append((lo, hi, name))
+    for found in spans.values():
+        found.sort(key=lambda span: (span[0], -span[1]))  # the larger of two first
+        end, owner = -1, ""
+        for lo, hi, name in found:
+            if lo < end:
+                raise ConfigError(
+                    f"initialize(model): parameters {owner!r} and {name!r} share memory (one "
+                    "is a view of the other, as nn.Parameter(w.data[:4]) makes); torch "
+                    "updates them together, the engine keeps each as a partition of its "
+                    "own and would train them apart: give one its own copy "
+                    "(nn.Parameter(t.clone())), or compute it from the other in forward")
+            if hi > end:
+                end, owner = hi, name
 
 
 def _model_of(model: nn.Module | Callable[[], nn.Module],

@@ -281,6 +281,72 @@ def test_a_float64_model_is_refused_naming_the_parameter(engine_cfg):
         assert engine.step()
 
 
+@pytest.mark.parametrize("dtype,fix", [
+    (torch.complex64, r"imaginary part would be lost.*view_as_real"),
+    (torch.complex32, r"imaginary part would be lost.*view_as_real"),
+    (torch.float8_e4m3fn, r"would change its dtype.*register_buffer")])
+def test_a_complex_or_float8_parameter_is_refused_with_a_fix_that_works(engine_cfg, dtype,
+                                                                        fix):
+    """A complex32 parameter was taken and its imaginary part dropped (complex64 was
+    refused with `model.float()` as the fix, which leaves complex tensors as they are),
+    and a float8 one silently became engine.dtype. Each is refused, naming the parameter
+    and a fix that works, before anything is made."""
+    model = IndexedLinear(as_buffer=True)
+    values = torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64)
+    model.extra = nn.Parameter(values.to(dtype) if dtype.is_complex else values.real.to(dtype),
+                               requires_grad=False)
+    before = model.extra.detach().clone()
+    with pytest.raises(offload.ConfigError, match=rf"parameter 'extra' is .*{fix}"):
+        offload.initialize(model, engine_cfg("host", group_size=100))
+    assert model.extra.dtype == dtype
+    assert torch.equal(model.extra.detach().view(torch.uint8), before.view(torch.uint8))
+
+
+class Views(nn.Module):
+    """Two linear layers whose weights are views of one buffer; `overlap`: a third
+    parameter that is a view of the first layer's rows."""
+
+    def __init__(self, overlap: bool) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8, bias=False), nn.Linear(8, 8, bias=False)
+        flat = torch.randn(128) * 0.3
+        self.a.weight = nn.Parameter(flat[:64].view(8, 8))
+        self.b.weight = nn.Parameter(flat[64:].view(8, 8))
+        if overlap:
+            self.rows = nn.Parameter(self.a.weight.data[:4])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x)))
+
+
+def test_parameters_that_share_memory_are_refused_unless_apart(engine_cfg):
+    """A parameter made as a view of another's rows trains together with it in torch;
+    the engine kept each as its own partition, so they drifted apart unnoticed. It is
+    refused, naming both, before anything is made. Weights that are disjoint views of
+    one buffer train as torch."""
+    torch.manual_seed(0)
+    model = Views(overlap=True)
+    with pytest.raises(offload.ConfigError, match=r"parameters 'a.weight' and 'rows' share "
+                                                  r"memory.*clone"):
+        offload.initialize(model, engine_cfg("host", group_size=70))
+    assert model.rows.data_ptr() == model.a.weight.data_ptr()
+    torch.manual_seed(0)
+    ref = Views(overlap=False)
+    model = copy.deepcopy(ref)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    x = torch.randn(4, 8)
+    with offload.initialize(model, engine_cfg("host", group_size=70)) as engine:
+        for _ in range(3):
+            engine.backward(engine(x).pow(2).mean())
+            engine.step()
+            opt.zero_grad()
+            ref(x).pow(2).mean().backward()
+            opt.step()
+        sd = engine.state_dict()
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(sd[k], v, rtol=1e-5, atol=1e-6)
+
+
 class IndexedLinear(nn.Module):
     """A permutation of the outputs kept as an integer parameter (requires_grad=False)."""
 
