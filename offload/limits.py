@@ -26,7 +26,8 @@ def limit_hint(code: int | None) -> str:
     if code == errno.EFBIG:
         soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
         if soft == resource.RLIM_INFINITY:
-            return "the file system's largest file size is reached; give a directory on another"
+            return ("the file system's largest file size is reached (FAT32's is 4 GiB); give "
+                    "a directory on a file system that takes larger files (ext4, xfs)")
         return (f"files this process writes may not grow past {soft} bytes (RLIMIT_FSIZE, "
                 "ulimit -f); raise the limit where training starts (ulimit -f unlimited)")
     if code == errno.ENOMEM:

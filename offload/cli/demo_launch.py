@@ -3,6 +3,7 @@ what it does when they stop or fail ([Note: stopping under torchrun])."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -10,7 +11,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from ..io.process import usable_cpus
 from .args import missing_directories, remove_directories
@@ -61,7 +62,10 @@ def relaunch(child_argv: list[str], plan: DemoPlan, reporter: Reporter) -> int:
     its own, with no terminal to send it. The stop file is created too, for a rank
     that was not listening yet. One more goes to the whole launch, torchrun's way.
     """
-    stop_file = Path(tempfile.gettempdir()) / f"{DIR_PREFIX}{os.getpid()}.stop"
+    # in a directory of this launch's own: a file named by the pid that a launcher
+    # killed outright left behind stopped a later launch with that pid after one step
+    stop_dir = Path(tempfile.mkdtemp(prefix="offload-launch-"))
+    stop_file = stop_dir / "stop"
     cmd = [sys.executable, "-c", "import sys; from offload.cli.demo_launch import torchrun; "
            "sys.exit(torchrun(sys.argv[1:]))", "--standalone",
            f"--nproc_per_node={plan.world}", "-m", "offload.cli.main", "demo",
@@ -69,7 +73,11 @@ def relaunch(child_argv: list[str], plan: DemoPlan, reporter: Reporter) -> int:
     env = {**os.environ, "OFFLOAD_DEMO_HEADER": "1", "OFFLOAD_DEMO_STOP_FILE": str(stop_file),
            "OMP_NUM_THREADS": str(max(1, usable_cpus() // plan.world))}
     created = missing_directories(str(plan.swap_root))
-    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    try:
+        proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    except BaseException:
+        shutil.rmtree(stop_dir, ignore_errors=True)
+        raise
     stopped_by = 0  # the exit code of a stop asked for here: 130 Ctrl-C, 143 SIGTERM
 
     signalled = False  # the ranks were told to stop now
@@ -104,7 +112,9 @@ def relaunch(child_argv: list[str], plan: DemoPlan, reporter: Reporter) -> int:
                               "files are removed either way")
     finally:
         signal.signal(signal.SIGTERM, old)
-        stop_file.unlink(missing_ok=True)
+        if proc.poll() is None:  # leaving on an error of this process's own (a Ctrl-C
+            _stop_now(proc, now)  # as the note prints, a closed stderr): the ranks stop
+        shutil.rmtree(stop_dir, ignore_errors=True)
     notes: list[str] = []  # a rank killed (SIGKILL, the OOM killer) left its directory
     if plan.swap_root.is_dir():
         remove_dead_runs(plan.swap_root, notes)
@@ -112,6 +122,20 @@ def relaunch(child_argv: list[str], plan: DemoPlan, reporter: Reporter) -> int:
         reporter.note(note)
     remove_directories(created)  # each rank removed its own directory; the rest is here
     return stopped_by or (130 if asked else rc)
+
+
+def _stop_now(proc: subprocess.Popen, now: Callable[[int, int], None]) -> None:
+    """Stops the launch that `relaunch` leaves with an error of its own: the ranks, in
+    sessions of their own, would run on out of the terminal's reach. Each is told to
+    stop now, as by a second Ctrl-C, and given a while to remove its files; what is
+    still running then is killed."""
+    try:
+        now(130, signal.SIGTERM)
+        proc.wait(timeout=60)
+    except BaseException:  # noqa: BLE001 - leaving already: what is left ends here
+        for pid in [*children(proc.pid), proc.pid]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 def torchrun(argv: list[str]) -> int:

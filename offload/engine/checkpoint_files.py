@@ -139,8 +139,8 @@ def limit_reached(what: str, e: BaseException | None, path: Any = None
         return None
     return CheckpointLimitError(
         code, f"{what} ([Errno {code}] {os.strerror(code)}): {limit_hint(code)}; this is a "
-        "limit of the process or machine, not damage: the checkpoint may be intact, retry "
-        "once the limit is raised", path)
+        "limit of the process, machine or file system, not damage: the checkpoint may be "
+        "intact; retry once that is done", path)
 
 
 def _read_json(p: Path) -> dict[str, Any]:

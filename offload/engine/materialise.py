@@ -102,7 +102,7 @@ def scratch_for_others(mods: list[nn.Module]) -> Iterator[None]:
                         found.append((table, name, v, m))
     copied = {id(v) for _, _, v, m in found if id(m) in inside}
     scratch: dict[int, torch.Tensor] = {}
-    for table, name, v, _ in found:
+    for table, name, v, _ in found:  # every copy made before the first is put in place
         if id(v) not in scratch:
             device = "cpu" if id(v) in copied else "meta"
             if isinstance(v, AbsentWeight):  # NaN: a rule that copies it is caught
@@ -113,8 +113,9 @@ def scratch_for_others(mods: list[nn.Module]) -> Iterator[None]:
                 t = torch.empty_like(v, device="meta")
             scratch[id(v)] = (nn.Parameter(t, requires_grad=v.requires_grad)
                               if isinstance(v, nn.Parameter) else t)
-        table[name] = scratch[id(v)]
     try:
+        for table, name, v, _ in found:
+            table[name] = scratch[id(v)]
         yield
     finally:
         for table, name, v, m in found:

@@ -65,13 +65,18 @@ def uninterrupted() -> Iterator[None]:
             if callable(h) or (sig == signal.SIGINT and h is not None)]
     for sig in held:
         signal.signal(sig, lambda signum, frame: caught.append(signum))
+    failed = True
     try:
         yield
+        failed = False
     finally:
         for sig in held:
             signal.signal(sig, old[sig])
-    run_each(functools.partial(signal.raise_signal, sig)  # each once, in the order
-             for sig in dict.fromkeys(caught))             # they came, every one
+        # each once, in the order they came, every one; where the block raised, its
+        # error is on its way already: a Ctrl-C noted then is dropped, the program's
+        # other handlers still run (as SafeInterrupts does)
+        run_each(functools.partial(signal.raise_signal, sig) for sig in dict.fromkeys(caught)
+                 if not (failed and old[sig] is signal.default_int_handler))
 
 
 def staged_key(gid: int) -> Hashable:

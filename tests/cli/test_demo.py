@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -70,16 +71,30 @@ def test_sigint_stops_after_the_step_and_removes_swap_files(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+def _two_ranks(tmp_path) -> subprocess.Popen:
+    """A demo of two ranks, each step a JSON line, until it is stopped."""
+    return subprocess.Popen(DEMO + ["--size", "8M", "--nproc", "2", "--steps", "10000",
+                                    "--swap-dir", str(tmp_path), "--trace", "none", "--json"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _end(proc: subprocess.Popen) -> None:
+    """Kills what a failed test left running: torchrun is in a session of its own."""
+    from offload.cli.demo_launch import children
+
+    if proc.poll() is None:
+        for pid in children(proc.pid):
+            os.kill(pid, signal.SIGKILL)
+        proc.kill()
+        proc.wait()
+
+
 @pytest.mark.parametrize("how", ["ctrl-c twice", pytest.param("sigterm", marks=pytest.mark.slow)])
 def test_two_ranks_stopped_at_once_exit_quietly_and_remove_swap_files(tmp_path, how):
     """Under `--nproc 2` a second Ctrl-C or a SIGTERM went to torchrun, which printed
     its SignalException traceback (and, when a rank was on its way out, a rank killed
     by the SIGINT meant for it made a ChildFailedError report)."""
-    from offload.cli.demo_launch import children
-
-    proc = subprocess.Popen(DEMO + ["--size", "8M", "--nproc", "2", "--steps", "10000",
-                                    "--swap-dir", str(tmp_path), "--trace", "none", "--json"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = _two_ranks(tmp_path)
     try:
         first = json.loads(proc.stdout.readline())
         assert first["event"] == "step" and first["step"] == 1
@@ -91,15 +106,37 @@ def test_two_ranks_stopped_at_once_exit_quietly_and_remove_swap_files(tmp_path, 
             proc.send_signal(signal.SIGINT)
         stdout, stderr = proc.communicate(timeout=60)
     finally:
-        if proc.poll() is None:
-            for pid in children(proc.pid):  # torchrun, in a session of its own
-                os.kill(pid, signal.SIGKILL)
-            proc.kill()
-            proc.wait()
+        _end(proc)
     assert proc.returncode == (143 if how == "sigterm" else 130), stderr
     assert "Traceback" not in stderr and "Failures" not in stderr, stderr
     summary = _objects(stdout)[-1]
     assert summary["event"] == "summary" and summary["interrupted"], summary
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.slow
+def test_a_launcher_that_fails_itself_stops_its_ranks(tmp_path):
+    """`offload demo --nproc 2 2>&1 | head -1`: with its stderr closed, a Ctrl-C's note
+    raised BrokenPipeError out of the launcher, which exited and left torchrun and the
+    ranks (in sessions of their own, out of the terminal's reach) training on, their
+    swap files kept, the stop file removed. The ranks are stopped as by a second
+    Ctrl-C: they remove their files and end."""
+    from offload.cli.demo_launch import children
+
+    proc = _two_ranks(tmp_path)
+    try:
+        assert json.loads(proc.stdout.readline())["event"] == "step"
+        (launch,) = children(proc.pid)
+        ranks = children(launch)
+        proc.stderr.close()
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=90)
+    finally:
+        _end(proc)
+    assert len(ranks) == 2
+    time.sleep(0.5)  # reaped by init
+    assert not [pid for pid in ranks if Path(f"/proc/{pid}").exists()
+                and Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"]
     assert os.listdir(tmp_path) == []
 
 
@@ -109,9 +146,7 @@ def test_a_rank_killed_is_one_line_and_its_swap_files_are_removed(tmp_path):
     connection close, and the killed rank's swap directory stayed until a next run."""
     from offload.cli.demo_launch import children, peer_lost
 
-    proc = subprocess.Popen(DEMO + ["--size", "8M", "--nproc", "2", "--steps", "10000",
-                                    "--swap-dir", str(tmp_path), "--trace", "none", "--json"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = _two_ranks(tmp_path)
     try:
         assert json.loads(proc.stdout.readline())["event"] == "step"
         (launch,) = children(proc.pid)
@@ -119,11 +154,7 @@ def test_a_rank_killed_is_one_line_and_its_swap_files_are_removed(tmp_path):
         os.kill(victim, signal.SIGKILL)
         stdout, stderr = proc.communicate(timeout=60)
     finally:
-        if proc.poll() is None:
-            for pid in children(proc.pid):
-                os.kill(pid, signal.SIGKILL)
-            proc.kill()
-            proc.wait()
+        _end(proc)
     assert proc.returncode == 1, stderr
     assert "Traceback" not in stderr and "Failures" not in stderr, stderr
     assert f"(pid {victim}) was killed by SIGKILL" in stderr, stderr

@@ -195,6 +195,22 @@ def test_a_memory_limit_is_named_as_a_limit():
     assert "ulimit -v" in hint and "memory" in hint, hint
 
 
+def test_a_file_systems_largest_file_is_named_with_a_fix_that_works():
+    """EFBIG without `ulimit -f` is the file system's own cap (FAT32's 4 GiB): the hint
+    was cut off ("give a directory on another") and the checkpoint's message told the
+    user to retry once a limit was raised, which no limit of the process changes."""
+    import resource
+
+    from offload.engine.checkpoint_files import limit_reached
+
+    if resource.getrlimit(resource.RLIMIT_FSIZE)[0] != resource.RLIM_INFINITY:
+        pytest.skip("this process has a file size limit")
+    err = limit_reached("checkpoint file /ck/a cannot be written",
+                        OSError(errno.EFBIG, "File too large"))
+    assert "takes larger files (ext4, xfs)" in str(err), err
+    assert "retry once the limit is raised" not in str(err), err
+
+
 # -- paths a save cannot be written under ---------------------------------------------
 def test_a_checkpoint_path_not_in_utf8_is_refused_before_anything_is_written(tmp_path):
     """A checkpoint name (or a directory above it) holding a byte that is not UTF-8 (a

@@ -638,3 +638,29 @@ def test_an_error_as_gathered_weights_borrow_the_record(engine_cfg, tmp_path, pl
     at = _At(where=lambda code: code.co_name == "borrow", error=RuntimeError)
     _interrupted_then_as_replayed(engine_cfg, tmp_path, placement, at)
     assert at.fired.startswith("warm.py"), at.fired
+
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_a_signal_noted_in_a_commit_that_fails_still_reaches_the_programs_handler(fails):
+    """A step's commit notes signals and delivers them at its end; where the commit
+    raised, the noted SIGTERM was dropped and the program's handler never ran. It runs,
+    as after a commit that succeeded; a Ctrl-C noted in a commit that failed is dropped
+    (the error is on its way already)."""
+    import os
+
+    from offload.engine.step import uninterrupted
+
+    got: list[int] = []
+    before = signal.signal(signal.SIGTERM, lambda signum, frame: got.append(signum))
+    try:
+        with pytest.raises(RuntimeError if fails else KeyboardInterrupt):
+            with uninterrupted():
+                os.kill(os.getpid(), signal.SIGTERM)
+                os.kill(os.getpid(), signal.SIGINT)
+                assert got == []
+                if fails:
+                    raise RuntimeError("commit failed")
+        assert got == [signal.SIGTERM]
+    finally:
+        signal.signal(signal.SIGTERM, before)

@@ -419,3 +419,40 @@ def test_user_environment_and_tmpfs_swap(tmp_path):
     finally:
         subprocess.run(["rm", "-rf", shm], check=False)
     assert out == {"ok": [True, True], "left": [], "home": None}
+
+
+def test_memory_refused_while_meta_buffers_are_made_leaves_the_model_as_it_was(tmp_path):
+    """Making a model's meta buffers swaps scratch copies in for its real tensors while
+    its initialisers run; they were swapped in one at a time as they were made, so a
+    copy refused under an address-space limit left the ones before it in the user's
+    model (a write to the weight no longer reached the user's tensor). Every copy is
+    made before the first is put in place: the model is as it was."""
+    out = run_child(f"""
+    from torch import nn
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Parameter(torch.ones(4))
+            self.b = nn.Parameter(torch.zeros(100_000_000))  # 400 MB: its copy is refused
+            self.register_buffer("steps", torch.empty(8, device="meta"))
+
+        def _init_weights(self, module):
+            if module is self:
+                self.steps.copy_(torch.arange(8.0))
+
+        def forward(self, x):
+            return x * self.a.sum() + self.b[:1]
+
+    m = M()
+    a, b = m.a, m.b
+    vm = next(int(ln.split()[1]) * 1024 for ln in open("/proc/self/status")
+              if ln.startswith("VmSize"))
+    resource.setrlimit(resource.RLIMIT_AS, (vm + (200 << 20), resource.RLIM_INFINITY))
+    err = failure(offload.initialize, m, cfg([{str(tmp_path)!r} + "/swap"]))
+    resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    report(err=err, same=[m._parameters["a"] is a, m._parameters["b"] is b],
+           meta=m.steps.is_meta)
+    """)
+    assert out["err"] is not None and "allocate" in out["err"]["msg"], out
+    assert out["same"] == [True, True] and out["meta"], out
