@@ -471,9 +471,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="host staging budget, at least one I/O block (default 1GiB)")
     p.add_argument("--block-elems", type=integer(1024, example=1048576),
                    default=OptimConfig().block_elems,
-                   help="elements per update-kernel call, at least 1024")
+                   help="elements per update-kernel call, at least 1024 (default "
+                   f"{OptimConfig().block_elems})")
     p.add_argument("--state-dtype", choices=("fp32", "bf16", "int8"), default="fp32",
-                   help="form of the moments in the --nvme run (optim.state_dtype)")
+                   help="form of the moments in the --nvme run, optim.state_dtype "
+                   "(default fp32)")
     p.add_argument("--busy", action="store_true", help="run every row again with a "
                    "CPU-bound process beside it")
     p.add_argument("--threads", type=integer(0, example=4), default=0,

@@ -209,10 +209,11 @@ def add_arguments(p) -> None:
                    help="comma list of aio, threads (default both)")
     p.add_argument("--block-sizes", default="256KiB,1MiB,4MiB",
                    type=value_list(byte_size(4096, multiple=4096, example="1MiB")),
-                   help="comma list of request sizes, multiples of 4KiB")
+                   help="comma list of request sizes, multiples of 4KiB (default "
+                   "256KiB,1MiB,4MiB)")
     p.add_argument("--queue-depths", default="8,32",
                    type=value_list(integer(1, 1024, example=32)),
-                   help="comma list of requests in flight, 1..1024")
+                   help="comma list of requests in flight, 1..1024 (default 8,32)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
 

@@ -298,7 +298,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      "bytes moved and the disk-bandwidth lower bound.")
     p.add_argument("--params", default="auto", type=count(1, example="3B", also=("auto",)),
                    help="parameters: 'auto' (training state twice the RAM: ~3B on 24 GiB in "
-                   "bf16) or a count such as 200M or 3B")
+                   "bf16) or a count such as 200M or 3B (default auto)")
     p.add_argument("--d-model", type=integer(128, multiple=128, example=2048), default=2048,
                    help="width, a multiple of 128; depth follows --params (default 2048)")
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16",
@@ -324,8 +324,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--probe", default="1GiB", type=byte_size(1 << 20, example="1GiB"),
                    help="bytes of the disk-bandwidth probe, at least 1MiB (default 1GiB)")
     p.add_argument("--malloc", choices=["tuned", "default"], default="tuned",
-                   help="tuned: freed buffers of 1 MiB or more go back to the OS at once "
-                   "(see tune_malloc); default: glibc's own sliding threshold")
+                   help="glibc's mmap threshold (default tuned): tuned: freed buffers of "
+                   "1 MiB or more go back to the OS at once (see tune_malloc); default: "
+                   "glibc's own sliding threshold")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
 
 

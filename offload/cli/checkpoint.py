@@ -65,9 +65,11 @@ def add_arguments(sub: argparse._SubParsersAction) -> None:
     exp.add_argument("--dtype", choices=["saved", "fp32", "bf16", "fp16"], default="saved",
                      help="saved: the parameters in the compute dtype they were trained in; "
                           "fp32, bf16, fp16: converted from the fp32 master weights where "
-                          "the checkpoint has them, else from the parameters")
+                          "the checkpoint has them, else from the parameters (default "
+                          "saved)")
     exp.add_argument("--shard-size", type=byte_size(1, example="5GB"), default="5GB",
-                     help="bytes per shard at most (a larger tensor has a shard of its own)")
+                     help="bytes per shard at most (a larger tensor has a shard of its own) "
+                     "(default 5GB)")
     exp.add_argument("--config", type=existing_directory(
         "config.json", "model directory holding config.json (e.g. one written by "
         "save_pretrained)"), help="copy its config.json (its dtype set to the weights') and "

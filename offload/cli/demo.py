@@ -543,7 +543,7 @@ _OPTIONS: list[tuple[str, dict[str, Any]]] = [
                         "and removes it on exit (default ./offload-swap)")),
     ("--trace", dict(default="offload-demo.trace.json", type=output_file(none=("none", "")),
                      help="Chrome-trace file of one step, for https://ui.perfetto.dev "
-                     "('none': no trace)")),
+                     "(default offload-demo.trace.json; 'none': no trace)")),
     ("--trace-step", dict(type=integer(1, example=TRACE_STEP), default=TRACE_STEP,
                           help=f"the step traced (default {TRACE_STEP})")),
     ("--seed", dict(type=integer(0, (1 << 32) - 1, example=0), default=0,

@@ -97,7 +97,7 @@ def _print_config(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from ..config import config_reference, load_config
-    from .args import table_console
+    from .args import escape, table_console
 
     rows = config_reference()
     head = "default"
@@ -111,11 +111,13 @@ def _print_config(args: argparse.Namespace) -> int:
         for key, value, doc in rows:
             print(f"| `{key}` | `{value}` | {doc} |")
         return 0
-    t = Table(title="offload configuration keys" + (f" in {args.file}" if args.file else ""))
+    # cells are markup to rich: escaped, "[names or patterns]" is printed, not read as a tag
+    t = Table(title="offload configuration keys" + (f" in {escape(args.file)}" if args.file
+                                                     else ""))
     for col in ("key", head, "meaning"):
-        t.add_column(col)
+        t.add_column(escape(col))
     for key, value, doc in rows:
-        t.add_row(key, value, doc)
+        t.add_row(escape(key), escape(value), escape(doc))
     table_console().print(t)
     return 0
 

@@ -122,3 +122,45 @@ def test_config_checks_a_file_and_prints_its_values(tmp_path, offload_cli):
     assert rc == 2 and out == "", err
     assert err == f"offload config: {bad}: optim.eps: 1e-50 must be positive in fp32 (it " \
                   f"rounds to 0 there), e.g. 1e-8\n", err
+
+
+def _table_rows(text: str) -> dict[str, tuple[str, str]]:
+    """key -> (value, meaning) of a rich table's rows, each cell's wrapped lines joined."""
+    rows: dict[str, list[list[str]]] = {}
+    last = None
+    for line in text.splitlines():
+        cells = line.split("\u2502")[1:4]
+        if len(cells) != 3:
+            continue
+        if cells[0].strip():
+            last = cells[0].strip()
+            rows[last] = [[], []]
+        for part, cell in zip(rows[last], cells[1:]):
+            part.append(cell)
+    return {k: tuple(" ".join(" ".join(p).split()) for p in v) for k, v in rows.items()}
+
+
+def _markdown_rows(text: str) -> dict[str, tuple[str, str]]:
+    rows = {}
+    for line in text.splitlines():
+        if line.startswith("| `"):
+            key, value, doc = line[2:-2].split(" | ", 2)
+            rows[key.strip("`")] = (value.strip("`"), " ".join(doc.split()))
+    return rows
+
+
+def test_config_table_prints_the_markdown_text(tmp_path):
+    """`offload config`'s table said "{params = , lr, ...}" for optim.param_groups: rich
+    read "[names or patterns]" in the meaning as markup and dropped it. Every cell of
+    the table is the --markdown output's text, with and without a file."""
+    f = tmp_path / "c.toml"
+    f.write_text('[optim]\nparam_groups = [{params = ["*.bias"], weight_decay = 0.0}]\n')
+    for extra in ([], [str(f)]):
+        table = subprocess.run(OFFLOAD + ["config"] + extra, capture_output=True, text=True,
+                               timeout=120)
+        md = subprocess.run(OFFLOAD + ["config", "--markdown"] + extra, capture_output=True,
+                            text=True, timeout=120)
+        assert table.returncode == 0 and md.returncode == 0, table.stderr + md.stderr
+        want = _markdown_rows(md.stdout)
+        assert "[names or patterns]" in want["optim.param_groups"][1]
+        assert _table_rows(table.stdout) == want
