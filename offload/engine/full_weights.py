@@ -16,7 +16,7 @@ and writes the same state.
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -283,15 +283,17 @@ def summoned(engine: "OffloadEngine", groups: list[Group], writable: bool
                 named[name] = value
     failure: BaseException | None = None
     edited = None
+    layout = _snapshot(engine.module)
     try:
         yield named
     except BaseException as e:  # raised below, once every rank has agreed
         failure = e
     try:
+        _same_layout(layout)
         if failure is None and writable:
             edited = _collect(groups, names)
     except ValueError as e:
-        failure = e
+        failure = failure or e
     finally:
         for g in groups:
             engine.registered.register(g.gid)
@@ -334,6 +336,46 @@ def refuse_apart(prints: list[float], what: str, done: str, source: str, fix: st
         raise RuntimeError(f"{what.format(other)} (nothing was {done}): each rank writes its "
                            f"own shards from its own {source}, so the model would hold parts "
                            f"of both. {fix}")
+
+
+def _snapshot(model: nn.Module) -> list[tuple[str, nn.Module, dict]]:
+    """Each module's attributes: {name: (value, a copy of its items where it is a list,
+    dict or set)}, for `_same_layout` to put back."""
+    def items(v: Any) -> Any:
+        return (list(v) if type(v) is list else dict(v) if isinstance(v, dict)
+                else set(v) if type(v) is set else None)
+    return [(n, m, {k: (v, items(v)) for k, v in m.__dict__.items()})
+            for n, m in model.named_modules()]
+
+
+def _same_layout(layout: list[tuple[str, nn.Module, dict]]) -> None:
+    """A block that replaced, removed or added a module (peft's `merge_and_unload`)
+    passed, and left modules the engine's hooks are not on: every later forward,
+    state_dict and export raised, naming the wrong cause. Every module is put back as
+    it was (its children, and its attributes: peft's layers mark themselves merged),
+    and the block refused, nothing written."""
+    moved = [(name, k) for name, m, before in layout
+             for children in [before["_modules"][1]]
+             for k in [*children, *(k for k in m._modules if k not in children)]
+             if m._modules.get(k) is not children.get(k)]
+    if not moved:
+        return
+    for _, m, before in layout:
+        for k in [k for k in m.__dict__ if k not in before]:
+            del m.__dict__[k]
+        for k, (v, items) in before.items():
+            m.__dict__[k] = v
+            if type(v) is list:
+                v[:] = items
+            elif items is not None:
+                v.clear()
+                v.update(items)
+    where = ".".join(filter(None, moved[0]))
+    raise ValueError(f"full_weights: the block changed the model's modules ({where!r} was "
+                     "replaced, removed or added); a block changes weights' values, not the "
+                     "model's structure, so the modules were put back as they were and "
+                     "nothing was written. Change the structure in a model of its own: "
+                     "load engine.state_dict() into a plain copy and change that")
 
 
 def _collect(groups: list[Group], names: dict[tuple[int, int], list[str]]

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import logging
 import os
 import tempfile
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -180,6 +181,52 @@ def guard_resize(model: nn.Module) -> None:
             "before offload.initialize, or load engine.state_dict() into a fresh model, "
             "resize that and initialize again")
     model.__dict__["resize_token_embeddings"] = resize_token_embeddings
+
+
+def guard_tie(model: nn.Module) -> None:
+    """transformers' `tie_weights` on a wrapped module that would tie anything anew (an
+    untied model whose `config.tie_word_embeddings` was set after `initialize`) is
+    undone and refused: it put the embedding's stand-in in the head's place, the
+    engine then refused every forward, state_dict and export, and the head's own
+    parameter, which the engine still trained, was out of the user's reach. A call
+    that ties nothing new (an already tied model) goes through."""
+    for module in model.modules():
+        plain = getattr(type(module), "tie_weights", None)
+        if callable(plain):
+            module.__dict__["tie_weights"] = functools.partial(_tie_guarded, module, plain)
+
+
+def _tie_guarded(module: nn.Module, plain: Callable, *args: Any, **kwargs: Any) -> Any:
+    before = [(m, dict(m._parameters)) for m in module.modules()]
+    out = plain(module, *args, **kwargs)
+    moved = [(m, name) for m, params in before for name, p in params.items()
+             if m._parameters.get(name) is not p]
+    if not moved:
+        return out
+    for m, params in before:
+        m._parameters.clear()
+        m._parameters.update(params)
+    names = {id(m): n for n, m in module.named_modules()}
+    m, name = moved[0]
+    raise RuntimeError(
+        f"tie_weights after offload.initialize would tie "
+        f"{'.'.join(filter(None, (names.get(id(m), '?'), name)))!r} anew; refused, the "
+        "parameters are as they were: the engine keeps untied weights as partitions of "
+        "their own. Tie before offload.initialize (set config.tie_word_embeddings and "
+        "call model.tie_weights()), or load engine.state_dict() into a tied model and "
+        "initialize that")
+
+
+def _refuse_adapters(model: nn.Module) -> None:
+    """A peft model's Hugging Face layout is its adapters (peft's `save_pretrained`),
+    not the wrapper's names beside the base model's config.json: `from_pretrained` of
+    what the export wrote loaded without a word, every weight initialised anew."""
+    if callable(getattr(model, "get_base_model", None)) and hasattr(model, "peft_config"):
+        raise ValueError(
+            f"save_pretrained: the model is a peft {type(model).__name__}, whose saved form "
+            "is its adapters: save them with `with engine.full_weights(): "
+            "model.save_pretrained(dir)` (peft's own), or the whole model with "
+            "engine.state_dict() loaded into a plain copy (nothing was written)")
 
 
 class ModelWeights:
@@ -589,6 +636,7 @@ class ModelWeights:
         raises `ValueError` on rank 0, naming the tensor, nothing written. Returns the
         files written."""
         self._check_open()
+        _refuse_adapters(self.module)
         limit = _shard_limit(max_shard_size)
         dtype = _export_dtype(dtype)
         specs, order = self._export_specs(dtype)

@@ -581,6 +581,32 @@ def test_resize_token_embeddings_after_initialize_is_refused_and_changes_nothing
         engine.close()
 
 
+def test_tie_weights_that_would_tie_anew_after_initialize_is_refused(engine_cfg):
+    """An untied Llama whose config.tie_word_embeddings was set after initialize:
+    tie_weights() put the embedding's stand-in in the head's place, then every forward,
+    state_dict and export failed, naming torch.func, with the head's own parameter out
+    of reach. The tie is undone and refused, naming it; a tied model's tie_weights()
+    (which ties nothing new) goes through, and both train on."""
+    torch.manual_seed(0)
+    for tied in (False, True):
+        engine = offload.initialize(_llama(tie_word_embeddings=tied), _cfg(engine_cfg))
+        model = engine.module
+        try:
+            before = dict(engine.state_dict())
+            model.config.tie_word_embeddings = True
+            if tied:
+                model.tie_weights()
+            else:
+                with pytest.raises(RuntimeError, match=r"tie_weights .* 'lm_head.weight' anew"):
+                    model.tie_weights()
+            assert set(engine.state_dict()) == set(before)
+            x = _ids(1)[0]
+            engine.backward(engine(input_ids=x, labels=x).loss)
+            assert engine.step()
+        finally:
+            engine.close()
+
+
 def test_state_dict_refuses_a_parameter_replaced_after_initialize(engine_cfg, tmp_path):
     """`set_input_embeddings(new)` after initialize: training never sees the new weights
     (nor updates them), so `save_pretrained` refuses naming the parameter; `state_dict`
