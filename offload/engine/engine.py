@@ -71,6 +71,7 @@ from .hyper_watch import HyperWatch
 from .hooks import ModuleHooks
 from .in_place import pin_in_place, unpin_all, update_in_place
 from .interrupts import SafeInterrupts
+from .lr_scheduler import step_scheduler
 from .nested_grads import NestedGrads
 from .model_weights import ModelWeights
 from .one_thread import EngineBusyError, OneThread, one_call
@@ -545,7 +546,7 @@ class OffloadEngine(ModelWeights, ModuleHooks, GradPartitions, GroupUpdates, Gat
                 try:  # after each step that commits, an error raised after its commit too
                     if self.global_step == number and self.lr_scheduler is not None:
                         with self._interrupts.everywhere():  # its lr lambda's lines too
-                            self.lr_scheduler.step()
+                            step_scheduler(self.lr_scheduler, number)
                 finally:
                     self._spans.step_end(number, error)  # the report's card of this step
 

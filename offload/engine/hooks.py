@@ -128,8 +128,9 @@ class ModuleHooks:
         """[Note: backward runs here] A backward the engine did not start (`loss.backward()`,
         `torch.autograd.backward`) would not be counted as a micro-step, nor scaled
         for fp16, nor waited for: refused at its first hook, before any gradient is
-        reduced or any update runs."""
+        reduced or any update runs (on a closed engine, saying it is closed)."""
         if not self._in_backward:
+            self._check_open()
             raise RuntimeError(
                 "a backward through the engine's model ran outside engine.backward() (e.g. "
                 "loss.backward()); call engine.backward(loss) instead: it counts the "

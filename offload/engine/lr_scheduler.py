@@ -25,6 +25,7 @@ making the scheduler.) So `initialize` takes a factory, as DeepSpeed does:
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 from collections import Counter
@@ -36,7 +37,7 @@ from ..config import ConfigError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["make_scheduler", "scheduler_state", "warn_schedule_dropped"]
+__all__ = ["make_scheduler", "scheduler_state", "step_scheduler", "warn_schedule_dropped"]
 
 _VALUES = ("lr", "betas", "eps", "weight_decay")  # a group's values a checkpoint saves
 
@@ -133,6 +134,30 @@ def to_json_scalar(v: Any, otherwise: Any = _NOT_A_SCALAR) -> Any:
     if otherwise is _NOT_A_SCALAR:
         raise TypeError(f"Object of type {type(v).__name__} is not JSON serializable")
     return otherwise
+
+
+def step_scheduler(scheduler: Any, number: int) -> None:
+    """Steps the engine's scheduler after step `number` committed. One that raises (a
+    lambda's error) left the step applied, the scheduler half stepped (LambdaLR counts
+    the step before it computes the rate) and the error as raw as if the step had
+    failed, whose fix, running the step's micro-batches again, would apply them twice.
+    The scheduler and its optimizer's values are put back as before its step, and
+    the error says what was applied and what to do."""
+    groups = scheduler.optimizer.param_groups
+    state = copy.deepcopy(scheduler.state_dict())
+    values = [{k: copy.deepcopy(g[k]) for k in _VALUES if k in g} for g in groups]
+    try:
+        scheduler.step()
+    except Exception as e:
+        scheduler.load_state_dict(state)
+        for g, saved in zip(groups, values):
+            g.update(saved)
+        raise RuntimeError(
+            f"step {number} was applied (the weights were updated; engine.global_step is "
+            f"{number}), then the lr_scheduler's step() raised {type(e).__name__}: {e}. "
+            "The scheduler is as it was before: fix the cause, call "
+            "engine.lr_scheduler.step() once, and go on with the next batch (running "
+            "this step's micro-batches again would apply them twice)") from e
 
 
 def scheduler_state(scheduler: Any) -> dict | None:

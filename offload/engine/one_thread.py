@@ -126,6 +126,12 @@ class OneThread:
         if not self._calls:
             return None
         first, last = self._calls[0].what, self._calls[-1]
+        name = threading.current_thread().name
+        if self._thread != threading.get_ident() and name.startswith("offload-"):
+            return (f"{what} was called from the engine's own thread {name!r}, inside "
+                    f"{first} (from an lr_lambda or another function the engine runs for "
+                    "it): it would use or change the state that call is in the middle of. "
+                    f"Nothing was changed: call it after {first} has returned")
         if self._thread != threading.get_ident():
             return (f"{what} on thread {threading.current_thread().name!r}: this engine is "
                     f"running on another thread: one thread at a time runs it (thread "

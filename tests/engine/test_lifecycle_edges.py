@@ -493,3 +493,41 @@ def test_close_lets_go_of_the_warm_gather_memory(engine_cfg):
             engine.step()
         assert warm._free and warm._held > 0
     assert not warm._free and warm._held == 0
+
+
+def test_a_plain_backward_of_a_graph_made_before_close_says_the_engine_is_closed(engine_cfg):
+    """loss.backward() of a forward run before close() said to call engine.backward(loss)
+    instead, which then said the engine was closed: it says so at once."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
+    engine = offload.initialize(model, engine_cfg(group_size=20))
+    loss = engine(torch.randn(2, 4)).sum()
+    engine.close()
+    with pytest.raises(RuntimeError, match=r"this OffloadEngine is closed"):
+        loss.backward()
+
+
+def test_a_call_from_the_engines_own_thread_is_named_so(engine_cfg, tmp_path):
+    """With the optimizer on NVMe, `lr_lambda` runs on the engine's update thread during
+    backward; an engine call from it was refused as one from "another thread", telling
+    the user to take a lock or give each thread an engine. It names the engine's own
+    thread and the call it is inside, and training goes on."""
+    errors = []
+    box = {}
+
+    def lam(step):
+        if step == 1 and not errors:
+            try:
+                box["engine"].save_checkpoint(tmp_path / "ck")
+            except EngineBusyError as e:
+                errors.append(str(e))
+        return 1.0
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
+    with offload.initialize(model, engine_cfg("host", "host", "nvme", group_size=20),
+                            lr_lambda=lam) as engine:
+        box["engine"] = engine
+        for _ in range(2):
+            engine.backward(engine(torch.randn(2, 4)).sum())
+            assert engine.step()
+    assert errors and "from the engine's own thread 'offload-update" in errors[0], errors
+    assert "another thread" not in errors[0] and not (tmp_path / "ck").exists()

@@ -82,6 +82,43 @@ def test_engine_scheduler_resumed_from_a_checkpoint_trains_as_torch(engine_cfg, 
     _assert_as_torch(sd, ref)
 
 
+def test_a_scheduler_that_raises_after_a_step_is_put_back_and_the_step_kept(engine_cfg):
+    """A LambdaLR whose lambda raised after step 2 committed: the error came out of
+    step() raw, as if the step had failed (whose fix, its micro-batches again, would
+    apply them twice), and the scheduler was left counted a step ahead with the old
+    rate. The error says the step was applied; the scheduler and its values are as
+    before its step; stepped again by hand, the run is torch's."""
+    fail = [False]
+
+    def lam(k):
+        if fail[0]:
+            raise ZeroDivisionError("no rate")
+        return 1.0 / (1 + k)
+
+    ref, fresh = _init_model()
+    batches = lm_batches(4)
+    want = _torch_run(ref, batches, lambda o: sched.LambdaLR(o, lam))
+    got = []
+    with offload.initialize(fresh(), engine_cfg(),
+                            lr_scheduler=lambda o: sched.LambdaLR(o, lam)) as engine:
+        for k, (x, y) in enumerate(batches):
+            got += _vals(engine.optimizer)
+            engine.backward(lm_loss(engine(x), y))
+            fail[0] = k == 1
+            if k == 1:
+                with pytest.raises(RuntimeError, match=r"step 2 was applied .*ZeroDivision"
+                                                       r"Error: no rate.*lr_scheduler.step"):
+                    engine.step()
+                assert engine.global_step == 2 and engine.lr_scheduler.last_epoch == 1
+                assert _vals(engine.optimizer) == got[-3:]
+                fail[0] = False
+                engine.lr_scheduler.step()
+            else:
+                assert engine.step()
+        assert got == pytest.approx(want)
+        _assert_as_torch(engine.state_dict(), ref)
+
+
 def _saved_and_resumed(cfg, tmp_path, make, make_again):
     """(the torch model to compare with, the values each step trained with, the final
     state dict) of three engine steps scheduled by `make`, a save, and a resume
