@@ -48,9 +48,10 @@ class ParallelMesh:
         when there is no process group or its size is not a multiple of `tp_size`.
         `cuda`: the engine computes on CUDA (None: CUDA is here)."""
         if not (dist.is_available() and dist.is_initialized()):
-            raise ValueError(f"tp.size = {tp_size} needs torch.distributed: start the job "
-                             "with torchrun (or init_process_group) on a multiple of "
-                             f"{tp_size} ranks")
+            raise ValueError(f"tp.size = {tp_size} needs torch.distributed initialised: "
+                             "call torch.distributed.init_process_group() before initialize "
+                             "(under torchrun too, which starts the processes only), on a "
+                             f"multiple of {tp_size} ranks")
         world = dist.get_world_size()
         if world % tp_size:
             raise ValueError(f"tp.size = {tp_size} does not divide the {world} ranks of the "

@@ -58,8 +58,8 @@ class AioSetupError(OSError):
         if errno == _errno.EAGAIN:
             used, most = _read_sysctl("fs/aio-nr"), _read_sysctl("fs/aio-max-nr")
             msg = (f"{what}: the machine's AIO request slots are used up ({used} of "
-                   f"fs.aio-max-nr = {most} taken, by every process on it together, and a "
-                   f"queue takes about twice its depth); raise the limit as root (sysctl -w "
+                   f"fs.aio-max-nr = {most} taken, by every process on it together, a queue "
+                   f"taking its depth of them); raise the limit as root (sysctl -w "
                    f"fs.aio-max-nr=1048576), {fix}")
         else:
             msg = f"{what}; {fix}"

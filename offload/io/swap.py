@@ -632,8 +632,9 @@ class SwapSpace:
         span = _round_up(nbytes, DIRECT_ALIGN)
         address, cap = _host_span(buffer, into=into)
         if cap < span:
-            raise ValueError(f"buffer of {cap} bytes cannot take {span} bytes "
-                             f"({nbytes} rounded to {DIRECT_ALIGN}); allocate it from BufferPool")
+            raise ValueError(f"buffer of {cap} bytes cannot take {span} bytes ({nbytes} "
+                             f"rounded up to a multiple of {DIRECT_ALIGN}); allocate it from "
+                             "BufferPool")
         return span, address
 
     def write(self, extent: SwapExtent, buffer: object, nbytes: int) -> IoHandle:
