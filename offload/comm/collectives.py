@@ -237,6 +237,31 @@ class Collectives:
             mine[i * self.world + self.rank] = v
         return self.sum_scalars(mine)
 
+    def min_max(self, *values: float) -> list[tuple[float, float]]:
+        """Each value's (least, greatest) over the group's ranks, in one all-reduce of
+        two fp64 numbers per value whatever the world size: where they are equal,
+        every rank holds that value."""
+        if self.world == 1:
+            return [(v, v) for v in values]
+        t = torch.tensor([*values, *(-v for v in values)], dtype=torch.float64)
+        if self.backend == "nccl":
+            t = t.cuda()
+        token = self._begin("all-reduce", t)
+        self._then(dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group, async_op=True),
+                   None, False, token)
+        got, n = t.cpu().tolist(), len(values)
+        return [(-got[n + i], got[i]) for i in range(n)]
+
+    def every_rank_object(self, obj: object) -> list[object]:
+        """Every rank's `obj` (picklable), in rank order: for what is rare and small,
+        as the values an error names."""
+        if self.world == 1:
+            return [obj]
+        out: list[object] = [None] * self.world
+        dist.all_gather_object(out, obj, group=self.group)
+        self.issued += 1
+        return out
+
     def barrier(self) -> None:
         if self.world > 1:
             dist.barrier(group=self.group)

@@ -188,7 +188,9 @@ class OffloadEngine(ModelWeights, ModuleHooks, GradPartitions, GroupUpdates, Gat
                                            initializer=bind_thread, initargs=(store.device,))
         self._early: list[Future] = []
         self._start_updater()
-        self._hyper_watch = HyperWatch()  # [Note: values written between backward and step]
+        # [Note: values written between backward and step], [Note: every rank steps with
+        # the same values] in hyper_watch.py
+        self._hyper_watch = HyperWatch(self._whole)
         self.lr_scheduler: Any = None  # [Note: the engine's scheduler] in lr_scheduler.py
         self.resumed_extra: dict[str, Any] = {}  # the `extra` of the checkpoint resumed from
         self.pending_updates = PendingUpdates()  # [Note: the updates' order] in eviction.py

@@ -22,12 +22,32 @@ has no room for (a budget at that minimum failed its first step).
 
 The optimizer refuses a step whose updates saw two sets of values, whoever
 wrote them ([Note: one set of values per round] in optim/optimizer.py).
+
+[Note: every rank steps with the same values]
+Each rank updates its own partitions with its own optimizer's values: an lr (or
+betas, eps, weight decay) written on some ranks only (`if rank == 0:` around a
+warm-up, a scheduler stepped on one rank) trained the elements rank 0 owns at one
+lr and rank 1's at another, silently. So at every `step()` the ranks compare a
+crc32 of each group's values as `step()` reads them (lr, betas, eps, weight_decay;
+not `lr_lambda`, a function each rank holds its own copy of) before the step's
+agreement ([Note: ranks agree] in offload/comm/collectives.py): one all-reduce of
+the least and greatest crc, two numbers whatever the world size; a world of 1
+computes nothing. Where they differ, the ranks' values are gathered (that once)
+and every rank's step fails as a whole naming the first group and key that
+differ and each rank's value, every partition as before it, as a state dict
+that differs between ranks is refused. Values that changed between backward and
+step on every rank alike are compared as they are at `step()`: where updates ran
+early with others, that rank's step fails anyway (the note above).
 """
 
 from __future__ import annotations
 
 import logging
+import zlib
+from typing import Any
 
+
+from ..comm import Collectives
 from ..optim import CpuAdam
 from ..optim.torch_view import value_change
 
@@ -39,9 +59,12 @@ __all__ = ["HyperWatch"]
 class HyperWatch:
     """[Note: values written between backward and step] for one engine."""
 
-    def __init__(self) -> None:
+    def __init__(self, ranks: Collectives) -> None:
+        """`ranks`: every rank of the job, which must step with the same values ([Note:
+        every rank steps with the same values])."""
         self.early = True  # False once a loop wrote values between backward and step()
         self._before: list[tuple] | None = None  # the groups' values at the last backward
+        self._ranks = ranks if ranks.world > 1 else None
 
     def backward_begins(self, opt: CpuAdam) -> None:
         """Notes the values at the start of the step's last backward."""
@@ -49,11 +72,18 @@ class HyperWatch:
             self._before = opt.values()
 
     def step_begins(self, opt: CpuAdam, updated_early: bool) -> Exception | None:
-        """Compares the values now with those at the last backward; returns the error
-        that fails this step (values changed after updates ran early), or None."""
+        """Compares the values now with those at the last backward, and with every
+        other rank's now (a collective: every rank calls it at each step); returns the
+        error that fails this step (values that differ between ranks, or changed after
+        updates ran early), or None."""
         before, self._before = self._before, None
-        if before is None:
-            return None
+        apart = self._ranks_apart(opt)
+        changed = None if before is None else self._changed(before, opt, updated_early)
+        return apart or changed
+
+    def _changed(self, before: list[tuple], opt: CpuAdam, updated_early: bool
+                 ) -> Exception | None:
+        """[Note: values written between backward and step]"""
         diffs = (value_change(b, n) for b, n in zip(before, opt.values()))
         changed = [f"param_groups[{g}]: {d}" for g, d in enumerate(diffs) if d]
         if not changed:
@@ -71,6 +101,56 @@ class HyperWatch:
             "To keep the overlap, set values before the last backward (e.g. scheduler.step() "
             "right after engine.step())")
 
+    def _ranks_apart(self, opt: CpuAdam) -> Exception | None:
+        """[Note: every rank steps with the same values]: the error naming the first
+        value that differs between ranks, or None."""
+        if self._ranks is None:
+            return None
+        values = [_compared(v) for v in opt.values()]
+        (least, most), = self._ranks.min_max(float(zlib.crc32(repr(values).encode())))
+        if least == most:
+            return None
+        return ValueError(_apart(self._ranks.every_rank_object(values)) + "; each rank "
+                          "updates its own partitions with its own values, so every rank's "
+                          "step failed and is undone; write the optimizer's values on every "
+                          "rank (a scheduler stepped on each), then run the step's "
+                          "micro-batches again")
+
     def forget(self) -> None:
         """The step was undone: the next one notes its values afresh."""
         self._before = None
+
+
+def _compared(values: tuple) -> tuple[tuple[str, Any], ...]:
+    """A group's values as the ranks compare them: `group_values` without lr_lambda."""
+    lr, beta1, beta2, eps, weight_decay, _ = values
+    return (("lr", lr), ("betas", (beta1, beta2)), ("eps", eps),
+            ("weight_decay", weight_decay))
+
+
+def _apart(every: list[Any]) -> str:
+    """The first group and key whose values differ between ranks, with each rank's."""
+    counts = [len(v) for v in every]
+    if len(set(counts)) > 1:
+        return f"the optimizer's param_groups differ between ranks: {_by_rank(counts)} groups"
+    for g in range(counts[0]):
+        for i, (key, _) in enumerate(every[0][g]):
+            got = [v[g][i][1] for v in every]
+            if len({repr(x) for x in got}) > 1:
+                return f"param_groups[{g}][{key!r}] differs between ranks: {_by_rank(got)}"
+    return "the optimizer's values differ between ranks"  # their crc32s differ; not seen
+
+
+def _by_rank(got: list[Any], most: int = 4) -> str:
+    """"rank 0 has 0.01, rank 1 has 0.5": ranks grouped by value (at most `most` named
+    per value)."""
+    held: dict[str, list[int]] = {}
+    for r, x in enumerate(got):
+        held.setdefault(repr(x), []).append(r)
+    parts = []
+    for shown, ranks in held.items():
+        named = ", ".join(map(str, ranks[:most])) + (
+            f" and {len(ranks) - most} more" if len(ranks) > most else "")
+        parts.append(f"rank{'s' if len(ranks) > 1 else ''} {named} "
+                     f"{'have' if len(ranks) > 1 else 'has'} {shown}")
+    return ", ".join(parts)

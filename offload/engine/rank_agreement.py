@@ -24,6 +24,14 @@ collective. So `initialize` settles four times, each time one
      locked (another job's lock, a path one rank may not use); a rank that made
      its files removes them when another refused.
 
+Where buffers are taken from rank 0 (`buffers_from_first_rank` in model_buffers.py),
+a fifth settle first compares the model's buffers over the whole job
+(`buffer_section`): their names, shapes, dtypes and sharing, not their values. A
+buffer on some ranks only left one rank waiting in its broadcast and the other in
+its first forward; one of another dtype took rank 0's bytes as its own dtype, one of
+another shape kept its own values. A refusal there comes after the state is placed;
+`initialize` then closes what it made and leaves the model as it was.
+
 Each stage first runs this rank's own checks under `refusals()`. Where one
 refuses, that rank raises its own error and every other rank a `ConfigError`
 (a `RuntimeError` for an error that is not about the config) naming it; where
@@ -44,13 +52,14 @@ import json
 from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sequence
 
 import torch.distributed as dist
+from torch import nn
 
 from ..config import ConfigError, OffloadConfig
 from ..store.copy import resolve_device
 from .units import Group, Unit
 
-__all__ = ["PER_RANK_KEYS", "RankAgreement", "Section", "config_section", "model_sections",
-           "resume_section"]
+__all__ = ["PER_RANK_KEYS", "RankAgreement", "Section", "buffer_section", "config_section",
+           "model_sections", "resume_section"]
 
 # Keys that may differ between ranks: where a rank keeps its own state and how it
 # moves it (directories, budgets, I/O and NVMe-pipeline tuning, its update kernel),
@@ -139,6 +148,28 @@ def model_sections(groups: list[Group], units: list[Unit], hyper: list[dict[str,
     fix = "build the same model on every rank"
     return [Section("the model differs between ranks", params, fix),
             Section("the model's partition differs between ranks", parts, fix)]
+
+
+def buffer_section(model: nn.Module) -> Section:
+    """The model's buffers as every rank must have them where rank 0's values are
+    broadcast (`buffers_from_first_rank`), in its order: each name, shape, dtype and
+    persistence, and which tensor a buffer several modules hold is. Values may differ."""
+    items: list[Item] = []
+    first: dict[int, str] = {}  # a buffer several modules hold: its first name
+    for prefix, m in model.named_modules():
+        for name, b in m._buffers.items():
+            if b is None:
+                continue
+            fqn = f"{prefix}.{name}".lstrip(".")
+            held = first.setdefault(id(b), fqn)
+            items.append((f"buffer {fqn!r}", (
+                _attr("shape", tuple(b.shape)), _attr("dtype", b.dtype),
+                _attr("persistent", name not in m._non_persistent_buffers_set),
+                _attr("a tensor", held, "of its own" if held == fqn else
+                      f"shared with {held!r}"))))
+    return Section("the model's buffers differ between ranks", items,
+                   "build the same model on every rank (a buffer's values may differ: "
+                   "every rank takes rank 0's)")
 
 
 def _digest(sections: Sequence[Section]) -> str:
