@@ -128,7 +128,7 @@ def _cuda_call(name: str, *args: int) -> None:
 # the same request is two segments. A 1 GiB O_DIRECT probe, 4 MiB requests at
 # queue depth 32, alternating one buffer of each kind in one process, moved
 # writes at 5.5-5.8 GB/s against 3.4-3.7, reads at 2.3-2.8 against 1.8-1.9
-# and mixed traffic at 2.9-3.5 against 2.3-2.4. So a block of a huge page or
+# and mixed traffic at 2.9-3.4 against 2.3-2.4 (runs 2-4 of four). So a block of a huge page or
 # more is aligned to 2 MiB and advised MADV_HUGEPAGE before it is touched
 # (kernel THP mode `madvise` or `always`; elsewhere the advice fails and the
 # block keeps small pages). The alignment over-maps up to 2 MiB of address
