@@ -7,6 +7,7 @@ import copy
 import functools
 import importlib
 import logging
+import math
 import os
 import re
 import weakref
@@ -16,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..comm import Collectives, GatherIssuer
+from ..comm import Collectives, GatherIssuer, RankFailedError
 from ..comm.collectives import backend_for, device_backend
 from ..comm.gather_thread import gather_group
 from ..config import ConfigError, OffloadConfig, load_config
@@ -44,8 +45,9 @@ from .rank_order import RankOrderError
 from .step import StepFailedError
 from .tensor_parallel import TensorParallel, full_state_dict
 from .training_checkpoint import CheckpointCorruptError, CheckpointError
-from .units import Group, build_units
-from .rank_agreement import RankAgreement, config_section, model_sections, resume_section
+from .units import EngineMark, Group, build_units
+from .rank_agreement import (RankAgreement, buffer_section, config_section, model_sections,
+                              resume_section)
 from .working_set import check_budgets, check_disk, check_memory, disk_share
 
 log = logging.getLogger(__name__)
@@ -75,8 +77,7 @@ def _refuse_wrapped(model: nn.Module) -> None:
     for name, m in model.named_modules():
         if m.__dict__.get(_WRAPPED):
             where = f"its module {name!r}" if name else "it"
-            owner = m.__dict__[_WRAPPED]
-            owner = owner() if isinstance(owner, weakref.ref) else None
+            owner = m.__dict__[_WRAPPED]()
             if owner is None or owner._closed:
                 raise ConfigError(
                     f"initialize(model): {type(model).__name__} was already wrapped by an "
@@ -148,6 +149,12 @@ def _refuse_unsupported(model: nn.Module, dtype: str) -> None:
                 "partitions in engine.dtype, so its imaginary part would be lost: keep it as "
                 "a real parameter of twice the size (nn.Parameter(torch.view_as_real(p))) and "
                 "make the complex tensor in forward (torch.view_as_complex)")
+        if p.layout != torch.strided:
+            raise ConfigError(
+                f"initialize(model): parameter {name!r} is a {str(p.layout)[6:]} tensor; the "
+                "engine keeps dense partitions: make it dense first "
+                "(nn.Parameter(p.to_dense())), or register it as a buffer if it does not "
+                "train")
         if p.is_floating_point() and p.element_size() == 1:
             raise ConfigError(
                 f"initialize(model): parameter {name!r} is {kind}; the engine keeps "
@@ -195,30 +202,68 @@ def _refuse_unsupported(model: nn.Module, dtype: str) -> None:
 def _refuse_aliased(model: nn.Module) -> None:
     """Two parameters whose elements overlap in memory (`nn.Parameter(w.data[:4])`) train
     together in torch; the engine keeps each as a partition of its own, so they would
-    drift apart unnoticed. Views that do not overlap (an LSTM's weights flattened into
-    one buffer on a GPU) train as torch does."""
-    spans: dict[tuple, list[tuple[int, int, str]]] = {}
+    drift apart unnoticed. Views that share no element (an LSTM's weights flattened
+    into one buffer on a GPU, a weight's column halves) train as torch does."""
+    spans: dict[tuple, list[tuple[int, int, str, torch.Tensor]]] = {}
     for name, p in model.named_parameters():
-        if p.is_meta or p.numel() == 0 or type(p.data) is not torch.Tensor:
+        if p.is_meta or p.numel() == 0 or type(p.data) is not torch.Tensor \
+                or p.layout != torch.strided:
             continue
-        size = p.element_size()
-        lo = p.storage_offset() * size
-        hi = lo + (1 + sum((n - 1) * st for n, st in zip(p.shape, p.stride()))) * size
-        key = (p.device, p.untyped_storage().data_ptr())
-        spans.setdefault(key, []).append((lo, hi, name))
+        lo = p.storage_offset()
+        hi = lo + 1 + sum((n - 1) * st for n, st in zip(p.shape, p.stride()))
+        key = (p.device, p.untyped_storage().data_ptr(), p.element_size())
+        spans.setdefault(key, []).append((lo, hi, name, p.data))
     for found in spans.values():
         found.sort(key=lambda span: (span[0], -span[1]))  # the larger of two first
-        end, owner = -1, ""
-        for lo, hi, name in found:
-            if lo < end:
-                raise ConfigError(
-                    f"initialize(model): parameters {owner!r} and {name!r} share memory (one "
-                    "is a view of the other, as nn.Parameter(w.data[:4]) makes); torch "
-                    "updates them together, the engine keeps each as a partition of its "
-                    "own and would train them apart: give one its own copy "
-                    "(nn.Parameter(t.clone())), or compute it from the other in forward")
-            if hi > end:
-                end, owner = hi, name
+        for k, (lo, hi, name, t) in enumerate(found):
+            for lo2, _, name2, t2 in found[k + 1:]:
+                if lo2 >= hi:
+                    break
+                if _share_an_element(t, t2):
+                    raise ConfigError(
+                        f"initialize(model): parameters {name!r} and {name2!r} share memory "
+                        "(one is a view of the other, as nn.Parameter(w.data[:4]) makes); "
+                        "torch updates them together, the engine keeps each as a partition "
+                        "of its own and would train them apart: give one its own copy "
+                        "(nn.Parameter(t.clone())), or compute it from the other in forward")
+
+
+def _share_an_element(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether views `a` and `b` of one storage (elements of one size), whose spans
+    overlap, share an element: each element's offset marked on a scratch array of
+    their span (past 2**28 elements, taken as shared)."""
+    base = min(a.storage_offset(), b.storage_offset())
+    span = max(t.storage_offset() + 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+               for t in (a, b)) - base
+    if span > 1 << 28:
+        return True
+    mark = torch.zeros(span, dtype=torch.bool)
+    for t, check in ((a, False), (b, True)):
+        for offsets in _offsets(t.shape, t.stride(), t.storage_offset() - base):
+            if check and bool(mark[offsets].any()):
+                return True
+            mark[offsets] = True
+    return False
+
+
+def _offsets(shape: Sequence[int], stride: Sequence[int], start: int,
+             most: int = 1 << 22) -> Iterator[torch.Tensor]:
+    """The storage offsets of a view's elements, in pieces of at most about `most`."""
+    if not shape:
+        yield torch.tensor([start])
+        return
+    inner = math.prod(shape[1:])
+    if inner > most:  # one index of the first dimension at a time, the rest cut again
+        for i in range(shape[0]):
+            yield from _offsets(shape[1:], stride[1:], start + i * stride[0], most)
+        return
+    rows = max(1, most // max(inner, 1))
+    for first in range(0, shape[0], rows):
+        n = min(rows, shape[0] - first)
+        idx = torch.tensor([start + first * stride[0]])
+        for size, st in zip((n, *shape[1:]), stride):
+            idx = (idx[..., None] + torch.arange(size) * st)
+        yield idx.reshape(-1)
 
 
 def _model_of(model: nn.Module | Callable[[], nn.Module],
@@ -396,7 +441,7 @@ def initialize(model: nn.Module | Callable[[], nn.Module],
             load_buffers(model, ckpt)
         TensorParallel.check(model, cfg, restored=ckpt is not None or resumed is not None)
     agreement.settle(lambda: [config_section(cfg), resume_section(  # the whole job, before
-        resumed.record if resumed is not None else None)])  # its mesh is built
+        resumed.record if resumed is not None else None), buffer_section(model)])  # its mesh
     # [Note: ZeRO-3 over DP, tensor parallelism over TP] in tensor_parallel.py
     tp = TensorParallel.setup(model, cfg, restored=ckpt is not None or resumed is not None,
                               recorder=recorder, keep_undo=True, cuda=cuda)
@@ -458,6 +503,7 @@ def initialize(model: nn.Module | Callable[[], nn.Module],
                 engine.param_group_of = slot_groups  # a checkpoint records each group's members
                 deferred = []  # the user's real tensors stay in the model until nothing can fail
                 differs = None  # [Note: rank 0's weights]: a parameter this rank had otherwise
+                placing = _Placing(comm)  # [Note: a rank that fails while placing]
                 for g in groups:
                     engine._interrupts.safe_point()
                     was_meta = any(sl.param.is_meta for sl in g.slots)
@@ -465,18 +511,26 @@ def initialize(model: nn.Module | Callable[[], nn.Module],
                     if g.requires_grad:
                         engine.grad_slots.segment_slots[g.gid] = slots
                     if resumed is not None:  # the whole state of the group, read by name
+                        if progress is not None and placing.agree() is None:
+                            break  # a `progress` that raised on a rank
+                        # its ranks agree on its outcome (the others raise RankFailedError)
                         resumed.place_group(engine, g, segments, slots)
                     else:
-                        found = _place_new_group(engine, g, segments, ckpt, lineage)
+                        found = _place_new_group(engine, g, segments, ckpt, lineage, placing)
+                        if placing.stopped:
+                            break
                         differs = differs or found
                     # a materialised meta group is freed at once: no process holds all
-                    if was_meta:
+                    if was_meta and placing.error is None:
                         _drop_params(g, engine)
-                    else:
+                    elif not was_meta:
                         deferred.append(g)
                     if progress is not None:
-                        progress(g.gid + 1, len(groups))
-                store.wait_all()
+                        placing.run(progress, g.gid + 1, len(groups))
+                else:
+                    placing.run(store.wait_all)
+                    placing.agree()  # the last group's outcome, and the writes'
+                placing.settle(agreement)
                 if differs is not None:
                     log.warning("initialize: rank %d's initial weights differ from rank 0's "
                                 "(first: %r); every rank trains from rank 0's, as under DDP",
@@ -498,7 +552,8 @@ def initialize(model: nn.Module | Callable[[], nn.Module],
                 everyone = tp.mesh.world if tp is not None else comm
                 if everyone.world > 1 and ckpt is None and resumed is None:
                     buffers_from_first_rank(everyone, model)
-                model.__dict__[_WRAPPED] = weakref.ref(engine)  # [Note: wrapped modules]
+                model.__dict__[_WRAPPED] = EngineMark(weakref.ref(engine), model)  # [Note:
+                # wrapped modules]
                 guard_casts(model, engine.dtype, engine.device)
                 guard_resize(model)
                 guard_tie(model)
@@ -506,7 +561,7 @@ def initialize(model: nn.Module | Callable[[], nn.Module],
                     model.generation_config = gen_config
                 if comm.world > 1:  # [Note: generation on several ranks] in model_weights.py
                     for m in model.modules():
-                        m.__dict__["_is_fsdp_managed_module"] = True
+                        m.__dict__["_is_fsdp_managed_module"] = EngineMark(True, m)
                 if resumed is not None:
                     resumed.close()
                 log.info("offload: %d parameters in %d groups over %d units, world %d, %s "
@@ -534,16 +589,80 @@ def initialize(model: nn.Module | Callable[[], nn.Module],
     return engine
 
 
+class _Placing:
+    """[Note: a rank that fails while placing]
+    Each rank places its own partitions, group by group, on its own disks: one rank's
+    disk may fill there (its free space was checked, but another process may take it
+    meanwhile), or its initialiser or `progress` raise, where the others' do not. A
+    rank that raised at once left the others waiting in the next group's collective
+    (the all-reduce of rank 0's weights) for the process group's timeout, 30 minutes.
+    So a rank keeps its error (`run`) and goes on to the next `agree`, one all-reduce
+    the ranks of the data-parallel group reach at the same point of every group (it
+    also counts the ranks `_from_first_rank` needs), where all of them stop. Then the
+    whole job settles (`RankAgreement`; tensor-parallel ranks of other groups too,
+    once they placed theirs): the rank that failed raises its own error, every other
+    rank a `RuntimeError` (a `ConfigError` for a config error) naming it, and
+    `initialize` closes what each made, its swap files removed. A resumed group's
+    ranks agree on its outcome themselves (`CheckpointReader.place_group`)."""
+
+    def __init__(self, comm: Collectives) -> None:
+        self.comm = comm
+        self.error: Exception | None = None  # this rank's, raised at `settle`
+        self.stopped = False  # a rank of the group failed: no rank places more
+
+    def run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """fn(*args), unless this rank failed already (then None); an error is kept."""
+        if self.error is not None:
+            return None
+        try:
+            return fn(*args)
+        except Exception as e:  # raised at `settle`, once every rank has stopped
+            self.error = e
+            return None
+
+    def agree(self, flag: bool = False) -> int | None:
+        """Every rank of the group, at the same point: None where a rank has failed so
+        far (every rank stops placing), else how many ranks passed `flag`."""
+        failed, flagged = self.comm.sum_scalars([float(self.error is not None), float(flag)])
+        self.stopped = failed > 0
+        return None if self.stopped else int(flagged)
+
+    def settle(self, agreement: RankAgreement) -> None:
+        """Raises this rank's error, or one naming the rank that failed, on every rank of
+        the job; returns where none did."""
+        if not self.stopped and self.comm.world == agreement.world:
+            return  # the group is the job, and its last `agree` found no failure
+        with agreement.refusals():
+            if self.error is not None:
+                raise self.error
+        agreement.settle()
+        if self.stopped:  # not reached: the rank that failed refused at the settle
+            raise RankFailedError(f"initialize: another rank of {self.comm.world} failed "
+                                  "while placing its partitions (its error says why)")
+
+
 def _place_new_group(engine: OffloadEngine, g: Group, segments: list[tuple[int, int, int]],
-                     ckpt: SafetensorsCheckpoint | None, lineage: Lineage) -> str | None:
+                     ckpt: SafetensorsCheckpoint | None, lineage: Lineage, placing: _Placing
+                     ) -> str | None:
     """Makes group `g`'s weights (from `ckpt`, else by the modules' initialisers, rank
-    0's where ranks differ) and places this rank's partition and its optimizer state.
+    0's where ranks differ) and places this rank's partition and its optimizer state;
+    places nothing once a rank has failed ([Note: a rank that fails while placing]).
     Returns the first parameter whose weights differed from rank 0's, if any."""
-    cfg, comm, differs = engine.cfg, engine.comm, None
-    full = _materialise(engine.module, g, cfg.engine.seed, ckpt, lineage)
-    if ckpt is None:  # [Note: rank 0's weights]
-        real = not all(sl.param.is_meta for sl in g.slots)
-        differs = _from_first_rank(comm, g, full, real)
+    cfg, comm = engine.cfg, engine.comm
+    full = placing.run(_materialise, engine.module, g, cfg.engine.seed, ckpt, lineage)
+    real = ckpt is None and not all(sl.param.is_meta for sl in g.slots)
+    anyone_real = placing.agree(real)  # [Note: rank 0's weights]
+    if anyone_real is None:
+        return None
+    differs = _from_first_rank(comm, g, full) if anyone_real else None
+    placing.run(_place_shard, engine, g, segments, full)
+    return differs
+
+
+def _place_shard(engine: OffloadEngine, g: Group, segments: list[tuple[int, int, int]],
+                 full: torch.Tensor) -> None:
+    """This rank's partition of the group's weights `full`, and its optimizer state."""
+    cfg, comm = engine.cfg, engine.comm
     shard = full[comm.rank * g.shard:(comm.rank + 1) * g.shard]
     engine.store.put(("p", g.gid), shard.to(engine.dtype), kind="param",
                      tier=_TIERS[cfg.engine.params])
@@ -553,7 +672,6 @@ def _place_new_group(engine: OffloadEngine, g: Group, segments: list[tuple[int, 
         engine.optimizer.add_partition(
             g.gid, shard if shared else shard.clone(), tier=cfg.engine.optimizer,
             master_is_param=shared, segments=segments, origin=g.origin(comm.rank))
-    return differs
 
 
 def _refuse_gather_thread_on_nccl(cfg: OffloadConfig, cuda: bool) -> None:
@@ -588,20 +706,19 @@ def _refuse_cpu_tensors_on_nccl(backend: str, config: str, cuda: bool) -> None:
                           "(init_process_group('cpu:gloo,cuda:nccl'), or 'gloo')")
 
 
-def _from_first_rank(comm: Collectives, g: Group, full: torch.Tensor, real: bool
-                     ) -> str | None:
+def _from_first_rank(comm: Collectives, g: Group, full: torch.Tensor) -> str | None:
     """[Note: rank 0's weights] The user's weights are the (data-parallel) group's first
     rank's, as DDP broadcasts rank 0's parameters when it wraps a model: ranks that
     built the model after seeding each its own way (`manual_seed(seed + rank)`) would
     otherwise each keep its own slice of its own weights, and train a model that no
     rank built. A group whose parameters are meta on every rank (made from
     `engine.seed`) is the same everywhere already, and so is a checkpoint's; one
-    real on some rank (`real`: all of this rank's are not meta; FSDP's
-    `sync_module_states` habit of building the model on rank 0 only) is sent from
-    rank 0. Every rank calls it for every group. Returns the first parameter of `g`
-    whose values on this rank were not rank 0's, or None."""
-    if comm.world == 1 or not comm.sum_scalars([float(real)])[0]:
-        return None
+    real on some rank (all of a rank's are not meta; FSDP's `sync_module_states`
+    habit of building the model on rank 0 only) is sent from rank 0. The ranks count
+    those in the all-reduce of each group where they agree that none has failed
+    ([Note: a rank that fails while placing]), and every rank calls this where one
+    is. Returns the first parameter of `g` whose values on this rank were not rank
+    0's, or None."""
     mine = full.clone() if comm.rank != 0 else None
     comm.broadcast_first(full)
     if mine is None or torch.equal(mine, full):
@@ -691,6 +808,7 @@ def _drop_params(g: Group, engine: OffloadEngine) -> None:
     engine.registered.register(g.gid)
     for s in g.slots:
         for mod, _ in s.uses:
-            mod.__dict__[_WRAPPED] = weakref.ref(engine)  # [Note: wrapped modules]
+            mod.__dict__[_WRAPPED] = EngineMark(weakref.ref(engine), mod)  # [Note: wrapped
+            # modules]
         s.param = None
     engine.unbind(g.gid)

@@ -15,28 +15,30 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from typing import Any
+from typing import Any, Iterator
 
 from ..config import ConfigError, OffloadConfig
 
 LIVE = frozenset({"engine.keep_checkpoints"})  # read at each save, documented so
 
 
-def _keys(cfg: OffloadConfig) -> dict[str, Any]:
-    return {f"{s.name}.{k.name}": copy.deepcopy(getattr(getattr(cfg, s.name), k.name))
-            for s in dataclasses.fields(cfg) for k in dataclasses.fields(getattr(cfg, s.name))
-            if f"{s.name}.{k.name}" not in LIVE}
+def _keys(cfg: OffloadConfig) -> Iterator[tuple[str, Any]]:
+    for s in dataclasses.fields(cfg):
+        section = getattr(cfg, s.name)
+        for k in dataclasses.fields(section):
+            if f"{s.name}.{k.name}" not in LIVE:
+                yield f"{s.name}.{k.name}", getattr(section, k.name)
 
 
 class FixedConfig:
     """The keys `cfg` held when the engine was built; `check()` refuses a change."""
 
     def __init__(self, cfg: OffloadConfig) -> None:
-        self._cfg, self._given = cfg, _keys(cfg)
+        self._cfg, self._given = cfg, {k: copy.deepcopy(v) for k, v in _keys(cfg)}
 
     def check(self) -> None:
         self._cfg.validate()
-        for key, now in _keys(self._cfg).items():
+        for key, now in _keys(self._cfg):
             given = self._given[key]
             if now != given:
                 where = (" (the optimizer's hyper-parameters change in "

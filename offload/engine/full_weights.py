@@ -281,9 +281,10 @@ def summoned(engine: "OffloadEngine", groups: list[Group], writable: bool
         for i, value in enumerate(values[g.gid]):
             for name in names[(g.gid, i)]:
                 named[name] = value
+    engine.registered.writable = writable
     failure: BaseException | None = None
     edited = None
-    layout = _snapshot(engine.module)
+    layout = _snapshot(engine.module, names, groups)
     try:
         yield named
     except BaseException as e:  # raised below, once every rank has agreed
@@ -295,6 +296,7 @@ def summoned(engine: "OffloadEngine", groups: list[Group], writable: bool
     except ValueError as e:
         failure = failure or e
     finally:
+        engine.registered.writable = False
         for g in groups:
             engine.registered.register(g.gid)
     if writable and engine.comm.world > 1:
@@ -338,14 +340,26 @@ def refuse_apart(prints: list[float], what: str, done: str, source: str, fix: st
                            f"of both. {fix}")
 
 
-def _snapshot(model: nn.Module) -> list[tuple[str, nn.Module, dict]]:
-    """Each module's attributes: {name: (value, a copy of its items where it is a list,
-    dict or set)}, for `_same_layout` to put back."""
+def _snapshot(model: nn.Module, names: dict[tuple[int, int], list[str]],
+              groups: list[Group]) -> list[tuple[str, nn.Module, dict]]:
+    """The attributes of the modules that hold the block's weights and of those above
+    them, {name: (value, a copy of its items where it is a list, dict or set)}, for
+    `_same_layout` to put back: a block of one group costs its own modules, not the
+    model's (`full_weights_by_group` takes one per group)."""
     def items(v: Any) -> Any:
         return (list(v) if type(v) is list else dict(v) if isinstance(v, dict)
                 else set(v) if type(v) is set else None)
-    return [(n, m, {k: (v, items(v)) for k, v in m.__dict__.items()})
-            for n, m in model.named_modules()]
+    paths = {""}
+    for g in groups:
+        for i in range(len(g.slots)):
+            for name in names[(g.gid, i)]:
+                parts = name.split(".")[:-1]
+                paths.update(".".join(parts[:k]) for k in range(1, len(parts) + 1))
+    out = []
+    for path in sorted(paths):
+        m = model.get_submodule(path)
+        out.append((path, m, {k: (v, items(v)) for k, v in m.__dict__.items()}))
+    return out
 
 
 def _same_layout(layout: list[tuple[str, nn.Module, dict]]) -> None:

@@ -16,6 +16,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from .absent import AbsentWeight
 from .gathering import in_backward
 from .tensor_parallel import refuse_layer_outputs
 from .units import Unit, copy_weight_views, hooks_last, output_tensors
@@ -114,9 +115,14 @@ class ModuleHooks:
         """A load_state_dict pre-hook on every module of the model: `model.load_state_dict`
         outside a `full_weights` block loaded the buffers of the modules it reached
         first, then raised at the first stand-in (with `assign=True` it took every
-        tensor, and the engine refused each later call, with no way back). Refused
-        before the first module loads anything."""
-        if not self.registered.summoned_weights:  # [Note: calls inside a full_weights block]
+        tensor, and the engine refused each later call, with no way back); inside a
+        read-only block, or a block without some of the module's weights, it loaded
+        what the block then discarded, or failed half way. Refused before the first
+        module loads anything."""
+        # [Note: calls inside a full_weights block]: only what a writable block holds, every
+        # weight of the module's (the root's buffers load before its children's weights)
+        if not self.registered.writable or any(
+                isinstance(p, AbsentWeight) for p in module.parameters()):
             raise RuntimeError(
                 f"{type(module).__name__}.load_state_dict(...) on a model the engine holds: "
                 "its weights live in the engine's partitions, not in the modules. Load "

@@ -123,7 +123,8 @@ class HyperWatch:
 
 def _compared(values: tuple) -> tuple[tuple[str, Any], ...]:
     """A group's values as the ranks compare them: `group_values` without lr_lambda."""
-    lr, beta1, beta2, eps, weight_decay, _ = values
+    lr, beta1, beta2, eps, weight_decay, _ = (
+        v + 0.0 if isinstance(v, float) else v for v in values)  # -0.0 is 0.0
     return (("lr", lr), ("betas", (beta1, beta2)), ("eps", eps),
             ("weight_decay", weight_decay))
 

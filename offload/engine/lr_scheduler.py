@@ -25,7 +25,6 @@ making the scheduler.) So `initialize` takes a factory, as DeepSpeed does:
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
 from collections import Counter
@@ -144,14 +143,22 @@ def step_scheduler(scheduler: Any, number: int) -> None:
     The scheduler and its optimizer's values are put back as before its step, and
     the error says what was applied and what to do."""
     groups = scheduler.optimizer.param_groups
-    state = copy.deepcopy(scheduler.state_dict())
-    values = [{k: copy.deepcopy(g[k]) for k in _VALUES if k in g} for g in groups]
+    # as torch's schedulers keep it: a step rebinds their attributes (last_epoch, the
+    # last rates), so a shallow copy is enough and costs nothing per step (a lambda
+    # object holding a table, or a lock, copied deep at every step cost or failed)
+    state = {k: list(v) if type(v) is list else v for k, v in scheduler.state_dict().items()}
+    values = [{k: g[k].clone() if isinstance(g[k], torch.Tensor) else g[k]
+               for k in _VALUES if k in g} for g in groups]
     try:
         scheduler.step()
     except Exception as e:
         scheduler.load_state_dict(state)
         for g, saved in zip(groups, values):
-            g.update(saved)
+            for k, v in saved.items():  # a tensor lr in place, as schedulers write it
+                if isinstance(v, torch.Tensor) and isinstance(g[k], torch.Tensor):
+                    g[k].copy_(v)
+                else:
+                    g[k] = v
         raise RuntimeError(
             f"step {number} was applied (the weights were updated; engine.global_step is "
             f"{number}), then the lr_scheduler's step() raised {type(e).__name__}: {e}. "

@@ -14,7 +14,6 @@ from ..comm import Collectives
 from .checkpoint import SafetensorsCheckpoint
 from .materialise import Lineage, scratch_for_others
 from .meta import SkipMetaNormal
-from .rank_agreement import RankAgreement, buffer_section
 
 log = logging.getLogger(__name__)
 
@@ -39,11 +38,8 @@ def buffers_from_first_rank(comm: Collectives, model: nn.Module) -> None:
     by a tensor holding rank 0's values (the old tensor is left as it was), and one
     warning names the first. Every rank of the job (`comm`: all of them) calls it; a
     buffer shared by several modules stays one. Where the ranks' buffers differ in
-    name, shape, dtype or sharing, every rank raises the same ConfigError naming the
-    first, before any is changed ([Note: ranks agree at initialize])."""
-    # one broadcast per buffer, paired by order: a buffer on some ranks only left them
-    # waiting in different collectives, another dtype took rank 0's bytes as its own
-    RankAgreement().settle(lambda: [buffer_section(model)])
+    name, shape, dtype or sharing, `initialize` has refused already, on every rank
+    (`buffer_section`, [Note: ranks agree at initialize])."""
     done: dict[int, torch.Tensor] = {}
     first = None
     for mname, m in model.named_modules():

@@ -35,7 +35,7 @@ from .one_thread import one_call
 from .params_view import state_entries
 from .rank_order import tensors_crc32
 from .safetensors_writer import TensorSpec, cast_finite, write_shards
-from .units import not_compiled
+from .units import EngineMark, not_compiled, plain_method
 
 log = logging.getLogger(__name__)
 
@@ -162,7 +162,7 @@ def guard_casts(model: nn.Module, dtype: torch.dtype, device: torch.device) -> N
         def _apply(fn: Any, recurse: bool = True, plain: Any = plain, name: str = name) -> Any:
             refuse_cast(fn, dtype, device, name)
             return plain(fn, recurse)
-        mod.__dict__["_apply"] = _apply
+        mod.__dict__["_apply"] = EngineMark(_apply, mod, plain_method("_apply"))
 
 
 def guard_resize(model: nn.Module) -> None:
@@ -180,7 +180,8 @@ def guard_resize(model: nn.Module) -> None:
             "optimizer state and swap files are laid out for them); resize the model "
             "before offload.initialize, or load engine.state_dict() into a fresh model, "
             "resize that and initialize again")
-    model.__dict__["resize_token_embeddings"] = resize_token_embeddings
+    model.__dict__["resize_token_embeddings"] = EngineMark(
+        resize_token_embeddings, model, plain_method("resize_token_embeddings"))
 
 
 def guard_tie(model: nn.Module) -> None:
@@ -193,19 +194,23 @@ def guard_tie(model: nn.Module) -> None:
     for module in model.modules():
         plain = getattr(type(module), "tie_weights", None)
         if callable(plain):
-            module.__dict__["tie_weights"] = functools.partial(_tie_guarded, module, plain)
+            module.__dict__["tie_weights"] = EngineMark(
+                functools.partial(_tie_guarded, module, plain), module,
+                plain_method("tie_weights"))
 
 
 def _tie_guarded(module: nn.Module, plain: Callable, *args: Any, **kwargs: Any) -> Any:
     before = [(m, dict(m._parameters)) for m in module.modules()]
-    out = plain(module, *args, **kwargs)
+    try:
+        out = plain(module, *args, **kwargs)
+    except BaseException:  # half way (a head's bias read outside its unit): as it was
+        _put_back(before)
+        raise
     moved = [(m, name) for m, params in before for name, p in params.items()
              if m._parameters.get(name) is not p]
     if not moved:
         return out
-    for m, params in before:
-        m._parameters.clear()
-        m._parameters.update(params)
+    _put_back(before)
     names = {id(m): n for n, m in module.named_modules()}
     m, name = moved[0]
     raise RuntimeError(
@@ -227,6 +232,12 @@ def _refuse_adapters(model: nn.Module) -> None:
             "is its adapters: save them with `with engine.full_weights(): "
             "model.save_pretrained(dir)` (peft's own), or the whole model with "
             "engine.state_dict() loaded into a plain copy (nothing was written)")
+
+
+def _put_back(before: list[tuple[nn.Module, dict]]) -> None:
+    for m, params in before:
+        m._parameters.clear()
+        m._parameters.update(params)
 
 
 class ModelWeights:

@@ -172,6 +172,7 @@ class RegisteredParams:
         # inside a full_weights block] in full_weights.py)
         self._summoned: dict[int, tuple[int, int]] = {}
         self.summoned_weights: dict[int, list[nn.Parameter]] = {}  # gid -> what `summon` put
+        self.writable = False  # whether the block that summoned them writes them back
         self._names: dict[tuple[int, int], str] = {}  # (gid, slot) -> its first name
         self._grads: list[tuple[nn.Parameter, AbsentWeight]] = []  # [Note: absent gradients]
         self._shown: list[tuple[nn.Parameter, AbsentWeight]] = []  # what show_grads showed

@@ -7,12 +7,17 @@ per-rank setting) would otherwise abort inside gloo ("Received data size doesn't
 match expected size") with its swap files left behind, or train on silently with
 layouts or hyper-parameters that do not match. And a check that refuses on one
 rank only (its budgets, its disk) would leave the others waiting in their first
-collective. So `initialize` settles four times, each time one
-`all_gather_object` over the whole job:
+collective. So `initialize` settles four times before any state is placed, each
+time one `all_gather_object` over the whole job:
 
   1. the config, before the tensor-parallel mesh is built from it (every key
-     except `PER_RANK_KEYS`), once each rank has loaded it and its model, and
-     the checkpoint each resumes from (`resume_section`);
+     except `PER_RANK_KEYS`), once each rank has loaded it and its model, the
+     checkpoint each resumes from (`resume_section`), and the model's buffers
+     (`buffer_section`): their names, shapes, dtypes and sharing, not their
+     values (rank 0's are broadcast: a buffer on some ranks only left one rank
+     waiting in its broadcast and the other in its first forward; one of another
+     dtype took rank 0's bytes as its own dtype, one of another shape kept its
+     own values);
   2. the model: each parameter's name, shape, trainability and optimizer
      settings, the groups (numel, padding, shard) and units, between the ranks
      of each data-parallel group (tensor-parallel ranks hold different slices),
@@ -24,13 +29,9 @@ collective. So `initialize` settles four times, each time one
      locked (another job's lock, a path one rank may not use); a rank that made
      its files removes them when another refused.
 
-Where buffers are taken from rank 0 (`buffers_from_first_rank` in model_buffers.py),
-a fifth settle first compares the model's buffers over the whole job
-(`buffer_section`): their names, shapes, dtypes and sharing, not their values. A
-buffer on some ranks only left one rank waiting in its broadcast and the other in
-its first forward; one of another dtype took rank 0's bytes as its own dtype, one of
-another shape kept its own values. A refusal there comes after the state is placed;
-`initialize` then closes what it made and leaves the model as it was.
+A rank that fails while the partitions are placed stops every rank at the same
+group, and the job settles once more ([Note: a rank that fails while placing] in
+__init__.py).
 
 Each stage first runs this rank's own checks under `refusals()`. Where one
 refuses, that rank raises its own error and every other rank a `ConfigError`
@@ -246,8 +247,8 @@ class RankAgreement:
             if why_r is not None:
                 config, message = why_r
                 raise (ConfigError if config else RuntimeError)(
-                    f"initialize: rank {r} refused, so every rank stops before any training "
-                    f"state is placed: {message}")
+                    f"initialize: rank {r} refused, so every rank stops (what each made is "
+                    f"removed): {message}")
         return [x for _, _, x in reports]
 
     def _raise_difference(self, sections: list[Section], groups: list[list[int]],

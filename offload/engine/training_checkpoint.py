@@ -71,6 +71,7 @@ collectives.
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import logging
 import math
@@ -88,7 +89,7 @@ import numpy as np
 import torch
 
 from ..comm import RankFailedError
-from ..files import check_directory
+from ..files import check_directory, existing_ancestor
 from ..io import host_copy
 from ..io.errors import limit_hint
 from ..store import Tier
@@ -105,6 +106,7 @@ from .checkpoint_publish import (LOCK, PARTIAL, RECORD, PartialLock, check_save_
                                  partial_of, prune, remove_partials)
 from .lr_scheduler import scheduler_state, to_json_scalar
 from .units import Group, Slot
+from .working_set import this_host
 
 log = logging.getLogger(__name__)
 
@@ -423,6 +425,7 @@ class _SaveJob:
             with comm.together("save_checkpoint"):
                 if rank == 0:
                     arrays = self._start()
+            _agree_on_directory(comm, path, tmp)  # before any rank writes into it
             written, steps = _write_partitions(engine, comm, tmp, arrays, _context(),
                                                self.table)
             with comm.together("save_checkpoint"):
@@ -552,15 +555,18 @@ def _agree_to_save(comm: Any, path: Path, refused: BaseException | None) -> None
     """Every rank calls `save_checkpoint`; a refusal on one (its own `extra`, a step
     open there) is raised on every rank ([Note: ranks agree] in
     offload/comm/collectives.py), where the others would wait for it at the save's
-    first barrier; so is a checkpoint name that differs between the ranks (each
-    would write into a directory of its own). Names, not whole paths, are compared:
-    nodes may mount a shared file system at different places."""
+    first barrier; so is a checkpoint name that differs between the ranks, or ranks
+    of one machine whose paths name different directories ([Note: one directory for
+    every rank])."""
     if comm.world == 1:
         if refused is not None:
             raise refused
         return
-    mine = float(zlib.crc32(path.name.encode()))
-    failed, total = comm.sum_scalars([0.0 if refused is None else 1.0, mine])
+    mine = float(zlib.crc32(os.fsencode(path.name)))
+    where = [0.0] * (2 * comm.world)  # each rank's machine and directory, at its place
+    where[comm.rank] = _key(this_host())
+    where[comm.world + comm.rank] = _key(_directory_of(path))
+    failed, total, *where = comm.sum_scalars([0.0 if refused is None else 1.0, mine, *where])
     if refused is not None:
         raise refused
     if failed:
@@ -572,6 +578,72 @@ def _agree_to_save(comm: Any, path: Path, refused: BaseException | None) -> None
         raise CheckpointError(f"save_checkpoint: the ranks gave different names (this rank: "
                               f"{path}); every rank saves its part of one checkpoint: give "
                               "them the same name (e.g. step-<engine.global_step>)")
+    hosts, dirs = where[:comm.world], where[comm.world:]
+    first = {}  # machine -> the first rank on it
+    apart = [(first[h], r) for r, h in enumerate(hosts)
+             if dirs[first.setdefault(h, r)] != dirs[r]]
+    if apart:
+        a, b = apart[0]
+        paths = comm.every_rank_object(str(path))
+        raise CheckpointError(
+            f"save_checkpoint: ranks {a} and {b}, on one machine, gave paths of different "
+            f"directories (rank {a}: {paths[a]}, rank {b}: {paths[b]}); {_ONE_DIRECTORY}; "
+            "nothing was written")
+
+
+# what the refusals of [Note: one directory for every rank] say to do
+_ONE_DIRECTORY = ("every rank writes its part into one checkpoint directory: give every "
+                  "rank the path of the same directory, on a file system every machine of "
+                  "the job mounts (its mount point may differ between machines)")
+
+
+def _directory_of(path: Path) -> str:
+    """Where `path` is, as this machine's kernel knows it: the (device, inode) of its
+    nearest existing ancestor and the names below that, the same through any mount
+    point or link of that directory (the realpath where it cannot be read)."""
+    real = os.path.realpath(path)
+    try:
+        found = existing_ancestor(os.path.dirname(real))
+        st = os.stat(found)
+    except OSError:
+        return real
+    return f"{st.st_dev}:{st.st_ino}:{os.path.relpath(real, found)}"
+
+
+def _key(text: str) -> float:
+    """A 52-bit digest of `text`, exact as a float64 in a sum of zeros."""
+    return float(int(hashlib.sha256(os.fsencode(text)).hexdigest()[:13], 16))
+
+
+def _agree_on_directory(comm: Any, path: Path, tmp: Path) -> None:
+    """[Note: one directory for every rank]
+    Every rank writes its partitions into the one checkpoint directory rank 0 makes
+    (`.<name>.partial`, published by rank 0's rename). A rank given a directory of its
+    own (a per-node local directory: the same name under another parent, or the same
+    path on another machine's own disk) wrote its chunks into a `.partial` directory
+    nobody publishes or removes, and failed at its rank file there. Paths are not
+    compared across machines, since nodes may mount a shared file system at
+    different places: `_agree_to_save` refuses, before anything is written, ranks of
+    one machine (one boot id) whose paths name different directories; and once rank
+    0 has made the partial directory, every rank checks that it sees that directory
+    (its inode numbers, and those of its `ranks/`, as rank 0 sees them), before it
+    writes anything there. A rank that does not fails the save on every rank, and
+    rank 0 removes its partial directory."""
+    if comm.world == 1:
+        return
+    try:
+        seen = _key(f"{os.stat(tmp).st_ino}:{os.stat(tmp / 'ranks').st_ino}")
+    except OSError:
+        seen = 0.0
+    every = comm.every_rank(seen)
+    blind = [r for r, v in enumerate(every) if not v or v != every[0]]
+    if blind:
+        paths = comm.every_rank_object(str(path))
+        raise CheckpointError(
+            f"save_checkpoint: rank {blind[0]} does not see the directory rank 0 is writing "
+            f"the checkpoint into (rank 0: {paths[0]}, rank {blind[0]}: {paths[blind[0]]}): "
+            f"each machine saved to a directory of its own; {_ONE_DIRECTORY}; nothing was "
+            "published, and rank 0 removed what it had made")
 
 
 def save_checkpoint(engine: Any, path: str | os.PathLike, extra: dict[str, Any] | None = None,

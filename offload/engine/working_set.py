@@ -37,6 +37,7 @@ import os
 import shutil
 import socket
 from dataclasses import dataclass
+from typing import Iterable
 
 import torch
 
@@ -54,7 +55,8 @@ from .units import Group
 log = logging.getLogger(__name__)
 
 __all__ = ["DiskShare", "WorkingSet", "check_budgets", "check_disk", "check_memory",
-           "disk_share", "memory_bytes_placed", "nvme_bytes_placed", "working_set"]
+           "disk_share", "memory_bytes_placed", "nvme_bytes_placed", "this_host",
+           "working_set"]
 
 
 @dataclass(frozen=True)
@@ -226,7 +228,9 @@ class DiskShare:
     placed: tuple[tuple[int, int], ...]
 
 
-def _this_host() -> str:
+def this_host() -> str:
+    """The kernel this process runs on: its boot id (the same in every container of
+    one machine, different on another), else the host name."""
     try:
         with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
             return "boot:" + f.read().strip()
@@ -235,12 +239,26 @@ def _this_host() -> str:
 
 
 def disk_share(cfg: OffloadConfig, groups: list[Group], dtype: torch.dtype) -> DiskShare:
-    """This rank's `DiskShare`: bytes `nvme_bytes_placed` puts in each `io.paths` entry."""
-    total = sum(nvme_bytes_placed(cfg, groups, dtype,
-                                  resolve_device(cfg.store.device).type).values())
-    share = -(-total // len(cfg.io.paths))  # every swap file stripes over the paths
-    return DiskShare(_this_host(), tuple((os.stat(existing_ancestor(p)).st_dev, share)
+    """This rank's `DiskShare`: bytes `nvme_bytes_placed` puts in each `io.paths` entry,
+    in the whole stripes its swap files take there ([Note: swap files grow by whole
+    stripes])."""
+    placed = nvme_bytes_placed(cfg, groups, dtype, resolve_device(cfg.store.device).type)
+    share = _striped(cfg, placed.values())
+    return DiskShare(this_host(), tuple((os.stat(existing_ancestor(p)).st_dev, share)
                                          for p in cfg.io.paths))
+
+
+def _striped(cfg: OffloadConfig, kinds: Iterable[int]) -> int:
+    """[Note: swap files grow by whole stripes]
+    Bytes each `io.paths` entry takes for swap files holding `kinds` bytes (one file per
+    kind of state, striped over the paths). A swap file grows by whole rows of
+    io.stripe_size on every path (by io.grow_step where that leaves room, by only what
+    it needs where not: [Note: growth on a nearly full disk] in offload/io/swap.py), so
+    a few KiB of state take a whole stripe (1 MiB by default) on each path: a disk
+    with room for the KiB but not for the stripe passed the free-space check, and
+    the rank failed while placing its partitions."""
+    row = cfg.io.stripe_size * len(cfg.io.paths)
+    return sum(-(-n // row) for n in kinds if n) * cfg.io.stripe_size
 
 
 def _ranks_from_launcher() -> int:
@@ -326,12 +344,19 @@ def check_disk(cfg: OffloadConfig, groups: list[Group], dtype: torch.dtype,
         free = usage.free
         need, ranks = _demand(me, i, peers)
         if free < need:
+            # the state itself, where whole stripes are what does not fit
+            raw = -(-total // len(cfg.io.paths))
+            stripes = (f"; swap files grow by whole stripes of io.stripe_size, "
+                       f"{format_bytes(cfg.io.stripe_size)} on each path, so this rank's "
+                       f"{format_bytes(raw)} of state take {format_bytes(me.placed[i][1])} "
+                       "here" if me.placed[i][1] > raw else "")
+            lower = "lower io.stripe_size, " if stripes else ""
             raise SwapPathError(
                 errno.ENOSPC,
                 f"io.paths[{i}]: {path} has {format_bytes(free)} free, and this model places "
                 f"at least {format_bytes(need)} of state on NVMe on its file system ({ranks} "
-                f"rank(s) of this node write there); free disk space, add a directory on "
-                f"another disk to io.paths, or {how}", path)
+                f"rank(s) of this node write there{stripes}); free disk space, add a "
+                f"directory on another disk to io.paths, {lower}or {how}", path)
         if free < 2 * need:
             log.warning(
                 "io.paths[%d]: %s has %s free for %s of NVMe state (%d rank(s) of this node): "

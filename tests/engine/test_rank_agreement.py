@@ -128,7 +128,7 @@ def test_a_check_that_refuses_on_one_rank_stops_every_rank(tmp_path):
     assert results[1]["error"][1].startswith("store.host_budget: 4.0 KiB")
     assert results[0]["error"][0] == "ConfigError"
     assert results[0]["error"][1].startswith(
-        "initialize: rank 1 refused, so every rank stops before any training state is placed: "
+        "initialize: rank 1 refused, so every rank stops (what each made is removed): "
         "store.host_budget: 4.0 KiB")
     assert results[0]["swap"] == [] and results[1]["swap"] == []
 
@@ -142,7 +142,7 @@ def test_a_swap_path_refused_on_one_rank_stops_every_rank_without_waiting(tmp_pa
     assert results[1]["error"][0] == "SwapPathError", results[1]["error"]
     assert results[0]["error"][0] == "ConfigError", results[0]["error"]
     assert results[0]["error"][1].startswith("initialize: rank 1 refused, so every rank stops "
-                                             "before any training state is placed: ")
+                                             "(what each made is removed): ")
     assert "/proc/offload-swap" in results[0]["error"][1]
     assert results[0]["swap"] == []
 

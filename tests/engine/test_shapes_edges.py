@@ -284,34 +284,38 @@ def test_a_float64_model_is_refused_naming_the_parameter(engine_cfg):
 @pytest.mark.parametrize("dtype,fix", [
     (torch.complex64, r"imaginary part would be lost.*view_as_real"),
     (torch.complex32, r"imaginary part would be lost.*view_as_real"),
-    (torch.float8_e4m3fn, r"would change its dtype.*register_buffer")])
+    (torch.float8_e4m3fn, r"would change its dtype.*register_buffer"),
+    ("sparse", r"sparse_coo tensor; .*to_dense")])
 def test_a_complex_or_float8_parameter_is_refused_with_a_fix_that_works(engine_cfg, dtype,
                                                                         fix):
     """A complex32 parameter was taken and its imaginary part dropped (complex64 was
     refused with `model.float()` as the fix, which leaves complex tensors as they are),
-    and a float8 one silently became engine.dtype. Each is refused, naming the parameter
-    and a fix that works, before anything is made."""
+    a float8 one silently became engine.dtype, and a sparse one failed inside the
+    partitioning. Each is refused, naming the parameter and a fix that works, before
+    anything is made."""
     model = IndexedLinear(as_buffer=True)
     values = torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64)
-    model.extra = nn.Parameter(values.to(dtype) if dtype.is_complex else values.real.to(dtype),
-                               requires_grad=False)
-    before = model.extra.detach().clone()
+    extra = (values.real.to_sparse() if dtype == "sparse" else values.to(dtype)
+             if dtype.is_complex else values.real.to(dtype))
+    model.extra = param = nn.Parameter(extra, requires_grad=False)
+    before = extra.to_dense().view(torch.uint8).clone()
     with pytest.raises(offload.ConfigError, match=rf"parameter 'extra' is .*{fix}"):
         offload.initialize(model, engine_cfg("host", group_size=100))
-    assert model.extra.dtype == dtype
-    assert torch.equal(model.extra.detach().view(torch.uint8), before.view(torch.uint8))
+    assert model.extra is param and param.layout == extra.layout  # the user's, untouched
+    assert torch.equal(param.detach().to_dense().view(torch.uint8), before)
 
 
 class Views(nn.Module):
     """Two linear layers whose weights are views of one buffer; `overlap`: a third
     parameter that is a view of the first layer's rows."""
 
-    def __init__(self, overlap: bool) -> None:
+    def __init__(self, overlap: bool, columns: bool = False) -> None:
         super().__init__()
         self.a, self.b = nn.Linear(8, 8, bias=False), nn.Linear(8, 8, bias=False)
         flat = torch.randn(128) * 0.3
-        self.a.weight = nn.Parameter(flat[:64].view(8, 8))
-        self.b.weight = nn.Parameter(flat[64:].view(8, 8))
+        halves = ((flat.view(8, 16)[:, :8], flat.view(8, 16)[:, 8:]) if columns
+                  else (flat[:64].view(8, 8), flat[64:].view(8, 8)))
+        self.a.weight, self.b.weight = (nn.Parameter(h) for h in halves)
         if overlap:
             self.rows = nn.Parameter(self.a.weight.data[:4])
 
@@ -319,11 +323,12 @@ class Views(nn.Module):
         return self.b(torch.tanh(self.a(x)))
 
 
-def test_parameters_that_share_memory_are_refused_unless_apart(engine_cfg):
+@pytest.mark.parametrize("columns", [False, True])
+def test_parameters_that_share_memory_are_refused_unless_apart(engine_cfg, columns):
     """A parameter made as a view of another's rows trains together with it in torch;
     the engine kept each as its own partition, so they drifted apart unnoticed. It is
     refused, naming both, before anything is made. Weights that are disjoint views of
-    one buffer train as torch."""
+    one buffer (row blocks, or interleaved column halves) train as torch."""
     torch.manual_seed(0)
     model = Views(overlap=True)
     with pytest.raises(offload.ConfigError, match=r"parameters 'a.weight' and 'rows' share "
@@ -331,8 +336,9 @@ def test_parameters_that_share_memory_are_refused_unless_apart(engine_cfg):
         offload.initialize(model, engine_cfg("host", group_size=70))
     assert model.rows.data_ptr() == model.a.weight.data_ptr()
     torch.manual_seed(0)
-    ref = Views(overlap=False)
-    model = copy.deepcopy(ref)
+    ref = Views(overlap=False, columns=columns)
+    torch.manual_seed(0)
+    model = Views(overlap=False, columns=columns)  # deepcopy would copy the views apart
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
     x = torch.randn(4, 8)
     with offload.initialize(model, engine_cfg("host", group_size=70)) as engine:

@@ -56,6 +56,12 @@ def test_a_copy_made_in_full_weights_is_a_plain_model(engine_cfg):
     engine.step()
     engine.close()
     assert twin(x).shape == (3, 4)
+    assert twin.to(torch.bfloat16)[0].weight.dtype == torch.bfloat16  # no cast guard of the
+    assert twin.double()[0].weight.dtype == torch.float64             # engine's at work
+    cfg = engine_cfg(group_size=200)
+    cfg["io"]["paths"] = [cfg["io"]["paths"][0] + "-twin"]
+    with offload.initialize(twin.float(), cfg) as again:  # not taken for a wrapped model
+        assert again(x).shape == (3, 4)
 
 
 class Shifted(nn.Module):
@@ -74,9 +80,10 @@ class Shifted(nn.Module):
 def test_model_load_state_dict_outside_full_weights_loads_nothing(engine_cfg, assign):
     """`model.load_state_dict(sd)` outside a `full_weights` block loaded the root's buffer,
     then raised at the first weight; with `assign=True` it took every tensor and the
-    engine refused each later call, with no way back. It is refused before anything is
-    loaded, naming engine.load_state_dict; that, and the same call inside a writable
-    block, load as torch."""
+    engine refused each later call, with no way back; inside a read-only block it loaded
+    what the block discarded. It is refused before anything is loaded, naming
+    engine.load_state_dict; that, and the same call inside a writable block, load as
+    torch."""
     torch.manual_seed(0)
     model, ref = Shifted(), Shifted()
     with torch.no_grad():
@@ -90,6 +97,9 @@ def test_model_load_state_dict_outside_full_weights_loads_nothing(engine_cfg, as
                                                    r"loaded"):
                 target.load_state_dict(sd if target is model else ref.lin.state_dict(),
                                        assign=assign)
+        with engine.full_weights():  # read-only: what it loaded would be discarded
+            with pytest.raises(RuntimeError, match=r"writable=True.*Nothing was loaded"):
+                model.load_state_dict(sd, assign=assign)
         assert all(torch.equal(v, before[k]) for k, v in engine.state_dict().items())
         with engine.full_weights(writable=True):
             model.load_state_dict(sd, assign=assign)
