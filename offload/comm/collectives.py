@@ -90,6 +90,11 @@ class Collectives:
         self.world = dist.get_world_size(group) if self.distributed else 1
         # `cuda`: the engine's tensors are CUDA tensors (None: CUDA is here)
         self.backend = device_backend(group, cuda) if self.distributed else "none"
+        # NCCL's tensors go to the GPU that is current now (initialize has set the
+        # engine's): a later torch.cuda.set_device of the program's own would otherwise
+        # send them from another GPU than the communicator's
+        self.device = (torch.device("cuda", torch.cuda.current_device())
+                       if self.backend == "nccl" else torch.device("cpu"))
         self.issued = 0  # collectives this rank started on the group (the ranks' count agrees)
 
     def destroy(self) -> None:
@@ -187,7 +192,7 @@ class Collectives:
         if self.world == 1:
             return
         src = dist.get_global_rank(self.group or dist.group.WORLD, 0)
-        sent = tensor.cuda() if self.backend == "nccl" else tensor  # NCCL sends device tensors
+        sent = tensor.to(self.device) if self.backend == "nccl" else tensor  # NCCL: device
         token = self._begin("broadcast", sent)
         self._then(dist.broadcast(sent, src=src, group=self.group, async_op=True), None,
                    False, token)
@@ -225,7 +230,7 @@ class Collectives:
             return list(values)
         t = torch.tensor(values, dtype=torch.float64)
         if self.backend == "nccl":
-            t = t.cuda()
+            t = t.to(self.device)
         self.all_reduce_sum(t)
         return t.cpu().tolist()
 
@@ -245,7 +250,7 @@ class Collectives:
             return [(v, v) for v in values]
         t = torch.tensor([*values, *(-v for v in values)], dtype=torch.float64)
         if self.backend == "nccl":
-            t = t.cuda()
+            t = t.to(self.device)
         token = self._begin("all-reduce", t)
         self._then(dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group, async_op=True),
                    None, False, token)
