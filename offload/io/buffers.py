@@ -126,9 +126,11 @@ def _cuda_call(name: str, *args: int) -> None:
 # disk sees, and how fast it serves them, depends on how fragmented physical
 # memory was when the buffer was faulted in. On 2 MiB transparent huge pages
 # the same request is two segments. A 1 GiB O_DIRECT probe, 4 MiB requests at
-# queue depth 32, alternating one buffer of each kind in one process, moved
-# writes at 5.5-5.8 GB/s against 3.4-3.7, reads at 2.3-2.8 against 1.8-1.9
-# and mixed traffic at 2.9-3.4 against 2.3-2.4 (runs 2-4 of four). So a block of a huge page or
+# queue depth 32, alternating one buffer of each kind in one process
+# (benchmarks/hugepage_io.py, all four rounds of its run in docs/benchmarks.md),
+# moved writes at 2.58-2.70 GB/s against 1.94-2.06, reads at 2.04-2.12 against
+# 1.57-1.62 and mixed traffic at 2.32-2.36 against 1.77-1.82, the disk seeing
+# 271 requests per GiB against 654. So a block of a huge page or
 # more is aligned to 2 MiB and advised MADV_HUGEPAGE before it is touched
 # (kernel THP mode `madvise` or `always`; elsewhere the advice fails and the
 # block keeps small pages). The alignment over-maps up to 2 MiB of address
