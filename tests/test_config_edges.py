@@ -218,8 +218,14 @@ def test_a_key_changed_on_engine_cfg_is_refused_naming_it(tmp_path, optimizer):
         before = {k: v.clone() for k, v in engine.state_dict().items()}
         engine.cfg.optim.max_grad_norm = 0.1
         with pytest.raises(ConfigError, match=r"optim.max_grad_norm was changed from 0.0 to "
-                                              r"0.1 after initialize.*param_groups"):
+                                              r"0.1 after initialize.*resume from it"):
             engine.backward(engine(x).sum())
+        engine.cfg.optim.max_grad_norm = 0.0
+        engine.cfg.optim.lr = 0.5  # a resume would restore the checkpoint's lr: not the fix
+        with pytest.raises(ConfigError, match=r"optim.lr was changed .*change the value in "
+                                              r"engine.optimizer.param_groups"):
+            engine.backward(engine(x).sum())
+        engine.cfg.optim.lr = 1e-3
         assert all(torch.equal(v, before[k]) for k, v in engine.state_dict().items())
         engine.cfg.optim.max_grad_norm = 0.0
         engine.backward(engine(x).sum())

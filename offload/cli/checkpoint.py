@@ -157,6 +157,14 @@ def export_safetensors(reader: CheckpointReader, out: str | os.PathLike, *,
     from ..engine.safetensors_writer import TensorSpec, write_shards
     from ..engine.checkpoint_layout import TORCH_DTYPES
 
+    if any(name.startswith("base_model.model.") for name in reader.tensors):
+        # peft's names: a model under them loads as a fresh one, without a word
+        raise UsageError("CHECKPOINT holds a peft model (its names start with "
+                         "'base_model.model.'), whose Hugging Face form is its adapters: "
+                         "resume it (offload.initialize(peft_model, config, resume=CHECKPOINT))"
+                         " and save them with `with engine.full_weights(): "
+                         "model.save_pretrained(dir)` (nothing was written)")
+
     def kind_and_dtype(t: dict) -> tuple[str, str]:
         if dtype == "saved":
             return "param", t["kinds"]["param"]

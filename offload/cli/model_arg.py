@@ -229,9 +229,14 @@ def example_batch(model: Any, spec: ModelSpec, device: Any) -> tuple[dict, Calla
 
 def _is_hf_model(model: Any) -> bool:
     """A transformers model (what a `module:function` may return as well as a config
-    names): it takes input_ids and labels and returns its loss, not a tensor."""
+    names), or a peft model around one: it takes input_ids and labels and returns its
+    loss, not a tensor."""
     transformers = sys.modules.get("transformers")  # imported by whoever built it
-    return transformers is not None and isinstance(model, transformers.PreTrainedModel)
+    if transformers is None:
+        return False
+    base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) \
+        and hasattr(model, "peft_config") else model
+    return isinstance(base, transformers.PreTrainedModel)
 
 
 def _zeros(spec: ModelSpec, shape: tuple, dtype: Any, device: Any) -> Any:

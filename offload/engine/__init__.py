@@ -158,9 +158,9 @@ def _refuse_unsupported(model: nn.Module, dtype: str) -> None:
         if p.is_floating_point() and p.element_size() == 1:
             raise ConfigError(
                 f"initialize(model): parameter {name!r} is {kind}; the engine keeps "
-                "partitions in engine.dtype and would change its dtype: convert it to "
-                "engine.dtype first (model.to(torch.bfloat16)), or register it as a buffer "
-                "(module.register_buffer(name, tensor)) if it does not train")
+                f"partitions in engine.dtype and would change its dtype: convert it to "
+                f"engine.dtype first (model.to({_DTYPES[dtype]})), or register it as a "
+                "buffer (module.register_buffer(name, tensor)) if it does not train")
         if p._post_accumulate_grad_hooks:
             raise ConfigError(f"initialize(model): {post_accumulate_message(name)}")
         if not p.is_floating_point():

@@ -21,6 +21,20 @@ from ..config import ConfigError, OffloadConfig
 
 LIVE = frozenset({"engine.keep_checkpoints"})  # read at each save, documented so
 
+_RESUME = ("set it back, or pass the new value to offload.initialize (save a checkpoint "
+           "and resume from it to carry the training on)")
+_VALUES = ("set it back, and change the value in engine.optimizer.param_groups, as in torch "
+           "(a resume restores the checkpoint's values, whatever the config says)")
+_FIXES = {  # keys a resume does not take from the config
+    **{f"optim.{k}": _VALUES for k in ("lr", "betas", "eps", "weight_decay")},
+    "optim.param_groups": "set it back, and change the groups' values in "
+                          "engine.optimizer.param_groups[k] (a resume keeps the groups of "
+                          "the save)",
+    "engine.dtype": "set it back: a checkpoint resumes only in the dtype it was saved in; "
+                    "for another, load engine.state_dict() into a fresh model and "
+                    "initialize that",
+}
+
 
 def _keys(cfg: OffloadConfig) -> Iterator[tuple[str, Any]]:
     for s in dataclasses.fields(cfg):
@@ -41,12 +55,7 @@ class FixedConfig:
         for key, now in _keys(self._cfg):
             given = self._given[key]
             if now != given:
-                where = (" (the optimizer's hyper-parameters change in "
-                         "engine.optimizer.param_groups, as in torch)"
-                         if key.startswith("optim.") else "")
                 raise ConfigError(
                     f"engine.cfg: {key} was changed from {given!r} to {now!r} after "
                     f"initialize; the engine was set up for the value it was given and does "
-                    f"not follow a change{where}: set it back, or pass the new value to "
-                    f"offload.initialize (resume from a checkpoint to carry the training "
-                    f"on)")
+                    f"not follow a change: {_FIXES.get(key, _RESUME)}")

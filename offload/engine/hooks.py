@@ -127,8 +127,9 @@ class ModuleHooks:
                 f"{type(module).__name__}.load_state_dict(...) on a model the engine holds: "
                 "its weights live in the engine's partitions, not in the modules. Load "
                 "with engine.load_state_dict(state_dict) (weights and buffers, checked "
-                "first), or call it inside `with engine.full_weights(writable=True):`. "
-                "Nothing was loaded")
+                "first), or call it inside `with engine.full_weights(writable=True):` "
+                "holding every weight it loads (no modules named, or this one). Nothing "
+                "was loaded")
 
     def _refuse_plain_backward(self) -> None:
         """[Note: backward runs here] A backward the engine did not start (`loss.backward()`,

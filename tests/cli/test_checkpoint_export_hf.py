@@ -49,3 +49,26 @@ def test_export_with_config_loads_in_transformers(tmp_path, capsys):
         for k, v in want.items():
             assert torch.equal(got[k], v.to(torch.bfloat16) if v.is_floating_point() else v), \
                 (path.name, k)
+
+
+def test_export_of_a_peft_checkpoint_is_refused_naming_peft_s_save(tmp_path, capsys):
+    """A LoRA model's checkpoint exported under peft's names beside the base model's
+    config.json: from_pretrained loaded it as a fresh model, every weight new, without a
+    word. It is refused, naming how to save the adapters, and nothing is written."""
+    peft = pytest.importorskip("peft")
+    cfg = {"engine": {"group_size": 5000},
+           "io": {"paths": [str(tmp_path / "swap")], "buffer_budget": "32MiB",
+                  "grow_step": "4MiB"},
+           "store": {"host_budget": "64MiB", "device_budget": "64MiB", "device": "cpu"}}
+    hf = transformers.GPT2Config(vocab_size=96, n_positions=32, n_embd=32, n_layer=2, n_head=2)
+    model = peft.get_peft_model(transformers.GPT2LMHeadModel(hf),
+                                peft.LoraConfig(r=4, target_modules=["c_attn"]))
+    with offload.initialize(model, cfg) as e:
+        e.save_checkpoint(tmp_path / "ck")
+    hf.save_pretrained(tmp_path / "base")
+    argv = ["checkpoint", "export", str(tmp_path / "ck"), "--to", str(tmp_path / "out"),
+            "--config", str(tmp_path / "base")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "holds a peft model" in err and "model.save_pretrained(dir)" in err, err
+    assert not (tmp_path / "out").exists()

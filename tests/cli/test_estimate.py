@@ -195,6 +195,31 @@ def test_a_model_whose_sdpa_mask_cannot_run_on_meta_is_estimated(models, offload
     assert res["params"] == want and res["activations"]["bytes"] > 0
 
 
+def test_a_peft_model_function_is_estimated_as_a_hugging_face_model(models, offload_cli):
+    """A peft LoRA model returned by a module function was fed a plain tensor and its
+    output taken as the loss (an AttributeError blamed on --batch/--seq): it is run as
+    the transformers model it wraps (input_ids and labels in, its loss out), with only
+    the adapters' optimizer state."""
+    pytest.importorskip("peft")
+    (models / "loramodels.py").write_text(textwrap.dedent("""
+        import peft, transformers
+
+        def lora():
+            cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=32,
+                                           intermediate_size=64, num_hidden_layers=2,
+                                           num_attention_heads=4, num_key_value_heads=2,
+                                           max_position_embeddings=32)
+            lora = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"])
+            return peft.get_peft_model(transformers.LlamaForCausalLM(cfg), lora)
+        """))
+    rc, out, err = offload_cli(["estimate", "loramodels:lora", "--batch", "2", "--seq", "16",
+                                "--json"])
+    assert rc == 0, err
+    res = json.loads(out)
+    kinds = res["bytes_per_rank"]
+    assert 0 < kinds["exp_avg"] < kinds["param"], kinds  # the adapters' (all: 2x param)
+
+
 def _gpt2(cfg):
     from transformers import AutoModelForCausalLM, GPT2Config
 
