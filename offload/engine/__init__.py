@@ -37,7 +37,7 @@ from .meta import meta_device
 from .materialise import Lineage, _materialise
 from .model_buffers import (buffers_from_first_rank, buffers_to, load_buffers,
                             materialise_buffers, persistent_buffers, saved_buffers)
-from .model_weights import guard_casts, guard_resize, guard_tie
+from .model_weights import guard_casts, guard_resize, guard_tie, guard_tp_generate
 from .one_thread import EngineBusyError
 from .param_groups import assign_param_groups, segments_of
 from .params_view import point_weight_list
@@ -557,6 +557,8 @@ def initialize(model: nn.Module | Callable[[], nn.Module],
                 guard_casts(model, engine.dtype, engine.device)
                 guard_resize(model)
                 guard_tie(model)
+                if tp is not None:
+                    guard_tp_generate(model)
                 if gen_config is not None:  # as from_pretrained sets it
                     model.generation_config = gen_config
                 if comm.world > 1:  # [Note: generation on several ranks] in model_weights.py
@@ -776,7 +778,7 @@ class _ModelBefore:
     meta parameters were put back: a Ctrl-C in those last lines left a model on the
     CPU with a closed engine's stand-ins, its weights gone with the engine."""
 
-    _MARKS = (_WRAPPED, "_apply", "resize_token_embeddings", "tie_weights",
+    _MARKS = (_WRAPPED, "_apply", "resize_token_embeddings", "tie_weights", "generate",
               "_is_fsdp_managed_module", "generation_config")
 
     def __init__(self, model: nn.Module) -> None:

@@ -184,6 +184,24 @@ def guard_resize(model: nn.Module) -> None:
         resize_token_embeddings, model, plain_method("resize_token_embeddings"))
 
 
+def guard_tp_generate(model: nn.Module) -> None:
+    """Under tensor parallelism the cut blocks keep no KV cache: transformers' `generate`
+    with its cache on, in training mode (which it keeps), ran every step after the
+    first without the past tokens, and gave other tokens than torch's, silently. It
+    is refused unless the cache is off (`use_cache=False`), which generates as torch."""
+    if not callable(getattr(type(model), "generate", None)):
+        return
+    plain = type(model).generate
+
+    def generate(*args: Any, **kwargs: Any) -> Any:
+        config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
+        if kwargs.get("use_cache", getattr(config, "use_cache", True)) is not False:
+            raise ValueError("generate with tp.size > 1 needs use_cache=False: the blocks "
+                             "cut over the ranks keep no KV cache (nothing was generated)")
+        return plain(model, *args, **kwargs)
+    model.__dict__["generate"] = EngineMark(generate, model, plain_method("generate"))
+
+
 def guard_tie(model: nn.Module) -> None:
     """transformers' `tie_weights` on a wrapped module that would tie anything anew (an
     untied model whose `config.tie_word_embeddings` was set after `initialize`) is

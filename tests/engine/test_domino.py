@@ -215,3 +215,40 @@ def test_tensor_parallel_on_nccl(tmp_path):
     for case, r in got.items():
         _compare(r["sd"], _reference(case[0]), case, atol=1e-5)
         assert _behind(r["spans"], "domino:") >= 4, case
+
+
+def _generate_worker(rank: int, world: int, init_file: str, out: str) -> None:
+    from offload.engine import full_state_dict
+    with process_group(rank, world, init_file, "gloo"):
+        swap = os.path.join(os.path.dirname(init_file), f"swap-generate-{rank}")
+        with offload.initialize(_model("llama"), _config(swap, 2, "host")) as engine:
+            ref = _model("llama")
+            ref.load_state_dict(full_state_dict(engine))
+            prompt = torch.tensor([[1, 2, 3]])
+            got = {}
+            with torch.no_grad():
+                for how in ("engine", "model"):
+                    call = engine.generate if how == "engine" else engine.module.generate
+                    try:
+                        call(prompt, max_new_tokens=5, do_sample=False)
+                    except ValueError as e:
+                        got[how] = str(e)
+                got["tokens"] = engine.generate(prompt, max_new_tokens=5, do_sample=False,
+                                                use_cache=False).tolist()
+                got["torch"] = ref.generate(prompt, max_new_tokens=5, do_sample=False).tolist()
+        if rank == 0:
+            torch.save(got, out)
+
+
+@pytest.mark.distributed
+def test_generate_under_tensor_parallelism_needs_the_cache_off(tmp_path):
+    """The cut blocks keep no KV cache: generate in training mode (which transformers
+    keeps) ran each step after the first without the past tokens, other tokens than
+    torch's, silently. With the cache on it is refused (the engine's and the model's
+    own); with use_cache=False it gives torch's tokens."""
+    out = str(tmp_path / "out.pt")
+    spawn(_generate_worker, str(tmp_path / "init"), out, world=2)
+    got = torch.load(out)
+    for how in ("engine", "model"):
+        assert "use_cache=False" in got.get(how, ""), got
+    assert got["tokens"] == got["torch"], got
