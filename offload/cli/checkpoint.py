@@ -138,6 +138,11 @@ def run_info(args: argparse.Namespace) -> int:
     return 1 if problems else 0
 
 
+# what a peft model's names hold besides the base model's under "base_model.model."
+_PEFT_MARKS = (".lora_", ".base_layer.", ".ia3_", ".modules_to_save.", ".original_module.",
+               "prompt_encoder.", ".lokr_", ".loha_", ".oft_", ".boft_", ".vera_")
+
+
 def export_safetensors(reader: CheckpointReader, out: str | os.PathLike, *,
                        dtype: str = "saved", shard_size: int = 5 * 10**9,
                        config: str | os.PathLike | None = None) -> list[Path]:
@@ -157,7 +162,8 @@ def export_safetensors(reader: CheckpointReader, out: str | os.PathLike, *,
     from ..engine.safetensors_writer import TensorSpec, write_shards
     from ..engine.checkpoint_layout import TORCH_DTYPES
 
-    if any(name.startswith("base_model.model.") for name in reader.tensors):
+    if any(name.startswith("base_model.model.") for name in reader.tensors) and any(
+            mark in name for name in reader.tensors for mark in _PEFT_MARKS):
         # peft's names: a model under them loads as a fresh one, without a word
         raise UsageError("CHECKPOINT holds a peft model (its names start with "
                          "'base_model.model.'), whose Hugging Face form is its adapters: "

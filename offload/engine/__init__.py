@@ -209,60 +209,73 @@ def _refuse_aliased(model: nn.Module) -> None:
         if p.is_meta or p.numel() == 0 or type(p.data) is not torch.Tensor \
                 or p.layout != torch.strided:
             continue
-        lo = p.storage_offset()
-        hi = lo + 1 + sum((n - 1) * st for n, st in zip(p.shape, p.stride()))
-        key = (p.device, p.untyped_storage().data_ptr(), p.element_size())
-        spans.setdefault(key, []).append((lo, hi, name, p.data))
+        size = p.element_size()
+        lo = p.storage_offset() * size
+        hi = lo + (1 + sum((n - 1) * st for n, st in zip(p.shape, p.stride()))) * size
+        spans.setdefault((p.device, p.untyped_storage().data_ptr()), []).append(
+            (lo, hi, name, p.data))
     for found in spans.values():
         found.sort(key=lambda span: (span[0], -span[1]))  # the larger of two first
-        for k, (lo, hi, name, t) in enumerate(found):
-            for lo2, _, name2, t2 in found[k + 1:]:
-                if lo2 >= hi:
-                    break
-                if _share_an_element(t, t2):
+        end, run = -1, []  # views whose byte spans overlap, one run at a time
+        for lo, hi, name, t in found + [(None, 0, "", None)]:
+            if lo is None or lo >= end:
+                shared = _shared(run) if len(run) > 1 else None
+                if shared is not None:
                     raise ConfigError(
-                        f"initialize(model): parameters {name!r} and {name2!r} share memory "
-                        "(one is a view of the other, as nn.Parameter(w.data[:4]) makes); "
-                        "torch updates them together, the engine keeps each as a partition "
-                        "of its own and would train them apart: give one its own copy "
-                        "(nn.Parameter(t.clone())), or compute it from the other in forward")
+                        f"initialize(model): parameters {shared[0]!r} and {shared[1]!r} "
+                        "share memory (one is a view of the other, as "
+                        "nn.Parameter(w.data[:4]) makes); torch updates them together, the "
+                        "engine keeps each as a partition of its own and would train them "
+                        "apart: give one its own copy (nn.Parameter(t.clone())), or compute "
+                        "it from the other in forward")
+                run = []
+            run.append((lo, hi, name, t))
+            end = max(end, hi)
 
 
-def _share_an_element(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether views `a` and `b` of one storage (elements of one size), whose spans
-    overlap, share an element: each element's offset marked on a scratch array of
-    their span (past 2**28 elements, taken as shared)."""
-    base = min(a.storage_offset(), b.storage_offset())
-    span = max(t.storage_offset() + 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
-               for t in (a, b)) - base
-    if span > 1 << 28:
-        return True
-    mark = torch.zeros(span, dtype=torch.bool)
-    for t, check in ((a, False), (b, True)):
-        for offsets in _offsets(t.shape, t.stride(), t.storage_offset() - base):
-            if check and bool(mark[offsets].any()):
-                return True
-            mark[offsets] = True
-    return False
+def _shared(views: list[tuple[int, int, str, torch.Tensor]]) -> tuple[str, str] | None:
+    """Two of `views` of one storage, whose byte spans overlap, that share a byte, or
+    None: each byte's owner marked on a scratch array of their span, one pass for all.
+    Past 2**27 bytes of span they are taken as apart, with a warning."""
+    base = views[0][0]
+    span = max(hi for _, hi, _, _ in views) - base
+    if span > 1 << 27 or len(views) > 32767:
+        log.warning("initialize: parameters %s may share memory (their spans overlap; too "
+                    "large to check byte by byte): they train apart", [v[2] for v in views])
+        return None
+    owner = torch.full((span,), -1, dtype=torch.int16)
+    for k, (_, _, name, t) in enumerate(views):
+        size = t.element_size()
+        for offsets in _offsets(t.shape, t.stride(), t.storage_offset() * size - base,
+                                step=size):
+            if size > 1:
+                offsets = (offsets[:, None] + torch.arange(size)).reshape(-1)
+            held = owner[offsets]
+            if bool((held >= 0).any()):
+                return views[int(held[held >= 0][0])][2], name
+            owner[offsets] = k
+    return None
 
 
-def _offsets(shape: Sequence[int], stride: Sequence[int], start: int,
+def _offsets(shape: Sequence[int], stride: Sequence[int], start: int, step: int = 1,
              most: int = 1 << 22) -> Iterator[torch.Tensor]:
-    """The storage offsets of a view's elements, in pieces of at most about `most`."""
+    """The offsets of a view's elements (stride 1 being `step` units), in pieces of at
+    most about `most`."""
     if not shape:
         yield torch.tensor([start])
         return
     inner = math.prod(shape[1:])
     if inner > most:  # one index of the first dimension at a time, the rest cut again
         for i in range(shape[0]):
-            yield from _offsets(shape[1:], stride[1:], start + i * stride[0], most)
+            yield from _offsets(shape[1:], stride[1:], start + i * stride[0] * step, step,
+                                most)
         return
     rows = max(1, most // max(inner, 1))
     for first in range(0, shape[0], rows):
         n = min(rows, shape[0] - first)
-        idx = torch.tensor([start + first * stride[0]])
+        idx = torch.tensor([start + first * stride[0] * step])
         for size, st in zip((n, *shape[1:]), stride):
-            idx = (idx[..., None] + torch.arange(size) * st)
+            idx = (idx[..., None] + torch.arange(size) * st * step)
         yield idx.reshape(-1)
 
 

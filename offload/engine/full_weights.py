@@ -16,7 +16,7 @@ and writes the same state.
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Any, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, NamedTuple
 
 import torch
 from torch import nn
@@ -284,7 +284,9 @@ def summoned(engine: "OffloadEngine", groups: list[Group], writable: bool
     engine.registered.writable = writable
     failure: BaseException | None = None
     edited = None
-    layout = _snapshot(engine.module, names, groups)
+    if engine.__dict__.get("_named_modules") is None:  # the structure cannot change
+        engine.__dict__["_named_modules"] = list(engine.module.named_modules())
+    layout = _snapshot(engine.module, engine.__dict__["_named_modules"], names, groups)
     try:
         yield named
     except BaseException as e:  # raised below, once every rank has agreed
@@ -340,12 +342,18 @@ def refuse_apart(prints: list[float], what: str, done: str, source: str, fix: st
                            f"of both. {fix}")
 
 
-def _snapshot(model: nn.Module, names: dict[tuple[int, int], list[str]],
-              groups: list[Group]) -> list[tuple[str, nn.Module, dict]]:
-    """The attributes of the modules that hold the block's weights and of those above
-    them, {name: (value, a copy of its items where it is a list, dict or set)}, for
-    `_same_layout` to put back: a block of one group costs its own modules, not the
-    model's (`full_weights_by_group` takes one per group)."""
+class _Layout(NamedTuple):
+    children: list[tuple[str, nn.Module, dict]]  # every module's children, by name
+    attributes: list[tuple[nn.Module, dict]]  # the block's modules' attributes
+
+
+def _snapshot(model: nn.Module, modules: list[tuple[str, nn.Module]],
+              names: dict[tuple[int, int], list[str]], groups: list[Group]) -> _Layout:
+    """Every module's children, and the attributes of the modules that hold the
+    block's weights and of those above them, {name: (value, a copy of its items where
+    it is a list, dict or set)}, for `_same_layout` to put back (the whole model's
+    attributes cost each of `full_weights_by_group`'s groups 16 times the block).
+    `modules`: the model's, named, as at `initialize` (no block may change them)."""
     def items(v: Any) -> Any:
         return (list(v) if type(v) is list else dict(v) if isinstance(v, dict)
                 else set(v) if type(v) is set else None)
@@ -355,26 +363,26 @@ def _snapshot(model: nn.Module, names: dict[tuple[int, int], list[str]],
             for name in names[(g.gid, i)]:
                 parts = name.split(".")[:-1]
                 paths.update(".".join(parts[:k]) for k in range(1, len(parts) + 1))
-    out = []
-    for path in sorted(paths):
-        m = model.get_submodule(path)
-        out.append((path, m, {k: (v, items(v)) for k, v in m.__dict__.items()}))
-    return out
+    held = [model.get_submodule(path) for path in sorted(paths)]
+    return _Layout([(n, m, dict(m._modules)) for n, m in modules],
+                   [(m, {k: (v, items(v)) for k, v in m.__dict__.items()}) for m in held])
 
 
-def _same_layout(layout: list[tuple[str, nn.Module, dict]]) -> None:
+def _same_layout(layout: _Layout) -> None:
     """A block that replaced, removed or added a module (peft's `merge_and_unload`)
     passed, and left modules the engine's hooks are not on: every later forward,
-    state_dict and export raised, naming the wrong cause. Every module is put back as
-    it was (its children, and its attributes: peft's layers mark themselves merged),
-    and the block refused, nothing written."""
-    moved = [(name, k) for name, m, before in layout
-             for children in [before["_modules"][1]]
+    state_dict and export raised, naming the wrong cause. Every module's children
+    are put back as they were, and the attributes of the block's modules (peft's
+    layers mark themselves merged), and the block refused, nothing written."""
+    moved = [(name, k) for name, m, children in layout.children
              for k in [*children, *(k for k in m._modules if k not in children)]
              if m._modules.get(k) is not children.get(k)]
     if not moved:
         return
-    for _, m, before in layout:
+    for _, m, children in layout.children:
+        m._modules.clear()
+        m._modules.update(children)
+    for m, before in layout.attributes:
         for k in [k for k in m.__dict__ if k not in before]:
             del m.__dict__[k]
         for k, (v, items) in before.items():

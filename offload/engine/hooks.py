@@ -11,7 +11,7 @@ for one thread ([Note: one thread at a time] in one_thread.py). A mixin of
 from __future__ import annotations
 
 import sys
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 from torch import nn
@@ -111,7 +111,8 @@ class ModuleHooks:
             return out
         return post
 
-    def _refuse_module_load(self, module: nn.Module, *args: Any) -> None:
+    def _refuse_module_load(self, module: nn.Module, state_dict: Mapping[str, Any],
+                            prefix: str, *args: Any) -> None:
         """A load_state_dict pre-hook on every module of the model: `model.load_state_dict`
         outside a `full_weights` block loaded the buffers of the modules it reached
         first, then raised at the first stand-in (with `assign=True` it took every
@@ -119,10 +120,11 @@ class ModuleHooks:
         read-only block, or a block without some of the module's weights, it loaded
         what the block then discarded, or failed half way. Refused before the first
         module loads anything."""
-        # [Note: calls inside a full_weights block]: only what a writable block holds, every
-        # weight of the module's (the root's buffers load before its children's weights)
+        # [Note: calls inside a full_weights block]: only what a writable block holds, of
+        # every weight it loads (the root's buffers load before its children's weights)
         if not self.registered.writable or any(
-                isinstance(p, AbsentWeight) for p in module.parameters()):
+                isinstance(p, AbsentWeight) and prefix + name in state_dict
+                for name, p in module.named_parameters(remove_duplicate=False)):
             raise RuntimeError(
                 f"{type(module).__name__}.load_state_dict(...) on a model the engine holds: "
                 "its weights live in the engine's partitions, not in the modules. Load "

@@ -155,7 +155,7 @@ def guard_casts(model: nn.Module, dtype: torch.dtype, device: torch.device) -> N
     """Makes `.half()` / `.to(...)` on the wrapped model or any of its modules refuse
     first ([Note: casts refused]): an instance attribute in place of `Module._apply`."""
     for name, mod in model.named_modules(remove_duplicate=False):
-        if "_apply" in mod.__dict__:  # a module under two names: guarded once
+        if isinstance(mod.__dict__.get("_apply"), EngineMark):  # under two names: once
             continue
         plain = mod._apply
 

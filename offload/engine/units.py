@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import functools
 import sys
-import types
 import weakref
 from dataclasses import dataclass, field, fields, is_dataclass
 from functools import cached_property
@@ -390,8 +389,8 @@ class EngineHook:
     def __reduce_ex__(self, protocol: Any) -> Any:
         raise TypeError(NOT_PICKLABLE)
 
-    def __deepcopy__(self, memo: dict) -> "EngineHook":
-        return EngineHook(_inert)
+    def __deepcopy__(self, memo: dict) -> Callable:
+        return _inert  # a plain function: the copy pickles
 
 
 def _inert(*args: Any, **kwargs: Any) -> None:
@@ -425,4 +424,26 @@ class EngineMark:
 
 def plain_method(name: str) -> Callable[[nn.Module], Any]:
     """`plain` of an `EngineMark` in place of method `name`: the copy's class's own."""
-    return lambda twin: types.MethodType(getattr(type(twin), name), twin)
+    return lambda twin: PlainMethod(twin, name)
+
+
+class PlainMethod:
+    """Method `name` of the class of `owner`, called on it, holding it weakly: a copy's
+    attribute that a bound method would make a cycle of (the copy kept alive until
+    the collector runs, its weights with it)."""
+
+    __slots__ = ("_owner", "_name")
+
+    def __init__(self, owner: nn.Module, name: str) -> None:
+        self._owner, self._name = weakref.ref(owner), name
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        owner = self._owner()
+        return getattr(type(owner), self._name)(owner, *args, **kwargs)
+
+    def __deepcopy__(self, memo: dict) -> "PlainMethod":
+        owner = self._owner()
+        return PlainMethod(memo.get(id(owner), owner), self._name)
+
+    def __reduce__(self) -> tuple:
+        return PlainMethod, (self._owner(), self._name)

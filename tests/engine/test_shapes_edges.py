@@ -353,6 +353,16 @@ def test_parameters_that_share_memory_are_refused_unless_apart(engine_cfg, colum
         torch.testing.assert_close(sd[k], v, rtol=1e-5, atol=1e-6)
 
 
+def test_a_parameter_viewed_as_another_dtype_is_refused_as_shared(engine_cfg):
+    """Views of one storage in element sizes of their own were never compared: a weight
+    and its bf16 view were taken, and trained apart."""
+    model = nn.Module()
+    model.a = nn.Parameter(torch.randn(4, 4))
+    model.b = nn.Parameter(model.a.data.view(torch.bfloat16))
+    with pytest.raises(offload.ConfigError, match=r"parameters 'a' and 'b' share memory"):
+        offload.initialize(model, engine_cfg("host", group_size=100))
+
+
 class IndexedLinear(nn.Module):
     """A permutation of the outputs kept as an integer parameter (requires_grad=False)."""
 

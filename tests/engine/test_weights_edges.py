@@ -3,6 +3,8 @@ a checkpoint leaves non-persistent buffers as the model made them, an old BatchN
 loads strictly, and a param group naming a tied weight's second name takes it."""
 
 import copy
+import io
+import weakref
 
 import pytest
 import torch
@@ -58,10 +60,17 @@ def test_a_copy_made_in_full_weights_is_a_plain_model(engine_cfg):
     assert twin(x).shape == (3, 4)
     assert twin.to(torch.bfloat16)[0].weight.dtype == torch.bfloat16  # no cast guard of the
     assert twin.double()[0].weight.dtype == torch.float64             # engine's at work
+    saved = io.BytesIO()
+    torch.save(twin, saved)  # it pickles, and a copy of it is freed as soon as dropped
+    saved.seek(0)
+    gone = weakref.ref(torch.load(saved, weights_only=False))
+    assert gone() is None
     cfg = engine_cfg(group_size=200)
     cfg["io"]["paths"] = [cfg["io"]["paths"][0] + "-twin"]
     with offload.initialize(twin.float(), cfg) as again:  # not taken for a wrapped model
         assert again(x).shape == (3, 4)
+        with pytest.raises(RuntimeError, match="converting the model"):
+            twin.half()  # guarded as any model the engine holds
 
 
 class Shifted(nn.Module):
@@ -106,6 +115,23 @@ def test_model_load_state_dict_outside_full_weights_loads_nothing(engine_cfg, as
         assert torch.equal(engine(x), ref(x))
         engine.load_state_dict({k: v * 0 for k, v in sd.items()})
         assert torch.equal(engine(x), torch.zeros(3, 4))
+
+
+def test_a_load_of_the_weights_a_block_holds_works_and_others_are_refused(engine_cfg):
+    """Inside a writable block of one module, `model.load_state_dict(sd, strict=False)`
+    of that module's weights (peft's set_peft_model_state_dict does this) loads; one of
+    a weight outside the block is refused, nothing loaded."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    with offload.initialize(model, engine_cfg(group_size=20)) as engine:
+        before = engine.state_dict()
+        with engine.full_weights(["1"], writable=True):
+            with pytest.raises(RuntimeError, match="Nothing was loaded"):
+                model.load_state_dict({"0.weight": torch.ones(4, 4)}, strict=False)
+            model.load_state_dict({"1.weight": torch.ones(4, 4)}, strict=False)
+        after = engine.state_dict()
+    assert torch.equal(after["1.weight"], torch.ones(4, 4))
+    assert all(torch.equal(after[k], v) for k, v in before.items() if k != "1.weight")
 
 
 class Scaled(nn.Module):
