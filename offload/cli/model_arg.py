@@ -194,7 +194,7 @@ def _build_meta(spec: ModelSpec, eager: bool = False):
         raise UsageError(f"MODEL: {spec.target} returned {type(model).__name__}, not an "
                          "nn.Module; return the model")
     from ..config import ConfigError
-    from ..engine import refuse_lazy
+    from ..engine.model_checks import refuse_lazy
     try:
         refuse_lazy(model, f"MODEL: {spec.target}")
     except ConfigError as e:

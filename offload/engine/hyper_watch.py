@@ -48,6 +48,7 @@ from typing import Any
 
 
 from ..comm import Collectives
+from .rank_agreement import Section, attr, first_difference
 from ..optim import CpuAdam
 from ..optim.torch_view import value_change
 
@@ -106,19 +107,22 @@ class HyperWatch:
         value that differs between ranks, or None."""
         if self._ranks is None:
             return None
-        values = [_compared(v) for v in opt.values()]
-        (least, most), = self._ranks.min_max(float(zlib.crc32(repr(values).encode())))
+        items = [(f"param_groups[{g}][{key!r}]", (attr(key, value),))
+                 for g, values in enumerate(opt.values()) for key, value in _compared(values)]
+        (least, most), = self._ranks.min_max(float(zlib.crc32(repr(items).encode())))
         if least == most:
             return None
-        return ValueError(_apart(self._ranks.every_rank_object(values)) + "; each rank "
-                          "updates its own partitions with its own values, so every rank's "
-                          "step failed and is undone; write the optimizer's values on every "
-                          "rank (a scheduler stepped on each), then run the step's "
-                          "micro-batches again")
+        return ValueError(first_difference(Section("", items, _SAME_VALUES),
+                                           self._ranks.every_rank_object(items)))
 
     def forget(self) -> None:
         """The step was undone: the next one notes its values afresh."""
         self._before = None
+
+
+_SAME_VALUES = ("each rank updates its own partitions with its own values, so every rank's "
+                "step failed and is undone; write the optimizer's values on every rank (a "
+                "scheduler stepped on each), then run the step's micro-batches again")
 
 
 def _compared(values: tuple) -> tuple[tuple[str, Any], ...]:
@@ -127,31 +131,3 @@ def _compared(values: tuple) -> tuple[tuple[str, Any], ...]:
         v + 0.0 if isinstance(v, float) else v for v in values)  # -0.0 is 0.0
     return (("lr", lr), ("betas", (beta1, beta2)), ("eps", eps),
             ("weight_decay", weight_decay))
-
-
-def _apart(every: list[Any]) -> str:
-    """The first group and key whose values differ between ranks, with each rank's."""
-    counts = [len(v) for v in every]
-    if len(set(counts)) > 1:
-        return f"the optimizer's param_groups differ between ranks: {_by_rank(counts)} groups"
-    for g in range(counts[0]):
-        for i, (key, _) in enumerate(every[0][g]):
-            got = [v[g][i][1] for v in every]
-            if len({repr(x) for x in got}) > 1:
-                return f"param_groups[{g}][{key!r}] differs between ranks: {_by_rank(got)}"
-    return "the optimizer's values differ between ranks"  # their crc32s differ; not seen
-
-
-def _by_rank(got: list[Any], most: int = 4) -> str:
-    """"rank 0 has 0.01, rank 1 has 0.5": ranks grouped by value (at most `most` named
-    per value)."""
-    held: dict[str, list[int]] = {}
-    for r, x in enumerate(got):
-        held.setdefault(repr(x), []).append(r)
-    parts = []
-    for shown, ranks in held.items():
-        named = ", ".join(map(str, ranks[:most])) + (
-            f" and {len(ranks) - most} more" if len(ranks) > most else "")
-        parts.append(f"rank{'s' if len(ranks) > 1 else ''} {named} "
-                     f"{'have' if len(ranks) > 1 else 'has'} {shown}")
-    return ", ".join(parts)

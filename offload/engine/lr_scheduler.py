@@ -51,7 +51,7 @@ def make_scheduler(factory: Callable[[torch.optim.Optimizer], Any],
                           f"(e.g. lambda opt: get_cosine_schedule_with_warmup(opt, 100, "
                           f"1000)), not {type(factory).__name__}")
     # as resumed: making the scheduler writes its first values over them
-    resumed_values = [{k: g[k] for k in _VALUES if k in g} for g in optimizer.param_groups]
+    resumed_values = _group_values(optimizer.param_groups)
     scheduler = factory(optimizer)
     if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
         raise ConfigError("initialize: lr_scheduler ReduceLROnPlateau needs a metric at each "
@@ -68,8 +68,7 @@ def make_scheduler(factory: Callable[[torch.optim.Optimizer], Any],
                           "it is given")
     if saved is not None:
         scheduler.load_state_dict(_as_saved(saved, scheduler.state_dict()))
-        for g, values in zip(optimizer.param_groups, resumed_values):
-            g.update(values)
+        _put_back(optimizer.param_groups, resumed_values)
     elif resumed:
         log.warning("the checkpoint resumed from holds no lr_scheduler state (it was saved "
                     "without one): the scheduler starts from its beginning")
@@ -147,24 +146,35 @@ def step_scheduler(scheduler: Any, number: int) -> None:
     # last rates), so a shallow copy is enough and costs nothing per step (a lambda
     # object holding a table, or a lock, copied deep at every step cost or failed)
     state = {k: list(v) if type(v) is list else v for k, v in scheduler.state_dict().items()}
-    values = [{k: g[k].clone() if isinstance(g[k], torch.Tensor) else g[k]
-               for k in _VALUES if k in g} for g in groups]
+    values = _group_values(groups)
     try:
         scheduler.step()
     except Exception as e:
         scheduler.load_state_dict(state)
-        for g, saved in zip(groups, values):
-            for k, v in saved.items():  # a tensor lr in place, as schedulers write it
-                if isinstance(v, torch.Tensor) and isinstance(g[k], torch.Tensor):
-                    g[k].copy_(v)
-                else:
-                    g[k] = v
+        _put_back(groups, values)
         raise RuntimeError(
             f"step {number} was applied (the weights were updated; engine.global_step is "
             f"{number}), then the lr_scheduler's step() raised {type(e).__name__}: {e}. "
             "The scheduler is as it was before: fix the cause, call "
             "engine.lr_scheduler.step() once, and go on with the next batch (running "
             "this step's micro-batches again would apply them twice)") from e
+
+
+def _group_values(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each group's values a scheduler may write (a tensor lr copied: it writes it in
+    place)."""
+    return [{k: g[k].clone() if isinstance(g[k], torch.Tensor) else g[k]
+             for k in _VALUES if k in g} for g in groups]
+
+
+def _put_back(groups: list[dict[str, Any]], values: list[dict[str, Any]]) -> None:
+    """`_group_values`' values into `groups` again, a tensor lr in place."""
+    for g, saved in zip(groups, values):
+        for k, v in saved.items():
+            if isinstance(v, torch.Tensor) and isinstance(g[k], torch.Tensor):
+                g[k].copy_(v)
+            else:
+                g[k] = v
 
 
 def scheduler_state(scheduler: Any) -> dict | None:

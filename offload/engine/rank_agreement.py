@@ -83,7 +83,7 @@ class Section(NamedTuple):
     fix: str
 
 
-def _attr(name: str, value: Any, shown: str | None = None) -> tuple[str, str, str]:
+def attr(name: str, value: Any, shown: str | None = None) -> tuple[str, str, str]:
     """(attribute, the value as compared, as an error shows it)."""
     compared = repr(value)
     return name, compared, compared if shown is None else shown
@@ -96,12 +96,12 @@ def config_section(cfg: OffloadConfig) -> Section:
         for name, value in dataclasses.asdict(getattr(cfg, section.name)).items():
             key = f"{section.name}.{name}"
             if not any(fnmatch.fnmatchcase(key, pat) for pat in PER_RANK_KEYS):
-                items.append((key, (_attr("", value),)))
+                items.append((key, (attr("", value),)))
     try:
         kind = resolve_device(cfg.store.device).type
     except ConfigError:
         kind = cfg.store.device  # refused later, where the store is built
-    items.append(("store.device", (_attr("", kind, f"{cfg.store.device!r} (a {kind} device)"),)))
+    items.append(("store.device", (attr("", kind, f"{cfg.store.device!r} (a {kind} device)"),)))
     return Section("", items, "give every rank the same config; only "
                    f"{', '.join(PER_RANK_KEYS)} may differ (store.device in its index only)")
 
@@ -118,7 +118,7 @@ def resume_section(record: Mapping[str, Any] | None) -> Section:
                                ).hexdigest()
         shown = (f"the checkpoint of step {record.get('global_step')} of run "
                  f"{record.get('run')!r} (its commit record {value[:12]})")
-    return Section("", [("resume", (_attr("", value, shown),))],
+    return Section("", [("resume", (attr("", value, shown),))],
                    "give every rank the same checkpoint to resume from (resume=; its path "
                    "may differ between nodes), or none")
 
@@ -136,15 +136,15 @@ def model_sections(groups: list[Group], units: list[Unit], hyper: list[dict[str,
         for i, s in enumerate(g.slots):
             over = _settings(hyper[slot_groups.get((g.gid, i), 0)])
             params.append((f"parameter {s.fqn!r}", (
-                _attr("shape", tuple(s.shape)), _attr("requires_grad", g.requires_grad),
-                _attr("the names", list(s.names)),
-                _attr("optimizer settings", over, ", ".join(
+                attr("shape", tuple(s.shape)), attr("requires_grad", g.requires_grad),
+                attr("the names", list(s.names)),
+                attr("optimizer settings", over, ", ".join(
                     f"{k}={v!r}" for k, v in over.items()) or "the optim section's"))))
     parts: list[Item] = [(f"group {g.gid}", (
-        _attr("parameters", [s.fqn for s in g.slots]), _attr("numel", g.numel),
-        _attr("padded numel", g.padded), _attr("shard", g.shard),
-        _attr("requires_grad", g.requires_grad))) for g in groups]
-    parts += [(f"unit {i}", (_attr("module", u.name), _attr("groups", list(u.needs))))
+        attr("parameters", [s.fqn for s in g.slots]), attr("numel", g.numel),
+        attr("padded numel", g.padded), attr("shard", g.shard),
+        attr("requires_grad", g.requires_grad))) for g in groups]
+    parts += [(f"unit {i}", (attr("module", u.name), attr("groups", list(u.needs))))
               for i, u in enumerate(units)]
     fix = "build the same model on every rank"
     return [Section("the model differs between ranks", params, fix),
@@ -164,9 +164,9 @@ def buffer_section(model: nn.Module) -> Section:
             fqn = f"{prefix}.{name}".lstrip(".")
             held = first.setdefault(id(b), fqn)
             items.append((f"buffer {fqn!r}", (
-                _attr("shape", tuple(b.shape)), _attr("dtype", b.dtype),
-                _attr("persistent", name not in m._non_persistent_buffers_set),
-                _attr("a tensor", held, "of its own" if held == fqn else
+                attr("shape", tuple(b.shape)), attr("dtype", b.dtype),
+                attr("persistent", name not in m._non_persistent_buffers_set),
+                attr("a tensor", held, "of its own" if held == fqn else
                       f"shared with {held!r}"))))
     return Section("the model's buffers differ between ranks", items,
                    "build the same model on every rank (a buffer's values may differ: "
@@ -199,6 +199,16 @@ def _difference(sec: Section, a: int, mine: list[Item], b: int, theirs: list[Ite
             return (f"{sec.subject}: {key} has {attr} {sa} on rank {a} and {sb} on rank {b}; "
                     f"{sec.fix}")
     return None
+
+
+def first_difference(sec: Section, every: list[list[Item]]) -> str:
+    """The first item of `sec` in which a rank differs from rank 0 (`every`: each
+    rank's items), said as an error."""
+    for b in range(1, len(every)):
+        why = _difference(sec, 0, every[0], b, every[b])
+        if why is not None:
+            return why
+    return f"{sec.subject or 'the values'}: the ranks' digests differ; {sec.fix}"
 
 
 class RankAgreement:
