@@ -5,12 +5,13 @@ MODEL is a Hugging Face config (a `config.json` file, or a local model
 directory holding one; `--hf-config FILE` says the same) or `module:function`,
 a function that returns an `nn.Module` (the module is imported from the current
 directory or PYTHONPATH). The model is built under `torch.device("meta")`:
-nothing is materialised. A batch is `--batch` rows of `--seq` tokens for a
-model whose first parameterised module is an embedding (Hugging Face models
-are), else `--batch` rows (of `--seq` positions when `--seq` is given) of the
-first Linear's input features. A Hugging Face config's context
-(`max_position_embeddings`, GPT-2's `n_positions`) bounds `--seq` and, where it is
-shorter than 512, is the default.
+nothing is materialised. A Hugging Face model (a config's: the class its
+`architectures` names, else AutoModelForCausalLM's) is fed as its head needs
+(model_arg_hf.py). Another model's batch is `--batch` rows of `--seq` tokens where its
+first parameterised module is an embedding, else `--batch` rows (of `--seq`
+positions when `--seq` is given) of the first Linear's input features. A Hugging
+Face model's context (`max_position_embeddings`, GPT-2's `n_positions`) bounds
+`--seq` and, where it is shorter than 512, is the default.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from typing import Any, Callable
 
 from ..files import json_loads, read_regular_text
 from .args import UsageError, integer
+from .model_arg_hf import (WRAPPER, build_from_config, hf_batch, image_positions, is_hf_model,
+                           set_eager)
 
 __all__ = ["ModelSpec", "MeasuredModel", "add_model_arguments", "model_spec", "measure_model"]
 
@@ -45,16 +48,15 @@ class ModelSpec:
 
     def build(self, eager: bool = False) -> Any:
         """The model on the meta device (or, called under another device, there); a
-        Hugging Face model with `eager`: with transformers' eager attention ([Note: eager
-        on meta])."""
-        if self.source == "hf":
-            from transformers import AutoConfig, AutoModelForCausalLM
-
-            cfg = AutoConfig.from_pretrained(self.target)
-            kw = dict(attn_implementation="eager") if eager else {}
-            return AutoModelForCausalLM.from_config(cfg, **kw)
+        Hugging Face model with `eager` (a config's, or one a function returns): with
+        transformers' eager attention ([Note: eager on meta])."""
+        if self.source == "hf":  # the class its architectures names (model_arg_hf.py)
+            return build_from_config(self.target, eager)
         mod_name, fn_name = self.target.split(":")
-        return getattr(importlib.import_module(mod_name), fn_name)()
+        model = getattr(importlib.import_module(mod_name), fn_name)()
+        if eager and is_hf_model(model):
+            set_eager(model)
+        return model
 
     def factory(self) -> Callable[[], Any]:
         """A function that builds the model: what `offload.initialize` takes."""
@@ -185,7 +187,7 @@ def _build_meta(spec: ModelSpec, eager: bool = False):
     with meta_device():
         try:
             model = spec.build(eager)
-        except MemoryError:  # the process's memory ran out, not the model's fault
+        except (MemoryError, UsageError):  # out of memory; a config no class builds
             raise
         except Exception as e:  # the user's code or config: report, not a traceback
             raise UsageError(f"MODEL: building {spec.target} on the meta device failed "
@@ -207,36 +209,35 @@ def example_batch(model: Any, spec: ModelSpec, device: Any) -> tuple[dict, Calla
     import torch
     from torch import nn
 
+    def make(shape, dtype):
+        return _zeros(spec, shape, dtype, device)
+
+    if spec.source == "hf" or is_hf_model(model):  # inputs as its head needs them
+        seq = spec.seq or DEFAULT_SEQ
+        if spec.source != "hf":  # a function's Hugging Face model: its context
+            seq = _hf_seq(model.config.to_dict(), spec.seq) or DEFAULT_SEQ
+        return hf_batch(model, spec, seq, make)
     first = next((m for m in model.modules() if isinstance(m, (nn.Embedding, nn.Linear))),
                  None)
-    hf = spec.source == "hf" or _is_hf_model(model)
-    if hf or isinstance(first, nn.Embedding):
-        seq = spec.seq or DEFAULT_SEQ
-        if hf and spec.source != "hf":  # a function's Hugging Face model: its context
-            seq = _hf_seq(model.config.to_dict(), spec.seq) or DEFAULT_SEQ
-        ids = _zeros(spec, (spec.batch, seq), torch.long, device)
-        if hf:
-            return {"input_ids": ids, "labels": ids}, lambda out: out.loss
+    if isinstance(first, nn.Embedding):
+        ids = make((spec.batch, spec.seq or DEFAULT_SEQ), torch.long)
         return {"input": ids}, lambda out: out.float().square().mean()
     if first is None:
         raise UsageError(f"MODEL: {spec.target} has no Linear or Embedding to take a batch "
                          "shape from; give a model whose first layer is one")
     shape = (spec.batch, spec.seq, first.in_features) if spec.seq else \
         (spec.batch, first.in_features)
-    return {"input": _zeros(spec, shape, torch.float32, device)}, \
-        lambda out: out.float().square().mean()
+    return {"input": make(shape, torch.float32)}, lambda out: out.float().square().mean()
 
 
-def _is_hf_model(model: Any) -> bool:
-    """A transformers model (what a `module:function` may return as well as a config
-    names), or a peft model around one: it takes input_ids and labels and returns its
-    loss, not a tensor."""
-    transformers = sys.modules.get("transformers")  # imported by whoever built it
-    if transformers is None:
-        return False
-    base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) \
-        and hasattr(model, "peft_config") else model
-    return isinstance(base, transformers.PreTrainedModel)
+def _fed(batch: dict) -> str:
+    """What a forward was given, in words: "input_ids (8, 512) int64 and
+    labels=input_ids"."""
+    ids = batch.get("input_ids")
+    parts = [f"{k}=input_ids" if v is ids and k != "input_ids" else
+             f"{'one tensor' if k == 'input' else k} {tuple(v.shape)} "
+             f"{str(v.dtype).removeprefix('torch.')}" for k, v in batch.items()]
+    return " and ".join([", ".join(parts[:-1]), parts[-1]] if len(parts) > 1 else parts)
 
 
 def _zeros(spec: ModelSpec, shape: tuple, dtype: Any, device: Any) -> Any:
@@ -318,7 +319,10 @@ def _saved_bytes(model: Any, spec: ModelSpec) -> tuple[int, int, Any]:
     except UsageError:
         raise
     except Exception as e:
-        fix = "check --batch/--seq against the model"
+        # say what the model was fed: a Hugging Face model's head may want other inputs
+        fix = (f"it was fed {_fed(batch)}: check --batch/--seq against the model, or "
+               + (WRAPPER if "input" not in batch else "give module:function returning a "
+                  "wrapper whose forward takes that one tensor"))
         if "Expected inputs of BF16 type" in str(e):  # grouped_mm's check on meta alone
             fix = ("the model's experts (grouped_mm) run on the meta device in bf16 alone, "
                    "where they train in any dtype: estimate with --dtype bf16 (its "
@@ -344,12 +348,13 @@ def measure_model(spec: ModelSpec, group_size: int, world: int = 1) -> MeasuredM
         # [Note: eager on meta] Some of transformers' kernels cannot run on the meta
         # device where they run on a CPU or GPU: the SDPA mask of BART's decoder
         # (MBart, Marian, Pegasus) calls .item(). Those models were refused though
-        # they train. Built with the eager attention they are measured: eager
+        # they train. Built with the eager attention they are measured (a config's
+        # model built so, a function's set so once built: either source's): eager
         # attention keeps its scores for backward, so the activations counted are at
         # least SDPA's (an upper bound). A model refused that way too is refused with
         # its first error (MoE experts: grouped_mm is checked on meta for bf16 alone,
         # and the eager experts' nonzero has no meta form).
-        if spec.source != "hf":
+        if not is_hf_model(model):
             raise
         try:
             model = _build_meta(spec, eager=True)
@@ -371,6 +376,8 @@ def measure_model(spec: ModelSpec, group_size: int, world: int = 1) -> MeasuredM
     x = next(iter(batch.values()))
     tokens = x.shape[0] * (x.shape[1] if x.dim() > 1 and x.dtype.is_floating_point is False
                            else (x.shape[1] if x.dim() > 2 else 1))
+    if "pixel_values" in batch:  # an image model: its patches are its positions
+        tokens = x.shape[0] * image_positions(model.config)
     return MeasuredModel(spec, sum(g.numel for g in groups),
                          tuple((g.shard, g.requires_grad) for g in groups),
                          [u.name for u in units], [list(u.needs) for u in units], flops,
