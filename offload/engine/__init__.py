@@ -36,7 +36,8 @@ from .model_checks import refuse_unsupported
 from .materialise import Lineage, _materialise
 from .model_buffers import (buffers_from_first_rank, buffers_to, load_buffers,
                             materialise_buffers, persistent_buffers, saved_buffers)
-from .model_weights import guard_casts, guard_resize, guard_tie, guard_tp_generate
+from .model_weights import (guard_casts, guard_resize, guard_save_pretrained, guard_tie,
+                            guard_tp_generate)
 from .one_thread import EngineBusyError
 from .param_groups import assign_param_groups, segments_of
 from .params_view import point_weight_list
@@ -393,6 +394,7 @@ def initialize(model: nn.Module | Callable[[], nn.Module],
                 guard_casts(model, engine.dtype, engine.device)
                 guard_resize(model)
                 guard_tie(model)
+                guard_save_pretrained(model)
                 if tp is not None:
                     guard_tp_generate(model)
                 if gen_config is not None:  # as from_pretrained sets it
@@ -615,7 +617,7 @@ class _ModelBefore:
     CPU with a closed engine's stand-ins, its weights gone with the engine."""
 
     _MARKS = (_WRAPPED, "_apply", "resize_token_embeddings", "tie_weights", "generate",
-              "_is_fsdp_managed_module", "generation_config")
+              "save_pretrained", "_is_fsdp_managed_module", "generation_config")
 
     def __init__(self, model: nn.Module) -> None:
         self._modules = [(m, dict(m._parameters), dict(m._buffers),

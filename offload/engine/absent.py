@@ -21,12 +21,14 @@ there and in `state_dict`) gives another stand-in with the same message.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["AbsentWeight", "absent_grad_message", "absent_message", "closed_message"]
+__all__ = ["AbsentWeight", "absent_grad_message", "absent_message", "closed_message",
+           "torch_optimizer_message"]
 
 
 def absent_message(name: str, unit: str, parent: tuple[str, str] | None = None) -> str:
@@ -65,6 +67,44 @@ def absent_grad_message(name: str) -> str:
             "each value (torch.nn.utils.clip_grad_value_) has no equivalent, use the norm; "
             "engine.zero_grad() drops them ([Note: absent gradients] in "
             "offload/engine/params_view.py)")
+
+
+def torch_optimizer_message(name: str) -> str:
+    """Why a torch optimizer over the model's parameters raises at parameter `name`, at
+    its step() (Adagrad's at its construction): [Note: a torch optimizer over the
+    stand-ins]."""
+    return ("a torch optimizer over the model's parameters cannot update them: "
+            f"{absent_grad_message(name)}. To update the weights call engine.step(), not a "
+            "torch optimizer over model.parameters(): the engine's optimizer is "
+            "engine.optimizer (its param_groups hold lr, betas, eps and weight_decay, which "
+            "the config's optim section sets); no weight was changed")
+
+
+def _from_torch_optimizer() -> bool:
+    """[Note: a torch optimizer over the stand-ins]
+    Adam's and AdamW's step touch the parameter before its gradient (the moments'
+    zeros_like(p), the decoupled weight decay p.mul_(1 - lr * wd)), so the weight's
+    message, which points to full_weights, came first and named neither engine.step()
+    nor optim.max_grad_norm; Adagrad's constructor fills its state with full_like(p).
+    A computation on a stand-in made by a method of a `torch.optim.Optimizer` (a
+    frame whose `self` is one: torch's, transformers' Adafactor, bitsandbytes'; the
+    functional kernels run under their step) therefore gets the message that names
+    them; torch.optim's other code (swa_utils' update_parameters(model) reads weights,
+    where full_weights is the way) keeps the weight's. Walked on the error path only,
+    from the frame that made the call up; the engine's own code ends the walk first
+    (its optimizer is a torch Optimizer too): a stand-in reached there is not the
+    user's optimizer's doing."""
+    frame = sys._getframe(2)  # the caller of the operation that reached the stand-in
+    while frame is not None:
+        module = frame.f_globals.get("__name__") or ""
+        if module == "offload" or module.startswith("offload."):
+            return False
+        code = frame.f_code
+        if (code.co_argcount and code.co_varnames[0] == "self"
+                and isinstance(frame.f_locals.get("self"), torch.optim.Optimizer)):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def post_accumulate_message(name: str) -> str:
@@ -109,7 +149,10 @@ class AbsentWeight(torch.Tensor):
                 "engine.zero_grad() instead (they set .grad to None, as torch's default "
                 "set_to_none=True, and drop the step's gradients); nothing was changed")
         if absent:  # an optimizer's update of a parameter by its gradient: the gradient's
-            raise RuntimeError(max(absent, key=lambda a: a.is_grad).message)
+            first = max(absent, key=lambda a: a.is_grad)
+            if first.message != closed_message(first.param_name) and _from_torch_optimizer():
+                raise RuntimeError(torch_optimizer_message(first.param_name))
+            raise RuntimeError(first.message)
         raise RuntimeError(f"{func} got an absent weight")
 
     def register_post_accumulate_grad_hook(self, hook: Any) -> Any:

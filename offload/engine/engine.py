@@ -46,7 +46,7 @@ import threading
 import time
 import uuid
 from concurrent.futures import BrokenExecutor, Future, ThreadPoolExecutor
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
@@ -68,7 +68,8 @@ from .gathering import GatheredWeights, GroupState, in_backward
 from .grad_slots import GradSlots
 from .grads import _DTYPES, GradPartitions, refuse_backward_args
 from .hyper_watch import HyperWatch
-from .hooks import ModuleHooks
+from .hooks import IN_BACKWARD, ModuleHooks
+from .saved_weights import FUNCTORCH_REFUSED, close_all, refused_by_functorch
 from .in_place import pin_in_place, unpin_all, update_in_place
 from .interrupts import SafeInterrupts
 from .lr_scheduler import step_scheduler
@@ -122,9 +123,10 @@ class OffloadEngine(ModelWeights, ModuleHooks, GradPartitions, GroupUpdates, Gat
         self.run_id = uuid.uuid4().hex
         # [Note: a graph of older weights] A forward's graph is for the weights it
         # gathered: a backward through it after they changed (a step, a load) would
-        # gather the new ones, so each change counts here and the backward of a forward
-        # made before it raises, as torch's version counters do.
-        self.weights_version = 0
+        # gather the new ones, so each group counts the changes of its weights
+        # (GroupState.version) and the backward of a unit whose groups changed since
+        # its forward raises, as torch's version counters do. A step that updated
+        # other groups only (a GAN's discriminator) leaves the graph usable, as torch.
         # the last committed step's global gradient 2-norm before clipping, over every
         # rank (what torch's clip_grad_norm_ returns), where the step computed it
         # (optim.max_grad_norm > 0, or fp16); else None
@@ -132,6 +134,8 @@ class OffloadEngine(ModelWeights, ModuleHooks, GradPartitions, GroupUpdates, Gat
         self._backwards = 0   # backward calls since the last step (or zero_grad)
         self._in_backward = False  # engine.backward() is running: [Note: backward runs here]
         self._backward_units: set[int] = set()  # units whose backward hook checked (hooks.py)
+        self._saved_scopes: list = []  # [Note: weights saved for a backward]
+        self._unsaved_units: set[int] = set()  # units whose forward runs torch.func
         e = cfg.engine  # fp16: a fixed loss scale, or dynamic scaling's first one
         self.loss_scale = (e.loss_scale or e.initial_loss_scale) if e.dtype == "fp16" else 1.0
         self._good_steps = 0
@@ -303,6 +307,7 @@ class OffloadEngine(ModelWeights, ModuleHooks, GradPartitions, GroupUpdates, Gat
         under autograd, abandons the accumulation window; returns `RankOrder.alone(e)`,
         asked first, for `_after_failed_pass`."""
         alone = self._rank_order.alone(e)
+        close_all(self._saved_scopes)  # [Note: weights saved for a backward]
         self._release_gathered(orphan=True)
         if torch.is_grad_enabled():
             self._abandon_window("a forward raised")
@@ -333,12 +338,18 @@ class OffloadEngine(ModelWeights, ModuleHooks, GradPartitions, GroupUpdates, Gat
                 self._spans.step_begin()
             try:
                 with self.recorder.span("forward", cat="compute", track="compute"):
-                    return self.module(*args, **kwargs)
+                    out = self.module(*args, **kwargs)
+                # a Ctrl-C noted in the engine's code: raised where the forward is undone,
+                # not after it returned ([Note: a call that a Ctrl-C fails] in interrupts.py)
+                self._interrupts.safe_point()
+                return out
             except BaseException as e:  # a forward changes no state of the step
                 if in_backward():
                     self._release_gathered(orphan=True)
                 else:
                     self._after_failed_pass(e, self._undo_forward(e))
+                if refused_by_functorch(e):  # [Note: weights saved for a backward]
+                    raise RuntimeError(FUNCTORCH_REFUSED) from e
                 raise
 
     def _drop_missed_step(self) -> None:
@@ -438,15 +449,18 @@ class OffloadEngine(ModelWeights, ModuleHooks, GradPartitions, GroupUpdates, Gat
         try:
             with self.recorder.span("backward", cat="compute", track="compute"):
                 self._in_backward = True
+                IN_BACKWARD.add(self)
                 self._backward_units.clear()  # [Note: a rank whose model raised]
                 try:
                     loss.backward()
                     self._reduce_nested_grads()  # [Note: reentrant checkpoints inside a unit]
                 finally:
                     self._in_backward = False
+                    IN_BACKWARD.discard(self)
                 self._spans.backward_end()
             for p in self._reductions:
                 p.wait()
+            self._interrupts.safe_point()  # [Note: a call that a Ctrl-C fails] in interrupts.py
         except BaseException as e:
             alone = self._rank_order.alone(e)  # [Note: a pass that raised under tensor ...]
             for p in self._reductions:  # let reductions in flight land, then undo them
@@ -482,6 +496,11 @@ class OffloadEngine(ModelWeights, ModuleHooks, GradPartitions, GroupUpdates, Gat
             if orphan and st.gathered:
                 self._orphan(st)
             self._free(st)
+
+    def weights_changed(self, gids: Iterable[int]) -> None:
+        """[Note: a graph of older weights]: the groups `gids` hold other weights now."""
+        for gid in gids:
+            self._states[gid].version += 1
 
     def _orphan(self, st: GroupState) -> None:
         """[Note: orphaned gathers] The frames of an error's traceback hold views of the
@@ -599,13 +618,13 @@ class OffloadEngine(ModelWeights, ModuleHooks, GradPartitions, GroupUpdates, Gat
                 update_in_place(self, gids, norm, pinned)
             self.pending_updates.clear()
             self.optimizer.commit(grad_norm=norm)  # its writes are durable: cannot fail
-            self.staged.switch()
+            updated = set(gids) | set(self.staged.switch())  # early updates' too
             self._has_grad.clear()
             self.grad_slots.clear()
             self.registered.hide_grads()
             self._after_good_step()
             self.global_step += 1
-            self.weights_version += 1
+            self.weights_changed(updated)
             self.grad_norm = norm
         self._prefetch_state()
         return True
@@ -767,6 +786,7 @@ class OffloadEngine(ModelWeights, ModuleHooks, GradPartitions, GroupUpdates, Gat
             for h in self._hooks:
                 h.remove()
             self._hooks.clear()
+            close_all(self._saved_scopes)  # [Note: weights saved for a backward]
             self._owned.release()  # the optimizer, warm memory, store, switch interval
 
     def __enter__(self) -> "OffloadEngine":

@@ -158,8 +158,8 @@ class NewWeights:
         for token in self._masters:  # from here on no I/O: nothing can fail
             opt.install_master(token)
         self._masters, self._host_backups = [], []
-        if self._staged.switch():
-            self.engine.weights_version += 1  # [Note: a graph of older weights] in engine.py
+        # [Note: a graph of older weights] in engine.py
+        self.engine.weights_changed(self._staged.switch())
 
     def discard(self) -> None:
         """Leaves every group as it was before `add`."""
@@ -204,7 +204,7 @@ def _write_param(engine: "OffloadEngine", g: Group, shard: torch.Tensor, master:
             _write_master(engine, g, shard)
         with engine.store.modify(key, where) as p:
             p.copy_(shard.to(p.dtype))
-        engine.weights_version += 1  # [Note: a graph of older weights] in engine.py
+        engine.weights_changed([g.gid])  # [Note: a graph of older weights] in engine.py
     finally:
         engine.store.unpin(key)
     if engine._param_tier is Tier.NVME:

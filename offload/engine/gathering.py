@@ -46,7 +46,8 @@ def in_backward() -> bool:
 class GroupState:
     """One group's gathered weights: the flat buffer, its views and its all-gather."""
 
-    __slots__ = ("group", "flat", "gathered", "active", "pending", "borrowed", "views")
+    __slots__ = ("group", "flat", "gathered", "active", "pending", "borrowed", "views",
+                 "version")
 
     def __init__(self, group: Group, dtype: torch.dtype, device: torch.device) -> None:
         self.group = group
@@ -59,6 +60,7 @@ class GroupState:
         self.borrowed = 0  # bytes of the pinned record whose memory `flat` holds:
         # [Note: gathered weights borrow the record] in warm.py
         self.views: list[torch.Tensor] = []  # bound: [Note: kept weights] in warm.py
+        self.version = 0  # changes of its weights: [Note: a graph of older weights]
 
 
 class GatheredWeights:

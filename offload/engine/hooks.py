@@ -11,6 +11,7 @@ for one thread ([Note: one thread at a time] in one_thread.py). A mixin of
 from __future__ import annotations
 
 import sys
+import weakref
 from typing import Any, Callable, Mapping
 
 import torch
@@ -18,10 +19,14 @@ from torch import nn
 
 from .absent import AbsentWeight
 from .gathering import in_backward
+from .saved_weights import close_all, close_scope, open_scope, refused_by_functorch
 from .tensor_parallel import refuse_layer_outputs
 from .units import Unit, copy_weight_views, hooks_last, output_tensors
 
-__all__ = ["ModuleHooks"]
+__all__ = ["ModuleHooks", "IN_BACKWARD"]
+
+# the engines whose backward() runs now, in any thread: [Note: backward runs here]
+IN_BACKWARD: weakref.WeakSet = weakref.WeakSet()
 
 
 class ModuleHooks:
@@ -31,6 +36,7 @@ class ModuleHooks:
         if not in_backward():  # [Note: one thread at a time] in one_thread.py
             self._check_open()
             self._one_thread.enter("the model's forward", direct=True)
+            close_all(self._saved_scopes)  # [Note: weights saved for a backward]
             self._interrupts.direct_enter()  # [Note: Ctrl-C at a safe point]
             # [Note: a TP group reads the same rows] in rank_order.py
             self._rank_order.forward_called(args, kwargs)
@@ -44,14 +50,23 @@ class ModuleHooks:
         self._nested.autograd_forward = False
         self._rank_order.forward_ended()
         e = sys.exc_info()[1] if out is None else None
+        direct = self._one_thread.direct_only()
+        noted = None
+        if e is None and direct:  # [Note: a call that a Ctrl-C fails] in interrupts.py
+            try:
+                self._interrupts.deliver_noted()
+            except BaseException as k:
+                e = noted = k
         # the model called directly, outside every engine call, raised: undone and told
         # to the other ranks as engine(...) does ([Note: a rank whose model raised])
-        undo = e is not None and self._one_thread.direct_only()
+        undo = e is not None and direct
         alone = self._undo_forward(e) if undo else None
         self._one_thread.leave()
         self._interrupts.direct_leave(failed=e is not None)
         if undo:  # an exception from this hook would be dropped by torch
             self._after_failed_pass(e, alone, raises=False)
+        if noted is not None:  # after a forward that returned, it is not
+            raise noted
 
     def _make_pre(self, unit: Unit) -> Callable:
         def pre(module: nn.Module, args: Any) -> None:
@@ -77,6 +92,8 @@ class ModuleHooks:
                 st.active += 1
             if training:
                 self._prefetch()
+                if not in_backward() and torch.is_grad_enabled():
+                    self._open_saved_scope(unit)  # [Note: weights saved for a backward]
             else:  # [Note: forward-only prefetch] in forward_prefetch.py
                 self._ahead.started(unit, lambda g: self._states[g].gathered
                                     or self._states[g].pending is not None)
@@ -88,6 +105,10 @@ class ModuleHooks:
             # also where the model is called directly, not through the engine
             failed = out is None and sys.exc_info()[1] is not None
             backward = in_backward()
+            # [Note: weights saved for a backward] in saved_weights.py
+            if not backward and close_scope(self._saved_scopes, unit) and failed \
+                    and refused_by_functorch(sys.exc_info()[1]):
+                self._unsaved_units.add(id(unit))
             if not failed and not backward:  # [Note: outputs that view the weights]
                 out = copy_weight_views(out, {
                     self._states[gid].flat.untyped_storage().data_ptr()
@@ -104,12 +125,32 @@ class ModuleHooks:
             if failed:
                 return None
             if torch.is_grad_enabled() and not backward:
-                version = self.weights_version
+                versions = self._versions(unit)
                 for t in output_tensors(out):
                     if t.requires_grad:
-                        t.register_hook(self._make_pre_backward(unit, version))
+                        t.register_hook(self._make_pre_backward(unit, versions))
             return out
         return post
+
+    def _versions(self, unit: Unit) -> tuple[int, ...]:
+        """[Note: a graph of older weights] in engine.py: the changes of unit's groups."""
+        return tuple(self._states[gid].version for gid in unit.needs)
+
+    def _open_saved_scope(self, unit: Unit) -> None:
+        if id(unit) in self._unsaved_units:  # torch.func in its forward
+            return
+        versions = self._versions(unit)
+        own = {self._states[gid].flat.untyped_storage().data_ptr(): (gid, unit, versions)
+               for gid in unit.needs if self._states[gid].gathered}
+        own.pop(0, None)
+        open_scope(self._saved_scopes, unit, own, self._use_saved)
+
+    def _use_saved(self, saved: Any) -> None:
+        """A weight a backward unpacked ([Note: weights saved for a backward]): the unit's
+        backward hook runs first where its group is not gathered or has changed."""
+        if (not self._states[saved.gid].gathered
+                or self._versions(saved.unit) != saved.versions):
+            self._pre_backward(saved.unit, saved.versions)
 
     def _refuse_module_load(self, module: nn.Module, state_dict: Mapping[str, Any],
                             prefix: str, *args: Any) -> None:
@@ -140,6 +181,17 @@ class ModuleHooks:
         reduced or any update runs (on a closed engine, saying it is closed)."""
         if not self._in_backward:
             self._check_open()
+            if any(e is not self for e in IN_BACKWARD):
+                raise RuntimeError(
+                    "another engine's backward (engine.backward of a model fed by this "
+                    "engine's model's output) reached this engine's model, whose weights "
+                    "need a gradient: each engine's backward runs its own model's graph. "
+                    "Freeze this model's weights for that backward (requires_grad_(False): "
+                    "the gradient still flows through it, as a GAN's generator trains "
+                    "through a frozen discriminator), or take the gradient at the boundary "
+                    "(g = torch.autograd.grad(loss, out)[0], then that engine's "
+                    "backward((out * g).sum())), or detach() between the models, or wrap "
+                    "both in one engine. Nothing was accumulated")
             raise RuntimeError(
                 "a backward through the engine's model ran outside engine.backward() (e.g. "
                 "loss.backward()); call engine.backward(loss) instead: it counts the "
@@ -147,43 +199,47 @@ class ModuleHooks:
                 "for the gradients' reduction. torch.autograd.grad of the inputs through "
                 "the model works; of the weights, use engine.backward")
 
-    def _make_pre_backward(self, unit: Unit, version: int) -> Callable:
+    def _make_pre_backward(self, unit: Unit, versions: tuple[int, ...]) -> Callable:
         def hook(grad: torch.Tensor) -> None:
-            if version != self.weights_version:  # [Note: a graph of older weights] in engine.py
-                raise RuntimeError(
-                    f"backward: the forward of {unit.name or 'the model'} ran before the "
-                    "weights changed (a step(), load_state_dict() or writable full_weights() "
-                    "since), so its gradient would mix the old activations with the new "
-                    "weights; run the forward again after the change (torch refuses such a "
-                    "graph too: its saved weights were modified in place)")
-            if not self._in_backward:  # [Note: gradients of the inputs] in gathering.py
-                self._input_gradient_pass(unit)
-                return
-            self._interrupts.safe_point()  # [Note: Ctrl-C at a safe point] in interrupts.py
-            # the hook fires for each output with a gradient, and that number may differ
-            # between ranks: the first of each unit in a backward checks (its groups may
-            # be gathered ahead, and its prefetch issue all-gathers: a failed rank's
-            # notice must meet a check), and a later one where it gathers again
-            first = id(unit) not in self._backward_units
-            if first or any(not self._states[gid].gathered for gid in unit.needs):
-                self._backward_units.add(id(unit))
-                self._rank_order.check_unit(unit, backward=True)
-            self._spans.backward_begin(unit.name)
-            self._nested.began(unit.needs)  # [Note: reentrant checkpoints inside a unit]
-            self._free_gradless(unit.needs)  # [Note: weights without a gradient in backward]
-            early_master = (self.master_is_param and self._last_micro_step()
-                            and self._early_allowed())
-            for gid in unit.needs:
-                if early_master:
-                    self.pending_updates.expect(gid)
-                st = self._states[gid]
-                if not st.gathered:  # the saved views see the refilled storage
-                    self.trace.record(gid)
-                    self._gather(st)
-                if not self._bound(st):  # [Note: recomputation without the unit's hooks]
-                    self._bind(st)
-            self._prefetch()
+            self._pre_backward(unit, versions)
         return hook
+
+    def _pre_backward(self, unit: Unit, versions: tuple[int, ...]) -> None:
+        """Before `unit`'s backward (`versions`: its groups' at its forward): gathers."""
+        if versions != self._versions(unit):  # [Note: a graph of older weights], engine.py
+            raise RuntimeError(
+                f"backward: the forward of {unit.name or 'the model'} ran before the "
+                "weights changed (a step(), load_state_dict() or writable full_weights() "
+                "since), so its gradient would mix the old activations with the new "
+                "weights; run the forward again after the change (torch refuses such a "
+                "graph too: its saved weights were modified in place)")
+        if not self._in_backward:  # [Note: gradients of the inputs] in gathering.py
+            self._input_gradient_pass(unit)
+            return
+        self._interrupts.safe_point()  # [Note: Ctrl-C at a safe point] in interrupts.py
+        # the hook fires for each output with a gradient, and that number may differ
+        # between ranks: the first of each unit in a backward checks (its groups may
+        # be gathered ahead, and its prefetch issue all-gathers: a failed rank's
+        # notice must meet a check), and a later one where it gathers again
+        first = id(unit) not in self._backward_units
+        if first or any(not self._states[gid].gathered for gid in unit.needs):
+            self._backward_units.add(id(unit))
+            self._rank_order.check_unit(unit, backward=True)
+        self._spans.backward_begin(unit.name)
+        self._nested.began(unit.needs)  # [Note: reentrant checkpoints inside a unit]
+        self._free_gradless(unit.needs)  # [Note: weights without a gradient in backward]
+        early_master = (self.master_is_param and self._last_micro_step()
+                        and self._early_allowed())
+        for gid in unit.needs:
+            if early_master:
+                self.pending_updates.expect(gid)
+            st = self._states[gid]
+            if not st.gathered:  # the saved views see the refilled storage
+                self.trace.record(gid)
+                self._gather(st)
+            if not self._bound(st):  # [Note: recomputation without the unit's hooks]
+                self._bind(st)
+        self._prefetch()
 
 
 def _refuse_functorch(unit: str) -> None:

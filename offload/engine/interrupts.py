@@ -193,7 +193,20 @@ class SafeInterrupts:
     def safe_point(self) -> None:
         """Delivers the noted signals: nothing of the engine's is half done here. Only on
         the main thread (a hook may run on autograd's device threads)."""
-        if self._direct or not self._pending or not self._main():
+        if not self._direct:
+            self.deliver_noted()
+
+    def deliver_noted(self) -> None:
+        """[Note: a call that a Ctrl-C fails] `engine(...)` and `engine.backward()` end
+        with a safe point inside the part that undoes them when they raise, as does a
+        direct call of the model (its root's forward hook): a Ctrl-C noted in the
+        engine's code during the call is raised there, and the call is undone, as for
+        a Ctrl-C in the model's code. Delivered at the end of the call, it came after
+        the call's work (a backward's gradient summed and counted), and running the
+        step's micro-batches again, as for any failed call, counted one twice. A Ctrl-C
+        landing in the few lines after that point still comes after the work:
+        `engine.micro_step` tells whether a backward counted."""
+        if not self._pending or not self._main():
             return
         pending, self._pending = self._pending, []
         self._deliver_all(pending)

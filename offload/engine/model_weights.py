@@ -26,7 +26,7 @@ from torch.nn.modules.module import _IncompatibleKeys
 
 from ..config import format_bytes, parse_bytes
 from ..io.process import available_memory, memory_limit_note
-from .absent import AbsentWeight
+from .absent import AbsentWeight, closed_message
 from .checkpoint_buffers import with_extra_state
 from .full_weights import (groups_of, new_weights, read_group, refuse_apart, slot_tensors,
                            summoned)
@@ -209,12 +209,18 @@ def guard_tie(model: nn.Module) -> None:
     engine then refused every forward, state_dict and export, and the head's own
     parameter, which the engine still trained, was out of the user's reach. A call
     that ties nothing new (an already tied model) goes through."""
+    _guard_method(model, "tie_weights", _tie_guarded)
+
+
+def _guard_method(model: nn.Module, name: str, guarded: Callable) -> None:
+    """Every module of `model` whose class has the method `name` calls
+    `guarded(module, plain, *args, **kwargs)` for it instead, `plain` its class's (a
+    copy made in a full_weights block gets the class's: `EngineMark`)."""
     for module in model.modules():
-        plain = getattr(type(module), "tie_weights", None)
+        plain = getattr(type(module), name, None)
         if callable(plain):
-            module.__dict__["tie_weights"] = EngineMark(
-                functools.partial(_tie_guarded, module, plain), module,
-                plain_method("tie_weights"))
+            module.__dict__[name] = EngineMark(functools.partial(guarded, module, plain),
+                                               module, plain_method(name))
 
 
 def _tie_guarded(module: nn.Module, plain: Callable, *args: Any, **kwargs: Any) -> Any:
@@ -240,16 +246,46 @@ def _tie_guarded(module: nn.Module, plain: Callable, *args: Any, **kwargs: Any) 
         "initialize that")
 
 
+def guard_save_pretrained(model: nn.Module) -> None:
+    """transformers' (or peft's) `save_pretrained` on the wrapped model or one of its
+    modules refuses, before it writes anything, where any of the module's parameters
+    is a stand-in (outside a `full_weights` block that holds all of them): it wrote
+    config.json and generation_config.json, then failed at the first weight, leaving
+    a directory without weights. Inside such a block it saves as on a plain model."""
+    _guard_method(model, "save_pretrained", _save_guarded)
+
+
+def _save_guarded(module: nn.Module, plain: Callable, *args: Any, **kwargs: Any) -> Any:
+    absent = next((p for p in module.parameters() if isinstance(p, AbsentWeight)), None)
+    if absent is None:
+        return plain(module, *args, **kwargs)
+    if absent.message == closed_message(absent.param_name):
+        raise RuntimeError(f"save_pretrained: {absent.message}; nothing was written")
+    raise RuntimeError(
+        f"{type(module).__name__}.save_pretrained(dir) outside a `with engine.full_weights():` "
+        "block that holds all its weights is refused, nothing was written: its parameters "
+        f"(e.g. {absent.param_name!r}) are stand-ins without weights, which the engine "
+        "holds. " + ("Save the adapters with `with engine.full_weights(): "
+                     "model.save_pretrained(dir)` (peft's own)" if _is_peft(module) else
+                     "Save the model with engine.save_pretrained(dir) (streamed group by "
+                     "group), or `with engine.full_weights(): model.save_pretrained(dir)` "
+                     "(every weight in host memory at once)"))
+
+
 def _refuse_adapters(model: nn.Module) -> None:
     """A peft model's Hugging Face layout is its adapters (peft's `save_pretrained`),
     not the wrapper's names beside the base model's config.json: `from_pretrained` of
     what the export wrote loaded without a word, every weight initialised anew."""
-    if callable(getattr(model, "get_base_model", None)) and hasattr(model, "peft_config"):
+    if _is_peft(model):
         raise ValueError(
             f"save_pretrained: the model is a peft {type(model).__name__}, whose saved form "
             "is its adapters: save them with `with engine.full_weights(): "
             "model.save_pretrained(dir)` (peft's own), or the whole model with "
             "engine.state_dict() loaded into a plain copy (nothing was written)")
+
+
+def _is_peft(model: nn.Module) -> bool:
+    return callable(getattr(model, "get_base_model", None)) and hasattr(model, "peft_config")
 
 
 def _put_back(before: list[tuple[nn.Module, dict]]) -> None:

@@ -17,6 +17,8 @@ from __future__ import annotations
 import functools
 import sys
 import weakref
+from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, is_dataclass
 from functools import cached_property
 from typing import Any, Callable, Iterable
@@ -228,16 +230,16 @@ def output_tensors(obj: Any, _seen: set[int] | None = None) -> Iterable[torch.Te
     if id(obj) in seen or isinstance(obj, (str, bytes, int, float, bool, type(None), nn.Module)):
         return
     seen.add(id(obj))
-    if isinstance(obj, dict):
+    if isinstance(obj, (dict, Mapping)):
         values: Iterable[Any] = obj.values()
-    elif isinstance(obj, (list, tuple, set, frozenset)):
+    elif isinstance(obj, (list, tuple, set, frozenset, deque)):
         values = obj
     elif hasattr(obj, "to_tuple"):  # transformers' ModelOutput
         values = obj.to_tuple()
     elif is_dataclass(obj):
         values = [getattr(obj, f.name) for f in fields(obj)]
     else:
-        values = getattr(obj, "__dict__", {}).values()
+        values = [v for _, v in _attributes(obj)]
     for v in values:
         yield from output_tensors(v, seen)
 
@@ -269,8 +271,10 @@ def _copy_views(obj: Any, storages: set[int], seen: set[int]) -> Any:
     if isinstance(obj, tuple):
         items = [_copy_views(v, storages, seen) for v in obj]
         return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
-    if isinstance(obj, list):
-        obj[:] = [_copy_views(v, storages, seen) for v in obj]
+    if isinstance(obj, (list, deque)):
+        items = [_copy_views(v, storages, seen) for v in obj]
+        obj.clear()
+        obj.extend(items)
     elif isinstance(obj, dict):
         for k, v in list(obj.items()):
             obj[k] = _copy_views(v, storages, seen)
@@ -278,9 +282,21 @@ def _copy_views(obj: Any, storages: set[int], seen: set[int]) -> Any:
         for f in fields(obj):
             object.__setattr__(obj, f.name, _copy_views(getattr(obj, f.name), storages, seen))
     else:
-        for k, v in list(getattr(obj, "__dict__", {}).items()):
+        for k, v in _attributes(obj):
             setattr(obj, k, _copy_views(v, storages, seen))
     return obj
+
+
+def _attributes(obj: Any) -> list[tuple[str, Any]]:
+    """A plain object's attributes: its `__dict__`'s and its classes' `__slots__`
+    (attrs' classes, `dataclass(slots=True)` subclasses) that are set."""
+    found = list(getattr(obj, "__dict__", {}).items())
+    for cls in type(obj).__mro__:
+        slots = cls.__dict__.get("__slots__", ())
+        for name in (slots,) if isinstance(slots, str) else slots:
+            if name not in ("__dict__", "__weakref__") and hasattr(obj, name):
+                found.append((name, getattr(obj, name)))
+    return found
 
 
 def hooks_last(module: nn.Module, hook_ids: list[int]) -> None:

@@ -1,0 +1,143 @@
+"""[Note: weights saved for a backward] A unit's weights are freed after its forward
+(they read zeros, [Note: freed gathers read zeros] in warm.py) and gathered again by
+a hook on each of its outputs that needs a gradient, before autograd reaches the
+unit. A backward can reach the unit by another path: a tensor kept on the module
+(an auxiliary loss stashed on `self`) that the loss adds, or an output in a form the
+hooks' walk misses. Its ops then ran on the freed weights: the gradient of the
+unit's input came out wrong (zero, or of the wrong sign), silently.
+
+So while a unit's forward records a graph, every tensor autograd saves that views a
+gathered group of the unit is packed with its group (`torch.autograd.graph`'s
+saved-tensor hooks); when autograd unpacks it in a backward and the group is not
+gathered, or its weights changed since, the unit's backward hook runs first, as its
+output's would: it gathers the unit's groups (or refuses an older graph). Where
+other saved-tensor hooks are on already (a non-reentrant activation checkpoint,
+`save_on_cpu`), they keep the tensors: a checkpoint recomputes the unit's forward
+in the backward, with its weights gathered, and `save_on_cpu` copies them. torch.func's
+transforms (grad, vjp, jacrev) refuse to run under any saved-tensor hooks: inside a
+unit's forward, the first one fails that forward, and the unit's hooks stay off."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+from .gathering import in_backward
+from .units import not_compiled
+
+if TYPE_CHECKING:
+    from .units import Unit
+
+__all__ = ["FUNCTORCH_REFUSED", "SavedScope", "close_all", "close_scope", "open_scope",
+           "refused_by_functorch"]
+
+_top = torch._C._autograd._top_saved_tensors_default_hooks
+
+
+class _Saved:
+    """A tensor saved in a unit's forward: a detached alias (the saved tensor's own
+    Python object is not held: an op that saves its output, `tanh`, would make a
+    cycle through it that the collector cannot break, and a graph never run
+    backward kept its activations for good) with its version at the save, checked
+    at the unpack as torch checks it without hooks; `gid`: the group whose gathered
+    weights it views (None: another tensor), `unit` and `versions` its forward's."""
+
+    __slots__ = ("tensor", "version", "gid", "unit", "versions")
+
+    def __init__(self, tensor: torch.Tensor, gid: int | None = None, unit: Any = None,
+                 versions: tuple[int, ...] = ()) -> None:
+        self.tensor, self.version = tensor.detach(), tensor._version
+        self.gid, self.unit, self.versions = gid, unit, versions
+
+
+class SavedScope:
+    """The saved-tensor hooks of one unit's forward: `storages` maps the data pointer
+    of each gathered group's storage (this unit's and the enclosing units') to the
+    group and its unit; `use(saved)` makes a saved view's weights valid."""
+
+    __slots__ = ("unit", "storages", "use")
+
+    def __init__(self, unit: "Unit", storages: dict[int, tuple[int, Any, tuple[int, ...]]],
+                 use: Callable[[_Saved], None]) -> None:
+        self.unit, self.storages, self.use = unit, storages, use
+
+    @not_compiled  # [Note: torch.compile] in units.py
+    def pack(self, t: torch.Tensor) -> Any:
+        try:  # a weight's view is not counted as kept ([Note: kept weights] in warm.py)
+            found = self.storages.get(t.untyped_storage().data_ptr())
+            return _Saved(t) if found is None else _Saved(t, *found)
+        except (RuntimeError, NotImplementedError, TypeError):  # no storage of its own
+            return t
+
+    @not_compiled  # [Note: torch.compile] in units.py
+    def unpack(self, packed: Any) -> torch.Tensor:
+        if type(packed) is not _Saved:
+            return packed
+        t = packed.tensor
+        if t._version != packed.version:  # torch's own check, which hooks turn off
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified "
+                f"by an inplace operation: [{t.type()} {list(t.shape)}] is at version "
+                f"{t._version}; expected version {packed.version} instead (saved in the "
+                f"forward of unit {getattr(self.unit, 'name', '') or '<root>'!r})")
+        if packed.gid is not None and in_backward():  # not a look at grad_fn._saved_*
+            self.use(packed)
+        return t
+
+
+def open_scope(scopes: list[SavedScope], unit: "Unit",
+               own: dict[int, tuple[int, Any, tuple[int, ...]]],
+               use: Callable[[_Saved], None]) -> None:
+    """Pushes the hooks of `unit`'s forward (`own`: its gathered groups) onto autograd's
+    stack and `scopes`, unless hooks of another kind are on top or hooks are off."""
+    top = _top(False)
+    if top is not None and not isinstance(getattr(top[0], "__self__", None), SavedScope):
+        return  # a checkpoint's or save_on_cpu's: they keep the tensors
+    if not torch._C._autograd._saved_tensors_hooks_is_enabled():
+        return
+    outer = scopes[-1] if scopes else None
+    scope = SavedScope(unit, own if outer is None else {**outer.storages, **own}, use)
+    torch._C._autograd._push_saved_tensors_default_hooks(scope.pack, scope.unpack)
+    scopes.append(scope)
+
+
+def close_scope(scopes: list[SavedScope], unit: "Unit") -> bool:
+    """Pops `unit`'s hooks, where its forward pushed them (returned) and they are on
+    top."""
+    if not scopes or scopes[-1].unit is not unit:
+        return False
+    _pop(scopes.pop())
+    return True
+
+
+# torch.func's grad, vjp, jacrev and hessian raise this where saved-tensor hooks are on
+_FUNCTORCH = "don't yet support saved tensor hooks"
+
+FUNCTORCH_REFUSED = (
+    "torch.func's grad, vjp, jacrev or hessian ran inside a unit's forward, which torch "
+    "refuses while saved-tensor hooks are on, and the engine's were: they gather a "
+    "unit's weights for a backward that reaches them by a path other than the unit's "
+    "outputs ([Note: weights saved for a backward] in offload/engine/saved_weights.py). "
+    "They are off for that unit from now on (such a path then reads its freed weights "
+    "as zeros: return from the unit what the loss uses). The forward was undone: run "
+    "it again")
+
+
+def refused_by_functorch(e: BaseException | None) -> bool:
+    """Whether `e` is torch.func's refusal of saved-tensor hooks."""
+    return isinstance(e, RuntimeError) and _FUNCTORCH in str(e)
+
+
+def close_all(scopes: list[SavedScope]) -> None:
+    """Pops every scope a forward left: torch skips the forward hooks that pop them
+    when a unit's forward raises a KeyboardInterrupt or SystemExit, and the hooks
+    would stay on for the program's own autograd code."""
+    while scopes:
+        _pop(scopes.pop())
+
+
+def _pop(scope: SavedScope) -> None:
+    top = _top(False)
+    if top is not None and top[0] == scope.pack:
+        torch._C._autograd._pop_saved_tensors_default_hooks()
