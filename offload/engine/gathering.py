@@ -139,8 +139,12 @@ class GatheredWeights:
             log.warning(
                 "a tensor bound to parameter %r inside a unit's forward is still referenced "
                 "after the unit: its group's gathered weights (%.1f MiB) stay allocated "
-                "outside the memory budgets while it is; keep a .clone() instead, or read "
-                "engine.full_weights()", st.group.slots[kept % len(st.group.slots)].names[0],
+                "outside the memory budgets while it is. Kept by the program (a module "
+                "attribute, a list): keep a .clone() instead, or read engine.full_weights(); "
+                "passed to an activation checkpoint (transformers' DeBERTa-v2 encoder passes "
+                "its rel_embeddings to each checkpointed layer), the checkpoint holds it "
+                "until its backward, and the numbers are torch's either way",
+                st.group.slots[kept % len(st.group.slots)].names[0],
                 storage.nbytes() / 2**20)
         if st.borrowed:
             unborrow(storage)
