@@ -153,9 +153,7 @@ def measure(job: dict[str, Any]) -> dict[str, Any]:
     rec = TraceRecorder(enabled=False)
     engine = offload.initialize(spec.factory(), cfg, recorder=rec)
     try:
-        batch, loss_of = _batch(spec, str(engine.store.device))
-        if "input" in batch and batch["input"].dtype.is_floating_point:
-            batch["input"] = batch["input"].to(engine.dtype)
+        batch, loss_of = _batch(spec, str(engine.store.device), engine.dtype)
         spans, io0, p0, moves0 = [], None, None, None
         for i in range(job["warmup"] + job["steps"]):
             if i == job["warmup"]:

@@ -46,6 +46,11 @@ def build_from_config(path: str, eager: bool) -> Any:
         text = getattr(cfg, "sub_configs", {}).get("text_config")
         if text is not None and getattr(cls, "config_class", None) is text:
             cfg = cfg.get_text_config()  # a text model named by a multimodal config
+        if named.endswith("ForSequenceClassification") and getattr(cfg, "pad_token_id",
+                                                                      0) is None:
+            # a decoder's classifier (a reward model) finds each row's last token by the
+            # pad token, and refuses batches above 1 without one: any id serves here
+            cfg.pad_token_id = 0
         return cls._from_config(cfg, **kw)  # what AutoModel*.from_config calls
     try:
         return AutoModelForCausalLM.from_config(cfg, **kw)
@@ -61,9 +66,9 @@ def build_from_config(path: str, eager: bool) -> Any:
 
 def hf_base(model: Any) -> Any:
     """The transformers model: `model`, or the one a peft model wraps."""
-    if callable(getattr(model, "get_base_model", None)) and hasattr(model, "peft_config"):
-        return model.get_base_model()
-    return model
+    from ..engine.model_weights import is_peft
+
+    return model.get_base_model() if is_peft(model) else model
 
 
 def is_hf_model(model: Any) -> bool:

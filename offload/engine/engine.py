@@ -135,7 +135,7 @@ class OffloadEngine(ModelWeights, ModuleHooks, GradPartitions, GroupUpdates, Gat
         self._in_backward = False  # engine.backward() is running: [Note: backward runs here]
         self._backward_units: set[int] = set()  # units whose backward hook checked (hooks.py)
         self._saved_scopes: list = []  # [Note: weights saved for a backward]
-        self._unsaved_units: set[int] = set()  # units whose forward runs torch.func
+        self._saved_hooks_on: dict[int, bool] = {}  # unit -> False: its forward runs torch.func
         e = cfg.engine  # fp16: a fixed loss scale, or dynamic scaling's first one
         self.loss_scale = (e.loss_scale or e.initial_loss_scale) if e.dtype == "fp16" else 1.0
         self._good_steps = 0

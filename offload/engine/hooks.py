@@ -19,7 +19,8 @@ from torch import nn
 
 from .absent import AbsentWeight
 from .gathering import in_backward
-from .saved_weights import close_all, close_scope, open_scope, refused_by_functorch
+from .saved_weights import (calls_functorch, close_all, close_scope, open_scope,
+                            refused_by_functorch)
 from .tensor_parallel import refuse_layer_outputs
 from .units import Unit, copy_weight_views, hooks_last, output_tensors
 
@@ -108,7 +109,7 @@ class ModuleHooks:
             # [Note: weights saved for a backward] in saved_weights.py
             if not backward and close_scope(self._saved_scopes, unit) and failed \
                     and refused_by_functorch(sys.exc_info()[1]):
-                self._unsaved_units.add(id(unit))
+                self._saved_hooks_on[id(unit)] = False
             if not failed and not backward:  # [Note: outputs that view the weights]
                 out = copy_weight_views(out, {
                     self._states[gid].flat.untyped_storage().data_ptr()
@@ -137,7 +138,10 @@ class ModuleHooks:
         return tuple(self._states[gid].version for gid in unit.needs)
 
     def _open_saved_scope(self, unit: Unit) -> None:
-        if id(unit) in self._unsaved_units:  # torch.func in its forward
+        hooks_on = self._saved_hooks_on.get(id(unit))
+        if hooks_on is None:  # torch.func in its forward: no hooks
+            hooks_on = self._saved_hooks_on[id(unit)] = not calls_functorch(unit.module)
+        if not hooks_on:
             return
         versions = self._versions(unit)
         own = {self._states[gid].flat.untyped_storage().data_ptr(): (gid, unit, versions)

@@ -256,7 +256,12 @@ def guard_save_pretrained(model: nn.Module) -> None:
 
 
 def _save_guarded(module: nn.Module, plain: Callable, *args: Any, **kwargs: Any) -> Any:
-    absent = next((p for p in module.parameters() if isinstance(p, AbsentWeight)), None)
+    # given a state_dict (transformers' Trainer, engine.state_dict()), it reads no weight
+    # of the modules; peft's reads its adapters alone (the trainable weights), which a
+    # block may hold without the base model's
+    params = [] if kwargs.get("state_dict") is not None else \
+        [p for p in module.parameters() if p.requires_grad or not is_peft(module)]
+    absent = next((p for p in params if isinstance(p, AbsentWeight)), None)
     if absent is None:
         return plain(module, *args, **kwargs)
     if absent.message == closed_message(absent.param_name):
@@ -266,7 +271,7 @@ def _save_guarded(module: nn.Module, plain: Callable, *args: Any, **kwargs: Any)
         "block that holds all its weights is refused, nothing was written: its parameters "
         f"(e.g. {absent.param_name!r}) are stand-ins without weights, which the engine "
         "holds. " + ("Save the adapters with `with engine.full_weights(): "
-                     "model.save_pretrained(dir)` (peft's own)" if _is_peft(module) else
+                     "model.save_pretrained(dir)` (peft's own)" if is_peft(module) else
                      "Save the model with engine.save_pretrained(dir) (streamed group by "
                      "group), or `with engine.full_weights(): model.save_pretrained(dir)` "
                      "(every weight in host memory at once)"))
@@ -276,7 +281,7 @@ def _refuse_adapters(model: nn.Module) -> None:
     """A peft model's Hugging Face layout is its adapters (peft's `save_pretrained`),
     not the wrapper's names beside the base model's config.json: `from_pretrained` of
     what the export wrote loaded without a word, every weight initialised anew."""
-    if _is_peft(model):
+    if is_peft(model):
         raise ValueError(
             f"save_pretrained: the model is a peft {type(model).__name__}, whose saved form "
             "is its adapters: save them with `with engine.full_weights(): "
@@ -284,7 +289,8 @@ def _refuse_adapters(model: nn.Module) -> None:
             "engine.state_dict() loaded into a plain copy (nothing was written)")
 
 
-def _is_peft(model: nn.Module) -> bool:
+def is_peft(model: Any) -> bool:
+    """A peft model (a PeftModel around a transformers model)."""
     return callable(getattr(model, "get_base_model", None)) and hasattr(model, "peft_config")
 
 

@@ -14,14 +14,17 @@ output's would: it gathers the unit's groups (or refuses an older graph). Where
 other saved-tensor hooks are on already (a non-reentrant activation checkpoint,
 `save_on_cpu`), they keep the tensors: a checkpoint recomputes the unit's forward
 in the backward, with its weights gathered, and `save_on_cpu` copies them. torch.func's
-transforms (grad, vjp, jacrev) refuse to run under any saved-tensor hooks: inside a
-unit's forward, the first one fails that forward, and the unit's hooks stay off."""
+transforms (grad, vjp, jacrev) refuse to run under any saved-tensor hooks: a unit whose
+forward's code names one gets no hooks; one called from elsewhere fails the unit's
+first forward, and its hooks stay off from then on."""
 
 from __future__ import annotations
 
+from types import CodeType
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
+from torch import nn
 
 from .gathering import in_backward
 from .units import not_compiled
@@ -29,8 +32,8 @@ from .units import not_compiled
 if TYPE_CHECKING:
     from .units import Unit
 
-__all__ = ["FUNCTORCH_REFUSED", "SavedScope", "close_all", "close_scope", "open_scope",
-           "refused_by_functorch"]
+__all__ = ["FUNCTORCH_REFUSED", "SavedScope", "calls_functorch", "close_all", "close_scope",
+           "open_scope", "refused_by_functorch"]
 
 _top = torch._C._autograd._top_saved_tensors_default_hooks
 
@@ -122,6 +125,34 @@ FUNCTORCH_REFUSED = (
     "They are off for that unit from now on (such a path then reads its freed weights "
     "as zeros: return from the unit what the loss uses). The forward was undone: run "
     "it again")
+
+
+# what a forward's code names where it runs a torch.func transform
+_TRANSFORMS = frozenset({"func", "functorch", "vmap", "grad_and_value", "vjp", "jvp",
+                         "jacrev", "jacfwd", "hessian"})
+
+
+def calls_functorch(module: nn.Module) -> bool:
+    """Whether the forward of `module` or of a module under it names a torch.func
+    transform (`torch.func.grad`, `vmap`, ...; its nested functions' code too): its unit's
+    hooks stay off from the first forward. One called from elsewhere fails the first
+    forward instead (`refused_by_functorch`)."""
+    seen: set[CodeType] = set()
+    for m in module.modules():
+        code = getattr(getattr(type(m), "forward", None), "__code__", None)
+        if code is not None and code not in seen:
+            seen.add(code)
+            if _names(code) & _TRANSFORMS:
+                return True
+    return False
+
+
+def _names(code: CodeType) -> set[str]:
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, CodeType):
+            names |= _names(const)
+    return names
 
 
 def refused_by_functorch(e: BaseException | None) -> bool:

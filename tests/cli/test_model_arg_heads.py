@@ -28,6 +28,13 @@ TINY = {
     "vit": ("ViTForImageClassification", transformers.ViTConfig, dict(
         hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
         image_size=32, patch_size=8, num_labels=3)),
+    "swin": ("SwinForImageClassification", transformers.SwinConfig, dict(
+        image_size=32, patch_size=4, embed_dim=16, depths=[1, 1], num_heads=[2, 2],
+        window_size=2, num_labels=3)),
+    "llama_cls": ("LlamaForSequenceClassification", transformers.LlamaConfig, dict(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32,
+        num_labels=2, pad_token_id=None)),
 }
 MODELS = textwrap.dedent("""
     import torch
@@ -217,17 +224,22 @@ def _fixed_probe(args, spec, mm, device, progress) -> MachineProbe:
     return MachineProbe(disk, 1 << 40, 0.0, 1e9, 1e10)
 
 
-@pytest.mark.parametrize("model", ["bart", "vit", "headmodels:bert_cls"])
-def test_the_inputs_made_train_in_real_steps(models, offload_cli, monkeypatch, model):
+@pytest.mark.parametrize("model,dtype", [("bart", "fp32"), ("vit", "fp32"),
+                                         ("headmodels:bert_cls", "fp32"), ("swin", "bf16"),
+                                         ("llama_cls", "fp32")])
+def test_the_inputs_made_train_in_real_steps(models, offload_cli, monkeypatch, model, dtype):
     """One calibration run of tune on the CPU: the batch its real steps draw (token ids
-    anywhere in the vocabulary, floats for pixels) suits each head."""
+    anywhere in the vocabulary, floats for pixels in the compute dtype: Swin, which does
+    not cast its input, failed every bf16 step) suits each head; a decoder's classifier
+    without a pad token (a reward model's config) is given one (transformers refuses
+    batches above 1 without it)."""
     monkeypatch.setattr(tune_cli, "probe_machine", _fixed_probe)
     target = model if ":" in model else _model_dir(models, model)[0]
-    rc, out, err = offload_cli(["tune", target, "--batch", "2", "--dtype", "fp32", "--device",
+    rc, out, err = offload_cli(["tune", target, "--batch", "2", "--dtype", dtype, "--device",
                                 "cpu", "--swap", str(models / "swap"), "--host-budget",
                                 "64MiB", "--device-budget", "8MiB", "--calibrate", "1",
                                 "--finalists", "0", "--group-sizes", "8192", "--minutes", "1",
-                                "--json"] + ([] if model == "vit" else ["--seq", "16"]))
+                                "--json"] + ([] if model in ("vit", "swin") else ["--seq", "16"]))
     assert rc == 0, err
     runs = json.loads(out)["calibration_runs"]
     assert len(runs) == 1 and runs[0]["measured_step_s"] > 0, runs

@@ -118,6 +118,10 @@ def test_transformers_save_pretrained_outside_full_weights_writes_nothing(engine
         twin.save_pretrained(tmp_path / "twin")  # a plain model: its class's own method
         got = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "twin").state_dict()
         assert all(torch.equal(got[k], v) for k, v in want.items())
+        # given its tensors (transformers' Trainer._save), it reads no weight: as before
+        model.save_pretrained(tmp_path / "given", state_dict=engine.state_dict())
+        got = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "given").state_dict()
+        assert all(torch.equal(got[k], v) for k, v in want.items())
     finally:
         engine.close()
     with pytest.raises(RuntimeError, match=r"OffloadEngine that is closed.*nothing was written"):
@@ -145,5 +149,13 @@ def test_peft_save_pretrained_outside_full_weights_writes_nothing(engine_cfg, tm
         with engine.full_weights():
             engine.module.save_pretrained(tmp_path / "adapters")
         assert (tmp_path / "adapters" / "adapter_model.safetensors").exists()
+        # a block of the adapters alone (the base model stays out of host memory)
+        lora_names = [n for n, _ in engine.module.named_modules() if n.endswith("lora_A")
+                      or n.endswith("lora_B")]
+        with engine.full_weights(lora_names):
+            engine.module.save_pretrained(tmp_path / "only")
+        from safetensors.torch import load_file
+        assert load_file(tmp_path / "only" / "adapter_model.safetensors").keys() == \
+            load_file(tmp_path / "adapters" / "adapter_model.safetensors").keys()
     finally:
         engine.close()

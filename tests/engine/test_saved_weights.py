@@ -248,23 +248,37 @@ def test_a_step_of_early_updates_refuses_an_older_graph(engine_cfg):
             engine.backward(old)
 
 
-def test_torch_func_in_a_units_forward_turns_its_hooks_off(engine_cfg):
-    """torch.func's transforms refuse to run under saved-tensor hooks: the first
-    forward fails, saying so, and the unit trains as torch from then on."""
-    class Energy(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.lin = nn.Linear(8, 8)
+def _forces(lin: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A force as the gradient of an energy, per sample: torch.func outside a forward."""
+    return torch.vmap(torch.func.grad(lambda r: torch.tanh(lin(r)).sum()))(x)
 
-        def forward(self, x):
-            return torch.vmap(torch.func.grad(lambda r: torch.tanh(self.lin(r)).sum()))(x)
 
+class _Energy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.vmap(torch.func.grad(lambda r: torch.tanh(self.lin(r)).sum()))(x)
+
+
+class _EnergyByHelper(_Energy):
+    def forward(self, x):
+        return _forces(self.lin, x)
+
+
+@pytest.mark.parametrize("energy", [_Energy, _EnergyByHelper], ids=["forward", "helper"])
+def test_torch_func_in_a_units_forward_turns_its_hooks_off(engine_cfg, energy):
+    """torch.func's transforms refuse to run under saved-tensor hooks: a unit whose
+    forward names one gets none, and trains as torch from the first step; one called
+    from a helper fails the first forward, saying so, and trains from then on."""
     torch.manual_seed(0)
-    ref = nn.Sequential(nn.Linear(8, 8), Energy(), nn.Linear(8, 1))
+    ref = nn.Sequential(nn.Linear(8, 8), energy(), nn.Linear(8, 1))
     x = torch.randn(4, 8)
     with offload.initialize(copy.deepcopy(ref), engine_cfg("host", group_size=80)) as engine:
-        with pytest.raises(RuntimeError, match="torch.func's grad.*run it again"):
-            engine(x)
+        if energy is _EnergyByHelper:
+            with pytest.raises(RuntimeError, match="torch.func's grad.*run it again"):
+                engine(x)
         engine.backward(engine(x).square().mean())
         assert engine.step()
         opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
