@@ -65,7 +65,8 @@ def estimate(mm: MeasuredModel, placements, *, world: int, ranks_per_node: int,
                      "store": tb.store, "optimizer_state": tb.optimizer, "buffers": tb.buffers,
                      "minimum": minimum(mm, {**p.engine_keys(), **engine}, device,
                                         max_grad_norm)})
-    return {"command": "estimate", "model": mm.spec.target, "dtype": mm.spec.dtype,
+    return {"command": "estimate", "model": mm.spec.target, "model_class": mm.model_class,
+            "dtype": mm.spec.dtype,
             "batch": mm.spec.batch, "tokens_per_batch": mm.tokens, "params": mm.params,
             "groups": len(mm.shards), "units": len(mm.unit_names), "world": world,
             "ranks_per_node": ranks_per_node, "device": device, "group_size": group_size,
@@ -81,7 +82,8 @@ def render(result: dict[str, Any]) -> None:
     from rich.table import Table
 
     con = table_console()
-    t = Table(title=f"{escape(result['model'])}: {result['params'] / 1e6:.1f}M parameters, "
+    t = Table(title=f"{escape(result['model'])} ({escape(result['model_class'])}): "
+                    f"{result['params'] / 1e6:.1f}M parameters, "
                     f"{result['dtype']}, {result['groups']} groups, world {result['world']}")
     for col in ("kind", "per rank", "all ranks"):
         t.add_column(col, justify="left" if col == "kind" else "right")

@@ -25,8 +25,8 @@ from typing import Any, Callable
 
 from ..files import json_loads, read_regular_text
 from .args import UsageError, integer
-from .model_arg_hf import (WRAPPER, build_from_config, hf_batch, image_positions, is_hf_model,
-                           set_eager)
+from .model_arg_hf import (WRAPPER, build_from_config, hf_base, hf_batch, image_positions,
+                           is_hf_model, set_eager)
 
 __all__ = ["ModelSpec", "MeasuredModel", "add_model_arguments", "model_spec", "measure_model"]
 
@@ -177,6 +177,7 @@ class MeasuredModel:
     tokens: int                              # positions per micro-batch
     groups: list = field(default_factory=list, repr=False)  # the engine's groups (meta)
     containers: list[str] = field(default_factory=list)  # units that are never called
+    model_class: str = ""  # the class measured (a config's: the one its architectures names)
 
 
 def _build_meta(spec: ModelSpec, eager: bool = False):
@@ -382,7 +383,8 @@ def measure_model(spec: ModelSpec, group_size: int, world: int = 1) -> MeasuredM
                          tuple((g.shard, g.requires_grad) for g in groups),
                          [u.name for u in units], [list(u.needs) for u in units], flops,
                          act, act_ckpt, int(tokens), groups,
-                         [u.name for u in units if _never_called(u.module)])
+                         [u.name for u in units if _never_called(u.module)],
+                         type(hf_base(model)).__name__)
 
 
 def _never_called(module) -> bool:

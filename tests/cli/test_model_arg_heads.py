@@ -132,6 +132,10 @@ def test_a_model_directory_is_measured_as_the_class_its_architectures_name(
     res = json.loads(out)
     assert res["params"] == want, (res["params"], want)
     assert res["tokens_per_batch"] == tokens and res["activations"]["bytes"] > 0
+    assert res["model_class"] == TINY[name][0]  # said: a config's class changed silently
+    rc, out, err = offload_cli(["estimate", path, "--batch", "2", "--dtype", "fp32",
+                                *(["--seq", "16"] if name == "t5" else [])])
+    assert rc == 0 and f"({TINY[name][0]})" in out, out
 
 
 def test_a_config_without_a_class_to_build_is_refused_in_a_short_line(models, offload_cli):
