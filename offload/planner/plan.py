@@ -148,6 +148,9 @@ class Plan:
     bytes_read: int = 0
     bytes_written: int = 0
     fetches_by_use: dict[int, list[PlanOp]] = field(default_factory=dict)
+    # made with the rules against round trips; LRU's own walk has none ([Note: the plan
+    # against LRU's victims])
+    stays: bool = True
 
     @property
     def bytes_moved(self) -> int:
@@ -310,7 +313,7 @@ def _walk(uses: Sequence[Use], size: dict, nxt: _NextUse, budget: int, resident:
     last = {k: -1 for k in resident}     # last use of each resident record (-1: none yet)
     rank = {k: n for n, k in enumerate(size)}  # ties go by the records' order, not a set's
     held = [0] * len(uses)
-    plan = Plan([], budget, held)
+    plan = Plan([], budget, held, stays=stays)
     prev_issue = 0
     used = sum(size[k] for k in resident)  # bytes of the resident records
     gone: dict[Hashable, tuple[int, bool]] = {}  # record -> (its eviction's op, written)

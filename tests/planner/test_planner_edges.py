@@ -6,7 +6,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
-from offload.planner import Rates, RecordSpec, Use, make_plan, simulate
+from offload.planner import Rates, RecordSpec, Use, lru_bytes, make_plan, simulate
 
 from .test_plan import _replay, traces
 from .test_plan_edges import _rich_traces
@@ -144,11 +144,23 @@ _QUICK = settings(max_examples=300, deadline=None,
 @given(st.one_of(traces(reserve=True), traces(writes=False, reserve=True)))
 @example(([Use(("r0", "r2")), Use(("r1",), reserved=1), Use(("r0", "r2"))],
           {"r0": RecordSpec(1), "r1": RecordSpec(1), "r2": RecordSpec(2)}, 3))
+@example(([Use(("r0",), reserved=2), Use(("r1", "r3"), ("r1",)), Use(("r0",), reserved=2),
+           Use(("r1",), reserved=2), Use(("r3",))],
+          {"r0": RecordSpec(1), "r1": RecordSpec(1), "r2": RecordSpec(1), "r3": RecordSpec(4)},
+          7))
 def test_no_record_leaves_and_comes_back_where_it_could_have_stayed(case):
+    """Where the plan is LRU's own walk ([Note: the plan against LRU's victims]: the
+    others' steady step moved more than LRU's), it has no rules against round trips
+    and moves exactly LRU's bytes, as the walk this test drew (a record evicted and
+    read back at the same use, budget 7) shows."""
     uses, records, budget = case
     plan = make_plan(uses, records, budget)
     assert _replay(uses, records, plan) == (plan.bytes_read, plan.bytes_written)
-    assert not _round_trips(uses, plan), (plan.ops, plan.held)
+    if plan.stays:
+        assert not _round_trips(uses, plan), (plan.ops, plan.held)
+    else:
+        assert make_plan(uses, records, budget, steady=True).bytes_moved == \
+            sum(lru_bytes(uses, records, budget, True))
 
 
 @_QUICK
