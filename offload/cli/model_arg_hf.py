@@ -123,7 +123,7 @@ def image_positions(config: Any) -> int:
     """Patches per image (the rows an image model's matrices multiply), or 1 where the
     config names no int patch_size."""
     shape, patch = _image_shape(config), getattr(config, "patch_size", None)
-    if shape is None or not isinstance(patch, int) or isinstance(patch, bool) or patch <= 0:
+    if shape is None or not _positive_int(patch):
         return 1
     return max(1, shape[1] // patch) * max(1, shape[2] // patch)
 
@@ -136,9 +136,11 @@ def _image_shape(config: Any) -> tuple[int, int, int] | None:
     if not (isinstance(size, (list, tuple)) and len(size) == 2 and isinstance(channels, int)):
         return None
     dims = (channels, *size)
-    if not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in dims):
-        return None
-    return dims
+    return dims if all(_positive_int(d) for d in dims) else None
+
+
+def _positive_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x > 0
 
 
 def _predicts_tokens(base: Any) -> bool:
@@ -150,7 +152,7 @@ def _predicts_tokens(base: Any) -> bool:
     try:
         if base.get_output_embeddings() is not None:
             return True
-    except NotImplementedError:
+    except NotImplementedError:  # a class that declares it has none this way
         pass
     above = next(c for c in type(base).__mro__ if c.__module__.startswith("transformers."))
     return above is transformers.PreTrainedModel

@@ -78,14 +78,15 @@ class HyperWatch:
         error that fails this step (values that differ between ranks, or changed after
         updates ran early), or None."""
         before, self._before = self._before, None
-        apart = self._ranks_apart(opt)
-        changed = None if before is None else self._changed(before, opt, updated_early)
+        now = opt.values()
+        apart = self._ranks_apart(now)
+        changed = None if before is None else self._changed(before, now, updated_early)
         return apart or changed
 
-    def _changed(self, before: list[tuple], opt: CpuAdam, updated_early: bool
+    def _changed(self, before: list[tuple], now: list[tuple], updated_early: bool
                  ) -> Exception | None:
         """[Note: values written between backward and step]"""
-        diffs = (value_change(b, n) for b, n in zip(before, opt.values()))
+        diffs = (value_change(b, n) for b, n in zip(before, now))
         changed = [f"param_groups[{g}]: {d}" for g, d in enumerate(diffs) if d]
         if not changed:
             return None
@@ -102,13 +103,13 @@ class HyperWatch:
             "To keep the overlap, set values before the last backward (e.g. scheduler.step() "
             "right after engine.step())")
 
-    def _ranks_apart(self, opt: CpuAdam) -> Exception | None:
-        """[Note: every rank steps with the same values]: the error naming the first
-        value that differs between ranks, or None."""
+    def _ranks_apart(self, now: list[tuple]) -> Exception | None:
+        """[Note: every rank steps with the same values] (`now`: each group's): the error
+        naming the first value that differs between ranks, or None."""
         if self._ranks is None:
             return None
         items = [(f"param_groups[{g}][{key!r}]", (attr(key, value),))
-                 for g, values in enumerate(opt.values()) for key, value in _compared(values)]
+                 for g, values in enumerate(now) for key, value in _compared(values)]
         (least, most), = self._ranks.min_max(float(zlib.crc32(repr(items).encode())))
         if least == most:
             return None

@@ -35,7 +35,7 @@ from .one_thread import one_call
 from .params_view import state_entries
 from .rank_order import tensors_crc32
 from .safetensors_writer import TensorSpec, cast_finite, write_shards
-from .units import EngineMark, not_compiled, plain_method
+from .units import EngineMark, not_compiled
 
 log = logging.getLogger(__name__)
 
@@ -162,7 +162,7 @@ def guard_casts(model: nn.Module, dtype: torch.dtype, device: torch.device) -> N
         def _apply(fn: Any, recurse: bool = True, plain: Any = plain, name: str = name) -> Any:
             refuse_cast(fn, dtype, device, name)
             return plain(fn, recurse)
-        mod.__dict__["_apply"] = EngineMark(_apply, mod, plain_method("_apply"))
+        mod.__dict__["_apply"] = EngineMark(_apply, mod, "_apply")
 
 
 def guard_resize(model: nn.Module) -> None:
@@ -181,7 +181,7 @@ def guard_resize(model: nn.Module) -> None:
             "before offload.initialize, or load engine.state_dict() into a fresh model, "
             "resize that and initialize again")
     model.__dict__["resize_token_embeddings"] = EngineMark(
-        resize_token_embeddings, model, plain_method("resize_token_embeddings"))
+        resize_token_embeddings, model, "resize_token_embeddings")
 
 
 def guard_tp_generate(model: nn.Module) -> None:
@@ -199,7 +199,7 @@ def guard_tp_generate(model: nn.Module) -> None:
             raise ValueError("generate with tp.size > 1 needs use_cache=False: the blocks "
                              "cut over the ranks keep no KV cache (nothing was generated)")
         return plain(model, *args, **kwargs)
-    model.__dict__["generate"] = EngineMark(generate, model, plain_method("generate"))
+    model.__dict__["generate"] = EngineMark(generate, model, "generate")
 
 
 def guard_tie(model: nn.Module) -> None:
@@ -220,7 +220,7 @@ def _guard_method(model: nn.Module, name: str, guarded: Callable) -> None:
         plain = getattr(type(module), name, None)
         if callable(plain):
             module.__dict__[name] = EngineMark(functools.partial(guarded, module, plain),
-                                               module, plain_method(name))
+                                               module, name)
 
 
 def _tie_guarded(module: nn.Module, plain: Callable, *args: Any, **kwargs: Any) -> Any:

@@ -416,16 +416,15 @@ def _inert(*args: Any, **kwargs: Any) -> None:
 class EngineMark:
     """A value the engine sets in a module's `__dict__` (a cast guard in place of
     `_apply`, the wrapped mark, transformers' FSDP mark): it calls, and is true, as
-    `value`. `copy.deepcopy` of the module gives its copy `plain(copy)` in its place
-    (the class's own method; None where `plain` is None): a copy made inside
+    `value`. `copy.deepcopy` of the module gives its copy its class's own `method`
+    in its place (None where `method` is None): a copy made inside
     `engine.full_weights()` is a plain model, which `.to(dtype)` converts and
     `initialize` takes, not one whose guards act on this model's stand-ins."""
 
-    __slots__ = ("_value", "_module", "_plain")
+    __slots__ = ("_value", "_module", "_method")
 
-    def __init__(self, value: Any, module: nn.Module,
-                 plain: Callable[[nn.Module], Any] | None = None) -> None:
-        self._value, self._module, self._plain = value, weakref.ref(module), plain
+    def __init__(self, value: Any, module: nn.Module, method: str | None = None) -> None:
+        self._value, self._module, self._method = value, weakref.ref(module), method
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self._value(*args, **kwargs)
@@ -435,12 +434,8 @@ class EngineMark:
 
     def __deepcopy__(self, memo: dict) -> Any:
         twin = memo.get(id(self._module()))
-        return None if self._plain is None or twin is None else self._plain(twin)
-
-
-def plain_method(name: str) -> Callable[[nn.Module], Any]:
-    """`plain` of an `EngineMark` in place of method `name`: the copy's class's own."""
-    return lambda twin: PlainMethod(twin, name)
+        return None if self._method is None or twin is None else PlainMethod(twin,
+                                                                             self._method)
 
 
 class PlainMethod:
