@@ -46,7 +46,7 @@ import threading
 import time
 import uuid
 from concurrent.futures import BrokenExecutor, Future, ThreadPoolExecutor
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -339,9 +339,7 @@ class OffloadEngine(ModelWeights, ModuleHooks, GradPartitions, GroupUpdates, Gat
             try:
                 with self.recorder.span("forward", cat="compute", track="compute"):
                     out = self.module(*args, **kwargs)
-                # a Ctrl-C noted in the engine's code: raised where the forward is undone,
-                # not after it returned ([Note: a call that a Ctrl-C fails] in interrupts.py)
-                self._interrupts.safe_point()
+                self._interrupts.safe_point()  # [Note: a call that a Ctrl-C fails]
                 return out
             except BaseException as e:  # a forward changes no state of the step
                 if in_backward():
@@ -496,11 +494,6 @@ class OffloadEngine(ModelWeights, ModuleHooks, GradPartitions, GroupUpdates, Gat
             if orphan and st.gathered:
                 self._orphan(st)
             self._free(st)
-
-    def weights_changed(self, gids: Iterable[int]) -> None:
-        """[Note: a graph of older weights]: the groups `gids` hold other weights now."""
-        for gid in gids:
-            self._states[gid].version += 1
 
     def _orphan(self, st: GroupState) -> None:
         """[Note: orphaned gathers] The frames of an error's traceback hold views of the

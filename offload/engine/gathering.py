@@ -20,6 +20,7 @@ hook is refused: `.grad` never holds the engine's gradients.
 from __future__ import annotations
 
 import logging
+from typing import Iterable
 
 import torch
 
@@ -65,6 +66,12 @@ class GroupState:
 
 class GatheredWeights:
     """Gathers, binds and frees the groups' full weights (mixed into `OffloadEngine`)."""
+
+    def weights_changed(self, gids: Iterable[int]) -> None:
+        """[Note: a graph of older weights] in engine.py: the groups `gids` hold other
+        weights now."""
+        for gid in gids:
+            self._states[gid].version += 1
 
     def _gather(self, st: GroupState) -> None:
         """Makes the group's full weights valid in `flat` (waits for them)."""
