@@ -31,7 +31,7 @@ test: setup
 
 test-all: setup
 	@sh scripts/install-chromium.sh
-	$(PY) -m pytest -q -m "slow or not slow"
+	HYPOTHESIS_PROFILE=explore $(PY) -m pytest -q -m "slow or not slow"
 
 bench-io: setup
 	$(VENV)/bin/offload bench io --path ./offload-bench

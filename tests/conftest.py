@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import settings
+
 
 from offload.io import AioEngine, ThreadEngine, libaio_status
 from offload.io.errors import AioSetupError
@@ -20,6 +22,13 @@ from offload.io.errors import AioSetupError
 # terminal, where Python's own handler is in place: put it back for the whole run.
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
+
+# The property tests draw the same examples on every run of `make test`, so the suite
+# passes or fails on the code alone; `make test-all` (HYPOTHESIS_PROFILE=explore) draws
+# new ones each run, as a search for the cases those fixed draws miss.
+settings.register_profile("fixed", derandomize=True, database=None)
+settings.register_profile("explore")
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "fixed"))
 
 AIO_OK, AIO_WHY = libaio_status()
 ENGINES = ["threads", pytest.param("aio", marks=pytest.mark.skipif(not AIO_OK, reason=AIO_WHY))]
