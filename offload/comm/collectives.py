@@ -180,10 +180,13 @@ class Collectives:
     def all_reduce_sum(self, tensor: torch.Tensor, *, async_op: bool = False) -> Pending:
         """Sums `tensor` over the group's ranks, in place (valid once the handle is
         waited on); a world of 1 leaves it as it is."""
+        return self._all_reduce(tensor, dist.ReduceOp.SUM, async_op)
+
+    def _all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp, async_op: bool) -> Pending:
         if self.world == 1:
             return Pending(None)
         token = self._begin("all-reduce", tensor)
-        work = dist.all_reduce(tensor, group=self.group, async_op=True)
+        work = dist.all_reduce(tensor, op=op, group=self.group, async_op=True)
         return self._then(work, None, async_op, token)
 
     def broadcast_first(self, tensor: torch.Tensor) -> None:
@@ -226,12 +229,15 @@ class Collectives:
 
     def sum_scalars(self, values: list[float]) -> list[float]:
         """Sums a few floats over ranks (fp64)."""
+        return self._reduce_scalars(values, dist.ReduceOp.SUM)
+
+    def _reduce_scalars(self, values: list[float], op: dist.ReduceOp) -> list[float]:
         if self.world == 1:
             return list(values)
         t = torch.tensor(values, dtype=torch.float64)
         if self.backend == "nccl":
             t = t.to(self.device)
-        self.all_reduce_sum(t)
+        self._all_reduce(t, op, False)
         return t.cpu().tolist()
 
     def every_rank(self, *values: float) -> list[float]:
@@ -246,15 +252,8 @@ class Collectives:
         """Each value's (least, greatest) over the group's ranks, in one all-reduce of
         two fp64 numbers per value whatever the world size: where they are equal,
         every rank holds that value."""
-        if self.world == 1:
-            return [(v, v) for v in values]
-        t = torch.tensor([*values, *(-v for v in values)], dtype=torch.float64)
-        if self.backend == "nccl":
-            t = t.to(self.device)
-        token = self._begin("all-reduce", t)
-        self._then(dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group, async_op=True),
-                   None, False, token)
-        got, n = t.cpu().tolist(), len(values)
+        got = self._reduce_scalars([*values, *(-v for v in values)], dist.ReduceOp.MAX)
+        n = len(values)
         return [(-got[n + i], got[i]) for i in range(n)]
 
     def every_rank_object(self, obj: object) -> list[object]:
