@@ -31,6 +31,8 @@ PAGE = 4096
 MAX_BYTES = (1 << 63) - 1
 # the longest wait threading's locks and conditions take (longer ones raise OverflowError)
 MAX_WAIT_S = min(1e9, threading.TIMEOUT_MAX)
+# The Adam hyper-parameters a parameter group sets, keeps in a checkpoint and compares
+HYPER_NAMES = ("lr", "betas", "eps", "weight_decay")
 
 
 class ConfigError(ValueError):
@@ -334,8 +336,7 @@ class ParamGroupConfig:
 
     def overrides(self) -> dict[str, Any]:
         """The hyper-parameters this group sets (the others are the optim section's)."""
-        return {k: (tuple(v) if k == "betas" else v) for k in ("lr", "betas", "eps",
-                                                               "weight_decay")
+        return {k: (tuple(v) if k == "betas" else v) for k in HYPER_NAMES
                 if (v := getattr(self, k)) is not None}
 
 

@@ -15,13 +15,14 @@ from torch import nn
 
 from ..files import json_loads, read_regular_text
 from ..io import host_copy
+from ..config import HYPER_NAMES
 from ..io.buffers import mapped_empty
 from ..optim.codec import bound_first_moment, moment_bound
 from .checkpoint_buffers import (BUFFERS, check_buffers, check_extra_states, decode_buffers,
                                  decode_extra_states, restore_buffers, restore_extra_states)
 from .checkpoint_chunks import MISSING, CRC_BYTES, ChunkFileError, ChunkFiles, chunk_key, read_index
 from .checkpoint_publish import PARTIAL, RECORD, is_committed
-from .checkpoint_record import _HYPER, check_record
+from .checkpoint_record import check_record
 from .checkpoint_files import (CheckpointCorruptError, CheckpointError, CheckpointLimitError,
                                _read_json, decode_rng_state, limit_reached, not_permitted,
                                set_rng_state)
@@ -572,7 +573,7 @@ class CheckpointReader:
                     f"the save (the nearest adds {extra}, lacks {lacking}); resume with the "
                     "param_groups of the save (any order), then change them through "
                     "engine.optimizer.param_groups[k]")
-            out.append({key: _hyper_value(key, theirs[key]) for key in _HYPER if key in theirs})
+            out.append({key: _hyper_value(key, theirs[key]) for key in HYPER_NAMES if key in theirs})
         return out
 
     def _matched_hyper(self, mine: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -598,7 +599,7 @@ class CheckpointReader:
                 f"saved hyper-parameters cannot be matched to these groups: {fix}")
         differ = []
         for k in range(1, len(saved)):
-            keys = [key for key in _HYPER if key in saved[k] and _hyper_value(
+            keys = [key for key in HYPER_NAMES if key in saved[k] and _hyper_value(
                 key, saved[k][key]) != _hyper_value(key, mine[k][key])]
             if keys:
                 differ.append(f"param_groups[{k - 1}] (optimizer group {k}): " + ", ".join(
@@ -609,7 +610,7 @@ class CheckpointReader:
                 f"checkpoint {self.path}: {'; '.join(differ)}. The checkpoint does not record "
                 "which parameters each group held, so groups are matched by their place and "
                 f"a changed value cannot be told from groups listed in another order: {fix}")
-        return [{key: _hyper_value(key, g[key]) for key in _HYPER if key in g} for g in saved]
+        return [{key: _hyper_value(key, g[key]) for key in HYPER_NAMES if key in g} for g in saved]
 
     def _corrupt(self, message: str) -> CheckpointError:
         """CheckpointCorruptError(`message`); where the checkpoint is gone since it was

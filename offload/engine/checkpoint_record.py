@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable
 
+from ..config import HYPER_NAMES
 from ..trace.analysis import short_repr
 from .checkpoint_files import CheckpointCorruptError
 from .checkpoint_layout import KINDS, TORCH_DTYPES
@@ -16,7 +17,6 @@ _KINDS = frozenset(KINDS)
 
 __all__ = ["check_record"]
 
-_HYPER = ("lr", "betas", "eps", "weight_decay")  # what the commit record keeps per group
 
 _ABSENT = object()  # a field the commit record lacks
 _INT_MAX = 2**63 - 1  # counts, steps and element numbers beyond this come from no save
@@ -51,7 +51,7 @@ def _tensor_entry(t: Any) -> bool:
 def _hyper_ok(g: Any) -> bool:
     return isinstance(g, dict) and all(
         (_list_of(g[k], _number) and len(g[k]) == 2) if k == "betas" else _number(g[k])
-        for k in _HYPER if k in g) and (
+        for k in HYPER_NAMES if k in g) and (
         "params" not in g or _list_of(g["params"], lambda n: isinstance(n, str)))
 
 

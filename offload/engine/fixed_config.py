@@ -17,7 +17,7 @@ import copy
 import dataclasses
 from typing import Any, Iterator
 
-from ..config import ConfigError, OffloadConfig
+from ..config import HYPER_NAMES, ConfigError, OffloadConfig
 
 LIVE = frozenset({"engine.keep_checkpoints"})  # read at each save, documented so
 
@@ -26,7 +26,7 @@ _RESUME = ("set it back, or pass the new value to offload.initialize (save a che
 _VALUES = ("set it back, and change the value in engine.optimizer.param_groups, as in torch "
            "(a resume restores the checkpoint's values, whatever the config says)")
 _FIXES = {  # keys a resume does not take from the config
-    **{f"optim.{k}": _VALUES for k in ("lr", "betas", "eps", "weight_decay")},
+    **{f"optim.{k}": _VALUES for k in HYPER_NAMES},
     "optim.param_groups": "set it back, and change the groups' values in "
                           "engine.optimizer.param_groups[k] (a resume keeps the groups of "
                           "the save)",

@@ -16,12 +16,12 @@ from typing import Any, Mapping, Sequence
 
 from torch import nn
 
-from ..config import ConfigError, OptimConfig, ParamGroupConfig
+from ..config import HYPER_NAMES, ConfigError, OptimConfig, ParamGroupConfig
 from .units import Group
 
 __all__ = ["assign_param_groups", "segments_of"]
 
-_HYPER = ("lr", "betas", "eps", "weight_decay", "lr_lambda")
+_HYPER = (*HYPER_NAMES, "lr_lambda")
 
 
 def _entries(cfg: OptimConfig, given: Sequence[Mapping[str, Any]] | None

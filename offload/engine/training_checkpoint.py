@@ -89,6 +89,7 @@ import numpy as np
 import torch
 
 from ..comm import RankFailedError
+from ..config import HYPER_NAMES
 from ..files import check_directory, existing_ancestor
 from ..io import host_copy
 from ..io.errors import limit_hint
@@ -757,7 +758,7 @@ def _record(engine: Any, table: dict, extra: dict, scheduler: dict | None) -> di
             "param_groups": [{**{k: ([_number(x) for x in v] if isinstance(v, (tuple, list))
                                      else _number(v))
                                  for k, v in grp.items()
-                                 if k in ("lr", "betas", "eps", "weight_decay")},
+                                 if k in HYPER_NAMES},
                               "lr_lambda": grp.get("lr_lambda") is not None,  # scheduled
                               "params": members[k]}
                              for k, grp in enumerate(engine.optimizer.param_groups)],

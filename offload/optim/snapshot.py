@@ -19,6 +19,7 @@ from typing import Any, Callable, Hashable, Iterator, Mapping
 
 import torch
 
+from ..config import HYPER_NAMES
 from .adam import hyper_error
 from .codec import Moment, copy_moment, decode, encode, moment_from_dict, moment_to_dict, \
     new_moment
@@ -27,7 +28,6 @@ from .torch_view import unsupported_option
 
 __all__ = ["StateAccess", "StateView"]
 
-_HYPER_KEYS = ("lr", "betas", "eps", "weight_decay")
 _NOT_SAVED = ("params", "lr_lambda")  # a group's keys a state dict does not carry
 _OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -391,7 +391,7 @@ class StateAccess:
                                      "model's parameters, not the engine's partitions; "
                                      "save_checkpoint / resume carry the whole state)")
                 bad = unsupported_option(theirs, self.decoupled) or hyper_error(
-                    *(theirs.get(key, mine[key]) for key in _HYPER_KEYS))
+                    *(theirs.get(key, mine[key]) for key in HYPER_NAMES))
                 if bad:
                     raise ValueError(f"state_dict param_groups[{k}]: {bad}")
             for pid, st in states.items():
