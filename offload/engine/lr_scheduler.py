@@ -97,8 +97,11 @@ def warn_schedule_dropped(record: dict[str, Any], optimizer: torch.optim.Optimiz
 def _as_saved(value: Any, like: Any) -> Any:
     """`value` (a scheduler's state read back from JSON) with the types JSON lost put
     back as `like` (a fresh scheduler's state) has them: non-string dict keys, a
-    Counter, tuples. A key `like` lacks (the factory of the resume made other
+    Counter, tuples, 0-d tensors (the rates of a group whose lr is a tensor:
+    `_state_number`). A key `like` lacks (the factory of the resume made other
     milestones) is an int again where `like`'s keys are ints."""
+    if isinstance(like, torch.Tensor) and like.dim() == 0 and isinstance(value, (int, float)):
+        return torch.tensor(value, dtype=like.dtype, device=like.device)
     if isinstance(value, dict) and isinstance(like, dict):
         keys = {str(k): k for k in like}
         ints = isinstance(like, Counter) or (bool(like) and all(
@@ -184,9 +187,18 @@ def scheduler_state(scheduler: Any) -> dict | None:
         return None
     state = scheduler.state_dict()
     try:
-        return json.loads(json.dumps(state, default=to_json_scalar))
+        return json.loads(json.dumps(state, default=_state_number))
     except (TypeError, ValueError) as e:
         raise ValueError(f"the lr_scheduler's state_dict() must be JSON-serialisable to be "
                          f"saved in the checkpoint ({type(scheduler).__name__}: {e}); a "
                          "LambdaLR's lambdas should be functions, not objects holding "
                          "tensors") from e
+
+
+def _state_number(v: Any) -> Any:
+    """A scheduler's rate as JSON holds it: a 0-d tensor (torch copies a group's tensor
+    lr into `base_lrs` and `_last_lr`) as its value at the save, made a tensor again at
+    the resume (`_as_saved`); a numpy scalar as a Python number."""
+    if isinstance(v, torch.Tensor) and v.dim() == 0 and not v.is_complex():
+        return v.item()
+    return to_json_scalar(v)

@@ -69,7 +69,17 @@ RESUMED = {
     "one-cycle-momentum": lambda o: sched.OneCycleLR(o, max_lr=3e-2, total_steps=STEPS,
                                                      base_momentum=0.5, max_momentum=0.95),
     "warm-restarts": lambda o: sched.CosineAnnealingWarmRestarts(o, T_0=2, T_mult=2),
+    "tensor-lr-cosine": lambda o: _tensor_lr_cosine(o),
 }
+
+
+def _tensor_lr_cosine(o):
+    """A cosine LambdaLR over groups whose lr is a 0-d tensor (as torch.optim.AdamW(...,
+    lr=torch.tensor(1e-2)) makes them): torch copies the tensors into the scheduler's
+    `base_lrs` and `_last_lr`, which its checkpoint refused to save."""
+    for g in o.param_groups:
+        g["lr"] = torch.tensor(float(g["lr"]))
+    return sched.LambdaLR(o, lambda k: 0.5 * (1 + math.cos(math.pi * k / STEPS)))
 
 
 @pytest.mark.parametrize("name", list(RESUMED))
