@@ -32,13 +32,13 @@ from typing import Any, Callable
 
 import torch
 
-from ..config import ConfigError
+from ..config import HYPER_NAMES, ConfigError
 
 log = logging.getLogger(__name__)
 
 __all__ = ["make_scheduler", "scheduler_state", "step_scheduler", "warn_schedule_dropped"]
 
-_VALUES = ("lr", "betas", "eps", "weight_decay")  # a group's values a checkpoint saves
+_VALUES = HYPER_NAMES  # a group's values a checkpoint saves
 
 
 def make_scheduler(factory: Callable[[torch.optim.Optimizer], Any],
@@ -52,7 +52,16 @@ def make_scheduler(factory: Callable[[torch.optim.Optimizer], Any],
                           f"1000)), not {type(factory).__name__}")
     # as resumed: making the scheduler writes its first values over them
     resumed_values = _group_values(optimizer.param_groups)
-    scheduler = factory(optimizer)
+    try:
+        scheduler = factory(optimizer)
+    except ValueError as e:  # torch's "Expected 3 lr_lambdas, but got 2", max_lr's length
+        if len(optimizer.param_groups) > 1:
+            e.add_note(f"offload: engine.optimizer has {len(optimizer.param_groups)} "
+                       "param_groups: param_groups[0] is the default group (the parameters "
+                       "no given group names, with the optim section's values) and the "
+                       "k-th group given is param_groups[k + 1]; a per-group list of the "
+                       "scheduler needs a value for each (docs/engine.md)")
+        raise
     if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
         raise ConfigError("initialize: lr_scheduler ReduceLROnPlateau needs a metric at each "
                           "step, which engine.step() does not have; make it yourself from "

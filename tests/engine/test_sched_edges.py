@@ -428,3 +428,16 @@ def test_a_resume_whose_factory_changed_the_milestones_keeps_the_saved_ones(engi
     other = lambda o: sched.MultiStepLR(o, milestones=[10], gamma=0.3)  # noqa: E731
     ref, got, _ = _saved_and_resumed(engine_cfg(), tmp_path, make, other)
     assert got == pytest.approx(_torch_run(ref, lm_batches(STEPS), make))
+
+
+def test_a_schedule_per_given_group_is_told_of_the_default_group(engine_cfg):
+    """A LambdaLR list written for the two groups given (as for torch, where they are
+    the optimizer's only groups) fails with torch's "Expected 3 lr_lambdas, but got
+    2"; the error now says that param_groups[0] is the default group and where the
+    given ones are."""
+    two = [{"params": ["l1.*"], "lr": 3e-3}, {"params": ["l2.*"], "weight_decay": 0.0}]
+    make = lambda o: sched.LambdaLR(o, [lambda k: 1.0, lambda k: 0.5])  # noqa: E731
+    with pytest.raises(ValueError, match="Expected 3 lr_lambdas") as e:
+        offload.initialize(TiedTwice(), engine_cfg(), param_groups=two, lr_scheduler=make)
+    assert "param_groups[0] is the default group" in "".join(e.value.__notes__)
+    assert "param_groups[k + 1]" in "".join(e.value.__notes__)
