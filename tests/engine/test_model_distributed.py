@@ -111,3 +111,43 @@ def test_two_ranks_gather_keep_on_rank_zero_and_write_their_shards(tmp_path, eng
     assert set(names) == set(r0["sd"]) - {"head.weight"}  # tied: written once
     for k, v in names.items():
         assert torch.equal(v, r0["after"][k]), k
+
+
+def _buffers_worker(rank: int, world: int, init_file: str, out: str, cfg: dict) -> None:
+    import offload
+    from torch import nn
+    with gloo_group(rank, world, init_file):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Linear(16, 1))
+        engine = offload.initialize(model, cfg)
+        g = torch.Generator().manual_seed(100 + rank)  # each rank's own batches
+        engine.backward(engine(torch.randn(4, 8, generator=g)).pow(2).mean())
+        engine.step()
+        own = model[1].running_mean.clone()
+        sd = engine.state_dict(rank0_only=False)
+        loaded = "loaded"
+        try:
+            engine.load_state_dict(sd)
+        except RuntimeError as e:
+            loaded = str(e)
+        torch.save({"own": own, "sd": sd, "loaded": loaded,
+                    "after": model[1].running_mean.clone()}, f"{out}.{rank}")
+        engine.close()
+
+
+def test_every_ranks_full_state_dict_is_the_same_and_loads_back(tmp_path, engine_cfg):
+    """BatchNorm statistics differ per rank (each rank's own batches, as under DDP):
+    `state_dict(rank0_only=False)` gave rank 0's weights with each rank's own buffers,
+    and loading it back, the round trip of the engine's own dict, was refused as
+    'rank 1 was given other values than rank 0'. Every rank's dict now holds rank 0's
+    buffers, as a checkpoint does, and loads back on both."""
+    out = str(tmp_path / "res")
+    spawn(_buffers_worker, str(tmp_path / "init"), out, engine_cfg("host", "host", "host"))
+    r0, r1 = torch.load(f"{out}.0"), torch.load(f"{out}.1")
+    assert not torch.equal(r0["own"], r1["own"])
+    assert set(r0["sd"]) == set(r1["sd"])
+    for k, v in r0["sd"].items():
+        assert torch.equal(v, r1["sd"][k]), k
+    assert torch.equal(r0["sd"]["1.running_mean"], r0["own"])
+    assert r0["loaded"] == r1["loaded"] == "loaded"
+    assert torch.equal(r1["after"], r0["own"])
