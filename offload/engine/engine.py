@@ -70,6 +70,7 @@ from .grads import _DTYPES, GradPartitions, refuse_backward_args
 from .hyper_watch import HyperWatch
 from .hooks import IN_BACKWARD, ModuleHooks
 from .saved_weights import FUNCTORCH_REFUSED, close_all, refused_by_functorch
+from .weight_writes import WeightWrites
 from .in_place import pin_in_place, unpin_all, update_in_place
 from .interrupts import SafeInterrupts
 from .lr_scheduler import step_scheduler
@@ -136,6 +137,7 @@ class OffloadEngine(ModelWeights, ModuleHooks, GradPartitions, GroupUpdates, Gat
         self._backward_units: set[int] = set()  # units whose backward hook checked (hooks.py)
         self._saved_scopes: list = []  # [Note: weights saved for a backward]
         self._saved_hooks_on: dict[int, bool] = {}  # unit -> False: its forward runs torch.func
+        self._weight_writes = WeightWrites()  # [Note: weights written in a forward]
         e = cfg.engine  # fp16: a fixed loss scale, or dynamic scaling's first one
         self.loss_scale = (e.loss_scale or e.initial_loss_scale) if e.dtype == "fp16" else 1.0
         self._good_steps = 0
@@ -346,8 +348,11 @@ class OffloadEngine(ModelWeights, ModuleHooks, GradPartitions, GroupUpdates, Gat
                     self._release_gathered(orphan=True)
                 else:
                     self._after_failed_pass(e, self._undo_forward(e))
-                if refused_by_functorch(e):  # [Note: weights saved for a backward]
-                    raise RuntimeError(FUNCTORCH_REFUSED) from e
+                # [Note: weights saved for a backward], [Note: weights written in a forward]
+                told = (RuntimeError(FUNCTORCH_REFUSED) if refused_by_functorch(e)
+                        else self._weight_writes.take())
+                if told is not None:
+                    raise told from e
                 raise
 
     def _drop_missed_step(self) -> None:

@@ -48,7 +48,7 @@ class GroupState:
     """One group's gathered weights: the flat buffer, its views and its all-gather."""
 
     __slots__ = ("group", "flat", "gathered", "active", "pending", "borrowed", "views",
-                 "version")
+                 "version", "bound")
 
     def __init__(self, group: Group, dtype: torch.dtype, device: torch.device) -> None:
         self.group = group
@@ -62,6 +62,7 @@ class GroupState:
         # [Note: gathered weights borrow the record] in warm.py
         self.views: list[torch.Tensor] = []  # bound: [Note: kept weights] in warm.py
         self.version = 0  # changes of its weights: [Note: a graph of older weights]
+        self.bound = 0  # flat's version when bound: [Note: weights written in a forward]
 
 
 class GatheredWeights:
@@ -136,6 +137,15 @@ class GatheredWeights:
                 self._warm.drain(st.flat.untyped_storage())
             st.gathered = False
         st.views.clear()
+
+    def _keep_written(self, st: GroupState) -> None:
+        """[Note: weights written in a forward] in weight_writes.py: a borrowed record's
+        memory, which the forward wrote, is the stored partition; it becomes its only
+        copy, and graphs of its weights before the write are of older ones."""
+        if st.borrowed:
+            with self.store.modify(("p", st.group.gid), Tier.DEVICE):
+                pass
+            self.weights_changed([st.group.gid])
 
     def _leave_with_kept(self, st: GroupState, kept: int) -> None:
         """The gathered storage stays with the view kept ([Note: kept weights] in
@@ -248,6 +258,7 @@ class GatheredWeights:
                     module.__dict__[name] = dense_grad(view) if sparse_grad_use(module, name) \
                         else view
                 st.views.append(view)
+        st.bound = st.flat._version
         if in_backward() and self._gradless(st):  # [Note: weights without a gradient in
             self._gradless_gathered.add(st.group.gid)  # backward]
 

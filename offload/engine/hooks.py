@@ -36,6 +36,7 @@ class ModuleHooks:
     def _root_pre(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         if not in_backward():  # [Note: one thread at a time] in one_thread.py
             self._check_open()
+            self._weight_writes.take()  # what a direct call that raised left
             self._one_thread.enter("the model's forward", direct=True)
             close_all(self._saved_scopes)  # [Note: weights saved for a backward]
             self._interrupts.direct_enter()  # [Note: Ctrl-C at a safe point]
@@ -71,8 +72,12 @@ class ModuleHooks:
 
     def _make_pre(self, unit: Unit) -> Callable:
         def pre(module: nn.Module, args: Any) -> None:
+            if not in_backward():  # a submodule called by itself: [Note: one thread at a
+                self._check_open()  # time] in one_thread.py
+                self._one_thread.unit_enter(f"the forward of unit {unit.name}", id(unit))
             self._interrupts.safe_point()  # [Note: Ctrl-C at a safe point] in interrupts.py
             _refuse_functorch(unit.name)
+            self._weight_writes.before(unit, self._states)  # see weight_writes.py
             hooks_last(module, self._last_hooks[id(module)])
             # a forward without autograd (evaluation, generate) is not part of a
             # training step: it leaves the access trace and the plan alone
@@ -106,32 +111,45 @@ class ModuleHooks:
             # also where the model is called directly, not through the engine
             failed = out is None and sys.exc_info()[1] is not None
             backward = in_backward()
-            # [Note: weights saved for a backward] in saved_weights.py
-            if not backward and close_scope(self._saved_scopes, unit) and failed \
-                    and refused_by_functorch(sys.exc_info()[1]):
-                self._saved_hooks_on[id(unit)] = False
-            if not failed and not backward:  # [Note: outputs that view the weights]
-                out = copy_weight_views(out, {
-                    self._states[gid].flat.untyped_storage().data_ptr()
-                    for gid in unit.needs if self._states[gid].gathered} - {0})
-            self._spans.forward_end(unit.name, backward)
-            for gid in unit.needs:
-                st = self._states[gid]
-                st.active = max(0, st.active - 1)
-                if st.active == 0 and not backward:
-                    if failed and st.gathered:
-                        self._orphan(st)  # the traceback's frames hold its views
-                    else:
-                        self._free(st)
-            if failed:
-                return None
-            if torch.is_grad_enabled() and not backward:
-                versions = self._versions(unit)
-                for t in output_tensors(out):
-                    if t.requires_grad:
-                        t.register_hook(self._make_pre_backward(unit, versions))
-            return out
+            if not backward and self._one_thread.unit_leave(id(unit), entered=False):
+                return None  # refused: the weights are another thread's call's
+            try:
+                return self._unit_post(unit, out, failed, backward)
+            finally:
+                if not backward:
+                    self._one_thread.unit_leave(id(unit), entered=True)
         return post
+
+    def _unit_post(self, unit: Unit, out: Any, failed: bool, backward: bool) -> Any:
+        # [Note: weights saved for a backward] in saved_weights.py
+        if not backward and close_scope(self._saved_scopes, unit) and failed \
+                and refused_by_functorch(sys.exc_info()[1]):
+            self._saved_hooks_on[id(unit)] = False
+        if not failed and not backward:  # [Note: outputs that view the weights]
+            out = copy_weight_views(out, {
+                self._states[gid].flat.untyped_storage().data_ptr()
+                for gid in unit.needs if self._states[gid].gathered} - {0})
+        self._spans.forward_end(unit.name, backward)
+        written = [] if backward else self._weight_writes.written(unit, self._states)
+        for st in written:
+            self._keep_written(st)
+        for gid in unit.needs:
+            st = self._states[gid]
+            st.active = max(0, st.active - 1)
+            if st.active == 0 and not backward:
+                if failed and st.gathered:
+                    self._orphan(st)  # the traceback's frames hold its views
+                else:
+                    self._free(st)
+        self._weight_writes.refuse(unit, written, failed)  # [Note: weights written in
+        if failed:  # a forward] in weight_writes.py
+            return None
+        if torch.is_grad_enabled() and not backward:
+            versions = self._versions(unit)
+            for t in output_tensors(out):
+                if t.requires_grad:
+                    t.register_hook(self._make_pre_backward(unit, versions))
+        return out
 
     def _versions(self, unit: Unit) -> tuple[int, ...]:
         """[Note: a graph of older weights] in engine.py: the changes of unit's groups."""

@@ -15,6 +15,7 @@ from torch import nn
 from ..config import ConfigError
 from .absent import post_accumulate_message
 from .grads import _DTYPES
+from .weight_writes import EMBEDDING_FIX
 
 log = logging.getLogger(__name__)
 
@@ -105,8 +106,7 @@ def refuse_unsupported(model: nn.Module, dtype: str) -> None:
             raise ConfigError(
                 f"initialize(model): {where} is an {type(m).__name__} with "
                 f"max_norm={m.max_norm}, which rewrites its weight in place inside forward; "
-                "that is not supported. Set max_norm=None (clip the rows' norms after each "
-                "step with engine.full_weights(writable=True) if you need them bounded)")
+                f"that is not supported: {EMBEDDING_FIX}")
         if dtype != "fp32" and isinstance(m, nn.modules.batchnorm._BatchNorm) \
                 and m.affine and m.track_running_stats:
             raise ConfigError(

@@ -8,7 +8,11 @@ gradients dropped. So every engine call runs inside a `OneThread`: `engine(...)`
 `generate`, `backward`, `step`, `zero_grad`, `state_dict`, `load_state_dict`,
 `save_pretrained`, `save_checkpoint` (its part on the caller's thread), `close`,
 each group of `named_weights`, a whole `full_weights` block, and the model called
-directly (through a pre-hook on its root module). A call from a second thread
+directly (through a pre-hook on its root module), as is a unit's module called by
+itself (a submodule, outside every call of its thread: `unit_enter`; it passed
+unchecked, and a second thread's `model[1](x)` beside a training loop freed and
+re-gathered the loop's weights under it: steps failed, or trained on other
+numbers than torch's). A call from a second thread
 while the first one's runs is refused before it touches anything, naming the thread
 that holds the engine and its call (a refusal, never a wait: a wait could deadlock
 on a thread that waits for the caller).
@@ -111,6 +115,7 @@ class OneThread:
         self.exiting = False  # the interpreter is releasing the engine: [Note: an engine
         # open at interpreter exit] in owned.py
         self._daemon = False  # whether the thread in `_calls` is a daemon thread
+        self._units = threading.local()  # the units whose direct call this thread tried
 
     def daemon_busy(self) -> bool:
         """Whether a daemon thread other than this one is inside a call."""
@@ -146,6 +151,10 @@ class OneThread:
                     f"that call is in the middle of. Nothing was changed: call it after "
                     f"{last.what} has returned")
         return None
+
+    def _holds(self) -> bool:
+        """Whether this thread is inside a call."""
+        return bool(self._calls) and self._thread == threading.get_ident()
 
     def _drop_finished(self) -> None:
         """Drops what can no longer be running: every call of a thread that has ended,
@@ -199,6 +208,28 @@ class OneThread:
         return (len(self._calls) == 1 and self._calls[0].direct
                 and self._thread == threading.get_ident()
                 and not getattr(self._refused, "n", 0))
+
+    def unit_enter(self, what: str, unit: int) -> None:
+        """A unit's module called by itself, outside every call of this thread: a direct
+        call of its own, entered or refused as the model's (`unit_leave` ends it);
+        inside a call of this thread (the model's, `engine(...)`), nothing."""
+        with self._lock: mine = self._holds()  # noqa: E701 - [Note: a lock and Ctrl-C]
+        if mine:
+            return
+        tried = self._units.__dict__.setdefault("tried", [])
+        tried.append([unit, False])
+        self.enter(what, direct=True)
+        tried[-1][1] = True
+
+    def unit_leave(self, unit: int, entered: bool) -> bool:
+        """The unit's forward hook: ends the direct call `unit_enter` tried for it, where
+        it was `entered` (or refused: its leave counted). Whether there was one."""
+        tried = self._units.__dict__.get("tried")
+        if tried and tried[-1] == [unit, entered]:
+            tried.pop()
+            self.leave()
+            return True
+        return False
 
     def leave(self) -> None:
         """A direct call of the model ends (its forward hook)."""

@@ -68,12 +68,12 @@ def _loss(model, x, y):
     return nn.functional.mse_loss(model(x), y)
 
 
-def _setup(engine_cfg, lr_lambda=None):
+def _setup(engine_cfg, lr_lambda=None, **engine):
     """(reference model, its AdamW, the engine of a copy): one group per Linear."""
     GATE.inside, GATE.go = threading.Event(), threading.Event()
     torch.manual_seed(0)
     ref = Net()
-    cfg = engine_cfg("host", "host", "host", group_size=200)
+    cfg = engine_cfg("host", "host", "host", group_size=200, **engine)
     opt = torch.optim.AdamW(ref.parameters(), lr=cfg["optim"]["lr"],
                             weight_decay=cfg["optim"]["weight_decay"])
     return ref, opt, offload.initialize(copy.deepcopy(ref), cfg, lr_lambda=lr_lambda)
@@ -133,11 +133,24 @@ def _others(engine, tmp_path, x, y):
             return engine(x)
     return {"step": engine.step, "zero_grad": engine.zero_grad, "state_dict": engine.state_dict,
             "full_weights": full, "named_weights": named, "forward": forward,
-            "model": lambda: engine.module(x), "backward": lambda: engine.backward(
+            "model": lambda: engine.module(x), "submodule": lambda: engine.module.gate(
+                torch.ones(4, 16)), "backward": lambda: engine.backward(
                 _loss(engine.module, x, y)),
             "save_checkpoint": lambda: engine.save_checkpoint(tmp_path / "ck"),
             "load_state_dict": lambda: engine.load_state_dict(engine.module.state_dict()),
             "close": engine.close}
+
+
+def _others_refused(engine, tmp_path, x, y, t, go, match):
+    """Every kind of call from this thread is refused (EngineBusyError matching `match`)
+    while thread `t` is inside its call; then `go` lets that call end."""
+    try:
+        for call in _others(engine, tmp_path, x, y).values():
+            with pytest.raises(EngineBusyError, match=match):
+                call()
+    finally:
+        go.set()
+        t.join(JOIN)
 
 
 def test_calls_on_another_thread_during_a_forward_are_refused_and_change_nothing(
@@ -156,20 +169,38 @@ def test_calls_on_another_thread_during_a_forward_are_refused_and_change_nothing
         engine.module.gate.block = True
         t, got = _run(_others(engine, tmp_path, x, y)["forward"])
         assert GATE.inside.wait(JOIN)
-        try:
-            for name, call in _others(engine, tmp_path, x, y).items():
-                with pytest.raises(RuntimeError, match=r"on thread 'MainThread': this engine is "
-                                   r"running on another thread.*thread 'trainer' is in "
-                                   r"engine\(\.\.\.\).*Nothing was changed"):
-                    call()
-        finally:
-            GATE.go.set()
-            t.join(JOIN)
+        _others_refused(engine, tmp_path, x, y, t, GATE.go, r"on thread 'MainThread': this "
+                        r"engine is running on another thread.*thread 'trainer' is in "
+                        r"engine\(\.\.\.\).*Nothing was changed")
         assert not t.is_alive() and "error" not in got
         torch.testing.assert_close(got["value"], want, atol=1e-6, rtol=0)
         assert engine.step() is True  # the step's gradients were kept
         _torch_step(ref, opt, x, y)
         _compare(engine, ref)
+
+
+def test_a_submodule_called_by_itself_on_another_thread_holds_the_engine(engine_cfg,
+                                                                       tmp_path):
+    """A unit's module called directly (`model.gate(h)`, an evaluation of one block) on a
+    second thread passed the one-thread check, which only the root module's hook made:
+    a training loop beside it freed and gathered the unit's weights under it (steps
+    failed on pinned partitions, or trained off torch's numbers). It is a call of its
+    own now: the others are refused while it runs, and its output is torch's."""
+    ref, opt, engine = _setup(engine_cfg, whole_modules=["gate"])  # a unit
+    (x, y), = _data(1)
+    h = torch.randn(4, 16)
+    with engine:
+        assert any(u.module is engine.module.gate for u in engine.units)
+        engine.module.gate.block = True
+        t, got = _run(lambda: engine.module.gate(h))
+        assert GATE.inside.wait(JOIN)
+        _others_refused(engine, tmp_path, x, y, t, GATE.go, r"thread 'trainer' is in the "
+                        r"forward of unit gate.*Nothing was changed")
+        assert not t.is_alive() and "error" not in got
+        torch.testing.assert_close(got["value"], ref.gate(h), atol=1e-6, rtol=0)
+        _step_as_torch(engine, ref, opt, x, y)
+        _on_thread_ok(lambda: engine.module.gate(h))  # free again: it runs
+        _step_as_torch(engine, ref, opt, x, y)
 
 
 def test_calls_on_another_thread_during_a_step_are_refused_and_the_step_commits(
@@ -194,14 +225,8 @@ def test_calls_on_another_thread_during_a_step_are_refused_and_the_step_commits(
         state["block"] = True
         t, got = _run(engine.step)
         assert inside.wait(JOIN)
-        try:
-            for name, call in _others(engine, tmp_path, x, y).items():
-                with pytest.raises(RuntimeError, match=r"thread 'trainer' is in "
-                                   r"engine\.step\(\).*Nothing was changed"):
-                    call()
-        finally:
-            go.set()
-            t.join(JOIN)
+        _others_refused(engine, tmp_path, x, y, t, go,
+                        r"thread 'trainer' is in engine\.step\(\).*Nothing was changed")
         assert not t.is_alive() and got == {"value": True}, got
         assert engine.global_step == 1
         _torch_step(ref, opt, x, y)
