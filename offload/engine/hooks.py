@@ -49,7 +49,7 @@ class ModuleHooks:
     def _root_post(self, module: nn.Module, args: Any, out: Any) -> None:
         if in_backward():
             return
-        self._nested.autograd_forward = False
+        autograd, self._nested.autograd_forward = self._nested.autograd_forward, False
         self._rank_order.forward_ended()
         e = sys.exc_info()[1] if out is None else None
         direct = self._one_thread.direct_only()
@@ -57,6 +57,11 @@ class ModuleHooks:
         if e is None and direct:  # [Note: a call that a Ctrl-C fails] in interrupts.py
             try:
                 self._interrupts.deliver_noted()
+            except BaseException as k:
+                e = noted = k
+        if e is None and not autograd:
+            try:  # another rank's evaluation raised after its last unit's check
+                self._rank_order.check_evaluation_end()
             except BaseException as k:
                 e = noted = k
         # the model called directly, outside every engine call, raised: undone and told

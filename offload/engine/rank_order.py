@@ -20,8 +20,9 @@ skipped step() meets the other's step at its next check, where both raise
 (`on_missed_step`: the skipping rank drops its step's gradients, whatever call
 met the check, as the failed step dropped the other's; and the access trace is
 ended only past the step's check, so both record the next step from the same
-point). Cost: one all-reduce of `world`
-numbers per block (a host synchronisation with NCCL);
+point). A forward without autograd ends with a check of its own
+(`check_evaluation_end`). Cost: one all-reduce of `world`
+numbers per block and per evaluation (a host synchronisation with NCCL);
 `engine.check_rank_order = false` turns it off.
 
 Under tensor parallelism the checks, and a step's agreement on its outcome, run
@@ -86,6 +87,7 @@ __all__ = ["RankOrder", "RankOrderError", "raised_by_the_model"]
 BACKWARD = -0.5  # a backward's start; reads are -1 - gid, blocks of a step 1, 2, ...
 STEP = -0.25  # a step's first collective (engine.step())
 SAVE = -0.75  # a checkpoint save's first collective (save_checkpoint)
+EVAL_END = -0.875  # the end of a forward without autograd (check_evaluation_end)
 FAILED = -(2.0 ** 52)  # a rank whose model raised ([Note: a rank whose model raised])
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # offload/
 # the package's files that call a model's own code, not the engine's: the GPT the demo
@@ -200,6 +202,16 @@ class RankOrder:
             self._check(1 + self._index[id(unit)] + (self._n if backward else 0)
                         + (0 if autograd else 0.5))
 
+    def check_evaluation_end(self) -> None:
+        """At the end of a forward without autograd (an evaluation), which no backward's
+        check follows: a rank whose evaluation raised after its last unit's check told
+        the others at their next check, and that was their next batch's training
+        forward, which failed in its place: the ranks went on a batch apart (one
+        trained batch 2, the other batch 3 at the same step). They meet here now, and
+        every rank's evaluation raises."""
+        if self.enabled:
+            self._check(EVAL_END)
+
     def check_backward(self) -> None:
         """Before a backward's first collective (the agreement on what trains, its size
         the model's): a rank that skipped its backward (its loss code raised) meets
@@ -278,6 +290,8 @@ class RankOrder:
             return "engine.step()"
         if h == SAVE:
             return "save_checkpoint()"
+        if h == EVAL_END:
+            return "the end of a forward without autograd (an evaluation)"
         if h < 0:
             return f"the all-gather of group {int(-1 - h)}'s whole weights ({READS})"
         k = int(h) - 1
@@ -335,7 +349,8 @@ class RankOrder:
             # a rank reads the whole weights (this one included, for a read's check)
             fix = (CALL_FIX if STEP in got or SAVE in got
                    else READ_FIX if any(x <= -1 for x in got)
-                   else EVAL_FIX if any(x > 0 and x != int(x) for x in got) else None)
+                   else EVAL_FIX if EVAL_END in got or any(x > 0 and x != int(x) for x in got)
+                   else None)
             if STEP in got and h != STEP and self.on_missed_step is not None:
                 try:
                     self.on_missed_step()

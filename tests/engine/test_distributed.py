@@ -246,7 +246,7 @@ class _MayRaise(torch.nn.Module):
 
 
 def _model_raises_worker(rank: int, world: int, init_file: str, out: str, cfg: dict,
-                         where: str, at: int, direct: bool) -> None:
+                         where: str, at: int, direct: bool, evaluation: bool) -> None:
     import copy
 
     import offload
@@ -262,11 +262,19 @@ def _model_raises_worker(rank: int, world: int, init_file: str, out: str, cfg: d
             window = c["engine"]["grad_accum_steps"]
             for i in range(6):
                 x, y = torch.randn(4, 8, generator=g), torch.randn(4, 1, generator=g)
-                if run == "skips" and at - at % window <= i <= at:
+                model = engine.module if direct else engine
+                if evaluation and run == "raises" and i == at:
+                    engine.module.raises = where if rank == 1 else None
+                    try:  # an evaluation raises, and the training goes on with this batch
+                        with torch.no_grad():
+                            model(x)
+                    except (RuntimeError, ValueError) as e:
+                        errors.append((i, type(e).__name__, str(e)))
+                elif not evaluation and run == "skips" and at - at % window <= i <= at:
                     continue  # every rank skips the window so far: what the failure gives
-                engine.module.raises = where if (i == at and rank == 1) else None
+                engine.module.raises = where if (i == at and rank == 1
+                                                 and not evaluation) else None
                 try:
-                    model = engine.module if direct else engine
                     engine.backward(torch.nn.functional.mse_loss(model(x), y))
                     engine.step()
                 except (RuntimeError, ValueError) as e:
@@ -276,12 +284,14 @@ def _model_raises_worker(rank: int, world: int, init_file: str, out: str, cfg: d
         torch.save(results, f"{out}.{rank}")
 
 
-@pytest.mark.parametrize("where,window,direct,thread", [
-    ("forward", 1, False, False), ("backward", 1, False, False), ("end", 2, False, False),
-    ("end", 2, True, False), ("forward", 1, False, True), ("backward", 1, False, True)])
+@pytest.mark.parametrize("where,window,direct,thread,evaluation", [
+    ("forward", 1, False, False, False), ("backward", 1, False, False, False),
+    ("end", 2, False, False, False), ("end", 2, True, False, False),
+    ("forward", 1, False, True, False), ("backward", 1, False, True, False),
+    ("end", 1, False, False, True), ("end", 2, True, False, True)])
 def test_a_rank_whose_model_raised_stops_the_others_at_their_next_check(tmp_path, engine_cfg,
                                                                        where, window, direct,
-                                                                       thread):
+                                                                       thread, evaluation):
     """Rank 1's model raises in its forward (or an autograd function in its backward).
     The others went on to their next check and met rank 1's next pass there, each
     blaming control flow, and rank 1 lost a second batch; now they learn at that
@@ -291,13 +301,16 @@ def test_a_rank_whose_model_raised_stops_the_others_at_their_next_check(tmp_path
     once came a micro-batch early, and paired with rank 1's next forward: a hang).
     `direct`: the model called directly (`engine.module(x)`), not through the engine;
     `thread`: the all-gathers issued from the gather thread, over their own group (the
-    rank that raised issued no more of them than the others)."""
+    rank that raised issued no more of them than the others). `evaluation`: rank 1's model
+    raised after its last unit in a forward under torch.no_grad, which no backward's
+    check follows: the others' next training forward failed in its place, and the ranks
+    trained on a batch apart; now every rank's evaluation raises, and no batch is lost."""
     cfg = engine_cfg("nvme", "nvme", "nvme", group_size=300, grad_accum_steps=window)
     cfg["comm"] = {"gather_thread": thread}
     out = str(tmp_path / "res")
     at = 3 if window == 2 else 2  # the second micro-batch of a window
     spawn(_model_raises_worker, str(tmp_path / "init"), out, cfg, where, at, direct,
-          timeout_s=60)
+          evaluation, timeout_s=60)
     r0, r1 = (torch.load(f"{out}.{r}") for r in range(2))
     assert [e[:2] for e in r1["raises"]["errors"]] == [(at, "ValueError")], r1["raises"]
     (i, kind, msg), = r0["raises"]["errors"]
