@@ -3,7 +3,7 @@ thread, optionally), reduce-scatter of gradients, scalar reductions; async handl
 they run behind compute. Tensor parallelism with Domino slicing (`domino`,
 `tensor_parallel`, `blocks`, `mesh`)."""
 
-from .collectives import Collectives, Pending, RankFailedError, group_timeout
+from .collectives import Collectives, Pending, RankFailedError, user_timeout
 from .gather_thread import GatherIssuer
 
-__all__ = ["Collectives", "GatherIssuer", "Pending", "RankFailedError", "group_timeout"]
+__all__ = ["Collectives", "GatherIssuer", "Pending", "RankFailedError", "user_timeout"]

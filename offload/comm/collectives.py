@@ -49,13 +49,13 @@ def backend_for(backend: str, config: str, cuda: bool) -> str:
     return served.get("cpu", backend)
 
 
-def group_timeout(group: object | None) -> datetime.timedelta | None:
-    """The timeout of `group` (None: the default group, whose timeout is what the user gave
-    `init_process_group`), for a group the engine makes beside it: torch gives a new
-    group its own 30-minute default, not the default group's, so a background save's
-    barrier waited 30 minutes for a hung rank where training's collectives gave up at
-    the user's timeout. None where the backend does not say."""
-    g = group if group is not None else dist.group.WORLD
+def user_timeout() -> datetime.timedelta | None:
+    """The default group's timeout (what the user gave `init_process_group`), for a group
+    the engine makes: torch gives a new group its own 30-minute default, not the default
+    group's, so a background save's barrier waited 30 minutes for a hung rank where
+    training's collectives gave up at the user's timeout. None where the backend does
+    not say (torch's default then)."""
+    g = dist.group.WORLD
     for device in ("cpu", "cuda"):
         try:
             return g._get_backend(torch.device(device)).options._timeout  # type: ignore

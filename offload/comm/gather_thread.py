@@ -23,7 +23,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from .collectives import Collectives, Pending, group_timeout
+from .collectives import Collectives, Pending, user_timeout
 
 __all__ = ["GatherIssuer", "gather_group"]
 
@@ -75,6 +75,6 @@ class GatherIssuer:
 def gather_group(comm: Collectives, groups: list[list[int]]) -> Collectives:
     """A second communicator for `comm`'s ranks: `groups` lists the ranks of every group
     like `comm`'s in the job (each rank calls this with the same list)."""
-    mine, _ = dist.new_subgroups_by_enumeration(groups, timeout=group_timeout(comm.group))
+    mine, _ = dist.new_subgroups_by_enumeration(groups, timeout=user_timeout())
     return Collectives(mine, recorder=comm.recorder, name=comm.name,
                        cuda=comm.backend == "nccl")

@@ -36,8 +36,8 @@ class ModuleHooks:
     def _root_pre(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         if not in_backward():  # [Note: one thread at a time] in one_thread.py
             self._check_open()
-            self._weight_writes.take()  # what a direct call that raised left
             self._one_thread.enter("the model's forward", direct=True)
+            self._weight_writes.take()  # what a direct call that raised left
             close_all(self._saved_scopes)  # [Note: weights saved for a backward]
             self._interrupts.direct_enter()  # [Note: Ctrl-C at a safe point]
             # [Note: a TP group reads the same rows] in rank_order.py
@@ -48,6 +48,9 @@ class ModuleHooks:
 
     def _root_post(self, module: nn.Module, args: Any, out: Any) -> None:
         if in_backward():
+            return
+        if self._one_thread.refused_here():  # the engine's state is another thread's call's
+            self._one_thread.leave()
             return
         autograd, self._nested.autograd_forward = self._nested.autograd_forward, False
         self._rank_order.forward_ended()
@@ -116,8 +119,10 @@ class ModuleHooks:
             # also where the model is called directly, not through the engine
             failed = out is None and sys.exc_info()[1] is not None
             backward = in_backward()
-            if not backward and self._one_thread.unit_leave(id(unit), entered=False):
-                return None  # refused: the weights are another thread's call's
+            if not backward and (self._one_thread.unit_leave(id(unit), entered=False)
+                                 or self._one_thread.refused_here()):
+                return None  # refused (its own call, or the model's whose unit it is: the
+                # root's hook, after this one, leaves that): the weights are another call's
             try:
                 return self._unit_post(unit, out, failed, backward)
             finally:
@@ -136,16 +141,18 @@ class ModuleHooks:
                 for gid in unit.needs if self._states[gid].gathered} - {0})
         self._spans.forward_end(unit.name, backward)
         written = [] if backward else self._weight_writes.written(unit, self._states)
-        for st in written:
-            self._keep_written(st)
-        for gid in unit.needs:
-            st = self._states[gid]
-            st.active = max(0, st.active - 1)
-            if st.active == 0 and not backward:
-                if failed and st.gathered:
-                    self._orphan(st)  # the traceback's frames hold its views
-                else:
-                    self._free(st)
+        try:
+            for st in written:
+                self._keep_written(st)
+        finally:
+            for gid in unit.needs:
+                st = self._states[gid]
+                st.active = max(0, st.active - 1)
+                if st.active == 0 and not backward:
+                    if failed and st.gathered:
+                        self._orphan(st)  # the traceback's frames hold its views
+                    else:
+                        self._free(st)
         self._weight_writes.refuse(unit, written, failed)  # [Note: weights written in
         if failed:  # a forward] in weight_writes.py
             return None

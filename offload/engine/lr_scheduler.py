@@ -55,7 +55,8 @@ def make_scheduler(factory: Callable[[torch.optim.Optimizer], Any],
     try:
         scheduler = factory(optimizer)
     except ValueError as e:  # torch's "Expected 3 lr_lambdas, but got 2", max_lr's length
-        if len(optimizer.param_groups) > 1:
+        if len(optimizer.param_groups) > 1 and ("lr_lambdas" in str(e)
+                                                or "param_groups" in str(e)):
             e.add_note(f"offload: engine.optimizer has {len(optimizer.param_groups)} "
                        "param_groups: param_groups[0] is the default group (the parameters "
                        "no given group names, with the optim section's values) and the "

@@ -211,25 +211,43 @@ class OneThread:
 
     def unit_enter(self, what: str, unit: int) -> None:
         """A unit's module called by itself, outside every call of this thread: a direct
-        call of its own, entered or refused as the model's (`unit_leave` ends it);
-        inside a call of this thread (the model's, `engine(...)`), nothing."""
+        call of its own in this guard, entered or refused as the model's (`unit_leave`
+        ends it); inside a call of this thread that a forward may nest in (the
+        model's, `engine(...)`), nothing; inside a sealed one (a step's lr schedule),
+        refused as the model is."""
         with self._lock: mine = self._holds()  # noqa: E701 - [Note: a lock and Ctrl-C]
-        if mine:
+        if mine and not self._calls[-1].sealed:
             return
         tried = self._units.__dict__.setdefault("tried", [])
-        tried.append([unit, False])
-        self.enter(what, direct=True)
-        tried[-1][1] = True
+        if not mine:  # what is left was cut short (a Ctrl-C skips the unit's forward hook)
+            tried.clear()
+        tried.append([unit, None])
+        tried[-1][1] = self.enter(what, direct=True)
 
     def unit_leave(self, unit: int, entered: bool) -> bool:
         """The unit's forward hook: ends the direct call `unit_enter` tried for it, where
-        it was `entered` (or refused: its leave counted). Whether there was one."""
+        it was `entered` (or refused: its leave counted). Whether there was one. A call
+        of an earlier forward whose hook a Ctrl-C skipped (not this `_call_impl`'s)
+        is dropped alone, and the calls made since are left as they are."""
         tried = self._units.__dict__.get("tried")
-        if tried and tried[-1] == [unit, entered]:
-            tried.pop()
+        if not tried or tried[-1][0] != unit or (tried[-1][1] is not None) != entered:
+            return False
+        call = tried.pop()[1]
+        if call is None:
             self.leave()
-            return True
-        return False
+        elif call.frame is None or call.frame is _caller_frame():
+            self.leave_to(call)
+        else:
+            with self._lock: self._forget(call)  # noqa: E701 - [Note: a lock and Ctrl-C]
+        return True
+
+    def _forget(self, call: _Call) -> None:
+        self._calls = [c for c in self._calls if c is not call]
+
+    def refused_here(self) -> bool:
+        """Whether this thread's direct call was refused and awaits its leave: its forward
+        hook changes nothing of the call that holds the engine (on another thread)."""
+        return getattr(self._refused, "n", 0) > 0
 
     def leave(self) -> None:
         """A direct call of the model ends (its forward hook)."""

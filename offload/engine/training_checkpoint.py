@@ -679,9 +679,9 @@ def save_checkpoint(engine: Any, path: str | os.PathLike, extra: dict[str, Any] 
     if comm.world > 1:  # its barriers must not interleave with training's collectives
         if engine._save_comm is None:  # one group for every background save, freed at close
             import torch.distributed as dist
-            from ..comm import Collectives, group_timeout
+            from ..comm import Collectives, user_timeout
             engine._save_comm = Collectives(dist.new_group(
-                backend="gloo", timeout=group_timeout(comm.group)))
+                backend="gloo", timeout=user_timeout()))
         comm = engine._save_comm
     job = _SaveJob(engine, path, extra, scheduler, comm, states)
     handle._thread = threading.Thread(target=handle._run, args=(job,),

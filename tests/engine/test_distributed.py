@@ -338,3 +338,61 @@ def test_ranks_whose_backward_differs_raise_instead_of_hanging(tmp_path, engine_
             assert f"rank {r} runs the " in m and "same modules in the same order" in m, m
         else:
             assert m == "no error", m
+
+
+class _Calls(torch.nn.Module):
+    """A Linear that runs `hook` (once) inside its forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 16)
+        self.hook = None
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if self.hook is not None:
+            hook, self.hook = self.hook, None
+            hook()
+        return self.lin(h)
+
+
+def _refused_worker(rank: int, world: int, init_file: str, out: str, cfg: dict) -> None:
+    import threading
+
+    import offload
+    nn = torch.nn
+    with gloo_group(rank, world, init_file):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), _Calls(), nn.Linear(16, 4))
+        engine = offload.initialize(model, cfg)
+        x, y = torch.randn(4, 8), torch.randn(4, 4)
+        said = []
+
+        def metrics() -> None:  # another thread's model call, during rank 0's forward
+            try:
+                model(x)
+            except Exception as e:  # noqa: BLE001 - reported to the test
+                said.append(type(e).__name__)
+        if rank == 0:
+            model[1].hook = lambda: [t := threading.Thread(target=metrics), t.start(), t.join()]
+        steps = []
+        for _ in range(2):
+            try:
+                engine.backward(torch.nn.functional.mse_loss(engine(x), y))
+                steps.append(engine.step())
+            except RuntimeError as e:
+                steps.append(str(e))
+        torch.save({"said": said, "steps": steps}, f"{out}.{rank}")
+        engine.close()
+
+
+def test_a_call_refused_on_another_thread_leaves_the_ranks_forward_alone(tmp_path, engine_cfg):
+    """A metrics thread's model call on rank 0, refused during its training forward
+    (EngineBusyError, which changes nothing): its root hook still marked rank 0's forward
+    as one without autograd, which then ended with an evaluation's check the other rank
+    never ran, and the step failed on both ranks."""
+    out = str(tmp_path / "res")
+    spawn(_refused_worker, str(tmp_path / "init"), out,
+          engine_cfg("host", "host", "host", group_size=200), timeout_s=60)
+    r0, r1 = (torch.load(f"{out}.{r}") for r in range(2))
+    assert r0["said"] == ["EngineBusyError"]
+    assert r0["steps"] == r1["steps"] == [True, True], (r0, r1)

@@ -73,7 +73,7 @@ def _setup(engine_cfg, lr_lambda=None, **engine):
     GATE.inside, GATE.go = threading.Event(), threading.Event()
     torch.manual_seed(0)
     ref = Net()
-    cfg = engine_cfg("host", "host", "host", group_size=200, **engine)
+    cfg = engine_cfg("host", "host", "host", **{"group_size": 200, **engine})
     opt = torch.optim.AdamW(ref.parameters(), lr=cfg["optim"]["lr"],
                             weight_decay=cfg["optim"]["weight_decay"])
     return ref, opt, offload.initialize(copy.deepcopy(ref), cfg, lr_lambda=lr_lambda)
@@ -131,14 +131,16 @@ def _others(engine, tmp_path, x, y):
     def forward():
         with torch.no_grad():
             return engine(x)
-    return {"step": engine.step, "zero_grad": engine.zero_grad, "state_dict": engine.state_dict,
-            "full_weights": full, "named_weights": named, "forward": forward,
-            "model": lambda: engine.module(x), "submodule": lambda: engine.module.gate(
-                torch.ones(4, 16)), "backward": lambda: engine.backward(
-                _loss(engine.module, x, y)),
-            "save_checkpoint": lambda: engine.save_checkpoint(tmp_path / "ck"),
-            "load_state_dict": lambda: engine.load_state_dict(engine.module.state_dict()),
-            "close": engine.close}
+    calls = {"step": engine.step, "zero_grad": engine.zero_grad,
+             "state_dict": engine.state_dict, "full_weights": full, "named_weights": named,
+             "forward": forward, "model": lambda: engine.module(x),
+             "backward": lambda: engine.backward(_loss(engine.module, x, y)),
+             "save_checkpoint": lambda: engine.save_checkpoint(tmp_path / "ck"),
+             "load_state_dict": lambda: engine.load_state_dict(engine.module.state_dict()),
+             "close": engine.close}
+    if any(u.module in (engine.module.gate, engine.module.gate.lin) for u in engine.units):
+        calls["submodule"] = lambda: engine.module.gate(torch.ones(4, 16))  # a unit in it
+    return calls
 
 
 def _others_refused(engine, tmp_path, x, y, t, go, match):
@@ -153,14 +155,16 @@ def _others_refused(engine, tmp_path, x, y, t, go, match):
         t.join(JOIN)
 
 
+@pytest.mark.parametrize("group_size", [200, 100_000], ids=["units", "one-unit"])
 def test_calls_on_another_thread_during_a_forward_are_refused_and_change_nothing(
-        engine_cfg, tmp_path):
+        engine_cfg, tmp_path, group_size):
     """An evaluation forward between backward and step on one thread, and a metrics
     thread's step (or zero_grad, save, state_dict, close, ...): the step used to commit
     in the middle of the forward (its first unit ran with the old weights, the rest with
     the new ones) and a close pulled the store from under it. Now each is refused
-    naming the thread and its call; the forward and the step that follows are torch's."""
-    ref, opt, engine = _setup(engine_cfg)
+    naming the thread and its call; the forward and the step that follows are torch's.
+    `one-unit`: the model is one unit, whose hooks are the root's too."""
+    ref, opt, engine = _setup(engine_cfg, group_size=group_size)
     (x, y), = _data(1)
     with engine:
         engine.backward(_loss(engine, x, y))
@@ -556,3 +560,54 @@ def test_a_call_from_the_engines_own_thread_is_named_so(engine_cfg, tmp_path):
             assert engine.step()
     assert errors and "from the engine's own thread 'offload-update" in errors[0], errors
     assert "another thread" not in errors[0] and not (tmp_path / "ck").exists()
+
+
+class _Interrupted(nn.Module):
+    """A Linear whose next forward raises KeyboardInterrupt once `interrupt` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.interrupt = False
+
+    def forward(self, h):
+        if self.interrupt:
+            self.interrupt = False
+            raise KeyboardInterrupt
+        return self.lin(h)
+
+
+def test_a_ctrl_c_in_a_submodule_called_directly_leaves_the_guard_whole(engine_cfg):
+    """A Ctrl-C inside a unit's module called by itself skips its forward hook (torch runs
+    `always_call` hooks for exceptions only), which left its direct call recorded; the
+    next forward of the whole model then ended the model's call at that unit's hook,
+    and another thread's zero_grad ran in the middle of it. The stale call is dropped
+    alone now: the model's call holds the engine to its end."""
+    GATE.inside, GATE.go = threading.Event(), threading.Event()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), _Interrupted(), Gate())
+    got = {}
+
+    def other():
+        try:
+            assert GATE.inside.wait(JOIN)
+            engine.zero_grad()
+            got["other"] = "accepted"
+        except EngineBusyError:
+            got["other"] = "refused"
+        finally:
+            GATE.go.set()
+    with offload.initialize(model, engine_cfg("host", "host", "host", group_size=200,
+                                              whole_modules=["1"])) as engine:
+        model[1].interrupt = True
+        with pytest.raises(KeyboardInterrupt), torch.no_grad():
+            model[1](torch.randn(4, 16))
+        model[2].block = True
+        t = threading.Thread(target=other, name="metrics")
+        t.start()
+        with torch.no_grad():
+            model(torch.randn(4, 8))
+        t.join(JOIN)
+        assert got == {"other": "refused"}
+        engine.backward(model(torch.randn(4, 8)).pow(2).mean())
+        assert engine.step() is True
