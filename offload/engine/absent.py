@@ -49,6 +49,16 @@ def absent_message(name: str, unit: str, parent: tuple[str, str] | None = None) 
             "call the child module")
 
 
+# where autograd runs a node that reads an absent weight: its unit's backward hook did not run
+IN_BACKWARD = (
+    "a backward read a weight of a unit whose weights were not gathered for it: it reached "
+    "the unit by a path other than the unit's outputs (a tensor kept on the module, as an "
+    "auxiliary loss), through an activation checkpoint's recomputation inside the unit or a "
+    "function's backward that reads the module's weight itself; return from the unit what "
+    "the loss uses (its output's hook gathers the weights), or put the checkpoint around the "
+    "unit instead. ")
+
+
 def closed_message(name: str) -> str:
     return (f"parameter {name!r} belonged to an OffloadEngine that is closed (close() ran, "
             "or its `with` block ended): its weights went with the engine's partitions and "
@@ -152,6 +162,8 @@ class AbsentWeight(torch.Tensor):
             first = max(absent, key=lambda a: a.is_grad)
             if first.message != closed_message(first.param_name) and _from_torch_optimizer():
                 raise RuntimeError(torch_optimizer_message(first.param_name))
+            if not first.is_grad and torch._C._current_autograd_node() is not None:
+                raise RuntimeError(IN_BACKWARD + first.message)
             raise RuntimeError(first.message)
         raise RuntimeError(f"{func} got an absent weight")
 

@@ -12,8 +12,12 @@ saved-tensor hooks); when autograd unpacks it in a backward and the group is not
 gathered, or its weights changed since, the unit's backward hook runs first, as its
 output's would: it gathers the unit's groups (or refuses an older graph). Where
 other saved-tensor hooks are on already (a non-reentrant activation checkpoint,
-`save_on_cpu`), they keep the tensors: a checkpoint recomputes the unit's forward
-in the backward, with its weights gathered, and `save_on_cpu` copies them. torch.func's
+`save_on_cpu`, the user's own), the unit's hooks wrap them: each tensor is packed
+by theirs, and unpacked by theirs after the unit's groups are made valid. They once
+stood aside, on the grounds that such hooks keep the tensors: `save_on_cpu` on a
+CPU device keeps the weight's view itself (`tensor.cpu()` is the tensor), and so
+may the user's, and an auxiliary loss's backward read the freed weights as zeros
+(3e-2 off torch after three steps, silently). torch.func's
 transforms (grad, vjp, jacrev) refuse to run under any saved-tensor hooks: a unit whose
 forward's code names one gets no hooks; one called from elsewhere fails the unit's
 first forward, and its hooks stay off from then on."""
@@ -54,27 +58,47 @@ class _Saved:
         self.gid, self.unit, self.versions = gid, unit, versions
 
 
+class _Wrapped:
+    """A tensor packed by other hooks under a unit's (`SavedScope.outer`): what theirs
+    gave, and the group it views."""
+
+    __slots__ = ("inner", "gid", "unit", "versions")
+
+    def __init__(self, inner: Any, gid: int, unit: Any, versions: tuple[int, ...]) -> None:
+        self.inner, self.gid, self.unit, self.versions = inner, gid, unit, versions
+
+
 class SavedScope:
     """The saved-tensor hooks of one unit's forward: `storages` maps the data pointer
     of each gathered group's storage (this unit's and the enclosing units') to the
-    group and its unit; `use(saved)` makes a saved view's weights valid."""
+    group and its unit; `use(saved)` makes a saved view's weights valid; `outer`: the
+    hooks of another kind these wrap (pack, unpack), or None."""
 
-    __slots__ = ("unit", "storages", "use")
+    __slots__ = ("unit", "storages", "use", "outer")
 
     def __init__(self, unit: "Unit", storages: dict[int, tuple[int, Any, tuple[int, ...]]],
-                 use: Callable[[_Saved], None]) -> None:
-        self.unit, self.storages, self.use = unit, storages, use
+                 use: Callable[[Any], None], outer: tuple[Callable, Callable] | None) -> None:
+        self.unit, self.storages, self.use, self.outer = unit, storages, use, outer
 
     @not_compiled  # [Note: torch.compile] in units.py
     def pack(self, t: torch.Tensor) -> Any:
         try:  # a weight's view is not counted as kept ([Note: kept weights] in warm.py)
             found = self.storages.get(t.untyped_storage().data_ptr())
-            return _Saved(t) if found is None else _Saved(t, *found)
         except (RuntimeError, NotImplementedError, TypeError):  # no storage of its own
-            return t
+            return t if self.outer is None else self.outer[0](t)
+        if self.outer is not None:
+            inner = self.outer[0](t)
+            return inner if found is None else _Wrapped(inner, *found)
+        return _Saved(t) if found is None else _Saved(t, *found)
 
     @not_compiled  # [Note: torch.compile] in units.py
     def unpack(self, packed: Any) -> torch.Tensor:
+        if self.outer is not None:
+            if type(packed) is _Wrapped:
+                if in_backward():
+                    self.use(packed)
+                packed = packed.inner
+            return self.outer[1](packed)
         if type(packed) is not _Saved:
             return packed
         t = packed.tensor
@@ -94,13 +118,14 @@ def open_scope(scopes: list[SavedScope], unit: "Unit",
                use: Callable[[_Saved], None]) -> None:
     """Pushes the hooks of `unit`'s forward (`own`: its gathered groups) onto autograd's
     stack and `scopes`, unless hooks of another kind are on top or hooks are off."""
-    top = _top(False)
-    if top is not None and not isinstance(getattr(top[0], "__self__", None), SavedScope):
-        return  # a checkpoint's or save_on_cpu's: they keep the tensors
     if not torch._C._autograd._saved_tensors_hooks_is_enabled():
         return
+    top = _top(False)
+    foreign = top is not None and not isinstance(getattr(top[0], "__self__", None),
+                                                 SavedScope)
     outer = scopes[-1] if scopes else None
-    scope = SavedScope(unit, own if outer is None else {**outer.storages, **own}, use)
+    scope = SavedScope(unit, own if outer is None else {**outer.storages, **own}, use,
+                       top if foreign else None)
     torch._C._autograd._push_saved_tensors_default_hooks(scope.pack, scope.unpack)
     scopes.append(scope)
 
