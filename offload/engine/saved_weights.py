@@ -121,11 +121,14 @@ def open_scope(scopes: list[SavedScope], unit: "Unit",
     if not torch._C._autograd._saved_tensors_hooks_is_enabled():
         return
     top = _top(False)
-    foreign = top is not None and not isinstance(getattr(top[0], "__self__", None),
-                                                 SavedScope)
+    below = getattr(top[0], "__self__", None) if top is not None else None
+    # the hooks of another kind this scope wraps: those on top, or those the enclosing
+    # unit's scope on top wraps (a unit inside a checkpointed unit saves through the
+    # checkpoint too, or its recomputation's saves pair with the wrong tensors)
+    wrapped = below.outer if isinstance(below, SavedScope) else top
     outer = scopes[-1] if scopes else None
     scope = SavedScope(unit, own if outer is None else {**outer.storages, **own}, use,
-                       top if foreign else None)
+                       wrapped)
     torch._C._autograd._push_saved_tensors_default_hooks(scope.pack, scope.unpack)
     scopes.append(scope)
 
