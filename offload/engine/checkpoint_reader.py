@@ -573,7 +573,8 @@ class CheckpointReader:
                     f"the save (the nearest adds {extra}, lacks {lacking}); resume with the "
                     "param_groups of the save (any order), then change them through "
                     "engine.optimizer.param_groups[k]")
-            out.append({key: _hyper_value(key, theirs[key]) for key in HYPER_NAMES if key in theirs})
+            out.append({key: _hyper_value(key, theirs[key])
+                        for key in HYPER_NAMES if key in theirs})
         return out
 
     def _matched_hyper(self, mine: list[dict[str, Any]]) -> list[dict[str, Any]]:

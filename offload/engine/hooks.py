@@ -82,7 +82,7 @@ class ModuleHooks:
         def pre(module: nn.Module, args: Any) -> None:
             if not in_backward():  # a submodule called by itself: [Note: one thread at a
                 self._check_open()  # time] in one_thread.py
-                self._one_thread.unit_enter(f"the forward of unit {unit.name}", id(unit))
+                self._one_thread.unit_enter(unit.name, id(unit))
             self._interrupts.safe_point()  # [Note: Ctrl-C at a safe point] in interrupts.py
             _refuse_functorch(unit.name)
             self._weight_writes.before(unit, self._states)  # see weight_writes.py

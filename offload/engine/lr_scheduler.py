@@ -38,8 +38,6 @@ log = logging.getLogger(__name__)
 
 __all__ = ["make_scheduler", "scheduler_state", "step_scheduler", "warn_schedule_dropped"]
 
-_VALUES = HYPER_NAMES  # a group's values a checkpoint saves
-
 
 def make_scheduler(factory: Callable[[torch.optim.Optimizer], Any],
                    optimizer: torch.optim.Optimizer, saved: dict | None,
@@ -177,7 +175,7 @@ def _group_values(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Each group's values a scheduler may write (a tensor lr copied: it writes it in
     place)."""
     return [{k: g[k].clone() if isinstance(g[k], torch.Tensor) else g[k]
-             for k in _VALUES if k in g} for g in groups]
+             for k in HYPER_NAMES if k in g} for g in groups]
 
 
 def _put_back(groups: list[dict[str, Any]], values: list[dict[str, Any]]) -> None:

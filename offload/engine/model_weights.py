@@ -518,10 +518,11 @@ class ModelWeights:
         copies whatever `keep_vars`). Gathered group by group; with
         `rank0_only` (default) only rank 0 keeps the weights, the other ranks
         return an empty dict; without, every rank gets the same dict, rank 0's
-        buffers in it (each rank updates its own, as under DDP). Every rank calls it. The result is the whole model in
-        host memory, outside the budgets: where that is more than the memory
-        available on a rank that keeps it, every rank raises `MemoryError` first;
-        `named_weights()` and `save_pretrained()` stream instead."""
+        buffers in it (each rank updates its own, as under DDP). Every rank calls
+        it. The result is the whole model in host memory, outside the budgets:
+        where that is more than the memory available on a rank that keeps it, every
+        rank raises `MemoryError` first; `named_weights()` and `save_pretrained()`
+        stream instead."""
         self._check_open()
         self._slot_names()  # a parameter replaced after initialize is named, not returned
         if args:  # torch's deprecated positional (destination, prefix, keep_vars)
@@ -548,12 +549,12 @@ class ModelWeights:
             where = self.registered.locate(t) if isinstance(t, torch.Tensor) else None
             if where is not None:
                 out[name] = values[where]
-            elif isinstance(t, torch.Tensor) and not rank0_only and self.comm.world > 1:
-                # every rank's dict the same: rank 0's buffers, as a checkpoint and
-                # save_pretrained hold them (each rank updates its own statistics)
-                got = self.comm.first_rank_value(t)
-                out[name] = got if got is not None else t if keep_vars else t.detach()
             else:  # a buffer, an extra state, a hook's entry
+                if isinstance(t, torch.Tensor) and not rank0_only and self.comm.world > 1:
+                    # every rank's dict the same: rank 0's buffers, as a checkpoint and
+                    # save_pretrained hold them (each rank updates its own statistics)
+                    got = self.comm.first_rank_value(t)
+                    t = t if got is None else got
                 out[name] = t.detach() if isinstance(t, torch.Tensor) and not keep_vars else t
         return out
 

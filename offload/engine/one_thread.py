@@ -209,12 +209,12 @@ class OneThread:
                 and self._thread == threading.get_ident()
                 and not getattr(self._refused, "n", 0))
 
-    def unit_enter(self, what: str, unit: int) -> None:
-        """A unit's module called by itself, outside every call of this thread: a direct
-        call of its own in this guard, entered or refused as the model's (`unit_leave`
-        ends it); inside a call of this thread that a forward may nest in (the
-        model's, `engine(...)`), nothing; inside a sealed one (a step's lr schedule),
-        refused as the model is."""
+    def unit_enter(self, name: str, unit: int) -> None:
+        """Unit `name`'s module called by itself, outside every call of this thread: a
+        direct call of its own in this guard, entered or refused as the model's
+        (`unit_leave` ends it); inside a call of this thread that a forward may nest in
+        (the model's, `engine(...)`), nothing; inside a sealed one (a step's lr
+        schedule), refused as the model is."""
         with self._lock: mine = self._holds()  # noqa: E701 - [Note: a lock and Ctrl-C]
         if mine and not self._calls[-1].sealed:
             return
@@ -222,7 +222,7 @@ class OneThread:
         if not mine:  # what is left was cut short (a Ctrl-C skips the unit's forward hook)
             tried.clear()
         tried.append([unit, None])
-        tried[-1][1] = self.enter(what, direct=True)
+        tried[-1][1] = self.enter(f"the forward of unit {name}", direct=True)
 
     def unit_leave(self, unit: int, entered: bool) -> bool:
         """The unit's forward hook: ends the direct call `unit_enter` tried for it, where

@@ -15,3 +15,15 @@ def offload_cli(capsys):
         out = capsys.readouterr()
         return rc, out.out, out.err
     return run
+
+
+@pytest.fixture
+def user_module(tmp_path, monkeypatch):
+    """user_module(name, text) -> the directory holding `name`.py with `text` (imported by
+    name, as a user's module would be), made the test's current directory."""
+    def write(name: str, text: str):
+        (tmp_path / f"{name}.py").write_text(text)
+        monkeypatch.syspath_prepend(str(tmp_path))
+        monkeypatch.chdir(tmp_path)
+        return tmp_path
+    return write

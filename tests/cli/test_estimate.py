@@ -54,11 +54,8 @@ def _env(**extra):
 
 
 @pytest.fixture
-def models(tmp_path, monkeypatch):
-    (tmp_path / "tinymodels.py").write_text(MODELS)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.chdir(tmp_path)
-    return tmp_path
+def models(user_module):
+    return user_module("tinymodels", MODELS)
 
 
 def _step_peaks(engine, rec, steps=2, micro=1) -> dict[str, int]:

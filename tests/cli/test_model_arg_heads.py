@@ -85,11 +85,8 @@ MODELS = textwrap.dedent("""
 
 
 @pytest.fixture
-def models(tmp_path, monkeypatch):
-    (tmp_path / "headmodels.py").write_text(MODELS)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.chdir(tmp_path)
-    return tmp_path
+def models(user_module):
+    return user_module("headmodels", MODELS)
 
 
 def _model_dir(root, name, architectures=True):

@@ -49,13 +49,10 @@ def _fixed_probe(args, spec, mm, device, progress) -> MachineProbe:
 
 
 @pytest.fixture
-def work(tmp_path, monkeypatch):
+def work(user_module):
     """A directory holding the models module (imported by name, as a user's would be),
     the current directory of the test."""
-    (tmp_path / "tunecase_models.py").write_text(MODELS)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.chdir(tmp_path)
-    return tmp_path
+    return user_module("tunecase_models", MODELS)
 
 
 @pytest.fixture
