@@ -4,19 +4,19 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import functools
 import importlib
 import logging
 import os
 import re
-import weakref
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..comm import Collectives, GatherIssuer, RankFailedError
+from ..comm import Collectives, GatherIssuer
 from ..comm.collectives import backend_for, device_backend
 from ..comm.gather_thread import gather_group
 from ..config import ConfigError, OffloadConfig, load_config
@@ -27,25 +27,26 @@ from ..store.copy import resolve_device, start_cpu_threads
 from ..trace import NULL_RECORDER, TraceRecorder
 from .checkpoint import SafetensorsCheckpoint
 from .checkpoint_reader import CheckpointReader
-from .engine import _DTYPES, _TIERS, OffloadEngine
+from .engine import _DTYPES, OffloadEngine
 from .interrupts import SafeInterrupts
 from .eviction import next_use_of
 from .lr_scheduler import make_scheduler, warn_schedule_dropped
 from .meta import meta_device
 from .model_checks import refuse_unsupported
-from .materialise import Lineage, _materialise
+from .materialise import Lineage
 from .model_buffers import (buffers_from_first_rank, buffers_to, load_buffers,
                             materialise_buffers, persistent_buffers, saved_buffers)
 from .model_weights import (guard_casts, guard_resize, guard_save_pretrained, guard_tie,
                             guard_tp_generate)
 from .one_thread import EngineBusyError
-from .param_groups import assign_param_groups, segments_of
+from .param_groups import assign_param_groups
 from .params_view import point_weight_list
 from .rank_order import RankOrderError
 from .step import StepFailedError
 from .tensor_parallel import TensorParallel, full_state_dict
 from .training_checkpoint import CheckpointCorruptError, CheckpointError
-from .units import EngineMark, Group, build_units
+from .placing import drop_params, place_groups
+from .units import WRAPPED, EngineMark, Group, Unit, build_units, mark_wrapped
 from .rank_agreement import (RankAgreement, buffer_section, config_section, model_sections,
                               resume_section)
 from .working_set import check_budgets, check_disk, check_memory, disk_share
@@ -56,28 +57,15 @@ __all__ = ["CheckpointCorruptError", "CheckpointError", "CheckpointReader", "Eng
            "OffloadEngine", "RankOrderError", "StepFailedError", "full_state_dict",
            "initialize"]
 
-# [Note: wrapped modules]
-# `initialize` takes a model's parameters into the engine's partitions: each module
-# it took parameters from (and the model itself) is marked under this key in its
-# `__dict__` (as torch's composable APIs mark the modules they were applied to), so
-# a second `initialize` on the model, on a part of it, or on the engine itself is
-# refused instead of wrapping an empty shell. The mark outlives `close()`: the
-# model's weights went into the engine and leave with its closing (its methods
-# raise then), so save them first (`state_dict()`, `save_pretrained()`). The mark
-# is a weak reference to the engine, so the refusal can say whether that engine
-# is still there to train with.
-_WRAPPED = "_offload_wrapped"
-
-
 def _refuse_wrapped(model: nn.Module) -> None:
     """Raises `ConfigError` if `model` is an engine or was wrapped by one before."""
     if isinstance(model, OffloadEngine):
         raise ConfigError("initialize(model): got an OffloadEngine, which is already "
                           "initialized; train with it as it is, or pass a fresh model")
     for name, m in model.named_modules():
-        if m.__dict__.get(_WRAPPED):
+        if m.__dict__.get(WRAPPED):
             where = f"its module {name!r}" if name else "it"
-            owner = m.__dict__[_WRAPPED]()
+            owner = m.__dict__[WRAPPED]()
             if owner is None or owner._closed:
                 raise ConfigError(
                     f"initialize(model): {type(model).__name__} was already wrapped by an "
@@ -247,271 +235,221 @@ def initialize(model: nn.Module | Callable[[], nn.Module],
     _on_this_ranks_gpu()  # before anything is refused: the agreement is a collective
     agreement = RankAgreement()
     with agreement.refusals():
-        # the engine's own copy: the caller's object, changed or reused later, changes nothing
-        cfg = copy.deepcopy(load_config(config))
-        device = resolve_device(cfg.store.device)
-        cuda = device.type == "cuda"
-        if cuda:  # [Note: a GPU per rank] in offload/store/copy.py
-            torch.cuda.set_device(device)
-        _refuse_gather_thread_on_nccl(cfg, cuda)
-        if dist.is_available() and dist.is_initialized():
-            _refuse_cpu_tensors_on_nccl(str(dist.get_backend()),
-                                        str(dist.get_backend_config()), cuda)
-        _report_huge_pages()
-        model = _model_of(model, lr_lambda)
-        refuse_unsupported(model, cfg.engine.dtype)
-        _warn_unused_scaling(cfg.engine)
-        if checkpoint is not None and resume is not None:
-            raise ConfigError("initialize: pass checkpoint (initial weights) or resume (a "
-                              "whole training state), not both")
-        ckpt = SafetensorsCheckpoint(checkpoint) if checkpoint is not None else None
-        if ckpt is not None:
-            ckpt.adopt(model)  # [Note: transformers' conversions] in checkpoint.py
-        gen_config = ckpt.generation_config(model) if ckpt is not None else None
-        resumed = CheckpointReader(resume) if resume is not None else None
-        if resumed is not None:  # before a meta buffer it lacks is made
-            resumed.check_buffers(model)
-        materialise_buffers(model, cfg.engine.seed,
-                             resumed.buffer_names() if resumed is not None
-                             else saved_buffers(model, ckpt))
-        if ckpt is not None:
-            load_buffers(model, ckpt)
-        TensorParallel.check(model, cfg, restored=ckpt is not None or resumed is not None)
+        job = _read_job(model, config, checkpoint, resume, lr_lambda)
+    cfg, model, resumed = job.cfg, job.model, job.resumed
     agreement.settle(lambda: [config_section(cfg), resume_section(  # the whole job, before
         resumed.record if resumed is not None else None), buffer_section(model)])  # its mesh
     # [Note: ZeRO-3 over DP, tensor parallelism over TP] in tensor_parallel.py
-    tp = TensorParallel.setup(model, cfg, restored=ckpt is not None or resumed is not None,
-                              recorder=recorder, keep_undo=True, cuda=cuda)
+    tp = TensorParallel.setup(model, cfg, restored=job.restored, recorder=recorder,
+                              keep_undo=True, cuda=job.cuda)
     with _cut_undone_on_failure(tp):  # [Note: undoing parallelize] in offload/comm/domino.py
         comm = (tp.mesh.dp if tp is not None
-                else Collectives(recorder=recorder, cuda=cuda))
-        dtype, share = _DTYPES[cfg.engine.dtype], None
-        with agreement.refusals():
-            units, groups = build_units(model, cfg.engine.group_size, comm.world,
-                                        whole=_whole_modules(model, cfg.engine.whole_modules)
-                                        + (tp.blocks if tp is not None else []))
-            hyper, slot_groups = assign_param_groups(groups, cfg.optim, param_groups)
-            if ckpt is not None:
-                _check_checkpoint_covers(ckpt, model, groups, checkpoint)
-            check_budgets(cfg, groups, dtype)  # before any file is made
-            check_memory(cfg, groups, dtype)  # before anything is placed
-            if resumed is not None:
-                resumed.check(groups, dtype)
-            share = disk_share(cfg, groups, dtype)
-        # data-parallel ranks hold the same layout; tensor-parallel ranks differ in slices
-        shares = agreement.settle(lambda: model_sections(groups, units, hyper, slot_groups),
-                                  within=tp.mesh.dp_groups if tp is not None else None,
-                                  extra=share)
-        with agreement.refusals():
-            check_disk(cfg, groups, dtype, shares if agreement.world > 1 else None)
-        agreement.settle()
+                else Collectives(recorder=recorder, cuda=job.cuda))
+        layout = _layout(job, tp, comm, param_groups, agreement)
         gathers = None  # [Note: gather thread] in offload/comm/gather_thread.py
         if cfg.comm.gather_thread and comm.world > 1:
             dp_groups = tp.mesh.dp_groups if tp is not None else [list(range(comm.world))]
             gathers = GatherIssuer(comm, gather_group(comm, dp_groups))
-        # store.policy "next-use": the copy the step needs last leaves first (eviction.py)
-        policy = NextUsePolicy() if cfg.store.policy == "next-use" else None
-        store, engine = None, None
-        start_cpu_threads()  # before any swap file
-        before = _ModelBefore(model)  # [Note: a failed initialize leaves the model as it was]
+        return _build(job, tp, comm, gathers, layout, agreement, lr_lambda=lr_lambda,
+                      lr_scheduler=lr_scheduler, recorder=recorder, progress=progress)
+
+
+@dataclasses.dataclass
+class _Job:
+    """What `initialize` was given, read and checked on this rank."""
+
+    cfg: OffloadConfig  # the engine's own copy
+    cuda: bool
+    model: nn.Module
+    checkpoint: str | os.PathLike | None  # initial weights: its path,
+    ckpt: SafetensorsCheckpoint | None  # the checkpoint
+    gen_config: Any  # and its generation config
+    resume: str | os.PathLike | None  # a whole training state: its path,
+    resumed: CheckpointReader | None  # its reader
+
+    @property
+    def restored(self) -> bool:
+        return self.ckpt is not None or self.resumed is not None
+
+
+def _read_job(model: nn.Module | Callable[[], nn.Module], config: OffloadConfig | dict | str | None,
+              checkpoint: str | os.PathLike | None, resume: str | os.PathLike | None,
+              lr_lambda: Callable[[int], float] | None) -> _Job:
+    """Reads and checks `initialize`'s arguments; makes the model's buffers (meta ones,
+    from the checkpoint where it holds them)."""
+    # the engine's own copy: the caller's object, changed or reused later, changes nothing
+    cfg = copy.deepcopy(load_config(config))
+    device = resolve_device(cfg.store.device)
+    cuda = device.type == "cuda"
+    if cuda:  # [Note: a GPU per rank] in offload/store/copy.py
+        torch.cuda.set_device(device)
+    _refuse_gather_thread_on_nccl(cfg, cuda)
+    if dist.is_available() and dist.is_initialized():
+        _refuse_cpu_tensors_on_nccl(str(dist.get_backend()),
+                                    str(dist.get_backend_config()), cuda)
+    _report_huge_pages()
+    model = _model_of(model, lr_lambda)
+    refuse_unsupported(model, cfg.engine.dtype)
+    _warn_unused_scaling(cfg.engine)
+    if checkpoint is not None and resume is not None:
+        raise ConfigError("initialize: pass checkpoint (initial weights) or resume (a "
+                          "whole training state), not both")
+    ckpt = SafetensorsCheckpoint(checkpoint) if checkpoint is not None else None
+    if ckpt is not None:
+        ckpt.adopt(model)  # [Note: transformers' conversions] in checkpoint.py
+    gen_config = ckpt.generation_config(model) if ckpt is not None else None
+    resumed = CheckpointReader(resume) if resume is not None else None
+    if resumed is not None:  # before a meta buffer it lacks is made
+        resumed.check_buffers(model)
+    materialise_buffers(model, cfg.engine.seed,
+                        resumed.buffer_names() if resumed is not None
+                        else saved_buffers(model, ckpt))
+    if ckpt is not None:
+        load_buffers(model, ckpt)
+    job = _Job(cfg, cuda, model, checkpoint, ckpt, gen_config, resume, resumed)
+    TensorParallel.check(model, cfg, restored=job.restored)
+    return job
+
+
+def _layout(job: _Job, tp: TensorParallel | None, comm: Collectives,
+            param_groups: Sequence[Mapping[str, Any]] | None, agreement: RankAgreement
+            ) -> tuple[list[Unit], list[Group], list[dict[str, Any]],
+                       dict[tuple[int, int], int]]:
+    """(units, groups, the optimizer's param_groups overrides, each slot's optimizer
+    group), once every rank checked the budgets, the memory and the disk for them and
+    agreed on the layout."""
+    cfg, model, dtype, share = job.cfg, job.model, _DTYPES[job.cfg.engine.dtype], None
+    with agreement.refusals():
+        units, groups = build_units(model, cfg.engine.group_size, comm.world,
+                                    whole=_whole_modules(model, cfg.engine.whole_modules)
+                                    + (tp.blocks if tp is not None else []))
+        hyper, slot_groups = assign_param_groups(groups, cfg.optim, param_groups)
+        if job.ckpt is not None:
+            _check_checkpoint_covers(job.ckpt, model, groups, job.checkpoint)
+        check_budgets(cfg, groups, dtype)  # before any file is made
+        check_memory(cfg, groups, dtype)  # before anything is placed
+        if job.resumed is not None:
+            job.resumed.check(groups, dtype)
+        share = disk_share(cfg, groups, dtype)
+    # data-parallel ranks hold the same layout; tensor-parallel ranks differ in slices
+    shares = agreement.settle(lambda: model_sections(groups, units, hyper, slot_groups),
+                              within=tp.mesh.dp_groups if tp is not None else None,
+                              extra=share)
+    with agreement.refusals():
+        check_disk(cfg, groups, dtype, shares if agreement.world > 1 else None)
+    agreement.settle()
+    return units, groups, hyper, slot_groups
+
+
+def _build(job: _Job, tp: TensorParallel | None, comm: Collectives,
+           gathers: GatherIssuer | None, layout: tuple, agreement: RankAgreement, *,
+           lr_lambda: Callable[[int], float] | None, lr_scheduler: Callable[..., Any] | None,
+           recorder: TraceRecorder, progress: Callable[[int, int], None] | None
+           ) -> OffloadEngine:
+    """Makes the store and the engine and places every group's partitions; where
+    anything fails, closes what was made and puts the model back as it was."""
+    cfg, model, resumed = job.cfg, job.model, job.resumed
+    units, groups, hyper, slot_groups = layout
+    # store.policy "next-use": the copy the step needs last leaves first (eviction.py)
+    policy = NextUsePolicy() if cfg.store.policy == "next-use" else None
+    store, engine = None, None
+    start_cpu_threads()  # before any swap file
+    before = _ModelBefore(model)  # [Note: a failed initialize leaves the model as it was]
+    try:
+        # a Ctrl-C while the store and the engine are made (a swap file opened and
+        # not yet recorded, the model's hooks half registered) comes once they are,
+        # so that the `except` below closes what was made ([Note: Ctrl-C at a safe
+        # point] in interrupts.py)
+        with SafeInterrupts(lambda where: None).held():
+            with agreement.refusals():  # a swap directory or lock refused on some ranks
+                # swap files are named by the rank in the whole job (DP ranks repeat
+                # over TP)
+                store = TieredStore(cfg, rank=tp.mesh.world.rank if tp is not None
+                                    else comm.rank, recorder=recorder, policy=policy)
+            agreement.settle()
+            if cfg.engine.optimizer == "nvme" and store.device.type == "cpu":
+                _report_omp_wait_policy()  # updates run beside a backward on the cores
+            lineage = Lineage(model)
+            engine = OffloadEngine(model, cfg, units, groups, store, comm, recorder, tp,
+                                   gathers)
+        # [Note: Ctrl-C at a safe point] in interrupts.py: one while the partitions
+        # are placed comes before the next group, and the engine is closed
+        with engine._interrupts.held():
+            if policy is not None:
+                policy.follow(next_use_of(engine.trace, engine.staged, engine.pending_updates))
+            engine._attach_optimizer(lr_lambda, hyper)
+            engine.param_group_of = slot_groups  # a checkpoint records each group's members
+            deferred = place_groups(engine, groups, slot_groups, job.ckpt, resumed, lineage,
+                                    progress, agreement)
+            _restore_counters(engine, job, lr_scheduler)
+            for g in deferred:
+                drop_params(g, engine)
+            _finish_model(engine, job, tp)
+            log.info("offload: %d parameters in %d groups over %d units, world %d, %s "
+                     "compute, params on %s, grads on %s, optimizer state on %s",
+                     sum(g.numel for g in groups), len(groups), len(units), comm.world,
+                     cfg.engine.dtype, cfg.engine.params, cfg.engine.grads,
+                     cfg.engine.optimizer)
+        # nothing after this block may be interrupted: a Ctrl-C at its end (noted in
+        # it) still finds the `except` below, where one after it would leave the
+        # engine open and the model wrapped, with no engine returned to close
+    except BaseException:  # Ctrl-C too
         try:
-            # a Ctrl-C while the store and the engine are made (a swap file opened and
-            # not yet recorded, the model's hooks half registered) comes once they are,
-            # so that the `except` below closes what was made ([Note: Ctrl-C at a safe
-            # point] in interrupts.py)
-            with SafeInterrupts(lambda where: None).held():
-                with agreement.refusals():  # a swap directory or lock refused on some ranks
-                    # swap files are named by the rank in the whole job (DP ranks repeat
-                    # over TP)
-                    store = TieredStore(cfg, rank=tp.mesh.world.rank if tp is not None
-                                        else comm.rank, recorder=recorder, policy=policy)
-                agreement.settle()
-                if cfg.engine.optimizer == "nvme" and store.device.type == "cpu":
-                    _report_omp_wait_policy()  # updates run beside a backward on the cores
-                lineage = Lineage(model)
-                engine = OffloadEngine(model, cfg, units, groups, store, comm, recorder, tp,
-                                       gathers)
-            # [Note: Ctrl-C at a safe point] in interrupts.py: one while the partitions
-            # are placed comes before the next group, and the engine is closed
-            with engine._interrupts.held():
-                if policy is not None:
-                    policy.follow(next_use_of(engine.trace, engine.staged, engine.pending_updates))
-                engine._attach_optimizer(lr_lambda, hyper)
-                engine.param_group_of = slot_groups  # a checkpoint records each group's members
-                deferred = []  # the user's real tensors stay in the model until nothing can fail
-                differs = None  # [Note: rank 0's weights]: a parameter this rank had otherwise
-                placing = _Placing(comm)  # [Note: a rank that fails while placing]
-                for g in groups:
-                    engine._interrupts.safe_point()
-                    was_meta = any(sl.param.is_meta for sl in g.slots)
-                    segments, slots = segments_of(g, comm.rank, slot_groups)
-                    if g.requires_grad:
-                        engine.grad_slots.segment_slots[g.gid] = slots
-                    if resumed is not None:  # the whole state of the group, read by name
-                        if progress is not None and placing.agree() is None:
-                            break  # a `progress` that raised on a rank
-                        # its ranks agree on its outcome (the others raise RankFailedError)
-                        resumed.place_group(engine, g, segments, slots)
-                    else:
-                        found = _place_new_group(engine, g, segments, ckpt, lineage, placing)
-                        if placing.stopped:
-                            break
-                        differs = differs or found
-                    # a materialised meta group is freed at once: no process holds all
-                    if was_meta and placing.error is None:
-                        _drop_params(g, engine)
-                    elif not was_meta:
-                        deferred.append(g)
-                    if progress is not None:
-                        placing.run(progress, g.gid + 1, len(groups))
-                else:
-                    placing.run(store.wait_all)
-                    placing.agree()  # the last group's outcome, and the writes'
-                placing.settle(agreement)
-                if differs is not None:
-                    log.warning("initialize: rank %d's initial weights differ from rank 0's "
-                                "(first: %r); every rank trains from rank 0's, as under DDP",
-                                comm.rank, differs)
-                if resumed is not None:
-                    resumed.restore(engine)  # counters, loss scale, hyper-parameters, RNG
-                    engine.resumed_extra = dict(resumed.extra)
-                    warn_schedule_dropped(resumed.record, engine.optimizer,
-                                          lr_scheduler is not None, resume)
-                if lr_scheduler is not None:  # [Note: the engine's scheduler] in lr_scheduler.py
-                    engine.lr_scheduler = make_scheduler(
-                        lr_scheduler, engine.optimizer,
-                        resumed.record.get("lr_scheduler") if resumed is not None else None,
-                        resumed is not None)
-                for g in deferred:
-                    _drop_params(g, engine)
-                buffers_to(model, store.device)
-                # [Note: rank 0's weights]; buffers are never cut: every rank of the job, TP too
-                everyone = tp.mesh.world if tp is not None else comm
-                if everyone.world > 1 and ckpt is None and resumed is None:
-                    buffers_from_first_rank(everyone, model)
-                model.__dict__[_WRAPPED] = EngineMark(weakref.ref(engine), model)  # [Note:
-                # wrapped modules]
-                guard_casts(model, engine.dtype, engine.device)
-                guard_resize(model)
-                guard_tie(model)
-                guard_save_pretrained(model)
-                if tp is not None:
-                    guard_tp_generate(model)
-                if gen_config is not None:  # as from_pretrained sets it
-                    model.generation_config = gen_config
-                if comm.world > 1:  # [Note: generation on several ranks] in model_weights.py
-                    for m in model.modules():
-                        m.__dict__["_is_fsdp_managed_module"] = EngineMark(True, m)
-                if resumed is not None:
-                    resumed.close()
-                log.info("offload: %d parameters in %d groups over %d units, world %d, %s "
-                         "compute, params on %s, grads on %s, optimizer state on %s",
-                         sum(g.numel for g in groups), len(groups), len(units), comm.world,
-                         cfg.engine.dtype, cfg.engine.params, cfg.engine.grads,
-                         cfg.engine.optimizer)
-            # nothing after this block may be interrupted: a Ctrl-C at its end (noted in
-            # it) still finds the `except` below, where one after it would leave the
-            # engine open and the model wrapped, with no engine returned to close
-        except BaseException:  # Ctrl-C too
-            try:
-                if engine is not None:
-                    engine.close()  # removes its hooks and closes the store
-                else:
-                    if store is not None:
-                        store.close()  # removes the files this rank made
-                    if gathers is not None:
-                        gathers.close()
-                before.restore()
-            finally:
-                if resumed is not None:
-                    resumed.close()
-            raise
+            if engine is not None:
+                engine.close()  # removes its hooks and closes the store
+            else:
+                if store is not None:
+                    store.close()  # removes the files this rank made
+                if gathers is not None:
+                    gathers.close()
+            before.restore()
+        finally:
+            if resumed is not None:
+                resumed.close()
+        raise
     return engine
 
 
-class _Placing:
-    """[Note: a rank that fails while placing]
-    Each rank places its own partitions, group by group, on its own disks: one rank's
-    disk may fill there (its free space was checked, but another process may take it
-    meanwhile), or its initialiser or `progress` raise, where the others' do not. A
-    rank that raised at once left the others waiting in the next group's collective
-    (the all-reduce of rank 0's weights) for the process group's timeout, 30 minutes.
-    So a rank keeps its error (`run`) and goes on to the next `agree`, one all-reduce
-    the ranks of the data-parallel group reach at the same point of every group (it
-    also counts the ranks `_from_first_rank` needs), where all of them stop. Then the
-    whole job settles (`RankAgreement`; tensor-parallel ranks of other groups too,
-    once they placed theirs): the rank that failed raises its own error, every other
-    rank a `RuntimeError` (a `ConfigError` for a config error) naming it, and
-    `initialize` closes what each made, its swap files removed. A resumed group's
-    ranks agree on its outcome themselves (`CheckpointReader.place_group`)."""
-
-    def __init__(self, comm: Collectives) -> None:
-        self.comm = comm
-        self.error: Exception | None = None  # this rank's, raised at `settle`
-        self.stopped = False  # a rank of the group failed: no rank places more
-
-    def run(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """fn(*args), unless this rank failed already (then None); an error is kept."""
-        if self.error is not None:
-            return None
-        try:
-            return fn(*args)
-        except Exception as e:  # raised at `settle`, once every rank has stopped
-            self.error = e
-            return None
-
-    def agree(self, flag: bool = False) -> int | None:
-        """Every rank of the group, at the same point: None where a rank has failed so
-        far (every rank stops placing), else how many ranks passed `flag`."""
-        failed, flagged = self.comm.sum_scalars([float(self.error is not None), float(flag)])
-        self.stopped = failed > 0
-        return None if self.stopped else int(flagged)
-
-    def settle(self, agreement: RankAgreement) -> None:
-        """Raises this rank's error, or one naming the rank that failed, on every rank of
-        the job; returns where none did."""
-        if not self.stopped and self.comm.world == agreement.world:
-            return  # the group is the job, and its last `agree` found no failure
-        with agreement.refusals():
-            if self.error is not None:
-                raise self.error
-        agreement.settle()
-        if self.stopped:  # not reached: the rank that failed refused at the settle
-            raise RankFailedError(f"initialize: another rank of {self.comm.world} failed "
-                                  "while placing its partitions (its error says why)")
+def _restore_counters(engine: OffloadEngine, job: _Job,
+                      lr_scheduler: Callable[..., Any] | None) -> None:
+    """A resumed job's counters, loss scale, hyper-parameters and RNG; the engine's
+    scheduler, made (and resumed) from `lr_scheduler`."""
+    resumed = job.resumed
+    if resumed is not None:
+        resumed.restore(engine)
+        engine.resumed_extra = dict(resumed.extra)
+        warn_schedule_dropped(resumed.record, engine.optimizer, lr_scheduler is not None,
+                              job.resume)
+    if lr_scheduler is not None:  # [Note: the engine's scheduler] in lr_scheduler.py
+        engine.lr_scheduler = make_scheduler(
+            lr_scheduler, engine.optimizer,
+            resumed.record.get("lr_scheduler") if resumed is not None else None,
+            resumed is not None)
 
 
-def _place_new_group(engine: OffloadEngine, g: Group, segments: list[tuple[int, int, int]],
-                     ckpt: SafetensorsCheckpoint | None, lineage: Lineage, placing: _Placing
-                     ) -> str | None:
-    """Makes group `g`'s weights (from `ckpt`, else by the modules' initialisers, rank
-    0's where ranks differ) and places this rank's partition and its optimizer state;
-    places nothing once a rank has failed ([Note: a rank that fails while placing]).
-    Returns the first parameter whose weights differed from rank 0's, if any."""
-    cfg, comm = engine.cfg, engine.comm
-    full = placing.run(_materialise, engine.module, g, cfg.engine.seed, ckpt, lineage)
-    real = ckpt is None and not all(sl.param.is_meta for sl in g.slots)
-    anyone_real = placing.agree(real)  # [Note: rank 0's weights]
-    if anyone_real is None:
-        return None
-    differs = _from_first_rank(comm, g, full) if anyone_real else None
-    placing.run(_place_shard, engine, g, segments, full)
-    return differs
-
-
-def _place_shard(engine: OffloadEngine, g: Group, segments: list[tuple[int, int, int]],
-                 full: torch.Tensor) -> None:
-    """This rank's partition of the group's weights `full`, and its optimizer state."""
-    cfg, comm = engine.cfg, engine.comm
-    shard = full[comm.rank * g.shard:(comm.rank + 1) * g.shard]
-    engine.store.put(("p", g.gid), shard.to(engine.dtype), kind="param",
-                     tier=_TIERS[cfg.engine.params])
-    # NVMe state is written now: never all masters at once
-    if g.requires_grad:
-        shared = engine.master_is_param  # fp32: the stored shard is it
-        engine.optimizer.add_partition(
-            g.gid, shard if shared else shard.clone(), tier=cfg.engine.optimizer,
-            master_is_param=shared, segments=segments, origin=g.origin(comm.rank))
+def _finish_model(engine: OffloadEngine, job: _Job, tp: TensorParallel | None) -> None:
+    """Moves the model's buffers to the device (rank 0's on every rank, as DDP), marks
+    the model and guards the methods that would act on its stand-ins."""
+    model, comm = job.model, engine.comm
+    buffers_to(model, engine.store.device)
+    # [Note: rank 0's weights]; buffers are never cut: every rank of the job, TP too
+    everyone = tp.mesh.world if tp is not None else comm
+    if everyone.world > 1 and not job.restored:
+        buffers_from_first_rank(everyone, model)
+    mark_wrapped(model, engine)  # [Note: wrapped modules] in units.py
+    guard_casts(model, engine.dtype, engine.device)
+    guard_resize(model)
+    guard_tie(model)
+    guard_save_pretrained(model)
+    if tp is not None:
+        guard_tp_generate(model)
+    if job.gen_config is not None:  # as from_pretrained sets it
+        model.generation_config = job.gen_config
+    if comm.world > 1:  # [Note: generation on several ranks] in model_weights.py
+        for m in model.modules():
+            m.__dict__["_is_fsdp_managed_module"] = EngineMark(True, m)
+    if job.resumed is not None:
+        job.resumed.close()
 
 
 def _refuse_gather_thread_on_nccl(cfg: OffloadConfig, cuda: bool) -> None:
@@ -544,27 +482,6 @@ def _refuse_cpu_tensors_on_nccl(backend: str, config: str, cuda: bool) -> None:
                           "carries CUDA tensors only: set store.device = 'cuda' (or "
                           "'auto'), or make the group with gloo for CPU tensors "
                           "(init_process_group('cpu:gloo,cuda:nccl'), or 'gloo')")
-
-
-def _from_first_rank(comm: Collectives, g: Group, full: torch.Tensor) -> str | None:
-    """[Note: rank 0's weights] The user's weights are the (data-parallel) group's first
-    rank's, as DDP broadcasts rank 0's parameters when it wraps a model: ranks that
-    built the model after seeding each its own way (`manual_seed(seed + rank)`) would
-    otherwise each keep its own slice of its own weights, and train a model that no
-    rank built. A group whose parameters are meta on every rank (made from
-    `engine.seed`) is the same everywhere already, and so is a checkpoint's; one
-    real on some rank (all of a rank's are not meta; FSDP's `sync_module_states`
-    habit of building the model on rank 0 only) is sent from rank 0. The ranks count
-    those in the all-reduce of each group where they agree that none has failed
-    ([Note: a rank that fails while placing]), and every rank calls this where one
-    is. Returns the first parameter of `g` whose values on this rank were not rank
-    0's, or None."""
-    mine = full.clone() if comm.rank != 0 else None
-    comm.broadcast_first(full)
-    if mine is None or torch.equal(mine, full):
-        return None
-    return next((sl.fqn for sl in g.slots if not torch.equal(
-        mine[sl.offset:sl.offset + sl.numel], full[sl.offset:sl.offset + sl.numel])), "?")
 
 
 def _check_checkpoint_covers(ckpt: SafetensorsCheckpoint, model: nn.Module,
@@ -616,7 +533,7 @@ class _ModelBefore:
     meta parameters were put back: a Ctrl-C in those last lines left a model on the
     CPU with a closed engine's stand-ins, its weights gone with the engine."""
 
-    _MARKS = (_WRAPPED, "_apply", "resize_token_embeddings", "tie_weights", "generate",
+    _MARKS = (WRAPPED, "_apply", "resize_token_embeddings", "tie_weights", "generate",
               "save_pretrained", "_is_fsdp_managed_module", "generation_config")
 
     def __init__(self, model: nn.Module) -> None:
@@ -641,14 +558,3 @@ class _ModelBefore:
                 point_weight_list(m, name)
 
 
-def _drop_params(g: Group, engine: OffloadEngine) -> None:
-    """Replaces the group's parameters in their modules by the engine's registered
-    stand-ins (shape, dtype, device and requires_grad queries work; a use raises
-    naming it: [Note: registered parameters] in params_view.py)."""
-    engine.registered.register(g.gid)
-    for s in g.slots:
-        for mod, _ in s.uses:
-            mod.__dict__[_WRAPPED] = EngineMark(weakref.ref(engine), mod)  # [Note: wrapped
-            # modules]
-        s.param = None
-    engine.unbind(g.gid)

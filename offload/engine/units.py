@@ -26,8 +26,9 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
-__all__ = ["Slot", "Group", "Unit", "build_units", "eager", "EngineHook", "hooks_last", "output_tensors",
-           "static_order", "SHARD_ALIGN", "NOT_PICKLABLE", "copy_weight_views"]
+__all__ = ["Slot", "Group", "Unit", "build_units", "eager", "EngineHook", "hooks_last",
+           "output_tensors", "static_order", "SHARD_ALIGN", "NOT_PICKLABLE", "copy_weight_views",
+           "WRAPPED", "mark_wrapped"]
 
 SHARD_ALIGN = 2048  # elements: 4 KiB of a 2-byte dtype, 8 KiB of fp32
 
@@ -358,10 +359,11 @@ def eager(fn: Callable, recursive: bool = True) -> Callable:
 
 
 NOT_PICKLABLE = (
-    "a model given to offload.initialize (or its engine) cannot be pickled, so torch.save(model) and "
-    "sending it to another process do not work: its weights live in the engine's partitions, not in "
-    "the model. Save the weights with engine.save_pretrained(dir) or torch.save(engine.state_dict(), "
-    "path) (full weights, on rank 0), or the training state with engine.save_checkpoint(dir)")
+    "a model given to offload.initialize (or its engine) cannot be pickled, so torch.save(model) "
+    "and sending it to another process do not work: its weights live in the engine's "
+    "partitions, not in the model. Save the weights with engine.save_pretrained(dir) or "
+    "torch.save(engine.state_dict(), path) (full weights, on rank 0), or the training state "
+    "with engine.save_checkpoint(dir)")
 
 
 def weak_hook(owner: Any, method: Callable, *args: Any) -> Callable:
@@ -436,6 +438,23 @@ class EngineMark:
         twin = memo.get(id(self._module()))
         return None if self._method is None or twin is None else PlainMethod(twin,
                                                                              self._method)
+
+# [Note: wrapped modules]
+# `initialize` takes a model's parameters into the engine's partitions: each module
+# it took parameters from (and the model itself) is marked under this key in its
+# `__dict__` (as torch's composable APIs mark the modules they were applied to), so
+# a second `initialize` on the model, on a part of it, or on the engine itself is
+# refused instead of wrapping an empty shell. The mark outlives `close()`: the
+# model's weights went into the engine and leave with its closing (its methods
+# raise then), so save them first (`state_dict()`, `save_pretrained()`). The mark
+# is a weak reference to the engine, so the refusal can say whether that engine
+# is still there to train with.
+WRAPPED = "_offload_wrapped"
+
+
+def mark_wrapped(module: nn.Module, engine: Any) -> None:
+    """Marks `module` as one whose parameters `engine` took ([Note: wrapped modules])."""
+    module.__dict__[WRAPPED] = EngineMark(weakref.ref(engine), module)
 
 
 class PlainMethod:

@@ -334,8 +334,8 @@ def test_ctrl_c_during_initialize_is_not_lost(engine_cfg, tmp_path):
 
 
 @pytest.mark.parametrize("placement", ["host", "nvme"])
-@pytest.mark.parametrize("where", ["_open_owned", "_make_post", "_place_new_group",
-                                   "_drop_params", "guard_resize"])
+@pytest.mark.parametrize("where", ["_open_owned", "_make_post", "place_new_group",
+                                   "drop_params", "guard_resize"])
 def test_ctrl_c_during_initialize_leaves_the_model_as_it_was(engine_cfg, tmp_path, where,
                                                               placement):
     """[Note: a failed initialize leaves the model as it was] A Ctrl-C noted in
