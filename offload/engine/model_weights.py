@@ -136,12 +136,24 @@ def refuse_cast(fn: Any, dtype: torch.dtype, device: torch.device, name: str = "
     no weights: refused first, unless `fn` changes neither dtype nor device. The same
     holds for each of its modules, also where the model's own forward converts one
     (SwitchTransformers' router runs `self.classifier.to(float32)`): without the
-    guard, that failed at the stand-in with "used outside the forward of unit"."""
+    guard, that failed at the stand-in with "used outside the forward of unit".
+    A function that makes new tensors of the same dtype and device (`to_empty`, as
+    FSDP2's recipe calls after wrapping a meta model) is refused too: it would have
+    replaced the buffers (BatchNorm's statistics by uninitialised memory) and then
+    failed at the first stand-in in the same way."""
     probe = torch.zeros(1, dtype=dtype, device=device)
     out = fn(probe)
-    if isinstance(out, torch.Tensor) and out.dtype == dtype and out.device == probe.device:
-        return
     what = f"module {name!r}" if name else "the model"
+    if out is probe:
+        return
+    if isinstance(out, torch.Tensor) and out.dtype == dtype and out.device == probe.device:
+        raise RuntimeError(
+            f"{what} is the engine's: a function that replaces its tensors (to_empty, "
+            "Module._apply of one that makes new tensors) is refused, nothing was changed; "
+            "initialize already made the weights of a meta model (by reset_parameters, "
+            "seeded by engine.seed) and keeps them in its partitions; to set them, load "
+            "them (engine.load_state_dict) or write them inside `with "
+            "engine.full_weights(writable=True) as w:`")
     raise RuntimeError(
         f"the model's weights live in the engine's store as {dtype} on {device}: converting "
         f"{what} (.to, .half, .float, .cuda, .cpu, ...) to "

@@ -258,6 +258,28 @@ def test_a_cast_of_the_model_is_refused_before_anything_changes(engine_cfg):
             assert torch.equal(engine(x), want)
 
 
+
+def test_to_empty_after_initialize_is_refused_before_the_buffers_change(engine_cfg):
+    """[Note: casts refused] `model.to_empty(device=...)` after initialize (FSDP2's
+    recipe after wrapping a meta model) keeps dtype and device, so it passed the cast
+    guard, replaced the BatchNorm's statistics with uninitialised memory, and then
+    failed at the first parameter with "used outside the forward of unit"."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.BatchNorm1d(8, affine=False), torch.nn.Linear(8, 4))
+    with offload.initialize(model, engine_cfg("host", group_size=300)) as engine:
+        engine.backward(engine(torch.randn(16, 8) * 3 + 1).square().mean())
+        assert engine.step()
+        before = {k: v.clone() for k, v in engine.state_dict().items()}
+        for call in (lambda: model.to_empty(device="cpu"), lambda: model[0].to_empty(device="cpu"),
+                     lambda: model._apply(torch.clone)):
+            with pytest.raises(RuntimeError, match=r"a function that replaces its tensors "
+                                                   r"\(to_empty.* nothing was changed"):
+                call()
+        for k, v in engine.state_dict().items():
+            assert torch.equal(v, before[k]), k
+        engine.backward(engine(torch.randn(16, 8)).square().mean())
+        assert engine.step()
+
 def test_a_parameter_replaced_after_initialize_is_named(engine_cfg):
     """Assigning a new nn.Parameter to a module is not seen by training; reading the
     full weights then named the slot as a bare KeyError, now the parameter and the fix."""
