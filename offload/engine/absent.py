@@ -22,10 +22,10 @@ there and in `state_dict`) gives another stand-in with the same message.
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import Any, Callable
 
 import torch
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map
 
 __all__ = ["AbsentWeight", "absent_grad_message", "absent_message", "closed_message",
            "torch_optimizer_message"]
@@ -107,6 +107,9 @@ def _from_torch_optimizer() -> bool:
     frame = sys._getframe(2)  # the caller of the operation that reached the stand-in
     while frame is not None:
         module = frame.f_globals.get("__name__") or ""
+        if module == __name__:  # AbsentWeight.__torch_function__, under the call
+            frame = frame.f_back
+            continue
         if module == "offload" or module.startswith("offload."):
             return False
         code = frame.f_code
@@ -125,6 +128,26 @@ def post_accumulate_message(name: str) -> str:
             "on each use's gradient, or act after engine.backward(...)")
 
 
+class AbsentRead(RuntimeError):
+    """A computation read a parameter's stand-in (its message says what to do)."""
+
+
+def _gathered_instead(tree: Any) -> Any:
+    """`tree` with each stand-in replaced by its gathered weights, or None where one
+    has none now ([Note: weights read through the registered parameters])."""
+    missing = []
+
+    def weights(a: Any) -> Any:
+        if not isinstance(a, AbsentWeight):
+            return a
+        got = a.gathered() if a.gathered is not None else None
+        if got is None:
+            missing.append(a)
+        return got
+    out = tree_map(weights, tree)
+    return None if missing else out
+
+
 class AbsentWeight(torch.Tensor):
     """A parameter's stand-in while its group is not gathered; see [Note: absent weights]."""
 
@@ -141,7 +164,30 @@ class AbsentWeight(torch.Tensor):
         t.param_name = name
         return t
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    # [Note: weights read through the registered parameters]
+    # A forward that reads its weights through its module's registered parameters
+    # (`self.parameters()` for an L2 term computed in the forward,
+    # `parameters_to_vector`, `self._parameters["weight"]`) meets the stand-ins there,
+    # not the attribute (`self.weight`) that holds the gathered weights while the unit
+    # runs, and failed with the message of a read outside the unit's forward even
+    # where the whole model was one unit. As FSDP's and DeepSpeed's gathered parameters
+    # do, a computation on a stand-in whose weights are gathered now computes with
+    # them: with the tensor the attribute holds (`gathered()`), so its gradient reaches
+    # the partition as the attribute's does. Where they are not gathered it raises as
+    # before; metadata, hooks and `requires_grad` are the stand-in's either way.
+    gathered: Callable[[], torch.Tensor | None] | None = None
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: tuple = (),
+                           kwargs: dict | None = None) -> Any:
+        try:  # as torch's disabled impl, which takes no kwargs where there are none
+            return (torch._C._disabled_torch_function_impl(func, types, args) if not kwargs
+                    else torch._C._disabled_torch_function_impl(func, types, args, kwargs))
+        except AbsentRead:
+            weights = _gathered_instead((args, kwargs or {}))
+            if weights is None:
+                raise
+        return func(*weights[0], **weights[1])
 
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (),
@@ -162,9 +208,11 @@ class AbsentWeight(torch.Tensor):
             first = max(absent, key=lambda a: a.is_grad)
             if first.message != closed_message(first.param_name) and _from_torch_optimizer():
                 raise RuntimeError(torch_optimizer_message(first.param_name))
-            if not first.is_grad and torch._C._current_autograd_node() is not None:
-                raise RuntimeError(IN_BACKWARD + first.message)
-            raise RuntimeError(first.message)
+            if first.is_grad:
+                raise RuntimeError(first.message)
+            if torch._C._current_autograd_node() is not None:
+                raise AbsentRead(IN_BACKWARD + first.message)
+            raise AbsentRead(first.message)
         raise RuntimeError(f"{func} got an absent weight")
 
     def register_post_accumulate_grad_hook(self, hook: Any) -> Any:
