@@ -22,13 +22,14 @@ there and in `state_dict`) gives another stand-in with the same message.
 from __future__ import annotations
 
 import sys
-from typing import Any, Callable
+import weakref
+from typing import Any
 
 import torch
 from torch.utils._pytree import tree_leaves, tree_map
 
-__all__ = ["AbsentWeight", "absent_grad_message", "absent_message", "closed_message",
-           "torch_optimizer_message"]
+__all__ = ["AbsentRead", "AbsentWeight", "WeightHome", "absent_grad_message", "absent_message",
+           "closed_message", "torch_optimizer_message"]
 
 
 def absent_message(name: str, unit: str, parent: tuple[str, str] | None = None) -> str:
@@ -132,6 +133,41 @@ class AbsentRead(RuntimeError):
     """A computation read a parameter's stand-in (its message says what to do)."""
 
 
+class WeightHome:
+    """The module attribute a registered stand-in stands for (its first, where tied)."""
+
+    __slots__ = ("_module", "_name", "_order")
+
+    def __init__(self, module: torch.nn.Module, name: str) -> None:
+        self._module, self._name = weakref.ref(module), name
+        self._order = tuple(module._parameters)  # its parameters' names, in their order
+
+    def gathered(self) -> torch.Tensor | None:
+        """What the attribute holds while the group is bound (the gathered weights its
+        forward reads), else None ([Note: weights read through the registered
+        parameters])."""
+        m = self._module()
+        return None if m is None else m.__dict__.get(self._name)
+
+    def put_back(self, p: torch.Tensor) -> bool:
+        """[Note: a parameter removed before a computation that fails]
+        torch.nn.utils.prune and the old torch.nn.utils.weight_norm, applied after
+        `initialize`, take the parameter out of `module._parameters` (prune moving it
+        to `weight_orig`) and then compute on it, which fails on the stand-in: the
+        module was left without its parameter, and every later call failed on that.
+        Where the module lacks it, `p` is put back under its name and taken from any
+        other, in its place among the module's parameters; returns whether it was."""
+        m = self._module()
+        if m is None or self._name in m._parameters:
+            return False
+        now = {k: v for k, v in m._parameters.items() if v is not p}
+        now[self._name] = p
+        m._parameters.clear()
+        m._parameters.update({k: now.pop(k) for k in self._order if k in now})
+        m._parameters.update(now)  # any registered since, after them
+        return True
+
+
 def _gathered_instead(tree: Any) -> Any:
     """`tree` with each stand-in replaced by its gathered weights, or None where one
     has none now ([Note: weights read through the registered parameters])."""
@@ -140,12 +176,25 @@ def _gathered_instead(tree: Any) -> Any:
     def weights(a: Any) -> Any:
         if not isinstance(a, AbsentWeight):
             return a
-        got = a.gathered() if a.gathered is not None else None
+        got = a.home.gathered() if a.home is not None else None
         if got is None:
             missing.append(a)
         return got
     out = tree_map(weights, tree)
     return None if missing else out
+
+
+def _put_back(tree: Any, error: AbsentRead) -> None:
+    """[Note: a parameter removed before a computation that fails]: each stand-in of
+    `tree` its module lost is put back, and `error` says so."""
+    back = [a.param_name for a in tree_leaves(tree)
+            if isinstance(a, AbsentWeight) and a.home is not None and a.home.put_back(a)]
+    if back:
+        error.args = (f"parameter {back[0]!r} was taken out of its module before a "
+                      "computation on it (as torch.nn.utils.prune and "
+                      "torch.nn.utils.weight_norm do, which after initialize fail here); "
+                      "it is put back, the module is as it was: apply them before "
+                      f"initialize. The computation: {error.args[0]}",) + error.args[1:]
 
 
 class AbsentWeight(torch.Tensor):
@@ -172,10 +221,10 @@ class AbsentWeight(torch.Tensor):
     # runs, and failed with the message of a read outside the unit's forward even
     # where the whole model was one unit. As FSDP's and DeepSpeed's gathered parameters
     # do, a computation on a stand-in whose weights are gathered now computes with
-    # them: with the tensor the attribute holds (`gathered()`), so its gradient reaches
+    # them: with the tensor the attribute holds (`WeightHome`), so its gradient reaches
     # the partition as the attribute's does. Where they are not gathered it raises as
     # before; metadata, hooks and `requires_grad` are the stand-in's either way.
-    gathered: Callable[[], torch.Tensor | None] | None = None
+    home: WeightHome | None = None
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (),
@@ -183,9 +232,10 @@ class AbsentWeight(torch.Tensor):
         try:  # as torch's disabled impl, which takes no kwargs where there are none
             return (torch._C._disabled_torch_function_impl(func, types, args) if not kwargs
                     else torch._C._disabled_torch_function_impl(func, types, args, kwargs))
-        except AbsentRead:
+        except AbsentRead as e:
             weights = _gathered_instead((args, kwargs or {}))
             if weights is None:
+                _put_back((args, kwargs or {}), e)
                 raise
         return func(*weights[0], **weights[1])
 

@@ -88,13 +88,13 @@ raises at the next backward, naming the recipe for progressive unfreezing
 
 from __future__ import annotations
 
-import weakref
 from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 from torch import nn
 
-from .absent import AbsentWeight, absent_grad_message, absent_message, closed_message
+from .absent import (AbsentWeight, WeightHome, absent_grad_message, absent_message,
+                     closed_message)
 from .units import Group, Unit
 
 if TYPE_CHECKING:
@@ -143,17 +143,6 @@ def all_dropped(dropping: int, world: int, after: str = "") -> bool:
     return dropping == world
 
 
-def _attribute_of(module: nn.Module, name: str) -> Callable[[], torch.Tensor | None]:
-    """What `module.<name>` holds while its group is bound (the gathered weights that
-    its forward reads), else None."""
-    ref = weakref.ref(module)
-
-    def gathered() -> torch.Tensor | None:
-        m = ref()
-        return None if m is None else m.__dict__.get(name)
-    return gathered
-
-
 class RegisteredParams:
     """One stand-in parameter per slot of every group, with its original dtype."""
 
@@ -199,8 +188,8 @@ class RegisteredParams:
                 hooks = s.param._backward_hooks if s.param is not None else None
                 if hooks:  # [Note: gradient hooks on parameters]: the original's dict, so
                     p._backward_hooks = hooks  # the user's handles still remove them
-                p.gathered = _attribute_of(*s.uses[0])  # [Note: weights read through
-                # the registered parameters] in absent.py
+                p.home = WeightHome(*s.uses[0])  # [Note: weights read through the
+                # registered parameters] in absent.py
                 self._where[id(p)] = (g.gid, i)
                 self._names[(g.gid, i)] = name
                 row.append(p)
@@ -277,7 +266,7 @@ class RegisteredParams:
         `engine.full_weights()`, which a closed engine refuses."""
         for (gid, slot), name in self._names.items():
             self.stand_ins[gid][slot].message = closed_message(name)
-            self.stand_ins[gid][slot].gathered = None
+            self.stand_ins[gid][slot].home = None
         for p, g in self._grads:
             g.message = closed_message(self._names[self._where[id(p)]])
 
