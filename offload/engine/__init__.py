@@ -420,6 +420,7 @@ def _restore_counters(engine: OffloadEngine, job: _Job,
         engine.resumed_extra = dict(resumed.extra)
         warn_schedule_dropped(resumed.record, engine.optimizer, lr_scheduler is not None,
                               job.resume)
+        resumed.warn_other_optimizer(engine.cfg.optim.name)
     if lr_scheduler is not None:  # [Note: the engine's scheduler] in lr_scheduler.py
         engine.lr_scheduler = make_scheduler(
             lr_scheduler, engine.optimizer,

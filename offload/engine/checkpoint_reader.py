@@ -5,6 +5,7 @@ verified, and the placement of a rank's partitions on resume."""
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import os
 from pathlib import Path
@@ -30,6 +31,8 @@ from .checkpoint_layout import (_DTYPE_NAMES, CHECKED, FORMAT, TORCH_DTYPES, _co
                                 _max_chunk_bytes, _rank_range, _spec, _stored_shape, _ts,
                                 check_utf8)
 from .units import Group, Slot
+
+log = logging.getLogger(__name__)
 
 __all__ = ["CheckpointReader"]
 
@@ -683,6 +686,19 @@ class CheckpointReader:
             restore_buffers(engine.module, buffers)
         if states is not None:
             restore_extra_states(engine.module, states)
+
+    def warn_other_optimizer(self, name: str) -> None:
+        """Warns where the checkpoint trained with another `optim.name` than this resume's
+        `name` (AdamW's decoupled weight decay against Adam's added to the gradient):
+        the hyper-parameters come from the checkpoint, the update's rule from the
+        config, which changed the training with no word."""
+        saved = self.record.get("config", {}).get("optim", {}).get("name")
+        if isinstance(saved, str) and saved != name:
+            log.warning("checkpoint %s trained with optim.name %r; this resume's config says "
+                        "%r, which it trains on with (the weight decay %s); set optim.name = "
+                        "%r to continue as saved", self.path, saved, name,
+                        "decoupled, as torch's AdamW" if name == "adamw"
+                        else "added to the gradient, as torch's Adam", saved)
 
     def verify(self, progress: Callable[[str], None] | None = None) -> list[str]:
         """Checks every rank file (`ranks/<r>.json`: present, its sha256, as the commit

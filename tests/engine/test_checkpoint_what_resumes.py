@@ -220,3 +220,21 @@ def test_numpy_scalars_in_the_lr_and_the_schedule_save_and_resume(tmp_path):
         got = e.state_dict()
     for k, v in want.items():
         torch.testing.assert_close(got[k], v, atol=0, rtol=0, msg=k)
+
+
+def test_a_resume_with_another_optimizer_rule_says_so(tmp_path, caplog):
+    """The hyper-parameters resume from the checkpoint, the update's rule from the
+    config: a resume whose optim.name differs (Adam's weight decay added to the
+    gradient, where the save trained with AdamW's decoupled one) trained on under
+    the other rule with no word."""
+    ck = _saved(tmp_path)
+    cfg = _cfg(tmp_path, "b")
+    with caplog.at_level("WARNING", logger="offload"):
+        with offload.initialize(_bn_model(), cfg, resume=ck):
+            pass
+    assert "optim.name" not in caplog.text
+    cfg["optim"]["name"] = "adam"
+    with caplog.at_level("WARNING", logger="offload"):
+        with offload.initialize(_bn_model(), cfg, resume=ck):
+            pass
+    assert "trained with optim.name 'adamw'; this resume's config says 'adam'" in caplog.text
