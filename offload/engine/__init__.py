@@ -234,11 +234,13 @@ def initialize(model: nn.Module | Callable[[], nn.Module],
     _import_dtensor()
     _on_this_ranks_gpu()  # before anything is refused: the agreement is a collective
     agreement = RankAgreement()
+    job: _Job | None = None  # None where this rank refused: the settle raises then
     with agreement.refusals():
         job = _read_job(model, config, checkpoint, resume, lr_lambda)
-    cfg, model, resumed = job.cfg, job.model, job.resumed
-    agreement.settle(lambda: [config_section(cfg), resume_section(  # the whole job, before
-        resumed.record if resumed is not None else None), buffer_section(model)])  # its mesh
+    agreement.settle(lambda: [config_section(job.cfg), resume_section(  # the whole job,
+        job.resumed.record if job.resumed is not None else None),  # before its mesh
+        buffer_section(job.model)])
+    cfg, model = job.cfg, job.model
     # [Note: ZeRO-3 over DP, tensor parallelism over TP] in tensor_parallel.py
     tp = TensorParallel.setup(model, cfg, restored=job.restored, recorder=recorder,
                               keep_undo=True, cuda=job.cuda)
