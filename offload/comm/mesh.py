@@ -15,11 +15,12 @@ from __future__ import annotations
 import datetime
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch.distributed as dist
 
 from ..trace import NULL_RECORDER, TraceRecorder
-from .collectives import Collectives, device_backend
+from .collectives import Collectives, device_backend, user_timeout
 
 __all__ = ["ParallelMesh"]
 
@@ -58,7 +59,8 @@ class ParallelMesh:
                              "job; use a divisor of the world size")
         from torch.distributed.device_mesh import init_device_mesh
         device = "cuda" if device_backend(cuda=cuda) == "nccl" else "cpu"
-        mesh = init_device_mesh(device, (world // tp_size, tp_size), mesh_dim_names=("dp", "tp"))
+        mesh = init_device_mesh(device, (world // tp_size, tp_size), mesh_dim_names=("dp", "tp"),
+                                backend_override=_with_user_timeout(device))
         def group(name: str) -> Collectives:
             return Collectives(mesh.get_group(name), recorder=recorder, name=name, cuda=cuda)
         dp, tp = group("dp"), group("tp")
@@ -102,6 +104,26 @@ class ParallelMesh:
         """The ranks of every DP group of the job ([Note: mesh layout])."""
         tp, dp = self.tp.world, self.dp.world
         return [[d * tp + t for d in range(dp)] for t in range(tp)]
+
+
+def _with_user_timeout(device: str) -> dict[str, tuple[str, Any]] | None:
+    """The mesh's DP and TP groups with the timeout the user gave `init_process_group`
+    (`user_timeout`): torch gives each new group its own 30-minute default, so a rank
+    waited that long in a TP or DP collective for a hung one. None where the default
+    group says none."""
+    timeout = user_timeout()
+    if timeout is None:
+        return None
+    if device == "cuda":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        backend = "nccl"
+    else:
+        from torch._C._distributed_c10d import Backend
+
+        backend = "gloo"
+        options = Backend.Options(backend, timeout)
+    return {dim: (backend, options) for dim in ("dp", "tp")}
 
 
 def _destroy_each(*groups: Collectives) -> None:

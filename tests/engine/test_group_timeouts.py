@@ -1,5 +1,5 @@
 """The groups the engine makes beside the user's (a background save's, the gather
-thread's) keep the timeout the user gave `init_process_group`: torch gives a new group
+thread's, the tensor-parallel mesh's) keep the timeout the user gave `init_process_group`: torch gives a new group
 its own 30-minute default, and a background save waited that long for a hung rank."""
 
 import datetime
@@ -60,3 +60,27 @@ def test_a_background_save_waits_for_a_hung_rank_no_longer_than_the_users_timeou
     for rank in (0, 1):
         assert torch.load(f"{out}.{rank}")["gather"] == TIMEOUT_S
     assert not (tmp_path / "res.ck").exists()
+
+
+def _mesh_worker(rank: int, world: int, init_file: str, out: str, swap: str) -> None:
+    import offload
+    from .test_domino import _config, _model
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    try:
+        with offload.initialize(_model("gpt"), _config(swap, 2, "host")) as engine:
+            mesh = engine.tp.mesh
+            torch.save({name: c.group._get_backend(torch.device("cpu")).options._timeout
+                        .total_seconds() for name, c in (("dp", mesh.dp), ("tp", mesh.tp))},
+                       f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_tensor_parallel_groups_take_the_users_timeout(tmp_path):
+    """A rank waited torch's 30-minute default in a TP all-reduce (or the DP group's
+    collectives) for a hung rank, where the user's init_process_group said seconds."""
+    out = str(tmp_path / "res")
+    spawn(_mesh_worker, str(tmp_path / "init"), out, str(tmp_path / "swap"), timeout_s=120)
+    for rank in (0, 1):
+        assert torch.load(f"{out}.{rank}") == {"dp": TIMEOUT_S, "tp": TIMEOUT_S}
