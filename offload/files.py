@@ -24,14 +24,29 @@ __all__ = ["check_directory", "existing_ancestor", "fsync_directory", "lock_name
 
 def check_directory(path: Path, what: str) -> None:
     """Refuses a directory `path` (existing or to be created) that is, or would be
-    created under, a file: `FileExistsError` naming `what` (the call or option), the
-    file and the fix, where `mkdir` would name neither the file nor the fix."""
+    created under, a file or a symbolic link to a missing target: `FileExistsError`
+    naming `what` (the call or option), the file (the link and its target) and the
+    fix, where `mkdir` would name neither the file nor the fix."""
     for p in (path, *path.parents):
         if p.is_dir():
             return
+        if p.is_symlink() and not p.exists():  # mkdir would call it "File exists"
+            raise FileExistsError(f"{what}: {p} is a symbolic link to {_link_end(p)}; "
+                                  "create that directory, or remove the link, or give a "
+                                  "path under a directory")
         if p.exists() or p.is_symlink():
             raise FileExistsError(f"{what}: {p} is a file, not a directory; give a path "
                                   "under a directory")
+
+
+def _link_end(link: Path) -> str:
+    """What the symbolic link `link` leads to that is missing, for a message."""
+    try:
+        os.stat(link)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            return f"{os.readlink(link)}, a loop of links that ends nowhere"
+    return f"{os.path.realpath(link)}, which does not exist"
 
 
 def names_open_file(path: str | os.PathLike[str], fd: int) -> bool:

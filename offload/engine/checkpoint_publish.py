@@ -12,6 +12,12 @@ the lock goes with the process however it ends (SIGKILL included). A remover
 takes that lock without waiting; held, the directory is left alone. Pruning a
 checkpoint renames it to a `.partial` name first, so a prune killed half way
 leaves a directory the next save removes, never a damaged one under its name.
+What a save or prune leaves at those names is ours: a directory at `.<name>.partial`
+(a symbolic link there, where an earlier version's pruning moved a `latest` link) and
+a regular file at its lock's name. Nothing of ours is a file at the first or a
+directory at the second: such a thing is someone else's, and a save of that name is
+refused, naming it and the fix, rather than remove it (it blocked the name for good
+with a bare FileExistsError or IsADirectoryError).
 """
 
 from __future__ import annotations
@@ -19,10 +25,11 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import stat
 from pathlib import Path
 
 from ..files import json_loads, lock_named, read_regular_text, unlink_own
-from .checkpoint_files import CheckpointError
+from .checkpoint_files import CheckpointError, CheckpointPathError
 from .checkpoint_layout import check_utf8
 
 log = logging.getLogger(__name__)
@@ -87,10 +94,33 @@ class PartialLock:
     """The lock a save holds on its `.partial` directory ([Note: partial directories])."""
 
     def __init__(self, partial: Path, wait: bool) -> None:
-        """Takes the lock; without `wait`, raises BlockingIOError where it is held."""
+        """Takes the lock; without `wait`, raises BlockingIOError where it is held, and
+        CheckpointPathError (an OSError) where the lock's name or `partial` holds what
+        no save made ([Note: partial directories])."""
         self.path = partial.with_name(partial.name + LOCK)
-        self._fd: int | None = lock_named(
-            self.path, lambda: os.open(self.path, os.O_CREAT | os.O_RDWR, 0o644), wait)
+        self._fd: int | None = lock_named(self.path, self._open, wait)
+        try:
+            _clear_partial(partial)
+        except BaseException:
+            self.release()
+            raise
+
+    def _open(self) -> int:
+        """The lock file, created where missing; a directory (or another thing that is
+        not a regular file) at its name is someone else's: CheckpointPathError."""
+        try:
+            fd = os.open(self.path, os.O_CREAT | os.O_RDWR, 0o644)
+        except IsADirectoryError:
+            kind, fix = "a directory", "remove it (rmdir)"
+        else:
+            if stat.S_ISREG(os.fstat(fd).st_mode):
+                return fd
+            os.close(fd)
+            kind, fix = "not a regular file", "remove it"
+        raise CheckpointPathError(
+            f"save_checkpoint: {self.path} is {kind}, where a save of {_target(self.path)} "
+            f"keeps its lock file; offload removes only what its saves left, and no save "
+            f"leaves that: {fix}, or save under another name")
 
     def release(self) -> None:
         """Removes the lock file and gives the lock back (the directory is gone or
@@ -109,6 +139,30 @@ class PartialLock:
             os.close(fd)
 
 
+def _target(work: Path) -> Path:
+    """The checkpoint a save's `.<name>.partial` (or its lock file) is for."""
+    name = work.name[1:]
+    name = name[:-len(LOCK)] if name.endswith(LOCK) else name
+    return work.with_name(name[:-len(PARTIAL)])
+
+
+def _clear_partial(partial: Path) -> None:
+    """With its lock held: removes a symbolic link at `partial` (ours: [Note: partial
+    directories]); raises CheckpointPathError where something other than a directory
+    is there."""
+    try:
+        mode = os.lstat(partial).st_mode
+    except FileNotFoundError:
+        return
+    if stat.S_ISLNK(mode):  # the link alone, never what it points to
+        partial.unlink(missing_ok=True)
+    elif not stat.S_ISDIR(mode):
+        raise CheckpointPathError(
+            f"save_checkpoint: {partial} is a file, where a save of {_target(partial)} writes "
+            "its partial directory; offload removes only what its saves left, and no save "
+            "leaves a file there: remove it, or save under another name")
+
+
 def is_committed(p: Path) -> bool:
     return (p / RECORD).is_file() and not p.name.endswith(PARTIAL)
 
@@ -123,14 +177,12 @@ def remove_partials(parent: Path) -> None:
             lock = PartialLock(d, wait=False)
         except BlockingIOError:  # a save in progress, in this process or another
             continue
-        except OSError as e:  # a parent we may not write to: nothing to clean up here
-            log.debug("cannot lock %s: %s", d, e)
+        except OSError as e:  # a parent we may not write to, or something no save made
+            log.debug("cannot lock %s: %s", d, e)  # there: nothing to clean up here
             continue
-        try:
-            log.info("removing partial checkpoint %s (a save that did not finish)", d)
-            if d.is_symlink():  # an earlier version's pruning moved a link here
-                d.unlink()
-            else:
+        try:  # (a link there, an earlier version's pruning's, went with the lock taken)
+            if d.is_dir():
+                log.info("removing partial checkpoint %s (a save that did not finish)", d)
                 shutil.rmtree(d, ignore_errors=True)
         finally:
             lock.release()

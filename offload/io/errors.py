@@ -37,6 +37,40 @@ class IoError(OSError):
     def __str__(self) -> str:  # OSError's default repeats "[Errno N]" before the message
         return self.strerror
 
+    def within(self, what: str) -> "IoError":
+        """This error again, of its type (a `SwapFullError` stays one) and with its fields,
+        its message led by `what`, the operation it failed: for the caller of that
+        operation to raise from this one, where the operation's own error type would
+        send the user the wrong way (a budget's, for a disk that failed)."""
+        again = type(self).__new__(type(self))
+        again.__dict__.update(self.__dict__)
+        if "__notes__" in self.__dict__:  # a list of its own: a note on one is not the other's
+            again.__notes__ = list(self.__notes__)
+        OSError.__init__(again, self.errno, f"{what}: {self}")
+        again.filename = self.filename
+        return again
+
+
+def out_of_inodes(directory: str) -> bool:
+    """Whether the file system of `directory` has no inode (file) left to give: a
+    create there fails with ENOSPC, as on a full disk, while `df` shows space free.
+    False where it cannot be asked, or counts no inodes (btrfs makes them as needed)."""
+    try:
+        st = os.statvfs(directory)
+    except OSError:
+        return False
+    return st.f_files > 0 and (st.f_favail == 0 or st.f_ffree == 0)
+
+
+def no_space_fix(directory: str) -> str:
+    """The fix for ENOSPC where a file or directory was created in `directory`: out of
+    inodes, or a full disk ([out_of_inodes])."""
+    if out_of_inodes(directory):
+        return ("its file system is out of inodes (files), though it may have space free "
+                "(df -i shows it): remove files on that file system or give a directory on "
+                "another one")
+    return "the disk is full; free space or give a directory on another disk"
+
 
 def past_fsize_limit(end: int) -> bool:
     """Whether a write that stopped at byte `end` of its file met this process's file

@@ -19,6 +19,15 @@ O_DIRECT and written one aligned block; it is removed on every way out.
 Checks that touch nothing (types, existence, duplicates) run for every path
 before the first directory is created, and directories this check created are
 removed again when a later path fails.
+
+[Note: directories made before the lock]
+The check runs, and creates what is missing, before any swap file is locked: in
+`make_engine` first, then in each `SwapSpace`, which locks its files. A directory
+made for a run whose lock was then refused (another process uses a later path:
+`SwapLockedError`) stayed, empty. So the directories this process's checks made
+are remembered until a swap space has opened its files in them (`claim_made`), and
+a swap space that fails to open removes those of its paths (`remove_made`: only
+empty ones go). `probe_direct` forgets its own: the directory is the caller's.
 """
 
 from __future__ import annotations
@@ -29,14 +38,19 @@ import os
 import stat
 import threading
 from dataclasses import dataclass
+from typing import Iterable
 
 from ..config import ConfigError
 from .engine import DIRECT_ALIGN
-from .errors import SwapPathError, limit_hint
+from .errors import SwapPathError, limit_hint, no_space_fix
 
-__all__ = ["SwapDir", "check_swap_dirs", "probe_direct"]
+__all__ = ["SwapDir", "check_swap_dirs", "claim_made", "probe_direct", "remove_made"]
 
 _PERMISSION = (_errno.EACCES, _errno.EPERM, _errno.EROFS)
+
+# [Note: directories made before the lock]: absolute paths, under _made_lock
+_made: set[str] = set()
+_made_lock = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -54,14 +68,15 @@ def _oserror(e: OSError, key: str, path: str, what: str, fix: str) -> SwapPathEr
                          f"([Errno {e.errno}] {e.strerror}); {fix}", path)
 
 
-def _fix_for(err: int) -> str:
+def _fix_for(err: int, where: str) -> str:
+    """The fix for `err`, met creating a file or directory in the directory `where`."""
     if err == _errno.EROFS:
         return "the file system is mounted read-only; give a directory on a writable disk"
     if err in (_errno.EACCES, _errno.EPERM):
         return ("this user may not write there; change its permissions (chmod/chown) or "
                 "give another directory")
-    if err == _errno.ENOSPC:
-        return "the disk is full; free space or give a directory on another disk"
+    if err == _errno.ENOSPC:  # out of inodes reads the same as a full disk
+        return no_space_fix(where)
     if limit_hint(err):  # a limit of the process (open files), not of the directory
         return limit_hint(err)
     return "give a directory on a local, writable disk"
@@ -82,7 +97,8 @@ def _missing_parts(path: str, key: str) -> tuple[list[str], str]:
             p = parent
             continue
         except OSError as e:
-            raise _oserror(e, key, path, f"cannot look at {p}", _fix_for(e.errno or 0)) from None
+            raise _oserror(e, key, path, f"cannot look at {p}",
+                           _fix_for(e.errno or 0, p)) from None
         if not stat.S_ISDIR(st.st_mode):
             if not missing:
                 raise SwapPathError(_errno.ENOTDIR, f"{key}: {path!r} exists and is not a "
@@ -117,7 +133,7 @@ def _probe(directory: str, key: str, direct: bool) -> tuple[bool, str]:
         except OSError as e:
             made = False
             raise _oserror(e, key, directory, "cannot create files in it",
-                           _fix_for(e.errno or 0)) from None
+                           _fix_for(e.errno or 0, directory)) from None
         os.close(fd)
         if not direct:
             return False, "O_DIRECT not asked for (io.direct = false)"
@@ -126,7 +142,7 @@ def _probe(directory: str, key: str, direct: bool) -> tuple[bool, str]:
         except OSError as e:
             if e.errno != _errno.EINVAL:
                 raise _oserror(e, key, directory, "cannot open a file in it",
-                               _fix_for(e.errno or 0)) from None
+                               _fix_for(e.errno or 0, directory)) from None
             return False, f"{directory} refuses O_DIRECT ([Errno {e.errno}] {e.strerror})"
         buf = mmap.mmap(-1, DIRECT_ALIGN)  # page-aligned, as O_DIRECT needs
         try:
@@ -134,7 +150,7 @@ def _probe(directory: str, key: str, direct: bool) -> tuple[bool, str]:
         except OSError as e:
             if e.errno != _errno.EINVAL:
                 raise _oserror(e, key, directory, "cannot write a file in it",
-                               _fix_for(e.errno or 0)) from None
+                               _fix_for(e.errno or 0, directory)) from None
             return False, (f"{directory} refuses O_DIRECT writes ([Errno {e.errno}] "
                            f"{e.strerror})")
         finally:
@@ -186,21 +202,43 @@ def check_swap_dirs(paths: list[str], *, direct: bool = True,
                     continue  # made meanwhile (another rank): fine if it is a directory
                 except OSError as e:
                     raise _oserror(e, k, p, f"cannot create directory {d}",
-                                   _fix_for(e.errno or 0)) from None
+                                   _fix_for(e.errno or 0, os.path.dirname(d))) from None
                 created.append(d)
             if not os.path.isdir(p):
                 raise SwapPathError(_errno.ENOTDIR, f"{k}: {p!r} is not a directory; give a "
                                     "directory", p)
             ok, why = _probe(p, k, direct)
             out.append(SwapDir(p, os.path.realpath(p), ok, why))
-        return out
     except BaseException:
-        for d in reversed(created):  # what this call made, deepest first
-            try:
-                os.rmdir(d)
-            except OSError:
-                pass
+        remove_made(reversed(created))  # what this call made, deepest first
         raise
+    with _made_lock:
+        _made.update(created)
+    return out
+
+
+def claim_made(paths: list[str]) -> list[str]:
+    """The directories this process's checks made for `paths` (and their parents they
+    made) that no swap space has opened files in since, deepest first; forgotten
+    here ([Note: directories made before the lock])."""
+    mine = set()
+    with _made_lock:
+        for p in paths:
+            d = os.path.abspath(p)
+            while d in _made:
+                mine.add(d)
+                d = os.path.dirname(d)
+        _made.difference_update(mine)
+    return sorted(mine, key=lambda d: d.count(os.sep), reverse=True)
+
+
+def remove_made(dirs: Iterable[str]) -> None:
+    """Removes each of the directories `dirs`, in order, where it is empty."""
+    for d in dirs:
+        try:
+            os.rmdir(d)
+        except OSError:
+            pass
 
 
 def probe_direct(directory: str, key: str = "directory") -> tuple[bool, str]:
@@ -208,4 +246,5 @@ def probe_direct(directory: str, key: str = "directory") -> tuple[bool, str]:
     ramfs do not). Creates the directory if missing; raises `SwapPathError`, naming
     `key`, when it cannot hold files at all (not a directory, not writable)."""
     (d,) = check_swap_dirs([directory], direct=True, key=key)
+    claim_made([directory])  # the caller's now, not a swap space's to remove
     return d.direct, d.why

@@ -34,10 +34,10 @@ import xxhash
 from ..files import lock_named, unlink_own
 from .engine import DIRECT_ALIGN, IoEngine, Segment
 from .errors import (CorruptionError, IoError, SwapFullError, SwapLockedError, SwapPathError,
-                     limit_hint)
+                     limit_hint, no_space_fix)
 from .extents import Extent, ExtentAllocator, positive_bytes
 from .handle import IoHandle
-from .paths import check_swap_dirs, probe_direct
+from .paths import check_swap_dirs, claim_made, probe_direct, remove_made
 from .process import in_owner
 
 log = logging.getLogger(__name__)
@@ -115,7 +115,9 @@ def _open_owned(path: str, flags: int) -> int:
             raise SwapPathError(e.errno, f"{path} is a symbolic link; offload would "
                                 "overwrite the file it points to, so it refuses: remove the "
                                 "link, or give another io.paths directory", path) from None
-        fix = limit_hint(e.errno) or "remove what is there, or give another io.paths directory"
+        fix = limit_hint(e.errno) or (
+            no_space_fix(os.path.dirname(path)) if e.errno == _errno.ENOSPC
+            else "remove what is there, or give another io.paths directory")
         raise SwapPathError(e.errno or _errno.EIO, f"cannot open swap file {path} "
                             f"([Errno {e.errno}] {e.strerror}); {fix}", path) from None
     try:
@@ -453,22 +455,31 @@ class SwapSpace:
         # charged for every extent alloc() reserves and refunded when it is freed: the
         # store's NVME budget ([Note: optimizer extents] in offload/store/store.py)
         self.ledger: SwapLedger | None = None
+        try:
+            self._open_files(paths, name)
+        except BaseException:
+            try:
+                _close_files(self._files, keep=False)
+            finally:  # [Note: directories made before the lock] in paths.py
+                remove_made(claim_made(paths))
+            raise
+        claim_made(paths)  # its files are there: the directories stay, as after a run
+        # [Note: nothing left behind]; holds the file list, never `self`
+        self._finalizer = weakref.finalize(self, in_owner, self._pid, _close_files,
+                                           self._files, False)
+
+    def _open_files(self, paths: list[str], name: str) -> None:
+        """Checks the directories, then opens and locks a swap file in each."""
+        engine = self.engine
         for d in check_swap_dirs(paths, direct=engine.direct):  # before any file is made
             if engine.direct and not d.direct:
                 raise SwapPathError(_errno.EINVAL, f"io.paths: {d.why}, and the {engine.name} "
                                     "engine opens swap files with O_DIRECT; point io.paths at "
                                     "a disk-backed file system, or set io.direct = false",
                                     d.path)
-        try:
-            for d in paths:  # absolute: close() removes these names after any os.chdir()
-                self._files.append(_SwapFile(os.path.join(os.path.abspath(d),
-                                                          f"offload-{name}.swap"), engine.direct))
-        except BaseException:
-            _close_files(self._files, keep=False)
-            raise
-        # [Note: nothing left behind]; holds the file list, never `self`
-        self._finalizer = weakref.finalize(self, in_owner, self._pid, _close_files,
-                                           self._files, False)
+        for d in paths:  # absolute: close() removes these names after any os.chdir()
+            self._files.append(_SwapFile(os.path.join(os.path.abspath(d),
+                                                      f"offload-{name}.swap"), engine.direct))
 
     @property
     def paths(self) -> list[str]:

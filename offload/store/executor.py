@@ -22,7 +22,7 @@ from typing import Hashable, Iterable
 import torch
 
 from ..config import IoConfig, StoreConfig, format_bytes
-from ..io import BufferPool, IoEngine, IoHandle, ReadHandle, SwapSpace, open_swap
+from ..io import BufferPool, IoEngine, IoError, IoHandle, ReadHandle, SwapSpace, open_swap
 from ..trace import TraceRecorder
 from .budget import Accounting, BudgetExceededError
 from .copy import DeviceTier, bind_thread
@@ -54,6 +54,19 @@ class UserClaim:
 def _note(error: BaseException, text: str) -> None:
     if hasattr(error, "add_note"):  # Python >= 3.11
         error.add_note(text)
+
+
+def _eviction_failed(what: str, victim: MoveHandle) -> Exception:
+    """The error of a reservation for `what` whose `victim` failed to leave. Where it
+    failed on I/O (a disk that died: EIO; the file-size limit), that error again, of its
+    type (`IoError`, `SwapFullError`) and led by what it failed: a `BudgetExceededError`
+    sent the user to raise a budget while the disk was at fault, and a caller that falls
+    back on a budget's refusal (a prefetch that skips) now meets the disk's failure at
+    once, as every other transfer on that disk does. Else `BudgetExceededError`."""
+    text = f"cannot make room for {what}: evicting partition {victim.key!r} failed"
+    if isinstance(victim.error, IoError):
+        return victim.error.within(text)
+    return BudgetExceededError(f"{text}: {victim.error}")
 
 
 class MoveExecutor:
@@ -271,7 +284,8 @@ class MoveExecutor:
     # -- making room (see [Note: making room]) -----------------------------------------
     def _reserve(self, needs: dict[Tier, int], exclude: set[Hashable], what: str) -> None:
         """Returns once `needs` fit (the lock still held, nothing charged yet); evicts and
-        waits as needed. Raises `BudgetExceededError` when no room can be made."""
+        waits as needed. Raises `BudgetExceededError` when no room can be made, and a
+        victim's `IoError` where its eviction failed on I/O ([_eviction_failed])."""
         for t, n in needs.items():
             budget = self._acct.budget(t)
             if budget and n > budget:
@@ -287,9 +301,7 @@ class MoveExecutor:
                 self._check_open()
                 failed = next((v for v in victims if v.error is not None), None)
                 if failed is not None:
-                    raise BudgetExceededError(f"cannot make room for {what}: evicting partition "
-                                              f"{failed.key!r} failed: {failed.error}") \
-                        from failed.error
+                    raise _eviction_failed(what, failed) from failed.error
                 if self._make_room(needs, exclude, victims):
                     continue
                 if self._active or any(not self._own_put(m) for m in self._moves):

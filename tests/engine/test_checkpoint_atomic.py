@@ -219,6 +219,69 @@ def test_an_empty_path_or_one_under_a_file_is_a_checkpoint_error(tmp_path, engin
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "swap"]
 
 
+def test_a_path_under_a_link_to_nothing_says_so(tmp_path, engine_cfg):
+    """A parent that is a symbolic link whose target is missing (a mount not there, a
+    directory removed) was called "a file, not a directory": the message names the
+    link and where it leads, and nothing is written."""
+    gone = tmp_path / "gone"
+    (tmp_path / "link").symlink_to(gone)
+    (tmp_path / "loop-a").symlink_to(tmp_path / "loop-b")
+    (tmp_path / "loop-b").symlink_to(tmp_path / "loop-a")
+    with offload.initialize(TiedTwice(), engine_cfg("host", "host", "host")) as engine:
+        _step(engine, lm_batches(1)[0])
+        with pytest.raises(offload.CheckpointError) as e:
+            engine.save_checkpoint(tmp_path / "link" / "ck")
+        assert str(e.value) == (
+            f"save_checkpoint: {tmp_path / 'link'} is a symbolic link to {gone}, which does "
+            "not exist; create that directory, or remove the link, or give a path under a "
+            "directory")
+        with pytest.raises(offload.CheckpointError, match=r"loop-a is a symbolic link to "
+                                                          r".*loop-b, a loop of links"):
+            engine.save_checkpoint(tmp_path / "loop-a" / "ck")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "loop-a", "loop-b", "swap"]
+
+
+def test_what_no_save_made_at_a_saves_work_names_is_refused_not_removed(tmp_path,
+                                                                        engine_cfg):
+    """[Note: partial directories]: a file at `.<name>.partial`, or a directory at its
+    lock's name, blocked every save of that name with a bare FileExistsError or
+    IsADirectoryError. No save leaves either, so neither is removed: the save is refused
+    naming it and the fix, leaving nothing of its own, and saves of other names go on.
+    A symbolic link there is ours (an earlier version's pruning's): the link goes, never
+    what it points to."""
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    (root / f".a{PARTIAL}").write_text("notes")
+    (root / f".b{PARTIAL}.lock").mkdir()
+    (tmp_path / "keep").mkdir()
+    (tmp_path / "keep" / "f").write_text("mine")
+    (root / f".c{PARTIAL}").symlink_to(tmp_path / "keep")
+    with offload.initialize(TiedTwice(), engine_cfg("host", "host", "host")) as engine:
+        _step(engine, lm_batches(1)[0])
+        with pytest.raises(offload.CheckpointError) as e:
+            engine.save_checkpoint(root / "a")
+        assert str(e.value) == (
+            f"save_checkpoint: {root / '.a.partial'} is a file, where a save of {root / 'a'} "
+            "writes its partial directory; offload removes only what its saves left, and no "
+            "save leaves a file there: remove it, or save under another name")
+        with pytest.raises(offload.CheckpointError) as e:
+            engine.save_checkpoint(root / "b", blocking=False).wait()
+        assert str(e.value) == (
+            f"save_checkpoint: {root / '.b.partial.lock'} is a directory, where a save of "
+            f"{root / 'b'} keeps its lock file; offload removes only what its saves left, "
+            "and no save leaves that: remove it (rmdir), or save under another name")
+        assert sorted(p.name for p in root.iterdir()) == [".a.partial", ".b.partial.lock",
+                                                          ".c.partial"]
+        engine.save_checkpoint(root / "c")
+        assert sorted(p.name for p in root.iterdir()) == [".a.partial", ".b.partial.lock",
+                                                          "c"]
+        assert (root / ".a.partial").read_text() == "notes"
+        assert (tmp_path / "keep" / "f").read_text() == "mine"
+        (root / ".a.partial").unlink()  # as the message says
+        engine.save_checkpoint(root / "a")
+    assert (root / "a" / RECORD).is_file()
+
+
 def test_keep_last_k_passes_over_directories_of_other_programs(tmp_path, engine_cfg, caplog):
     """Pruning read every directory with a commit record as one of ours: a record that
     is a JSON list, or whose step is no number, failed the save after its checkpoint

@@ -57,6 +57,42 @@ def test_a_failing_disk_names_the_swap_file_and_leaves_nothing_open(name, pool, 
     eng.close()
 
 
+@pytest.mark.parametrize("engine", ["threads", "aio"])
+def test_room_a_failed_disk_cannot_make_is_an_io_error_not_a_budget(failing_disk, engine):
+    """Room in HOST is made by writing a dirty partition down to the swap file; on a disk
+    that died, that write fails with EIO. The reservation raised BudgetExceededError,
+    which sends the user to raise a budget: it is the write's IoError, led by what it
+    was for and caused by it, and the partition stays whole in HOST. A reservation no
+    eviction could serve is a budget's still."""
+    from offload.store import BudgetExceededError, Tier, TieredStore
+    from ..conftest import AIO_OK
+    from ..store.conftest import page_tensor, store_config
+    if engine == "aio" and not AIO_OK:
+        pytest.skip("libaio is not installed")
+    d, fail = failing_disk
+    s = TieredStore(store_config(d, engine=engine, device_pages=1, host_pages=1))
+    try:
+        s.put("b", page_tensor(3), tier="NVME").wait()  # the swap file is open and grown
+        s.free("b")
+        s.put("a", page_tensor(1), tier="HOST")  # dirty, its only copy
+        fail()
+        with pytest.raises(IoError) as e:
+            s.put("x", page_tensor(2), tier="HOST")
+        assert not isinstance(e.value, BudgetExceededError) and e.value.errno == errno.EIO
+        assert str(e.value).startswith("cannot make room for ")
+        assert "evicting partition 'a' failed: write of 4096 bytes at offset 0 in " \
+               f"{d}/offload-r0-param.swap failed: Input/output error" in str(e.value)
+        assert isinstance(e.value.__cause__, IoError) and e.value.filename == e.value.path
+        assert torch.equal(s.get("a", Tier.HOST), page_tensor(1))
+        with pytest.raises(BudgetExceededError, match="more than its whole budget"):
+            s.put("y", page_tensor(4, 2), tier="HOST")
+    finally:
+        try:
+            s.close()
+        except OSError:  # removing the swap files fails on the dead disk
+            pass
+
+
 # -- links where swap files go ---------------------------------------------------------
 
 @pytest.mark.parametrize("which", ["swap", "lock"])

@@ -2,8 +2,13 @@
 
 import errno
 import os
+import subprocess
+import sys
 
 import pytest
+import torch
+
+import offload
 
 from offload.config import ConfigError, IoConfig
 from offload.io import (SwapLockedError, SwapPathError, SwapSpace, check_swap_dirs, make_engine,
@@ -109,6 +114,104 @@ def test_directories_made_for_earlier_paths_are_removed_when_a_later_one_fails(
     with pytest.raises(SwapPathError, match=r"io.paths\[1\]"):
         check_swap_dirs([str(new), str(readonly_dir / "sub")])
     assert not (tmp_path / "new").exists()
+
+
+@pytest.fixture
+def one_inode_left(tmp_path):
+    """(mount, directory): a tmpfs with megabytes free but one inode (file) left to
+    give, and a directory made on it before it ran out. Skips where mounting is not
+    allowed."""
+    from ..conftest import _mount, _umount
+    mnt = tmp_path / "few-inodes"
+    mnt.mkdir()
+    why = _mount("tmpfs", mnt, "size=8m", "nr_inodes=16") if os.geteuid() == 0 else "not root"
+    if why is not None:
+        pytest.skip(f"cannot mount a tmpfs: {why}")
+    try:
+        (mnt / "swap").mkdir()
+        n = 0
+        while True:  # every inode taken ...
+            try:
+                (mnt / f"filler-{n}").touch()
+            except OSError as e:
+                assert e.errno == errno.ENOSPC, e
+                break
+            n += 1
+        (mnt / "filler-0").unlink()  # ... but one
+        yield mnt, mnt / "swap"
+    finally:
+        _umount(mnt)
+
+
+def test_out_of_inodes_is_not_called_a_full_disk(one_inode_left):
+    """A file system out of inodes refuses a new file with ENOSPC, as a full disk does,
+    while `df` shows space free: the message says inodes, and what to do."""
+    import shutil
+    mnt, swap = one_inode_left
+    assert shutil.disk_usage(mnt).free > 4 << 20
+    eng = ThreadEngine(direct=False)
+    try:  # the probe and the lock file fit in the one inode by turns; the swap file not
+        with pytest.raises(SwapPathError) as e:
+            SwapSpace([str(swap)], "t", eng)
+    finally:
+        eng.close()
+    msg = str(e.value)
+    assert e.value.errno == errno.ENOSPC and f"cannot open swap file {swap}/offload-t" in msg
+    assert "out of inodes (files)" in msg and "the disk is full" not in msg
+    assert "remove files on that file system or give a directory on another one" in msg
+    assert os.listdir(swap) == []
+    with pytest.raises(SwapPathError) as e:  # the directory takes the last inode
+        check_swap_dirs([str(mnt / "new")], direct=False)
+    msg = str(e.value)
+    assert f"io.paths[0]: '{mnt / 'new'}': cannot create files in it ([Errno 28]" in msg
+    assert "out of inodes (files)" in msg and "the disk is full" not in msg
+    assert not (mnt / "new").exists()
+
+
+_HOLDER = """
+import sys, time
+from offload.io import SwapSpace, ThreadEngine
+sw = SwapSpace([sys.argv[1]], sys.argv[2], ThreadEngine())
+print("ready", flush=True)
+sys.stdin.read()
+"""
+
+
+@pytest.mark.parametrize("via", ["initialize", "swap space"])
+def test_directories_made_are_removed_when_a_later_paths_lock_is_held(tmp_path, via):
+    """[Note: directories made before the lock]: the directories are made (by the
+    engine's check) before the swap files are locked; where another process holds a
+    later path's lock, the SwapLockedError is right, and the new directories, with the
+    parents made for them, go too (they stayed, empty)."""
+    held, new = tmp_path / "held", tmp_path / "new" / "swap"
+    name = "r0-param" if via == "initialize" else "t"
+    holder = subprocess.Popen([sys.executable, "-c", _HOLDER, str(held), name],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "ready"
+        with pytest.raises(SwapLockedError, match=rf"in use by another live process "
+                                                  rf"\(pid {holder.pid}\)"):
+            if via == "initialize":
+                offload.initialize(torch.nn.Linear(64, 64), {
+                    "engine": {"params": "nvme", "grads": "nvme", "optimizer": "nvme"},
+                    "io": {"paths": [str(new), str(held)]}, "store": {"device": "cpu"}})
+            else:
+                eng = make_engine(IoConfig(paths=[str(new), str(held)]))
+                try:
+                    SwapSpace([str(new), str(held)], name, eng)
+                finally:
+                    eng.close()
+        assert _tree(tmp_path) == ["held", f"held/offload-{name}.swap",
+                                   f"held/offload-{name}.swap.lock"]
+    finally:
+        holder.communicate("")
+    eng = ThreadEngine()
+    try:
+        with SwapSpace([str(new)], "t", eng) as sw:  # once opened there ...
+            assert sw.paths == [str(new / "offload-t.swap")]
+    finally:
+        eng.close()
+    assert new.is_dir() and os.listdir(new) == []  # ... they stay, as after a run
 
 
 def test_o_direct_refused_is_reported_and_leaves_no_probe_file(no_direct_dir):

@@ -202,7 +202,8 @@ def test_could_hold_says_when_copies_can_never_be_resident_together(make_store):
 
 _VICTIM_FAILS = """
 import json, resource, sys, time
-from offload.store import BudgetExceededError, TieredStore, Tier
+from offload.io import IoError
+from offload.store import TieredStore, Tier
 from tests.store.conftest import store_config, page_tensor
 
 s = TieredStore(store_config(sys.argv[1], device_pages=1, host_pages=1, wait_timeout=20.0))
@@ -215,8 +216,8 @@ t0, out = time.monotonic(), {}
 try:
     s.put("x", page_tensor(2), tier="HOST")
     out["error"] = None
-except BudgetExceededError as e:
-    out["error"] = str(e)
+except IoError as e:  # the write's error (a budget's sent the user to raise one)
+    out["error"] = f"{type(e).__name__}: {e}"
 out["seconds"] = time.monotonic() - t0
 resource.setrlimit(resource.RLIMIT_FSIZE, (hard, hard))
 out["a_ok"] = bool((s.get("a", Tier.HOST) == page_tensor(1)).all())
@@ -234,6 +235,7 @@ def test_a_victim_whose_write_fails_fails_the_reservation_at_once(tmp_path):
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["error"] and "evicting partition 'a' failed" in out["error"], out
+    assert out["error"].startswith("IoError: cannot make room") and "ulimit -f" in out["error"]
     assert out["seconds"] < 10 and out["a_ok"], out
 
 
