@@ -216,9 +216,12 @@ class GradScaling:
 def grad_sq_sum(grads: Iterable[torch.Tensor]) -> float:
     """Sum of squares of all gradient elements, as given (still loss-scaled).
 
-    Each tensor's 2-norm is taken in fp32 as torch.nn.utils.clip_grad_norm_
-    does; the squares are summed in float64. inf/nan propagate. Across ranks,
-    all-reduce this sum and pass sqrt(sum) / loss_scale as `grad_norm`.
+    Each given tensor's 2-norm is taken in fp32, as torch.nn.utils.clip_grad_norm_
+    takes each parameter's; the squares are summed in float64. The engine gives a
+    group's whole flat partition as one tensor, so the norm may differ from torch's
+    in its last fp32 bits (torch: one norm per parameter, then the norm of those).
+    inf/nan propagate. Across ranks, all-reduce this sum and pass sqrt(sum) /
+    loss_scale as `grad_norm`.
     """
     total = 0.0
     for g in grads:
