@@ -528,7 +528,7 @@ class _ModelBefore:
 
     [Note: a failed initialize leaves the model as it was]
     `initialize` hands the model's parameters over group by group (a meta group's at
-    once, a real one's at the end: `_drop_params`), moves its buffers, and marks and
+    once, a real one's at the end: `drop_params`), moves its buffers, and marks and
     guards its modules. Where it fails, or a Ctrl-C noted in its last lines is raised
     at their end (after every group was handed over), the model is put back as it
     was: its parameters (the user's tensors, which the engine only read), buffers
@@ -536,27 +536,21 @@ class _ModelBefore:
     meta parameters were put back: a Ctrl-C in those last lines left a model on the
     CPU with a closed engine's stand-ins, its weights gone with the engine."""
 
-    _MARKS = (WRAPPED, "_apply", "resize_token_embeddings", "tie_weights", "generate",
-              "save_pretrained", "_is_fsdp_managed_module", "generation_config")
-
     def __init__(self, model: nn.Module) -> None:
-        self._modules = [(m, dict(m._parameters), dict(m._buffers),
-                          {k: m.__dict__[k] for k in self._MARKS if k in m.__dict__})
+        # each module's attributes (the engine's marks and guards are added there, and
+        # views of gathered weights while a group is bound), parameters and buffers
+        self._modules = [(m, dict(m.__dict__), dict(m._parameters), dict(m._buffers))
                          for m in model.modules()]
 
     def restore(self) -> None:
-        for m, params, buffers, marks in self._modules:
-            for name in set(m._parameters) | set(params):
-                m.__dict__.pop(name, None)
+        for m, attrs, params, buffers in self._modules:
+            for k in [k for k in m.__dict__ if k not in attrs]:
+                del m.__dict__[k]
+            m.__dict__.update(attrs)
             m._parameters.clear()
             m._parameters.update(params)
             m._buffers.clear()
             m._buffers.update(buffers)
-            for k in self._MARKS:
-                if k in marks:
-                    m.__dict__[k] = marks[k]
-                else:
-                    m.__dict__.pop(k, None)
             for name in params:
                 point_weight_list(m, name)
 
