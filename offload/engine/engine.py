@@ -45,6 +45,7 @@ import os
 import threading
 import time
 import uuid
+import weakref
 from concurrent.futures import BrokenExecutor, Future, ThreadPoolExecutor
 from typing import Any, Callable
 
@@ -68,7 +69,7 @@ from .gathering import GatheredWeights, GroupState, in_backward
 from .grad_slots import GradSlots
 from .grads import _DTYPES, GradPartitions, refuse_backward_args
 from .hyper_watch import HyperWatch
-from .hooks import IN_BACKWARD, ModuleHooks
+from .hooks import IN_BACKWARD, ForwardPass, ModuleHooks
 from .saved_weights import FUNCTORCH_REFUSED, close_all, refused_by_functorch
 from .weight_writes import WeightWrites
 from .in_place import pin_in_place, unpin_all, update_in_place
@@ -178,6 +179,10 @@ class OffloadEngine(ModelWeights, ModuleHooks, GradPartitions, GroupUpdates, Gat
         self._reductions: list[Pending] = []
         self._has_grad: set[int] = set()
         self._nested = NestedGrads()  # [Note: reentrant checkpoints inside a unit]
+        # [Note: a forward awaiting its backward] in hooks.py: this pass's mark, and the
+        # marks of training passes whose graph is alive and no backward has ended since
+        self._pass: ForwardPass | None = None
+        self._awaiting: weakref.WeakSet = weakref.WeakSet()
         self._gradless_gathered: set[int] = set()  # [Note: weights without a gradient in
         # backward] in gathering.py
         self._one_thread = OneThread()  # [Note: one thread at a time] in one_thread.py
@@ -460,6 +465,7 @@ class OffloadEngine(ModelWeights, ModuleHooks, GradPartitions, GroupUpdates, Gat
                 finally:
                     self._in_backward = False
                     IN_BACKWARD.discard(self)
+                    self._awaiting.clear()  # [Note: a forward awaiting its backward]
                 self._spans.backward_end()
             for p in self._reductions:
                 p.wait()

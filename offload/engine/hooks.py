@@ -24,10 +24,26 @@ from .saved_weights import (calls_functorch, close_all, close_scope, open_scope,
 from .tensor_parallel import refuse_layer_outputs
 from .units import Unit, copy_weight_views, hooks_last, output_tensors
 
-__all__ = ["ModuleHooks", "IN_BACKWARD"]
+__all__ = ["ForwardPass", "ModuleHooks", "IN_BACKWARD"]
 
 # the engines whose backward() runs now, in any thread: [Note: backward runs here]
 IN_BACKWARD: weakref.WeakSet = weakref.WeakSet()
+
+
+class ForwardPass:
+    """[Note: a forward awaiting its backward]
+    A save between a training forward and its backward was taken: the RNG states it
+    holds are those after the forward's dropout, and the BatchNorm statistics those
+    the forward updated, while the activations are lost, so the resumed run, doing
+    that micro-batch again, drew other dropout masks and counted the batch in the
+    statistics twice. Each forward of the model in training mode with autograd on
+    makes a mark, held by the backward hooks it registers on its units' outputs (so
+    it lives as long as its graph) and kept weakly in `engine._awaiting` until a
+    backward ends; a save refuses while one is there (`check_between_steps`). A
+    forward whose graph was dropped, or that raised, or ran in evaluation mode or
+    under no_grad, holds nothing back."""
+
+    __slots__ = ("__weakref__",)
 
 
 class ModuleHooks:
@@ -43,6 +59,9 @@ class ModuleHooks:
             # [Note: a TP group reads the same rows] in rank_order.py
             self._rank_order.forward_called(args, kwargs)
             self._nested.autograd_forward = torch.is_grad_enabled()
+            if torch.is_grad_enabled() and module.training:  # [Note: a forward awaiting
+                self._pass = ForwardPass()  # its backward]
+                self._awaiting.add(self._pass)
             if self.tp is not None:  # [Note: per-layer outputs under tensor parallelism]
                 refuse_layer_outputs(module, kwargs)
 
@@ -55,6 +74,9 @@ class ModuleHooks:
         autograd, self._nested.autograd_forward = self._nested.autograd_forward, False
         self._rank_order.forward_ended()
         e = sys.exc_info()[1] if out is None else None
+        if e is not None and self._pass is not None:  # [Note: a forward awaiting its
+            self._awaiting.discard(self._pass)  # backward]: no backward of it comes
+        self._pass = None
         direct = self._one_thread.direct_only()
         noted = None
         if e is None and direct:  # [Note: a call that a Ctrl-C fails] in interrupts.py
@@ -160,7 +182,7 @@ class ModuleHooks:
             versions = self._versions(unit)
             for t in output_tensors(out):
                 if t.requires_grad:
-                    t.register_hook(self._make_pre_backward(unit, versions))
+                    t.register_hook(self._make_pre_backward(unit, versions, self._pass))
         return out
 
     def _versions(self, unit: Unit) -> tuple[int, ...]:
@@ -233,9 +255,11 @@ class ModuleHooks:
                 "for the gradients' reduction. torch.autograd.grad of the inputs through "
                 "the model works; of the weights, use engine.backward")
 
-    def _make_pre_backward(self, unit: Unit, versions: tuple[int, ...]) -> Callable:
+    def _make_pre_backward(self, unit: Unit, versions: tuple[int, ...],
+                           forward: ForwardPass | None = None) -> Callable:
         def hook(grad: torch.Tensor) -> None:
-            self._pre_backward(unit, versions)
+            forward  # noqa: B018 - held as long as the graph: [Note: a forward awaiting
+            self._pre_backward(unit, versions)  # its backward]
         return hook
 
     def _pre_backward(self, unit: Unit, versions: tuple[int, ...]) -> None:

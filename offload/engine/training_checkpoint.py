@@ -129,6 +129,14 @@ def check_between_steps(engine: Any) -> None:
     if why:
         raise CheckpointError("save_checkpoint: a step is open (" + "; ".join(why) + "); save "
                               "between steps: after engine.step() (or engine.zero_grad())")
+    if len(engine._awaiting):  # [Note: a forward awaiting its backward] in hooks.py
+        raise CheckpointError(
+            "save_checkpoint: a forward in training mode awaits its backward (its outputs "
+            "are still held): the checkpoint would hold the RNG states and BatchNorm "
+            "statistics after that forward but not its activations, so a resumed run would "
+            "not redo that micro-batch as this one goes on. Save after its engine.backward() "
+            "and engine.step(), or drop its outputs (del loss, out) first; evaluate under "
+            "torch.no_grad() or in model.eval()")
 
 
 def _tensor_table(engine: Any) -> dict[str, dict[str, Any]]:

@@ -194,6 +194,68 @@ def test_save_refused_while_a_step_is_open(tmp_path, engine_cfg):
             e.save_checkpoint(tmp_path / "ck")
 
 
+class _Dropped(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.drop, self.head = nn.Embedding(64, 32), nn.Dropout(0.3), nn.Linear(32, 64)
+
+    def forward(self, x):
+        return self.head(self.drop(self.emb(x)))
+
+
+def test_save_refused_while_a_training_forward_awaits_its_backward(tmp_path, engine_cfg):
+    """[Note: a forward awaiting its backward] in hooks.py: a save between a training
+    forward and its backward held the RNG states after the forward's dropout and lost
+    its activations; resumed, the same micro-batch drew other masks (l1.weight 0.035 off
+    the uninterrupted run after three steps). It is refused; a forward whose outputs
+    were dropped, that raised, or ran in evaluation or under no_grad holds nothing back,
+    and a save after the backward resumes as the run goes on."""
+    batches = lm_batches(4)
+    torch.manual_seed(0)
+    model = _Dropped()
+    ref = copy.deepcopy(model)
+    cfg = _cfg(engine_cfg, tmp_path, "a", "host", "host", "host", "fp32", group_size=300)
+    torch.manual_seed(7)
+    with offload.initialize(ref, cfg) as r:
+        want = lm_train(r, batches)
+    cfg["io"]["paths"] = [str(tmp_path / "b")]
+    torch.manual_seed(7)
+    with offload.initialize(model, cfg) as e:
+        lm_train(e, batches[:2])
+        x, y = batches[2]
+        rng = torch.get_rng_state()
+        out = e(x)
+        with pytest.raises(offload.CheckpointError, match="a forward in training mode awaits "
+                                                          "its backward"):
+            e.save_checkpoint(tmp_path / "ck")
+        assert not (tmp_path / "ck").exists()
+        del out
+        e(x)  # a graph dropped at once
+        with torch.no_grad():
+            e(x)
+        e.eval()
+        kept = e(x)
+        e.train()
+        with pytest.raises(RuntimeError, match="raised by the model") as failed:
+            e.head.register_forward_pre_hook(_raise)
+            e(x)  # its traceback (kept, as a notebook keeps the last) holds the graph
+        e.head._forward_pre_hooks.clear()
+        torch.set_rng_state(rng)  # the draws of the forwards above undone
+        e.save_checkpoint(tmp_path / "ck")
+        assert kept.requires_grad and failed.tb is not None
+    cfg["io"]["paths"] = [str(tmp_path / "c")]
+    with offload.initialize(_Dropped(), cfg, resume=tmp_path / "ck") as e:
+        got = lm_train(e, batches[2:])
+        loss = lm_loss(e(x), y)
+        e.backward(loss)  # its graph still held after the backward: the forward's done
+        e.step()
+        e.save_checkpoint(tmp_path / "ck2")
+    assert got == want[2:]
+
+
+def _raise(*_):
+    raise RuntimeError("raised by the model")
+
 @pytest.mark.parametrize("params,grads,optimizer,dtype", [
     ("host", "host", "host", "fp32"), ("nvme", "nvme", "nvme", "bf16")])
 def test_background_save_holds_the_state_of_the_call(tmp_path, engine_cfg, params, grads,
