@@ -420,6 +420,7 @@ def _restore_counters(engine: OffloadEngine, job: _Job,
     if resumed is not None:
         resumed.restore(engine)
         engine.resumed_extra = dict(resumed.extra)
+        engine._resumed_step = engine.global_step
         warn_schedule_dropped(resumed.record, engine.optimizer, lr_scheduler is not None,
                               job.resume)
         resumed.warn_other_optimizer(engine.cfg.optim.name)

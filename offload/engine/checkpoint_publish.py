@@ -188,17 +188,29 @@ def remove_partials(parent: Path) -> None:
             lock.release()
 
 
-def prune(parent: Path, keep: int, newest: Path, fmt: str, run: str) -> None:
+def prune(parent: Path, keep: int, newest: Path, fmt: str, run: str,
+          resumed_step: int | None = None, saved_here: frozenset[str] = frozenset()
+          ) -> list[Path]:
     """Keeps the `keep` committed checkpoints of `parent` (format `fmt`) of training `run`
     with the highest steps; each other one is renamed to a `.partial` name, then removed.
+    Returns those of a rolled-back part of the training, neither counted nor removed.
 
     [Note: a training's checkpoints]
     Each engine names its training (`run_id`, a random hex string); a save records it
     and a resume takes it back, so the checkpoints of one training, over any number of
     resumes, carry one name. Pruning counts only those: two trainings that save into
     one parent (a second run started from scratch, a sweep's configurations) never
-    remove each other's checkpoints, nor those of a save that named no training."""
-    found = []
+    remove each other's checkpoints, nor those of a save that named no training.
+
+    [Note: checkpoints of a rolled-back training]
+    A training resumed from an older checkpoint than its last (a rollback past a
+    loss spike) has checkpoints of the same training with higher steps, from the
+    part it abandoned: they outranked the new ones, so the rollback's own point was
+    removed first, and for a while two checkpoints held one step. Those of the
+    training with a step above the one this engine resumed at (`resumed_step`),
+    which this engine did not save (`saved_here`, real paths), are that part: left
+    alone and not counted, as another training's."""
+    found, ahead = [], []
     for d in parent.iterdir():
         try:  # another process may prune the same parent: an entry can vanish
             if d.is_symlink() or not (d.is_dir() and is_committed(d)):
@@ -207,6 +219,10 @@ def prune(parent: Path, keep: int, newest: Path, fmt: str, run: str) -> None:
             step = rec.get("global_step", 0) if isinstance(rec, dict) else None
             if (rec.get("format") == fmt and isinstance(step, int)  # not another program's
                     and rec.get("run") == run):  # nor another training's
+                if (resumed_step is not None and step > resumed_step
+                        and os.path.realpath(d) not in saved_here):
+                    ahead.append(d)  # [Note: checkpoints of a rolled-back training]
+                    continue
                 found.append((step, d.stat().st_mtime, d))
         except (OSError, ValueError, AttributeError):
             continue
@@ -228,3 +244,4 @@ def prune(parent: Path, keep: int, newest: Path, fmt: str, run: str) -> None:
             log.warning("cannot remove checkpoint %s: %s", d, e)
         finally:
             lock.release()
+    return sorted(ahead)

@@ -204,6 +204,10 @@ class OffloadEngine(ModelWeights, ModuleHooks, GradPartitions, GroupUpdates, Gat
         self._hyper_watch = HyperWatch(self._whole)
         self.lr_scheduler: Any = None  # [Note: the engine's scheduler] in lr_scheduler.py
         self.resumed_extra: dict[str, Any] = {}  # the `extra` of the checkpoint resumed from
+        # [Note: checkpoints of a rolled-back training] in checkpoint_publish.py
+        self._resumed_step: int | None = None  # the global step a resume started at
+        self._saved_here: set[str] = set()  # real paths of the checkpoints this engine saved
+        self._said_ahead = False
         self.pending_updates = PendingUpdates()  # [Note: the updates' order] in eviction.py
         # the open step's new partitions ([Note: all or nothing] in step.py)
         self.staged = StagedParams(store, self._param_tier)

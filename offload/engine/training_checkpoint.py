@@ -476,10 +476,19 @@ class _SaveJob:
                 f"save_checkpoint: {path} is published, complete and readable, but making "
                 f"its name durable failed ({e}): it may be lost if the machine loses power "
                 "before the file system writes it back") from e
-        keep = self.engine.cfg.engine.keep_checkpoints
+        engine = self.engine
+        engine._saved_here.add(os.path.realpath(path))
+        keep = engine.cfg.engine.keep_checkpoints
         if keep:
             try:
-                prune(parent, keep, path, FORMAT, self.record["run"])
+                ahead = prune(parent, keep, path, FORMAT, self.record["run"],
+                              engine._resumed_step, frozenset(engine._saved_here))
+                if ahead and not engine._said_ahead:  # [Note: checkpoints of a rolled-back
+                    engine._said_ahead = True  # training] in checkpoint_publish.py
+                    log.info("keep_checkpoints: %d checkpoint(s) of this training from after "
+                             "step %d, which it resumed at, are kept and not counted (e.g. "
+                             "%s); remove them when they are not wanted", len(ahead),
+                             engine._resumed_step, ahead[0])
             except OSError as e:  # the save stands: only the clean-up of older ones failed
                 log.warning("checkpoint %s was saved, but removing older checkpoints of %s "
                             "(engine.keep_checkpoints=%d) failed: %s", path, parent, keep, e)

@@ -116,6 +116,32 @@ def test_keep_counts_one_trainings_checkpoints_over_its_resumes(tmp_path, engine
     assert sorted(p.name for p in root.iterdir()) == ["a-3b", "a-4", "other-1"]
 
 
+def test_keep_after_a_rollback_keeps_the_point_it_rolled_back_to(tmp_path, engine_cfg, caplog):
+    """[Note: checkpoints of a rolled-back training] in checkpoint_publish.py: resumed
+    from step 4 of a training that had saved step 6 (a rollback past a loss spike),
+    keep_checkpoints=2 removed step 4 at the first new save, kept the abandoned step 6
+    (two checkpoints of step 6 for a while). The abandoned part is neither counted nor
+    removed now, and said once."""
+    cfg = engine_cfg("host", "host", "host", keep_checkpoints=2)
+    root = tmp_path / "ckpt"
+    batches = lm_batches(8)
+    with offload.initialize(TiedTwice(), cfg) as engine:
+        for i in range(6):
+            _step(engine, batches[i])
+            if engine.global_step % 2 == 0:
+                engine.save_checkpoint(root / f"step-{engine.global_step}")
+    assert sorted(p.name for p in root.iterdir()) == ["step-4", "step-6"]
+    names = []
+    with caplog.at_level("INFO", logger="offload"), \
+            offload.initialize(TiedTwice(), cfg, resume=root / "step-4") as engine:
+        for i in range(4, 7):
+            _step(engine, batches[i])
+            engine.save_checkpoint(root / f"new-{engine.global_step}")
+            names.append(sorted(p.name for p in root.iterdir()))
+    assert names == [["new-5", "step-4", "step-6"], ["new-5", "new-6", "step-6"],
+                     ["new-6", "new-7", "step-6"]]
+    assert caplog.text.count("from after step 4, which it resumed at, are kept") == 1
+
 def test_a_save_in_progress_in_another_process_is_left_alone(tmp_path, engine_cfg):
     """[Note: partial directories]: two trainings save into one parent; one's save in
     progress (its `.partial` directory) is not removed by the other's save, which
