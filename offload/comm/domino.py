@@ -290,7 +290,7 @@ def _users_hooks(m: nn.Module) -> list[str]:
 
 def _weights_from_first_rank(model: nn.Module, tp: Collectives,
                              undo: list[Callable[[], None]] | None) -> None:
-    """[Note: rank 0's weights] in offload/engine/__init__.py, over the TP group, before
+    """[Note: rank 0's weights] in offload/engine/placing.py, over the TP group, before
     the cut: each rank cuts its slices from its own full weights and keeps its own
     copy of the replicated ones, so ranks that built the model seeded each their own
     way (`manual_seed(seed + rank)`) would train a model no rank built, with

@@ -60,7 +60,8 @@ class ParallelMesh:
         from torch.distributed.device_mesh import init_device_mesh
         device = "cuda" if device_backend(cuda=cuda) == "nccl" else "cpu"
         mesh = init_device_mesh(device, (world // tp_size, tp_size), mesh_dim_names=("dp", "tp"),
-                                backend_override=_with_user_timeout(device))
+                                backend_override=_with_user_timeout(
+                                    device, {"dp": world // tp_size, "tp": tp_size}, world))
         def group(name: str) -> Collectives:
             return Collectives(mesh.get_group(name), recorder=recorder, name=name, cuda=cuda)
         dp, tp = group("dp"), group("tp")
@@ -106,24 +107,22 @@ class ParallelMesh:
         return [[d * tp + t for d in range(dp)] for t in range(tp)]
 
 
-def _with_user_timeout(device: str) -> dict[str, tuple[str, Any]] | None:
-    """The mesh's DP and TP groups with the timeout the user gave `init_process_group`
-    (`user_timeout`): torch gives each new group its own 30-minute default, so a rank
-    waited that long in a TP or DP collective for a hung one. None where the default
-    group says none."""
+def _with_user_timeout(device: str, sizes: dict[str, int], world: int
+                       ) -> dict[str, tuple[str, Any]] | None:
+    """The mesh's groups that are not the whole job with the timeout the user gave
+    `init_process_group` (`user_timeout`): torch gives each new group its own 30-minute
+    default, so a rank waited that long in a DP collective for a hung one. A dimension
+    over the whole job takes the default group itself (an override would make another
+    group over every rank). On CUDA the groups keep NCCL's options as torch derives
+    them (a new options object would drop the user's NCCL settings): None there, and
+    where the default group says no timeout."""
     timeout = user_timeout()
-    if timeout is None:
+    if timeout is None or device == "cuda":
         return None
-    if device == "cuda":
-        options = dist.ProcessGroupNCCL.Options()
-        options._timeout = timeout
-        backend = "nccl"
-    else:
-        from torch._C._distributed_c10d import Backend
+    from torch._C._distributed_c10d import Backend
 
-        backend = "gloo"
-        options = Backend.Options(backend, timeout)
-    return {dim: (backend, options) for dim in ("dp", "tp")}
+    return {dim: ("gloo", Backend.Options("gloo", timeout))
+            for dim, size in sizes.items() if size < world} or None
 
 
 def _destroy_each(*groups: Collectives) -> None:

@@ -168,9 +168,13 @@ class WeightHome:
         return True
 
 
+@torch.compiler.disable  # a frame torch.compile would trace after a graph break
 def _gathered_instead(tree: Any) -> Any:
     """`tree` with each stand-in replaced by its gathered weights, or None where one
-    has none now ([Note: weights read through the registered parameters])."""
+    has none now, or is an input of the custom autograd Function that runs
+    ([Note: weights read through the registered parameters])."""
+    if _function_input(tree):
+        return None
     missing = []
 
     def weights(a: Any) -> Any:
@@ -184,9 +188,45 @@ def _gathered_instead(tree: Any) -> Any:
     return None if missing else out
 
 
+def _function_input(tree: Any) -> bool:
+    """Whether a stand-in of `tree` is an input of a custom autograd Function's `apply`
+    that runs now: its forward computing with the gathered weights would give autograd
+    the stand-in as the input, and the weight's gradient would go to the stand-in and
+    be lost (torch.autograd.Function.apply does not ask `__torch_function__`). Walked
+    on the error path only."""
+    mine = {id(a) for a in tree_leaves(tree) if isinstance(a, AbsentWeight)}
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code is _APPLY:
+            given = frame.f_locals.get("args", ())
+            return any(id(a) in mine for a in (*given, *frame.f_locals.get("kwargs", {})
+                                                .values()))
+        frame = frame.f_back
+    return False
+
+
+_APPLY = torch.autograd.Function.apply.__func__.__code__
+
+FUNCTION_INPUT = (
+    "a custom autograd Function was given a registered parameter (from parameters() or "
+    "_parameters): its gradient would go to that stand-in, not to the engine, so its "
+    "forward does not compute with the gathered weights; give the Function the module's "
+    "attribute (self.weight), which holds them while the unit runs. ")
+
+# where torch moves a parameter out of its module before computing on it
+_REPARAMETRIZING = ("torch.nn.utils.prune", "torch.nn.utils.weight_norm")
+
+
+@torch.compiler.disable
 def _put_back(tree: Any, error: AbsentRead) -> None:
     """[Note: a parameter removed before a computation that fails]: each stand-in of
-    `tree` its module lost is put back, and `error` says so."""
+    `tree` its module lost is put back, and `error` says so; only under torch's prune
+    or weight_norm (a parameter the program deleted itself stays deleted)."""
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_globals.get("__name__") not in _REPARAMETRIZING:
+        frame = frame.f_back
+    if frame is None:
+        return
     back = [a.param_name for a in tree_leaves(tree)
             if isinstance(a, AbsentWeight) and a.home is not None and a.home.put_back(a)]
     if back:
@@ -233,9 +273,12 @@ class AbsentWeight(torch.Tensor):
             return (torch._C._disabled_torch_function_impl(func, types, args) if not kwargs
                     else torch._C._disabled_torch_function_impl(func, types, args, kwargs))
         except AbsentRead as e:
-            weights = _gathered_instead((args, kwargs or {}))
+            tree = (args, kwargs or {})
+            weights = None if torch.compiler.is_compiling() else _gathered_instead(tree)
             if weights is None:
-                _put_back((args, kwargs or {}), e)
+                _put_back(tree, e)
+                if _function_input(tree):
+                    e.args = (FUNCTION_INPUT + e.args[0],) + e.args[1:]
                 raise
         return func(*weights[0], **weights[1])
 

@@ -1,6 +1,7 @@
 """The groups the engine makes beside the user's (a background save's, the gather
-thread's, the tensor-parallel mesh's) keep the timeout the user gave `init_process_group`: torch gives a new group
-its own 30-minute default, and a background save waited that long for a hung rank."""
+thread's, the tensor-parallel mesh's) keep the timeout the user gave
+`init_process_group`: torch gives a new group its own 30-minute default, and a
+background save waited that long for a hung rank."""
 
 import datetime
 import time
