@@ -436,7 +436,7 @@ def _finish_model(engine: OffloadEngine, job: _Job, tp: TensorParallel | None) -
     the model and guards the methods that would act on its stand-ins."""
     model, comm = job.model, engine.comm
     buffers_to(model, engine.store.device)
-    # [Note: rank 0's weights]; buffers are never cut: every rank of the job, TP too
+    # [Note: rank 0's weights] in placing.py; buffers are never cut: every rank of the job, TP too
     everyone = tp.mesh.world if tp is not None else comm
     if everyone.world > 1 and not job.restored:
         buffers_from_first_rank(everyone, model)
