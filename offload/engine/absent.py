@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import sys
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch.utils._pytree import tree_leaves, tree_map
@@ -168,7 +168,6 @@ class WeightHome:
         return True
 
 
-@torch.compiler.disable  # a frame torch.compile would trace after a graph break
 def _gathered_instead(tree: Any) -> Any:
     """`tree` with each stand-in replaced by its gathered weights, or None where one
     has none now, or is an input of the custom autograd Function that runs
@@ -186,6 +185,17 @@ def _gathered_instead(tree: Any) -> Any:
         return got
     out = tree_map(weights, tree)
     return None if missing else out
+
+
+def _dynamo_loaded() -> bool:
+    """Whether torch.compile's tracer is loaded (offload never loads it itself)."""
+    return "torch._dynamo" in sys.modules
+
+
+def _eagerly(fn: Callable) -> Callable:
+    """`fn`, run eagerly where torch.compile is loaded: it traced the fall-back's frames
+    after a graph break and met an internal error in them."""
+    return torch.compiler.disable(fn) if _dynamo_loaded() else fn
 
 
 def _function_input(tree: Any) -> bool:
@@ -217,7 +227,6 @@ FUNCTION_INPUT = (
 _REPARAMETRIZING = ("torch.nn.utils.prune", "torch.nn.utils.weight_norm")
 
 
-@torch.compiler.disable
 def _put_back(tree: Any, error: AbsentRead) -> None:
     """[Note: a parameter removed before a computation that fails]: each stand-in of
     `tree` its module lost is put back, and `error` says so; only under torch's prune
@@ -274,9 +283,10 @@ class AbsentWeight(torch.Tensor):
                     else torch._C._disabled_torch_function_impl(func, types, args, kwargs))
         except AbsentRead as e:
             tree = (args, kwargs or {})
-            weights = None if torch.compiler.is_compiling() else _gathered_instead(tree)
+            compiling = _dynamo_loaded() and torch.compiler.is_compiling()
+            weights = None if compiling else _eagerly(_gathered_instead)(tree)
             if weights is None:
-                _put_back(tree, e)
+                _eagerly(_put_back)(tree, e)
                 if _function_input(tree):
                     e.args = (FUNCTION_INPUT + e.args[0],) + e.args[1:]
                 raise
