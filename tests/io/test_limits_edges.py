@@ -130,10 +130,18 @@ def test_aio_contexts_used_up_name_the_limit_and_auto_falls_back(tmp_path, aio_m
         e.close()
         return name
 
+    def tried(want, *args, **kw):  # the slots are the machine's: another process (a
+        for _ in range(5):  # test beside this one) may free some meanwhile; a broken
+            got = with_aio_room(*args, **kw)  # engine gives the same answer every time
+            if want(got):
+                break
+        return got
+
     res = {{}}
-    res["aio"] = with_aio_room(0, failure, make, engine="aio")
-    res["deep"] = with_aio_room(256, failure, make, engine="aio", queue_depth=1024)
-    res["auto"] = with_aio_room(0, make, engine="auto")
+    res["aio"] = tried(lambda r: r is not None, 0, failure, make, engine="aio")
+    res["deep"] = tried(lambda r: r is not None, 256, failure, make, engine="aio",
+                        queue_depth=1024)
+    res["auto"] = tried(lambda r: r == "threads", 0, make, engine="auto")
     report(**res)
     """, timeout=60)
     for case in ("aio", "deep"):
