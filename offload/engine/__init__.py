@@ -10,7 +10,7 @@ import importlib
 import logging
 import os
 import re
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
@@ -56,6 +56,7 @@ log = logging.getLogger(__name__)
 __all__ = ["CheckpointCorruptError", "CheckpointError", "CheckpointReader", "EngineBusyError",
            "OffloadEngine", "RankOrderError", "StepFailedError", "full_state_dict",
            "initialize"]
+
 
 def _refuse_wrapped(model: nn.Module) -> None:
     """Raises `ConfigError` if `model` is an engine or was wrapped by one before."""
@@ -313,13 +314,18 @@ def _read_job(model: nn.Module | Callable[[], nn.Module], config: OffloadConfig 
     return job
 
 
+class _Layout(NamedTuple):
+    units: list[Unit]
+    groups: list[Group]
+    hyper: list[dict[str, Any]]  # the optimizer's param_groups overrides
+    slot_groups: dict[tuple[int, int], int]  # (gid, slot) -> its optimizer group
+
+
 def _layout(job: _Job, tp: TensorParallel | None, comm: Collectives,
             param_groups: Sequence[Mapping[str, Any]] | None, agreement: RankAgreement
-            ) -> tuple[list[Unit], list[Group], list[dict[str, Any]],
-                       dict[tuple[int, int], int]]:
-    """(units, groups, the optimizer's param_groups overrides, each slot's optimizer
-    group), once every rank checked the budgets, the memory and the disk for them and
-    agreed on the layout."""
+            ) -> _Layout:
+    """The model's units, groups and optimizer groups, once every rank checked the
+    budgets, the memory and the disk for them and agreed on the layout."""
     cfg, model, dtype, share = job.cfg, job.model, _DTYPES[job.cfg.engine.dtype], None
     with agreement.refusals():
         units, groups = build_units(model, cfg.engine.group_size, comm.world,
@@ -340,11 +346,11 @@ def _layout(job: _Job, tp: TensorParallel | None, comm: Collectives,
     with agreement.refusals():
         check_disk(cfg, groups, dtype, shares if agreement.world > 1 else None)
     agreement.settle()
-    return units, groups, hyper, slot_groups
+    return _Layout(units, groups, hyper, slot_groups)
 
 
 def _build(job: _Job, tp: TensorParallel | None, comm: Collectives,
-           gathers: GatherIssuer | None, layout: tuple, agreement: RankAgreement, *,
+           gathers: GatherIssuer | None, layout: _Layout, agreement: RankAgreement, *,
            lr_lambda: Callable[[int], float] | None, lr_scheduler: Callable[..., Any] | None,
            recorder: TraceRecorder, progress: Callable[[int, int], None] | None
            ) -> OffloadEngine:

@@ -170,10 +170,7 @@ class WeightHome:
 
 def _gathered_instead(tree: Any) -> Any:
     """`tree` with each stand-in replaced by its gathered weights, or None where one
-    has none now, or is an input of the custom autograd Function that runs
-    ([Note: weights read through the registered parameters])."""
-    if _function_input(tree):
-        return None
+    has none now ([Note: weights read through the registered parameters])."""
     missing = []
 
     def weights(a: Any) -> Any:
@@ -283,11 +280,13 @@ class AbsentWeight(torch.Tensor):
                     else torch._C._disabled_torch_function_impl(func, types, args, kwargs))
         except AbsentRead as e:
             tree = (args, kwargs or {})
+            to_function = _eagerly(_function_input)(tree)
             compiling = _dynamo_loaded() and torch.compiler.is_compiling()
-            weights = None if compiling else _eagerly(_gathered_instead)(tree)
+            weights = (None if compiling or to_function
+                       else _eagerly(_gathered_instead)(tree))
             if weights is None:
                 _eagerly(_put_back)(tree, e)
-                if _function_input(tree):
+                if to_function:
                     e.args = (FUNCTION_INPUT + e.args[0],) + e.args[1:]
                 raise
         return func(*weights[0], **weights[1])

@@ -257,9 +257,9 @@ class ModuleHooks:
 
     def _make_pre_backward(self, unit: Unit, versions: tuple[int, ...],
                            forward: ForwardPass | None = None) -> Callable:
-        def hook(grad: torch.Tensor) -> None:
-            forward  # noqa: B018 - held as long as the graph: [Note: a forward awaiting
-            self._pre_backward(unit, versions)  # its backward]
+        # `forward` is held as long as the graph: [Note: a forward awaiting its backward]
+        def hook(grad: torch.Tensor, forward: ForwardPass | None = forward) -> None:
+            self._pre_backward(unit, versions)
         return hook
 
     def _pre_backward(self, unit: Unit, versions: tuple[int, ...]) -> None:

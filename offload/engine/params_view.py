@@ -143,7 +143,6 @@ def all_dropped(dropping: int, world: int, after: str = "") -> bool:
     return dropping == world
 
 
-
 def _plain() -> torch._C.DisableTorchFunctionSubclass:
     """Reads of the stand-ins' `requires_grad`, `.grad` and hooks past their
     `__torch_function__` ([Note: weights read through the registered parameters] in
@@ -269,7 +268,6 @@ class RegisteredParams:
             for p, _ in self._grads:
                 p.grad = None
         self._shown = []
-
 
     def close(self) -> None:
         """At the engine's close: the stand-ins (and the gradients' shown since the last
